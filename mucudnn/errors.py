@@ -1,0 +1,90 @@
+"""Exceptions. Everything mucudnn raises on purpose derives from :class:`MucudnnError`."""
+
+from __future__ import annotations
+
+
+class MucudnnError(Exception):
+    """Root of every error mucudnn raises on purpose."""
+
+
+class ConfigError(MucudnnError):
+    """A network config (YAML) is malformed; the message names the file, the layer and the field."""
+
+
+class PlanError(MucudnnError):
+    """A plan or record file is malformed; the message names the file and the line."""
+
+
+class StoreError(MucudnnError):
+    """The benchmark store cannot be used (unreadable, wrong schema, ...)."""
+
+
+class SchemaVersionError(StoreError):
+    """The store was written by another schema version of mucudnn."""
+
+
+class InfeasibleError(MucudnnError):
+    """No plan satisfies the workspace limit or budget."""
+
+
+class MissingMeasurementsError(MucudnnError):
+    """The store lacks measurements an optimisation needs (run ``mucudnn bench`` first)."""
+
+
+class SizeError(MucudnnError, ValueError):
+    """A byte size such as ``64MiB`` could not be parsed."""
+
+
+class KeyFormatError(MucudnnError, ValueError):
+    """A kernel key string does not follow docs/kernel-key.md."""
+
+
+class LibraryNotFoundError(MucudnnError):
+    """No usable cuDNN library (or GPU) was found."""
+
+
+class CudnnError(MucudnnError):
+    """A cuDNN call returned a status other than CUDNN_STATUS_SUCCESS.
+
+    One subclass per status family exists (``CudnnNotSupportedError`` ...), so callers can catch
+    exactly the statuses they expect (the benchmarker skips NOT_SUPPORTED algorithms).
+    """
+
+    status: int = -1
+
+    def __init__(self, call: str, status: int, text: str):
+        super().__init__(f"{call} failed: {text} ({status})")
+        self.call = call
+        self.status = status
+        self.text = text
+
+
+class CudnnBadParamError(CudnnError):
+    """CUDNN_STATUS_BAD_PARAM (2000-family)."""
+
+
+class CudnnNotSupportedError(CudnnError):
+    """CUDNN_STATUS_NOT_SUPPORTED (3000-family)."""
+
+
+class CudnnInternalError(CudnnError):
+    """CUDNN_STATUS_INTERNAL_ERROR (4000-family)."""
+
+
+class CudnnExecutionFailedError(CudnnError):
+    """CUDNN_STATUS_EXECUTION_FAILED (5000-family)."""
+
+
+class CudnnNotInitializedError(CudnnError):
+    """CUDNN_STATUS_NOT_INITIALIZED and the rest of the 1000 family (version mismatch, loading...)."""
+
+
+def cudnn_error_class(status: int) -> type[CudnnError]:
+    """The exception class for a cuDNN 9 status code (families are status // 1000)."""
+    return {
+        1: CudnnNotInitializedError,
+        2: CudnnBadParamError,
+        3: CudnnNotSupportedError,
+        4: CudnnInternalError,
+        5: CudnnExecutionFailedError,
+    }.get(status // 1000, CudnnError)

@@ -1,0 +1,235 @@
+"""Convolution problems and their kernel keys (docs/kernel-key.md).
+
+A :class:`ConvProblem` is one convolution kernel: a forward geometry, a direction and a data type. The
+mini-batch size ``n`` travels with it but is not part of :attr:`ConvProblem.key`: the store and the
+plan file keep N beside the key, and micro-batches of one kernel share the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Iterable
+
+from .errors import KeyFormatError
+
+
+class Direction(str, enum.Enum):
+    FORWARD = "fwd"
+    BACKWARD_DATA = "bwd_data"
+    BACKWARD_FILTER = "bwd_filter"
+
+
+class DataType(str, enum.Enum):
+    FLOAT = "f32"
+    DOUBLE = "f64"
+    HALF = "f16"
+    BFLOAT16 = "bf16"
+
+    @property
+    def itemsize(self) -> int:
+        return {"f32": 4, "f64": 8, "f16": 2, "bf16": 2}[self.value]
+
+    @property
+    def cudnn(self) -> int:
+        """The ``cudnnDataType_t`` value."""
+        return {"f32": 0, "f64": 1, "f16": 2, "bf16": 9}[self.value]
+
+
+class MathType(str, enum.Enum):
+    DEFAULT = "default"
+    TENSOR_OP = "tensor_op"
+    TENSOR_OP_ALLOW_CONVERSION = "tensor_op_conv"
+    FMA = "fma"
+
+    @property
+    def cudnn(self) -> int:
+        """The ``cudnnMathType_t`` value."""
+        return {"default": 0, "tensor_op": 1, "tensor_op_conv": 2, "fma": 3}[self.value]
+
+
+class Layout(str, enum.Enum):
+    NCHW = "nchw"  # channels first (NCDHW in 3-D)
+    NHWC = "nhwc"  # channels last (NDHWC in 3-D)
+
+
+class ConvMode(str, enum.Enum):
+    CROSS_CORRELATION = "xcorr"
+    CONVOLUTION = "conv"
+
+
+# Algorithm names per direction, in cudnnConvolution*Algo_t value order (docs/plan-format.md).
+ALGORITHMS: dict[Direction, tuple[str, ...]] = {
+    Direction.FORWARD: (
+        "implicit_gemm", "implicit_precomp_gemm", "gemm", "direct",
+        "fft", "fft_tiling", "winograd", "winograd_nonfused",
+    ),
+    Direction.BACKWARD_DATA: (
+        "algo_0", "algo_1", "fft", "fft_tiling", "winograd", "winograd_nonfused",
+    ),
+    Direction.BACKWARD_FILTER: (
+        "algo_0", "algo_1", "fft", "algo_3", "winograd", "winograd_nonfused", "fft_tiling",
+    ),
+}
+
+
+def algorithm_value(direction: Direction, name: str) -> int:
+    """The cuDNN enum value of an algorithm name; ``KeyError`` names the valid choices."""
+    try:
+        return ALGORITHMS[direction].index(name)
+    except ValueError:
+        raise KeyError(
+            f"unknown {direction.value} algorithm {name!r}; expected one of "
+            + ", ".join(ALGORITHMS[direction])
+        ) from None
+
+
+def _join(values: Iterable[int]) -> str:
+    return "x".join(str(int(v)) for v in values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvProblem:
+    """One convolution kernel. Spatial tuples have 2 (H, W) or 3 (D, H, W) entries."""
+
+    direction: Direction
+    c: int
+    input_size: tuple[int, ...]
+    k: int
+    filter_size: tuple[int, ...]
+    padding: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int = 1
+    dtype: DataType = DataType.FLOAT
+    compute_type: DataType = DataType.FLOAT
+    math: MathType = MathType.FMA
+    layout: Layout = Layout.NCHW
+    mode: ConvMode = ConvMode.CROSS_CORRELATION
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("direction", "dtype", "compute_type", "math", "layout", "mode"):
+            enum_type = {"dtype": DataType, "compute_type": DataType, "direction": Direction,
+                         "math": MathType, "layout": Layout, "mode": ConvMode}[name]
+            value = getattr(self, name)
+            if not isinstance(value, enum_type):
+                try:
+                    object.__setattr__(self, name, enum_type(value))
+                except ValueError:
+                    raise ValueError(
+                        f"{name}: {value!r} is not one of "
+                        + ", ".join(m.value for m in enum_type)
+                    ) from None
+        for name in ("input_size", "filter_size", "padding", "stride", "dilation"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        d = len(self.input_size)
+        if d not in (2, 3):
+            raise ValueError(f"input_size: 2 or 3 spatial dims expected, got {d}")
+        for name in ("filter_size", "padding", "stride", "dilation"):
+            if len(getattr(self, name)) != d:
+                raise ValueError(f"{name}: {d} values expected (one per spatial dim)")
+        for name in ("c", "k", "groups", "n"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if any(v < 1 for v in self.input_size + self.filter_size + self.stride + self.dilation):
+            raise ValueError("input_size, filter_size, stride and dilation must be >= 1")
+        if any(p < 0 for p in self.padding):
+            raise ValueError("padding must be >= 0")
+        if self.c % self.groups or self.k % self.groups:
+            raise ValueError(f"c={self.c} and k={self.k} must be multiples of groups={self.groups}")
+        if any(o < 1 for o in self.output_size):
+            raise ValueError(f"the output would be empty (output size {self.output_size})")
+
+    # -- geometry -------------------------------------------------------------------------------
+    @property
+    def spatial_dims(self) -> int:
+        return len(self.input_size)
+
+    @property
+    def output_size(self) -> tuple[int, ...]:
+        return tuple(
+            (i + 2 * p - d * (f - 1) - 1) // s + 1
+            for i, f, p, s, d in zip(self.input_size, self.filter_size, self.padding,
+                                     self.stride, self.dilation)
+        )
+
+    @property
+    def x_shape(self) -> tuple[int, ...]:
+        """Forward input dims in NC(D)HW order (the logical order cuDNN descriptors take)."""
+        return (self.n, self.c, *self.input_size)
+
+    @property
+    def w_shape(self) -> tuple[int, ...]:
+        return (self.k, self.c // self.groups, *self.filter_size)
+
+    @property
+    def y_shape(self) -> tuple[int, ...]:
+        return (self.n, self.k, *self.output_size)
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds x 2 of the forward convolution (the same count for each direction)."""
+        per_out = 2 * (self.c // self.groups)
+        for f in self.filter_size:
+            per_out *= f
+        out = self.n * self.k
+        for o in self.output_size:
+            out *= o
+        return per_out * out
+
+    def with_n(self, n: int) -> "ConvProblem":
+        return dataclasses.replace(self, n=n)
+
+    def with_direction(self, direction: Direction | str) -> "ConvProblem":
+        return dataclasses.replace(self, direction=Direction(direction))
+
+    # -- key ------------------------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        return (
+            f"dir={self.direction.value},dt={self.dtype.value},ct={self.compute_type.value},"
+            f"math={self.math.value},layout={self.layout.value},c={self.c},"
+            f"in={_join(self.input_size)},k={self.k},f={_join(self.filter_size)},"
+            f"pad={_join(self.padding)},stride={_join(self.stride)},dil={_join(self.dilation)},"
+            f"g={self.groups},mode={self.mode.value}"
+        )
+
+    @classmethod
+    def from_key(cls, key: str, n: int = 1) -> "ConvProblem":
+        """Parse a key built by :attr:`key` or by the shim; :class:`KeyFormatError` says why not."""
+        names = ("dir", "dt", "ct", "math", "layout", "c", "in", "k", "f", "pad", "stride",
+                 "dil", "g", "mode")
+        parts = key.strip().split(",")
+        if len(parts) != len(names):
+            raise KeyFormatError(f"kernel key {key!r}: expected {len(names)} fields "
+                                 f"({','.join(names)}), got {len(parts)}")
+        fields: dict[str, str] = {}
+        for part, want in zip(parts, names):
+            name, sep, value = part.partition("=")
+            if not sep or name != want or not value:
+                raise KeyFormatError(f"kernel key {key!r}: field {want}= expected, got {part!r}")
+            fields[name] = value
+
+        def ints(name: str) -> tuple[int, ...]:
+            try:
+                values = tuple(int(v) for v in fields[name].split("x"))
+            except ValueError:
+                raise KeyFormatError(f"kernel key {key!r}: {name}={fields[name]!r} is not "
+                                     "x-joined integers") from None
+            return values
+
+        try:
+            return cls(
+                direction=Direction(fields["dir"]), dtype=DataType(fields["dt"]),
+                compute_type=DataType(fields["ct"]), math=MathType(fields["math"]),
+                layout=Layout(fields["layout"]), c=ints("c")[0], input_size=ints("in"),
+                k=ints("k")[0], filter_size=ints("f"), padding=ints("pad"),
+                stride=ints("stride"), dilation=ints("dil"), groups=ints("g")[0],
+                mode=ConvMode(fields["mode"]), n=n,
+            )
+        except ValueError as exc:
+            raise KeyFormatError(f"kernel key {key!r}: {exc}") from None
+
+    def __str__(self) -> str:
+        return f"{self.key} n={self.n}"
