@@ -8,3 +8,9 @@ from .measurement import Measurement, Status  # noqa: F401
 from .problem import ConvProblem, DataType, Direction, Layout, MathType  # noqa: F401
 
 __version__ = "0.1.0"
+
+from .config import NetworkConfig, find_config, list_configs, load_config  # noqa: F401,E402
+from .optimizer import KernelPlan, Policy, best_plan, pareto_plans, solve_budget  # noqa: F401,E402
+from .plan import Plan, PlanEntry, read_plan, read_recording, write_plan  # noqa: F401,E402
+from .sizes import format_size, parse_size  # noqa: F401,E402
+from .tuner import benchmark, optimize  # noqa: F401,E402

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything the lent GPU does for this project, in one call: set-up, GPU tests, benchmarks,
+# validations. Stages are named on the command line; each logs to $OUT/<stage>.log and a failing
+# stage does not stop the next. Usage (device tool, repo root, carry .whl and .gpu-state):
+#   bash benchmarks/gpu_run.sh env tests bench-r50 bench-alexnet validate-tuner export
+set -u
+OUT=${OUT:-/tmp/mucudnn-out}
+STATE=${STATE:-.gpu-state}           # carried between calls: the store measured so far
+mkdir -p "$OUT" "$STATE"
+export PYTHONUNBUFFERED=1 MUCUDNN_STORE="$STATE/store.sqlite"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1
+fi
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+MU="python3 -m mucudnn"
+
+stage() {  # stage NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "    rc=$rc in $((SECONDS - t0)) s; tail:"; tail -n 6 "$OUT/$name.log" | sed 's/^/    /'
+}
+
+for s in "$@"; do case $s in
+  env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+        python3 -c "import torch, cupy, sys; from mucudnn.cudnn import get; c = get();
+print(\"python\", sys.version.split()[0]); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda,
+\"torch cudnn\", torch.backends.cudnn.version()); print(\"cupy\", cupy.__version__);
+print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"pulp\", pulp.__version__, pulp.PULP_CBC_CMD().available())"' ;;
+  tests) stage tests 300 python3 -m pytest -q -m gpu tests/ ;;
+  bench-r50)  # tuning wall time: a fresh store, ResNet-50, powerOfTwo, 3 directions, then tune
+    rm -f "$OUT/r50-fresh.sqlite"*
+    stage bench-r50 420 bash -c "/usr/bin/time -f 'bench wall %e s' $MU bench resnet50 --no-progress --store $OUT/r50-fresh.sqlite &&
+      /usr/bin/time -f 'tune wall %e s' $MU tune resnet50 --workspace-limit 64MiB --store $OUT/r50-fresh.sqlite -o $OUT/r50-64MiB.plan &&
+      python3 -c 'from mucudnn.store import open_store; import sys; print(\"merged\", open_store().put_rows(open_store(sys.argv[1]).rows()), \"rows\")' $OUT/r50-fresh.sqlite"
+    rm -f "$OUT/r50-fresh.sqlite"* ;;
+  bench-*) net=${s#bench-}; stage "bench-$net" ${BENCH_TIMEOUT:-240} $MU bench "$net" --no-progress ;;
+  validate-tuner) stage validate-tuner 400 python3 benchmarks/validate_tuner.py --store "$MUCUDNN_STORE" \
+      --networks alexnet resnet50 --limits 8MiB 64MiB 512MiB --out "$OUT/validate-tuner.json" ;;
+  export) stage export 120 python3 -c "
+import gzip, sys
+from mucudnn.store import open_store
+with open_store() as s, gzip.open('$OUT/measurements.csv.gz', 'wt', newline='') as f:
+    s.export_csv(f)
+print(open_store().environments())" ;;
+  *) echo "unknown stage $s" ;;
+esac; done
+cp "$MUCUDNN_STORE" "$OUT/store.sqlite" 2>/dev/null
+ls -la "$OUT"

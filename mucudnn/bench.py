@@ -1,0 +1,249 @@
+"""The benchmarker: every cuDNN algorithm of a kernel at every candidate micro-batch size.
+
+For each kernel the buffers are allocated once at the largest size and filled with random normal
+data; a micro-batch of b samples is a pointer offset into them, and successive repetitions rotate
+over the N // b disjoint slices, exactly as a plan's pieces run (so small micro-batches are not timed
+on an L2-resident slice). Each (algorithm, math type) gets a workspace of exactly the size cuDNN asks
+for. Results go to the store; rows already there are reused unless ``remeasure`` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Iterable, Sequence
+
+from . import errors
+from .measurement import Measurement, Status
+from .problem import ALGORITHMS, ConvProblem, DataType, Direction, Layout, MathType
+from .timing import TimingMethod, do_bench
+
+# Math types a kernel may be run with, given the caller's choice: never one that is less exact.
+MATH_CANDIDATES: dict[MathType, tuple[MathType, ...]] = {
+    MathType.FMA: (MathType.FMA,),
+    MathType.DEFAULT: (MathType.DEFAULT, MathType.FMA),
+    MathType.TENSOR_OP: (MathType.TENSOR_OP, MathType.DEFAULT),
+    MathType.TENSOR_OP_ALLOW_CONVERSION: (MathType.TENSOR_OP_ALLOW_CONVERSION, MathType.TENSOR_OP),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """Where measurements are valid: the GPU model and the cuDNN version."""
+
+    gpu: str
+    cudnn: int
+
+
+def current_environment() -> Environment:
+    """The GPU of the current CUDA device and the loaded cuDNN (raises if there is none)."""
+    from .cudnn import get
+    cupy = _cupy()
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"]
+    return Environment(name.decode() if isinstance(name, bytes) else str(name), get().version)
+
+
+def gpu_available() -> bool:
+    try:
+        cupy = _cupy()
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
+        return False
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise errors.LibraryNotFoundError(
+            "CuPy is needed to benchmark on the GPU: pip install 'mucudnn[gpu]' (cupy-cuda13x)"
+        ) from None
+    return cupy
+
+
+def random_buffer(cupy, count: int, dtype: DataType, rng):
+    """Device buffer of ``count`` random normal values (never all zeros) of ``dtype``."""
+    values = rng.standard_normal(count, dtype="float32")
+    if dtype is DataType.FLOAT:
+        return values
+    if dtype is DataType.DOUBLE:
+        return values.astype("float64")
+    if dtype is DataType.HALF:
+        return values.astype("float16")
+    # bfloat16: the top 16 bits of the float32 pattern (CuPy has no bfloat16 dtype)
+    return (values.view("uint32") >> 16).astype("uint16")
+
+
+class KernelBuffers:
+    """x, w, y (forward names) for ``problem`` at its N, as flat device arrays."""
+
+    def __init__(self, problem: ConvProblem, x, w, y) -> None:
+        self.problem = problem
+        self.x_per_sample = _prod(problem.x_shape[1:])
+        self.y_per_sample = _prod(problem.y_shape[1:])
+        self.itemsize = problem.dtype.itemsize
+        self.x, self.w, self.y = x, w, y
+
+    @classmethod
+    def random(cls, problem: ConvProblem, rng) -> "KernelBuffers":
+        cupy = _cupy()
+        return cls(problem,
+                   random_buffer(cupy, problem.n * _prod(problem.x_shape[1:]), problem.dtype, rng),
+                   random_buffer(cupy, _prod(problem.w_shape), problem.dtype, rng),
+                   random_buffer(cupy, problem.n * _prod(problem.y_shape[1:]), problem.dtype, rng))
+
+    def as_double(self) -> "KernelBuffers":
+        """A float64 NCHW copy with the problem in double precision (cuDNN computes double only
+        in NCHW): the reference for checks. :meth:`output_like` maps its output back."""
+        p = self.problem
+        problem = dataclasses.replace(p, dtype=DataType.DOUBLE, compute_type=DataType.DOUBLE,
+                                      math=MathType.FMA, layout=Layout.NCHW)
+        nchw = _to_nchw if p.layout is Layout.NHWC else (lambda flat, dims: flat)
+        return KernelBuffers(problem, nchw(self.x.astype("float64"), p.x_shape),
+                             nchw(self.w.astype("float64"), p.w_shape),
+                             nchw(self.y.astype("float64"), p.y_shape))
+
+    def output_like(self, reference: "KernelBuffers"):
+        """``reference``'s output (an :meth:`as_double` copy) in this buffer's layout."""
+        out = reference.output()
+        if self.problem.layout is Layout.NHWC:
+            dims = {Direction.FORWARD: self.problem.y_shape, Direction.BACKWARD_DATA:
+                    self.problem.x_shape, Direction.BACKWARD_FILTER: self.problem.w_shape}
+            out = _from_nchw(out, dims[self.problem.direction])
+        return out
+
+    def output(self):
+        """The buffer the problem's direction writes."""
+        return {Direction.FORWARD: self.y, Direction.BACKWARD_DATA: self.x,
+                Direction.BACKWARD_FILTER: self.w}[self.problem.direction]
+
+    def pointers(self, offset: int) -> tuple[int, int, int]:
+        """(x, w, y) device pointers for a micro-batch starting at sample ``offset``."""
+        return (self.x.data.ptr + offset * self.x_per_sample * self.itemsize,
+                self.w.data.ptr,
+                self.y.data.ptr + offset * self.y_per_sample * self.itemsize)
+
+
+def _to_nchw(flat, dims: tuple[int, ...]):
+    """Flat channels-last data of logical NC(D)HW ``dims`` -> flat channels-first."""
+    last = flat.reshape(dims[0], *dims[2:], dims[1])
+    return last.transpose(0, last.ndim - 1, *range(1, last.ndim - 1)).copy().ravel()
+
+
+def _from_nchw(flat, dims: tuple[int, ...]):
+    first = flat.reshape(dims)
+    return first.transpose(0, *range(2, first.ndim), 1).copy().ravel()
+
+
+def _prod(values: Iterable[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+class Benchmarker:
+    """Measures kernels into a store. One instance per process and device."""
+
+    def __init__(self, store, method: TimingMethod = TimingMethod(), seed: int = 0,
+                 progress: bool = True) -> None:
+        from .cudnn import get
+        cupy = _cupy()
+        self.cupy = cupy
+        self.store = store
+        self.method = method
+        self.progress = progress
+        self.cudnn = get()
+        self.env = current_environment()
+        # blocking and current: CuPy's fills and frees stay ordered with cuDNN's work
+        self.stream = cupy.cuda.Stream()
+        self.stream.use()
+        self.handle = self.cudnn.handle(self.stream.ptr)
+        self.rng = cupy.random.default_rng(seed)
+
+    def missing_batches(self, problem: ConvProblem, batches: Sequence[int]) -> list[int]:
+        done = self.store.measured_batches(self.env.gpu, self.env.cudnn, problem.key)
+        return [b for b in batches if b not in done]
+
+    def benchmark(self, problems: Sequence[tuple[ConvProblem, Sequence[int]]],
+                  remeasure: bool = False) -> int:
+        """Measure each (problem at its N, micro-batch sizes); returns how many sizes were timed."""
+        todo = [(p, list(bs) if remeasure else self.missing_batches(p, bs)) for p, bs in problems]
+        todo = [(p, bs) for p, bs in todo if bs]
+        total = sum(len(bs) for _, bs in todo)
+        bar = _progress(total, self.progress)
+        for problem, batches in todo:
+            rows = self.measure(problem, batches, bar)
+            self.store.put(self.env.gpu, self.env.cudnn, rows)
+        bar.close()
+        return total
+
+    def measure(self, problem: ConvProblem, batches: Sequence[int], bar=None) -> list[Measurement]:
+        """All algorithms and math types of ``problem`` at each size in ``batches`` (≤ problem.n)."""
+        buffers = KernelBuffers.random(problem.with_n(max(batches)), self.rng)
+        rows: list[Measurement] = []
+        try:
+            for b in sorted(batches):
+                if bar is not None:
+                    bar.set_postfix_str(f"{problem.direction.value} c={problem.c} "
+                                        f"k={problem.k} in={problem.input_size} b={b}")
+                for math in MATH_CANDIDATES[problem.math]:
+                    rows.extend(self._measure_size(problem.with_n(b), math, buffers))
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            del buffers
+            self.stream.synchronize()
+            self.cupy.get_default_memory_pool().free_all_blocks()
+        return rows
+
+    def _measure_size(self, problem: ConvProblem, math: MathType,
+                      buffers: KernelBuffers) -> list[Measurement]:
+        from .cudnn import ConvolutionCall
+        call = ConvolutionCall(self.cudnn, problem, math)
+        slices = max(1, buffers.problem.n // problem.n)
+        # In a plan, every backward-filter piece after the first accumulates (beta = 1), which
+        # can cost more than beta = 0: time micro-batches the way they will mostly run.
+        beta = 1.0 if (problem.direction is Direction.BACKWARD_FILTER
+                       and problem.n < buffers.problem.n) else 0.0
+        rows = []
+        for algo_value, algo in enumerate(ALGORITHMS[problem.direction]):
+            def row(status: Status, time_ms: float = 0.0, workspace: int = 0, note: str = ""):
+                return Measurement(problem.key, problem.n, algo, math, time_ms, workspace,
+                                   status, note)
+            try:
+                ws_size = call.workspace_size(self.handle, algo_value)
+            except errors.CudnnNotSupportedError as exc:
+                rows.append(row(Status.NOT_SUPPORTED, note=exc.text))
+                continue
+            except errors.CudnnError as exc:
+                rows.append(row(Status.FAILED, note=str(exc)))
+                continue
+            try:
+                workspace = self.cupy.empty(max(ws_size, 1), dtype="uint8")
+            except self.cupy.cuda.memory.OutOfMemoryError:
+                rows.append(row(Status.FAILED, workspace=ws_size, note="out of GPU memory"))
+                continue
+
+            def run(i: int) -> None:
+                x, w, y = buffers.pointers((i % slices) * problem.n)
+                call.run(self.handle, algo_value, x, w, y, workspace.data.ptr, ws_size, beta=beta)
+
+            try:
+                timing = do_bench(run, self.stream, self.method)
+            except errors.CudnnNotSupportedError as exc:
+                rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=exc.text))
+            except errors.CudnnError as exc:
+                rows.append(row(Status.FAILED, workspace=ws_size, note=str(exc)))
+            else:
+                rows.append(row(Status.OK, timing.median_ms, ws_size))
+            finally:
+                workspace = None  # noqa: F841 - return the block to the pool before the next
+        return rows
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="size", desc="benchmark", disable=not enabled or total == 0,
+                file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,225 @@
+"""The ``mucudnn`` command line. Every command has ``--help``; errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import MucudnnError
+from .sizes import parse_size
+
+POLICIES = click.Choice(["undivided", "powerOfTwo", "all"])
+
+
+class SizeParam(click.ParamType):
+    """A byte size: 64MiB, 1GiB, 1048576."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_size(value)
+        except MucudnnError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = SizeParam()
+
+
+class Group(click.Group):
+    """Turns mucudnn's own errors into one clear line and exit status 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MucudnnError as exc:
+            click.echo(f"mucudnn: error: {exc}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mucudnn")
+def main() -> None:
+    """Micro-batched cuDNN convolutions: fast algorithms under a workspace limit.
+
+    Typical use: `mucudnn bench resnet50` on the GPU, then `mucudnn tune resnet50
+    --workspace-limit 64MiB -o r50.plan`, `mucudnn show r50.plan`, and
+    `mucudnn run --plan r50.plan --workspace-limit 64MiB -- python train.py`.
+    """
+
+
+store_option = click.option("--store", "store_path", type=click.Path(dir_okay=False),
+                            help="benchmark store (default $MUCUDNN_STORE or "
+                                 "~/.cache/mucudnn/benchmarks.sqlite)")
+
+
+def _kernels(config: str | None, recordings: tuple[str, ...]):
+    from .config import find_config, load_config
+    from .plan import read_recording
+    if bool(config) == bool(recordings):
+        raise MucudnnError("give either a CONFIG or --recording FILE (not both)")
+    if config:
+        return load_config(find_config(config))
+    return read_recording(recordings)
+
+
+@main.command()
+@click.argument("config")
+@click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True,
+              help="micro-batch sizes to measure")
+@click.option("--remeasure", is_flag=True, help="measure again what the store already has")
+@click.option("--no-progress", is_flag=True, help="no progress bar")
+@store_option
+def bench(config, policy, remeasure, no_progress, store_path):
+    """Benchmark every algorithm of CONFIG's kernels (a name like resnet50, or a YAML path) on
+    this GPU, at each micro-batch size of the policy, into the store."""
+    from .config import find_config, load_config
+    from .tuner import benchmark
+    cfg = load_config(find_config(config))
+    timed = benchmark(cfg, policy, store=store_path, remeasure=remeasure,
+                      progress=not no_progress)
+    click.echo(f"{cfg.name}: measured {timed} kernel sizes "
+               f"({'all reused from the store' if timed == 0 else 'stored'})")
+
+
+@main.command()
+@click.argument("config", required=False)
+@click.option("--recording", "recordings", multiple=True, type=click.Path(exists=True),
+              help="tune the kernels a `mucudnn record` run wrote (repeatable)")
+@click.option("--workspace-limit", type=SIZE, help="WR: each kernel within this workspace")
+@click.option("--total-workspace", type=SIZE, help="WD: all kernels together within this budget")
+@click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
+              help="plan file to write")
+@click.option("--gpu", help="GPU name of the measurements to use (default: this GPU, or the "
+                            "store's only one)")
+@click.option("--cudnn", "cudnn_version", type=int, help="cuDNN version of the measurements")
+@store_option
+def tune(config, recordings, workspace_limit, total_workspace, policy, output, gpu,
+         cudnn_version, store_path):
+    """Compute the fastest micro-batch plan of each kernel and write a plan file."""
+    from .bench import Environment
+    from .plan import write_plan
+    from .tuner import open_measurements, optimize, predicted_network_time, as_kernels
+    if (workspace_limit is None) == (total_workspace is None):
+        raise click.UsageError("give exactly one of --workspace-limit and --total-workspace")
+    if (gpu is None) != (cudnn_version is None):
+        raise click.UsageError("--gpu and --cudnn go together")
+    source = _kernels(config, recordings)
+    env = Environment(gpu, cudnn_version) if gpu else None
+    store, env = open_measurements(store_path, env)
+    with store:
+        plan = optimize(source, workspace_limit=workspace_limit,
+                        total_workspace=total_workspace, policy=policy, store=store, env=env)
+    write_plan(plan, output)
+    kernels = as_kernels(source)
+    divided = sum(1 for e in plan if e.is_divided)
+    click.echo(f"wrote {output}: {len(plan)} kernels ({divided} micro-batched), predicted "
+               f"{predicted_network_time(plan, kernels):.2f} ms per pass, measurements of "
+               f"{env.gpu} / cuDNN {env.cudnn}")
+
+
+@main.command()
+@click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False))
+@store_option
+def show(plan_path, store_path):
+    """Print PLAN as a table: micro-batches, algorithms, workspace, predicted time, and speedups
+    over the best undivided algorithm within the same limit and over uncapped cuDNN."""
+    from .bench import Environment
+    from .plan import read_plan
+    from .report import format_plan_table, plan_rows
+    from .tuner import open_measurements
+    plan = read_plan(plan_path)
+    store, env = open_measurements(store_path, Environment(plan.gpu, plan.cudnn))
+    if not store.keys(env.gpu, env.cudnn):
+        store.close()
+        store, env = open_measurements(None, None)  # fall back to the shipped measurements
+        if (env.gpu, env.cudnn) != (plan.gpu, plan.cudnn):
+            store.close()
+            store = None
+    rows = plan_rows(plan, store, Environment(plan.gpu, plan.cudnn))
+    click.echo(format_plan_table(plan, rows))
+    if store is not None:
+        store.close()
+
+
+@main.command("configs")
+def configs_cmd():
+    """List the network configs shipped with mucudnn."""
+    from .config import find_config, list_configs, load_config
+    for name in list_configs():
+        path = find_config(name)
+        cfg = load_config(path)
+        batch = cfg.batch if cfg.batch is not None else "per layer"
+        click.echo(f"{name:12s} N={batch!s:<9s} {len(cfg.kernels()):3d} kernels  {path}")
+
+
+@main.command("build-shim")
+@click.option("--force", is_flag=True, help="rebuild even if a build exists")
+def build_shim_cmd(force):
+    """Compile libmucudnn.so against this environment's cuDNN headers; print its path."""
+    from .shimlib import build_shim
+    click.echo(str(build_shim(force=force)))
+
+
+def _shim_env(plan=None, limit=None, record=None, log_level=None, summary=False) -> dict:
+    from .shimlib import shim_path
+    env = dict(os.environ)
+    preload = str(shim_path())
+    env["LD_PRELOAD"] = preload + (" " + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    # PyTorch's default conv path uses cuDNN's graph API, which the shim does not intercept yet.
+    env.setdefault("TORCH_CUDNN_V8_API_DISABLED", "1")
+    for name, value in (("MUCUDNN_PLAN", plan), ("MUCUDNN_WORKSPACE_LIMIT", limit),
+                        ("MUCUDNN_RECORD", record), ("MUCUDNN_LOG_LEVEL", log_level)):
+        if value is not None:
+            env[name] = str(Path(value).resolve()) if name in ("MUCUDNN_PLAN", "MUCUDNN_RECORD") \
+                else str(value)
+    if summary:
+        env["MUCUDNN_SUMMARY"] = "1"
+    return env
+
+
+def _exec(command: tuple[str, ...], env: dict) -> int:
+    if not command:
+        raise click.UsageError("give the command to run after --")
+    try:
+        return subprocess.call(list(command), env=env)
+    except OSError as exc:
+        raise MucudnnError(f"cannot run {shlex.join(command)}: {exc}") from None
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("-o", "--output", default="mucudnn.record", show_default=True,
+              type=click.Path(dir_okay=False), help="record file to append to")
+@click.option("--workspace-limit", type=SIZE, help="also keep unplanned kernels within this")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def record(output, workspace_limit, command):
+    """Run COMMAND (after --) with the shim recording every convolution kernel it runs."""
+    code = _exec(command, _shim_env(limit=workspace_limit, record=output))
+    click.echo(f"mucudnn: recording in {output}", err=True)
+    sys.exit(code)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
+              help="plan file to execute")
+@click.option("--workspace-limit", type=SIZE, help="keep unplanned kernels within this workspace")
+@click.option("--log-level", type=click.Choice(["error", "warning", "info", "debug"]))
+@click.option("--summary", is_flag=True, help="print what each kernel ran at exit")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run(plan_path, workspace_limit, log_level, summary, command):
+    """Run COMMAND (after --) with the shim executing PLAN's micro-batches."""
+    if plan_path:
+        from .plan import read_plan
+        read_plan(plan_path)  # refuse a malformed plan here, with the file and line
+    sys.exit(_exec(command, _shim_env(plan=plan_path, limit=workspace_limit,
+                                      log_level=log_level, summary=summary)))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,259 @@
+"""Plan files (docs/plan-format.md): what the shim runs for each (kernel key, N).
+
+:func:`read_plan` / :func:`write_plan` are the Python half of the contract; ``shim/src/plan.c`` is the
+C half. Both are tested on the same files in ``tests/data/plans/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math as _math
+import os
+from pathlib import Path
+from typing import Iterable
+
+from .errors import KeyFormatError, PlanError
+from .problem import ALGORITHMS, ConvProblem, MathType
+
+FORMAT_VERSION = 1
+MAGIC = "mucudnn-plan"
+HEADER_FIELDS = ("gpu", "cudnn", "strategy", "limit", "policy")
+STRATEGIES = ("wr", "wd")
+POLICIES = ("undivided", "powerOfTwo", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanPiece:
+    """``batch`` consecutive samples run with one algorithm and math type."""
+
+    batch: int
+    algo: str
+    math: MathType
+
+    def __str__(self) -> str:
+        return f"{self.batch}:{self.algo}:{self.math.value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    """The plan of one kernel at one mini-batch size: one ``kernel`` line."""
+
+    key: str
+    n: int
+    workspace: int
+    time_ms: float
+    pieces: tuple[PlanPiece, ...]
+
+    @property
+    def problem(self) -> ConvProblem:
+        return ConvProblem.from_key(self.key, self.n)
+
+    @property
+    def is_divided(self) -> bool:
+        return len(self.pieces) > 1
+
+    @classmethod
+    def from_kernel_plan(cls, plan) -> "PlanEntry":
+        """From an optimizer ``KernelPlan`` (key, n, pieces with batch/algo/math/workspace)."""
+        return cls(
+            key=plan.key, n=plan.n, workspace=plan.workspace, time_ms=plan.time_ms,
+            pieces=tuple(PlanPiece(p.batch, p.algo, MathType(p.math)) for p in plan.pieces),
+        )
+
+
+@dataclasses.dataclass
+class Plan:
+    """A whole plan file: header plus one entry per (key, N)."""
+
+    gpu: str
+    cudnn: int
+    strategy: str
+    limit: int
+    policy: str
+    entries: dict[tuple[str, int], PlanEntry] = dataclasses.field(default_factory=dict)
+
+    def add(self, entry: PlanEntry) -> None:
+        if (entry.key, entry.n) in self.entries:
+            raise PlanError(f"duplicate kernel {entry.key} n={entry.n}")
+        self.entries[(entry.key, entry.n)] = entry
+
+    def get(self, key: str, n: int) -> PlanEntry | None:
+        return self.entries.get((key, n))
+
+    def __iter__(self):
+        return iter(self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def total_workspace(self) -> int:
+        return sum(e.workspace for e in self)
+
+    @property
+    def max_workspace(self) -> int:
+        return max((e.workspace for e in self), default=0)
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+def format_plan(plan: Plan) -> str:
+    out = io.StringIO()
+    out.write("# mucudnn plan file: see docs/plan-format.md\n")
+    out.write(f"{MAGIC} {FORMAT_VERSION}\n")
+    out.write(f"gpu {plan.gpu}\ncudnn {plan.cudnn}\nstrategy {plan.strategy}\n")
+    out.write(f"limit {plan.limit}\npolicy {plan.policy}\n")
+    for e in plan:
+        pieces = " ".join(str(p) for p in e.pieces)
+        out.write(f"kernel {e.key} {e.n} {e.workspace} {e.time_ms:.6g} {pieces}\n")
+    return out.getvalue()
+
+
+def write_plan(plan: Plan, path: str | os.PathLike) -> None:
+    """Write atomically (temporary file + rename) so a running shim never reads half a plan."""
+    text = format_plan(plan)
+    read_plan_text(text, source=str(path))  # never write what we could not read back
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+def read_plan(path: str | os.PathLike) -> Plan:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"{path}: cannot read plan file: {exc}") from None
+    return read_plan_text(text, source=str(path))
+
+
+def read_plan_text(text: str, source: str = "<plan>") -> Plan:
+    header: dict[str, str] = {}
+    plan: Plan | None = None
+    seen_magic = False
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{source}:{lineno}"
+        word, rest = (line.split(None, 1) + [""])[:2]
+        rest = rest.strip()
+        if not seen_magic:
+            if word != MAGIC:
+                raise PlanError(f"{where}: not a mucudnn plan file (first record must be "
+                                f"'{MAGIC} {FORMAT_VERSION}')")
+            if rest != str(FORMAT_VERSION):
+                raise PlanError(f"{where}: plan format version {rest!r} is not supported "
+                                f"(this mucudnn reads version {FORMAT_VERSION}); re-run mucudnn tune")
+            seen_magic = True
+        elif word in HEADER_FIELDS:
+            if plan is not None:
+                raise PlanError(f"{where}: header record '{word}' after the first kernel line")
+            if word in header:
+                raise PlanError(f"{where}: header record '{word}' given twice")
+            if not rest:
+                raise PlanError(f"{where}: header record '{word}' has no value")
+            header[word] = rest
+        elif word == "kernel":
+            if plan is None:
+                plan = _plan_from_header(header, where)
+            entry = _parse_kernel(rest, where)
+            if (entry.key, entry.n) in plan.entries:
+                raise PlanError(f"{where}: duplicate kernel {entry.key} n={entry.n}")
+            plan.entries[(entry.key, entry.n)] = entry
+        else:
+            raise PlanError(f"{where}: unknown record '{word}'")
+    if not seen_magic:
+        raise PlanError(f"{source}: empty plan file (first record must be '{MAGIC} {FORMAT_VERSION}')")
+    return plan if plan is not None else _plan_from_header(header, f"{source}:end")
+
+
+def _plan_from_header(header: dict[str, str], where: str) -> Plan:
+    missing = [f for f in HEADER_FIELDS if f not in header]
+    if missing:
+        raise PlanError(f"{where}: missing header record(s) {', '.join(missing)} before the kernels")
+    if header["strategy"] not in STRATEGIES:
+        raise PlanError(f"{where}: strategy {header['strategy']!r} is not one of {', '.join(STRATEGIES)}")
+    if header["policy"] not in POLICIES:
+        raise PlanError(f"{where}: policy {header['policy']!r} is not one of {', '.join(POLICIES)}")
+    return Plan(gpu=header["gpu"], cudnn=_int(header["cudnn"], "cudnn", where, 1),
+                strategy=header["strategy"], limit=_int(header["limit"], "limit", where, 0),
+                policy=header["policy"])
+
+
+def _int(text: str, what: str, where: str, minimum: int) -> int:
+    if not text.isdigit() or int(text) < minimum:
+        raise PlanError(f"{where}: {what} {text!r} is not an integer >= {minimum}")
+    return int(text)
+
+
+def _parse_kernel(rest: str, where: str) -> PlanEntry:
+    fields = rest.split()
+    if len(fields) < 5:
+        raise PlanError(f"{where}: kernel line needs KEY N WORKSPACE TIME PIECE..., got "
+                        f"{len(fields)} field(s)")
+    key, n_text, ws_text, time_text, *piece_texts = fields
+    try:
+        problem = ConvProblem.from_key(key)
+    except KeyFormatError as exc:
+        raise PlanError(f"{where}: {exc}") from None
+    n = _int(n_text, "N", where, 1)
+    workspace = _int(ws_text, "workspace", where, 0)
+    try:
+        time_ms = float(time_text)
+    except ValueError:
+        time_ms = -1.0
+    if not (time_ms >= 0 and _math.isfinite(time_ms)):
+        raise PlanError(f"{where}: time {time_text!r} is not a number >= 0")
+    pieces = tuple(_parse_piece(t, problem, where) for t in piece_texts)
+    total = sum(p.batch for p in pieces)
+    if total != n:
+        raise PlanError(f"{where}: micro-batches add up to {total}, not N = {n}")
+    return PlanEntry(key=key, n=n, workspace=workspace, time_ms=time_ms, pieces=pieces)
+
+
+def _parse_piece(text: str, problem: ConvProblem, where: str) -> PlanPiece:
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise PlanError(f"{where}: piece {text!r} is not B:ALGO:MATH")
+    batch_text, algo, math_text = parts
+    batch = _int(batch_text, f"piece {text!r} batch", where, 1)
+    if algo not in ALGORITHMS[problem.direction]:
+        raise PlanError(f"{where}: piece {text!r}: unknown {problem.direction.value} algorithm "
+                        f"{algo!r} (expected one of {', '.join(ALGORITHMS[problem.direction])})")
+    try:
+        math = MathType(math_text)
+    except ValueError:
+        raise PlanError(f"{where}: piece {text!r}: unknown math type {math_text!r} (expected one of "
+                        + ", ".join(m.value for m in MathType) + ")") from None
+    return PlanPiece(batch, algo, math)
+
+
+# -- record files (written by the shim) ----------------------------------------------------------
+
+def read_recording(paths: Iterable[str | os.PathLike]) -> list[ConvProblem]:
+    """Distinct (kernel, N) from record files, in first-seen order, as problems with their N."""
+    seen: dict[tuple[str, int], ConvProblem] = {}
+    for path in paths:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PlanError(f"{path}: cannot read recording: {exc}") from None
+        for lineno, raw in enumerate(lines, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            fields = line.split()
+            if len(fields) != 3 or fields[0] != "kernel":
+                raise PlanError(f"{path}:{lineno}: expected 'kernel KEY N', got {line[:80]!r}")
+            n = _int(fields[2], "N", f"{path}:{lineno}", 1)
+            try:
+                problem = ConvProblem.from_key(fields[1], n)
+            except KeyFormatError as exc:
+                raise PlanError(f"{path}:{lineno}: {exc}") from None
+            seen.setdefault((fields[1], n), problem)
+    return list(seen.values())
+

@@ -1,0 +1,96 @@
+"""Human-readable views of plans: the table ``mucudnn show`` prints."""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import groupby
+
+from .plan import Plan, PlanEntry
+from .sizes import format_size
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    entry: PlanEntry
+    undivided_ms: float | None   # best undivided algorithm within the same limit
+    unlimited_ms: float | None   # best undivided algorithm with no limit (uncapped cuDNN)
+
+    @property
+    def speedup(self) -> float | None:
+        return self.undivided_ms / self.entry.time_ms if self.undivided_ms and self.entry.time_ms else None
+
+    @property
+    def vs_unlimited(self) -> float | None:
+        return self.unlimited_ms / self.entry.time_ms if self.unlimited_ms and self.entry.time_ms else None
+
+
+def describe_kernel(entry: PlanEntry) -> str:
+    """Short kernel name: ``fwd c64 56x56 k64 f3x3 s1 p1``."""
+    p = entry.problem
+    text = (f"{p.direction.value} c{p.c} {'x'.join(map(str, p.input_size))} k{p.k} "
+            f"f{'x'.join(map(str, p.filter_size))}")
+    if any(s != 1 for s in p.stride):
+        text += f" s{'x'.join(map(str, p.stride))}"
+    if p.groups != 1:
+        text += f" g{p.groups}"
+    return text
+
+
+def describe_pieces(entry: PlanEntry) -> str:
+    """Runs of equal pieces: ``2x128 implicit_precomp_gemm``."""
+    parts = []
+    for (batch, algo, math), run in groupby(entry.pieces, key=lambda p: (p.batch, p.algo, p.math)):
+        count = len(list(run))
+        parts.append(f"{count}x{batch} {algo}" if count > 1 else f"{batch} {algo}")
+    return ", ".join(parts)
+
+
+def plan_rows(plan: Plan, store=None, env=None) -> list[PlanRow]:
+    from .tuner import baselines
+    rows = []
+    for entry in plan:
+        limit = plan.limit if plan.strategy == "wr" else entry.workspace
+        base = baselines(store, env, entry, limit) if store is not None else (None, None)
+        rows.append(PlanRow(entry, *base))
+    return rows
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value else "-"
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None else "-"
+
+
+def format_plan_table(plan: Plan, rows: list[PlanRow]) -> str:
+    limit_name = "limit per kernel" if plan.strategy == "wr" else "total budget"
+    header = (f"plan: {plan.gpu}, cuDNN {plan.cudnn}, {plan.strategy.upper()} "
+              f"{limit_name} {format_size(plan.limit)}, policy {plan.policy}, {len(plan)} kernels")
+    columns = ("kernel", "N", "micro-batches", "workspace", "plan ms", "undiv ms", "speedup",
+               "uncapped ms", "vs uncapped")
+    table = [columns]
+    for r in rows:
+        e = r.entry
+        table.append((describe_kernel(e), str(e.n), describe_pieces(e), format_size(e.workspace),
+                      _ms(e.time_ms), _ms(r.undivided_ms), _ratio(r.speedup),
+                      _ms(r.unlimited_ms), _ratio(r.vs_unlimited)))
+    total_plan = sum(r.entry.time_ms for r in rows)
+    known = [r for r in rows if r.undivided_ms is not None and r.unlimited_ms is not None]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    lines = [header, ""]
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.ljust(w) if j in (0, 2) else cell.rjust(w)
+                               for j, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(f"sum of kernel times: plan {total_plan:.3f} ms; workspace: largest "
+                 f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}")
+    if known and len(known) == len(rows):
+        undiv = sum(r.undivided_ms for r in known)
+        unlim = sum(r.unlimited_ms for r in known)
+        lines.append(f"undivided within the limit {undiv:.3f} ms ({undiv / total_plan:.2f}x slower "
+                     f"than the plan); uncapped {unlim:.3f} ms (plan at {total_plan / unlim:.2f}x "
+                     "of uncapped)")
+    return "\n".join(lines)

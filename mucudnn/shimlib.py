@@ -1,0 +1,140 @@
+"""Build and locate ``libmucudnn.so``, the LD_PRELOAD shim (docs/shim.md).
+
+The shim is C compiled against the cuDNN headers (it links nothing of cuDNN: the real functions are
+found with ``dlsym`` at run time). :func:`build_shim` compiles it once per distinct set of sources
+and headers into a cache directory; :func:`shim_path` returns the built library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .errors import LibraryNotFoundError, MucudnnError
+
+SHIM_SOURCE_DIR = Path(__file__).resolve().parent.parent / "shim"
+LIBRARY_NAME = "libmucudnn.so"
+
+
+def _nvidia_wheel_dirs(*parts: str) -> list[Path]:
+    """``nvidia/<parts>`` in every search path of the ``nvidia`` namespace package (the CUDA wheels)."""
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return [Path(location).joinpath(*parts) for location in locations]
+
+
+def find_cudnn_include() -> Path:
+    """The directory holding ``cudnn.h``.
+
+    Order: ``$MUCUDNN_CUDNN_INCLUDE``; the ``nvidia/cudnn/include`` of an installed
+    ``nvidia-cudnn-cu13``/``-cu12`` wheel (PyTorch's cuDNN); ``/usr/include``;
+    ``/usr/local/cuda/include``. Raises :class:`LibraryNotFoundError` naming the places tried.
+    """
+    candidates = []
+    if os.environ.get("MUCUDNN_CUDNN_INCLUDE"):
+        candidates.append(Path(os.environ["MUCUDNN_CUDNN_INCLUDE"]))
+    candidates += _nvidia_wheel_dirs("cudnn", "include")
+    candidates += [Path("/usr/include"), Path("/usr/local/cuda/include")]
+    return _first_with(candidates, "cudnn.h", "set MUCUDNN_CUDNN_INCLUDE or install nvidia-cudnn-cu13")
+
+
+def find_cuda_include() -> Path:
+    """The directory holding ``cuda_runtime_api.h`` (``cudnn_graph.h`` includes it).
+
+    Order: ``$CUDA_HOME/include``, ``/usr/local/cuda/include``, the ``nvidia/cuda_runtime/include``
+    wheel directory, ``/usr/include``.
+    """
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(Path(os.environ["CUDA_HOME"]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    candidates += _nvidia_wheel_dirs("cuda_runtime", "include")
+    candidates.append(Path("/usr/include"))
+    return _first_with(candidates, "cuda_runtime_api.h",
+                       "set CUDA_HOME or install nvidia-cuda-runtime-cu13")
+
+
+def _first_with(candidates: list[Path], header: str, hint: str) -> Path:
+    for directory in candidates:
+        if (directory / header).is_file():
+            return directory
+    tried = ", ".join(str(c) for c in candidates) or "(nowhere)"
+    raise LibraryNotFoundError(f"{header} not found (tried {tried}); {hint}")
+
+
+def find_compiler() -> str:
+    """A C compiler: ``$CC``, else ``cc``, ``gcc`` or ``clang`` on PATH."""
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise MucudnnError(f"no C compiler found (tried {', '.join(names)}); install gcc or set CC")
+
+
+def _source_files() -> list[Path]:
+    files = sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]")) + sorted(SHIM_SOURCE_DIR.glob("include/*.h"))
+    if not files:
+        raise MucudnnError(f"shim sources not found in {SHIM_SOURCE_DIR}")
+    return files
+
+
+def _build_hash(cudnn_include: Path, cuda_include: Path, compiler: str) -> str:
+    """Hash of the sources, the cuDNN headers and the compiler: a new build when any changes."""
+    digest = hashlib.sha256(compiler.encode())
+    for path in _source_files() + sorted(cudnn_include.glob("cudnn*.h")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(str(cuda_include).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cache_root() -> Path:
+    if os.environ.get("MUCUDNN_SHIM_DIR"):
+        return Path(os.environ["MUCUDNN_SHIM_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mucudnn" / "shim"
+
+
+def build_shim(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Compile the shim and return the path of ``libmucudnn.so``.
+
+    ``out_dir`` defaults to ``<cache>/<hash>/`` where the cache is ``$MUCUDNN_SHIM_DIR`` or
+    ``~/.cache/mucudnn/shim``; an existing build there is reused unless ``force``. Raises
+    :class:`LibraryNotFoundError` when the headers are missing and :class:`MucudnnError` when no
+    compiler is found or compilation fails (the message carries the compiler's output).
+    """
+    compiler = find_compiler()
+    cudnn_include, cuda_include = find_cudnn_include(), find_cuda_include()
+    target_dir = (Path(out_dir) if out_dir is not None
+                  else _cache_root() / _build_hash(cudnn_include, cuda_include, compiler))
+    library = target_dir / LIBRARY_NAME
+    if library.is_file() and not force:
+        return library
+    target_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so concurrent builders never see a half-written file.
+    with tempfile.TemporaryDirectory(dir=target_dir, prefix=".build-") as scratch:
+        command = [compiler, "-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-fPIC", "-shared",
+                   "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
+                   f"-I{SHIM_SOURCE_DIR / 'include'}", f"-I{cudnn_include}", f"-I{cuda_include}",
+                   *[str(p) for p in sorted(SHIM_SOURCE_DIR.glob("src/*.c"))],
+                   "-o", str(Path(scratch) / LIBRARY_NAME),
+                   "-Wl,--no-undefined", f"-Wl,-soname,{LIBRARY_NAME}", "-ldl", "-lpthread"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise MucudnnError(f"building {LIBRARY_NAME} failed ({' '.join(command[:1])} exit "
+                               f"{result.returncode}):\n{result.stderr.strip()}")
+        os.replace(Path(scratch) / LIBRARY_NAME, library)
+    return library
+
+
+def shim_path() -> Path:
+    """The built shim, building it first if needed."""
+    return build_shim()

@@ -1,0 +1,191 @@
+"""The Python API: benchmark kernels, optimise plans (WR or WD), in a few calls.
+
+    >>> import mucudnn
+    >>> cfg = mucudnn.load_config("resnet50")
+    >>> mucudnn.benchmark(cfg)                                  # on a GPU: fills the store
+    >>> plan = mucudnn.optimize(cfg, workspace_limit="64MiB")   # WR, policy powerOfTwo
+    >>> plan = mucudnn.optimize(cfg, total_workspace="1GiB")    # WD (ILP over all kernels)
+    >>> mucudnn.write_plan(plan, "resnet50.plan")
+
+Kernels come from a network config or from a recording of what a framework ran
+(:func:`mucudnn.plan.read_recording`), as ``(problem, weight)`` pairs: ``weight`` is how many layers
+run that kernel, which the WD optimiser uses to weigh time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+from pathlib import Path
+from typing import Sequence
+
+from . import store as store_mod
+from .bench import Environment, current_environment, gpu_available
+from .errors import MissingMeasurementsError, MucudnnError
+from .measurement import Measurement
+from .optimizer import Policy, best_plan, candidate_sizes, pareto_plans, solve_budget
+from .plan import Plan, PlanEntry
+from .problem import ConvProblem
+from .sizes import parse_size
+
+Kernels = Sequence[tuple[ConvProblem, int]]
+SHIPPED_MEASUREMENTS = Path(__file__).parent / "data" / "measurements.csv.gz"
+
+
+def as_kernels(source) -> list[tuple[ConvProblem, int]]:
+    """(problem, weight) pairs from a NetworkConfig, a list of problems, or such pairs."""
+    if hasattr(source, "kernels"):
+        return list(source.kernels())
+    merged: dict[tuple[str, int], list] = {}
+    for item in source:
+        problem, weight = item if isinstance(item, tuple) else (item, 1)
+        slot = merged.setdefault((problem.key, problem.n), [problem, 0])
+        slot[1] += weight
+    return [(p, w) for p, w in merged.values()]
+
+
+# -- where measurements come from ---------------------------------------------------------------
+
+def shipped_store() -> store_mod.SQLiteStore:
+    """The measurements shipped with mucudnn (taken on the lent GPU), as a read-only store.
+
+    Loaded once from the package's CSV into a cache file named by the CSV's hash.
+    """
+    data = SHIPPED_MEASUREMENTS.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    cache = store_mod.default_store_path().parent / f"shipped-{digest}.sqlite"
+    if not cache.exists():
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        with store_mod.SQLiteStore(tmp) as fresh:
+            with gzip.open(SHIPPED_MEASUREMENTS, "rt", encoding="utf-8", newline="") as src:
+                fresh.import_csv(src)
+        for suffix in ("-wal", "-shm"):
+            Path(str(tmp) + suffix).unlink(missing_ok=True)
+        os.replace(tmp, cache)
+    return store_mod.SQLiteStore(cache, readonly=True)
+
+
+def open_measurements(path=None, env: Environment | None = None):
+    """The store to tune from, and the environment to read from it.
+
+    With ``path`` (or ``$MUCUDNN_STORE``) the user's store is used. Without a GPU and with no rows in
+    the user's store, the shipped measurements are used, so tuning works anywhere.
+    """
+    user = store_mod.open_store(path)
+    if env is None:
+        env = _pick_environment(user)
+    if env is not None:
+        return user, env
+    user.close()
+    shipped = shipped_store()
+    envs = shipped.environments()
+    if not envs:
+        raise MissingMeasurementsError("the shipped measurements are empty")
+    gpu, cudnn, _ = max(envs, key=lambda e: e[2])
+    return shipped, Environment(gpu, cudnn)
+
+
+def _pick_environment(store) -> Environment | None:
+    if gpu_available():
+        return current_environment()
+    envs = store.environments()
+    if len(envs) == 1:
+        return Environment(envs[0][0], envs[0][1])
+    if len(envs) > 1:
+        names = "; ".join(f"{g} / cuDNN {c} ({n} rows)" for g, c, n in envs)
+        raise MucudnnError(f"the store holds measurements of several environments ({names}): "
+                           "choose one with --gpu and --cudnn")
+    return None
+
+
+# -- benchmark ----------------------------------------------------------------------------------
+
+def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
+              remeasure: bool = False, progress: bool = True, method=None) -> int:
+    """Measure every kernel of ``source`` at the policy's micro-batch sizes on the current GPU.
+
+    Rows already in the store are reused unless ``remeasure``. Returns how many sizes were timed.
+    """
+    from .bench import Benchmarker
+    from .timing import TimingMethod
+    own = store is None or isinstance(store, (str, os.PathLike))
+    st = store_mod.open_store(store) if own else store
+    try:
+        bench = Benchmarker(st, method or TimingMethod(), progress=progress)
+        todo = [(p, candidate_sizes(policy, p.n)) for p, _ in as_kernels(source)]
+        return bench.benchmark(todo, remeasure=remeasure)
+    finally:
+        if own:
+            st.close()
+
+
+def measurements(store, env: Environment, problem: ConvProblem,
+                 policy: Policy | str) -> list[Measurement]:
+    """Stored rows of ``problem`` at the policy's sizes; raises if any size was never measured."""
+    sizes = candidate_sizes(policy, problem.n)
+    rows = store.get(env.gpu, env.cudnn, problem.key, batches=sizes)
+    missing = sorted(set(sizes) - {m.batch for m in rows})
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise MissingMeasurementsError(
+            f"no measurements of {problem.key} at micro-batch size(s) {shown} for {env.gpu} / "
+            f"cuDNN {env.cudnn} (policy {Policy(policy).value}): run 'mucudnn bench' with this "
+            "policy on that GPU first")
+    return rows
+
+
+# -- optimise -----------------------------------------------------------------------------------
+
+def optimize(source, workspace_limit=None, total_workspace=None,
+             policy: Policy | str = Policy.POWER_OF_TWO, store=None,
+             env: Environment | None = None) -> Plan:
+    """A plan for every kernel of ``source``.
+
+    Exactly one of ``workspace_limit`` (WR: each kernel within this many bytes) and
+    ``total_workspace`` (WD: all kernels' workspaces together within this budget) is given; sizes
+    may be strings like ``"64MiB"``.
+    """
+    if (workspace_limit is None) == (total_workspace is None):
+        raise MucudnnError("give exactly one of workspace_limit (WR) and total_workspace (WD)")
+    policy = Policy(policy)
+    kernels = as_kernels(source)
+    st, env = (store, env) if (store is not None and env is not None) else open_measurements(store, env)
+    rows = {(p.key, p.n): measurements(st, env, p, policy) for p, _ in kernels}
+    if workspace_limit is not None:
+        limit = parse_size(workspace_limit)
+        plans = [best_plan(rows[(p.key, p.n)], p.n, limit, policy) for p, _ in kernels]
+        strategy = "wr"
+    else:
+        limit = parse_size(total_workspace)
+        fronts = {f"{p.key} {p.n}": pareto_plans(rows[(p.key, p.n)], p.n, policy)
+                  for p, _ in kernels}
+        weights = {f"{p.key} {p.n}": w for p, w in kernels}
+        chosen = solve_budget(fronts, limit, weights=weights)
+        plans = [chosen[f"{p.key} {p.n}"] for p, _ in kernels]
+        strategy = "wd"
+    plan = Plan(gpu=env.gpu, cudnn=env.cudnn, strategy=strategy, limit=limit,
+                policy=policy.value)
+    for kp in plans:
+        plan.add(PlanEntry.from_kernel_plan(kp))
+    return plan
+
+
+def predicted_network_time(plan: Plan, kernels: Kernels) -> float:
+    """Σ weight × predicted time over the kernels (ms)."""
+    return sum(w * plan.get(p.key, p.n).time_ms for p, w in kernels if plan.get(p.key, p.n))
+
+
+def baselines(store, env: Environment, entry: PlanEntry, limit: int | None) -> tuple[float | None, float | None]:
+    """(best undivided time within ``limit``, best undivided time with no limit), None if unknown."""
+    try:
+        rows = measurements(store, env, entry.problem, Policy.UNDIVIDED)
+    except MissingMeasurementsError:
+        return None, None
+    out = []
+    for lim in (limit, None):
+        try:
+            out.append(best_plan(rows, entry.n, lim, Policy.UNDIVIDED).time_ms)
+        except MucudnnError:
+            out.append(None)
+    return out[0], out[1]
