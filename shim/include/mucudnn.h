@@ -1,0 +1,45 @@
+/*
+ * mucudnn.h: the public interface of libmucudnn.so, the LD_PRELOAD shim that runs cuDNN legacy
+ * convolutions as micro-batch plans (docs/shim.md).
+ *
+ * A process normally uses the shim without including anything: preloading the library interposes
+ * the cuDNN convolution calls. These few functions are exported for tools and tests; they can be
+ * reached with dlsym(RTLD_DEFAULT, "mucudnn_...") when the shim is preloaded.
+ */
+#ifndef MUCUDNN_H
+#define MUCUDNN_H
+
+#include <stddef.h>
+
+#include <cudnn.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Directions, in the order of docs/kernel-key.md. */
+typedef enum {
+    MUCUDNN_FORWARD = 0,
+    MUCUDNN_BACKWARD_DATA = 1,
+    MUCUDNN_BACKWARD_FILTER = 2,
+} mucudnn_direction;
+
+/*
+ * The kernel key (docs/kernel-key.md) of a convolution given by its descriptors, in forward terms:
+ * x describes x (fwd, bwd_filter) or dx (bwd_data), y describes y or dy, w describes w or dw.
+ * On success writes the NUL-terminated key into buf, the batch size into *n and returns 0.
+ * When the descriptors have no key, writes the reason into buf and returns -1; -2 when buf is
+ * too small.
+ */
+int mucudnn_kernel_key(mucudnn_direction direction, cudnnTensorDescriptor_t x,
+                       cudnnFilterDescriptor_t w, cudnnConvolutionDescriptor_t conv,
+                       cudnnTensorDescriptor_t y, char *buf, size_t size, int *n);
+
+/* The shim's version string, e.g. "0.1.0". */
+const char *mucudnn_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MUCUDNN_H */

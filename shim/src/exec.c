@@ -1,0 +1,268 @@
+/*
+ * exec.c: cudnnConvolution{Forward,BackwardData,BackwardFilter} run as a plan's micro-batches.
+ *
+ * The pieces run in order on consecutive slices along N, each with its own algorithm and math
+ * type, in the caller's workspace, on the caller's handle (so its stream), without synchronising
+ * and without allocating: the micro-batch descriptors are created once per plan entry.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+/* Descriptors of one plan entry's pieces, and the byte distance between samples. */
+typedef struct mu_exec_cache {
+    cudnnTensorDescriptor_t *x_descs;        /* per piece: N = b, the caller's strides */
+    cudnnTensorDescriptor_t *y_descs;
+    cudnnConvolutionDescriptor_t *conv_descs; /* per piece: the caller's geometry, the piece's math */
+    size_t x_sample_bytes;
+    size_t y_sample_bytes;
+} mu_exec_cache;
+
+static pthread_mutex_t cache_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+static cudnnStatus_t sliced_tensor(const mu_kernel *k, const int dims[], const int strides[],
+                                   int batch, cudnnTensorDescriptor_t *desc) {
+    const mu_real_table *real = mu_real();
+    int sliced[MU_MAX_DIMS];
+    for (int i = 0; i < k->nb_dims; i++) sliced[i] = dims[i];
+    sliced[0] = batch;
+    cudnnStatus_t status = real->cudnnCreateTensorDescriptor(desc);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = real->cudnnSetTensorNdDescriptor(*desc, k->dtype, k->nb_dims, sliced, strides);
+    return status;
+}
+
+/* A copy of the caller's convolution descriptor with another math type (the caller's stays as is). */
+static cudnnStatus_t piece_convolution(cudnnConvolutionDescriptor_t caller, cudnnMathType_t math,
+                                       cudnnConvolutionDescriptor_t *desc) {
+    const mu_real_table *real = mu_real();
+    int spatial, pad[MU_MAX_DIMS], stride[MU_MAX_DIMS], dilation[MU_MAX_DIMS], groups;
+    cudnnConvolutionMode_t mode;
+    cudnnDataType_t compute_type;
+    cudnnReorderType_t reorder = CUDNN_DEFAULT_REORDER;
+    cudnnStatus_t status = real->cudnnGetConvolutionNdDescriptor(
+        caller, MU_MAX_DIMS - 2, &spatial, pad, stride, dilation, &mode, &compute_type);
+    if (status == CUDNN_STATUS_SUCCESS) status = real->cudnnGetConvolutionGroupCount(caller, &groups);
+    if (status == CUDNN_STATUS_SUCCESS && real->cudnnGetConvolutionReorderType != NULL)
+        status = real->cudnnGetConvolutionReorderType(caller, &reorder);
+    if (status == CUDNN_STATUS_SUCCESS) status = real->cudnnCreateConvolutionDescriptor(desc);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = real->cudnnSetConvolutionNdDescriptor(*desc, spatial, pad, stride, dilation, mode,
+                                                       compute_type);
+    if (status == CUDNN_STATUS_SUCCESS) status = real->cudnnSetConvolutionGroupCount(*desc, groups);
+    if (status == CUDNN_STATUS_SUCCESS && reorder != CUDNN_DEFAULT_REORDER &&
+        real->cudnnSetConvolutionReorderType != NULL)
+        status = real->cudnnSetConvolutionReorderType(*desc, reorder);
+    if (status == CUDNN_STATUS_SUCCESS) status = real->cudnnSetConvolutionMathType(*desc, math);
+    return status;
+}
+
+static void destroy_cache(mu_exec_cache *cache, int pieces) {
+    const mu_real_table *real = mu_real();
+    for (int i = 0; i < pieces; i++) {
+        if (cache->x_descs && cache->x_descs[i]) real->cudnnDestroyTensorDescriptor(cache->x_descs[i]);
+        if (cache->y_descs && cache->y_descs[i]) real->cudnnDestroyTensorDescriptor(cache->y_descs[i]);
+        if (cache->conv_descs && cache->conv_descs[i])
+            real->cudnnDestroyConvolutionDescriptor(cache->conv_descs[i]);
+    }
+    free(cache->x_descs);
+    free(cache->y_descs);
+    free(cache->conv_descs);
+    free(cache);
+}
+
+static mu_exec_cache *create_cache(const mu_plan_entry *entry, const mu_kernel *k,
+                                   const mu_conv_call *call, cudnnStatus_t *status) {
+    mu_exec_cache *cache = calloc(1, sizeof *cache);
+    size_t pieces = (size_t)entry->piece_count;
+    *status = CUDNN_STATUS_ALLOC_FAILED;
+    if (cache == NULL) return NULL;
+    cache->x_descs = calloc(pieces, sizeof *cache->x_descs);
+    cache->y_descs = calloc(pieces, sizeof *cache->y_descs);
+    cache->conv_descs = calloc(pieces, sizeof *cache->conv_descs);
+    if (cache->x_descs && cache->y_descs && cache->conv_descs) *status = CUDNN_STATUS_SUCCESS;
+    for (size_t i = 0; i < pieces && *status == CUDNN_STATUS_SUCCESS; i++) {
+        const mu_piece *piece = &entry->pieces[i];
+        *status = sliced_tensor(k, k->x_dims, k->x_strides, piece->batch, &cache->x_descs[i]);
+        if (*status == CUDNN_STATUS_SUCCESS)
+            *status = sliced_tensor(k, k->y_dims, k->y_strides, piece->batch, &cache->y_descs[i]);
+        if (*status == CUDNN_STATUS_SUCCESS)
+            *status = piece_convolution(call->descs.conv, piece->math, &cache->conv_descs[i]);
+    }
+    if (*status != CUDNN_STATUS_SUCCESS) {
+        destroy_cache(cache, entry->piece_count);
+        return NULL;
+    }
+    size_t element = mu_dtype_size(k->dtype);
+    cache->x_sample_bytes = (size_t)k->x_strides[0] * element;
+    cache->y_sample_bytes = (size_t)k->y_strides[0] * element;
+    return cache;
+}
+
+/* The entry's cache, created by the first caller (double-checked under a mutex). */
+static mu_exec_cache *entry_cache(mu_plan_entry *entry, const mu_kernel *k, const mu_conv_call *call,
+                                  cudnnStatus_t *status) {
+    mu_exec_cache *cache = atomic_load_explicit(&entry->cache, memory_order_acquire);
+    *status = CUDNN_STATUS_SUCCESS;
+    if (cache != NULL) return cache;
+    pthread_mutex_lock(&cache_mutex);
+    cache = atomic_load_explicit(&entry->cache, memory_order_acquire);
+    if (cache == NULL) {
+        cache = create_cache(entry, k, call, status);
+        if (cache != NULL) atomic_store_explicit(&entry->cache, cache, memory_order_release);
+    }
+    pthread_mutex_unlock(&cache_mutex);
+    return cache;
+}
+
+/* One real cudnnConvolution* call of the call's direction, with these descriptors and pointers. */
+static cudnnStatus_t run_real(const mu_conv_call *call, cudnnTensorDescriptor_t x_desc, void *x,
+                              cudnnTensorDescriptor_t y_desc, void *y,
+                              cudnnConvolutionDescriptor_t conv, int algo, const void *beta) {
+    const mu_real_table *real = mu_real();
+    switch (call->descs.dir) {
+    case MU_DIR_FWD:
+        return real->cudnnConvolutionForward(call->handle, call->alpha, x_desc, x, call->descs.w,
+                                             call->w, conv, (cudnnConvolutionFwdAlgo_t)algo,
+                                             call->workspace, call->workspace_size, beta, y_desc, y);
+    case MU_DIR_BWD_DATA:
+        return real->cudnnConvolutionBackwardData(call->handle, call->alpha, call->descs.w, call->w,
+                                                  y_desc, y, conv, (cudnnConvolutionBwdDataAlgo_t)algo,
+                                                  call->workspace, call->workspace_size, beta,
+                                                  x_desc, x);
+    case MU_DIR_BWD_FILTER:
+        return real->cudnnConvolutionBackwardFilter(call->handle, call->alpha, x_desc, x, y_desc, y,
+                                                    conv, (cudnnConvolutionBwdFilterAlgo_t)algo,
+                                                    call->workspace, call->workspace_size, beta,
+                                                    call->descs.w, call->w);
+    }
+    return CUDNN_STATUS_BAD_PARAM;
+}
+
+static cudnnStatus_t run_undivided(const mu_conv_call *call) {
+    return run_real(call, call->descs.x, call->x, call->descs.y, call->y, call->descs.conv, call->algo,
+                    call->beta);
+}
+
+/* Failures cuDNN reports while checking arguments, before it touches any output. */
+static bool failed_before_writing(cudnnStatus_t status) {
+    return status / 1000 == CUDNN_STATUS_BAD_PARAM / 1000 ||
+           status / 1000 == CUDNN_STATUS_NOT_SUPPORTED / 1000;
+}
+
+/*
+ * Runs the pieces. Forward and backward-data write disjoint slices with the caller's alpha and
+ * beta; backward-filter accumulates every piece into dw, so only the first uses the caller's
+ * beta and the others beta = 1.
+ */
+static cudnnStatus_t run_pieces(mu_plan_entry *entry, const mu_kernel *k, const mu_exec_cache *cache,
+                                const mu_conv_call *call, int *failed_piece) {
+    static const float one_float = 1.0f;
+    static const double one_double = 1.0;
+    const void *one = k->dtype == CUDNN_DATA_DOUBLE ? (const void *)&one_double : (const void *)&one_float;
+    char *x = call->x, *y = call->y;
+    for (int i = 0; i < entry->piece_count; i++) {
+        const mu_piece *piece = &entry->pieces[i];
+        const void *beta = call->descs.dir == MU_DIR_BWD_FILTER && i > 0 ? one : call->beta;
+        if (mu_log_enabled(MU_LOG_DEBUG))
+            mu_log(MU_LOG_DEBUG, "%s N=%d piece %d/%d: b=%d algo=%s math=%s", entry->key, entry->n,
+                   i + 1, entry->piece_count, piece->batch, mu_algo_name(entry->dir, piece->algo),
+                   mu_math_name(piece->math));
+        cudnnStatus_t status = run_real(call, cache->x_descs[i], x, cache->y_descs[i], y,
+                                        cache->conv_descs[i], piece->algo, beta);
+        if (status != CUDNN_STATUS_SUCCESS) {
+            *failed_piece = i;
+            return status;
+        }
+        x += (size_t)piece->batch * cache->x_sample_bytes;
+        y += (size_t)piece->batch * cache->y_sample_bytes;
+    }
+    return CUDNN_STATUS_SUCCESS;
+}
+
+static void log_first_call(mu_seen *seen, const mu_kernel *k, const char *how) {
+    if (seen == NULL || !mu_log_enabled(MU_LOG_INFO)) return;
+    if (atomic_exchange(&seen->first_call_logged, true)) return;
+    mu_log(MU_LOG_INFO, "%s N=%d: %s", k->key, k->n, how);
+}
+
+static cudnnStatus_t passthrough(const mu_conv_call *call, mu_seen *seen, const mu_kernel *k,
+                                 const char *reason) {
+    if (seen != NULL) {
+        atomic_fetch_add(&seen->passthrough_calls, 1);
+        char how[MU_KEY_MAX];
+        snprintf(how, sizeof how, "passthrough (%s)", reason);
+        log_first_call(seen, k, how);
+    }
+    return run_undivided(call);
+}
+
+/* Plan, or passthrough with the reason. */
+static cudnnStatus_t execute(const mu_conv_call *call, mu_plan_entry *entry, mu_seen *seen,
+                             const mu_kernel *k) {
+    cudnnStatus_t status;
+    mu_exec_cache *cache = entry_cache(entry, k, call, &status);
+    if (cache == NULL) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_WARNING, "%s N=%d: cannot create micro-batch descriptors (%s); "
+                       "running undivided", k->key, k->n, mu_status_text(status));
+        return passthrough(call, seen, k, "cannot create micro-batch descriptors");
+    }
+    if (seen != NULL && mu_log_enabled(MU_LOG_INFO) && !atomic_load(&seen->first_call_logged)) {
+        char pieces[1024], how[1200];
+        mu_plan_pieces_text(entry, pieces, sizeof pieces);
+        snprintf(how, sizeof how, "plan, %d pieces: %s (workspace %zu of %zu)", entry->piece_count,
+                 pieces, entry->workspace, call->workspace_size);
+        log_first_call(seen, k, how);
+    }
+    int failed_piece = -1;
+    status = run_pieces(entry, k, cache, call, &failed_piece);
+    if (status != CUDNN_STATUS_SUCCESS && failed_piece == 0 && failed_before_writing(status)) {
+        /* Nothing was written yet: cuDNN undivided may still run it. Stop using this plan. */
+        atomic_store(&entry->disabled, true);
+        mu_log(MU_LOG_WARNING, "%s N=%d: the plan's first piece failed (%s); running this kernel "
+               "undivided from now on", k->key, k->n, mu_status_text(status));
+        return passthrough(call, seen, k, "plan failed");
+    }
+    if (status != CUDNN_STATUS_SUCCESS) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_WARNING, "%s N=%d: piece %d of the plan failed: %s", k->key,
+                       k->n, failed_piece + 1, mu_status_text(status));
+    }
+    if (seen != NULL) atomic_fetch_add(&seen->planned_calls, 1);
+    return status;
+}
+
+/* Plan or passthrough, once the call is known to be ours. */
+static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
+    if (state->disabled) return run_undivided(call);
+    mu_kernel k;
+    const char *why = mu_kernel_from_descs(&call->descs, &k);
+    if (why != NULL) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_INFO, "%s call without a kernel key: %s; passthrough",
+                       mu_direction_name(call->descs.dir), why);
+        mu_count_unkeyed_call();
+        return run_undivided(call);
+    }
+    mu_seen *seen = mu_seen_kernel(&k);
+    mu_plan_entry *entry = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
+    if (entry == NULL) return passthrough(call, seen, &k, "no plan");
+    if (atomic_load(&entry->disabled)) return passthrough(call, seen, &k, "plan disabled after a failure");
+    if (call->workspace_size < entry->workspace) {
+        char reason[128];
+        snprintf(reason, sizeof reason, "workspace %zu smaller than the plan's %zu",
+                 call->workspace_size, entry->workspace);
+        return passthrough(call, seen, &k, reason);
+    }
+    return execute(call, entry, seen, &k);
+}
+
+cudnnStatus_t mu_convolution(const mu_conv_call *call) {
+    if (!mu_guard_enter()) return run_undivided(call);
+    cudnnStatus_t status = dispatch(call, mu_config());
+    mu_guard_leave();
+    return status;
+}

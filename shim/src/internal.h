@@ -1,0 +1,303 @@
+/*
+ * internal.h: declarations shared by the shim's source files, one section per file.
+ *
+ * Every interposed function follows the same order (libfaketime style):
+ *   1. init:   mu_real() resolves the real cuDNN functions once, mu_config() reads the
+ *              environment and the plan once;
+ *   2. check:  a nested call (cuDNN calling its own public symbols, or the shim calling cuDNN)
+ *              goes straight to the real function (thread-local guard); so does a call the
+ *              shim has nothing to do with;
+ *   3. call:   the real function, or the micro-batch plan;
+ *   4. post:   query results are rewritten, statistics counted.
+ */
+#ifndef MUCUDNN_INTERNAL_H
+#define MUCUDNN_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mucudnn.h"
+
+#define MU_EXPORT __attribute__((visibility("default")))
+#define MU_PRINTF(fmt, args) __attribute__((format(printf, fmt, args)))
+
+#define MUCUDNN_VERSION_STRING "0.1.0"
+
+/* ---- options.c: the environment, read once into one table ------------------------------ */
+
+typedef enum {
+    MU_OPT_DISABLE,
+    MU_OPT_PLAN,
+    MU_OPT_WORKSPACE_LIMIT,
+    MU_OPT_RECORD,
+    MU_OPT_LOG_LEVEL,
+    MU_OPT_LOG_FILE,
+    MU_OPT_SUMMARY,
+    MU_OPT_COUNT
+} mu_option;
+
+/* Reads every MUCUDNN_* variable (once; later calls do nothing) and configures the log. */
+void mu_options_init(void);
+/* Whether the variable was set to a valid value (else the default is in effect). */
+bool mu_option_is_set(mu_option option);
+/* Value of a boolean, size or level option. */
+long long mu_option_int(mu_option option);
+/* Value of a path option, NULL when unset. */
+const char *mu_option_path(mu_option option);
+/* Prints every option, its value and origin at debug level. */
+void mu_options_log(void);
+
+/* ---- log.c: prefixed, leveled, rate-limited messages ------------------------------------ */
+
+typedef enum { MU_LOG_ERROR = 0, MU_LOG_WARNING = 1, MU_LOG_INFO = 2, MU_LOG_DEBUG = 3 } mu_log_level;
+
+/* Per call site state of mu_log_limited. */
+typedef struct {
+    atomic_int count;
+} mu_rate_limit;
+#define MU_RATE_LIMIT_INIT {0}
+
+/* Sets the level and destination; path NULL or opening it failing means stderr. */
+void mu_log_configure(int level, const char *path);
+bool mu_log_enabled(mu_log_level level);
+/* One line "mucudnn: LEVEL: message\n", written with one write(). */
+void mu_log(mu_log_level level, const char *fmt, ...) MU_PRINTF(2, 3);
+/* Like mu_log, but a call site prints at most a few times, then says it goes quiet. */
+void mu_log_limited(mu_rate_limit *limit, mu_log_level level, const char *fmt, ...) MU_PRINTF(3, 4);
+/* One line "mucudnn: summary: message\n", printed whatever the level. */
+void mu_log_summary(const char *fmt, ...) MU_PRINTF(1, 2);
+
+/* ---- real.c: the real cuDNN functions, resolved once with dlsym(RTLD_NEXT) --------------- */
+
+#define MU_REAL_FUNCTIONS(X)                        \
+    X(cudnnGetVersion)                              \
+    X(cudnnGetErrorString)                          \
+    X(cudnnGetTensorNdDescriptor)                   \
+    X(cudnnGetFilterNdDescriptor)                   \
+    X(cudnnGetConvolutionNdDescriptor)              \
+    X(cudnnGetConvolutionMathType)                  \
+    X(cudnnGetConvolutionGroupCount)                \
+    X(cudnnGetConvolutionReorderType)               \
+    X(cudnnCreateTensorDescriptor)                  \
+    X(cudnnSetTensorNdDescriptor)                   \
+    X(cudnnDestroyTensorDescriptor)                 \
+    X(cudnnCreateConvolutionDescriptor)             \
+    X(cudnnSetConvolutionNdDescriptor)              \
+    X(cudnnSetConvolutionMathType)                  \
+    X(cudnnSetConvolutionGroupCount)                \
+    X(cudnnSetConvolutionReorderType)               \
+    X(cudnnDestroyConvolutionDescriptor)            \
+    X(cudnnGetConvolutionForwardAlgorithm_v7)       \
+    X(cudnnFindConvolutionForwardAlgorithm)         \
+    X(cudnnFindConvolutionForwardAlgorithmEx)       \
+    X(cudnnGetConvolutionForwardWorkspaceSize)      \
+    X(cudnnConvolutionForward)                      \
+    X(cudnnGetConvolutionBackwardDataAlgorithm_v7)  \
+    X(cudnnFindConvolutionBackwardDataAlgorithm)    \
+    X(cudnnFindConvolutionBackwardDataAlgorithmEx)  \
+    X(cudnnGetConvolutionBackwardDataWorkspaceSize) \
+    X(cudnnConvolutionBackwardData)                 \
+    X(cudnnGetConvolutionBackwardFilterAlgorithm_v7) \
+    X(cudnnFindConvolutionBackwardFilterAlgorithm)  \
+    X(cudnnFindConvolutionBackwardFilterAlgorithmEx) \
+    X(cudnnGetConvolutionBackwardFilterWorkspaceSize) \
+    X(cudnnConvolutionBackwardFilter)
+
+typedef struct {
+#define MU_DECLARE_REAL(name) __typeof__(name) *name;
+    MU_REAL_FUNCTIONS(MU_DECLARE_REAL)
+#undef MU_DECLARE_REAL
+} mu_real_table;
+
+/* The table (resolved on first use); a function cuDNN lacks is NULL, with one error logged. */
+const mu_real_table *mu_real(void);
+
+/* True (and logs an error) when a real function is missing; its wrapper then returns
+ * CUDNN_STATUS_NOT_INITIALIZED. Usage: if (MU_REAL_MISSING(cudnnX)) return ...; */
+bool mu_real_missing(const void *function, const char *name);
+#define MU_REAL_MISSING(name) mu_real_missing((const void *)mu_real()->name, #name)
+
+/* Thread-local recursion guard: mu_guard_enter() is false when this thread is already inside
+ * the shim (then call the real function directly and do not call mu_guard_leave). */
+bool mu_guard_enter(void);
+void mu_guard_leave(void);
+
+/* ---- key.c: descriptors -> kernel key (docs/kernel-key.md), algorithm and math names ----- */
+
+typedef enum { MU_DIR_FWD = 0, MU_DIR_BWD_DATA = 1, MU_DIR_BWD_FILTER = 2 } mu_direction;
+
+#define MU_KEY_MAX 512
+#define MU_MAX_DIMS 8
+
+/* A convolution's descriptors in forward terms (x: x or dx, y: y or dy, w: w or dw). */
+typedef struct {
+    mu_direction dir;
+    cudnnTensorDescriptor_t x;
+    cudnnFilterDescriptor_t w;
+    cudnnConvolutionDescriptor_t conv;
+    cudnnTensorDescriptor_t y;
+} mu_conv_descs;
+
+/* What the shim knows about one keyed call. */
+typedef struct {
+    char key[MU_KEY_MAX];
+    uint64_t hash;       /* of (key, n) */
+    int n;               /* batch size */
+    int nb_dims;         /* 4 or 5 */
+    cudnnDataType_t dtype;
+    cudnnMathType_t math; /* the caller's descriptor's */
+    int x_dims[MU_MAX_DIMS], x_strides[MU_MAX_DIMS];
+    int y_dims[MU_MAX_DIMS], y_strides[MU_MAX_DIMS];
+} mu_kernel;
+
+/* Keys a call. Returns NULL on success, else a short static reason why it has no key. */
+const char *mu_kernel_from_descs(const mu_conv_descs *descs, mu_kernel *kernel);
+/* Hash of (key, n), the plan table's and the kernel table's. */
+uint64_t mu_kernel_hash(const char *key, int n);
+/* Structural check of a key string (all fields, in order); on success *dir is its direction. */
+const char *mu_key_check(const char *key, mu_direction *dir);
+
+const char *mu_direction_name(mu_direction dir);
+int mu_algo_count(mu_direction dir);
+/* Name of an algorithm (docs/plan-format.md), "?" when out of range. */
+const char *mu_algo_name(mu_direction dir, int algo);
+/* Enum value of an algorithm name, -1 when unknown. */
+int mu_algo_from_name(mu_direction dir, const char *name);
+const char *mu_math_name(cudnnMathType_t math);
+int mu_math_from_name(const char *name);
+/* Bytes of one element, 0 for data types without a key. */
+size_t mu_dtype_size(cudnnDataType_t dtype);
+
+/* ---- plan.c: the plan file (docs/plan-format.md) ------------------------------------------ */
+
+typedef struct {
+    int batch;
+    int algo;
+    cudnnMathType_t math;
+} mu_piece;
+
+struct mu_exec_cache; /* exec.c */
+
+typedef struct mu_plan_entry {
+    char *key;
+    mu_direction dir;
+    int n;
+    size_t workspace;
+    double time_ms;
+    int piece_count;
+    mu_piece *pieces;
+    uint64_t hash;
+    struct mu_plan_entry *next_in_bucket;
+    /* Run time state (the rest is immutable after loading). */
+    _Atomic(struct mu_exec_cache *) cache; /* micro-batch descriptors, created on first use */
+    atomic_bool disabled;                   /* set when the plan failed where undivided cuDNN may not */
+} mu_plan_entry;
+
+typedef struct {
+    char *path;
+    char *gpu;
+    long cudnn_version;
+    char *strategy;
+    unsigned long long limit;
+    char *policy;
+    size_t entry_count;
+    mu_plan_entry *entries;
+    size_t bucket_mask;
+    mu_plan_entry **buckets;
+} mu_plan;
+
+/* Loads and validates a plan file. NULL on error with "PATH:LINE: what" in error. */
+mu_plan *mu_plan_load(const char *path, char *error, size_t error_size);
+/* The entry for (key, n), NULL if none. */
+mu_plan_entry *mu_plan_find(const mu_plan *plan, const char *key, int n, uint64_t hash);
+/* "4:implicit_gemm:fma 4:..." into buf (truncated with "..." when long). */
+void mu_plan_pieces_text(const mu_plan_entry *entry, char *buf, size_t size);
+
+/* ---- state.c: the process-wide configuration, set up once -------------------------------- */
+
+typedef struct {
+    bool disabled;             /* MUCUDNN_DISABLE: pure passthrough */
+    mu_plan *plan;             /* NULL when none, malformed or refused */
+    bool has_limit;
+    size_t workspace_limit;
+} mu_state;
+
+const mu_state *mu_config(void);
+
+/* ---- record.c: kernels seen, the record file, the exit summary ---------------------------- */
+
+typedef struct mu_seen {
+    char *key;
+    int n;
+    uint64_t hash;
+    atomic_ulong planned_calls;
+    atomic_ulong passthrough_calls;
+    atomic_bool first_call_logged;
+    struct mu_seen *_Atomic next_in_bucket;
+} mu_seen;
+
+/* Opens MUCUDNN_RECORD and registers the summary, as the options say (state.c calls it). */
+void mu_record_init(void);
+/* The entry of a kernel, added (and recorded) on first sight. NULL only when out of memory. */
+mu_seen *mu_seen_kernel(const mu_kernel *kernel);
+/* Counts a call that had no key. */
+void mu_count_unkeyed_call(void);
+
+/* ---- exec.c: cudnnConvolution* with a plan ----------------------------------------------- */
+
+/* One intercepted cudnnConvolution* call, in forward terms. */
+typedef struct {
+    mu_conv_descs descs;
+    cudnnHandle_t handle;
+    const void *alpha;
+    const void *beta;
+    void *x;   /* x (fwd, bwd_filter: read) or dx (bwd_data: written) */
+    void *w;   /* w (fwd, bwd_data: read) or dw (bwd_filter: written) */
+    void *y;   /* y (fwd: written) or dy (bwd_*: read) */
+    int algo;  /* the caller's */
+    void *workspace;
+    size_t workspace_size;
+} mu_conv_call;
+
+/* The body of every cudnnConvolution* wrapper. */
+cudnnStatus_t mu_convolution(const mu_conv_call *call);
+
+/* ---- query.c: algorithm queries, workspace sizes, the workspace limit ---------------------- */
+
+/* Layout shared by cudnnConvolution{Fwd,BwdData,BwdFilter}AlgoPerf_t (static-asserted). */
+typedef struct {
+    int algo;
+    cudnnStatus_t status;
+    float time;
+    size_t memory;
+    cudnnDeterminism_t determinism;
+    cudnnMathType_t mathType;
+    int reserved[3];
+} mu_perf;
+
+#define MU_MAX_PERF 64
+
+typedef struct mu_query {
+    mu_conv_descs descs;
+    cudnnHandle_t handle;
+    const char *function;  /* for messages */
+    /* The real query with the caller's arguments but this count and results buffer. */
+    cudnnStatus_t (*real_query)(const struct mu_query *q, int requested, int *returned, void *perf);
+    /* The real cudnnGet*WorkspaceSize for these descriptors. */
+    cudnnStatus_t (*real_workspace_size)(const struct mu_query *q, int algo, size_t *size);
+    const void *args;      /* the intercepted call's own arguments, for real_query */
+} mu_query;
+
+/* The body of every Get_v7/Find/FindEx wrapper; perf is the caller's typed results array. */
+cudnnStatus_t mu_algorithm_query(const mu_query *q, int requested, int *returned, void *perf);
+/* The body of every cudnnGet*WorkspaceSize wrapper. */
+cudnnStatus_t mu_workspace_size_query(const mu_query *q, int algo, size_t *size);
+
+/* ---- shared helpers ------------------------------------------------------------------------ */
+
+/* cudnnGetErrorString through the real table, safe before init. */
+const char *mu_status_text(cudnnStatus_t status);
+
+#endif /* MUCUDNN_INTERNAL_H */

@@ -1,0 +1,351 @@
+/*
+ * plan.c: a small hand-written parser of the plan file (docs/plan-format.md) and its lookup
+ * table on (key, N). Any error makes the whole file invalid; the message names file and line.
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+enum { HEADER_GPU, HEADER_CUDNN, HEADER_STRATEGY, HEADER_LIMIT, HEADER_POLICY, HEADER_COUNT };
+static const char *const header_names[HEADER_COUNT] = {"gpu", "cudnn", "strategy", "limit", "policy"};
+
+typedef struct {
+    const char *path;
+    int line_number;
+    char *error;
+    size_t error_size;
+    bool failed;
+    bool seen_version;
+    bool seen_header[HEADER_COUNT];
+    bool seen_kernel;
+    mu_plan *plan;
+    size_t entry_capacity;
+    int *entry_lines; /* line of each kernel record, for the duplicate message */
+} parser;
+
+MU_PRINTF(2, 3) static bool fail(parser *p, const char *fmt, ...) {
+    int used = snprintf(p->error, p->error_size, "%s:%d: ", p->path, p->line_number);
+    if (used >= 0 && (size_t)used < p->error_size) {
+        va_list args;
+        va_start(args, fmt);
+        vsnprintf(p->error + used, p->error_size - (size_t)used, fmt, args);
+        va_end(args);
+    }
+    p->failed = true;
+    return false;
+}
+
+/* Decimal digits only (no sign, no blanks), within max. */
+static bool parse_unsigned(const char *text, unsigned long long max, unsigned long long *value) {
+    if (!isdigit((unsigned char)text[0])) return false;
+    errno = 0;
+    char *end;
+    unsigned long long number = strtoull(text, &end, 10);
+    if (errno == ERANGE || *end != '\0' || number > max) return false;
+    *value = number;
+    return true;
+}
+
+static bool parse_positive_int(const char *text, int *value) {
+    unsigned long long number;
+    if (!parse_unsigned(text, 0x7fffffff, &number) || number < 1) return false;
+    *value = (int)number;
+    return true;
+}
+
+static bool parse_time(const char *text, double *value) {
+    if (!isdigit((unsigned char)text[0]) && text[0] != '.') return false;
+    char *end;
+    double number = strtod(text, &end);
+    if (*end != '\0' || !isfinite(number) || number < 0) return false;
+    *value = number;
+    return true;
+}
+
+static char *copy_string(const char *text) {
+    size_t length = strlen(text) + 1;
+    char *copy = malloc(length);
+    if (copy != NULL) memcpy(copy, text, length);
+    return copy;
+}
+
+/* Splits at runs of blanks, in place; returns the number of tokens (at most max). */
+static int split_blanks(char *line, char *tokens[], int max) {
+    int count = 0;
+    char *p = line;
+    while (*p && count < max) {
+        while (*p == ' ' || *p == '\t') p++;
+        if (!*p) break;
+        tokens[count++] = p;
+        while (*p && *p != ' ' && *p != '\t') p++;
+        if (*p) *p++ = '\0';
+    }
+    return count;
+}
+
+static bool parse_header(parser *p, int header, const char *value) {
+    mu_plan *plan = p->plan;
+    if (p->seen_kernel) return fail(p, "header record '%s' after a kernel record", header_names[header]);
+    if (p->seen_header[header]) return fail(p, "duplicate header record '%s'", header_names[header]);
+    if (value[0] == '\0') return fail(p, "header record '%s' has no value", header_names[header]);
+    p->seen_header[header] = true;
+    unsigned long long number;
+    switch (header) {
+    case HEADER_GPU: plan->gpu = copy_string(value); break;
+    case HEADER_CUDNN:
+        if (!parse_unsigned(value, 0x7fffffff, &number))
+            return fail(p, "cudnn version '%s' is not an integer", value);
+        plan->cudnn_version = (long)number;
+        break;
+    case HEADER_STRATEGY:
+        if (strcmp(value, "wr") != 0 && strcmp(value, "wd") != 0)
+            return fail(p, "strategy '%s' is not wr or wd", value);
+        plan->strategy = copy_string(value);
+        break;
+    case HEADER_LIMIT:
+        if (!parse_unsigned(value, ~0ULL, &plan->limit))
+            return fail(p, "limit '%s' is not a byte count", value);
+        break;
+    case HEADER_POLICY:
+        if (strcmp(value, "undivided") != 0 && strcmp(value, "powerOfTwo") != 0 &&
+            strcmp(value, "all") != 0)
+            return fail(p, "policy '%s' is not undivided, powerOfTwo or all", value);
+        plan->policy = copy_string(value);
+        break;
+    }
+    return true;
+}
+
+static bool parse_piece(parser *p, mu_direction dir, char *text, mu_piece *piece) {
+    char *algo = strchr(text, ':');
+    char *math = algo ? strchr(algo + 1, ':') : NULL;
+    if (algo == NULL || math == NULL || strchr(math + 1, ':') != NULL)
+        return fail(p, "piece '%s' is not B:ALGO:MATH", text);
+    *algo++ = '\0';
+    *math++ = '\0';
+    if (!parse_positive_int(text, &piece->batch))
+        return fail(p, "piece batch size '%s' is not an integer >= 1", text);
+    piece->algo = mu_algo_from_name(dir, algo);
+    if (piece->algo < 0)
+        return fail(p, "unknown %s algorithm '%s'", mu_direction_name(dir), algo);
+    int math_value = mu_math_from_name(math);
+    if (math_value < 0)
+        return fail(p, "unknown math type '%s' (expected default, tensor_op, tensor_op_conv or fma)", math);
+    piece->math = (cudnnMathType_t)math_value;
+    return true;
+}
+
+static mu_plan_entry *new_entry(parser *p) {
+    mu_plan *plan = p->plan;
+    if (plan->entry_count == p->entry_capacity) {
+        size_t capacity = p->entry_capacity ? 2 * p->entry_capacity : 64;
+        mu_plan_entry *entries = realloc(plan->entries, capacity * sizeof *entries);
+        if (entries == NULL) return NULL;
+        plan->entries = entries;
+        int *lines = realloc(p->entry_lines, capacity * sizeof *lines);
+        if (lines == NULL) return NULL;
+        p->entry_lines = lines;
+        p->entry_capacity = capacity;
+    }
+    p->entry_lines[plan->entry_count] = p->line_number;
+    mu_plan_entry *entry = &plan->entries[plan->entry_count++];
+    memset(entry, 0, sizeof *entry);
+    return entry;
+}
+
+/* kernel KEY N WORKSPACE TIME PIECE [PIECE ...] */
+static bool parse_kernel(parser *p, char *tokens[], int count) {
+    for (int h = 0; h < HEADER_COUNT; h++)
+        if (!p->seen_header[h])
+            return fail(p, "kernel record before header record '%s'", header_names[h]);
+    p->seen_kernel = true;
+    if (count < 6) return fail(p, "kernel record needs KEY N WORKSPACE TIME and at least one PIECE");
+    mu_direction dir;
+    const char *why = mu_key_check(tokens[1], &dir);
+    if (why != NULL) return fail(p, "%s: '%s'", why, tokens[1]);
+    int n;
+    unsigned long long workspace;
+    double time_ms;
+    if (!parse_positive_int(tokens[2], &n)) return fail(p, "N '%s' is not an integer >= 1", tokens[2]);
+    if (!parse_unsigned(tokens[3], (size_t)-1, &workspace))
+        return fail(p, "workspace '%s' is not a byte count", tokens[3]);
+    if (!parse_time(tokens[4], &time_ms))
+        return fail(p, "time '%s' is not a decimal number >= 0", tokens[4]);
+
+    mu_plan_entry *entry = new_entry(p);
+    mu_piece *pieces = malloc((size_t)(count - 5) * sizeof *pieces);
+    char *key = copy_string(tokens[1]);
+    if (entry == NULL || pieces == NULL || key == NULL) {
+        free(pieces);
+        free(key);
+        return fail(p, "out of memory");
+    }
+    *entry = (mu_plan_entry){.key = key, .dir = dir, .n = n, .workspace = (size_t)workspace,
+                             .time_ms = time_ms, .piece_count = count - 5, .pieces = pieces};
+    long long total = 0;
+    for (int i = 0; i < entry->piece_count; i++) {
+        if (!parse_piece(p, dir, tokens[5 + i], &pieces[i])) return false;
+        total += pieces[i].batch;
+    }
+    if (total != n) return fail(p, "pieces add up to %lld samples, not N = %d", total, n);
+    return true;
+}
+
+static bool parse_line(parser *p, char *line) {
+    size_t length = strlen(line);
+    while (length > 0 && isspace((unsigned char)line[length - 1])) line[--length] = '\0';
+    char *start = line;
+    while (*start == ' ' || *start == '\t') start++;
+    if (*start == '\0' || *start == '#') return true;
+
+    /* The record name; a header's value is the rest of the line (a GPU name has blanks). */
+    char *rest = start + strcspn(start, " \t");
+    if (*rest) *rest++ = '\0';
+    while (*rest == ' ' || *rest == '\t') rest++;
+
+    if (!p->seen_version) {
+        if (strcmp(start, "mucudnn-plan") != 0)
+            return fail(p, "not a plan file: the first record must be 'mucudnn-plan 1', got '%s'", start);
+        if (strcmp(rest, "1") != 0)
+            return fail(p, "plan file version '%s' is not supported (this shim reads version 1)", rest);
+        p->seen_version = true;
+        return true;
+    }
+    for (int h = 0; h < HEADER_COUNT; h++)
+        if (strcmp(start, header_names[h]) == 0) return parse_header(p, h, rest);
+    if (strcmp(start, "kernel") == 0) {
+        /* Tokens: "kernel", KEY, N, WORKSPACE, TIME, then up to (length of line) pieces. */
+        size_t max_tokens = 1 + strlen(rest) / 2 + 1;
+        char **tokens = malloc((max_tokens + 1) * sizeof *tokens);
+        if (tokens == NULL) return fail(p, "out of memory");
+        tokens[0] = start;
+        int count = 1 + split_blanks(rest, tokens + 1, (int)max_tokens);
+        bool ok = parse_kernel(p, tokens, count);
+        free(tokens);
+        return ok;
+    }
+    if (strcmp(start, "mucudnn-plan") == 0) return fail(p, "duplicate 'mucudnn-plan' record");
+    return fail(p, "unknown record '%s'", start);
+}
+
+static bool build_table(parser *p) {
+    mu_plan *plan = p->plan;
+    size_t buckets = 16;
+    while (buckets < 2 * plan->entry_count) buckets *= 2;
+    plan->buckets = calloc(buckets, sizeof *plan->buckets);
+    if (plan->buckets == NULL) return fail(p, "out of memory");
+    plan->bucket_mask = buckets - 1;
+    for (size_t i = 0; i < plan->entry_count; i++) {
+        mu_plan_entry *entry = &plan->entries[i];
+        entry->hash = mu_kernel_hash(entry->key, entry->n);
+        if (mu_plan_find(plan, entry->key, entry->n, entry->hash) != NULL) {
+            p->line_number = p->entry_lines[i];
+            return fail(p, "duplicate kernel %s N=%d", entry->key, entry->n);
+        }
+        mu_plan_entry **bucket = &plan->buckets[entry->hash & plan->bucket_mask];
+        entry->next_in_bucket = *bucket;
+        *bucket = entry;
+    }
+    return true;
+}
+
+static char *read_file(const char *path, char *error, size_t error_size) {
+    FILE *file = fopen(path, "rb");
+    if (file == NULL) {
+        snprintf(error, error_size, "%s:0: cannot open plan file: %s", path, strerror(errno));
+        return NULL;
+    }
+    size_t capacity = 1 << 16, length = 0;
+    char *text = malloc(capacity);
+    while (text != NULL) {
+        length += fread(text + length, 1, capacity - length - 1, file);
+        if (length < capacity - 1) break;
+        char *bigger = realloc(text, capacity *= 2);
+        if (bigger == NULL) free(text);
+        text = bigger;
+    }
+    bool read_error = ferror(file);
+    fclose(file);
+    if (text == NULL || read_error) {
+        free(text);
+        snprintf(error, error_size, "%s:0: cannot read plan file", path);
+        return NULL;
+    }
+    text[length] = '\0';
+    return text;
+}
+
+static void free_plan(mu_plan *plan) {
+    if (plan == NULL) return;
+    for (size_t i = 0; i < plan->entry_count; i++) {
+        free(plan->entries[i].key);
+        free(plan->entries[i].pieces);
+    }
+    free(plan->entries);
+    free(plan->buckets);
+    free(plan->path);
+    free(plan->gpu);
+    free(plan->strategy);
+    free(plan->policy);
+    free(plan);
+}
+
+mu_plan *mu_plan_load(const char *path, char *error, size_t error_size) {
+    char *text = read_file(path, error, error_size);
+    if (text == NULL) return NULL;
+    parser p = {.path = path, .error = error, .error_size = error_size};
+    p.plan = calloc(1, sizeof *p.plan);
+    if (p.plan == NULL) {
+        free(text);
+        snprintf(error, error_size, "%s:0: out of memory", path);
+        return NULL;
+    }
+    char *line = text;
+    while (line != NULL && *line != '\0' && !p.failed) { /* (no line after a final newline) */
+        char *newline = strchr(line, '\n');
+        if (newline) *newline = '\0';
+        p.line_number++;
+        parse_line(&p, line);
+        line = newline ? newline + 1 : NULL;
+    }
+    if (!p.failed && !p.seen_version) fail(&p, "empty plan file (expected 'mucudnn-plan 1')");
+    for (int h = 0; h < HEADER_COUNT && !p.failed; h++)
+        if (!p.seen_header[h]) fail(&p, "missing header record '%s'", header_names[h]);
+    if (!p.failed) build_table(&p);
+    free(text);
+    free(p.entry_lines);
+    if (!p.failed && (p.plan->path = copy_string(path)) == NULL) fail(&p, "out of memory");
+    if (p.failed) {
+        free_plan(p.plan);
+        return NULL;
+    }
+    return p.plan;
+}
+
+mu_plan_entry *mu_plan_find(const mu_plan *plan, const char *key, int n, uint64_t hash) {
+    for (mu_plan_entry *entry = plan->buckets[hash & plan->bucket_mask]; entry != NULL;
+         entry = entry->next_in_bucket)
+        if (entry->hash == hash && entry->n == n && strcmp(entry->key, key) == 0) return entry;
+    return NULL;
+}
+
+void mu_plan_pieces_text(const mu_plan_entry *entry, char *buf, size_t size) {
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < entry->piece_count; i++) {
+        const mu_piece *piece = &entry->pieces[i];
+        int wrote = snprintf(buf + used, size - used, "%s%d:%s:%s", i ? " " : "", piece->batch,
+                             mu_algo_name(entry->dir, piece->algo), mu_math_name(piece->math));
+        if (wrote < 0 || used + (size_t)wrote >= size) {
+            if (size > 4) strcpy(buf + size - 4, "...");
+            return;
+        }
+        used += (size_t)wrote;
+    }
+}

@@ -1,0 +1,62 @@
+"""mucudnn.shimlib: finding headers and a compiler, building and caching libmucudnn.so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fakebuild  # noqa: E402
+
+from mucudnn import shimlib  # noqa: E402
+from mucudnn.errors import LibraryNotFoundError, MucudnnError  # noqa: E402
+
+
+@pytest.fixture
+def headers(monkeypatch):
+    reason = fakebuild.missing_prerequisite()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("MUCUDNN_CUDNN_INCLUDE", str(fakebuild.find_cudnn_include()))
+    monkeypatch.setenv("CUDA_HOME", str(fakebuild.find_cuda_include().parent))
+
+
+def test_build_is_cached_by_content(headers, tmp_path, monkeypatch):
+    monkeypatch.setenv("MUCUDNN_SHIM_DIR", str(tmp_path))
+    library = shimlib.build_shim()
+    assert library.name == "libmucudnn.so" and library.parent.parent == tmp_path
+    built_at = library.stat().st_mtime_ns
+    assert shimlib.shim_path() == library and library.stat().st_mtime_ns == built_at
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True,
+                             text=True).stdout
+    for direction in ("Forward", "BackwardData", "BackwardFilter"):
+        assert f" T cudnnConvolution{direction}\n" in symbols
+    assert " T cudnnCreate\n" not in symbols  # everything else passes through untouched
+    needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True).stdout
+    assert "libcudnn" not in needed  # found with dlsym at run time, never linked
+
+
+def test_missing_cudnn_headers_name_the_places_tried(tmp_path, monkeypatch):
+    monkeypatch.setenv("MUCUDNN_CUDNN_INCLUDE", str(tmp_path))
+    monkeypatch.setattr(shimlib, "_nvidia_wheel_dirs", lambda *parts: [])
+    if Path("/usr/include/cudnn.h").exists() or Path("/usr/local/cuda/include/cudnn.h").exists():
+        pytest.skip("system cuDNN headers present")
+    with pytest.raises(LibraryNotFoundError, match=f"cudnn.h not found \\(tried {tmp_path}, "):
+        shimlib.find_cudnn_include()
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    with pytest.raises(MucudnnError, match="no C compiler found \\(tried no-such-compiler-xyz\\)"):
+        shimlib.build_shim()
+
+
+def test_a_failed_compile_carries_the_compiler_output(headers, tmp_path, monkeypatch):
+    monkeypatch.setenv("MUCUDNN_CUDNN_INCLUDE", str(tmp_path))
+    (tmp_path / "cudnn.h").write_text("#error this is not cudnn.h\n")
+    with pytest.raises(MucudnnError, match="this is not cudnn.h"):
+        shimlib.build_shim(out_dir=tmp_path / "out")

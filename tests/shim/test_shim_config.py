@@ -1,0 +1,110 @@
+"""Configuration of the shim: plan files (tests/data/plans), environment values, messages."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
+
+from shim_harness import FAKE_GPU_NAME, plan_line, shim_env  # noqa: E402,F401
+
+PLANS = Path(__file__).resolve().parents[1] / "data" / "plans"
+CASE = "dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 g=2 ws=65536 algo=0"
+
+
+def expected_line(path: Path) -> str:
+    match = re.match(r"# expect-error-line: (\S+)", path.read_text())
+    assert match, f"{path} lacks its '# expect-error-line: N' comment"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("path", sorted(PLANS.glob("invalid_*.plan")), ids=lambda p: p.stem)
+def test_a_malformed_plan_gives_one_error_naming_file_and_line_and_passes_through(shim_env, path):
+    run = shim_env.run([CASE], plan=path)
+    errors = run.shim_lines("error")
+    assert len(errors) == 1, run.stderr
+    line = expected_line(path)
+    where = f"{path}:{line}:" if line != "-" else f"{path}:"
+    assert errors[0].startswith(f"mucudnn: error: {where}"), errors[0]
+    assert errors[0].endswith("; passing every call through")
+    assert [c["n"] for c in run.conv_calls()] == ["8", "8"]  # undivided, then the reference
+    assert run.cases[0]["exact"] == "1"
+
+
+@pytest.mark.parametrize("path", sorted(PLANS.glob("valid_*.plan")), ids=lambda p: p.stem)
+def test_valid_plans_load_or_are_refused_for_another_gpu_or_cudnn(shim_env, path):
+    run = shim_env.run([CASE], plan=path, env={"MUCUDNN_LOG_LEVEL": "info"})
+    kernels = sum(1 for line in path.read_text().splitlines() if line.strip().startswith("kernel"))
+    if "other_gpu" in path.stem:
+        assert run.shim_lines("error") == [
+            f"mucudnn: error: {path}: plan is for gpu 'NVIDIA H200' but this process runs on "
+            f"'{FAKE_GPU_NAME}'; passing every call through"]
+    elif "other_cudnn" in path.stem:
+        assert run.shim_lines("error") == [
+            f"mucudnn: error: {path}: plan is for cudnn 90100 but this process runs cudnn 91900; "
+            "passing every call through"]
+    else:
+        assert not run.shim_lines("error"), run.stderr
+        assert any(f"loaded plan {path}: {kernels} kernel plans" in line
+                   for line in run.shim_lines("info")), run.stderr
+    assert run.cases[0]["exact"] == "1"
+
+
+def test_the_gpu_name_comes_from_the_driver(shim_env):
+    plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
+    run = shim_env.run([CASE], plan=plan, env={"FAKE_CUDNN_GPU_NAME": "Another GPU"})
+    assert "runs on 'Another GPU'" in run.shim_lines("error")[0]
+    assert len(run.conv_calls()) == 2  # refused: undivided
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("MUCUDNN_WORKSPACE_LIMIT", "lots"), ("MUCUDNN_WORKSPACE_LIMIT", "64XB"),
+    ("MUCUDNN_WORKSPACE_LIMIT", "-5"), ("MUCUDNN_LOG_LEVEL", "loud"), ("MUCUDNN_DISABLE", "maybe"),
+    ("MUCUDNN_SUMMARY", "2"),
+])
+def test_a_malformed_value_gives_one_warning_and_the_default(shim_env, variable, value):
+    plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
+    run = shim_env.run([CASE, CASE], plan=plan, env={variable: value})
+    warnings = run.shim_lines("warning")
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"mucudnn: warning: {variable}='{value}' is not valid (expected "), run.stderr
+    assert warnings[0].endswith("; using the default")
+    assert [c["n"] for c in run.conv_calls()] == ["4", "4", "8"] * 2  # the defaults: plan runs
+
+
+@pytest.mark.parametrize("value, bytes_", [("123", 123), ("512KiB", 512 << 10), ("64MiB", 64 << 20),
+                                           ("1GiB", 1 << 30), ("2GB", 2 * 10**9), ("0", 0)])
+def test_workspace_limit_values(shim_env, value, bytes_):
+    run = shim_env.run([CASE.replace("n=8", "op=ws n=8")],
+                       env={"MUCUDNN_WORKSPACE_LIMIT": value, "MUCUDNN_LOG_LEVEL": "debug"})
+    assert (f"mucudnn: debug: option MUCUDNN_WORKSPACE_LIMIT = {bytes_} (environment;"
+            in run.stderr), run.stderr
+
+
+def test_debug_level_prints_every_option_and_each_piece(shim_env):
+    plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
+    run = shim_env.run([CASE], plan=plan, env={"MUCUDNN_LOG_LEVEL": "3"})
+    for name in ("DISABLE", "PLAN", "WORKSPACE_LIMIT", "RECORD", "LOG_LEVEL", "LOG_FILE", "SUMMARY"):
+        assert f"mucudnn: debug: option MUCUDNN_{name} = " in run.stderr
+    assert run.stderr.count(" piece ") == 2 and "piece 2/2: b=4 algo=gemm math=fma" in run.stderr
+
+
+def test_log_file_and_summary(shim_env, tmp_path):
+    log = tmp_path / "shim.log"
+    plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
+    other = CASE.replace("n=8", "n=3")
+    unkeyable = CASE.replace("dir=fwd", "dir=fwd layout=padded")
+    run = shim_env.run([CASE, CASE, other, unkeyable], plan=plan,
+                       env={"MUCUDNN_SUMMARY": "yes", "MUCUDNN_LOG_FILE": str(log)})
+    assert not run.stderr
+    summary = [line.split(None, 5)[2:] for line in log.read_text().splitlines()
+               if line.startswith("mucudnn: summary:")]
+    assert summary[0] == ["planned", "passthrough", "N", "kernel"]
+    rows = {(row[2], row[3]): (row[0], row[1]) for row in summary[1:]}
+    key = run.cases[0]["key"]
+    assert rows[("8", key)] == ("2", "0") and rows[("3", key)] == ("0", "1")
+    assert rows[("-", "(calls without a kernel key)")] == ("0", "1")

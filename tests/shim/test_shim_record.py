@@ -1,0 +1,83 @@
+"""Kernel keys (the Python/C contract, tests/data/keys.txt) and MUCUDNN_RECORD."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
+
+from shim_harness import key_of, parse_fields, plan_line, shim_env  # noqa: E402,F401
+
+KEYS = Path(__file__).resolve().parents[1] / "data" / "keys.txt"
+
+
+def key_examples() -> list[tuple[str, str]]:
+    examples = []
+    for line in KEYS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            fields, _, key = line.partition(" => ")
+            examples.append((fields.strip(), key.strip()))
+    return examples
+
+
+def test_keys_file_has_examples_of_every_kind():
+    fields = [parse_fields(f) for f, _ in key_examples()]
+    for name, values in [("dir", {"fwd", "bwd_data", "bwd_filter"}), ("dt", {"f32", "f64", "f16", "bf16"}),
+                         ("layout", {"nchw", "nhwc", "padded"}), ("mode", {"xcorr", "conv"})]:
+        assert {f[name] for f in fields} == values
+
+
+@pytest.mark.parametrize("fields, key", key_examples())
+def test_python_builds_the_expected_key(fields, key):
+    if key == "-":
+        pytest.skip("descriptors without a key have no ConvProblem")
+    assert key_of(fields) == key
+
+
+def test_the_shim_builds_the_expected_keys(shim_env):
+    """The contract test: the shim's key from real descriptors == ConvProblem(...).key."""
+    examples = key_examples()
+    run = shim_env.run([f"op=key {fields}" for fields, _ in examples])
+    for (fields, key), result in zip(examples, run.cases):
+        assert result.get("key", "-") == key, (fields, result)
+        if key == "-":
+            assert "nokey" in result
+
+
+def test_record_appends_each_kernel_and_n_once(shim_env, tmp_path):
+    from mucudnn.problem import ConvProblem
+
+    record = tmp_path / "kernels.rec"
+    record.write_text("# an earlier process\n")
+    conv = "dir=bwd_filter n=4 c=2 in=6x6 k=3 f=3x3 ws=0"
+    query = "op=get_v7 dir=fwd n=5 c=2 in=6x6 k=3 f=3x3 layout=nhwc"
+    size = "op=ws dir=bwd_data n=2 c=2 in=5x5x5 k=2 f=1x1x1"
+    unkeyable = "dir=fwd n=4 c=2 in=6x6 k=3 f=3x3 layout=padded ws=0"
+    cases = [conv, query, conv, size, conv.replace("n=4", "n=7"), unkeyable, query]
+    for _ in range(2):  # a second process appends to the same file
+        run = shim_env.run(cases, env={"MUCUDNN_RECORD": str(record)}, threads=3)
+        assert run.returncode == 0 and not run.stderr
+    lines = record.read_text().splitlines()
+    headers = [line for line in lines[1:] if line.startswith("#")]
+    assert len(headers) == 2 and all(h.startswith("# mucudnn-record 1 pid=") for h in headers)
+    kernels = [line for line in lines if not line.startswith("#")]
+    expected = {(key_of(c), int(parse_fields(c)["n"])) for c in (conv, query, size, conv.replace("n=4", "n=7"))}
+    assert len(kernels) == 2 * len(expected)  # once per process
+    recorded = set()
+    for line in kernels:
+        word, key, n = line.split(" ")
+        assert word == "kernel"
+        problem = ConvProblem.from_key(key, int(n))
+        assert problem.key == key
+        recorded.add((key, int(n)))
+    assert recorded == expected
+
+
+def test_record_file_that_cannot_be_opened_is_one_error(shim_env, tmp_path):
+    case = "dir=fwd n=4 c=2 in=6x6 k=3 f=3x3 ws=0"
+    run = shim_env.run([case], env={"MUCUDNN_RECORD": str(tmp_path / "missing" / "x.rec")})
+    assert len(run.shim_lines("error")) == 1 and "MUCUDNN_RECORD=" in run.stderr
+    assert run.cases[0]["exact"] == "1"
