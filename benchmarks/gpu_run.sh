@@ -6,7 +6,8 @@
 set -u
 OUT=${OUT:-/tmp/mucudnn-out}
 STATE=${STATE:-.gpu-state}           # carried between calls: the store measured so far
-mkdir -p "$OUT" "$STATE"
+LOGS="$OUT/logs"                     # folded into $OUT/logs.tgz at the end (few files come back)
+mkdir -p "$LOGS" "$STATE"
 export PYTHONUNBUFFERED=1 MUCUDNN_STORE="$STATE/store.sqlite"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -19,9 +20,9 @@ stage() {  # stage NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date +%T))"
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
-  echo "    rc=$rc in $((SECONDS - t0)) s; tail:"; tail -n 6 "$OUT/$name.log" | sed 's/^/    /'
+  echo "    rc=$rc in $((SECONDS - t0)) s; tail:"; tail -n 6 "$LOGS/$name.log" | sed 's/^/    /'
 }
 
 for s in "$@"; do case $s in
@@ -34,19 +35,23 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
   bench-r50)  # tuning wall time: a fresh store, ResNet-50, powerOfTwo, 3 directions, then tune
     rm -f "$OUT/r50-fresh.sqlite"*
     stage bench-r50 420 bash -c "/usr/bin/time -f 'bench wall %e s' $MU bench resnet50 --no-progress --store $OUT/r50-fresh.sqlite &&
-      /usr/bin/time -f 'tune wall %e s' $MU tune resnet50 --workspace-limit 64MiB --store $OUT/r50-fresh.sqlite -o $OUT/r50-64MiB.plan &&
+      /usr/bin/time -f 'tune wall %e s' $MU tune resnet50 --workspace-limit 64MiB --store $OUT/r50-fresh.sqlite -o $LOGS/r50-64MiB.plan &&
       python3 -c 'from mucudnn.store import open_store; import sys; print(\"merged\", open_store().put_rows(open_store(sys.argv[1]).rows()), \"rows\")' $OUT/r50-fresh.sqlite"
     rm -f "$OUT/r50-fresh.sqlite"* ;;
   bench-*) net=${s#bench-}; stage "bench-$net" ${BENCH_TIMEOUT:-240} $MU bench "$net" --no-progress ;;
   validate-tuner) stage validate-tuner 400 python3 benchmarks/validate_tuner.py --store "$MUCUDNN_STORE" \
-      --networks alexnet resnet50 --limits 8MiB 64MiB 512MiB --out "$OUT/validate-tuner.json" ;;
+      --networks alexnet resnet50 --limits 8MiB 64MiB 512MiB --out "$LOGS/validate-tuner.json" ;;
   export) stage export 120 python3 -c "
 import gzip, sys
 from mucudnn.store import open_store
 with open_store() as s, gzip.open('$OUT/measurements.csv.gz', 'wt', newline='') as f:
     s.export_csv(f)
 print(open_store().environments())" ;;
+  build-shim) stage build-shim 120 $MU build-shim --force ;;
+  shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
+      --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;
 esac; done
 cp "$MUCUDNN_STORE" "$OUT/store.sqlite" 2>/dev/null
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 ls -la "$OUT"

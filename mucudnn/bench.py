@@ -18,11 +18,12 @@ from .measurement import Measurement, Status
 from .problem import ALGORITHMS, ConvProblem, DataType, Direction, Layout, MathType
 from .timing import TimingMethod, do_bench
 
-# Math types a kernel may be run with, given the caller's choice: never one that is less exact.
+# Math types a kernel may be run with: the caller's (PyTorch sets the math type cuDNN's query
+# reports back on its descriptor, so plans keep it), plus a second one where the caller allows it.
 MATH_CANDIDATES: dict[MathType, tuple[MathType, ...]] = {
     MathType.FMA: (MathType.FMA,),
-    MathType.DEFAULT: (MathType.DEFAULT, MathType.FMA),
-    MathType.TENSOR_OP: (MathType.TENSOR_OP, MathType.DEFAULT),
+    MathType.DEFAULT: (MathType.DEFAULT,),
+    MathType.TENSOR_OP: (MathType.TENSOR_OP,),
     MathType.TENSOR_OP_ALLOW_CONVERSION: (MathType.TENSOR_OP_ALLOW_CONVERSION, MathType.TENSOR_OP),
 }
 

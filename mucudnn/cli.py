@@ -69,21 +69,23 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
 
 
 @main.command()
-@click.argument("config")
+@click.argument("config", required=False)
+@click.option("--recording", "recordings", multiple=True, type=click.Path(exists=True),
+              help="benchmark the kernels a `mucudnn record` run wrote (repeatable)")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True,
               help="micro-batch sizes to measure")
 @click.option("--remeasure", is_flag=True, help="measure again what the store already has")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @store_option
-def bench(config, policy, remeasure, no_progress, store_path):
-    """Benchmark every algorithm of CONFIG's kernels (a name like resnet50, or a YAML path) on
-    this GPU, at each micro-batch size of the policy, into the store."""
-    from .config import find_config, load_config
-    from .tuner import benchmark
-    cfg = load_config(find_config(config))
-    timed = benchmark(cfg, policy, store=store_path, remeasure=remeasure,
+def bench(config, recordings, policy, remeasure, no_progress, store_path):
+    """Benchmark every algorithm of the kernels of CONFIG (a name like resnet50, or a YAML path)
+    or of --recording files on this GPU, at each micro-batch size of the policy, into the store."""
+    from .tuner import as_kernels, benchmark
+    source = _kernels(config, recordings)
+    timed = benchmark(source, policy, store=store_path, remeasure=remeasure,
                       progress=not no_progress)
-    click.echo(f"{cfg.name}: measured {timed} kernel sizes "
+    name = getattr(source, "name", "recording")
+    click.echo(f"{name}: {len(as_kernels(source))} kernels, measured {timed} kernel sizes "
                f"({'all reused from the store' if timed == 0 else 'stored'})")
 
 

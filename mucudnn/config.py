@@ -1,6 +1,6 @@
 """Network configs: the convolution layers of a network, read from YAML (docs/configs.md).
 
-:func:`load_config` turns a YAML file into a :class:`NetworkConfig`; :meth:`NetworkConfig.kernels`
+:func:`load_config` turns a YAML file (a path or a shipped name) into a :class:`NetworkConfig`; :meth:`NetworkConfig.kernels`
 lists the kernels (one :class:`~mucudnn.problem.ConvProblem` per layer and direction) with how many
 times each runs per training step. :func:`find_config` resolves a shipped config's name
 (``resnet50``) or a path to a file; :func:`list_configs` names the shipped configs.
@@ -158,9 +158,10 @@ def find_config(name_or_path: str | Path) -> Path:
 
 # -- loading --------------------------------------------------------------------------------------
 
-def load_config(path: str | Path) -> NetworkConfig:
-    """Read and validate the config file at ``path``; :class:`ConfigError` says what is wrong."""
-    path = Path(path)
+def load_config(name_or_path: str | Path) -> NetworkConfig:
+    """Read and validate a config file, given as a path or a shipped config's name (see
+    :func:`find_config`); :class:`ConfigError` says what is wrong."""
+    path = find_config(name_or_path)
     document = _parse_yaml(_read_text(path), path)
     if document is None:
         raise ConfigError(f"{path}: the file is empty; expected a mapping with at least the "
@@ -369,7 +370,8 @@ def _parse_kind(entry: _Mapping, where: _Where, defaults: dict[str, Any]) -> dic
 
 
 def _default_compute_type(dtype: DataType) -> DataType:
-    """f64 data computes in f64; f32, f16 and bf16 compute in f32, as PyTorch sets it."""
+    """f64 data computes in f64, all else in f32 (for f16 what PyTorch sets, and cuDNN's
+    PSEUDO_HALF / PSEUDO_BFLOAT16 configurations)."""
     return DataType.DOUBLE if dtype is DataType.DOUBLE else DataType.FLOAT
 
 

@@ -1,9 +1,9 @@
 """Per-kernel planning: the workspace-reuse (WR) dynamic program and the Pareto fronts WD needs.
 
 Both work on one kernel's measurements: for each candidate micro-batch size (see
-:func:`candidate_sizes`), the successful rows say how long each (algorithm, math type) takes and how
-much workspace it needs. A plan for ``n`` is a multiset of pieces whose sizes add up to ``n``; its time
-is the sum of the pieces' times and its workspace the largest piece's.
+:func:`candidate_sizes`), the successful rows say how long each (algorithm, math type) takes and
+how much workspace it needs. A plan for ``n`` is a multiset of pieces whose sizes add up to ``n``;
+its time is the sum of the pieces' times and its workspace the largest piece's.
 
 Both programs use the same recursion over ``b = 1..n``: a plan for ``b`` is a first piece of some
 candidate size ``s <= b`` followed by a plan for ``b - s``. Both enumerate sizes largest first and
@@ -146,8 +146,9 @@ def best_plan(measurements: Iterable[Measurement], n: int, limit: int | None = N
     """The fastest plan for ``n`` samples whose every piece needs at most ``limit`` bytes (WR).
 
     ``measurements`` are one kernel's rows; only successful rows at candidate sizes of ``policy``
-    count. ``limit=None`` means no limit. Among equally fast plans the one with the smallest
-    workspace wins; remaining ties go to fewer pieces and then deterministically by size and name.
+    count. ``limit=None`` means no limit. Of the fastest plans it returns one with the smallest
+    workspace; ties beyond that are broken deterministically, whatever the order of the rows
+    (fewer pieces at each step of the recursion, then larger pieces, then algorithm names).
     Pieces are listed largest first.
 
     Raises ``ValueError`` if the rows belong to several kernels, :class:`MissingMeasurementsError`
@@ -173,16 +174,25 @@ def best_plan(measurements: Iterable[Measurement], n: int, limit: int | None = N
     return table.plan(best[n])
 
 
-def _prune(chains: Sequence[_Chain]) -> list[_Chain]:
-    """The Pareto front of ``chains`` by (time, workspace), by workspace ascending.
+# A candidate plan while building a front: (time_ms, workspace, count, order, piece, rest). Plain
+# tuples sort fast, and the unique ``order`` (enumeration order) means piece and rest are never
+# compared: ties go to fewer pieces, then to the earlier candidate, as in best_plan.
+_Candidate = tuple
 
-    Of plans with equal time and workspace the one with fewer pieces is kept, then the earliest
-    given (the sort is stable), which keeps the choice identical to :func:`best_plan`'s.
-    """
+
+def _extend(piece: Piece, rests: Sequence[_Chain], order: int) -> list[_Candidate]:
+    """Candidates ``piece`` followed by each of ``rests``, numbered from ``order`` on."""
+    return [(piece.time_ms + rest.time_ms, max(piece.workspace, rest.workspace), rest.count + 1,
+             order + i, piece, rest) for i, rest in enumerate(rests)]
+
+
+def _prune(candidates: list[_Candidate]) -> list[_Chain]:
+    """The Pareto front of ``candidates`` by (time, workspace), as chains by workspace ascending."""
+    candidates.sort()
     front: list[_Chain] = []
-    for chain in sorted(chains, key=_rank):
-        if not front or chain.workspace < front[-1].workspace:
-            front.append(chain)
+    for time_ms, workspace, count, _, piece, rest in candidates:
+        if not front or workspace < front[-1].workspace:
+            front.append(_Chain(time_ms, workspace, count, piece, rest))
     front.reverse()
     return front
 
@@ -199,13 +209,14 @@ def pareto_plans(measurements: Iterable[Measurement], n: int,
     """
     _check_limit("max_workspace", max_workspace)
     table = _read_table(measurements, n, policy)
-    singles = {size: _prune([_EMPTY.prepend(piece) for piece in pieces])
+    singles = {size: _prune([_extend(piece, [_EMPTY], order)[0]
+                             for order, piece in enumerate(pieces)])
                for size, pieces in table.fitting(max_workspace).items()}
     sizes = sorted(singles, reverse=True)
     fronts: list[list[_Chain]] = [[] for _ in range(n + 1)]
     fronts[0] = [_EMPTY]
     for b in range(1, n + 1):
-        candidates: list[_Chain] = []
+        candidates: list[_Candidate] = []
         for size in sizes:
             rests = fronts[b - size] if size <= b else []
             if not rests:
@@ -216,7 +227,7 @@ def pareto_plans(measurements: Iterable[Measurement], n: int,
                 # Rests no larger than this piece all give the piece's workspace, so of those only
                 # the fastest (the last of them) can be on the front.
                 hidden = bisect.bisect_right(rest_workspaces, piece.workspace)
-                candidates.extend(rest.prepend(piece) for rest in rests[max(hidden - 1, 0):])
+                candidates += _extend(piece, rests[max(hidden - 1, 0):], len(candidates))
         fronts[b] = _prune(candidates)
     if not fronts[n]:
         raise table.infeasible(max_workspace)

@@ -24,7 +24,7 @@ class SolverError(MucudnnError):
 
 def network_time(plans: Mapping[str, KernelPlan],
                  weights: Mapping[str, float] | None = None) -> float:
-    """Predicted time of one pass over the network: Σ weight[k] · time of plan k (weight default 1)."""
+    """Predicted time of one pass: Σ weight[k] · time of plan k (weights default to 1)."""
     weights = weights or {}
     return math.fsum(weights.get(key, 1) * plan.time_ms for key, plan in plans.items())
 
@@ -41,9 +41,9 @@ def solve_budget(fronts: Mapping[str, Sequence[KernelPlan]], budget: int,
 
     ``fronts[k]`` are the plans kernel ``k`` may use (usually its Pareto front; dominated plans are
     dropped here anyway), all for one kernel key and n; ``k`` is any label (e.g. ``"KEY N"``, as
-    a key may run at several N). ``weights[k]`` (default 1) is how many layers of the network run kernel
-    ``k``: its time counts that many times, but its workspace only once, because identical kernels
-    share one plan line and one buffer. The program: binary x[k,c]; minimise
+    a key may run at several N). ``weights[k]`` (default 1) is how many layers of the network run
+    kernel ``k``: its time counts that many times, but its workspace only once, because identical
+    kernels share one plan line and one buffer. The program: binary x[k,c]; minimise
     Σ w_k·t[k,c]·x[k,c] subject to Σ_c x[k,c] = 1 for every k and Σ m[k,c]·x[k,c] <= budget.
 
     Returns the chosen plans (objects from ``fronts``) in the order of ``fronts``.
@@ -117,22 +117,20 @@ def _solve(options: Mapping[str, Sequence[KernelPlan]], weight: Mapping[str, flo
     if not options:
         return {}
     problem = pulp.LpProblem("workspace_division", pulp.LpMinimize)
-    chosen = {
-        key: [problem.add_variable(f"x_{k}_{c}", cat=pulp.LpBinary) for c in range(len(plans))]
-        for k, (key, plans) in enumerate(options.items())
-    }
-    # Time above each kernel's fastest plan and workspace above its smallest: the same optimum
-    # with smaller, non-negative coefficients, which CBC handles better than raw values.
-    problem += pulp.LpAffineExpression([
-        (x, weight[key] * (plan.time_ms - plans[-1].time_ms))
-        for key, plans in options.items() for plan, x in zip(plans, chosen[key])
-    ])
-    for key, variables in chosen.items():
-        problem += pulp.LpAffineExpression([(x, 1) for x in variables]) == 1
-    problem += pulp.LpAffineExpression([
-        (x, plan.workspace - plans[0].workspace)
-        for key, plans in options.items() for plan, x in zip(plans, chosen[key])
-    ]) <= budget - sum(plans[0].workspace for plans in options.values())
+    picks = {key: [problem.add_variable(f"x_{k}_{c}", cat=pulp.LpBinary) for c in range(len(plans))]
+             for k, (key, plans) in enumerate(options.items())}
+    time_terms, workspace_terms = [], []
+    for key, plans in options.items():
+        fastest, smallest = plans[-1], plans[0]
+        for plan, x in zip(plans, picks[key], strict=True):
+            # Time above the kernel's fastest plan and workspace above its smallest: the same
+            # optimum with smaller, non-negative coefficients, which CBC handles better.
+            time_terms.append((x, weight[key] * (plan.time_ms - fastest.time_ms)))
+            workspace_terms.append((x, plan.workspace - smallest.workspace))
+        problem += pulp.LpAffineExpression([(x, 1) for x in picks[key]]) == 1
+    problem += pulp.LpAffineExpression(time_terms)
+    problem += pulp.LpAffineExpression(workspace_terms) <= \
+        budget - sum(plans[0].workspace for plans in options.values())
 
     status = _run_cbc(problem, time_limit_s)
     if status != pulp.LpStatusOptimal or problem.sol_status != pulp.LpSolutionOptimal:
@@ -143,7 +141,7 @@ def _solve(options: Mapping[str, Sequence[KernelPlan]], weight: Mapping[str, flo
             + (f" (time limit {time_limit_s} s)" if time_limit_s is not None else "")
         )
     result = {}
-    for key, variables in chosen.items():
+    for key, variables in picks.items():
         picked = [c for c, x in enumerate(variables) if (x.varValue or 0) > 0.5]
         if len(picked) != 1:
             raise SolverError(f"kernel {key}: the solver picked {len(picked)} plans, not one")
@@ -153,7 +151,7 @@ def _solve(options: Mapping[str, Sequence[KernelPlan]], weight: Mapping[str, flo
 
 def _run_cbc(problem: pulp.LpProblem, time_limit_s: float | None) -> int:
     with warnings.catch_warnings():
-        # PuLP 3.x deprecates its bundled CBC in favour of 4.x, which ships none (pyproject pins <4).
+        # PuLP 3.x deprecates its bundled CBC for 4.x, which ships none (pyproject pins <4).
         warnings.filterwarnings("ignore", message="PULP_CBC_CMD is deprecated",
                                 category=DeprecationWarning)
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)

@@ -1,8 +1,8 @@
 """What the optimizer produces: a kernel's mini-batch split into micro-batch pieces.
 
-A :class:`KernelPlan` runs its pieces one after another over consecutive slices of the mini-batch,
-all in one workspace buffer, so its time is the sum of the pieces' times and its workspace the largest
-piece's workspace.
+A :class:`KernelPlan` runs its pieces one after another over consecutive slices of the
+mini-batch, all in one workspace buffer, so its time is the sum of the pieces' times and its
+workspace the largest piece's workspace.
 """
 
 from __future__ import annotations

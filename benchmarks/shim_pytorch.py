@@ -1,0 +1,250 @@
+"""PyTorch + shim on the GPU (issue 3): correctness of gradients and step time / peak memory.
+
+``driver`` runs everything for each model, one subprocess per configuration, and writes a JSON
+report and a table. Configurations (all on PyTorch's legacy cuDNN path,
+TORCH_CUDNN_V8_API_DISABLED=1; fp32; SGD; random data; batch 256):
+
+- ``uncapped``: plain PyTorch;  ``capped``: cuDNN's own cap, CUDNN_CONV_WSCAP_DBG=64 (MiB);
+- ``passthrough``: the shim loaded with no plan (its overhead);
+- ``shim``: the shim with a WR plan tuned at 64 MiB (policy powerOfTwo) from a recording of what
+  this very model runs, and MUCUDNN_WORKSPACE_LIMIT=64MiB for anything unplanned.
+
+Timing runs use PyTorch's defaults (TF32 allowed in cuDNN); gradient checks turn TF32 off and compare
+loss and every parameter gradient with and without the shim (relative L2 error per tensor), with
+torch.backends.cudnn.benchmark off and on, and read the shim's log to count plans that really split
+the batch.
+
+    python benchmarks/shim_pytorch.py driver --models resnet50 vgg16 alexnet --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+MU = [sys.executable, "-m", "mucudnn"]
+
+
+# -- worker: runs inside the measured process ----------------------------------------------------
+
+def worker(args) -> None:
+    import torch
+    import torchvision
+
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, args.model)(num_classes=1000).cuda()
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(args.batch, 3, 224, 224, generator=gen).cuda()
+    labels = torch.randint(0, 1000, (args.batch,), generator=gen).cuda()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    if args.grads:
+        loss = loss_fn(model(images), labels)
+        loss.backward()
+        grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
+        torch.save({"loss": loss.item(), "grads": grads}, args.grads)
+        print(json.dumps({"loss": loss.item()}))
+        return
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    times = []
+    for i in range(args.warmup + args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = loss_fn(model(images), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        end.synchronize()
+        if i >= args.warmup:
+            times.append(start.elapsed_time(end))
+    print(json.dumps({"step_ms": statistics.median(times), "steps": len(times),
+                      "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
+                      "loss": loss.item()}))
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+def run_worker(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15, warmup=5,
+               grads: str | None = None, cudnn_benchmark=False, record=None, plan=None,
+               limit=None, log=None, batch=256) -> dict:
+    cmd = [sys.executable, str(HERE), "worker", "--model", model, "--batch", str(batch),
+           "--steps", str(steps), "--warmup", str(warmup)]
+    cmd += ["--tf32"] if tf32 else []
+    cmd += ["--cudnn-benchmark"] if cudnn_benchmark else []
+    cmd += ["--grads", grads] if grads else []
+    env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1", **env_extra)
+    if shim:
+        sub = ["record", "-o", record] if record else ["run"]
+        if plan:
+            sub += ["--plan", plan]
+        if limit:
+            sub += ["--workspace-limit", limit]
+        if log:
+            env.update(MUCUDNN_LOG_LEVEL="info", MUCUDNN_LOG_FILE=log)
+        cmd = MU + sub + ["--"] + cmd
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_s"] = time.perf_counter() - t0
+    result["stderr_tail"] = proc.stderr[-500:]
+    return result
+
+
+def compare_grads(a_path: str, b_path: str) -> dict:
+    import torch
+    a, b = torch.load(a_path), torch.load(b_path)
+    worst_name, worst = None, 0.0
+    for name, ga in a["grads"].items():
+        gb = b["grads"][name]
+        err = float((ga.double() - gb.double()).norm() / ga.double().norm().clamp_min(1e-30))
+        if not (err <= worst):
+            worst_name, worst = name, err
+    loss_err = abs(a["loss"] - b["loss"]) / abs(a["loss"])
+    return {"loss_rel_err": loss_err, "worst_grad_rel_err": worst, "worst_grad": worst_name,
+            "tensors": len(a["grads"])}
+
+
+def split_kernels(log_path: str) -> int:
+    """Kernels whose first execution ran a plan of more than one piece (from the shim's log)."""
+    try:
+        text = Path(log_path).read_text()
+    except OSError:
+        return 0
+    return sum(1 for m in re.finditer(r": plan, (\d+) pieces", text) if int(m.group(1)) > 1)
+
+
+def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str) -> tuple[str, dict]:
+    tag = f"{model}-{'tf32' if tf32 else 'fp32'}"
+    record = out / f"{tag}.record"
+    record.unlink(missing_ok=True)
+    run_worker(model, {}, tf32=tf32, shim=True, record=str(record), steps=1, warmup=1)
+    t0 = time.perf_counter()
+    bench = subprocess.run(MU + ["bench", "--recording", str(record), "--no-progress",
+                                 "--policy", policy], capture_output=True, text=True)
+    bench_s = time.perf_counter() - t0
+    if bench.returncode != 0:
+        raise RuntimeError(f"bench failed: {bench.stderr[-2000:]}")
+    plan = out / f"{tag}-{limit}-{policy}.plan"
+    tune = subprocess.run(MU + ["tune", "--recording", str(record), "--workspace-limit", limit,
+                                "--policy", policy, "-o", str(plan)],
+                          capture_output=True, text=True)
+    if tune.returncode != 0:
+        raise RuntimeError(f"tune failed: {tune.stderr[-2000:]}")
+    return str(plan), {"bench_s": bench_s, "bench": bench.stdout.strip(),
+                       "tune": tune.stdout.strip()}
+
+
+def driver(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"models": {}}
+    for model in args.models:
+        r = report["models"][model] = {}
+        try:
+            plan, info = prepare_plan(model, out, True, args.limit, args.policy)
+            r["prepare_tf32"] = info
+            timing = {
+                "uncapped": run_worker(model, {}, tf32=True, shim=False),
+                "capped": run_worker(model, {"CUDNN_CONV_WSCAP_DBG": str(args.cap_mib)},
+                                     tf32=True, shim=False),
+                "passthrough": run_worker(model, {}, tf32=True, shim=True),
+                "shim": run_worker(model, {}, tf32=True, shim=True, plan=plan, limit=args.limit,
+                                   log=str(out / f"{model}-tf32-shim.log")),
+                "uncapped_again": run_worker(model, {}, tf32=True, shim=False),
+            }
+            timing["shim"]["split_kernels"] = split_kernels(str(out / f"{model}-tf32-shim.log"))
+            r["timing"] = timing
+            print(f"[{model}] " + "  ".join(f"{k}={v['step_ms']:.1f}ms/{v['peak_bytes'] / 2**30:.2f}GiB"
+                                            for k, v in timing.items()), flush=True)
+        except Exception as exc:  # keep going: other models and the correctness part still run
+            r["timing_error"] = str(exc)
+            print(f"[{model}] timing failed: {exc}", flush=True)
+        if args.skip_grads:
+            continue
+        try:
+            plan32, info = prepare_plan(model, out, False, args.limit, args.policy)
+            r["prepare_fp32"] = info
+            checks = {}
+            for bench_mode in (False, True):
+                name = "benchmark_on" if bench_mode else "benchmark_off"
+                ref = str(out / f"{model}-{name}-ref.pt")
+                got = str(out / f"{model}-{name}-shim.pt")
+                log = str(out / f"{model}-{name}-shim.log")
+                Path(log).unlink(missing_ok=True)
+                run_worker(model, {}, tf32=False, shim=False, grads=ref, cudnn_benchmark=bench_mode,
+                           batch=args.grad_batch)
+                run_worker(model, {}, tf32=False, shim=True, grads=got, cudnn_benchmark=bench_mode,
+                           plan=plan32, limit=args.limit, log=log, batch=args.grad_batch)
+                checks[name] = {**compare_grads(ref, got), "split_kernels": split_kernels(log)}
+                for path in (ref, got):
+                    Path(path).unlink(missing_ok=True)
+            r["grads"] = checks
+            print(f"[{model}] grads {json.dumps(checks)}", flush=True)
+        except Exception as exc:
+            r["grads_error"] = str(exc)
+            print(f"[{model}] grads failed: {exc}", flush=True)
+    (out / "shim_pytorch.json").write_text(json.dumps(report, indent=1))
+    print_table(report)
+    return 0
+
+
+def print_table(report: dict) -> None:
+    print("\nmodel      uncapped ms  capped ms  shim ms  shim/capped speedup  shim/uncapped  "
+          "passthrough/uncapped  peak GiB uncapped/capped/shim  split kernels  worst grad err")
+    for model, r in report["models"].items():
+        t = r.get("timing")
+        if not t:
+            print(f"{model:10s} {r.get('timing_error', '')[:100]}")
+            continue
+        unc = min(t["uncapped"]["step_ms"], t["uncapped_again"]["step_ms"])
+        g = r.get("grads", {})
+        worst = max((c["worst_grad_rel_err"] for c in g.values()), default=float("nan"))
+        print(f"{model:10s} {unc:11.1f} {t['capped']['step_ms']:10.1f} {t['shim']['step_ms']:8.1f} "
+              f"{t['capped']['step_ms'] / t['shim']['step_ms']:20.2f} "
+              f"{t['shim']['step_ms'] / unc:14.3f} {t['passthrough']['step_ms'] / unc:21.3f}  "
+              f"{t['uncapped']['peak_bytes'] / 2**30:8.2f}/{t['capped']['peak_bytes'] / 2**30:.2f}/"
+              f"{t['shim']['peak_bytes'] / 2**30:.2f} {t['shim'].get('split_kernels', 0):14d}  "
+              f"{worst:.2e}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    w = sub.add_parser("worker")
+    w.add_argument("--model", required=True)
+    w.add_argument("--batch", type=int, default=256)
+    w.add_argument("--steps", type=int, default=15)
+    w.add_argument("--warmup", type=int, default=5)
+    w.add_argument("--tf32", action="store_true")
+    w.add_argument("--cudnn-benchmark", action="store_true")
+    w.add_argument("--grads")
+    d = sub.add_parser("driver")
+    d.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "alexnet"])
+    d.add_argument("--out", required=True)
+    d.add_argument("--limit", default="64MiB")
+    d.add_argument("--cap-mib", type=int, default=64)
+    d.add_argument("--policy", default="powerOfTwo")
+    d.add_argument("--grad-batch", type=int, default=256)
+    d.add_argument("--skip-grads", action="store_true")
+    args = ap.parse_args()
+    if args.mode == "worker":
+        worker(args)
+        return 0
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
