@@ -157,9 +157,8 @@ class Benchmarker:
         self.progress = progress
         self.cudnn = get()
         self.env = current_environment()
-        # blocking and current: CuPy's fills and frees stay ordered with cuDNN's work
+        # CuPy's fills and frees run on this stream too (see measure), in order with cuDNN's work
         self.stream = cupy.cuda.Stream()
-        self.stream.use()
         self.handle = self.cudnn.handle(self.stream.ptr)
         self.rng = cupy.random.default_rng(seed)
 
@@ -182,6 +181,10 @@ class Benchmarker:
 
     def measure(self, problem: ConvProblem, batches: Sequence[int], bar=None) -> list[Measurement]:
         """All algorithms and math types of ``problem`` at each size in ``batches`` (≤ problem.n)."""
+        with self.stream:
+            return self._measure(problem, batches, bar)
+
+    def _measure(self, problem: ConvProblem, batches: Sequence[int], bar) -> list[Measurement]:
         buffers = KernelBuffers.random(problem.with_n(max(batches)), self.rng)
         rows: list[Measurement] = []
         try:

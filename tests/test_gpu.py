@@ -100,10 +100,16 @@ def test_micro_batched_plan_equals_undivided(gpu, direction, alpha, beta):
     buffers = KernelBuffers.random(problem, cupy.random.default_rng(2))  # fresh inputs
     prior = buffers.output().astype("float64")
     reference = alpha * double_reference(cudnn, handle, buffers, stream) + beta * prior
+    # the same algorithm undivided, with the same alpha/beta, as a second witness
+    undivided = KernelBuffers(problem, buffers.x.copy(), buffers.w.copy(), buffers.y.copy())
+    _run(gpu, problem, undivided, algos[1], alpha=alpha, beta=beta)
+    undivided_error = _rel_error(cupy, undivided.output(), reference)
     ws = cupy.empty(entry.workspace, dtype="uint8")
     if beta == 0.0:
         buffers.output().fill(float("nan"))
     PlanExecutor(cudnn, handle, entry).run(buffers, ws.data.ptr, alpha=alpha, beta=beta)
     stream.synchronize()
     assert bool(cupy.isfinite(buffers.output()).all())
-    assert _rel_error(cupy, buffers.output(), reference) < 1e-5
+    plan_error = _rel_error(cupy, buffers.output(), reference)
+    assert plan_error < 1e-5 and undivided_error < 1e-5, \
+        f"plan error {plan_error:.3g}, undivided error {undivided_error:.3g}"

@@ -11,10 +11,30 @@
 static mu_real_table real_table;
 static pthread_once_t real_once = PTHREAD_ONCE_INIT;
 
+/* The loaded cuDNN, for symbols RTLD_NEXT cannot see: PyTorch's import loads libcudnn into a
+ * local (RTLD_LOCAL) scope, outside the global scope that RTLD_NEXT searches from an LD_PRELOADed
+ * library. RTLD_NOLOAD only finds a library already in the process (by soname), so this never
+ * loads a second cuDNN. */
+static void *loaded_cudnn(void) {
+    const char *names[] = {"libcudnn.so.9", "libcudnn.so"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        void *handle = dlopen(names[i], RTLD_LAZY | RTLD_NOLOAD);
+        if (handle != NULL) return handle;
+    }
+    return NULL;
+}
+
 /* dlsym calls nothing of cuDNN, so this cannot re-enter; mu_config(), which can, runs inside
  * the recursion guard. */
 static void resolve_real_functions(void) {
-#define MU_RESOLVE_REAL(name) real_table.name = (__typeof__(name) *)dlsym(RTLD_NEXT, #name);
+    void *cudnn = NULL;
+    bool looked_up = false;
+#define MU_RESOLVE_REAL(name)                                                   \
+    real_table.name = (__typeof__(name) *)dlsym(RTLD_NEXT, #name);              \
+    if (real_table.name == NULL) {                                              \
+        if (!looked_up) cudnn = loaded_cudnn(), looked_up = true;               \
+        if (cudnn != NULL) real_table.name = (__typeof__(name) *)dlsym(cudnn, #name); \
+    }
     MU_REAL_FUNCTIONS(MU_RESOLVE_REAL)
 #undef MU_RESOLVE_REAL
 }

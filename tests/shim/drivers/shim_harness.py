@@ -88,6 +88,50 @@ class ShimEnv:
                      if line.startswith("case ")]
         return Run(cases_out, calls, result.stderr, result.returncode)
 
+    def compile(self, sources: list[Path], output: Path, *, shared: bool = False,
+                link_cudnn: bool = False) -> Path:
+        """Compile C ``sources`` into ``output``, an executable or (``shared``) a library.
+
+        The drivers' directory and the cuDNN and CUDA headers are on the include path. With
+        ``link_cudnn`` the result depends on the double's ``libcudnn.so.9`` (``-lcudnn``, with an
+        rpath to it). Fails the test with the compiler's output when compilation fails.
+        """
+        from mucudnn.shimlib import find_compiler
+
+        command = [find_compiler(), "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror",
+                   f"-I{HERE}", f"-I{fakebuild.find_cudnn_include()}",
+                   f"-I{fakebuild.find_cuda_include()}", *map(str, sources), "-o", str(output)]
+        if shared:
+            command += ["-shared", "-fPIC", "-fvisibility=hidden", "-Wl,--no-undefined"]
+        if link_cudnn:
+            command += [f"-L{self.fake_dir}", "-lcudnn", f"-Wl,-rpath,{self.fake_dir}"]
+        result = subprocess.run(command + ["-ldl"], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.fail(f"building {output.name} failed:\n$ {' '.join(command)}\n{result.stderr}")
+        return output
+
+    def run_program(self, args: list[str], *, plan: Path | None = None, preload: bool = True,
+                    env: dict[str, str] | None = None, timeout: float = 60) -> Run:
+        """Like :meth:`run`, for any program: ``args`` run with the same environment (the
+        double's directory on ``LD_LIBRARY_PATH``, its log, the shim preloaded unless not
+        ``preload``, ``plan`` as ``MUCUDNN_PLAN``) and no input; its ``case `` lines are parsed.
+        """
+        log = self.work / f"calls-{len(list(self.work.iterdir()))}.log"
+        environment = {k: v for k, v in os.environ.items()
+                       if not k.startswith(("MUCUDNN_", "FAKE_CUDNN_"))}
+        environment.update(LD_LIBRARY_PATH=str(self.fake_dir), FAKE_CUDNN_LOG=str(log))
+        if preload:
+            environment["LD_PRELOAD"] = str(self.shim)
+        if plan is not None:
+            environment["MUCUDNN_PLAN"] = str(plan)
+        environment.update(env or {})
+        result = subprocess.run(args, env=environment, stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=timeout)
+        calls = [parse_fields(line) for line in log.read_text().splitlines()] if log.exists() else []
+        cases_out = [parse_fields(line) for line in result.stdout.splitlines()
+                     if line.startswith("case ")]
+        return Run(cases_out, calls, result.stderr, result.returncode)
+
 
 def _build(work: Path) -> ShimEnv:
     from mucudnn.errors import MucudnnError

@@ -1,0 +1,186 @@
+"""The WR dynamic program (best_plan) against brute force on random timing tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from mucudnn.errors import InfeasibleError, MissingMeasurementsError
+from mucudnn.measurement import Measurement, Status
+from mucudnn.optimizer import KernelPlan, Piece, Policy, best_plan, candidate_sizes
+from optimizer_tables import (
+    ALGOS, KEY, SMALL_TABLES, assert_plan_is_measured, brute_force_points, exact_times,
+    float_times, lexicographic_min, timing_tables, usable_rows, workspace_limits,
+)
+
+
+# -- candidate sizes ---------------------------------------------------------------------------
+
+@given(st.integers(1, 5000))
+def test_candidate_sizes_of_each_policy(n):
+    powers, size = [], 1
+    while size <= n:
+        powers.append(size)
+        size *= 2
+    assert candidate_sizes(Policy.UNDIVIDED, n) == [n]
+    assert candidate_sizes("all", n) == list(range(1, n + 1))
+    assert candidate_sizes(Policy.POWER_OF_TWO, n) == sorted(set(powers) | {n})
+
+
+def test_candidate_sizes_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        candidate_sizes(Policy.ALL, 0)
+    with pytest.raises(ValueError, match="halves"):
+        candidate_sizes("halves", 8)
+
+
+# -- plans ---------------------------------------------------------------------------------------
+
+pieces = st.builds(Piece, batch=st.integers(1, 64), algo=st.just("gemm"), math=st.just("fma"),
+                   time_ms=float_times, workspace=st.integers(0, 1 << 30))
+
+
+@given(st.lists(pieces, min_size=1, max_size=6))
+def test_kernel_plan_adds_times_and_shares_one_buffer(plan_pieces):
+    plan = KernelPlan(KEY, sum(piece.batch for piece in plan_pieces), plan_pieces)
+    assert plan.time_ms == pytest.approx(sum(piece.time_ms for piece in plan_pieces))
+    assert plan.workspace == max(piece.workspace for piece in plan_pieces)
+    assert plan.is_divided == (len(plan_pieces) > 1)
+    assert isinstance(plan.pieces, tuple)
+
+
+@given(st.lists(pieces, min_size=1, max_size=6), st.integers(1, 10))
+def test_kernel_plan_pieces_must_add_up_to_n(plan_pieces, excess):
+    n = sum(piece.batch for piece in plan_pieces) + excess
+    with pytest.raises(ValueError, match=f"add up to {n - excess}, not {n}"):
+        KernelPlan(KEY, n, plan_pieces)
+    with pytest.raises(ValueError, match="at least one piece"):
+        KernelPlan(KEY, n, ())
+
+
+# -- best_plan against brute force ---------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", list(SMALL_TABLES))
+@settings(deadline=None, max_examples=150)
+@given(data=st.data())
+def test_best_plan_is_optimal(policy, data):
+    n, rows = data.draw(SMALL_TABLES[policy])
+    limit = data.draw(workspace_limits(rows))
+    if not usable_rows(rows, policy, n):
+        with pytest.raises(MissingMeasurementsError, match=f"n={n}"):
+            best_plan(rows, n, limit, policy)
+        return
+    points = brute_force_points(rows, policy, n, limit)
+    if len(points) == 0:
+        with pytest.raises(InfeasibleError, match=f"n={n}"):
+            best_plan(rows, n, limit, policy)
+        return
+    plan = best_plan(rows, n, limit, policy)
+    assert_plan_is_measured(plan, rows, policy, limit)
+    # Fastest, and of the fastest the smallest workspace (times are exact sums here).
+    assert (plan.time_ms, plan.workspace) == lexicographic_min(points)
+    assert [piece.batch for piece in plan.pieces] == sorted(
+        (piece.batch for piece in plan.pieces), reverse=True)
+
+
+@pytest.mark.parametrize("policy", [Policy.ALL, Policy.POWER_OF_TWO])
+@settings(deadline=None, max_examples=60)
+@given(data=st.data())
+def test_best_plan_is_optimal_with_rounded_times(policy, data):
+    n, rows = data.draw(timing_tables(policy, max_n=12, times=float_times))
+    limit = data.draw(workspace_limits(rows))
+    points = brute_force_points(rows, policy, n, limit)
+    assume(len(points) > 0)
+    plan = best_plan(rows, n, limit, policy)
+    assert_plan_is_measured(plan, rows, policy, limit)
+    assert math.isclose(plan.time_ms, points[:, 0].min(), rel_tol=1e-12)
+
+
+@settings(deadline=None)
+@given(data=st.data())
+def test_best_plan_ignores_row_order(data):
+    n, rows = data.draw(SMALL_TABLES[Policy.ALL])
+    assume(len(brute_force_points(rows, Policy.ALL, n)) > 0)
+    assert best_plan(rows, n, None, Policy.ALL) == best_plan(rows[::-1], n, None, Policy.ALL)
+
+
+@pytest.mark.parametrize("policy", [Policy.ALL, Policy.POWER_OF_TWO])
+@given(n=st.integers(1, 64), data=st.data())
+def test_splitting_that_gains_nothing_is_not_done(policy, n, data):
+    # Time proportional to b and a workspace independent of b: every split is exactly as fast
+    # and as large as running the whole batch at once, so the plan must stay in one piece.
+    algos = data.draw(st.lists(st.tuples(st.sampled_from(ALGOS), exact_times, st.integers(0, 8)),
+                               min_size=1, max_size=4, unique_by=lambda algo: algo[0]))
+    rows = [Measurement(KEY, b, algo, math, per_sample * b, workspace)
+            for (algo, math), per_sample, workspace in algos for b in candidate_sizes(policy, n)]
+    plan = best_plan(rows, n, None, policy)
+    assert [piece.batch for piece in plan.pieces] == [n]
+
+
+@settings(deadline=None)
+@given(data=st.data())
+def test_undivided_plan_is_the_fastest_single_algorithm(data):
+    n, rows = data.draw(SMALL_TABLES[Policy.UNDIVIDED])
+    limit = data.draw(workspace_limits(rows))
+    fitting = usable_rows(rows, Policy.UNDIVIDED, n, limit)
+    assume(fitting)
+    plan = best_plan(rows, n, limit, Policy.UNDIVIDED)
+    assert len(plan.pieces) == 1 and not plan.is_divided
+    assert plan.pieces[0].batch == n
+    assert plan.time_ms == min(row.time_ms for row in fitting)
+
+
+@pytest.mark.parametrize("policy", list(SMALL_TABLES))
+@settings(deadline=None)
+@given(data=st.data())
+def test_limit_below_every_workspace_is_infeasible(policy, data):
+    n, rows = data.draw(SMALL_TABLES[policy])
+    usable = usable_rows(rows, policy, n)
+    assume(usable)
+    smallest = min(row.workspace for row in usable)
+    assume(smallest > 0)
+    with pytest.raises(InfeasibleError) as raised:
+        best_plan(rows, n, smallest - 1, policy)
+    message = str(raised.value)
+    for part in (KEY, f"n={n}", f"{smallest - 1} bytes", f"{smallest} bytes"):
+        assert part in message
+
+
+def test_sizes_that_cannot_add_up_to_n_are_infeasible():
+    rows = [Measurement(KEY, 4, "gemm", "fma", 1.0, 0)]
+    with pytest.raises(InfeasibleError, match=r"sizes \(4\) cannot add up to 6"):
+        best_plan(rows, 6, None, Policy.POWER_OF_TWO)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+def test_rows_of_several_kernels_are_refused():
+    other = KEY.replace("k=64", "k=128")
+    rows = [Measurement(key, 1, "gemm", "fma", 1.0, 0) for key in (KEY, other)]
+    with pytest.raises(ValueError, match="2 kernels") as raised:
+        best_plan(rows, 1)
+    assert KEY in str(raised.value) and other in str(raised.value)
+
+
+@pytest.mark.parametrize("rows", [
+    [],
+    [Measurement(KEY, 4, "gemm", "fma", 1.0, 0, Status.FAILED)],
+    [Measurement(KEY, 3, "gemm", "fma", 1.0, 0)],  # 3 is no candidate size of powerOfTwo for 4
+], ids=["no rows", "no OK row", "no candidate size"])
+def test_no_usable_rows_is_missing_measurements(rows):
+    with pytest.raises(MissingMeasurementsError, match="n=4"):
+        best_plan(rows, 4, None, Policy.POWER_OF_TWO)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_impossible_times_are_refused(bad):
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        best_plan([Measurement(KEY, 1, "gemm", "fma", bad, 0)], 1)
+
+
+def test_negative_limit_is_refused():
+    with pytest.raises(ValueError, match="limit must be >= 0"):
+        best_plan([Measurement(KEY, 1, "gemm", "fma", 1.0, 0)], 1, -1)
