@@ -1,4 +1,4 @@
-"""Out-of-bounds check: run each plan entry of a plan file through the bindings with guard bands
+"""Out-of-bounds and input-modification check: run each plan entry of a plan file through the bindings with guard bands
 of NaN before and after every buffer (x, w, y, workspace) and report entries that touch them.
 
     python benchmarks/guard_check.py PLAN [--direction bwd_filter]
@@ -52,6 +52,11 @@ def main() -> int:
         for name, base in zip("xwy", bases):
             if not bool(cupy.isnan(base[:GUARD]).all() and cupy.isnan(base[-GUARD:]).all()):
                 touched.append(name)
+        # the inputs of the direction must come back unchanged
+        inputs = {"fwd": "xw", "bwd_data": "wy", "bwd_filter": "xy"}[p.direction.value]
+        for name, view, src in zip("xwy", views, (fresh.x, fresh.w, fresh.y)):
+            if name in inputs and not bool((view == src).all()):
+                touched.append(f"input {name} modified")
         if not bool(cupy.isnan(ws_base[-GUARD:]).all()):
             touched.append("workspace end")
         del ws_base_u8

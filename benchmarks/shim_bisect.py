@@ -25,12 +25,13 @@ def filtered_plan(plan: Path, direction: str | None, out: Path) -> Path:
     return path
 
 
-def differences(ref: str, got: str) -> tuple[float, str]:
+def differences(ref: str, got: str) -> dict[str, float]:
+    """Relative L2 difference per gradient tensor, largest first."""
     import torch
     a, b = torch.load(ref), torch.load(got)
-    errs = {n: float((b["grads"][n].double() - g.double()).norm() / g.double().norm()) for n, g in a["grads"].items()}
-    name = max(errs, key=errs.get)
-    return errs[name], name
+    errs = {n: float((b["grads"][n].double() - g.double()).norm() / g.double().norm())
+            for n, g in a["grads"].items()}
+    return dict(sorted(errs.items(), key=lambda item: -item[1]))
 
 
 def main() -> int:
@@ -50,9 +51,11 @@ def main() -> int:
         got = str(args.out / "got.pt")
         run_worker(args.model, env, tf32=False, shim=True, grads=got, plan=str(plan),
                    limit=args.limit)
-        err, name = differences(ref, got)
-        print(f"plan entries {direction or 'all':10s} {env or ''}: largest gradient difference "
-              f"{err:.3e} ({name})", flush=True)
+        errs = differences(ref, got)
+        shown = ", ".join(f"{name} {err:.2e}" for name, err in list(errs.items())[:4])
+        last = list(errs.items())[-3:]
+        print(f"plan entries {direction or 'all':10s} {env or ''}: {shown}; smallest: "
+              + ", ".join(f"{name} {err:.2e}" for name, err in last), flush=True)
     return 0
 
 
