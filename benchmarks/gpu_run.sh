@@ -48,6 +48,8 @@ with open_store() as s, gzip.open('$OUT/measurements.csv.gz', 'wt', newline='') 
     s.export_csv(f)
 print(open_store().environments())" ;;
   build-shim) stage build-shim 120 $MU build-shim --force ;;
+  shimprecise-*) models=${s#shimprecise-}; stage "shimprecise-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
+      --skip-timing --precise --models ${models//+/ } --out "$LOGS/shimprecise-$models" ;;
   shimgrads-*) models=${s#shimgrads-}; stage "shimgrads-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
       --skip-timing --models ${models//+/ } --out "$LOGS/shimgrads-$models" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \

@@ -150,7 +150,8 @@ def split_kernels(log_path: str) -> int:
     return sum(1 for m in re.finditer(r": plan, (\d+) pieces", text) if int(m.group(1)) > 1)
 
 
-def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str) -> tuple[str, dict]:
+def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str,
+                 precise: bool = False) -> tuple[str, dict]:
     tag = f"{model}-{'tf32' if tf32 else 'fp32'}"
     record = out / f"{tag}.record"
     record.unlink(missing_ok=True)
@@ -161,9 +162,10 @@ def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str) -> 
     bench_s = time.perf_counter() - t0
     if bench.returncode != 0:
         raise RuntimeError(f"bench failed: {bench.stderr[-2000:]}")
-    plan = out / f"{tag}-{limit}-{policy}.plan"
+    plan = out / f"{tag}-{limit}-{policy}{'-precise' if precise else ''}.plan"
     tune = subprocess.run(MU + ["tune", "--recording", str(record), "--workspace-limit", limit,
-                                "--policy", policy, "-o", str(plan)],
+                                "--policy", policy, "-o", str(plan)]
+                          + (["--precise"] if precise else []),
                           capture_output=True, text=True)
     if tune.returncode != 0:
         raise RuntimeError(f"tune failed: {tune.stderr[-2000:]}")
@@ -203,7 +205,7 @@ def driver(args) -> int:
         if args.skip_grads:
             continue
         try:
-            plan32, info = prepare_plan(model, out, False, args.limit, args.policy)
+            plan32, info = prepare_plan(model, out, False, args.limit, args.policy, args.precise)
             r["prepare_fp32"] = info
             checks = {}
             f64 = str(out / f"{model}-f64.pt")
@@ -275,6 +277,8 @@ def main() -> int:
     d.add_argument("--grad-batch", type=int, default=256)
     d.add_argument("--skip-grads", action="store_true")
     d.add_argument("--skip-timing", action="store_true")
+    d.add_argument("--precise", action="store_true",
+                   help="gradient checks with plans free of FFT/Winograd algorithms")
     args = ap.parse_args()
     if args.mode == "worker":
         worker(args)

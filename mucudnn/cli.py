@@ -96,14 +96,18 @@ def bench(config, recordings, policy, remeasure, no_progress, store_path):
 @click.option("--workspace-limit", type=SIZE, help="WR: each kernel within this workspace")
 @click.option("--total-workspace", type=SIZE, help="WD: all kernels together within this budget")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
+@click.option("--precise", is_flag=True,
+              help="no FFT/Winograd algorithms (fp32 results stay near GEMM accuracy)")
+@click.option("--exclude-algo", "exclude", multiple=True, metavar="NAME",
+              help="never use this algorithm (repeatable), e.g. fft_tiling")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
               help="plan file to write")
 @click.option("--gpu", help="GPU name of the measurements to use (default: this GPU, or the "
                             "store's only one)")
 @click.option("--cudnn", "cudnn_version", type=int, help="cuDNN version of the measurements")
 @store_option
-def tune(config, recordings, workspace_limit, total_workspace, policy, output, gpu,
-         cudnn_version, store_path):
+def tune(config, recordings, workspace_limit, total_workspace, policy, precise, exclude, output,
+         gpu, cudnn_version, store_path):
     """Compute the fastest micro-batch plan of each kernel and write a plan file."""
     from .bench import Environment
     from .plan import write_plan
@@ -117,7 +121,8 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, output, g
     store, env = open_measurements(store_path, env)
     with store:
         plan = optimize(source, workspace_limit=workspace_limit,
-                        total_workspace=total_workspace, policy=policy, store=store, env=env)
+                        total_workspace=total_workspace, policy=policy, store=store, env=env,
+                        exclude=exclude, precise=precise)
     write_plan(plan, output)
     kernels = as_kernels(source)
     divided = sum(1 for e in plan if e.is_divided)
