@@ -142,14 +142,12 @@ def show(plan_path, store_path):
     from .report import format_plan_table, plan_rows
     from .tuner import open_measurements
     plan = read_plan(plan_path)
-    store, env = open_measurements(store_path, Environment(plan.gpu, plan.cudnn))
-    if not store.keys(env.gpu, env.cudnn):
+    env = Environment(plan.gpu, plan.cudnn)
+    store, _ = open_measurements(store_path, env)
+    if not store.keys(env.gpu, env.cudnn):  # no measurements of that GPU: no speedup columns
         store.close()
-        store, env = open_measurements(None, None)  # fall back to the shipped measurements
-        if (env.gpu, env.cudnn) != (plan.gpu, plan.cudnn):
-            store.close()
-            store = None
-    rows = plan_rows(plan, store, Environment(plan.gpu, plan.cudnn))
+        store = None
+    rows = plan_rows(plan, store, env)
     click.echo(format_plan_table(plan, rows))
     if store is not None:
         store.close()

@@ -74,21 +74,27 @@ def shipped_store() -> store_mod.SQLiteStore:
 def open_measurements(path=None, env: Environment | None = None):
     """The store to tune from, and the environment to read from it.
 
-    With ``path`` (or ``$MUCUDNN_STORE``) the user's store is used. Without a GPU and with no rows in
-    the user's store, the shipped measurements are used, so tuning works anywhere.
+    The user's store (``path``, ``$MUCUDNN_STORE`` or the default) is used when it holds
+    measurements of ``env`` (default: this GPU, or the store's only environment). Otherwise the
+    shipped measurements are used if they match ``env`` (or if no ``env`` can be named: no GPU and
+    an empty store), so tuning works anywhere.
     """
     user = store_mod.open_store(path)
-    if env is None:
-        env = _pick_environment(user)
-    if env is not None:
-        return user, env
-    user.close()
+    chosen = env or _pick_environment(user)
+    if chosen is not None and user.keys(chosen.gpu, chosen.cudnn):
+        return user, chosen
     shipped = shipped_store()
-    envs = shipped.environments()
-    if not envs:
-        raise MissingMeasurementsError("the shipped measurements are empty")
-    gpu, cudnn, _ = max(envs, key=lambda e: e[2])
-    return shipped, Environment(gpu, cudnn)
+    envs = {(g, c): n for g, c, n in shipped.environments()}
+    if chosen is None and envs:
+        gpu, cudnn = max(envs, key=envs.get)
+        chosen = Environment(gpu, cudnn)
+    if chosen is not None and (chosen.gpu, chosen.cudnn) in envs:
+        user.close()
+        return shipped, chosen
+    shipped.close()
+    if chosen is None:
+        raise MissingMeasurementsError("no measurements anywhere: run 'mucudnn bench' on a GPU")
+    return user, chosen  # reading it names what is missing and how to measure it
 
 
 def _pick_environment(store) -> Environment | None:

@@ -18,12 +18,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
+
 from pathlib import Path
 
 FAKE_CUDNN_SOURCE_DIR = Path(__file__).resolve().parent / "fake_cudnn"
-DEFAULT_CUDNN_INCLUDE = Path("/tmp/cudnnhdr/nvidia/cudnn/include")
-DEFAULT_CUDA_INCLUDE = Path("/usr/local/cuda/include")
 LIBRARY_NAME = "libcudnn.so.9"
 DRIVER_NAME = "libcuda.so.1"
 
@@ -36,41 +34,25 @@ class FakeCudnnBuildError(RuntimeError):
     """The prerequisites are there but the build failed: a real error in the double."""
 
 
-def _installed_cudnn_include() -> Path | None:
-    """The include dir of an installed ``nvidia-cudnn-cu*`` wheel (PyTorch pulls one in)."""
-    for entry in sys.path:
-        candidate = Path(entry or ".") / "nvidia" / "cudnn" / "include"
-        if (candidate / "cudnn.h").is_file():
-            return candidate
-    return None
-
-
 def find_cudnn_include() -> Path | None:
-    """First dir holding ``cudnn.h``: ``$CUDNN_INCLUDE``, the unpacked headers, a wheel's."""
-    candidates = [os.environ.get("CUDNN_INCLUDE"), DEFAULT_CUDNN_INCLUDE,
-                  _installed_cudnn_include()]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "cudnn.h").is_file():
-            return Path(candidate)
-    return None
+    """Where ``cudnn.h`` is, found as the shim's own build finds it (``mucudnn.shimlib``)."""
+    from mucudnn.errors import MucudnnError
+    from mucudnn.shimlib import find_cudnn_include as find
+    try:
+        return find()
+    except MucudnnError:
+        return None
 
 
 def find_cuda_include() -> Path | None:
-    """First dir holding ``cuda_runtime_api.h`` and ``cuda.h``.
-
-    Looks in ``$CUDA_INCLUDE``, ``$CUDA_HOME/include``, then ``/usr/local/cuda/include``.
-    """
-    cuda_home = os.environ.get("CUDA_HOME")
-    candidates = [
-        os.environ.get("CUDA_INCLUDE"),
-        Path(cuda_home) / "include" if cuda_home else None,
-        DEFAULT_CUDA_INCLUDE,
-    ]
-    for candidate in candidates:
-        if candidate and all((Path(candidate) / header).is_file()
-                             for header in ("cuda_runtime_api.h", "cuda.h")):
-            return Path(candidate)
-    return None
+    """Where ``cuda_runtime_api.h`` is (the fake driver also needs ``cuda.h`` beside it)."""
+    from mucudnn.errors import MucudnnError
+    from mucudnn.shimlib import find_cuda_include as find
+    try:
+        found = find()
+    except MucudnnError:
+        return None
+    return found if (found / "cuda.h").is_file() else None
 
 
 def find_c_compiler() -> str | None:
@@ -88,11 +70,11 @@ def missing_prerequisite() -> str | None:
     if shutil.which("make") is None:
         return "no make on PATH"
     if find_cudnn_include() is None:
-        return (f"no cuDNN headers (cudnn.h) in $CUDNN_INCLUDE, {DEFAULT_CUDNN_INCLUDE} "
-                "or an installed nvidia-cudnn wheel")
+        return ("no cuDNN headers (cudnn.h): set MUCUDNN_CUDNN_INCLUDE or install "
+                "nvidia-cudnn-cu13 (see mucudnn.shimlib.find_cudnn_include)")
     if find_cuda_include() is None:
-        return ("no CUDA headers (cuda_runtime_api.h, cuda.h) in $CUDA_INCLUDE, "
-                f"$CUDA_HOME/include or {DEFAULT_CUDA_INCLUDE}")
+        return ("no CUDA headers (cuda_runtime_api.h, cuda.h): set CUDA_HOME "
+                "(see mucudnn.shimlib.find_cuda_include)")
     return None
 
 

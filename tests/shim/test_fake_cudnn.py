@@ -849,9 +849,7 @@ def test_a_program_linked_with_lcudnn_runs_on_the_double(fake_dir, tmp_path):
 
 
 def test_missing_headers_make_the_build_unavailable_not_failed(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDNN_INCLUDE", str(tmp_path))  # exists, but holds no cudnn.h
-    monkeypatch.setattr(fakebuild, "DEFAULT_CUDNN_INCLUDE", tmp_path / "absent")
-    monkeypatch.setattr(fakebuild, "_installed_cudnn_include", lambda: None)
+    monkeypatch.setattr(fakebuild, "find_cudnn_include", lambda: None)  # no cudnn.h anywhere
     assert "cudnn.h" in fakebuild.missing_prerequisite()
     with pytest.raises(fakebuild.FakeCudnnUnavailable, match="cudnn.h"):
         fakebuild.build_fake_cudnn(tmp_path / "out")
