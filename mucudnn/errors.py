@@ -27,6 +27,10 @@ class InfeasibleError(MucudnnError):
     """No plan satisfies the workspace limit or budget."""
 
 
+class SolverError(MucudnnError):
+    """The ILP solver failed or stopped without proving its answer optimal."""
+
+
 class MissingMeasurementsError(MucudnnError):
     """The store lacks measurements an optimisation needs (run ``mucudnn bench`` first)."""
 

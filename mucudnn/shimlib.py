@@ -17,7 +17,9 @@ from pathlib import Path
 
 from .errors import LibraryNotFoundError, MucudnnError
 
-SHIM_SOURCE_DIR = Path(__file__).resolve().parent.parent / "shim"
+# mucudnn/shim_src links to the checkout's shim/ and is copied into wheels, so an installed
+# package carries the sources it builds the shim from.
+SHIM_SOURCE_DIR = Path(__file__).resolve().parent / "shim_src"
 LIBRARY_NAME = "libmucudnn.so"
 
 

@@ -42,3 +42,8 @@ def format_size(nbytes: int | float) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def describe_size(nbytes: int | float) -> str:
+    """``67108864 bytes (64.0 MiB)``: exact for a machine, readable for a person."""
+    return f"{int(nbytes)} bytes ({format_size(nbytes)})"

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-_MIB = 1 << 20
-
-
-def describe_bytes(nbytes: int | float) -> str:
-    """``67108864 bytes (64.0 MiB)``: exact for a machine, readable for a person."""
-    return f"{int(nbytes)} bytes ({nbytes / _MIB:.1f} MiB)"
+from ..sizes import describe_size as describe_bytes  # noqa: F401 - one wording for sizes
 
 
 def describe_sizes(sizes: Iterable[int]) -> str:

@@ -13,13 +13,9 @@ from typing import Mapping, Sequence
 
 import pulp
 
-from ..errors import InfeasibleError, MucudnnError
+from ..errors import InfeasibleError, SolverError
 from ._text import describe_bytes
 from .kernel_plan import KernelPlan
-
-
-class SolverError(MucudnnError):
-    """The ILP solver failed or stopped without proving its answer optimal."""
 
 
 def network_time(plans: Mapping[str, KernelPlan],

@@ -71,22 +71,10 @@ class ShimEnv:
 
     def run(self, cases: list[str], *, plan: Path | None = None, preload: bool = True,
             env: dict[str, str] | None = None, threads: int = 1, timeout: float = 60) -> Run:
-        log = self.work / f"calls-{len(list(self.work.iterdir()))}.log"
-        environment = {k: v for k, v in os.environ.items()
-                       if not k.startswith(("MUCUDNN_", "FAKE_CUDNN_"))}
-        environment.update(LD_LIBRARY_PATH=str(self.fake_dir), FAKE_CUDNN_LOG=str(log))
-        if preload:
-            environment["LD_PRELOAD"] = str(self.shim)
-        if plan is not None:
-            environment["MUCUDNN_PLAN"] = str(plan)
-        environment.update(env or {})
+        """Run the conv driver on ``cases`` (one per line on its input); see :meth:`run_program`."""
         args = [str(self.driver)] + (["--threads", str(threads)] if threads > 1 else [])
-        result = subprocess.run(args, input="".join(c + "\n" for c in cases), env=environment,
-                                capture_output=True, text=True, timeout=timeout)
-        calls = [parse_fields(line) for line in log.read_text().splitlines()] if log.exists() else []
-        cases_out = [parse_fields(line) for line in result.stdout.splitlines()
-                     if line.startswith("case ")]
-        return Run(cases_out, calls, result.stderr, result.returncode)
+        return self.run_program(args, plan=plan, preload=preload, env=env, timeout=timeout,
+                                stdin="".join(c + "\n" for c in cases))
 
     def compile(self, sources: list[Path], output: Path, *, shared: bool = False,
                 link_cudnn: bool = False) -> Path:
@@ -111,10 +99,11 @@ class ShimEnv:
         return output
 
     def run_program(self, args: list[str], *, plan: Path | None = None, preload: bool = True,
-                    env: dict[str, str] | None = None, timeout: float = 60) -> Run:
-        """Like :meth:`run`, for any program: ``args`` run with the same environment (the
-        double's directory on ``LD_LIBRARY_PATH``, its log, the shim preloaded unless not
-        ``preload``, ``plan`` as ``MUCUDNN_PLAN``) and no input; its ``case `` lines are parsed.
+                    env: dict[str, str] | None = None, timeout: float = 60,
+                    stdin: str | None = None) -> Run:
+        """Run any program with the double's directory on ``LD_LIBRARY_PATH``, its call log, the
+        shim preloaded unless not ``preload`` and ``plan`` as ``MUCUDNN_PLAN``, feeding it
+        ``stdin`` (none by default); its ``case `` lines and the double's log are parsed.
         """
         log = self.work / f"calls-{len(list(self.work.iterdir()))}.log"
         environment = {k: v for k, v in os.environ.items()
@@ -125,7 +114,7 @@ class ShimEnv:
         if plan is not None:
             environment["MUCUDNN_PLAN"] = str(plan)
         environment.update(env or {})
-        result = subprocess.run(args, env=environment, stdin=subprocess.DEVNULL,
+        result = subprocess.run(args, env=environment, input=stdin or "",
                                 capture_output=True, text=True, timeout=timeout)
         calls = [parse_fields(line) for line in log.read_text().splitlines()] if log.exists() else []
         cases_out = [parse_fields(line) for line in result.stdout.splitlines()
