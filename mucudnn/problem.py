@@ -88,6 +88,12 @@ def _join(values: Iterable[int]) -> str:
     return "x".join(str(int(v)) for v in values)
 
 
+_ENUM_FIELDS: dict[str, type[enum.Enum]] = {
+    "direction": Direction, "dtype": DataType, "compute_type": DataType, "math": MathType,
+    "layout": Layout, "mode": ConvMode,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvProblem:
     """One convolution kernel. Spatial tuples have 2 (H, W) or 3 (D, H, W) entries."""
@@ -109,9 +115,7 @@ class ConvProblem:
     n: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("direction", "dtype", "compute_type", "math", "layout", "mode"):
-            enum_type = {"dtype": DataType, "compute_type": DataType, "direction": Direction,
-                         "math": MathType, "layout": Layout, "mode": ConvMode}[name]
+        for name, enum_type in _ENUM_FIELDS.items():
             value = getattr(self, name)
             if not isinstance(value, enum_type):
                 try:

@@ -19,13 +19,6 @@ _handle_t = c_void_p
 _desc_t = c_void_p
 
 
-class ConvolutionPerf(ctypes.Structure):
-    """``cudnnConvolution{Fwd,BwdData,BwdFilter}AlgoPerf_t`` (identical layouts)."""
-
-    _fields_ = [("algo", c_int), ("status", c_int), ("time", c_float), ("memory", c_size_t),
-                ("determinism", c_int), ("mathType", c_int), ("reserved", c_int * 3)]
-
-
 # name: (argtypes); every function returns cudnnStatus_t except those in _NON_STATUS.
 _SIGNATURES: dict[str, list] = {
     "cudnnCreate": [POINTER(_handle_t)],
@@ -57,8 +50,6 @@ _SIGNATURES: dict[str, list] = {
     "cudnnConvolutionBackwardFilter": [_handle_t, c_void_p, _desc_t, c_void_p, _desc_t, c_void_p,
                                        _desc_t, c_int, c_void_p, c_size_t, c_void_p, _desc_t,
                                        c_void_p],
-    "cudnnGetConvolutionForwardAlgorithm_v7": [_handle_t, _desc_t, _desc_t, _desc_t, _desc_t, c_int,
-                                               POINTER(c_int), POINTER(ConvolutionPerf)],
 }
 _NON_STATUS = {"cudnnGetVersion": c_size_t, "cudnnGetErrorString": ctypes.c_char_p}
 
