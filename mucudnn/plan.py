@@ -31,7 +31,13 @@ class PlanPiece:
     algo: str
     math: MathType
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "math", MathType(self.math))
+        if self.batch < 1:
+            raise ValueError(f"piece batch must be >= 1, got {self.batch}")
+
     def __str__(self) -> str:
+        """The plan-file form ``B:ALGO:MATH`` (docs/plan-format.md)."""
         return f"{self.batch}:{self.algo}:{self.math.value}"
 
 
@@ -58,7 +64,7 @@ class PlanEntry:
         """From an optimizer ``KernelPlan`` (key, n, pieces with batch/algo/math/workspace)."""
         return cls(
             key=plan.key, n=plan.n, workspace=plan.workspace, time_ms=plan.time_ms,
-            pieces=tuple(PlanPiece(p.batch, p.algo, MathType(p.math)) for p in plan.pieces),
+            pieces=tuple(PlanPiece(p.batch, p.algo, p.math) for p in plan.pieces),
         )
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import math
 
-from ..problem import MathType
+from ..plan import PlanPiece
 
 
 class Policy(str, enum.Enum):
@@ -36,26 +36,12 @@ def candidate_sizes(policy: Policy | str, n: int) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Piece:
-    """``batch`` consecutive samples run with one cuDNN algorithm and math type.
+class Piece(PlanPiece):
+    """A plan-file piece (``B:ALGO:MATH``) with what its algorithm measured at micro-batch size
+    ``batch``: ``time_ms`` and ``workspace``."""
 
-    ``time_ms`` and ``workspace`` are what that algorithm measured at micro-batch size ``batch``.
-    """
-
-    batch: int
-    algo: str
-    math: MathType
     time_ms: float
     workspace: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "math", MathType(self.math))
-        if self.batch < 1:
-            raise ValueError(f"piece batch must be >= 1, got {self.batch}")
-
-    def __str__(self) -> str:
-        """The plan-file form ``B:ALGO:MATH`` (docs/plan-format.md)."""
-        return f"{self.batch}:{self.algo}:{self.math.value}"
 
 
 @dataclasses.dataclass(frozen=True)
