@@ -189,9 +189,13 @@ def _shim_env(plan=None, limit=None, record=None, log_level=None, summary=False)
     return env
 
 
-def _exec(command: tuple[str, ...], env: dict) -> int:
+def _require_command(command: tuple[str, ...]) -> None:
+    """Before anything else, so a missing command is not hidden behind building the shim."""
     if not command:
         raise click.UsageError("give the command to run after --")
+
+
+def _exec(command: tuple[str, ...], env: dict) -> int:
     try:
         return subprocess.call(list(command), env=env)
     except OSError as exc:
@@ -205,6 +209,7 @@ def _exec(command: tuple[str, ...], env: dict) -> int:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def record(output, workspace_limit, command):
     """Run COMMAND (after --) with the shim recording every convolution kernel it runs."""
+    _require_command(command)
     code = _exec(command, _shim_env(limit=workspace_limit, record=output))
     click.echo(f"mucudnn: recording in {output}", err=True)
     sys.exit(code)
@@ -219,6 +224,7 @@ def record(output, workspace_limit, command):
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(plan_path, workspace_limit, log_level, summary, command):
     """Run COMMAND (after --) with the shim executing PLAN's micro-batches."""
+    _require_command(command)
     if plan_path:
         from .plan import read_plan
         read_plan(plan_path)  # refuse a malformed plan here, with the file and line

@@ -137,7 +137,7 @@ def read_plan(path: str | os.PathLike) -> Plan:
 
 
 def read_plan_text(text: str, source: str = "<plan>") -> Plan:
-    header: dict[str, str] = {}
+    header: dict[str, str | int] = {}
     plan: Plan | None = None
     seen_magic = False
     for lineno, raw in enumerate(text.splitlines(), 1):
@@ -162,7 +162,7 @@ def read_plan_text(text: str, source: str = "<plan>") -> Plan:
                 raise PlanError(f"{where}: header record '{word}' given twice")
             if not rest:
                 raise PlanError(f"{where}: header record '{word}' has no value")
-            header[word] = rest
+            header[word] = _header_value(word, rest, where)
         elif word == "kernel":
             if plan is None:
                 plan = _plan_from_header(header, where)
@@ -177,17 +177,24 @@ def read_plan_text(text: str, source: str = "<plan>") -> Plan:
     return plan if plan is not None else _plan_from_header(header, f"{source}:end")
 
 
-def _plan_from_header(header: dict[str, str], where: str) -> Plan:
+def _header_value(word: str, text: str, where: str) -> str | int:
+    """One header record's value, checked on its own line (as the shim does)."""
+    if word == "strategy" and text not in STRATEGIES:
+        raise PlanError(f"{where}: strategy {text!r} is not one of {', '.join(STRATEGIES)}")
+    if word == "policy" and text not in POLICIES:
+        raise PlanError(f"{where}: policy {text!r} is not one of {', '.join(POLICIES)}")
+    if word == "cudnn":
+        return _int(text, "cudnn", where, 1)
+    if word == "limit":
+        return _int(text, "limit", where, 0)
+    return text
+
+
+def _plan_from_header(header: dict[str, str | int], where: str) -> Plan:
     missing = [f for f in HEADER_FIELDS if f not in header]
     if missing:
         raise PlanError(f"{where}: missing header record(s) {', '.join(missing)} before the kernels")
-    if header["strategy"] not in STRATEGIES:
-        raise PlanError(f"{where}: strategy {header['strategy']!r} is not one of {', '.join(STRATEGIES)}")
-    if header["policy"] not in POLICIES:
-        raise PlanError(f"{where}: policy {header['policy']!r} is not one of {', '.join(POLICIES)}")
-    return Plan(gpu=header["gpu"], cudnn=_int(header["cudnn"], "cudnn", where, 1),
-                strategy=header["strategy"], limit=_int(header["limit"], "limit", where, 0),
-                policy=header["policy"])
+    return Plan(**header)
 
 
 def _int(text: str, what: str, where: str, minimum: int) -> int:

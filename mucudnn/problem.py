@@ -215,24 +215,43 @@ class ConvProblem:
                 raise KeyFormatError(f"kernel key {key!r}: field {want}= expected, got {part!r}")
             fields[name] = value
 
+        def fail(name: str, why: str) -> KeyFormatError:
+            return KeyFormatError(f"kernel key {key!r}: {name}={fields[name]!r} {why}")
+
         def ints(name: str) -> tuple[int, ...]:
+            texts = fields[name].split("x")
             try:
-                values = tuple(int(v) for v in fields[name].split("x"))
+                values = tuple(int(v) for v in texts)
             except ValueError:
-                raise KeyFormatError(f"kernel key {key!r}: {name}={fields[name]!r} is not "
-                                     "x-joined integers") from None
+                values = ()
+            # Only the canonical form: int() also takes '+4', '1_0', '04', which the shim never
+            # writes and which would re-serialise to another key.
+            if [str(v) for v in values] != texts:
+                raise fail(name, "is not x-joined integers")
             return values
 
+        def one_int(name: str) -> int:
+            values = ints(name)
+            if len(values) != 1:
+                raise fail(name, "is not one integer")
+            return values[0]
+
+        def choice(name: str, enum_type: type[enum.Enum]):
+            try:
+                return enum_type(fields[name])
+            except ValueError:
+                raise fail(name, "is not one of " + ", ".join(m.value for m in enum_type)) from None
+
+        parsed = dict(
+            direction=choice("dir", Direction), dtype=choice("dt", DataType),
+            compute_type=choice("ct", DataType), math=choice("math", MathType),
+            layout=choice("layout", Layout), c=one_int("c"), input_size=ints("in"),
+            k=one_int("k"), filter_size=ints("f"), padding=ints("pad"), stride=ints("stride"),
+            dilation=ints("dil"), groups=one_int("g"), mode=choice("mode", ConvMode),
+        )
         try:
-            return cls(
-                direction=Direction(fields["dir"]), dtype=DataType(fields["dt"]),
-                compute_type=DataType(fields["ct"]), math=MathType(fields["math"]),
-                layout=Layout(fields["layout"]), c=ints("c")[0], input_size=ints("in"),
-                k=ints("k")[0], filter_size=ints("f"), padding=ints("pad"),
-                stride=ints("stride"), dilation=ints("dil"), groups=ints("g")[0],
-                mode=ConvMode(fields["mode"]), n=n,
-            )
-        except ValueError as exc:
+            return cls(**parsed, n=n)
+        except ValueError as exc:  # geometry: dims, ranges, groups (the message names the field)
             raise KeyFormatError(f"kernel key {key!r}: {exc}") from None
 
     def __str__(self) -> str:

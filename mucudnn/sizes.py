@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from .errors import SizeError
 
@@ -28,8 +29,9 @@ def parse_size(text: str | int) -> int:
             f"cannot read {text!r} as a size: use bytes or a number with KiB, MiB, GiB, TiB "
             "(or KB, MB, GB, TB), e.g. 64MiB"
         )
-    value = float(match.group(1)) * _UNITS[unit]
-    if value != int(value):
+    # Exact arithmetic: through a float, 4.1GB would be 4099999999.9999995 bytes.
+    value = Fraction(match.group(1)) * _UNITS[unit]
+    if value.denominator != 1:
         raise SizeError(f"size {text!r} is not a whole number of bytes")
     return int(value)
 

@@ -1,0 +1,307 @@
+"""The ``mucudnn`` command line, on the shipped measurements, with no GPU and no real shim."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import mucudnn
+from mucudnn import shimlib, tuner
+from mucudnn.cli import main
+from mucudnn.plan import read_plan
+from mucudnn.sizes import format_size
+
+PLAN_DIR = Path(__file__).resolve().parent / "data" / "plans"
+BAD_PLAN = PLAN_DIR / "invalid_pieces_sum.plan"  # its first line names the faulty line
+VALID_PLAN = PLAN_DIR / "valid_basic.plan"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def expected_error_line(path: Path) -> str:
+    return re.fullmatch(r"# expect-error-line: (\d+)", path.read_text().splitlines()[0]).group(1)
+
+
+@pytest.fixture(scope="module")
+def stores_dir(tmp_path_factory):
+    """One directory for every test's user store, so the shipped cache is built only once."""
+    return tmp_path_factory.mktemp("stores")
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, stores_dir, tmp_path, request):
+    """No GPU, an empty user store and a private cache: the CLI tunes from the shipped data."""
+    name = re.sub(r"[^A-Za-z0-9]+", "_", request.node.name)
+    monkeypatch.setenv("MUCUDNN_STORE", str(stores_dir / f"{name}.sqlite"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+
+
+@pytest.fixture
+def fake_exec(monkeypatch, tmp_path):
+    """A dummy shim and a ``subprocess.call`` that records what it would have run."""
+    shim = tmp_path / "libmucudnn.so"
+    shim.write_bytes(b"")
+    monkeypatch.setattr(shimlib, "shim_path", lambda: shim)
+    calls = []
+
+    def call(args, env=None, **kwargs):
+        calls.append((args, env))
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", call)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("TORCH_CUDNN_V8_API_DISABLED", raising=False)
+    return shim, calls
+
+
+def assert_one_error_line(result, *fragments: str) -> str:
+    """Exit status 2 and a single ``mucudnn: error:`` line on stderr holding every fragment."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mucudnn: error: "), result.stderr
+    assert all(fragment in lines[0] for fragment in fragments), lines[0]
+    return lines[0]
+
+
+def assert_usage_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Usage:" in result.stderr
+    assert all(fragment in result.stderr for fragment in fragments), result.stderr
+
+
+# -- help ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", sorted(main.commands))
+def test_every_command_has_help(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0, result.output
+    assert f"{command} [OPTIONS]" in result.stdout
+    assert (main.commands[command].help or "").split()[0] in result.stdout
+
+
+def test_main_help_lists_every_command():
+    result = invoke("-h")
+    assert result.exit_code == 0
+    assert all(command in result.stdout for command in main.commands)
+
+
+def test_python_dash_m_mucudnn_help():
+    result = subprocess.run([sys.executable, "-m", "mucudnn", "--help"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Usage:" in result.stdout
+    assert all(command in result.stdout for command in ("bench", "tune", "show", "run", "record"))
+
+
+# -- configs ---------------------------------------------------------------------------------------
+
+def test_configs_lists_the_shipped_configs():
+    result = invoke("configs")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == mucudnn.list_configs()
+    assert len(lines) == 5
+    for line in lines:
+        name = line.split()[0]
+        kernels = len(mucudnn.load_config(name).kernels())
+        assert re.search(rf"\b{kernels} kernels\b", line), line
+        assert line.rstrip().endswith(str(mucudnn.find_config(name)))
+
+
+# -- tune and show ---------------------------------------------------------------------------------
+
+def test_tune_then_show_on_the_shipped_measurements(no_gpu, tmp_path):
+    plan_path = tmp_path / "r50.plan"
+    kernels = mucudnn.load_config("resnet50").kernels()
+    tuned = invoke("tune", "resnet50", "--workspace-limit", "64MiB", "-o", plan_path)
+    assert tuned.exit_code == 0, tuned.output
+    assert f"wrote {plan_path}: {len(kernels)} kernels" in tuned.stdout
+
+    plan = read_plan(plan_path)
+    assert (plan.strategy, plan.limit, plan.policy) == ("wr", 64 << 20, "powerOfTwo")
+    assert [(e.key, e.n) for e in plan] == [(p.key, p.n) for p, _ in kernels]
+    assert all(e.workspace <= 64 << 20 for e in plan)
+
+    shown = invoke("show", plan_path)
+    assert shown.exit_code == 0, shown.output
+    out = shown.stdout
+    assert out.startswith(f"plan: {plan.gpu}, cuDNN {plan.cudnn}, WR limit per kernel 64.0 MiB, "
+                          f"policy powerOfTwo, {len(kernels)} kernels")
+    header = next(line for line in out.splitlines() if line.startswith("kernel "))
+    assert header.split() == ["kernel", "N", "micro-batches", "workspace", "plan", "ms", "undiv",
+                              "ms", "speedup", "uncapped", "ms", "vs", "uncapped"]
+    rows = [line for line in out.splitlines() if re.match(r"(fwd|bwd_data|bwd_filter) c\d", line)]
+    assert len(rows) == len(kernels)
+    total = sum(e.time_ms for e in plan)
+    assert (f"sum of kernel times: plan {total:.3f} ms; workspace: largest "
+            f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}"
+            in out)
+    # The speedup columns and their totals come from the same shipped measurements.
+    assert "undivided within the limit" in out and "uncapped" in out.splitlines()[-1]
+    assert not re.search(r"\s-\s", "\n".join(rows)), "every row should have its baselines"
+
+
+def test_tune_wd_writes_a_plan_within_the_budget(no_gpu, tmp_path):
+    plan_path = tmp_path / "alexnet.plan"
+    result = invoke("tune", "alexnet", "--total-workspace", "256MiB", "-o", plan_path)
+    assert result.exit_code == 0, result.output
+    plan = read_plan(plan_path)
+    assert plan.strategy == "wd" and plan.total_workspace <= 256 << 20
+
+
+def test_show_without_measurements_of_the_plan_gpu_omits_the_baselines(no_gpu):
+    plan = read_plan(VALID_PLAN)
+    result = invoke("show", VALID_PLAN)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"plan: {plan.gpu}, cuDNN {plan.cudnn}, WR")
+    [row] = [line for line in result.stdout.splitlines() if line.startswith("fwd c4 ")]
+    assert row.split()[-4:] == ["-", "-", "-", "-"]
+    assert "undivided within the limit" not in result.stdout
+
+
+@pytest.mark.parametrize("limits", [
+    [], ["--workspace-limit", "64MiB", "--total-workspace", "1GiB"],
+], ids=["neither", "both"])
+def test_tune_needs_exactly_one_limit(no_gpu, tmp_path, limits):
+    result = invoke("tune", "alexnet", *limits, "-o", tmp_path / "p.plan")
+    assert_usage_error(result, "exactly one of --workspace-limit and --total-workspace")
+    assert not (tmp_path / "p.plan").exists()
+
+
+@pytest.mark.parametrize("option", ["--workspace-limit", "--total-workspace"])
+def test_bad_size_names_the_value(tmp_path, option):
+    result = invoke("tune", "alexnet", option, "64XB", "-o", tmp_path / "p.plan")
+    assert_usage_error(result, "'64XB'", option)
+
+
+def test_tune_from_a_recording(no_gpu, tmp_path):
+    first, second = [problem for problem, _ in mucudnn.load_config("alexnet").kernels()[:2]]
+    recording = tmp_path / "run.record"
+    recording.write_text("# mucudnn-record 1 pid=42\n"
+                         + "".join(f"kernel {p.key} {p.n}\n" for p in (first, second, first)))
+    plan_path = tmp_path / "recorded.plan"
+    result = invoke("tune", "--recording", recording, "--workspace-limit", "64MiB",
+                    "-o", plan_path)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {plan_path}: 2 kernels" in result.stdout
+    assert [(e.key, e.n) for e in read_plan(plan_path)] == \
+        [(first.key, first.n), (second.key, second.n)]
+
+
+def test_tune_from_config_and_recording_is_refused(no_gpu, tmp_path):
+    recording = tmp_path / "run.record"
+    recording.write_text("")
+    result = invoke("tune", "alexnet", "--recording", recording, "--workspace-limit", "1MiB",
+                    "-o", tmp_path / "p.plan")
+    assert_one_error_line(result, "either a CONFIG or --recording")
+
+
+def test_tune_from_a_malformed_recording_names_file_and_line(no_gpu, tmp_path):
+    recording = tmp_path / "bad.record"
+    recording.write_text("# mucudnn-record 1 pid=1\nkernel only-two-fields\n")
+    result = invoke("tune", "--recording", recording, "--workspace-limit", "1MiB",
+                    "-o", tmp_path / "p.plan")
+    assert_one_error_line(result, f"{recording}:2:")
+
+
+def test_tune_of_an_unknown_config_is_one_error_line(no_gpu, tmp_path):
+    result = invoke("tune", "no-such-net", "--workspace-limit", "1MiB", "-o", tmp_path / "p.plan")
+    assert_one_error_line(result, "no-such-net")
+
+
+# -- malformed plans -------------------------------------------------------------------------------
+
+def test_show_of_a_malformed_plan_names_file_and_line(no_gpu):
+    assert_one_error_line(invoke("show", BAD_PLAN),
+                          f"{BAD_PLAN}:{expected_error_line(BAD_PLAN)}:", "add up to")
+
+
+def test_run_of_a_malformed_plan_names_file_and_line(fake_exec):
+    _, calls = fake_exec
+    result = invoke("run", "--plan", BAD_PLAN, "--", "true")
+    assert_one_error_line(result, f"{BAD_PLAN}:{expected_error_line(BAD_PLAN)}:")
+    assert calls == []  # nothing was run
+
+
+# -- run and record --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["run", "record"])
+@pytest.mark.parametrize("rest", [[], ["--"]], ids=["nothing", "bare --"])
+def test_run_and_record_need_a_command(monkeypatch, command, rest):
+    def no_build():
+        raise AssertionError("the shim must not be built without a command to run")
+
+    monkeypatch.setattr(shimlib, "shim_path", no_build)
+    assert_usage_error(invoke(command, *rest), "give the command to run after --")
+
+
+def test_run_sets_up_the_shim_environment(fake_exec):
+    shim, calls = fake_exec
+    result = invoke("run", "--plan", VALID_PLAN, "--workspace-limit", "64MiB", "--log-level",
+                    "debug", "--summary", "--", "true", "--not-an-option-of-run")
+    assert result.exit_code == 0, result.output
+    [(args, env)] = calls
+    assert args == ["true", "--not-an-option-of-run"]
+    assert env["LD_PRELOAD"] == str(shim)
+    assert env["MUCUDNN_PLAN"] == str(VALID_PLAN.resolve())
+    assert env["MUCUDNN_WORKSPACE_LIMIT"] == str(64 << 20)
+    assert env["TORCH_CUDNN_V8_API_DISABLED"] == "1"
+    assert env["MUCUDNN_LOG_LEVEL"] == "debug" and env["MUCUDNN_SUMMARY"] == "1"
+    assert "MUCUDNN_RECORD" not in env
+
+
+def test_run_keeps_existing_preloads_and_torch_setting(fake_exec, monkeypatch):
+    shim, calls = fake_exec
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    monkeypatch.setenv("TORCH_CUDNN_V8_API_DISABLED", "0")
+    assert invoke("run", "--", "true").exit_code == 0
+    [(_, env)] = calls
+    assert env["LD_PRELOAD"] == f"{shim} libother.so"  # ours first, so it wins
+    assert env["TORCH_CUDNN_V8_API_DISABLED"] == "0"  # the user's explicit choice stays
+    assert "MUCUDNN_PLAN" not in env and "MUCUDNN_WORKSPACE_LIMIT" not in env
+
+
+def test_run_passes_the_exit_status_on(fake_exec, monkeypatch):
+    monkeypatch.setattr(subprocess, "call", lambda args, env=None: 3)
+    assert invoke("run", "--", "false").exit_code == 3
+
+
+def test_run_of_a_missing_program_is_one_error_line(fake_exec, monkeypatch):
+    def missing(args, env=None):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(subprocess, "call", missing)
+    assert_one_error_line(invoke("run", "--", "no-such-program", "x"), "no-such-program x")
+
+
+def test_record_sets_the_record_file(fake_exec, tmp_path, monkeypatch):
+    shim, calls = fake_exec
+    monkeypatch.chdir(tmp_path)
+    result = invoke("record", "-o", "out.record", "--", "python", "train.py")
+    assert result.exit_code == 0, result.output
+    [(args, env)] = calls
+    assert args == ["python", "train.py"]
+    assert env["MUCUDNN_RECORD"] == str(tmp_path / "out.record")
+    assert env["LD_PRELOAD"] == str(shim) and "MUCUDNN_PLAN" not in env
+    assert "recording in out.record" in result.stderr
+
+
+def test_bad_size_for_run_names_the_value(fake_exec):
+    _, calls = fake_exec
+    assert_usage_error(invoke("run", "--workspace-limit", "12 parsecs", "--", "true"),
+                       "'12 parsecs'")
+    assert calls == []
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and mucudnn.__version__ in result.stdout
+

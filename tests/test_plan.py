@@ -1,0 +1,326 @@
+"""Plan files (docs/plan-format.md) and record files: writing, reading, and the shared examples."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mucudnn import plan as plan_mod
+from mucudnn.errors import PlanError
+from mucudnn.plan import (
+    POLICIES, STRATEGIES, Plan, PlanEntry, PlanPiece, format_plan, read_plan, read_plan_text,
+    read_recording, write_plan,
+)
+from mucudnn.problem import ALGORITHMS, ConvProblem, Direction, MathType
+
+PLAN_DIR = Path(__file__).resolve().parent / "data" / "plans"
+VALID_PLANS = sorted(PLAN_DIR.glob("valid_*.plan"))
+INVALID_PLANS = sorted(PLAN_DIR.glob("invalid_*.plan"))
+
+GEOMETRIES = [
+    dict(c=64, input_size=(56, 56), k=64, filter_size=(3, 3), padding=(1, 1), stride=(1, 1),
+         dilation=(1, 1)),
+    dict(c=4, input_size=(7, 7), k=6, filter_size=(3, 3), padding=(1, 1), stride=(1, 1),
+         dilation=(1, 1), groups=2),
+    dict(c=6, input_size=(5, 7, 9), k=4, filter_size=(1, 3, 3), padding=(0, 1, 1),
+         stride=(1, 1, 2), dilation=(1, 1, 1)),
+]
+
+
+def problem(direction: Direction = Direction.FORWARD, geometry: int = 0, n: int = 1) -> ConvProblem:
+    return ConvProblem(direction, n=n, **GEOMETRIES[geometry])
+
+
+# -- random plans ----------------------------------------------------------------------------------
+
+@st.composite
+def entries(draw) -> PlanEntry:
+    kernel = problem(draw(st.sampled_from(Direction)), draw(st.integers(0, len(GEOMETRIES) - 1)))
+    batches = draw(st.lists(st.integers(1, 64), min_size=1, max_size=6))
+    pieces = tuple(
+        PlanPiece(batch, draw(st.sampled_from(ALGORITHMS[kernel.direction])),
+                  draw(st.sampled_from(MathType)))
+        for batch in batches
+    )
+    return PlanEntry(key=kernel.key, n=sum(batches), workspace=draw(st.integers(0, 1 << 40)),
+                     time_ms=draw(st.floats(0, 1e6, allow_nan=False, allow_infinity=False)),
+                     pieces=pieces)
+
+
+# Device names: printable, may hold inner blanks and '#', never start or end with a blank.
+gpu_names = st.from_regex(r"[A-Za-z0-9#()_.-]([A-Za-z0-9 #()_.-]{0,30}[A-Za-z0-9#()_.-])?",
+                          fullmatch=True)
+
+
+@st.composite
+def plans(draw) -> Plan:
+    plan = Plan(gpu=draw(gpu_names), cudnn=draw(st.integers(1, 10**6)),
+                strategy=draw(st.sampled_from(STRATEGIES)), limit=draw(st.integers(0, 1 << 45)),
+                policy=draw(st.sampled_from(POLICIES)))
+    for entry in draw(st.lists(entries(), max_size=8)):
+        if plan.get(entry.key, entry.n) is None:
+            plan.add(entry)
+    return plan
+
+
+def assert_same_plan(read: Plan, written: Plan) -> None:
+    """Equal but for TIME, which the file keeps to 6 significant digits."""
+    assert (read.gpu, read.cudnn, read.strategy, read.limit, read.policy) == \
+        (written.gpu, written.cudnn, written.strategy, written.limit, written.policy)
+    assert list(read.entries) == list(written.entries)  # same kernels, same order
+    for got, want in zip(read, written):
+        assert (got.key, got.n, got.workspace, got.pieces) == \
+            (want.key, want.n, want.workspace, want.pieces)
+        assert math.isclose(got.time_ms, want.time_ms, rel_tol=5e-6, abs_tol=0)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # tmp_path is reused: fine
+@given(plan=plans())
+def test_write_read_round_trip(tmp_path, plan):
+    path = tmp_path / "round.plan"
+    write_plan(plan, path)
+    read = read_plan(path)
+    assert_same_plan(read, plan)
+    assert format_plan(read) == path.read_text(encoding="utf-8")  # stable once written
+
+
+def test_written_file_follows_the_documented_layout(tmp_path):
+    entry = PlanEntry(problem().key, 256, 50331648, 4.125,
+                      (PlanPiece(128, "implicit_precomp_gemm", MathType.FMA),) * 2)
+    plan = Plan("NVIDIA H200", 91900, "wr", 67108864, "powerOfTwo")
+    plan.add(entry)
+    write_plan(plan, tmp_path / "p.plan")
+    records = [line for line in (tmp_path / "p.plan").read_text().splitlines()
+               if not line.startswith("#")]
+    assert records == [
+        "mucudnn-plan 1", "gpu NVIDIA H200", "cudnn 91900", "strategy wr", "limit 67108864",
+        "policy powerOfTwo",
+        f"kernel {entry.key} 256 50331648 4.125 128:implicit_precomp_gemm:fma "
+        "128:implicit_precomp_gemm:fma",
+    ]
+
+
+def test_plan_without_kernels_round_trips(tmp_path):
+    plan = Plan("mucudnn fake GPU", 91900, "wd", 0, "all")
+    write_plan(plan, tmp_path / "empty.plan")
+    read = read_plan(tmp_path / "empty.plan")
+    assert len(read) == 0 and read.strategy == "wd" and read.limit == 0
+
+
+def test_add_refuses_a_duplicate_kernel():
+    plan = Plan("g", 1, "wr", 0, "all")
+    entry = PlanEntry(problem().key, 4, 0, 0.0, (PlanPiece(4, "gemm", MathType.FMA),))
+    plan.add(entry)
+    with pytest.raises(PlanError, match="duplicate kernel"):
+        plan.add(entry)
+
+
+def test_totals_over_entries():
+    plan = Plan("g", 1, "wd", 0, "all")
+    for n, workspace in ((2, 100), (4, 300), (8, 0)):
+        plan.add(PlanEntry(problem().key, n, workspace, 1.0, (PlanPiece(n, "gemm", MathType.FMA),)))
+    assert (plan.total_workspace, plan.max_workspace) == (400, 300)
+    assert Plan("g", 1, "wd", 0, "all").max_workspace == 0
+
+
+# -- atomic write ----------------------------------------------------------------------------------
+
+def small_plan(time_ms: float = 1.0) -> Plan:
+    plan = Plan("mucudnn fake GPU", 91900, "wr", 1 << 26, "powerOfTwo")
+    plan.add(PlanEntry(problem(geometry=1).key, 8, 0, time_ms,
+                       (PlanPiece(8, "implicit_gemm", MathType.FMA),)))
+    return plan
+
+
+def test_write_replaces_the_file_in_one_rename(tmp_path, monkeypatch):
+    """The new text goes to a sibling file first; readers see the old plan until the rename."""
+    path = tmp_path / "live.plan"
+    write_plan(small_plan(1.0), path)
+    old_text = path.read_text()
+    renames = []
+
+    def checking_replace(source, target):
+        renames.append((Path(source), Path(target)))
+        assert path.read_text() == old_text, "the live plan changed before the rename"
+        assert Path(source).parent == path.parent  # same directory: rename is atomic
+        assert read_plan(source).get(problem(geometry=1).key, 8).time_ms == 2.0
+        real_replace(source, target)
+
+    real_replace = os.replace
+    monkeypatch.setattr(plan_mod.os, "replace", checking_replace)
+    write_plan(small_plan(2.0), path)
+    assert [target for _, target in renames] == [path]
+    assert read_plan(path).get(problem(geometry=1).key, 8).time_ms == 2.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live.plan"]  # no temporary left
+
+
+def test_write_refuses_a_plan_it_could_not_read_back(tmp_path):
+    path = tmp_path / "live.plan"
+    write_plan(small_plan(1.0), path)
+    old_text = path.read_text()
+    bad = small_plan()
+    bad.strategy = "fastest"
+    with pytest.raises(PlanError, match="strategy 'fastest'"):
+        write_plan(bad, path)
+    assert path.read_text() == old_text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live.plan"]
+
+
+# -- the shared examples ---------------------------------------------------------------------------
+
+def test_the_example_directory_has_both_kinds():
+    assert len(VALID_PLANS) >= 2 and len(INVALID_PLANS) >= 10
+
+
+@pytest.mark.parametrize("path", VALID_PLANS, ids=lambda p: p.name)
+def test_valid_examples_read(path):
+    plan = read_plan(path)
+    assert plan.strategy in STRATEGIES and plan.policy in POLICIES
+    assert len(plan) >= 1
+    for entry in plan:
+        assert sum(piece.batch for piece in entry.pieces) == entry.n
+        assert entry.problem.key == entry.key
+        assert all(piece.algo in ALGORITHMS[entry.problem.direction] for piece in entry.pieces)
+    assert_same_plan(read_plan_text(format_plan(plan)), plan)
+
+
+def test_blanks_and_comments_example_reads_every_kernel():
+    plan = read_plan(PLAN_DIR / "valid_blanks_comments.plan")
+    assert (plan.gpu, plan.cudnn, plan.strategy, plan.limit, plan.policy) == \
+        ("mucudnn fake GPU", 91900, "wd", 0, "all")
+    assert sorted(entry.n for entry in plan) == [4, 8, 8, 8]
+    assert {entry.problem.direction for entry in plan} == set(Direction)
+    last = list(plan)[-1]
+    assert (last.workspace, last.time_ms) == (32768, 0.15)
+    assert [str(piece) for piece in last.pieces] == ["2:algo_3:fma", "6:fft_tiling:fma"]
+
+
+def expected_error_line(path: Path) -> str:
+    """The ``# expect-error-line: N`` header: a line number, or '-' for the whole file."""
+    first = path.read_text(encoding="utf-8").splitlines()[0]
+    match = re.fullmatch(r"#\s*expect-error-line:\s*(\d+|-)\s*", first)
+    assert match, f"{path.name}: first line must be '# expect-error-line: N', got {first!r}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("path", INVALID_PLANS, ids=lambda p: p.name)
+def test_invalid_examples_name_the_file_and_line(path):
+    line = expected_error_line(path)
+    with pytest.raises(PlanError) as exc:
+        read_plan(path)
+    message = str(exc.value)
+    if line == "-":
+        assert message.startswith(f"{path}:")
+        assert not re.match(rf"{re.escape(str(path))}:\d+:", message)
+    else:
+        assert message.startswith(f"{path}:{line}:"), message
+    assert "\n" not in message
+
+
+# What each invalid example's message must say about the fault its name describes.
+INVALID_REASONS = {
+    "invalid_bad_key.plan": "kernel key", "invalid_bad_number.plan": "workspace '64MiB'",
+    "invalid_bad_strategy.plan": "strategy 'fast'", "invalid_duplicate_kernel.plan": "duplicate",
+    "invalid_empty.plan": "empty", "invalid_header_after_kernel.plan": "'limit' after",
+    "invalid_missing_field.plan": "got 4 field(s)", "invalid_missing_header.plan": "policy",
+    "invalid_negative_time.plan": "time '-1'", "invalid_not_a_plan.plan": "not a mucudnn plan",
+    "invalid_pieces_sum.plan": "add up to 7", "invalid_unknown_algo.plan": "'algo_0'",
+    "invalid_unknown_math.plan": "'tf32'", "invalid_unknown_record.plan": "'kernal'",
+    "invalid_version_2.plan": "version '2'", "invalid_zero_batch.plan": "'0:implicit_gemm:fma'",
+}
+
+
+@pytest.mark.parametrize("name, reason", INVALID_REASONS.items())
+def test_invalid_examples_say_what_is_wrong(name, reason):
+    with pytest.raises(PlanError) as exc:
+        read_plan(PLAN_DIR / name)
+    assert reason in str(exc.value)
+
+
+def test_unreadable_plan_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.plan"
+    with pytest.raises(PlanError, match=re.escape(str(missing))):
+        read_plan(missing)
+    binary = tmp_path / "binary.plan"
+    binary.write_bytes(b"mucudnn-plan 1\n\xff\xfe\n")
+    with pytest.raises(PlanError, match=re.escape(str(binary))):
+        read_plan(binary)
+
+
+@pytest.mark.parametrize("record, value, reason", [
+    ("cudnn", "9.1", "cudnn '9.1'"), ("cudnn", "0", "cudnn '0'"),
+    ("limit", "64MiB", "limit '64MiB'"), ("limit", "-1", "limit '-1'"),
+    ("strategy", "WR", "strategy 'WR'"), ("policy", "power_of_two", "policy 'power_of_two'"),
+])
+def test_bad_header_value_is_named_on_its_own_line(record, value, reason):
+    """Not at the first kernel line or the end of the file: the shim names the header's line."""
+    header = {"gpu": "g", "cudnn": "91900", "strategy": "wr", "limit": "0", "policy": "all",
+              record: value}
+    text = "mucudnn-plan 1\n" + "".join(f"{name} {header[name]}\n" for name in header) \
+        + f"kernel {problem().key} 1 0 0 1:gemm:fma\n"
+    line = 2 + list(header).index(record)
+    with pytest.raises(PlanError) as exc:
+        read_plan_text(text, source="p.plan")
+    assert str(exc.value).startswith(f"p.plan:{line}: {reason}")
+
+
+def test_header_given_twice_is_refused():
+    text = "mucudnn-plan 1\ngpu a\ngpu b\ncudnn 1\nstrategy wr\nlimit 0\npolicy all\n"
+    with pytest.raises(PlanError, match=r"^here:3: header record 'gpu' given twice"):
+        read_plan_text(text, source="here")
+
+
+# -- record files ----------------------------------------------------------------------------------
+
+def record_line(kernel: ConvProblem) -> str:
+    return f"kernel {kernel.key} {kernel.n}\n"
+
+
+def test_recording_dedupes_in_first_seen_order(tmp_path):
+    a, b = problem(n=8), problem(Direction.BACKWARD_DATA, geometry=1, n=4)
+    a16 = a.with_n(16)
+    first = tmp_path / "rank0.record"
+    second = tmp_path / "rank1.record"
+    first.write_text("# mucudnn-record 1 pid=10\n" + record_line(a) + "\n" + record_line(b)
+                     + record_line(a))
+    second.write_text("# mucudnn-record 1 pid=11\n   # indented comment\n" + record_line(b)
+                      + record_line(a16) + record_line(a))
+    kernels = read_recording([first, second])
+    assert [(k.key, k.n) for k in kernels] == [(a.key, 8), (b.key, 4), (a.key, 16)]
+    assert kernels == [a, b, a16]
+
+
+def test_empty_recording_gives_no_kernels(tmp_path):
+    path = tmp_path / "empty.record"
+    path.write_text("# mucudnn-record 1 pid=1\n\n")
+    assert read_recording([path]) == []
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ("kernel {key}", "expected 'kernel KEY N'"),
+    ("kernel {key} 4 5", "expected 'kernel KEY N'"),
+    ("kernal {key} 4", "expected 'kernel KEY N'"),
+    ("kernel {key} 0", "N '0'"),
+    ("kernel {key} four", "N 'four'"),
+    ("kernel dir=fwd,c=3 4", "kernel key"),
+])
+def test_malformed_recording_line_names_file_and_line(tmp_path, bad, reason):
+    path = tmp_path / "bad.record"
+    path.write_text("# mucudnn-record 1 pid=1\n" + record_line(problem(n=2))
+                    + bad.format(key=problem().key) + "\n")
+    with pytest.raises(PlanError) as exc:
+        read_recording([path])
+    assert str(exc.value).startswith(f"{path}:3: ")
+    assert reason in str(exc.value)
+
+
+def test_missing_recording_names_the_path(tmp_path):
+    with pytest.raises(PlanError, match=re.escape(str(tmp_path / "absent.record"))):
+        read_recording([tmp_path / "absent.record"])

@@ -1,0 +1,362 @@
+"""The tuner: plans from synthetic measurements, where measurements come from, baselines."""
+
+from __future__ import annotations
+
+import collections
+import csv
+import gzip
+import math
+import re
+
+import pytest
+
+from mucudnn import tuner
+from mucudnn.bench import Environment
+from mucudnn.errors import InfeasibleError, MissingMeasurementsError, MucudnnError
+from mucudnn.measurement import Measurement, Status
+from mucudnn.optimizer import Policy, candidate_sizes
+from mucudnn.plan import PlanEntry, PlanPiece
+from mucudnn.problem import ConvProblem, Direction, MathType
+from mucudnn.sizes import parse_size
+from mucudnn.store import open_store
+
+ENV = Environment("Test GPU", 91900)
+N = 8
+
+FWD = ConvProblem(Direction.FORWARD, c=64, input_size=(56, 56), k=64, filter_size=(3, 3),
+                  padding=(1, 1), stride=(1, 1), dilation=(1, 1), n=N)
+BWD_DATA = FWD.with_direction(Direction.BACKWARD_DATA)
+# A kernel every algorithm of which needs workspace (no zero-workspace fallback).
+HUNGRY = ConvProblem(Direction.FORWARD, c=32, input_size=(28, 28), k=32, filter_size=(5, 5),
+                     padding=(2, 2), stride=(1, 1), dilation=(1, 1), n=N)
+
+# name: (ms per launch, ms per sample, workspace bytes per sample). Transform-based algorithms are
+# the fastest and hungriest, so limits and budgets force real trade-offs.
+FWD_ALGOS = {"implicit_gemm": (0.02, 1.0, 0), "gemm": (0.02, 0.8, 100),
+             "winograd": (0.02, 0.5, 500), "fft": (0.05, 0.3, 1000)}
+BWD_DATA_ALGOS = {"algo_0": (0.02, 1.2, 0), "algo_1": (0.02, 0.9, 64),
+                  "fft_tiling": (0.05, 0.4, 800)}
+HUNGRY_ALGOS = {"gemm": (0.02, 0.9, 100), "fft": (0.05, 0.3, 1000)}
+
+
+def synthetic_rows(problem: ConvProblem, algos: dict[str, tuple[float, float, int]],
+                   sizes=None) -> list[Measurement]:
+    """One OK row per algorithm at each size (default: the powerOfTwo sizes of ``problem.n``),
+    plus one NOT_SUPPORTED row that must never be planned."""
+    rows = []
+    for batch in sizes or candidate_sizes(Policy.POWER_OF_TWO, problem.n):
+        for algo, (launch, per_sample, workspace) in algos.items():
+            rows.append(Measurement(problem.key, batch, algo, MathType.FMA,
+                                    launch + per_sample * batch, workspace * batch))
+        rows.append(Measurement(problem.key, batch, "direct", MathType.FMA, math.nan, 0,
+                                Status.NOT_SUPPORTED))
+    return rows
+
+
+@pytest.fixture
+def store(tmp_path):
+    with open_store(tmp_path / "synthetic.sqlite") as opened:
+        opened.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS)
+                   + synthetic_rows(BWD_DATA, BWD_DATA_ALGOS)
+                   + synthetic_rows(HUNGRY, HUNGRY_ALGOS))
+        yield opened
+
+
+KERNELS = [(FWD, 3), (BWD_DATA, 1)]
+
+
+def measured(store, entry: PlanEntry, piece: PlanPiece) -> Measurement:
+    """The stored row a plan piece stands for."""
+    [row] = [m for m in store.get(ENV.gpu, ENV.cudnn, entry.key, batches=[piece.batch])
+             if m.algo == piece.algo and m.math == piece.math]
+    return row
+
+
+def check_entry_against_store(store, entry: PlanEntry) -> None:
+    """Pieces cover N, and the entry's time and workspace are those of its measured pieces."""
+    assert sum(piece.batch for piece in entry.pieces) == entry.n
+    rows = [measured(store, entry, piece) for piece in entry.pieces]
+    assert all(row.ok for row in rows)
+    assert entry.workspace == max(row.workspace for row in rows)
+    assert math.isclose(entry.time_ms, sum(row.time_ms for row in rows))
+
+
+def best_undivided(store, problem: ConvProblem, limit: int | None) -> float | None:
+    """The fastest single algorithm over the whole mini-batch within ``limit``, from the rows."""
+    times = [m.time_ms for m in store.get(ENV.gpu, ENV.cudnn, problem.key, batches=[problem.n])
+             if m.ok and (limit is None or m.workspace <= limit)]
+    return min(times, default=None)
+
+
+# -- WR --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("limit", [0, 800, "2KiB", 4000, 1 << 30])
+def test_wr_keeps_every_kernel_within_the_limit(store, limit):
+    plan = tuner.optimize(KERNELS, workspace_limit=limit, store=store, env=ENV)
+    assert (plan.gpu, plan.cudnn) == (ENV.gpu, ENV.cudnn)
+    assert (plan.strategy, plan.limit, plan.policy) == ("wr", parse_size(limit), "powerOfTwo")
+    assert [(e.key, e.n) for e in plan] == [(p.key, p.n) for p, _ in KERNELS]
+    for entry in plan:
+        check_entry_against_store(store, entry)
+        assert entry.workspace <= parse_size(limit)
+        undivided = best_undivided(store, entry.problem, parse_size(limit))
+        assert entry.time_ms <= undivided + 1e-9  # never worse than not dividing
+
+
+def test_wr_divides_when_the_fast_algorithm_only_fits_small_micro_batches(store):
+    # fft needs 1000 B per sample: within 2000 B it runs 2 samples at a time.
+    plan = tuner.optimize([FWD], workspace_limit=2000, store=store, env=ENV)
+    entry = plan.get(FWD.key, N)
+    assert entry.is_divided
+    assert {piece.algo for piece in entry.pieces} == {"fft"}
+    assert entry.time_ms < best_undivided(store, FWD, 2000)
+
+
+def test_wr_infeasible_limit_is_an_error(store):
+    with pytest.raises(InfeasibleError):
+        tuner.optimize([HUNGRY], workspace_limit=50, store=store, env=ENV)
+
+
+@pytest.mark.parametrize("policy", ["undivided", Policy.POWER_OF_TWO])
+def test_policy_limits_the_micro_batch_sizes(store, policy):
+    plan = tuner.optimize([FWD], workspace_limit=2000, policy=policy, store=store, env=ENV)
+    assert plan.policy == Policy(policy).value
+    allowed = set(candidate_sizes(policy, N))
+    assert all(piece.batch in allowed for entry in plan for piece in entry.pieces)
+
+
+# -- WD --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [0, 1000, "4KiB", 9000, 1 << 30])
+def test_wd_keeps_all_kernels_within_the_budget(store, budget):
+    plan = tuner.optimize(KERNELS, total_workspace=budget, store=store, env=ENV)
+    assert (plan.strategy, plan.limit, plan.policy) == ("wd", parse_size(budget), "powerOfTwo")
+    assert len(plan) == len(KERNELS)
+    assert plan.total_workspace <= parse_size(budget)
+    for entry in plan:
+        check_entry_against_store(store, entry)
+
+
+def test_wd_gets_no_slower_with_a_larger_budget(store):
+    def weighted_time(budget):
+        plan = tuner.optimize(KERNELS, total_workspace=budget, store=store, env=ENV)
+        return tuner.predicted_network_time(plan, KERNELS)
+
+    times = [weighted_time(budget) for budget in (0, 2000, 8000, 1 << 20)]
+    assert times == sorted(times, reverse=True)
+    assert times[0] > times[-1]  # the budget matters for these kernels
+
+
+def test_wd_infeasible_budget_is_an_error(store):
+    with pytest.raises(InfeasibleError):
+        tuner.optimize([HUNGRY], total_workspace=50, store=store, env=ENV)
+
+
+@pytest.mark.parametrize("limits", [{}, {"workspace_limit": "1MiB", "total_workspace": "1MiB"}])
+def test_exactly_one_of_limit_and_budget(store, limits):
+    with pytest.raises(MucudnnError, match="exactly one"):
+        tuner.optimize(KERNELS, store=store, env=ENV, **limits)
+
+
+# -- excluded algorithms ---------------------------------------------------------------------------
+
+def algorithms_used(plan) -> set[str]:
+    return {piece.algo for entry in plan for piece in entry.pieces}
+
+
+@pytest.mark.parametrize("limits", [{"workspace_limit": 1 << 30}, {"total_workspace": 1 << 30}])
+def test_exclude_and_precise_drop_algorithms(store, limits):
+    unrestricted = algorithms_used(tuner.optimize(KERNELS, store=store, env=ENV, **limits))
+    assert {"fft", "fft_tiling"} <= unrestricted  # else the checks below prove nothing
+
+    without_fft = algorithms_used(tuner.optimize(KERNELS, store=store, env=ENV,
+                                                 exclude=["fft"], **limits))
+    assert "fft" not in without_fft and "fft_tiling" in without_fft
+
+    precise = algorithms_used(tuner.optimize(KERNELS, store=store, env=ENV, precise=True,
+                                             **limits))
+    assert not precise & tuner.TRANSFORM_ALGORITHMS
+    assert precise  # GEMM-based algorithms remain
+
+
+def test_excluding_every_algorithm_names_what_is_missing(store):
+    with pytest.raises(MissingMeasurementsError):
+        tuner.optimize([HUNGRY], workspace_limit=1 << 30, store=store, env=ENV,
+                       exclude=list(HUNGRY_ALGOS))
+
+
+# -- missing measurements --------------------------------------------------------------------------
+
+def test_missing_sizes_are_named_with_the_key(tmp_path):
+    with open_store(tmp_path / "partial.sqlite") as partial:
+        partial.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS, sizes=[1, 4]))
+        with pytest.raises(MissingMeasurementsError) as exc:
+            tuner.optimize([FWD], workspace_limit=0, store=partial, env=ENV)
+    message = str(exc.value)
+    assert FWD.key in message
+    assert "size(s) 2, 8 " in message
+    assert ENV.gpu in message and str(ENV.cudnn) in message and "powerOfTwo" in message
+
+
+def test_many_missing_sizes_are_shortened(store):
+    twelve = FWD.with_n(12)  # policy 'all' wants sizes 1..12; the store has 1, 2, 4, 8
+    with pytest.raises(MissingMeasurementsError) as exc:
+        tuner.optimize([twelve], workspace_limit=0, policy="all", store=store, env=ENV)
+    assert "size(s) 3, 5, 6, 7, 9, 10, 11, 12 for" in str(exc.value)
+    with pytest.raises(MissingMeasurementsError) as exc:
+        tuner.optimize([FWD.with_n(16)], workspace_limit=0, policy="all", store=store, env=ENV)
+    assert "size(s) 3, 5, 6, 7, 9, 10, 11, 12 ... for" in str(exc.value)
+
+
+def test_other_environment_has_no_measurements(store):
+    with pytest.raises(MissingMeasurementsError, match="Other GPU"):
+        tuner.optimize(KERNELS, workspace_limit=0, store=store, env=Environment("Other GPU", 1))
+
+
+# -- as_kernels ------------------------------------------------------------------------------------
+
+def test_as_kernels_merges_equal_kernels_in_first_seen_order():
+    merged = tuner.as_kernels([FWD, BWD_DATA, FWD, (FWD, 2), FWD.with_n(4), (BWD_DATA, 5)])
+    assert merged == [(FWD, 4), (BWD_DATA, 6), (FWD.with_n(4), 1)]
+
+
+def test_as_kernels_takes_a_config_as_it_is():
+    class Config:
+        def kernels(self):
+            return [(FWD, 2), (FWD, 3)]  # a config's own list is not merged again
+
+    assert tuner.as_kernels(Config()) == [(FWD, 2), (FWD, 3)]
+
+
+def test_as_kernels_of_a_shipped_config_matches_its_kernels():
+    import mucudnn
+    config = mucudnn.load_config("alexnet")
+    assert tuner.as_kernels(config) == config.kernels()
+
+
+def test_predicted_network_time_weighs_each_kernel(store):
+    plan = tuner.optimize(KERNELS, workspace_limit=0, store=store, env=ENV)
+    expected = sum(weight * plan.get(p.key, p.n).time_ms for p, weight in KERNELS)
+    assert math.isclose(tuner.predicted_network_time(plan, KERNELS), expected)
+    assert tuner.predicted_network_time(plan, [(HUNGRY, 7)]) == 0  # kernels without a plan
+
+
+# -- open_measurements -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shipped_cache_dir(tmp_path_factory):
+    """One directory for every test's user store, so the shipped cache is built only once."""
+    return tmp_path_factory.mktemp("stores")
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, shipped_cache_dir, tmp_path, request):
+    """No GPU, and a fresh empty user store (``$MUCUDNN_STORE``) beside the shared shipped cache."""
+    user_store = shipped_cache_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', request.node.name)}.sqlite"
+    monkeypatch.setenv("MUCUDNN_STORE", str(user_store))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    return user_store
+
+
+def shipped_environments() -> collections.Counter:
+    """Rows per (gpu, cudnn) in the CSV shipped with the package, counted from the file itself."""
+    with gzip.open(tuner.SHIPPED_MEASUREMENTS, "rt", encoding="utf-8", newline="") as src:
+        return collections.Counter((row["gpu"], int(row["cudnn_version"]))
+                                   for row in csv.DictReader(src))
+
+
+def test_empty_store_and_no_gpu_fall_back_to_the_shipped_measurements(no_gpu):
+    chosen_store, env = tuner.open_measurements()
+    with chosen_store:
+        (gpu, cudnn), _ = shipped_environments().most_common(1)[0]
+        assert env == Environment(gpu, cudnn)
+        assert chosen_store.readonly and chosen_store.path != no_gpu
+        assert chosen_store.path.parent == no_gpu.parent  # cached beside the user's store
+        assert sum(count for *_, count in chosen_store.environments()) == \
+            sum(shipped_environments().values())
+
+
+def test_shipped_cache_is_built_once(no_gpu):
+    first, _ = tuner.open_measurements()
+    first.close()
+    built = first.path.stat().st_mtime_ns
+    second, _ = tuner.open_measurements()
+    second.close()
+    assert second.path == first.path and second.path.stat().st_mtime_ns == built
+
+
+def test_tuning_a_shipped_config_works_without_a_gpu(no_gpu):
+    import mucudnn
+    config = mucudnn.load_config("alexnet")
+    plan = tuner.optimize(config, workspace_limit="64MiB")
+    assert len(plan) == len(config.kernels())
+    assert all(entry.workspace <= 64 << 20 for entry in plan)
+
+
+def test_user_store_with_one_environment_is_preferred(no_gpu):
+    with open_store(no_gpu) as user:
+        user.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS))
+    chosen_store, env = tuner.open_measurements()
+    with chosen_store:
+        assert env == ENV and chosen_store.path == no_gpu
+    plan = tuner.optimize([FWD], workspace_limit=0)  # no store or env given: found the same way
+    assert (plan.gpu, plan.cudnn) == (ENV.gpu, ENV.cudnn)
+
+
+def test_user_store_with_several_environments_asks_which(no_gpu):
+    with open_store(no_gpu) as user:
+        user.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS))
+        user.put("Other GPU", 90100, synthetic_rows(FWD, FWD_ALGOS))
+    with pytest.raises(MucudnnError) as exc:
+        tuner.open_measurements()
+    message = str(exc.value)
+    assert "Test GPU / cuDNN 91900" in message and "Other GPU / cuDNN 90100" in message
+    assert "--gpu" in message
+    chosen_store, env = tuner.open_measurements(env=Environment("Other GPU", 90100))
+    with chosen_store:
+        assert chosen_store.path == no_gpu and env.gpu == "Other GPU"
+
+
+def test_named_environment_only_shipped_uses_the_shipped_store(no_gpu):
+    (gpu, cudnn), _ = shipped_environments().most_common(1)[0]
+    with open_store(no_gpu) as user:
+        user.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS))
+    chosen_store, env = tuner.open_measurements(env=Environment(gpu, cudnn))
+    with chosen_store:
+        assert chosen_store.readonly and env == Environment(gpu, cudnn)
+
+
+def test_named_environment_measured_nowhere_reads_the_user_store(no_gpu):
+    nowhere = Environment("Nowhere GPU", 1)
+    chosen_store, env = tuner.open_measurements(env=nowhere)
+    with chosen_store:
+        assert chosen_store.path == no_gpu and env == nowhere
+        with pytest.raises(MissingMeasurementsError, match="Nowhere GPU"):
+            tuner.optimize([FWD], workspace_limit=0, store=chosen_store, env=env)
+
+
+# -- baselines -------------------------------------------------------------------------------------
+
+def entry_of(problem: ConvProblem) -> PlanEntry:
+    return PlanEntry(problem.key, problem.n, 0, 1.0,
+                     (PlanPiece(problem.n, "gemm", MathType.FMA),))
+
+
+@pytest.mark.parametrize("limit", [0, 800, 4000, 8000, 1 << 30])
+def test_baselines_are_the_best_undivided_times(store, limit):
+    within, uncapped = tuner.baselines(store, ENV, entry_of(FWD), limit)
+    assert within == best_undivided(store, FWD, limit)
+    assert uncapped == best_undivided(store, FWD, None)
+    assert uncapped <= within
+
+
+def test_baselines_without_a_fitting_algorithm(store):
+    within, uncapped = tuner.baselines(store, ENV, entry_of(HUNGRY), 50)
+    assert within is None
+    assert uncapped == best_undivided(store, HUNGRY, None)
+
+
+def test_baselines_without_measurements_at_n(store):
+    assert tuner.baselines(store, ENV, entry_of(FWD.with_n(3)), 0) == (None, None)
+    assert tuner.baselines(store, Environment("Other GPU", 1), entry_of(FWD), 0) == (None, None)
