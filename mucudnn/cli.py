@@ -232,5 +232,45 @@ def run(plan_path, workspace_limit, log_level, summary, command):
                                       log_level=log_level, summary=summary)))
 
 
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--workspace-limit", type=SIZE, required=True,
+              help="each convolution within this workspace")
+@click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
+@click.option("--precise", is_flag=True, help="no FFT/Winograd algorithms")
+@click.option("-o", "--plan", "plan_path", default="mucudnn.plan", show_default=True,
+              type=click.Path(dir_okay=False), help="plan file to write (and its .record beside)")
+@click.option("--record-command", metavar="'CMD ...'",
+              help="a shorter command that runs the same convolutions (e.g. 2 steps); default: "
+                   "COMMAND itself")
+@store_option
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def autotune(workspace_limit, policy, precise, plan_path, record_command, store_path, command):
+    """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
+    with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go."""
+    from .plan import read_recording, write_plan
+    from .tuner import benchmark, optimize
+    _require_command(command)
+    recording = Path(plan_path).with_suffix(".record")
+    recording.unlink(missing_ok=True)
+    recorder = tuple(shlex.split(record_command)) if record_command else command
+    click.echo(f"mucudnn: 1/4 recording: {shlex.join(recorder)}", err=True)
+    code = _exec(recorder, _shim_env(limit=workspace_limit, record=recording))
+    if code != 0 or not recording.exists():
+        raise MucudnnError(f"the recording run exited with {code} and recorded "
+                           f"{'nothing' if not recording.exists() else 'in ' + str(recording)}")
+    kernels = read_recording([recording])
+    click.echo(f"mucudnn: 2/4 benchmarking {len(kernels)} kernels", err=True)
+    benchmark(kernels, policy, store=store_path)
+    click.echo("mucudnn: 3/4 tuning", err=True)
+    plan = optimize(kernels, workspace_limit=workspace_limit, policy=policy, store=store_path,
+                    precise=precise)
+    write_plan(plan, plan_path)
+    divided = sum(1 for e in plan if e.is_divided)
+    click.echo(f"mucudnn: wrote {plan_path}: {len(plan)} kernels ({divided} micro-batched)",
+               err=True)
+    click.echo(f"mucudnn: 4/4 running: {shlex.join(command)}", err=True)
+    sys.exit(_exec(command, _shim_env(plan=plan_path, limit=workspace_limit)))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

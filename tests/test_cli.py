@@ -305,3 +305,50 @@ def test_version():
     result = invoke("--version")
     assert result.exit_code == 0 and mucudnn.__version__ in result.stdout
 
+
+
+# -- autotune --------------------------------------------------------------------------------------
+def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_exec, tmp_path,
+                                                                   monkeypatch):
+    """The recording run writes kernels; they are benchmarked and tuned (from the shipped
+    measurements here), and the command runs again with the plan and the limit."""
+    shim, calls = fake_exec
+    kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
+
+    def call(args, env=None, **kwargs):
+        calls.append((args, env))
+        if "MUCUDNN_RECORD" in env:  # what the shim would append while the command runs
+            Path(env["MUCUDNN_RECORD"]).write_text(
+                "".join(f"kernel {p.key} {p.n}\n" for p in kernels))
+        return 0
+
+    benchmarked = []
+    monkeypatch.setattr(subprocess, "call", call)
+    monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: benchmarked.append(
+        (len(source), policy)) or 0)
+    plan_path = tmp_path / "auto.plan"
+    result = invoke("autotune", "--workspace-limit", "64MiB", "-o", plan_path,
+                    "--record-command", "python train.py --steps 2", "--", "python", "train.py")
+    assert result.exit_code == 0, result.output
+    (record_args, record_env), (run_args, run_env) = calls
+    assert record_args == ["python", "train.py", "--steps", "2"]
+    assert record_env["MUCUDNN_RECORD"] == str(plan_path.with_suffix(".record").resolve())
+    assert benchmarked == [(len(kernels), "powerOfTwo")]
+    plan = read_plan(plan_path)
+    assert {(e.key, e.n) for e in plan} == {(p.key, p.n) for p in kernels}
+    assert all(e.workspace <= 64 << 20 for e in plan) and any(e.is_divided for e in plan)
+    assert run_args == ["python", "train.py"]
+    assert run_env["MUCUDNN_PLAN"] == str(plan_path.resolve())
+    assert run_env["MUCUDNN_WORKSPACE_LIMIT"] == str(64 << 20)
+    assert run_env["LD_PRELOAD"].split()[0] == str(shim)
+
+
+def test_autotune_stops_when_the_recording_run_fails(no_gpu, fake_exec, tmp_path, monkeypatch):
+    _, calls = fake_exec
+    monkeypatch.setattr(subprocess, "call", lambda args, env=None: calls.append(args) or 1)
+    result = invoke("autotune", "--workspace-limit", "64MiB", "-o", tmp_path / "p.plan",
+                    "--", "python", "train.py")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mucudnn: error: ")]
+    assert len(errors) == 1 and "recording run exited with 1" in errors[0], result.stderr
+    assert len(calls) == 1 and not (tmp_path / "p.plan").exists()
