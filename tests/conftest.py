@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+
+# CI machines are small and shared: property tests are bounded by example counts, not wall time.
+settings.register_profile("mucudnn", deadline=None)
+settings.load_profile("mucudnn")
 
 
 def _gpu_reason() -> str | None:
