@@ -37,11 +37,12 @@ def parse_size(text: str | int) -> int:
 
 
 def format_size(nbytes: int | float) -> str:
-    """Short human form: ``64.0 MiB``, ``0 B``."""
+    """Short human form: ``64.0 MiB``, ``0 B``; the largest unit whose rounded value stays < 1024."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        shown = round(value) if unit == "B" else round(value, 1)
+        if abs(shown) < 1024 or unit == "GiB":
+            return f"{int(shown)} B" if unit == "B" else f"{shown:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

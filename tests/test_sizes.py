@@ -102,7 +102,7 @@ def test_size_error_is_a_mucudnn_error_and_a_value_error():
 
 @pytest.mark.parametrize("nbytes, expected", [
     (0, "0 B"), (1, "1 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
-    (64 * MiB, "64.0 MiB"), (MiB - 1, "1024.0 KiB"), (3 * GiB, "3.0 GiB"),
+    (64 * MiB, "64.0 MiB"), (MiB - 1, "1.0 MiB"), (3 * GiB, "3.0 GiB"),
     (2 * TiB, "2048.0 GiB"),  # GiB is the largest unit shown
 ])
 def test_format_size(nbytes, expected):
@@ -115,7 +115,7 @@ def test_format_size_is_within_rounding_of_the_value(nbytes):
     match = re.fullmatch(r"(\d+(?:\.\d)?) (B|KiB|MiB|GiB)", format_size(nbytes))
     assert match, format_size(nbytes)
     number, unit = float(match.group(1)), UNITS[match.group(2)]
-    assert abs(number * unit - nbytes) <= 0.05 * unit
+    assert abs(number * unit - nbytes) <= 0.05 * unit * (1 + 1e-9)  # half a last digit (ties even)
     assert number < 1024 or unit == GiB  # the largest unit that keeps the number below 1024
     assert unit == 1 or number >= 1
 
