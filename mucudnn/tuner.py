@@ -14,6 +14,7 @@ run that kernel, which the WD optimiser uses to weigh time.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import os
@@ -163,27 +164,40 @@ def optimize(source, workspace_limit=None, total_workspace=None,
         raise MucudnnError("give exactly one of workspace_limit (WR) and total_workspace (WD)")
     policy = Policy(policy)
     kernels = as_kernels(source)
-    st, env = (store, env) if (store is not None and env is not None) else open_measurements(store, env)
     banned = set(exclude) | (TRANSFORM_ALGORITHMS if precise else set())
-    rows = {(p.key, p.n): [m for m in measurements(st, env, p, policy) if m.algo not in banned]
-            for p, _ in kernels}
+    with _measurements_source(store, env) as (st, env):
+        rows = {(p.key, p.n): [m for m in measurements(st, env, p, policy) if m.algo not in banned]
+                for p, _ in kernels}
     if workspace_limit is not None:
         limit = parse_size(workspace_limit)
         plans = [best_plan(rows[(p.key, p.n)], p.n, limit, policy) for p, _ in kernels]
         strategy = "wr"
     else:
         limit = parse_size(total_workspace)
-        fronts = {f"{p.key} {p.n}": pareto_plans(rows[(p.key, p.n)], p.n, policy)
-                  for p, _ in kernels}
-        weights = {f"{p.key} {p.n}": w for p, w in kernels}
-        chosen = solve_budget(fronts, limit, weights=weights)
-        plans = [chosen[f"{p.key} {p.n}"] for p, _ in kernels]
+        fronts = {(p.key, p.n): pareto_plans(rows[(p.key, p.n)], p.n, policy) for p, _ in kernels}
+        chosen = solve_budget(fronts, limit, weights={(p.key, p.n): w for p, w in kernels})
+        plans = [chosen[(p.key, p.n)] for p, _ in kernels]
         strategy = "wd"
     plan = Plan(gpu=env.gpu, cudnn=env.cudnn, strategy=strategy, limit=limit,
                 policy=policy.value)
     for kp in plans:
         plan.add(PlanEntry.from_kernel_plan(kp))
     return plan
+
+
+@contextlib.contextmanager
+def _measurements_source(store, env: Environment | None):
+    """(store, environment) to read: a store object is used as given (and stays open); a path, or
+    None for the default, is opened with :func:`open_measurements` and closed afterwards."""
+    if isinstance(store, store_mod.BenchmarkStore):
+        chosen = env or _pick_environment(store)
+        if chosen is None:
+            raise MissingMeasurementsError(f"{store!r} holds no measurements")
+        yield store, chosen
+        return
+    opened, chosen = open_measurements(store, env)
+    with opened:
+        yield opened, chosen
 
 
 def predicted_network_time(plan: Plan, kernels: Kernels) -> float:

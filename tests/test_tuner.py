@@ -360,3 +360,21 @@ def test_baselines_without_a_fitting_algorithm(store):
 def test_baselines_without_measurements_at_n(store):
     assert tuner.baselines(store, ENV, entry_of(FWD.with_n(3)), 0) == (None, None)
     assert tuner.baselines(store, Environment("Other GPU", 1), entry_of(FWD), 0) == (None, None)
+
+
+def test_a_store_object_without_an_environment_uses_its_only_one(store, monkeypatch):
+    monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    plan = tuner.optimize(KERNELS, workspace_limit="64MiB", store=store)
+    assert (plan.gpu, plan.cudnn) == (ENV.gpu, ENV.cudnn)
+    assert [(e.key, e.n) for e in plan] == [(p.key, p.n) for p, _ in KERNELS]
+    assert store.keys(ENV.gpu, ENV.cudnn)  # the caller's store is left open
+
+
+def test_a_store_path_is_opened_and_closed(store, monkeypatch):
+    monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    closed = []
+    real_close = type(store).close
+    monkeypatch.setattr(type(store), "close", lambda self: closed.append(self) or real_close(self))
+    plan = tuner.optimize(KERNELS, total_workspace="1GiB", store=store.path, env=ENV)
+    assert plan.strategy == "wd" and len(plan) == len(KERNELS)
+    assert any(s is not store and s.path == store.path for s in closed)
