@@ -266,3 +266,5 @@ cudnnStatus_t mu_convolution(const mu_conv_call *call) {
     mu_guard_leave();
     return status;
 }
+
+cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call) { return dispatch(call, mu_config()); }

@@ -83,6 +83,9 @@ void mu_log_summary(const char *fmt, ...) MU_PRINTF(1, 2);
     X(cudnnCreateTensorDescriptor)                  \
     X(cudnnSetTensorNdDescriptor)                   \
     X(cudnnDestroyTensorDescriptor)                 \
+    X(cudnnCreateFilterDescriptor)                  \
+    X(cudnnSetFilterNdDescriptor)                   \
+    X(cudnnDestroyFilterDescriptor)                 \
     X(cudnnCreateConvolutionDescriptor)             \
     X(cudnnSetConvolutionNdDescriptor)              \
     X(cudnnSetConvolutionMathType)                  \
@@ -103,7 +106,13 @@ void mu_log_summary(const char *fmt, ...) MU_PRINTF(1, 2);
     X(cudnnFindConvolutionBackwardFilterAlgorithm)  \
     X(cudnnFindConvolutionBackwardFilterAlgorithmEx) \
     X(cudnnGetConvolutionBackwardFilterWorkspaceSize) \
-    X(cudnnConvolutionBackwardFilter)
+    X(cudnnConvolutionBackwardFilter)               \
+    X(cudnnBackendCreateDescriptor)                 \
+    X(cudnnBackendDestroyDescriptor)                \
+    X(cudnnBackendSetAttribute)                     \
+    X(cudnnBackendGetAttribute)                     \
+    X(cudnnBackendFinalize)                         \
+    X(cudnnBackendExecute)
 
 typedef struct {
 #define MU_DECLARE_REAL(name) __typeof__(name) *name;
@@ -263,6 +272,8 @@ typedef struct {
 
 /* The body of every cudnnConvolution* wrapper. */
 cudnnStatus_t mu_convolution(const mu_conv_call *call);
+/* The same for a caller already inside the recursion guard (the graph API's executions). */
+cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
 
 /* ---- query.c: algorithm queries, workspace sizes, the workspace limit ---------------------- */
 

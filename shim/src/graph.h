@@ -1,0 +1,85 @@
+/*
+ * graph.h: what the shim tracks of cuDNN's graph ("backend") API, shared by graph.c (the
+ * descriptor table) and intercept_graph.c (the interposed functions).
+ *
+ * A framework builds a convolution as a chain of backend descriptors: tensors and a convolution
+ * descriptor go into an operation, the operation into an operation graph, the graph into an
+ * engine (or engine heuristics, whose results are engine configurations), the engine into an
+ * engine configuration, the configuration into an execution plan. The table copies, at each
+ * link, what the shim needs of the previous one, so an execution plan knows whether it computes
+ * one plain convolution and which, even after the framework destroyed the intermediate
+ * descriptors (cuDNN allows that once they are set).
+ */
+#ifndef MUCUDNN_GRAPH_H
+#define MUCUDNN_GRAPH_H
+
+#include "internal.h"
+
+/* One tensor as SetAttribute described it. */
+typedef struct {
+    bool has_uid, has_dtype, is_virtual, vectorized;
+    int64_t uid;
+    cudnnDataType_t dtype;
+    int rank, stride_count; /* 0 until set */
+    int64_t dims[MU_MAX_DIMS], strides[MU_MAX_DIMS];
+} mu_g_tensor;
+
+/* A convolution descriptor's geometry. */
+typedef struct {
+    bool has_comp_type, has_mode;
+    cudnnDataType_t comp_type;
+    cudnnConvolutionMode_t mode;
+    int spatial; /* SPATIAL_DIMS, 0 until set */
+    int dilation_count, stride_count, pre_count, post_count;
+    int64_t dilation[MU_MAX_DIMS], stride[MU_MAX_DIMS], pre[MU_MAX_DIMS], post[MU_MAX_DIMS];
+} mu_g_convolution;
+
+/* A convolution operation in forward terms: x (x or dx), w (w or dw), y (y or dy). */
+typedef struct {
+    mu_direction dir;
+    bool has_x, has_w, has_y, has_conv;
+    mu_g_tensor x, w, y;
+    mu_g_convolution conv;
+    double alpha, beta; /* defaults 1 and 0, as cuDNN's */
+} mu_g_operation;
+
+/* What a graph-derived descriptor (graph, heuristics, engine, configuration, plan) computes:
+ * single is true only for a graph of exactly one convolution operation. */
+typedef struct {
+    bool single;
+    mu_g_operation op;
+    cudnnHandle_t handle; /* the graph's, or the plan's own when it sets one */
+} mu_g_graph;
+
+/* A variant pack: the buffers of one execution. */
+#define MU_G_MAX_UIDS 16
+typedef struct {
+    int uid_count, pointer_count;
+    int64_t uids[MU_G_MAX_UIDS];
+    void *pointers[MU_G_MAX_UIDS];
+    void *workspace;
+} mu_g_variant_pack;
+
+struct mu_g_planned; /* intercept_graph.c: an execution plan run as a micro-batch plan */
+
+/* Copies out of the table (taken under its lock). */
+bool mu_g_tracked(cudnnBackendDescriptor_t desc, cudnnBackendDescriptorType_t *type);
+bool mu_g_graph_of(cudnnBackendDescriptor_t desc, mu_g_graph *graph);
+bool mu_g_variant_pack_of(cudnnBackendDescriptor_t desc, mu_g_variant_pack *pack);
+
+/* Table updates, after the real call succeeded. */
+void mu_g_track(cudnnBackendDescriptor_t desc, cudnnBackendDescriptorType_t type);
+void mu_g_attribute_set(cudnnBackendDescriptor_t desc, cudnnBackendAttributeName_t name,
+                        cudnnBackendAttributeType_t type, int64_t count, const void *elements);
+/* Descriptors that a GetAttribute filled in from desc (heuristics results, an engine
+ * configuration's engine, a plan's configuration) compute what desc computes. */
+void mu_g_attribute_got(cudnnBackendDescriptor_t desc, cudnnBackendAttributeName_t name,
+                        cudnnBackendAttributeType_t type, int64_t count, void *elements);
+/* Forgets desc; returns its micro-batch plan (for the caller to free), NULL if none. */
+struct mu_g_planned *mu_g_untrack(cudnnBackendDescriptor_t desc);
+
+/* The micro-batch plan attached to an execution plan, and the kernel it counts calls for. */
+void mu_g_set_planned(cudnnBackendDescriptor_t desc, struct mu_g_planned *planned, mu_seen *seen);
+struct mu_g_planned *mu_g_planned_of(cudnnBackendDescriptor_t desc, mu_seen **seen);
+
+#endif /* MUCUDNN_GRAPH_H */

@@ -1,0 +1,387 @@
+/*
+ * intercept_graph.c: the interposed graph ("backend") API.
+ *
+ * Every wrapper calls the real function first and then updates the descriptor table (graph.c).
+ * Execution plans are where the shim acts, when cudnnBackendFinalize succeeds on a plan whose
+ * graph is one plain convolution:
+ *   - with a micro-batch plan for its kernel key and N, the plan reports the micro-batch plan's
+ *     workspace (so the framework allocates only that) and cudnnBackendExecute runs the pieces
+ *     through the legacy path (exec.c), on legacy descriptors built once from the graph's;
+ *   - without one, with a workspace limit set, a plan that needs more than the limit is refused
+ *     (CUDNN_STATUS_NOT_SUPPORTED), so the framework takes its next engine configuration.
+ * Graphs of anything else (fused operations, norms, attention) pass through untouched.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graph.h"
+
+/* An execution plan run as a micro-batch plan. */
+typedef struct mu_g_planned {
+    mu_direction dir;
+    cudnnTensorDescriptor_t x, y;
+    cudnnFilterDescriptor_t w;
+    cudnnConvolutionDescriptor_t conv;
+    int64_t uid_x, uid_w, uid_y;
+    bool double_scales; /* alpha/beta are passed as double (f64 data) rather than float */
+    float alpha_f, beta_f;
+    double alpha_d, beta_d;
+    size_t workspace;  /* the micro-batch plan's: what the framework is told and allocates */
+    int fallback_algo; /* runs undivided within that workspace, should the plan fail untouched */
+} mu_g_planned;
+
+static void free_planned(mu_g_planned *p) {
+    if (p == NULL) return;
+    const mu_real_table *real = mu_real();
+    if (p->x) real->cudnnDestroyTensorDescriptor(p->x);
+    if (p->y) real->cudnnDestroyTensorDescriptor(p->y);
+    if (p->w) real->cudnnDestroyFilterDescriptor(p->w);
+    if (p->conv) real->cudnnDestroyConvolutionDescriptor(p->conv);
+    free(p);
+}
+
+/* ---- the legacy equivalent of a graph's convolution ---------------------------------------- */
+
+/* Whether dims are packed with strides in NC(D)HW (channels_last false) or N(D)HWC order. */
+static bool packed_as(const mu_g_tensor *t, bool channels_last) {
+    int order[MU_MAX_DIMS], count = 0; /* dims from innermost to outermost */
+    if (channels_last) {
+        order[count++] = 1;
+        for (int i = t->rank - 1; i >= 2; i--) order[count++] = i;
+        order[count++] = 0;
+    } else {
+        for (int i = t->rank - 1; i >= 0; i--) order[count++] = i;
+    }
+    int64_t expected = 1;
+    for (int i = 0; i < count; i++) {
+        int d = order[i];
+        if (t->dims[d] > 1 && t->strides[d] != expected) return false; /* size-1 dims do not decide */
+        expected *= t->dims[d];
+    }
+    return true;
+}
+
+static const char *check_tensor(const mu_g_tensor *t) {
+    if (!t->has_uid || !t->has_dtype) return "a tensor lacks its uid or data type";
+    if (t->is_virtual || t->vectorized) return "a tensor is virtual or vectorized";
+    if ((t->rank != 4 && t->rank != 5) || t->stride_count != t->rank) return "tensor rank is not 4 or 5";
+    for (int i = 0; i < t->rank; i++)
+        if (t->dims[i] < 1 || t->dims[i] > INT32_MAX || t->strides[i] < 1 || t->strides[i] > INT32_MAX)
+            return "tensor dims or strides out of range";
+    return NULL;
+}
+
+static const char *check_operation(const mu_g_operation *op) {
+    if (!op->has_x || !op->has_w || !op->has_y || !op->has_conv) return "the operation is incomplete";
+    const char *why = check_tensor(&op->x);
+    if (why == NULL) why = check_tensor(&op->w);
+    if (why == NULL) why = check_tensor(&op->y);
+    if (why != NULL) return why;
+    const mu_g_convolution *c = &op->conv;
+    int spatial = op->x.rank - 2;
+    if (!c->has_comp_type || !c->has_mode || c->spatial != spatial || c->dilation_count != spatial ||
+        c->stride_count != spatial || c->pre_count != spatial || c->post_count != spatial)
+        return "the convolution descriptor is incomplete";
+    for (int i = 0; i < spatial; i++) {
+        if (c->pre[i] != c->post[i]) return "asymmetric padding";
+        if (c->pre[i] > INT32_MAX || c->stride[i] > INT32_MAX || c->dilation[i] > INT32_MAX)
+            return "convolution geometry out of range";
+    }
+    if (op->w.dims[1] < 1 || op->x.dims[1] % op->w.dims[1] != 0) return "channels do not divide into groups";
+    return NULL;
+}
+
+/*
+ * The math type that stands for the framework's numerics in the key: for f32, TF32 tensor-core
+ * math only when the engine the framework picked uses tensor cores (PyTorch drops such engines
+ * when TF32 is off), so a plan never brings TF32 to a run that had none; tensor-op math for
+ * f16/bf16; default for f64.
+ */
+static cudnnMathType_t plan_math(cudnnBackendDescriptor_t plan, cudnnDataType_t dtype) {
+    if (dtype == CUDNN_DATA_HALF || dtype == CUDNN_DATA_BFLOAT16) return CUDNN_TENSOR_OP_MATH;
+    if (dtype != CUDNN_DATA_FLOAT) return CUDNN_DEFAULT_MATH;
+    const mu_real_table *real = mu_real();
+    cudnnBackendDescriptor_t config = NULL, engine = NULL;
+    cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
+    int64_t count = 0;
+    bool tensor_cores = false;
+    if (real->cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &config) == CUDNN_STATUS_SUCCESS &&
+        real->cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                                       CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &count, &config) == CUDNN_STATUS_SUCCESS &&
+        real->cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &engine) == CUDNN_STATUS_SUCCESS &&
+        real->cudnnBackendGetAttribute(config, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                       &count, &engine) == CUDNN_STATUS_SUCCESS &&
+        real->cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                                       CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) == CUDNN_STATUS_SUCCESS) {
+        for (int64_t i = 0; i < count && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++)
+            tensor_cores |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
+    }
+    if (engine) real->cudnnBackendDestroyDescriptor(engine);
+    if (config) real->cudnnBackendDestroyDescriptor(config);
+    return tensor_cores ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH; /* unknown engine: no TF32 */
+}
+
+static cudnnStatus_t legacy_tensor(const mu_g_tensor *t, cudnnTensorDescriptor_t *desc) {
+    int dims[MU_MAX_DIMS], strides[MU_MAX_DIMS];
+    for (int i = 0; i < t->rank; i++) dims[i] = (int)t->dims[i], strides[i] = (int)t->strides[i];
+    cudnnStatus_t status = mu_real()->cudnnCreateTensorDescriptor(desc);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = mu_real()->cudnnSetTensorNdDescriptor(*desc, t->dtype, t->rank, dims, strides);
+    return status;
+}
+
+static cudnnStatus_t legacy_filter(const mu_g_tensor *w, cudnnFilterDescriptor_t *desc) {
+    /* The filter format is the memory order of its packed strides. */
+    cudnnTensorFormat_t format = packed_as(w, false) ? CUDNN_TENSOR_NCHW
+                                 : packed_as(w, true) ? CUDNN_TENSOR_NHWC
+                                                      : (cudnnTensorFormat_t)-1;
+    if ((int)format < 0) return CUDNN_STATUS_NOT_SUPPORTED_LAYOUT;
+    int dims[MU_MAX_DIMS];
+    for (int i = 0; i < w->rank; i++) dims[i] = (int)w->dims[i];
+    cudnnStatus_t status = mu_real()->cudnnCreateFilterDescriptor(desc);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = mu_real()->cudnnSetFilterNdDescriptor(*desc, w->dtype, format, w->rank, dims);
+    return status;
+}
+
+static cudnnStatus_t legacy_convolution(const mu_g_operation *op, cudnnMathType_t math,
+                                        cudnnConvolutionDescriptor_t *desc) {
+    const mu_real_table *real = mu_real();
+    const mu_g_convolution *c = &op->conv;
+    int pad[MU_MAX_DIMS], stride[MU_MAX_DIMS], dilation[MU_MAX_DIMS];
+    for (int i = 0; i < c->spatial; i++)
+        pad[i] = (int)c->pre[i], stride[i] = (int)c->stride[i], dilation[i] = (int)c->dilation[i];
+    cudnnStatus_t status = real->cudnnCreateConvolutionDescriptor(desc);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = real->cudnnSetConvolutionNdDescriptor(*desc, c->spatial, pad, stride, dilation, c->mode,
+                                                       c->comp_type);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = real->cudnnSetConvolutionGroupCount(*desc, (int)(op->x.dims[1] / op->w.dims[1]));
+    if (status == CUDNN_STATUS_SUCCESS) status = real->cudnnSetConvolutionMathType(*desc, math);
+    return status;
+}
+
+/* Legacy descriptors of the graph's convolution, and its kernel. NULL with the reason in *why. */
+static mu_g_planned *legacy_equivalent(cudnnBackendDescriptor_t plan, const mu_g_operation *op,
+                                       mu_kernel *kernel, const char **why) {
+    if ((*why = check_operation(op)) != NULL) return NULL;
+    mu_g_planned *p = calloc(1, sizeof *p);
+    if (p == NULL) {
+        *why = "out of memory";
+        return NULL;
+    }
+    p->dir = op->dir;
+    p->uid_x = op->x.uid, p->uid_w = op->w.uid, p->uid_y = op->y.uid;
+    p->double_scales = op->x.dtype == CUDNN_DATA_DOUBLE;
+    p->alpha_f = (float)op->alpha, p->beta_f = (float)op->beta;
+    p->alpha_d = op->alpha, p->beta_d = op->beta;
+    cudnnStatus_t status = legacy_tensor(&op->x, &p->x);
+    if (status == CUDNN_STATUS_SUCCESS) status = legacy_tensor(&op->y, &p->y);
+    if (status == CUDNN_STATUS_SUCCESS) status = legacy_filter(&op->w, &p->w);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = legacy_convolution(op, plan_math(plan, op->x.dtype), &p->conv);
+    if (status != CUDNN_STATUS_SUCCESS) {
+        *why = "cuDNN refused the legacy descriptors";
+        free_planned(p);
+        return NULL;
+    }
+    mu_conv_descs descs = {p->dir, p->x, p->w, p->conv, p->y};
+    if ((*why = mu_kernel_from_descs(&descs, kernel)) != NULL) {
+        free_planned(p);
+        return NULL;
+    }
+    return p;
+}
+
+/* The first algorithm (enum order: workspace-free ones first) cuDNN runs undivided within bytes. */
+static int undivided_algo_within(const mu_g_planned *p, cudnnHandle_t handle, size_t bytes) {
+    const mu_real_table *real = mu_real();
+    for (int algo = 0; algo < mu_algo_count(p->dir); algo++) {
+        size_t need = 0;
+        cudnnStatus_t status =
+            p->dir == MU_DIR_FWD ? real->cudnnGetConvolutionForwardWorkspaceSize(
+                                       handle, p->x, p->w, p->conv, p->y, (cudnnConvolutionFwdAlgo_t)algo, &need)
+            : p->dir == MU_DIR_BWD_DATA
+                ? real->cudnnGetConvolutionBackwardDataWorkspaceSize(
+                      handle, p->w, p->y, p->conv, p->x, (cudnnConvolutionBwdDataAlgo_t)algo, &need)
+                : real->cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                      handle, p->x, p->y, p->conv, p->w, (cudnnConvolutionBwdFilterAlgo_t)algo, &need);
+        if (status == CUDNN_STATUS_SUCCESS && need <= bytes) return algo;
+    }
+    return -1;
+}
+
+/* ---- cudnnBackendFinalize of an execution plan --------------------------------------------- */
+
+static size_t real_plan_workspace(cudnnBackendDescriptor_t plan) {
+    int64_t size = 0, count = 0;
+    if (mu_real()->cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64,
+                                            1, &count, &size) != CUDNN_STATUS_SUCCESS || count != 1 || size < 0)
+        return 0;
+    return (size_t)size;
+}
+
+/* Attaches a micro-batch plan to a just finalized execution plan when there is one; applies the
+ * workspace limit otherwise. Returns the status for the caller's cudnnBackendFinalize. */
+static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const mu_state *state) {
+    mu_g_graph graph;
+    if (!mu_g_graph_of(plan, &graph) || !graph.single) return CUDNN_STATUS_SUCCESS;
+    size_t real_workspace = real_plan_workspace(plan);
+    mu_kernel k;
+    const char *why = NULL;
+    mu_g_planned *p = legacy_equivalent(plan, &graph.op, &k, &why);
+    mu_seen *seen = p ? mu_seen_kernel(&k) : NULL;
+    mu_plan_entry *entry = p && state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
+    if (entry != NULL && !atomic_load(&entry->disabled)) {
+        p->workspace = entry->workspace;
+        p->fallback_algo = undivided_algo_within(p, graph.handle, entry->workspace);
+        if (p->fallback_algo >= 0) {
+            mu_log(MU_LOG_DEBUG, "graph plan %p: %s N=%d runs the micro-batch plan (workspace %zu, the "
+                   "engine's %zu)", (void *)plan, k.key, k.n, entry->workspace, real_workspace);
+            mu_g_set_planned(plan, p, seen);
+            return CUDNN_STATUS_SUCCESS;
+        }
+        mu_log(MU_LOG_WARNING, "%s N=%d: no algorithm runs undivided within the plan's workspace %zu, "
+               "so a failing plan would have no way back; not using the plan on the graph path",
+               k.key, k.n, entry->workspace);
+    }
+    free_planned(p);
+    mu_g_set_planned(plan, NULL, seen);
+    if (p == NULL) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_INFO, "graph convolution without a kernel key: %s; passthrough", why);
+    }
+    if (state->has_limit && real_workspace > state->workspace_limit) {
+        mu_log(MU_LOG_DEBUG, "graph plan %p needs %zu bytes of workspace, over the limit %zu: refused",
+               (void *)plan, real_workspace, state->workspace_limit);
+        return CUDNN_STATUS_NOT_SUPPORTED;
+    }
+    return CUDNN_STATUS_SUCCESS;
+}
+
+/* ---- cudnnBackendExecute of a planned execution plan ---------------------------------------- */
+
+static void *pointer_of(const mu_g_variant_pack *pack, int64_t uid) {
+    int count = pack->uid_count < pack->pointer_count ? pack->uid_count : pack->pointer_count;
+    for (int i = 0; i < count; i++)
+        if (pack->uids[i] == uid) return pack->pointers[i];
+    return NULL;
+}
+
+static cudnnStatus_t execute_planned(cudnnHandle_t handle, const mu_g_planned *p, const mu_g_variant_pack *pack) {
+    mu_conv_call call = {
+        .descs = {p->dir, p->x, p->w, p->conv, p->y},
+        .handle = handle,
+        .alpha = p->double_scales ? (const void *)&p->alpha_d : (const void *)&p->alpha_f,
+        .beta = p->double_scales ? (const void *)&p->beta_d : (const void *)&p->beta_f,
+        .x = pointer_of(pack, p->uid_x),
+        .w = pointer_of(pack, p->uid_w),
+        .y = pointer_of(pack, p->uid_y),
+        .algo = p->fallback_algo,
+        .workspace = pack->workspace,
+        .workspace_size = p->workspace,
+    };
+    if (call.x == NULL || call.w == NULL || call.y == NULL) return CUDNN_STATUS_BAD_PARAM;
+    return mu_convolution_guarded(&call);
+}
+
+/* ---- the interposed functions --------------------------------------------------------------- */
+
+MU_EXPORT cudnnStatus_t cudnnBackendCreateDescriptor(cudnnBackendDescriptorType_t descriptorType,
+                                                     cudnnBackendDescriptor_t *descriptor) {
+    if (MU_REAL_MISSING(cudnnBackendCreateDescriptor)) return CUDNN_STATUS_NOT_INITIALIZED;
+    if (!mu_guard_enter()) return mu_real()->cudnnBackendCreateDescriptor(descriptorType, descriptor);
+    cudnnStatus_t status = mu_real()->cudnnBackendCreateDescriptor(descriptorType, descriptor);
+    if (status == CUDNN_STATUS_SUCCESS && descriptor != NULL && !mu_config()->disabled)
+        mu_g_track(*descriptor, descriptorType);
+    mu_guard_leave();
+    return status;
+}
+
+MU_EXPORT cudnnStatus_t cudnnBackendDestroyDescriptor(cudnnBackendDescriptor_t descriptor) {
+    if (MU_REAL_MISSING(cudnnBackendDestroyDescriptor)) return CUDNN_STATUS_NOT_INITIALIZED;
+    if (!mu_guard_enter()) return mu_real()->cudnnBackendDestroyDescriptor(descriptor);
+    cudnnStatus_t status = mu_real()->cudnnBackendDestroyDescriptor(descriptor);
+    free_planned(mu_g_untrack(descriptor));
+    mu_guard_leave();
+    return status;
+}
+
+MU_EXPORT cudnnStatus_t cudnnBackendSetAttribute(cudnnBackendDescriptor_t descriptor,
+                                                 cudnnBackendAttributeName_t attributeName,
+                                                 cudnnBackendAttributeType_t attributeType, int64_t elementCount,
+                                                 const void *arrayOfElements) {
+    if (MU_REAL_MISSING(cudnnBackendSetAttribute)) return CUDNN_STATUS_NOT_INITIALIZED;
+    if (!mu_guard_enter())
+        return mu_real()->cudnnBackendSetAttribute(descriptor, attributeName, attributeType, elementCount,
+                                                   arrayOfElements);
+    cudnnStatus_t status = mu_real()->cudnnBackendSetAttribute(descriptor, attributeName, attributeType,
+                                                               elementCount, arrayOfElements);
+    if (status == CUDNN_STATUS_SUCCESS)
+        mu_g_attribute_set(descriptor, attributeName, attributeType, elementCount, arrayOfElements);
+    mu_guard_leave();
+    return status;
+}
+
+MU_EXPORT cudnnStatus_t cudnnBackendGetAttribute(cudnnBackendDescriptor_t const descriptor,
+                                                 cudnnBackendAttributeName_t attributeName,
+                                                 cudnnBackendAttributeType_t attributeType,
+                                                 int64_t requestedElementCount, int64_t *elementCount,
+                                                 void *arrayOfElements) {
+    if (MU_REAL_MISSING(cudnnBackendGetAttribute)) return CUDNN_STATUS_NOT_INITIALIZED;
+    if (!mu_guard_enter())
+        return mu_real()->cudnnBackendGetAttribute(descriptor, attributeName, attributeType,
+                                                   requestedElementCount, elementCount, arrayOfElements);
+    mu_seen *seen;
+    mu_g_planned *planned = attributeName == CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE &&
+                                    attributeType == CUDNN_TYPE_INT64 && requestedElementCount >= 1 &&
+                                    arrayOfElements != NULL
+                                ? mu_g_planned_of(descriptor, &seen)
+                                : NULL;
+    cudnnStatus_t status = mu_real()->cudnnBackendGetAttribute(
+        descriptor, attributeName, attributeType, requestedElementCount, elementCount, arrayOfElements);
+    if (status == CUDNN_STATUS_SUCCESS && planned != NULL) {
+        *(int64_t *)arrayOfElements = (int64_t)planned->workspace; /* what the framework allocates */
+        if (elementCount != NULL) *elementCount = 1;
+    } else if (status == CUDNN_STATUS_SUCCESS && elementCount != NULL) {
+        int64_t filled = *elementCount < requestedElementCount ? *elementCount : requestedElementCount;
+        mu_g_attribute_got(descriptor, attributeName, attributeType, filled, arrayOfElements);
+    }
+    mu_guard_leave();
+    return status;
+}
+
+MU_EXPORT cudnnStatus_t cudnnBackendFinalize(cudnnBackendDescriptor_t descriptor) {
+    if (MU_REAL_MISSING(cudnnBackendFinalize)) return CUDNN_STATUS_NOT_INITIALIZED;
+    if (!mu_guard_enter()) return mu_real()->cudnnBackendFinalize(descriptor);
+    cudnnStatus_t status = mu_real()->cudnnBackendFinalize(descriptor);
+    cudnnBackendDescriptorType_t type;
+    const mu_state *state = mu_config();
+    if (status == CUDNN_STATUS_SUCCESS && !state->disabled && mu_g_tracked(descriptor, &type) &&
+        type == CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)
+        status = after_plan_finalized(descriptor, state);
+    mu_guard_leave();
+    return status;
+}
+
+MU_EXPORT cudnnStatus_t cudnnBackendExecute(cudnnHandle_t handle, cudnnBackendDescriptor_t executionPlan,
+                                            cudnnBackendDescriptor_t variantPack) {
+    if (MU_REAL_MISSING(cudnnBackendExecute)) return CUDNN_STATUS_NOT_INITIALIZED;
+    if (!mu_guard_enter()) return mu_real()->cudnnBackendExecute(handle, executionPlan, variantPack);
+    mu_seen *seen = NULL;
+    mu_g_planned *planned = mu_g_planned_of(executionPlan, &seen);
+    mu_g_variant_pack pack;
+    cudnnStatus_t status;
+    if (planned != NULL && mu_g_variant_pack_of(variantPack, &pack)) {
+        status = execute_planned(handle, planned, &pack);
+    } else {
+        /* A planned plan never gets here with an unknown variant pack: that would run the
+         * engine in a workspace sized for the micro-batch plan. */
+        status = planned != NULL ? CUDNN_STATUS_BAD_PARAM
+                                 : mu_real()->cudnnBackendExecute(handle, executionPlan, variantPack);
+        if (planned == NULL && seen != NULL) atomic_fetch_add(&seen->passthrough_calls, 1);
+    }
+    mu_guard_leave();
+    return status;
+}
