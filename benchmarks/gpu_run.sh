@@ -52,6 +52,11 @@ print(open_store().environments())" ;;
       --skip-timing --precise --models ${models//+/ } --out "$LOGS/shimprecise-$models" ;;
   shimgrads-*) models=${s#shimgrads-}; stage "shimgrads-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
       --skip-timing --models ${models//+/ } --out "$LOGS/shimgrads-$models" ;;
+  graphsmoke) stage graphsmoke 300 python3 benchmarks/graph_smoke.py --out "$LOGS/graphsmoke" ;;
+  graph-*)  # graph-MODEL+MODEL-DTYPE: PyTorch's default path, e.g. graph-resnet50+vgg16-fp32
+    spec=${s#graph-}; dtype=${spec##*-}; models=${spec%-*}
+    stage "graph-$spec" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver --path default \
+      --dtype "$dtype" ${GRAPH_ARGS:-} --models ${models//+/ } --out "$LOGS/graph-$spec" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
       --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;

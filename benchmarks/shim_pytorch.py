@@ -1,13 +1,16 @@
-"""PyTorch + shim on the GPU (issue 3): correctness of gradients and step time / peak memory.
+"""PyTorch + shim on the GPU (issues 3 and 4): correctness of gradients, step time, peak memory.
 
 ``driver`` runs everything for each model, one subprocess per configuration, and writes a JSON
-report and a table. Configurations (all on PyTorch's legacy cuDNN path,
-TORCH_CUDNN_V8_API_DISABLED=1; fp32; SGD; random data; batch 256):
+report and a table. SGD, random data, batch 256, on one of PyTorch's cuDNN paths:
 
-- ``uncapped``: plain PyTorch;  ``capped``: cuDNN's own cap, CUDNN_CONV_WSCAP_DBG=64 (MiB);
-- ``passthrough``: the shim loaded with no plan (its overhead);
-- ``shim``: the shim with a WR plan tuned at 64 MiB (policy powerOfTwo) from a recording of what
-  this very model runs, and MUCUDNN_WORKSPACE_LIMIT=64MiB for anything unplanned.
+- ``--path legacy`` (issue 3; TORCH_CUDNN_V8_API_DISABLED=1, fp32): ``uncapped`` plain PyTorch,
+  ``capped`` cuDNN's own cap CUDNN_CONV_WSCAP_DBG=64 (MiB), ``passthrough`` the shim loaded with
+  no plan (its overhead), ``shim`` the shim with a WR plan tuned at 64 MiB from a recording of what
+  this very model runs, plus MUCUDNN_WORKSPACE_LIMIT=64MiB for anything unplanned;
+- ``--path default`` (issue 4; the graph API, no switch): ``uncapped`` is PyTorch's default,
+  ``capped`` the shim with the limit only (no plan: what a workspace limit alone costs on this
+  path), then ``passthrough`` and ``shim`` as above. ``--dtype fp16|bf16`` runs the model under
+  autocast in channels-last memory format.
 
 Timing runs use PyTorch's defaults (TF32 allowed in cuDNN); gradient checks turn TF32 off and compare
 loss and every parameter gradient with and without the shim (relative L2 error per tensor), with
@@ -43,6 +46,7 @@ def worker(args) -> None:
     import torch
     import torchvision
 
+    import contextlib
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -52,6 +56,11 @@ def worker(args) -> None:
     images = torch.randn(args.batch, 3, 224, 224, generator=gen).cuda()
     if args.double:  # the float64 reference: same initial weights and data, upcast
         model, images = model.double(), images.double()
+    autocast = contextlib.nullcontext()
+    if args.dtype != "fp32" and not args.double:  # mixed precision as users run it
+        model = model.to(memory_format=torch.channels_last)
+        images = images.to(memory_format=torch.channels_last)
+        autocast = torch.autocast("cuda", dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16)
     labels = torch.randint(0, 1000, (args.batch,), generator=gen).cuda()
     loss_fn = torch.nn.CrossEntropyLoss()
     if args.grads:
@@ -60,7 +69,8 @@ def worker(args) -> None:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-        loss = loss_fn(model(images), labels)
+        with autocast:
+            loss = loss_fn(model(images), labels)
         loss.backward()
         grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
         torch.save({"loss": loss.item(), "grads": grads}, args.grads)
@@ -71,7 +81,8 @@ def worker(args) -> None:
     for i in range(args.warmup + args.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        loss = loss_fn(model(images), labels)
+        with autocast:
+            loss = loss_fn(model(images), labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -88,14 +99,18 @@ def worker(args) -> None:
 
 def run_worker(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15, warmup=5,
                grads: str | None = None, cudnn_benchmark=False, record=None, plan=None,
-               limit=None, log=None, batch=256, double=False) -> dict:
+               limit=None, log=None, batch=256, double=False, path="legacy",
+               dtype="fp32") -> dict:
     cmd = [sys.executable, str(HERE), "worker", "--model", model, "--batch", str(batch),
-           "--steps", str(steps), "--warmup", str(warmup)]
+           "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype]
     cmd += ["--tf32"] if tf32 else []
     cmd += ["--cudnn-benchmark"] if cudnn_benchmark else []
     cmd += ["--grads", grads] if grads else []
     cmd += ["--double"] if double else []
-    env = dict(os.environ, TORCH_CUDNN_V8_API_DISABLED="1", **env_extra)
+    env = dict(os.environ, **env_extra)
+    env.pop("TORCH_CUDNN_V8_API_DISABLED", None)
+    if path == "legacy":
+        env["TORCH_CUDNN_V8_API_DISABLED"] = "1"
     if shim:
         sub = ["record", "-o", record] if record else ["run"]
         if plan:
@@ -141,6 +156,14 @@ def compare_grads(ref_path: str, shim_path: str, f64_path: str) -> dict:
             "per_tensor": rows}
 
 
+def graph_plans(log_path: str) -> int:
+    """Graph-API execution plans the shim attached a micro-batch plan to (debug log lines)."""
+    try:
+        return Path(log_path).read_text().count("runs the micro-batch plan")
+    except OSError:
+        return 0
+
+
 def split_kernels(log_path: str) -> int:
     """Kernels whose first execution ran a plan of more than one piece (from the shim's log)."""
     try:
@@ -151,14 +174,17 @@ def split_kernels(log_path: str) -> int:
 
 
 def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str,
-                 precise: bool = False) -> tuple[str, dict]:
-    tag = f"{model}-{'tf32' if tf32 else 'fp32'}"
+                 precise: bool = False, path: str = "legacy", dtype: str = "fp32",
+                 bench_args: tuple[str, ...] = ()) -> tuple[str, dict]:
+    numerics = dtype if dtype != "fp32" else "tf32" if tf32 else "fp32"
+    tag = f"{model}-{path}-{numerics}"
     record = out / f"{tag}.record"
     record.unlink(missing_ok=True)
-    run_worker(model, {}, tf32=tf32, shim=True, record=str(record), steps=1, warmup=1)
+    run_worker(model, {}, tf32=tf32, shim=True, record=str(record), steps=1, warmup=1, path=path,
+               dtype=dtype)
     t0 = time.perf_counter()
     bench = subprocess.run(MU + ["bench", "--recording", str(record), "--no-progress",
-                                 "--policy", policy], capture_output=True, text=True)
+                                 "--policy", policy, *bench_args], capture_output=True, text=True)
     bench_s = time.perf_counter() - t0
     if bench.returncode != 0:
         raise RuntimeError(f"bench failed: {bench.stderr[-2000:]}")
@@ -176,24 +202,34 @@ def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str,
 def driver(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"models": {}}
+    report = {"models": {}, "path": args.path, "dtype": args.dtype}
+    paths = {"path": args.path, "dtype": args.dtype}
+
+    def run_worker(*a, **k):  # every run of this driver on one path and data type
+        return globals()["run_worker"](*a, **paths, **k)
+
+    # no cuDNN cap on the default path: there the limit alone, through the shim, is the cap
+    capped = ({"CUDNN_CONV_WSCAP_DBG": str(args.cap_mib)}, False, None) if args.path == "legacy" \
+        else ({}, True, args.limit)
+    bench_args = tuple(args.bench_args.split()) if args.bench_args else ()
     for model in args.models:
         r = report["models"][model] = {}
         try:
             if args.skip_timing:
                 raise _Skipped("timing skipped (--skip-timing)")
-            plan, info = prepare_plan(model, out, True, args.limit, args.policy)
+            plan, info = prepare_plan(model, out, True, args.limit, args.policy, **paths,
+                                      bench_args=bench_args)
             r["prepare_tf32"] = info
             timing = {
                 "uncapped": run_worker(model, {}, tf32=True, shim=False),
-                "capped": run_worker(model, {"CUDNN_CONV_WSCAP_DBG": str(args.cap_mib)},
-                                     tf32=True, shim=False),
+                "capped": run_worker(model, capped[0], tf32=True, shim=capped[1], limit=capped[2]),
                 "passthrough": run_worker(model, {}, tf32=True, shim=True),
                 "shim": run_worker(model, {}, tf32=True, shim=True, plan=plan, limit=args.limit,
                                    log=str(out / f"{model}-tf32-shim.log")),
                 "uncapped_again": run_worker(model, {}, tf32=True, shim=False),
             }
             timing["shim"]["split_kernels"] = split_kernels(str(out / f"{model}-tf32-shim.log"))
+            timing["shim"]["graph_plans"] = graph_plans(str(out / f"{model}-tf32-shim.log"))
             r["timing"] = timing
             print(f"[{model}] " + "  ".join(f"{k}={v['step_ms']:.1f}ms/{v['peak_bytes'] / 2**30:.2f}GiB"
                                             for k, v in timing.items()), flush=True)
@@ -205,7 +241,8 @@ def driver(args) -> int:
         if args.skip_grads:
             continue
         try:
-            plan32, info = prepare_plan(model, out, False, args.limit, args.policy, args.precise)
+            plan32, info = prepare_plan(model, out, False, args.limit, args.policy, args.precise,
+                                        **paths, bench_args=bench_args)
             r["prepare_fp32"] = info
             checks = {}
             f64 = str(out / f"{model}-f64.pt")
@@ -268,6 +305,7 @@ def main() -> int:
     w.add_argument("--cudnn-benchmark", action="store_true")
     w.add_argument("--grads")
     w.add_argument("--double", action="store_true", help="run in float64 (the reference)")
+    w.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
     d = sub.add_parser("driver")
     d.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "alexnet"])
     d.add_argument("--out", required=True)
@@ -276,6 +314,10 @@ def main() -> int:
     d.add_argument("--policy", default="powerOfTwo")
     d.add_argument("--grad-batch", type=int, default=256)
     d.add_argument("--skip-grads", action="store_true")
+    d.add_argument("--path", choices=["legacy", "default"], default="legacy",
+                   help="PyTorch's cuDNN path: legacy API, or the default graph API")
+    d.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
+    d.add_argument("--bench-args", default="", help="extra arguments of `mucudnn bench`")
     d.add_argument("--skip-timing", action="store_true")
     d.add_argument("--precise", action="store_true",
                    help="gradient checks with plans free of FFT/Winograd algorithms")

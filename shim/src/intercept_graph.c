@@ -237,7 +237,7 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
         p->workspace = entry->workspace;
         p->fallback_algo = undivided_algo_within(p, graph.handle, entry->workspace);
         if (p->fallback_algo >= 0) {
-            mu_log(MU_LOG_DEBUG, "graph plan %p: %s N=%d runs the micro-batch plan (workspace %zu, the "
+            mu_log(MU_LOG_INFO, "graph plan %p: %s N=%d runs the micro-batch plan (workspace %zu, the "
                    "engine's %zu)", (void *)plan, k.key, k.n, entry->workspace, real_workspace);
             mu_g_set_planned(plan, p, seen);
             return CUDNN_STATUS_SUCCESS;
