@@ -177,8 +177,6 @@ def _shim_env(plan=None, limit=None, record=None, log_level=None, summary=False)
     env = dict(os.environ)
     preload = str(shim_path())
     env["LD_PRELOAD"] = preload + (" " + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
-    # PyTorch's default conv path uses cuDNN's graph API, which the shim does not intercept yet.
-    env.setdefault("TORCH_CUDNN_V8_API_DISABLED", "1")
     for name, value in (("MUCUDNN_PLAN", plan), ("MUCUDNN_WORKSPACE_LIMIT", limit),
                         ("MUCUDNN_RECORD", record), ("MUCUDNN_LOG_LEVEL", log_level)):
         if value is not None:
