@@ -92,6 +92,7 @@ def worker(args) -> None:
             times.append(start.elapsed_time(end))
     print(json.dumps({"step_ms": statistics.median(times), "steps": len(times),
                       "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
+                      "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                       "loss": loss.item()}))
 
 
@@ -228,10 +229,16 @@ def driver(args) -> int:
                                    log=str(out / f"{model}-tf32-shim.log")),
                 "uncapped_again": run_worker(model, {}, tf32=True, shim=False),
             }
+            if args.path == "default":  # benchmark mode tries every engine: workspace peaks
+                timing["uncapped_cudnn_benchmark"] = run_worker(model, {}, tf32=True, shim=False,
+                                                                cudnn_benchmark=True)
+                timing["shim_cudnn_benchmark"] = run_worker(model, {}, tf32=True, shim=True, plan=plan,
+                                                            limit=args.limit, cudnn_benchmark=True)
             timing["shim"]["split_kernels"] = split_kernels(str(out / f"{model}-tf32-shim.log"))
             timing["shim"]["graph_plans"] = graph_plans(str(out / f"{model}-tf32-shim.log"))
             r["timing"] = timing
             print(f"[{model}] " + "  ".join(f"{k}={v['step_ms']:.1f}ms/{v['peak_bytes'] / 2**30:.2f}GiB"
+                                            f"/{v['peak_reserved_bytes'] / 2**30:.2f}GiB-reserved"
                                             for k, v in timing.items()), flush=True)
         except _Skipped as exc:
             r["timing_error"] = str(exc)
