@@ -168,10 +168,14 @@ static cudnnStatus_t run_pieces(mu_plan_entry *entry, const mu_kernel *k, const 
         const void *beta = call->descs.dir == MU_DIR_BWD_FILTER && i > 0 ? one : call->beta;
         if (mu_log_enabled(MU_LOG_DEBUG))
             mu_log(MU_LOG_DEBUG, "%s N=%d piece %d/%d: b=%d algo=%s math=%s", entry->key, entry->n,
-                   i + 1, entry->piece_count, piece->batch, mu_algo_name(entry->dir, piece->algo),
+                   i + 1, entry->piece_count, piece->batch,
+                   piece->engine ? "(graph engine)" : mu_algo_name(entry->dir, piece->algo),
                    mu_math_name(piece->math));
-        cudnnStatus_t status = run_real(call, cache->x_descs[i], x, cache->y_descs[i], y,
-                                        cache->conv_descs[i], piece->algo, beta);
+        cudnnStatus_t status =
+            piece->engine != NULL /* the piece's graph plan has its beta built in */
+                ? mu_g_run_engine_piece(call->graph, call->handle, i, x, call->w, y, call->workspace)
+                : run_real(call, cache->x_descs[i], x, cache->y_descs[i], y, cache->conv_descs[i],
+                           piece->algo, beta);
         if (status != CUDNN_STATUS_SUCCESS) {
             *failed_piece = i;
             return status;
@@ -251,6 +255,8 @@ static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
     mu_plan_entry *entry = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
     if (entry == NULL) return passthrough(call, seen, &k, "no plan");
     if (atomic_load(&entry->disabled)) return passthrough(call, seen, &k, "plan disabled after a failure");
+    if (entry->has_engine_pieces && call->graph == NULL)
+        return passthrough(call, seen, &k, "the plan has graph-API pieces, which run on the graph path only");
     if (call->workspace_size < entry->workspace) {
         char reason[128];
         snprintf(reason, sizeof reason, "workspace %zu smaller than the plan's %zu",

@@ -185,6 +185,9 @@ static void set_tensor(mu_g_tensor *t, cudnnBackendAttributeName_t name, cudnnBa
         break;
     case CUDNN_ATTR_TENSOR_DIMENSIONS: t->rank = copy_ints(type, count, elements, t->dims); break;
     case CUDNN_ATTR_TENSOR_STRIDES: t->stride_count = copy_ints(type, count, elements, t->strides); break;
+    case CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT:
+        if (type == CUDNN_TYPE_INT64 && count == 1) t->alignment = *(const int64_t *)elements;
+        break;
     case CUDNN_ATTR_TENSOR_IS_VIRTUAL:
         t->is_virtual = type == CUDNN_TYPE_BOOLEAN && count == 1 && *(const bool *)elements;
         break;
@@ -245,6 +248,10 @@ static const cudnnBackendAttributeName_t operation_attributes[3][6] = {
      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
      CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA},
 };
+
+const cudnnBackendAttributeName_t *mu_g_operation_attributes(mu_direction dir) {
+    return operation_attributes[dir];
+}
 
 static void set_operation(mu_g_operation *op, cudnnBackendAttributeName_t name,
                           cudnnBackendAttributeType_t type, int64_t count, const void *elements) {

@@ -18,7 +18,7 @@
 /* One tensor as SetAttribute described it. */
 typedef struct {
     bool has_uid, has_dtype, is_virtual, vectorized;
-    int64_t uid;
+    int64_t uid, alignment; /* alignment: BYTE_ALIGNMENT, 0 until set */
     cudnnDataType_t dtype;
     int rank, stride_count; /* 0 until set */
     int64_t dims[MU_MAX_DIMS], strides[MU_MAX_DIMS];
@@ -60,7 +60,38 @@ typedef struct {
     void *workspace;
 } mu_g_variant_pack;
 
-struct mu_g_planned; /* intercept_graph.c: an execution plan run as a micro-batch plan */
+/* The graph-API execution plan of one engine piece, and every descriptor it was built from. */
+#define MU_G_PIECE_DESCS (8 + MU_MAX_KNOBS)
+typedef struct {
+    cudnnBackendDescriptor_t plan; /* NULL for a legacy piece */
+    int desc_count;
+    cudnnBackendDescriptor_t descs[MU_G_PIECE_DESCS];
+} mu_g_piece_plan;
+
+/* A framework's execution plan run as a micro-batch plan (intercept_graph.c). */
+typedef struct mu_g_planned {
+    mu_direction dir;
+    cudnnTensorDescriptor_t x, y; /* legacy equivalents, for legacy pieces and the fallback */
+    cudnnFilterDescriptor_t w;
+    cudnnConvolutionDescriptor_t conv;
+    int64_t uid_x, uid_w, uid_y;
+    bool double_scales; /* alpha/beta are passed as double (f64 data) rather than float */
+    float alpha_f, beta_f;
+    double alpha_d, beta_d;
+    size_t workspace;  /* the micro-batch plan's: what the framework is told and allocates */
+    int fallback_algo; /* runs undivided within that workspace, should the plan fail untouched */
+    int piece_count;
+    mu_g_piece_plan *pieces; /* per piece of the entry, when it has graph-API pieces */
+} mu_g_planned;
+
+/* graph_pieces.c: builds the execution plans of the entry's engine pieces (once, at the
+ * framework's finalize). NULL on success, else why not (the pieces are freed then). */
+const char *mu_g_build_pieces(mu_g_planned *planned, const mu_g_operation *op, const mu_plan_entry *entry,
+                              cudnnHandle_t handle);
+void mu_g_free_pieces(mu_g_planned *planned);
+
+/* Attribute names of a direction's operation, in the order x, w, y, conv, alpha, beta. */
+const cudnnBackendAttributeName_t *mu_g_operation_attributes(mu_direction dir);
 
 /* Copies out of the table (taken under its lock). */
 bool mu_g_tracked(cudnnBackendDescriptor_t desc, cudnnBackendDescriptorType_t *type);

@@ -17,20 +17,6 @@
 
 #include "graph.h"
 
-/* An execution plan run as a micro-batch plan. */
-typedef struct mu_g_planned {
-    mu_direction dir;
-    cudnnTensorDescriptor_t x, y;
-    cudnnFilterDescriptor_t w;
-    cudnnConvolutionDescriptor_t conv;
-    int64_t uid_x, uid_w, uid_y;
-    bool double_scales; /* alpha/beta are passed as double (f64 data) rather than float */
-    float alpha_f, beta_f;
-    double alpha_d, beta_d;
-    size_t workspace;  /* the micro-batch plan's: what the framework is told and allocates */
-    int fallback_algo; /* runs undivided within that workspace, should the plan fail untouched */
-} mu_g_planned;
-
 static void free_planned(mu_g_planned *p) {
     if (p == NULL) return;
     const mu_real_table *real = mu_real();
@@ -38,6 +24,7 @@ static void free_planned(mu_g_planned *p) {
     if (p->y) real->cudnnDestroyTensorDescriptor(p->y);
     if (p->w) real->cudnnDestroyFilterDescriptor(p->w);
     if (p->conv) real->cudnnDestroyConvolutionDescriptor(p->conv);
+    mu_g_free_pieces(p);
     free(p);
 }
 
@@ -236,15 +223,22 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     if (entry != NULL && !atomic_load(&entry->disabled)) {
         p->workspace = entry->workspace;
         p->fallback_algo = undivided_algo_within(p, graph.handle, entry->workspace);
-        if (p->fallback_algo >= 0) {
+        const char *no_pieces = entry->has_engine_pieces && p->fallback_algo >= 0
+                                    ? mu_g_build_pieces(p, &graph.op, entry, graph.handle)
+                                    : NULL;
+        if (no_pieces != NULL)
+            mu_log(MU_LOG_WARNING, "%s N=%d: cannot build the plan's graph-API pieces (%s); not using the "
+                   "plan", k.key, k.n, no_pieces);
+        if (p->fallback_algo >= 0 && no_pieces == NULL) {
             mu_log(MU_LOG_INFO, "graph plan %p: %s N=%d runs the micro-batch plan (workspace %zu, the "
                    "engine's %zu)", (void *)plan, k.key, k.n, entry->workspace, real_workspace);
             mu_g_set_planned(plan, p, seen);
             return CUDNN_STATUS_SUCCESS;
         }
-        mu_log(MU_LOG_WARNING, "%s N=%d: no algorithm runs undivided within the plan's workspace %zu, "
-               "so a failing plan would have no way back; not using the plan on the graph path",
-               k.key, k.n, entry->workspace);
+        if (p->fallback_algo < 0)
+            mu_log(MU_LOG_WARNING, "%s N=%d: no algorithm runs undivided within the plan's workspace %zu, "
+                   "so a failing plan would have no way back; not using the plan on the graph path",
+                   k.key, k.n, entry->workspace);
     }
     free_planned(p);
     mu_g_set_planned(plan, NULL, seen);
@@ -281,6 +275,7 @@ static cudnnStatus_t execute_planned(cudnnHandle_t handle, const mu_g_planned *p
         .algo = p->fallback_algo,
         .workspace = pack->workspace,
         .workspace_size = p->workspace,
+        .graph = p,
     };
     if (call.x == NULL || call.w == NULL || call.y == NULL) return CUDNN_STATUS_BAD_PARAM;
     return mu_convolution_guarded(&call);

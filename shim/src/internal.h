@@ -181,9 +181,20 @@ size_t mu_dtype_size(cudnnDataType_t dtype);
 
 /* ---- plan.c: the plan file (docs/plan-format.md) ------------------------------------------ */
 
+#define MU_MAX_KNOBS 16
+
+/* A graph-API engine configuration: engine global index and knob choices (mucudnn/engines.py). */
+typedef struct {
+    int64_t global_index;
+    int knob_count;
+    int knob_types[MU_MAX_KNOBS];
+    int64_t knob_values[MU_MAX_KNOBS];
+} mu_engine;
+
 typedef struct {
     int batch;
-    int algo;
+    int algo;             /* legacy algorithm, -1 for a graph-API engine piece */
+    mu_engine *engine;    /* the engine configuration of a graph-API piece, else NULL */
     cudnnMathType_t math;
 } mu_piece;
 
@@ -198,6 +209,7 @@ typedef struct mu_plan_entry {
     int piece_count;
     mu_piece *pieces;
     uint64_t hash;
+    bool has_engine_pieces; /* graph-API pieces: runs on the graph path only */
     struct mu_plan_entry *next_in_bucket;
     /* Run time state (the rest is immutable after loading). */
     _Atomic(struct mu_exec_cache *) cache; /* micro-batch descriptors, created on first use */
@@ -221,6 +233,8 @@ typedef struct {
 mu_plan *mu_plan_load(const char *path, char *error, size_t error_size);
 /* The entry for (key, n), NULL if none. */
 mu_plan_entry *mu_plan_find(const mu_plan *plan, const char *key, int n, uint64_t hash);
+/* Parses an engine name "eng<G>[.k<T>=<V>...]"; false when it is not one. */
+bool mu_engine_parse(const char *name, mu_engine *engine);
 /* "4:implicit_gemm:fma 4:..." into buf (truncated with "..." when long). */
 void mu_plan_pieces_text(const mu_plan_entry *entry, char *buf, size_t size);
 
@@ -268,12 +282,18 @@ typedef struct {
     int algo;  /* the caller's */
     void *workspace;
     size_t workspace_size;
+    /* The execution plan's micro-batch pieces on the graph path (intercept_graph.c), else NULL:
+     * only there can graph-API engine pieces run. */
+    const struct mu_g_planned *graph;
 } mu_conv_call;
 
 /* The body of every cudnnConvolution* wrapper. */
 cudnnStatus_t mu_convolution(const mu_conv_call *call);
 /* The same for a caller already inside the recursion guard (the graph API's executions). */
 cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
+/* Runs graph-API piece `index` of a planned execution plan on these slices (intercept_graph.c). */
+cudnnStatus_t mu_g_run_engine_piece(const struct mu_g_planned *planned, cudnnHandle_t handle, int index,
+                                    void *x, void *w, void *y, void *workspace);
 
 /* ---- query.c: algorithm queries, workspace sizes, the workspace limit ---------------------- */
 

@@ -4,6 +4,7 @@
  */
 #include <ctype.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -132,8 +133,17 @@ static bool parse_piece(parser *p, mu_direction dir, char *text, mu_piece *piece
     if (!parse_positive_int(text, &piece->batch))
         return fail(p, "piece batch size '%s' is not an integer >= 1", text);
     piece->algo = mu_algo_from_name(dir, algo);
-    if (piece->algo < 0)
+    piece->engine = NULL;
+    if (piece->algo < 0 && strncmp(algo, "eng", 3) == 0) {
+        mu_engine engine;
+        if (!mu_engine_parse(algo, &engine))
+            return fail(p, "engine '%s' is not eng<G> or eng<G>.k<T>=<V>... with knob types ascending "
+                        "(at most %d knobs)", algo, MU_MAX_KNOBS);
+        if ((piece->engine = malloc(sizeof engine)) == NULL) return fail(p, "out of memory");
+        *piece->engine = engine;
+    } else if (piece->algo < 0) {
         return fail(p, "unknown %s algorithm '%s'", mu_direction_name(dir), algo);
+    }
     int math_value = mu_math_from_name(math);
     if (math_value < 0)
         return fail(p, "unknown math type '%s' (expected default, tensor_op, tensor_op_conv or fma)", math);
@@ -189,9 +199,11 @@ static bool parse_kernel(parser *p, char *tokens[], int count) {
     *entry = (mu_plan_entry){.key = key, .dir = dir, .n = n, .workspace = (size_t)workspace,
                              .time_ms = time_ms, .piece_count = count - 5, .pieces = pieces};
     long long total = 0;
+    memset(pieces, 0, (size_t)entry->piece_count * sizeof *pieces);
     for (int i = 0; i < entry->piece_count; i++) {
         if (!parse_piece(p, dir, tokens[5 + i], &pieces[i])) return false;
         total += pieces[i].batch;
+        entry->has_engine_pieces |= pieces[i].engine != NULL;
     }
     if (total != n) return fail(p, "pieces add up to %lld samples, not N = %d", total, n);
     return true;
@@ -285,6 +297,7 @@ static void free_plan(mu_plan *plan) {
     if (plan == NULL) return;
     for (size_t i = 0; i < plan->entry_count; i++) {
         free(plan->entries[i].key);
+        for (int j = 0; j < plan->entries[i].piece_count; j++) free(plan->entries[i].pieces[j].engine);
         free(plan->entries[i].pieces);
     }
     free(plan->entries);
@@ -340,12 +353,49 @@ void mu_plan_pieces_text(const mu_plan_entry *entry, char *buf, size_t size) {
     buf[0] = '\0';
     for (int i = 0; i < entry->piece_count; i++) {
         const mu_piece *piece = &entry->pieces[i];
+        char engine[32];
+        if (piece->engine != NULL)
+            snprintf(engine, sizeof engine, "eng%lld%s", (long long)piece->engine->global_index,
+                     piece->engine->knob_count ? ".k..." : "");
         int wrote = snprintf(buf + used, size - used, "%s%d:%s:%s", i ? " " : "", piece->batch,
-                             mu_algo_name(entry->dir, piece->algo), mu_math_name(piece->math));
+                             piece->engine ? engine : mu_algo_name(entry->dir, piece->algo),
+                             mu_math_name(piece->math));
         if (wrote < 0 || used + (size_t)wrote >= size) {
             if (size > 4) strcpy(buf + size - 4, "...");
             return;
         }
         used += (size_t)wrote;
     }
+}
+
+/* Canonical decimal: no leading zeros, "-" only before a non-zero value (mucudnn/engines.py). */
+static const char *parse_decimal(const char *s, bool allow_negative, int64_t *value) {
+    bool negative = allow_negative && *s == '-';
+    s += negative;
+    if (*s < '0' || *s > '9' || (*s == '0' && s[1] >= '0' && s[1] <= '9')) return NULL;
+    unsigned long long magnitude = 0;
+    for (; *s >= '0' && *s <= '9'; s++) {
+        if (magnitude > (ULLONG_MAX - 9) / 10) return NULL;
+        magnitude = magnitude * 10 + (unsigned)(*s - '0');
+    }
+    if (magnitude > (unsigned long long)INT64_MAX + negative || (negative && magnitude == 0)) return NULL;
+    *value = negative ? (int64_t)(0 - magnitude) : (int64_t)magnitude;
+    return s;
+}
+
+bool mu_engine_parse(const char *name, mu_engine *engine) {
+    memset(engine, 0, sizeof *engine);
+    if (strncmp(name, "eng", 3) != 0) return false;
+    const char *s = parse_decimal(name + 3, false, &engine->global_index);
+    while (s != NULL && *s != '\0') {
+        int64_t type, value;
+        if (strncmp(s, ".k", 2) != 0 || engine->knob_count == MU_MAX_KNOBS) return false;
+        s = parse_decimal(s + 2, false, &type);
+        if (s == NULL || *s != '=' || type > INT32_MAX) return false;
+        if (engine->knob_count > 0 && type <= engine->knob_types[engine->knob_count - 1]) return false;
+        s = parse_decimal(s + 1, true, &value);
+        engine->knob_types[engine->knob_count] = (int)type;
+        engine->knob_values[engine->knob_count++] = value;
+    }
+    return s != NULL;
 }

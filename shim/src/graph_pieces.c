@@ -1,0 +1,209 @@
+/*
+ * graph_pieces.c: the graph-API pieces of a micro-batch plan (engine configurations named
+ * "eng<G>[.k<T>=<V>...]" in the plan file).
+ *
+ * Each such piece gets its own execution plan, built once when the framework finalizes its
+ * plan: the framework's convolution with N replaced by the piece's batch size, on the engine
+ * and knob choices the tuner measured, with beta = 1 for backward-filter pieces after the first
+ * (they accumulate into dw). Running a piece is one variant pack and one cudnnBackendExecute
+ * on the caller's slices, workspace and handle.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "graph.h"
+
+#define ATTR_OPERATIONGRAPH_HANDLE ((cudnnBackendAttributeName_t)800)
+#define ATTR_EXECUTION_PLAN_HANDLE ((cudnnBackendAttributeName_t)400)
+
+/* Builds one piece, keeping every descriptor it creates in piece->descs. */
+typedef struct {
+    mu_g_piece_plan *piece;
+    cudnnStatus_t status;
+} builder;
+
+static cudnnBackendDescriptor_t create(builder *b, cudnnBackendDescriptorType_t type) {
+    cudnnBackendDescriptor_t desc = NULL;
+    if (b->status != CUDNN_STATUS_SUCCESS) return NULL;
+    if (b->piece->desc_count == MU_G_PIECE_DESCS) {
+        b->status = CUDNN_STATUS_NOT_SUPPORTED;
+        return NULL;
+    }
+    b->status = mu_real()->cudnnBackendCreateDescriptor(type, &desc);
+    if (b->status == CUDNN_STATUS_SUCCESS) b->piece->descs[b->piece->desc_count++] = desc;
+    return desc;
+}
+
+static void set(builder *b, cudnnBackendDescriptor_t desc, cudnnBackendAttributeName_t name,
+                cudnnBackendAttributeType_t type, int64_t count, const void *elements) {
+    if (b->status == CUDNN_STATUS_SUCCESS)
+        b->status = mu_real()->cudnnBackendSetAttribute(desc, name, type, count, elements);
+}
+
+static void finalize(builder *b, cudnnBackendDescriptor_t desc) {
+    if (b->status == CUDNN_STATUS_SUCCESS) b->status = mu_real()->cudnnBackendFinalize(desc);
+}
+
+/* The largest power of two, at most `limit`, that divides `offset` (a slice's byte offset). */
+static int64_t alignment_at(int64_t offset, int64_t limit) {
+    int64_t alignment = limit > 0 ? limit : 16;
+    while (alignment > 1 && offset % alignment != 0) alignment /= 2;
+    return alignment;
+}
+
+static cudnnBackendDescriptor_t tensor(builder *b, const mu_g_tensor *t, int64_t batch, int64_t offset) {
+    int64_t dims[MU_MAX_DIMS];
+    memcpy(dims, t->dims, sizeof dims);
+    if (batch > 0) dims[0] = batch;
+    int64_t alignment = alignment_at(offset, t->alignment);
+    cudnnBackendDescriptor_t desc = create(b, CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+    set(b, desc, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &t->dtype);
+    set(b, desc, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, t->rank, dims);
+    set(b, desc, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, t->rank, t->strides);
+    set(b, desc, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &t->uid);
+    set(b, desc, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment);
+    finalize(b, desc);
+    return desc;
+}
+
+static cudnnBackendDescriptor_t convolution(builder *b, const mu_g_convolution *c) {
+    int64_t spatial = c->spatial;
+    cudnnBackendDescriptor_t desc = create(b, CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
+    set(b, desc, CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &c->comp_type);
+    set(b, desc, CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &c->mode);
+    set(b, desc, CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &spatial);
+    set(b, desc, CUDNN_ATTR_CONVOLUTION_DILATIONS, CUDNN_TYPE_INT64, spatial, c->dilation);
+    set(b, desc, CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, CUDNN_TYPE_INT64, spatial, c->stride);
+    set(b, desc, CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, CUDNN_TYPE_INT64, spatial, c->pre);
+    set(b, desc, CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, spatial, c->post);
+    finalize(b, desc);
+    return desc;
+}
+
+static const cudnnBackendDescriptorType_t operation_types[3] = {
+    CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
+    CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
+    CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
+};
+
+/* The execution plan of piece `index`: `batch` samples starting `first` samples into the tensors. */
+static cudnnStatus_t build_piece(const mu_g_planned *p, const mu_g_operation *op, const mu_engine *engine,
+                                 int64_t batch, int64_t first, double beta, cudnnHandle_t handle,
+                                 mu_g_piece_plan *piece) {
+    builder b = {piece, CUDNN_STATUS_SUCCESS};
+    size_t element = mu_dtype_size(op->x.dtype);
+    cudnnBackendDescriptor_t x = tensor(&b, &op->x, batch, first * op->x.strides[0] * (int64_t)element);
+    cudnnBackendDescriptor_t w = tensor(&b, &op->w, 0, 0);
+    cudnnBackendDescriptor_t y = tensor(&b, &op->y, batch, first * op->y.strides[0] * (int64_t)element);
+    cudnnBackendDescriptor_t conv = convolution(&b, &op->conv);
+
+    const cudnnBackendAttributeName_t *names = mu_g_operation_attributes(p->dir);
+    cudnnBackendDescriptor_t operation = create(&b, operation_types[p->dir]);
+    set(&b, operation, names[0], CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x);
+    set(&b, operation, names[1], CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &w);
+    set(&b, operation, names[2], CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y);
+    set(&b, operation, names[3], CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &conv);
+    if (p->double_scales) {
+        set(&b, operation, names[4], CUDNN_TYPE_DOUBLE, 1, &op->alpha);
+        set(&b, operation, names[5], CUDNN_TYPE_DOUBLE, 1, &beta);
+    } else {
+        float alpha_f = (float)op->alpha, beta_f = (float)beta;
+        set(&b, operation, names[4], CUDNN_TYPE_FLOAT, 1, &alpha_f);
+        set(&b, operation, names[5], CUDNN_TYPE_FLOAT, 1, &beta_f);
+    }
+    finalize(&b, operation);
+
+    cudnnBackendDescriptor_t graph = create(&b, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+    set(&b, graph, ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+    set(&b, graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &operation);
+    finalize(&b, graph);
+
+    cudnnBackendDescriptor_t eng = create(&b, CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+    set(&b, eng, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph);
+    set(&b, eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &engine->global_index);
+    finalize(&b, eng);
+
+    cudnnBackendDescriptor_t knobs[MU_MAX_KNOBS];
+    for (int i = 0; i < engine->knob_count; i++) {
+        cudnnBackendKnobType_t type = (cudnnBackendKnobType_t)engine->knob_types[i];
+        knobs[i] = create(&b, CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR);
+        set(&b, knobs[i], CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &type);
+        set(&b, knobs[i], CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, CUDNN_TYPE_INT64, 1, &engine->knob_values[i]);
+        finalize(&b, knobs[i]);
+    }
+    cudnnBackendDescriptor_t config = create(&b, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
+    set(&b, config, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &eng);
+    if (engine->knob_count > 0)
+        set(&b, config, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_TYPE_BACKEND_DESCRIPTOR, engine->knob_count,
+            knobs);
+    finalize(&b, config);
+
+    cudnnBackendDescriptor_t plan = create(&b, CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+    set(&b, plan, ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+    set(&b, plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &config);
+    finalize(&b, plan);
+    int64_t workspace = 0, count = 0;
+    if (b.status == CUDNN_STATUS_SUCCESS)
+        b.status = mu_real()->cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                                       CUDNN_TYPE_INT64, 1, &count, &workspace);
+    if (b.status == CUDNN_STATUS_SUCCESS && (workspace < 0 || (size_t)workspace > p->workspace))
+        b.status = CUDNN_STATUS_NOT_SUPPORTED; /* would overrun the workspace the framework allocates */
+    if (b.status == CUDNN_STATUS_SUCCESS) piece->plan = plan;
+    return b.status;
+}
+
+const char *mu_g_build_pieces(mu_g_planned *p, const mu_g_operation *op, const mu_plan_entry *entry,
+                              cudnnHandle_t handle) {
+    p->pieces = calloc((size_t)entry->piece_count, sizeof *p->pieces);
+    if (p->pieces == NULL) return "out of memory";
+    p->piece_count = entry->piece_count;
+    int64_t first = 0;
+    for (int i = 0; i < entry->piece_count; i++) {
+        const mu_piece *piece = &entry->pieces[i];
+        double beta = p->dir == MU_DIR_BWD_FILTER && i > 0 ? 1.0 : op->beta;
+        cudnnStatus_t status = piece->engine == NULL ? CUDNN_STATUS_SUCCESS
+                               : build_piece(p, op, piece->engine, piece->batch, first, beta, handle,
+                                             &p->pieces[i]);
+        if (status != CUDNN_STATUS_SUCCESS) {
+            static _Thread_local char why[160];
+            snprintf(why, sizeof why, "piece %d (b=%d, engine %lld): %s", i + 1, piece->batch,
+                     (long long)piece->engine->global_index, mu_status_text(status));
+            mu_g_free_pieces(p);
+            return why;
+        }
+        first += piece->batch;
+    }
+    return NULL;
+}
+
+void mu_g_free_pieces(mu_g_planned *p) {
+    for (int i = 0; p->pieces != NULL && i < p->piece_count; i++)
+        for (int d = p->pieces[i].desc_count - 1; d >= 0; d--) /* the plan first, tensors last */
+            mu_real()->cudnnBackendDestroyDescriptor(p->pieces[i].descs[d]);
+    free(p->pieces);
+    p->pieces = NULL;
+    p->piece_count = 0;
+}
+
+cudnnStatus_t mu_g_run_engine_piece(const mu_g_planned *p, cudnnHandle_t handle, int index, void *x, void *w,
+                                    void *y, void *workspace) {
+    if (p == NULL || index >= p->piece_count || p->pieces[index].plan == NULL) return CUDNN_STATUS_BAD_PARAM;
+    const mu_real_table *real = mu_real();
+    cudnnBackendDescriptor_t pack = NULL;
+    int64_t uids[3] = {p->uid_x, p->uid_w, p->uid_y};
+    void *pointers[3] = {x, w, y};
+    cudnnStatus_t status = real->cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &pack);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = real->cudnnBackendSetAttribute(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 3, uids);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = real->cudnnBackendSetAttribute(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR,
+                                                3, pointers);
+    if (status == CUDNN_STATUS_SUCCESS)
+        status = real->cudnnBackendSetAttribute(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1,
+                                                &workspace);
+    if (status == CUDNN_STATUS_SUCCESS) status = real->cudnnBackendFinalize(pack);
+    if (status == CUDNN_STATUS_SUCCESS) status = real->cudnnBackendExecute(handle, p->pieces[index].plan, pack);
+    if (pack != NULL) real->cudnnBackendDestroyDescriptor(pack);
+    return status;
+}
