@@ -1,7 +1,9 @@
-"""Test harness of the shim: builds the shim, the cuDNN double and ``conv_driver``, runs cases.
+"""Test harness of the shim: builds the shim, the cuDNN double and the drivers, runs cases.
 
 The test files import it (``sys.path`` gets this directory) and use the session fixture
-:func:`shim_env`. A *case* is one line of ``conv_driver`` input (see conv_driver.c); the driver
+:func:`shim_env`. A *case* is one line of driver input: ``conv_driver`` runs legacy convolution
+calls (see conv_driver.c, :meth:`ShimEnv.run`), ``graph_driver`` the same convolutions through the
+graph (backend) API as PyTorch does (see graph_driver.c, :meth:`ShimEnv.run_graph`). A driver
 prints one result line per case, and the double logs every call it receives to ``$FAKE_CUDNN_LOG``.
 """
 
@@ -53,6 +55,9 @@ class Run:
     def conv_calls(self) -> list[dict[str, str]]:
         return [c for c in self.calls if c["fn"].startswith("cudnnConvolution")]
 
+    def graph_executions(self) -> list[dict[str, str]]:
+        return [c for c in self.calls if c["fn"] == "cudnnBackendExecute"]
+
     def shim_lines(self, level: str) -> list[str]:
         return [line for line in self.stderr.splitlines() if line.startswith(f"mucudnn: {level}:")]
 
@@ -63,6 +68,7 @@ class ShimEnv:
     fake_dir: Path
     driver: Path
     work: Path
+    graph_driver: Path
 
     def write_plan(self, kernel_lines: list[str], header: str = HEADER, name: str = "plan") -> Path:
         path = self.work / f"{name}-{os.getpid()}-{len(list(self.work.iterdir()))}.plan"
@@ -73,6 +79,13 @@ class ShimEnv:
             env: dict[str, str] | None = None, threads: int = 1, timeout: float = 60) -> Run:
         """Run the conv driver on ``cases`` (one per line on its input); see :meth:`run_program`."""
         args = [str(self.driver)] + (["--threads", str(threads)] if threads > 1 else [])
+        return self.run_program(args, plan=plan, preload=preload, env=env, timeout=timeout,
+                                stdin="".join(c + "\n" for c in cases))
+
+    def run_graph(self, cases: list[str], *, plan: Path | None = None, preload: bool = True,
+                  env: dict[str, str] | None = None, threads: int = 1, timeout: float = 60) -> Run:
+        """Run the graph driver on ``cases``, like :meth:`run`."""
+        args = [str(self.graph_driver)] + (["--threads", str(threads)] if threads > 1 else [])
         return self.run_program(args, plan=plan, preload=preload, env=env, timeout=timeout,
                                 stdin="".join(c + "\n" for c in cases))
 
@@ -136,16 +149,19 @@ def _build(work: Path) -> ShimEnv:
         shim = build_shim(out_dir=work / "shim", force=True)
     except MucudnnError as exc:
         pytest.fail(str(exc))
-    driver = work / "conv_driver"
-    command = [find_compiler(), "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror",
-               f"-I{cudnn_include}", f"-I{cuda_include}", str(HERE / "conv_driver.c"),
-               "-o", str(driver), f"-L{library.parent}", "-lcudnn",
-               f"-Wl,-rpath,{library.parent}", "-ldl", "-lpthread", "-lm"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.fail(f"building conv_driver failed:\n{result.stderr}")
+    drivers = {}
+    for name in ("conv_driver", "graph_driver"):
+        drivers[name] = work / name
+        command = [find_compiler(), "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror",
+                   f"-I{cudnn_include}", f"-I{cuda_include}", str(HERE / f"{name}.c"),
+                   "-o", str(drivers[name]), f"-L{library.parent}", "-lcudnn",
+                   f"-Wl,-rpath,{library.parent}", "-ldl", "-lpthread", "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.fail(f"building {name} failed:\n{result.stderr}")
     (work / "run").mkdir()
-    return ShimEnv(shim=shim, fake_dir=library.parent, driver=driver, work=work / "run")
+    return ShimEnv(shim=shim, fake_dir=library.parent, driver=drivers["conv_driver"],
+                   work=work / "run", graph_driver=drivers["graph_driver"])
 
 
 @pytest.fixture(scope="session")

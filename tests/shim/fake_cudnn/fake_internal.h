@@ -1,8 +1,9 @@
 /*
  * Internal declarations shared by the translation units of the cuDNN test double.
  *
- * The double implements cuDNN's legacy convolution API on host memory (see README.md). Every
- * object a caller holds is one of the structs below; nothing else is global except the log mutex.
+ * The double implements cuDNN's legacy convolution API and part of the graph (backend) API on host
+ * memory (see README.md). Every object a caller holds is one of the structs below or a backend
+ * descriptor (private to fake_backend.c); nothing else is global except the log mutex.
  */
 #ifndef FAKE_CUDNN_INTERNAL_H
 #define FAKE_CUDNN_INTERNAL_H
@@ -22,6 +23,7 @@ enum fake_magic {
     FAKE_MAGIC_TENSOR = 0x54454e53,      /* "TENS" */
     FAKE_MAGIC_FILTER = 0x46494c54,      /* "FILT" */
     FAKE_MAGIC_CONVOLUTION = 0x434f4e56, /* "CONV" */
+    FAKE_MAGIC_BACKEND = 0x4241434b,     /* "BACK": every backend descriptor (fake_backend.c) */
     FAKE_MAGIC_DEAD = 0x44454144,        /* "DEAD": written by Destroy before free */
 };
 
@@ -119,7 +121,7 @@ FAKE_INTERNAL void fake_backward_data(const struct fake_geometry *g, double alph
 FAKE_INTERNAL void fake_backward_filter(const struct fake_geometry *g, double alpha, const void *x,
                                         const void *dy, double beta, void *dw);
 
-/* ---- algorithm model (fake_algos.c) ---- */
+/* ---- algorithm model (fake_algos.c) and backend engines (fake_backend.c) ---- */
 
 enum fake_direction { FAKE_FWD = 0, FAKE_BWD_DATA = 1, FAKE_BWD_FILTER = 2 };
 
