@@ -1,7 +1,7 @@
 """mucudnn: micro-batched cuDNN convolutions under a workspace limit."""
 
 from .errors import (  # noqa: F401
-    ConfigError, CudnnError, InfeasibleError, KeyFormatError, LibraryNotFoundError,
+    ConfigError, CudnnError, EngineNameError, InfeasibleError, KeyFormatError, LibraryNotFoundError,
     MissingMeasurementsError, MucudnnError, PlanError, SchemaVersionError, SizeError, StoreError,
 )
 from .measurement import Measurement, Status  # noqa: F401
@@ -10,12 +10,12 @@ from .problem import ConvProblem, DataType, Direction, Layout, MathType  # noqa:
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "ConvProblem", "CudnnError", "DataType", "Direction", "InfeasibleError",
-    "KernelPlan", "KeyFormatError", "Layout", "LibraryNotFoundError", "MathType", "Measurement",
-    "MissingMeasurementsError", "MucudnnError", "NetworkConfig", "Plan", "PlanEntry", "PlanError",
-    "Policy", "SchemaVersionError", "SizeError", "Status", "StoreError", "benchmark", "best_plan",
-    "find_config", "format_size", "list_configs", "load_config", "optimize", "pareto_plans",
-    "parse_size", "read_plan", "read_recording", "solve_budget", "write_plan",
+    "ConfigError", "ConvProblem", "CudnnError", "DataType", "Direction", "EngineNameError",
+    "InfeasibleError", "KernelPlan", "KeyFormatError", "Layout", "LibraryNotFoundError", "MathType",
+    "Measurement", "MissingMeasurementsError", "MucudnnError", "NetworkConfig", "Plan", "PlanEntry",
+    "PlanError", "Policy", "SchemaVersionError", "SizeError", "Status", "StoreError", "benchmark",
+    "best_plan", "find_config", "format_size", "list_configs", "load_config", "optimize",
+    "pareto_plans", "parse_size", "read_plan", "read_recording", "solve_budget", "write_plan",
 ]
 
 from .config import NetworkConfig, find_config, list_configs, load_config  # noqa: F401,E402

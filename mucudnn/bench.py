@@ -1,19 +1,27 @@
 """The benchmarker: every cuDNN algorithm of a kernel at every candidate micro-batch size.
 
-For each kernel the buffers are allocated once at the largest size and filled with random normal
-data; a micro-batch of b samples is a pointer offset into them, and successive repetitions rotate
-over the N // b disjoint slices, exactly as a plan's pieces run (so small micro-batches are not timed
-on an L2-resident slice). Each (algorithm, math type) gets a workspace of exactly the size cuDNN asks
-for. Results go to the store; rows already there are reused unless ``remeasure`` is set.
+Two APIs are timed (:class:`~mucudnn.engines.Api`): the legacy one, every algorithm and math type,
+and the graph one, the engine configurations cuDNN's heuristics propose for each size
+(:func:`mucudnn.cudnn.graph.candidate_configs`), stored under their engine names.
+
+For each kernel the buffers are allocated once at its mini-batch size N and filled with random
+normal data; a micro-batch of b samples is a pointer offset into them, and successive repetitions
+rotate over the N // b disjoint slices, exactly as a plan's pieces run (so small micro-batches are
+not timed on an L2-resident slice). Each (algorithm, math type) or engine configuration gets a
+workspace of exactly the size cuDNN asks for. Results go to the store; a size whose rows of an API
+are already there is not timed again in that API unless ``remeasure`` is set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
+import warnings
 from typing import Iterable, Sequence
 
 from . import errors
+from .engines import Api, api_of
 from .measurement import Measurement, Status
 from .problem import ALGORITHMS, ConvProblem, DataType, Direction, Layout, MathType
 from .timing import TimingMethod, do_bench
@@ -144,17 +152,47 @@ def _prod(values: Iterable[int]) -> int:
     return out
 
 
+def missing_apis(rows: Iterable[Measurement], batches: Sequence[int],
+                 apis: Iterable[Api]) -> dict[int, frozenset[Api]]:
+    """For each size of ``batches`` lacking stored ``rows`` of some of ``apis``: those APIs.
+
+    A size counts as measured in an API once any row of that API exists for it, OK or not, so
+    refused algorithms and engine configurations are not retried.
+    """
+    present = {(row.batch, api_of(row.algo)) for row in rows}
+    missing = {}
+    for b in batches:
+        lacking = frozenset(api for api in apis if (b, api) not in present)
+        if lacking:
+            missing[b] = lacking
+    return missing
+
+
+def backward_filter_beta(problem: ConvProblem, full_n: int) -> float:
+    """beta to time ``problem`` (a micro-batch of a kernel run at ``full_n``) with.
+
+    In a plan, every backward-filter piece after the first accumulates (beta = 1), which can cost
+    more than beta = 0: micro-batches are timed the way they will mostly run.
+    """
+    return 1.0 if problem.direction is Direction.BACKWARD_FILTER and problem.n < full_n else 0.0
+
+
 class Benchmarker:
-    """Measures kernels into a store. One instance per process and device."""
+    """Measures kernels into a store. One instance per process and device.
+
+    ``max_engine_configs`` caps the graph-API configurations taken from heuristics mode A at each
+    size (the fallback ones are all timed).
+    """
 
     def __init__(self, store, method: TimingMethod = TimingMethod(), seed: int = 0,
-                 progress: bool = True) -> None:
+                 progress: bool = True, max_engine_configs: int = 8) -> None:
         from .cudnn import get
         cupy = _cupy()
         self.cupy = cupy
         self.store = store
         self.method = method
         self.progress = progress
+        self.max_engine_configs = max_engine_configs
         self.cudnn = get()
         self.env = current_environment()
         # CuPy's fills and frees run on this stream too (see measure), in order with cuDNN's work
@@ -162,38 +200,58 @@ class Benchmarker:
         self.handle = self.cudnn.handle(self.stream.ptr)
         self.rng = cupy.random.default_rng(seed)
 
-    def missing_batches(self, problem: ConvProblem, batches: Sequence[int]) -> list[int]:
-        done = self.store.measured_batches(self.env.gpu, self.env.cudnn, problem.key)
-        return [b for b in batches if b not in done]
+    def missing(self, problem: ConvProblem, batches: Sequence[int],
+                apis: Iterable[Api]) -> dict[int, frozenset[Api]]:
+        """The sizes of ``batches`` the store lacks in some of ``apis``, with those APIs."""
+        rows = self.store.get(self.env.gpu, self.env.cudnn, problem.key, batches=batches)
+        return missing_apis(rows, batches, apis)
 
     def benchmark(self, problems: Sequence[tuple[ConvProblem, Sequence[int]]],
-                  remeasure: bool = False) -> int:
-        """Measure each (problem at its N, micro-batch sizes); returns how many sizes were timed."""
-        todo = [(p, list(bs) if remeasure else self.missing_batches(p, bs)) for p, bs in problems]
-        todo = [(p, bs) for p, bs in todo if bs]
-        total = sum(len(bs) for _, bs in todo)
+                  remeasure: bool = False, apis: Iterable[Api] = frozenset(Api)) -> int:
+        """Measure each (problem at its N, micro-batch sizes) in ``apis``; returns how many sizes
+        were timed."""
+        apis = frozenset(apis)
+        todo = []
+        for problem, batches in problems:
+            wanted = {b: apis for b in batches} if remeasure else \
+                self.missing(problem, batches, apis)
+            if wanted:
+                todo.append((problem, wanted))
+        total = sum(len(wanted) for _, wanted in todo)
         bar = _progress(total, self.progress)
-        for problem, batches in todo:
-            rows = self.measure(problem, batches, bar)
-            self.store.put(self.env.gpu, self.env.cudnn, rows)
+        for problem, wanted in todo:
+            by_apis: dict[frozenset[Api], list[int]] = {}
+            for b, lacking in wanted.items():
+                by_apis.setdefault(lacking, []).append(b)
+            for lacking, sizes in by_apis.items():
+                rows = self.measure(problem, sizes, bar, lacking)
+                self.store.put(self.env.gpu, self.env.cudnn, rows)
         bar.close()
         return total
 
-    def measure(self, problem: ConvProblem, batches: Sequence[int], bar=None) -> list[Measurement]:
-        """All algorithms and math types of ``problem`` at each size in ``batches`` (≤ problem.n)."""
+    def measure(self, problem: ConvProblem, batches: Sequence[int], bar=None,
+                apis: Iterable[Api] = frozenset(Api)) -> list[Measurement]:
+        """Measurements of ``problem`` at each size in ``batches`` (≤ problem.n): every algorithm
+        and math type of the legacy API, the engine configurations worth timing of the graph API,
+        as ``apis`` asks."""
         with self.stream:
-            return self._measure(problem, batches, bar)
+            return self._measure(problem, batches, bar, frozenset(apis))
 
-    def _measure(self, problem: ConvProblem, batches: Sequence[int], bar) -> list[Measurement]:
-        buffers = KernelBuffers.random(problem.with_n(max(batches)), self.rng)
+    def _measure(self, problem: ConvProblem, batches: Sequence[int], bar,
+                 apis: frozenset[Api]) -> list[Measurement]:
+        # At the kernel's N, whichever sizes are missing: slices and beta are those of its plans.
+        buffers = KernelBuffers.random(problem.with_n(max(problem.n, *batches)), self.rng)
         rows: list[Measurement] = []
         try:
             for b in sorted(batches):
                 if bar is not None:
                     bar.set_postfix_str(f"{problem.direction.value} c={problem.c} "
                                         f"k={problem.k} in={problem.input_size} b={b}")
-                for math in MATH_CANDIDATES[problem.math]:
-                    rows.extend(self._measure_size(problem.with_n(b), math, buffers))
+                if Api.LEGACY in apis:
+                    for math in MATH_CANDIDATES[problem.math]:
+                        rows.extend(self._measure_size(problem.with_n(b), math, buffers))
+                if Api.GRAPH in apis:
+                    rows.extend(self._measure_engines(problem.with_n(b), buffers))
                 if bar is not None:
                     bar.update(1)
         finally:
@@ -207,10 +265,7 @@ class Benchmarker:
         from .cudnn import ConvolutionCall
         call = ConvolutionCall(self.cudnn, problem, math)
         slices = max(1, buffers.problem.n // problem.n)
-        # In a plan, every backward-filter piece after the first accumulates (beta = 1), which
-        # can cost more than beta = 0: time micro-batches the way they will mostly run.
-        beta = 1.0 if (problem.direction is Direction.BACKWARD_FILTER
-                       and problem.n < buffers.problem.n) else 0.0
+        beta = backward_filter_beta(problem, buffers.problem.n)
         rows = []
         for algo_value, algo in enumerate(ALGORITHMS[problem.direction]):
             def row(status: Status, time_ms: float = 0.0, workspace: int = 0, note: str = ""):
@@ -245,6 +300,60 @@ class Benchmarker:
             finally:
                 workspace = None  # noqa: F841 - return the block to the pool before the next
         return rows
+
+    def _measure_engines(self, problem: ConvProblem, buffers: KernelBuffers) -> list[Measurement]:
+        """The graph API's engine configurations worth timing at ``problem.n``, one row each."""
+        from .cudnn.graph import ConvolutionGraph, byte_alignment, candidate_configs
+        slices = max(1, buffers.problem.n // problem.n)
+        # The graph declares its tensors' alignment: the one every slice's pointers have.
+        pointers = [p for i in range(slices) for p in buffers.pointers(i * problem.n)]
+        try:
+            graph = ConvolutionGraph(self.cudnn, self.handle, problem,
+                                     beta=backward_filter_beta(problem, buffers.problem.n),
+                                     alignment=byte_alignment(*pointers))
+        except errors.CudnnError as exc:
+            warnings.warn(f"{problem.key} b={problem.n}: cuDNN's graph API refuses the "
+                          f"convolution ({exc}); no engine configurations timed", stacklevel=2)
+            return []
+        with graph:
+            try:
+                candidates = candidate_configs(graph, self.max_engine_configs)
+            except errors.CudnnError as exc:
+                warnings.warn(f"{problem.key} b={problem.n}: no engine configurations from "
+                              f"cuDNN's heuristics ({exc})", stacklevel=2)
+                return []
+            return [self._time_engine(graph, candidate, buffers, slices)
+                    for candidate in candidates]
+
+    def _time_engine(self, graph, candidate, buffers: KernelBuffers,
+                     slices: int) -> Measurement:
+        problem = graph.problem
+
+        def row(status: Status, time_ms: float = 0.0, workspace: int = 0,
+                note: str = "") -> Measurement:
+            return Measurement(problem.key, problem.n, candidate.name, problem.math, time_ms,
+                               workspace, status, note)
+
+        try:  # from the name, as a plan's engine piece will be built
+            plan = graph.plan_from_name(candidate.config)
+        except errors.CudnnError as exc:
+            return row(Status.NOT_SUPPORTED, note=str(exc))
+        with plan, contextlib.ExitStack() as packs:
+            try:
+                workspace = self.cupy.empty(max(plan.workspace_size, 1), dtype="uint8")
+            except self.cupy.cuda.memory.OutOfMemoryError:
+                return row(Status.FAILED, workspace=plan.workspace_size, note="out of GPU memory")
+            try:
+                # one variant pack per slice, built before timing as the legacy calls need none
+                slice_packs = [packs.enter_context(plan.variant_pack(
+                    *buffers.pointers(i * problem.n), workspace.data.ptr)) for i in range(slices)]
+                timing = do_bench(lambda i: plan.execute(slice_packs[i % slices]), self.stream,
+                                  self.method)
+            except errors.CudnnNotSupportedError as exc:
+                return row(Status.NOT_SUPPORTED, workspace=plan.workspace_size, note=exc.text)
+            except errors.CudnnError as exc:
+                return row(Status.FAILED, workspace=plan.workspace_size, note=str(exc))
+            return row(Status.OK, timing.median_ms, plan.workspace_size, candidate.note_text)
 
 
 def _progress(total: int, enabled: bool):

@@ -14,6 +14,7 @@ from .errors import MucudnnError
 from .sizes import parse_size
 
 POLICIES = click.Choice(["undivided", "powerOfTwo", "all"])
+APIS = click.Choice(["legacy", "graph", "both"])
 
 
 class SizeParam(click.ParamType):
@@ -74,16 +75,19 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
               help="benchmark the kernels a `mucudnn record` run wrote (repeatable)")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True,
               help="micro-batch sizes to measure")
+@click.option("--api", type=APIS, default="both", show_default=True,
+              help="time cuDNN's legacy algorithms, the graph API's engine configurations "
+                   "(those its heuristics propose), or both")
 @click.option("--remeasure", is_flag=True, help="measure again what the store already has")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @store_option
-def bench(config, recordings, policy, remeasure, no_progress, store_path):
+def bench(config, recordings, policy, api, remeasure, no_progress, store_path):
     """Benchmark every algorithm of the kernels of CONFIG (a name like resnet50, or a YAML path)
     or of --recording files on this GPU, at each micro-batch size of the policy, into the store."""
     from .tuner import as_kernels, benchmark
     source = _kernels(config, recordings)
     timed = benchmark(source, policy, store=store_path, remeasure=remeasure,
-                      progress=not no_progress)
+                      progress=not no_progress, api=api)
     name = getattr(source, "name", "recording")
     click.echo(f"{name}: {len(as_kernels(source))} kernels, measured {timed} kernel sizes "
                f"({'all reused from the store' if timed == 0 else 'stored'})")
@@ -99,15 +103,20 @@ def bench(config, recordings, policy, remeasure, no_progress, store_path):
 @click.option("--precise", is_flag=True,
               help="no FFT/Winograd algorithms (fp32 results stay near GEMM accuracy)")
 @click.option("--exclude-algo", "exclude", multiple=True, metavar="NAME",
-              help="never use this algorithm (repeatable), e.g. fft_tiling")
+              help="never use this algorithm or engine configuration (repeatable), e.g. "
+                   "fft_tiling or eng0")
+@click.option("--api", type=APIS, default="both", show_default=True,
+              help="pieces from legacy algorithms only (for a program on PyTorch's legacy path, "
+                   "where the shim passes engine pieces through), graph-API engine "
+                   "configurations only, or both (every stored row)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
               help="plan file to write")
 @click.option("--gpu", help="GPU name of the measurements to use (default: this GPU, or the "
                             "store's only one)")
 @click.option("--cudnn", "cudnn_version", type=int, help="cuDNN version of the measurements")
 @store_option
-def tune(config, recordings, workspace_limit, total_workspace, policy, precise, exclude, output,
-         gpu, cudnn_version, store_path):
+def tune(config, recordings, workspace_limit, total_workspace, policy, precise, exclude, api,
+         output, gpu, cudnn_version, store_path):
     """Compute the fastest micro-batch plan of each kernel and write a plan file."""
     from .bench import Environment
     from .plan import write_plan
@@ -122,7 +131,7 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, precise, 
     with store:
         plan = optimize(source, workspace_limit=workspace_limit,
                         total_workspace=total_workspace, policy=policy, store=store, env=env,
-                        exclude=exclude, precise=precise)
+                        exclude=exclude, precise=precise, api=api)
     write_plan(plan, output)
     kernels = as_kernels(source)
     divided = sum(1 for e in plan if e.is_divided)
@@ -235,6 +244,9 @@ def run(plan_path, workspace_limit, log_level, summary, command):
               help="each convolution within this workspace")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
 @click.option("--precise", is_flag=True, help="no FFT/Winograd algorithms")
+@click.option("--api", type=APIS, default="both", show_default=True,
+              help="benchmark and plan with legacy algorithms, graph-API engine configurations, "
+                   "or both (`legacy` for a program on PyTorch's legacy path)")
 @click.option("-o", "--plan", "plan_path", default="mucudnn.plan", show_default=True,
               type=click.Path(dir_okay=False), help="plan file to write (and its .record beside)")
 @click.option("--record-command", metavar="'CMD ...'",
@@ -242,7 +254,8 @@ def run(plan_path, workspace_limit, log_level, summary, command):
                    "COMMAND itself")
 @store_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def autotune(workspace_limit, policy, precise, plan_path, record_command, store_path, command):
+def autotune(workspace_limit, policy, precise, api, plan_path, record_command, store_path,
+             command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go."""
     from .plan import read_recording, write_plan
@@ -258,10 +271,10 @@ def autotune(workspace_limit, policy, precise, plan_path, record_command, store_
                            f"{'nothing' if not recording.exists() else 'in ' + str(recording)}")
     kernels = read_recording([recording])
     click.echo(f"mucudnn: 2/4 benchmarking {len(kernels)} kernels", err=True)
-    benchmark(kernels, policy, store=store_path)
+    benchmark(kernels, policy, store=store_path, api=api)
     click.echo("mucudnn: 3/4 tuning", err=True)
     plan = optimize(kernels, workspace_limit=workspace_limit, policy=policy, store=store_path,
-                    precise=precise)
+                    precise=precise, api=api)
     write_plan(plan, plan_path)
     divided = sum(1 for e in plan if e.is_divided)
     click.echo(f"mucudnn: wrote {plan_path}: {len(plan)} kernels ({divided} micro-batched)",

@@ -43,6 +43,10 @@ class KeyFormatError(MucudnnError, ValueError):
     """A kernel key string does not follow docs/kernel-key.md."""
 
 
+class EngineNameError(MucudnnError, ValueError):
+    """An engine configuration name does not follow docs/plan-format.md (``eng12.k3=1``)."""
+
+
 class LibraryNotFoundError(MucudnnError):
     """No usable cuDNN library (or GPU) was found."""
 

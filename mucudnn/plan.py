@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from .errors import KeyFormatError, PlanError
+from .engines import Api, api_of, parse_engine_name
+from .errors import EngineNameError, KeyFormatError, PlanError
 from .problem import ALGORITHMS, ConvProblem, MathType
 
 FORMAT_VERSION = 1
@@ -25,7 +26,8 @@ POLICIES = ("undivided", "powerOfTwo", "all")
 
 @dataclasses.dataclass(frozen=True)
 class PlanPiece:
-    """``batch`` consecutive samples run with one algorithm and math type."""
+    """``batch`` consecutive samples run with one algorithm and math type, or with one engine
+    configuration of the graph API (``algo`` an engine name, mucudnn.engines)."""
 
     batch: int
     algo: str
@@ -35,6 +37,10 @@ class PlanPiece:
         object.__setattr__(self, "math", MathType(self.math))
         if self.batch < 1:
             raise ValueError(f"piece batch must be >= 1, got {self.batch}")
+
+    @property
+    def api(self) -> Api:
+        return api_of(self.algo)
 
     def __str__(self) -> str:
         """The plan-file form ``B:ALGO:MATH`` (docs/plan-format.md)."""
@@ -234,9 +240,15 @@ def _parse_piece(text: str, problem: ConvProblem, where: str) -> PlanPiece:
         raise PlanError(f"{where}: piece {text!r} is not B:ALGO:MATH")
     batch_text, algo, math_text = parts
     batch = _int(batch_text, f"piece {text!r} batch", where, 1)
-    if algo not in ALGORITHMS[problem.direction]:
+    if api_of(algo) is Api.GRAPH:
+        try:
+            parse_engine_name(algo)
+        except EngineNameError as exc:
+            raise PlanError(f"{where}: piece {text!r}: {exc}") from None
+    elif algo not in ALGORITHMS[problem.direction]:
         raise PlanError(f"{where}: piece {text!r}: unknown {problem.direction.value} algorithm "
-                        f"{algo!r} (expected one of {', '.join(ALGORITHMS[problem.direction])})")
+                        f"{algo!r} (expected one of {', '.join(ALGORITHMS[problem.direction])} "
+                        "or an engine name eng…)")
     try:
         math = MathType(math_text)
     except ValueError:

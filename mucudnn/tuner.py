@@ -23,6 +23,7 @@ from typing import Sequence
 
 from . import store as store_mod
 from .bench import Environment, current_environment, gpu_available
+from .engines import TRANSFORM_NOTES, Api, api_of, numerical_notes, select_apis
 from .errors import MissingMeasurementsError, MucudnnError
 from .measurement import Measurement
 from .optimizer import Policy, best_plan, candidate_sizes, pareto_plans, solve_budget
@@ -34,9 +35,17 @@ Kernels = Sequence[tuple[ConvProblem, int]]
 
 # Transform-based algorithms (FFT, Winograd) round differently: in fp32 with TF32 off they were
 # measured 1e-4 to 5e-3 away from a float64 reference where GEMM-based ones stay near 1e-6
-# (benchmarks/results). ``precise=True`` keeps plans to the GEMM-based ones.
+# (benchmarks/results). ``precise=True`` keeps plans to the GEMM-based ones, and off the graph
+# API's engines whose numerical notes say FFT or Winograd.
 TRANSFORM_ALGORITHMS = frozenset({"fft", "fft_tiling", "winograd", "winograd_nonfused"})
 SHIPPED_MEASUREMENTS = Path(__file__).parent / "data" / "measurements.csv.gz"
+
+
+def is_transform_based(row: Measurement) -> bool:
+    """A legacy FFT/Winograd algorithm, or an engine whose numerical notes say FFT/Winograd."""
+    if api_of(row.algo) is Api.GRAPH:
+        return bool(numerical_notes(row.note) & TRANSFORM_NOTES)
+    return row.algo in TRANSFORM_ALGORITHMS
 
 
 def as_kernels(source) -> list[tuple[ConvProblem, int]]:
@@ -114,36 +123,46 @@ def _pick_environment(store) -> Environment | None:
 # -- benchmark ----------------------------------------------------------------------------------
 
 def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
-              remeasure: bool = False, progress: bool = True, method=None) -> int:
+              remeasure: bool = False, progress: bool = True, method=None, api: str = "both",
+              max_engine_configs: int = 8) -> int:
     """Measure every kernel of ``source`` at the policy's micro-batch sizes on the current GPU.
 
-    Rows already in the store are reused unless ``remeasure``. Returns how many sizes were timed.
+    ``api`` is ``"legacy"`` (cuDNN's algorithms), ``"graph"`` (engine configurations of the graph
+    API: up to ``max_engine_configs`` from heuristics mode A and all fallback ones per size) or
+    ``"both"``. Rows already in the store are reused unless ``remeasure``. Returns how many sizes
+    were timed.
     """
     from .bench import Benchmarker
     from .timing import TimingMethod
+    apis = select_apis(api)
     own = store is None or isinstance(store, (str, os.PathLike))
     st = store_mod.open_store(store) if own else store
     try:
-        bench = Benchmarker(st, method or TimingMethod(), progress=progress)
+        bench = Benchmarker(st, method or TimingMethod(), progress=progress,
+                            max_engine_configs=max_engine_configs)
         todo = [(p, candidate_sizes(policy, p.n)) for p, _ in as_kernels(source)]
-        return bench.benchmark(todo, remeasure=remeasure)
+        return bench.benchmark(todo, remeasure=remeasure, apis=apis)
     finally:
         if own:
             st.close()
 
 
-def measurements(store, env: Environment, problem: ConvProblem,
-                 policy: Policy | str) -> list[Measurement]:
-    """Stored rows of ``problem`` at the policy's sizes; raises if any size was never measured."""
+def measurements(store, env: Environment, problem: ConvProblem, policy: Policy | str,
+                 api: str = "both") -> list[Measurement]:
+    """Stored rows of ``problem`` at the policy's sizes in ``api`` (``"legacy"``, ``"graph"`` or
+    ``"both"``); raises if any size has no row of those APIs."""
+    apis = select_apis(api)
     sizes = candidate_sizes(policy, problem.n)
-    rows = store.get(env.gpu, env.cudnn, problem.key, batches=sizes)
+    rows = [m for m in store.get(env.gpu, env.cudnn, problem.key, batches=sizes)
+            if api_of(m.algo) in apis]
     missing = sorted(set(sizes) - {m.batch for m in rows})
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        which = "" if len(apis) > 1 else f"{api} API "
         raise MissingMeasurementsError(
-            f"no measurements of {problem.key} at micro-batch size(s) {shown} for {env.gpu} / "
-            f"cuDNN {env.cudnn} (policy {Policy(policy).value}): run 'mucudnn bench' with this "
-            "policy on that GPU first")
+            f"no {which}measurements of {problem.key} at micro-batch size(s) {shown} for "
+            f"{env.gpu} / cuDNN {env.cudnn} (policy {Policy(policy).value}): run 'mucudnn bench' "
+            f"with this policy{f' and --api {api}' if which else ''} on that GPU first")
     return rows
 
 
@@ -152,21 +171,27 @@ def measurements(store, env: Environment, problem: ConvProblem,
 def optimize(source, workspace_limit=None, total_workspace=None,
              policy: Policy | str = Policy.POWER_OF_TWO, store=None,
              env: Environment | None = None, exclude: Sequence[str] = (),
-             precise: bool = False) -> Plan:
+             precise: bool = False, api: str = "both") -> Plan:
     """A plan for every kernel of ``source``.
 
     Exactly one of ``workspace_limit`` (WR: each kernel within this many bytes) and
     ``total_workspace`` (WD: all kernels' workspaces together within this budget) is given; sizes
-    may be strings like ``"64MiB"``. Algorithms named in ``exclude`` are never used; ``precise``
-    also excludes the transform-based ones (:data:`TRANSFORM_ALGORITHMS`).
+    may be strings like ``"64MiB"``. Algorithms and engine configurations named in ``exclude`` are
+    never used; ``precise`` also excludes the transform-based ones (:func:`is_transform_based`).
+    ``api`` limits the pieces to one cuDNN API: ``"legacy"`` for plans the shim runs on the legacy
+    path, ``"graph"``, or ``"both"`` (every stored row).
     """
     if (workspace_limit is None) == (total_workspace is None):
         raise MucudnnError("give exactly one of workspace_limit (WR) and total_workspace (WD)")
     policy = Policy(policy)
     kernels = as_kernels(source)
-    banned = set(exclude) | (TRANSFORM_ALGORITHMS if precise else set())
+    banned = set(exclude)
+
+    def usable(row: Measurement) -> bool:
+        return row.algo not in banned and not (precise and is_transform_based(row))
+
     with _measurements_source(store, env) as (st, env):
-        rows = {(p.key, p.n): [m for m in measurements(st, env, p, policy) if m.algo not in banned]
+        rows = {(p.key, p.n): [m for m in measurements(st, env, p, policy, api) if usable(m)]
                 for p, _ in kernels}
     if workspace_limit is not None:
         limit = parse_size(workspace_limit)

@@ -13,8 +13,12 @@ from click.testing import CliRunner
 import mucudnn
 from mucudnn import shimlib, tuner
 from mucudnn.cli import main
+from mucudnn.engines import Api
+from mucudnn.measurement import Measurement
+from mucudnn.optimizer import candidate_sizes
 from mucudnn.plan import read_plan
 from mucudnn.sizes import format_size
+from mucudnn.store import open_store
 
 PLAN_DIR = Path(__file__).resolve().parent / "data" / "plans"
 BAD_PLAN = PLAN_DIR / "invalid_pieces_sum.plan"  # its first line names the faulty line
@@ -217,6 +221,70 @@ def test_tune_of_an_unknown_config_is_one_error_line(no_gpu, tmp_path):
     assert_one_error_line(result, "no-such-net")
 
 
+# -- the two cuDNN APIs ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, api", [((), "both"), (("--api", "graph"), "graph"),
+                                          (("--api", "legacy"), "legacy")])
+def test_bench_times_the_api_asked_for(no_gpu, monkeypatch, options, api):
+    asked = []
+    monkeypatch.setattr(tuner, "benchmark",
+                        lambda source, policy, **kw: asked.append(kw["api"]) or 0)
+    result = invoke("bench", "alexnet", *options)
+    assert result.exit_code == 0, result.output
+    assert asked == [api]
+
+
+def test_bench_refuses_an_unknown_api(no_gpu):
+    assert_usage_error(invoke("bench", "alexnet", "--api", "v8"), "'v8'", "legacy", "graph")
+
+
+@pytest.fixture
+def mixed_recording(no_gpu, tmp_path):
+    """A recording of one kernel whose user-store rows have a fast engine configuration."""
+    problem = next(p for p, _ in mucudnn.load_config("alexnet").kernels()
+                   if p.direction is mucudnn.Direction.FORWARD)
+    rows = []
+    for b in candidate_sizes("powerOfTwo", problem.n):
+        rows.append(Measurement(problem.key, b, "implicit_gemm", "fma", 1.0 * b, 0))
+        rows.append(Measurement(problem.key, b, "eng7.k2=16.k11=-1", "fma", 0.5 * b, 1024 * b,
+                                note="numerical notes: none"))
+    with open_store() as store:  # $MUCUDNN_STORE of no_gpu
+        store.put("Test GPU", 91900, rows)
+    recording = tmp_path / "one.record"
+    recording.write_text(f"kernel {problem.key} {problem.n}\n")
+    return recording
+
+
+def test_tune_api_filters_the_pieces_and_show_prints_engines(mixed_recording, tmp_path):
+    plans = {}
+    for api in ("both", "legacy", "graph"):
+        plans[api] = tmp_path / f"{api}.plan"
+        result = invoke("tune", "--recording", mixed_recording, "--workspace-limit", "64MiB",
+                        "--api", api, "-o", plans[api])
+        assert result.exit_code == 0, result.output
+    pieces = {api: {str(piece).split(":")[1] for entry in read_plan(path) for piece in entry.pieces}
+              for api, path in plans.items()}
+    assert pieces == {"both": {"eng7.k2=16.k11=-1"}, "legacy": {"implicit_gemm"},
+                      "graph": {"eng7.k2=16.k11=-1"}}
+    shown = invoke("show", plans["both"])
+    assert shown.exit_code == 0, shown.output
+    [row] = [line for line in shown.stdout.splitlines() if line.startswith("fwd ")]
+    assert " eng7.k2=16.k11=-1 " in row
+
+
+def test_tune_graph_api_without_engine_measurements_says_how_to_get_them(no_gpu, tmp_path):
+    result = invoke("tune", "alexnet", "--workspace-limit", "64MiB", "--api", "graph",
+                    "-o", tmp_path / "p.plan")
+    assert_one_error_line(result, "no graph API measurements of", "--api graph")
+
+
+def test_show_prints_the_engine_pieces_example(no_gpu):
+    result = invoke("show", PLAN_DIR / "engines.plan")
+    assert result.exit_code == 0, result.output
+    assert "4 eng12.k3=1, 4 eng0" in result.stdout
+    assert "2 eng3.k0=-9223372036854775808, 2 eng3.k0=9223372036854775807" in result.stdout
+
+
 # -- malformed plans -------------------------------------------------------------------------------
 
 def test_show_of_a_malformed_plan_names_file_and_line(no_gpu):
@@ -325,7 +393,7 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_
     benchmarked = []
     monkeypatch.setattr(subprocess, "call", call)
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: benchmarked.append(
-        (len(source), policy)) or 0)
+        (len(source), policy, kw["api"])) or 0)
     plan_path = tmp_path / "auto.plan"
     result = invoke("autotune", "--workspace-limit", "64MiB", "-o", plan_path,
                     "--record-command", "python train.py --steps 2", "--", "python", "train.py")
@@ -333,7 +401,7 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_
     (record_args, record_env), (run_args, run_env) = calls
     assert record_args == ["python", "train.py", "--steps", "2"]
     assert record_env["MUCUDNN_RECORD"] == str(plan_path.with_suffix(".record").resolve())
-    assert benchmarked == [(len(kernels), "powerOfTwo")]
+    assert benchmarked == [(len(kernels), "powerOfTwo", "both")]
     plan = read_plan(plan_path)
     assert {(e.key, e.n) for e in plan} == {(p.key, p.n) for p in kernels}
     assert all(e.workspace <= 64 << 20 for e in plan) and any(e.is_divided for e in plan)
@@ -341,6 +409,30 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_
     assert run_env["MUCUDNN_PLAN"] == str(plan_path.resolve())
     assert run_env["MUCUDNN_WORKSPACE_LIMIT"] == str(64 << 20)
     assert run_env["LD_PRELOAD"].split()[0] == str(shim)
+
+
+def test_autotune_api_reaches_benchmark_and_tuning(mixed_recording, fake_exec, tmp_path,
+                                                   monkeypatch):
+    """--api legacy: for a program on PyTorch's legacy path, where engine pieces cannot run."""
+    _, calls = fake_exec
+    recorded = mixed_recording.read_text()
+
+    def call(args, env=None, **kwargs):
+        calls.append(args)
+        if "MUCUDNN_RECORD" in env:
+            Path(env["MUCUDNN_RECORD"]).write_text(recorded)
+        return 0
+
+    asked = []
+    monkeypatch.setattr(subprocess, "call", call)
+    monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: asked.append(kw["api"]))
+    for api, algo in (("legacy", "implicit_gemm"), ("both", "eng7.k2=16.k11=-1")):
+        plan_path = tmp_path / f"{api}.plan"
+        result = invoke("autotune", "--workspace-limit", "64MiB", "--api", api, "-o", plan_path,
+                        "--", "python", "train.py")
+        assert result.exit_code == 0, result.output
+        assert {p.algo for e in read_plan(plan_path) for p in e.pieces} == {algo}
+    assert asked == ["legacy", "both"]
 
 
 def test_autotune_stops_when_the_recording_run_fails(no_gpu, fake_exec, tmp_path, monkeypatch):

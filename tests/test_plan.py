@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mucudnn import plan as plan_mod
+from mucudnn.engines import INT64_MAX, INT64_MIN, Api, EngineConfig
 from mucudnn.errors import PlanError
 from mucudnn.plan import (
     POLICIES, STRATEGIES, Plan, PlanEntry, PlanPiece, format_plan, read_plan, read_plan_text,
@@ -39,12 +40,20 @@ def problem(direction: Direction = Direction.FORWARD, geometry: int = 0, n: int 
 
 # -- random plans ----------------------------------------------------------------------------------
 
+engine_names = st.builds(
+    EngineConfig, global_index=st.integers(0, 200),
+    knobs=st.dictionaries(st.integers(0, 50), st.integers(INT64_MIN, INT64_MAX), max_size=4)
+    .map(lambda knobs: tuple(sorted(knobs.items()))),
+).map(str)
+
+
 @st.composite
 def entries(draw) -> PlanEntry:
     kernel = problem(draw(st.sampled_from(Direction)), draw(st.integers(0, len(GEOMETRIES) - 1)))
     batches = draw(st.lists(st.integers(1, 64), min_size=1, max_size=6))
     pieces = tuple(
-        PlanPiece(batch, draw(st.sampled_from(ALGORITHMS[kernel.direction])),
+        PlanPiece(batch, draw(st.one_of(st.sampled_from(ALGORITHMS[kernel.direction]),
+                                        engine_names)),
                   draw(st.sampled_from(MathType)))
         for batch in batches
     )
@@ -200,6 +209,44 @@ def test_blanks_and_comments_example_reads_every_kernel():
     last = list(plan)[-1]
     assert (last.workspace, last.time_ms) == (32768, 0.15)
     assert [str(piece) for piece in last.pieces] == ["2:algo_3:fma", "6:fft_tiling:fma"]
+
+
+def test_engine_pieces_example_reads():
+    """tests/data/plans/engines.plan: engine pieces alone, mixed with legacy pieces, and with
+    knob values at the ends of int64."""
+    plan = read_plan(PLAN_DIR / "engines.plan")
+    assert sorted((entry.problem.direction.value, entry.n) for entry in plan) == [
+        ("bwd_data", 8), ("bwd_filter", 8), ("fwd", 8), ("fwd", 16)]
+    pieces = {(entry.problem.direction.value, entry.n): [str(p) for p in entry.pieces]
+              for entry in plan}
+    assert pieces[("fwd", 8)] == ["4:eng12.k3=1:fma", "4:eng0:fma"]
+    assert [p.api for p in plan.get(list(plan)[1].key, 16).pieces] == \
+        [Api.GRAPH, Api.LEGACY, Api.GRAPH]
+    assert pieces[("bwd_filter", 8)][1:] == [f"2:eng3.k0={INT64_MIN}:fma",
+                                             f"2:eng3.k0={INT64_MAX}:fma"]
+    assert_same_plan(read_plan_text(format_plan(plan)), plan)
+
+
+@pytest.mark.parametrize("piece, reason", [
+    ("8:eng:fma", "engine name 'eng' is not eng<G>"),
+    ("8:eng01:fma", "'eng01' is not eng<G>"),
+    ("8:eng3.k2=1.k1=0:fma", "not strictly ascending"),
+    ("8:eng3.k2=1.k2=1:fma", "not strictly ascending"),
+    ("8:eng3.k2=-0:fma", "is not eng<G>"),
+    (f"8:eng3.k2={INT64_MAX + 1}:fma", "not an int64"),
+    ("8:engine_3:fma", "is not eng<G>"),
+    ("8:eng3:tf32", "unknown math type 'tf32'"),
+    ("8:eng3.k2=1:fma:x", "is not B:ALGO:MATH"),
+    ("8:implicit_gemm:fma", "unknown bwd_data algorithm 'implicit_gemm' (expected one of"),
+])
+def test_malformed_engine_pieces_are_refused_on_their_line(piece, reason):
+    key = problem(Direction.BACKWARD_DATA).key
+    text = ("mucudnn-plan 1\ngpu g\ncudnn 1\nstrategy wr\nlimit 0\npolicy all\n"
+            f"kernel {key} 8 0 0 {piece}\n")
+    with pytest.raises(PlanError) as exc:
+        read_plan_text(text, source="e.plan")
+    assert str(exc.value).startswith(f"e.plan:7: piece {piece!r}")
+    assert reason in str(exc.value)
 
 
 def expected_error_line(path: Path) -> str:

@@ -12,10 +12,11 @@ import pytest
 
 from mucudnn import tuner
 from mucudnn.bench import Environment
+from mucudnn.engines import Api, format_numerical_notes
 from mucudnn.errors import InfeasibleError, MissingMeasurementsError, MucudnnError
 from mucudnn.measurement import Measurement, Status
 from mucudnn.optimizer import Policy, candidate_sizes
-from mucudnn.plan import PlanEntry, PlanPiece
+from mucudnn.plan import PlanEntry, PlanPiece, read_plan, write_plan
 from mucudnn.problem import ConvProblem, Direction, MathType
 from mucudnn.sizes import parse_size
 from mucudnn.store import open_store
@@ -183,6 +184,82 @@ def test_excluding_every_algorithm_names_what_is_missing(store):
     with pytest.raises(MissingMeasurementsError):
         tuner.optimize([HUNGRY], workspace_limit=1 << 30, store=store, env=ENV,
                        exclude=list(HUNGRY_ALGOS))
+
+
+# -- graph-API engine configurations ---------------------------------------------------------------
+
+# name: (ms per launch, ms per sample, workspace bytes per sample, numerical notes). The FFT engine
+# is the fastest of all; the zero-workspace engine beats every zero-workspace legacy algorithm.
+FWD_ENGINES = {"eng0": (0.02, 0.7, 0, ()), "eng12.k3=1.k11=-1": (0.02, 0.4, 200, ("tensor_core",)),
+               "eng7": (0.05, 0.1, 2000, ("fft", "nondeterministic"))}
+
+
+def engine_rows(problem: ConvProblem, sizes=None) -> list[Measurement]:
+    """OK rows of FWD_ENGINES at each size, plus a configuration whose plan did not finalize."""
+    rows = []
+    for batch in sizes or candidate_sizes(Policy.POWER_OF_TWO, problem.n):
+        for name, (launch, per_sample, workspace, notes) in FWD_ENGINES.items():
+            rows.append(Measurement(problem.key, batch, name, MathType.FMA,
+                                    launch + per_sample * batch, workspace * batch,
+                                    note=format_numerical_notes(notes)))
+        rows.append(Measurement(problem.key, batch, "eng99", MathType.FMA, math.nan, 0,
+                                Status.NOT_SUPPORTED, "cudnnBackendFinalize failed"))
+    return rows
+
+
+@pytest.fixture
+def mixed_store(tmp_path):
+    with open_store(tmp_path / "mixed.sqlite") as opened:
+        opened.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS) + engine_rows(FWD)
+                   + synthetic_rows(BWD_DATA, BWD_DATA_ALGOS))
+        yield opened
+
+
+def apis_used(plan) -> set[Api]:
+    return {piece.api for entry in plan for piece in entry.pieces}
+
+
+@pytest.mark.parametrize("limit, both", [(0, {"eng0"}), (1 << 30, {"eng7"})])
+def test_api_picks_which_rows_plans_are_made_of(mixed_store, limit, both):
+    def used(api):
+        plan = tuner.optimize([FWD], workspace_limit=limit, store=mixed_store, env=ENV, api=api)
+        return algorithms_used(plan), apis_used(plan)
+
+    assert used("both") == (both, {Api.GRAPH})
+    legacy, apis = used("legacy")
+    assert apis == {Api.LEGACY} and legacy <= set(FWD_ALGOS)
+    assert used("graph") == (both, {Api.GRAPH})
+
+
+def test_precise_and_exclude_apply_to_engine_configurations(mixed_store):
+    def used(**options):
+        return algorithms_used(tuner.optimize([FWD], workspace_limit=1 << 30, store=mixed_store,
+                                              env=ENV, **options))
+
+    assert used(precise=True) == {"eng12.k3=1.k11=-1"}  # the FFT engine and algorithms are out
+    assert used(exclude=["eng7"]) == {"fft"}
+    assert used(exclude=["eng7"], api="graph") == {"eng12.k3=1.k11=-1"}
+
+
+def test_mixed_plans_are_written_and_read_back(mixed_store, tmp_path):
+    plan = tuner.optimize([FWD, BWD_DATA], workspace_limit=2000, store=mixed_store, env=ENV)
+    write_plan(plan, tmp_path / "mixed.plan")
+    read = read_plan(tmp_path / "mixed.plan")
+    assert [entry.pieces for entry in read] == [entry.pieces for entry in plan]
+    assert {Api.GRAPH, Api.LEGACY} == apis_used(read)  # BWD_DATA has legacy rows only
+
+
+def test_missing_rows_of_the_chosen_api_are_named(store):
+    with pytest.raises(MissingMeasurementsError) as exc:
+        tuner.optimize([FWD], workspace_limit=0, store=store, env=ENV, api="graph")
+    message = str(exc.value)
+    assert "no graph API measurements of" in message and "--api graph" in message
+    assert "size(s) 1, 2, 4, 8 " in message
+
+
+def test_unknown_api_is_refused(store):
+    with pytest.raises(MucudnnError, match="api 'new' is not one of legacy, graph, both"):
+        tuner.optimize([FWD], workspace_limit=0, store=store, env=ENV, api="new")
 
 
 # -- missing measurements --------------------------------------------------------------------------

@@ -81,14 +81,21 @@ class Cudnn:
 
     def __init__(self) -> None:
         self.lib, self.path = load_cudnn()
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(self.lib, name)
-            fn.argtypes = argtypes
-            fn.restype = c_int
+        self.bind(_SIGNATURES)
         for name, restype in _NON_STATUS.items():
             getattr(self.lib, name).restype = restype
         self.lib.cudnnGetErrorString.argtypes = [c_int]
         self.version = int(self.lib.cudnnGetVersion())
+
+    def bind(self, signatures: dict[str, list]) -> None:
+        """Declare functions returning ``cudnnStatus_t`` with these argument types.
+
+        Other modules (graph.py) bind the functions they use on the same library object.
+        """
+        for name, argtypes in signatures.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes = argtypes
+            fn.restype = c_int
 
     def call(self, name: str, *args) -> None:
         status = getattr(self.lib, name)(*args)

@@ -20,10 +20,11 @@ KEY = ("dir=fwd,dt=f32,ct=f32,math=fma,layout=nchw,c=64,in=56x56,k=64,f=3x3,pad=
 KIB = 1 << 10
 MIB = 1 << 20
 
+# Legacy algorithms and graph-API engine configurations alike: the optimizer sees only names.
 ALGOS = (
     ("implicit_gemm", "fma"), ("implicit_precomp_gemm", "fma"), ("gemm", "fma"),
     ("fft_tiling", "fma"), ("winograd_nonfused", "tensor_op"),
-    ("implicit_precomp_gemm", "tensor_op"),
+    ("implicit_precomp_gemm", "tensor_op"), ("eng0", "fma"), ("eng12.k3=1.k11=-1", "fma"),
 )
 # Workspace as a function of the micro-batch size b, in KiB; "linear" is IMPLICIT_PRECOMP_GEMM-like.
 WORKSPACE_SHAPES = ("none", "constant", "linear", "random")

@@ -61,6 +61,19 @@ def test_kernel_plan_pieces_must_add_up_to_n(plan_pieces, excess):
         KernelPlan(KEY, n, ())
 
 
+def test_engine_configurations_and_legacy_algorithms_mix_in_one_plan():
+    """Only time and workspace decide: within the limit the engine runs micro-batches of 2 (it has
+    no row at 1) and a legacy algorithm, needing no workspace, the sample left over."""
+    engine = "eng7.k2=16.k11=-1"
+    rows = [Measurement(KEY, b, "implicit_gemm", "fma", 1.0 * b, 0) for b in (1, 2, 4, 5)]
+    rows += [Measurement(KEY, b, engine, "fma", 0.1 + 0.25 * b, 100 * b) for b in (2, 4, 5)]
+    plan = best_plan(rows, 5, limit=200, policy=Policy.POWER_OF_TWO)
+    assert [str(piece) for piece in plan.pieces] == [
+        f"2:{engine}:fma", f"2:{engine}:fma", "1:implicit_gemm:fma"]
+    assert (plan.time_ms, plan.workspace) == (2.2, 200)
+    assert best_plan(rows, 5, limit=None, policy=Policy.UNDIVIDED).pieces[0].algo == engine
+
+
 # -- best_plan against brute force ---------------------------------------------------------------
 
 @pytest.mark.parametrize("policy", list(SMALL_TABLES))
