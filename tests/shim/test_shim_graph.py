@@ -213,3 +213,23 @@ def test_threads(shim_env):
     run = shim_env.run_graph(cases, plan=plan, threads=4)
     assert all(r["exact"] == "1" and r["status"] == "0" for r in run.cases)
     assert len(run.graph_executions()) == 12
+
+
+def test_the_shared_engine_plan_example_loads(shim_env):
+    # tests/data/plans/engines.plan is parsed by Python's tests too: one grammar on both sides
+    plan = Path(__file__).resolve().parents[1] / "data" / "plans" / "engines.plan"
+    run = shim_env.run_graph([f"{BASE} dir=fwd alpha=1 beta=0"], plan=plan,
+                             env={"MUCUDNN_LOG_LEVEL": "info"})
+    assert any("loaded plan" in line and ": 4 kernel plans" in line for line in run.shim_lines("info"))
+    assert not run.shim_lines("error")
+
+
+@pytest.mark.parametrize("engine", ["eng", "eng01", "eng1.k2=3.k2=4", "eng1.k3=1.k2=1", "eng1.k2=-0",
+                                    "eng1.k2=+3", "eng1.k2=9223372036854775808", "eng1.k2", "engX"])
+def test_malformed_engine_names_are_refused(shim_env, engine):
+    case = f"{BASE} dir=fwd alpha=1 beta=0"
+    line = f"kernel {graph_key(case)} 8 0 0.5 8:{engine}:fma"
+    run = shim_env.run_graph([case], plan=shim_env.write_plan([line]))
+    [error] = run.shim_lines("error")
+    assert ".plan:7: engine" in error, error  # file, line, what
+    assert run.cases[0]["exact"] == "1"
