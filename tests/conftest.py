@@ -34,3 +34,15 @@ def pytest_collection_modifyitems(config, items):
         marker = pytest.mark.skip(reason=reason)
         for item in gpu_items:
             item.add_marker(marker)
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """(cupy, cudnn, stream, handle) for GPU tests: one blocking stream, current for CuPy too."""
+    import cupy
+
+    from mucudnn.cudnn import get
+    stream = cupy.cuda.Stream()
+    stream.use()  # CuPy's fills run in order with cuDNN's work
+    cudnn = get()
+    return cupy, cudnn, stream, cudnn.handle(stream.ptr)

@@ -14,17 +14,6 @@ SMALL = dict(c=16, input_size=(12, 12), k=24, filter_size=(3, 3), padding=(1, 1)
              dilation=(1, 1), n=8)
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    import cupy
-
-    from mucudnn.cudnn import get
-    stream = cupy.cuda.Stream()
-    stream.use()  # CuPy's fills run in order with cuDNN's work
-    cudnn = get()
-    return cupy, cudnn, stream, cudnn.handle(stream.ptr)
-
-
 def _problem(direction, **over):
     return ConvProblem(direction=direction, **{**SMALL, **over})
 

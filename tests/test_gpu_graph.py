@@ -18,17 +18,6 @@ LEGACY = {Direction.FORWARD: "implicit_gemm", Direction.BACKWARD_DATA: "algo_1",
           Direction.BACKWARD_FILTER: "algo_1"}
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    import cupy
-
-    from mucudnn.cudnn import get
-    stream = cupy.cuda.Stream()
-    stream.use()  # CuPy's fills run in order with cuDNN's work
-    cudnn = get()
-    return cupy, cudnn, stream, cudnn.handle(stream.ptr)
-
-
 def _problem(direction, **over) -> ConvProblem:
     return ConvProblem(direction=direction, **{**SMALL, **over})
 
