@@ -22,106 +22,42 @@
  * order; f64 data are random reals.
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
-#include <math.h>
-#include <pthread.h>
-#include <stdbool.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include <cudnn.h>
-
-#define MAX_CASES 4096
-#define LINE_MAX_LENGTH 4096
-#define OUTPUT_MAX 8192
+#define DRIVER_NAME "conv_driver"
+#include "driver_common.h"
 
 typedef struct {
     char op[16], dir[16], dt[8], ct[8], math[16], layout[8], mode[8];
-    int n, c, k, groups, spatial;
-    int in[3], f[3], pad[3], stride[3], dil[3];
-    double alpha, beta;
+    conv_params params;
     int algo, requested;
     size_t workspace;
-    unsigned seed;
 } conv_case;
 
-/* The double's own functions, reached around the preload. */
-static struct {
-    __typeof__(cudnnConvolutionForward) *forward;
-    __typeof__(cudnnConvolutionBackwardData) *backward_data;
-    __typeof__(cudnnConvolutionBackwardFilter) *backward_filter;
-} direct;
+static conv_case cases[MAX_CASES];
 
 typedef int (*key_fn)(int, cudnnTensorDescriptor_t, cudnnFilterDescriptor_t,
                       cudnnConvolutionDescriptor_t, cudnnTensorDescriptor_t, char *, size_t, int *);
 static key_fn shim_key; /* mucudnn_kernel_key, when the shim is preloaded */
 
-static void die(const char *what) {
-    fprintf(stderr, "conv_driver: %s\n", what);
-    exit(2);
-}
-
-#define CHECK(call)                                                                    \
-    do {                                                                               \
-        cudnnStatus_t status_ = (call);                                                \
-        if (status_ != CUDNN_STATUS_SUCCESS) {                                         \
-            fprintf(stderr, "conv_driver: %s failed: %d\n", #call, (int)status_);      \
-            exit(2);                                                                   \
-        }                                                                              \
-    } while (0)
-
 /* ---- parsing ------------------------------------------------------------------------------ */
 
-static int parse_dims(const char *text, int out[3]) {
-    int count = 0;
-    char *end;
-    do {
-        if (count == 3) die("too many x-joined values");
-        out[count++] = (int)strtol(text, &end, 10);
-        text = end + 1;
-    } while (*end == 'x');
-    return count;
+/* The fields of this driver only (op dir dt ct math layout mode algo requested ws); false for any other name. */
+static bool own_field(void *arg, const char *name, const char *value) {
+    conv_case *c = arg;
+    if (0) {}
+    TEXT_FIELD(op); TEXT_FIELD(dir); TEXT_FIELD(dt); TEXT_FIELD(ct); TEXT_FIELD(math); TEXT_FIELD(layout);
+    TEXT_FIELD(mode);
+    else if (!strcmp(name, "algo")) c->algo = atoi(value);
+    else if (!strcmp(name, "requested")) c->requested = atoi(value);
+    else if (!strcmp(name, "ws")) c->workspace = strtoull(value, NULL, 10);
+    else return false;
+    return true;
 }
 
-static void parse_case(char *line, conv_case *c) {
+static void parse_case(char *line, int index) {
+    conv_case *c = &cases[index];
     *c = (conv_case){.op = "conv", .dir = "fwd", .dt = "f32", .ct = "", .math = "fma",
-                     .layout = "nchw", .mode = "xcorr", .n = 2, .c = 1, .k = 1, .groups = 1,
-                     .alpha = 1, .beta = 0, .algo = 0, .requested = 8, .seed = 1};
-    int pad_count = 0, stride_count = 0, dil_count = 0;
-    for (char *token = strtok(line, " \t\n"); token; token = strtok(NULL, " \t\n")) {
-        char *value = strchr(token, '=');
-        if (!value) die("field without '='");
-        *value++ = '\0';
-#define TEXT(name) else if (strcmp(token, #name) == 0) snprintf(c->name, sizeof c->name, "%s", value)
-        if (0) {}
-        TEXT(op); TEXT(dir); TEXT(dt); TEXT(ct); TEXT(math); TEXT(layout); TEXT(mode);
-        else if (!strcmp(token, "n")) c->n = atoi(value);
-        else if (!strcmp(token, "c")) c->c = atoi(value);
-        else if (!strcmp(token, "k")) c->k = atoi(value);
-        else if (!strcmp(token, "g")) c->groups = atoi(value);
-        else if (!strcmp(token, "in")) c->spatial = parse_dims(value, c->in);
-        else if (!strcmp(token, "f")) parse_dims(value, c->f);
-        else if (!strcmp(token, "pad")) pad_count = parse_dims(value, c->pad);
-        else if (!strcmp(token, "stride")) stride_count = parse_dims(value, c->stride);
-        else if (!strcmp(token, "dil")) dil_count = parse_dims(value, c->dil);
-        else if (!strcmp(token, "alpha")) c->alpha = atof(value);
-        else if (!strcmp(token, "beta")) c->beta = atof(value);
-        else if (!strcmp(token, "algo")) c->algo = atoi(value);
-        else if (!strcmp(token, "requested")) c->requested = atoi(value);
-        else if (!strcmp(token, "ws")) c->workspace = strtoull(value, NULL, 10);
-        else if (!strcmp(token, "seed")) c->seed = (unsigned)strtoul(value, NULL, 10);
-        else die("unknown field");
-#undef TEXT
-    }
-    if (c->spatial == 0) die("in= is required");
-    for (int i = 0; i < c->spatial; i++) {
-        if (!pad_count) c->pad[i] = 0;
-        if (!stride_count) c->stride[i] = 1;
-        if (!dil_count) c->dil[i] = 1;
-        if (!c->f[i]) c->f[i] = 1;
-    }
+                     .layout = "nchw", .mode = "xcorr", .algo = 0, .requested = 8};
+    parse_fields(line, &c->params, own_field, c);
     if (!c->ct[0]) memcpy(c->ct, c->dt, sizeof c->ct);
 }
 
@@ -143,90 +79,20 @@ static cudnnMathType_t math_of(const char *name) {
     return CUDNN_DEFAULT_MATH;
 }
 
-/* ---- descriptors and data ------------------------------------------------------------------- */
+/* ---- descriptors ---------------------------------------------------------------------------- */
 
-typedef struct {
-    cudnnTensorDescriptor_t x, y;
-    cudnnFilterDescriptor_t w;
-    cudnnConvolutionDescriptor_t conv;
-    size_t x_elems, y_elems, w_elems, elem_size;
-    cudnnDataType_t dtype;
-} descriptors;
-
-/* Strides of dims (n, c, s...) for a layout; "padded" is NCHW with one unused element per row. */
-static size_t make_strides(const char *layout, int rank, const int dims[], int strides[]) {
-    int pitch = !strcmp(layout, "padded") ? 1 : 0;
-    if (!strcmp(layout, "nhwc")) {
-        strides[1] = 1;
-        strides[rank - 1] = dims[1];
-        for (int i = rank - 2; i >= 2; i--) strides[i] = strides[i + 1] * dims[i + 1];
-        strides[0] = strides[2] * dims[2];
-    } else {
-        strides[rank - 1] = 1;
-        strides[rank - 2] = dims[rank - 1] + pitch;
-        for (int i = rank - 3; i >= 0; i--) strides[i] = strides[i + 1] * dims[i + 1];
-    }
-    return (size_t)strides[0] * (size_t)dims[0];
-}
-
-static void make_descriptors(const conv_case *c, descriptors *d) {
-    int rank = c->spatial + 2;
-    int x_dims[5] = {c->n, c->c}, w_dims[5] = {c->k, c->c / c->groups}, y_dims[5] = {c->n, c->k};
-    int strides[5];
-    d->w_elems = (size_t)c->k * (size_t)(c->c / c->groups);
-    for (int i = 0; i < c->spatial; i++) {
-        x_dims[2 + i] = c->in[i];
-        w_dims[2 + i] = c->f[i];
-        y_dims[2 + i] = (c->in[i] + 2 * c->pad[i] - c->dil[i] * (c->f[i] - 1) - 1) / c->stride[i] + 1;
-        d->w_elems *= (size_t)c->f[i];
-    }
-    d->dtype = dtype_of(c->dt);
-    d->elem_size = d->dtype == CUDNN_DATA_DOUBLE ? 8 : d->dtype == CUDNN_DATA_FLOAT ? 4 : 2;
-    CHECK(cudnnCreateTensorDescriptor(&d->x));
-    CHECK(cudnnCreateTensorDescriptor(&d->y));
-    CHECK(cudnnCreateFilterDescriptor(&d->w));
-    CHECK(cudnnCreateConvolutionDescriptor(&d->conv));
-    d->x_elems = make_strides(c->layout, rank, x_dims, strides);
-    CHECK(cudnnSetTensorNdDescriptor(d->x, d->dtype, rank, x_dims, strides));
-    d->y_elems = make_strides(c->layout, rank, y_dims, strides);
-    CHECK(cudnnSetTensorNdDescriptor(d->y, d->dtype, rank, y_dims, strides));
-    cudnnTensorFormat_t format = !strcmp(c->layout, "nhwc") ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
-    CHECK(cudnnSetFilterNdDescriptor(d->w, d->dtype, format, rank, w_dims));
-    CHECK(cudnnSetConvolutionNdDescriptor(d->conv, c->spatial, c->pad, c->stride, c->dil,
+/* The case's shapes ("padded" is NCHW with one unused element per row) and legacy descriptors. */
+static void make_descriptors(const conv_case *c, shapes *s, legacy *d) {
+    make_shapes(&c->params, !strcmp(c->layout, "nhwc"), !strcmp(c->layout, "padded") ? 1 : 0,
+                dtype_of(c->dt), s);
+    make_legacy_tensors(s, d);
+    const conv_params *q = &c->params;
+    CHECK(cudnnSetConvolutionNdDescriptor(d->conv, q->spatial, q->pad, q->stride, q->dil,
                                           !strcmp(c->mode, "conv") ? CUDNN_CONVOLUTION
                                                                    : CUDNN_CROSS_CORRELATION,
                                           dtype_of(c->ct)));
-    CHECK(cudnnSetConvolutionGroupCount(d->conv, c->groups));
+    CHECK(cudnnSetConvolutionGroupCount(d->conv, q->groups));
     CHECK(cudnnSetConvolutionMathType(d->conv, math_of(c->math)));
-}
-
-static void destroy_descriptors(descriptors *d) {
-    cudnnDestroyTensorDescriptor(d->x);
-    cudnnDestroyTensorDescriptor(d->y);
-    cudnnDestroyFilterDescriptor(d->w);
-    cudnnDestroyConvolutionDescriptor(d->conv);
-}
-
-static unsigned next_random(unsigned *state) {
-    *state = *state * 1664525u + 1013904223u;
-    return *state >> 8;
-}
-
-/* f32: integers in [-3, 3] (exact sums in any order); f64: reals in [-1, 1). */
-static void *random_buffer(const descriptors *d, size_t elems, unsigned *state) {
-    void *buffer = calloc(elems ? elems : 1, d->elem_size);
-    if (!buffer) die("out of memory");
-    for (size_t i = 0; i < elems; i++) {
-        if (d->dtype == CUDNN_DATA_DOUBLE)
-            ((double *)buffer)[i] = (double)next_random(state) / (1u << 23) - 1.0;
-        else if (d->dtype == CUDNN_DATA_FLOAT)
-            ((float *)buffer)[i] = (float)((int)(next_random(state) % 7) - 3);
-    }
-    return buffer;
-}
-
-static double element(const descriptors *d, const void *buffer, size_t i) {
-    return d->dtype == CUDNN_DATA_DOUBLE ? ((const double *)buffer)[i] : ((const float *)buffer)[i];
 }
 
 /* ---- operations --------------------------------------------------------------------------- */
@@ -234,27 +100,17 @@ static double element(const descriptors *d, const void *buffer, size_t i) {
 typedef struct {
     const conv_case *c;
     cudnnHandle_t handle;
-    descriptors d;
+    shapes s;
+    legacy d;
     void *x, *w, *y, *workspace;
     float alpha_f, beta_f;
 } call_context;
 
-static const void *scale(const call_context *ctx, const double *value, const float *value_f) {
-    return ctx->d.dtype == CUDNN_DATA_DOUBLE ? (const void *)value : (const void *)value_f;
-}
-
-/* The output of the case's direction: y (fwd), x (= dx, bwd_data) or w (= dw, bwd_filter). */
-static void **output_of(call_context *ctx, size_t *elems) {
-    const char *dir = ctx->c->dir;
-    if (!strcmp(dir, "fwd")) return *elems = ctx->d.y_elems, &ctx->y;
-    if (!strcmp(dir, "bwd_data")) return *elems = ctx->d.x_elems, &ctx->x;
-    return *elems = ctx->d.w_elems, &ctx->w;
-}
-
 static cudnnStatus_t run_conv(call_context *ctx, bool through_double) {
     const conv_case *c = ctx->c;
-    const descriptors *d = &ctx->d;
-    const void *alpha = scale(ctx, &c->alpha, &ctx->alpha_f), *beta = scale(ctx, &c->beta, &ctx->beta_f);
+    const legacy *d = &ctx->d;
+    const void *alpha = scale_of(&ctx->s, &c->params.alpha, &ctx->alpha_f);
+    const void *beta = scale_of(&ctx->s, &c->params.beta, &ctx->beta_f);
     if (!strcmp(c->dir, "fwd"))
         return (through_double ? direct.forward : cudnnConvolutionForward)(
             ctx->handle, alpha, d->x, ctx->x, d->w, ctx->w, d->conv, (cudnnConvolutionFwdAlgo_t)c->algo,
@@ -270,23 +126,15 @@ static cudnnStatus_t run_conv(call_context *ctx, bool through_double) {
 
 static int op_conv(call_context *ctx, char *out, size_t size) {
     size_t elems;
-    void **output = output_of(ctx, &elems);
-    void *initial = malloc(elems * ctx->d.elem_size + 1);
-    memcpy(initial, *output, elems * ctx->d.elem_size);
+    void **output = output_of(ctx->c->dir, &ctx->s, &ctx->x, &ctx->w, &ctx->y, &elems);
+    void *initial = malloc(elems * ctx->s.elem_size + 1);
+    memcpy(initial, *output, elems * ctx->s.elem_size);
     cudnnStatus_t status = run_conv(ctx, false);
     void *through_shim = *output;
     *output = initial;
     cudnnStatus_t ref_status = run_conv(ctx, true);
-    /* Equal values (so -0 == 0; a NaN, e.g. from a workspace overlapping the output, never is). */
-    bool exact = true;
-    double max_rel = 0;
-    for (size_t i = 0; i < elems; i++) {
-        double a = element(&ctx->d, through_shim, i), b = element(&ctx->d, initial, i);
-        if (a == b) continue;
-        exact = false;
-        double rel = fabs(a - b) / fmax(fabs(b), 1e-300);
-        max_rel = isnan(rel) || rel > max_rel ? (isnan(rel) ? INFINITY : rel) : max_rel;
-    }
+    double max_rel;
+    int exact = compare(&ctx->s, through_shim, initial, elems, &max_rel);
     *output = through_shim;
     free(initial);
     return snprintf(out, size, " status=%d ref_status=%d exact=%d max_rel=%.3g workspace=0x%lx",
@@ -314,7 +162,7 @@ static int print_perf(char *out, size_t size, cudnnStatus_t status, int returned
 
 static int op_query(call_context *ctx, char *out, size_t size) {
     const conv_case *c = ctx->c;
-    const descriptors *d = &ctx->d;
+    const legacy *d = &ctx->d;
     bool v7 = !strcmp(c->op, "get_v7"), find = !strcmp(c->op, "find");
     int used;
     if (!strcmp(c->dir, "fwd")) {
@@ -347,7 +195,7 @@ static int op_query(call_context *ctx, char *out, size_t size) {
 
 static int op_workspace_size(call_context *ctx, char *out, size_t size) {
     const conv_case *c = ctx->c;
-    const descriptors *d = &ctx->d;
+    const legacy *d = &ctx->d;
     size_t bytes = 0;
     cudnnStatus_t status;
     if (!strcmp(c->dir, "fwd"))
@@ -362,9 +210,11 @@ static int op_workspace_size(call_context *ctx, char *out, size_t size) {
     return snprintf(out, size, " status=%d size=%zu", (int)status, bytes);
 }
 
-static void run_case(cudnnHandle_t handle, int index, const conv_case *c, char *out, size_t size) {
-    call_context ctx = {.c = c, .handle = handle, .alpha_f = (float)c->alpha, .beta_f = (float)c->beta};
-    make_descriptors(c, &ctx.d);
+static void run_case(cudnnHandle_t handle, int index, char *out, size_t size) {
+    const conv_case *c = &cases[index];
+    call_context ctx = {.c = c, .handle = handle, .alpha_f = (float)c->params.alpha,
+                        .beta_f = (float)c->params.beta};
+    make_descriptors(c, &ctx.s, &ctx.d);
     int used = snprintf(out, size, "case %d op=%s", index, c->op);
     if (shim_key) {
         char key[512];
@@ -376,10 +226,7 @@ static void run_case(cudnnHandle_t handle, int index, const conv_case *c, char *
         used += snprintf(out + used, size - (size_t)used, " key=-");
     }
     if (strcmp(c->op, "key") != 0) {
-        unsigned state = c->seed;
-        ctx.x = random_buffer(&ctx.d, ctx.d.x_elems, &state);
-        ctx.w = random_buffer(&ctx.d, ctx.d.w_elems, &state);
-        ctx.y = random_buffer(&ctx.d, ctx.d.y_elems, &state);
+        random_operands(&ctx.s, c->params.seed, &ctx.x, &ctx.w, &ctx.y);
         ctx.workspace = c->workspace ? malloc(c->workspace) : NULL;
         if (!strcmp(c->op, "conv"))
             op_conv(&ctx, out + used, size - (size_t)used);
@@ -392,46 +239,12 @@ static void run_case(cudnnHandle_t handle, int index, const conv_case *c, char *
         free(ctx.y);
         free(ctx.workspace);
     }
-    destroy_descriptors(&ctx.d);
+    destroy_legacy(&ctx.d);
 }
 
 /* ---- main --------------------------------------------------------------------------------- */
 
-static conv_case cases[MAX_CASES];
-static char outputs[MAX_CASES][OUTPUT_MAX];
-static int case_count, thread_count = 1;
-
-static void *worker(void *arg) {
-    int first = (int)(intptr_t)arg;
-    cudnnHandle_t handle;
-    CHECK(cudnnCreate(&handle));
-    for (int i = first; i < case_count; i += thread_count)
-        run_case(handle, i, &cases[i], outputs[i], OUTPUT_MAX);
-    CHECK(cudnnDestroy(handle));
-    return NULL;
-}
-
 int main(int argc, char **argv) {
-    if (argc == 3 && !strcmp(argv[1], "--threads")) thread_count = atoi(argv[2]);
-    if (thread_count < 1 || thread_count > 64) die("--threads must be 1..64");
-    void *library = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
-    if (!library) die("libcudnn.so.9 is not loaded");
-    direct.forward = (__typeof__(direct.forward))dlsym(library, "cudnnConvolutionForward");
-    direct.backward_data = (__typeof__(direct.backward_data))dlsym(library, "cudnnConvolutionBackwardData");
-    direct.backward_filter = (__typeof__(direct.backward_filter))dlsym(library, "cudnnConvolutionBackwardFilter");
-    if (!direct.forward || !direct.backward_data || !direct.backward_filter) die("double lacks a function");
     shim_key = (key_fn)dlsym(RTLD_DEFAULT, "mucudnn_kernel_key");
-
-    char line[LINE_MAX_LENGTH];
-    while (fgets(line, sizeof line, stdin)) {
-        if (line[0] == '#' || line[strspn(line, " \t\n")] == '\0') continue;
-        if (case_count == MAX_CASES) die("too many cases");
-        parse_case(line, &cases[case_count++]);
-    }
-    pthread_t threads[64];
-    for (int t = 0; t < thread_count; t++)
-        if (pthread_create(&threads[t], NULL, worker, (void *)(intptr_t)t)) die("pthread_create failed");
-    for (int t = 0; t < thread_count; t++) pthread_join(threads[t], NULL);
-    for (int i = 0; i < case_count; i++) puts(outputs[i]);
-    return 0;
+    return run_driver(argc, argv, parse_case, run_case);
 }

@@ -39,21 +39,11 @@
  * output stays in case order.
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
+#define DRIVER_NAME "graph_driver"
+#include "driver_common.h"
+
 #include <float.h>
-#include <math.h>
-#include <pthread.h>
-#include <stdbool.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include <cudnn.h>
-
-#define MAX_CASES 4096
-#define LINE_MAX_LENGTH 4096
-#define OUTPUT_MAX 8192
 #define MAX_KNOBS 16
 #define GUARD_BYTES 256
 #define CANARY 0x5A
@@ -66,50 +56,17 @@
 
 typedef struct {
     char op[8], dir[16], dt[8], layout[8];
-    int n, c, k, groups, spatial;
-    int in[3], f[3], pad[3], stride[3], dil[3];
-    double alpha, beta;
+    conv_params params;
     int engine; /* -1: heuristics */
     bool fuse;
-    unsigned seed;
     int repeat;
     int knob_count;
     int64_t knob_types[MAX_KNOBS], knob_values[MAX_KNOBS];
 } graph_case;
 
-/* The double's own legacy functions, reached around the preload. */
-static struct {
-    __typeof__(cudnnConvolutionForward) *forward;
-    __typeof__(cudnnConvolutionBackwardData) *backward_data;
-    __typeof__(cudnnConvolutionBackwardFilter) *backward_filter;
-} direct;
-
-static void die(const char *what) {
-    fprintf(stderr, "graph_driver: %s\n", what);
-    exit(2);
-}
-
-#define CHECK(call)                                                                    \
-    do {                                                                               \
-        cudnnStatus_t status_ = (call);                                                \
-        if (status_ != CUDNN_STATUS_SUCCESS) {                                         \
-            fprintf(stderr, "graph_driver: %s failed: %d\n", #call, (int)status_);     \
-            exit(2);                                                                   \
-        }                                                                              \
-    } while (0)
+static graph_case cases[MAX_CASES];
 
 /* ---- parsing ------------------------------------------------------------------------------ */
-
-static int parse_dims(const char *text, int out[3]) {
-    int count = 0;
-    char *end;
-    do {
-        if (count == 3) die("too many x-joined values");
-        out[count++] = (int)strtol(text, &end, 10);
-        text = end + 1;
-    } while (*end == 'x');
-    return count;
-}
 
 /* "TYPE.VALUE,TYPE.VALUE" */
 static void parse_knobs(const char *text, graph_case *c) {
@@ -123,119 +80,44 @@ static void parse_knobs(const char *text, graph_case *c) {
     }
 }
 
-static void parse_case(char *line, graph_case *c) {
-    *c = (graph_case){.op = "exec", .dir = "fwd", .dt = "f32", .layout = "nchw", .n = 2, .c = 1,
-                      .k = 1, .groups = 1, .alpha = 1, .beta = 0, .engine = -1, .seed = 1,
+/* The fields of this driver only (op dir dt layout engine fuse repeat knobs); false for any other name. */
+static bool own_field(void *arg, const char *name, const char *value) {
+    graph_case *c = arg;
+    if (0) {}
+    TEXT_FIELD(op); TEXT_FIELD(dir); TEXT_FIELD(dt); TEXT_FIELD(layout);
+    else if (!strcmp(name, "engine")) c->engine = !strcmp(value, "heur") ? -1 : atoi(value);
+    else if (!strcmp(name, "fuse")) c->fuse = atoi(value) != 0;
+    else if (!strcmp(name, "repeat")) c->repeat = atoi(value);
+    else if (!strcmp(name, "knobs")) parse_knobs(value, c);
+    else return false;
+    return true;
+}
+
+static void parse_case(char *line, int index) {
+    graph_case *c = &cases[index];
+    *c = (graph_case){.op = "exec", .dir = "fwd", .dt = "f32", .layout = "nchw", .engine = -1,
                       .repeat = 1};
-    int pad_count = 0, stride_count = 0, dil_count = 0;
-    for (char *token = strtok(line, " \t\n"); token; token = strtok(NULL, " \t\n")) {
-        char *value = strchr(token, '=');
-        if (!value) die("field without '='");
-        *value++ = '\0';
-#define TEXT(name) else if (strcmp(token, #name) == 0) snprintf(c->name, sizeof c->name, "%s", value)
-        if (0) {}
-        TEXT(op); TEXT(dir); TEXT(dt); TEXT(layout);
-        else if (!strcmp(token, "n")) c->n = atoi(value);
-        else if (!strcmp(token, "c")) c->c = atoi(value);
-        else if (!strcmp(token, "k")) c->k = atoi(value);
-        else if (!strcmp(token, "g")) c->groups = atoi(value);
-        else if (!strcmp(token, "in")) c->spatial = parse_dims(value, c->in);
-        else if (!strcmp(token, "f")) parse_dims(value, c->f);
-        else if (!strcmp(token, "pad")) pad_count = parse_dims(value, c->pad);
-        else if (!strcmp(token, "stride")) stride_count = parse_dims(value, c->stride);
-        else if (!strcmp(token, "dil")) dil_count = parse_dims(value, c->dil);
-        else if (!strcmp(token, "alpha")) c->alpha = atof(value);
-        else if (!strcmp(token, "beta")) c->beta = atof(value);
-        else if (!strcmp(token, "engine")) c->engine = !strcmp(value, "heur") ? -1 : atoi(value);
-        else if (!strcmp(token, "fuse")) c->fuse = atoi(value) != 0;
-        else if (!strcmp(token, "seed")) c->seed = (unsigned)strtoul(value, NULL, 10);
-        else if (!strcmp(token, "repeat")) c->repeat = atoi(value);
-        else if (!strcmp(token, "knobs")) parse_knobs(value, c);
-        else die("unknown field");
-#undef TEXT
-    }
-    if (c->spatial == 0) die("in= is required");
+    parse_fields(line, &c->params, own_field, c);
     if (c->fuse && strcmp(c->dir, "fwd") != 0) die("fuse=1 needs dir=fwd");
     if (c->knob_count && c->engine < 0) die("knobs= needs engine=INDEX");
-    for (int i = 0; i < c->spatial; i++) {
-        if (!pad_count) c->pad[i] = 0;
-        if (!stride_count) c->stride[i] = 1;
-        if (!dil_count) c->dil[i] = 1;
-        if (!c->f[i]) c->f[i] = 1;
-    }
 }
 
 /* ---- shapes and data ------------------------------------------------------------------------ */
 
-typedef struct {
-    int rank;
-    int x_dims[5], w_dims[5], y_dims[5];
-    int x_strides[5], w_strides[5], y_strides[5];
-    size_t x_elems, w_elems, y_elems, elem_size;
-    cudnnDataType_t dtype;
-} shapes;
-
-/* Packed strides of dims (n, c, s...) for a layout; "nhwc" puts c innermost (for W: KRSC). */
-static size_t make_strides(const char *layout, int rank, const int dims[], int strides[]) {
-    if (!strcmp(layout, "nhwc")) {
-        strides[1] = 1;
-        strides[rank - 1] = dims[1];
-        for (int i = rank - 2; i >= 2; i--) strides[i] = strides[i + 1] * dims[i + 1];
-        strides[0] = strides[2] * dims[2];
-    } else if (!strcmp(layout, "nchw")) {
-        strides[rank - 1] = 1;
-        for (int i = rank - 2; i >= 0; i--) strides[i] = strides[i + 1] * dims[i + 1];
-    } else {
-        die("layout must be nchw or nhwc");
-    }
-    return (size_t)strides[0] * (size_t)dims[0];
-}
-
-static void make_shapes(const graph_case *c, shapes *s) {
-    s->rank = c->spatial + 2;
-    s->x_dims[0] = s->y_dims[0] = c->n;
-    s->x_dims[1] = c->c;
-    s->w_dims[0] = s->y_dims[1] = c->k;
-    s->w_dims[1] = c->c / c->groups;
-    for (int i = 0; i < c->spatial; i++) {
-        s->x_dims[2 + i] = c->in[i];
-        s->w_dims[2 + i] = c->f[i];
-        s->y_dims[2 + i] = (c->in[i] + 2 * c->pad[i] - c->dil[i] * (c->f[i] - 1) - 1) / c->stride[i] + 1;
-    }
-    s->x_elems = make_strides(c->layout, s->rank, s->x_dims, s->x_strides);
-    s->w_elems = make_strides(c->layout, s->rank, s->w_dims, s->w_strides);
-    s->y_elems = make_strides(c->layout, s->rank, s->y_dims, s->y_strides);
-    if (!strcmp(c->dt, "f32")) s->dtype = CUDNN_DATA_FLOAT, s->elem_size = 4;
-    else if (!strcmp(c->dt, "f64")) s->dtype = CUDNN_DATA_DOUBLE, s->elem_size = 8;
-    else die("dt must be f32 or f64");
-}
-
-static unsigned next_random(unsigned *state) {
-    *state = *state * 1664525u + 1013904223u;
-    return *state >> 8;
-}
-
-/* f32: integers in [-3, 3] (exact sums in any order); f64: reals in [-1, 1). */
-static void *random_buffer(const shapes *s, size_t elems, unsigned *state) {
-    void *buffer = malloc(elems * s->elem_size);
-    if (!buffer) die("out of memory");
-    for (size_t i = 0; i < elems; i++) {
-        if (s->dtype == CUDNN_DATA_DOUBLE)
-            ((double *)buffer)[i] = (double)next_random(state) / (1u << 23) - 1.0;
-        else
-            ((float *)buffer)[i] = (float)((int)(next_random(state) % 7) - 3);
-    }
-    return buffer;
+/* Packed shapes: "nhwc" puts c innermost (for W: KRSC). */
+static void graph_shapes(const graph_case *c, shapes *s) {
+    bool nhwc = !strcmp(c->layout, "nhwc");
+    if (!nhwc && strcmp(c->layout, "nchw") != 0) die("layout must be nchw or nhwc");
+    cudnnDataType_t dtype = CUDNN_DATA_FLOAT;
+    if (!strcmp(c->dt, "f64")) dtype = CUDNN_DATA_DOUBLE;
+    else if (strcmp(c->dt, "f32") != 0) die("dt must be f32 or f64");
+    make_shapes(&c->params, nhwc, 0, dtype, s);
 }
 
 static void *copy_buffer(const void *buffer, size_t bytes) {
     void *copy = malloc(bytes);
     if (!copy) die("out of memory");
     return memcpy(copy, buffer, bytes);
-}
-
-static double element(const shapes *s, const void *buffer, size_t i) {
-    return s->dtype == CUDNN_DATA_DOUBLE ? ((const double *)buffer)[i] : ((const float *)buffer)[i];
 }
 
 /* The same ReLU as the double's: negatives to 0, NaNs kept. Packed buffers, so index by index. */
@@ -294,8 +176,9 @@ static cudnnBackendDescriptor_t make_tensor(const shapes *s, char uid, const int
 
 static cudnnBackendDescriptor_t make_convolution(const graph_case *c, const shapes *s) {
     cudnnBackendDescriptor_t conv = create(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
-    int64_t spatial = c->spatial, pad[3], stride[3], dil[3];
-    for (int i = 0; i < c->spatial; i++) pad[i] = c->pad[i], stride[i] = c->stride[i], dil[i] = c->dil[i];
+    const conv_params *q = &c->params;
+    int64_t spatial = q->spatial, pad[3], stride[3], dil[3];
+    for (int i = 0; i < q->spatial; i++) pad[i] = q->pad[i], stride[i] = q->stride[i], dil[i] = q->dil[i];
     cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
     set(conv, CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &s->dtype);
     set(conv, CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
@@ -339,8 +222,8 @@ static cudnnBackendDescriptor_t make_conv_op(const graph_case *c, const shapes *
         set_desc(op, OPS[i].w, p->w);
         set_desc(op, OPS[i].y, c->fuse ? p->v : p->y);
         set_desc(op, OPS[i].conv, p->conv);
-        set_scale(s, op, OPS[i].alpha, c->alpha);
-        set_scale(s, op, OPS[i].beta, c->beta);
+        set_scale(s, op, OPS[i].alpha, c->params.alpha);
+        set_scale(s, op, OPS[i].beta, c->params.beta);
         CHECK(cudnnBackendFinalize(op));
         return op;
     }
@@ -540,41 +423,20 @@ static cudnnStatus_t execute(call_context *ctx, cudnnBackendDescriptor_t plan, v
 }
 
 /* Legacy descriptors of the same convolution, for the reference. */
-typedef struct {
-    cudnnTensorDescriptor_t x, y;
-    cudnnFilterDescriptor_t w;
-    cudnnConvolutionDescriptor_t conv;
-} legacy;
-
-static void make_legacy(const call_context *ctx, legacy *l) {
-    const graph_case *c = ctx->c;
-    const shapes *s = &ctx->s;
-    CHECK(cudnnCreateTensorDescriptor(&l->x));
-    CHECK(cudnnCreateTensorDescriptor(&l->y));
-    CHECK(cudnnCreateFilterDescriptor(&l->w));
-    CHECK(cudnnCreateConvolutionDescriptor(&l->conv));
-    CHECK(cudnnSetTensorNdDescriptor(l->x, s->dtype, s->rank, s->x_dims, s->x_strides));
-    CHECK(cudnnSetTensorNdDescriptor(l->y, s->dtype, s->rank, s->y_dims, s->y_strides));
-    CHECK(cudnnSetFilterNdDescriptor(l->w, s->dtype, !strcmp(c->layout, "nhwc") ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
-                                     s->rank, s->w_dims));
-    CHECK(cudnnSetConvolutionNdDescriptor(l->conv, c->spatial, c->pad, c->stride, c->dil,
-                                          CUDNN_CROSS_CORRELATION, s->dtype));
-    CHECK(cudnnSetConvolutionGroupCount(l->conv, c->groups));
-}
-
-static void destroy_legacy(legacy *l) {
-    cudnnDestroyTensorDescriptor(l->x);
-    cudnnDestroyTensorDescriptor(l->y);
-    cudnnDestroyFilterDescriptor(l->w);
-    cudnnDestroyConvolutionDescriptor(l->conv);
+static void make_reference_legacy(const call_context *ctx, legacy *l) {
+    const conv_params *q = &ctx->c->params;
+    make_legacy_tensors(&ctx->s, l);
+    CHECK(cudnnSetConvolutionNdDescriptor(l->conv, q->spatial, q->pad, q->stride, q->dil,
+                                          CUDNN_CROSS_CORRELATION, ctx->s.dtype));
+    CHECK(cudnnSetConvolutionGroupCount(l->conv, q->groups));
 }
 
 /* The case's convolution through the double's legacy functions (algorithm 0: no workspace). */
 static cudnnStatus_t reference_once(call_context *ctx, const legacy *l) {
     const graph_case *c = ctx->c;
-    float alpha_f = (float)c->alpha, beta_f = (float)c->beta;
-    const void *alpha = ctx->s.dtype == CUDNN_DATA_DOUBLE ? (const void *)&c->alpha : (const void *)&alpha_f;
-    const void *beta = ctx->s.dtype == CUDNN_DATA_DOUBLE ? (const void *)&c->beta : (const void *)&beta_f;
+    float alpha_f = (float)c->params.alpha, beta_f = (float)c->params.beta;
+    const void *alpha = scale_of(&ctx->s, &c->params.alpha, &alpha_f);
+    const void *beta = scale_of(&ctx->s, &c->params.beta, &beta_f);
     if (!strcmp(c->dir, "fwd"))
         return direct.forward(ctx->handle, alpha, l->x, ctx->x, l->w, ctx->w, l->conv,
                               CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, NULL, 0, beta, l->y, ctx->y);
@@ -589,7 +451,7 @@ static cudnnStatus_t reference_once(call_context *ctx, const legacy *l) {
  * double's virtual tensor), then the ReLU into y. */
 static cudnnStatus_t reference(call_context *ctx) {
     legacy l;
-    make_legacy(ctx, &l);
+    make_reference_legacy(ctx, &l);
     cudnnStatus_t first_failure = CUDNN_STATUS_SUCCESS;
     for (int r = 0; r < ctx->c->repeat; r++) {
         void *output = ctx->y;
@@ -607,28 +469,6 @@ static cudnnStatus_t reference(call_context *ctx) {
     }
     destroy_legacy(&l);
     return first_failure;
-}
-
-/* The output of the case's direction: y (fwd), x (= dx, bwd_data) or w (= dw, bwd_filter). */
-static void **output_of(call_context *ctx, size_t *elems) {
-    const char *dir = ctx->c->dir;
-    if (!strcmp(dir, "fwd")) return *elems = ctx->s.y_elems, &ctx->y;
-    if (!strcmp(dir, "bwd_data")) return *elems = ctx->s.x_elems, &ctx->x;
-    return *elems = ctx->s.w_elems, &ctx->w;
-}
-
-/* Equal values (so -0 == 0; a NaN, e.g. from a workspace overlapping the output, never is). */
-static int compare(const shapes *s, const void *got, const void *expected, size_t elems, double *max_rel) {
-    bool exact = true;
-    *max_rel = 0;
-    for (size_t i = 0; i < elems; i++) {
-        double a = element(s, got, i), b = element(s, expected, i);
-        if (a == b) continue;
-        exact = false;
-        double rel = fabs(a - b) / fmax(fabs(b), 1e-300);
-        *max_rel = isnan(rel) ? INFINITY : fmax(rel, *max_rel);
-    }
-    return exact;
 }
 
 /* Executes the plan `repeat` times in a fresh workspace of exactly its size, guarded by a canary. */
@@ -656,7 +496,7 @@ static int op_exec(call_context *ctx, char *out, size_t size) {
     destroy_graph(&parts); /* the plan must not depend on them (PyTorch caches plans only) */
 
     size_t elems;
-    void **output = output_of(ctx, &elems);
+    void **output = output_of(ctx->c->dir, &ctx->s, &ctx->x, &ctx->w, &ctx->y, &elems);
     void *initial = copy_buffer(*output, elems * ctx->s.elem_size);
     int status = -1;
     int64_t workspace = -1, engine = -1;
@@ -702,13 +542,11 @@ static int op_heur(call_context *ctx, char *out, size_t size) {
     return used;
 }
 
-static void run_case(cudnnHandle_t handle, int index, const graph_case *c, char *out, size_t size) {
+static void run_case(cudnnHandle_t handle, int index, char *out, size_t size) {
+    const graph_case *c = &cases[index];
     call_context ctx = {.c = c, .handle = handle};
-    make_shapes(c, &ctx.s);
-    unsigned state = c->seed;
-    ctx.x = random_buffer(&ctx.s, ctx.s.x_elems, &state);
-    ctx.w = random_buffer(&ctx.s, ctx.s.w_elems, &state);
-    ctx.y = random_buffer(&ctx.s, ctx.s.y_elems, &state);
+    graph_shapes(c, &ctx.s);
+    random_operands(&ctx.s, c->params.seed, &ctx.x, &ctx.w, &ctx.y);
     int used = snprintf(out, size, "case %d op=%s", index, c->op);
     if (!strcmp(c->op, "exec")) op_exec(&ctx, out + used, size - (size_t)used);
     else if (!strcmp(c->op, "heur")) op_heur(&ctx, out + used, size - (size_t)used);
@@ -720,40 +558,6 @@ static void run_case(cudnnHandle_t handle, int index, const graph_case *c, char 
 
 /* ---- main --------------------------------------------------------------------------------- */
 
-static graph_case cases[MAX_CASES];
-static char outputs[MAX_CASES][OUTPUT_MAX];
-static int case_count, thread_count = 1;
-
-static void *worker(void *arg) {
-    int first = (int)(intptr_t)arg;
-    cudnnHandle_t handle;
-    CHECK(cudnnCreate(&handle));
-    for (int i = first; i < case_count; i += thread_count)
-        run_case(handle, i, &cases[i], outputs[i], OUTPUT_MAX);
-    CHECK(cudnnDestroy(handle));
-    return NULL;
-}
-
 int main(int argc, char **argv) {
-    if (argc == 3 && !strcmp(argv[1], "--threads")) thread_count = atoi(argv[2]);
-    if (thread_count < 1 || thread_count > 64) die("--threads must be 1..64");
-    void *library = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
-    if (!library) die("libcudnn.so.9 is not loaded");
-    direct.forward = (__typeof__(direct.forward))dlsym(library, "cudnnConvolutionForward");
-    direct.backward_data = (__typeof__(direct.backward_data))dlsym(library, "cudnnConvolutionBackwardData");
-    direct.backward_filter = (__typeof__(direct.backward_filter))dlsym(library, "cudnnConvolutionBackwardFilter");
-    if (!direct.forward || !direct.backward_data || !direct.backward_filter) die("double lacks a function");
-
-    char line[LINE_MAX_LENGTH];
-    while (fgets(line, sizeof line, stdin)) {
-        if (line[0] == '#' || line[strspn(line, " \t\n")] == '\0') continue;
-        if (case_count == MAX_CASES) die("too many cases");
-        parse_case(line, &cases[case_count++]);
-    }
-    pthread_t threads[64];
-    for (int t = 0; t < thread_count; t++)
-        if (pthread_create(&threads[t], NULL, worker, (void *)(intptr_t)t)) die("pthread_create failed");
-    for (int t = 0; t < thread_count; t++) pthread_join(threads[t], NULL);
-    for (int i = 0; i < case_count; i++) puts(outputs[i]);
-    return 0;
+    return run_driver(argc, argv, parse_case, run_case);
 }

@@ -19,7 +19,7 @@
 #define BIT(algo) (1u << (algo))
 
 enum {
-    DEFAULT_WORKSPACE_PER_SAMPLE = 4096, /* bytes per sample per algorithm index */
+    DEFAULT_WORKSPACE_PER_SAMPLE = 4096, /* bytes per sample per algorithm (or engine) index */
     MAX_ALGOS = 8,
     TEXT_MAX = 512,
 };
@@ -29,7 +29,7 @@ static const double CALL_OVERHEAD_MS = 0.01;
 /* Fake throughput of algorithm 0: 1e9 multiply-adds (counted as 2 flops) per millisecond. */
 static const double FLOPS_PER_MS = 1e9;
 
-/* Written over the part of the workspace an algorithm needs; NaN as float and as double. */
+/* Written over the workspace an algorithm or engine needs; NaN as float and as double. */
 static const uint32_t WORKSPACE_PATTERN = 0xFFF8DEADu;
 
 /* What distinguishes the directions: names, algorithm counts and the family of each algorithm. */
@@ -89,11 +89,12 @@ struct call_buffers {
 
 /* ---------------------------------------------------------------- the model */
 
-static size_t workspace_bytes(int algo, int n)
+/* The workspace model, of the algorithms here and of the engines of fake_backend.c. */
+size_t fake_workspace_bytes(int64_t index, int n)
 {
     long long per_sample =
         fake_env_integer("FAKE_CUDNN_WS_PER_SAMPLE", DEFAULT_WORKSPACE_PER_SAMPLE);
-    return (size_t)algo * (size_t)n * (size_t)per_sample;
+    return (size_t)index * (size_t)n * (size_t)per_sample;
 }
 
 static bool unit_stride_and_dilation(const struct fake_geometry *g)
@@ -142,7 +143,7 @@ static struct fake_perf model_perf(enum fake_direction direction, const struct f
         .math = g->math_type,
     };
     bool supported = perf.status == CUDNN_STATUS_SUCCESS;
-    perf.memory = supported ? workspace_bytes(algo, g->n) : 0;
+    perf.memory = supported ? fake_workspace_bytes(algo, g->n) : 0;
     perf.time = supported ? model_time_ms(g, algo) : -1.0f;
     return perf;
 }
@@ -171,8 +172,8 @@ static double read_scale(const void *scale, cudnnDataType_t type)
     return type == CUDNN_DATA_DOUBLE ? *(const double *)scale : (double)*(const float *)scale;
 }
 
-/* Fills `bytes` of `workspace` so that every aligned float or double in it reads as a NaN. */
-static void fill_workspace(void *workspace, size_t bytes)
+/* The workspace pattern (see fake_internal.h), here and in the engines' executions. */
+void fake_fill_workspace(void *workspace, size_t bytes)
 {
     unsigned char *byte = workspace;
     for (size_t i = 0; i < bytes; ++i) {
@@ -204,10 +205,10 @@ static void run_with_workspace(enum fake_direction direction, const struct fake_
                                void *workspace, size_t needed)
 {
     if (needed > 0)
-        fill_workspace(workspace, needed);
+        fake_fill_workspace(workspace, needed);
     run_reference(direction, g, alpha, beta, buffers);
     if (needed > 0)
-        fill_workspace(workspace, needed);
+        fake_fill_workspace(workspace, needed);
 }
 
 static int batch_of(const struct cudnnTensorStruct *x)
@@ -273,7 +274,7 @@ static cudnnStatus_t check_execution(enum fake_direction direction,
     status = algo_support(direction, g, algo);
     if (status != CUDNN_STATUS_SUCCESS)
         return status;
-    size_t needed = workspace_bytes(algo, g->n);
+    size_t needed = fake_workspace_bytes(algo, g->n);
     if (workspace_size < needed || (needed > 0 && workspace == NULL))
         return CUDNN_STATUS_BAD_PARAM;
     if (g->n == fake_env_integer("FAKE_CUDNN_FAIL_N", -1))
@@ -296,15 +297,16 @@ static cudnnStatus_t execute(enum fake_direction direction, const struct cudnnCo
     double beta_value = beta != NULL ? read_scale(beta, scale_type) : 0.0;
     if (status == CUDNN_STATUS_SUCCESS)
         run_with_workspace(direction, &g, alpha_value, beta_value, buffers, workspace,
-                           workspace_bytes(algo, g.n));
+                           fake_workspace_bytes(algo, g.n));
 
     const struct direction_info *info = &DIRECTIONS[direction];
     char name[64], x_text[TEXT_MAX], y_text[TEXT_MAX];
     function_name(name, sizeof name, "cudnnConvolution%s", direction);
     format_tensor(x_text, sizeof x_text, info->role_names[0], descs->x);
     format_tensor(y_text, sizeof y_text, info->role_names[2], descs->y);
-    size_t needed =
-        algo >= 0 && algo < info->algo_count ? workspace_bytes(algo, batch_of(descs->x)) : 0;
+    size_t needed = algo >= 0 && algo < info->algo_count
+                        ? fake_workspace_bytes(algo, batch_of(descs->x))
+                        : 0;
     fake_log(name, status,
              "n=%d algo=%d math=%s ws=%zu need=%zu alpha=%.17g beta=%.17g %s=0x%" PRIxPTR
              " %s=0x%" PRIxPTR " %s=0x%" PRIxPTR " workspace=0x%" PRIxPTR " %s %s",
@@ -372,7 +374,7 @@ static cudnnStatus_t workspace_size(enum fake_direction direction,
     if (status == CUDNN_STATUS_SUCCESS)
         status = algo_support(direction, &g, algo);
     if (status == CUDNN_STATUS_SUCCESS)
-        *size = workspace_bytes(algo, g.n);
+        *size = fake_workspace_bytes(algo, g.n);
 
     char name[80];
     function_name(name, sizeof name, "cudnnGetConvolution%sWorkspaceSize", direction);

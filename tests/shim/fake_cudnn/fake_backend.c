@@ -40,14 +40,10 @@ enum {
     MAX_PACK_ENTRIES = 16,
     ENGINE_COUNT = 4,     /* global engine indices 0..3 */
     TENSOR_CORE_ENGINE = 2,
-    DEFAULT_WORKSPACE_PER_SAMPLE = 4096,
     INTS_TEXT = 128,   /* 5 x-joined int64s */
     KNOBS_TEXT = 640,  /* MAX_KNOBS "type.value" pairs */
     DETAILS_TEXT = 1024,
 };
-
-/* Written over the workspace an engine needs: NaN as float and as double (as in fake_algos.c). */
-static const uint32_t WORKSPACE_PATTERN = 0xFFF8DEADu;
 
 /* ---------------------------------------------------------------- descriptor contents */
 
@@ -432,13 +428,6 @@ static cudnnStatus_t write_desc(const struct attr_out *out, cudnnBackendDescript
 #define WRITE_TENSOR(out, t) write_desc(out, CUDNN_BACKEND_TENSOR_DESCRIPTOR, t, sizeof *(t))
 
 /* ---------------------------------------------------------------- the engine model */
-
-static size_t engine_workspace(int64_t engine, int n)
-{
-    long long per_sample =
-        fake_env_integer("FAKE_CUDNN_WS_PER_SAMPLE", DEFAULT_WORKSPACE_PER_SAMPLE);
-    return (size_t)engine * (size_t)n * (size_t)per_sample;
-}
 
 static bool engine_supported(int64_t engine)
 {
@@ -928,7 +917,7 @@ static cudnnStatus_t get_engine_config(const struct engine_config_attrs *c,
         return write_descs(out, refs, c->knob_count);
     case CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE:
         return write_int64(
-            out, (int64_t)engine_workspace(c->engine.index, graph_batch(&c->engine.graph)));
+            out, (int64_t)fake_workspace_bytes(c->engine.index, graph_batch(&c->engine.graph)));
     default:
         return CUDNN_STATUS_NOT_SUPPORTED;
     }
@@ -1267,7 +1256,7 @@ static cudnnStatus_t finalize_plan(struct fake_backend *d)
     const struct engine_attrs *engine = &p->config.engine;
     if (!engine_supported(engine->index))
         return CUDNN_STATUS_NOT_SUPPORTED;
-    p->workspace = engine_workspace(engine->index, graph_batch(&engine->graph));
+    p->workspace = fake_workspace_bytes(engine->index, graph_batch(&engine->graph));
     return CUDNN_STATUS_SUCCESS;
 }
 ALLOW_DEPRECATED_END
@@ -1556,16 +1545,6 @@ static cudnnStatus_t prepare(const struct cudnnContext *handle, const struct fak
     return CUDNN_STATUS_SUCCESS;
 }
 
-/* Fills `bytes` of `workspace` so that every aligned float or double in it reads as a NaN. */
-static void fill_workspace(void *workspace, size_t bytes)
-{
-    unsigned char *byte = workspace;
-    for (size_t i = 0; i < bytes; ++i) {
-        unsigned shift = 8u * (unsigned)(((uintptr_t)(byte + i)) % 4u); /* little-endian word */
-        byte[i] = (unsigned char)(WORKSPACE_PATTERN >> shift);
-    }
-}
-
 static double load(const void *base, int64_t index, cudnnDataType_t type)
 {
     return type == CUDNN_DATA_DOUBLE ? ((const double *)base)[index]
@@ -1613,7 +1592,7 @@ static void run(const struct execution *e)
     const struct fake_geometry *g = &e->g;
     double alpha = e->view.conv->alpha, beta = e->view.conv->beta;
     if (e->plan->workspace > 0)
-        fill_workspace(e->workspace, e->plan->workspace);
+        fake_fill_workspace(e->workspace, e->plan->workspace);
     switch (e->view.direction) {
     case FAKE_FWD:
         fake_forward(g, alpha, e->x, e->w, beta, e->view.relu != NULL ? e->scratch : e->y);
@@ -1628,7 +1607,7 @@ static void run(const struct execution *e)
         break;
     }
     if (e->plan->workspace > 0)
-        fill_workspace(e->workspace, e->plan->workspace);
+        fake_fill_workspace(e->workspace, e->plan->workspace);
 }
 
 /* The plan's graph, resolved for logging even when the call then fails. */

@@ -125,6 +125,14 @@ FAKE_INTERNAL void fake_backward_filter(const struct fake_geometry *g, double al
 
 enum fake_direction { FAKE_FWD = 0, FAKE_BWD_DATA = 1, FAKE_BWD_FILTER = 2 };
 
+/* Workspace bytes of algorithm (or engine) `index` for a batch of `n`: index * n * P, with P =
+ * $FAKE_CUDNN_WS_PER_SAMPLE (default 4096). */
+FAKE_INTERNAL size_t fake_workspace_bytes(int64_t index, int n);
+
+/* Fills `bytes` of `workspace` with the 32-bit word 0xFFF8DEAD (little-endian, aligned on the
+ * address), so that every aligned float or double in it reads as a NaN. */
+FAKE_INTERNAL void fake_fill_workspace(void *workspace, size_t bytes);
+
 /* ---- log (fake_log.c) ---- */
 
 /*
