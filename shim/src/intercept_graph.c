@@ -220,6 +220,12 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     mu_g_planned *p = legacy_equivalent(plan, &graph.op, &k, &why);
     mu_seen *seen = p ? mu_seen_kernel(&k) : NULL;
     mu_plan_entry *entry = p && state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
+    if (entry != NULL && graph.handle == NULL) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_WARNING, "%s N=%d: the execution plan's graph names no cuDNN handle "
+                       "(the shim needs one to prepare the pieces); not using the plan", k.key, k.n);
+        entry = NULL;
+    }
     if (entry != NULL && !atomic_load(&entry->disabled)) {
         p->workspace = entry->workspace;
         p->fallback_algo = undivided_algo_within(p, graph.handle, entry->workspace);
