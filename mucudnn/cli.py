@@ -106,9 +106,8 @@ def bench(config, recordings, policy, api, remeasure, no_progress, store_path):
               help="never use this algorithm or engine configuration (repeatable), e.g. "
                    "fft_tiling or eng0")
 @click.option("--api", type=APIS, default="both", show_default=True,
-              help="pieces from legacy algorithms only (for a program on PyTorch's legacy path, "
-                   "where the shim passes engine pieces through), graph-API engine "
-                   "configurations only, or both (every stored row)")
+              help="pieces from legacy algorithms only, graph-API engine configurations only, "
+                   "or both (every stored row)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
               help="plan file to write")
 @click.option("--gpu", help="GPU name of the measurements to use (default: this GPU, or the "
@@ -246,7 +245,7 @@ def run(plan_path, workspace_limit, log_level, summary, command):
 @click.option("--precise", is_flag=True, help="no FFT/Winograd algorithms")
 @click.option("--api", type=APIS, default="both", show_default=True,
               help="benchmark and plan with legacy algorithms, graph-API engine configurations, "
-                   "or both (`legacy` for a program on PyTorch's legacy path)")
+                   "or both")
 @click.option("-o", "--plan", "plan_path", default="mucudnn.plan", show_default=True,
               type=click.Path(dir_okay=False), help="plan file to write (and its .record beside)")
 @click.option("--record-command", metavar="'CMD ...'",

@@ -255,8 +255,14 @@ static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
     mu_plan_entry *entry = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
     if (entry == NULL) return passthrough(call, seen, &k, "no plan");
     if (atomic_load(&entry->disabled)) return passthrough(call, seen, &k, "plan disabled after a failure");
-    if (entry->has_engine_pieces && call->graph == NULL)
-        return passthrough(call, seen, &k, "the plan has graph-API pieces, which run on the graph path only");
+    mu_conv_call with_pieces;
+    if (entry->has_engine_pieces && call->graph == NULL) { /* a legacy call: build the graph pieces */
+        const char *why = NULL;
+        with_pieces = *call;
+        with_pieces.graph = mu_g_pieces_for_legacy(entry, &k, call, &why);
+        if (with_pieces.graph == NULL) return passthrough(call, seen, &k, why);
+        call = &with_pieces;
+    }
     if (call->workspace_size < entry->workspace) {
         char reason[128];
         snprintf(reason, sizeof reason, "workspace %zu smaller than the plan's %zu",

@@ -8,6 +8,7 @@
  * (they accumulate into dw). Running a piece is one variant pack and one cudnnBackendExecute
  * on the caller's slices, workspace and handle.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,4 +207,122 @@ cudnnStatus_t mu_g_run_engine_piece(const mu_g_planned *p, cudnnHandle_t handle,
     if (status == CUDNN_STATUS_SUCCESS) status = real->cudnnBackendExecute(handle, p->pieces[index].plan, pack);
     if (pack != NULL) real->cudnnBackendDestroyDescriptor(pack);
     return status;
+}
+
+/* ---- graph-API pieces for legacy calls -------------------------------------------------------- */
+
+/* One set of piece plans: they bake in the handle they were built with and the call's alpha and
+ * beta (the legacy API passes them per call, the graph API at build time). */
+typedef struct mu_g_legacy_pieces {
+    mu_g_planned planned; /* only the piece fields are set: the legacy descriptors are the call's */
+    cudnnHandle_t handle;
+    double alpha, beta;
+    char failure[160]; /* why they could not be built ("" when built): not tried again */
+    struct mu_g_legacy_pieces *next;
+} mu_g_legacy_pieces;
+
+static pthread_mutex_t legacy_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+/* The alignment the pieces' tensors declare; calls whose pointers have less pass through. */
+#define LEGACY_ALIGNMENT 16
+
+static double scale_value(const void *scale, cudnnDataType_t dtype) {
+    return dtype == CUDNN_DATA_DOUBLE ? *(const double *)scale : (double)*(const float *)scale;
+}
+
+static void legacy_tensor(const int dims[], const int strides[], int rank, cudnnDataType_t dtype, char uid,
+                          mu_g_tensor *t) {
+    *t = (mu_g_tensor){.has_uid = true, .has_dtype = true, .uid = uid, .alignment = LEGACY_ALIGNMENT,
+                       .dtype = dtype, .rank = rank, .stride_count = rank};
+    for (int i = 0; i < rank; i++) t->dims[i] = dims[i], t->strides[i] = strides[i];
+}
+
+/* The graph operation equal to a keyed legacy call (the key checked the descriptors already). */
+static const char *legacy_operation(const mu_kernel *k, const mu_conv_call *call, mu_g_operation *op) {
+    const mu_real_table *real = mu_real();
+    int rank, w_dims[MU_MAX_DIMS], spatial, pad[MU_MAX_DIMS], stride[MU_MAX_DIMS], dilation[MU_MAX_DIMS];
+    cudnnDataType_t w_dtype, compute_type;
+    cudnnTensorFormat_t format;
+    cudnnConvolutionMode_t mode;
+    if (real->cudnnGetFilterNdDescriptor(call->descs.w, MU_MAX_DIMS, &w_dtype, &format, &rank, w_dims) !=
+            CUDNN_STATUS_SUCCESS ||
+        real->cudnnGetConvolutionNdDescriptor(call->descs.conv, MU_MAX_DIMS - 2, &spatial, pad, stride, dilation,
+                                              &mode, &compute_type) != CUDNN_STATUS_SUCCESS)
+        return "cannot read the filter or convolution descriptor";
+    /* The filter is packed KCRS (NCHW) or KRSC (NHWC): its strides follow from its format. */
+    int w_strides[MU_MAX_DIMS], order[MU_MAX_DIMS], count = 0;
+    if (format == CUDNN_TENSOR_NHWC) {
+        order[count++] = 1;
+        for (int i = rank - 1; i >= 2; i--) order[count++] = i;
+        order[count++] = 0;
+    } else {
+        for (int i = rank - 1; i >= 0; i--) order[count++] = i;
+    }
+    int running = 1;
+    for (int i = 0; i < count; i++) w_strides[order[i]] = running, running *= w_dims[order[i]];
+
+    *op = (mu_g_operation){.dir = call->descs.dir, .has_x = true, .has_w = true, .has_y = true, .has_conv = true,
+                           .alpha = scale_value(call->alpha, k->dtype), .beta = scale_value(call->beta, k->dtype)};
+    legacy_tensor(k->x_dims, k->x_strides, k->nb_dims, k->dtype, 'x', &op->x);
+    legacy_tensor(w_dims, w_strides, rank, k->dtype, 'w', &op->w);
+    legacy_tensor(k->y_dims, k->y_strides, k->nb_dims, k->dtype, 'y', &op->y);
+    mu_g_convolution *c = &op->conv;
+    *c = (mu_g_convolution){.has_comp_type = true, .has_mode = true, .comp_type = compute_type, .mode = mode,
+                            .spatial = spatial, .dilation_count = spatial, .stride_count = spatial,
+                            .pre_count = spatial, .post_count = spatial};
+    for (int i = 0; i < spatial; i++)
+        c->dilation[i] = dilation[i], c->stride[i] = stride[i], c->pre[i] = c->post[i] = pad[i];
+    return NULL;
+}
+
+static const mu_g_legacy_pieces *find_legacy(const mu_g_legacy_pieces *head, cudnnHandle_t handle, double alpha,
+                                             double beta) {
+    for (; head != NULL; head = head->next)
+        if (head->handle == handle && head->alpha == alpha && head->beta == beta) return head;
+    return NULL;
+}
+
+/* Builds the pieces for this call's handle, alpha and beta; a failure is kept too (with why). */
+static mu_g_legacy_pieces *build_legacy(mu_plan_entry *entry, const mu_kernel *k, const mu_conv_call *call,
+                                        double alpha, double beta) {
+    mu_g_legacy_pieces *built = calloc(1, sizeof *built);
+    if (built == NULL) return NULL;
+    *built = (mu_g_legacy_pieces){.handle = call->handle, .alpha = alpha, .beta = beta};
+    mu_g_operation op;
+    const char *why = legacy_operation(k, call, &op);
+    if (why == NULL) {
+        built->planned = (mu_g_planned){.dir = op.dir, .uid_x = 'x', .uid_w = 'w', .uid_y = 'y',
+                                        .double_scales = k->dtype == CUDNN_DATA_DOUBLE, .workspace = entry->workspace};
+        why = mu_g_build_pieces(&built->planned, &op, entry, call->handle);
+    }
+    if (why != NULL) {
+        snprintf(built->failure, sizeof built->failure, "cannot build the plan's graph-API pieces: %s", why);
+        mu_log(MU_LOG_WARNING, "%s N=%d: %s; running it undivided", k->key, k->n, built->failure);
+    }
+    built->next = atomic_load_explicit(&entry->legacy_pieces, memory_order_acquire);
+    atomic_store_explicit(&entry->legacy_pieces, built, memory_order_release); /* kept for the process */
+    return built;
+}
+
+const mu_g_planned *mu_g_pieces_for_legacy(mu_plan_entry *entry, const mu_kernel *k, const mu_conv_call *call,
+                                           const char **why) {
+    if (((uintptr_t)call->x | (uintptr_t)call->w | (uintptr_t)call->y) % LEGACY_ALIGNMENT != 0) {
+        *why = "the plan's graph-API pieces need 16-byte aligned tensors";
+        return NULL;
+    }
+    double alpha = scale_value(call->alpha, k->dtype), beta = scale_value(call->beta, k->dtype);
+    const mu_g_legacy_pieces *found = find_legacy(atomic_load_explicit(&entry->legacy_pieces, memory_order_acquire),
+                                                  call->handle, alpha, beta);
+    if (found == NULL) {
+        pthread_mutex_lock(&legacy_mutex);
+        found = find_legacy(atomic_load_explicit(&entry->legacy_pieces, memory_order_acquire), call->handle, alpha,
+                            beta);
+        if (found == NULL) found = build_legacy(entry, k, call, alpha, beta);
+        pthread_mutex_unlock(&legacy_mutex);
+    }
+    if (found == NULL || found->failure[0] != '\0') {
+        *why = found ? found->failure : "out of memory";
+        return NULL;
+    }
+    return &found->planned;
 }

@@ -213,6 +213,8 @@ typedef struct mu_plan_entry {
     struct mu_plan_entry *next_in_bucket;
     /* Run time state (the rest is immutable after loading). */
     _Atomic(struct mu_exec_cache *) cache; /* micro-batch descriptors, created on first use */
+    /* Graph-API piece plans for legacy calls, one set per (handle, alpha, beta), on first use. */
+    _Atomic(struct mu_g_legacy_pieces *) legacy_pieces;
     atomic_bool disabled;                   /* set when the plan failed where undivided cuDNN may not */
 } mu_plan_entry;
 
@@ -291,6 +293,10 @@ typedef struct {
 cudnnStatus_t mu_convolution(const mu_conv_call *call);
 /* The same for a caller already inside the recursion guard (the graph API's executions). */
 cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
+/* The graph-API pieces of `entry` for a legacy call (graph_pieces.c): execution plans built from
+ * the call's descriptors on first use. NULL, with the reason in *why, when they cannot be. */
+const struct mu_g_planned *mu_g_pieces_for_legacy(mu_plan_entry *entry, const mu_kernel *k,
+                                                  const mu_conv_call *call, const char **why);
 /* Runs graph-API piece `index` of a planned execution plan on these slices (intercept_graph.c). */
 cudnnStatus_t mu_g_run_engine_piece(const struct mu_g_planned *planned, cudnnHandle_t handle, int index,
                                     void *x, void *w, void *y, void *workspace);

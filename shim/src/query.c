@@ -39,7 +39,8 @@ static bool runs_within(const mu_query *q, int algo, size_t bytes) {
  */
 static int representative_algo(const mu_query *q, const mu_plan_entry *entry) {
     for (int i = 0; i < entry->piece_count; i++)
-        if (runs_within(q, entry->pieces[i].algo, entry->workspace)) return entry->pieces[i].algo;
+        if (entry->pieces[i].engine == NULL && runs_within(q, entry->pieces[i].algo, entry->workspace))
+            return entry->pieces[i].algo;
     for (int algo = 0; algo < mu_algo_count(entry->dir); algo++)
         if (runs_within(q, algo, entry->workspace)) return algo;
     return -1;
@@ -110,7 +111,7 @@ static cudnnStatus_t rewrite_query(const mu_query *q, const mu_state *state, int
     if (why == NULL) {
         mu_seen_kernel(&k);
         if (state->plan != NULL) entry = mu_plan_find(state->plan, k.key, k.n, k.hash);
-        if (entry != NULL && (atomic_load(&entry->disabled) || entry->has_engine_pieces)) entry = NULL;
+        if (entry != NULL && atomic_load(&entry->disabled)) entry = NULL;
     }
     if (entry == NULL && !state->has_limit) return q->real_query(q, requested, returned, perf);
 
@@ -158,7 +159,7 @@ cudnnStatus_t mu_workspace_size_query(const mu_query *q, int algo, size_t *size)
         mu_kernel_from_descs(&q->descs, &k) == NULL) {
         mu_seen_kernel(&k);
         mu_plan_entry *entry = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
-        if (entry != NULL && !atomic_load(&entry->disabled) && !entry->has_engine_pieces) {
+        if (entry != NULL && !atomic_load(&entry->disabled)) {
             mu_log(MU_LOG_DEBUG, "%s %s N=%d: plan workspace %zu (cuDNN says %zu for algo %s)",
                    q->function, k.key, k.n, entry->workspace, *size, mu_algo_name(entry->dir, algo));
             *size = entry->workspace;

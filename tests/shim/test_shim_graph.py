@@ -198,12 +198,42 @@ def test_a_failing_piece_reports_cuDNN_status(shim_env):
     assert run.cases[0]["status"] == "5000"  # CUDNN_STATUS_EXECUTION_FAILED, not hidden
 
 
-def test_legacy_calls_pass_plans_with_engine_pieces_through(shim_env):
-    case = "dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 g=2 ws=1000000 alpha=1 beta=0 algo=0 math=fma"
-    line = f"kernel {key_of(case)} 8 {8 * WS_PER_SAMPLE} 0.5 4:eng1:fma 4:eng1:fma"
-    run = shim_env.run([case], plan=shim_env.write_plan([line]), env={"MUCUDNN_LOG_LEVEL": "info"})
-    assert run.cases[0]["exact"] == "1"
-    assert [c["n"] for c in run.conv_calls()] == ["8", "8"]  # shim's passthrough, then the reference
+LEGACY_CASE = "dir={d} n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 g=2 ws=1000000 alpha=1 beta={beta} algo=0 math=fma"
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd_data", "bwd_filter"])
+def test_legacy_calls_run_engine_pieces_too(shim_env, direction):
+    cases = [LEGACY_CASE.format(d=direction, beta=beta) + f" seed={i}" for i, beta in enumerate((0.5, 0, 0.5))]
+    legacy = ALGORITHMS[Direction(direction)][0]
+    line = f"kernel {key_of(cases[0])} 8 {3 * 8 * WS_PER_SAMPLE} 0.5 3:eng3:fma 2:{legacy}:fma 3:eng1.k4=2:fma"
+    run = shim_env.run(cases, plan=shim_env.write_plan([line]))
+    assert all(r["exact"] == "1" and r["status"] == "0" for r in run.cases), run.cases
+    executions = run.graph_executions()
+    assert [(e["n"], e["engine"], e["knobs"]) for e in executions] == [("3", "3", "0"), ("3", "1", "1")] * 3
+    # alpha/beta are baked into graph plans: beta 0.5 and 0 get plans of their own, reused after
+    later_beta = "1" if direction == "bwd_filter" else "0.5"
+    assert [e["beta"] for e in executions[:2]] == ["0.5", later_beta]
+    assert executions[2]["beta"] == "0"
+    assert len({e["x"] for e in executions}) > 1  # slices: the pointers advance
+
+
+def test_legacy_queries_offer_engine_plans(shim_env):
+    case = LEGACY_CASE.format(d="fwd", beta=0) + " op=get_v7 requested=8"
+    line = f"kernel {key_of(case)} 8 {3 * 4 * WS_PER_SAMPLE} 0.25 4:eng3:fma 4:eng3:fma"
+    run = shim_env.run([case], plan=shim_env.write_plan([line]))
+    first = run.cases[0]["perf"].split(",")[0].split(":")
+    assert first[3] == str(3 * 4 * WS_PER_SAMPLE) and first[1] == "0"  # the plan's workspace, SUCCESS
+
+
+def test_legacy_engine_pieces_that_cannot_be_built_run_undivided(shim_env):
+    case = LEGACY_CASE.format(d="fwd", beta=0)
+    line = f"kernel {key_of(case)} 8 {3 * 4 * WS_PER_SAMPLE} 0.5 4:eng3:fma 4:eng3:fma"
+    run = shim_env.run([case, case], plan=shim_env.write_plan([line]),
+                       env={"FAKE_CUDNN_ENGINE_UNSUPPORTED": "3", "MUCUDNN_LOG_LEVEL": "info"})
+    assert all(r["exact"] == "1" for r in run.cases)
+    assert not run.graph_executions()
+    assert [c["n"] for c in run.conv_calls()] == ["8"] * 4  # undivided, then the reference, twice
+    assert len([w for w in run.shim_lines("warning") if "cannot build" in w]) == 1  # tried once
 
 
 def test_threads(shim_env):
