@@ -14,10 +14,6 @@
 
 #define BUCKETS 1024
 
-/* Deprecated in newer headers, still set by frameworks built against cuDNN 9.0-9.19. */
-#define ATTR_OPERATIONGRAPH_HANDLE ((cudnnBackendAttributeName_t)800)
-#define ATTR_EXECUTION_PLAN_HANDLE ((cudnnBackendAttributeName_t)400)
-
 typedef struct record {
     cudnnBackendDescriptor_t desc;
     cudnnBackendDescriptorType_t type;

@@ -15,6 +15,11 @@
 
 #include "internal.h"
 
+/* Deprecated in newer headers (by value here, without the warning), still set by frameworks
+ * built against cuDNN 9.0-9.19, and needed by it. */
+#define ATTR_OPERATIONGRAPH_HANDLE ((cudnnBackendAttributeName_t)800)
+#define ATTR_EXECUTION_PLAN_HANDLE ((cudnnBackendAttributeName_t)400)
+
 /* One tensor as SetAttribute described it. */
 typedef struct {
     bool has_uid, has_dtype, is_virtual, vectorized;

@@ -15,9 +15,6 @@
 
 #include "graph.h"
 
-#define ATTR_OPERATIONGRAPH_HANDLE ((cudnnBackendAttributeName_t)800)
-#define ATTR_EXECUTION_PLAN_HANDLE ((cudnnBackendAttributeName_t)400)
-
 /* Builds one piece, keeping every descriptor it creates in piece->descs. */
 typedef struct {
     mu_g_piece_plan *piece;
@@ -250,16 +247,10 @@ static const char *legacy_operation(const mu_kernel *k, const mu_conv_call *call
                                               &mode, &compute_type) != CUDNN_STATUS_SUCCESS)
         return "cannot read the filter or convolution descriptor";
     /* The filter is packed KCRS (NCHW) or KRSC (NHWC): its strides follow from its format. */
-    int w_strides[MU_MAX_DIMS], order[MU_MAX_DIMS], count = 0;
-    if (format == CUDNN_TENSOR_NHWC) {
-        order[count++] = 1;
-        for (int i = rank - 1; i >= 2; i--) order[count++] = i;
-        order[count++] = 0;
-    } else {
-        for (int i = rank - 1; i >= 0; i--) order[count++] = i;
-    }
-    int running = 1;
-    for (int i = 0; i < count; i++) w_strides[order[i]] = running, running *= w_dims[order[i]];
+    long long packed[MU_MAX_DIMS];
+    int w_strides[MU_MAX_DIMS];
+    mu_packed_strides(rank, w_dims, format == CUDNN_TENSOR_NHWC, packed);
+    for (int i = 0; i < rank; i++) w_strides[i] = (int)packed[i];
 
     *op = (mu_g_operation){.dir = call->descs.dir, .has_x = true, .has_w = true, .has_y = true, .has_conv = true,
                            .alpha = scale_value(call->alpha, k->dtype), .beta = scale_value(call->beta, k->dtype)};

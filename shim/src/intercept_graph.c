@@ -30,23 +30,11 @@ static void free_planned(mu_g_planned *p) {
 
 /* ---- the legacy equivalent of a graph's convolution ---------------------------------------- */
 
-/* Whether dims are packed with strides in NC(D)HW (channels_last false) or N(D)HWC order. */
+/* Whether a tensor (dims and strides checked to fit in int) is packed in that order. */
 static bool packed_as(const mu_g_tensor *t, bool channels_last) {
-    int order[MU_MAX_DIMS], count = 0; /* dims from innermost to outermost */
-    if (channels_last) {
-        order[count++] = 1;
-        for (int i = t->rank - 1; i >= 2; i--) order[count++] = i;
-        order[count++] = 0;
-    } else {
-        for (int i = t->rank - 1; i >= 0; i--) order[count++] = i;
-    }
-    int64_t expected = 1;
-    for (int i = 0; i < count; i++) {
-        int d = order[i];
-        if (t->dims[d] > 1 && t->strides[d] != expected) return false; /* size-1 dims do not decide */
-        expected *= t->dims[d];
-    }
-    return true;
+    int dims[MU_MAX_DIMS], strides[MU_MAX_DIMS];
+    for (int i = 0; i < t->rank; i++) dims[i] = (int)t->dims[i], strides[i] = (int)t->strides[i];
+    return mu_strides_packed(t->rank, dims, strides, channels_last);
 }
 
 static const char *check_tensor(const mu_g_tensor *t) {

@@ -88,9 +88,8 @@ uint64_t mu_kernel_hash(const char *key, int n) {
 
 typedef enum { LAYOUT_NONE, LAYOUT_NCHW, LAYOUT_NHWC } layout;
 
-/* Packed strides of dims (n, c, s1..sd) in NC(D)HW or N(D)HWC order. */
-static void packed_strides(int nb_dims, const int dims[], layout order, long long strides[]) {
-    if (order == LAYOUT_NCHW) {
+void mu_packed_strides(int nb_dims, const int dims[], bool channels_last, long long strides[]) {
+    if (!channels_last) {
         strides[nb_dims - 1] = 1;
         for (int i = nb_dims - 2; i >= 0; i--) strides[i] = strides[i + 1] * dims[i + 1];
     } else {
@@ -101,10 +100,9 @@ static void packed_strides(int nb_dims, const int dims[], layout order, long lon
     }
 }
 
-/* Whether a tensor is packed in the given order; dimensions of size 1 do not decide. */
-static bool strides_are(int nb_dims, const int dims[], const int strides[], layout order) {
+bool mu_strides_packed(int nb_dims, const int dims[], const int strides[], bool channels_last) {
     long long packed[MU_MAX_DIMS];
-    packed_strides(nb_dims, dims, order, packed);
+    mu_packed_strides(nb_dims, dims, channels_last, packed);
     for (int i = 0; i < nb_dims; i++)
         if (dims[i] > 1 && strides[i] != packed[i]) return false;
     return true;
@@ -184,12 +182,12 @@ static const char *build_key(const mu_conv_descs *d, mu_kernel *k, const conv_pa
                       : p->w_format == CUDNN_TENSOR_NHWC ? LAYOUT_NHWC
                                                          : LAYOUT_NONE;
     if (w_layout == LAYOUT_NONE) return "filter format has no key";
-    bool x_packed = strides_are(k->nb_dims, k->x_dims, k->x_strides, w_layout);
-    bool y_packed = strides_are(k->nb_dims, k->y_dims, k->y_strides, w_layout);
+    bool nhwc = w_layout == LAYOUT_NHWC;
+    bool x_packed = mu_strides_packed(k->nb_dims, k->x_dims, k->x_strides, nhwc);
+    bool y_packed = mu_strides_packed(k->nb_dims, k->y_dims, k->y_strides, nhwc);
     if (!x_packed || !y_packed) {
-        layout other = w_layout == LAYOUT_NCHW ? LAYOUT_NHWC : LAYOUT_NCHW;
-        if (strides_are(k->nb_dims, k->x_dims, k->x_strides, other) &&
-            strides_are(k->nb_dims, k->y_dims, k->y_strides, other))
+        if (mu_strides_packed(k->nb_dims, k->x_dims, k->x_strides, !nhwc) &&
+            mu_strides_packed(k->nb_dims, k->y_dims, k->y_strides, !nhwc))
             return "tensor and filter layouts differ";
         return "tensor strides are not packed";
     }
