@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
 
 from fakebuild import fake_cudnn_or_skip  # noqa: E402
 from shim_harness import parse_fields, shim_env  # noqa: E402,F401
+from test_fake_cudnn import handle, log_path  # noqa: E402,F401 - fixtures (on this module's lib)
 from test_fake_cudnn import (CONVOLUTION, CROSS_CORRELATION, DATA_DOUBLE, DATA_FLOAT,  # noqa: E402
                              DATA_HALF, FORMAT_NCHW, FORMAT_NHWC, Geometry, filter_array, place,
                              random_geometry, ref_backward_data, ref_backward_filter, ref_forward,
@@ -244,21 +245,6 @@ def lib(tmp_path_factory):
                                                  ctypes.POINTER(c_int64), c_void_p]
     library.cudnnBackendExecute.argtypes = [c_void_p, c_void_p, c_void_p]
     return library
-
-
-@pytest.fixture
-def handle(lib):
-    created = ctypes.c_void_p()
-    assert lib.cudnnCreate(ctypes.byref(created)) == SUCCESS
-    yield created
-    assert lib.cudnnDestroy(created) == SUCCESS
-
-
-@pytest.fixture
-def log_path(tmp_path, monkeypatch):
-    path = tmp_path / "fake_cudnn.log"
-    monkeypatch.setenv("FAKE_CUDNN_LOG", str(path))
-    return path
 
 
 def log_calls(path, function):
