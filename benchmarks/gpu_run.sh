@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the lent GPU does for this project, in one call: set-up, GPU tests, benchmarks,
-# validations. Stages are named on the command line; each logs to $OUT/<stage>.log and a failing
+# validations. Stages are named on the command line (SHIM_ARGS: extra arguments of the shim-* and
+# graph-* drivers, e.g. --skip-grads); each logs to $OUT/<stage>.log and a failing
 # stage does not stop the next. Usage (device tool, repo root, carry .whl and .gpu-state):
 #   bash benchmarks/gpu_run.sh env tests bench-r50 bench-alexnet validate-tuner export
 set -u
@@ -56,9 +57,9 @@ print(open_store().environments())" ;;
   graph-*)  # graph-MODEL+MODEL-DTYPE: PyTorch's default path, e.g. graph-resnet50+vgg16-fp32
     spec=${s#graph-}; dtype=${spec##*-}; models=${spec%-*}
     stage "graph-$spec" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver --path default \
-      --dtype "$dtype" ${GRAPH_ARGS:-} --models ${models//+/ } --out "$LOGS/graph-$spec" ;;
+      --dtype "$dtype" ${SHIM_ARGS:-${GRAPH_ARGS:-}} --models ${models//+/ } --out "$LOGS/graph-$spec" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
-      --models ${models//+/ } --out "$LOGS/shim-$models" ;;
+      ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;
 esac; done
 cp "$MUCUDNN_STORE" "$OUT/store.sqlite" 2>/dev/null
