@@ -48,6 +48,9 @@ from mucudnn.store import open_store
 with open_store() as s, gzip.open('$OUT/measurements.csv.gz', 'wt', newline='') as f:
     s.export_csv(f)
 print(open_store().environments())" ;;
+  benchdiag)  # a bench that stalls: progress bar and, at the timeout, every thread's Python stack
+    stage benchdiag ${DIAG_TIMEOUT:-150} env PYTHONFAULTHANDLER=1 timeout -s ABRT $((${DIAG_TIMEOUT:-150} - 5)) \
+      $MU bench --recording "$DIAG_RECORD" ;;
   build-shim) stage build-shim 120 $MU build-shim --force ;;
   shimprecise-*) models=${s#shimprecise-}; stage "shimprecise-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
       --skip-timing --precise --models ${models//+/ } --out "$LOGS/shimprecise-$models" ;;

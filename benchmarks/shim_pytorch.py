@@ -17,6 +17,13 @@ loss and every parameter gradient with and without the shim (relative L2 error p
 torch.backends.cudnn.benchmark off and on, and read the shim's log to count plans that really split
 the batch.
 
+``--double-check`` adds an exactness check in float64: the issue's criterion (every parameter
+gradient with the shim within 1e-4 relative L2 error of the one without it) cannot hold in fp32,
+where a change of algorithm alone moves BatchNorm gradients by 1e-2. In float64, rounding is near
+1e-16, so with and without a plan tuned at a small limit (``--double-limit``, so that batches
+really split) the gradients must agree far below 1e-4 unless the micro-batching itself (slices,
+alpha/beta, order of pieces) is wrong: this check fails only on a real bug.
+
     python benchmarks/shim_pytorch.py driver --models resnet50 vgg16 alexnet --out DIR
 """
 
@@ -133,25 +140,40 @@ def run_worker(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15,
     return result
 
 
+def rel(a, b) -> float:
+    """Relative L2 error of tensor ``a`` against the reference ``b``, computed in float64."""
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def pair_errors(ref: dict, got: dict) -> dict:
+    """Loss and per-tensor gradient errors of one loaded gradient file against a reference one."""
+    per_tensor = {name: rel(got["grads"][name], g) for name, g in ref["grads"].items()}
+    worst = max(per_tensor, key=per_tensor.get)
+    return {"loss_rel_err": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]),
+            "tensors": len(per_tensor), "worst_grad": worst,
+            "worst_grad_rel_err": per_tensor[worst], "per_tensor": per_tensor}
+
+
+def compare_pair(ref_path: str, got_path: str) -> dict:
+    """pair_errors of two gradient files the worker wrote."""
+    import torch
+    return pair_errors(torch.load(ref_path), torch.load(got_path))
+
+
 def compare_grads(ref_path: str, shim_path: str, f64_path: str) -> dict:
     """Per-tensor relative L2 errors: shim vs no shim, and each of them vs the float64 run."""
     import torch
     ref, shim, f64 = (torch.load(p) for p in (ref_path, shim_path, f64_path))
-
-    def rel(a, b) -> float:
-        return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
-
-    rows = []
-    for name, g64 in f64["grads"].items():
-        rows.append({"tensor": name, "between": rel(shim["grads"][name], ref["grads"][name]),
-                     "no_shim_vs_f64": rel(ref["grads"][name], g64),
-                     "shim_vs_f64": rel(shim["grads"][name], g64)})
-    worst = max(rows, key=lambda r: r["between"])
+    between = pair_errors(ref, shim)
+    no_shim_vs_f64 = pair_errors(f64, ref)["per_tensor"]
+    shim_vs_f64 = pair_errors(f64, shim)["per_tensor"]
+    rows = [{"tensor": name, "between": err, "no_shim_vs_f64": no_shim_vs_f64[name],
+             "shim_vs_f64": shim_vs_f64[name]} for name, err in between["per_tensor"].items()]
     # "as accurate": the shim's error against float64 is within 2x of PyTorch's own (plus 1e-6)
     less_accurate = [r for r in rows if r["shim_vs_f64"] > 2 * r["no_shim_vs_f64"] + 1e-6]
-    return {"loss_rel_err": abs(shim["loss"] - ref["loss"]) / abs(ref["loss"]),
-            "tensors": len(rows), "worst_grad": worst["tensor"],
-            "worst_grad_rel_err": worst["between"],
+    return {"loss_rel_err": between["loss_rel_err"], "tensors": between["tensors"],
+            "worst_grad": between["worst_grad"],
+            "worst_grad_rel_err": between["worst_grad_rel_err"],
             "worst_no_shim_vs_f64": max(r["no_shim_vs_f64"] for r in rows),
             "worst_shim_vs_f64": max(r["shim_vs_f64"] for r in rows),
             "tensors_between_below_1e-4": sum(r["between"] < 1e-4 for r in rows),
@@ -178,13 +200,16 @@ def split_kernels(log_path: str) -> int:
 
 def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str,
                  precise: bool = False, path: str = "legacy", dtype: str = "fp32",
-                 bench_args: tuple[str, ...] = ()) -> tuple[str, dict]:
-    numerics = dtype if dtype != "fp32" else "tf32" if tf32 else "fp32"
+                 bench_args: tuple[str, ...] = (), double: bool = False,
+                 batch: int = 256) -> tuple[str, dict]:
+    """Record ``model`` under the shim at ``batch``, benchmark what it ran, tune a WR plan."""
+    # float64 kernels are other problems than fp32 ones: their files must not collide
+    numerics = "f64" if double else dtype if dtype != "fp32" else "tf32" if tf32 else "fp32"
     tag = f"{model}-{path}-{numerics}"
     record = out / f"{tag}.record"
     record.unlink(missing_ok=True)
     run_worker(model, {}, tf32=tf32, shim=True, record=str(record), steps=1, warmup=1, path=path,
-               dtype=dtype)
+               dtype=dtype, double=double, batch=batch)
     t0 = time.perf_counter()
     bench = subprocess.run(MU + ["bench", "--recording", str(record), "--no-progress",
                                  "--policy", policy, *bench_args], capture_output=True, text=True)
@@ -249,9 +274,9 @@ def driver(args) -> int:
         except Exception as exc:  # keep going: other models and the correctness part still run
             r["timing_error"] = str(exc)
             print(f"[{model}] timing failed: {exc}", flush=True)
-        if args.skip_grads:
-            continue
         try:
+            if args.skip_grads:  # not `continue`: the float64 check below runs regardless
+                raise _Skipped("gradient checks skipped (--skip-grads)")
             plan32, info = prepare_plan(model, out, False, args.limit, args.policy, args.precise,
                                         **paths, bench_args=bench_args)
             r["prepare_fp32"] = info
@@ -278,12 +303,53 @@ def driver(args) -> int:
             (out / "shim_pytorch.json").write_text(json.dumps(report, indent=1))
             print(f"[{model}] grads " + json.dumps({k: {f: v for f, v in c.items() if f != "per_tensor"}
                                                     for k, c in checks.items()}), flush=True)
+        except _Skipped as exc:
+            r["grads_error"] = str(exc)
         except Exception as exc:
             r["grads_error"] = str(exc)
             print(f"[{model}] grads failed: {exc}", flush=True)
+        if args.double_check:
+            double_check(model, r, args, out, paths, bench_args)
+            (out / "shim_pytorch.json").write_text(json.dumps(report, indent=1))
     (out / "shim_pytorch.json").write_text(json.dumps(report, indent=1))
     print_table(report)
     return 0
+
+
+def double_check(model: str, r: dict, args, out: Path, paths: dict,
+                 bench_args: tuple[str, ...]) -> None:
+    """Float64 gradients with and without a plan that splits batches must agree to rounding:
+    stores r["double"] (or r["double_error"])."""
+    scratch = Path(tempfile.mkdtemp())  # gradients are large: never under --out
+    try:
+        # few engines handle float64: legacy algorithms are enough, and cheaper to benchmark
+        plan64, info = prepare_plan(model, out, False, args.double_limit, args.policy, **paths,
+                                    bench_args=("--api", "legacy", *bench_args), double=True,
+                                    batch=args.double_batch)
+        r["prepare_f64"] = info
+        ref, got = str(scratch / f"{model}-f64-ref.pt"), str(scratch / f"{model}-f64-shim.pt")
+        log = str(out / f"{model}-f64-shim.log")
+        Path(log).unlink(missing_ok=True)
+        run_worker(model, {}, tf32=False, shim=False, grads=ref, batch=args.double_batch,
+                   double=True, **paths)
+        run_worker(model, {}, tf32=False, shim=True, grads=got, plan=plan64,
+                   limit=args.double_limit, log=log, batch=args.double_batch, double=True, **paths)
+        errors = compare_pair(ref, got)
+        r["double"] = {
+            **{k: v for k, v in errors.items() if k != "per_tensor"},
+            "tensors_at_or_above_1e-4": [n for n, e in errors["per_tensor"].items() if e >= 1e-4],
+            "split_kernels": split_kernels(log), "limit": args.double_limit,
+            "batch": args.double_batch}
+        d = r["double"]
+        print(f"[{model}] float64 worst grad rel err {d['worst_grad_rel_err']:.2e} "
+              f"({d['worst_grad']}), loss rel err {d['loss_rel_err']:.2e}, "
+              f"{len(d['tensors_at_or_above_1e-4'])}/{d['tensors']} tensors >= 1e-4, "
+              f"{d['split_kernels']} split kernels at {d['limit']}, batch {d['batch']}", flush=True)
+    except Exception as exc:
+        r["double_error"] = str(exc)
+        print(f"[{model}] float64 check failed: {exc}", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def print_table(report: dict) -> None:
@@ -304,6 +370,14 @@ def print_table(report: dict) -> None:
               f"{t['uncapped']['peak_bytes'] / 2**30:8.2f}/{t['capped']['peak_bytes'] / 2**30:.2f}/"
               f"{t['shim']['peak_bytes'] / 2**30:.2f} {t['shim'].get('split_kernels', 0):14d}  "
               f"{worst:.2e} (tensors less accurate than PyTorch vs float64: {worse})")
+    for model, r in report["models"].items():
+        if "double" in r:
+            d = r["double"]
+            print(f"{model:10s} float64 at {d['limit']}, batch {d['batch']}: worst grad rel err "
+                  f"{d['worst_grad_rel_err']:.2e}, {len(d['tensors_at_or_above_1e-4'])} tensors "
+                  f">= 1e-4, {d['split_kernels']} split kernels")
+        elif "double_error" in r:
+            print(f"{model:10s} float64 check failed: {r['double_error'][:100]}")
 
 
 def main() -> int:
@@ -334,6 +408,13 @@ def main() -> int:
     d.add_argument("--skip-timing", action="store_true")
     d.add_argument("--precise", action="store_true",
                    help="gradient checks with plans free of FFT/Winograd algorithms")
+    d.add_argument("--double-check", action="store_true",
+                   help="also compare float64 gradients with and without a plan that splits "
+                        "batches (must agree to rounding)")
+    d.add_argument("--double-limit", default="4MiB",
+                   help="workspace limit of the float64 plan: small, so that batches split")
+    d.add_argument("--double-batch", type=int, default=64,
+                   help="batch of the float64 check (float64 steps are slow)")
     args = ap.parse_args()
     if args.mode == "worker":
         worker(args)
