@@ -1,0 +1,108 @@
+"""How close to uncapped can any micro-batch plan get under a workspace limit? (from the store)
+
+For each kernel of a recording, from the stored measurements (powerOfTwo sizes):
+
+- ``uncapped``: the fastest row at the kernel's N, any workspace (what an uncapped run can pick);
+- ``plan``: the WR powerOfTwo plan the tuner computes at the limit;
+- ``fit``: an estimate of the best plan with *any* micro-batch size (policy ``all``): for every
+  algorithm, the largest size whose workspace fits the limit (workspace grows linearly with the
+  batch between measured sizes), its time per sample interpolated log-linearly between the
+  measured sizes around it, times N. Per-sample time falls with the batch, so this is what
+  ``all`` could reach without measuring 256 sizes per algorithm.
+
+Sums count each kernel as often as the network runs it (``--config``: the layer counts of a
+shipped network config, matched by geometry; a recording lists each kernel once). They bound the
+step time: ``uncapped step + (fit - uncapped)`` is roughly the best a plan at this limit can do,
+whatever its sizes.
+
+    python benchmarks/limit_bound.py benchmarks/results/raw/vgg16-legacy-tf32.record \
+        --config vgg16 --limit 64MiB --store STORE [--uncapped-step-ms 179.6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import re
+
+from mucudnn.config import load_config
+from mucudnn.optimizer import Policy, best_plan
+from mucudnn.plan import read_recording
+from mucudnn.sizes import parse_size
+from mucudnn.tuner import measurements, open_measurements
+
+
+def fit_estimate(rows, n: int, limit: int) -> float:
+    """Best N-sample time over algorithms run at their largest fitting size (see module doc)."""
+    by_algo = collections.defaultdict(dict)
+    for row in rows:
+        if row.ok:
+            by_algo[(row.algo, row.math)][row.batch] = row
+    best = math.inf
+    for sizes in by_algo.values():
+        batches = sorted(sizes)
+        for small, large in zip(batches, batches[1:] + [None]):
+            lo = sizes[small]
+            if lo.workspace > limit:
+                break
+            best = min(best, lo.time_ms / small * n)
+            hi = sizes[large] if large else None
+            if hi is None or hi.workspace <= limit:
+                continue
+            per_sample_ws = (hi.workspace - lo.workspace) / (large - small)
+            fits = min(large - 1, small + int((limit - lo.workspace) // per_sample_ws))
+            if fits > small:
+                f = math.log(fits / small) / math.log(large / small)
+                per_sample = math.exp((1 - f) * math.log(lo.time_ms / small)
+                                      + f * math.log(hi.time_ms / large))
+                best = min(best, per_sample * n)
+    return best
+
+
+def geometry(key: str) -> str:
+    """A kernel key without its math type: configs say fma, TF32 recordings default."""
+    return re.sub(r"math=[a-z_]+", "math=*", key)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("recordings", nargs="+")
+    ap.add_argument("--limit", default="64MiB")
+    ap.add_argument("--store")
+    ap.add_argument("--api", default="both")
+    ap.add_argument("--config", help="network config whose layer counts weight the sums")
+    ap.add_argument("--uncapped-step-ms", type=float)
+    args = ap.parse_args()
+    limit = parse_size(args.limit)
+    store, env = open_measurements(args.store)
+    counts = {}
+    if args.config:
+        counts = {geometry(p.key): w for p, w in load_config(args.config).kernels()}
+    totals = collections.Counter()
+    print(f"{'kernel':54s} {'count':>5s} {'uncapped':>9s} {'plan':>9s} {'fit~':>9s}  (ms, at N)")
+    with store:
+        for problem in read_recording(args.recordings):
+            rows = measurements(store, env, problem, Policy.POWER_OF_TWO, args.api)
+            ok = [r for r in rows if r.ok]
+            times = {"uncapped": min(r.time_ms for r in ok if r.batch == problem.n),
+                     "plan": best_plan(rows, problem.n, limit, Policy.POWER_OF_TWO).time_ms,
+                     "fit": fit_estimate(rows, problem.n, limit)}
+            times["fit"] = min(times["fit"], times["plan"])
+            count = counts.get(geometry(problem.key), 1)
+            totals.update({what: t * count for what, t in times.items()})
+            name = (f"{problem.direction.value} c{problem.c} "
+                    f"{'x'.join(map(str, problem.input_size))} k{problem.k} "
+                    f"f{'x'.join(map(str, problem.filter_size))} s{problem.stride[0]}")
+            print(f"{name:54s} {count:5d} {times['uncapped']:9.3f} {times['plan']:9.3f} {times['fit']:9.3f}")
+    print(f"{'sum, each kernel as often as it runs':60s} {totals['uncapped']:9.2f} {totals['plan']:9.2f} {totals['fit']:9.2f}")
+    if args.uncapped_step_ms:
+        for what in ("plan", "fit"):
+            step = args.uncapped_step_ms + totals[what] - totals["uncapped"]
+            print(f"step with the {what} kernels' extra time: {step:.1f} ms "
+                  f"({step / args.uncapped_step_ms:.3f}x uncapped)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
