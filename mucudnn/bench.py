@@ -21,7 +21,7 @@ import warnings
 from typing import Iterable, Sequence
 
 from . import errors
-from .engines import Api, api_of
+from .engines import Api, api_of, is_transform_based
 from .measurement import Measurement, Status
 from .problem import ALGORITHMS, ConvProblem, DataType, Direction, Layout, MathType
 from .timing import TimingMethod, do_bench
@@ -177,6 +177,38 @@ def backward_filter_beta(problem: ConvProblem, full_n: int) -> float:
     return 1.0 if problem.direction is Direction.BACKWARD_FILTER and problem.n < full_n else 0.0
 
 
+CUT_SHORT_NOTE = "timed once: over {factor:g}x a configuration with no more workspace"
+
+
+class Frontier:
+    """What one micro-batch size of one kernel has timed so far in one API, and so the cutoff past
+    which another configuration is dominated: slower than ``factor`` times one that needs no more
+    workspace, it is never in a plan (the faster one fits every limit it fits), and its probe is
+    enough. FFT/Winograd rows set no cutoff: ``tune --precise`` drops them, and what they would
+    dominate must then stand on a full timing. ``factor`` None: time everything fully."""
+
+    def __init__(self, factor: float | None) -> None:
+        self.factor = factor
+        self._timed: list[tuple[int, float]] = []  # (workspace, time_ms) of full timings
+
+    def cutoff_ms(self, workspace: int) -> float | None:
+        times = [t for w, t in self._timed if w <= workspace]
+        return self.factor * min(times) if self.factor is not None and times else None
+
+    def add(self, row: Measurement, timing) -> Measurement:
+        """Count ``row``, just measured by ``timing``, as a possible dominator; returns it."""
+        if not timing.cut_short and not is_transform_based(row):
+            self._timed.append((row.workspace, row.time_ms))
+        return row
+
+    def note(self, timing, note: str = "") -> str:
+        """``note`` plus the cut-short mark when ``timing`` stopped at the probe."""
+        if not timing.cut_short:
+            return note
+        mark = CUT_SHORT_NOTE.format(factor=self.factor)
+        return f"{note}; {mark}" if note else mark
+
+
 class Benchmarker:
     """Measures kernels into a store. One instance per process and device.
 
@@ -244,14 +276,18 @@ class Benchmarker:
         rows: list[Measurement] = []
         try:
             for b in sorted(batches):
+                # each API's rows are pruned by its own: `tune --api legacy` must not lack any
+                frontiers = {api: Frontier(self.method.dominated_factor) for api in Api}
                 if bar is not None:
                     bar.set_postfix_str(f"{problem.direction.value} c={problem.c} "
                                         f"k={problem.k} in={problem.input_size} b={b}")
                 if Api.LEGACY in apis:
                     for math in MATH_CANDIDATES[problem.math]:
-                        rows.extend(self._measure_size(problem.with_n(b), math, buffers))
+                        rows.extend(self._measure_size(problem.with_n(b), math, buffers,
+                                                       frontiers[Api.LEGACY]))
                 if Api.GRAPH in apis:
-                    rows.extend(self._measure_engines(problem.with_n(b), buffers))
+                    rows.extend(self._measure_engines(problem.with_n(b), buffers,
+                                                      frontiers[Api.GRAPH]))
                 if bar is not None:
                     bar.update(1)
         finally:
@@ -260,8 +296,8 @@ class Benchmarker:
             self.cupy.get_default_memory_pool().free_all_blocks()
         return rows
 
-    def _measure_size(self, problem: ConvProblem, math: MathType,
-                      buffers: KernelBuffers) -> list[Measurement]:
+    def _measure_size(self, problem: ConvProblem, math: MathType, buffers: KernelBuffers,
+                      frontier: Frontier) -> list[Measurement]:
         from .cudnn import ConvolutionCall
         call = ConvolutionCall(self.cudnn, problem, math)
         slices = max(1, buffers.problem.n // problem.n)
@@ -290,18 +326,20 @@ class Benchmarker:
                 call.run(self.handle, algo_value, x, w, y, workspace.data.ptr, ws_size, beta=beta)
 
             try:
-                timing = do_bench(run, self.stream, self.method)
+                timing = do_bench(run, self.stream, self.method, frontier.cutoff_ms(ws_size))
             except errors.CudnnNotSupportedError as exc:
                 rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=exc.text))
             except errors.CudnnError as exc:
                 rows.append(row(Status.FAILED, workspace=ws_size, note=str(exc)))
             else:
-                rows.append(row(Status.OK, timing.median_ms, ws_size))
+                rows.append(frontier.add(
+                    row(Status.OK, timing.median_ms, ws_size, frontier.note(timing)), timing))
             finally:
                 workspace = None  # noqa: F841 - return the block to the pool before the next
         return rows
 
-    def _measure_engines(self, problem: ConvProblem, buffers: KernelBuffers) -> list[Measurement]:
+    def _measure_engines(self, problem: ConvProblem, buffers: KernelBuffers,
+                         frontier: Frontier) -> list[Measurement]:
         """The graph API's engine configurations worth timing at ``problem.n``, one row each."""
         from .cudnn.graph import ConvolutionGraph, byte_alignment, candidate_configs
         slices = max(1, buffers.problem.n // problem.n)
@@ -322,11 +360,11 @@ class Benchmarker:
                 warnings.warn(f"{problem.key} b={problem.n}: no engine configurations from "
                               f"cuDNN's heuristics ({exc})", stacklevel=2)
                 return []
-            return [self._time_engine(graph, candidate, buffers, slices)
+            return [self._time_engine(graph, candidate, buffers, slices, frontier)
                     for candidate in candidates]
 
-    def _time_engine(self, graph, candidate, buffers: KernelBuffers,
-                     slices: int) -> Measurement:
+    def _time_engine(self, graph, candidate, buffers: KernelBuffers, slices: int,
+                     frontier: Frontier) -> Measurement:
         problem = graph.problem
 
         def row(status: Status, time_ms: float = 0.0, workspace: int = 0,
@@ -348,12 +386,13 @@ class Benchmarker:
                 slice_packs = [packs.enter_context(plan.variant_pack(
                     *buffers.pointers(i * problem.n), workspace.data.ptr)) for i in range(slices)]
                 timing = do_bench(lambda i: plan.execute(slice_packs[i % slices]), self.stream,
-                                  self.method)
+                                  self.method, frontier.cutoff_ms(plan.workspace_size))
             except errors.CudnnNotSupportedError as exc:
                 return row(Status.NOT_SUPPORTED, workspace=plan.workspace_size, note=exc.text)
             except errors.CudnnError as exc:
                 return row(Status.FAILED, workspace=plan.workspace_size, note=str(exc))
-            return row(Status.OK, timing.median_ms, plan.workspace_size, candidate.note_text)
+            return frontier.add(row(Status.OK, timing.median_ms, plan.workspace_size,
+                                    frontier.note(timing, candidate.note_text)), timing)
 
 
 def _progress(total: int, enabled: bool):

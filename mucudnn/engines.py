@@ -130,6 +130,23 @@ def format_numerical_notes(notes) -> str:
 
 
 def numerical_notes(note: str) -> frozenset[str]:
-    """The notes :func:`format_numerical_notes` wrote into ``note`` (empty for any other note)."""
+    """The notes :func:`format_numerical_notes` wrote into ``note`` (empty for any other note);
+    what follows a ``"; "`` (e.g. the benchmarker's "timed once") is not a note."""
     listed = note[len(_NOTES_LABEL):] if note.startswith(_NOTES_LABEL) else "none"
+    listed = listed.split("; ", 1)[0]
     return frozenset() if listed == "none" else frozenset(listed.split(", "))
+
+
+# Transform-based algorithms (FFT, Winograd) round differently: in fp32 with TF32 off they were
+# measured 1e-4 to 5e-3 away from a float64 reference where GEMM-based ones stay near 1e-6
+# (benchmarks/results). ``tune --precise`` keeps plans to the GEMM-based ones, and off the graph
+# API's engines whose numerical notes say FFT or Winograd.
+TRANSFORM_ALGORITHMS = frozenset({"fft", "fft_tiling", "winograd", "winograd_nonfused"})
+
+
+def is_transform_based(row) -> bool:
+    """Whether a measurement row (``algo``, ``note``) is a legacy FFT/Winograd algorithm, or an
+    engine whose numerical notes say FFT/Winograd."""
+    if api_of(row.algo) is Api.GRAPH:
+        return bool(numerical_notes(row.note) & TRANSFORM_NOTES)
+    return row.algo in TRANSFORM_ALGORITHMS

@@ -5,6 +5,10 @@ calls shorter than ``batch_ms`` are then timed ``inner`` at a time between one p
 (back to back, as a plan's pieces run, so host launch overhead overlaps GPU work instead of being
 counted). Repetitions stop at ``max_reps`` or once ``budget_ms`` of GPU time is spent, never below
 ``min_reps``. The result is the median per call: robust to the odd preempted repetition.
+
+A caller that already knows a faster option passes ``cutoff_ms``: a probe slower than that ends
+the timing there, with the probe as the only sample (``cut_short``). Benchmarks spend most of
+their time on such hopeless configurations (100s of ms per call at large batches).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ class TimingMethod:
     # a single call slower than this is timed min_reps_slow times only (FFT at N=256...)
     slow_ms: float = 60.0
     min_reps_slow: int = 2
+    # a configuration this many times slower than one already timed with no more workspace can
+    # never be in a plan (see bench.Frontier): its probe is enough
+    dominated_factor: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +40,13 @@ class Timing:
     reps: int
     inner: int
     samples_ms: tuple[float, ...]
+    cut_short: bool = False  # the probe exceeded the caller's cutoff: one sample only
 
 
-def do_bench(fn: Callable[[int], None], stream, method: TimingMethod = TimingMethod()) -> Timing:
-    """Time ``fn(i)`` on a CuPy ``stream``; ``i`` counts calls so callers can rotate inputs."""
+def do_bench(fn: Callable[[int], None], stream, method: TimingMethod = TimingMethod(),
+             cutoff_ms: float | None = None) -> Timing:
+    """Time ``fn(i)`` on a CuPy ``stream``; ``i`` counts calls so callers can rotate inputs.
+    A probe slower than ``cutoff_ms`` is the whole result (see the module doc)."""
     import cupy
 
     calls = 0
@@ -54,6 +64,8 @@ def do_bench(fn: Callable[[int], None], stream, method: TimingMethod = TimingMet
     end.record(stream)
     end.synchronize()
     probe = max(cupy.cuda.get_elapsed_time(start, end), 1e-3)
+    if cutoff_ms is not None and probe > cutoff_ms:
+        return Timing(probe, 1, 1, (probe,), cut_short=True)
     inner = max(1, math.ceil(method.batch_ms / probe))
     if probe > method.slow_ms:
         reps = method.min_reps_slow

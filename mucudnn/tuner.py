@@ -23,7 +23,7 @@ from typing import Sequence
 
 from . import store as store_mod
 from .bench import Environment, current_environment, gpu_available
-from .engines import TRANSFORM_NOTES, Api, api_of, numerical_notes, select_apis
+from .engines import TRANSFORM_ALGORITHMS, api_of, is_transform_based, select_apis  # noqa: F401
 from .errors import MissingMeasurementsError, MucudnnError
 from .measurement import Measurement
 from .optimizer import Policy, best_plan, candidate_sizes, pareto_plans, solve_budget
@@ -33,19 +33,7 @@ from .sizes import parse_size
 
 Kernels = Sequence[tuple[ConvProblem, int]]
 
-# Transform-based algorithms (FFT, Winograd) round differently: in fp32 with TF32 off they were
-# measured 1e-4 to 5e-3 away from a float64 reference where GEMM-based ones stay near 1e-6
-# (benchmarks/results). ``precise=True`` keeps plans to the GEMM-based ones, and off the graph
-# API's engines whose numerical notes say FFT or Winograd.
-TRANSFORM_ALGORITHMS = frozenset({"fft", "fft_tiling", "winograd", "winograd_nonfused"})
 SHIPPED_MEASUREMENTS = Path(__file__).parent / "data" / "measurements.csv.gz"
-
-
-def is_transform_based(row: Measurement) -> bool:
-    """A legacy FFT/Winograd algorithm, or an engine whose numerical notes say FFT/Winograd."""
-    if api_of(row.algo) is Api.GRAPH:
-        return bool(numerical_notes(row.note) & TRANSFORM_NOTES)
-    return row.algo in TRANSFORM_ALGORITHMS
 
 
 def as_kernels(source) -> list[tuple[ConvProblem, int]]:

@@ -1,0 +1,62 @@
+"""The timing method without a GPU: a stand-in CuPy whose events read a simulated clock."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from mucudnn.timing import TimingMethod, do_bench
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake ``cupy`` module: each call of the timed function advances ``clock["now"]``."""
+    state = {"now": 0.0}
+
+    class Event:
+        def record(self, stream=None) -> None:
+            self.t = state["now"]
+
+        def synchronize(self) -> None:
+            pass
+
+    cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda start, end: end.t - start.t)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    return state
+
+
+def timed(clock, ms: float):
+    """A function taking ``ms`` per call, and the list of its call indices."""
+    calls = []
+
+    def fn(i: int) -> None:
+        calls.append(i)
+        clock["now"] += ms
+
+    return fn, calls
+
+
+def test_short_calls_are_batched_between_events(clock):
+    fn, calls = timed(clock, 0.1)
+    timing = do_bench(fn, stream=None)
+    assert timing.median_ms == pytest.approx(0.1)
+    assert timing.inner == 5 and timing.reps == 20 and not timing.cut_short
+    assert calls == list(range(2 + 20 * 5))  # warm-up, probe, then the timed ones
+
+
+def test_slow_calls_are_timed_fewer_times(clock):
+    fn, calls = timed(clock, 100.0)
+    timing = do_bench(fn, stream=None)
+    assert (timing.reps, timing.inner, len(calls)) == (TimingMethod().min_reps_slow, 1, 4)
+
+
+@pytest.mark.parametrize("cutoff, cut_short, calls_made", [(5.0, True, 2), (50.0, False, 2 + 4),
+                                                           (None, False, 2 + 4)])
+def test_a_probe_over_the_cutoff_is_the_whole_result(clock, cutoff, cut_short, calls_made):
+    fn, calls = timed(clock, 10.0)
+    timing = do_bench(fn, stream=None, cutoff_ms=cutoff)
+    assert timing.cut_short is cut_short
+    assert timing.median_ms == pytest.approx(10.0)
+    assert len(calls) == calls_made
+    assert len(timing.samples_ms) == (1 if cut_short else 4)
