@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "shim"))
 
 from fakebuild import fake_cudnn_or_skip  # noqa: E402
+
+from mucudnn.engines import is_transform_based  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +227,38 @@ def test_every_descriptor_is_destroyed(fake_cudnn, tmp_path):
         elif name == "cudnnBackendDestroyDescriptor" and fields["status"] == "0":
             live.remove(fields["desc"])
     assert created > 10 and live == set()
+
+
+def test_benchmarker_times_algorithms_and_engines_and_probes_dominated_ones_once(fake_cudnn):
+    """mucudnn.bench end to end against the double, with a host-memory CuPy (tests/fakecupy).
+    With pruning off every row is a full timing. With a cutoff so low that every probe exceeds it,
+    the same configurations get rows, and exactly those timed after a full timing of the same size
+    and API with no more workspace (not FFT/Winograd) are marked timed once; engines keep their
+    numerical notes."""
+    result = run_checks(fake_cudnn, '''
+        from mucudnn.bench import Benchmarker
+        from mucudnn.engines import api_of, numerical_notes
+        from mucudnn.timing import TimingMethod
+        problem = ConvProblem(Direction.FORWARD, math=MathType.FMA, **SMALL)
+        for factor in (None, 1e-9):
+            method = TimingMethod(dominated_factor=factor, budget_ms=1.0, max_reps=3)
+            rows = Benchmarker(None, method, progress=False).measure(problem, [2, 8])
+            result[str(factor)] = [
+                [r.batch, r.algo, r.status.value, r.workspace, r.note,
+                 sorted(numerical_notes(r.note)), api_of(r.algo).value] for r in rows]
+    ''', PYTHONPATH=f"{ROOT / 'tests' / 'fakecupy'}{os.pathsep}{ROOT}")
+    full, pruned = result["None"], result["1e-09"]
+    assert [r[:3] for r in full] == [r[:3] for r in pruned]
+    assert {r[6] for r in full} == {"legacy", "graph"} and all(r[0] in (2, 8) for r in full)
+    assert not any("timed once" in r[4] for r in full)
+    timed_fully: dict[tuple, list[int]] = {}
+    for (batch, algo, status, ws, note, notes, api), was in zip(pruned, full):
+        assert notes == was[5]  # an engine's numerical notes survive the mark
+        if status != "ok":
+            continue
+        dominators = timed_fully.setdefault((batch, api), [])
+        assert ("timed once" in note) == any(w <= ws for w in dominators), (batch, algo, ws)
+        if "timed once" not in note and not is_transform_based(SimpleNamespace(algo=algo,
+                                                                                note=note)):
+            dominators.append(ws)
+    assert sum("timed once" in r[4] for r in pruned) >= 4  # else the check above proves little

@@ -1,0 +1,80 @@
+"""A stand-in for CuPy on host memory, so that the benchmarker runs against the cuDNN test double
+(tests/shim/fake_cudnn, which computes on host memory) without a GPU.
+
+Only what mucudnn.bench and mucudnn.timing use: arrays are numpy arrays whose ``.data.ptr`` is
+their address; the stream is the null one; events read the host clock, which times the double's
+work since it computes synchronously. Put ``tests/fakecupy`` first on ``PYTHONPATH`` to use it.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+import numpy
+
+
+class ndarray(numpy.ndarray):
+    @property
+    def data(self):  # CuPy's MemoryPointer: only .ptr is used
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+def _host(array) -> ndarray:
+    return numpy.ascontiguousarray(array).view(ndarray)
+
+
+def empty(shape, dtype="float32") -> ndarray:
+    return _host(numpy.empty(shape, dtype=dtype))
+
+
+class _Generator:
+    def __init__(self, seed=None) -> None:
+        self._rng = numpy.random.default_rng(seed)
+
+    def standard_normal(self, size, dtype="float32") -> ndarray:
+        return _host(self._rng.standard_normal(size, dtype=dtype))
+
+
+class _Stream:
+    ptr = 0  # the null stream
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Event:
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Pool:
+    def free_all_blocks(self) -> None:
+        pass
+
+
+class OutOfMemoryError(MemoryError):
+    pass
+
+
+def get_default_memory_pool() -> _Pool:
+    return _Pool()
+
+
+random = types.SimpleNamespace(default_rng=_Generator)
+cuda = types.SimpleNamespace(
+    Stream=_Stream, Event=_Event,
+    get_elapsed_time=lambda start, end: (end.t - start.t) * 1e3,
+    memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
+    Device=lambda: types.SimpleNamespace(id=0),
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
+                                  getDeviceProperties=lambda device: {"name": b"host stand-in"}))
