@@ -79,15 +79,21 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
               help="time cuDNN's legacy algorithms, the graph API's engine configurations "
                    "(those its heuristics propose), or both")
 @click.option("--remeasure", is_flag=True, help="measure again what the store already has")
+@click.option("--no-prune", is_flag=True,
+              help="time every configuration fully, also those whose first call is over 2x "
+                   "slower than one with no more workspace (never in a plan; timed once by "
+                   "default)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @store_option
-def bench(config, recordings, policy, api, remeasure, no_progress, store_path):
+def bench(config, recordings, policy, api, remeasure, no_prune, no_progress, store_path):
     """Benchmark every algorithm of the kernels of CONFIG (a name like resnet50, or a YAML path)
     or of --recording files on this GPU, at each micro-batch size of the policy, into the store."""
+    from .timing import TimingMethod
     from .tuner import as_kernels, benchmark
     source = _kernels(config, recordings)
+    method = TimingMethod(dominated_factor=None) if no_prune else TimingMethod()
     timed = benchmark(source, policy, store=store_path, remeasure=remeasure,
-                      progress=not no_progress, api=api)
+                      progress=not no_progress, method=method, api=api)
     name = getattr(source, "name", "recording")
     click.echo(f"{name}: {len(as_kernels(source))} kernels, measured {timed} kernel sizes "
                f"({'all reused from the store' if timed == 0 else 'stored'})")

@@ -234,6 +234,17 @@ def test_bench_times_the_api_asked_for(no_gpu, monkeypatch, options, api):
     assert asked == [api]
 
 
+@pytest.mark.parametrize("options, factor", [((), 2.0), (("--no-prune",), None)])
+def test_bench_prunes_dominated_configurations_unless_asked_not_to(no_gpu, monkeypatch, options,
+                                                                   factor):
+    asked = []
+    monkeypatch.setattr(tuner, "benchmark",
+                        lambda source, policy, **kw: asked.append(kw["method"]) or 0)
+    result = invoke("bench", "alexnet", *options)
+    assert result.exit_code == 0, result.output
+    assert [method.dominated_factor for method in asked] == [factor]
+
+
 def test_bench_refuses_an_unknown_api(no_gpu):
     assert_usage_error(invoke("bench", "alexnet", "--api", "v8"), "'v8'", "legacy", "graph")
 
