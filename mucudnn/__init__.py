@@ -15,11 +15,13 @@ __all__ = [
     "Measurement", "MissingMeasurementsError", "MucudnnError", "NetworkConfig", "Plan", "PlanEntry",
     "PlanError", "Policy", "SchemaVersionError", "SizeError", "Status", "StoreError", "benchmark",
     "best_plan", "find_config", "format_size", "list_configs", "load_config", "optimize",
-    "pareto_plans", "parse_size", "read_plan", "read_recording", "solve_budget", "write_plan",
+    "pareto_plans", "parse_size", "read_plan", "read_recording",
+    "read_recording_weights", "solve_budget", "write_plan",
 ]
 
 from .config import NetworkConfig, find_config, list_configs, load_config  # noqa: F401,E402
 from .optimizer import KernelPlan, Policy, best_plan, pareto_plans, solve_budget  # noqa: F401,E402
-from .plan import Plan, PlanEntry, read_plan, read_recording, write_plan  # noqa: F401,E402
+from .plan import (Plan, PlanEntry, read_plan, read_recording, read_recording_weights,  # noqa: F401,E402
+                   write_plan)
 from .sizes import format_size, parse_size  # noqa: F401,E402
 from .tuner import benchmark, optimize  # noqa: F401,E402

@@ -61,12 +61,12 @@ store_option = click.option("--store", "store_path", type=click.Path(dir_okay=Fa
 
 def _kernels(config: str | None, recordings: tuple[str, ...]):
     from .config import find_config, load_config
-    from .plan import read_recording
+    from .plan import read_recording_weights
     if bool(config) == bool(recordings):
         raise MucudnnError("give either a CONFIG or --recording FILE (not both)")
     if config:
         return load_config(find_config(config))
-    return read_recording(recordings)
+    return read_recording_weights(recordings)
 
 
 @main.command()
@@ -263,7 +263,7 @@ def autotune(workspace_limit, policy, precise, api, plan_path, record_command, s
              command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go."""
-    from .plan import read_recording, write_plan
+    from .plan import read_recording_weights, write_plan
     from .tuner import benchmark, optimize
     _require_command(command)
     recording = Path(plan_path).with_suffix(".record")
@@ -274,7 +274,7 @@ def autotune(workspace_limit, policy, precise, api, plan_path, record_command, s
     if code != 0 or not recording.exists():
         raise MucudnnError(f"the recording run exited with {code} and recorded "
                            f"{'nothing' if not recording.exists() else 'in ' + str(recording)}")
-    kernels = read_recording([recording])
+    kernels = read_recording_weights([recording])
     click.echo(f"mucudnn: 2/4 benchmarking {len(kernels)} kernels", err=True)
     benchmark(kernels, policy, store=store_path, api=api)
     click.echo("mucudnn: 3/4 tuning", err=True)

@@ -261,7 +261,27 @@ def _parse_piece(text: str, problem: ConvProblem, where: str) -> PlanPiece:
 
 def read_recording(paths: Iterable[str | os.PathLike]) -> list[ConvProblem]:
     """Distinct (kernel, N) from record files, in first-seen order, as problems with their N."""
-    seen: dict[tuple[str, int], ConvProblem] = {}
+    return [problem for problem, _ in _read_records(paths)]
+
+
+def read_recording_weights(paths: Iterable[str | os.PathLike]) -> list[tuple[ConvProblem, int]]:
+    """:func:`read_recording`'s problems with how often each ran, as ``(problem, weight)``.
+
+    Weights come from the ``calls`` lines a process writes at exit, summed over processes and
+    divided by their greatest common divisor, so a recording of several steps gives the calls of
+    one step when some kernel runs once per step. A kernel without calls (queried, never run, or
+    a file from before ``calls`` lines) weighs 1; with no ``calls`` line at all, every kernel does.
+    """
+    records = _read_records(paths)
+    counts = [calls for _, calls in records if calls]
+    unit = _math.gcd(*counts) if counts else 1
+    return [(problem, calls // unit if calls else 1) for problem, calls in records]
+
+
+def _read_records(paths: Iterable[str | os.PathLike]) -> list[tuple[ConvProblem, int]]:
+    """(problem, total calls) of every kernel line, first-seen order; calls 0 where none."""
+    seen: dict[tuple[str, int], list] = {}
+    calls: dict[tuple[str, int], int] = {}
     for path in paths:
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -272,13 +292,19 @@ def read_recording(paths: Iterable[str | os.PathLike]) -> list[ConvProblem]:
             if not line or line.startswith("#"):
                 continue
             fields = line.split()
+            where = f"{path}:{lineno}"
+            if fields[0] == "calls" and len(fields) == 4:
+                n = _int(fields[2], "N", where, 1)
+                key = (fields[1], n)
+                calls[key] = calls.get(key, 0) + _int(fields[3], "calls", where, 0)
+                continue
             if len(fields) != 3 or fields[0] != "kernel":
-                raise PlanError(f"{path}:{lineno}: expected 'kernel KEY N', got {line[:80]!r}")
-            n = _int(fields[2], "N", f"{path}:{lineno}", 1)
+                raise PlanError(f"{where}: expected 'kernel KEY N' or 'calls KEY N COUNT', "
+                                f"got {line[:80]!r}")
+            n = _int(fields[2], "N", where, 1)
             try:
                 problem = ConvProblem.from_key(fields[1], n)
             except KeyFormatError as exc:
-                raise PlanError(f"{path}:{lineno}: {exc}") from None
-            seen.setdefault((fields[1], n), problem)
-    return list(seen.values())
-
+                raise PlanError(f"{where}: {exc}") from None
+            seen.setdefault((fields[1], n), [problem])
+    return [(entry[0], calls.get(key, 0)) for key, entry in seen.items()]

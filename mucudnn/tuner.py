@@ -8,8 +8,9 @@
     >>> mucudnn.write_plan(plan, "resnet50.plan")
 
 Kernels come from a network config or from a recording of what a framework ran
-(:func:`mucudnn.plan.read_recording`), as ``(problem, weight)`` pairs: ``weight`` is how many layers
-run that kernel, which the WD optimiser uses to weigh time.
+(:func:`mucudnn.plan.read_recording_weights`), as ``(problem, weight)`` pairs: ``weight`` is how
+many layers run that kernel (in a recording, how often it ran per step), which the WD optimiser
+and the predicted time per pass use to weigh time.
 """
 
 from __future__ import annotations

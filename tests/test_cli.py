@@ -283,6 +283,24 @@ def test_tune_api_filters_the_pieces_and_show_prints_engines(mixed_recording, tm
     assert " eng7.k2=16.k11=-1 " in row
 
 
+def test_tune_predicts_a_recordings_time_per_pass_with_its_calls(mixed_recording, tmp_path):
+    _, key, n = mixed_recording.read_text().split()
+    half = int(n) // 2  # the same kernel at half the batch: measured too (powerOfTwo sizes)
+
+    def predicted(text: str) -> float:
+        recording = tmp_path / "run.record"
+        recording.write_text(text)
+        result = invoke("tune", "--recording", recording, "--workspace-limit", "64MiB",
+                        "-o", tmp_path / "p.plan")
+        assert result.exit_code == 0, result.output
+        return float(re.search(r"predicted ([0-9.]+) ms per pass", result.stdout).group(1))
+
+    full, halved = predicted(f"kernel {key} {n}\n"), predicted(f"kernel {key} {half}\n")
+    # two steps: the half-batch kernel ran 3 times a step (three identical layers), the other once
+    both = f"kernel {key} {n}\nkernel {key} {half}\ncalls {key} {n} 2\ncalls {key} {half} 6\n"
+    assert predicted(both) == pytest.approx(full + 3 * halved, rel=1e-3)
+
+
 def test_tune_graph_api_without_engine_measurements_says_how_to_get_them(no_gpu, tmp_path):
     result = invoke("tune", "alexnet", "--workspace-limit", "64MiB", "--api", "graph",
                     "-o", tmp_path / "p.plan")

@@ -16,7 +16,7 @@ from mucudnn.engines import INT64_MAX, INT64_MIN, Api, EngineConfig
 from mucudnn.errors import PlanError
 from mucudnn.plan import (
     POLICIES, STRATEGIES, Plan, PlanEntry, PlanPiece, format_plan, read_plan, read_plan_text,
-    read_recording, write_plan,
+    read_recording, read_recording_weights, write_plan,
 )
 from mucudnn.problem import ALGORITHMS, ConvProblem, Direction, MathType
 
@@ -350,7 +350,29 @@ def test_empty_recording_gives_no_kernels(tmp_path):
     assert read_recording([path]) == []
 
 
+def calls_line(kernel: ConvProblem, count: int) -> str:
+    return f"calls {kernel.key} {kernel.n} {count}\n"
+
+
+def test_recorded_calls_weigh_kernels_as_often_as_one_step_runs_them(tmp_path):
+    stem, block, queried = problem(n=8), problem(Direction.BACKWARD_DATA, geometry=1, n=8), \
+        problem(Direction.BACKWARD_FILTER, n=8)
+    # two processes of two steps each: the block kernel runs three times per step
+    rank0, rank1 = tmp_path / "rank0.record", tmp_path / "rank1.record"
+    for path in (rank0, rank1):
+        path.write_text("# mucudnn-record 1 pid=1\n" + record_line(stem) + record_line(block)
+                        + record_line(queried) + calls_line(block, 6) + calls_line(stem, 2))
+    assert read_recording_weights([rank0, rank1]) == [(stem, 1), (block, 3), (queried, 1)]
+    assert read_recording([rank0, rank1]) == [stem, block, queried]  # calls lines are no kernels
+    old = tmp_path / "old.record"  # written before calls lines existed
+    old.write_text(record_line(stem) + record_line(block))
+    assert read_recording_weights([old]) == [(stem, 1), (block, 1)]
+
+
 @pytest.mark.parametrize("bad, reason", [
+    ("calls {key} 4", "expected 'kernel KEY N' or 'calls KEY N COUNT'"),
+    ("calls {key} 4 many", "calls 'many'"),
+    ("calls {key} 0 3", "N '0'"),
     ("kernel {key}", "expected 'kernel KEY N'"),
     ("kernel {key} 4 5", "expected 'kernel KEY N'"),
     ("kernal {key} 4", "expected 'kernel KEY N'"),
@@ -363,7 +385,7 @@ def test_malformed_recording_line_names_file_and_line(tmp_path, bad, reason):
     path.write_text("# mucudnn-record 1 pid=1\n" + record_line(problem(n=2))
                     + bad.format(key=problem().key) + "\n")
     with pytest.raises(PlanError) as exc:
-        read_recording([path])
+        read_recording_weights([path])
     assert str(exc.value).startswith(f"{path}:3: ")
     assert reason in str(exc.value)
 

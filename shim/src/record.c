@@ -1,6 +1,7 @@
 /*
  * record.c: the table of kernels (key, N) this process has seen, with call counts; the record
- * file (MUCUDNN_RECORD, docs/plan-format.md "The record file") and the exit summary.
+ * file (MUCUDNN_RECORD, docs/plan-format.md "The record file": a `kernel` line when a kernel is
+ * first seen, its `calls` line at exit) and the exit summary.
  *
  * Lookups are lock-free (entries are only ever added, at the head of a bucket, and published
  * with a release store); insertions take a mutex, so each kernel is recorded exactly once.
@@ -41,6 +42,19 @@ static void print_summary(void) {
                    "(calls without a kernel key)");
 }
 
+/* At exit: how often each kernel ran, so that the tuner weighs kernels as the framework runs them
+ * (a network's repeated layers are one kernel). Kernels only queried, never run, get no line. */
+static void write_call_counts(void) {
+    char line[MU_KEY_MAX + 64];
+    for (size_t b = 0; b < SEEN_BUCKETS; b++)
+        for (mu_seen *seen = atomic_load(&seen_buckets[b]); seen; seen = atomic_load(&seen->next_in_bucket)) {
+            unsigned long calls = atomic_load(&seen->planned_calls) + atomic_load(&seen->passthrough_calls);
+            if (calls == 0) continue;
+            int length = snprintf(line, sizeof line, "calls %s %d %lu\n", seen->key, seen->n, calls);
+            if (length > 0 && (size_t)length < sizeof line) write_record_line(line, (size_t)length);
+        }
+}
+
 void mu_record_init(void) {
     const char *path = mu_option_path(MU_OPT_RECORD);
     if (path != NULL) {
@@ -52,6 +66,7 @@ void mu_record_init(void) {
             char header[64];
             int length = snprintf(header, sizeof header, "# mucudnn-record 1 pid=%ld\n", (long)getpid());
             write_record_line(header, (size_t)length);
+            atexit(write_call_counts);
         }
     }
     if (mu_option_int(MU_OPT_SUMMARY)) atexit(print_summary);

@@ -47,7 +47,7 @@ def test_the_shim_builds_the_expected_keys(shim_env):
             assert "nokey" in result
 
 
-def test_record_appends_each_kernel_and_n_once(shim_env, tmp_path):
+def test_record_appends_each_kernel_and_n_once_and_the_calls_at_exit(shim_env, tmp_path):
     from mucudnn.problem import ConvProblem
 
     record = tmp_path / "kernels.rec"
@@ -63,7 +63,7 @@ def test_record_appends_each_kernel_and_n_once(shim_env, tmp_path):
     lines = record.read_text().splitlines()
     headers = [line for line in lines[1:] if line.startswith("#")]
     assert len(headers) == 2 and all(h.startswith("# mucudnn-record 1 pid=") for h in headers)
-    kernels = [line for line in lines if not line.startswith("#")]
+    kernels = [line for line in lines if line.startswith("kernel")]
     expected = {(key_of(c), int(parse_fields(c)["n"])) for c in (conv, query, size, conv.replace("n=4", "n=7"))}
     assert len(kernels) == 2 * len(expected)  # once per process
     recorded = set()
@@ -74,6 +74,12 @@ def test_record_appends_each_kernel_and_n_once(shim_env, tmp_path):
         assert problem.key == key
         recorded.add((key, int(n)))
     assert recorded == expected
+    # at exit, each process adds how often each kernel ran: the conv twice at n=4, once at n=7;
+    # the queried kernels never ran
+    calls = [line.split(" ") for line in lines if line.startswith("calls")]
+    assert sorted((key, n, count) for _, key, n, count in calls) == sorted(
+        2 * [(key_of(conv), "4", "2"), (key_of(conv), "7", "1")])
+    assert len(kernels) + len(calls) + len(headers) + 1 == len(lines)  # nothing else
 
 
 def test_record_file_that_cannot_be_opened_is_one_error(shim_env, tmp_path):
