@@ -24,7 +24,7 @@ from typing import Sequence
 
 from . import store as store_mod
 from .bench import Environment, current_environment, gpu_available
-from .engines import TRANSFORM_ALGORITHMS, api_of, is_transform_based, select_apis  # noqa: F401
+from .engines import api_of, is_transform_based, select_apis
 from .errors import MissingMeasurementsError, MucudnnError
 from .measurement import Measurement
 from .optimizer import Policy, best_plan, candidate_sizes, pareto_plans, solve_budget
