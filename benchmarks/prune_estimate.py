@@ -1,10 +1,10 @@
 """What pruning dominated configurations saves a benchmark, estimated from stored times.
 
 For every stored OK row of a recording's kernels: the GPU time the timing method (mucudnn.timing)
-spends on it in full (warm-up, probe, repetitions), against warm-up and probe only when the row
-is more than ``dominated_factor`` times slower than another row of the same API and size with no
-more workspace that is not FFT/Winograd (as ``bench.Frontier`` decides; here the whole group
-counts, as if the faster configuration were always timed first). Host time is not included.
+spends on it in full (warm-up, probe, repetitions), against what it spends with the cutoff that
+``bench.Frontier`` sets: ``dominated_factor`` times the fastest other row of the same API and size
+with no more workspace that is not FFT/Winograd (here the whole group counts, as if the faster
+configuration were always timed first). Host time is not included.
 
     python benchmarks/prune_estimate.py benchmarks/results/raw/vgg16-legacy-tf32.record --store S
 """
@@ -13,20 +13,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 
 from mucudnn.engines import api_of, is_transform_based
 from mucudnn.plan import read_recording
-from mucudnn.timing import TimingMethod
+from mucudnn.timing import TimingMethod, calls_made
 from mucudnn.tuner import open_measurements
-
-
-def full_cost_ms(t: float, m: TimingMethod) -> float:
-    """GPU time do_bench spends on a call of ``t`` ms."""
-    inner = max(1, math.ceil(m.batch_ms / t))
-    reps = m.min_reps_slow if t > m.slow_ms else \
-        int(min(m.max_reps, max(m.min_reps, m.budget_ms // (t * inner))))
-    return (m.warmup + 1) * t + reps * inner * t
 
 
 def main() -> int:
@@ -47,10 +38,9 @@ def main() -> int:
                 for row in rows:
                     faster = [o.time_ms for o in rows if o is not row and not is_transform_based(o)
                               and o.workspace <= row.workspace]
-                    cost = full_cost_ms(row.time_ms, method)
-                    full += cost
-                    dominated = faster and row.time_ms > method.dominated_factor * min(faster)
-                    pruned += (method.warmup + 1) * row.time_ms if dominated else cost
+                    cutoff = method.dominated_factor * min(faster) if faster else None
+                    full += calls_made(row.time_ms, method) * row.time_ms
+                    pruned += calls_made(row.time_ms, method, cutoff) * row.time_ms
     print(f"GPU time in timed calls: {full / 1000:.0f} s in full, {pruned / 1000:.0f} s with "
           f"dominated configurations timed once ({1 - pruned / full:.0%} less)")
     return 0

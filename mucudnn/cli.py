@@ -80,9 +80,8 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
                    "(those its heuristics propose), or both")
 @click.option("--remeasure", is_flag=True, help="measure again what the store already has")
 @click.option("--no-prune", is_flag=True,
-              help="time every configuration fully, also those whose first call is over 2x "
-                   "slower than one with no more workspace (never in a plan; timed once by "
-                   "default)")
+              help="time every configuration fully, also those over 2x slower than one with "
+                   "no more workspace (never in a plan; by default timed once)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @store_option
 def bench(config, recordings, policy, api, remeasure, no_prune, no_progress, store_path):

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from mucudnn.timing import TimingMethod, do_bench
+from mucudnn.timing import TimingMethod, calls_made, do_bench
 
 
 @pytest.fixture
@@ -51,12 +51,27 @@ def test_slow_calls_are_timed_fewer_times(clock):
     assert (timing.reps, timing.inner, len(calls)) == (TimingMethod().min_reps_slow, 1, 4)
 
 
-@pytest.mark.parametrize("cutoff, cut_short, calls_made", [(5.0, True, 2), (50.0, False, 2 + 4),
+@pytest.mark.parametrize("cutoff, cut_short, expected_calls", [(5.0, True, 2), (50.0, False, 2 + 4),
                                                            (None, False, 2 + 4)])
-def test_a_probe_over_the_cutoff_is_the_whole_result(clock, cutoff, cut_short, calls_made):
+def test_a_probe_over_the_cutoff_is_the_whole_result(clock, cutoff, cut_short, expected_calls):
     fn, calls = timed(clock, 10.0)
     timing = do_bench(fn, stream=None, cutoff_ms=cutoff)
     assert timing.cut_short is cut_short
     assert timing.median_ms == pytest.approx(10.0)
-    assert len(calls) == calls_made
+    assert len(calls) == expected_calls
     assert len(timing.samples_ms) == (1 if cut_short else 4)
+    assert calls_made(10.0, TimingMethod(), cutoff) == expected_calls
+
+
+def test_a_cold_call_far_over_the_cutoff_ends_it_at_once(clock):
+    fn, calls = timed(clock, 10.0)
+    timing = do_bench(fn, stream=None, cutoff_ms=0.5)  # 20x over: the warm-up call is enough
+    assert (timing.cut_short, timing.median_ms, len(calls)) == (True, pytest.approx(10.0), 1)
+    assert calls_made(10.0, TimingMethod(), 0.5) == 1
+
+
+@pytest.mark.parametrize("ms", [0.1, 10.0, 100.0])
+def test_calls_made_is_what_do_bench_does(clock, ms):
+    fn, calls = timed(clock, ms)
+    do_bench(fn, stream=None)
+    assert calls_made(ms, TimingMethod()) == len(calls)
