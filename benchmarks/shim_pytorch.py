@@ -211,8 +211,10 @@ def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str,
     run_worker(model, {}, tf32=tf32, shim=True, record=str(record), steps=1, warmup=1, path=path,
                dtype=dtype, double=double, batch=batch)
     t0 = time.perf_counter()
+    fit = ["--workspace-limit", limit] if policy == "fit" else []  # fit measures what fits it
     bench = subprocess.run(MU + ["bench", "--recording", str(record), "--no-progress",
-                                 "--policy", policy, *bench_args], capture_output=True, text=True)
+                                 "--policy", policy, *fit, *bench_args],
+                           capture_output=True, text=True)
     bench_s = time.perf_counter() - t0
     if bench.returncode != 0:
         raise RuntimeError(f"bench failed: {bench.stderr[-2000:]}")

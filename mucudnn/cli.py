@@ -13,7 +13,7 @@ import click
 from .errors import MucudnnError
 from .sizes import parse_size
 
-POLICIES = click.Choice(["undivided", "powerOfTwo", "all"])
+POLICIES = click.Choice(["undivided", "powerOfTwo", "all", "fit"])
 APIS = click.Choice(["legacy", "graph", "both"])
 
 
@@ -74,7 +74,9 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
 @click.option("--recording", "recordings", multiple=True, type=click.Path(exists=True),
               help="benchmark the kernels a `mucudnn record` run wrote (repeatable)")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True,
-              help="micro-batch sizes to measure")
+              help="micro-batch sizes to measure (fit: powerOfTwo plus each configuration's "
+                   "largest size within --workspace-limit)")
+@click.option("--workspace-limit", type=SIZE, help="the limit policy fit measures sizes for")
 @click.option("--api", type=APIS, default="both", show_default=True,
               help="time cuDNN's legacy algorithms, the graph API's engine configurations "
                    "(those its heuristics propose), or both")
@@ -84,15 +86,19 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
                    "no more workspace (never in a plan; by default timed once)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @store_option
-def bench(config, recordings, policy, api, remeasure, no_prune, no_progress, store_path):
+def bench(config, recordings, policy, workspace_limit, api, remeasure, no_prune, no_progress,
+          store_path):
     """Benchmark every algorithm of the kernels of CONFIG (a name like resnet50, or a YAML path)
     or of --recording files on this GPU, at each micro-batch size of the policy, into the store."""
     from .timing import TimingMethod
     from .tuner import as_kernels, benchmark
+    if policy == "fit" and workspace_limit is None:
+        raise click.UsageError("--policy fit needs --workspace-limit (the sizes that fit it)")
     source = _kernels(config, recordings)
     method = TimingMethod(dominated_factor=None) if no_prune else TimingMethod()
     timed = benchmark(source, policy, store=store_path, remeasure=remeasure,
-                      progress=not no_progress, method=method, api=api)
+                      progress=not no_progress, method=method, api=api,
+                      workspace_limit=workspace_limit)
     name = getattr(source, "name", "recording")
     click.echo(f"{name}: {len(as_kernels(source))} kernels, measured {timed} kernel sizes "
                f"({'all reused from the store' if timed == 0 else 'stored'})")
@@ -275,7 +281,7 @@ def autotune(workspace_limit, policy, precise, api, plan_path, record_command, s
                            f"{'nothing' if not recording.exists() else 'in ' + str(recording)}")
     kernels = read_recording_weights([recording])
     click.echo(f"mucudnn: 2/4 benchmarking {len(kernels)} kernels", err=True)
-    benchmark(kernels, policy, store=store_path, api=api)
+    benchmark(kernels, policy, store=store_path, api=api, workspace_limit=workspace_limit)
     click.echo("mucudnn: 3/4 tuning", err=True)
     plan = optimize(kernels, workspace_limit=workspace_limit, policy=policy, store=store_path,
                     precise=precise, api=api)

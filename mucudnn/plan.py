@@ -21,7 +21,7 @@ FORMAT_VERSION = 1
 MAGIC = "mucudnn-plan"
 HEADER_FIELDS = ("gpu", "cudnn", "strategy", "limit", "policy")
 STRATEGIES = ("wr", "wd")
-POLICIES = ("undivided", "powerOfTwo", "all")
+POLICIES = ("undivided", "powerOfTwo", "all", "fit")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from .bench import Environment, current_environment, gpu_available
 from .engines import api_of, is_transform_based, select_apis
 from .errors import MissingMeasurementsError, MucudnnError
 from .measurement import Measurement
-from .optimizer import Policy, best_plan, candidate_sizes, pareto_plans, solve_budget
+from .optimizer import Policy, best_plan, candidate_sizes, fit_sizes, pareto_plans, solve_budget
 from .plan import Plan, PlanEntry
 from .problem import ConvProblem
 from .sizes import parse_size
@@ -113,24 +113,37 @@ def _pick_environment(store) -> Environment | None:
 
 def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
               remeasure: bool = False, progress: bool = True, method=None, api: str = "both",
-              max_engine_configs: int = 8) -> int:
+              max_engine_configs: int = 8, workspace_limit=None) -> int:
     """Measure every kernel of ``source`` at the policy's micro-batch sizes on the current GPU.
 
     ``api`` is ``"legacy"`` (cuDNN's algorithms), ``"graph"`` (engine configurations of the graph
     API: up to ``max_engine_configs`` from heuristics mode A and all fallback ones per size) or
-    ``"both"``. Rows already in the store are reused unless ``remeasure``. Returns how many sizes
-    were timed.
+    ``"both"``. Policy ``fit`` needs ``workspace_limit``: after the powers of two it measures
+    :func:`~mucudnn.optimizer.fit_sizes`. Rows already in the store are reused unless
+    ``remeasure``. Returns how many sizes were timed.
     """
     from .bench import Benchmarker
     from .timing import TimingMethod
+    policy = Policy(policy)
+    if policy is Policy.FIT and workspace_limit is None:
+        raise MucudnnError("policy fit measures the sizes that fit a workspace limit: give one "
+                           "(bench --workspace-limit)")
     apis = select_apis(api)
     own = store is None or isinstance(store, (str, os.PathLike))
     st = store_mod.open_store(store) if own else store
     try:
         bench = Benchmarker(st, method or TimingMethod(), progress=progress,
                             max_engine_configs=max_engine_configs)
-        todo = [(p, candidate_sizes(policy, p.n)) for p, _ in as_kernels(source)]
-        return bench.benchmark(todo, remeasure=remeasure, apis=apis)
+        kernels = [p for p, _ in as_kernels(source)]
+        timed = bench.benchmark([(p, candidate_sizes(policy, p.n)) for p in kernels],
+                                remeasure=remeasure, apis=apis)
+        if policy is Policy.FIT:
+            limit = parse_size(workspace_limit)
+            more = [(p, fit_sizes(st.get(bench.env.gpu, bench.env.cudnn, p.key), p.n, limit))
+                    for p in kernels]
+            timed += bench.benchmark([(p, sizes) for p, sizes in more if sizes],
+                                     remeasure=remeasure, apis=apis)
+        return timed
     finally:
         if own:
             st.close()
@@ -142,8 +155,10 @@ def measurements(store, env: Environment, problem: ConvProblem, policy: Policy |
     ``"both"``); raises if any size has no row of those APIs."""
     apis = select_apis(api)
     sizes = candidate_sizes(policy, problem.n)
-    rows = [m for m in store.get(env.gpu, env.cudnn, problem.key, batches=sizes)
-            if api_of(m.algo) in apis]
+    # fit plans may use every measured size up to n; the powers of two must be there
+    wanted = None if Policy(policy) is Policy.FIT else sizes
+    rows = [m for m in store.get(env.gpu, env.cudnn, problem.key, batches=wanted)
+            if api_of(m.algo) in apis and m.batch <= problem.n]
     missing = sorted(set(sizes) - {m.batch for m in rows})
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")

@@ -245,6 +245,16 @@ def test_bench_prunes_dominated_configurations_unless_asked_not_to(no_gpu, monke
     assert [method.dominated_factor for method in asked] == [factor]
 
 
+def test_bench_fit_needs_the_limit_it_fits(no_gpu, monkeypatch):
+    asked = []
+    monkeypatch.setattr(tuner, "benchmark",
+                        lambda source, policy, **kw: asked.append((policy, kw["workspace_limit"])) or 0)
+    assert_usage_error(invoke("bench", "alexnet", "--policy", "fit"), "--workspace-limit")
+    result = invoke("bench", "alexnet", "--policy", "fit", "--workspace-limit", "64MiB")
+    assert result.exit_code == 0, result.output
+    assert asked == [("fit", 64 << 20)]
+
+
 def test_bench_refuses_an_unknown_api(no_gpu):
     assert_usage_error(invoke("bench", "alexnet", "--api", "v8"), "'v8'", "legacy", "graph")
 

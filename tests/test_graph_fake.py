@@ -262,3 +262,31 @@ def test_benchmarker_times_algorithms_and_engines_and_probes_dominated_ones_once
                                                                                 note=note)):
             dominators.append(ws)
     assert sum("timed once" in r[4] for r in pruned) >= 4  # else the check above proves little
+
+
+def test_benchmark_fit_measures_each_configurations_largest_fitting_size(fake_cudnn, tmp_path):
+    """tuner.benchmark with policy fit, against the double (host-memory CuPy): after the powers of
+    two, the sizes fit_sizes derives from them get rows too, and a fit plan can use them."""
+    store = tmp_path / "fit.sqlite"
+    result = run_checks(fake_cudnn, f'''
+        from mucudnn import tuner
+        from mucudnn.bench import current_environment
+        from mucudnn.optimizer import fit_sizes
+        from mucudnn.store import open_store
+        problem = ConvProblem(Direction.FORWARD, math=MathType.FMA, **SMALL)
+        limit = 13000  # bytes: the double's eng1 takes 4096 a sample, so it fits 3
+        tuner.benchmark([problem], "fit", store={str(store)!r}, progress=False,
+                        workspace_limit=limit)
+        env = current_environment()
+        with open_store({str(store)!r}) as st:
+            rows = st.get(env.gpu, env.cudnn, problem.key)
+            result["sizes"] = sorted({{r.batch for r in rows}})
+            pow2 = [r for r in rows if r.batch in (1, 2, 4, 8)]
+            result["expected_extra"] = fit_sizes(pow2, problem.n, limit)
+            plan = tuner.optimize([problem], workspace_limit=limit, policy="fit", store=st,
+                                  env=env)
+            result["plan_sizes"] = sorted({{p.batch for e in plan for p in e.pieces}})
+    ''', PYTHONPATH=f"{ROOT / 'tests' / 'fakecupy'}{os.pathsep}{ROOT}")
+    assert result["expected_extra"], "the double's workspaces give no size to add: nothing checked"
+    assert result["sizes"] == sorted({1, 2, 4, 8} | set(result["expected_extra"]))
+    assert set(result["plan_sizes"]) <= set(result["sizes"])

@@ -455,3 +455,29 @@ def test_a_store_path_is_opened_and_closed(store, monkeypatch):
     plan = tuner.optimize(KERNELS, total_workspace="1GiB", store=store.path, env=ENV)
     assert plan.strategy == "wd" and len(plan) == len(KERNELS)
     assert any(s is not store and s.path == store.path for s in closed)
+
+
+# -- policy fit ------------------------------------------------------------------------------------
+
+def test_fit_plans_use_the_stored_extra_sizes(store):
+    # FWD at N = 8: fft takes 1000 bytes a sample; under 3000 bytes its largest size is 3
+    limit = 3000
+    extra = synthetic_rows(FWD, FWD_ALGOS, sizes=[3])
+    store.put(ENV.gpu, ENV.cudnn, extra)
+    fit = tuner.optimize([FWD], workspace_limit=limit, policy="fit", store=store, env=ENV)
+    pow2 = tuner.optimize([FWD], workspace_limit=limit, policy="powerOfTwo", store=store, env=ENV)
+    [fit_entry], [pow2_entry] = list(fit), list(pow2)
+    assert 3 in {piece.batch for piece in fit_entry.pieces}
+    assert fit_entry.time_ms < pow2_entry.time_ms
+    assert fit.policy == "fit"
+    rows = tuner.measurements(store, ENV, FWD, "fit")
+    assert {row.batch for row in rows} == set(candidate_sizes("powerOfTwo", N)) | {3}
+
+
+def test_fit_needs_the_powers_of_two_and_a_limit_to_benchmark(tmp_path):
+    with open_store(tmp_path / "few.sqlite") as few:
+        few.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS, sizes=[3, 8]))
+        with pytest.raises(MissingMeasurementsError, match="policy fit"):
+            tuner.measurements(few, ENV, FWD, "fit")
+    with pytest.raises(MucudnnError, match="workspace limit"):
+        tuner.benchmark([FWD], "fit", store=tmp_path / "s.sqlite")

@@ -7,9 +7,9 @@
 
 from .dp import best_plan, pareto_plans
 from .ilp import SolverError, network_time, network_workspace, solve_budget
-from .kernel_plan import KernelPlan, Piece, Policy, candidate_sizes
+from .kernel_plan import KernelPlan, Piece, Policy, candidate_sizes, fit_sizes
 
 __all__ = [
-    "KernelPlan", "Piece", "Policy", "SolverError", "best_plan", "candidate_sizes",
+    "KernelPlan", "Piece", "Policy", "SolverError", "best_plan", "candidate_sizes", "fit_sizes",
     "network_time", "network_workspace", "pareto_plans", "solve_budget",
 ]

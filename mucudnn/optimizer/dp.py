@@ -109,6 +109,8 @@ def _read_table(measurements: Iterable[Measurement], n: int, policy: Policy | st
     policy = Policy(policy)
     sizes = set(candidate_sizes(policy, n))
     rows = list(measurements)
+    if policy is Policy.FIT:  # its extra sizes are whatever fit_sizes had measured
+        sizes |= {row.batch for row in rows if row.batch <= n}
     if not rows:
         raise MissingMeasurementsError(f"no measurements given to plan n={n}")
     keys = sorted({row.key for row in rows})

@@ -20,10 +20,14 @@ class Policy(str, enum.Enum):
     UNDIVIDED = "undivided"       # {n}: what cuDNN does on its own
     POWER_OF_TWO = "powerOfTwo"   # {1, 2, 4, ...} up to n, and n itself
     ALL = "all"                   # {1, ..., n}
+    # powerOfTwo, plus each configuration's largest size within a workspace limit (fit_sizes):
+    # most of what `all` gains, at a few sizes more per kernel
+    FIT = "fit"
 
 
 def candidate_sizes(policy: Policy | str, n: int) -> list[int]:
-    """The micro-batch sizes ``policy`` allows for a mini-batch of ``n``, ascending."""
+    """The micro-batch sizes ``policy`` needs measured for a mini-batch of ``n``, ascending
+    (``fit`` plans may use any other measured size too)."""
     policy = Policy(policy)
     if n < 1:
         raise ValueError(f"mini-batch size n must be >= 1, got {n}")
@@ -33,6 +37,37 @@ def candidate_sizes(policy: Policy | str, n: int) -> list[int]:
         return list(range(1, n + 1))
     powers = {1 << i for i in range(n.bit_length()) if 1 << i <= n}
     return sorted(powers | {n})
+
+
+def largest_fitting_size(workspace_at: dict[int, int], limit: int) -> int | None:
+    """The largest batch size whose workspace is within ``limit``, for one configuration measured
+    at the sizes of ``workspace_at`` (size -> bytes): between two measured sizes the workspace is
+    taken as linear. None if no measured size fits; a measured size if the next one fits too."""
+    sizes = sorted(workspace_at)
+    best = None
+    for small, large in zip(sizes, sizes[1:] + [None]):
+        if workspace_at[small] > limit:
+            break
+        best = small
+        if large is None or workspace_at[large] <= limit:
+            continue
+        per_sample = (workspace_at[large] - workspace_at[small]) / (large - small)
+        best = min(large - 1, small + int((limit - workspace_at[small]) // per_sample))
+        break
+    return best
+
+
+def fit_sizes(rows, n: int, limit: int) -> list[int]:
+    """The sizes policy ``fit`` adds for a kernel at ``n``: each configuration's (algorithm and
+    math type) :func:`largest_fitting_size` from its OK ``rows`` (Measurements), where that is not
+    a power of two already, ascending."""
+    by_config: dict[tuple, dict[int, int]] = {}
+    for row in rows:
+        if row.ok and row.batch <= n:
+            by_config.setdefault((row.algo, row.math), {})[row.batch] = row.workspace
+    base = set(candidate_sizes(Policy.POWER_OF_TWO, n))
+    found = {largest_fitting_size(sizes, limit) for sizes in by_config.values()}
+    return sorted(found - base - {None})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,8 +115,8 @@ static bool parse_header(parser *p, int header, const char *value) {
         break;
     case HEADER_POLICY:
         if (strcmp(value, "undivided") != 0 && strcmp(value, "powerOfTwo") != 0 &&
-            strcmp(value, "all") != 0)
-            return fail(p, "policy '%s' is not undivided, powerOfTwo or all", value);
+            strcmp(value, "all") != 0 && strcmp(value, "fit") != 0)
+            return fail(p, "policy '%s' is not undivided, powerOfTwo, all or fit", value);
         plan->policy = copy_string(value);
         break;
     }

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from mucudnn.errors import InfeasibleError, MissingMeasurementsError
 from mucudnn.measurement import Measurement, Status
-from mucudnn.optimizer import KernelPlan, Piece, Policy, best_plan, candidate_sizes
+from mucudnn.optimizer import KernelPlan, Piece, Policy, best_plan, candidate_sizes, fit_sizes
+from mucudnn.optimizer.kernel_plan import largest_fitting_size
 from optimizer_tables import (
     ALGOS, KEY, SMALL_TABLES, assert_plan_is_measured, brute_force_points, exact_times,
     float_times, lexicographic_min, timing_tables, usable_rows, workspace_limits,
@@ -35,6 +36,44 @@ def test_candidate_sizes_refuse_bad_arguments():
         candidate_sizes(Policy.ALL, 0)
     with pytest.raises(ValueError, match="halves"):
         candidate_sizes("halves", 8)
+
+
+# -- policy fit ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("workspace_at, limit, largest", [
+    ({1: 10, 2: 20, 4: 40}, 35, 3),        # linear between 2 and 4: 3 samples take 30 bytes
+    ({1: 10, 2: 20, 4: 40}, 40, 4),        # the largest measured size fits
+    ({1: 10, 2: 20, 4: 40}, 5, None),      # not even one sample
+    ({1: 0, 2: 0, 4: 0}, 0, 4),            # no workspace at all
+    ({1: 100, 2: 100, 4: 1000}, 550, 3),   # a fixed part, then 450 per sample
+    ({1: 10, 8: 80}, 79, 7),
+])
+def test_largest_fitting_size(workspace_at, limit, largest):
+    assert largest_fitting_size(workspace_at, limit) == largest
+
+
+def test_fit_adds_each_configurations_largest_fitting_size():
+    rows = [Measurement(KEY, b, algo, "fma", 1.0, per_sample * b)
+            for b in candidate_sizes(Policy.POWER_OF_TWO, 16)
+            for algo, per_sample in (("gemm", 0), ("fft", 10), ("winograd", 3))]
+    rows.append(Measurement(KEY, 16, "direct", "fma", math.nan, 0, Status.NOT_SUPPORTED))
+    # fft fits 5 samples in 50 bytes, winograd 16; gemm and winograd at powers of two already
+    assert fit_sizes(rows, 16, 50) == [5]
+    assert fit_sizes(rows, 16, 35) == [3, 11]
+    assert fit_sizes(rows, 8, 35) == [3]  # sizes are capped at the kernel's N
+
+
+def test_fit_plans_use_the_extra_sizes_measured():
+    per_sample = {"gemm": (1.0, 0), "fft": (0.25, 10)}  # ms, bytes per sample
+    sizes = candidate_sizes(Policy.POWER_OF_TWO, 15) + [5]
+    rows = [Measurement(KEY, b, algo, "fma", 0.1 + ms * b, ws * b)  # 0.1 ms per launch
+            for b in sizes for algo, (ms, ws) in per_sample.items()]
+    # fft fits 5 samples in 50 bytes: 3 pieces of 5, where powerOfTwo needs 4+4+4+2+1
+    fit = best_plan(rows, 15, 50, Policy.FIT)
+    assert [(p.batch, p.algo) for p in fit.pieces] == [(5, "fft")] * 3
+    pow2 = best_plan(rows, 15, 50, Policy.POWER_OF_TWO)
+    assert 5 not in {p.batch for p in pow2.pieces}
+    assert fit.time_ms < pow2.time_ms
 
 
 # -- plans ---------------------------------------------------------------------------------------
