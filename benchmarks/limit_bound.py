@@ -28,35 +28,31 @@ import re
 
 from mucudnn.config import load_config
 from mucudnn.optimizer import Policy, best_plan
+from mucudnn.optimizer.kernel_plan import largest_fitting_size
 from mucudnn.plan import read_recording
 from mucudnn.sizes import parse_size
 from mucudnn.tuner import measurements, open_measurements
 
 
 def fit_estimate(rows, n: int, limit: int) -> float:
-    """Best N-sample time over algorithms run at their largest fitting size (see module doc)."""
-    by_algo = collections.defaultdict(dict)
+    """Best N-sample time over configurations run at their largest fitting size (module doc)."""
+    by_config = collections.defaultdict(dict)
     for row in rows:
         if row.ok:
-            by_algo[(row.algo, row.math)][row.batch] = row
+            by_config[(row.algo, row.math)][row.batch] = row
     best = math.inf
-    for sizes in by_algo.values():
-        batches = sorted(sizes)
-        for small, large in zip(batches, batches[1:] + [None]):
-            lo = sizes[small]
-            if lo.workspace > limit:
-                break
-            best = min(best, lo.time_ms / small * n)
-            hi = sizes[large] if large else None
-            if hi is None or hi.workspace <= limit:
-                continue
-            per_sample_ws = (hi.workspace - lo.workspace) / (large - small)
-            fits = min(large - 1, small + int((limit - lo.workspace) // per_sample_ws))
-            if fits > small:
-                f = math.log(fits / small) / math.log(large / small)
-                per_sample = math.exp((1 - f) * math.log(lo.time_ms / small)
-                                      + f * math.log(hi.time_ms / large))
-                best = min(best, per_sample * n)
+    for at in by_config.values():
+        size = largest_fitting_size({b: r.workspace for b, r in at.items()}, limit)
+        if size is None:
+            continue
+        if size in at:
+            best = min(best, at[size].time_ms / size * n)
+            continue
+        small, large = max(b for b in at if b < size), min(b for b in at if b > size)
+        f = math.log(size / small) / math.log(large / small)
+        per_sample = math.exp((1 - f) * math.log(at[small].time_ms / small)
+                              + f * math.log(at[large].time_ms / large))
+        best = min(best, per_sample * n)
     return best
 
 
