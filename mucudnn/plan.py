@@ -280,7 +280,7 @@ def read_recording_weights(paths: Iterable[str | os.PathLike]) -> list[tuple[Con
 
 def _read_records(paths: Iterable[str | os.PathLike]) -> list[tuple[ConvProblem, int]]:
     """(problem, total calls) of every kernel line, first-seen order; calls 0 where none."""
-    seen: dict[tuple[str, int], list] = {}
+    seen: dict[tuple[str, int], ConvProblem] = {}
     calls: dict[tuple[str, int], int] = {}
     for path in paths:
         try:
@@ -306,5 +306,5 @@ def _read_records(paths: Iterable[str | os.PathLike]) -> list[tuple[ConvProblem,
                 problem = ConvProblem.from_key(fields[1], n)
             except KeyFormatError as exc:
                 raise PlanError(f"{where}: {exc}") from None
-            seen.setdefault((fields[1], n), [problem])
-    return [(entry[0], calls.get(key, 0)) for key, entry in seen.items()]
+            seen.setdefault((fields[1], n), problem)
+    return [(problem, calls.get(key, 0)) for key, problem in seen.items()]

@@ -58,8 +58,7 @@ def repetitions(probe_ms: float, method: TimingMethod) -> tuple[int, int]:
 
 def calls_made(call_ms: float, method: TimingMethod, cutoff_ms: float | None = None) -> int:
     """How many calls :func:`do_bench` makes of a function taking ``call_ms`` every time."""
-    first = 1 if method.warmup else 0
-    if cutoff_ms is not None and first and call_ms > method.cold_factor * cutoff_ms:
+    if cutoff_ms is not None and method.warmup and call_ms > method.cold_factor * cutoff_ms:
         return 1
     if cutoff_ms is not None and call_ms > cutoff_ms:
         return method.warmup + 1

@@ -26,6 +26,9 @@ from fakebuild import fake_cudnn_or_skip  # noqa: E402
 
 from mucudnn.engines import is_transform_based  # noqa: E402
 
+# PYTHONPATH for checks that run mucudnn.bench: the host-memory CuPy stand-in first
+WITH_FAKE_CUPY = f"{ROOT / 'tests' / 'fakecupy'}{os.pathsep}{ROOT}"
+
 
 @pytest.fixture(scope="module")
 def fake_cudnn(tmp_path_factory) -> Path:
@@ -246,7 +249,7 @@ def test_benchmarker_times_algorithms_and_engines_and_probes_dominated_ones_once
             result[str(factor)] = [
                 [r.batch, r.algo, r.status.value, r.workspace, r.note,
                  sorted(numerical_notes(r.note)), api_of(r.algo).value] for r in rows]
-    ''', PYTHONPATH=f"{ROOT / 'tests' / 'fakecupy'}{os.pathsep}{ROOT}")
+    ''', PYTHONPATH=WITH_FAKE_CUPY)
     full, pruned = result["None"], result["1e-09"]
     assert [r[:3] for r in full] == [r[:3] for r in pruned]
     assert {r[6] for r in full} == {"legacy", "graph"} and all(r[0] in (2, 8) for r in full)
@@ -286,7 +289,7 @@ def test_benchmark_fit_measures_each_configurations_largest_fitting_size(fake_cu
             plan = tuner.optimize([problem], workspace_limit=limit, policy="fit", store=st,
                                   env=env)
             result["plan_sizes"] = sorted({{p.batch for e in plan for p in e.pieces}})
-    ''', PYTHONPATH=f"{ROOT / 'tests' / 'fakecupy'}{os.pathsep}{ROOT}")
+    ''', PYTHONPATH=WITH_FAKE_CUPY)
     assert result["expected_extra"], "the double's workspaces give no size to add: nothing checked"
     assert result["sizes"] == sorted({1, 2, 4, 8} | set(result["expected_extra"]))
     assert set(result["plan_sizes"]) <= set(result["sizes"])

@@ -32,28 +32,35 @@ static void write_record_line(const char *line, size_t length) {
     }
 }
 
-static void print_summary(void) {
-    mu_log_summary("%-12s %-12s %6s  %s", "planned", "passthrough", "N", "kernel");
+static void for_each_seen(void (*visit)(const mu_seen *seen)) {
     for (size_t b = 0; b < SEEN_BUCKETS; b++)
         for (mu_seen *seen = atomic_load(&seen_buckets[b]); seen; seen = atomic_load(&seen->next_in_bucket))
-            mu_log_summary("%-12lu %-12lu %6d  %s", atomic_load(&seen->planned_calls),
-                           atomic_load(&seen->passthrough_calls), seen->n, seen->key);
+            visit(seen);
+}
+
+static void print_summary_line(const mu_seen *seen) {
+    mu_log_summary("%-12lu %-12lu %6d  %s", atomic_load(&seen->planned_calls),
+                   atomic_load(&seen->passthrough_calls), seen->n, seen->key);
+}
+
+static void print_summary(void) {
+    mu_log_summary("%-12s %-12s %6s  %s", "planned", "passthrough", "N", "kernel");
+    for_each_seen(print_summary_line);
     mu_log_summary("%-12d %-12lu %6s  %s", 0, atomic_load(&unkeyed_calls), "-",
                    "(calls without a kernel key)");
 }
 
 /* At exit: how often each kernel ran, so that the tuner weighs kernels as the framework runs them
  * (a network's repeated layers are one kernel). Kernels only queried, never run, get no line. */
-static void write_call_counts(void) {
+static void write_call_count(const mu_seen *seen) {
+    unsigned long calls = atomic_load(&seen->planned_calls) + atomic_load(&seen->passthrough_calls);
+    if (calls == 0) return;
     char line[MU_KEY_MAX + 64];
-    for (size_t b = 0; b < SEEN_BUCKETS; b++)
-        for (mu_seen *seen = atomic_load(&seen_buckets[b]); seen; seen = atomic_load(&seen->next_in_bucket)) {
-            unsigned long calls = atomic_load(&seen->planned_calls) + atomic_load(&seen->passthrough_calls);
-            if (calls == 0) continue;
-            int length = snprintf(line, sizeof line, "calls %s %d %lu\n", seen->key, seen->n, calls);
-            if (length > 0 && (size_t)length < sizeof line) write_record_line(line, (size_t)length);
-        }
+    int length = snprintf(line, sizeof line, "calls %s %d %lu\n", seen->key, seen->n, calls);
+    if (length > 0 && (size_t)length < sizeof line) write_record_line(line, (size_t)length);
 }
+
+static void write_call_counts(void) { for_each_seen(write_call_count); }
 
 void mu_record_init(void) {
     const char *path = mu_option_path(MU_OPT_RECORD);
