@@ -10,6 +10,12 @@ For each kernel of a recording, from the stored measurements (powerOfTwo sizes):
   measured sizes around it, times N. Per-sample time falls with the batch, so this is what
   ``all`` could reach without measuring 256 sizes per algorithm.
 
+- ``borrow~`` (``--borrow-output``): the best plan of ``--policy``'s stored sizes if forward and
+  backward-data pieces (beta = 0) could also use the part of their output tensor that later pieces
+  have not written yet as workspace: a piece of ``b`` samples with ``r`` samples still to run after
+  it gets ``max(limit, r x output bytes per sample)``. Not built (benchmarks/NOTES.md): an estimate
+  of what that would gain, with no extra memory.
+
 Sums count each kernel as often as the network runs it (``--config``: the layer counts of a
 shipped network config, matched by geometry; a recording lists each kernel once). They bound the
 step time: ``uncapped step + (fit - uncapped)`` is roughly the best a plan at this limit can do,
@@ -56,6 +62,33 @@ def fit_estimate(rows, n: int, limit: int) -> float:
     return best
 
 
+def output_bytes_per_sample(problem) -> int:
+    """Bytes per sample of the tensor a forward or backward-data call writes (0 otherwise)."""
+    if problem.direction.value == "fwd":
+        return math.prod(problem.y_shape[1:]) * problem.dtype.itemsize
+    if problem.direction.value == "bwd_data":
+        return math.prod(problem.x_shape[1:]) * problem.dtype.itemsize
+    return 0
+
+
+def borrow_estimate(rows, n: int, limit: int, per_sample: int) -> float:
+    """Fastest plan for ``n`` from ``rows`` (any stored size) when a piece of ``b`` samples, with
+    ``r`` samples left after it, may use ``max(limit, r * per_sample)`` bytes of workspace."""
+    by_size = collections.defaultdict(list)
+    for row in rows:
+        if row.ok:
+            by_size[row.batch].append(row)
+    best = [0.0] + [math.inf] * n  # best[m]: the last m samples
+    for m in range(1, n + 1):
+        for b, at in by_size.items():
+            if b <= m:
+                room = max(limit, (m - b) * per_sample)
+                fitting = [r.time_ms for r in at if r.workspace <= room]
+                if fitting:
+                    best[m] = min(best[m], min(fitting) + best[m - b])
+    return best[n]
+
+
 def geometry(key: str) -> str:
     """A kernel key without its math type: configs say fma, TF32 recordings default."""
     return re.sub(r"math=[a-z_]+", "math=*", key)
@@ -69,6 +102,10 @@ def main() -> int:
     ap.add_argument("--api", default="both")
     ap.add_argument("--config", help="network config whose layer counts weight the sums")
     ap.add_argument("--uncapped-step-ms", type=float)
+    ap.add_argument("--policy", default="powerOfTwo", choices=("powerOfTwo", "fit"),
+                    help="stored sizes the plan (and --borrow-output) may use")
+    ap.add_argument("--borrow-output", action="store_true",
+                    help="add the borrow~ estimate (module doc)")
     args = ap.parse_args()
     limit = parse_size(args.limit)
     store, env = open_measurements(args.store)
@@ -76,24 +113,31 @@ def main() -> int:
     if args.config:
         counts = {geometry(p.key): w for p, w in load_config(args.config).kernels()}
     totals = collections.Counter()
-    print(f"{'kernel':54s} {'count':>5s} {'uncapped':>9s} {'plan':>9s} {'fit~':>9s}  (ms, at N)")
+    policy = Policy(args.policy)
+    columns = ["uncapped", "plan", "fit"] + (["borrow"] if args.borrow_output else [])
+    print(f"{'kernel':54s} {'count':>5s} " + " ".join(f"{c + ('~' if c in ('fit', 'borrow') else ''):>9s}"
+                                               for c in columns) + "  (ms, at N)")
     with store:
         for problem in read_recording(args.recordings):
-            rows = measurements(store, env, problem, Policy.POWER_OF_TWO, args.api)
+            rows = measurements(store, env, problem, policy, args.api)
             ok = [r for r in rows if r.ok]
             times = {"uncapped": min(r.time_ms for r in ok if r.batch == problem.n),
-                     "plan": best_plan(rows, problem.n, limit, Policy.POWER_OF_TWO).time_ms,
+                     "plan": best_plan(rows, problem.n, limit, policy).time_ms,
                      "fit": fit_estimate(rows, problem.n, limit)}
             times["fit"] = min(times["fit"], times["plan"])
+            if args.borrow_output:
+                times["borrow"] = borrow_estimate(rows, problem.n, limit,
+                                                  output_bytes_per_sample(problem))
             count = counts.get(geometry(problem.key), 1)
             totals.update({what: t * count for what, t in times.items()})
             name = (f"{problem.direction.value} c{problem.c} "
                     f"{'x'.join(map(str, problem.input_size))} k{problem.k} "
                     f"f{'x'.join(map(str, problem.filter_size))} s{problem.stride[0]}")
-            print(f"{name:54s} {count:5d} {times['uncapped']:9.3f} {times['plan']:9.3f} {times['fit']:9.3f}")
-    print(f"{'sum, each kernel as often as it runs':60s} {totals['uncapped']:9.2f} {totals['plan']:9.2f} {totals['fit']:9.2f}")
+            print(f"{name:54s} {count:5d} " + " ".join(f"{times[c]:9.3f}" for c in columns))
+    print(f"{'sum, each kernel as often as it runs':60s} "
+          + " ".join(f"{totals[c]:9.2f}" for c in columns))
     if args.uncapped_step_ms:
-        for what in ("plan", "fit"):
+        for what in columns[1:]:
             step = args.uncapped_step_ms + totals[what] - totals["uncapped"]
             print(f"step with the {what} kernels' extra time: {step:.1f} ms "
                   f"({step / args.uncapped_step_ms:.3f}x uncapped)")
