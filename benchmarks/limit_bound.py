@@ -1,6 +1,7 @@
 """How close to uncapped can any micro-batch plan get under a workspace limit? (from the store)
 
-For each kernel of a recording, from the stored measurements (powerOfTwo sizes):
+For each kernel of a recording, from the stored measurements (``--policy``'s sizes: powerOfTwo, or
+every stored size with fit):
 
 - ``uncapped``: the fastest row at the kernel's N, any workspace (what an uncapped run can pick);
 - ``plan``: the WR powerOfTwo plan the tuner computes at the limit;
@@ -36,6 +37,7 @@ from mucudnn.config import load_config
 from mucudnn.optimizer import Policy, best_plan
 from mucudnn.optimizer.kernel_plan import largest_fitting_size
 from mucudnn.plan import read_recording
+from mucudnn.problem import Direction
 from mucudnn.sizes import parse_size
 from mucudnn.tuner import measurements, open_measurements
 
@@ -64,9 +66,9 @@ def fit_estimate(rows, n: int, limit: int) -> float:
 
 def output_bytes_per_sample(problem) -> int:
     """Bytes per sample of the tensor a forward or backward-data call writes (0 otherwise)."""
-    if problem.direction.value == "fwd":
+    if problem.direction is Direction.FORWARD:
         return math.prod(problem.y_shape[1:]) * problem.dtype.itemsize
-    if problem.direction.value == "bwd_data":
+    if problem.direction is Direction.BACKWARD_DATA:
         return math.prod(problem.x_shape[1:]) * problem.dtype.itemsize
     return 0
 
