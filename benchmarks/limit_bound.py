@@ -4,7 +4,7 @@ For each kernel of a recording, from the stored measurements (``--policy``'s siz
 every stored size with fit):
 
 - ``uncapped``: the fastest row at the kernel's N, any workspace (what an uncapped run can pick);
-- ``plan``: the WR powerOfTwo plan the tuner computes at the limit;
+- ``plan``: the WR plan (of ``--policy``) the tuner computes at the limit;
 - ``fit``: an estimate of the best plan with *any* micro-batch size (policy ``all``): for every
   algorithm, the largest size whose workspace fits the limit (workspace grows linearly with the
   batch between measured sizes), its time per sample interpolated log-linearly between the
