@@ -11,11 +11,10 @@ every stored size with fit):
   measured sizes around it, times N. Per-sample time falls with the batch, so this is what
   ``all`` could reach without measuring 256 sizes per algorithm.
 
-- ``borrow~`` (``--borrow-output``): the best plan of ``--policy``'s stored sizes if forward and
-  backward-data pieces (beta = 0) could also use the part of their output tensor that later pieces
-  have not written yet as workspace: a piece of ``b`` samples with ``r`` samples still to run after
-  it gets ``max(limit, r x output bytes per sample)``. Not built (benchmarks/NOTES.md): an estimate
-  of what that would gain, with no extra memory.
+- ``borrow`` (``--borrow-output``): the plan ``tune --borrow-output`` computes: forward and
+  backward-data pieces may also use the part of their output tensor that later pieces have not
+  written yet as workspace (a piece of ``b`` samples with ``r`` samples still to run after it gets
+  ``max(limit, r x output bytes per sample)``), with no memory beyond the limit.
 
 Sums count each kernel as often as the network runs it (``--config``: the layer counts of a
 shipped network config, matched by geometry; a recording lists each kernel once). They bound the
@@ -37,7 +36,6 @@ from mucudnn.config import load_config
 from mucudnn.optimizer import Policy, best_plan
 from mucudnn.optimizer.kernel_plan import largest_fitting_size
 from mucudnn.plan import read_recording
-from mucudnn.problem import Direction
 from mucudnn.sizes import parse_size
 from mucudnn.tuner import measurements, open_measurements
 
@@ -64,33 +62,6 @@ def fit_estimate(rows, n: int, limit: int) -> float:
     return best
 
 
-def output_bytes_per_sample(problem) -> int:
-    """Bytes per sample of the tensor a forward or backward-data call writes (0 otherwise)."""
-    if problem.direction is Direction.FORWARD:
-        return math.prod(problem.y_shape[1:]) * problem.dtype.itemsize
-    if problem.direction is Direction.BACKWARD_DATA:
-        return math.prod(problem.x_shape[1:]) * problem.dtype.itemsize
-    return 0
-
-
-def borrow_estimate(rows, n: int, limit: int, per_sample: int) -> float:
-    """Fastest plan for ``n`` from ``rows`` (any stored size) when a piece of ``b`` samples, with
-    ``r`` samples left after it, may use ``max(limit, r * per_sample)`` bytes of workspace."""
-    by_size = collections.defaultdict(list)
-    for row in rows:
-        if row.ok:
-            by_size[row.batch].append(row)
-    best = [0.0] + [math.inf] * n  # best[m]: the last m samples
-    for m in range(1, n + 1):
-        for b, at in by_size.items():
-            if b <= m:
-                room = max(limit, (m - b) * per_sample)
-                fitting = [r.time_ms for r in at if r.workspace <= room]
-                if fitting:
-                    best[m] = min(best[m], min(fitting) + best[m - b])
-    return best[n]
-
-
 def geometry(key: str) -> str:
     """A kernel key without its math type: configs say fma, TF32 recordings default."""
     return re.sub(r"math=[a-z_]+", "math=*", key)
@@ -107,7 +78,7 @@ def main() -> int:
     ap.add_argument("--policy", default="powerOfTwo", choices=("powerOfTwo", "fit"),
                     help="stored sizes the plan (and --borrow-output) may use")
     ap.add_argument("--borrow-output", action="store_true",
-                    help="add the borrow~ estimate (module doc)")
+                    help="add the borrow column (module doc)")
     args = ap.parse_args()
     limit = parse_size(args.limit)
     store, env = open_measurements(args.store)
@@ -117,7 +88,7 @@ def main() -> int:
     totals = collections.Counter()
     policy = Policy(args.policy)
     columns = ["uncapped", "plan", "fit"] + (["borrow"] if args.borrow_output else [])
-    print(f"{'kernel':54s} {'count':>5s} " + " ".join(f"{c + ('~' if c in ('fit', 'borrow') else ''):>9s}"
+    print(f"{'kernel':54s} {'count':>5s} " + " ".join(f"{c + ('~' if c == 'fit' else ''):>9s}"
                                                for c in columns) + "  (ms, at N)")
     with store:
         for problem in read_recording(args.recordings):
@@ -128,8 +99,8 @@ def main() -> int:
                      "fit": fit_estimate(rows, problem.n, limit)}
             times["fit"] = min(times["fit"], times["plan"])
             if args.borrow_output:
-                times["borrow"] = borrow_estimate(rows, problem.n, limit,
-                                                  output_bytes_per_sample(problem))
+                times["borrow"] = best_plan(rows, problem.n, limit, policy,
+                                            borrow_sample_bytes=problem.written_sample_bytes).time_ms
             count = counts.get(geometry(problem.key), 1)
             totals.update({what: t * count for what, t in times.items()})
             name = (f"{problem.direction.value} c{problem.c} "

@@ -201,7 +201,7 @@ def split_kernels(log_path: str) -> int:
 def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str,
                  precise: bool = False, path: str = "legacy", dtype: str = "fp32",
                  bench_args: tuple[str, ...] = (), double: bool = False,
-                 batch: int = 256) -> tuple[str, dict]:
+                 batch: int = 256, tune_args: tuple[str, ...] = ()) -> tuple[str, dict]:
     """Record ``model`` under the shim at ``batch``, benchmark what it ran, tune a WR plan."""
     # float64 kernels are other problems than fp32 ones: their files must not collide
     numerics = "f64" if double else dtype if dtype != "fp32" else "tf32" if tf32 else "fp32"
@@ -218,10 +218,11 @@ def prepare_plan(model: str, out: Path, tf32: bool, limit: str, policy: str,
     bench_s = time.perf_counter() - t0
     if bench.returncode != 0:
         raise RuntimeError(f"bench failed: {bench.stderr[-2000:]}")
-    plan = out / f"{tag}-{limit}-{policy}{'-precise' if precise else ''}.plan"
+    flags = [*(["--precise"] if precise else []), *tune_args]
+    suffix = "".join("-" + flag.lstrip("-") for flag in flags if flag.startswith("--"))
+    plan = out / f"{tag}-{limit}-{policy}{suffix}.plan"
     tune = subprocess.run(MU + ["tune", "--recording", str(record), "--workspace-limit", limit,
-                                "--policy", policy, "-o", str(plan)]
-                          + (["--precise"] if precise else []),
+                                "--policy", policy, "-o", str(plan), *flags],
                           capture_output=True, text=True)
     if tune.returncode != 0:
         raise RuntimeError(f"tune failed: {tune.stderr[-2000:]}")
@@ -242,13 +243,14 @@ def driver(args) -> int:
     capped = ({"CUDNN_CONV_WSCAP_DBG": str(args.cap_mib)}, False, None) if args.path == "legacy" \
         else ({}, True, args.limit)
     bench_args = tuple(args.bench_args.split()) if args.bench_args else ()
+    tune_args = tuple(args.tune_args.split())
     for model in args.models:
         r = report["models"][model] = {}
         try:
             if args.skip_timing:
                 raise _Skipped("timing skipped (--skip-timing)")
             plan, info = prepare_plan(model, out, True, args.limit, args.policy, **paths,
-                                      bench_args=bench_args)
+                                      bench_args=bench_args, tune_args=tune_args)
             r["prepare_tf32"] = info
             timing = {
                 "uncapped": run_worker(model, {}, tf32=True, shim=False),
@@ -280,7 +282,7 @@ def driver(args) -> int:
             if args.skip_grads:  # not `continue`: the float64 check below runs regardless
                 raise _Skipped("gradient checks skipped (--skip-grads)")
             plan32, info = prepare_plan(model, out, False, args.limit, args.policy, args.precise,
-                                        **paths, bench_args=bench_args)
+                                        **paths, bench_args=bench_args, tune_args=tune_args)
             r["prepare_fp32"] = info
             checks = {}
             scratch = Path(tempfile.mkdtemp())  # gradients are large: never under --out
@@ -327,7 +329,7 @@ def double_check(model: str, r: dict, args, out: Path, paths: dict,
         # few engines handle float64: legacy algorithms are enough, and cheaper to benchmark
         plan64, info = prepare_plan(model, out, False, args.double_limit, args.policy, **paths,
                                     bench_args=("--api", "legacy", *bench_args), double=True,
-                                    batch=args.double_batch)
+                                    batch=args.double_batch, tune_args=tuple(args.tune_args.split()))
         r["prepare_f64"] = info
         ref, got = str(scratch / f"{model}-f64-ref.pt"), str(scratch / f"{model}-f64-shim.pt")
         log = str(out / f"{model}-f64-shim.log")
@@ -407,6 +409,8 @@ def main() -> int:
                    help="PyTorch's cuDNN path: legacy API, or the default graph API")
     d.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
     d.add_argument("--bench-args", default="", help="extra arguments of `mucudnn bench`")
+    d.add_argument("--tune-args", default="",
+                   help="extra arguments of `mucudnn tune` for every plan, e.g. --borrow-output")
     d.add_argument("--skip-timing", action="store_true")
     d.add_argument("--precise", action="store_true",
                    help="gradient checks with plans free of FFT/Winograd algorithms")

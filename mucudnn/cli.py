@@ -113,6 +113,9 @@ def bench(config, recordings, policy, workspace_limit, api, remeasure, no_prune,
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
 @click.option("--precise", is_flag=True,
               help="no FFT/Winograd algorithms (fp32 results stay near GEMM accuracy)")
+@click.option("--borrow-output", is_flag=True,
+              help="WR: forward and backward-data pieces may use the part of their output that "
+                   "later pieces write as workspace (faster under a tight limit, no more memory)")
 @click.option("--exclude-algo", "exclude", multiple=True, metavar="NAME",
               help="never use this algorithm or engine configuration (repeatable), e.g. "
                    "fft_tiling or eng0")
@@ -125,8 +128,8 @@ def bench(config, recordings, policy, workspace_limit, api, remeasure, no_prune,
                             "store's only one)")
 @click.option("--cudnn", "cudnn_version", type=int, help="cuDNN version of the measurements")
 @store_option
-def tune(config, recordings, workspace_limit, total_workspace, policy, precise, exclude, api,
-         output, gpu, cudnn_version, store_path):
+def tune(config, recordings, workspace_limit, total_workspace, policy, precise, borrow_output,
+         exclude, api, output, gpu, cudnn_version, store_path):
     """Compute the fastest micro-batch plan of each kernel and write a plan file."""
     from .bench import Environment
     from .plan import write_plan
@@ -135,13 +138,15 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, precise, 
         raise click.UsageError("give exactly one of --workspace-limit and --total-workspace")
     if (gpu is None) != (cudnn_version is None):
         raise click.UsageError("--gpu and --cudnn go together")
+    if borrow_output and total_workspace is not None:
+        raise click.UsageError("--borrow-output goes with --workspace-limit, not --total-workspace")
     source = _kernels(config, recordings)
     env = Environment(gpu, cudnn_version) if gpu else None
     store, env = open_measurements(store_path, env)
     with store:
         plan = optimize(source, workspace_limit=workspace_limit,
                         total_workspace=total_workspace, policy=policy, store=store, env=env,
-                        exclude=exclude, precise=precise, api=api)
+                        exclude=exclude, precise=precise, api=api, borrow_output=borrow_output)
     write_plan(plan, output)
     kernels = as_kernels(source)
     divided = sum(1 for e in plan if e.is_divided)
@@ -254,6 +259,7 @@ def run(plan_path, workspace_limit, log_level, summary, command):
               help="each convolution within this workspace")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
 @click.option("--precise", is_flag=True, help="no FFT/Winograd algorithms")
+@click.option("--borrow-output", is_flag=True, help="as in `tune`")
 @click.option("--api", type=APIS, default="both", show_default=True,
               help="benchmark and plan with legacy algorithms, graph-API engine configurations, "
                    "or both")
@@ -264,8 +270,8 @@ def run(plan_path, workspace_limit, log_level, summary, command):
                    "COMMAND itself")
 @store_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def autotune(workspace_limit, policy, precise, api, plan_path, record_command, store_path,
-             command):
+def autotune(workspace_limit, policy, precise, borrow_output, api, plan_path, record_command,
+             store_path, command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go."""
     from .plan import read_recording_weights, write_plan
@@ -284,7 +290,7 @@ def autotune(workspace_limit, policy, precise, api, plan_path, record_command, s
     benchmark(kernels, policy, store=store_path, api=api, workspace_limit=workspace_limit)
     click.echo("mucudnn: 3/4 tuning", err=True)
     plan = optimize(kernels, workspace_limit=workspace_limit, policy=policy, store=store_path,
-                    precise=precise, api=api)
+                    precise=precise, api=api, borrow_output=borrow_output)
     write_plan(plan, plan_path)
     divided = sum(1 for e in plan if e.is_divided)
     click.echo(f"mucudnn: wrote {plan_path}: {len(plan)} kernels ({divided} micro-batched)",

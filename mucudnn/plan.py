@@ -15,7 +15,7 @@ from typing import Iterable
 
 from .engines import Api, api_of, parse_engine_name
 from .errors import EngineNameError, KeyFormatError, PlanError
-from .problem import ALGORITHMS, ConvProblem, MathType
+from .problem import ALGORITHMS, ConvProblem, Direction, MathType
 
 FORMAT_VERSION = 1
 MAGIC = "mucudnn-plan"
@@ -27,11 +27,16 @@ POLICIES = ("undivided", "powerOfTwo", "all", "fit")
 @dataclasses.dataclass(frozen=True)
 class PlanPiece:
     """``batch`` consecutive samples run with one algorithm and math type, or with one engine
-    configuration of the graph API (``algo`` an engine name, mucudnn.engines)."""
+    configuration of the graph API (``algo`` an engine name, mucudnn.engines).
+
+    ``borrow``: the piece's workspace is the part of the output tensor that the pieces after it
+    have not written yet, not the caller's workspace (forward and backward-data, beta = 0;
+    docs/plan-format.md)."""
 
     batch: int
     algo: str
     math: MathType
+    borrow: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "math", MathType(self.math))
@@ -43,8 +48,13 @@ class PlanPiece:
         return api_of(self.algo)
 
     def __str__(self) -> str:
-        """The plan-file form ``B:ALGO:MATH`` (docs/plan-format.md)."""
-        return f"{self.batch}:{self.algo}:{self.math.value}"
+        """The plan-file form ``B:ALGO:MATH``, or ``B:ALGO:MATH:out`` when it borrows
+        (docs/plan-format.md)."""
+        return f"{self.batch}:{self.algo}:{self.math.value}" + (f":{BORROW_MARK}" if self.borrow else "")
+
+
+#: The suffix of a piece that borrows the output's unwritten part as its workspace.
+BORROW_MARK = "out"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +80,7 @@ class PlanEntry:
         """From an optimizer ``KernelPlan`` (key, n, pieces with batch/algo/math/workspace)."""
         return cls(
             key=plan.key, n=plan.n, workspace=plan.workspace, time_ms=plan.time_ms,
-            pieces=tuple(PlanPiece(p.batch, p.algo, p.math) for p in plan.pieces),
+            pieces=tuple(PlanPiece(p.batch, p.algo, p.math, borrow=p.borrow) for p in plan.pieces),
         )
 
 
@@ -236,9 +246,13 @@ def _parse_kernel(rest: str, where: str) -> PlanEntry:
 
 def _parse_piece(text: str, problem: ConvProblem, where: str) -> PlanPiece:
     parts = text.split(":")
-    if len(parts) != 3:
-        raise PlanError(f"{where}: piece {text!r} is not B:ALGO:MATH")
-    batch_text, algo, math_text = parts
+    borrow = len(parts) == 4 and parts[3] == BORROW_MARK
+    if len(parts) != 3 and not borrow:
+        raise PlanError(f"{where}: piece {text!r} is not B:ALGO:MATH or B:ALGO:MATH:{BORROW_MARK}")
+    if borrow and problem.direction is Direction.BACKWARD_FILTER:
+        raise PlanError(f"{where}: piece {text!r}: only fwd and bwd_data pieces can borrow their "
+                        f"output as workspace (':{BORROW_MARK}'); bwd_filter accumulates into its")
+    batch_text, algo, math_text = parts[:3]
     batch = _int(batch_text, f"piece {text!r} batch", where, 1)
     if api_of(algo) is Api.GRAPH:
         try:
@@ -254,7 +268,7 @@ def _parse_piece(text: str, problem: ConvProblem, where: str) -> PlanPiece:
     except ValueError:
         raise PlanError(f"{where}: piece {text!r}: unknown math type {math_text!r} (expected one of "
                         + ", ".join(m.value for m in MathType) + ")") from None
-    return PlanPiece(batch, algo, math)
+    return PlanPiece(batch, algo, math, borrow=borrow)
 
 
 # -- record files (written by the shim) ----------------------------------------------------------

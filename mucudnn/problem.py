@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Iterable
 
 from .errors import KeyFormatError
@@ -181,6 +182,16 @@ class ConvProblem:
         for o in self.output_size:
             out *= o
         return per_out * out
+
+    @property
+    def written_sample_bytes(self) -> int:
+        """Bytes per sample of the tensor this direction writes along N: y for forward, x for
+        backward-data; 0 for backward-filter, whose output (the filter gradient) has no N."""
+        if self.direction is Direction.FORWARD:
+            return math.prod(self.y_shape[1:]) * self.dtype.itemsize
+        if self.direction is Direction.BACKWARD_DATA:
+            return math.prod(self.x_shape[1:]) * self.dtype.itemsize
+        return 0
 
     def with_n(self, n: int) -> "ConvProblem":
         return dataclasses.replace(self, n=n)

@@ -175,7 +175,7 @@ def measurements(store, env: Environment, problem: ConvProblem, policy: Policy |
 def optimize(source, workspace_limit=None, total_workspace=None,
              policy: Policy | str = Policy.POWER_OF_TWO, store=None,
              env: Environment | None = None, exclude: Sequence[str] = (),
-             precise: bool = False, api: str = "both") -> Plan:
+             precise: bool = False, api: str = "both", borrow_output: bool = False) -> Plan:
     """A plan for every kernel of ``source``.
 
     Exactly one of ``workspace_limit`` (WR: each kernel within this many bytes) and
@@ -183,10 +183,16 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     may be strings like ``"64MiB"``. Algorithms and engine configurations named in ``exclude`` are
     never used; ``precise`` also excludes the transform-based ones (:func:`is_transform_based`).
     ``api`` limits the pieces to one cuDNN API: ``"legacy"`` for plans the shim runs on the legacy
-    path, ``"graph"``, or ``"both"`` (every stored row).
+    path, ``"graph"``, or ``"both"`` (every stored row). ``borrow_output`` (WR only) lets forward
+    and backward-data pieces over the limit use the part of their output that later pieces will
+    write as their workspace (:func:`best_plan`): no memory beyond the limit, only the order of the
+    pieces is fixed, and the shim runs such a plan only for calls with beta = 0.
     """
     if (workspace_limit is None) == (total_workspace is None):
         raise MucudnnError("give exactly one of workspace_limit (WR) and total_workspace (WD)")
+    if borrow_output and total_workspace is not None:
+        raise MucudnnError("borrow_output works with a workspace limit per kernel (WR), "
+                           "not with total_workspace (WD)")
     policy = Policy(policy)
     kernels = as_kernels(source)
     banned = set(exclude)
@@ -199,7 +205,9 @@ def optimize(source, workspace_limit=None, total_workspace=None,
                 for p, _ in kernels}
     if workspace_limit is not None:
         limit = parse_size(workspace_limit)
-        plans = [best_plan(rows[(p.key, p.n)], p.n, limit, policy) for p, _ in kernels]
+        plans = [best_plan(rows[(p.key, p.n)], p.n, limit, policy,
+                           borrow_sample_bytes=p.written_sample_bytes if borrow_output else 0)
+                 for p, _ in kernels]
         strategy = "wr"
     else:
         limit = parse_size(total_workspace)

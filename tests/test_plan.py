@@ -51,10 +51,11 @@ engine_names = st.builds(
 def entries(draw) -> PlanEntry:
     kernel = problem(draw(st.sampled_from(Direction)), draw(st.integers(0, len(GEOMETRIES) - 1)))
     batches = draw(st.lists(st.integers(1, 64), min_size=1, max_size=6))
+    can_borrow = kernel.direction is not Direction.BACKWARD_FILTER
     pieces = tuple(
         PlanPiece(batch, draw(st.one_of(st.sampled_from(ALGORITHMS[kernel.direction]),
                                         engine_names)),
-                  draw(st.sampled_from(MathType)))
+                  draw(st.sampled_from(MathType)), borrow=can_borrow and draw(st.booleans()))
         for batch in batches
     )
     return PlanEntry(key=kernel.key, n=sum(batches), workspace=draw(st.integers(0, 1 << 40)),
@@ -393,3 +394,19 @@ def test_malformed_recording_line_names_file_and_line(tmp_path, bad, reason):
 def test_missing_recording_names_the_path(tmp_path):
     with pytest.raises(PlanError, match=re.escape(str(tmp_path / "absent.record"))):
         read_recording([tmp_path / "absent.record"])
+
+
+def test_borrowing_pieces_read_and_write_with_their_mark():
+    plan = read_plan(PLAN_DIR / "valid_borrow.plan")
+    (entry,) = plan
+    assert [piece.borrow for piece in entry.pieces] == [True, True, False]
+    assert [str(piece) for piece in entry.pieces] == [
+        "4:gemm:fma:out", "2:gemm:fma:out", "2:implicit_gemm:fma"]
+    assert entry.workspace == 0
+
+
+def test_only_forward_and_backward_data_pieces_borrow():
+    with pytest.raises(PlanError, match="only fwd and bwd_data pieces can borrow"):
+        read_plan(PLAN_DIR / "invalid_borrow_bwd_filter.plan")
+    with pytest.raises(PlanError, match=r"is not B:ALGO:MATH or B:ALGO:MATH:out"):
+        read_plan(PLAN_DIR / "invalid_piece_suffix.plan")

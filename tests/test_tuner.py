@@ -481,3 +481,29 @@ def test_fit_needs_the_powers_of_two_and_a_limit_to_benchmark(tmp_path):
             tuner.measurements(few, ENV, FWD, "fit")
     with pytest.raises(MucudnnError, match="workspace limit"):
         tuner.benchmark([FWD], "fit", store=tmp_path / "s.sqlite")
+
+
+# -- borrowing the output as workspace -------------------------------------------------------------
+
+def test_borrow_output_plans_faster_within_the_same_limit(store, tmp_path):
+    plain = tuner.optimize(KERNELS, workspace_limit=50, store=store, env=ENV)
+    borrowing = tuner.optimize(KERNELS, workspace_limit=50, store=store, env=ENV, borrow_output=True)
+    for problem, _ in KERNELS:
+        entry, before = borrowing.get(problem.key, N), plain.get(problem.key, N)
+        assert entry.time_ms < before.time_ms
+        assert entry.workspace <= 50
+        assert any(piece.borrow for piece in entry.pieces)
+        done = 0
+        for piece in entry.pieces:  # each borrowing piece fits the output the later pieces write
+            done += piece.batch
+            if piece.borrow:
+                assert measured(store, entry, piece).workspace <= (N - done) * problem.written_sample_bytes
+    path = tmp_path / "borrow.plan"
+    write_plan(borrowing, path)
+    assert [str(p) for p in read_plan(path).get(FWD.key, N).pieces] == [
+        str(p) for p in borrowing.get(FWD.key, N).pieces]
+
+
+def test_borrow_output_needs_a_limit_per_kernel(store):
+    with pytest.raises(MucudnnError, match="borrow_output works with a workspace limit per kernel"):
+        tuner.optimize(KERNELS, total_workspace=1 << 20, store=store, env=ENV, borrow_output=True)

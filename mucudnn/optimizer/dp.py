@@ -86,7 +86,10 @@ class _Table:
         return fitting
 
     def plan(self, chain: _Chain) -> KernelPlan:
-        return KernelPlan(self.key, self.n, tuple(sorted(chain.pieces(), key=_plan_order)))
+        pieces = chain.pieces()
+        if not any(piece.borrow for piece in pieces):  # else the chain's order is the run order
+            pieces.sort(key=_plan_order)
+        return KernelPlan(self.key, self.n, tuple(pieces))
 
     def infeasible(self, limit: int | None) -> InfeasibleError:
         smallest = min(piece.workspace for pieces in self.options.values() for piece in pieces)
@@ -144,7 +147,7 @@ def _check_limit(name: str, limit: int | None) -> None:
 
 
 def best_plan(measurements: Iterable[Measurement], n: int, limit: int | None = None,
-              policy: Policy | str = Policy.POWER_OF_TWO) -> KernelPlan:
+              policy: Policy | str = Policy.POWER_OF_TWO, borrow_sample_bytes: int = 0) -> KernelPlan:
     """The fastest plan for ``n`` samples whose every piece needs at most ``limit`` bytes (WR).
 
     ``measurements`` are one kernel's rows; only successful rows at candidate sizes of ``policy``
@@ -153,11 +156,21 @@ def best_plan(measurements: Iterable[Measurement], n: int, limit: int | None = N
     (fewer pieces at each step of the recursion, then larger pieces, then algorithm names).
     Pieces are listed largest first.
 
+    ``borrow_sample_bytes`` > 0 (forward and backward-data: the output's bytes per sample) lets a
+    piece over ``limit`` borrow the part of the output that the pieces after it will write: a
+    piece of ``s`` samples with ``r`` samples after it may use ``r * borrow_sample_bytes`` bytes
+    there. Such pieces are marked ``borrow``, leave the plan's workspace, and the pieces are then
+    listed in the order they must run.
+
     Raises ``ValueError`` if the rows belong to several kernels, :class:`MissingMeasurementsError`
     if no usable row is at a candidate size, :class:`InfeasibleError` if no plan fits ``limit``.
     """
     _check_limit("limit", limit)
+    if borrow_sample_bytes < 0:
+        raise ValueError(f"borrow_sample_bytes must be >= 0, got {borrow_sample_bytes}")
     table = _read_table(measurements, n, policy)
+    if borrow_sample_bytes and limit is not None:
+        return _best_borrowing_plan(table, limit, borrow_sample_bytes)
     fastest = {size: pieces[0] for size, pieces in table.fitting(limit).items()}
     sizes = sorted(fastest, reverse=True)
     best: list[_Chain | None] = [None] * (n + 1)
@@ -174,6 +187,35 @@ def best_plan(measurements: Iterable[Measurement], n: int, limit: int | None = N
     if best[n] is None:
         raise table.infeasible(limit)
     return table.plan(best[n])
+
+
+def _best_borrowing_plan(table: _Table, limit: int, sample_bytes: int) -> KernelPlan:
+    """best_plan's recursion where what fits depends on the samples still to run: a plan for the
+    last ``b`` samples starts with a piece of ``s``, which may use ``max(limit, (b - s) *
+    sample_bytes)`` bytes, then a plan for the last ``b - s``."""
+    sizes = sorted(table.options, reverse=True)
+    best: list[_Chain | None] = [None] * (table.n + 1)
+    best[0] = _EMPTY
+    for b in range(1, table.n + 1):
+        for size in sizes:
+            rest = best[b - size] if size <= b else None
+            if rest is None:
+                continue
+            room = max(limit, (b - size) * sample_bytes)
+            piece = next((p for p in table.options[size] if p.workspace <= room), None)
+            if piece is None:
+                continue
+            if piece.workspace > limit:
+                piece = dataclasses.replace(piece, borrow=True)
+            chain = _Chain(piece.time_ms + rest.time_ms,
+                           rest.workspace if piece.borrow else max(piece.workspace, rest.workspace),
+                           rest.count + 1, piece, rest)
+            current = best[b]
+            if current is None or _rank(chain) < _rank(current):
+                best[b] = chain
+    if best[table.n] is None:
+        raise table.infeasible(limit)
+    return table.plan(best[table.n])
 
 
 # A candidate plan while building a front: (time_ms, workspace, count, order, piece, rest). Plain

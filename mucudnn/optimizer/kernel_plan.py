@@ -2,7 +2,8 @@
 
 A :class:`KernelPlan` runs its pieces one after another over consecutive slices of the
 mini-batch, all in one workspace buffer, so its time is the sum of the pieces' times and its
-workspace the largest piece's workspace.
+workspace the largest piece's workspace, leaving out pieces that borrow the output's unwritten
+part as their workspace (``Piece.borrow``).
 """
 
 from __future__ import annotations
@@ -104,8 +105,15 @@ class KernelPlan:
 
     @property
     def workspace(self) -> int:
-        """Bytes needed: the pieces share one buffer, so the largest piece's workspace."""
-        return max(piece.workspace for piece in self.pieces)
+        """Bytes of the caller's workspace needed: the pieces share one buffer, so the largest
+        workspace of a piece that does not borrow (0 if all borrow)."""
+        return max((piece.workspace for piece in self.pieces if not piece.borrow), default=0)
+
+    @property
+    def borrows(self) -> bool:
+        """Whether some piece borrows its output's unwritten part (then the order of the pieces
+        is the order they must run in)."""
+        return any(piece.borrow for piece in self.pieces)
 
     @property
     def is_divided(self) -> bool:

@@ -4,6 +4,10 @@
  * The pieces run in order on consecutive slices along N, each with its own algorithm and math
  * type, in the caller's workspace, on the caller's handle (so its stream), without synchronising
  * and without allocating: the micro-batch descriptors are created once per plan entry.
+ *
+ * A borrowing piece (":out", forward and backward-data) takes as its workspace the part of the
+ * output tensor after its own slice: the later pieces overwrite it, and with beta = 0 nothing
+ * there is read. Such a plan runs only when beta is 0 and every borrowing piece fits its room.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -16,9 +20,13 @@ typedef struct mu_exec_cache {
     cudnnTensorDescriptor_t *x_descs;        /* per piece: N = b, the caller's strides */
     cudnnTensorDescriptor_t *y_descs;
     cudnnConvolutionDescriptor_t *conv_descs; /* per piece: the caller's geometry, the piece's math */
+    size_t *legacy_workspace;                 /* per borrowing legacy piece: what it needs */
     size_t x_sample_bytes;
     size_t y_sample_bytes;
 } mu_exec_cache;
+
+/* Where a borrowing piece's workspace starts in the output: aligned as cuDNN's allocations are. */
+#define MU_BORROW_ALIGNMENT 256
 
 static pthread_mutex_t cache_mutex = PTHREAD_MUTEX_INITIALIZER;
 
@@ -70,7 +78,21 @@ static void destroy_cache(mu_exec_cache *cache, int pieces) {
     free(cache->x_descs);
     free(cache->y_descs);
     free(cache->conv_descs);
+    free(cache->legacy_workspace);
     free(cache);
+}
+
+/* The workspace a legacy piece needs, from the real cuDNN (its descriptors, its algorithm). */
+static cudnnStatus_t legacy_piece_workspace(const mu_conv_call *call, const mu_exec_cache *cache, int i,
+                                            int algo, size_t *bytes) {
+    const mu_real_table *real = mu_real();
+    if (call->descs.dir == MU_DIR_FWD)
+        return real->cudnnGetConvolutionForwardWorkspaceSize(call->handle, cache->x_descs[i], call->descs.w,
+                                                             cache->conv_descs[i], cache->y_descs[i],
+                                                             (cudnnConvolutionFwdAlgo_t)algo, bytes);
+    return real->cudnnGetConvolutionBackwardDataWorkspaceSize(call->handle, call->descs.w, cache->y_descs[i],
+                                                              cache->conv_descs[i], cache->x_descs[i],
+                                                              (cudnnConvolutionBwdDataAlgo_t)algo, bytes);
 }
 
 static mu_exec_cache *create_cache(const mu_plan_entry *entry, const mu_kernel *k,
@@ -82,7 +104,9 @@ static mu_exec_cache *create_cache(const mu_plan_entry *entry, const mu_kernel *
     cache->x_descs = calloc(pieces, sizeof *cache->x_descs);
     cache->y_descs = calloc(pieces, sizeof *cache->y_descs);
     cache->conv_descs = calloc(pieces, sizeof *cache->conv_descs);
-    if (cache->x_descs && cache->y_descs && cache->conv_descs) *status = CUDNN_STATUS_SUCCESS;
+    cache->legacy_workspace = calloc(pieces, sizeof *cache->legacy_workspace);
+    if (cache->x_descs && cache->y_descs && cache->conv_descs && cache->legacy_workspace)
+        *status = CUDNN_STATUS_SUCCESS;
     for (size_t i = 0; i < pieces && *status == CUDNN_STATUS_SUCCESS; i++) {
         const mu_piece *piece = &entry->pieces[i];
         *status = sliced_tensor(k, k->x_dims, k->x_strides, piece->batch, &cache->x_descs[i]);
@@ -90,6 +114,8 @@ static mu_exec_cache *create_cache(const mu_plan_entry *entry, const mu_kernel *
             *status = sliced_tensor(k, k->y_dims, k->y_strides, piece->batch, &cache->y_descs[i]);
         if (*status == CUDNN_STATUS_SUCCESS)
             *status = piece_convolution(call->descs.conv, piece->math, &cache->conv_descs[i]);
+        if (*status == CUDNN_STATUS_SUCCESS && piece->borrow && piece->engine == NULL)
+            *status = legacy_piece_workspace(call, cache, (int)i, piece->algo, &cache->legacy_workspace[i]);
     }
     if (*status != CUDNN_STATUS_SUCCESS) {
         destroy_cache(cache, entry->piece_count);
@@ -117,33 +143,83 @@ static mu_exec_cache *entry_cache(mu_plan_entry *entry, const mu_kernel *k, cons
     return cache;
 }
 
+/* A workspace: the caller's, or a borrowed part of the output. */
+typedef struct {
+    void *ptr;
+    size_t size;
+} mu_workspace;
+
 /* One real cudnnConvolution* call of the call's direction, with these descriptors and pointers. */
 static cudnnStatus_t run_real(const mu_conv_call *call, cudnnTensorDescriptor_t x_desc, void *x,
                               cudnnTensorDescriptor_t y_desc, void *y,
-                              cudnnConvolutionDescriptor_t conv, int algo, const void *beta) {
+                              cudnnConvolutionDescriptor_t conv, int algo, const void *beta,
+                              mu_workspace ws) {
     const mu_real_table *real = mu_real();
     switch (call->descs.dir) {
     case MU_DIR_FWD:
         return real->cudnnConvolutionForward(call->handle, call->alpha, x_desc, x, call->descs.w,
                                              call->w, conv, (cudnnConvolutionFwdAlgo_t)algo,
-                                             call->workspace, call->workspace_size, beta, y_desc, y);
+                                             ws.ptr, ws.size, beta, y_desc, y);
     case MU_DIR_BWD_DATA:
         return real->cudnnConvolutionBackwardData(call->handle, call->alpha, call->descs.w, call->w,
                                                   y_desc, y, conv, (cudnnConvolutionBwdDataAlgo_t)algo,
-                                                  call->workspace, call->workspace_size, beta,
-                                                  x_desc, x);
+                                                  ws.ptr, ws.size, beta, x_desc, x);
     case MU_DIR_BWD_FILTER:
         return real->cudnnConvolutionBackwardFilter(call->handle, call->alpha, x_desc, x, y_desc, y,
                                                     conv, (cudnnConvolutionBwdFilterAlgo_t)algo,
-                                                    call->workspace, call->workspace_size, beta,
-                                                    call->descs.w, call->w);
+                                                    ws.ptr, ws.size, beta, call->descs.w, call->w);
     }
     return CUDNN_STATUS_BAD_PARAM;
 }
 
+static mu_workspace callers_workspace(const mu_conv_call *call) {
+    return (mu_workspace){call->workspace, call->workspace_size};
+}
+
 static cudnnStatus_t run_undivided(const mu_conv_call *call) {
     return run_real(call, call->descs.x, call->x, call->descs.y, call->y, call->descs.conv, call->algo,
-                    call->beta);
+                    call->beta, callers_workspace(call));
+}
+
+/* What piece i may borrow: the output after the first `done` samples (its own slice included),
+ * from an aligned start to the end of the tensor. */
+static mu_workspace borrowed_room(const mu_plan_entry *entry, const mu_exec_cache *cache,
+                                  const mu_conv_call *call, int done) {
+    bool fwd = call->descs.dir == MU_DIR_FWD;
+    size_t sample = fwd ? cache->y_sample_bytes : cache->x_sample_bytes;
+    uintptr_t start = (uintptr_t)(fwd ? call->y : call->x) + (size_t)done * sample;
+    uintptr_t end = (uintptr_t)(fwd ? call->y : call->x) + (size_t)entry->n * sample;
+    uintptr_t aligned = (start + MU_BORROW_ALIGNMENT - 1) & ~(uintptr_t)(MU_BORROW_ALIGNMENT - 1);
+    return aligned < end ? (mu_workspace){(void *)aligned, end - aligned} : (mu_workspace){NULL, 0};
+}
+
+static size_t piece_workspace(const mu_plan_entry *entry, const mu_exec_cache *cache,
+                              const mu_conv_call *call, int i) {
+    return entry->pieces[i].engine != NULL ? mu_g_piece_workspace(call->graph, i) : cache->legacy_workspace[i];
+}
+
+static bool scale_is_zero(const void *scale, cudnnDataType_t dtype) {
+    return dtype == CUDNN_DATA_DOUBLE ? *(const double *)scale == 0.0 : *(const float *)scale == 0.0f;
+}
+
+/* NULL if the entry's borrowing pieces can run in this call, else why not. */
+static const char *borrow_refusal(const mu_plan_entry *entry, const mu_kernel *k,
+                                  const mu_exec_cache *cache, const mu_conv_call *call, char *why,
+                                  size_t size) {
+    if (!scale_is_zero(call->beta, k->dtype)) return "beta is not 0: the plan borrows the output as workspace";
+    int done = 0;
+    for (int i = 0; i < entry->piece_count; i++) {
+        done += entry->pieces[i].batch;
+        if (!entry->pieces[i].borrow) continue;
+        size_t need = piece_workspace(entry, cache, call, i);
+        mu_workspace room = borrowed_room(entry, cache, call, done);
+        if (need > room.size) {
+            snprintf(why, size, "piece %d needs %zu bytes of workspace, the output after it has %zu",
+                     i + 1, need, room.size);
+            return why;
+        }
+    }
+    return NULL;
 }
 
 /* Failures cuDNN reports while checking arguments, before it touches any output. */
@@ -163,9 +239,12 @@ static cudnnStatus_t run_pieces(mu_plan_entry *entry, const mu_kernel *k, const 
     static const double one_double = 1.0;
     const void *one = k->dtype == CUDNN_DATA_DOUBLE ? (const void *)&one_double : (const void *)&one_float;
     char *x = call->x, *y = call->y;
+    int done = 0;
     for (int i = 0; i < entry->piece_count; i++) {
         const mu_piece *piece = &entry->pieces[i];
         const void *beta = call->descs.dir == MU_DIR_BWD_FILTER && i > 0 ? one : call->beta;
+        done += piece->batch;
+        mu_workspace ws = piece->borrow ? borrowed_room(entry, cache, call, done) : callers_workspace(call);
         if (mu_log_enabled(MU_LOG_DEBUG))
             mu_log(MU_LOG_DEBUG, "%s N=%d piece %d/%d: b=%d algo=%s math=%s", entry->key, entry->n,
                    i + 1, entry->piece_count, piece->batch,
@@ -173,9 +252,9 @@ static cudnnStatus_t run_pieces(mu_plan_entry *entry, const mu_kernel *k, const 
                    mu_math_name(piece->math));
         cudnnStatus_t status =
             piece->engine != NULL /* the piece's graph plan has its beta built in */
-                ? mu_g_run_engine_piece(call->graph, call->handle, i, x, call->w, y, call->workspace)
+                ? mu_g_run_engine_piece(call->graph, call->handle, i, x, call->w, y, ws.ptr)
                 : run_real(call, cache->x_descs[i], x, cache->y_descs[i], y, cache->conv_descs[i],
-                           piece->algo, beta);
+                           piece->algo, beta, ws);
         if (status != CUDNN_STATUS_SUCCESS) {
             *failed_piece = i;
             return status;
@@ -213,6 +292,11 @@ static cudnnStatus_t execute(const mu_conv_call *call, mu_plan_entry *entry, mu_
         mu_log_limited(&limit, MU_LOG_WARNING, "%s N=%d: cannot create micro-batch descriptors (%s); "
                        "running undivided", k->key, k->n, mu_status_text(status));
         return passthrough(call, seen, k, "cannot create micro-batch descriptors");
+    }
+    if (entry->has_borrow_pieces) {
+        char why[160];
+        const char *refusal = borrow_refusal(entry, k, cache, call, why, sizeof why);
+        if (refusal != NULL) return passthrough(call, seen, k, refusal);
     }
     if (seen != NULL && mu_log_enabled(MU_LOG_INFO) && !atomic_load(&seen->first_call_logged)) {
         char pieces[1024], how[1200];

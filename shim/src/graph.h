@@ -69,6 +69,7 @@ typedef struct {
 #define MU_G_PIECE_DESCS (8 + MU_MAX_KNOBS)
 typedef struct {
     cudnnBackendDescriptor_t plan; /* NULL for a legacy piece */
+    size_t workspace;              /* what the plan needs */
     int desc_count;
     cudnnBackendDescriptor_t descs[MU_G_PIECE_DESCS];
 } mu_g_piece_plan;

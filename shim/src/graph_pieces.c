@@ -86,9 +86,10 @@ static const cudnnBackendDescriptorType_t operation_types[3] = {
 };
 
 /* The execution plan of piece `index`: `batch` samples starting `first` samples into the tensors. */
-static cudnnStatus_t build_piece(const mu_g_planned *p, const mu_g_operation *op, const mu_engine *engine,
-                                 int64_t batch, int64_t first, double beta, cudnnHandle_t handle,
-                                 mu_g_piece_plan *piece) {
+static cudnnStatus_t build_piece(const mu_g_planned *p, const mu_g_operation *op, const mu_piece *spec,
+                                 int64_t first, double beta, cudnnHandle_t handle, mu_g_piece_plan *piece) {
+    const mu_engine *engine = spec->engine;
+    int64_t batch = spec->batch;
     builder b = {piece, CUDNN_STATUS_SUCCESS};
     size_t element = mu_dtype_size(op->x.dtype);
     cudnnBackendDescriptor_t x = tensor(&b, &op->x, batch, first * op->x.strides[0] * (int64_t)element);
@@ -145,9 +146,13 @@ static cudnnStatus_t build_piece(const mu_g_planned *p, const mu_g_operation *op
     if (b.status == CUDNN_STATUS_SUCCESS)
         b.status = mu_real()->cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
                                                        CUDNN_TYPE_INT64, 1, &count, &workspace);
-    if (b.status == CUDNN_STATUS_SUCCESS && (workspace < 0 || (size_t)workspace > p->workspace))
-        b.status = CUDNN_STATUS_NOT_SUPPORTED; /* would overrun the workspace the framework allocates */
-    if (b.status == CUDNN_STATUS_SUCCESS) piece->plan = plan;
+    /* Over the framework's workspace only if it borrows the output (exec.c checks that room). */
+    if (b.status == CUDNN_STATUS_SUCCESS && (workspace < 0 || (!spec->borrow && (size_t)workspace > p->workspace)))
+        b.status = CUDNN_STATUS_NOT_SUPPORTED;
+    if (b.status == CUDNN_STATUS_SUCCESS) {
+        piece->plan = plan;
+        piece->workspace = (size_t)workspace;
+    }
     return b.status;
 }
 
@@ -156,13 +161,16 @@ const char *mu_g_build_pieces(mu_g_planned *p, const mu_g_operation *op, const m
     p->pieces = calloc((size_t)entry->piece_count, sizeof *p->pieces);
     if (p->pieces == NULL) return "out of memory";
     p->piece_count = entry->piece_count;
+    if (entry->has_borrow_pieces && op->beta != 0.0) {
+        mu_g_free_pieces(p);
+        return "beta is not 0: the plan's pieces borrow the output as workspace";
+    }
     int64_t first = 0;
     for (int i = 0; i < entry->piece_count; i++) {
         const mu_piece *piece = &entry->pieces[i];
         double beta = p->dir == MU_DIR_BWD_FILTER && i > 0 ? 1.0 : op->beta;
         cudnnStatus_t status = piece->engine == NULL ? CUDNN_STATUS_SUCCESS
-                               : build_piece(p, op, piece->engine, piece->batch, first, beta, handle,
-                                             &p->pieces[i]);
+                               : build_piece(p, op, piece, first, beta, handle, &p->pieces[i]);
         if (status != CUDNN_STATUS_SUCCESS) {
             static _Thread_local char why[160];
             snprintf(why, sizeof why, "piece %d (b=%d, engine %lld): %s", i + 1, piece->batch,
@@ -182,6 +190,10 @@ void mu_g_free_pieces(mu_g_planned *p) {
     free(p->pieces);
     p->pieces = NULL;
     p->piece_count = 0;
+}
+
+size_t mu_g_piece_workspace(const mu_g_planned *p, int index) {
+    return p != NULL && index < p->piece_count ? p->pieces[index].workspace : 0;
 }
 
 cudnnStatus_t mu_g_run_engine_piece(const mu_g_planned *p, cudnnHandle_t handle, int index, void *x, void *w,

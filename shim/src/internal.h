@@ -186,6 +186,8 @@ size_t mu_dtype_size(cudnnDataType_t dtype);
 /* ---- plan.c: the plan file (docs/plan-format.md) ------------------------------------------ */
 
 #define MU_MAX_KNOBS 16
+/* The plan-file suffix of a piece that borrows its output's unwritten part (mucudnn/plan.py). */
+#define MU_BORROW_MARK "out"
 
 /* A graph-API engine configuration: engine global index and knob choices (mucudnn/engines.py). */
 typedef struct {
@@ -200,6 +202,7 @@ typedef struct {
     int algo;             /* legacy algorithm, -1 for a graph-API engine piece */
     mu_engine *engine;    /* the engine configuration of a graph-API piece, else NULL */
     cudnnMathType_t math;
+    bool borrow;          /* ":out": its workspace is the output's part the later pieces write */
 } mu_piece;
 
 struct mu_exec_cache; /* exec.c */
@@ -214,6 +217,7 @@ typedef struct mu_plan_entry {
     mu_piece *pieces;
     uint64_t hash;
     bool has_engine_pieces; /* graph-API pieces: runs on the graph path only */
+    bool has_borrow_pieces; /* pieces that borrow the output: run only with beta = 0 */
     struct mu_plan_entry *next_in_bucket;
     /* Run time state (the rest is immutable after loading). */
     _Atomic(struct mu_exec_cache *) cache; /* micro-batch descriptors, created on first use */
@@ -304,6 +308,8 @@ const struct mu_g_planned *mu_g_pieces_for_legacy(mu_plan_entry *entry, const mu
 /* Runs graph-API piece `index` of a planned execution plan on these slices (intercept_graph.c). */
 cudnnStatus_t mu_g_run_engine_piece(const struct mu_g_planned *planned, cudnnHandle_t handle, int index,
                                     void *x, void *w, void *y, void *workspace);
+/* The workspace graph-API piece `index` needs (0 if there is no such piece). */
+size_t mu_g_piece_workspace(const struct mu_g_planned *planned, int index);
 
 /* ---- query.c: algorithm queries, workspace sizes, the workspace limit ---------------------- */
 

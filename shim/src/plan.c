@@ -126,8 +126,14 @@ static bool parse_header(parser *p, int header, const char *value) {
 static bool parse_piece(parser *p, mu_direction dir, char *text, mu_piece *piece) {
     char *algo = strchr(text, ':');
     char *math = algo ? strchr(algo + 1, ':') : NULL;
-    if (algo == NULL || math == NULL || strchr(math + 1, ':') != NULL)
-        return fail(p, "piece '%s' is not B:ALGO:MATH", text);
+    char *mark = math ? strchr(math + 1, ':') : NULL;
+    if (algo == NULL || math == NULL || (mark != NULL && strcmp(mark, ":" MU_BORROW_MARK) != 0))
+        return fail(p, "piece '%s' is not B:ALGO:MATH or B:ALGO:MATH:" MU_BORROW_MARK, text);
+    piece->borrow = mark != NULL;
+    if (piece->borrow && dir == MU_DIR_BWD_FILTER)
+        return fail(p, "piece '%s': only fwd and bwd_data pieces can borrow their output as workspace",
+                    text);
+    if (mark != NULL) *mark = '\0';
     *algo++ = '\0';
     *math++ = '\0';
     if (!parse_positive_int(text, &piece->batch))
@@ -204,6 +210,7 @@ static bool parse_kernel(parser *p, char *tokens[], int count) {
         if (!parse_piece(p, dir, tokens[5 + i], &pieces[i])) return false;
         total += pieces[i].batch;
         entry->has_engine_pieces |= pieces[i].engine != NULL;
+        entry->has_borrow_pieces |= pieces[i].borrow;
     }
     if (total != n) return fail(p, "pieces add up to %lld samples, not N = %d", total, n);
     return true;
@@ -357,9 +364,9 @@ void mu_plan_pieces_text(const mu_plan_entry *entry, char *buf, size_t size) {
         if (piece->engine != NULL)
             snprintf(engine, sizeof engine, "eng%lld%s", (long long)piece->engine->global_index,
                      piece->engine->knob_count ? ".k..." : "");
-        int wrote = snprintf(buf + used, size - used, "%s%d:%s:%s", i ? " " : "", piece->batch,
+        int wrote = snprintf(buf + used, size - used, "%s%d:%s:%s%s", i ? " " : "", piece->batch,
                              piece->engine ? engine : mu_algo_name(entry->dir, piece->algo),
-                             mu_math_name(piece->math));
+                             mu_math_name(piece->math), piece->borrow ? ":" MU_BORROW_MARK : "");
         if (wrote < 0 || used + (size_t)wrote >= size) {
             if (size > 4) strcpy(buf + size - 4, "...");
             return;

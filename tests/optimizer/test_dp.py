@@ -236,3 +236,65 @@ def test_impossible_times_are_refused(bad):
 def test_negative_limit_is_refused():
     with pytest.raises(ValueError, match="limit must be >= 0"):
         best_plan([Measurement(KEY, 1, "gemm", "fma", 1.0, 0)], 1, -1)
+
+
+# -- borrowing the output's unwritten part as workspace ------------------------------------------
+
+def brute_force_borrowing_time(rows, n: int, limit: int, sample_bytes: int) -> float:
+    """The fastest run of pieces (powerOfTwo sizes), in every order of every composition of n,
+    where a piece may use max(limit, samples after it * sample_bytes) of workspace."""
+    by_size: dict[int, list[Measurement]] = {}
+    sizes = set(candidate_sizes(Policy.POWER_OF_TWO, n))
+    for row in rows:
+        if row.ok and row.batch in sizes:
+            by_size.setdefault(row.batch, []).append(row)
+    best = math.inf
+
+    def walk(left: int, spent: float) -> None:
+        nonlocal best
+        if left == 0:
+            best = min(best, spent)
+            return
+        for size, at in by_size.items():
+            if size <= left:
+                room = max(limit, (left - size) * sample_bytes)
+                times = [r.time_ms for r in at if r.workspace <= room]
+                if times:
+                    walk(left - size, spent + min(times))
+
+    walk(n, 0.0)
+    return best
+
+
+@settings(deadline=None, max_examples=150)
+@given(data=st.data())
+def test_borrowing_plan_is_optimal_and_runs_in_order(data):
+    n, rows = data.draw(timing_tables(Policy.POWER_OF_TWO, max_n=12))
+    limit = data.draw(workspace_limits(rows, unlimited=False))
+    sample_bytes = data.draw(st.integers(0, 64)) * 1024
+    assume(usable_rows(rows, Policy.POWER_OF_TWO, n))
+    expected = brute_force_borrowing_time(rows, n, limit, sample_bytes)
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError):
+            best_plan(rows, n, limit, borrow_sample_bytes=sample_bytes)
+        return
+    plan = best_plan(rows, n, limit, borrow_sample_bytes=sample_bytes)
+    assert plan.time_ms == expected
+    assert plan.workspace <= limit
+    done = 0
+    for piece in plan.pieces:  # in run order: a borrowing piece fits the output after it
+        done += piece.batch
+        assert piece.borrow == (piece.workspace > limit)
+        assert piece.workspace <= max(limit, (n - done) * sample_bytes)
+    # never slower than without borrowing
+    assert plan.time_ms <= best_plan(rows, n, limit).time_ms
+
+
+def test_a_borrowing_piece_runs_first_and_leaves_the_plan_workspace():
+    rows = [Measurement(KEY, 2, "gemm", "fma", 0.5, 3000), Measurement(KEY, 2, "implicit_gemm", "fma", 2.0, 0),
+            Measurement(KEY, 1, "implicit_gemm", "fma", 1.0, 0), Measurement(KEY, 4, "implicit_gemm", "fma", 4.0, 0)]
+    plan = best_plan(rows, 4, limit=100, borrow_sample_bytes=1500)
+    # gemm at 2 needs 3000 bytes: the 2 samples after it have exactly that
+    assert [str(piece) for piece in plan.pieces] == ["2:gemm:fma:out", "2:implicit_gemm:fma"]
+    assert (plan.time_ms, plan.workspace) == (2.5, 0)
+    assert best_plan(rows, 4, limit=100).time_ms == 4.0
