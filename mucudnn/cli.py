@@ -77,6 +77,9 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
               help="micro-batch sizes to measure (fit: powerOfTwo plus each configuration's "
                    "largest size within --workspace-limit)")
 @click.option("--workspace-limit", type=SIZE, help="the limit policy fit measures sizes for")
+@click.option("--borrow-output", is_flag=True,
+              help="policy fit: also the sizes of pieces that borrow their output "
+                   "(for `tune --borrow-output`)")
 @click.option("--api", type=APIS, default="both", show_default=True,
               help="time cuDNN's legacy algorithms, the graph API's engine configurations "
                    "(those its heuristics propose), or both")
@@ -86,19 +89,21 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
                    "no more workspace (never in a plan; by default timed once)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @store_option
-def bench(config, recordings, policy, workspace_limit, api, remeasure, no_prune, no_progress,
-          store_path):
+def bench(config, recordings, policy, workspace_limit, borrow_output, api, remeasure, no_prune,
+          no_progress, store_path):
     """Benchmark every algorithm of the kernels of CONFIG (a name like resnet50, or a YAML path)
     or of --recording files on this GPU, at each micro-batch size of the policy, into the store."""
     from .timing import TimingMethod
     from .tuner import as_kernels, benchmark
     if policy == "fit" and workspace_limit is None:
         raise click.UsageError("--policy fit needs --workspace-limit (the sizes that fit it)")
+    if borrow_output and policy != "fit":
+        raise click.UsageError("--borrow-output measures extra sizes of policy fit: give --policy fit")
     source = _kernels(config, recordings)
     method = TimingMethod(dominated_factor=None) if no_prune else TimingMethod()
     timed = benchmark(source, policy, store=store_path, remeasure=remeasure,
                       progress=not no_progress, method=method, api=api,
-                      workspace_limit=workspace_limit)
+                      workspace_limit=workspace_limit, borrow_output=borrow_output)
     name = getattr(source, "name", "recording")
     click.echo(f"{name}: {len(as_kernels(source))} kernels, measured {timed} kernel sizes "
                f"({'all reused from the store' if timed == 0 else 'stored'})")
@@ -287,7 +292,8 @@ def autotune(workspace_limit, policy, precise, borrow_output, api, plan_path, re
                            f"{'nothing' if not recording.exists() else 'in ' + str(recording)}")
     kernels = read_recording_weights([recording])
     click.echo(f"mucudnn: 2/4 benchmarking {len(kernels)} kernels", err=True)
-    benchmark(kernels, policy, store=store_path, api=api, workspace_limit=workspace_limit)
+    benchmark(kernels, policy, store=store_path, api=api, workspace_limit=workspace_limit,
+              borrow_output=borrow_output)
     click.echo("mucudnn: 3/4 tuning", err=True)
     plan = optimize(kernels, workspace_limit=workspace_limit, policy=policy, store=store_path,
                     precise=precise, api=api, borrow_output=borrow_output)

@@ -113,14 +113,15 @@ def _pick_environment(store) -> Environment | None:
 
 def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
               remeasure: bool = False, progress: bool = True, method=None, api: str = "both",
-              max_engine_configs: int = 8, workspace_limit=None) -> int:
+              max_engine_configs: int = 8, workspace_limit=None, borrow_output: bool = False) -> int:
     """Measure every kernel of ``source`` at the policy's micro-batch sizes on the current GPU.
 
     ``api`` is ``"legacy"`` (cuDNN's algorithms), ``"graph"`` (engine configurations of the graph
     API: up to ``max_engine_configs`` from heuristics mode A and all fallback ones per size) or
     ``"both"``. Policy ``fit`` needs ``workspace_limit``: after the powers of two it measures
-    :func:`~mucudnn.optimizer.fit_sizes`. Rows already in the store are reused unless
-    ``remeasure``. Returns how many sizes were timed.
+    :func:`~mucudnn.optimizer.fit_sizes` (with ``borrow_output``, also the sizes pieces that
+    borrow their output would take). Rows already in the store are reused unless ``remeasure``.
+    Returns how many sizes were timed.
     """
     from .bench import Benchmarker
     from .timing import TimingMethod
@@ -139,7 +140,8 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
                                 remeasure=remeasure, apis=apis)
         if policy is Policy.FIT:
             limit = parse_size(workspace_limit)
-            more = [(p, fit_sizes(st.get(bench.env.gpu, bench.env.cudnn, p.key), p.n, limit))
+            more = [(p, fit_sizes(st.get(bench.env.gpu, bench.env.cudnn, p.key), p.n, limit,
+                                  p.written_sample_bytes if borrow_output else 0))
                     for p in kernels]
             timed += bench.benchmark([(p, sizes) for p, sizes in more if sizes],
                                      remeasure=remeasure, apis=apis)

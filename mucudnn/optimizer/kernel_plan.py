@@ -58,17 +58,63 @@ def largest_fitting_size(workspace_at: dict[int, int], limit: int) -> int | None
     return best
 
 
-def fit_sizes(rows, n: int, limit: int) -> list[int]:
+def fit_sizes(rows, n: int, limit: int, borrow_sample_bytes: int = 0) -> list[int]:
     """The sizes policy ``fit`` adds for a kernel at ``n``: each configuration's (algorithm and
     math type) :func:`largest_fitting_size` from its OK ``rows`` (Measurements), where that is not
-    a power of two already, ascending."""
+    a power of two already, ascending.
+
+    With ``borrow_sample_bytes`` (plans whose pieces may borrow the output after them, see
+    ``best_plan``), also the :func:`borrowing_sizes` of the configurations within
+    ``BORROW_SPEED_FACTOR`` of the fastest at ``n`` samples: only fast ones are worth borrowing for,
+    and each adds a dozen sizes."""
     by_config: dict[tuple, dict[int, int]] = {}
+    at_n: dict[tuple, float] = {}
     for row in rows:
         if row.ok and row.batch <= n:
             by_config.setdefault((row.algo, row.math), {})[row.batch] = row.workspace
+            if row.batch == n:
+                at_n[(row.algo, row.math)] = row.time_ms
     base = set(candidate_sizes(Policy.POWER_OF_TWO, n))
     found = {largest_fitting_size(sizes, limit) for sizes in by_config.values()}
+    if borrow_sample_bytes and at_n:
+        fastest = min(at_n.values())
+        for config, time_ms in at_n.items():
+            if time_ms <= BORROW_SPEED_FACTOR * fastest:
+                found.update(borrowing_sizes(by_config[config], n, limit, borrow_sample_bytes))
     return sorted(found - base - {None})
+
+
+#: fit_sizes measures borrowing sizes for configurations at most this much slower than the
+#: fastest at the full mini-batch.
+BORROW_SPEED_FACTOR = 1.1
+
+
+def _workspace_between(workspace_at: dict[int, int], size: int) -> float | None:
+    """Workspace at ``size``, linear between the measured sizes around it (None outside them)."""
+    if size in workspace_at:
+        return workspace_at[size]
+    below = [b for b in workspace_at if b < size]
+    above = [b for b in workspace_at if b > size]
+    if not below or not above:
+        return None
+    small, large = max(below), min(above)
+    return workspace_at[small] + (workspace_at[large] - workspace_at[small]) * (size - small) / (large - small)
+
+
+def borrowing_sizes(workspace_at: dict[int, int], n: int, limit: int, sample_bytes: int) -> list[int]:
+    """For one configuration measured at the sizes of ``workspace_at``: the pieces it would run as
+    the first of ``n`` samples, then of what is left, and so on, each as large as fits
+    ``max(limit, samples after it * sample_bytes)``, while that room is over ``limit``."""
+    sizes, left = [], n
+    while left > 1:
+        fitting = next((s for s in range(left - 1, 0, -1)
+                        if (ws := _workspace_between(workspace_at, s)) is not None
+                        and ws <= max(limit, (left - s) * sample_bytes)), None)
+        if fitting is None or _workspace_between(workspace_at, fitting) <= limit:
+            break  # from here on the room is the limit: largest_fitting_size's size
+        sizes.append(fitting)
+        left -= fitting
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True)
