@@ -206,7 +206,8 @@ static bool scale_is_zero(const void *scale, cudnnDataType_t dtype) {
 static const char *borrow_refusal(const mu_plan_entry *entry, const mu_kernel *k,
                                   const mu_exec_cache *cache, const mu_conv_call *call, char *why,
                                   size_t size) {
-    if (!scale_is_zero(call->beta, k->dtype)) return "beta is not 0: the plan borrows the output as workspace";
+    if (call->beta == NULL || !scale_is_zero(call->beta, k->dtype)) /* NULL: cuDNN reports it */
+        return "beta is not 0: the plan borrows the output as workspace";
     int done = 0;
     for (int i = 0; i < entry->piece_count; i++) {
         done += entry->pieces[i].batch;
