@@ -37,11 +37,14 @@ def describe_kernel(entry: PlanEntry) -> str:
 
 
 def describe_pieces(entry: PlanEntry) -> str:
-    """Runs of equal pieces: ``2x128 implicit_precomp_gemm``."""
+    """Runs of equal pieces: ``2x128 implicit_precomp_gemm``; ``*`` marks pieces that borrow the
+    output as workspace (``85* gemm``)."""
     parts = []
-    for (batch, algo, math), run in groupby(entry.pieces, key=lambda p: (p.batch, p.algo, p.math)):
+    for (batch, algo, _, borrow), run in groupby(
+            entry.pieces, key=lambda p: (p.batch, p.algo, p.math, p.borrow)):
         count = len(list(run))
-        parts.append(f"{count}x{batch} {algo}" if count > 1 else f"{batch} {algo}")
+        size = f"{batch}{'*' if borrow else ''}"
+        parts.append(f"{count}x{size} {algo}" if count > 1 else f"{size} {algo}")
     return ", ".join(parts)
 
 
@@ -85,6 +88,9 @@ def format_plan_table(plan: Plan, rows: list[PlanRow]) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
+    if any(piece.borrow for entry in plan for piece in entry.pieces):
+        lines.append("*: the piece's workspace is the part of its output the later pieces write "
+                     "(not in the workspace column)")
     lines.append(f"sum of kernel times: plan {total_plan:.3f} ms; workspace: largest "
                  f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}")
     if known and len(known) == len(rows):

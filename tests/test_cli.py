@@ -324,6 +324,13 @@ def test_show_prints_the_engine_pieces_example(no_gpu):
     assert "2 eng3.k0=-9223372036854775808, 2 eng3.k0=9223372036854775807" in result.stdout
 
 
+def test_show_marks_pieces_that_borrow_the_output(no_gpu):
+    result = invoke("show", PLAN_DIR / "valid_borrow.plan")
+    assert result.exit_code == 0, result.output
+    assert "4* gemm, 2* gemm, 2 implicit_gemm" in result.stdout
+    assert "*: the piece's workspace is the part of its output the later pieces write" in result.stdout
+
+
 # -- malformed plans -------------------------------------------------------------------------------
 
 def test_show_of_a_malformed_plan_names_file_and_line(no_gpu):
