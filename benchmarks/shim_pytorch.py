@@ -313,7 +313,7 @@ def driver(args) -> int:
             r["grads_error"] = str(exc)
             print(f"[{model}] grads failed: {exc}", flush=True)
         if args.double_check:
-            double_check(model, r, args, out, paths, bench_args)
+            double_check(model, r, args, out, paths, bench_args, tune_args)
             (out / "shim_pytorch.json").write_text(json.dumps(report, indent=1))
     (out / "shim_pytorch.json").write_text(json.dumps(report, indent=1))
     print_table(report)
@@ -321,7 +321,7 @@ def driver(args) -> int:
 
 
 def double_check(model: str, r: dict, args, out: Path, paths: dict,
-                 bench_args: tuple[str, ...]) -> None:
+                 bench_args: tuple[str, ...], tune_args: tuple[str, ...]) -> None:
     """Float64 gradients with and without a plan that splits batches must agree to rounding:
     stores r["double"] (or r["double_error"])."""
     scratch = Path(tempfile.mkdtemp())  # gradients are large: never under --out
@@ -329,7 +329,7 @@ def double_check(model: str, r: dict, args, out: Path, paths: dict,
         # few engines handle float64: legacy algorithms are enough, and cheaper to benchmark
         plan64, info = prepare_plan(model, out, False, args.double_limit, args.policy, **paths,
                                     bench_args=("--api", "legacy", *bench_args), double=True,
-                                    batch=args.double_batch, tune_args=tuple(args.tune_args.split()))
+                                    batch=args.double_batch, tune_args=tune_args)
         r["prepare_f64"] = info
         ref, got = str(scratch / f"{model}-f64-ref.pt"), str(scratch / f"{model}-f64-shim.pt")
         log = str(out / f"{model}-f64-shim.log")

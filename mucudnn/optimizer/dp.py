@@ -35,8 +35,9 @@ class _Chain(NamedTuple):
     rest: "_Chain | None"
 
     def prepend(self, piece: Piece) -> "_Chain":
-        return _Chain(piece.time_ms + self.time_ms, max(piece.workspace, self.workspace),
-                      self.count + 1, piece, self)
+        """``piece`` then this plan; a borrowing piece leaves the caller's workspace as it is."""
+        workspace = self.workspace if piece.borrow else max(piece.workspace, self.workspace)
+        return _Chain(piece.time_ms + self.time_ms, workspace, self.count + 1, piece, self)
 
     def pieces(self) -> list[Piece]:
         chain: _Chain | None = self
@@ -169,10 +170,10 @@ def best_plan(measurements: Iterable[Measurement], n: int, limit: int | None = N
     if borrow_sample_bytes < 0:
         raise ValueError(f"borrow_sample_bytes must be >= 0, got {borrow_sample_bytes}")
     table = _read_table(measurements, n, policy)
-    if borrow_sample_bytes and limit is not None:
-        return _best_borrowing_plan(table, limit, borrow_sample_bytes)
+    borrowing = borrow_sample_bytes > 0 and limit is not None
+    # Without borrowing what fits does not depend on the samples still to run: pick once per size.
     fastest = {size: pieces[0] for size, pieces in table.fitting(limit).items()}
-    sizes = sorted(fastest, reverse=True)
+    sizes = sorted(table.options if borrowing else fastest, reverse=True)
     best: list[_Chain | None] = [None] * (n + 1)
     best[0] = _EMPTY
     for b in range(1, n + 1):
@@ -180,7 +181,11 @@ def best_plan(measurements: Iterable[Measurement], n: int, limit: int | None = N
             rest = best[b - size] if size <= b else None
             if rest is None:
                 continue
-            chain = rest.prepend(fastest[size])
+            piece = (_borrowing_piece(table.options[size], limit, (b - size) * borrow_sample_bytes)
+                     if borrowing else fastest[size])
+            if piece is None:
+                continue
+            chain = rest.prepend(piece)
             current = best[b]
             if current is None or _rank(chain) < _rank(current):
                 best[b] = chain
@@ -189,33 +194,14 @@ def best_plan(measurements: Iterable[Measurement], n: int, limit: int | None = N
     return table.plan(best[n])
 
 
-def _best_borrowing_plan(table: _Table, limit: int, sample_bytes: int) -> KernelPlan:
-    """best_plan's recursion where what fits depends on the samples still to run: a plan for the
-    last ``b`` samples starts with a piece of ``s``, which may use ``max(limit, (b - s) *
-    sample_bytes)`` bytes, then a plan for the last ``b - s``."""
-    sizes = sorted(table.options, reverse=True)
-    best: list[_Chain | None] = [None] * (table.n + 1)
-    best[0] = _EMPTY
-    for b in range(1, table.n + 1):
-        for size in sizes:
-            rest = best[b - size] if size <= b else None
-            if rest is None:
-                continue
-            room = max(limit, (b - size) * sample_bytes)
-            piece = next((p for p in table.options[size] if p.workspace <= room), None)
-            if piece is None:
-                continue
-            if piece.workspace > limit:
-                piece = dataclasses.replace(piece, borrow=True)
-            chain = _Chain(piece.time_ms + rest.time_ms,
-                           rest.workspace if piece.borrow else max(piece.workspace, rest.workspace),
-                           rest.count + 1, piece, rest)
-            current = best[b]
-            if current is None or _rank(chain) < _rank(current):
-                best[b] = chain
-    if best[table.n] is None:
-        raise table.infeasible(limit)
-    return table.plan(best[table.n])
+def _borrowing_piece(pieces: Sequence[Piece], limit: int, after: int) -> Piece | None:
+    """The fastest of one size's ``pieces`` (fastest first) within ``max(limit, after)`` bytes,
+    ``after`` being what the output after it holds; marked ``borrow`` if it needs more than
+    ``limit``."""
+    piece = next((p for p in pieces if p.workspace <= max(limit, after)), None)
+    if piece is not None and piece.workspace > limit:
+        piece = dataclasses.replace(piece, borrow=True)
+    return piece
 
 
 # A candidate plan while building a front: (time_ms, workspace, count, order, piece, rest). Plain

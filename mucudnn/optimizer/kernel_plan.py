@@ -107,13 +107,16 @@ def borrowing_sizes(workspace_at: dict[int, int], n: int, limit: int, sample_byt
     ``max(limit, samples after it * sample_bytes)``, while that room is over ``limit``."""
     sizes, left = [], n
     while left > 1:
-        fitting = next((s for s in range(left - 1, 0, -1)
-                        if (ws := _workspace_between(workspace_at, s)) is not None
-                        and ws <= max(limit, (left - s) * sample_bytes)), None)
-        if fitting is None or _workspace_between(workspace_at, fitting) <= limit:
+        for size in range(left - 1, 0, -1):
+            workspace = _workspace_between(workspace_at, size)
+            if workspace is not None and workspace <= max(limit, (left - size) * sample_bytes):
+                break
+        else:
+            break  # nothing of this configuration fits
+        if workspace <= limit:
             break  # from here on the room is the limit: largest_fitting_size's size
-        sizes.append(fitting)
-        left -= fitting
+        sizes.append(size)
+        left -= size
     return sizes
 
 
@@ -155,11 +158,6 @@ class KernelPlan:
         workspace of a piece that does not borrow (0 if all borrow)."""
         return max((piece.workspace for piece in self.pieces if not piece.borrow), default=0)
 
-    @property
-    def borrows(self) -> bool:
-        """Whether some piece borrows its output's unwritten part (then the order of the pieces
-        is the order they must run in)."""
-        return any(piece.borrow for piece in self.pieces)
 
     @property
     def is_divided(self) -> bool:
