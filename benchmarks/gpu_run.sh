@@ -56,6 +56,9 @@ print(open_store().environments())" ;;
       --skip-timing --precise --models ${models//+/ } --out "$LOGS/shimprecise-$models" ;;
   shimgrads-*) models=${s#shimgrads-}; stage "shimgrads-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
       --skip-timing --models ${models//+/ } --out "$LOGS/shimgrads-$models" ;;
+  census)  # engine_census.py: every heuristics configuration for the pieces of $CENSUS_PLAN
+    stage census ${CENSUS_TIMEOUT:-240} python3 benchmarks/engine_census.py "$CENSUS_PLAN" \
+      --config "${CENSUS_CONFIG:-vgg16}" --directions ${CENSUS_DIRECTIONS:-bwd_filter} --out "$LOGS/census.json" ;;
   graphsmoke) stage graphsmoke 300 python3 benchmarks/graph_smoke.py --out "$LOGS/graphsmoke" ;;
   graph-*)  # graph-MODEL+MODEL-DTYPE: PyTorch's default path, e.g. graph-resnet50+vgg16-fp32
     spec=${s#graph-}; dtype=${spec##*-}; models=${spec%-*}

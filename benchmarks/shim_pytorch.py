@@ -261,6 +261,13 @@ def driver(args) -> int:
             }
             if args.path == "legacy":
                 timing["uncapped_again"] = run_worker(model, {}, tf32=True, shim=False)
+            # more rounds of (uncapped, shim), alternating: the spread of the ratio between runs
+            rounds = [(timing["uncapped"]["step_ms"], timing["shim"]["step_ms"])]
+            for _ in range(args.rounds - 1):
+                unc = run_worker(model, {}, tf32=True, shim=False)["step_ms"]
+                rounds.append((unc, run_worker(model, {}, tf32=True, shim=True, plan=plan,
+                                               limit=args.limit)["step_ms"]))
+            timing["rounds"] = [{"uncapped_ms": u, "shim_ms": s, "ratio": s / u} for u, s in rounds]
             if args.path == "default":  # benchmark mode tries every engine: workspace peaks
                 timing["uncapped_cudnn_benchmark"] = run_worker(model, {}, tf32=True, shim=False,
                                                                 cudnn_benchmark=True)
@@ -272,7 +279,12 @@ def driver(args) -> int:
             (out / "shim_pytorch.json").write_text(json.dumps(report, indent=1))
             print(f"[{model}] " + "  ".join(f"{k}={v['step_ms']:.1f}ms/{v['peak_bytes'] / 2**30:.2f}GiB"
                                             f"/{v['peak_reserved_bytes'] / 2**30:.2f}GiB-reserved"
-                                            for k, v in timing.items()), flush=True)
+                                            for k, v in timing.items() if k != "rounds"), flush=True)
+            if args.rounds > 1:
+                ratios = [r["ratio"] for r in timing["rounds"]]
+                print(f"[{model}] shim/uncapped by round: "
+                      + " ".join(f"{r:.4f}" for r in ratios)
+                      + f"  median {statistics.median(ratios):.4f}", flush=True)
         except _Skipped as exc:
             r["timing_error"] = str(exc)
         except Exception as exc:  # keep going: other models and the correctness part still run
@@ -412,6 +424,9 @@ def main() -> int:
     d.add_argument("--tune-args", default="",
                    help="extra arguments of `mucudnn tune` for every plan, e.g. --borrow-output")
     d.add_argument("--skip-timing", action="store_true")
+    d.add_argument("--rounds", type=int, default=1,
+                   help="time uncapped and shim this many times each, alternating (the ratio's "
+                        "spread between runs)")
     d.add_argument("--precise", action="store_true",
                    help="gradient checks with plans free of FFT/Winograd algorithms")
     d.add_argument("--double-check", action="store_true",
