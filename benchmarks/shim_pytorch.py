@@ -99,10 +99,56 @@ def worker(args) -> None:
         end.synchronize()
         if i >= args.warmup:
             times.append(start.elapsed_time(end))
-    print(json.dumps({"step_ms": statistics.median(times), "steps": len(times),
-                      "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
-                      "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
-                      "loss": loss.item()}))
+    result = {"step_ms": statistics.median(times), "steps": len(times),
+              "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
+              "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item()}
+    if args.profile:  # after the timed steps, so profiling never touches the timing
+        def step():
+            with autocast:
+                step_loss = loss_fn(model(images), labels)
+            step_loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        result["profile"] = profile_steps(step, args.profile)
+    print(json.dumps(result))
+
+
+def profile_steps(step, steps: int) -> dict:
+    """GPU activity of ``steps`` training steps (torch.profiler, CUPTI): per step, the span from
+    the first GPU activity to the last, the time some kernel, copy or fill ran (busy), the rest
+    (idle: the GPU waited for the host), and the kernels' total times by name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, end = 0.0, None
+    for start, stop, _ in gpu:  # union of the intervals (µs)
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = gpu[-1][1] - gpu[0][0] if gpu else 0.0
+    by_name: dict[str, list] = {}
+    for start, stop, name in gpu:
+        entry = by_name.setdefault(name[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += (stop - start) / 1000 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]
+    return {"steps": steps, "span_ms": span / 1000 / steps, "busy_ms": busy / 1000 / steps,
+            "idle_ms": (span - busy) / 1000 / steps, "activities": len(gpu) // steps,
+            "kernels_ms": {name: {"calls": c // steps, "ms": ms} for name, (c, ms) in top}}
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -110,9 +156,10 @@ def worker(args) -> None:
 def run_worker(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15, warmup=5,
                grads: str | None = None, cudnn_benchmark=False, record=None, plan=None,
                limit=None, log=None, batch=256, double=False, path="legacy",
-               dtype="fp32") -> dict:
+               dtype="fp32", profile=0) -> dict:
     cmd = [sys.executable, str(HERE), "worker", "--model", model, "--batch", str(batch),
-           "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype]
+           "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype,
+           "--profile", str(profile)]
     cmd += ["--tf32"] if tf32 else []
     cmd += ["--cudnn-benchmark"] if cudnn_benchmark else []
     cmd += ["--grads", grads] if grads else []
@@ -268,6 +315,16 @@ def driver(args) -> int:
                 rounds.append((unc, run_worker(model, {}, tf32=True, shim=True, plan=plan,
                                                limit=args.limit)["step_ms"]))
             timing["rounds"] = [{"uncapped_ms": u, "shim_ms": s, "ratio": s / u} for u, s in rounds]
+            if args.profile:  # where each spends its step: kernels, and the GPU waiting
+                r["profile"] = {
+                    "uncapped": run_worker(model, {}, tf32=True, shim=False, steps=3,
+                                           profile=args.profile)["profile"],
+                    "shim": run_worker(model, {}, tf32=True, shim=True, plan=plan, steps=3,
+                                       limit=args.limit, profile=args.profile)["profile"]}
+                print(f"[{model}] profile per step (ms): " + "  ".join(
+                    f"{k}: span {v['span_ms']:.2f} busy {v['busy_ms']:.2f} idle {v['idle_ms']:.2f}"
+                    f" ({v['activities']} GPU activities)" for k, v in r["profile"].items()),
+                    flush=True)
             if args.path == "default":  # benchmark mode tries every engine: workspace peaks
                 timing["uncapped_cudnn_benchmark"] = run_worker(model, {}, tf32=True, shim=False,
                                                                 cudnn_benchmark=True)
@@ -409,6 +466,8 @@ def main() -> int:
     w.add_argument("--grads")
     w.add_argument("--double", action="store_true", help="run in float64 (the reference)")
     w.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
+    w.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, profile this many steps (GPU busy and idle time)")
     d = sub.add_parser("driver")
     d.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "alexnet"])
     d.add_argument("--out", required=True)
@@ -424,6 +483,8 @@ def main() -> int:
     d.add_argument("--tune-args", default="",
                    help="extra arguments of `mucudnn tune` for every plan, e.g. --borrow-output")
     d.add_argument("--skip-timing", action="store_true")
+    d.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS steps of uncapped and shim (GPU busy/idle, kernels)")
     d.add_argument("--rounds", type=int, default=1,
                    help="time uncapped and shim this many times each, alternating (the ratio's "
                         "spread between runs)")
