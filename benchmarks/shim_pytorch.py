@@ -146,9 +146,29 @@ def profile_steps(step, steps: int) -> dict:
         entry[0] += 1
         entry[1] += (stop - start) / 1000 / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]
+    # where the GPU waited: each gap over 5 µs, by the activity after it
+    gaps: dict[str, list] = {}
+    latest = None
+    for start, stop, name in gpu:
+        if latest is not None and start - latest > 5:
+            entry = gaps.setdefault(name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += (start - latest) / 1000 / steps
+        latest = stop if latest is None else max(latest, stop)
+    # host calls into the CUDA runtime and driver: a synchronising one stalls the queue
+    host: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            entry = host.setdefault(e["name"], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.get("dur", 0) / 1000 / steps
     return {"steps": steps, "span_ms": span / 1000 / steps, "busy_ms": busy / 1000 / steps,
             "idle_ms": (span - busy) / 1000 / steps, "activities": len(gpu) // steps,
-            "kernels_ms": {name: {"calls": c // steps, "ms": ms} for name, (c, ms) in top}}
+            "kernels_ms": {name: {"calls": c // steps, "ms": ms} for name, (c, ms) in top},
+            "gaps_before": {name: {"gaps": c // steps, "ms": ms} for name, (c, ms)
+                            in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:25]},
+            "host_calls": {name: {"calls": c // steps, "ms": ms} for name, (c, ms)
+                           in sorted(host.items(), key=lambda kv: -kv[1][1])}}
 
 
 # -- driver ----------------------------------------------------------------------------------------
