@@ -59,6 +59,9 @@ print(open_store().environments())" ;;
   census)  # engine_census.py: every heuristics configuration for the pieces of $CENSUS_PLAN
     stage census ${CENSUS_TIMEOUT:-240} python3 benchmarks/engine_census.py "$CENSUS_PLAN" \
       --config "${CENSUS_CONFIG:-vgg16}" --directions ${CENSUS_DIRECTIONS:-bwd_filter} --out "$LOGS/census.json" ;;
+  captureprobe)  # graph_capture_probe.py: the pieces of $CENSUS_PLAN eager and as one CUDA graph
+    stage captureprobe 240 python3 benchmarks/graph_capture_probe.py "$CENSUS_PLAN" \
+      --config "${CENSUS_CONFIG:-vgg16}" --out "$LOGS/captureprobe.json" ;;
   graphsmoke) stage graphsmoke 300 python3 benchmarks/graph_smoke.py --out "$LOGS/graphsmoke" ;;
   graph-*)  # graph-MODEL+MODEL-DTYPE: PyTorch's default path, e.g. graph-resnet50+vgg16-fp32
     spec=${s#graph-}; dtype=${spec##*-}; models=${spec%-*}
