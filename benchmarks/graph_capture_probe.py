@@ -37,34 +37,42 @@ class _NullStore:
         return []
 
 
-def piece_runners(bench, entry, buffers, workspace, stack):
+def piece_runners(bench, entry, buffers, stack):
     """One callable per piece of ``entry``, in plan order, as the shim runs them: consecutive
-    slices, the first backward-filter piece with beta 0 and the others with beta 1."""
+    slices, the first backward-filter piece with beta 0 and the others with beta 1, one workspace
+    as large as the largest piece needs (borrowing pieces included: the probe times, it does not
+    save memory). Returns (runners, workspace)."""
     problem = entry.problem
-    runners, offset, graphs = [], 0, {}
+    steps, offset, plans = [], 0, {}
     for i, piece in enumerate(entry.pieces):
         sub = problem.with_n(piece.batch)
         beta = 1.0 if problem.direction is Direction.BACKWARD_FILTER and i > 0 else 0.0
-        x, w, y = buffers.pointers(offset)
         if api_of(piece.algo) is Api.GRAPH:
             key = (piece.batch, beta, piece.algo)
-            if key not in graphs:
+            if key not in plans:
                 graph = ConvolutionGraph(bench.cudnn, bench.handle, sub, beta=beta)
                 stack.append(graph)
-                graphs[key] = graph.plan_from_name(parse_engine_name(piece.algo))
-                stack.append(graphs[key])
-            plan = graphs[key]
-            pack = plan.variant_pack(x, w, y, workspace.data.ptr)
-            stack.append(pack)
-            runners.append(lambda plan=plan, pack=pack: plan.execute(pack))
+                plans[key] = graph.plan_from_name(parse_engine_name(piece.algo))
+                stack.append(plans[key])
+            steps.append((offset, beta, plans[key], None, plans[key].workspace_size))
         else:
             call = ConvolutionCall(bench.cudnn, sub, piece.math)
             algo = ALGORITHMS[problem.direction].index(piece.algo)
-            size = call.workspace_size(bench.handle, algo)
-            runners.append(lambda call=call, algo=algo, x=x, w=w, y=y, size=size, beta=beta:
-                           call.run(bench.handle, algo, x, w, y, workspace.data.ptr, size, beta=beta))
+            steps.append((offset, beta, call, algo, call.workspace_size(bench.handle, algo)))
         offset += piece.batch
-    return runners
+    workspace = bench.cupy.empty(max(1, *(size for *_, size in steps)), dtype="uint8")
+    ws = workspace.data.ptr
+    runners = []
+    for offset, beta, runner, algo, size in steps:
+        x, w, y = buffers.pointers(offset)
+        if algo is None:
+            pack = runner.variant_pack(x, w, y, ws)
+            stack.append(pack)
+            runners.append(lambda plan=runner, pack=pack: plan.execute(pack))
+        else:
+            runners.append(lambda call=runner, algo=algo, x=x, w=w, y=y, size=size, beta=beta:
+                           call.run(bench.handle, algo, x, w, y, ws, size, beta=beta))
+    return runners, workspace
 
 
 def median_ms(cupy, stream, fn, reps: int = 15, warmup: int = 3) -> float:
@@ -98,12 +106,10 @@ def main() -> int:
                 continue
             weight = counts.get(geometry(entry.key), 1)
             buffers = KernelBuffers.random(entry.problem, bench.rng)
-            # room for every piece (borrowing ones included: the probe times, it does not save)
-            workspace = cupy.empty(max(4 << 20, 2 * entry.workspace,
-                                       *(256 << 20 for p in entry.pieces if p.borrow)), dtype="uint8")
             stack: list = []
+            workspace = None
             try:
-                runners = piece_runners(bench, entry, buffers, workspace, stack)
+                runners, workspace = piece_runners(bench, entry, buffers, stack)
 
                 def eager():
                     for run in runners:
