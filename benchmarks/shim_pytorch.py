@@ -78,9 +78,13 @@ def worker(args) -> None:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-        with autocast:
-            loss = loss_fn(model(images), labels)
-        loss.backward()
+        # the same forward and backward --grad-repeats times, the last one kept: the shim runs a
+        # kernel's pieces one by one on its first call and as a CUDA graph from the second on
+        for _ in range(args.grad_repeats):
+            model.zero_grad(set_to_none=True)
+            with autocast:
+                loss = loss_fn(model(images), labels)
+            loss.backward()
         grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
         torch.save({"loss": loss.item(), "grads": grads}, args.grads)
         print(json.dumps({"loss": loss.item()}))
@@ -329,12 +333,22 @@ def driver(args) -> int:
             if args.path == "legacy":
                 timing["uncapped_again"] = run_worker(model, {}, tf32=True, shim=False)
             # more rounds of (uncapped, shim), alternating: the spread of the ratio between runs
-            rounds = [(timing["uncapped"]["step_ms"], timing["shim"]["step_ms"])]
-            for _ in range(args.rounds - 1):
-                unc = run_worker(model, {}, tf32=True, shim=False)["step_ms"]
-                rounds.append((unc, run_worker(model, {}, tf32=True, shim=True, plan=plan,
-                                               limit=args.limit)["step_ms"]))
-            timing["rounds"] = [{"uncapped_ms": u, "shim_ms": s, "ratio": s / u} for u, s in rounds]
+            # (with --graphs-check, also the shim with its CUDA graphs off)
+            rounds = []
+            for i in range(args.rounds):
+                unc = timing["uncapped"] if i == 0 else run_worker(model, {}, tf32=True, shim=False)
+                shim = timing["shim"] if i == 0 else run_worker(model, {}, tf32=True, shim=True,
+                                                                plan=plan, limit=args.limit)
+                row = {"uncapped_ms": unc["step_ms"], "shim_ms": shim["step_ms"],
+                       "ratio": shim["step_ms"] / unc["step_ms"]}
+                if args.graphs_check:
+                    off = run_worker(model, {"MUCUDNN_CUDA_GRAPHS": "0"}, tf32=True, shim=True,
+                                     plan=plan, limit=args.limit)["step_ms"]
+                    row.update(shim_no_graphs_ms=off, ratio_no_graphs=off / unc["step_ms"])
+                rounds.append(row)
+            timing["rounds"] = rounds
+            if args.graphs_check:
+                r["graphs_check"] = graphs_check(model, plan, args, out, run_worker)
             if args.profile:  # where each spends its step: kernels, and the GPU waiting
                 r["profile"] = {
                     "uncapped": run_worker(model, {}, tf32=True, shim=False, steps=3,
@@ -357,11 +371,12 @@ def driver(args) -> int:
             print(f"[{model}] " + "  ".join(f"{k}={v['step_ms']:.1f}ms/{v['peak_bytes'] / 2**30:.2f}GiB"
                                             f"/{v['peak_reserved_bytes'] / 2**30:.2f}GiB-reserved"
                                             for k, v in timing.items() if k != "rounds"), flush=True)
-            if args.rounds > 1:
-                ratios = [r["ratio"] for r in timing["rounds"]]
-                print(f"[{model}] shim/uncapped by round: "
-                      + " ".join(f"{r:.4f}" for r in ratios)
-                      + f"  median {statistics.median(ratios):.4f}", flush=True)
+            for field in ("ratio", "ratio_no_graphs"):
+                ratios = [r[field] for r in timing["rounds"] if field in r]
+                if len(ratios) > 1 or (ratios and field != "ratio"):
+                    print(f"[{model}] shim/uncapped by round ({field}): "
+                          + " ".join(f"{r:.4f}" for r in ratios)
+                          + f"  median {statistics.median(ratios):.4f}", flush=True)
         except _Skipped as exc:
             r["timing_error"] = str(exc)
         except Exception as exc:  # keep going: other models and the correctness part still run
@@ -407,6 +422,36 @@ def driver(args) -> int:
     (out / "shim_pytorch.json").write_text(json.dumps(report, indent=1))
     print_table(report)
     return 0
+
+
+def graphs_check(model: str, plan: str, args, out: Path, run_worker) -> dict:
+    """Gradients with the plan's pieces as CUDA graphs (the default) and one by one
+    (MUCUDNN_CUDA_GRAPHS=0): the same kernels in the same order, so they must be bitwise equal."""
+    import torch
+    scratch = Path(tempfile.mkdtemp())
+    try:
+        files, logs = {}, {}
+        for graphs in ("0", "1"):
+            files[graphs] = str(scratch / f"{model}-graphs{graphs}.pt")
+            logs[graphs] = str(out / f"{model}-graphs{graphs}-shim.log")
+            Path(logs[graphs]).unlink(missing_ok=True)
+            run_worker(model, {"MUCUDNN_CUDA_GRAPHS": graphs}, tf32=True, shim=True,
+                       grads=files[graphs], plan=plan, limit=args.limit, log=logs[graphs])
+        off, on = torch.load(files["0"]), torch.load(files["1"])
+        unequal = [name for name, g in off["grads"].items() if not torch.equal(g, on["grads"][name])]
+        result = {"tensors": len(off["grads"]), "tensors_not_bitwise_equal": unequal,
+                  "loss_equal": off["loss"] == on["loss"],
+                  "kernels_as_graphs": Path(logs["1"]).read_text().count("pieces run as one CUDA graph"),
+                  "kernels_as_graphs_when_off": Path(logs["0"]).read_text().count(
+                      "pieces run as one CUDA graph"),
+                  "split_kernels": split_kernels(logs["1"])}
+        print(f"[{model}] CUDA graphs on vs off: {len(unequal)}/{result['tensors']} gradient "
+              f"tensors differ, loss equal {result['loss_equal']}, {result['kernels_as_graphs']} "
+              f"kernels ran as graphs ({result['kernels_as_graphs_when_off']} with graphs off)",
+              flush=True)
+        return result
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def double_check(model: str, r: dict, args, out: Path, paths: dict,
@@ -486,6 +531,7 @@ def main() -> int:
     w.add_argument("--grads")
     w.add_argument("--double", action="store_true", help="run in float64 (the reference)")
     w.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
+    w.add_argument("--grad-repeats", type=int, default=3)
     w.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile this many steps (GPU busy and idle time)")
     d = sub.add_parser("driver")
@@ -503,6 +549,8 @@ def main() -> int:
     d.add_argument("--tune-args", default="",
                    help="extra arguments of `mucudnn tune` for every plan, e.g. --borrow-output")
     d.add_argument("--skip-timing", action="store_true")
+    d.add_argument("--graphs-check", action="store_true",
+                   help="gradients with the shim's CUDA graphs on and off must be bitwise equal")
     d.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS steps of uncapped and shim (GPU busy/idle, kernels)")
     d.add_argument("--rounds", type=int, default=1,

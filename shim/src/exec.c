@@ -266,6 +266,27 @@ static cudnnStatus_t run_pieces(mu_plan_entry *entry, const mu_kernel *k, const 
     return CUDNN_STATUS_SUCCESS;
 }
 
+/* run_pieces as a mu_pieces_fn (capture.c runs it directly or under a capture). */
+typedef struct {
+    mu_plan_entry *entry;
+    const mu_kernel *k;
+    const mu_exec_cache *cache;
+    const mu_conv_call *call;
+    int failed_piece;
+} pieces_run;
+
+static cudnnStatus_t run_pieces_now(void *context) {
+    pieces_run *run = context;
+    run->failed_piece = -1;
+    return run_pieces(run->entry, run->k, run->cache, run->call, &run->failed_piece);
+}
+
+/* A scale's value (NULL: cuDNN reports it, so the key only needs to be stable). */
+static double scale_value(const void *scale, cudnnDataType_t dtype) {
+    if (scale == NULL) return -0.0;
+    return dtype == CUDNN_DATA_DOUBLE ? *(const double *)scale : (double)*(const float *)scale;
+}
+
 static void log_first_call(mu_seen *seen, const mu_kernel *k, const char *how) {
     if (seen == NULL || !mu_log_enabled(MU_LOG_INFO)) return;
     if (atomic_exchange(&seen->first_call_logged, true)) return;
@@ -306,8 +327,13 @@ static cudnnStatus_t execute(const mu_conv_call *call, mu_plan_entry *entry, mu_
                  pieces, entry->workspace, call->workspace_size);
         log_first_call(seen, k, how);
     }
-    int failed_piece = -1;
-    status = run_pieces(entry, k, cache, call, &failed_piece);
+    pieces_run run = {entry, k, cache, call, -1};
+    status = mu_run_captured(entry, call->handle, &(mu_capture_key){
+                                 .x = (uintptr_t)call->x, .w = (uintptr_t)call->w, .y = (uintptr_t)call->y,
+                                 .workspace = (uintptr_t)call->workspace, .workspace_size = call->workspace_size,
+                                 .alpha = scale_value(call->alpha, k->dtype), .beta = scale_value(call->beta, k->dtype)},
+                             run_pieces_now, &run);
+    int failed_piece = run.failed_piece;
     if (status != CUDNN_STATUS_SUCCESS && failed_piece == 0 && failed_before_writing(status)) {
         /* Nothing was written yet: cuDNN undivided may still run it. Stop using this plan. */
         atomic_store(&entry->disabled, true);

@@ -35,6 +35,7 @@ typedef enum {
     MU_OPT_LOG_LEVEL,
     MU_OPT_LOG_FILE,
     MU_OPT_SUMMARY,
+    MU_OPT_CUDA_GRAPHS,
     MU_OPT_COUNT
 } mu_option;
 
@@ -74,6 +75,8 @@ void mu_log_summary(const char *fmt, ...) MU_PRINTF(1, 2);
 #define MU_REAL_FUNCTIONS(X)                        \
     X(cudnnGetVersion)                              \
     X(cudnnGetErrorString)                          \
+    X(cudnnGetStream)                               \
+    X(cudnnSetStream)                               \
     X(cudnnGetTensorNdDescriptor)                   \
     X(cudnnGetFilterNdDescriptor)                   \
     X(cudnnGetConvolutionNdDescriptor)              \
@@ -205,7 +208,8 @@ typedef struct {
     bool borrow;          /* ":out": its workspace is the output's part the later pieces write */
 } mu_piece;
 
-struct mu_exec_cache; /* exec.c */
+struct mu_exec_cache;  /* exec.c */
+struct mu_graph_cache; /* capture.c */
 
 typedef struct mu_plan_entry {
     char *key;
@@ -224,6 +228,7 @@ typedef struct mu_plan_entry {
     /* Graph-API piece plans for legacy calls, one set per (handle, alpha, beta), on first use. */
     _Atomic(struct mu_g_legacy_pieces *) legacy_pieces;
     atomic_bool disabled;                   /* set when the plan failed where undivided cuDNN may not */
+    _Atomic(struct mu_graph_cache *) graphs; /* its pieces captured as CUDA graphs (capture.c) */
 } mu_plan_entry;
 
 typedef struct {
@@ -310,6 +315,26 @@ cudnnStatus_t mu_g_run_engine_piece(const struct mu_g_planned *planned, cudnnHan
                                     void *x, void *w, void *y, void *workspace);
 /* The workspace graph-API piece `index` needs (0 if there is no such piece). */
 size_t mu_g_piece_workspace(const struct mu_g_planned *planned, int index);
+
+/* ---- capture.c: a plan's pieces as one CUDA graph ----------------------------------------- */
+
+/* What a captured graph bakes in: a call with other values needs another graph. */
+typedef struct {
+    uintptr_t x, w, y, workspace;
+    uint64_t workspace_size;
+    double alpha, beta;
+} mu_capture_key;
+
+/* How many graphs (sets of pointers) one plan entry keeps. */
+#define MU_GRAPHS_PER_ENTRY 4
+
+/* Runs a plan's pieces on the handle's stream, whatever that stream is. */
+typedef cudnnStatus_t (*mu_pieces_fn)(void *context);
+
+/* run(context) as a CUDA graph launched on the handle's stream (captured on the entry's second
+ * call with this key), or directly where graphs cannot be used. */
+cudnnStatus_t mu_run_captured(mu_plan_entry *entry, cudnnHandle_t handle, const mu_capture_key *key,
+                              mu_pieces_fn run, void *context);
 
 /* ---- query.c: algorithm queries, workspace sizes, the workspace limit ---------------------- */
 

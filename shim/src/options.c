@@ -40,6 +40,8 @@ static option_entry options[MU_OPT_COUNT] = {
                          false, 0, NULL},
     [MU_OPT_SUMMARY] = {"MUCUDNN_SUMMARY", KIND_BOOL, 0, "print a per-kernel summary at exit",
                         false, 0, NULL},
+    [MU_OPT_CUDA_GRAPHS] = {"MUCUDNN_CUDA_GRAPHS", KIND_BOOL, 1,
+                            "launch each plan's pieces as one CUDA graph", false, 0, NULL},
 };
 
 static bool parse_bool(const char *text, long long *value) {

@@ -64,7 +64,7 @@ def test_the_gpu_name_comes_from_the_driver(shim_env):
 @pytest.mark.parametrize("variable, value", [
     ("MUCUDNN_WORKSPACE_LIMIT", "lots"), ("MUCUDNN_WORKSPACE_LIMIT", "64XB"),
     ("MUCUDNN_WORKSPACE_LIMIT", "-5"), ("MUCUDNN_LOG_LEVEL", "loud"), ("MUCUDNN_DISABLE", "maybe"),
-    ("MUCUDNN_SUMMARY", "2"),
+    ("MUCUDNN_SUMMARY", "2"), ("MUCUDNN_CUDA_GRAPHS", "sometimes"),
 ])
 def test_a_malformed_value_gives_one_warning_and_the_default(shim_env, variable, value):
     plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
@@ -88,7 +88,8 @@ def test_workspace_limit_values(shim_env, value, bytes_):
 def test_debug_level_prints_every_option_and_each_piece(shim_env):
     plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
     run = shim_env.run([CASE], plan=plan, env={"MUCUDNN_LOG_LEVEL": "3"})
-    for name in ("DISABLE", "PLAN", "WORKSPACE_LIMIT", "RECORD", "LOG_LEVEL", "LOG_FILE", "SUMMARY"):
+    for name in ("DISABLE", "PLAN", "WORKSPACE_LIMIT", "RECORD", "LOG_LEVEL", "LOG_FILE", "SUMMARY",
+                 "CUDA_GRAPHS"):
         assert f"mucudnn: debug: option MUCUDNN_{name} = " in run.stderr
     assert run.stderr.count(" piece ") == 2 and "piece 2/2: b=4 algo=gemm math=fma" in run.stderr
 
@@ -108,3 +109,17 @@ def test_log_file_and_summary(shim_env, tmp_path):
     key = run.cases[0]["key"]
     assert rows[("8", key)] == ("2", "0") and rows[("3", key)] == ("0", "1")
     assert rows[("-", "(calls without a kernel key)")] == ("0", "1")
+
+
+@pytest.mark.parametrize("graphs", [None, "0"])
+def test_cuda_graphs_fall_back_to_piece_by_piece_without_stream_capture(shim_env, graphs):
+    """The test double's driver has no stream capture: plans run piece by piece, exactly, and the
+    shim says why at info level (MUCUDNN_CUDA_GRAPHS=0: it never looks)."""
+    plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
+    env = {"MUCUDNN_LOG_LEVEL": "info", **({"MUCUDNN_CUDA_GRAPHS": graphs} if graphs else {})}
+    run = shim_env.run([CASE, CASE, CASE], plan=plan, env=env)
+    assert [c["exact"] for c in run.cases] == ["1"] * 3
+    assert [c["n"] for c in run.conv_calls()] == ["4", "4", "8"] * 3
+    said = "mucudnn: info: CUDA graphs off: the CUDA driver lacks stream capture"
+    assert run.stderr.count(said) == (0 if graphs == "0" else 1), run.stderr
+    assert not run.shim_lines("warning")

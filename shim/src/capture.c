@@ -1,0 +1,226 @@
+/*
+ * capture.c: a plan's pieces launched as one CUDA graph (MUCUDNN_CUDA_GRAPHS, on by default).
+ *
+ * A plan turns one convolution into many small calls of a few kernels each, and the GPU spends
+ * about a microsecond between any two kernels it is handed one by one: 4.4 ms per training step
+ * for VGG-16's plan (benchmarks/results/shim-pytorch-h200.md). Kernels of one CUDA graph start
+ * closer together. From a plan entry's second call on, its pieces are captured once on a stream of
+ * the shim's own (cuDNN's handle pointed at it for the capture, then back) and the graph is
+ * launched on the caller's stream: same kernels, same order, same arguments, so the same results.
+ *
+ * A graph bakes in its pointers and scalars, so each entry keeps a few graphs keyed by the call's
+ * pointers, workspace and alpha/beta (a training loop passes the same ones step after step); a
+ * call with other ones is captured anew, replacing the oldest. Captured work does not run, so a
+ * capture that fails (a piece's error, or cuDNN doing something a capture cannot hold) is
+ * discarded and the pieces run one by one, then and for that entry from then on. Nothing is
+ * captured when the caller's stream is itself being captured (the caller's graph takes the pieces
+ * as they are) or when the CUDA driver is not in the process (the cuDNN test double).
+ *
+ * The driver API is resolved from the libcuda.so.1 the CUDA runtime loaded (never loaded here),
+ * with the few types it needs declared below: the shim has no build dependency on cuda.h.
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef int CUresult;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUgraph;
+typedef void *CUgraphExec;
+
+enum { CU_SUCCESS = 0, CU_STREAM_NON_BLOCKING = 1, CU_STREAM_CAPTURE_MODE_RELAXED = 2,
+       CU_STREAM_CAPTURE_STATUS_NONE = 0 };
+
+typedef struct {
+    CUresult (*ctx_get_current)(CUcontext *);
+    CUresult (*stream_create)(CUstream *, unsigned int);
+    CUresult (*stream_is_capturing)(CUstream, int *);
+    CUresult (*begin_capture)(CUstream, int);
+    CUresult (*end_capture)(CUstream, CUgraph *);
+    CUresult (*instantiate)(CUgraphExec *, CUgraph, unsigned long long);
+    CUresult (*launch)(CUgraphExec, CUstream);
+    CUresult (*exec_destroy)(CUgraphExec);
+    CUresult (*graph_destroy)(CUgraph);
+    int (*runtime_get_last_error)(void); /* cudaGetLastError: clears what a failed capture left */
+} mu_driver;
+
+static mu_driver driver;
+static bool driver_ok;
+
+static void *loaded(const char *const names[]) {
+    for (; *names != NULL; names++) {
+        void *handle = dlopen(*names, RTLD_LAZY | RTLD_NOLOAD);
+        if (handle != NULL) return handle;
+    }
+    return NULL;
+}
+
+static void resolve_driver(void) {
+    static const char *const cuda[] = {"libcuda.so.1", "libcuda.so", NULL};
+    static const char *const cudart[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so", NULL};
+    void *lib = loaded(cuda);
+    if (lib == NULL) {
+        mu_log(MU_LOG_INFO, "CUDA graphs off: the CUDA driver (libcuda.so.1) is not loaded");
+        return;
+    }
+#define MU_DRIVER(field, symbol) *(void **)&driver.field = dlsym(lib, symbol)
+    MU_DRIVER(ctx_get_current, "cuCtxGetCurrent");
+    MU_DRIVER(stream_create, "cuStreamCreate");
+    MU_DRIVER(stream_is_capturing, "cuStreamIsCapturing");
+    MU_DRIVER(begin_capture, "cuStreamBeginCapture_v2");
+    MU_DRIVER(end_capture, "cuStreamEndCapture");
+    MU_DRIVER(instantiate, "cuGraphInstantiateWithFlags");
+    MU_DRIVER(launch, "cuGraphLaunch");
+    MU_DRIVER(exec_destroy, "cuGraphExecDestroy");
+    MU_DRIVER(graph_destroy, "cuGraphDestroy");
+#undef MU_DRIVER
+    void *runtime = loaded(cudart);
+    if (runtime == NULL) runtime = RTLD_DEFAULT;
+    *(void **)&driver.runtime_get_last_error = dlsym(runtime, "cudaGetLastError");
+    driver_ok = driver.ctx_get_current && driver.stream_create && driver.stream_is_capturing &&
+                driver.begin_capture && driver.end_capture && driver.instantiate && driver.launch &&
+                driver.exec_destroy && driver.graph_destroy;
+    if (!driver_ok) mu_log(MU_LOG_INFO, "CUDA graphs off: the CUDA driver lacks stream capture");
+}
+
+static bool graphs_available(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (!mu_option_int(MU_OPT_CUDA_GRAPHS)) return false;
+    pthread_once(&once, resolve_driver);
+    return driver_ok;
+}
+
+/* This thread's capture stream in the current context (a thread captures on its own stream). */
+static CUstream capture_stream(void) {
+    enum { CONTEXTS = 8 };
+    static _Thread_local struct {
+        CUcontext context;
+        CUstream stream;
+    } streams[CONTEXTS];
+    CUcontext context = NULL;
+    if (driver.ctx_get_current(&context) != CU_SUCCESS || context == NULL) return NULL;
+    for (int i = 0; i < CONTEXTS; i++) {
+        if (streams[i].context == context) return streams[i].stream;
+        if (streams[i].context == NULL) {
+            CUstream stream = NULL;
+            if (driver.stream_create(&stream, CU_STREAM_NON_BLOCKING) != CU_SUCCESS) return NULL;
+            streams[i].context = context, streams[i].stream = stream;
+            return stream;
+        }
+    }
+    return NULL;
+}
+
+typedef struct {
+    bool used;
+    mu_capture_key key;
+    CUgraphExec exec;
+} mu_graph_slot;
+
+struct mu_graph_cache {
+    pthread_mutex_t mutex;
+    unsigned long calls;
+    bool refused;   /* a capture failed: this entry's pieces run one by one from now on */
+    bool announced; /* the first capture was logged */
+    int oldest;     /* the slot a new graph replaces when all are used */
+    mu_graph_slot slots[MU_GRAPHS_PER_ENTRY];
+};
+
+static pthread_mutex_t create_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+static struct mu_graph_cache *entry_graphs(mu_plan_entry *entry) {
+    struct mu_graph_cache *cache = atomic_load_explicit(&entry->graphs, memory_order_acquire);
+    if (cache != NULL) return cache;
+    pthread_mutex_lock(&create_mutex);
+    cache = atomic_load_explicit(&entry->graphs, memory_order_acquire);
+    if (cache == NULL && (cache = calloc(1, sizeof *cache)) != NULL) {
+        pthread_mutex_init(&cache->mutex, NULL);
+        atomic_store_explicit(&entry->graphs, cache, memory_order_release);
+    }
+    pthread_mutex_unlock(&create_mutex);
+    return cache;
+}
+
+static mu_graph_slot *find_slot(struct mu_graph_cache *cache, const mu_capture_key *key) {
+    for (int i = 0; i < MU_GRAPHS_PER_ENTRY; i++)
+        if (cache->slots[i].used && memcmp(&cache->slots[i].key, key, sizeof *key) == 0) return &cache->slots[i];
+    return NULL;
+}
+
+/* Captures run(context) on this thread's stream; NULL (and why) if the capture cannot be used. */
+static CUgraphExec capture(cudnnHandle_t handle, cudaStream_t caller, mu_pieces_fn run, void *context,
+                           cudnnStatus_t *status, const char **why) {
+    const mu_real_table *real = mu_real();
+    CUstream stream = capture_stream();
+    *status = CUDNN_STATUS_SUCCESS;
+    if (stream == NULL) return *why = "no capture stream", NULL;
+    if (driver.begin_capture(stream, CU_STREAM_CAPTURE_MODE_RELAXED) != CU_SUCCESS)
+        return *why = "cannot begin a capture", NULL;
+    cudnnStatus_t set = real->cudnnSetStream(handle, (cudaStream_t)stream);
+    if (set == CUDNN_STATUS_SUCCESS) *status = run(context);
+    real->cudnnSetStream(handle, caller);
+    CUgraph graph = NULL;
+    CUresult ended = driver.end_capture(stream, &graph);
+    CUgraphExec exec = NULL;
+    if (set != CUDNN_STATUS_SUCCESS) *why = "cannot point the handle at the capture stream";
+    else if (*status != CUDNN_STATUS_SUCCESS) *why = "a piece failed while captured";
+    else if (ended != CU_SUCCESS || graph == NULL) *why = "cuDNN did something a capture cannot hold";
+    else if (driver.instantiate(&exec, graph, 0) != CU_SUCCESS) exec = NULL, *why = "cannot instantiate the graph";
+    if (graph != NULL) driver.graph_destroy(graph);
+    if (exec == NULL && driver.runtime_get_last_error != NULL) driver.runtime_get_last_error();
+    return exec;
+}
+
+cudnnStatus_t mu_run_captured(mu_plan_entry *entry, cudnnHandle_t handle, const mu_capture_key *key,
+                              mu_pieces_fn run, void *context) {
+    if (!graphs_available()) return run(context);
+    struct mu_graph_cache *cache = entry_graphs(entry);
+    cudaStream_t caller = NULL;
+    int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (cache == NULL || mu_real()->cudnnGetStream(handle, &caller) != CUDNN_STATUS_SUCCESS ||
+        driver.stream_is_capturing((CUstream)caller, &capturing) != CU_SUCCESS ||
+        capturing != CU_STREAM_CAPTURE_STATUS_NONE)
+        return run(context);
+    pthread_mutex_lock(&cache->mutex);
+    /* The first call runs as it is: lazy module loading and cuDNN's own first-use work happen
+     * outside any capture. */
+    if (cache->refused || cache->calls++ == 0) {
+        pthread_mutex_unlock(&cache->mutex);
+        return run(context);
+    }
+    mu_graph_slot *slot = find_slot(cache, key);
+    if (slot == NULL) {
+        cudnnStatus_t status;
+        const char *why = NULL;
+        CUgraphExec exec = capture(handle, caller, run, context, &status, &why);
+        if (exec == NULL) {
+            cache->refused = true;
+            pthread_mutex_unlock(&cache->mutex);
+            mu_log(MU_LOG_WARNING, "%s N=%d: cannot run the pieces as a CUDA graph (%s); running them "
+                   "one by one", entry->key, entry->n, why);
+            return run(context); /* captured work never ran: run it now */
+        }
+        slot = &cache->slots[cache->oldest];
+        if (slot->used) driver.exec_destroy(slot->exec); /* one in flight finishes first */
+        *slot = (mu_graph_slot){.used = true, .key = *key, .exec = exec};
+        cache->oldest = (cache->oldest + 1) % MU_GRAPHS_PER_ENTRY;
+        if (!cache->announced)
+            mu_log(MU_LOG_INFO, "%s N=%d: pieces run as one CUDA graph", entry->key, entry->n);
+        else
+            mu_log(MU_LOG_DEBUG, "%s N=%d: pieces captured again (other pointers)", entry->key, entry->n);
+        cache->announced = true;
+    }
+    CUresult launched = driver.launch(slot->exec, (CUstream)caller);
+    pthread_mutex_unlock(&cache->mutex);
+    if (launched != CU_SUCCESS) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_WARNING, "%s N=%d: cannot launch its CUDA graph (CUresult %d); "
+                       "running the pieces one by one", entry->key, entry->n, launched);
+        return run(context);
+    }
+    return CUDNN_STATUS_SUCCESS;
+}
