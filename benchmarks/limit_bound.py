@@ -4,7 +4,8 @@ For each kernel of a recording, from the stored measurements (``--policy``'s siz
 every stored size with fit):
 
 - ``uncapped``: the fastest row at the kernel's N, any workspace (what an uncapped run can pick);
-- ``plan``: the WR plan (of ``--policy``) the tuner computes at the limit;
+- ``plan``: the WR plan (of ``--policy``) the tuner computes at the limit (``--policy all``: from
+  :func:`every_size`'s estimate of every size, since measuring 256 sizes per kernel is not done);
 - ``fit``: an estimate of the best plan with *any* micro-batch size (policy ``all``): for every
   algorithm, the largest size whose workspace fits the limit (workspace grows linearly with the
   batch between measured sizes), its time per sample interpolated log-linearly between the
@@ -33,6 +34,7 @@ import math
 import re
 
 from mucudnn.config import load_config
+from mucudnn.measurement import Measurement
 from mucudnn.optimizer import Policy, best_plan
 from mucudnn.optimizer.kernel_plan import largest_fitting_size
 from mucudnn.plan import read_recording
@@ -62,6 +64,32 @@ def fit_estimate(rows, n: int, limit: int) -> float:
     return best
 
 
+def every_size(rows, n: int) -> list[Measurement]:
+    """Policy ``all`` estimated: for every configuration, a row at each size 1..n between its
+    smallest and largest measured ones, time per sample log-linear and workspace linear between
+    the measured sizes around it (measured rows kept as they are)."""
+    by_config = collections.defaultdict(dict)
+    for row in rows:
+        if row.ok:
+            by_config[(row.algo, row.math)][row.batch] = row
+    out = []
+    for (algo, math_type), at in by_config.items():
+        sizes = sorted(at)
+        for size in range(sizes[0], min(sizes[-1], n) + 1):
+            if size in at:
+                out.append(at[size])
+                continue
+            small = at[max(b for b in sizes if b < size)]
+            large = at[min(b for b in sizes if b > size)]
+            f = math.log(size / small.batch) / math.log(large.batch / small.batch)
+            per_sample = math.exp((1 - f) * math.log(small.time_ms / small.batch)
+                                  + f * math.log(large.time_ms / large.batch))
+            workspace = small.workspace + (large.workspace - small.workspace) * (
+                size - small.batch) / (large.batch - small.batch)
+            out.append(Measurement(small.key, size, algo, math_type, per_sample * size, int(workspace)))
+    return out
+
+
 def geometry(key: str) -> str:
     """A kernel key without its math type: configs say fma, TF32 recordings default."""
     return re.sub(r"math=[a-z_]+", "math=*", key)
@@ -75,8 +103,9 @@ def main() -> int:
     ap.add_argument("--api", default="both")
     ap.add_argument("--config", help="network config whose layer counts weight the sums")
     ap.add_argument("--uncapped-step-ms", type=float)
-    ap.add_argument("--policy", default="powerOfTwo", choices=("powerOfTwo", "fit"),
-                    help="stored sizes the plan (and --borrow-output) may use")
+    ap.add_argument("--policy", default="powerOfTwo", choices=("powerOfTwo", "fit", "all"),
+                    help="stored sizes the plan (and --borrow-output) may use; all: every size, "
+                         "estimated from the stored ones (every_size)")
     ap.add_argument("--borrow-output", action="store_true",
                     help="add the borrow column (module doc)")
     args = ap.parse_args()
@@ -87,13 +116,16 @@ def main() -> int:
         counts = {geometry(p.key): w for p, w in load_config(args.config).kernels()}
     totals = collections.Counter()
     policy = Policy(args.policy)
+    stored = Policy.FIT if policy is Policy.ALL else policy  # all: estimated from what fit stored
     columns = ["uncapped", "plan", "fit"] + (["borrow"] if args.borrow_output else [])
     print(f"{'kernel':54s} {'count':>5s} " + " ".join(f"{c + ('~' if c == 'fit' else ''):>9s}"
                                                for c in columns) + "  (ms, at N)")
     with store:
         for problem in read_recording(args.recordings):
-            rows = measurements(store, env, problem, policy, args.api)
+            rows = measurements(store, env, problem, stored, args.api)
             ok = [r for r in rows if r.ok]
+            if policy is Policy.ALL:
+                rows = every_size(rows, problem.n)
             times = {"uncapped": min(r.time_ms for r in ok if r.batch == problem.n),
                      "plan": best_plan(rows, problem.n, limit, policy).time_ms,
                      "fit": fit_estimate(rows, problem.n, limit)}
