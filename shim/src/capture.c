@@ -87,11 +87,14 @@ static void resolve_driver(void) {
     if (!driver_ok) mu_log(MU_LOG_INFO, "CUDA graphs off: the CUDA driver lacks stream capture");
 }
 
+/* Set when the driver refuses to begin a capture at all: graphs are then off for the process. */
+static atomic_bool capture_unsupported;
+
 static bool graphs_available(void) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     if (!mu_option_int(MU_OPT_CUDA_GRAPHS)) return false;
     pthread_once(&once, resolve_driver);
-    return driver_ok;
+    return driver_ok && !atomic_load(&capture_unsupported);
 }
 
 /* This thread's capture stream in the current context (a thread captures on its own stream). */
@@ -158,8 +161,13 @@ static CUgraphExec capture(cudnnHandle_t handle, cudaStream_t caller, mu_pieces_
     CUstream stream = capture_stream();
     *status = CUDNN_STATUS_SUCCESS;
     if (stream == NULL) return *why = "no capture stream", NULL;
-    if (driver.begin_capture(stream, CU_STREAM_CAPTURE_MODE_RELAXED) != CU_SUCCESS)
-        return *why = "cannot begin a capture", NULL;
+    CUresult begun = driver.begin_capture(stream, CU_STREAM_CAPTURE_MODE_RELAXED);
+    if (begun != CU_SUCCESS) {
+        if (!atomic_exchange(&capture_unsupported, true))
+            mu_log(MU_LOG_INFO, "CUDA graphs off: the CUDA driver cannot begin a stream capture "
+                   "(CUresult %d)", begun);
+        return *why = NULL, NULL;
+    }
     cudnnStatus_t set = real->cudnnSetStream(handle, (cudaStream_t)stream);
     if (set == CUDNN_STATUS_SUCCESS) *status = run(context);
     real->cudnnSetStream(handle, caller);
@@ -197,6 +205,10 @@ cudnnStatus_t mu_run_captured(mu_plan_entry *entry, cudnnHandle_t handle, const 
         cudnnStatus_t status;
         const char *why = NULL;
         CUgraphExec exec = capture(handle, caller, run, context, &status, &why);
+        if (exec == NULL && why == NULL) { /* the driver cannot capture: nothing to say per entry */
+            pthread_mutex_unlock(&cache->mutex);
+            return run(context);
+        }
         if (exec == NULL) {
             cache->refused = true;
             pthread_mutex_unlock(&cache->mutex);

@@ -113,13 +113,13 @@ def test_log_file_and_summary(shim_env, tmp_path):
 
 @pytest.mark.parametrize("graphs", [None, "0"])
 def test_cuda_graphs_fall_back_to_piece_by_piece_without_stream_capture(shim_env, graphs):
-    """The test double's driver has no stream capture: plans run piece by piece, exactly, and the
-    shim says why at info level (MUCUDNN_CUDA_GRAPHS=0: it never looks)."""
+    """Without $FAKE_CUDA_GRAPHS the fake driver cannot begin a capture: plans run piece by piece,
+    exactly, and the shim says why once at info level (MUCUDNN_CUDA_GRAPHS=0: it never tries)."""
     plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
     env = {"MUCUDNN_LOG_LEVEL": "info", **({"MUCUDNN_CUDA_GRAPHS": graphs} if graphs else {})}
     run = shim_env.run([CASE, CASE, CASE], plan=plan, env=env)
     assert [c["exact"] for c in run.cases] == ["1"] * 3
     assert [c["n"] for c in run.conv_calls()] == ["4", "4", "8"] * 3
-    said = "mucudnn: info: CUDA graphs off: the CUDA driver lacks stream capture"
+    said = "mucudnn: info: CUDA graphs off: the CUDA driver cannot begin a stream capture"
     assert run.stderr.count(said) == (0 if graphs == "0" else 1), run.stderr
     assert not run.shim_lines("warning")

@@ -7,6 +7,7 @@
  *   op=conv|get_v7|find|find_ex|ws|key  dir=fwd|bwd_data|bwd_filter  dt=f32|f64|f16|bf16 ct=..
  *   math=default|tensor_op|tensor_op_conv|fma  layout=nchw|nhwc|padded  n= c= in=HxW|DxHxW k=
  *   f= pad= stride= dil= g= mode=xcorr|conv  alpha= beta= algo= ws=BYTES seed= requested=
+ *   repeat=R (op=conv: the call through the public symbol R times on the same buffers)
  *
  * op=conv runs the call through the public symbol (so through the shim when preloaded) and again
  * through the double's own symbol (dlsym on its handle, which the preload cannot interpose), on
@@ -28,7 +29,7 @@
 typedef struct {
     char op[16], dir[16], dt[8], ct[8], math[16], layout[8], mode[8];
     conv_params params;
-    int algo, requested;
+    int algo, requested, repeat;
     size_t workspace;
 } conv_case;
 
@@ -48,6 +49,7 @@ static bool own_field(void *arg, const char *name, const char *value) {
     TEXT_FIELD(mode);
     else if (!strcmp(name, "algo")) c->algo = atoi(value);
     else if (!strcmp(name, "requested")) c->requested = atoi(value);
+    else if (!strcmp(name, "repeat")) c->repeat = atoi(value);
     else if (!strcmp(name, "ws")) c->workspace = strtoull(value, NULL, 10);
     else return false;
     return true;
@@ -56,7 +58,7 @@ static bool own_field(void *arg, const char *name, const char *value) {
 static void parse_case(char *line, int index) {
     conv_case *c = &cases[index];
     *c = (conv_case){.op = "conv", .dir = "fwd", .dt = "f32", .ct = "", .math = "fma",
-                     .layout = "nchw", .mode = "xcorr", .algo = 0, .requested = 8};
+                     .layout = "nchw", .mode = "xcorr", .algo = 0, .requested = 8, .repeat = 1};
     parse_fields(line, &c->params, own_field, c);
     if (!c->ct[0]) memcpy(c->ct, c->dt, sizeof c->ct);
 }
@@ -129,7 +131,13 @@ static int op_conv(call_context *ctx, char *out, size_t size) {
     void **output = output_of(ctx->c->dir, &ctx->s, &ctx->x, &ctx->w, &ctx->y, &elems);
     void *initial = malloc(elems * ctx->s.elem_size + 1);
     memcpy(initial, *output, elems * ctx->s.elem_size);
+    /* repeat=R: the same call R times on the same buffers, the output restored before each (a
+     * plan's second and later calls run as a CUDA graph); the last one is compared. */
     cudnnStatus_t status = run_conv(ctx, false);
+    for (int i = 1; i < ctx->c->repeat; i++) {
+        memcpy(*output, initial, elems * ctx->s.elem_size);
+        status = run_conv(ctx, false);
+    }
     void *through_shim = *output;
     *output = initial;
     cudnnStatus_t ref_status = run_conv(ctx, true);

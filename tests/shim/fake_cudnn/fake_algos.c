@@ -211,6 +211,23 @@ static void run_with_workspace(enum fake_direction direction, const struct fake_
         fake_fill_workspace(workspace, needed);
 }
 
+/* One call with everything it reads by value: run now, or when a captured graph is launched. */
+struct deferred_call {
+    enum fake_direction direction;
+    struct fake_geometry g;
+    double alpha, beta;
+    struct call_buffers buffers;
+    void *workspace;
+    size_t needed;
+};
+
+static void run_deferred(void *argument)
+{
+    const struct deferred_call *call = argument;
+    run_with_workspace(call->direction, &call->g, call->alpha, call->beta, &call->buffers,
+                       call->workspace, call->needed);
+}
+
 static int batch_of(const struct cudnnTensorStruct *x)
 {
     return fake_tensor_ok(x) && x->rank > 0 ? x->dims[0] : 0;
@@ -295,9 +312,12 @@ static cudnnStatus_t execute(enum fake_direction direction, const struct cudnnCo
     cudnnDataType_t scale_type = fake_tensor_ok(descs->x) ? descs->x->data_type : CUDNN_DATA_FLOAT;
     double alpha_value = alpha != NULL ? read_scale(alpha, scale_type) : 0.0;
     double beta_value = beta != NULL ? read_scale(beta, scale_type) : 0.0;
-    if (status == CUDNN_STATUS_SUCCESS)
-        run_with_workspace(direction, &g, alpha_value, beta_value, buffers, workspace,
-                           fake_workspace_bytes(algo, g.n));
+    if (status == CUDNN_STATUS_SUCCESS) {
+        struct deferred_call call = {direction, g, alpha_value, beta_value, *buffers, workspace,
+                                     fake_workspace_bytes(algo, g.n)};
+        if (!fake_defer(handle->stream, run_deferred, &call, sizeof call))
+            run_deferred(&call);
+    }
 
     const struct direction_info *info = &DIRECTIONS[direction];
     char name[64], x_text[TEXT_MAX], y_text[TEXT_MAX];

@@ -1610,6 +1610,11 @@ static void run(const struct execution *e)
         fake_fill_workspace(e->workspace, e->plan->workspace);
 }
 
+static void run_execution(void *argument)
+{
+    run(argument);
+}
+
 /* The plan's graph, resolved for logging even when the call then fails. */
 static bool resolve_plan(const struct fake_backend *plan, struct execution *e)
 {
@@ -1658,7 +1663,10 @@ cudnnStatus_t cudnnBackendExecute(cudnnHandle_t handle, cudnnBackendDescriptor_t
     const struct fake_backend *plan = backend_of(executionPlan), *pack = backend_of(variantPack);
     cudnnStatus_t status = resolve_plan(plan, &e) ? prepare(handle, pack, &e)
                                                   : CUDNN_STATUS_BAD_PARAM;
-    if (status == CUDNN_STATUS_SUCCESS)
+    /* A fused graph's scratch is freed below: only plain convolutions join a captured graph
+     * (the plan's descriptors, which `e` points into, outlive it as the shim keeps them). */
+    if (status == CUDNN_STATUS_SUCCESS &&
+        (e.view.relu != NULL || !fake_defer(handle->stream, run_execution, &e, sizeof e)))
         run(&e);
     free(e.scratch);
     log_execution(status, handle, &e);

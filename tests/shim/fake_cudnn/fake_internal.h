@@ -64,6 +64,11 @@ struct cudnnConvolutionStruct {
 /* ---- descriptor validation (fake_descriptors.c) ---- */
 
 FAKE_INTERNAL bool fake_handle_ok(const struct cudnnContext *handle);
+
+/* True when `stream` is being captured (fake_defer.c): run(copy of `argument`) then runs at the
+ * graph's launch instead of now. */
+FAKE_INTERNAL bool fake_defer(cudaStream_t stream, void (*run)(void *), const void *argument,
+                              size_t size);
 FAKE_INTERNAL bool fake_tensor_ok(const struct cudnnTensorStruct *desc);
 FAKE_INTERNAL bool fake_filter_ok(const struct cudnnFilterStruct *desc);
 FAKE_INTERNAL bool fake_convolution_ok(const struct cudnnConvolutionStruct *desc);
