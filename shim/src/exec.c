@@ -3,7 +3,8 @@
  *
  * The pieces run in order on consecutive slices along N, each with its own algorithm and math
  * type, in the caller's workspace, on the caller's handle (so its stream), without synchronising
- * and without allocating: the micro-batch descriptors are created once per plan entry.
+ * and without allocating device memory: the micro-batch descriptors are created once per plan
+ * entry. From an entry's second call on they run as one CUDA graph (capture.c).
  *
  * A borrowing piece (":out", forward and backward-data) takes as its workspace the part of the
  * output tensor after its own slice: the later pieces overwrite it, and with beta = 0 nothing
