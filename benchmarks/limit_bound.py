@@ -36,31 +36,39 @@ import re
 from mucudnn.config import load_config
 from mucudnn.measurement import Measurement
 from mucudnn.optimizer import Policy, best_plan
-from mucudnn.optimizer.kernel_plan import largest_fitting_size
+from mucudnn.optimizer.kernel_plan import _workspace_between, largest_fitting_size
 from mucudnn.plan import read_recording
 from mucudnn.sizes import parse_size
 from mucudnn.tuner import measurements, open_measurements
 
 
-def fit_estimate(rows, n: int, limit: int) -> float:
-    """Best N-sample time over configurations run at their largest fitting size (module doc)."""
-    by_config = collections.defaultdict(dict)
+def by_config(rows) -> dict[tuple, dict[int, Measurement]]:
+    """OK rows by configuration (algorithm, math type), then by size."""
+    grouped = collections.defaultdict(dict)
     for row in rows:
         if row.ok:
-            by_config[(row.algo, row.math)][row.batch] = row
+            grouped[(row.algo, row.math)][row.batch] = row
+    return grouped
+
+
+def per_sample_ms(at: dict[int, Measurement], size: int) -> float:
+    """One configuration's time per sample at ``size``: measured, or log-linear between the
+    measured sizes around it."""
+    if size in at:
+        return at[size].time_ms / size
+    small, large = max(b for b in at if b < size), min(b for b in at if b > size)
+    f = math.log(size / small) / math.log(large / small)
+    return math.exp((1 - f) * math.log(at[small].time_ms / small)
+                    + f * math.log(at[large].time_ms / large))
+
+
+def fit_estimate(rows, n: int, limit: int) -> float:
+    """Best N-sample time over configurations run at their largest fitting size (module doc)."""
     best = math.inf
-    for at in by_config.values():
+    for at in by_config(rows).values():
         size = largest_fitting_size({b: r.workspace for b, r in at.items()}, limit)
-        if size is None:
-            continue
-        if size in at:
-            best = min(best, at[size].time_ms / size * n)
-            continue
-        small, large = max(b for b in at if b < size), min(b for b in at if b > size)
-        f = math.log(size / small) / math.log(large / small)
-        per_sample = math.exp((1 - f) * math.log(at[small].time_ms / small)
-                              + f * math.log(at[large].time_ms / large))
-        best = min(best, per_sample * n)
+        if size is not None:
+            best = min(best, per_sample_ms(at, size) * n)
     return best
 
 
@@ -68,25 +76,14 @@ def every_size(rows, n: int) -> list[Measurement]:
     """Policy ``all`` estimated: for every configuration, a row at each size 1..n between its
     smallest and largest measured ones, time per sample log-linear and workspace linear between
     the measured sizes around it (measured rows kept as they are)."""
-    by_config = collections.defaultdict(dict)
-    for row in rows:
-        if row.ok:
-            by_config[(row.algo, row.math)][row.batch] = row
     out = []
-    for (algo, math_type), at in by_config.items():
+    for (algo, math_type), at in by_config(rows).items():
         sizes = sorted(at)
+        workspace_at = {b: r.workspace for b, r in at.items()}
         for size in range(sizes[0], min(sizes[-1], n) + 1):
-            if size in at:
-                out.append(at[size])
-                continue
-            small = at[max(b for b in sizes if b < size)]
-            large = at[min(b for b in sizes if b > size)]
-            f = math.log(size / small.batch) / math.log(large.batch / small.batch)
-            per_sample = math.exp((1 - f) * math.log(small.time_ms / small.batch)
-                                  + f * math.log(large.time_ms / large.batch))
-            workspace = small.workspace + (large.workspace - small.workspace) * (
-                size - small.batch) / (large.batch - small.batch)
-            out.append(Measurement(small.key, size, algo, math_type, per_sample * size, int(workspace)))
+            out.append(at[size] if size in at else Measurement(
+                at[sizes[0]].key, size, algo, math_type, per_sample_ms(at, size) * size,
+                int(_workspace_between(workspace_at, size))))
     return out
 
 

@@ -90,15 +90,20 @@ def worker(args) -> None:
         print(json.dumps({"loss": loss.item()}))
         return
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step():
+        with autocast:
+            step_loss = loss_fn(model(images), labels)
+        step_loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return step_loss
+
     times = []
     for i in range(args.warmup + args.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with autocast:
-            loss = loss_fn(model(images), labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step()
         end.record()
         end.synchronize()
         if i >= args.warmup:
@@ -107,12 +112,6 @@ def worker(args) -> None:
               "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item()}
     if args.profile:  # after the timed steps, so profiling never touches the timing
-        def step():
-            with autocast:
-                step_loss = loss_fn(model(images), labels)
-            step_loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
         result["profile"] = profile_steps(step, args.profile)
     print(json.dumps(result))
 
@@ -372,10 +371,10 @@ def driver(args) -> int:
                                             f"/{v['peak_reserved_bytes'] / 2**30:.2f}GiB-reserved"
                                             for k, v in timing.items() if k != "rounds"), flush=True)
             for field in ("ratio", "ratio_no_graphs"):
-                ratios = [r[field] for r in timing["rounds"] if field in r]
+                ratios = [row[field] for row in timing["rounds"] if field in row]
                 if len(ratios) > 1 or (ratios and field != "ratio"):
                     print(f"[{model}] shim/uncapped by round ({field}): "
-                          + " ".join(f"{r:.4f}" for r in ratios)
+                          + " ".join(f"{ratio:.4f}" for ratio in ratios)
                           + f"  median {statistics.median(ratios):.4f}", flush=True)
         except _Skipped as exc:
             r["timing_error"] = str(exc)

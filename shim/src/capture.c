@@ -156,10 +156,10 @@ static mu_graph_slot *find_slot(struct mu_graph_cache *cache, const mu_capture_k
 
 /* Captures run(context) on this thread's stream; NULL (and why) if the capture cannot be used. */
 static CUgraphExec capture(cudnnHandle_t handle, cudaStream_t caller, mu_pieces_fn run, void *context,
-                           cudnnStatus_t *status, const char **why) {
+                           const char **why) {
     const mu_real_table *real = mu_real();
     CUstream stream = capture_stream();
-    *status = CUDNN_STATUS_SUCCESS;
+    cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
     if (stream == NULL) return *why = "no capture stream", NULL;
     CUresult begun = driver.begin_capture(stream, CU_STREAM_CAPTURE_MODE_RELAXED);
     if (begun != CU_SUCCESS) {
@@ -169,13 +169,13 @@ static CUgraphExec capture(cudnnHandle_t handle, cudaStream_t caller, mu_pieces_
         return *why = NULL, NULL;
     }
     cudnnStatus_t set = real->cudnnSetStream(handle, (cudaStream_t)stream);
-    if (set == CUDNN_STATUS_SUCCESS) *status = run(context);
+    if (set == CUDNN_STATUS_SUCCESS) status = run(context);
     real->cudnnSetStream(handle, caller);
     CUgraph graph = NULL;
     CUresult ended = driver.end_capture(stream, &graph);
     CUgraphExec exec = NULL;
     if (set != CUDNN_STATUS_SUCCESS) *why = "cannot point the handle at the capture stream";
-    else if (*status != CUDNN_STATUS_SUCCESS) *why = "a piece failed while captured";
+    else if (status != CUDNN_STATUS_SUCCESS) *why = "a piece failed while captured";
     else if (ended != CU_SUCCESS || graph == NULL) *why = "cuDNN did something a capture cannot hold";
     else if (driver.instantiate(&exec, graph, 0) != CU_SUCCESS) exec = NULL, *why = "cannot instantiate the graph";
     if (graph != NULL) driver.graph_destroy(graph);
@@ -202,9 +202,8 @@ cudnnStatus_t mu_run_captured(mu_plan_entry *entry, cudnnHandle_t handle, const 
     }
     mu_graph_slot *slot = find_slot(cache, key);
     if (slot == NULL) {
-        cudnnStatus_t status;
         const char *why = NULL;
-        CUgraphExec exec = capture(handle, caller, run, context, &status, &why);
+        CUgraphExec exec = capture(handle, caller, run, context, &why);
         if (exec == NULL && why == NULL) { /* the driver cannot capture: nothing to say per entry */
             pthread_mutex_unlock(&cache->mutex);
             return run(context);

@@ -199,15 +199,11 @@ static size_t piece_workspace(const mu_plan_entry *entry, const mu_exec_cache *c
     return entry->pieces[i].engine != NULL ? mu_g_piece_workspace(call->graph, i) : cache->legacy_workspace[i];
 }
 
-static bool scale_is_zero(const void *scale, cudnnDataType_t dtype) {
-    return dtype == CUDNN_DATA_DOUBLE ? *(const double *)scale == 0.0 : *(const float *)scale == 0.0f;
-}
-
 /* NULL if the entry's borrowing pieces can run in this call, else why not. */
 static const char *borrow_refusal(const mu_plan_entry *entry, const mu_kernel *k,
                                   const mu_exec_cache *cache, const mu_conv_call *call, char *why,
                                   size_t size) {
-    if (call->beta == NULL || !scale_is_zero(call->beta, k->dtype)) /* NULL: cuDNN reports it */
+    if (call->beta == NULL || mu_scale_value(call->beta, k->dtype) != 0.0) /* NULL: cuDNN reports it */
         return "beta is not 0: the plan borrows the output as workspace";
     int done = 0;
     for (int i = 0; i < entry->piece_count; i++) {
@@ -282,10 +278,9 @@ static cudnnStatus_t run_pieces_now(void *context) {
     return run_pieces(run->entry, run->k, run->cache, run->call, &run->failed_piece);
 }
 
-/* A scale's value (NULL: cuDNN reports it, so the key only needs to be stable). */
-static double scale_value(const void *scale, cudnnDataType_t dtype) {
-    if (scale == NULL) return -0.0;
-    return dtype == CUDNN_DATA_DOUBLE ? *(const double *)scale : (double)*(const float *)scale;
+/* A scale in a capture key (NULL: cuDNN reports it, so the key only needs to be stable). */
+static double key_scale(const void *scale, cudnnDataType_t dtype) {
+    return scale != NULL ? mu_scale_value(scale, dtype) : -0.0;
 }
 
 static void log_first_call(mu_seen *seen, const mu_kernel *k, const char *how) {
@@ -332,7 +327,7 @@ static cudnnStatus_t execute(const mu_conv_call *call, mu_plan_entry *entry, mu_
     status = mu_run_captured(entry, call->handle, &(mu_capture_key){
                                  .x = (uintptr_t)call->x, .w = (uintptr_t)call->w, .y = (uintptr_t)call->y,
                                  .workspace = (uintptr_t)call->workspace, .workspace_size = call->workspace_size,
-                                 .alpha = scale_value(call->alpha, k->dtype), .beta = scale_value(call->beta, k->dtype)},
+                                 .alpha = key_scale(call->alpha, k->dtype), .beta = key_scale(call->beta, k->dtype)},
                              run_pieces_now, &run);
     int failed_piece = run.failed_piece;
     if (status != CUDNN_STATUS_SUCCESS && failed_piece == 0 && failed_before_writing(status)) {

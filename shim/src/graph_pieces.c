@@ -235,10 +235,6 @@ static pthread_mutex_t legacy_mutex = PTHREAD_MUTEX_INITIALIZER;
 /* The alignment the pieces' tensors declare; calls whose pointers have less pass through. */
 #define LEGACY_ALIGNMENT 16
 
-static double scale_value(const void *scale, cudnnDataType_t dtype) {
-    return dtype == CUDNN_DATA_DOUBLE ? *(const double *)scale : (double)*(const float *)scale;
-}
-
 static void legacy_tensor(const int dims[], const int strides[], int rank, cudnnDataType_t dtype, char uid,
                           mu_g_tensor *t) {
     *t = (mu_g_tensor){.has_uid = true, .has_dtype = true, .uid = uid, .alignment = LEGACY_ALIGNMENT,
@@ -265,7 +261,7 @@ static const char *legacy_operation(const mu_kernel *k, const mu_conv_call *call
     for (int i = 0; i < rank; i++) w_strides[i] = (int)packed[i];
 
     *op = (mu_g_operation){.dir = call->descs.dir, .has_x = true, .has_w = true, .has_y = true, .has_conv = true,
-                           .alpha = scale_value(call->alpha, k->dtype), .beta = scale_value(call->beta, k->dtype)};
+                           .alpha = mu_scale_value(call->alpha, k->dtype), .beta = mu_scale_value(call->beta, k->dtype)};
     legacy_tensor(k->x_dims, k->x_strides, k->nb_dims, k->dtype, 'x', &op->x);
     legacy_tensor(w_dims, w_strides, rank, k->dtype, 'w', &op->w);
     legacy_tensor(k->y_dims, k->y_strides, k->nb_dims, k->dtype, 'y', &op->y);
@@ -313,7 +309,7 @@ const mu_g_planned *mu_g_pieces_for_legacy(mu_plan_entry *entry, const mu_kernel
         *why = "the plan's graph-API pieces need 16-byte aligned tensors";
         return NULL;
     }
-    double alpha = scale_value(call->alpha, k->dtype), beta = scale_value(call->beta, k->dtype);
+    double alpha = mu_scale_value(call->alpha, k->dtype), beta = mu_scale_value(call->beta, k->dtype);
     const mu_g_legacy_pieces *found = find_legacy(atomic_load_explicit(&entry->legacy_pieces, memory_order_acquire),
                                                   call->handle, alpha, beta);
     if (found == NULL) {

@@ -185,6 +185,8 @@ void mu_packed_strides(int nb_dims, const int dims[], bool channels_last, long l
 bool mu_strides_packed(int nb_dims, const int dims[], const int strides[], bool channels_last);
 /* Bytes of one element, 0 for data types without a key. */
 size_t mu_dtype_size(cudnnDataType_t dtype);
+/* The value of an alpha or beta (a double for double data, else a float), as cuDNN reads it. */
+double mu_scale_value(const void *scale, cudnnDataType_t dtype);
 
 /* ---- plan.c: the plan file (docs/plan-format.md) ------------------------------------------ */
 

@@ -68,6 +68,10 @@ static const char *dtype_name(cudnnDataType_t dtype) {
     }
 }
 
+double mu_scale_value(const void *scale, cudnnDataType_t dtype) {
+    return dtype == CUDNN_DATA_DOUBLE ? *(const double *)scale : (double)*(const float *)scale;
+}
+
 size_t mu_dtype_size(cudnnDataType_t dtype) {
     switch (dtype) {
     case CUDNN_DATA_FLOAT: return 4;
