@@ -309,6 +309,10 @@ const mu_g_planned *mu_g_pieces_for_legacy(mu_plan_entry *entry, const mu_kernel
         *why = "the plan's graph-API pieces need 16-byte aligned tensors";
         return NULL;
     }
+    if (call->alpha == NULL || call->beta == NULL) { /* nothing to bake in: cuDNN reports it */
+        *why = "alpha or beta is NULL";
+        return NULL;
+    }
     double alpha = mu_scale_value(call->alpha, k->dtype), beta = mu_scale_value(call->beta, k->dtype);
     const mu_g_legacy_pieces *found = find_legacy(atomic_load_explicit(&entry->legacy_pieces, memory_order_acquire),
                                                   call->handle, alpha, beta);

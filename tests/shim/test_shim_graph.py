@@ -263,3 +263,15 @@ def test_malformed_engine_names_are_refused(shim_env, engine):
     [error] = run.shim_lines("error")
     assert ".plan:7: engine" in error, error  # file, line, what
     assert run.cases[0]["exact"] == "1"
+
+
+def test_a_null_scale_on_a_legacy_call_with_engine_pieces_goes_to_cudnn(shim_env):
+    """Engine pieces bake alpha and beta in: a NULL one cannot be read, so the call goes to cuDNN
+    undivided, which reports it, and the process goes on."""
+    case = LEGACY_CASE.format(d="fwd", beta=0) + " null_beta=1"
+    line = f"kernel {key_of(case)} 8 {3 * 4 * WS_PER_SAMPLE} 0.5 4:eng3:fma 4:eng3:fma"
+    run = shim_env.run([case], plan=shim_env.write_plan([line]), env={"MUCUDNN_LOG_LEVEL": "info"})
+    assert run.returncode == 0, run.stderr
+    assert run.cases[0]["status"] == run.cases[0]["ref_status"] == "2000"  # CUDNN_STATUS_BAD_PARAM
+    assert not run.graph_executions()
+    assert "passthrough (alpha or beta is NULL" in run.stderr, run.stderr

@@ -8,6 +8,7 @@
  *   math=default|tensor_op|tensor_op_conv|fma  layout=nchw|nhwc|padded  n= c= in=HxW|DxHxW k=
  *   f= pad= stride= dil= g= mode=xcorr|conv  alpha= beta= algo= ws=BYTES seed= requested=
  *   repeat=R (op=conv: the call through the public symbol R times on the same buffers)
+ *   null_beta=1 (op=conv: beta is a NULL pointer, which cuDNN reports)
  *
  * op=conv runs the call through the public symbol (so through the shim when preloaded) and again
  * through the double's own symbol (dlsym on its handle, which the preload cannot interpose), on
@@ -29,7 +30,7 @@
 typedef struct {
     char op[16], dir[16], dt[8], ct[8], math[16], layout[8], mode[8];
     conv_params params;
-    int algo, requested, repeat;
+    int algo, requested, repeat, null_beta;
     size_t workspace;
 } conv_case;
 
@@ -50,6 +51,7 @@ static bool own_field(void *arg, const char *name, const char *value) {
     else if (!strcmp(name, "algo")) c->algo = atoi(value);
     else if (!strcmp(name, "requested")) c->requested = atoi(value);
     else if (!strcmp(name, "repeat")) c->repeat = atoi(value);
+    else if (!strcmp(name, "null_beta")) c->null_beta = atoi(value);
     else if (!strcmp(name, "ws")) c->workspace = strtoull(value, NULL, 10);
     else return false;
     return true;
@@ -112,7 +114,7 @@ static cudnnStatus_t run_conv(call_context *ctx, bool through_double) {
     const conv_case *c = ctx->c;
     const legacy *d = &ctx->d;
     const void *alpha = scale_of(&ctx->s, &c->params.alpha, &ctx->alpha_f);
-    const void *beta = scale_of(&ctx->s, &c->params.beta, &ctx->beta_f);
+    const void *beta = c->null_beta ? NULL : scale_of(&ctx->s, &c->params.beta, &ctx->beta_f);
     if (!strcmp(c->dir, "fwd"))
         return (through_double ? direct.forward : cudnnConvolutionForward)(
             ctx->handle, alpha, d->x, ctx->x, d->w, ctx->w, d->conv, (cudnnConvolutionFwdAlgo_t)c->algo,
