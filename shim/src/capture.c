@@ -8,9 +8,12 @@
  * the shim's own (cuDNN's handle pointed at it for the capture, then back) and the graph is
  * launched on the caller's stream: same kernels, same order, same arguments, so the same results.
  *
- * A graph bakes in its pointers and scalars, so each entry keeps a few graphs keyed by the call's
- * pointers, workspace and alpha/beta (a training loop passes the same ones step after step); a
- * call with other ones is captured anew, replacing the oldest. Captured work does not run, so a
+ * A graph bakes in its pointers and scalars, so each owner keeps a few graphs keyed by the call's
+ * handle, CUDA context, pointers, workspace and alpha/beta (a training loop passes the same ones
+ * step after step); a call with other ones is captured anew, replacing the oldest. A graph never
+ * outlives what it captured: graph-API piece plans own the graphs that launch them and destroy
+ * them when the framework destroys its execution plan, and cudnnDestroy destroys every graph
+ * captured with that handle. Captured work does not run, so a
  * capture that fails (a piece's error, or cuDNN doing something a capture cannot hold) is
  * discarded and the pieces run one by one, then and for that entry from then on. Nothing is
  * captured when the caller's stream is itself being captured (the caller's graph takes the pieces
@@ -124,28 +127,73 @@ typedef struct {
     CUgraphExec exec;
 } mu_graph_slot;
 
+/* One owner's graphs. Every cache is also on the registry list, so that a destroyed handle's
+ * graphs can be found in all of them. Lock order: registry_mutex, then a cache's mutex. */
 struct mu_graph_cache {
     pthread_mutex_t mutex;
     unsigned long calls;
-    bool refused;   /* a capture failed: this entry's pieces run one by one from now on */
+    bool refused;   /* a capture failed: this owner's pieces run one by one from now on */
     bool announced; /* the first capture was logged */
     int oldest;     /* the slot a new graph replaces when all are used */
     mu_graph_slot slots[MU_GRAPHS_PER_ENTRY];
+    struct mu_graph_cache *prev, *next;
 };
 
-static pthread_mutex_t create_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t registry_mutex = PTHREAD_MUTEX_INITIALIZER;
+static struct mu_graph_cache *registry;
 
-static struct mu_graph_cache *entry_graphs(mu_plan_entry *entry) {
-    struct mu_graph_cache *cache = atomic_load_explicit(&entry->graphs, memory_order_acquire);
+static struct mu_graph_cache *owner_graphs(mu_graph_owner *owner) {
+    struct mu_graph_cache *cache = atomic_load_explicit(owner, memory_order_acquire);
     if (cache != NULL) return cache;
-    pthread_mutex_lock(&create_mutex);
-    cache = atomic_load_explicit(&entry->graphs, memory_order_acquire);
+    pthread_mutex_lock(&registry_mutex);
+    cache = atomic_load_explicit(owner, memory_order_acquire);
     if (cache == NULL && (cache = calloc(1, sizeof *cache)) != NULL) {
         pthread_mutex_init(&cache->mutex, NULL);
-        atomic_store_explicit(&entry->graphs, cache, memory_order_release);
+        cache->next = registry;
+        if (registry != NULL) registry->prev = cache;
+        registry = cache;
+        atomic_store_explicit(owner, cache, memory_order_release);
     }
-    pthread_mutex_unlock(&create_mutex);
+    pthread_mutex_unlock(&registry_mutex);
     return cache;
+}
+
+static void destroy_slot(mu_graph_slot *slot) {
+    if (slot->used) driver.exec_destroy(slot->exec); /* launches in flight complete first */
+    *slot = (mu_graph_slot){0};
+}
+
+void mu_graphs_release(mu_graph_owner *owner) {
+    pthread_mutex_lock(&registry_mutex);
+    struct mu_graph_cache *cache = atomic_exchange(owner, NULL);
+    if (cache != NULL) {
+        if (cache->prev != NULL) cache->prev->next = cache->next;
+        else registry = cache->next;
+        if (cache->next != NULL) cache->next->prev = cache->prev;
+    }
+    pthread_mutex_unlock(&registry_mutex);
+    if (cache == NULL) return;
+    pthread_mutex_lock(&cache->mutex);
+    for (int i = 0; i < MU_GRAPHS_PER_ENTRY; i++) destroy_slot(&cache->slots[i]);
+    pthread_mutex_unlock(&cache->mutex);
+    pthread_mutex_destroy(&cache->mutex);
+    free(cache);
+}
+
+void mu_graphs_forget_handle(cudnnHandle_t handle) {
+    int destroyed = 0;
+    pthread_mutex_lock(&registry_mutex);
+    for (struct mu_graph_cache *cache = registry; cache != NULL; cache = cache->next) {
+        pthread_mutex_lock(&cache->mutex);
+        for (int i = 0; i < MU_GRAPHS_PER_ENTRY; i++)
+            if (cache->slots[i].used && cache->slots[i].key.handle == (uintptr_t)handle)
+                destroy_slot(&cache->slots[i]), destroyed++;
+        pthread_mutex_unlock(&cache->mutex);
+    }
+    pthread_mutex_unlock(&registry_mutex);
+    if (destroyed > 0)
+        mu_log(MU_LOG_DEBUG, "handle %p destroyed: %d CUDA graphs captured with it destroyed", (void *)handle,
+               destroyed);
 }
 
 static mu_graph_slot *find_slot(struct mu_graph_cache *cache, const mu_capture_key *key) {
@@ -183,16 +231,20 @@ static CUgraphExec capture(cudnnHandle_t handle, cudaStream_t caller, mu_pieces_
     return exec;
 }
 
-cudnnStatus_t mu_run_captured(mu_plan_entry *entry, cudnnHandle_t handle, const mu_capture_key *key,
-                              mu_pieces_fn run, void *context) {
+cudnnStatus_t mu_run_captured(const mu_plan_entry *entry, mu_graph_owner *owner, cudnnHandle_t handle,
+                              const mu_capture_key *call_key, mu_pieces_fn run, void *context) {
     if (!graphs_available()) return run(context);
-    struct mu_graph_cache *cache = entry_graphs(entry);
+    struct mu_graph_cache *cache = owner_graphs(owner);
     cudaStream_t caller = NULL;
+    CUcontext cu_context = NULL;
     int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
     if (cache == NULL || mu_real()->cudnnGetStream(handle, &caller) != CUDNN_STATUS_SUCCESS ||
+        driver.ctx_get_current(&cu_context) != CU_SUCCESS ||
         driver.stream_is_capturing((CUstream)caller, &capturing) != CU_SUCCESS ||
         capturing != CU_STREAM_CAPTURE_STATUS_NONE)
         return run(context);
+    mu_capture_key key = *call_key;
+    key.handle = (uintptr_t)handle, key.context = (uintptr_t)cu_context;
     pthread_mutex_lock(&cache->mutex);
     /* The first call runs as it is: lazy module loading and cuDNN's own first-use work happen
      * outside any capture. */
@@ -200,7 +252,7 @@ cudnnStatus_t mu_run_captured(mu_plan_entry *entry, cudnnHandle_t handle, const 
         pthread_mutex_unlock(&cache->mutex);
         return run(context);
     }
-    mu_graph_slot *slot = find_slot(cache, key);
+    mu_graph_slot *slot = find_slot(cache, &key);
     if (slot == NULL) {
         const char *why = NULL;
         CUgraphExec exec = capture(handle, caller, run, context, &why);
@@ -216,8 +268,8 @@ cudnnStatus_t mu_run_captured(mu_plan_entry *entry, cudnnHandle_t handle, const 
             return run(context); /* captured work never ran: run it now */
         }
         slot = &cache->slots[cache->oldest];
-        if (slot->used) driver.exec_destroy(slot->exec); /* one in flight finishes first */
-        *slot = (mu_graph_slot){.used = true, .key = *key, .exec = exec};
+        destroy_slot(slot);
+        *slot = (mu_graph_slot){.used = true, .key = key, .exec = exec};
         cache->oldest = (cache->oldest + 1) % MU_GRAPHS_PER_ENTRY;
         if (!cache->announced)
             mu_log(MU_LOG_INFO, "%s N=%d: pieces run as one CUDA graph", entry->key, entry->n);

@@ -83,17 +83,10 @@ static void destroy_cache(mu_exec_cache *cache, int pieces) {
     free(cache);
 }
 
-/* The workspace a legacy piece needs, from the real cuDNN (its descriptors, its algorithm). */
-static cudnnStatus_t legacy_piece_workspace(const mu_conv_call *call, const mu_exec_cache *cache, int i,
-                                            int algo, size_t *bytes) {
-    const mu_real_table *real = mu_real();
-    if (call->descs.dir == MU_DIR_FWD)
-        return real->cudnnGetConvolutionForwardWorkspaceSize(call->handle, cache->x_descs[i], call->descs.w,
-                                                             cache->conv_descs[i], cache->y_descs[i],
-                                                             (cudnnConvolutionFwdAlgo_t)algo, bytes);
-    return real->cudnnGetConvolutionBackwardDataWorkspaceSize(call->handle, call->descs.w, cache->y_descs[i],
-                                                              cache->conv_descs[i], cache->x_descs[i],
-                                                              (cudnnConvolutionBwdDataAlgo_t)algo, bytes);
+/* The descriptors of piece i in forward terms: its slices, the caller's filter, its convolution. */
+static mu_conv_descs piece_descs(const mu_conv_call *call, const mu_exec_cache *cache, int i) {
+    return (mu_conv_descs){call->descs.dir, cache->x_descs[i], call->descs.w, cache->conv_descs[i],
+                           cache->y_descs[i]};
 }
 
 static mu_exec_cache *create_cache(const mu_plan_entry *entry, const mu_kernel *k,
@@ -116,7 +109,10 @@ static mu_exec_cache *create_cache(const mu_plan_entry *entry, const mu_kernel *
         if (*status == CUDNN_STATUS_SUCCESS)
             *status = piece_convolution(call->descs.conv, piece->math, &cache->conv_descs[i]);
         if (*status == CUDNN_STATUS_SUCCESS && piece->borrow && piece->engine == NULL)
-            *status = legacy_piece_workspace(call, cache, (int)i, piece->algo, &cache->legacy_workspace[i]);
+        {
+            mu_conv_descs descs = piece_descs(call, cache, (int)i);
+            *status = mu_workspace_of(call->handle, &descs, piece->algo, &cache->legacy_workspace[i]);
+        }
     }
     if (*status != CUDNN_STATUS_SUCCESS) {
         destroy_cache(cache, entry->piece_count);
@@ -151,26 +147,10 @@ typedef struct {
 } mu_workspace;
 
 /* One real cudnnConvolution* call of the call's direction, with these descriptors and pointers. */
-static cudnnStatus_t run_real(const mu_conv_call *call, cudnnTensorDescriptor_t x_desc, void *x,
-                              cudnnTensorDescriptor_t y_desc, void *y,
-                              cudnnConvolutionDescriptor_t conv, int algo, const void *beta,
-                              mu_workspace ws) {
-    const mu_real_table *real = mu_real();
-    switch (call->descs.dir) {
-    case MU_DIR_FWD:
-        return real->cudnnConvolutionForward(call->handle, call->alpha, x_desc, x, call->descs.w,
-                                             call->w, conv, (cudnnConvolutionFwdAlgo_t)algo,
-                                             ws.ptr, ws.size, beta, y_desc, y);
-    case MU_DIR_BWD_DATA:
-        return real->cudnnConvolutionBackwardData(call->handle, call->alpha, call->descs.w, call->w,
-                                                  y_desc, y, conv, (cudnnConvolutionBwdDataAlgo_t)algo,
-                                                  ws.ptr, ws.size, beta, x_desc, x);
-    case MU_DIR_BWD_FILTER:
-        return real->cudnnConvolutionBackwardFilter(call->handle, call->alpha, x_desc, x, y_desc, y,
-                                                    conv, (cudnnConvolutionBwdFilterAlgo_t)algo,
-                                                    ws.ptr, ws.size, beta, call->descs.w, call->w);
-    }
-    return CUDNN_STATUS_BAD_PARAM;
+static cudnnStatus_t run_real(const mu_conv_call *call, const mu_conv_descs *descs, void *x, void *y, int algo,
+                              const void *beta, mu_workspace ws) {
+    mu_conv_buffers buffers = {x, call->w, y};
+    return mu_dir(call->descs.dir)->run(call->handle, descs, &buffers, algo, call->alpha, beta, ws.ptr, ws.size);
 }
 
 static mu_workspace callers_workspace(const mu_conv_call *call) {
@@ -178,8 +158,7 @@ static mu_workspace callers_workspace(const mu_conv_call *call) {
 }
 
 static cudnnStatus_t run_undivided(const mu_conv_call *call) {
-    return run_real(call, call->descs.x, call->x, call->descs.y, call->y, call->descs.conv, call->algo,
-                    call->beta, callers_workspace(call));
+    return run_real(call, &call->descs, call->x, call->y, call->algo, call->beta, callers_workspace(call));
 }
 
 /* What piece i may borrow: the output after the first `done` samples (its own slice included),
@@ -248,11 +227,11 @@ static cudnnStatus_t run_pieces(mu_plan_entry *entry, const mu_kernel *k, const 
                    i + 1, entry->piece_count, piece->batch,
                    piece->engine ? "(graph engine)" : mu_algo_name(entry->dir, piece->algo),
                    mu_math_name(piece->math));
+        mu_conv_descs descs = piece_descs(call, cache, i);
         cudnnStatus_t status =
             piece->engine != NULL /* the piece's graph plan has its beta built in */
                 ? mu_g_run_engine_piece(call->graph, call->handle, i, x, call->w, y, ws.ptr)
-                : run_real(call, cache->x_descs[i], x, cache->y_descs[i], y, cache->conv_descs[i],
-                           piece->algo, beta, ws);
+                : run_real(call, &descs, x, y, piece->algo, beta, ws);
         if (status != CUDNN_STATUS_SUCCESS) {
             *failed_piece = i;
             return status;
@@ -324,7 +303,9 @@ static cudnnStatus_t execute(const mu_conv_call *call, mu_plan_entry *entry, mu_
         log_first_call(seen, k, how);
     }
     pieces_run run = {entry, k, cache, call, -1};
-    status = mu_run_captured(entry, call->handle, &(mu_capture_key){
+    /* Graphs of graph-API pieces belong to those pieces' plans and die with them. */
+    mu_graph_owner *owner = call->graph != NULL ? mu_g_graphs_of(call->graph) : &entry->graphs;
+    status = mu_run_captured(entry, owner, call->handle, &(mu_capture_key){
                                  .x = (uintptr_t)call->x, .w = (uintptr_t)call->w, .y = (uintptr_t)call->y,
                                  .workspace = (uintptr_t)call->workspace, .workspace_size = call->workspace_size,
                                  .alpha = key_scale(call->alpha, k->dtype), .beta = key_scale(call->beta, k->dtype)},
@@ -362,21 +343,32 @@ static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
     mu_plan_entry *entry = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
     if (entry == NULL) return passthrough(call, seen, &k, "no plan");
     if (atomic_load(&entry->disabled)) return passthrough(call, seen, &k, "plan disabled after a failure");
+    bool legacy_call = call->graph == NULL;
     mu_conv_call with_pieces;
-    if (entry->has_engine_pieces && call->graph == NULL) { /* a legacy call: build the graph pieces */
+    if (entry->has_engine_pieces && legacy_call) { /* build (or find) the graph-API pieces */
         const char *why = NULL;
         with_pieces = *call;
         with_pieces.graph = mu_g_pieces_for_legacy(entry, &k, call, &why);
         if (with_pieces.graph == NULL) return passthrough(call, seen, &k, why);
         call = &with_pieces;
     }
-    if (call->workspace_size < entry->workspace) {
-        char reason[128];
-        snprintf(reason, sizeof reason, "workspace %zu smaller than the plan's %zu",
-                 call->workspace_size, entry->workspace);
-        return passthrough(call, seen, &k, reason);
+    cudnnStatus_t status;
+    char reason[128];
+    /* A caller that chose a deterministic algorithm may need the same bits every run
+     * (torch.backends.cudnn.deterministic): it gets no less. On the graph path the framework's
+     * engine was checked when its plan was finalized. */
+    if (legacy_call && mu_algo_deterministic(call->descs.dir, call->algo) &&
+        !mu_g_plan_deterministic(entry, call->graph)) {
+        status = passthrough(call, seen, &k, "the caller's algorithm is deterministic, the plan is not");
+    } else if (call->workspace_size < entry->workspace) {
+        snprintf(reason, sizeof reason, "workspace %zu smaller than the plan's %zu", call->workspace_size,
+                 entry->workspace);
+        status = passthrough(call, seen, &k, reason);
+    } else {
+        status = execute(call, entry, seen, &k);
     }
-    return execute(call, entry, seen, &k);
+    if (call == &with_pieces) mu_g_pieces_release(with_pieces.graph);
+    return status;
 }
 
 cudnnStatus_t mu_convolution(const mu_conv_call *call) {

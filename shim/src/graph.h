@@ -70,6 +70,7 @@ typedef struct {
 typedef struct {
     cudnnBackendDescriptor_t plan; /* NULL for a legacy piece */
     size_t workspace;              /* what the plan needs */
+    bool deterministic;            /* its engine has no NONDETERMINISTIC numerical note */
     int desc_count;
     cudnnBackendDescriptor_t descs[MU_G_PIECE_DESCS];
 } mu_g_piece_plan;
@@ -85,16 +86,23 @@ typedef struct mu_g_planned {
     float alpha_f, beta_f;
     double alpha_d, beta_d;
     size_t workspace;  /* the micro-batch plan's: what the framework is told and allocates */
+    size_t engine_workspace; /* what the framework's own engine needs */
     int fallback_algo; /* runs undivided within that workspace, should the plan fail untouched */
     int piece_count;
     mu_g_piece_plan *pieces; /* per piece of the entry, when it has graph-API pieces */
+    mu_graph_owner graphs;   /* CUDA graphs of these pieces: destroyed with them (capture.c) */
 } mu_g_planned;
 
 /* graph_pieces.c: builds the execution plans of the entry's engine pieces (once, at the
  * framework's finalize). NULL on success, else why not (the pieces are freed then). */
 const char *mu_g_build_pieces(mu_g_planned *planned, const mu_g_operation *op, const mu_plan_entry *entry,
                               cudnnHandle_t handle);
+/* Destroys the pieces' execution plans and every CUDA graph that launches them. */
 void mu_g_free_pieces(mu_g_planned *planned);
+/* Whether an engine (descriptor) has no NONDETERMINISTIC numerical note; an engine whose notes
+ * cannot be read counts as non-deterministic. */
+bool mu_g_engine_deterministic(cudnnBackendDescriptor_t engine);
+
 
 /* Attribute names of a direction's operation, in the order x, w, y, conv, alpha, beta. */
 const cudnnBackendAttributeName_t *mu_g_operation_attributes(mu_direction dir);

@@ -9,6 +9,7 @@
  * on the caller's slices, workspace and handle.
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,6 +123,7 @@ static cudnnStatus_t build_piece(const mu_g_planned *p, const mu_g_operation *op
     set(&b, eng, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph);
     set(&b, eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &engine->global_index);
     finalize(&b, eng);
+    if (b.status == CUDNN_STATUS_SUCCESS) piece->deterministic = mu_g_engine_deterministic(eng);
 
     cudnnBackendDescriptor_t knobs[MU_MAX_KNOBS];
     for (int i = 0; i < engine->knob_count; i++) {
@@ -184,12 +186,36 @@ const char *mu_g_build_pieces(mu_g_planned *p, const mu_g_operation *op, const m
 }
 
 void mu_g_free_pieces(mu_g_planned *p) {
+    mu_graphs_release(&p->graphs); /* the graphs launch these plans: they go first */
     for (int i = 0; p->pieces != NULL && i < p->piece_count; i++)
         for (int d = p->pieces[i].desc_count - 1; d >= 0; d--) /* the plan first, tensors last */
             mu_real()->cudnnBackendDestroyDescriptor(p->pieces[i].descs[d]);
     free(p->pieces);
     p->pieces = NULL;
     p->piece_count = 0;
+}
+
+mu_graph_owner *mu_g_graphs_of(const mu_g_planned *p) { return (mu_graph_owner *)&p->graphs; }
+
+bool mu_g_engine_deterministic(cudnnBackendDescriptor_t engine) {
+    cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
+    int64_t count = 0;
+    if (mu_real()->cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                                            CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) != CUDNN_STATUS_SUCCESS)
+        return false;
+    for (int64_t i = 0; i < count && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++)
+        if (notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) return false;
+    return true;
+}
+
+bool mu_g_plan_deterministic(const mu_plan_entry *entry, const mu_g_planned *p) {
+    for (int i = 0; i < entry->piece_count; i++) {
+        const mu_piece *piece = &entry->pieces[i];
+        bool deterministic = piece->engine == NULL ? mu_algo_deterministic(entry->dir, piece->algo)
+                             : p != NULL && i < p->piece_count && p->pieces[i].deterministic;
+        if (!deterministic) return false;
+    }
+    return true;
 }
 
 size_t mu_g_piece_workspace(const mu_g_planned *p, int index) {
@@ -221,14 +247,22 @@ cudnnStatus_t mu_g_run_engine_piece(const mu_g_planned *p, cudnnHandle_t handle,
 /* ---- graph-API pieces for legacy calls -------------------------------------------------------- */
 
 /* One set of piece plans: they bake in the handle they were built with and the call's alpha and
- * beta (the legacy API passes them per call, the graph API at build time). */
+ * beta (the legacy API passes them per call, the graph API at build time). An entry keeps at most
+ * LEGACY_SETS_PER_ENTRY sets, newest first (a changing loss scale must not build plans without
+ * bound); a set leaves its entry when evicted or when its handle is destroyed, and is freed by
+ * the last call still running its pieces. Every field but `planned`'s contents is guarded by
+ * legacy_mutex. */
 typedef struct mu_g_legacy_pieces {
     mu_g_planned planned; /* only the piece fields are set: the legacy descriptors are the call's */
     cudnnHandle_t handle;
     double alpha, beta;
     char failure[160]; /* why they could not be built ("" when built): not tried again */
+    int users;         /* calls between mu_g_pieces_for_legacy and mu_g_pieces_release */
+    bool retired;      /* off its entry's list */
     struct mu_g_legacy_pieces *next;
 } mu_g_legacy_pieces;
+
+#define LEGACY_SETS_PER_ENTRY 4
 
 static pthread_mutex_t legacy_mutex = PTHREAD_MUTEX_INITIALIZER;
 
@@ -274,14 +308,35 @@ static const char *legacy_operation(const mu_kernel *k, const mu_conv_call *call
     return NULL;
 }
 
-static const mu_g_legacy_pieces *find_legacy(const mu_g_legacy_pieces *head, cudnnHandle_t handle, double alpha,
-                                             double beta) {
-    for (; head != NULL; head = head->next)
-        if (head->handle == handle && head->alpha == alpha && head->beta == beta) return head;
+static void free_legacy(mu_g_legacy_pieces *set) {
+    mu_g_free_pieces(&set->planned);
+    free(set);
+}
+
+/* Takes a set off its entry's list (legacy_mutex held); freed now if no call is running it. */
+static void retire_legacy(mu_g_legacy_pieces *set) {
+    set->retired = true;
+    set->next = NULL;
+    if (set->users == 0) free_legacy(set);
+}
+
+/* The entry's set for this handle, alpha and beta, moved to the front; NULL if none. */
+static mu_g_legacy_pieces *find_legacy(mu_plan_entry *entry, cudnnHandle_t handle, double alpha, double beta) {
+    mu_g_legacy_pieces *head = atomic_load(&entry->legacy_pieces), *prev = NULL;
+    for (mu_g_legacy_pieces *set = head; set != NULL; prev = set, set = set->next) {
+        if (set->handle != handle || set->alpha != alpha || set->beta != beta) continue;
+        if (prev != NULL) {
+            prev->next = set->next;
+            set->next = head;
+            atomic_store(&entry->legacy_pieces, set);
+        }
+        return set;
+    }
     return NULL;
 }
 
-/* Builds the pieces for this call's handle, alpha and beta; a failure is kept too (with why). */
+/* Builds the pieces for this call's handle, alpha and beta (a failure is kept too, with why) as
+ * the entry's newest set, evicting the oldest beyond LEGACY_SETS_PER_ENTRY. */
 static mu_g_legacy_pieces *build_legacy(mu_plan_entry *entry, const mu_kernel *k, const mu_conv_call *call,
                                         double alpha, double beta) {
     mu_g_legacy_pieces *built = calloc(1, sizeof *built);
@@ -298,8 +353,21 @@ static mu_g_legacy_pieces *build_legacy(mu_plan_entry *entry, const mu_kernel *k
         snprintf(built->failure, sizeof built->failure, "cannot build the plan's graph-API pieces: %s", why);
         mu_log(MU_LOG_WARNING, "%s N=%d: %s; running it undivided", k->key, k->n, built->failure);
     }
-    built->next = atomic_load_explicit(&entry->legacy_pieces, memory_order_acquire);
-    atomic_store_explicit(&entry->legacy_pieces, built, memory_order_release); /* kept for the process */
+    built->next = atomic_load(&entry->legacy_pieces);
+    atomic_store(&entry->legacy_pieces, built);
+    int kept = 1;
+    for (mu_g_legacy_pieces *set = built; set->next != NULL; set = set->next, kept++) {
+        if (kept == LEGACY_SETS_PER_ENTRY) {
+            mu_g_legacy_pieces *evicted = set->next;
+            set->next = NULL;
+            while (evicted != NULL) {
+                mu_g_legacy_pieces *next = evicted->next;
+                retire_legacy(evicted);
+                evicted = next;
+            }
+            break;
+        }
+    }
     return built;
 }
 
@@ -314,18 +382,45 @@ const mu_g_planned *mu_g_pieces_for_legacy(mu_plan_entry *entry, const mu_kernel
         return NULL;
     }
     double alpha = mu_scale_value(call->alpha, k->dtype), beta = mu_scale_value(call->beta, k->dtype);
-    const mu_g_legacy_pieces *found = find_legacy(atomic_load_explicit(&entry->legacy_pieces, memory_order_acquire),
-                                                  call->handle, alpha, beta);
-    if (found == NULL) {
-        pthread_mutex_lock(&legacy_mutex);
-        found = find_legacy(atomic_load_explicit(&entry->legacy_pieces, memory_order_acquire), call->handle, alpha,
-                            beta);
-        if (found == NULL) found = build_legacy(entry, k, call, alpha, beta);
-        pthread_mutex_unlock(&legacy_mutex);
+    pthread_mutex_lock(&legacy_mutex);
+    mu_g_legacy_pieces *found = find_legacy(entry, call->handle, alpha, beta);
+    if (found == NULL) found = build_legacy(entry, k, call, alpha, beta);
+    const mu_g_planned *planned = NULL;
+    if (found == NULL) *why = "out of memory";
+    else if (found->failure[0] != '\0') *why = found->failure;
+    else found->users++, planned = &found->planned;
+    pthread_mutex_unlock(&legacy_mutex);
+    return planned;
+}
+
+void mu_g_pieces_release(const mu_g_planned *planned) {
+    if (planned == NULL) return;
+    /* planned is the first member of its set */
+    mu_g_legacy_pieces *set = (mu_g_legacy_pieces *)((char *)planned - offsetof(mu_g_legacy_pieces, planned));
+    pthread_mutex_lock(&legacy_mutex);
+    if (--set->users == 0 && set->retired) free_legacy(set);
+    pthread_mutex_unlock(&legacy_mutex);
+}
+
+void mu_g_legacy_forget_handle(cudnnHandle_t handle) {
+    const mu_plan *plan = mu_config()->plan;
+    if (plan == NULL) return;
+    pthread_mutex_lock(&legacy_mutex);
+    for (size_t e = 0; e < plan->entry_count; e++) {
+        mu_plan_entry *entry = &plan->entries[e];
+        mu_g_legacy_pieces *set = atomic_load(&entry->legacy_pieces), *kept = NULL, **tail = &kept;
+        while (set != NULL) {
+            mu_g_legacy_pieces *next = set->next;
+            if (set->handle == handle) {
+                retire_legacy(set);
+            } else {
+                *tail = set;
+                tail = &set->next;
+                set->next = NULL;
+            }
+            set = next;
+        }
+        atomic_store(&entry->legacy_pieces, kept);
     }
-    if (found == NULL || found->failure[0] != '\0') {
-        *why = found ? found->failure : "out of memory";
-        return NULL;
-    }
-    return &found->planned;
+    pthread_mutex_unlock(&legacy_mutex);
 }

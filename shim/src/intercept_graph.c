@@ -67,20 +67,19 @@ static const char *check_operation(const mu_g_operation *op) {
     return NULL;
 }
 
-/*
- * The math type that stands for the framework's numerics in the key: for f32, TF32 tensor-core
- * math only when the engine the framework picked uses tensor cores (PyTorch drops such engines
- * when TF32 is off), so a plan never brings TF32 to a run that had none; tensor-op math for
- * f16/bf16; default for f64.
- */
-static cudnnMathType_t plan_math(cudnnBackendDescriptor_t plan, cudnnDataType_t dtype) {
-    if (dtype == CUDNN_DATA_HALF || dtype == CUDNN_DATA_BFLOAT16) return CUDNN_TENSOR_OP_MATH;
-    if (dtype != CUDNN_DATA_FLOAT) return CUDNN_DEFAULT_MATH;
+/* What the shim needs to know of the engine the framework's plan runs. */
+typedef struct {
+    bool known;         /* its notes could be read */
+    bool tensor_cores;  /* a TENSOR_CORE numerical note */
+    bool deterministic; /* no NONDETERMINISTIC numerical note (unknown engine: false) */
+} engine_notes;
+
+static engine_notes plan_engine_notes(cudnnBackendDescriptor_t plan) {
     const mu_real_table *real = mu_real();
     cudnnBackendDescriptor_t config = NULL, engine = NULL;
     cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
     int64_t count = 0;
-    bool tensor_cores = false;
+    engine_notes found = {0};
     if (real->cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &config) == CUDNN_STATUS_SUCCESS &&
         real->cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
                                        CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &count, &config) == CUDNN_STATUS_SUCCESS &&
@@ -89,12 +88,27 @@ static cudnnMathType_t plan_math(cudnnBackendDescriptor_t plan, cudnnDataType_t 
                                        &count, &engine) == CUDNN_STATUS_SUCCESS &&
         real->cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
                                        CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) == CUDNN_STATUS_SUCCESS) {
-        for (int64_t i = 0; i < count && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++)
-            tensor_cores |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
+        found = (engine_notes){.known = true, .deterministic = true};
+        for (int64_t i = 0; i < count && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++) {
+            found.tensor_cores |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
+            found.deterministic &= notes[i] != CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
+        }
     }
     if (engine) real->cudnnBackendDestroyDescriptor(engine);
     if (config) real->cudnnBackendDestroyDescriptor(config);
-    return tensor_cores ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH; /* unknown engine: no TF32 */
+    return found;
+}
+
+/*
+ * The math type that stands for the framework's numerics in the key: for f32, TF32 tensor-core
+ * math only when the engine the framework picked uses tensor cores (PyTorch drops such engines
+ * when TF32 is off), so a plan never brings TF32 to a run that had none; tensor-op math for
+ * f16/bf16; default for f64.
+ */
+static cudnnMathType_t plan_math(const engine_notes *engine, cudnnDataType_t dtype) {
+    if (dtype == CUDNN_DATA_HALF || dtype == CUDNN_DATA_BFLOAT16) return CUDNN_TENSOR_OP_MATH;
+    if (dtype != CUDNN_DATA_FLOAT) return CUDNN_DEFAULT_MATH;
+    return engine->tensor_cores ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH; /* unknown engine: no TF32 */
 }
 
 static cudnnStatus_t legacy_tensor(const mu_g_tensor *t, cudnnTensorDescriptor_t *desc) {
@@ -138,7 +152,7 @@ static cudnnStatus_t legacy_convolution(const mu_g_operation *op, cudnnMathType_
 }
 
 /* Legacy descriptors of the graph's convolution, and its kernel. NULL with the reason in *why. */
-static mu_g_planned *legacy_equivalent(cudnnBackendDescriptor_t plan, const mu_g_operation *op,
+static mu_g_planned *legacy_equivalent(const engine_notes *engine, const mu_g_operation *op,
                                        mu_kernel *kernel, const char **why) {
     if ((*why = check_operation(op)) != NULL) return NULL;
     mu_g_planned *p = calloc(1, sizeof *p);
@@ -155,7 +169,7 @@ static mu_g_planned *legacy_equivalent(cudnnBackendDescriptor_t plan, const mu_g
     if (status == CUDNN_STATUS_SUCCESS) status = legacy_tensor(&op->y, &p->y);
     if (status == CUDNN_STATUS_SUCCESS) status = legacy_filter(&op->w, &p->w);
     if (status == CUDNN_STATUS_SUCCESS)
-        status = legacy_convolution(op, plan_math(plan, op->x.dtype), &p->conv);
+        status = legacy_convolution(op, plan_math(engine, op->x.dtype), &p->conv);
     if (status != CUDNN_STATUS_SUCCESS) {
         *why = "cuDNN refused the legacy descriptors";
         free_planned(p);
@@ -167,24 +181,6 @@ static mu_g_planned *legacy_equivalent(cudnnBackendDescriptor_t plan, const mu_g
         return NULL;
     }
     return p;
-}
-
-/* The first algorithm (enum order: workspace-free ones first) cuDNN runs undivided within bytes. */
-static int undivided_algo_within(const mu_g_planned *p, cudnnHandle_t handle, size_t bytes) {
-    const mu_real_table *real = mu_real();
-    for (int algo = 0; algo < mu_algo_count(p->dir); algo++) {
-        size_t need = 0;
-        cudnnStatus_t status =
-            p->dir == MU_DIR_FWD ? real->cudnnGetConvolutionForwardWorkspaceSize(
-                                       handle, p->x, p->w, p->conv, p->y, (cudnnConvolutionFwdAlgo_t)algo, &need)
-            : p->dir == MU_DIR_BWD_DATA
-                ? real->cudnnGetConvolutionBackwardDataWorkspaceSize(
-                      handle, p->w, p->y, p->conv, p->x, (cudnnConvolutionBwdDataAlgo_t)algo, &need)
-                : real->cudnnGetConvolutionBackwardFilterWorkspaceSize(
-                      handle, p->x, p->y, p->conv, p->w, (cudnnConvolutionBwdFilterAlgo_t)algo, &need);
-        if (status == CUDNN_STATUS_SUCCESS && need <= bytes) return algo;
-    }
-    return -1;
 }
 
 /* ---- cudnnBackendFinalize of an execution plan --------------------------------------------- */
@@ -203,9 +199,10 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     mu_g_graph graph;
     if (!mu_g_graph_of(plan, &graph) || !graph.single) return CUDNN_STATUS_SUCCESS;
     size_t real_workspace = real_plan_workspace(plan);
+    engine_notes engine = plan_engine_notes(plan);
     mu_kernel k;
     const char *why = NULL;
-    mu_g_planned *p = legacy_equivalent(plan, &graph.op, &k, &why);
+    mu_g_planned *p = legacy_equivalent(&engine, &graph.op, &k, &why);
     mu_seen *seen = p ? mu_seen_kernel(&k) : NULL;
     mu_plan_entry *entry = p && state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
     if (entry != NULL && graph.handle == NULL) {
@@ -215,14 +212,37 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
         entry = NULL;
     }
     if (entry != NULL && !atomic_load(&entry->disabled)) {
+        /* A framework that picked a deterministic engine (torch.backends.cudnn.deterministic)
+         * gets deterministic pieces and a deterministic fallback, or no plan. */
+        bool deterministic = engine.deterministic;
+        mu_conv_descs descs = {p->dir, p->x, p->w, p->conv, p->y};
         p->workspace = entry->workspace;
-        p->fallback_algo = undivided_algo_within(p, graph.handle, entry->workspace);
+        p->engine_workspace = real_workspace;
+        /* The fallback runs only if the plan fails before writing anything: deterministic when one
+         * fits, else any that fits rather than no plan at all. */
+        p->fallback_algo = mu_first_algo_within(graph.handle, &descs, entry->workspace, deterministic);
+        if (p->fallback_algo < 0 && deterministic)
+            p->fallback_algo = mu_first_algo_within(graph.handle, &descs, entry->workspace, false);
         const char *no_pieces = entry->has_engine_pieces && p->fallback_algo >= 0
                                     ? mu_g_build_pieces(p, &graph.op, entry, graph.handle)
                                     : NULL;
         if (no_pieces != NULL)
             mu_log(MU_LOG_WARNING, "%s N=%d: cannot build the plan's graph-API pieces (%s); not using the "
                    "plan", k.key, k.n, no_pieces);
+        /* cudnnGetExecutionPlanWorkspaceSize (cuDNN >= 9.23) tells the engine's size, not the
+         * plan's: where it exists, a framework may allocate that, so a plan must not need more. */
+        if (no_pieces == NULL && p->fallback_algo >= 0 && entry->workspace > real_workspace &&
+            mu_real_has("cudnnGetExecutionPlanWorkspaceSize")) {
+            mu_log(MU_LOG_INFO, "%s N=%d: the plan needs %zu bytes of workspace, the engine %zu, and this cuDNN "
+                   "reports the engine's through cudnnGetExecutionPlanWorkspaceSize; not using the plan", k.key,
+                   k.n, entry->workspace, real_workspace);
+            no_pieces = "needs more than the engine";
+        }
+        if (no_pieces == NULL && p->fallback_algo >= 0 && deterministic && !mu_g_plan_deterministic(entry, p)) {
+            mu_log(MU_LOG_INFO, "%s N=%d: the framework chose a deterministic engine and the plan is not "
+                   "deterministic; not using the plan", k.key, k.n);
+            no_pieces = "not deterministic";
+        }
         if (p->fallback_algo >= 0 && no_pieces == NULL) {
             mu_log(MU_LOG_INFO, "graph plan %p: %s N=%d runs the micro-batch plan (workspace %zu, the "
                    "engine's %zu)", (void *)plan, k.key, k.n, entry->workspace, real_workspace);
@@ -373,4 +393,48 @@ MU_EXPORT cudnnStatus_t cudnnBackendExecute(cudnnHandle_t handle, cudnnBackendDe
     }
     mu_guard_leave();
     return status;
+}
+
+/*
+ * cuDNN's own CUDA graphs of an execution plan (cudnnBackendPopulateCudaGraph and
+ * cudnnBackendUpdateCudaGraph, cuDNN >= 9.5, cudnn-frontend's populate_cuda_graph) record the
+ * framework's engine, undivided, in the workspace the framework allocated: the size the shim
+ * reported, the micro-batch plan's. That is correct when the engine needs no more; when it does,
+ * recording it would let the engine write past the framework's buffer, so the shim refuses
+ * (CUDNN_STATUS_NOT_SUPPORTED, one warning per plan kernel) and the framework executes the plan
+ * with cudnnBackendExecute, where the pieces run.
+ */
+static cudnnStatus_t native_graph(cudnnBackendDescriptor_t plan, const char *function,
+                                  cudnnStatus_t (*real_call)(cudnnHandle_t, cudnnBackendDescriptor_t,
+                                                             cudnnBackendDescriptor_t, cudaGraph_t),
+                                  cudnnHandle_t handle, cudnnBackendDescriptor_t pack, cudaGraph_t graph) {
+    if (!mu_guard_enter()) return real_call(handle, plan, pack, graph);
+    mu_seen *seen = NULL;
+    mu_g_planned *planned = mu_g_planned_of(plan, &seen);
+    cudnnStatus_t status;
+    if (planned != NULL && planned->engine_workspace > planned->workspace) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_WARNING, "%s: %s N=%d: the engine needs %zu bytes of workspace, the "
+                       "framework allocated the plan's %zu; refused (execute the plan instead)", function,
+                       seen ? seen->key : "?", seen ? seen->n : 0, planned->engine_workspace, planned->workspace);
+        status = CUDNN_STATUS_NOT_SUPPORTED;
+    } else {
+        status = real_call(handle, plan, pack, graph);
+    }
+    mu_guard_leave();
+    return status;
+}
+
+MU_EXPORT cudnnStatus_t cudnnBackendPopulateCudaGraph(cudnnHandle_t handle, cudnnBackendDescriptor_t executionPlan,
+                                                      cudnnBackendDescriptor_t variantPack, cudaGraph_t graph) {
+    if (MU_REAL_MISSING(cudnnBackendPopulateCudaGraph)) return CUDNN_STATUS_NOT_SUPPORTED;
+    return native_graph(executionPlan, __func__, mu_real()->cudnnBackendPopulateCudaGraph, handle, variantPack,
+                        graph);
+}
+
+MU_EXPORT cudnnStatus_t cudnnBackendUpdateCudaGraph(cudnnHandle_t handle, cudnnBackendDescriptor_t executionPlan,
+                                                    cudnnBackendDescriptor_t variantPack, cudaGraph_t graph) {
+    if (MU_REAL_MISSING(cudnnBackendUpdateCudaGraph)) return CUDNN_STATUS_NOT_SUPPORTED;
+    return native_graph(executionPlan, __func__, mu_real()->cudnnBackendUpdateCudaGraph, handle, variantPack,
+                        graph);
 }

@@ -77,6 +77,7 @@ void mu_log_summary(const char *fmt, ...) MU_PRINTF(1, 2);
     X(cudnnGetErrorString)                          \
     X(cudnnGetStream)                               \
     X(cudnnSetStream)                               \
+    X(cudnnDestroy)                                 \
     X(cudnnGetTensorNdDescriptor)                   \
     X(cudnnGetFilterNdDescriptor)                   \
     X(cudnnGetConvolutionNdDescriptor)              \
@@ -115,7 +116,9 @@ void mu_log_summary(const char *fmt, ...) MU_PRINTF(1, 2);
     X(cudnnBackendSetAttribute)                     \
     X(cudnnBackendGetAttribute)                     \
     X(cudnnBackendFinalize)                         \
-    X(cudnnBackendExecute)
+    X(cudnnBackendExecute)                          \
+    X(cudnnBackendPopulateCudaGraph)                \
+    X(cudnnBackendUpdateCudaGraph)
 
 typedef struct {
 #define MU_DECLARE_REAL(name) __typeof__(name) *name;
@@ -123,6 +126,8 @@ typedef struct {
 #undef MU_DECLARE_REAL
 } mu_real_table;
 
+/* Whether the real cuDNN exports a function the shim does not interpose. */
+bool mu_real_has(const char *name);
 /* The table (resolved on first use); a function cuDNN lacks is NULL, with one error logged. */
 const mu_real_table *mu_real(void);
 
@@ -151,6 +156,11 @@ typedef struct {
     cudnnConvolutionDescriptor_t conv;
     cudnnTensorDescriptor_t y;
 } mu_conv_descs;
+
+/* A convolution's device buffers in the same forward terms. */
+typedef struct {
+    void *x, *w, *y;
+} mu_conv_buffers;
 
 /* What the shim knows about one keyed call. */
 typedef struct {
@@ -212,6 +222,8 @@ typedef struct {
 
 struct mu_exec_cache;  /* exec.c */
 struct mu_graph_cache; /* capture.c */
+/* Where an owner keeps its CUDA graphs (capture.c). */
+typedef _Atomic(struct mu_graph_cache *) mu_graph_owner;
 
 typedef struct mu_plan_entry {
     char *key;
@@ -227,10 +239,11 @@ typedef struct mu_plan_entry {
     struct mu_plan_entry *next_in_bucket;
     /* Run time state (the rest is immutable after loading). */
     _Atomic(struct mu_exec_cache *) cache; /* micro-batch descriptors, created on first use */
-    /* Graph-API piece plans for legacy calls, one set per (handle, alpha, beta), on first use. */
+    /* Graph-API piece plans for legacy calls, one set per (handle, alpha, beta), built on first
+     * use, a few at most (graph_pieces.c; under its mutex). */
     _Atomic(struct mu_g_legacy_pieces *) legacy_pieces;
     atomic_bool disabled;                   /* set when the plan failed where undivided cuDNN may not */
-    _Atomic(struct mu_graph_cache *) graphs; /* its pieces captured as CUDA graphs (capture.c) */
+    mu_graph_owner graphs;                  /* its legacy pieces captured as CUDA graphs (capture.c) */
 } mu_plan_entry;
 
 typedef struct {
@@ -309,9 +322,18 @@ cudnnStatus_t mu_convolution(const mu_conv_call *call);
 /* The same for a caller already inside the recursion guard (the graph API's executions). */
 cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
 /* The graph-API pieces of `entry` for a legacy call (graph_pieces.c): execution plans built from
- * the call's descriptors on first use. NULL, with the reason in *why, when they cannot be. */
+ * the call's descriptors on first use. NULL, with the reason in *why, when they cannot be; else
+ * held for the caller until mu_g_pieces_release. */
 const struct mu_g_planned *mu_g_pieces_for_legacy(mu_plan_entry *entry, const mu_kernel *k,
                                                   const mu_conv_call *call, const char **why);
+/* Gives back what mu_g_pieces_for_legacy returned, once its pieces have run. */
+void mu_g_pieces_release(const struct mu_g_planned *planned);
+/* Whether every piece of the entry gives the same bits on every run (legacy pieces by their
+ * algorithm, graph-API pieces by their engine's notes, known once built in planned; NULL:
+ * none built, so graph-API pieces count as non-deterministic). */
+bool mu_g_plan_deterministic(const mu_plan_entry *entry, const struct mu_g_planned *planned);
+/* The CUDA graphs of a planned execution plan's pieces (graph_pieces.c). */
+mu_graph_owner *mu_g_graphs_of(const struct mu_g_planned *planned);
 /* Runs graph-API piece `index` of a planned execution plan on these slices (intercept_graph.c). */
 cudnnStatus_t mu_g_run_engine_piece(const struct mu_g_planned *planned, cudnnHandle_t handle, int index,
                                     void *x, void *w, void *y, void *workspace);
@@ -320,23 +342,32 @@ size_t mu_g_piece_workspace(const struct mu_g_planned *planned, int index);
 
 /* ---- capture.c: a plan's pieces as one CUDA graph ----------------------------------------- */
 
-/* What a captured graph bakes in: a call with other values needs another graph. */
+/* What a captured graph bakes in: a call with other values needs another graph. The handle and
+ * the CUDA context are part of it (a graph never runs for another handle or device). */
 typedef struct {
+    uintptr_t handle, context; /* context: filled in by mu_run_captured */
     uintptr_t x, w, y, workspace;
     uint64_t workspace_size;
     double alpha, beta;
 } mu_capture_key;
 
-/* How many graphs (sets of pointers) one plan entry keeps. */
+/* How many graphs (sets of pointers) one owner keeps. */
 #define MU_GRAPHS_PER_ENTRY 4
+
+/* Where an owner keeps its graphs: created on first use, destroyed with mu_graphs_release. A
+ * graph's owner is what it captured: the plan entry (legacy pieces, whose descriptors live as
+ * long as the plan), or the graph-API piece plans it launched (mu_g_planned), so that it is
+ * destroyed with them. mu_graph_owner is declared with mu_plan_entry above. */
 
 /* Runs a plan's pieces on the handle's stream, whatever that stream is. */
 typedef cudnnStatus_t (*mu_pieces_fn)(void *context);
 
-/* run(context) as a CUDA graph launched on the handle's stream (captured on the entry's second
- * call with this key), or directly where graphs cannot be used. */
-cudnnStatus_t mu_run_captured(mu_plan_entry *entry, cudnnHandle_t handle, const mu_capture_key *key,
-                              mu_pieces_fn run, void *context);
+/* run(context) as a CUDA graph of owner's, launched on the handle's stream (captured on the
+ * owner's second call with this key), or directly where graphs cannot be used. */
+cudnnStatus_t mu_run_captured(const mu_plan_entry *entry, mu_graph_owner *owner, cudnnHandle_t handle,
+                              const mu_capture_key *key, mu_pieces_fn run, void *context);
+/* Destroys the owner's graphs (their launches already made complete first, as CUDA does). */
+void mu_graphs_release(mu_graph_owner *owner);
 
 /* ---- query.c: algorithm queries, workspace sizes, the workspace limit ---------------------- */
 
@@ -353,21 +384,53 @@ typedef struct {
 
 #define MU_MAX_PERF 64
 
+typedef enum { MU_QUERY_GET_V7, MU_QUERY_FIND, MU_QUERY_FIND_EX } mu_query_kind;
+
+/* One intercepted Get_v7/Find/FindEx or Get*WorkspaceSize call, in forward terms. */
 typedef struct mu_query {
     mu_conv_descs descs;
     cudnnHandle_t handle;
-    const char *function;  /* for messages */
-    /* The real query with the caller's arguments but this count and results buffer. */
-    cudnnStatus_t (*real_query)(const struct mu_query *q, int requested, int *returned, void *perf);
-    /* The real cudnnGet*WorkspaceSize for these descriptors. */
-    cudnnStatus_t (*real_workspace_size)(const struct mu_query *q, int algo, size_t *size);
-    const void *args;      /* the intercepted call's own arguments, for real_query */
+    mu_query_kind kind;
+    const char *function;   /* for messages */
+    mu_conv_buffers buffers; /* FindEx: the caller's tensors */
+    void *workspace;         /* FindEx: the caller's workspace, the most any result may use */
+    size_t workspace_size;
 } mu_query;
 
 /* The body of every Get_v7/Find/FindEx wrapper; perf is the caller's typed results array. */
 cudnnStatus_t mu_algorithm_query(const mu_query *q, int requested, int *returned, void *perf);
 /* The body of every cudnnGet*WorkspaceSize wrapper. */
 cudnnStatus_t mu_workspace_size_query(const mu_query *q, int algo, size_t *size);
+/* The algorithm a query reports for a plan: one real cuDNN runs undivided within the plan's
+ * workspace (and deterministic when asked), -1 if none. The only algorithm whose workspace size
+ * the shim reports as the plan's. */
+int mu_plan_algo(cudnnHandle_t handle, const mu_conv_descs *descs, const mu_plan_entry *entry);
+
+/* ---- directions.c: the real cuDNN functions of each direction, in forward terms ------------ */
+
+typedef struct {
+    unsigned nondeterministic_algos; /* bit a: cuDNN documents algorithm a as non-deterministic */
+    cudnnStatus_t (*workspace_size)(cudnnHandle_t handle, const mu_conv_descs *descs, int algo, size_t *size);
+    cudnnStatus_t (*run)(cudnnHandle_t handle, const mu_conv_descs *descs, const mu_conv_buffers *buffers,
+                         int algo, const void *alpha, const void *beta, void *workspace, size_t workspace_size);
+    /* Get_v7, Find or FindEx (q->kind) with q's arguments and this count and results array. */
+    cudnnStatus_t (*query)(const mu_query *q, int requested, int *returned, void *perf);
+} mu_direction_ops;
+
+const mu_direction_ops *mu_dir(mu_direction dir);
+/* Whether cuDNN's legacy algorithm gives the same bits on every run. */
+bool mu_algo_deterministic(mu_direction dir, int algo);
+cudnnStatus_t mu_workspace_of(cudnnHandle_t handle, const mu_conv_descs *descs, int algo, size_t *size);
+/* The first algorithm (enum order: the workspace-free ones come first) that real cuDNN runs
+ * undivided within bytes (and deterministic, when asked); -1 if none. */
+int mu_first_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic);
+
+/* ---- handles (intercept_legacy.c's cudnnDestroy) ----------------------------------------- */
+
+/* Drops every CUDA graph (capture.c) and graph-API piece plan (graph_pieces.c) made with handle. */
+void mu_forget_handle(cudnnHandle_t handle);
+void mu_graphs_forget_handle(cudnnHandle_t handle);
+void mu_g_legacy_forget_handle(cudnnHandle_t handle);
 
 /* ---- shared helpers ------------------------------------------------------------------------ */
 

@@ -26,41 +26,45 @@ SAME_LAYOUT_AS_PERF(cudnnConvolutionBwdDataAlgoPerf_t);
 SAME_LAYOUT_AS_PERF(cudnnConvolutionBwdFilterAlgoPerf_t);
 
 /* Whether cuDNN can run the algorithm undivided within bytes of workspace. */
-static bool runs_within(const mu_query *q, int algo, size_t bytes) {
+static bool runs_within(cudnnHandle_t handle, const mu_conv_descs *descs, int algo, size_t bytes) {
     size_t needed = 0;
-    return q->real_workspace_size(q, algo, &needed) == CUDNN_STATUS_SUCCESS && needed <= bytes;
+    return mu_workspace_of(handle, descs, algo, &needed) == CUDNN_STATUS_SUCCESS && needed <= bytes;
+}
+
+/* Whether every legacy piece's algorithm is deterministic (graph-API pieces are checked when
+ * they are built, before they run: exec.c). */
+static bool legacy_pieces_deterministic(const mu_plan_entry *entry) {
+    for (int i = 0; i < entry->piece_count; i++)
+        if (entry->pieces[i].engine == NULL && !mu_algo_deterministic(entry->dir, entry->pieces[i].algo))
+            return false;
+    return true;
 }
 
 /*
  * The algorithm reported for a plan: one that real cuDNN runs undivided within the plan's
- * workspace, so that running the reported result without the plan stays valid. The pieces'
- * algorithms are preferred (the first piece's first), then every algorithm in enum order (the
- * workspace-free implicit_gemm / algo_0 come first there).
+ * workspace, so that running the reported result without the plan stays valid, and as
+ * deterministic as the plan, so that a caller who filters results by determinism gets it either
+ * way. The pieces' algorithms are preferred (the first piece's first), then every algorithm in
+ * enum order (the workspace-free implicit_gemm / algo_0 come first there); failing one of the
+ * plan's determinism, any that fits.
  */
-static int representative_algo(const mu_query *q, const mu_plan_entry *entry) {
-    for (int i = 0; i < entry->piece_count; i++)
-        if (entry->pieces[i].engine == NULL && runs_within(q, entry->pieces[i].algo, entry->workspace))
-            return entry->pieces[i].algo;
-    for (int algo = 0; algo < mu_algo_count(entry->dir); algo++)
-        if (runs_within(q, algo, entry->workspace)) return algo;
-    return -1;
-}
-
-/* The plan is deterministic when cuDNN reports every piece's algorithm as deterministic. */
-static cudnnDeterminism_t plan_determinism(const mu_plan_entry *entry, const mu_perf *results, int count) {
+int mu_plan_algo(cudnnHandle_t handle, const mu_conv_descs *descs, const mu_plan_entry *entry) {
+    bool deterministic = legacy_pieces_deterministic(entry);
     for (int i = 0; i < entry->piece_count; i++) {
-        bool deterministic = false;
-        for (int r = 0; r < count && !deterministic; r++)
-            deterministic = results[r].algo == entry->pieces[i].algo &&
-                            results[r].determinism == CUDNN_DETERMINISTIC;
-        if (!deterministic) return CUDNN_NON_DETERMINISTIC;
+        int algo = entry->pieces[i].algo;
+        if (entry->pieces[i].engine == NULL && mu_algo_deterministic(entry->dir, algo) == deterministic &&
+            runs_within(handle, descs, algo, entry->workspace))
+            return algo;
     }
-    return CUDNN_DETERMINISTIC;
+    int algo = -1;
+    for (int a = 0; a < mu_algo_count(entry->dir) && algo < 0; a++)
+        if (mu_algo_deterministic(entry->dir, a) == deterministic && runs_within(handle, descs, a, entry->workspace))
+            algo = a;
+    return algo >= 0 ? algo : mu_first_algo_within(handle, descs, entry->workspace, false);
 }
 
-static bool plan_result(const mu_query *q, const mu_plan_entry *entry, const mu_kernel *k,
-                        const mu_perf *results, int count, mu_perf *out) {
-    int algo = representative_algo(q, entry);
+static bool plan_result(const mu_query *q, const mu_plan_entry *entry, const mu_kernel *k, mu_perf *out) {
+    int algo = mu_plan_algo(q->handle, &q->descs, entry);
     if (algo < 0) {
         static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
         mu_log_limited(&limit, MU_LOG_WARNING, "%s N=%d: no algorithm runs undivided within the "
@@ -68,14 +72,20 @@ static bool plan_result(const mu_query *q, const mu_plan_entry *entry, const mu_
                        entry->workspace, q->function);
         return false;
     }
+    /* Deterministic only if the plan's pieces and the algorithm that runs in its place are. */
+    bool deterministic = legacy_pieces_deterministic(entry) && mu_algo_deterministic(entry->dir, algo);
+    /* FindEx gets no result that needs more workspace than the caller gave: cuDNN marks those
+     * ALLOC_FAILED. */
+    bool fits = q->kind != MU_QUERY_FIND_EX || entry->workspace <= q->workspace_size;
     *out = (mu_perf){.algo = algo,
-                     .status = CUDNN_STATUS_SUCCESS,
-                     .time = (float)entry->time_ms,
+                     .status = fits ? CUDNN_STATUS_SUCCESS : CUDNN_STATUS_ALLOC_FAILED,
+                     .time = fits ? (float)entry->time_ms : -1.0f,
                      .memory = entry->workspace,
-                     .determinism = plan_determinism(entry, results, count),
+                     .determinism = deterministic ? CUDNN_DETERMINISTIC : CUDNN_NON_DETERMINISTIC,
                      .mathType = k->math}; /* the caller's, so the key stays the same once set */
-    mu_log(MU_LOG_DEBUG, "%s %s N=%d: offering the plan first (algo %s, workspace %zu, %.4f ms)",
-           q->function, k->key, k->n, mu_algo_name(entry->dir, algo), entry->workspace, entry->time_ms);
+    mu_log(MU_LOG_DEBUG, "%s %s N=%d: offering the plan %s (algo %s, workspace %zu, %.4f ms)", q->function,
+           k->key, k->n, fits ? "first" : "as ALLOC_FAILED", mu_algo_name(entry->dir, algo), entry->workspace,
+           entry->time_ms);
     return true;
 }
 
@@ -113,12 +123,12 @@ static cudnnStatus_t rewrite_query(const mu_query *q, const mu_state *state, int
         if (state->plan != NULL) entry = mu_plan_find(state->plan, k.key, k.n, k.hash);
         if (entry != NULL && atomic_load(&entry->disabled)) entry = NULL;
     }
-    if (entry == NULL && !state->has_limit) return q->real_query(q, requested, returned, perf);
+    if (entry == NULL && !state->has_limit) return mu_dir(q->descs.dir)->query(q, requested, returned, perf);
 
     mu_perf results[1 + MU_MAX_PERF]; /* [0]: the plan's, when offered */
     mu_perf *real_results = results + 1;
     int count = 0;
-    cudnnStatus_t status = q->real_query(q, MU_MAX_PERF, &count, real_results);
+    cudnnStatus_t status = mu_dir(q->descs.dir)->query(q, MU_MAX_PERF, &count, real_results);
     if (status != CUDNN_STATUS_SUCCESS) {
         *returned = 0;
         return status;
@@ -127,8 +137,14 @@ static cudnnStatus_t rewrite_query(const mu_query *q, const mu_state *state, int
     if (state->has_limit)
         count = apply_limit(q, why == NULL ? k.key : "(no kernel key)", real_results, count,
                             state->workspace_limit, entry != NULL);
-    mu_perf *first = real_results;
-    if (entry != NULL && plan_result(q, entry, &k, real_results, count, &results[0])) {
+    mu_perf *first = real_results, offered;
+    if (entry != NULL && plan_result(q, entry, &k, &offered)) {
+        /* First when it can run; else after the results that succeeded, as cuDNN orders them. */
+        int at = 0;
+        if (offered.status != CUDNN_STATUS_SUCCESS)
+            while (at < count && real_results[at].status == CUDNN_STATUS_SUCCESS) at++;
+        memmove(results, real_results, (size_t)at * sizeof *results);
+        results[at] = offered;
         first = results;
         count++;
     }
@@ -139,27 +155,31 @@ static cudnnStatus_t rewrite_query(const mu_query *q, const mu_state *state, int
 }
 
 cudnnStatus_t mu_algorithm_query(const mu_query *q, int requested, int *returned, void *perf) {
-    if (!mu_guard_enter()) return q->real_query(q, requested, returned, perf);
+    if (!mu_guard_enter()) return mu_dir(q->descs.dir)->query(q, requested, returned, perf);
     const mu_state *state = mu_config();
     cudnnStatus_t status;
     if (state->disabled || requested <= 0 || returned == NULL || perf == NULL)
-        status = q->real_query(q, requested, returned, perf); /* cuDNN reports bad arguments */
+        status = mu_dir(q->descs.dir)->query(q, requested, returned, perf); /* cuDNN reports bad arguments */
     else
         status = rewrite_query(q, state, requested, returned, perf);
     mu_guard_leave();
     return status;
 }
 
+/* The plan's workspace is reported for the one algorithm a query offered for it, never for
+ * another: a program that picks its own algorithm and sizes its buffer by it must get a buffer in
+ * which cuDNN can run it whenever the plan passes the call through. */
 cudnnStatus_t mu_workspace_size_query(const mu_query *q, int algo, size_t *size) {
-    if (!mu_guard_enter()) return q->real_workspace_size(q, algo, size);
+    if (!mu_guard_enter()) return mu_workspace_of(q->handle, &q->descs, algo, size);
     const mu_state *state = mu_config();
-    cudnnStatus_t status = q->real_workspace_size(q, algo, size);
+    cudnnStatus_t status = mu_workspace_of(q->handle, &q->descs, algo, size);
     mu_kernel k;
     if (status == CUDNN_STATUS_SUCCESS && size != NULL && !state->disabled &&
         mu_kernel_from_descs(&q->descs, &k) == NULL) {
         mu_seen_kernel(&k);
         mu_plan_entry *entry = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
-        if (entry != NULL && !atomic_load(&entry->disabled)) {
+        if (entry != NULL && !atomic_load(&entry->disabled) && entry->workspace > *size &&
+            mu_plan_algo(q->handle, &q->descs, entry) == algo) {
             mu_log(MU_LOG_DEBUG, "%s %s N=%d: plan workspace %zu (cuDNN says %zu for algo %s)",
                    q->function, k.key, k.n, entry->workspace, *size, mu_algo_name(entry->dir, algo));
             *size = entry->workspace;

@@ -39,6 +39,12 @@ static void resolve_real_functions(void) {
 #undef MU_RESOLVE_REAL
 }
 
+bool mu_real_has(const char *name) {
+    if (dlsym(RTLD_NEXT, name) != NULL) return true;
+    void *cudnn = loaded_cudnn();
+    return cudnn != NULL && dlsym(cudnn, name) != NULL;
+}
+
 const mu_real_table *mu_real(void) {
     pthread_once(&real_once, resolve_real_functions);
     return &real_table;

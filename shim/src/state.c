@@ -97,3 +97,8 @@ const mu_state *mu_config(void) {
     pthread_once(&state_once, init_state);
     return &state;
 }
+
+void mu_forget_handle(cudnnHandle_t handle) {
+    mu_graphs_forget_handle(handle);
+    mu_g_legacy_forget_handle(handle);
+}

@@ -39,9 +39,13 @@ def test_queries_offer_the_plan_first_then_cudnns_results(shim_env, op, directio
     real = perf(without)
     assert full["status"] == "0" and int(full["returned"]) == min(8, len(real) + 1)
     first = perf(full)[0]
-    algo = PIECES[direction][0][1]
     from mucudnn.problem import ALGORITHMS, Direction
-    assert first == (ALGORITHMS[Direction(direction)].index(algo), 0, 0.125, plan_workspace, 1, first[5])
+    # the first piece's algorithm, as deterministic as the plan; backward-filter's plan has an
+    # algo_3 piece (non-deterministic), so it is reported as the workspace-free algo_0, also
+    # non-deterministic (DETERMINISTIC = 1)
+    algo, deterministic = {"fwd": ("implicit_precomp_gemm", 1), "bwd_data": ("algo_1", 1),
+                           "bwd_filter": ("algo_0", 0)}[direction]
+    assert first == (ALGORITHMS[Direction(direction)].index(algo), 0, 0.125, plan_workspace, 1, deterministic)
     assert perf(full)[1:] == real[:7]
     assert (one["returned"], perf(one)) == ("1", [first])
     assert (three["returned"], perf(three)) == ("3", [first] + real[:2])
@@ -57,14 +61,20 @@ def test_representative_algorithm_fits_the_plans_workspace(shim_env):
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd_data", "bwd_filter"])
-def test_workspace_size_of_a_planned_kernel_is_the_plans(shim_env, direction):
-    case = f"op=ws dir={direction} {BASE} algo=1"
-    line = plan_line(case, PIECES[direction])
+def test_workspace_size_of_a_planned_kernel_is_the_plans_for_the_offered_algorithm(shim_env, direction):
+    line = plan_line(f"dir={direction} {BASE}", PIECES[direction])
     plan = shim_env.write_plan([line])
-    planned = shim_env.run([case], plan=plan).cases[0]
-    unplanned = shim_env.run([case.replace("n=8", "n=9")], plan=plan).cases[0]
+    offered = perf(shim_env.run([f"op=get_v7 dir={direction} {BASE}"], plan=plan).cases[0])[0][0]
+    other = 2  # an algorithm the query did not offer for the plan
+    assert offered != other
+    cases = [f"op=ws dir={direction} {BASE} algo={offered}", f"op=ws dir={direction} {BASE} algo={other}",
+             f"op=ws dir={direction} {BASE.replace('n=8', 'n=9')} algo={offered}"]
+    planned, not_offered, unplanned = shim_env.run(cases, plan=plan).cases
     assert planned["size"] == line.split()[3]
-    assert unplanned["size"] == str(1 * 9 * WS_PER_SAMPLE)  # cuDNN's own answer, unchanged
+    # cuDNN's own answers: for another algorithm (a caller that sizes its buffer by its own
+    # choice must be able to run it when the plan passes through), and for another kernel
+    assert not_offered["size"] == str(other * 8 * WS_PER_SAMPLE)
+    assert unplanned["size"] == str(offered * 9 * WS_PER_SAMPLE)
 
 
 def test_without_plan_or_limit_queries_are_cudnns(shim_env):

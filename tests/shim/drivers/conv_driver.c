@@ -9,6 +9,7 @@
  *   f= pad= stride= dil= g= mode=xcorr|conv  alpha= beta= algo= ws=BYTES seed= requested=
  *   repeat=R (op=conv: the call through the public symbol R times on the same buffers)
  *   null_beta=1 (op=conv: beta is a NULL pointer, which cuDNN reports)
+ *   rehandle=1 (op=conv: each of the R calls on a new handle, the previous one destroyed)
  *
  * op=conv runs the call through the public symbol (so through the shim when preloaded) and again
  * through the double's own symbol (dlsym on its handle, which the preload cannot interpose), on
@@ -135,11 +136,21 @@ static int op_conv(call_context *ctx, char *out, size_t size) {
     memcpy(initial, *output, elems * ctx->s.elem_size);
     /* repeat=R: the same call R times on the same buffers, the output restored before each (a
      * plan's second and later calls run as a CUDA graph); the last one is compared. */
+    /* rehandle=1: each call on a handle of its own, the previous one destroyed first (a new
+     * handle may get the old one's address). */
+    cudnnHandle_t callers = ctx->handle;
+    if (ctx->c->params.rehandle) CHECK(cudnnCreate(&ctx->handle));
     cudnnStatus_t status = run_conv(ctx, false);
     for (int i = 1; i < ctx->c->repeat; i++) {
         memcpy(*output, initial, elems * ctx->s.elem_size);
+        if (ctx->c->params.rehandle) {
+            CHECK(cudnnDestroy(ctx->handle));
+            CHECK(cudnnCreate(&ctx->handle));
+        }
         status = run_conv(ctx, false);
     }
+    if (ctx->c->params.rehandle) CHECK(cudnnDestroy(ctx->handle));
+    ctx->handle = callers;
     void *through_shim = *output;
     *output = initial;
     cudnnStatus_t ref_status = run_conv(ctx, true);

@@ -54,6 +54,7 @@ typedef struct {
     int in[3], f[3], pad[3], stride[3], dil[3];
     double alpha, beta;
     unsigned seed;
+    int rehandle; /* 1: the case runs on handles of its own, destroyed and created anew between calls */
 } conv_params;
 
 /* "AxBxC" (1 to 3 values) into out; returns how many. */
@@ -96,6 +97,7 @@ static void parse_fields(char *line, conv_params *p,
         else if (!strcmp(token, "alpha")) p->alpha = atof(value);
         else if (!strcmp(token, "beta")) p->beta = atof(value);
         else if (!strcmp(token, "seed")) p->seed = (unsigned)strtoul(value, NULL, 10);
+        else if (!strcmp(token, "rehandle")) p->rehandle = atoi(value);
         else if (!own_field(c, token, value)) die("unknown field");
     }
     if (p->spatial == 0) die("in= is required");

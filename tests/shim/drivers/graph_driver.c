@@ -8,6 +8,9 @@
  *   op=exec|heur  dir=fwd|bwd_data|bwd_filter  dt=f32|f64  layout=nchw|nhwc  n= c= in=HxW|DxHxW
  *   k= f= pad= stride= dil= g= alpha= beta= engine=heur|INDEX fuse=0|1 seed= repeat=R
  *   knobs=TYPE.VALUE,...   (engine=INDEX only)
+ *   replan=K  (K rounds on the same buffers and workspace: plan, `repeat` executions, destroy)
+ *   rehandle=1 (each round on a new handle, the previous one destroyed)
+ *   populate=1 (after each round's executions: cudnnBackendPopulateCudaGraph with the plan)
  *
  * The calls follow cudnn-frontend as PyTorch drives it: finalized tensors with UIDs 'x', 'w', 'y'
  * (and a virtual 'v' between the convolution and the ReLU when fuse=1), W packed KCRS (nchw) or
@@ -59,7 +62,7 @@ typedef struct {
     conv_params params;
     int engine; /* -1: heuristics */
     bool fuse;
-    int repeat;
+    int repeat, replan, populate;
     int knob_count;
     int64_t knob_types[MAX_KNOBS], knob_values[MAX_KNOBS];
 } graph_case;
@@ -88,6 +91,8 @@ static bool own_field(void *arg, const char *name, const char *value) {
     else if (!strcmp(name, "engine")) c->engine = !strcmp(value, "heur") ? -1 : atoi(value);
     else if (!strcmp(name, "fuse")) c->fuse = atoi(value) != 0;
     else if (!strcmp(name, "repeat")) c->repeat = atoi(value);
+    else if (!strcmp(name, "replan")) c->replan = atoi(value);
+    else if (!strcmp(name, "populate")) c->populate = atoi(value);
     else if (!strcmp(name, "knobs")) parse_knobs(value, c);
     else return false;
     return true;
@@ -96,7 +101,7 @@ static bool own_field(void *arg, const char *name, const char *value) {
 static void parse_case(char *line, int index) {
     graph_case *c = &cases[index];
     *c = (graph_case){.op = "exec", .dir = "fwd", .dt = "f32", .layout = "nchw", .engine = -1,
-                      .repeat = 1};
+                      .repeat = 1, .replan = 1};
     parse_fields(line, &c->params, own_field, c);
     if (c->fuse && strcmp(c->dir, "fwd") != 0) die("fuse=1 needs dir=fwd");
     if (c->knob_count && c->engine < 0) die("knobs= needs engine=INDEX");
@@ -422,6 +427,22 @@ static cudnnStatus_t execute(call_context *ctx, cudnnBackendDescriptor_t plan, v
     return status;
 }
 
+/* cudnnBackendPopulateCudaGraph of the plan on the case's buffers, into a stand-in graph (the
+ * double records nothing into it). */
+static cudnnStatus_t populate(call_context *ctx, cudnnBackendDescriptor_t plan, void *workspace) {
+    int64_t uids[] = {'x', 'w', 'y'};
+    void *pointers[] = {ctx->x, ctx->w, ctx->y};
+    static char stand_in_graph;
+    cudnnBackendDescriptor_t pack = create(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
+    set(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, pointers);
+    set(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 3, uids);
+    set(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
+    CHECK(cudnnBackendFinalize(pack));
+    cudnnStatus_t status = cudnnBackendPopulateCudaGraph(ctx->handle, plan, pack, (cudaGraph_t)&stand_in_graph);
+    CHECK(cudnnBackendDestroyDescriptor(pack));
+    return status;
+}
+
 /* Legacy descriptors of the same convolution, for the reference. */
 static void make_reference_legacy(const call_context *ctx, legacy *l) {
     const conv_params *q = &ctx->c->params;
@@ -453,7 +474,7 @@ static cudnnStatus_t reference(call_context *ctx) {
     legacy l;
     make_reference_legacy(ctx, &l);
     cudnnStatus_t first_failure = CUDNN_STATUS_SUCCESS;
-    for (int r = 0; r < ctx->c->repeat; r++) {
+    for (int r = 0; r < ctx->c->repeat * ctx->c->replan; r++) {
         void *output = ctx->y;
         if (ctx->c->fuse && !(ctx->y = calloc(ctx->s.y_elems, ctx->s.elem_size))) die("out of memory");
         cudnnStatus_t status = reference_once(ctx, &l);
@@ -471,43 +492,50 @@ static cudnnStatus_t reference(call_context *ctx) {
     return first_failure;
 }
 
-/* Executes the plan `repeat` times in a fresh workspace of exactly its size, guarded by a canary. */
-static cudnnStatus_t run_plan(call_context *ctx, cudnnBackendDescriptor_t plan, int64_t workspace_size,
-                              bool *guard_ok) {
-    unsigned char *workspace = malloc((size_t)workspace_size + GUARD_BYTES);
-    if (!workspace) die("out of memory");
+/* Executes the plan `repeat` times in the workspace; false in *guard_ok if it wrote past
+ * workspace_size (into the canary after it). */
+static cudnnStatus_t run_plan(call_context *ctx, cudnnBackendDescriptor_t plan, unsigned char *workspace,
+                              int64_t workspace_size, bool *guard_ok) {
     memset(workspace + workspace_size, CANARY, GUARD_BYTES);
     cudnnStatus_t first_failure = CUDNN_STATUS_SUCCESS;
     for (int r = 0; r < ctx->c->repeat; r++) {
         cudnnStatus_t status = execute(ctx, plan, workspace);
         if (first_failure == CUDNN_STATUS_SUCCESS) first_failure = status;
     }
-    *guard_ok = true;
     for (int i = 0; i < GUARD_BYTES; i++) *guard_ok &= workspace[workspace_size + i] == CANARY;
-    free(workspace);
     return first_failure;
 }
 
 static int op_exec(call_context *ctx, char *out, size_t size) {
-    graph_parts parts;
-    make_graph(ctx->handle, ctx->c, &ctx->s, &parts);
-    cudnnBackendDescriptor_t plan, config;
-    int finalize = plan_case(ctx, parts.graph, &plan, &config);
-    destroy_graph(&parts); /* the plan must not depend on them (PyTorch caches plans only) */
-
     size_t elems;
     void **output = output_of(ctx->c->dir, &ctx->s, &ctx->x, &ctx->w, &ctx->y, &elems);
     void *initial = copy_buffer(*output, elems * ctx->s.elem_size);
-    int status = -1;
+    int status = -1, finalize = -1, populated = -1;
     int64_t workspace = -1, engine = -1;
     bool guard_ok = true;
-    if (plan) {
-        workspace = int64_attribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE);
-        engine = plan_engine(plan);
-        status = run_plan(ctx, plan, workspace, &guard_ok);
-        CHECK(cudnnBackendDestroyDescriptor(plan));
+    unsigned char *buffer = NULL; /* the workspace, one for every round (the same pointers) */
+    cudnnHandle_t callers = ctx->handle;
+    for (int round = 0; round < ctx->c->replan; round++) {
+        if (ctx->c->params.rehandle) CHECK(cudnnCreate(&ctx->handle));
+        graph_parts parts;
+        make_graph(ctx->handle, ctx->c, &ctx->s, &parts);
+        cudnnBackendDescriptor_t plan, config;
+        finalize = plan_case(ctx, parts.graph, &plan, &config);
+        destroy_graph(&parts); /* the plan must not depend on them (PyTorch caches plans only) */
+        if (plan) {
+            workspace = int64_attribute(plan, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE);
+            engine = plan_engine(plan);
+            if (!buffer && !(buffer = malloc((size_t)workspace + GUARD_BYTES))) die("out of memory");
+            cudnnStatus_t executed = run_plan(ctx, plan, buffer, workspace, &guard_ok);
+            if (status <= 0) status = executed;
+            if (ctx->c->populate) populated = populate(ctx, plan, buffer);
+            CHECK(cudnnBackendDestroyDescriptor(plan));
+        }
+        if (config) CHECK(cudnnBackendDestroyDescriptor(config));
+        if (ctx->c->params.rehandle) CHECK(cudnnDestroy(ctx->handle));
+        ctx->handle = callers;
     }
-    if (config) CHECK(cudnnBackendDestroyDescriptor(config));
+    free(buffer);
 
     void *through_graph = *output;
     *output = initial;
@@ -517,9 +545,10 @@ static int op_exec(call_context *ctx, char *out, size_t size) {
     *output = through_graph;
     free(initial);
     return snprintf(out, size,
-                    " status=%d ref_status=%d exact=%d max_rel=%.3g ws=%lld engine=%lld guard=%s finalize=%d",
+                    " status=%d ref_status=%d exact=%d max_rel=%.3g ws=%lld engine=%lld guard=%s finalize=%d"
+                    " populate=%d",
                     status, (int)ref_status, exact, max_rel, (long long)workspace, (long long)engine,
-                    guard_ok ? "ok" : "clobbered", finalize);
+                    guard_ok ? "ok" : "clobbered", finalize, populated);
 }
 
 static int op_heur(call_context *ctx, char *out, size_t size) {

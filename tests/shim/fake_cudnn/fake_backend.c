@@ -869,10 +869,30 @@ static cudnnStatus_t get_heuristics_results(const struct heuristics_attrs *h,
     return write_descs(out, refs, ENGINE_COUNT);
 }
 
+/* Whether $FAKE_CUDNN_NONDETERMINISTIC_ENGINES ("all", or indices separated by commas) names the
+ * engine: such engines carry the NONDETERMINISTIC numerical note. */
+static bool engine_nondeterministic(int64_t index)
+{
+    const char *list = getenv("FAKE_CUDNN_NONDETERMINISTIC_ENGINES");
+    if (list == NULL)
+        return false;
+    if (strcmp(list, "all") == 0)
+        return true;
+    for (const char *p = list; *p != '\0'; p += strcspn(p, ","), p += *p == ',')
+        if (strtoll(p, NULL, 10) == index && *p >= '0' && *p <= '9')
+            return true;
+    return false;
+}
+
 static cudnnStatus_t get_engine(const struct engine_attrs *e, cudnnBackendAttributeName_t name,
                                 const struct attr_out *out)
 {
-    static const cudnnBackendNumericalNote_t TENSOR_CORE = CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
+    cudnnBackendNumericalNote_t notes[2];
+    int note_count = 0;
+    if (e->index == TENSOR_CORE_ENGINE)
+        notes[note_count++] = CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
+    if (engine_nondeterministic(e->index))
+        notes[note_count++] = CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
     switch (name) {
     case CUDNN_ATTR_ENGINE_OPERATION_GRAPH:
         return write_desc(out, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &e->graph,
@@ -880,8 +900,7 @@ static cudnnStatus_t get_engine(const struct engine_attrs *e, cudnnBackendAttrib
     case CUDNN_ATTR_ENGINE_GLOBAL_INDEX:
         return write_int64(out, e->index);
     case CUDNN_ATTR_ENGINE_NUMERICAL_NOTE:
-        return write_values(out, CUDNN_TYPE_NUMERICAL_NOTE, &TENSOR_CORE, sizeof TENSOR_CORE,
-                            e->index == TENSOR_CORE_ENGINE ? 1 : 0);
+        return write_values(out, CUDNN_TYPE_NUMERICAL_NOTE, notes, sizeof notes[0], note_count);
     case CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE:
         return write_none(out, CUDNN_TYPE_BEHAVIOR_NOTE);
     default:
@@ -1412,7 +1431,10 @@ cudnnStatus_t cudnnBackendDestroyDescriptor(cudnnBackendDescriptor_t descriptor)
              PTR(descriptor), type_of(d));
     if (d != NULL) {
         d->magic = FAKE_MAGIC_DEAD;
-        free(d);
+        /* A CUDA graph may still hold executions of a plan (fake_cuda_driver.c): its memory stays,
+         * marked dead, so that replaying them is detected rather than undefined. */
+        if (d->type != CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR || getenv("FAKE_CUDA_GRAPHS") == NULL)
+            free(d);
     }
     return status;
 }
@@ -1478,6 +1500,7 @@ cudnnStatus_t cudnnBackendFinalize(cudnnBackendDescriptor_t descriptor)
 /* One cudnnBackendExecute call, resolved. Buffers are in forward roles; y is the graph's output
  * (the ReLU's output when fused). */
 struct execution {
+    const struct fake_backend *plan_desc; /* checked again when a captured execution runs */
     const struct plan_attrs *plan;
     struct graph_view view;
     const struct tensor_attrs *y_tensor;
@@ -1610,9 +1633,17 @@ static void run(const struct execution *e)
         fake_fill_workspace(e->workspace, e->plan->workspace);
 }
 
+/* A captured execution, run at its graph's launch: the plan it was captured with must still
+ * exist (a real graph would read freed memory; see cudnnBackendDestroyDescriptor). */
 static void run_execution(void *argument)
 {
-    run(argument);
+    struct execution *e = argument;
+    if (e->plan_desc->magic != FAKE_MAGIC_BACKEND) {
+        fake_log("cudnnBackendExecute", CUDNN_STATUS_BAD_PARAM,
+                 "replayed=1 destroyed_plan=0x%" PRIxPTR, PTR(e->plan_desc));
+        return;
+    }
+    run(e);
 }
 
 /* The plan's graph, resolved for logging even when the call then fails. */
@@ -1620,6 +1651,7 @@ static bool resolve_plan(const struct fake_backend *plan, struct execution *e)
 {
     if (plan == NULL || plan->type != CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR || !plan->finalized)
         return false;
+    e->plan_desc = plan;
     e->plan = &plan->plan;
     view_graph(&e->plan->config.engine.graph, &e->view); /* checked when the graph was finalized */
     e->y_tensor = e->view.relu != NULL ? &e->view.relu->y : &e->view.conv->y;
@@ -1671,4 +1703,34 @@ cudnnStatus_t cudnnBackendExecute(cudnnHandle_t handle, cudnnBackendDescriptor_t
     free(e.scratch);
     log_execution(status, handle, &e);
     return status;
+}
+
+/* cuDNN's native CUDA graph API (9.5+): the double records nothing into the graph; it checks the
+ * plan and logs the call with the workspace it was given, so tests see whether the shim let the
+ * call through. */
+static cudnnStatus_t native_graph(const char *function, cudnnHandle_t handle,
+                                  cudnnBackendDescriptor_t executionPlan,
+                                  cudnnBackendDescriptor_t variantPack, cudaGraph_t graph)
+{
+    struct execution e = {0};
+    const struct fake_backend *plan = backend_of(executionPlan), *pack = backend_of(variantPack);
+    cudnnStatus_t status = graph == NULL               ? CUDNN_STATUS_BAD_PARAM
+                           : resolve_plan(plan, &e)    ? prepare(handle, pack, &e)
+                                                       : CUDNN_STATUS_BAD_PARAM;
+    free(e.scratch);
+    fake_log(function, status, "need=%zu workspace=0x%" PRIxPTR, e.plan != NULL ? e.plan->workspace : 0,
+             PTR(e.workspace));
+    return status;
+}
+
+cudnnStatus_t cudnnBackendPopulateCudaGraph(cudnnHandle_t handle, cudnnBackendDescriptor_t executionPlan,
+                                            cudnnBackendDescriptor_t variantPack, cudaGraph_t graph)
+{
+    return native_graph("cudnnBackendPopulateCudaGraph", handle, executionPlan, variantPack, graph);
+}
+
+cudnnStatus_t cudnnBackendUpdateCudaGraph(cudnnHandle_t handle, cudnnBackendDescriptor_t executionPlan,
+                                          cudnnBackendDescriptor_t variantPack, cudaGraph_t graph)
+{
+    return native_graph("cudnnBackendUpdateCudaGraph", handle, executionPlan, variantPack, graph);
 }

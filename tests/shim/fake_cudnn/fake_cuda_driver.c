@@ -287,7 +287,9 @@ CUresult cuGraphDestroy(CUgraph hGraph)
 
 CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 {
-    return cuGraphDestroy((CUgraph)hGraphExec);
+    CUresult result = cuGraphDestroy((CUgraph)hGraphExec);
+    log_call("cuGraphExecDestroy", result, "exec=0x%lx%.0lu", (uintptr_t)hGraphExec, 0);
+    return result;
 }
 
 /* For the cuDNN double: 1 (and `argument`, `size` bytes, copied) when `stream` is capturing, so
