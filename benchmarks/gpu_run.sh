@@ -67,6 +67,11 @@ print(open_store().environments())" ;;
     spec=${s#graph-}; dtype=${spec##*-}; models=${spec%-*}
     stage "graph-$spec" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver --path default \
       --dtype "$dtype" ${SHIM_ARGS:-${GRAPH_ARGS:-}} --models ${models//+/ } --out "$LOGS/graph-$spec" ;;
+  f64check-*)  # float64 gradients with and without a plan that splits batches, PyTorch's default
+    # path, cudnn.benchmark on, 3 forward+backward passes (the 2nd and 3rd replay CUDA graphs)
+    models=${s#f64check-}; stage "f64check-$models" ${SHIM_TIMEOUT:-540} python3 benchmarks/shim_pytorch.py driver \
+      --path default --skip-timing --skip-grads --double-check --double-benchmark \
+      --double-limit ${F64_LIMIT:-1MiB} --double-batch ${F64_BATCH:-16} --models ${models//+/ } --out "$LOGS/f64check-$models" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
       ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;

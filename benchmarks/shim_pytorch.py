@@ -60,9 +60,13 @@ def worker(args) -> None:
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     torch.manual_seed(0)
-    model = getattr(torchvision.models, args.model)(num_classes=1000).cuda()
     gen = torch.Generator().manual_seed(1)
-    images = torch.randn(args.batch, 3, 224, 224, generator=gen).cuda()
+    if hasattr(torchvision.models.video, args.model):  # 3-D convolutions: clips of 16 frames
+        model = getattr(torchvision.models.video, args.model)(num_classes=1000).cuda()
+        images = torch.randn(args.batch, 3, 16, 112, 112, generator=gen).cuda()
+    else:
+        model = getattr(torchvision.models, args.model)(num_classes=1000).cuda()
+        images = torch.randn(args.batch, 3, 224, 224, generator=gen).cuda()
     if args.double:  # the float64 reference: same initial weights and data, upcast
         model, images = model.double(), images.double()
     autocast = contextlib.nullcontext()
@@ -477,16 +481,18 @@ def double_check(model: str, r: dict, args, out: Path, paths: dict,
         ref, got = str(scratch / f"{model}-f64-ref.pt"), str(scratch / f"{model}-f64-shim.pt")
         log = str(out / f"{model}-f64-shim.log")
         Path(log).unlink(missing_ok=True)
+        bench_mode = args.double_benchmark
         run_worker(model, {}, tf32=False, shim=False, grads=ref, batch=args.double_batch,
-                   double=True, **paths)
+                   double=True, cudnn_benchmark=bench_mode, **paths)
         run_worker(model, {}, tf32=False, shim=True, grads=got, plan=plan64,
-                   limit=args.double_limit, log=log, batch=args.double_batch, double=True, **paths)
+                   limit=args.double_limit, log=log, batch=args.double_batch, double=True,
+                   cudnn_benchmark=bench_mode, **paths)
         errors = compare_pair(ref, got)
         r["double"] = {
             **{k: v for k, v in errors.items() if k != "per_tensor"},
             "tensors_at_or_above_1e-4": [n for n, e in errors["per_tensor"].items() if e >= 1e-4],
             "split_kernels": split_kernels(log), "limit": args.double_limit,
-            "batch": args.double_batch}
+            "batch": args.double_batch, "cudnn_benchmark": bench_mode}
         d = r["double"]
         print(f"[{model}] float64 worst grad rel err {d['worst_grad_rel_err']:.2e} "
               f"({d['worst_grad']}), loss rel err {d['loss_rel_err']:.2e}, "
@@ -574,6 +580,8 @@ def main() -> int:
                    help="workspace limit of the float64 plan: small, so that batches split")
     d.add_argument("--double-batch", type=int, default=64,
                    help="batch of the float64 check (float64 steps are slow)")
+    d.add_argument("--double-benchmark", action="store_true",
+                   help="the float64 check with torch.backends.cudnn.benchmark = True")
     args = ap.parse_args()
     if args.mode == "worker":
         worker(args)
