@@ -567,6 +567,7 @@ def test_a_store_object_without_an_environment_uses_its_only_one(store, monkeypa
 
 def test_a_store_path_is_opened_and_closed(store, monkeypatch):
     monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)
     closed = []
     real_close = type(store).close
     monkeypatch.setattr(type(store), "close", lambda self: closed.append(self) or real_close(self))
