@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .errors import MucudnnError
+from .errors import MucudnnError, UnwritableError
 from .sizes import parse_size
 
 POLICIES = click.Choice(["undivided", "powerOfTwo", "all", "fit"])
@@ -57,6 +57,38 @@ def main() -> None:
 store_option = click.option("--store", "store_path", type=click.Path(dir_okay=False),
                             help="benchmark store (default $MUCUDNN_STORE or "
                                  "~/.cache/mucudnn/benchmarks.sqlite)")
+
+
+def _unwritable_output(path) -> str | None:
+    """Why a file cannot be written at ``path`` (as far as access(2) tells), else None."""
+    parent = Path(path).expanduser().absolute().parent
+    if not parent.is_dir():
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is read-only"
+    return None
+
+
+def _check_output(path, what: str = "plan") -> None:
+    """Refuse an output nobody could write before spending time on it."""
+    reason = _unwritable_output(path)
+    if reason:
+        raise UnwritableError(f"cannot write {what} {path}: {reason}")
+
+
+def _write_plan_file(plan, path) -> None:
+    """:func:`~mucudnn.plan.write_plan`, with a refusal as one line naming the path and why."""
+    from .plan import write_plan
+    try:
+        write_plan(plan, path)
+    except OSError as exc:
+        raise UnwritableError(f"cannot write plan {path}: "
+                              f"{_unwritable_output(path) or exc.strerror}") from None
+
+
+def _echo_warnings(source) -> None:
+    for text in source.warnings:
+        click.echo(f"mucudnn: warning: {text}", err=True)
 
 
 def _kernels(config: str | None, recordings: tuple[str, ...]):
@@ -137,7 +169,6 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, precise, 
          exclude, api, output, gpu, cudnn_version, store_path):
     """Compute the fastest micro-batch plan of each kernel and write a plan file."""
     from .bench import Environment
-    from .plan import write_plan
     from .tuner import open_measurements, optimize, predicted_network_time, as_kernels
     if (workspace_limit is None) == (total_workspace is None):
         raise click.UsageError("give exactly one of --workspace-limit and --total-workspace")
@@ -145,19 +176,22 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, precise, 
         raise click.UsageError("--gpu and --cudnn go together")
     if borrow_output and total_workspace is not None:
         raise click.UsageError("--borrow-output goes with --workspace-limit, not --total-workspace")
+    _check_output(output)
     source = _kernels(config, recordings)
     env = Environment(gpu, cudnn_version) if gpu else None
     store, env = open_measurements(store_path, env)
     with store:
+        _echo_warnings(store)
         plan = optimize(source, workspace_limit=workspace_limit,
                         total_workspace=total_workspace, policy=policy, store=store, env=env,
                         exclude=exclude, precise=precise, api=api, borrow_output=borrow_output)
-    write_plan(plan, output)
+    _write_plan_file(plan, output)
     kernels = as_kernels(source)
     divided = sum(1 for e in plan if e.is_divided)
     click.echo(f"wrote {output}: {len(plan)} kernels ({divided} micro-batched), predicted "
                f"{predicted_network_time(plan, kernels):.2f} ms per pass, measurements of "
                f"{env.gpu} / cuDNN {env.cudnn}")
+    click.echo(f"{store.describe(used=True)} (used by the plan)")
 
 
 @main.command()
@@ -172,14 +206,13 @@ def show(plan_path, store_path):
     from .tuner import open_measurements
     plan = read_plan(plan_path)
     env = Environment(plan.gpu, plan.cudnn)
-    store, _ = open_measurements(store_path, env)
-    if not store.keys(env.gpu, env.cudnn):  # no measurements of that GPU: no speedup columns
-        store.close()
-        store = None
-    rows = plan_rows(plan, store, env)
-    click.echo(format_plan_table(plan, rows))
-    if store is not None:
-        store.close()
+    with open_measurements(store_path, env)[0] as source:
+        _echo_warnings(source)
+        measured = bool(source.keys(env.gpu, env.cudnn))  # else no speedup columns
+        rows = plan_rows(plan, source if measured else None, env)
+        click.echo(format_plan_table(plan, rows))
+        click.echo(f"baselines from {source.describe()}" if measured
+                   else f"no baselines: no {source.describe()}")
 
 
 @main.command("configs")
@@ -279,9 +312,10 @@ def autotune(workspace_limit, policy, precise, borrow_output, api, plan_path, re
              store_path, command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go."""
-    from .plan import read_recording_weights, write_plan
+    from .plan import read_recording_weights
     from .tuner import benchmark, optimize
     _require_command(command)
+    _check_output(plan_path)
     recording = Path(plan_path).with_suffix(".record")
     recording.unlink(missing_ok=True)
     recorder = tuple(shlex.split(record_command)) if record_command else command
@@ -297,7 +331,7 @@ def autotune(workspace_limit, policy, precise, borrow_output, api, plan_path, re
     click.echo("mucudnn: 3/4 tuning", err=True)
     plan = optimize(kernels, workspace_limit=workspace_limit, policy=policy, store=store_path,
                     precise=precise, api=api, borrow_output=borrow_output)
-    write_plan(plan, plan_path)
+    _write_plan_file(plan, plan_path)
     divided = sum(1 for e in plan if e.is_divided)
     click.echo(f"mucudnn: wrote {plan_path}: {len(plan)} kernels ({divided} micro-batched)",
                err=True)

@@ -23,6 +23,15 @@ class SchemaVersionError(StoreError):
     """The store was written by another schema version of mucudnn."""
 
 
+class ReadOnlyStoreError(StoreError):
+    """A write to a store that cannot be written (opened read-only, a read-only file or
+    directory); the message names the store and the reason."""
+
+
+class UnwritableError(MucudnnError):
+    """An output file (a plan, a cache) cannot be written; the message names the path and why."""
+
+
 class InfeasibleError(MucudnnError):
     """No plan satisfies the workspace limit or budget."""
 

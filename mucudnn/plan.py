@@ -94,6 +94,9 @@ class Plan:
     limit: int
     policy: str
     entries: dict[tuple[str, int], PlanEntry] = dataclasses.field(default_factory=dict)
+    #: Written as ``#`` lines after the first (readers ignore them): e.g. where the
+    #: measurements came from. Not read back.
+    comments: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def add(self, entry: PlanEntry) -> None:
         if (entry.key, entry.n) in self.entries:
@@ -123,6 +126,8 @@ class Plan:
 def format_plan(plan: Plan) -> str:
     out = io.StringIO()
     out.write("# mucudnn plan file: see docs/plan-format.md\n")
+    for comment in plan.comments:
+        out.write("".join(f"# {line}\n" for line in comment.splitlines()))
     out.write(f"{MAGIC} {FORMAT_VERSION}\n")
     out.write(f"gpu {plan.gpu}\ncudnn {plan.cudnn}\nstrategy {plan.strategy}\n")
     out.write(f"limit {plan.limit}\npolicy {plan.policy}\n")

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, Any, Self
 
-from .errors import SchemaVersionError, StoreError
+from .errors import ReadOnlyStoreError, SchemaVersionError, StoreError
 from .measurement import Measurement, Status
 from .problem import MathType
 
@@ -36,6 +36,10 @@ APPLICATION_ID = 0x6D63646E
 BUSY_TIMEOUT_S = 30.0
 #: The mucudnn releases that read each older schema version (named in SchemaVersionError).
 _RELEASES_BY_SCHEMA = {1: "0.1"}
+#: SQLite's result codes of a refused write or of a file it could not open (primary codes: the
+#: extended ones, e.g. SQLITE_READONLY_DIRECTORY, keep them in their low byte).
+_SQLITE_READONLY = 8
+_SQLITE_CANTOPEN = 14
 
 CSV_COLUMNS = ("gpu", "cudnn_version", "key", "batch", "algo", "math", "status", "time_ms",
                "workspace", "repetitions", "measured_at", "note")
@@ -137,6 +141,10 @@ class BenchmarkStore(abc.ABC):
     def close(self) -> None:
         """Release the store; further use raises StoreError. Closing twice is harmless."""
 
+    def check_writable(self) -> None:
+        """Raise :class:`~mucudnn.errors.ReadOnlyStoreError` if writes are known to be refused
+        (so a long benchmark fails before it starts, not at its first write)."""
+
     # -- built on the above ---------------------------------------------------------------------
     def put(self, gpu: str, cudnn_version: int, measurements: Iterable[Measurement],
             repetitions: int | None = None,
@@ -196,6 +204,13 @@ class SQLiteStore(BenchmarkStore):
     ``readonly``. Raises :class:`StoreError` if the file is not a mucudnn store and
     :class:`SchemaVersionError` if it has another schema version.
 
+    A store this process cannot write (a read-only file or directory, a read-only mount) opens
+    for reading even without ``readonly``; its writes raise :class:`ReadOnlyStoreError` naming
+    the reason (:attr:`unwritable`). In a directory it cannot write, SQLite cannot create the
+    ``-shm`` file WAL readers share, so the store is read as an immutable file: no locks, and a
+    write by another process (one allowed to write there) while it is open is not seen
+    consistently.
+
     A store object belongs to the process (and thread) that opened it: each process, e.g. each
     training rank, opens its own. Writers wait up to :data:`BUSY_TIMEOUT_S` for each other.
     """
@@ -203,6 +218,9 @@ class SQLiteStore(BenchmarkStore):
     def __init__(self, path: PathLike, readonly: bool = False):
         self.path = pathlib.Path(path).expanduser()
         self.readonly = readonly
+        #: Why writes are refused (None: writable, as far as access(2) tells before trying).
+        self.unwritable: str | None = "opened read-only" if readonly else None
+        self._immutable = False
         self._pid = os.getpid()
         self._connection: sqlite3.Connection | None = self._connect()
         try:
@@ -217,34 +235,70 @@ class SQLiteStore(BenchmarkStore):
 
     # -- opening ----------------------------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
-        if self.readonly:
+        if not self.readonly:
+            self.unwritable = _unwritable_reason(self.path)
+        if self.unwritable is not None:
             if not self.path.is_file():
-                raise StoreError(f"no benchmark store at {self.path} (run `mucudnn bench` first)")
-            target, uri = self.path.resolve().as_uri() + "?mode=ro", True
-        else:
+                if self.readonly:
+                    raise StoreError(f"no benchmark store at {self.path} "
+                                     "(run `mucudnn bench` first)")
+                raise ReadOnlyStoreError(f"cannot create benchmark store {self.path}: "
+                                         f"{self.unwritable}")
+            # WAL readers share a -shm file beside the store, which this directory cannot get.
+            self._immutable = not os.access(self.path.parent, os.W_OK)
+            return self._connect_to(self._read_only_uri(), uri=True)
+        try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            target, uri = str(self.path), False
+        except OSError as exc:
+            raise ReadOnlyStoreError(f"cannot create benchmark store {self.path}: "
+                                     f"{exc.strerror}: {exc.filename}") from None
+        return self._connect_to(str(self.path), uri=False)
+
+    def _connect_to(self, target: str, uri: bool) -> sqlite3.Connection:
         try:
             # isolation_level=None: no implicit transactions; _transaction() opens them explicitly.
             return sqlite3.connect(target, timeout=BUSY_TIMEOUT_S, isolation_level=None, uri=uri)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open benchmark store {self.path}: {exc}") from None
 
+    def _read_only_uri(self) -> str:
+        # immutable=1: SQLite reads the file as it is, without locks or a -shm file.
+        return self.path.resolve().as_uri() + ("?mode=ro&immutable=1" if self._immutable
+                                               else "?mode=ro")
+
+    def _checked_format(self) -> bool:
+        """:meth:`_format_check`, first reopening the file for reading only, then as immutable,
+        where SQLite refuses what access(2) allowed (it does not see every refusal: root's on
+        some mounts, a -shm file SQLite cannot create)."""
+        while True:
+            try:
+                return self._format_check()
+            except sqlite3.Error as exc:
+                if _primary_code(exc) not in (_SQLITE_READONLY, _SQLITE_CANTOPEN) \
+                        or self._immutable or not self.path.is_file():
+                    raise
+                if self.unwritable is None:
+                    self.unwritable = f"SQLite refuses to write it ({exc})"
+                else:
+                    self._immutable = True
+                self._open_connection().close()
+                self._connection = self._connect_to(self._read_only_uri(), uri=True)
+
     def _prepare(self) -> None:
         """Check the file is a store of our schema; create the schema in an empty file."""
-        connection = self._open_connection()
         try:
-            is_empty = self._format_check()
+            is_empty = self._checked_format()
         except sqlite3.Error as exc:
             if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB:
                 raise StoreError(f"{self.path} is not an SQLite database; point --store at a "
                                  "benchmark store or a new file") from None
             raise StoreError(f"benchmark store {self.path}: opening failed: {exc}") from None
-        if self.readonly:
+        if self.unwritable is not None:
             if is_empty:
                 raise StoreError(f"{self.path} is an empty database, not a benchmark store "
                                  "(run `mucudnn bench` first)")
             return
+        connection = self._open_connection()
         self._use_wal()
         with self._sqlite_errors("opening"):
             # In WAL mode NORMAL still survives process crashes; only a power cut may lose the
@@ -310,7 +364,15 @@ class SQLiteStore(BenchmarkStore):
         try:
             yield
         except sqlite3.Error as exc:
+            if _primary_code(exc) == _SQLITE_READONLY:
+                raise ReadOnlyStoreError(f"cannot write benchmark store {self.path}: "
+                                         f"SQLite refuses ({exc})") from None
             raise StoreError(f"benchmark store {self.path}: {doing} failed: {exc}") from exc
+
+    def check_writable(self) -> None:
+        if self.unwritable is not None:
+            raise ReadOnlyStoreError(f"cannot write benchmark store {self.path}: "
+                                     f"{self.unwritable}")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Cursor]:
@@ -319,8 +381,7 @@ class SQLiteStore(BenchmarkStore):
         ``BEGIN IMMEDIATE`` takes the write lock up front (waiting up to the busy timeout), so
         two writers never both read and then fail to upgrade to writing.
         """
-        if self.readonly:
-            raise StoreError(f"benchmark store {self.path} was opened read-only")
+        self.check_writable()
         connection = self._open_connection()
         with self._sqlite_errors("writing"):
             cursor = connection.execute("BEGIN IMMEDIATE")
@@ -384,6 +445,29 @@ class SQLiteStore(BenchmarkStore):
         if self._connection is not None:
             self._connection.close()
             self._connection = None
+
+
+def _unwritable_reason(path: pathlib.Path) -> str | None:
+    """Why access(2) says this process cannot write the store at ``path`` (None: it can)."""
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            return "the file is read-only"
+    else:
+        path = path.parent  # the nearest directory that exists is where it would be created
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        if path.is_dir() and not os.access(path, os.W_OK):
+            return f"the directory {path} is read-only"
+        return None
+    if not os.access(path.parent, os.W_OK):
+        return (f"its directory {path.parent} is read-only (SQLite writes its -wal and -shm "
+                "files beside the store)")
+    return None
+
+
+def _primary_code(exc: sqlite3.Error) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
 
 
 def default_store_path() -> pathlib.Path:

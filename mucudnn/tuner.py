@@ -16,16 +16,20 @@ and the predicted time per pass use to weigh time.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gzip
 import hashlib
+import importlib.util
 import os
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 from . import store as store_mod
 from .bench import Environment, current_environment, gpu_available
 from .engines import api_of, is_transform_based, select_apis
-from .errors import MissingMeasurementsError, MucudnnError
+from .errors import MissingMeasurementsError, MucudnnError, ReadOnlyStoreError, UnwritableError
 from .measurement import Measurement
 from .optimizer import Policy, best_plan, candidate_sizes, fit_sizes, pareto_plans, solve_budget
 from .plan import Plan, PlanEntry
@@ -51,55 +55,207 @@ def as_kernels(source) -> list[tuple[ConvProblem, int]]:
 
 # -- where measurements come from ---------------------------------------------------------------
 
+#: How the shipped measurements are named in messages and plan comments.
+SHIPPED_NAME = "the measurements shipped with mucudnn"
+
+
 def shipped_store() -> store_mod.SQLiteStore:
     """The measurements shipped with mucudnn (taken on the lent GPU), as a read-only store.
 
-    Loaded once from the package's CSV into a cache file named by the CSV's hash.
+    Loaded once from the package's CSV into a cache file named by the CSV's hash, beside the
+    default store or, where that directory cannot be written, in the temporary directory.
     """
     data = SHIPPED_MEASUREMENTS.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    cache = store_mod.default_store_path().parent / f"shipped-{digest}.sqlite"
-    if not cache.exists():
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    name = f"shipped-{hashlib.sha256(data).hexdigest()[:16]}.sqlite"
+    places = [store_mod.default_store_path().parent,
+              Path(tempfile.gettempdir()) / f"mucudnn-{os.getuid()}"]
+    failures = []
+    for place in places:
+        cache = place / name
+        try:
+            if not cache.exists():
+                _build_shipped_cache(cache)
+            return store_mod.SQLiteStore(cache, readonly=True)
+        except (OSError, store_mod.StoreError) as exc:
+            failures.append(f"{cache}: {getattr(exc, 'strerror', None) or exc}")
+    raise UnwritableError("cannot cache the shipped measurements (" + "; ".join(failures)
+                          + "): set XDG_CACHE_HOME to a writable directory")
+
+
+def _build_shipped_cache(cache: Path) -> None:
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    try:
         with store_mod.SQLiteStore(tmp) as fresh:
             with gzip.open(SHIPPED_MEASUREMENTS, "rt", encoding="utf-8", newline="") as src:
                 fresh.import_csv(src)
-        for suffix in ("-wal", "-shm"):
-            Path(str(tmp) + suffix).unlink(missing_ok=True)
         os.replace(tmp, cache)
-    return store_mod.SQLiteStore(cache, readonly=True)
+    finally:
+        for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+            leftover.unlink(missing_ok=True)
+
+
+class MeasurementSource(store_mod.BenchmarkStore):
+    """The measurements plans are made from: the user's store first, then the shipped ones.
+
+    Read-only. ``layers`` are ``(name, store)`` pairs, first preferred. The rows of one kernel at
+    one micro-batch size in one API (legacy algorithms, graph-API engines) are timed together, so
+    they come whole from the first layer that has any of them: a user's ``bench`` of some
+    kernels or sizes hides only the shipped rows it replaces. :meth:`describe` says where the
+    rows came from; ``warnings`` holds what the user must hear about them.
+    """
+
+    def __init__(self, env: Environment, layers: Sequence[tuple[str, store_mod.BenchmarkStore]]):
+        self.env = env
+        self.layers = list(layers)
+        self.warnings: list[str] = []
+        self._used: dict[str, set[tuple]] = {name: set() for name, _ in self.layers}
+
+    def __repr__(self) -> str:
+        return f"MeasurementSource({self.describe()!r})"
+
+    def put_rows(self, rows) -> int:
+        raise ReadOnlyStoreError(f"cannot write {self.describe()}: open a store with "
+                                 "mucudnn.store.open_store to write")
+
+    def check_writable(self) -> None:
+        self.put_rows(())
+
+    def rows(self, gpu=None, cudnn_version=None, key=None) -> list[store_mod.StoredMeasurement]:
+        return self._merged(gpu, cudnn_version, key, count=True)
+
+    def _merged(self, gpu, cudnn_version, key, count: bool) -> list[store_mod.StoredMeasurement]:
+        chosen, taken = [], set()
+        for name, layer in self.layers:
+            here = layer.rows(gpu, cudnn_version, key)
+            fresh = {_group(row) for row in here} - taken
+            for row in here:
+                if _group(row) in fresh:
+                    chosen.append(row)
+                    if count:
+                        self._used[name].add(_identity(row))
+            taken |= fresh
+        return sorted(chosen, key=_identity)
+
+    def measured_batches(self, gpu: str, cudnn_version: int, key: str) -> set[int]:
+        return set().union(*(layer.measured_batches(gpu, cudnn_version, key)
+                             for _, layer in self.layers))
+
+    def environments(self) -> list[tuple[str, int, int]]:
+        envs = sorted({env[:2] for _, layer in self.layers for env in layer.environments()})
+        return [(gpu, cudnn, len(self._merged(gpu, cudnn, None, count=False)))
+                for gpu, cudnn in envs]
+
+    def keys(self, gpu: str, cudnn_version: int) -> list[str]:
+        return sorted(set().union(*(layer.keys(gpu, cudnn_version) for _, layer in self.layers)))
+
+    def close(self) -> None:
+        for _, layer in self.layers:
+            layer.close()
+
+    def describe(self, used: bool = False) -> str:
+        """``measurements of GPU / cuDNN V: N rows from store PATH, M rows from the shipped
+        ones``: each layer's rows of the environment, or (``used``) those read so far."""
+        parts = []
+        for name, layer in self.layers:
+            if used:
+                count = len(self._used[name])
+            else:
+                count = sum(n for g, c, n in layer.environments()
+                            if (g, c) == (self.env.gpu, self.env.cudnn))
+            parts.append(f"{count:,} rows from {name}")
+        return (f"measurements of {self.env.gpu} / cuDNN {self.env.cudnn}: "
+                + (", ".join(parts) if parts else "none"))
+
+
+def _identity(row: store_mod.StoredMeasurement) -> tuple:
+    m = row.measurement
+    return row.gpu, row.cudnn_version, m.key, m.batch, m.algo, m.math.value
+
+
+def _group(row: store_mod.StoredMeasurement) -> tuple:
+    """The rows timed together: one kernel at one size in one API, in one environment."""
+    m = row.measurement
+    return row.gpu, row.cudnn_version, m.key, m.batch, api_of(m.algo)
 
 
 def open_measurements(path=None, env: Environment | None = None):
-    """The store to tune from, and the environment to read from it.
+    """The measurements to tune from (a read-only :class:`MeasurementSource`), and their
+    environment.
 
-    The user's store (``path``, ``$MUCUDNN_STORE`` or the default) is used when it holds
-    measurements of ``env`` (default: this GPU, or the store's only environment). Otherwise the
-    shipped measurements are used if they match ``env`` (or if no ``env`` can be named: no GPU and
-    an empty store), so tuning works anywhere.
+    The environment is ``env``, else this GPU's, else the user's store's only one, else the
+    shipped measurements' (no GPU and no measurements of one's own: tuning works anywhere).
+    Its rows come from the user's store (``path``, ``$MUCUDNN_STORE`` or the default) first and
+    from the shipped measurements of the same GPU and cuDNN for the rest. A ``path`` given that
+    does not exist is an error (a mistyped ``--store`` must not tune from other data); the
+    default store may be absent.
     """
-    user = store_mod.open_store(path)
-    chosen = env or _pick_environment(user)
-    if chosen is not None and user.keys(chosen.gpu, chosen.cudnn):
-        return user, chosen
-    shipped = shipped_store()
-    envs = {(g, c): n for g, c, n in shipped.environments()}
-    if chosen is None and envs:
-        gpu, cudnn = max(envs, key=envs.get)
-        chosen = Environment(gpu, cudnn)
-    if chosen is not None and (chosen.gpu, chosen.cudnn) in envs:
-        user.close()
-        return shipped, chosen
-    shipped.close()
-    if chosen is None:
-        raise MissingMeasurementsError("no measurements anywhere: run 'mucudnn bench' on a GPU")
-    return user, chosen  # reading it names what is missing and how to measure it
+    if path is not None and not Path(path).expanduser().exists():
+        raise store_mod.StoreError(f"store {path} does not exist; create it with "
+                                   f"`mucudnn bench --store {path}`")
+    user_path = Path(path).expanduser() if path is not None else store_mod.default_store_path()
+    user = store_mod.SQLiteStore(user_path, readonly=True) if user_path.exists() else None
+    layers = [] if user is None else [(f"store {user_path}", user)]
+    notes = []
+    try:
+        chosen = env or _pick_environment(user)
+        try:
+            shipped = shipped_store()
+        except UnwritableError as exc:
+            if chosen is None:
+                raise
+            notes.append(f"{exc}; tuning without them")
+            shipped = None
+        if shipped is not None:
+            layers.append((SHIPPED_NAME, shipped))
+        envs = {(g, c): n for g, c, n in shipped.environments()} if shipped else {}
+        if chosen is None:
+            if not envs:
+                raise MissingMeasurementsError(
+                    "no measurements anywhere: run 'mucudnn bench' on a GPU")
+            chosen = Environment(*max(envs, key=envs.get))
+        if shipped is not None and (chosen.gpu, chosen.cudnn) not in envs:
+            layers.pop()
+            shipped.close()
+    except BaseException:
+        for _, layer in layers:
+            layer.close()
+        raise
+    source = MeasurementSource(chosen, layers)
+    source.warnings.extend(notes)
+    unseen = gpu_without_cupy()
+    if unseen is not None:
+        source.warnings.append(
+            f"this machine has a GPU ({unseen}) but no CuPy, so nothing is benchmarked on it: "
+            f"benchmarking needs pip install 'mucudnn[gpu]'"
+            + ("" if unseen == chosen.gpu else
+               f"; these are measurements of {chosen.gpu}, whose plans the shim refuses on "
+               f"{unseen}"))
+    return source, chosen
+
+
+def gpu_without_cupy() -> str | None:
+    """The name of this machine's first NVIDIA GPU when the CUDA driver has one but CuPy is not
+    installed (so ``bench`` cannot run), else None."""
+    if importlib.util.find_spec("cupy") is not None:
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        count, device, name = ctypes.c_int(), ctypes.c_int(), ctypes.create_string_buffer(256)
+        if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)) or count.value < 1:
+            return None
+        if cuda.cuDeviceGet(ctypes.byref(device), 0) or \
+                cuda.cuDeviceGetName(name, len(name), device):
+            return None
+        return name.value.decode(errors="replace")
+    except (OSError, AttributeError):  # no driver library: no GPU to speak of
+        return None
 
 
 def _pick_environment(store) -> Environment | None:
     if gpu_available():
         return current_environment()
-    envs = store.environments()
+    envs = store.environments() if store is not None else []
     if len(envs) == 1:
         return Environment(envs[0][0], envs[0][1])
     if len(envs) > 1:
@@ -133,6 +289,7 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
     own = store is None or isinstance(store, (str, os.PathLike))
     st = store_mod.open_store(store) if own else store
     try:
+        st.check_writable()
         bench = Benchmarker(st, method or TimingMethod(), progress=progress,
                             max_engine_configs=max_engine_configs)
         kernels = [p for p, _ in as_kernels(source)]
@@ -155,21 +312,38 @@ def measurements(store, env: Environment, problem: ConvProblem, policy: Policy |
                  api: str = "both") -> list[Measurement]:
     """Stored rows of ``problem`` at the policy's sizes in ``api`` (``"legacy"``, ``"graph"`` or
     ``"both"``); raises if any size has no row of those APIs."""
+    rows, missing = _rows_and_missing(store, env, problem, policy, api)
+    if missing:
+        raise MissingMeasurementsError(_missing_message([(problem, missing)], 1, env, policy, api))
+    return rows
+
+
+def _rows_and_missing(store, env: Environment, problem: ConvProblem, policy: Policy | str,
+                      api: str) -> tuple[list[Measurement], list[int]]:
+    """(the rows :func:`measurements` returns, the policy's sizes with no row)."""
     apis = select_apis(api)
     sizes = candidate_sizes(policy, problem.n)
     # fit plans may use every measured size up to n; the powers of two must be there
     wanted = None if Policy(policy) is Policy.FIT else sizes
     rows = [m for m in store.get(env.gpu, env.cudnn, problem.key, batches=wanted)
             if api_of(m.algo) in apis and m.batch <= problem.n]
-    missing = sorted(set(sizes) - {m.batch for m in rows})
-    if missing:
-        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        which = "" if len(apis) > 1 else f"{api} API "
-        raise MissingMeasurementsError(
-            f"no {which}measurements of {problem.key} at micro-batch size(s) {shown} for "
-            f"{env.gpu} / cuDNN {env.cudnn} (policy {Policy(policy).value}): run 'mucudnn bench' "
-            f"with this policy{f' and --api {api}' if which else ''} on that GPU first")
-    return rows
+    return rows, sorted(set(sizes) - {m.batch for m in rows})
+
+
+def _missing_message(missing: list[tuple[ConvProblem, list[int]]], kernels: int,
+                     env: Environment, policy: Policy | str, api: str) -> str:
+    """One line: the first kernel lacking measurements, its sizes, and how many lack any."""
+    which = "" if len(select_apis(api)) > 1 else f"{api} API "
+    problem, sizes = missing[0]
+    shown = ", ".join(map(str, sizes[:8])) + (" ..." if len(sizes) > 8 else "")
+    text = f"no {which}measurements of {problem.key} at micro-batch size(s) {shown} for "
+    if len(missing) > 1:
+        total = sum(len(s) for _, s in missing)
+        text = (f"{len(missing)} of {kernels} kernels lack {which}measurements "
+                f"({total} micro-batch sizes in all); the first: " + text)
+    return (text + f"{env.gpu} / cuDNN {env.cudnn} (policy {Policy(policy).value}): run "
+            f"'mucudnn bench' with this policy{f' and --api {api}' if which else ''} "
+            "on that GPU first")
 
 
 # -- optimise -----------------------------------------------------------------------------------
@@ -202,9 +376,16 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     def usable(row: Measurement) -> bool:
         return row.algo not in banned and not (precise and is_transform_based(row))
 
+    rows, missing = {}, []
     with _measurements_source(store, env) as (st, env):
-        rows = {(p.key, p.n): [m for m in measurements(st, env, p, policy, api) if usable(m)]
-                for p, _ in kernels}
+        for p, _ in kernels:
+            found, lacking = _rows_and_missing(st, env, p, policy, api)
+            rows[(p.key, p.n)] = [m for m in found if usable(m)]
+            if lacking:
+                missing.append((p, lacking))
+        source = _source_comment(st, env)
+    if missing:
+        raise MissingMeasurementsError(_missing_message(missing, len(kernels), env, policy, api))
     if workspace_limit is not None:
         limit = parse_size(workspace_limit)
         plans = [best_plan(rows[(p.key, p.n)], p.n, limit, policy,
@@ -218,7 +399,7 @@ def optimize(source, workspace_limit=None, total_workspace=None,
         plans = [chosen[(p.key, p.n)] for p, _ in kernels]
         strategy = "wd"
     plan = Plan(gpu=env.gpu, cudnn=env.cudnn, strategy=strategy, limit=limit,
-                policy=policy.value)
+                policy=policy.value, comments=(source,))
     for kp in plans:
         plan.add(PlanEntry.from_kernel_plan(kp))
     return plan
@@ -235,8 +416,18 @@ def _measurements_source(store, env: Environment | None):
         yield store, chosen
         return
     opened, chosen = open_measurements(store, env)
+    for text in opened.warnings:
+        warnings.warn(text, stacklevel=4)
     with opened:
         yield opened, chosen
+
+
+def _source_comment(store, env: Environment) -> str:
+    """Where a plan's measurements came from, for a comment line of the plan file."""
+    if isinstance(store, MeasurementSource):
+        return store.describe(used=True)
+    where = f"store {store.path}" if isinstance(getattr(store, "path", None), Path) else repr(store)
+    return f"measurements of {env.gpu} / cuDNN {env.cudnn}: {where}"
 
 
 def predicted_network_time(plan: Plan, kernels: Kernels) -> float:

@@ -19,6 +19,7 @@ from mucudnn.optimizer import candidate_sizes
 from mucudnn.plan import read_plan
 from mucudnn.sizes import format_size
 from mucudnn.store import open_store
+from test_store import as_unprivileged, hand_over, shared_dir  # noqa: F401 - a fixture
 
 PLAN_DIR = Path(__file__).resolve().parent / "data" / "plans"
 BAD_PLAN = PLAN_DIR / "invalid_pieces_sum.plan"  # its first line names the faulty line
@@ -46,6 +47,7 @@ def no_gpu(monkeypatch, stores_dir, tmp_path, request):
     monkeypatch.setenv("MUCUDNN_STORE", str(stores_dir / f"{name}.sqlite"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)
 
 
 @pytest.fixture
@@ -79,6 +81,80 @@ def assert_usage_error(result, *fragments: str) -> None:
     assert result.exit_code == 2, result.output
     assert "Usage:" in result.stderr
     assert all(fragment in result.stderr for fragment in fragments), result.stderr
+
+
+# -- where measurements come from and where plans go -------------------------------------------
+
+@pytest.mark.parametrize("command", ["tune", "show"])
+def test_a_store_that_does_not_exist_is_one_error_line_and_not_created(no_gpu, tmp_path,
+                                                                        command):
+    typo = tmp_path / "sotre.sqlite"
+    args = (["tune", "alexnet", "--workspace-limit", "64MiB", "-o", tmp_path / "a.plan"]
+            if command == "tune" else ["show", VALID_PLAN])
+    result = invoke(*args, "--store", typo)
+    assert_one_error_line(result, f"store {typo} does not exist; create it with "
+                                  f"`mucudnn bench --store {typo}`")
+    assert not typo.exists() and not (tmp_path / "a.plan").exists()
+
+
+def test_tune_says_that_benchmarking_needs_cupy(no_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: "NVIDIA H100 80GB HBM3")
+    result = invoke("tune", "alexnet", "--workspace-limit", "64MiB", "-o", tmp_path / "a.plan")
+    assert result.exit_code == 0, result.output
+    [warning] = result.stderr.splitlines()
+    assert warning.startswith("mucudnn: warning: this machine has a GPU (NVIDIA H100 80GB HBM3)")
+    assert "pip install 'mucudnn[gpu]'" in warning and "measurements of NVIDIA H200" in warning
+
+
+@pytest.mark.parametrize("command", ["tune", "autotune"])
+def test_a_plan_into_a_missing_directory_is_one_error_line(no_gpu, fake_exec, tmp_path,
+                                                            command):
+    plan_path = tmp_path / "missing" / "a.plan"
+    args = (["tune", "alexnet", "--workspace-limit", "64MiB", "-o", plan_path]
+            if command == "tune" else
+            ["autotune", "--workspace-limit", "64MiB", "-o", plan_path, "--", "python", "t.py"])
+    result = invoke(*args)
+    assert_one_error_line(result, f"cannot write plan {plan_path}: directory "
+                                  f"{plan_path.parent} does not exist")
+    assert fake_exec[1] == [], "nothing ran"
+
+
+def tune_unprivileged(store: Path, recording: Path, plan_path: Path) -> tuple[int, str, str]:
+    result = invoke("tune", "--recording", recording, "--workspace-limit", "64MiB",
+                    "--store", store, "-o", plan_path)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_tune_from_a_read_only_store_into_a_read_only_directory(shared_dir, monkeypatch):
+    """A shared store on a read-only mount is read (A); a plan cannot go there (D): one line."""
+    from test_tuner import FWD, FWD_ALGOS, synthetic_rows
+    monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared_dir / "xdg"))
+    monkeypatch.delenv("MUCUDNN_STORE", raising=False)
+    tuner.shipped_store().close()  # built here; read-only to the unprivileged user
+    mount, out = shared_dir / "mount", shared_dir / "out"
+    mount.mkdir()
+    out.mkdir()
+    store = mount / "shared.sqlite"
+    with open_store(store) as writer:
+        writer.put("Test GPU", 91900, synthetic_rows(FWD, FWD_ALGOS))
+    recording = mount / "one.record"
+    recording.write_text(f"# mucudnn-record 1 pid=42\nkernel {FWD.key} {FWD.n}\n")
+    hand_over(out)
+    mount.chmod(0o555)
+
+    code, stdout, stderr = as_unprivileged(tune_unprivileged, store, recording,
+                                           mount / "a.plan")
+    assert code == 2 and stderr == (f"mucudnn: error: cannot write plan {mount / 'a.plan'}: "
+                                    f"directory {mount} is read-only\n")
+    code, stdout, stderr = as_unprivileged(tune_unprivileged, store, recording, out / "a.plan")
+    assert code == 0, stdout + stderr
+    assert stdout.splitlines()[-1] == (
+        f"measurements of Test GPU / cuDNN 91900: {len(synthetic_rows(FWD, FWD_ALGOS))} rows "
+        f"from store {store} (used by the plan)")
+    assert read_plan(out / "a.plan").gpu == "Test GPU"
+    assert sorted(p.name for p in mount.iterdir()) == ["one.record", "shared.sqlite"]
 
 
 # -- help ------------------------------------------------------------------------------------------
@@ -128,6 +204,10 @@ def test_tune_then_show_on_the_shipped_measurements(no_gpu, tmp_path):
     tuned = invoke("tune", "resnet50", "--workspace-limit", "64MiB", "-o", plan_path)
     assert tuned.exit_code == 0, tuned.output
     assert f"wrote {plan_path}: {len(kernels)} kernels" in tuned.stdout
+    source = tuned.stdout.splitlines()[-1]
+    assert re.fullmatch(r"measurements of NVIDIA H200 / cuDNN 91900: [\d,]+ rows from the "
+                        r"measurements shipped with mucudnn \(used by the plan\)", source), source
+    assert f"# {source.removesuffix(' (used by the plan)')}\n" in plan_path.read_text()
 
     plan = read_plan(plan_path)
     assert (plan.strategy, plan.limit, plan.policy) == ("wr", 64 << 20, "powerOfTwo")
@@ -149,7 +229,10 @@ def test_tune_then_show_on_the_shipped_measurements(no_gpu, tmp_path):
             f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}"
             in out)
     # The speedup columns and their totals come from the same shipped measurements.
-    assert "undivided within the limit" in out and "uncapped" in out.splitlines()[-1]
+    assert "undivided within the limit" in out and "uncapped" in out.splitlines()[-2]
+    assert out.splitlines()[-1] == (f"baselines from measurements of {plan.gpu} / cuDNN "
+                                    f"{plan.cudnn}: 74,803 rows from the measurements shipped "
+                                    "with mucudnn")
     assert not re.search(r"\s-\s", "\n".join(rows)), "every row should have its baselines"
 
 

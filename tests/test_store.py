@@ -8,13 +8,17 @@ import io
 import math
 import multiprocessing
 import multiprocessing.synchronize
+import os
 import pathlib
+import pickle
+import shutil
 import sqlite3
+import tempfile
 import time
 
 import pytest
 
-from mucudnn.errors import SchemaVersionError, StoreError
+from mucudnn.errors import ReadOnlyStoreError, SchemaVersionError, StoreError
 from mucudnn.measurement import Measurement, Status
 from mucudnn.problem import ConvProblem, Direction, MathType
 from mucudnn.store import (
@@ -261,6 +265,160 @@ def test_readonly_store_must_exist_and_refuses_writes(store_path):
     with SQLiteStore(store_path, readonly=True) as store, \
             pytest.raises(StoreError, match="read-only"):
         store.put(GPU, CUDNN, [measurement(1)])
+
+
+# -- read-only places ---------------------------------------------------------------------------
+NOBODY = 65534  # the uid and gid root drops to, so permissions are enforced on it too
+
+
+def as_unprivileged(function, *args):
+    """``function(*args)`` in this process, or as root in a forked child that became ``nobody``
+    (access rules do not stop root); its result or exception comes back."""
+    if os.geteuid() != 0:
+        return function(*args)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                outcome = ("ok", function(*args))
+            except Exception as exc:  # noqa: BLE001 - handed to the parent as it is
+                outcome = ("raised", exc)
+        except OSError as exc:
+            outcome = ("skip", f"root cannot become uid {NOBODY} here: {exc}")
+        with os.fdopen(write, "wb") as pipe:
+            pickle.dump(outcome, pipe)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        kind, value = pickle.load(pipe)
+    os.waitpid(child, 0)
+    if kind == "skip":
+        pytest.skip(value)
+    if kind == "raised":
+        raise value
+    return value
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory the unprivileged user of :func:`as_unprivileged` can reach and write."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="mucudnn-store-test-"))
+    path.chmod(0o755)
+    yield path
+    for inner in [path, *path.rglob("*")]:
+        if inner.is_dir():
+            inner.chmod(0o755)
+    shutil.rmtree(path)
+
+
+def hand_over(*paths: pathlib.Path) -> None:
+    """Make the unprivileged user the owner of ``paths``, so only their modes limit it."""
+    if os.geteuid() == 0:
+        for path in paths:
+            os.chown(path, NOBODY, NOBODY)
+
+
+def read_and_try_writing(path: pathlib.Path, readonly: bool) -> tuple[int, str, str]:
+    """(rows read, why check_writable refuses, what a write raised): nothing is written."""
+    with SQLiteStore(path, readonly=readonly) as store:
+        count = len(store.rows())
+        with pytest.raises(ReadOnlyStoreError) as refused:
+            store.check_writable()
+        with pytest.raises(ReadOnlyStoreError) as written:
+            store.put(GPU, CUDNN, [measurement(512)])
+        return count, str(refused.value), str(written.value)
+
+
+def filled_store(directory: pathlib.Path) -> pathlib.Path:
+    path = directory / "shared.sqlite"
+    with SQLiteStore(path) as store:
+        store.put(GPU, CUDNN, [measurement(1), measurement(2)])
+    return path
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_store_in_a_read_only_directory_is_read_and_refuses_writes(shared_dir, readonly):
+    store_dir = shared_dir / "mount"
+    store_dir.mkdir()
+    path = filled_store(store_dir)
+    hand_over(store_dir, path)
+    store_dir.chmod(0o555)  # WAL readers cannot create the -shm file here
+    count, refused, written = as_unprivileged(read_and_try_writing, path, readonly)
+    assert count == 2
+    for message in (refused, written):
+        assert str(path) in message
+        assert "opened read-only" in message if readonly else f"{store_dir} is read-only" in message
+    assert sorted(p.name for p in store_dir.iterdir()) == ["shared.sqlite"]
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_read_only_store_file_is_read_and_refuses_writes(shared_dir, readonly):
+    path = filled_store(shared_dir)
+    hand_over(shared_dir, path)
+    path.chmod(0o444)
+    count, refused, written = as_unprivileged(read_and_try_writing, path, readonly)
+    assert count == 2
+    for message in (refused, written):
+        assert str(path) in message
+        assert "opened read-only" in message if readonly else "the file is read-only" in message
+    path.chmod(0o644)
+    with SQLiteStore(path, readonly=True) as store:
+        assert len(store.rows()) == 2, "nothing was written"
+
+
+def read_where_access_says_writable(path: pathlib.Path) -> tuple[int, str | None]:
+    """As :func:`read_and_try_writing`, but access(2) claims everything is writable (as it does
+    to root on some read-only mounts): SQLite's own refusals must lead to the same."""
+    real_access = os.access
+    os.access = lambda *args, **kwargs: True
+    try:
+        with SQLiteStore(path) as store:
+            with pytest.raises(ReadOnlyStoreError, match="SQLite refuses"):
+                store.put(GPU, CUDNN, [measurement(512)])
+            return len(store.rows()), store.unwritable
+    finally:
+        os.access = real_access
+
+
+def test_sqlite_refusing_what_access_allowed_still_reads(shared_dir):
+    store_dir = shared_dir / "mount"
+    store_dir.mkdir()
+    path = filled_store(store_dir)
+    hand_over(store_dir, path)
+    store_dir.chmod(0o555)
+    count, unwritable = as_unprivileged(read_where_access_says_writable, path)
+    assert count == 2 and unwritable.startswith("SQLite refuses to write it")
+
+
+def create_store(path: pathlib.Path) -> None:
+    SQLiteStore(path).close()
+
+
+@pytest.mark.parametrize("missing_parent", [False, True])
+def test_creating_a_store_in_a_read_only_directory_names_path_and_reason(shared_dir,
+                                                                         missing_parent):
+    hand_over(shared_dir)
+    shared_dir.chmod(0o555)
+    path = shared_dir / "new" / "b.sqlite" if missing_parent else shared_dir / "b.sqlite"
+    with pytest.raises(ReadOnlyStoreError) as raised:
+        as_unprivileged(create_store, path)
+    assert str(raised.value) == (f"cannot create benchmark store {path}: the directory "
+                                 f"{shared_dir} is read-only")
+
+
+def test_a_read_only_connection_is_refused_by_sqlite_itself(store_path):
+    """Not only the store's own check: SQLite refuses writes through its read-only connection,
+    also to root, and the refusal reads as ReadOnlyStoreError."""
+    filled_store(store_path.parent)
+    with SQLiteStore(store_path.parent / "shared.sqlite", readonly=True) as store:
+        store.unwritable = None  # past the store's own check, to SQLite's
+        with pytest.raises(ReadOnlyStoreError, match=r"cannot write benchmark store .*readonly"):
+            store.put(GPU, CUDNN, [measurement(512)])
+        assert len(store.rows()) == 2
 
 
 def test_a_closed_store_refuses_use(store_path):

@@ -6,20 +6,26 @@ import collections
 import csv
 import gzip
 import math
+import os
+import pathlib
 import re
+import tempfile
 
 import pytest
 
 from mucudnn import tuner
 from mucudnn.bench import Environment
 from mucudnn.engines import TRANSFORM_ALGORITHMS, Api, format_numerical_notes
-from mucudnn.errors import InfeasibleError, MissingMeasurementsError, MucudnnError
+from mucudnn.errors import (
+    InfeasibleError, MissingMeasurementsError, MucudnnError, StoreError, UnwritableError,
+)
 from mucudnn.measurement import Measurement, Status
 from mucudnn.optimizer import Policy, candidate_sizes
 from mucudnn.plan import PlanEntry, PlanPiece, read_plan, write_plan
 from mucudnn.problem import ConvProblem, Direction, MathType
 from mucudnn.sizes import parse_size
 from mucudnn.store import open_store
+from test_store import as_unprivileged, hand_over, shared_dir  # noqa: F401 - a fixture
 
 ENV = Environment("Test GPU", 91900)
 N = 8
@@ -333,7 +339,13 @@ def no_gpu(monkeypatch, shipped_cache_dir, tmp_path, request):
     monkeypatch.setenv("MUCUDNN_STORE", str(user_store))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)
     return user_store
+
+
+def layer_paths(source: tuner.MeasurementSource) -> list:
+    """The files a source reads, preferred first."""
+    return [layer.path for _, layer in source.layers]
 
 
 def shipped_environments() -> collections.Counter:
@@ -348,19 +360,24 @@ def test_empty_store_and_no_gpu_fall_back_to_the_shipped_measurements(no_gpu):
     with chosen_store:
         (gpu, cudnn), _ = shipped_environments().most_common(1)[0]
         assert env == Environment(gpu, cudnn)
-        assert chosen_store.readonly and chosen_store.path != no_gpu
-        assert chosen_store.path.parent == no_gpu.parent  # cached beside the user's store
+        [shipped] = layer_paths(chosen_store)  # the user's store does not exist: not created
+        assert not no_gpu.exists()
+        assert shipped.parent == no_gpu.parent  # cached beside the user's store
         assert sum(count for *_, count in chosen_store.environments()) == \
             sum(shipped_environments().values())
+        assert chosen_store.describe() == (f"measurements of {gpu} / cuDNN {cudnn}: "
+                                           f"{shipped_environments()[(gpu, cudnn)]:,} rows from "
+                                           "the measurements shipped with mucudnn")
 
 
 def test_shipped_cache_is_built_once(no_gpu):
     first, _ = tuner.open_measurements()
     first.close()
-    built = first.path.stat().st_mtime_ns
+    [path] = layer_paths(first)
+    built = path.stat().st_mtime_ns
     second, _ = tuner.open_measurements()
     second.close()
-    assert second.path == first.path and second.path.stat().st_mtime_ns == built
+    assert layer_paths(second) == [path] and path.stat().st_mtime_ns == built
 
 
 def test_tuning_a_shipped_config_works_without_a_gpu(no_gpu):
@@ -376,7 +393,7 @@ def test_user_store_with_one_environment_is_preferred(no_gpu):
         user.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS))
     chosen_store, env = tuner.open_measurements()
     with chosen_store:
-        assert env == ENV and chosen_store.path == no_gpu
+        assert env == ENV and layer_paths(chosen_store) == [no_gpu]  # nothing shipped of ENV
     plan = tuner.optimize([FWD], workspace_limit=0)  # no store or env given: found the same way
     assert (plan.gpu, plan.cudnn) == (ENV.gpu, ENV.cudnn)
 
@@ -392,7 +409,7 @@ def test_user_store_with_several_environments_asks_which(no_gpu):
     assert "--gpu" in message
     chosen_store, env = tuner.open_measurements(env=Environment("Other GPU", 90100))
     with chosen_store:
-        assert chosen_store.path == no_gpu and env.gpu == "Other GPU"
+        assert layer_paths(chosen_store) == [no_gpu] and env.gpu == "Other GPU"
 
 
 def test_named_environment_only_shipped_uses_the_shipped_store(no_gpu):
@@ -401,16 +418,117 @@ def test_named_environment_only_shipped_uses_the_shipped_store(no_gpu):
         user.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS))
     chosen_store, env = tuner.open_measurements(env=Environment(gpu, cudnn))
     with chosen_store:
-        assert chosen_store.readonly and env == Environment(gpu, cudnn)
+        assert env == Environment(gpu, cudnn)
+        assert layer_paths(chosen_store)[0] == no_gpu and len(layer_paths(chosen_store)) == 2
+        assert chosen_store.keys(gpu, cudnn), "the shipped rows of that environment"
 
 
 def test_named_environment_measured_nowhere_reads_the_user_store(no_gpu):
     nowhere = Environment("Nowhere GPU", 1)
+    with open_store(no_gpu) as user:
+        user.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS))
     chosen_store, env = tuner.open_measurements(env=nowhere)
     with chosen_store:
-        assert chosen_store.path == no_gpu and env == nowhere
+        assert layer_paths(chosen_store) == [no_gpu] and env == nowhere
         with pytest.raises(MissingMeasurementsError, match="Nowhere GPU"):
             tuner.optimize([FWD], workspace_limit=0, store=chosen_store, env=env)
+
+
+def test_a_store_path_that_does_not_exist_is_an_error_and_not_created(no_gpu, tmp_path):
+    typo = tmp_path / "sotre" / "benchmarks.sqlite"
+    with pytest.raises(StoreError) as raised:
+        tuner.open_measurements(typo)
+    assert str(raised.value) == (f"store {typo} does not exist; create it with "
+                                 f"`mucudnn bench --store {typo}`")
+    assert not typo.parent.exists()
+
+
+def first_kernel(config: str, direction: Direction) -> ConvProblem:
+    import mucudnn
+    return next(p for p, _ in mucudnn.load_config(config).kernels() if p.direction is direction)
+
+
+def test_user_rows_come_first_and_shipped_rows_fill_the_rest(no_gpu):
+    """One bench of some kernels on the shipped GPU hides only the shipped rows it replaces."""
+    import mucudnn
+    (gpu, cudnn), _ = shipped_environments().most_common(1)[0]
+    mine = first_kernel("alexnet", Direction.FORWARD)
+    with open_store(no_gpu) as user:
+        user.put(gpu, cudnn, synthetic_rows(mine, FWD_ALGOS))
+    config = mucudnn.load_config("alexnet")
+    source, env = tuner.open_measurements()
+    with source:
+        assert env == Environment(gpu, cudnn) and layer_paths(source)[0] == no_gpu
+        plan = tuner.optimize(config, workspace_limit="64MiB", store=source, env=env,
+                              api="legacy")
+        used = source.describe(used=True)
+    assert len(plan) == len(config.kernels())
+    user_rows = {(m.batch, m.algo) for m in synthetic_rows(mine, FWD_ALGOS)}
+    assert all((p.batch, p.algo) in user_rows for p in plan.get(mine.key, mine.n).pieces)
+    counts = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) rows from", used)]
+    assert len(counts) == 2 and all(counts), used
+    assert used.startswith(f"measurements of {gpu} / cuDNN {cudnn}: ")
+    assert f"rows from store {no_gpu}, " in used and used.endswith("shipped with mucudnn")
+    assert plan.comments == (used,)
+
+
+def test_every_kernel_lacking_measurements_is_counted(tmp_path):
+    with open_store(tmp_path / "partial.sqlite") as partial:
+        partial.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS))
+        with pytest.raises(MissingMeasurementsError) as exc:
+            tuner.optimize([FWD, BWD_DATA, HUNGRY], workspace_limit=0, store=partial, env=ENV)
+    assert str(exc.value).startswith(
+        "2 of 3 kernels lack measurements (8 micro-batch sizes in all); the first: no "
+        f"measurements of {BWD_DATA.key} at micro-batch size(s) 1, 2, 4, 8 for {ENV.gpu}")
+
+
+def test_a_gpu_without_cupy_is_named_with_what_benchmarking_needs(no_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: "NVIDIA H100 80GB HBM3")
+    source, env = tuner.open_measurements()
+    source.close()
+    [warning] = source.warnings
+    assert "NVIDIA H100 80GB HBM3" in warning and "pip install 'mucudnn[gpu]'" in warning
+    assert f"these are measurements of {env.gpu}, whose plans the shim refuses" in warning
+    with pytest.warns(UserWarning, match=r"mucudnn\[gpu\]"):
+        plan = tuner.optimize([first_kernel("alexnet", Direction.FORWARD)],
+                              workspace_limit="64MiB")
+    write_plan(plan, tmp_path / "a.plan")
+    lines = (tmp_path / "a.plan").read_text().splitlines()
+    assert lines[1] == f"# {plan.comments[0]}" and "shipped with mucudnn" in lines[1]
+    assert [(e.key, e.pieces) for e in read_plan(tmp_path / "a.plan")] == \
+        [(e.key, e.pieces) for e in plan]
+
+
+def test_gpu_without_cupy_is_none_where_cupy_is_installed(monkeypatch):
+    monkeypatch.setattr(tuner.importlib.util, "find_spec", lambda name: object())
+    assert tuner.gpu_without_cupy() is None
+
+
+def build_shipped_unprivileged(cache_home: str, temporary: str) -> str:
+    os.environ.pop("MUCUDNN_STORE", None)
+    os.environ["XDG_CACHE_HOME"] = cache_home
+    tempfile.tempdir = temporary
+    with tuner.shipped_store() as shipped:
+        assert shipped.environments()
+        return str(shipped.path)
+
+
+def test_a_read_only_cache_directory_caches_the_shipped_rows_elsewhere(shared_dir):
+    (shared_dir / "xdg").mkdir()
+    (shared_dir / "tmp").mkdir()
+    hand_over(shared_dir / "tmp")
+    (shared_dir / "xdg").chmod(0o555)
+    built = as_unprivileged(build_shipped_unprivileged, str(shared_dir / "xdg"),
+                            str(shared_dir / "tmp"))
+    uid = tuner.os.getuid() if tuner.os.geteuid() else 65534
+    assert pathlib.Path(built).parent == shared_dir / "tmp" / f"mucudnn-{uid}"
+    (shared_dir / "tmp").chmod(0o555)
+    with pytest.raises(UnwritableError) as raised:
+        as_unprivileged(build_shipped_unprivileged, str(shared_dir / "xdg"),
+                        str(shared_dir / "tmp" / "none"))
+    message = str(raised.value)
+    assert message.startswith("cannot cache the shipped measurements (")
+    assert str(shared_dir / "xdg" / "mucudnn") in message and str(shared_dir / "tmp") in message
 
 
 # -- baselines -------------------------------------------------------------------------------------
@@ -449,6 +567,7 @@ def test_a_store_object_without_an_environment_uses_its_only_one(store, monkeypa
 
 def test_a_store_path_is_opened_and_closed(store, monkeypatch):
     monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)
     closed = []
     real_close = type(store).close
     monkeypatch.setattr(type(store), "close", lambda self: closed.append(self) or real_close(self))
