@@ -150,6 +150,9 @@ def bench(config, recordings, policy, workspace_limit, borrow_output, api, remea
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
 @click.option("--precise", is_flag=True,
               help="no FFT/Winograd algorithms (fp32 results stay near GEMM accuracy)")
+@click.option("--deterministic", is_flag=True,
+              help="deterministic pieces only: plans the shim also runs for callers that chose "
+                   "a deterministic algorithm (torch.backends.cudnn.deterministic)")
 @click.option("--borrow-output", is_flag=True,
               help="WR: forward and backward-data pieces may use the part of their output that "
                    "later pieces write as workspace (faster under a tight limit, no more memory)")
@@ -165,8 +168,8 @@ def bench(config, recordings, policy, workspace_limit, borrow_output, api, remea
                             "store's only one)")
 @click.option("--cudnn", "cudnn_version", type=int, help="cuDNN version of the measurements")
 @store_option
-def tune(config, recordings, workspace_limit, total_workspace, policy, precise, borrow_output,
-         exclude, api, output, gpu, cudnn_version, store_path):
+def tune(config, recordings, workspace_limit, total_workspace, policy, precise, deterministic,
+         borrow_output, exclude, api, output, gpu, cudnn_version, store_path):
     """Compute the fastest micro-batch plan of each kernel and write a plan file."""
     from .bench import Environment
     from .tuner import open_measurements, optimize, predicted_network_time, as_kernels
@@ -184,7 +187,8 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, precise, 
         _echo_warnings(store)
         plan = optimize(source, workspace_limit=workspace_limit,
                         total_workspace=total_workspace, policy=policy, store=store, env=env,
-                        exclude=exclude, precise=precise, api=api, borrow_output=borrow_output)
+                        exclude=exclude, precise=precise, api=api, borrow_output=borrow_output,
+                        deterministic=deterministic)
     _write_plan_file(plan, output)
     kernels = as_kernels(source)
     divided = sum(1 for e in plan if e.is_divided)
@@ -297,6 +301,7 @@ def run(plan_path, workspace_limit, log_level, summary, command):
               help="each convolution within this workspace")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
 @click.option("--precise", is_flag=True, help="no FFT/Winograd algorithms")
+@click.option("--deterministic", is_flag=True, help="deterministic pieces only (see tune --help)")
 @click.option("--borrow-output", is_flag=True, help="as in `tune`")
 @click.option("--api", type=APIS, default="both", show_default=True,
               help="benchmark and plan with legacy algorithms, graph-API engine configurations, "
@@ -308,7 +313,7 @@ def run(plan_path, workspace_limit, log_level, summary, command):
                    "COMMAND itself")
 @store_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def autotune(workspace_limit, policy, precise, borrow_output, api, plan_path, record_command,
+def autotune(workspace_limit, policy, precise, deterministic, borrow_output, api, plan_path, record_command,
              store_path, command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go."""
@@ -330,7 +335,7 @@ def autotune(workspace_limit, policy, precise, borrow_output, api, plan_path, re
               borrow_output=borrow_output)
     click.echo("mucudnn: 3/4 tuning", err=True)
     plan = optimize(kernels, workspace_limit=workspace_limit, policy=policy, store=store_path,
-                    precise=precise, api=api, borrow_output=borrow_output)
+                    precise=precise, api=api, borrow_output=borrow_output, deterministic=deterministic)
     _write_plan_file(plan, plan_path)
     divided = sum(1 for e in plan if e.is_divided)
     click.echo(f"mucudnn: wrote {plan_path}: {len(plan)} kernels ({divided} micro-batched)",

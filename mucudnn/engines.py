@@ -150,3 +150,19 @@ def is_transform_based(row) -> bool:
     if api_of(row.algo) is Api.GRAPH:
         return bool(numerical_notes(row.note) & TRANSFORM_NOTES)
     return row.algo in TRANSFORM_ALGORITHMS
+
+
+# cuDNN documents these legacy algorithms as non-deterministic (atomic adds): the shim runs a plan
+# with them only for callers that did not choose a deterministic algorithm or engine
+# (shim/src/directions.c holds the same list). ``tune --deterministic`` keeps plans off them, and
+# off engines noted NONDETERMINISTIC or whose notes were not stored.
+NONDETERMINISTIC_ALGORITHMS = {"fwd": frozenset(), "bwd_data": frozenset({"algo_0"}),
+                               "bwd_filter": frozenset({"algo_0", "algo_3"})}
+
+
+def is_nondeterministic(row, direction: str) -> bool:
+    """Whether a measurement row (``algo``, ``note``) of a kernel of ``direction`` (``"fwd"``,
+    ``"bwd_data"``, ``"bwd_filter"``) may give other bits on another run."""
+    if api_of(row.algo) is Api.GRAPH:
+        return not row.note.startswith(_NOTES_LABEL) or "nondeterministic" in numerical_notes(row.note)
+    return row.algo in NONDETERMINISTIC_ALGORITHMS[str(getattr(direction, "value", direction))]

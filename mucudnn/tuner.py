@@ -28,7 +28,7 @@ from typing import Sequence
 
 from . import store as store_mod
 from .bench import Environment, current_environment, gpu_available
-from .engines import api_of, is_transform_based, select_apis
+from .engines import api_of, is_nondeterministic, is_transform_based, select_apis
 from .errors import MissingMeasurementsError, MucudnnError, ReadOnlyStoreError, UnwritableError
 from .measurement import Measurement
 from .optimizer import Policy, best_plan, candidate_sizes, fit_sizes, pareto_plans, solve_budget
@@ -351,13 +351,17 @@ def _missing_message(missing: list[tuple[ConvProblem, list[int]]], kernels: int,
 def optimize(source, workspace_limit=None, total_workspace=None,
              policy: Policy | str = Policy.POWER_OF_TWO, store=None,
              env: Environment | None = None, exclude: Sequence[str] = (),
-             precise: bool = False, api: str = "both", borrow_output: bool = False) -> Plan:
+             precise: bool = False, api: str = "both", borrow_output: bool = False,
+             deterministic: bool = False) -> Plan:
     """A plan for every kernel of ``source``.
 
     Exactly one of ``workspace_limit`` (WR: each kernel within this many bytes) and
     ``total_workspace`` (WD: all kernels' workspaces together within this budget) is given; sizes
     may be strings like ``"64MiB"``. Algorithms and engine configurations named in ``exclude`` are
-    never used; ``precise`` also excludes the transform-based ones (:func:`is_transform_based`).
+    never used; ``precise`` also excludes the transform-based ones (:func:`is_transform_based`),
+    ``deterministic`` the non-deterministic ones (:func:`is_nondeterministic`: a caller that chose
+    a deterministic algorithm or engine, as ``torch.backends.cudnn.deterministic`` makes PyTorch
+    do, runs only plans without them).
     ``api`` limits the pieces to one cuDNN API: ``"legacy"`` for plans the shim runs on the legacy
     path, ``"graph"``, or ``"both"`` (every stored row). ``borrow_output`` (WR only) lets forward
     and backward-data pieces over the limit use the part of their output that later pieces will
@@ -373,14 +377,15 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     kernels = as_kernels(source)
     banned = set(exclude)
 
-    def usable(row: Measurement) -> bool:
-        return row.algo not in banned and not (precise and is_transform_based(row))
+    def usable(row: Measurement, direction) -> bool:
+        return (row.algo not in banned and not (precise and is_transform_based(row))
+                and not (deterministic and is_nondeterministic(row, direction)))
 
     rows, missing = {}, []
     with _measurements_source(store, env) as (st, env):
         for p, _ in kernels:
             found, lacking = _rows_and_missing(st, env, p, policy, api)
-            rows[(p.key, p.n)] = [m for m in found if usable(m)]
+            rows[(p.key, p.n)] = [m for m in found if usable(m, p.direction)]
             if lacking:
                 missing.append((p, lacking))
         source = _source_comment(st, env)

@@ -626,3 +626,31 @@ def test_borrow_output_plans_faster_within_the_same_limit(store, tmp_path):
 def test_borrow_output_needs_a_limit_per_kernel(store):
     with pytest.raises(MucudnnError, match="borrow_output works with a workspace limit per kernel"):
         tuner.optimize(KERNELS, total_workspace=1 << 20, store=store, env=ENV, borrow_output=True)
+
+
+# -- deterministic plans ---------------------------------------------------------------------------
+
+def test_deterministic_plans_have_no_nondeterministic_piece(mixed_store):
+    """The shim runs a plan for a caller that chose a deterministic algorithm or engine only if
+    every piece is deterministic: `tune --deterministic` makes such plans."""
+    def used(kernel, limit, **options):
+        return algorithms_used(tuner.optimize([kernel], workspace_limit=limit, store=mixed_store,
+                                              env=ENV, **options))
+
+    assert "eng7" in used(FWD, 1 << 30)  # the fastest engine is noted non-deterministic
+    assert "eng7" not in used(FWD, 1 << 30, deterministic=True)
+    assert used(BWD_DATA, 0) == {"algo_0"}  # the only workspace-free backward-data algorithm
+    with pytest.raises(MucudnnError, match="no plan within the workspace limit of 0 bytes"):
+        used(BWD_DATA, 0, deterministic=True)
+    assert used(BWD_DATA, 64, deterministic=True) == {"algo_1"}
+
+
+def test_what_counts_as_nondeterministic():
+    from mucudnn.engines import is_nondeterministic
+    row = lambda algo, note="": Measurement("k", 1, algo, MathType.FMA, 1.0, 0, note=note)  # noqa: E731
+    assert is_nondeterministic(row("algo_0"), "bwd_filter") and is_nondeterministic(row("algo_3"), "bwd_filter")
+    assert is_nondeterministic(row("algo_0"), Direction.BACKWARD_DATA)
+    assert not is_nondeterministic(row("algo_1"), "bwd_filter") and not is_nondeterministic(row("gemm"), "fwd")
+    assert is_nondeterministic(row("eng7", format_numerical_notes(["nondeterministic"])), "fwd")
+    assert not is_nondeterministic(row("eng0", format_numerical_notes([])), "fwd")
+    assert is_nondeterministic(row("eng0", "cudnnBackendFinalize failed"), "fwd")  # notes unknown
