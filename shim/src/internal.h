@@ -134,6 +134,8 @@ const mu_real_table *mu_real(void);
 /* True (and logs an error) when a real function is missing; its wrapper then returns
  * CUDNN_STATUS_NOT_INITIALIZED. Usage: if (MU_REAL_MISSING(cudnnX)) return ...; */
 bool mu_real_missing(const void *function, const char *name);
+/* cudnnGetErrorString through the real table, safe before init. */
+const char *mu_status_text(cudnnStatus_t status);
 #define MU_REAL_MISSING(name) mu_real_missing((const void *)mu_real()->name, #name)
 
 /* Thread-local recursion guard: mu_guard_enter() is false when this thread is already inside
@@ -278,6 +280,9 @@ typedef struct {
 } mu_state;
 
 const mu_state *mu_config(void);
+/* Before cudnnDestroy (intercept_legacy.c): drops every CUDA graph and graph-API piece plan made
+ * with the handle (a later handle may get its address). */
+void mu_forget_handle(cudnnHandle_t handle);
 
 /* ---- record.c: kernels seen, the record file, the exit summary ---------------------------- */
 
@@ -321,20 +326,24 @@ typedef struct {
 cudnnStatus_t mu_convolution(const mu_conv_call *call);
 /* The same for a caller already inside the recursion guard (the graph API's executions). */
 cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
-/* The graph-API pieces of `entry` for a legacy call (graph_pieces.c): execution plans built from
+/* ---- graph_pieces.c: graph-API pieces as exec.c runs them (the rest is in graph.h) ---------- */
+
+/* The graph-API pieces of `entry` for a legacy call: execution plans built from
  * the call's descriptors on first use. NULL, with the reason in *why, when they cannot be; else
  * held for the caller until mu_g_pieces_release. */
 const struct mu_g_planned *mu_g_pieces_for_legacy(mu_plan_entry *entry, const mu_kernel *k,
                                                   const mu_conv_call *call, const char **why);
 /* Gives back what mu_g_pieces_for_legacy returned, once its pieces have run. */
 void mu_g_pieces_release(const struct mu_g_planned *planned);
+/* Destroys the legacy calls' piece plans built with the handle. */
+void mu_g_legacy_forget_handle(cudnnHandle_t handle);
 /* Whether every piece of the entry gives the same bits on every run (legacy pieces by their
  * algorithm, graph-API pieces by their engine's notes, known once built in planned; NULL:
  * none built, so graph-API pieces count as non-deterministic). */
 bool mu_g_plan_deterministic(const mu_plan_entry *entry, const struct mu_g_planned *planned);
-/* The CUDA graphs of a planned execution plan's pieces (graph_pieces.c). */
+/* The CUDA graphs of a planned execution plan's pieces. */
 mu_graph_owner *mu_g_graphs_of(const struct mu_g_planned *planned);
-/* Runs graph-API piece `index` of a planned execution plan on these slices (intercept_graph.c). */
+/* Runs graph-API piece `index` of a planned execution plan on these slices. */
 cudnnStatus_t mu_g_run_engine_piece(const struct mu_g_planned *planned, cudnnHandle_t handle, int index,
                                     void *x, void *w, void *y, void *workspace);
 /* The workspace graph-API piece `index` needs (0 if there is no such piece). */
@@ -368,6 +377,8 @@ cudnnStatus_t mu_run_captured(const mu_plan_entry *entry, mu_graph_owner *owner,
                               const mu_capture_key *key, mu_pieces_fn run, void *context);
 /* Destroys the owner's graphs (their launches already made complete first, as CUDA does). */
 void mu_graphs_release(mu_graph_owner *owner);
+/* Destroys every graph captured with the handle, whatever its owner. */
+void mu_graphs_forget_handle(cudnnHandle_t handle);
 
 /* ---- query.c: algorithm queries, workspace sizes, the workspace limit ---------------------- */
 
@@ -425,16 +436,5 @@ cudnnStatus_t mu_workspace_of(cudnnHandle_t handle, const mu_conv_descs *descs, 
  * undivided within bytes (and deterministic, when asked); -1 if none. */
 int mu_first_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic);
 
-/* ---- handles (intercept_legacy.c's cudnnDestroy) ----------------------------------------- */
-
-/* Drops every CUDA graph (capture.c) and graph-API piece plan (graph_pieces.c) made with handle. */
-void mu_forget_handle(cudnnHandle_t handle);
-void mu_graphs_forget_handle(cudnnHandle_t handle);
-void mu_g_legacy_forget_handle(cudnnHandle_t handle);
-
-/* ---- shared helpers ------------------------------------------------------------------------ */
-
-/* cudnnGetErrorString through the real table, safe before init. */
-const char *mu_status_text(cudnnStatus_t status);
 
 #endif /* MUCUDNN_INTERNAL_H */
