@@ -204,6 +204,19 @@ def test_the_readers_agree_on_the_examples(plan_driver):
     assert accepted == len([p for p in paths if not p.name.startswith("invalid_")])
 
 
+def test_both_readers_accept_the_shared_key_examples(plan_driver, tmp_path):
+    """Every key of tests/data/keys.txt (what Python and the shim build) reads in a plan."""
+    keys = [line.split(" => ")[1] for line in (HERE / "data" / "keys.txt").read_text().splitlines()
+            if " => " in line and not line.startswith("#") and not line.endswith(" => -")]
+    path = tmp_path / "keys.plan"
+    path.write_text("mucudnn-plan 1\ngpu g\ncudnn 1\nstrategy wr\nlimit 0\npolicy all\n" + "".join(
+        f"kernel {key} 2 0 0 2:{'gemm' if key.startswith('dir=fwd') else 'algo_0'}:fma\n"
+        for key in keys))
+    python = dump_python(path)
+    assert dump_c(plan_driver, [path])[str(path)] == python
+    assert python[0] == "accept" and len(python) == 6 + len(keys) > 6
+
+
 def test_the_readers_agree_on_seeded_mutants(plan_driver, tmp_path):
     cases = mutants(MUTANTS, SEED)
     accepted, differences = 0, []

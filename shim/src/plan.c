@@ -19,6 +19,7 @@
 
 /* The largest plan file read (docs/plan-format.md; mucudnn.plan.MAX_PLAN_BYTES). */
 #define MU_PLAN_MAX_BYTES (64 << 20)
+_Static_assert(SIZE_MAX >= UINT64_MAX, "WORKSPACE is read as a uint64 into a size_t");
 
 enum { HEADER_GPU, HEADER_CUDNN, HEADER_STRATEGY, HEADER_LIMIT, HEADER_POLICY, HEADER_COUNT };
 static const char *const header_names[HEADER_COUNT] = {"gpu", "cudnn", "strategy", "limit", "policy"};
