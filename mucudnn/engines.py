@@ -28,8 +28,10 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1  # knob types are a C enum
 MAX_KNOBS = 16  # MU_MAX_KNOBS in shim/src/internal.h
 
-_NUMBER = r"(?:0|[1-9][0-9]*)"
-_NAME = re.compile(rf"eng({_NUMBER})((?:\.k{_NUMBER}=(?:0|-?[1-9][0-9]*))*)")
+# At most 19 digits: every int64 fits, and int() is never asked for a number past its digit limit
+# (ValueError); the ranges themselves are EngineConfig's.
+_NUMBER = r"(?:0|[1-9][0-9]{0,18})"
+_NAME = re.compile(rf"eng({_NUMBER})((?:\.k{_NUMBER}=(?:0|-?[1-9][0-9]{{0,18}}))*)")
 _KNOB = re.compile(r"\.k([0-9]+)=(-?[0-9]+)")
 
 

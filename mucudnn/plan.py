@@ -10,6 +10,8 @@ import dataclasses
 import io
 import math as _math
 import os
+import re
+import stat
 from pathlib import Path
 from typing import Iterable
 
@@ -149,25 +151,84 @@ def write_plan(plan: Plan, path: str | os.PathLike) -> None:
 
 # -- reading -------------------------------------------------------------------------------------
 
+#: The largest plan file either reader takes (docs/plan-format.md; MU_PLAN_MAX_BYTES in plan.c).
+MAX_PLAN_BYTES = 64 << 20
+INT32_MAX = (1 << 31) - 1
+UINT64_MAX = (1 << 64) - 1
+
+_INTEGER = re.compile(r"0|[1-9][0-9]*")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_BLANKS = re.compile(r"[ \t]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
 def read_plan(path: str | os.PathLike) -> Plan:
+    """Read and check a plan file; :class:`PlanError` (``PATH:LINE: what``) says why not."""
+    data = _read_regular_file(path, MAX_PLAN_BYTES, "plan file")
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError(f"{path}: cannot read plan file: {exc}") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PlanError(f"{path}:{line}: not UTF-8 (byte 0x{data[exc.start]:02x})") from None
     return read_plan_text(text, source=str(path))
+
+
+def _read_regular_file(path: str | os.PathLike, limit: int, what: str) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes. Opened without blocking, so a FIFO
+    is refused instead of waiting for a writer (and a device such as /dev/zero is never read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PlanError(f"{path}:0: cannot open {what}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise PlanError(f"{path}:0: {what} is not a regular file")
+        if info.st_size > limit:
+            raise PlanError(f"{path}:0: {what} is larger than {limit} bytes")
+        chunks, size = [], 0
+        while size <= limit:  # the file may grow after fstat
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise PlanError(f"{path}:0: {what} is larger than {limit} bytes")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise PlanError(f"{path}:0: cannot read {what}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _check_characters(line: str, where: str) -> None:
+    """No control character but tab; UTF-8 encodable (docs/plan-format.md)."""
+    bad = _CONTROL.search(line)
+    if bad is not None:
+        char = bad.group()
+        what = ("a carriage return (lines end with \\n alone)" if char == "\r"
+                else f"control character U+{ord(char):04X}")
+        raise PlanError(f"{where}: {what}")
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PlanError(f"{where}: not UTF-8 (a lone surrogate)") from None
 
 
 def read_plan_text(text: str, source: str = "<plan>") -> Plan:
     header: dict[str, str | int] = {}
     plan: Plan | None = None
     seen_magic = False
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
+    for lineno, raw in enumerate(text.split("\n"), 1):
+        where = f"{source}:{lineno}"
+        _check_characters(raw, where)
+        line = raw.strip(" \t")
         if not line or line.startswith("#"):
             continue
-        where = f"{source}:{lineno}"
-        word, rest = (line.split(None, 1) + [""])[:2]
-        rest = rest.strip()
+        word, rest = (_BLANKS.split(line, 1) + [""])[:2]
+        if word != "gpu" and not line.isascii():
+            raise PlanError(f"{where}: non-ASCII character outside a comment or the gpu value")
         if not seen_magic:
             if word != MAGIC:
                 raise PlanError(f"{where}: not a mucudnn plan file (first record must be "
@@ -194,8 +255,9 @@ def read_plan_text(text: str, source: str = "<plan>") -> Plan:
         else:
             raise PlanError(f"{where}: unknown record '{word}'")
     if not seen_magic:
-        raise PlanError(f"{source}: empty plan file (first record must be '{MAGIC} {FORMAT_VERSION}')")
-    return plan if plan is not None else _plan_from_header(header, f"{source}:end")
+        raise PlanError(f"{source}:0: empty plan file (first record must be "
+                        f"'{MAGIC} {FORMAT_VERSION}')")
+    return plan if plan is not None else _plan_from_header(header, f"{source}:{lineno}")
 
 
 def _header_value(word: str, text: str, where: str) -> str | int:
@@ -205,9 +267,9 @@ def _header_value(word: str, text: str, where: str) -> str | int:
     if word == "policy" and text not in POLICIES:
         raise PlanError(f"{where}: policy {text!r} is not one of {', '.join(POLICIES)}")
     if word == "cudnn":
-        return _int(text, "cudnn", where, 1)
+        return _int(text, "cudnn", where, 1, INT32_MAX)
     if word == "limit":
-        return _int(text, "limit", where, 0)
+        return _int(text, "limit", where, 0, UINT64_MAX)
     return text
 
 
@@ -218,14 +280,17 @@ def _plan_from_header(header: dict[str, str | int], where: str) -> Plan:
     return Plan(**header)
 
 
-def _int(text: str, what: str, where: str, minimum: int) -> int:
-    if not text.isdigit() or int(text) < minimum:
-        raise PlanError(f"{where}: {what} {text!r} is not an integer >= {minimum}")
+def _int(text: str, what: str, where: str, minimum: int, maximum: int = INT32_MAX) -> int:
+    """An integer of the plan grammar: ASCII digits, canonical, within [minimum, maximum]."""
+    # The length test keeps int() off numbers past its digit limit (and off needless work).
+    if (len(text) > len(str(maximum)) or not _INTEGER.fullmatch(text)
+            or not minimum <= int(text) <= maximum):
+        raise PlanError(f"{where}: {what} {text!r} is not an integer in {minimum}..{maximum}")
     return int(text)
 
 
 def _parse_kernel(rest: str, where: str) -> PlanEntry:
-    fields = rest.split()
+    fields = _BLANKS.split(rest) if rest else []
     if len(fields) < 5:
         raise PlanError(f"{where}: kernel line needs KEY N WORKSPACE TIME PIECE..., got "
                         f"{len(fields)} field(s)")
@@ -235,13 +300,10 @@ def _parse_kernel(rest: str, where: str) -> PlanEntry:
     except KeyFormatError as exc:
         raise PlanError(f"{where}: {exc}") from None
     n = _int(n_text, "N", where, 1)
-    workspace = _int(ws_text, "workspace", where, 0)
-    try:
-        time_ms = float(time_text)
-    except ValueError:
-        time_ms = -1.0
-    if not (time_ms >= 0 and _math.isfinite(time_ms)):
-        raise PlanError(f"{where}: time {time_text!r} is not a number >= 0")
+    workspace = _int(ws_text, "workspace", where, 0, UINT64_MAX)
+    time_ms = float(time_text) if _DECIMAL.fullmatch(time_text) else _math.nan
+    if not _math.isfinite(time_ms):
+        raise PlanError(f"{where}: time {time_text!r} is not a finite decimal number >= 0")
     pieces = tuple(_parse_piece(t, problem, where) for t in piece_texts)
     total = sum(p.batch for p in pieces)
     if total != n:
@@ -315,7 +377,7 @@ def _read_records(paths: Iterable[str | os.PathLike]) -> list[tuple[ConvProblem,
             if fields[0] == "calls" and len(fields) == 4:
                 n = _int(fields[2], "N", where, 1)
                 key = (fields[1], n)
-                calls[key] = calls.get(key, 0) + _int(fields[3], "calls", where, 0)
+                calls[key] = calls.get(key, 0) + _int(fields[3], "calls", where, 0, UINT64_MAX)
                 continue
             if len(fields) != 3 or fields[0] != "kernel":
                 raise PlanError(f"{where}: expected 'kernel KEY N' or 'calls KEY N COUNT', "

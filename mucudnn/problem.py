@@ -89,6 +89,9 @@ def _join(values: Iterable[int]) -> str:
     return "x".join(str(int(v)) for v in values)
 
 
+#: The largest integer a key holds (cuDNN's descriptors take int; docs/kernel-key.md).
+KEY_INT_MAX = (1 << 31) - 1
+
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "direction": Direction, "dtype": DataType, "compute_type": DataType, "math": MathType,
     "layout": Layout, "mode": ConvMode,
@@ -236,9 +239,9 @@ class ConvProblem:
             except ValueError:
                 values = ()
             # Only the canonical form: int() also takes '+4', '1_0', '04', which the shim never
-            # writes and which would re-serialise to another key.
-            if [str(v) for v in values] != texts:
-                raise fail(name, "is not x-joined integers")
+            # writes and which would re-serialise to another key. cuDNN takes int: at most INT32_MAX.
+            if [str(v) for v in values] != texts or any(v > KEY_INT_MAX for v in values):
+                raise fail(name, f"is not x-joined integers (canonical, at most {KEY_INT_MAX})")
             return values
 
         def one_int(name: str) -> int:

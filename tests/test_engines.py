@@ -101,3 +101,15 @@ def test_numerical_notes_round_trip_through_a_note():
     assert numerical_notes(format_numerical_notes([])) == frozenset()
     assert numerical_notes("CUDNN_STATUS_NOT_SUPPORTED") == frozenset()
     assert "winograd_tile_4x4" in TRANSFORM_NOTES and "tensor_core" not in TRANSFORM_NOTES
+
+
+@pytest.mark.parametrize("name", [
+    "eng" + "9" * 5000,                       # past int()'s digit limit: was a bare ValueError
+    "eng1.k" + "9" * 5000 + "=1",
+    "eng1.k1=" + "9" * 5000, "eng1.k1=-" + "9" * 5000,
+    "eng" + "1" * 20, "eng1.k1=" + "1" * 20,  # 20 digits: past int64 whatever they are
+    "eng²", "eng1.k1=١",                      # digits, to str.isdigit, but not ASCII ones
+])
+def test_overlong_or_non_ascii_numbers_are_an_engine_name_error(name):
+    with pytest.raises(EngineNameError, match="engine name"):
+        parse_engine_name(name)

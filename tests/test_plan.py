@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,7 +253,7 @@ def test_malformed_engine_pieces_are_refused_on_their_line(piece, reason):
 
 
 def expected_error_line(path: Path) -> str:
-    """The ``# expect-error-line: N`` header: a line number, or '-' for the whole file."""
+    """The ``# expect-error-line: N`` header: a line number, or '-' for the whole file (line 0)."""
     first = path.read_text(encoding="utf-8").splitlines()[0]
     match = re.fullmatch(r"#\s*expect-error-line:\s*(\d+|-)\s*", first)
     assert match, f"{path.name}: first line must be '# expect-error-line: N', got {first!r}"
@@ -264,9 +266,8 @@ def test_invalid_examples_name_the_file_and_line(path):
     with pytest.raises(PlanError) as exc:
         read_plan(path)
     message = str(exc.value)
-    if line == "-":
-        assert message.startswith(f"{path}:")
-        assert not re.match(rf"{re.escape(str(path))}:\d+:", message)
+    if line == "-":  # about the whole file: line 0, as the shim says it
+        assert message.startswith(f"{path}:0:"), message
     else:
         assert message.startswith(f"{path}:{line}:"), message
     assert "\n" not in message
@@ -410,3 +411,91 @@ def test_only_forward_and_backward_data_pieces_borrow():
         read_plan(PLAN_DIR / "invalid_borrow_bwd_filter.plan")
     with pytest.raises(PlanError, match=r"is not B:ALGO:MATH or B:ALGO:MATH:out"):
         read_plan(PLAN_DIR / "invalid_piece_suffix.plan")
+
+
+# -- the exact grammar (docs/plan-format.md): every refusal is a PlanError on its line ------------
+
+GOOD_HEADER = "mucudnn-plan 1\ngpu g\ncudnn 1\nstrategy wr\nlimit 0\npolicy all\n"
+
+
+def kernel_text(n="8", workspace="0", time="0", piece="8:gemm:fma", key=None) -> str:
+    return GOOD_HEADER + f"kernel {key or problem().key} {n} {workspace} {time} {piece}\n"
+
+
+@pytest.mark.parametrize("text, line", [
+    (GOOD_HEADER.replace("cudnn 1", "cudnn ²"), 3),             # str.isdigit, int() refuses it
+    (GOOD_HEADER.replace("cudnn 1", "cudnn ١"), 3),             # an Arabic-Indic digit
+    (GOOD_HEADER.replace("limit 0", "limit " + "9" * 5000), 5),  # past int()'s digit limit
+    (GOOD_HEADER.replace("limit 0", f"limit {1 << 64}"), 5),
+    (GOOD_HEADER.replace("cudnn 1", "cudnn 0"), 3),
+    (GOOD_HEADER.replace("cudnn 1", "cudnn 01"), 3),
+    (kernel_text(n=str(1 << 31), piece=f"{1 << 31}:gemm:fma"), 7),
+    (kernel_text(workspace=str(1 << 64)), 7),
+    (kernel_text(time="0x10"), 7), (kernel_text(time="1_0"), 7), (kernel_text(time="inf"), 7),
+    (kernel_text(time=".5"), 7), (kernel_text(time="1e309"), 7), (kernel_text(time="٣"), 7),
+    (kernel_text(piece="8:eng" + "9" * 5000 + ":fma"), 7),
+    (kernel_text(key=problem().key.replace("c=64", "c=" + "6" * 5000)), 7),
+    (kernel_text(key=problem().key.replace("in=56x56", f"in=56x{1 << 31}")), 7),
+    (GOOD_HEADER.replace("\n", "\r\n"), 1),                      # CRLF: \r is refused
+    (GOOD_HEADER + "\x00kernel\n", 7),                           # NUL: not the end of the file
+    (GOOD_HEADER.replace("policy all", "policy\u00a0all"), 6),   # NBSP is not a blank
+    (GOOD_HEADER.replace("policy all", "policy all\u00a0"), 6),
+    (kernel_text().replace(" 8 0 0", "\u00a08 0 0"), 7),
+    (GOOD_HEADER.replace("limit 0", "limit 0\x0b"), 5),          # VT, FF: controls, not line ends
+    (GOOD_HEADER.replace("limit 0\n", "limit 0\x0c"), 5),
+    (GOOD_HEADER.replace("limit 0\n", "limit 0\x1c"), 5),
+    (GOOD_HEADER.replace("limit 0\n", "limit 0\u2028"), 5),
+])
+def test_what_the_grammar_refuses_is_a_plan_error_on_its_line(tmp_path, text, line):
+    path = tmp_path / "p.plan"
+    path.write_text(text, encoding="utf-8", newline="")
+    with pytest.raises(PlanError) as exc:
+        read_plan(path)
+    assert str(exc.value).startswith(f"{path}:{line}: "), str(exc.value)
+
+
+def test_the_grammar_accepts_its_edge_values():
+    text = GOOD_HEADER.replace("limit 0", f"limit {(1 << 64) - 1}").replace(
+        "cudnn 1", f"cudnn {(1 << 31) - 1}").replace("gpu g", "gpu Gérard's  GPU") \
+        + "# é, \u00a0 and \u2028 are fine in a comment\n" \
+        + f"kernel {problem().key} 8 {(1 << 64) - 1} 1.5E+2 8:gemm:fma"  # no final newline
+    plan = read_plan_text(text)
+    assert (plan.limit, plan.cudnn, plan.gpu) == ((1 << 64) - 1, (1 << 31) - 1, "Gérard's  GPU")
+    (entry,) = plan
+    assert (entry.workspace, entry.time_ms) == ((1 << 64) - 1, 150.0)
+
+
+def test_invalid_utf8_is_named_on_its_line(tmp_path):
+    path = tmp_path / "p.plan"
+    path.write_bytes(GOOD_HEADER.encode() + b"# \xed\xa0\x80 (a surrogate)\n")
+    with pytest.raises(PlanError, match=rf"^{re.escape(str(path))}:7: not UTF-8"):
+        read_plan(path)
+
+
+def _read_in_child(path: Path) -> subprocess.CompletedProcess:
+    """read_plan(path) in a child process under a timeout: a hang fails the test, not the run."""
+    code = ("import sys\nfrom mucudnn.plan import read_plan\nfrom mucudnn.errors import PlanError\n"
+            "try:\n    read_plan(sys.argv[1])\nexcept PlanError as exc:\n    print(exc)\n")
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    result = _read_in_child(fifo)
+    assert result.stdout == f"{fifo}:0: plan file is not a regular file\n", result.stderr
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "/"])
+def test_devices_and_directories_are_refused_before_reading(path):
+    result = _read_in_child(Path(path))
+    assert result.stdout == f"{path}:0: plan file is not a regular file\n", result.stderr
+
+
+def test_a_plan_over_the_maximum_size_is_refused(tmp_path):
+    path = tmp_path / "big.plan"
+    with open(path, "wb") as f:
+        f.truncate(plan_mod.MAX_PLAN_BYTES + 1)
+    with pytest.raises(PlanError, match=rf"^{re.escape(str(path))}:0: .*larger than 67108864 bytes"):
+        read_plan(path)

@@ -229,30 +229,69 @@ const char *mu_kernel_from_descs(const mu_conv_descs *descs, mu_kernel *kernel) 
     return NULL;
 }
 
+/* The key grammar of docs/kernel-key.md, exactly as mucudnn.problem.ConvProblem.from_key checks
+ * it: names and order, enumerated values, canonical integers in 0..INT32_MAX, dims, ranges, groups
+ * and a non-empty output. */
 const char *mu_key_check(const char *key, mu_direction *dir) {
-    static const char *const fields[] = {"dir", "dt",  "ct",  "math",   "layout", "c",   "in",
-                                         "k",   "f",   "pad", "stride", "dil",    "g",   "mode"};
+    enum { DIR, DT, CT, MATH, LAYOUT, C, IN, K, F, PAD, STRIDE, DIL, G, MODE, FIELDS };
+    static const char *const names[FIELDS] = {"dir", "dt",  "ct",  "math",   "layout", "c",   "in",
+                                              "k",   "f",   "pad", "stride", "dil",    "g",   "mode"};
+    /* Each enumerated field's values, blank-separated; NULL for the integer fields. */
+    static const char *const choices[FIELDS] = {
+        [DIR] = "fwd bwd_data bwd_filter", [DT] = "f32 f64 f16 bf16", [CT] = "f32 f64 f16 bf16",
+        [MATH] = "default tensor_op tensor_op_conv fma", [LAYOUT] = "nchw nhwc", [MODE] = "xcorr conv"};
+    long long values[FIELDS][3];
+    int counts[FIELDS] = {0};
     const char *p = key;
-    for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
-        size_t name_length = strlen(fields[i]);
-        if (strncmp(p, fields[i], name_length) != 0 || p[name_length] != '=')
+    for (int i = 0; i < FIELDS; i++) {
+        size_t name_length = strlen(names[i]);
+        if (strncmp(p, names[i], name_length) != 0 || p[name_length] != '=')
             return "kernel key fields must be dir,dt,ct,math,layout,c,in,k,f,pad,stride,dil,g,mode";
         const char *value = p + name_length + 1;
         size_t value_length = strcspn(value, ",");
         if (value_length == 0) return "empty field in kernel key";
-        if (i == 0) {
-            int found = -1;
-            for (int d = 0; d < 3; d++)
-                if (strlen(direction_names[d]) == value_length &&
-                    strncmp(value, direction_names[d], value_length) == 0)
-                    found = d;
-            if (found < 0) return "kernel key dir must be fwd, bwd_data or bwd_filter";
-            *dir = (mu_direction)found;
+        if (choices[i] != NULL) {
+            int found = -1, index = 0;
+            for (const char *c = choices[i]; *c; index++) {
+                size_t length = strcspn(c, " ");
+                if (length == value_length && strncmp(c, value, length) == 0) found = index;
+                c += length + (c[length] == ' ');
+            }
+            if (found < 0) return "kernel key field value is not one of its names";
+            if (i == DIR) *dir = (mu_direction)found;
+        } else { /* "0" or [1-9][0-9]*, x-joined, each at most INT32_MAX */
+            for (const char *s = value; s <= value + value_length; s++) {
+                if (counts[i] == 3) return "kernel key field has more than 3 values";
+                if (*s < '0' || *s > '9' || (s[0] == '0' && s[1] >= '0' && s[1] <= '9'))
+                    return "kernel key field is not x-joined canonical integers";
+                long long number = 0;
+                for (; *s >= '0' && *s <= '9'; s++)
+                    if ((number = number * 10 + (*s - '0')) > 0x7fffffff)
+                        return "kernel key integer is over 2147483647";
+                values[i][counts[i]++] = number;
+                if (s != value + value_length && *s != 'x')
+                    return "kernel key field is not x-joined canonical integers";
+            }
         }
         p = value + value_length;
-        bool last = i + 1 == sizeof fields / sizeof *fields;
+        bool last = i + 1 == FIELDS;
         if (last ? *p != '\0' : *p != ',') return "kernel key must have exactly 14 fields";
         p += !last;
+    }
+    if (counts[C] != 1 || counts[K] != 1 || counts[G] != 1) return "kernel key c, k and g are one integer each";
+    int d = counts[IN];
+    if (d != 2 && d != 3) return "kernel key in has 2 or 3 spatial dims";
+    if (counts[F] != d || counts[PAD] != d || counts[STRIDE] != d || counts[DIL] != d)
+        return "kernel key f, pad, stride and dil need one value per spatial dim";
+    if (values[C][0] < 1 || values[K][0] < 1 || values[G][0] < 1) return "kernel key c, k and g must be >= 1";
+    if (values[C][0] % values[G][0] != 0 || values[K][0] % values[G][0] != 0)
+        return "kernel key c and k must be multiples of g";
+    for (int j = 0; j < d; j++) {
+        if (values[IN][j] < 1 || values[F][j] < 1 || values[STRIDE][j] < 1 || values[DIL][j] < 1)
+            return "kernel key in, f, stride and dil must be >= 1";
+        /* Output size (in + 2 pad - dil (f - 1) - 1) / stride + 1 >= 1; each term < 2^62. */
+        if (values[IN][j] + 2 * values[PAD][j] - values[DIL][j] * (values[F][j] - 1) - 1 < 0)
+            return "kernel key geometry has an empty output";
     }
     return NULL;
 }

@@ -1,17 +1,25 @@
 /*
  * plan.c: a small hand-written parser of the plan file (docs/plan-format.md) and its lookup
  * table on (key, N). Any error makes the whole file invalid; the message names file and line.
+ * It accepts exactly what mucudnn/plan.py accepts (tests/test_plan_differential.py).
  */
-#include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <locale.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "internal.h"
+
+/* The largest plan file read (docs/plan-format.md; mucudnn.plan.MAX_PLAN_BYTES). */
+#define MU_PLAN_MAX_BYTES (64 << 20)
+_Static_assert(SIZE_MAX >= UINT64_MAX, "WORKSPACE is read as a uint64 into a size_t");
 
 enum { HEADER_GPU, HEADER_CUDNN, HEADER_STRATEGY, HEADER_LIMIT, HEADER_POLICY, HEADER_COUNT };
 static const char *const header_names[HEADER_COUNT] = {"gpu", "cudnn", "strategy", "limit", "policy"};
@@ -27,7 +35,9 @@ typedef struct {
     bool seen_kernel;
     mu_plan *plan;
     size_t entry_capacity;
-    int *entry_lines; /* line of each kernel record, for the duplicate message */
+    size_t *slots;    /* open-addressed (key, N) table of entry index + 1, 0 = free */
+    size_t slot_mask;
+    locale_t c_locale; /* TIME is read with '.' whatever the host process's LC_NUMERIC */
 } parser;
 
 MU_PRINTF(2, 3) static bool fail(parser *p, const char *fmt, ...) {
@@ -42,29 +52,48 @@ MU_PRINTF(2, 3) static bool fail(parser *p, const char *fmt, ...) {
     return false;
 }
 
-/* Decimal digits only (no sign, no blanks), within max. */
-static bool parse_unsigned(const char *text, unsigned long long max, unsigned long long *value) {
-    if (!isdigit((unsigned char)text[0])) return false;
-    errno = 0;
-    char *end;
-    unsigned long long number = strtoull(text, &end, 10);
-    if (errno == ERANGE || *end != '\0' || number > max) return false;
+/* An integer of the plan grammar: "0" or [1-9][0-9]*, ASCII, within [min, max]. */
+static bool parse_unsigned(const char *text, unsigned long long min, unsigned long long max,
+                           unsigned long long *value) {
+    if (text[0] < '0' || text[0] > '9' || (text[0] == '0' && text[1] != '\0')) return false;
+    unsigned long long number = 0;
+    for (const char *s = text; *s; s++) {
+        if (*s < '0' || *s > '9') return false;
+        unsigned digit = (unsigned)(*s - '0');
+        if (number > (max - digit) / 10) return false; /* number * 10 + digit > max */
+        number = number * 10 + digit;
+    }
+    if (number < min) return false;
     *value = number;
     return true;
 }
 
 static bool parse_positive_int(const char *text, int *value) {
     unsigned long long number;
-    if (!parse_unsigned(text, 0x7fffffff, &number) || number < 1) return false;
+    if (!parse_unsigned(text, 1, INT_MAX, &number)) return false;
     *value = (int)number;
     return true;
 }
 
-static bool parse_time(const char *text, double *value) {
-    if (!isdigit((unsigned char)text[0]) && text[0] != '.') return false;
+/* TIME: [0-9]+ ("." [0-9]+)? ([eE] [+-]? [0-9]+)?, finite, rounded to the nearest double. */
+static bool parse_time(const parser *p, const char *text, double *value) {
+    const char *s = text;
+    size_t digits = strspn(s, "0123456789");
+    if (digits == 0) return false;
+    s += digits;
+    if (*s == '.') {
+        if ((digits = strspn(s + 1, "0123456789")) == 0) return false;
+        s += 1 + digits;
+    }
+    if (*s == 'e' || *s == 'E') {
+        s += 1 + (s[1] == '+' || s[1] == '-');
+        if ((digits = strspn(s, "0123456789")) == 0) return false;
+        s += digits;
+    }
+    if (*s != '\0') return false;
     char *end;
-    double number = strtod(text, &end);
-    if (*end != '\0' || !isfinite(number) || number < 0) return false;
+    double number = p->c_locale != (locale_t)0 ? strtod_l(text, &end, p->c_locale) : strtod(text, &end);
+    if (*end != '\0' || !isfinite(number)) return false;
     *value = number;
     return true;
 }
@@ -100,8 +129,8 @@ static bool parse_header(parser *p, int header, const char *value) {
     switch (header) {
     case HEADER_GPU: plan->gpu = copy_string(value); break;
     case HEADER_CUDNN:
-        if (!parse_unsigned(value, 0x7fffffff, &number))
-            return fail(p, "cudnn version '%s' is not an integer", value);
+        if (!parse_unsigned(value, 1, INT_MAX, &number))
+            return fail(p, "cudnn version '%s' is not an integer in 1..%d", value, INT_MAX);
         plan->cudnn_version = (long)number;
         break;
     case HEADER_STRATEGY:
@@ -110,8 +139,10 @@ static bool parse_header(parser *p, int header, const char *value) {
         plan->strategy = copy_string(value);
         break;
     case HEADER_LIMIT:
-        if (!parse_unsigned(value, ~0ULL, &plan->limit))
-            return fail(p, "limit '%s' is not a byte count", value);
+        if (!parse_unsigned(value, 0, UINT64_MAX, &number))
+            return fail(p, "limit '%s' is not a byte count in 0..%llu", value,
+                        (unsigned long long)UINT64_MAX);
+        plan->limit = number;
         break;
     case HEADER_POLICY:
         if (strcmp(value, "undivided") != 0 && strcmp(value, "powerOfTwo") != 0 &&
@@ -137,7 +168,7 @@ static bool parse_piece(parser *p, mu_direction dir, char *text, mu_piece *piece
     *algo++ = '\0';
     *math++ = '\0';
     if (!parse_positive_int(text, &piece->batch))
-        return fail(p, "piece batch size '%s' is not an integer >= 1", text);
+        return fail(p, "piece batch size '%s' is not an integer in 1..%d", text, INT_MAX);
     piece->algo = mu_algo_from_name(dir, algo);
     piece->engine = NULL;
     if (piece->algo < 0 && strncmp(algo, "eng", 3) == 0) {
@@ -164,15 +195,43 @@ static mu_plan_entry *new_entry(parser *p) {
         mu_plan_entry *entries = realloc(plan->entries, capacity * sizeof *entries);
         if (entries == NULL) return NULL;
         plan->entries = entries;
-        int *lines = realloc(p->entry_lines, capacity * sizeof *lines);
-        if (lines == NULL) return NULL;
-        p->entry_lines = lines;
         p->entry_capacity = capacity;
     }
-    p->entry_lines[plan->entry_count] = p->line_number;
     mu_plan_entry *entry = &plan->entries[plan->entry_count++];
     memset(entry, 0, sizeof *entry);
     return entry;
+}
+
+static size_t plan_index(const parser *p, const mu_plan_entry *entry) {
+    return (size_t)(entry - p->plan->entries);
+}
+
+/* Refuses a (key, N) seen on an earlier line, on this line (as mucudnn/plan.py does). */
+static bool check_unique(parser *p, size_t index) {
+    mu_plan_entry *entries = p->plan->entries;
+    if (2 * (index + 1) > p->slot_mask) { /* keep the load at most 1/2: rebuild twice as large */
+        size_t size = p->slot_mask ? 2 * (p->slot_mask + 1) : 64;
+        size_t *slots = calloc(size, sizeof *slots);
+        if (slots == NULL) return fail(p, "out of memory");
+        free(p->slots);
+        p->slots = slots;
+        p->slot_mask = size - 1;
+        for (size_t i = 0; i < index; i++) {
+            size_t s = entries[i].hash & p->slot_mask;
+            while (slots[s] != 0) s = (s + 1) & p->slot_mask;
+            slots[s] = i + 1;
+        }
+    }
+    mu_plan_entry *entry = &entries[index];
+    entry->hash = mu_kernel_hash(entry->key, entry->n);
+    size_t s = entry->hash & p->slot_mask;
+    for (; p->slots[s] != 0; s = (s + 1) & p->slot_mask) {
+        const mu_plan_entry *other = &entries[p->slots[s] - 1];
+        if (other->hash == entry->hash && other->n == entry->n && strcmp(other->key, entry->key) == 0)
+            return fail(p, "duplicate kernel %s N=%d", entry->key, entry->n);
+    }
+    p->slots[s] = index + 1;
+    return true;
 }
 
 /* kernel KEY N WORKSPACE TIME PIECE [PIECE ...] */
@@ -188,11 +247,13 @@ static bool parse_kernel(parser *p, char *tokens[], int count) {
     int n;
     unsigned long long workspace;
     double time_ms;
-    if (!parse_positive_int(tokens[2], &n)) return fail(p, "N '%s' is not an integer >= 1", tokens[2]);
-    if (!parse_unsigned(tokens[3], (size_t)-1, &workspace))
-        return fail(p, "workspace '%s' is not a byte count", tokens[3]);
-    if (!parse_time(tokens[4], &time_ms))
-        return fail(p, "time '%s' is not a decimal number >= 0", tokens[4]);
+    if (!parse_positive_int(tokens[2], &n))
+        return fail(p, "N '%s' is not an integer in 1..%d", tokens[2], INT_MAX);
+    if (!parse_unsigned(tokens[3], 0, UINT64_MAX, &workspace))
+        return fail(p, "workspace '%s' is not a byte count in 0..%llu", tokens[3],
+                    (unsigned long long)UINT64_MAX);
+    if (!parse_time(p, tokens[4], &time_ms))
+        return fail(p, "time '%s' is not a finite decimal number >= 0", tokens[4]);
 
     mu_plan_entry *entry = new_entry(p);
     mu_piece *pieces = malloc((size_t)(count - 5) * sizeof *pieces);
@@ -213,20 +274,60 @@ static bool parse_kernel(parser *p, char *tokens[], int count) {
         entry->has_borrow_pieces |= pieces[i].borrow;
     }
     if (total != n) return fail(p, "pieces add up to %lld samples, not N = %d", total, n);
+    return check_unique(p, plan_index(p, entry));
+}
+
+static bool is_blank(char c) { return c == ' ' || c == '\t'; }
+
+/* Length of the well-formed UTF-8 sequence at s (n bytes left), 0 when there is none: no overlong
+ * form, no surrogate, nothing past U+10FFFF (what Python's decoder refuses). */
+static size_t utf8_length(const unsigned char *s, size_t n) {
+    if (s[0] < 0x80) return 1;
+    size_t length;
+    unsigned char low = 0x80, high = 0xbf; /* the range of the second byte */
+    if (s[0] >= 0xc2 && s[0] <= 0xdf) length = 2;
+    else if (s[0] >= 0xe0 && s[0] <= 0xef) {
+        length = 3;
+        if (s[0] == 0xe0) low = 0xa0;
+        if (s[0] == 0xed) high = 0x9f;
+    } else if (s[0] >= 0xf0 && s[0] <= 0xf4) {
+        length = 4;
+        if (s[0] == 0xf0) low = 0x90;
+        if (s[0] == 0xf4) high = 0x8f;
+    } else
+        return 0;
+    if (n < length || s[1] < low || s[1] > high) return 0;
+    for (size_t i = 2; i < length; i++)
+        if (s[i] < 0x80 || s[i] > 0xbf) return 0;
+    return length;
+}
+
+/* The characters of a line: no control character but tab. (UTF-8 is checked for the whole file
+ * first, as Python decodes it before it reads any line.) */
+static bool check_characters(parser *p, const char *line, size_t length) {
+    for (size_t i = 0; i < length; i++) {
+        unsigned char c = (unsigned char)line[i];
+        if (c == '\r') return fail(p, "a carriage return (lines end with \\n alone)");
+        if ((c < 0x20 && c != '\t') || c == 0x7f) return fail(p, "control character U+%04X", c);
+    }
     return true;
 }
 
 static bool parse_line(parser *p, char *line) {
     size_t length = strlen(line);
-    while (length > 0 && isspace((unsigned char)line[length - 1])) line[--length] = '\0';
+    while (length > 0 && is_blank(line[length - 1])) line[--length] = '\0';
     char *start = line;
-    while (*start == ' ' || *start == '\t') start++;
+    while (is_blank(*start)) start++;
     if (*start == '\0' || *start == '#') return true;
 
     /* The record name; a header's value is the rest of the line (a GPU name has blanks). */
     char *rest = start + strcspn(start, " \t");
     if (*rest) *rest++ = '\0';
-    while (*rest == ' ' || *rest == '\t') rest++;
+    while (is_blank(*rest)) rest++;
+    if (strcmp(start, "gpu") != 0)
+        for (const char *c = start; c < line + length; c++)
+            if ((unsigned char)*c >= 0x80)
+                return fail(p, "non-ASCII character outside a comment or the gpu value");
 
     if (!p->seen_version) {
         if (strcmp(start, "mucudnn-plan") != 0)
@@ -260,13 +361,8 @@ static bool build_table(parser *p) {
     plan->buckets = calloc(buckets, sizeof *plan->buckets);
     if (plan->buckets == NULL) return fail(p, "out of memory");
     plan->bucket_mask = buckets - 1;
-    for (size_t i = 0; i < plan->entry_count; i++) {
+    for (size_t i = 0; i < plan->entry_count; i++) { /* unique and hashed: check_unique */
         mu_plan_entry *entry = &plan->entries[i];
-        entry->hash = mu_kernel_hash(entry->key, entry->n);
-        if (mu_plan_find(plan, entry->key, entry->n, entry->hash) != NULL) {
-            p->line_number = p->entry_lines[i];
-            return fail(p, "duplicate kernel %s N=%d", entry->key, entry->n);
-        }
         mu_plan_entry **bucket = &plan->buckets[entry->hash & plan->bucket_mask];
         entry->next_in_bucket = *bucket;
         *bucket = entry;
@@ -274,29 +370,60 @@ static bool build_table(parser *p) {
     return true;
 }
 
-static char *read_file(const char *path, char *error, size_t error_size) {
-    FILE *file = fopen(path, "rb");
-    if (file == NULL) {
+/* Reads a regular file of at most MU_PLAN_MAX_BYTES. The open does not block (a FIFO without a
+ * writer would hang the host process), and what is not a regular file (FIFO, device such as
+ * /dev/zero, directory) is refused before anything is read. */
+static char *read_file(const char *path, size_t *size, char *error, size_t error_size) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
         snprintf(error, error_size, "%s:0: cannot open plan file: %s", path, strerror(errno));
         return NULL;
     }
-    size_t capacity = 1 << 16, length = 0;
-    char *text = malloc(capacity);
-    while (text != NULL) {
-        length += fread(text + length, 1, capacity - length - 1, file);
-        if (length < capacity - 1) break;
-        char *bigger = realloc(text, capacity *= 2);
-        if (bigger == NULL) free(text);
-        text = bigger;
+    struct stat info;
+    if (fstat(fd, &info) != 0) {
+        snprintf(error, error_size, "%s:0: cannot read plan file: %s", path, strerror(errno));
+        close(fd);
+        return NULL;
     }
-    bool read_error = ferror(file);
-    fclose(file);
-    if (text == NULL || read_error) {
+    if (!S_ISREG(info.st_mode) || info.st_size > MU_PLAN_MAX_BYTES) {
+        if (!S_ISREG(info.st_mode))
+            snprintf(error, error_size, "%s:0: plan file is not a regular file", path);
+        else
+            snprintf(error, error_size, "%s:0: plan file is larger than %d bytes", path, MU_PLAN_MAX_BYTES);
+        close(fd);
+        return NULL;
+    }
+    /* Read until end of file or one byte past the maximum (the file may grow after fstat). */
+    size_t capacity = info.st_size > 0 ? (size_t)info.st_size + 2 : (size_t)1 << 16;
+    size_t length = 0;
+    char *text = malloc(capacity);
+    bool read_error = false;
+    while (text != NULL && length <= MU_PLAN_MAX_BYTES) {
+        if (length + 1 == capacity) {
+            capacity = capacity * 2 > MU_PLAN_MAX_BYTES + 2 ? MU_PLAN_MAX_BYTES + 2 : capacity * 2;
+            char *bigger = realloc(text, capacity);
+            if (bigger == NULL) free(text);
+            text = bigger;
+            continue;
+        }
+        ssize_t got = read(fd, text + length, capacity - length - 1);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) {
+            read_error = got < 0;
+            break;
+        }
+        length += (size_t)got;
+    }
+    close(fd);
+    if (text == NULL || read_error || length > MU_PLAN_MAX_BYTES) {
+        if (text == NULL) snprintf(error, error_size, "%s:0: out of memory reading the plan file", path);
+        else if (read_error) snprintf(error, error_size, "%s:0: cannot read plan file", path);
+        else snprintf(error, error_size, "%s:0: plan file is larger than %d bytes", path, MU_PLAN_MAX_BYTES);
         free(text);
-        snprintf(error, error_size, "%s:0: cannot read plan file", path);
         return NULL;
     }
     text[length] = '\0';
+    *size = length;
     return text;
 }
 
@@ -317,7 +444,8 @@ static void free_plan(mu_plan *plan) {
 }
 
 mu_plan *mu_plan_load(const char *path, char *error, size_t error_size) {
-    char *text = read_file(path, error, error_size);
+    size_t size;
+    char *text = read_file(path, &size, error, error_size);
     if (text == NULL) return NULL;
     parser p = {.path = path, .error = error, .error_size = error_size};
     p.plan = calloc(1, sizeof *p.plan);
@@ -326,20 +454,36 @@ mu_plan *mu_plan_load(const char *path, char *error, size_t error_size) {
         snprintf(error, error_size, "%s:0: out of memory", path);
         return NULL;
     }
-    char *line = text;
-    while (line != NULL && *line != '\0' && !p.failed) { /* (no line after a final newline) */
-        char *newline = strchr(line, '\n');
-        if (newline) *newline = '\0';
+    p.c_locale = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0);
+    for (size_t i = 0; i < size && !p.failed;) {
+        size_t length = utf8_length((const unsigned char *)text + i, size - i);
+        if (length == 0) {
+            p.line_number = 1;
+            for (size_t j = 0; j < i; j++) p.line_number += text[j] == '\n';
+            fail(&p, "not UTF-8 (byte 0x%02x)", (unsigned char)text[i]);
+        }
+        i += length;
+    }
+    /* Lines are what lies between line feeds: a file ending in '\n' has an empty last line. */
+    for (char *line = text; line != NULL && !p.failed;) {
+        char *newline = memchr(line, '\n', size - (size_t)(line - text));
+        size_t length = newline ? (size_t)(newline - line) : size - (size_t)(line - text);
         p.line_number++;
+        if (!check_characters(&p, line, length)) break;
+        line[length] = '\0';
         parse_line(&p, line);
         line = newline ? newline + 1 : NULL;
     }
-    if (!p.failed && !p.seen_version) fail(&p, "empty plan file (expected 'mucudnn-plan 1')");
+    if (!p.failed && !p.seen_version) {
+        p.line_number = 0;
+        fail(&p, "empty plan file (expected 'mucudnn-plan 1')");
+    }
     for (int h = 0; h < HEADER_COUNT && !p.failed; h++)
         if (!p.seen_header[h]) fail(&p, "missing header record '%s'", header_names[h]);
     if (!p.failed) build_table(&p);
     free(text);
-    free(p.entry_lines);
+    free(p.slots);
+    if (p.c_locale != (locale_t)0) freelocale(p.c_locale);
     if (!p.failed && (p.plan->path = copy_string(path)) == NULL) fail(&p, "out of memory");
     if (p.failed) {
         free_plan(p.plan);
