@@ -198,8 +198,9 @@ const char *mu_algo_name(mu_direction dir, int algo);
 int mu_algo_from_name(mu_direction dir, const char *name);
 const char *mu_math_name(cudnnMathType_t math);
 int mu_math_from_name(const char *name);
-/* Packed element strides of dims (n, c, s1..sd) in NC(D)HW or, channels_last, N(D)HWC order. */
-void mu_packed_strides(int nb_dims, const int dims[], bool channels_last, long long strides[]);
+/* Packed element strides of dims (n, c, s1..sd) in NC(D)HW or, channels_last, N(D)HWC order.
+ * False when one exceeds 64 bits (it and those it depends on are then LLONG_MAX). */
+bool mu_packed_strides(int nb_dims, const int dims[], bool channels_last, long long strides[]);
 /* Whether a tensor is packed in that order; dimensions of size 1 do not decide. */
 bool mu_strides_packed(int nb_dims, const int dims[], const int strides[], bool channels_last);
 /* Bytes of one element, 0 for data types without a key. */
