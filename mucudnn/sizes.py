@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 
 from .errors import SizeError
 
@@ -11,29 +10,40 @@ _UNITS = {
     "": 1, "b": 1,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30,  # bare letters: binary, like most GPU tools
 }
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# docs/sizes.md; the shim's mu_parse_size (shim/src/options.c) reads the same grammar, and both are
+# checked against tests/data/sizes.txt. ASCII only: "٣MiB" is no size, whatever str.isdigit says.
+_BLANKS = "[ \t\n\r\f\v]*"
+_PATTERN = re.compile(f"{_BLANKS}([0-9]+)(?:\\.([0-9]+))?{_BLANKS}([A-Za-z]*){_BLANKS}")
+SIZE_MAX = (1 << 63) - 1
+_FORM = "use bytes or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB or TB, e.g. 64MiB"
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes for ``text``; :class:`SizeError` names the text and the accepted units."""
+    """Bytes for ``text`` (docs/sizes.md): a fraction is floored to whole bytes, 0 to 2**63 - 1.
+
+    :class:`SizeError` names the text and what was wrong with it.
+    """
     if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise SizeError(f"size {text} is negative")
+        if not 0 <= text <= SIZE_MAX:
+            raise SizeError(f"size {text} is out of range: 0 to 2^63-1 bytes")
         return text
-    match = _PATTERN.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise SizeError(
-            f"cannot read {text!r} as a size: use bytes or a number with KiB, MiB, GiB, TiB "
-            "(or KB, MB, GB, TB), e.g. 64MiB"
-        )
-    # Exact arithmetic: through a float, 4.1GB would be 4099999999.9999995 bytes.
-    value = Fraction(match.group(1)) * _UNITS[unit]
-    if value.denominator != 1:
-        raise SizeError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
+    match = _PATTERN.fullmatch(str(text))
+    if not match:
+        raise SizeError(f"cannot read {text!r} as a size: {_FORM}")
+    whole, fraction, unit = match.group(1), match.group(2) or "", match.group(3)
+    if unit.lower() not in _UNITS:
+        if unit.lower() in ("k", "m", "g", "t"):
+            number, u = match.group(1) + (f".{fraction}" if fraction else ""), unit.upper()
+            raise SizeError(f"size {text!r}: a bare {unit} is ambiguous: write {number}{u}iB "
+                            f"(powers of 2) or {number}{u}B (powers of 10)")
+        raise SizeError(f"cannot read {text!r} as a size: {_FORM}")
+    factor = _UNITS[unit.lower()]
+    # Exact integer arithmetic: through a float, 4.1GB would be 4099999999.9999995 bytes.
+    value = int(whole) * factor + int(fraction or "0") * factor // 10 ** len(fraction)
+    if value > SIZE_MAX:
+        raise SizeError(f"size {text!r} is out of range: more than 2^63-1 bytes")
+    return value
 
 
 def format_size(nbytes: int | float) -> str:

@@ -1,4 +1,5 @@
-"""Byte sizes as people write them: parse_size, format_size, describe_size."""
+"""Byte sizes as people write them: parse_size (against tests/data/sizes.txt too), format_size,
+describe_size."""
 
 from __future__ import annotations
 
@@ -9,18 +10,38 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mucudnn.errors import MucudnnError, SizeError
-from mucudnn.sizes import describe_size, format_size, parse_size
+from mucudnn.sizes import SIZE_MAX, describe_size, format_size, parse_size
+from size_vectors import read_size_vectors
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 UNITS = {
     "": 1, "B": 1,
     "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "K": KiB, "M": MiB, "G": GiB,  # bare letters are binary
 }
 
 
 # -- parse_size ------------------------------------------------------------------------------------
+
+ERROR_WORDS = {"syntax": "cannot read", "ambiguous": "is ambiguous", "range": "out of range"}
+
+
+@pytest.mark.parametrize("text, expected", read_size_vectors(), ids=repr)
+def test_the_shared_size_vectors(text, expected):
+    """tests/data/sizes.txt: the shim reads the same (tests/shim/test_shim_sizes.py)."""
+    if isinstance(expected, int):
+        assert parse_size(text) == expected
+    else:
+        with pytest.raises(SizeError) as exc:
+            parse_size(text)
+        assert ERROR_WORDS[expected] in str(exc.value) and repr(text) in str(exc.value)
+
+
+def test_the_vectors_cover_every_unit_and_error():
+    vectors = read_size_vectors()
+    texts = " ".join(text for text, _ in vectors)
+    assert all(unit in texts for unit in UNITS if unit)
+    assert {e for _, e in vectors if isinstance(e, str)} == set(ERROR_WORDS)
 
 @pytest.mark.parametrize("unit, factor", UNITS.items())
 def test_each_unit(unit, factor):
@@ -46,19 +67,22 @@ def test_decimals_that_make_whole_bytes(text, expected):
 
 
 @settings(max_examples=300, deadline=None)
-@given(whole=st.integers(0, 10**6), fraction=st.text("0123456789", min_size=1, max_size=6),
+@given(whole=st.integers(0, 10**6), fraction=st.text("0123456789", min_size=1, max_size=40),
        unit=st.sampled_from(sorted(UNITS)))
-def test_decimal_sizes_are_exact(whole, fraction, unit):
-    """A decimal that names a whole number of bytes gives exactly that number, never float noise."""
+def test_decimal_sizes_are_exact_and_floored(whole, fraction, unit):
+    """A decimal gives exactly its whole number of bytes, rounded down, never float noise."""
     numerator = (whole * 10 ** len(fraction) + int(fraction)) * UNITS[unit]
-    assume(numerator % 10 ** len(fraction) == 0)
     assert parse_size(f"{whole}.{fraction}{unit}") == numerator // 10 ** len(fraction)
 
 
 @settings(max_examples=200, deadline=None)
-@given(value=st.integers(0, 10**9), unit=st.sampled_from(sorted(UNITS)))
-def test_integers_with_units(value, unit):
-    assert parse_size(f"{value}{unit}") == value * UNITS[unit]
+@given(value=st.integers(0, 10**20), unit=st.sampled_from(sorted(UNITS)))
+def test_integers_with_units_up_to_the_largest_size(value, unit):
+    if value * UNITS[unit] <= SIZE_MAX:
+        assert parse_size(f"{value}{unit}") == value * UNITS[unit]
+    else:
+        with pytest.raises(SizeError, match="out of range"):
+            parse_size(f"{value}{unit}")
 
 
 @pytest.mark.parametrize("value", [0, 1, 64 * MiB, 10**15])
@@ -79,16 +103,22 @@ def test_unreadable_sizes_name_the_text(text):
     assert "MiB" in message and "GiB" in message  # says what it accepts
 
 
-@pytest.mark.parametrize("text", ["0.5", "1.5B", "0.1KiB", "1.0001KB"])
-def test_fractions_of_a_byte_are_refused(text):
-    with pytest.raises(SizeError, match="whole number of bytes") as exc:
+@pytest.mark.parametrize("text, number", [("64M", "64"), ("512k", "512"), ("1.5G", "1.5"), ("2T", "2")])
+def test_a_bare_letter_is_ambiguous_and_says_what_to_write(text, number):
+    letter = text[-1].upper()
+    with pytest.raises(SizeError, match="ambiguous") as exc:
         parse_size(text)
-    assert repr(text) in str(exc.value)
+    assert f"{number}{letter}iB" in str(exc.value) and f"{number}{letter}B" in str(exc.value)
 
 
-def test_negative_int_is_refused():
-    with pytest.raises(SizeError, match=r"-7\b"):
-        parse_size(-7)
+@pytest.mark.parametrize("value", [-7, SIZE_MAX + 1, 1 << 64])
+def test_ints_out_of_range_are_refused(value):
+    with pytest.raises(SizeError, match=rf"{value}\b.*out of range"):
+        parse_size(value)
+
+
+def test_the_largest_size():
+    assert SIZE_MAX == (1 << 63) - 1 and parse_size(SIZE_MAX) == SIZE_MAX
 
 
 def test_size_error_is_a_mucudnn_error_and_a_value_error():

@@ -50,6 +50,14 @@ const char *mu_option_path(mu_option option);
 /* Prints every option, its value and origin at debug level. */
 void mu_options_log(void);
 
+/* A byte size (docs/sizes.md): "123", "64MiB", "1.5 GiB", "2GB"; units B, KiB, MiB, GiB, TiB,
+ * KB, MB, GB, TB in any case; a fraction is floored to whole bytes; 0 to 2^63-1. *value is set
+ * only on MU_SIZE_OK. The plan file's `limit` is meant to use it too. */
+typedef enum { MU_SIZE_OK, MU_SIZE_SYNTAX, MU_SIZE_AMBIGUOUS, MU_SIZE_RANGE } mu_size_result;
+mu_size_result mu_parse_size(const char *text, long long *value);
+/* What is wrong with a size, for messages ("" for MU_SIZE_OK). */
+const char *mu_size_problem(mu_size_result result);
+
 /* ---- log.c: prefixed, leveled, rate-limited messages ------------------------------------ */
 
 typedef enum { MU_LOG_ERROR = 0, MU_LOG_WARNING = 1, MU_LOG_INFO = 2, MU_LOG_DEBUG = 3 } mu_log_level;
@@ -69,6 +77,17 @@ void mu_log(mu_log_level level, const char *fmt, ...) MU_PRINTF(2, 3);
 void mu_log_limited(mu_rate_limit *limit, mu_log_level level, const char *fmt, ...) MU_PRINTF(3, 4);
 /* One line "mucudnn: summary: message\n", printed whatever the level. */
 void mu_log_summary(const char *fmt, ...) MU_PRINTF(1, 2);
+
+/* Room for a value shown in a message with mu_log_escape (longer ones end in "..."). */
+#define MU_ESCAPED_MAX 1024
+/* text with control characters and backslashes escaped (\n, \t, \x1b, \\), so that a value echoed
+ * in a message keeps it on one line; cut with "..." to fit size (at least 4). Returns buf. */
+const char *mu_log_escape(const char *text, char *buf, size_t size);
+/* Opens path to append to (created 0644) without ever blocking: a FIFO, socket, directory or
+ * block device is refused, and so is a character device unless allow_devices (/dev/null, a
+ * terminal; then the process's own stderr is fine too, whatever it is). The descriptor is
+ * blocking, close-on-exec; -1 with the reason in why on failure. */
+int mu_open_output(const char *path, bool allow_devices, char *why, size_t why_size);
 
 /* ---- real.c: the real cuDNN functions, resolved once with dlsym(RTLD_NEXT) --------------- */
 
@@ -191,8 +210,9 @@ const char *mu_algo_name(mu_direction dir, int algo);
 int mu_algo_from_name(mu_direction dir, const char *name);
 const char *mu_math_name(cudnnMathType_t math);
 int mu_math_from_name(const char *name);
-/* Packed element strides of dims (n, c, s1..sd) in NC(D)HW or, channels_last, N(D)HWC order. */
-void mu_packed_strides(int nb_dims, const int dims[], bool channels_last, long long strides[]);
+/* Packed element strides of dims (n, c, s1..sd) in NC(D)HW or, channels_last, N(D)HWC order.
+ * False when one exceeds 64 bits (it and those it depends on are then LLONG_MAX). */
+bool mu_packed_strides(int nb_dims, const int dims[], bool channels_last, long long strides[]);
 /* Whether a tensor is packed in that order; dimensions of size 1 do not decide. */
 bool mu_strides_packed(int nb_dims, const int dims[], const int strides[], bool channels_last);
 /* Bytes of one element, 0 for data types without a key. */

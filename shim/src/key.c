@@ -2,6 +2,7 @@
  * key.c: the kernel key of a call, built from its descriptors exactly as docs/kernel-key.md says
  * (Python: mucudnn.problem.ConvProblem.key; both checked against tests/data/keys.txt).
  */
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -92,21 +93,29 @@ uint64_t mu_kernel_hash(const char *key, int n) {
 
 typedef enum { LAYOUT_NONE, LAYOUT_NCHW, LAYOUT_NHWC } layout;
 
-void mu_packed_strides(int nb_dims, const int dims[], bool channels_last, long long strides[]) {
+bool mu_packed_strides(int nb_dims, const int dims[], bool channels_last, long long strides[]) {
+    /* Hostile dims (2^30 x 2^30 x 2^30 ...) overflow 64 bits: such a stride saturates at
+     * LLONG_MAX, which no int stride equals, and so do the strides after it. */
+    bool fits = true;
+    long long next;
+#define MU_STRIDE(to, from, dim) \
+    (fits = fits && !__builtin_mul_overflow((from), (long long)(dim), &next), (to) = fits ? next : LLONG_MAX)
     if (!channels_last) {
         strides[nb_dims - 1] = 1;
-        for (int i = nb_dims - 2; i >= 0; i--) strides[i] = strides[i + 1] * dims[i + 1];
+        for (int i = nb_dims - 2; i >= 0; i--) MU_STRIDE(strides[i], strides[i + 1], dims[i + 1]);
     } else {
         strides[1] = 1;
-        strides[nb_dims - 1] = dims[1];
-        for (int i = nb_dims - 2; i >= 2; i--) strides[i] = strides[i + 1] * dims[i + 1];
-        strides[0] = strides[2] * dims[2];
+        MU_STRIDE(strides[nb_dims - 1], 1LL, dims[1]);
+        for (int i = nb_dims - 2; i >= 2; i--) MU_STRIDE(strides[i], strides[i + 1], dims[i + 1]);
+        MU_STRIDE(strides[0], strides[2], dims[2]);
     }
+#undef MU_STRIDE
+    return fits;
 }
 
 bool mu_strides_packed(int nb_dims, const int dims[], const int strides[], bool channels_last) {
     long long packed[MU_MAX_DIMS];
-    mu_packed_strides(nb_dims, dims, channels_last, packed);
+    (void)mu_packed_strides(nb_dims, dims, channels_last, packed); /* a saturated one never matches */
     for (int i = 0; i < nb_dims; i++)
         if (dims[i] > 1 && strides[i] != packed[i]) return false;
     return true;
@@ -158,6 +167,18 @@ static const char *read_descriptors(const mu_conv_descs *d, mu_kernel *k, conv_p
     return NULL;
 }
 
+/* The output size along one spatial dimension, in 64 bits: with int operands (a pad of 1.1e9, a
+ * filter of INT_MIN) no step can overflow, checked anyway so that a change of types cannot make it
+ * undefined. -1 when the output would be empty or the arithmetic overflows. */
+static long long output_extent(int in, int pad, int dilation, int filter, int stride) {
+    long long span, reach;
+    if (__builtin_mul_overflow((long long)dilation, (long long)filter - 1, &reach) ||
+        __builtin_add_overflow((long long)in, 2LL * pad, &span) ||
+        __builtin_sub_overflow(span, reach + 1, &span) || span < 0)
+        return -1;
+    return span / stride + 1;
+}
+
 /* Checks what the key cannot express and that x, w and y belong to one convolution. */
 static const char *check_keyable(const mu_kernel *k, const conv_params *p) {
     int spatial = k->nb_dims - 2;
@@ -166,15 +187,18 @@ static const char *check_keyable(const mu_kernel *k, const conv_params *p) {
     if (dtype_name(p->compute_type) == NULL) return "compute type has no key";
     if (mu_math_name(k->math)[0] == '?') return "math type has no key";
     if (p->mode != CUDNN_CONVOLUTION && p->mode != CUDNN_CROSS_CORRELATION) return "unknown mode";
+    for (int i = 0; i < k->nb_dims; i++)
+        if (k->x_dims[i] < 1 || k->y_dims[i] < 1 || p->w_dims[i] < 1) return "a dimension is below 1";
     if (p->groups < 1 || k->x_dims[1] % p->groups || p->w_dims[0] % p->groups) return "bad group count";
-    if (k->x_dims[0] < 1 || k->y_dims[0] != k->x_dims[0]) return "batch sizes differ";
-    if (p->w_dims[1] * p->groups != k->x_dims[1] || k->y_dims[1] != p->w_dims[0])
+    if (k->y_dims[0] != k->x_dims[0]) return "batch sizes differ";
+    if ((long long)p->w_dims[1] * p->groups != k->x_dims[1] || k->y_dims[1] != p->w_dims[0])
         return "channel counts do not match";
     for (int i = 0; i < spatial; i++) {
         if (p->stride[i] < 1 || p->dilation[i] < 1 || p->pad[i] < 0) return "bad convolution geometry";
-        int span = k->x_dims[2 + i] + 2 * p->pad[i] - p->dilation[i] * (p->w_dims[2 + i] - 1) - 1;
-        if (span < 0) return "the output would be empty";
-        if (k->y_dims[2 + i] != span / p->stride[i] + 1) return "output size does not match the convolution";
+        long long extent = output_extent(k->x_dims[2 + i], p->pad[i], p->dilation[i], p->w_dims[2 + i],
+                                         p->stride[i]);
+        if (extent < 0) return "the output would be empty";
+        if (k->y_dims[2 + i] != extent) return "output size does not match the convolution";
     }
     return NULL;
 }

@@ -2,7 +2,6 @@
  * options.c: every MUCUDNN_* environment variable, read once into one enum-indexed table
  * (mimalloc style). No other file calls getenv.
  */
-#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
@@ -54,29 +53,79 @@ static bool parse_bool(const char *text, long long *value) {
     return false;
 }
 
-/* "123", "64MiB", "512KiB", "1GiB", "2GB", "10kB", "100B" (suffixes case-insensitive). */
-static bool parse_size(const char *text, long long *value) {
+/* The grammar of docs/sizes.md, shared with mucudnn/sizes.py through tests/data/sizes.txt. ASCII
+ * tests by hand: the host process's locale must not change what a size means. */
+static bool is_blank(char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+static bool is_letter(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+
+mu_size_result mu_parse_size(const char *text, long long *value) {
     static const struct {
-        const char *suffix;
+        const char *unit;
         unsigned long long factor;
     } units[] = {
-        {"", 1ULL},          {"b", 1ULL},          {"kib", 1ULL << 10}, {"mib", 1ULL << 20},
-        {"gib", 1ULL << 30}, {"tib", 1ULL << 40},  {"kb", 1000ULL},     {"mb", 1000000ULL},
+        {"", 1ULL},           {"b", 1ULL},           {"kib", 1ULL << 10}, {"mib", 1ULL << 20},
+        {"gib", 1ULL << 30},  {"tib", 1ULL << 40},   {"kb", 1000ULL},     {"mb", 1000000ULL},
         {"gb", 1000000000ULL}, {"tb", 1000000000000ULL},
     };
-    if (!isdigit((unsigned char)text[0])) return false;
-    errno = 0;
-    char *end;
-    unsigned long long number = strtoull(text, &end, 10);
-    if (errno == ERANGE) return false;
-    for (size_t i = 0; i < sizeof units / sizeof *units; i++) {
-        if (strcasecmp(end, units[i].suffix) != 0) continue;
-        if (number > (unsigned long long)LLONG_MAX / units[i].factor) return false;
-        *value = (long long)(number * units[i].factor);
-        return true;
+    const char *p = text;
+    while (is_blank(*p)) p++;
+    const char *whole = p;
+    while (is_digit(*p)) p++;
+    size_t whole_length = (size_t)(p - whole);
+    const char *fraction = p;
+    size_t fraction_length = 0;
+    if (*p == '.') {
+        fraction = ++p;
+        while (is_digit(*p)) p++;
+        fraction_length = (size_t)(p - fraction);
+        if (fraction_length == 0) return MU_SIZE_SYNTAX;
     }
-    return false;
+    if (whole_length == 0) return MU_SIZE_SYNTAX;
+    while (is_blank(*p)) p++;
+    const char *unit = p;
+    while (is_letter(*p)) p++;
+    size_t unit_length = (size_t)(p - unit);
+    while (is_blank(*p)) p++;
+    if (*p != '\0') return MU_SIZE_SYNTAX;
+
+    unsigned long long factor = 0;
+    for (size_t i = 0; i < sizeof units / sizeof *units; i++)
+        if (strlen(units[i].unit) == unit_length && strncasecmp(unit, units[i].unit, unit_length) == 0)
+            factor = units[i].factor;
+    if (factor == 0)
+        return unit_length == 1 && strchr("kKmMgGtT", unit[0]) ? MU_SIZE_AMBIGUOUS : MU_SIZE_SYNTAX;
+
+    unsigned long long bytes = 0;
+    for (size_t i = 0; i < whole_length; i++) {
+        unsigned long long digit = (unsigned long long)(whole[i] - '0');
+        if (bytes > ((unsigned long long)LLONG_MAX - digit) / 10) return MU_SIZE_RANGE;
+        bytes = bytes * 10 + digit;
+    }
+    /* floor(0.FRACTION x factor), exactly: multiplying the fraction's digits by factor from the
+     * last one up, each product digit falls below the point and what carries past the first digit
+     * is the whole part (less than factor, so no step overflows). */
+    unsigned long long carry = 0;
+    for (size_t i = fraction_length; i-- > 0;)
+        carry = ((unsigned long long)(fraction[i] - '0') * factor + carry) / 10;
+    if (bytes > ((unsigned long long)LLONG_MAX - carry) / factor) return MU_SIZE_RANGE;
+    *value = (long long)(bytes * factor + carry);
+    return MU_SIZE_OK;
 }
+
+const char *mu_size_problem(mu_size_result result) {
+    switch (result) {
+    case MU_SIZE_OK: return "";
+    case MU_SIZE_SYNTAX: break;
+    case MU_SIZE_AMBIGUOUS:
+        return "a bare K, M, G or T is ambiguous: write KiB, MiB, GiB, TiB (powers of 2) or KB, MB, "
+               "GB, TB (powers of 10)";
+    case MU_SIZE_RANGE: return "more than 2^63-1 bytes";
+    }
+    return "not a size";
+}
+
+static bool parse_size(const char *text, long long *value) { return mu_parse_size(text, value) == MU_SIZE_OK; }
 
 static bool parse_level(const char *text, long long *value) {
     static const char *const names[] = {"error", "warning", "info", "debug"};
@@ -93,7 +142,7 @@ static bool parse_level(const char *text, long long *value) {
 static const char *expected_form(option_kind kind) {
     switch (kind) {
     case KIND_BOOL: return "1/0, true/false, yes/no or on/off";
-    case KIND_SIZE: return "bytes, or a number with B, KiB, MiB, GiB, TiB, kB, MB, GB or TB";
+    case KIND_SIZE: return "bytes, or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB or TB";
     case KIND_LEVEL: return "error, warning, info, debug or 0-3";
     case KIND_PATH: return "a path";
     }
@@ -121,8 +170,15 @@ static bool read_option(option_entry *option) {
 }
 
 static void warn_malformed(const option_entry *option) {
-    mu_log(MU_LOG_WARNING, "%s='%s' is not valid (expected %s); using the default", option->name,
-           getenv(option->name), expected_form(option->kind));
+    char shown[MU_ESCAPED_MAX];
+    const char *text = getenv(option->name);
+    long long ignored;
+    /* A size that only has the wrong unit or is too large says so before what a size looks like. */
+    mu_size_result result = option->kind == KIND_SIZE ? mu_parse_size(text, &ignored) : MU_SIZE_SYNTAX;
+    bool specific = result == MU_SIZE_AMBIGUOUS || result == MU_SIZE_RANGE;
+    mu_log(MU_LOG_WARNING, "%s='%s' is not valid (%s%sexpected %s); using the default", option->name,
+           mu_log_escape(text, shown, sizeof shown), specific ? mu_size_problem(result) : "",
+           specific ? "; " : "", expected_form(option->kind));
 }
 
 static void read_all_options(void) {
@@ -154,9 +210,11 @@ void mu_options_log(void) {
     for (int i = 0; i < MU_OPT_COUNT; i++) {
         const option_entry *option = &options[i];
         const char *origin = option->is_set ? "environment" : "default";
+        char shown[MU_ESCAPED_MAX];
         if (option->kind == KIND_PATH)
             mu_log(MU_LOG_DEBUG, "option %s = %s (%s; %s)", option->name,
-                   option->path ? option->path : "(unset)", origin, option->description);
+                   option->path ? mu_log_escape(option->path, shown, sizeof shown) : "(unset)",
+                   origin, option->description);
         else if (option->kind == KIND_SIZE && option->value < 0)
             mu_log(MU_LOG_DEBUG, "option %s = none (%s; %s)", option->name, origin,
                    option->description);

@@ -7,7 +7,6 @@
  * with a release store); insertions take a mutex, so each kernel is recorded exactly once.
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,10 +64,12 @@ static void write_call_counts(void) { for_each_seen(write_call_count); }
 void mu_record_init(void) {
     const char *path = mu_option_path(MU_OPT_RECORD);
     if (path != NULL) {
-        record_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        char why[128];
+        record_fd = mu_open_output(path, false, why, sizeof why);
         if (record_fd < 0) {
-            mu_log(MU_LOG_ERROR, "MUCUDNN_RECORD=%s: cannot open: %s; not recording", path,
-                   strerror(errno));
+            char shown[MU_ESCAPED_MAX];
+            mu_log(MU_LOG_ERROR, "MUCUDNN_RECORD=%s: %s; not recording",
+                   mu_log_escape(path, shown, sizeof shown), why);
         } else {
             char header[64];
             int length = snprintf(header, sizeof header, "# mucudnn-record 1 pid=%ld\n", (long)getpid());

@@ -123,3 +123,71 @@ def test_cuda_graphs_fall_back_to_piece_by_piece_without_stream_capture(shim_env
     said = "mucudnn: info: CUDA graphs off: the CUDA driver cannot begin a stream capture"
     assert run.stderr.count(said) == (0 if graphs == "0" else 1), run.stderr
     assert not run.shim_lines("warning")
+
+
+# -- where the log goes, and values echoed in messages -----------------------------------------------
+
+@pytest.fixture(params=["no reader", "a reader"])
+def fifo(request, tmp_path):
+    """A FIFO: without a reader a blocking open for writing never returns; with one it would."""
+    import os
+
+    path = tmp_path / "log.fifo"
+    os.mkfifo(path)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK) if request.param == "a reader" else None
+    yield path
+    if reader is not None:
+        os.close(reader)
+
+
+def test_a_log_file_that_is_a_fifo_is_refused_without_blocking(shim_env, fifo):
+    run = shim_env.run([CASE], env={"MUCUDNN_LOG_FILE": str(fifo), "MUCUDNN_LOG_LEVEL": "info"},
+                       timeout=20)
+    assert run.returncode == 0 and run.cases[0]["exact"] == "1"
+    assert run.shim_lines("warning") == [
+        f"mucudnn: warning: MUCUDNN_LOG_FILE={fifo}: is a FIFO, not a regular file; logging to stderr"]
+    assert run.shim_lines("info"), run.stderr  # the rest of the log did reach stderr
+
+
+@pytest.mark.parametrize("device", ["/dev/null", "/dev/stderr"])
+def test_a_log_file_may_be_a_device_or_the_process_stderr(shim_env, device):
+    """/dev/stderr is a pipe here (the test captures stderr): it is the process's own stderr."""
+    run = shim_env.run([CASE], env={"MUCUDNN_LOG_FILE": device, "MUCUDNN_LOG_LEVEL": "info"})
+    assert not run.shim_lines("warning"), run.stderr
+    assert bool(run.shim_lines("info")) == (device == "/dev/stderr"), run.stderr
+
+
+def test_a_log_file_that_cannot_be_written_falls_back_to_stderr_once(shim_env):
+    """/dev/full fails every write with ENOSPC, as a full disk does."""
+    plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])
+    run = shim_env.run([CASE, CASE], plan=plan,
+                       env={"MUCUDNN_LOG_FILE": "/dev/full", "MUCUDNN_LOG_LEVEL": "debug"})
+    lines = run.stderr.splitlines()
+    assert lines[0] == ("mucudnn: warning: MUCUDNN_LOG_FILE: write failed (No space left on device); "
+                        "logging to stderr from here"), run.stderr
+    assert sum("write failed" in line for line in lines) == 1
+    # the line that failed is the first debug line; it and every later one are on stderr
+    assert lines[1].startswith("mucudnn: debug: option MUCUDNN_DISABLE = ")
+    assert run.stderr.count("piece 2/2: b=4 algo=gemm math=fma") == 2
+
+
+@pytest.mark.parametrize("variable, value, shown", [
+    ("MUCUDNN_LOG_LEVEL", "loud\nmucudnn: error: injected", r"loud\nmucudnn: error: injected"),
+    ("MUCUDNN_WORKSPACE_LIMIT", "64\tMiB\r\x1b[2J\\", r"64\tMiB\r\x1b[2J\\"),
+])
+def test_a_value_echoed_in_a_message_stays_on_one_line(shim_env, variable, value, shown):
+    run = shim_env.run([CASE], env={variable: value})
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith(f"mucudnn: warning: {variable}='{shown}' is not valid (expected ")
+    assert lines[0].endswith("; using the default")
+
+
+def test_a_path_echoed_in_a_message_stays_on_one_line(shim_env, tmp_path):
+    path = tmp_path / "no\ndir" / "shim.log"
+    run = shim_env.run([CASE], env={"MUCUDNN_LOG_FILE": str(path), "MUCUDNN_LOG_LEVEL": "debug"})
+    escaped = str(path).replace("\n", r"\n")
+    assert (f"mucudnn: warning: MUCUDNN_LOG_FILE={escaped}: cannot open (No such file or directory); "
+            "logging to stderr") in run.stderr.splitlines()
+    assert f"mucudnn: debug: option MUCUDNN_LOG_FILE = {escaped} (environment;" in run.stderr
+    assert all(line.startswith("mucudnn: ") for line in run.stderr.splitlines()), run.stderr

@@ -87,3 +87,24 @@ def test_record_file_that_cannot_be_opened_is_one_error(shim_env, tmp_path):
     run = shim_env.run([case], env={"MUCUDNN_RECORD": str(tmp_path / "missing" / "x.rec")})
     assert len(run.shim_lines("error")) == 1 and "MUCUDNN_RECORD=" in run.stderr
     assert run.cases[0]["exact"] == "1"
+
+
+@pytest.mark.parametrize("reader", [False, True])
+def test_a_record_file_that_is_a_fifo_is_one_error_and_no_hang(shim_env, tmp_path, reader):
+    """Opening a FIFO for writing waits for a reader; the shim must neither wait nor write to one."""
+    import os
+
+    fifo = tmp_path / "record.fifo"
+    os.mkfifo(fifo)
+    reader_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK) if reader else None
+    try:
+        case = "dir=fwd n=4 c=2 in=6x6 k=3 f=3x3 ws=0"
+        run = shim_env.run([case], env={"MUCUDNN_RECORD": str(fifo)}, timeout=20)
+        assert run.shim_lines("error") == [
+            f"mucudnn: error: MUCUDNN_RECORD={fifo}: is a FIFO, not a regular file; not recording"]
+        assert run.returncode == 0 and run.cases[0]["exact"] == "1"
+        if reader_fd is not None:
+            assert os.read(reader_fd, 1) == b""  # nothing was written to it
+    finally:
+        if reader_fd is not None:
+            os.close(reader_fd)
