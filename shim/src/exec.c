@@ -12,6 +12,7 @@
  */
 #include <pthread.h>
 #include <stdio.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -327,6 +328,22 @@ static cudnnStatus_t execute(const mu_conv_call *call, mu_plan_entry *entry, mu_
     return status;
 }
 
+mu_plan_entry *mu_plan_point(mu_plan_entry *head, size_t available, bool deterministic) {
+    mu_plan_entry *best = NULL;
+    for (mu_plan_entry *point = head; point != NULL && point->workspace <= available; point = point->next_point) {
+        if (atomic_load(&point->disabled) || (deterministic && !mu_plan_legacy_deterministic(point))) continue;
+        if (best == NULL || point->time_ms < best->time_ms) best = point;
+    }
+    return best;
+}
+
+bool mu_plan_legacy_deterministic(const mu_plan_entry *entry) {
+    for (int i = 0; i < entry->piece_count; i++)
+        if (entry->pieces[i].engine == NULL && !mu_algo_deterministic(entry->dir, entry->pieces[i].algo))
+            return false;
+    return true;
+}
+
 /* Plan or passthrough, once the call is known to be ours. */
 static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
     if (state->disabled) return run_undivided(call);
@@ -340,10 +357,30 @@ static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
         return run_undivided(call);
     }
     mu_seen *seen = mu_seen_kernel(&k);
-    mu_plan_entry *entry = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
-    if (entry == NULL) return passthrough(call, seen, &k, "no plan");
-    if (atomic_load(&entry->disabled)) return passthrough(call, seen, &k, "plan disabled after a failure");
+    mu_plan_entry *head = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
+    if (head == NULL) return passthrough(call, seen, &k, "no plan");
     bool legacy_call = call->graph == NULL;
+    /* A caller that chose a deterministic algorithm may need the same bits every run
+     * (torch.backends.cudnn.deterministic): it gets no less. On the graph path the point was
+     * chosen, for the framework's engine, when its plan was finalized. */
+    bool deterministic = legacy_call && mu_algo_deterministic(call->descs.dir, call->algo);
+    mu_plan_entry *entry = legacy_call ? mu_plan_point(head, call->workspace_size, deterministic)
+                                       : mu_g_planned_entry(call->graph);
+    if (entry == NULL || atomic_load(&entry->disabled)) {
+        char reason[128];
+        if (entry != NULL || mu_plan_point(head, SIZE_MAX, false) == NULL)
+            snprintf(reason, sizeof reason, "plan disabled after a failure");
+        else if (mu_plan_point(head, call->workspace_size, false) != NULL)
+            snprintf(reason, sizeof reason, "the caller's algorithm is deterministic, the plan is not");
+        else
+            snprintf(reason, sizeof reason, "workspace %zu smaller than the plan's %zu", call->workspace_size,
+                     head->workspace);
+        return passthrough(call, seen, &k, reason);
+    }
+    /* The point that fits is the caller's own algorithm, undivided: nothing to do. */
+    if (legacy_call && entry->piece_count == 1 && entry->pieces[0].engine == NULL &&
+        entry->pieces[0].algo == call->algo && entry->pieces[0].math == k.math && !entry->pieces[0].borrow)
+        return passthrough(call, seen, &k, "the plan's point is the caller's algorithm");
     mu_conv_call with_pieces;
     if (entry->has_engine_pieces && legacy_call) { /* build (or find) the graph-API pieces */
         const char *why = NULL;
@@ -353,20 +390,10 @@ static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
         call = &with_pieces;
     }
     cudnnStatus_t status;
-    char reason[128];
-    /* A caller that chose a deterministic algorithm may need the same bits every run
-     * (torch.backends.cudnn.deterministic): it gets no less. On the graph path the framework's
-     * engine was checked when its plan was finalized. */
-    if (legacy_call && mu_algo_deterministic(call->descs.dir, call->algo) &&
-        !mu_g_plan_deterministic(entry, call->graph)) {
+    if (deterministic && !mu_g_plan_deterministic(entry, call->graph))
         status = passthrough(call, seen, &k, "the caller's algorithm is deterministic, the plan is not");
-    } else if (call->workspace_size < entry->workspace) {
-        snprintf(reason, sizeof reason, "workspace %zu smaller than the plan's %zu", call->workspace_size,
-                 entry->workspace);
-        status = passthrough(call, seen, &k, reason);
-    } else {
+    else
         status = execute(call, entry, seen, &k);
-    }
     if (call == &with_pieces) mu_g_pieces_release(with_pieces.graph);
     return status;
 }

@@ -85,6 +85,7 @@ typedef struct mu_g_planned {
     bool double_scales; /* alpha/beta are passed as double (f64 data) rather than float */
     float alpha_f, beta_f;
     double alpha_d, beta_d;
+    mu_plan_entry *entry; /* the point of the kernel's plan it runs */
     size_t workspace;  /* the micro-batch plan's: what the framework is told and allocates */
     size_t engine_workspace; /* what the framework's own engine needs */
     int fallback_algo; /* runs undivided within that workspace, should the plan fail untouched */

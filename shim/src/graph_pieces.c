@@ -195,6 +195,8 @@ void mu_g_free_pieces(mu_g_planned *p) {
     p->piece_count = 0;
 }
 
+mu_plan_entry *mu_g_planned_entry(const mu_g_planned *p) { return p->entry; }
+
 mu_graph_owner *mu_g_graphs_of(const mu_g_planned *p) { return (mu_graph_owner *)&p->graphs; }
 
 bool mu_g_engine_deterministic(cudnnBackendDescriptor_t engine) {
@@ -346,7 +348,8 @@ static mu_g_legacy_pieces *build_legacy(mu_plan_entry *entry, const mu_kernel *k
     const char *why = legacy_operation(k, call, &op);
     if (why == NULL) {
         built->planned = (mu_g_planned){.dir = op.dir, .uid_x = 'x', .uid_w = 'w', .uid_y = 'y',
-                                        .double_scales = k->dtype == CUDNN_DATA_DOUBLE, .workspace = entry->workspace};
+                                        .double_scales = k->dtype == CUDNN_DATA_DOUBLE, .workspace = entry->workspace,
+                                        .entry = entry};
         why = mu_g_build_pieces(&built->planned, &op, entry, call->handle);
     }
     if (why != NULL) {

@@ -11,6 +11,7 @@
  *     (CUDNN_STATUS_NOT_SUPPORTED), so the framework takes its next engine configuration.
  * Graphs of anything else (fused operations, norms, attention) pass through untouched.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,6 +73,7 @@ typedef struct {
     bool known;         /* its notes could be read */
     bool tensor_cores;  /* a TENSOR_CORE numerical note */
     bool deterministic; /* no NONDETERMINISTIC numerical note (unknown engine: false) */
+    int64_t index;      /* its global index, -1 if unknown */
 } engine_notes;
 
 static engine_notes plan_engine_notes(cudnnBackendDescriptor_t plan) {
@@ -79,7 +81,7 @@ static engine_notes plan_engine_notes(cudnnBackendDescriptor_t plan) {
     cudnnBackendDescriptor_t config = NULL, engine = NULL;
     cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
     int64_t count = 0;
-    engine_notes found = {0};
+    engine_notes found = {.index = -1};
     if (real->cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &config) == CUDNN_STATUS_SUCCESS &&
         real->cudnnBackendGetAttribute(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
                                        CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &count, &config) == CUDNN_STATUS_SUCCESS &&
@@ -88,7 +90,10 @@ static engine_notes plan_engine_notes(cudnnBackendDescriptor_t plan) {
                                        &count, &engine) == CUDNN_STATUS_SUCCESS &&
         real->cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
                                        CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) == CUDNN_STATUS_SUCCESS) {
-        found = (engine_notes){.known = true, .deterministic = true};
+        found = (engine_notes){.known = true, .deterministic = true, .index = -1};
+        if (real->cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &count,
+                                           &found.index) != CUDNN_STATUS_SUCCESS)
+            found.index = -1;
         for (int64_t i = 0; i < count && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++) {
             found.tensor_cores |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
             found.deterministic &= notes[i] != CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
@@ -204,18 +209,40 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     const char *why = NULL;
     mu_g_planned *p = legacy_equivalent(&engine, &graph.op, &k, &why);
     mu_seen *seen = p ? mu_seen_kernel(&k) : NULL;
-    mu_plan_entry *entry = p && state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
-    if (entry != NULL && graph.handle == NULL) {
+    mu_plan_entry *head = p && state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
+    if (head != NULL && graph.handle == NULL) {
         static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
         mu_log_limited(&limit, MU_LOG_WARNING, "%s N=%d: the execution plan's graph names no cuDNN handle "
                        "(the shim needs one to prepare the pieces); not using the plan", k.key, k.n);
-        entry = NULL;
+        head = NULL;
+    }
+    /* A wr or wd plan has one point, which sets the workspace. A front plan's point is the fastest
+     * within the workspace of the engine the framework chose (and the hard limit): never more
+     * memory than the framework chose, never slower than its engine where the front holds it; and
+     * where the framework's fallback (an allocation failure, cudnn.benchmark's largest free
+     * block) chose an engine of little workspace, a micro-batched point rather than a slow engine. */
+    mu_plan_entry *entry = NULL;
+    if (head != NULL) {
+        size_t available = state->plan->front ? real_workspace : SIZE_MAX;
+        if (state->plan->front && state->has_limit && available > state->workspace_limit)
+            available = state->workspace_limit;
+        entry = mu_plan_point(head, available, engine.deterministic);
+        if (entry == NULL)
+            mu_log(MU_LOG_INFO, "%s N=%d: no %spoint of the plan within %zu bytes of workspace; not using the "
+                   "plan", k.key, k.n, engine.deterministic ? "deterministic " : "", available);
+        else if (state->plan->front && entry->piece_count == 1 && entry->pieces[0].engine != NULL &&
+                 entry->pieces[0].engine->global_index == engine.index && engine.index >= 0) {
+            mu_log(MU_LOG_DEBUG, "%s N=%d: the fastest point is the framework's own engine %lld, undivided",
+                   k.key, k.n, (long long)engine.index);
+            entry = NULL;
+        }
     }
     if (entry != NULL && !atomic_load(&entry->disabled)) {
         /* A framework that picked a deterministic engine (torch.backends.cudnn.deterministic)
          * gets deterministic pieces and a deterministic fallback, or no plan. */
         bool deterministic = engine.deterministic;
         mu_conv_descs descs = {p->dir, p->x, p->w, p->conv, p->y};
+        p->entry = entry;
         p->workspace = entry->workspace;
         p->engine_workspace = real_workspace;
         /* The fallback runs only if the plan fails before writing anything: deterministic when one

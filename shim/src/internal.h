@@ -259,6 +259,7 @@ typedef struct mu_plan_entry {
     bool has_engine_pieces; /* graph-API pieces: runs on the graph path only */
     bool has_borrow_pieces; /* pieces that borrow the output: run only with beta = 0 */
     struct mu_plan_entry *next_in_bucket;
+    struct mu_plan_entry *next_point; /* front plans: the kernel's next point, more workspace */
     /* Run time state (the rest is immutable after loading). */
     _Atomic(struct mu_exec_cache *) cache; /* micro-batch descriptors, created on first use */
     /* Graph-API piece plans for legacy calls, one set per (handle, alpha, beta), built on first
@@ -273,6 +274,7 @@ typedef struct {
     char *gpu;
     long cudnn_version;
     char *strategy;
+    bool front; /* strategy front: each kernel's lines are the points of its front */
     unsigned long long limit;
     char *policy;
     size_t entry_count;
@@ -283,7 +285,8 @@ typedef struct {
 
 /* Loads and validates a plan file. NULL on error with "PATH:LINE: what" in error. */
 mu_plan *mu_plan_load(const char *path, char *error, size_t error_size);
-/* The entry for (key, n), NULL if none. */
+/* The entry for (key, n), NULL if none; in a front plan, its point of least workspace (the
+ * others follow through next_point). */
 mu_plan_entry *mu_plan_find(const mu_plan *plan, const char *key, int n, uint64_t hash);
 /* Parses an engine name "eng<G>[.k<T>=<V>...]"; false when it is not one. */
 bool mu_engine_parse(const char *name, mu_engine *engine);
@@ -342,6 +345,12 @@ typedef struct {
     const struct mu_g_planned *graph;
 } mu_conv_call;
 
+/* The fastest point of the kernel whose entry is head that needs at most `available` bytes of
+ * workspace, is not disabled, and (when asked) has deterministic legacy pieces; NULL if none. */
+mu_plan_entry *mu_plan_point(mu_plan_entry *head, size_t available, bool deterministic);
+/* Whether every legacy piece's algorithm is deterministic (graph-API pieces are judged by their
+ * engines once built: mu_g_plan_deterministic). */
+bool mu_plan_legacy_deterministic(const mu_plan_entry *entry);
 /* The body of every cudnnConvolution* wrapper. */
 cudnnStatus_t mu_convolution(const mu_conv_call *call);
 /* The same for a caller already inside the recursion guard (the graph API's executions). */
@@ -361,6 +370,8 @@ void mu_g_legacy_forget_handle(cudnnHandle_t handle);
  * algorithm, graph-API pieces by their engine's notes, known once built in planned; NULL:
  * none built, so graph-API pieces count as non-deterministic). */
 bool mu_g_plan_deterministic(const mu_plan_entry *entry, const struct mu_g_planned *planned);
+/* The point of its kernel's plan a planned execution plan runs (chosen when it was finalized). */
+mu_plan_entry *mu_g_planned_entry(const struct mu_g_planned *planned);
 /* The CUDA graphs of a planned execution plan's pieces. */
 mu_graph_owner *mu_g_graphs_of(const struct mu_g_planned *planned);
 /* Runs graph-API piece `index` of a planned execution plan on these slices. */

@@ -134,9 +134,10 @@ static bool parse_header(parser *p, int header, const char *value) {
         plan->cudnn_version = (long)number;
         break;
     case HEADER_STRATEGY:
-        if (strcmp(value, "wr") != 0 && strcmp(value, "wd") != 0)
-            return fail(p, "strategy '%s' is not wr or wd", value);
+        if (strcmp(value, "wr") != 0 && strcmp(value, "wd") != 0 && strcmp(value, "front") != 0)
+            return fail(p, "strategy '%s' is not wr, wd or front", value);
         plan->strategy = copy_string(value);
+        plan->front = strcmp(value, "front") == 0;
         break;
     case HEADER_LIMIT:
         if (!parse_unsigned(value, 0, UINT64_MAX, &number))
@@ -206,7 +207,8 @@ static size_t plan_index(const parser *p, const mu_plan_entry *entry) {
     return (size_t)(entry - p->plan->entries);
 }
 
-/* Refuses a (key, N) seen on an earlier line, on this line (as mucudnn/plan.py does). */
+/* Refuses a (key, N) seen on an earlier line, on this line (as mucudnn/plan.py does); in a front
+ * plan, the same (key, N) is another point of its front unless its workspace is the same. */
 static bool check_unique(parser *p, size_t index) {
     mu_plan_entry *entries = p->plan->entries;
     if (2 * (index + 1) > p->slot_mask) { /* keep the load at most 1/2: rebuild twice as large */
@@ -227,8 +229,10 @@ static bool check_unique(parser *p, size_t index) {
     size_t s = entry->hash & p->slot_mask;
     for (; p->slots[s] != 0; s = (s + 1) & p->slot_mask) {
         const mu_plan_entry *other = &entries[p->slots[s] - 1];
-        if (other->hash == entry->hash && other->n == entry->n && strcmp(other->key, entry->key) == 0)
-            return fail(p, "duplicate kernel %s N=%d", entry->key, entry->n);
+        if (other->hash == entry->hash && other->n == entry->n && strcmp(other->key, entry->key) == 0 &&
+            (!p->plan->front || other->workspace == entry->workspace))
+            return fail(p, "duplicate kernel %s N=%d%s", entry->key, entry->n,
+                        p->plan->front ? " with the same workspace" : "");
     }
     p->slots[s] = index + 1;
     return true;
@@ -274,6 +278,8 @@ static bool parse_kernel(parser *p, char *tokens[], int count) {
         entry->has_borrow_pieces |= pieces[i].borrow;
     }
     if (total != n) return fail(p, "pieces add up to %lld samples, not N = %d", total, n);
+    if (p->plan->front && workspace > p->plan->limit)
+        return fail(p, "workspace %llu is over the plan's limit %llu", workspace, p->plan->limit);
     return check_unique(p, plan_index(p, entry));
 }
 
@@ -361,11 +367,30 @@ static bool build_table(parser *p) {
     plan->buckets = calloc(buckets, sizeof *plan->buckets);
     if (plan->buckets == NULL) return fail(p, "out of memory");
     plan->bucket_mask = buckets - 1;
-    for (size_t i = 0; i < plan->entry_count; i++) { /* unique and hashed: check_unique */
+    /* One bucket item per (key, N), the point of least workspace; its other points (front plans)
+     * follow it through next_point in ascending workspace (distinct: check_unique). */
+    for (size_t i = 0; i < plan->entry_count; i++) {
         mu_plan_entry *entry = &plan->entries[i];
-        mu_plan_entry **bucket = &plan->buckets[entry->hash & plan->bucket_mask];
-        entry->next_in_bucket = *bucket;
-        *bucket = entry;
+        mu_plan_entry **link = &plan->buckets[entry->hash & plan->bucket_mask];
+        while (*link != NULL && !((*link)->hash == entry->hash && (*link)->n == entry->n &&
+                                  strcmp((*link)->key, entry->key) == 0))
+            link = &(*link)->next_in_bucket;
+        if (*link == NULL) {
+            *link = entry;
+            continue;
+        }
+        if (entry->workspace < (*link)->workspace) { /* the new head */
+            entry->next_in_bucket = (*link)->next_in_bucket;
+            entry->next_point = *link;
+            (*link)->next_in_bucket = NULL;
+            *link = entry;
+            continue;
+        }
+        mu_plan_entry *before = *link;
+        while (before->next_point != NULL && before->next_point->workspace < entry->workspace)
+            before = before->next_point;
+        entry->next_point = before->next_point;
+        before->next_point = entry;
     }
     return true;
 }

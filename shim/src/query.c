@@ -31,15 +31,6 @@ static bool runs_within(cudnnHandle_t handle, const mu_conv_descs *descs, int al
     return mu_workspace_of(handle, descs, algo, &needed) == CUDNN_STATUS_SUCCESS && needed <= bytes;
 }
 
-/* Whether every legacy piece's algorithm is deterministic (graph-API pieces are checked when
- * they are built, before they run: exec.c). */
-static bool legacy_pieces_deterministic(const mu_plan_entry *entry) {
-    for (int i = 0; i < entry->piece_count; i++)
-        if (entry->pieces[i].engine == NULL && !mu_algo_deterministic(entry->dir, entry->pieces[i].algo))
-            return false;
-    return true;
-}
-
 /*
  * The algorithm reported for a plan: one that real cuDNN runs undivided within the plan's
  * workspace, so that running the reported result without the plan stays valid, and as
@@ -49,7 +40,7 @@ static bool legacy_pieces_deterministic(const mu_plan_entry *entry) {
  * plan's determinism, any that fits.
  */
 int mu_plan_algo(cudnnHandle_t handle, const mu_conv_descs *descs, const mu_plan_entry *entry) {
-    bool deterministic = legacy_pieces_deterministic(entry);
+    bool deterministic = mu_plan_legacy_deterministic(entry);
     for (int i = 0; i < entry->piece_count; i++) {
         int algo = entry->pieces[i].algo;
         if (entry->pieces[i].engine == NULL && mu_algo_deterministic(entry->dir, algo) == deterministic &&
@@ -73,7 +64,7 @@ static bool plan_result(const mu_query *q, const mu_plan_entry *entry, const mu_
         return false;
     }
     /* Deterministic only if the plan's pieces and the algorithm that runs in its place are. */
-    bool deterministic = legacy_pieces_deterministic(entry) && mu_algo_deterministic(entry->dir, algo);
+    bool deterministic = mu_plan_legacy_deterministic(entry) && mu_algo_deterministic(entry->dir, algo);
     /* FindEx gets no result that needs more workspace than the caller gave: cuDNN marks those
      * ALLOC_FAILED. */
     bool fits = q->kind != MU_QUERY_FIND_EX || entry->workspace <= q->workspace_size;
@@ -113,43 +104,74 @@ static int apply_limit(const mu_query *q, const char *what, mu_perf *results, in
     return kept_count;
 }
 
+/* How many points of a kernel's front a query offers at most (fastest first). */
+#define MU_MAX_POINTS 8
+
+/* The kernel's usable points, fastest first: not disabled, and in a front plan within the
+ * workspace limit if one is set (a wr or wd plan's one point is offered whatever the limit: the
+ * plan set its workspace). */
+static int offered_points(mu_plan_entry *head, const mu_state *state, mu_plan_entry *points[MU_MAX_POINTS]) {
+    int count = 0;
+    bool capped = state->plan->front && state->has_limit;
+    for (mu_plan_entry *point = head; point != NULL; point = point->next_point) {
+        if (atomic_load(&point->disabled) || (capped && point->workspace > state->workspace_limit))
+            continue;
+        if (count == MU_MAX_POINTS) { /* full: it replaces the slowest, if faster */
+            if (points[count - 1]->time_ms <= point->time_ms) continue;
+            count--;
+        }
+        int at = count++;
+        while (at > 0 && points[at - 1]->time_ms > point->time_ms) points[at] = points[at - 1], at--;
+        points[at] = point;
+    }
+    return count;
+}
+
 static cudnnStatus_t rewrite_query(const mu_query *q, const mu_state *state, int requested,
                                    int *returned, void *perf) {
     mu_kernel k;
     const char *why = mu_kernel_from_descs(&q->descs, &k);
-    mu_plan_entry *entry = NULL;
+    mu_plan_entry *points[MU_MAX_POINTS] = {0};
+    int point_count = 0;
     if (why == NULL) {
         mu_seen_kernel(&k);
-        if (state->plan != NULL) entry = mu_plan_find(state->plan, k.key, k.n, k.hash);
-        if (entry != NULL && atomic_load(&entry->disabled)) entry = NULL;
+        mu_plan_entry *head = state->plan != NULL ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
+        if (head != NULL) point_count = offered_points(head, state, points);
     }
-    if (entry == NULL && !state->has_limit) return mu_dir(q->descs.dir)->query(q, requested, returned, perf);
+    if (point_count == 0 && !state->has_limit) return mu_dir(q->descs.dir)->query(q, requested, returned, perf);
 
-    mu_perf results[1 + MU_MAX_PERF]; /* [0]: the plan's, when offered */
-    mu_perf *real_results = results + 1;
+    mu_perf real[MU_MAX_PERF], results[MU_MAX_POINTS + MU_MAX_PERF];
     int count = 0;
-    cudnnStatus_t status = mu_dir(q->descs.dir)->query(q, MU_MAX_PERF, &count, real_results);
+    cudnnStatus_t status = mu_dir(q->descs.dir)->query(q, MU_MAX_PERF, &count, real);
     if (status != CUDNN_STATUS_SUCCESS) {
         *returned = 0;
         return status;
     }
     count = count < 0 ? 0 : count > MU_MAX_PERF ? MU_MAX_PERF : count;
     if (state->has_limit)
-        count = apply_limit(q, why == NULL ? k.key : "(no kernel key)", real_results, count,
-                            state->workspace_limit, entry != NULL);
-    mu_perf *first = real_results, offered;
-    if (entry != NULL && plan_result(q, entry, &k, &offered)) {
-        /* First when it can run; else after the results that succeeded, as cuDNN orders them. */
-        int at = 0;
-        if (offered.status != CUDNN_STATUS_SUCCESS)
-            while (at < count && real_results[at].status == CUDNN_STATUS_SUCCESS) at++;
-        memmove(results, real_results, (size_t)at * sizeof *results);
-        results[at] = offered;
-        first = results;
-        count++;
+        count = apply_limit(q, why == NULL ? k.key : "(no kernel key)", real, count, state->workspace_limit,
+                            point_count > 0);
+    /* The points that can run first, fastest first (a framework tries results in order and falls
+     * back to the next on an allocation failure, so it lands on the fastest point that fits);
+     * cuDNN's results that succeeded; then points FindEx could not run (ALLOC_FAILED, as cuDNN
+     * orders such results); then cuDNN's failed ones. */
+    mu_perf unfit[MU_MAX_POINTS];
+    int total = 0, unfit_count = 0, real_successes = 0;
+    for (int i = 0; i < point_count; i++) {
+        mu_perf offered;
+        if (!plan_result(q, points[i], &k, &offered)) continue;
+        if (offered.status == CUDNN_STATUS_SUCCESS) results[total++] = offered;
+        else unfit[unfit_count++] = offered;
     }
-    int copied = count < requested ? count : requested;
-    memcpy(perf, first, (size_t)copied * sizeof *first);
+    while (real_successes < count && real[real_successes].status == CUDNN_STATUS_SUCCESS) real_successes++;
+    memcpy(results + total, real, (size_t)real_successes * sizeof *real);
+    total += real_successes;
+    memcpy(results + total, unfit, (size_t)unfit_count * sizeof *unfit);
+    total += unfit_count;
+    memcpy(results + total, real + real_successes, (size_t)(count - real_successes) * sizeof *real);
+    total += count - real_successes;
+    int copied = total < requested ? total : requested;
+    memcpy(perf, results, (size_t)copied * sizeof *results);
     *returned = copied;
     return CUDNN_STATUS_SUCCESS;
 }
@@ -177,13 +199,16 @@ cudnnStatus_t mu_workspace_size_query(const mu_query *q, int algo, size_t *size)
     if (status == CUDNN_STATUS_SUCCESS && size != NULL && !state->disabled &&
         mu_kernel_from_descs(&q->descs, &k) == NULL) {
         mu_seen_kernel(&k);
-        mu_plan_entry *entry = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
-        if (entry != NULL && !atomic_load(&entry->disabled) && entry->workspace > *size &&
-            mu_plan_algo(q->handle, &q->descs, entry) == algo) {
-            mu_log(MU_LOG_DEBUG, "%s %s N=%d: plan workspace %zu (cuDNN says %zu for algo %s)",
-                   q->function, k.key, k.n, entry->workspace, *size, mu_algo_name(entry->dir, algo));
-            *size = entry->workspace;
-        }
+        mu_plan_entry *head = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
+        size_t real_size = *size;
+        /* the largest of the points offered with this algorithm: the fastest of them then fits */
+        for (mu_plan_entry *point = head; point != NULL; point = point->next_point)
+            if (!atomic_load(&point->disabled) && point->workspace > *size &&
+                mu_plan_algo(q->handle, &q->descs, point) == algo)
+                *size = point->workspace;
+        if (*size != real_size)
+            mu_log(MU_LOG_DEBUG, "%s %s N=%d: plan workspace %zu (cuDNN says %zu for algo %s)", q->function,
+                   k.key, k.n, *size, real_size, mu_algo_name(q->descs.dir, algo));
     }
     mu_guard_leave();
     return status;
