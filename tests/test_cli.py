@@ -145,7 +145,7 @@ def test_tune_then_show_on_the_shipped_measurements(no_gpu, tmp_path):
     rows = [line for line in out.splitlines() if re.match(r"(fwd|bwd_data|bwd_filter) c\d", line)]
     assert len(rows) == len(kernels)
     total = sum(e.time_ms for e in plan)
-    assert (f"sum of kernel times: plan {total:.3f} ms; workspace: largest "
+    assert (f"sum of kernel times (each kernel once): plan {total:.3f} ms; workspace: largest "
             f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}"
             in out)
     # The speedup columns and their totals come from the same shipped measurements.
@@ -303,7 +303,7 @@ def test_tune_predicts_a_recordings_time_per_pass_with_its_calls(mixed_recording
         result = invoke("tune", "--recording", recording, "--workspace-limit", "64MiB",
                         "-o", tmp_path / "p.plan")
         assert result.exit_code == 0, result.output
-        return float(re.search(r"predicted ([0-9.]+) ms per pass", result.stdout).group(1))
+        return float(re.search(r"predicted ([0-9.]+) ms per step", result.stdout).group(1))
 
     full, halved = predicted(f"kernel {key} {n}\n"), predicted(f"kernel {key} {half}\n")
     # two steps: the half-batch kernel ran 3 times a step (three identical layers), the other once
@@ -446,7 +446,10 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_
     assert result.exit_code == 0, result.output
     (record_args, record_env), (run_args, run_env) = calls
     assert record_args == ["python", "train.py", "--steps", "2"]
-    assert record_env["MUCUDNN_RECORD"] == str(plan_path.with_suffix(".record").resolve())
+    # recorded into a fresh file beside the plan, renamed to auto.record once the plan is written
+    assert Path(record_env["MUCUDNN_RECORD"]).parent == plan_path.parent.resolve()
+    assert not Path(record_env["MUCUDNN_RECORD"]).exists()
+    assert plan_path.with_suffix(".record").read_text().count("kernel ") == len(kernels)
     assert benchmarked == [(len(kernels), "powerOfTwo", "both")]
     plan = read_plan(plan_path)
     assert {(e.key, e.n) for e in plan} == {(p.key, p.n) for p in kernels}
