@@ -32,7 +32,7 @@ from .measurement import Measurement
 from .optimizer import Policy, best_plan, candidate_sizes, fit_sizes, pareto_plans, solve_budget
 from .plan import Plan, PlanEntry, Restrictions
 from .problem import ALGORITHMS, ConvProblem
-from .sizes import parse_size
+from .sizes import format_size, parse_size
 
 Kernels = Sequence[tuple[ConvProblem, int]]
 
@@ -247,7 +247,8 @@ def _warn_missing_fit_sizes(rows: dict, kernels: Kernels, limit: int, borrow_out
             f"policy fit: {lacking} of {len(kernels)} kernels have no measurements at the sizes "
             f"policy fit adds within this limit, so their plans use the powers of two only (as policy "
             f"powerOfTwo); measure them with 'mucudnn bench ... --policy fit --workspace-limit "
-            f"{limit}{' --borrow-output' if borrow_output else ''}' on that GPU"), stacklevel=3)
+            f"{format_size(limit).replace(' ', '')}{' --borrow-output' if borrow_output else ''}' "
+            "on that GPU"), stacklevel=3)
 
 
 def check_excluded_names(names: Sequence[str]) -> None:
