@@ -185,7 +185,9 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     Exactly one of ``workspace_limit`` (WR: each kernel within this many bytes) and
     ``total_workspace`` (WD: all kernels' workspaces together within this budget) is given; sizes
     may be strings like ``"64MiB"``. Algorithms and engine configurations named in ``exclude`` are
-    never used; ``precise`` also excludes the transform-based ones (:func:`is_transform_based`).
+    never used (a name that is neither raises :class:`MucudnnError`); ``precise`` also excludes the
+    transform-based ones (:func:`~mucudnn.engines.is_transform_based`). The plan records these
+    restrictions (``Plan.restrictions``), and its baselines (:func:`baselines`) obey them.
     ``api`` limits the pieces to one cuDNN API: ``"legacy"`` for plans the shim runs on the legacy
     path, ``"graph"``, or ``"both"`` (every stored row). ``borrow_output`` (WR only) lets forward
     and backward-data pieces over the limit use the part of their output that later pieces will

@@ -595,7 +595,8 @@ def test_tune_and_show_name_the_math_type_and_what_it_means_for_pytorch(no_gpu, 
     tuned = invoke("tune", "resnet50", "--workspace-limit", "64MiB", "-o", plan_path)
     shown = invoke("show", plan_path)
     count = len(read_plan(plan_path))
-    line = f"math: f32 math=fma (TF32 off, as PyTorch with torch.backends.cudnn.allow_tf32 = False): {count} kernels"
+    line = ("math: f32 math=fma (TF32 off, as PyTorch with torch.backends.cudnn.allow_tf32 = "
+            f"False): {count} kernels")
     assert line in tuned.stdout.splitlines() and line in shown.stdout.splitlines()
 
 
