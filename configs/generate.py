@@ -207,6 +207,8 @@ def render(network: Network) -> str:
         f"# {network.name}: {len(convs)} convolution layers, {len(groups)} distinct geometries.",
         "# Written by configs/generate.py; see docs/configs.md for the format.",
         "# The first layer skips bwd_data: frameworks compute no gradient for the input images.",
+        "# math: fma is fp32 with TF32 off (PyTorch's torch.backends.cudnn.allow_tf32 = False);",
+        "# PyTorch's default allows TF32, math: default (docs/configs.md).",
         f"name: {network.name}",
         f"source: {network.source}",
         f"batch: {BATCH}",

@@ -6,6 +6,7 @@ import os
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -98,7 +99,37 @@ def _kernels(config: str | None, recordings: tuple[str, ...]):
         raise MucudnnError("give either a CONFIG or --recording FILE (not both)")
     if config:
         return load_config(find_config(config))
-    return read_recording_weights(recordings)
+    kernels = read_recording_weights(recordings)
+    if not kernels:
+        raise MucudnnError(f"{', '.join(recordings)}: no kernels recorded (did the command run "
+                           "any cuDNN convolution under 'mucudnn record'?)")
+    return kernels
+
+
+def _inputs(config: str | None, recordings, store_path) -> list[tuple[str, object]]:
+    """(what, path) of every file a command reads, for :func:`refuse_inputs_as_output`."""
+    from .config import find_config
+    from .store import default_store_path
+    found = [("benchmark store", store_path or default_store_path())]
+    if config:
+        found.append(("config", find_config(config)))
+    found += [("recording", path) for path in recordings]
+    return found
+
+
+def _optimize(*args, **kwargs):
+    """tuner.optimize, its FitSizesMissingWarning printed as one warning line."""
+    from .tuner import FitSizesMissingWarning, optimize
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FitSizesMissingWarning)
+        plan = optimize(*args, **kwargs)
+    for warning in caught:
+        if issubclass(warning.category, FitSizesMissingWarning):
+            click.echo(f"mucudnn: warning: {warning.message}", err=True)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno)
+    return plan
 
 
 @main.command()
@@ -172,7 +203,10 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, precise, 
          borrow_output, exclude, api, output, gpu, cudnn_version, store_path):
     """Compute the fastest micro-batch plan of each kernel and write a plan file."""
     from .bench import Environment
-    from .tuner import open_measurements, optimize, predicted_network_time, as_kernels
+    from .outputs import refuse_inputs_as_output
+    from .report import SUM_LABEL, describe_math
+    from .tuner import (as_kernels, check_excluded_names, open_measurements,
+                        predicted_network_time, sum_of_kernel_times)
     if (workspace_limit is None) == (total_workspace is None):
         raise click.UsageError("give exactly one of --workspace-limit and --total-workspace")
     if (gpu is None) != (cudnn_version is None):
@@ -180,21 +214,27 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, precise, 
     if borrow_output and total_workspace is not None:
         raise click.UsageError("--borrow-output goes with --workspace-limit, not --total-workspace")
     _check_output(output)
+    check_excluded_names(exclude)
+    refuse_inputs_as_output(output, _inputs(config, recordings, store_path))
     source = _kernels(config, recordings)
     env = Environment(gpu, cudnn_version) if gpu else None
     store, env = open_measurements(store_path, env)
     with store:
         _echo_warnings(store)
-        plan = optimize(source, workspace_limit=workspace_limit,
+        plan = _optimize(source, workspace_limit=workspace_limit,
                         total_workspace=total_workspace, policy=policy, store=store, env=env,
                         exclude=exclude, precise=precise, api=api, borrow_output=borrow_output,
                         deterministic=deterministic)
     _write_plan_file(plan, output)
     kernels = as_kernels(source)
     divided = sum(1 for e in plan if e.is_divided)
+    pass_name = ("per step (each kernel x its recorded calls per step)" if recordings
+                 else "per pass (each kernel x the layers that run it)")
     click.echo(f"wrote {output}: {len(plan)} kernels ({divided} micro-batched), predicted "
-               f"{predicted_network_time(plan, kernels):.2f} ms per pass, measurements of "
+               f"{predicted_network_time(plan, kernels):.3f} ms {pass_name}, measurements of "
                f"{env.gpu} / cuDNN {env.cudnn}")
+    click.echo(f"{SUM_LABEL}: plan {sum_of_kernel_times(plan):.3f} ms (as `mucudnn show`)")
+    click.echo(describe_math(plan))
     click.echo(f"{store.describe(used=True)} (used by the plan)")
 
 
@@ -205,10 +245,11 @@ def show(plan_path, store_path):
     """Print PLAN as a table: micro-batches, algorithms, workspace, predicted time, and speedups
     over the best undivided algorithm within the same limit and over uncapped cuDNN."""
     from .bench import Environment
-    from .plan import read_plan
+    from .plan import read_plan, read_restrictions
     from .report import format_plan_table, plan_rows
     from .tuner import open_measurements
     plan = read_plan(plan_path)
+    plan.restrictions = read_restrictions(plan_path)
     env = Environment(plan.gpu, plan.cudnn)
     with open_measurements(store_path, env)[0] as source:
         _echo_warnings(source)
@@ -317,26 +358,37 @@ def autotune(workspace_limit, policy, precise, deterministic, borrow_output, api
              store_path, command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go."""
+    from .outputs import refuse_inputs_as_output
     from .plan import read_recording_weights
-    from .tuner import benchmark, optimize
+    from .tuner import benchmark
     _require_command(command)
     _check_output(plan_path)
     recording = Path(plan_path).with_suffix(".record")
-    recording.unlink(missing_ok=True)
-    recorder = tuple(shlex.split(record_command)) if record_command else command
-    click.echo(f"mucudnn: 1/4 recording: {shlex.join(recorder)}", err=True)
-    code = _exec(recorder, _shim_env(limit=workspace_limit, record=recording))
-    if code != 0 or not recording.exists():
-        raise MucudnnError(f"the recording run exited with {code} and recorded "
-                           f"{'nothing' if not recording.exists() else 'in ' + str(recording)}")
-    kernels = read_recording_weights([recording])
-    click.echo(f"mucudnn: 2/4 benchmarking {len(kernels)} kernels", err=True)
-    benchmark(kernels, policy, store=store_path, api=api, workspace_limit=workspace_limit,
-              borrow_output=borrow_output)
-    click.echo("mucudnn: 3/4 tuning", err=True)
-    plan = optimize(kernels, workspace_limit=workspace_limit, policy=policy, store=store_path,
-                    precise=precise, api=api, borrow_output=borrow_output, deterministic=deterministic)
-    _write_plan_file(plan, plan_path)
+    refuse_inputs_as_output(plan_path, [("recording", recording)] + _inputs(None, (), store_path))
+    # The run records into a fresh file beside the target; plan and recording replace the old ones
+    # only once tuning succeeded, so a failing command leaves both as they were.
+    fresh = recording.with_name(f".{recording.name}.{os.getpid()}.tmp")
+    fresh.unlink(missing_ok=True)
+    try:
+        recorder = tuple(shlex.split(record_command)) if record_command else command
+        click.echo(f"mucudnn: 1/4 recording: {shlex.join(recorder)}", err=True)
+        code = _exec(recorder, _shim_env(limit=workspace_limit, record=fresh))
+        kernels = read_recording_weights([fresh]) if fresh.exists() else []
+        if code != 0 or not kernels:
+            raise MucudnnError(f"the recording run exited with {code} and recorded "
+                               f"{len(kernels) or 'no'} kernels; {recording} and {plan_path} "
+                               "are left as they were")
+        click.echo(f"mucudnn: 2/4 benchmarking {len(kernels)} kernels", err=True)
+        benchmark(kernels, policy, store=store_path, api=api, workspace_limit=workspace_limit,
+                  borrow_output=borrow_output)
+        click.echo("mucudnn: 3/4 tuning", err=True)
+        plan = _optimize(kernels, workspace_limit=workspace_limit, policy=policy,
+                         store=store_path, precise=precise, api=api, borrow_output=borrow_output,
+                         deterministic=deterministic)
+        _write_plan_file(plan, plan_path)
+        os.replace(fresh, recording)
+    finally:
+        fresh.unlink(missing_ok=True)
     divided = sum(1 for e in plan if e.is_divided)
     click.echo(f"mucudnn: wrote {plan_path}: {len(plan)} kernels ({divided} micro-batched)",
                err=True)

@@ -162,9 +162,11 @@ NONDETERMINISTIC_ALGORITHMS = {"fwd": frozenset(), "bwd_data": frozenset({"algo_
                                "bwd_filter": frozenset({"algo_0", "algo_3"})}
 
 
-def is_nondeterministic(row, direction: str) -> bool:
-    """Whether a measurement row (``algo``, ``note``) of a kernel of ``direction`` (``"fwd"``,
-    ``"bwd_data"``, ``"bwd_filter"``) may give other bits on another run."""
+def is_nondeterministic(row, direction=None) -> bool:
+    """Whether a measurement row (``key``, ``algo``, ``note``) may give other bits on another run;
+    ``direction`` (``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``) defaults to the key's."""
     if api_of(row.algo) is Api.GRAPH:
         return not row.note.startswith(_NOTES_LABEL) or "nondeterministic" in numerical_notes(row.note)
+    if direction is None:
+        direction = row.key.split(",", 1)[0].partition("=")[2]
     return row.algo in NONDETERMINISTIC_ALGORITHMS[str(getattr(direction, "value", direction))]

@@ -15,8 +15,9 @@ import stat
 from pathlib import Path
 from typing import Iterable
 
-from .engines import Api, api_of, parse_engine_name
+from .engines import Api, api_of, is_nondeterministic, is_transform_based, parse_engine_name, select_apis
 from .errors import EngineNameError, KeyFormatError, PlanError
+from .outputs import write_text_atomically
 from .problem import ALGORITHMS, ConvProblem, Direction, MathType
 
 FORMAT_VERSION = 1
@@ -86,6 +87,41 @@ class PlanEntry:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Restrictions:
+    """Which measurements a plan was allowed to use (``tune --api``, ``--precise``,
+    ``--exclude-algo``): its pieces and every baseline it is compared with come from the rows
+    :meth:`usable` accepts. Written into the plan as a comment (:data:`RESTRICTIONS_MARK`)."""
+
+    api: str = "both"
+    precise: bool = False
+    exclude: tuple[str, ...] = ()
+    deterministic: bool = False
+
+    def usable(self, row) -> bool:
+        """Whether a measurement row (``key``, ``algo``, ``note``) may be a piece under these rules."""
+        return (api_of(row.algo) in select_apis(self.api) and row.algo not in self.exclude
+                and not (self.precise and is_transform_based(row))
+                and not (self.deterministic and is_nondeterministic(row)))
+
+    def __str__(self) -> str:
+        return (f"api={self.api} precise={'yes' if self.precise else 'no'} "
+                f"exclude={','.join(self.exclude)} deterministic={'yes' if self.deterministic else 'no'}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Restrictions":
+        """The inverse of ``str``; fields it does not know are ignored."""
+        fields = dict(item.partition("=")[::2] for item in text.split())
+        return cls(api=fields.get("api") or "both", precise=fields.get("precise") == "yes",
+                   exclude=tuple(name for name in fields.get("exclude", "").split(",") if name),
+                   deterministic=fields.get("deterministic") == "yes")
+
+
+#: The comment line that carries a plan's :class:`Restrictions` (the shim and read_plan skip it
+#: as any comment).
+RESTRICTIONS_MARK = "# restrictions:"
+
+
 @dataclasses.dataclass
 class Plan:
     """A whole plan file: header plus one entry per (key, N)."""
@@ -99,6 +135,7 @@ class Plan:
     #: Written as ``#`` lines after the first (readers ignore them): e.g. where the
     #: measurements came from. Not read back.
     comments: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    restrictions: Restrictions = dataclasses.field(default_factory=Restrictions)
 
     def add(self, entry: PlanEntry) -> None:
         if (entry.key, entry.n) in self.entries:
@@ -133,6 +170,7 @@ def format_plan(plan: Plan) -> str:
     out.write(f"{MAGIC} {FORMAT_VERSION}\n")
     out.write(f"gpu {plan.gpu}\ncudnn {plan.cudnn}\nstrategy {plan.strategy}\n")
     out.write(f"limit {plan.limit}\npolicy {plan.policy}\n")
+    out.write(f"{RESTRICTIONS_MARK} {plan.restrictions}\n")
     for e in plan:
         pieces = " ".join(str(p) for p in e.pieces)
         out.write(f"kernel {e.key} {e.n} {e.workspace} {e.time_ms:.6g} {pieces}\n")
@@ -143,10 +181,16 @@ def write_plan(plan: Plan, path: str | os.PathLike) -> None:
     """Write atomically (temporary file + rename) so a running shim never reads half a plan."""
     text = format_plan(plan)
     read_plan_text(text, source=str(path))  # never write what we could not read back
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, text)
+
+
+def read_restrictions(path: str | os.PathLike) -> Restrictions:
+    """The :class:`Restrictions` comment a plan file carries (write_plan's); the defaults (every
+    row usable) for a plan without one. Assumes a plan :func:`read_plan` has accepted."""
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.startswith(RESTRICTIONS_MARK):
+            return Restrictions.parse(line[len(RESTRICTIONS_MARK):])
+    return Restrictions()
 
 
 # -- reading -------------------------------------------------------------------------------------

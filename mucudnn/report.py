@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from itertools import groupby
 
-from .plan import Plan, PlanEntry
+from .plan import Plan, PlanEntry, Restrictions
+from .problem import DataType, MathType
 from .sizes import format_size
+
+#: What a math type in an f32 kernel's key means for PyTorch (docs/configs.md).
+_F32_MATH = {
+    MathType.FMA: "TF32 off, as PyTorch with torch.backends.cudnn.allow_tf32 = False",
+    MathType.DEFAULT: "TF32 allowed, PyTorch's default",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +56,39 @@ def describe_pieces(entry: PlanEntry) -> str:
     return ", ".join(parts)
 
 
+def describe_math(plan: Plan) -> str:
+    """The math types of the plan's kernel keys, with how many kernels each and, for f32 data,
+    whether that is PyTorch's default: ``math: fma (TF32 off, ...) 26 kernels``."""
+    counts = Counter((entry.problem.dtype, entry.problem.math) for entry in plan)
+    parts = []
+    for (dtype, math), count in sorted(counts.items(), key=lambda item: -item[1]):
+        meaning = _F32_MATH.get(math) if dtype is DataType.FLOAT else None
+        parts.append(f"{dtype.value} math={math.value}" + (f" ({meaning})" if meaning else "")
+                     + f": {count} kernel{'s' if count != 1 else ''}")
+    return "math: " + ("; ".join(parts) if parts else "no kernels")
+
+
+def describe_restrictions(rules: Restrictions) -> str:
+    """Which rows the plan and its baselines were chosen from, in words."""
+    apis = {"both": "legacy algorithms and graph-API engines", "legacy": "legacy algorithms only",
+            "graph": "graph-API engines only"}.get(rules.api, rules.api)
+    text = f"pieces and baselines from: {apis}"
+    if rules.precise:
+        text += ", no FFT/Winograd (--precise)"
+    if rules.exclude:
+        text += f", excluding {', '.join(rules.exclude)}"
+    return text
+
+
 def plan_rows(plan: Plan, store=None, env=None) -> list[PlanRow]:
+    """One row per kernel, its baselines under the plan's own restrictions; a WD plan's kernel is
+    compared with undivided algorithms within the workspace the plan gave it."""
     from .tuner import baselines
     rows = []
     for entry in plan:
         limit = plan.limit if plan.strategy == "wr" else entry.workspace
-        base = baselines(store, env, entry, limit) if store is not None else (None, None)
+        base = (baselines(store, env, entry, limit, plan.restrictions) if store is not None
+                else (None, None))
         rows.append(PlanRow(entry, *base))
     return rows
 
@@ -69,7 +104,8 @@ def _ms(value: float | None) -> str:
 def format_plan_table(plan: Plan, rows: list[PlanRow]) -> str:
     limit_name = "limit per kernel" if plan.strategy == "wr" else "total budget"
     header = (f"plan: {plan.gpu}, cuDNN {plan.cudnn}, {plan.strategy.upper()} "
-              f"{limit_name} {format_size(plan.limit)}, policy {plan.policy}, {len(plan)} kernels")
+              f"{limit_name} {format_size(plan.limit)}, policy {plan.policy}, {len(plan)} kernels\n"
+              f"{describe_math(plan)}\n{describe_restrictions(plan.restrictions)}")
     columns = ("kernel", "N", "micro-batches", "workspace", "plan ms", "undiv ms", "speedup",
                "uncapped ms", "vs uncapped")
     table = [columns]
@@ -91,12 +127,23 @@ def format_plan_table(plan: Plan, rows: list[PlanRow]) -> str:
     if any(piece.borrow for entry in plan for piece in entry.pieces):
         lines.append("*: the piece's workspace is the part of its output the later pieces write "
                      "(not in the workspace column)")
-    lines.append(f"sum of kernel times: plan {total_plan:.3f} ms; workspace: largest "
+    lines.append(f"{SUM_LABEL}: plan {total_plan:.3f} ms; workspace: largest "
                  f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}")
-    if known and len(known) == len(rows):
+    if known and len(known) == len(rows) and total_plan:
         undiv = sum(r.undivided_ms for r in known)
         unlim = sum(r.unlimited_ms for r in known)
-        lines.append(f"undivided within the limit {undiv:.3f} ms ({undiv / total_plan:.2f}x slower "
-                     f"than the plan); uncapped {unlim:.3f} ms (plan at {total_plan / unlim:.2f}x "
-                     "of uncapped)")
+        lines.append(f"{SUM_LABEL}: undivided within the limit {undiv:.3f} ms (plan "
+                     f"{_faster(undiv, total_plan)}); uncapped {unlim:.3f} ms (plan "
+                     f"{_faster(unlim, total_plan)})")
     return "\n".join(lines)
+
+
+#: The label of Σ predicted time over a plan's kernels, each once; ``tune`` prints the same.
+SUM_LABEL = "sum of kernel times (each kernel once)"
+
+
+def _faster(baseline_ms: float, plan_ms: float) -> str:
+    """``1.94x faster`` or ``1.49x slower``: the plan against a baseline, always a ratio >= 1."""
+    if baseline_ms >= plan_ms:
+        return f"{baseline_ms / plan_ms:.2f}x faster"
+    return f"{plan_ms / baseline_ms:.2f}x slower"

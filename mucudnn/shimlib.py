@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zipfile
 from pathlib import Path
 
 from .errors import LibraryNotFoundError, MucudnnError
@@ -21,6 +22,54 @@ from .errors import LibraryNotFoundError, MucudnnError
 # package carries the sources it builds the shim from.
 SHIM_SOURCE_DIR = Path(__file__).resolve().parent / "shim_src"
 LIBRARY_NAME = "libmucudnn.so"
+
+#: The wheel whose headers ``scripts/test.sh`` unpacks where no cuDNN headers are installed: the
+#: cuDNN of the shipped measurements (benchmarks/results/README.md), pinned so every checkout
+#: builds against the same headers.
+CUDNN_HEADERS_WHEEL = "nvidia-cudnn-cu13==9.19.0.56"
+_WHEEL_INCLUDE = "nvidia/cudnn/include/"
+
+
+def _user_cache() -> Path:
+    """``$XDG_CACHE_HOME/mucudnn``, or ``~/.cache/mucudnn`` when that is unset or not absolute."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
+    if not base.is_absolute():
+        base = Path("~/.cache").expanduser()
+    return base / "mucudnn"
+
+
+def cudnn_headers_cache() -> Path:
+    """Where :func:`unpack_cudnn_headers` puts the pinned wheel's headers, one directory per
+    version, in the user's cache (so every checkout and command finds them)."""
+    version = CUDNN_HEADERS_WHEEL.partition("==")[2]
+    return _user_cache() / f"cudnn-headers-{version}" / "include"
+
+
+def unpack_cudnn_headers(wheel: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
+    """Extract only the ``nvidia/cudnn/include/*.h`` files of an ``nvidia-cudnn`` wheel into
+    ``dest`` (default :func:`cudnn_headers_cache`) and return it. The headers land in a scratch
+    directory first and are renamed into place, so a reader never sees half of them."""
+    dest = Path(dest) if dest is not None else cudnn_headers_cache()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".unpack-"))
+    try:
+        try:
+            with zipfile.ZipFile(wheel) as archive:
+                names = [n for n in archive.namelist() if n.startswith(_WHEEL_INCLUDE)
+                         and n.endswith(".h") and "/" not in n[len(_WHEEL_INCLUDE):]]
+                if _WHEEL_INCLUDE + "cudnn.h" not in names:
+                    raise MucudnnError(f"{wheel}: no {_WHEEL_INCLUDE}cudnn.h in it")
+                for name in names:
+                    (scratch / Path(name).name).write_bytes(archive.read(name))
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise MucudnnError(f"{wheel}: cannot unpack cuDNN headers: {exc}") from None
+        scratch.chmod(0o755)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(scratch, dest)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return dest
 
 
 def _nvidia_wheel_dirs(*parts: str) -> list[Path]:
@@ -38,14 +87,17 @@ def find_cudnn_include() -> Path:
 
     Order: ``$MUCUDNN_CUDNN_INCLUDE``; the ``nvidia/cudnn/include`` of an installed
     ``nvidia-cudnn-cu13``/``-cu12`` wheel (PyTorch's cuDNN); ``/usr/include``;
-    ``/usr/local/cuda/include``. Raises :class:`LibraryNotFoundError` naming the places tried.
+    ``/usr/local/cuda/include``; last the headers ``scripts/test.sh`` unpacks into the user's
+    cache (:func:`cudnn_headers_cache`), which match no installed library and so come after every
+    installed cuDNN. Raises :class:`LibraryNotFoundError` naming the places tried.
     """
     candidates = []
     if os.environ.get("MUCUDNN_CUDNN_INCLUDE"):
         candidates.append(Path(os.environ["MUCUDNN_CUDNN_INCLUDE"]))
     candidates += _nvidia_wheel_dirs("cudnn", "include")
-    candidates += [Path("/usr/include"), Path("/usr/local/cuda/include")]
-    return _first_with(candidates, "cudnn.h", "set MUCUDNN_CUDNN_INCLUDE or install nvidia-cudnn-cu13")
+    candidates += [Path("/usr/include"), Path("/usr/local/cuda/include"), cudnn_headers_cache()]
+    return _first_with(candidates, "cudnn.h", "set MUCUDNN_CUDNN_INCLUDE, install "
+                       "nvidia-cudnn-cu13, or run scripts/test.sh (it unpacks the headers)")
 
 
 def find_cuda_include() -> Path:
@@ -102,7 +154,7 @@ def _build_hash(cudnn_include: Path, cuda_include: Path, compiler: str) -> str:
 def _cache_root() -> Path:
     if os.environ.get("MUCUDNN_SHIM_DIR"):
         return Path(os.environ["MUCUDNN_SHIM_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mucudnn" / "shim"
+    return _user_cache() / "shim"
 
 
 def build_shim(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import difflib
 import gzip
 import hashlib
 import importlib.util
@@ -28,13 +29,14 @@ from typing import Sequence
 
 from . import store as store_mod
 from .bench import Environment, current_environment, gpu_available
-from .engines import api_of, is_nondeterministic, is_transform_based, select_apis
-from .errors import MissingMeasurementsError, MucudnnError, ReadOnlyStoreError, UnwritableError
+from .engines import api_of, parse_engine_name, select_apis
+from .errors import (EngineNameError, MissingMeasurementsError, MucudnnError, ReadOnlyStoreError,
+                     UnwritableError)
 from .measurement import Measurement
 from .optimizer import Policy, best_plan, candidate_sizes, fit_sizes, pareto_plans, solve_budget
-from .plan import Plan, PlanEntry
-from .problem import ConvProblem
-from .sizes import parse_size
+from .plan import Plan, PlanEntry, Restrictions
+from .problem import ALGORITHMS, ConvProblem
+from .sizes import format_size, parse_size
 
 Kernels = Sequence[tuple[ConvProblem, int]]
 
@@ -358,10 +360,12 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     Exactly one of ``workspace_limit`` (WR: each kernel within this many bytes) and
     ``total_workspace`` (WD: all kernels' workspaces together within this budget) is given; sizes
     may be strings like ``"64MiB"``. Algorithms and engine configurations named in ``exclude`` are
-    never used; ``precise`` also excludes the transform-based ones (:func:`is_transform_based`),
-    ``deterministic`` the non-deterministic ones (:func:`is_nondeterministic`: a caller that chose
-    a deterministic algorithm or engine, as ``torch.backends.cudnn.deterministic`` makes PyTorch
-    do, runs only plans without them).
+    never used (a name that is neither raises :class:`MucudnnError`); ``precise`` also excludes the
+    transform-based ones (:func:`~mucudnn.engines.is_transform_based`), ``deterministic`` the
+    non-deterministic ones (:func:`~mucudnn.engines.is_nondeterministic`: a caller that chose a
+    deterministic algorithm or engine, as ``torch.backends.cudnn.deterministic`` makes PyTorch do,
+    runs only plans without them). The plan records these restrictions (``Plan.restrictions``),
+    and its baselines (:func:`baselines`) obey them.
     ``api`` limits the pieces to one cuDNN API: ``"legacy"`` for plans the shim runs on the legacy
     path, ``"graph"``, or ``"both"`` (every stored row). ``borrow_output`` (WR only) lets forward
     and backward-data pieces over the limit use the part of their output that later pieces will
@@ -375,17 +379,16 @@ def optimize(source, workspace_limit=None, total_workspace=None,
                            "not with total_workspace (WD)")
     policy = Policy(policy)
     kernels = as_kernels(source)
-    banned = set(exclude)
-
-    def usable(row: Measurement, direction) -> bool:
-        return (row.algo not in banned and not (precise and is_transform_based(row))
-                and not (deterministic and is_nondeterministic(row, direction)))
+    check_excluded_names(exclude)
+    rules = Restrictions(api=api, precise=precise, exclude=tuple(dict.fromkeys(exclude)),
+                         deterministic=deterministic)
+    select_apis(api)  # an unknown api is one error here, not a failure per row
 
     rows, missing = {}, []
     with _measurements_source(store, env) as (st, env):
         for p, _ in kernels:
             found, lacking = _rows_and_missing(st, env, p, policy, api)
-            rows[(p.key, p.n)] = [m for m in found if usable(m, p.direction)]
+            rows[(p.key, p.n)] = [m for m in found if rules.usable(m)]
             if lacking:
                 missing.append((p, lacking))
         source = _source_comment(st, env)
@@ -393,6 +396,8 @@ def optimize(source, workspace_limit=None, total_workspace=None,
         raise MissingMeasurementsError(_missing_message(missing, len(kernels), env, policy, api))
     if workspace_limit is not None:
         limit = parse_size(workspace_limit)
+        if policy is Policy.FIT:
+            _warn_missing_fit_sizes(rows, kernels, limit, borrow_output)
         plans = [best_plan(rows[(p.key, p.n)], p.n, limit, policy,
                            borrow_sample_bytes=p.written_sample_bytes if borrow_output else 0)
                  for p, _ in kernels]
@@ -404,10 +409,52 @@ def optimize(source, workspace_limit=None, total_workspace=None,
         plans = [chosen[(p.key, p.n)] for p, _ in kernels]
         strategy = "wd"
     plan = Plan(gpu=env.gpu, cudnn=env.cudnn, strategy=strategy, limit=limit,
-                policy=policy.value, comments=(source,))
+                policy=policy.value, comments=(source,), restrictions=rules)
     for kp in plans:
         plan.add(PlanEntry.from_kernel_plan(kp))
     return plan
+
+
+class FitSizesMissingWarning(UserWarning):
+    """Policy ``fit`` was asked for, but the store lacks the fit sizes of some kernels: their plans
+    use the powers of two only (what policy ``powerOfTwo`` gives)."""
+
+
+def _warn_missing_fit_sizes(rows: dict, kernels: Kernels, limit: int, borrow_output: bool) -> None:
+    """Warn (:class:`FitSizesMissingWarning`) naming how many kernels have none of the sizes
+    :func:`fit_sizes` says policy ``fit`` adds for them at ``limit`` measured: their fit plans are
+    their powerOfTwo plans."""
+    lacking = 0
+    for p, _ in kernels:
+        kernel_rows = rows[(p.key, p.n)]
+        wanted = fit_sizes(kernel_rows, p.n, limit, p.written_sample_bytes if borrow_output else 0)
+        if wanted and not set(wanted) & {m.batch for m in kernel_rows}:
+            lacking += 1
+    if lacking:
+        warnings.warn(FitSizesMissingWarning(
+            f"policy fit: {lacking} of {len(kernels)} kernels have no measurements at the sizes "
+            f"policy fit adds within this limit, so their plans use the powers of two only (as policy "
+            f"powerOfTwo); measure them with 'mucudnn bench ... --policy fit --workspace-limit "
+            f"{format_size(limit).replace(' ', '')}{' --borrow-output' if borrow_output else ''}' "
+            "on that GPU"), stacklevel=3)
+
+
+def check_excluded_names(names: Sequence[str]) -> None:
+    """Raise :class:`MucudnnError` for a name that is neither a legacy algorithm nor an engine
+    name (a typo would otherwise exclude nothing), suggesting the closest algorithm name."""
+    known = sorted({name for names_ in ALGORITHMS.values() for name in names_})
+    for name in names:
+        if name in known:
+            continue
+        try:
+            parse_engine_name(name)
+            continue
+        except EngineNameError:
+            pass
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = (f"did you mean {close[0]!r}?" if close
+                else f"expected one of {', '.join(known)} or an engine name such as eng0")
+        raise MucudnnError(f"--exclude-algo {name!r} is no cuDNN algorithm or engine name: {hint}")
 
 
 @contextlib.contextmanager
@@ -436,14 +483,26 @@ def _source_comment(store, env: Environment) -> str:
 
 
 def predicted_network_time(plan: Plan, kernels: Kernels) -> float:
-    """Σ weight × predicted time over the kernels (ms)."""
+    """Σ weight × predicted time over the kernels (ms): one pass of the network or recorded step,
+    each kernel as often as layers (or calls) run it. :func:`sum_of_kernel_times` counts each
+    kernel once."""
     return sum(w * plan.get(p.key, p.n).time_ms for p, w in kernels if plan.get(p.key, p.n))
 
 
-def baselines(store, env: Environment, entry: PlanEntry, limit: int | None) -> tuple[float | None, float | None]:
-    """(best undivided time within ``limit``, best undivided time with no limit), None if unknown."""
+def sum_of_kernel_times(plan: Plan) -> float:
+    """Σ predicted time over the plan's kernels, each (key, N) once (ms): what a plan file alone
+    gives (it does not say how often each kernel runs); ``show`` prints it."""
+    return sum(entry.time_ms for entry in plan)
+
+
+def baselines(store, env: Environment, entry: PlanEntry, limit: int | None,
+              restrictions: Restrictions = Restrictions()) -> tuple[float | None, float | None]:
+    """(best undivided time within ``limit``, best undivided time with no limit), None if unknown,
+    from the rows ``restrictions`` allows (the plan's own, so that plan and baselines compare like
+    with like)."""
     try:
-        rows = measurements(store, env, entry.problem, Policy.UNDIVIDED)
+        rows = [m for m in measurements(store, env, entry.problem, Policy.UNDIVIDED, restrictions.api)
+                if restrictions.usable(m)]
     except MissingMeasurementsError:
         return None, None
     out = []

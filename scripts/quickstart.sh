@@ -4,8 +4,8 @@
 # elsewhere the plan comes from the measurements shipped with mucudnn (an H200).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+source scripts/setup.sh
+ensure_venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e .
 if .venv/bin/python -c "from mucudnn.bench import gpu_available as g; raise SystemExit(not g())"; then
   .venv/bin/mucudnn bench resnet50

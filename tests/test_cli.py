@@ -225,7 +225,7 @@ def test_tune_then_show_on_the_shipped_measurements(no_gpu, tmp_path):
     rows = [line for line in out.splitlines() if re.match(r"(fwd|bwd_data|bwd_filter) c\d", line)]
     assert len(rows) == len(kernels)
     total = sum(e.time_ms for e in plan)
-    assert (f"sum of kernel times: plan {total:.3f} ms; workspace: largest "
+    assert (f"sum of kernel times (each kernel once): plan {total:.3f} ms; workspace: largest "
             f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}"
             in out)
     # The speedup columns and their totals come from the same shipped measurements.
@@ -386,7 +386,7 @@ def test_tune_predicts_a_recordings_time_per_pass_with_its_calls(mixed_recording
         result = invoke("tune", "--recording", recording, "--workspace-limit", "64MiB",
                         "-o", tmp_path / "p.plan")
         assert result.exit_code == 0, result.output
-        return float(re.search(r"predicted ([0-9.]+) ms per pass", result.stdout).group(1))
+        return float(re.search(r"predicted ([0-9.]+) ms per step", result.stdout).group(1))
 
     full, halved = predicted(f"kernel {key} {n}\n"), predicted(f"kernel {key} {half}\n")
     # two steps: the half-batch kernel ran 3 times a step (three identical layers), the other once
@@ -529,7 +529,10 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_
     assert result.exit_code == 0, result.output
     (record_args, record_env), (run_args, run_env) = calls
     assert record_args == ["python", "train.py", "--steps", "2"]
-    assert record_env["MUCUDNN_RECORD"] == str(plan_path.with_suffix(".record").resolve())
+    # recorded into a fresh file beside the plan, renamed to auto.record once the plan is written
+    assert Path(record_env["MUCUDNN_RECORD"]).parent == plan_path.parent.resolve()
+    assert not Path(record_env["MUCUDNN_RECORD"]).exists()
+    assert plan_path.with_suffix(".record").read_text().count("kernel ") == len(kernels)
     assert benchmarked == [(len(kernels), "powerOfTwo", "both")]
     plan = read_plan(plan_path)
     assert {(e.key, e.n) for e in plan} == {(p.key, p.n) for p in kernels}
@@ -573,3 +576,140 @@ def test_autotune_stops_when_the_recording_run_fails(no_gpu, fake_exec, tmp_path
     errors = [line for line in result.stderr.splitlines() if line.startswith("mucudnn: error: ")]
     assert len(errors) == 1 and "recording run exited with 1" in errors[0], result.stderr
     assert len(calls) == 1 and not (tmp_path / "p.plan").exists()
+
+
+# -- outputs never destroy inputs ------------------------------------------------------------------
+
+def test_tune_refuses_to_write_its_plan_over_its_store(no_gpu, tmp_path):
+    store_path = tmp_path / "S.sqlite"
+    with open_store(store_path):
+        pass
+    before = store_path.read_bytes()
+    result = invoke("tune", "resnet50", "--workspace-limit", "64MiB", "--store", store_path,
+                    "-o", store_path)
+    assert_one_error_line(result, f"-o {store_path} is the benchmark store")
+    assert store_path.read_bytes() == before
+
+
+def test_tune_refuses_to_write_its_plan_over_its_config(no_gpu, tmp_path):
+    config = tmp_path / "r50.yaml"
+    config.write_text(Path(mucudnn.find_config("resnet50")).read_text())
+    before = config.read_text()
+    result = invoke("tune", config, "--workspace-limit", "64MiB", "-o", config)
+    assert_one_error_line(result, "is the config this command reads")
+    assert config.read_text() == before
+
+
+def test_tune_refuses_to_write_its_plan_over_its_recording(mixed_recording):
+    before = mixed_recording.read_text()
+    result = invoke("tune", "--recording", mixed_recording, "--workspace-limit", "64MiB",
+                    "-o", mixed_recording)
+    assert_one_error_line(result, "is the recording this command reads")
+    assert mixed_recording.read_text() == before
+
+
+def test_autotune_that_fails_keeps_the_previous_recording_and_plan(no_gpu, fake_exec, tmp_path,
+                                                                  monkeypatch):
+    plan_path, recording = tmp_path / "train.plan", tmp_path / "train.record"
+    recording.write_text("kernel from-an-earlier-run 1\n")
+    plan_path.write_text("an earlier plan\n")
+    monkeypatch.setattr(subprocess, "call", lambda args, env=None: 1)
+    result = invoke("autotune", "--workspace-limit", "64MiB", "-o", plan_path, "--", "python", "t.py")
+    assert result.exit_code == 2, result.output
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("mucudnn: error: ")]
+    assert "recording run exited with 1" in error and "left as they were" in error
+    assert recording.read_text() == "kernel from-an-earlier-run 1\n"
+    assert plan_path.read_text() == "an earlier plan\n"
+    assert not list(tmp_path.glob(".train.record*"))  # no temporary left behind
+
+
+def test_autotune_refuses_a_plan_path_that_is_its_recording(no_gpu, fake_exec, tmp_path):
+    recording = tmp_path / "train.record"
+    recording.write_text("kernel from-an-earlier-run 1\n")
+    result = invoke("autotune", "--workspace-limit", "64MiB", "-o", recording, "--", "python", "t.py")
+    assert_one_error_line(result, f"-o {recording} is the recording")
+    assert recording.read_text() == "kernel from-an-earlier-run 1\n"
+    assert fake_exec[1] == []  # nothing ran
+
+
+# -- what the totals count, under which restrictions -----------------------------------------------
+
+def test_tune_and_show_print_the_same_total_under_the_same_label(no_gpu, tmp_path):
+    plan_path = tmp_path / "r50.plan"
+    tuned = invoke("tune", "resnet50", "--workspace-limit", "64MiB", "-o", plan_path)
+    shown = invoke("show", plan_path)
+    assert tuned.exit_code == shown.exit_code == 0, tuned.output + shown.output
+    label = re.escape("sum of kernel times (each kernel once): plan ") + r"([0-9.]+) ms"
+    [tune_total] = re.findall(label, tuned.stdout)
+    [show_total] = re.findall(label, shown.stdout)
+    assert tune_total == show_total == f"{sum(e.time_ms for e in read_plan(plan_path)):.3f}"
+    # the weighted total says what it weighs
+    weighted = re.search(r"predicted ([0-9.]+) ms per pass \(each kernel x the layers that run it\)",
+                         tuned.stdout)
+    kernels = mucudnn.load_config("resnet50").kernels()
+    plan = read_plan(plan_path)
+    assert float(weighted.group(1)) == pytest.approx(
+        sum(w * plan.get(p.key, p.n).time_ms for p, w in kernels), abs=1e-3)
+
+
+@pytest.mark.parametrize("restriction", [("--api", "legacy"),
+                                         ("--exclude-algo", "eng7.k2=16.k11=-1")])
+def test_show_compares_a_restricted_plan_with_baselines_under_its_restrictions(
+        mixed_recording, tmp_path, restriction):
+    """The engine is twice as fast as the only legacy algorithm; a plan that may not use it is
+    compared with the legacy algorithm, not with the engine."""
+    plan_path = tmp_path / "p.plan"
+    tuned = invoke("tune", "--recording", mixed_recording, "--workspace-limit", "64MiB",
+                   *restriction, "-o", plan_path)
+    assert tuned.exit_code == 0, tuned.output
+    assert {p.algo for e in read_plan(plan_path) for p in e.pieces} == {"implicit_gemm"}
+    shown = invoke("show", plan_path)
+    assert shown.exit_code == 0, shown.output
+    [row] = [line for line in shown.stdout.splitlines() if line.startswith("fwd ")]
+    assert row.split()[-4:] == [row.split()[-5], "1.00x", row.split()[-5], "1.00x"], row
+    assert "pieces and baselines from: " in shown.stdout
+    assert re.search(r"\b0\.\d+x (faster|slower)", shown.stdout) is None
+
+
+# -- the math type, policy fit without its sizes -----------------------------------------------------
+
+def test_tune_and_show_name_the_math_type_and_what_it_means_for_pytorch(no_gpu, tmp_path):
+    plan_path = tmp_path / "r50.plan"
+    tuned = invoke("tune", "resnet50", "--workspace-limit", "64MiB", "-o", plan_path)
+    shown = invoke("show", plan_path)
+    count = len(read_plan(plan_path))
+    line = ("math: f32 math=fma (TF32 off, as PyTorch with torch.backends.cudnn.allow_tf32 = "
+            f"False): {count} kernels")
+    assert line in tuned.stdout.splitlines() and line in shown.stdout.splitlines()
+
+
+def test_tune_fit_without_fit_sizes_warns_once_with_the_count(no_gpu, tmp_path):
+    """The shipped fit sizes are of PyTorch's TF32 kernels, not of the configs' fma ones."""
+    result = invoke("tune", "resnet50", "--workspace-limit", "64MiB", "--policy", "fit",
+                    "-o", tmp_path / "fit.plan")
+    assert result.exit_code == 0, result.output
+    [warning] = [line for line in result.stderr.splitlines() if "warning" in line]
+    lacking, total = map(int, re.match(r"mucudnn: warning: policy fit: (\d+) of (\d+) kernels",
+                                       warning).groups())
+    assert 0 < lacking <= total == len(mucudnn.load_config("resnet50").kernels())
+    assert "--policy fit --workspace-limit 64.0MiB" in warning
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+def test_tune_refuses_a_misspelt_excluded_algorithm(no_gpu, tmp_path):
+    result = invoke("tune", "resnet50", "--workspace-limit", "64MiB", "--exclude-algo",
+                    "fft_tilling", "-o", tmp_path / "p.plan")
+    assert_one_error_line(result, "--exclude-algo 'fft_tilling'", "did you mean 'fft_tiling'?")
+    assert not (tmp_path / "p.plan").exists()
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_an_empty_recording_is_one_error_line(no_gpu, tmp_path, command, monkeypatch):
+    monkeypatch.setattr(tuner, "benchmark", lambda *a, **k: pytest.fail("benchmarked nothing"))
+    recording = tmp_path / "empty.record"
+    recording.write_text("# mucudnn-record 1 pid=1\n")
+    extra = ["-o", tmp_path / "p.plan"] if command == "tune" else []
+    result = invoke(command, "--recording", recording, "--workspace-limit", "64MiB", *extra)
+    assert_one_error_line(result, f"{recording}: no kernels recorded")
+    assert not (tmp_path / "p.plan").exists()

@@ -10,6 +10,7 @@ import os
 import pathlib
 import re
 import tempfile
+import warnings
 
 import pytest
 
@@ -21,7 +22,8 @@ from mucudnn.errors import (
 )
 from mucudnn.measurement import Measurement, Status
 from mucudnn.optimizer import Policy, candidate_sizes
-from mucudnn.plan import PlanEntry, PlanPiece, read_plan, write_plan
+from mucudnn.plan import (PlanEntry, PlanPiece, Restrictions, read_plan, read_restrictions,
+                          write_plan)
 from mucudnn.problem import ConvProblem, Direction, MathType
 from mucudnn.sizes import parse_size
 from mucudnn.store import open_store
@@ -654,3 +656,43 @@ def test_what_counts_as_nondeterministic():
     assert is_nondeterministic(row("eng7", format_numerical_notes(["nondeterministic"])), "fwd")
     assert not is_nondeterministic(row("eng0", format_numerical_notes([])), "fwd")
     assert is_nondeterministic(row("eng0", "cudnnBackendFinalize failed"), "fwd")  # notes unknown
+
+
+def test_fit_without_the_fit_sizes_warns_how_many_kernels_lack_them(store):
+    """The store has only powers of two: a fit plan would silently be the powerOfTwo plan."""
+    limit = 3000  # fft's and fft_tiling's largest size within it is 3
+    with pytest.warns(tuner.FitSizesMissingWarning, match=r"2 of 2 kernels .* --policy fit "):
+        fit = tuner.optimize(KERNELS, workspace_limit=limit, policy="fit", store=store, env=ENV)
+    pow2 = tuner.optimize(KERNELS, workspace_limit=limit, policy="powerOfTwo", store=store, env=ENV)
+    assert [e.pieces for e in fit] == [e.pieces for e in pow2]
+
+    store.put(ENV.gpu, ENV.cudnn, synthetic_rows(FWD, FWD_ALGOS, sizes=[3]))
+    with pytest.warns(tuner.FitSizesMissingWarning, match=r"1 of 2 kernels"):
+        tuner.optimize(KERNELS, workspace_limit=limit, policy="fit", store=store, env=ENV)
+    store.put(ENV.gpu, ENV.cudnn, synthetic_rows(BWD_DATA, BWD_DATA_ALGOS, sizes=[3]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tuner.FitSizesMissingWarning)
+        tuner.optimize(KERNELS, workspace_limit=limit, policy="fit", store=store, env=ENV)
+
+
+@pytest.mark.parametrize("name, hint", [("fft_tilling", "did you mean 'fft_tiling'?"),
+                                        ("eng", "or an engine name")])
+def test_an_unknown_excluded_name_is_refused(store, name, hint):
+    with pytest.raises(MucudnnError, match=re.escape(f"--exclude-algo {name!r}") + ".*"
+                       + re.escape(hint)):
+        tuner.optimize(KERNELS, workspace_limit="64MiB", store=store, env=ENV, exclude=[name])
+
+
+def test_a_plan_carries_its_restrictions_and_its_baselines_obey_them(store, tmp_path):
+    """A plan without fft: its baseline within the limit must not be an fft time either."""
+    plan = tuner.optimize([HUNGRY], workspace_limit="1GiB", store=store, env=ENV,
+                          exclude=["fft"], api="legacy")
+    assert plan.restrictions == Restrictions(api="legacy", exclude=("fft",))
+    write_plan(plan, tmp_path / "p.plan")
+    assert read_restrictions(tmp_path / "p.plan") == plan.restrictions
+    [entry] = plan
+    undivided, uncapped = tuner.baselines(store, ENV, entry, plan.limit, plan.restrictions)
+    assert {p.algo for p in entry.pieces} == {"gemm"}
+    assert undivided == uncapped == pytest.approx(entry.time_ms)
+    # everything allowed, fft is the baseline (faster than the plan that could not use it)
+    assert tuner.baselines(store, ENV, entry, plan.limit)[0] < entry.time_ms

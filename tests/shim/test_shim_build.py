@@ -42,6 +42,7 @@ def test_build_is_cached_by_content(headers, tmp_path, monkeypatch):
 
 def test_missing_cudnn_headers_name_the_places_tried(tmp_path, monkeypatch):
     monkeypatch.setenv("MUCUDNN_CUDNN_INCLUDE", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no headers unpacked there
     monkeypatch.setattr(shimlib, "_nvidia_wheel_dirs", lambda *parts: [])
     if Path("/usr/include/cudnn.h").exists() or Path("/usr/local/cuda/include/cudnn.h").exists():
         pytest.skip("system cuDNN headers present")

@@ -1,0 +1,138 @@
+"""Set-up: the pinned cuDNN headers in the user's cache, and scripts/setup.sh's .venv check."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from mucudnn import shimlib, tuner
+from mucudnn.errors import MucudnnError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fake_wheel(path: Path) -> Path:
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr("nvidia/cudnn/include/cudnn.h", "/* cudnn.h */\n")
+        wheel.writestr("nvidia/cudnn/include/cudnn_graph.h", "/* cudnn_graph.h */\n")
+        wheel.writestr("nvidia/cudnn/include/sub/other.h", "/* not a top-level header */\n")
+        wheel.writestr("nvidia/cudnn/lib/libcudnn.so.9", b"\x7fELF" + b"\0" * 64)
+    return path
+
+
+def test_the_pinned_headers_are_the_shipped_measurements_cudnn():
+    name, _, version = shimlib.CUDNN_HEADERS_WHEEL.partition("==")
+    major, minor, patch = map(int, version.split(".")[:3])
+    with gzip.open(tuner.SHIPPED_MEASUREMENTS, "rt", newline="") as rows:
+        shipped = {int(next(csv.DictReader(rows))["cudnn_version"])}
+    assert name.startswith("nvidia-cudnn-") and {major * 10000 + minor * 100 + patch} == shipped
+
+
+def test_unpacked_headers_land_in_the_user_cache_where_the_shim_build_finds_them(tmp_path,
+                                                                               monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MUCUDNN_CUDNN_INCLUDE", raising=False)
+    monkeypatch.setattr(shimlib, "_nvidia_wheel_dirs", lambda *parts: [])
+    if Path("/usr/include/cudnn.h").exists() or Path("/usr/local/cuda/include/cudnn.h").exists():
+        pytest.skip("system cuDNN headers present (found before the cache)")
+    with pytest.raises(MucudnnError, match="run scripts/test.sh"):
+        shimlib.find_cudnn_include()
+    dest = shimlib.unpack_cudnn_headers(fake_wheel(tmp_path / "w.whl"))
+    assert dest == tmp_path / "cache" / "mucudnn" / "cudnn-headers-9.19.0.56" / "include"
+    assert sorted(p.name for p in dest.iterdir()) == ["cudnn.h", "cudnn_graph.h"]
+    assert shimlib.find_cudnn_include() == dest
+    assert [p.name for p in dest.parent.parent.iterdir()] == ["cudnn-headers-9.19.0.56"]
+
+
+def test_a_wheel_without_cudnn_h_is_one_error(tmp_path):
+    with zipfile.ZipFile(tmp_path / "w.whl", "w") as wheel:
+        wheel.writestr("nvidia/cudnn/lib/libcudnn.so.9", b"")
+    with pytest.raises(MucudnnError, match="no nvidia/cudnn/include/cudnn.h in it"):
+        shimlib.unpack_cudnn_headers(tmp_path / "w.whl", tmp_path / "inc")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.whl"]
+
+
+def ensure_venv(cwd: Path, python: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f"set -eu; source {ROOT / 'scripts/setup.sh'}; ensure_venv"],
+                          cwd=cwd, env={**os.environ, "PYTHON": python}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def fake_python(path: Path, version: str, prefix: str = "/elsewhere") -> str:
+    """A 'python' that reports ``version`` and fails the >= 3.11 check below 3.11."""
+    old = tuple(map(int, version.split("."))) < (3, 11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\ncase \"$2\" in *exit*) exit {int(old)};; esac\n"
+                    f"echo {version} {prefix}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_venv_of_another_python_is_replaced(tmp_path):
+    fake_python(tmp_path / ".venv" / "bin" / "python", "3.9")
+    (tmp_path / ".venv" / "marker").write_text("old venv")
+    result = ensure_venv(tmp_path, sys.executable)
+    assert result.returncode == 0, result.stderr
+    assert "setup: .venv is Python 3.9 /elsewhere, not" in result.stderr
+    assert not (tmp_path / ".venv" / "marker").exists()
+    probe = "import sys; print(sys.version_info[:2], sys.base_prefix)"
+    made = subprocess.run([tmp_path / ".venv" / "bin" / "python", "-c", probe],
+                          capture_output=True, text=True).stdout
+    assert made == subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                                  text=True).stdout
+    # the same Python again: reused as it is
+    (tmp_path / ".venv" / "marker").write_text("kept")
+    again = ensure_venv(tmp_path, sys.executable)
+    assert again.returncode == 0 and again.stderr == "" and (tmp_path / ".venv" / "marker").exists()
+
+
+def test_a_python_older_than_3_11_is_refused(tmp_path):
+    old = fake_python(tmp_path / "bin" / "python3.9", "3.9")
+    result = ensure_venv(tmp_path, old)
+    assert result.returncode != 0
+    assert result.stderr.strip() == f"setup: mucudnn needs Python >= 3.11; {old} is 3.9: set PYTHON to another"
+    assert not (tmp_path / ".venv").exists()
+
+
+def test_missing_headers_are_downloaded_once_pinned_announced_and_cached(tmp_path, monkeypatch):
+    """scripts/setup.sh's ensure_cudnn_headers with a .venv whose pip download writes a small
+    wheel (and logs what it was asked for) instead of fetching 500 MB."""
+    if Path("/usr/include/cudnn.h").exists() or Path("/usr/local/cuda/include/cudnn.h").exists():
+        pytest.skip("system cuDNN headers present: nothing to download")
+    wheel, log = fake_wheel(tmp_path / "nvidia_cudnn_cu13-9.19.0.56-py3-none-any.whl"), tmp_path / "pip.log"
+    python = tmp_path / "repo" / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"""#!/bin/sh
+if [ "$1 $2 $3" = "-m pip download" ]; then
+  echo "$@" >>{log}
+  while [ $# -gt 1 ]; do [ "$1" = -d ] && cp {wheel} "$2/"; shift; done
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path),
+           "PYTHONPATH": str(ROOT)}
+    env.pop("MUCUDNN_CUDNN_INCLUDE", None)
+    # a python that sees no nvidia wheel: PyTorch's headers would be found first
+    command = f"set -eu; source {ROOT / 'scripts/setup.sh'}; ensure_cudnn_headers"
+    if subprocess.run([python, "-c", "import nvidia"], env=env, capture_output=True).returncode == 0:
+        pytest.skip("an nvidia wheel is installed here: its headers are found first")
+    runs = [subprocess.run(["bash", "-c", command], cwd=python.parent.parent.parent, env=env,
+                           capture_output=True, text=True, timeout=60) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    dest = tmp_path / "cache" / "mucudnn" / "cudnn-headers-9.19.0.56" / "include"
+    assert runs[0].stderr.strip() == (f"setup: no cudnn.h found; downloading {shimlib.CUDNN_HEADERS_WHEEL}"
+                                      f" (about 500 MB, once) to unpack its headers into {dest}")
+    assert runs[1].stderr == ""  # found in the cache: no second download
+    [asked] = log.read_text().splitlines()
+    assert asked.split()[-1] == "nvidia-cudnn-cu13==9.19.0.56" and "--no-deps" in asked.split()
+    assert (dest / "cudnn.h").is_file()
+    assert not list(tmp_path.glob("tmp.*")), "the downloaded wheel is deleted"
