@@ -72,6 +72,9 @@ print(open_store().environments())" ;;
     models=${s#f64check-}; stage "f64check-$models" ${SHIM_TIMEOUT:-540} python3 benchmarks/shim_pytorch.py driver \
       --path default --skip-timing --skip-grads --double-check --double-benchmark \
       --double-limit ${F64_LIMIT:-1MiB} --double-batch ${F64_BATCH:-16} --models ${models//+/ } --out "$LOGS/f64check-$models" ;;
+  neverslower-*)  # benchmarks/never_slower.py: front plans against PyTorch, then under CAPS (GiB)
+    specs=${s#neverslower-}; stage "neverslower-$specs" ${SHIM_TIMEOUT:-560} python3 benchmarks/never_slower.py \
+      --models ${specs//+/ } --rounds ${ROUNDS:-3} --caps ${CAPS:-} --out "$LOGS/neverslower-${specs//:/_}" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
       ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;

@@ -60,6 +60,18 @@ def worker(args) -> None:
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     torch.manual_seed(0)
+    if args.memory_cap_gib:  # a smaller GPU, emulated: the caching allocator's own limit
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+    try:
+        _worker_steps(args, torch, torchvision, contextlib)
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # a too small cap is a result
+        if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)):
+            raise
+        print(json.dumps({"oom": True, "error": str(exc).splitlines()[0][:300]}))
+
+
+def _worker_steps(args, torch, torchvision, contextlib) -> None:
     gen = torch.Generator().manual_seed(1)
     if hasattr(torchvision.models.video, args.model):  # 3-D convolutions: clips of 16 frames
         model = getattr(torchvision.models.video, args.model)(num_classes=1000).cuda()
@@ -183,10 +195,10 @@ def profile_steps(step, steps: int) -> dict:
 def run_worker(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15, warmup=5,
                grads: str | None = None, cudnn_benchmark=False, record=None, plan=None,
                limit=None, log=None, batch=256, double=False, path="legacy",
-               dtype="fp32", profile=0) -> dict:
+               dtype="fp32", profile=0, memory_cap_gib=0.0) -> dict:
     cmd = [sys.executable, str(HERE), "worker", "--model", model, "--batch", str(batch),
            "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype,
-           "--profile", str(profile)]
+           "--profile", str(profile), "--memory-cap-gib", str(memory_cap_gib)]
     cmd += ["--tf32"] if tf32 else []
     cmd += ["--cudnn-benchmark"] if cudnn_benchmark else []
     cmd += ["--grads", grads] if grads else []
@@ -547,6 +559,8 @@ def main() -> int:
     w.add_argument("--double", action="store_true", help="run in float64 (the reference)")
     w.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32")
     w.add_argument("--grad-repeats", type=int, default=3)
+    w.add_argument("--memory-cap-gib", type=float, default=0.0,
+                   help="torch.cuda.set_per_process_memory_fraction to this many GiB (0: none)")
     w.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile this many steps (GPU busy and idle time)")
     d = sub.add_parser("driver")
