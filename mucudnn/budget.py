@@ -1,4 +1,4 @@
-"""A memory budget for a process (docs/shim.md, "Memory budget").
+"""A memory budget for a process (docs/shim.md, "Environment": "Memory budget").
 
 ``mucudnn run --memory-budget 6GiB -- python train.py`` limits, without editing the script:
 

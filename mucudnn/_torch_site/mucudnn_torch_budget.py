@@ -1,5 +1,5 @@
 """The memory budget inside one Python process: PyTorch's caching allocator on every visible GPU
-is limited to ``MUCUDNN_MEMORY_BUDGET`` bytes (docs/shim.md, "Memory budget").
+is limited to ``MUCUDNN_MEMORY_BUDGET`` bytes (docs/shim.md, "Environment": "Memory budget").
 
 Standard library only: this file runs in the program's own interpreter, through the
 ``sitecustomize.py`` beside it (the directory ``mucudnn run --memory-budget`` puts first on
