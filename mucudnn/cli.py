@@ -266,8 +266,19 @@ def _exec(command: tuple[str, ...], env: dict) -> int:
         raise MucudnnError(f"cannot run {shlex.join(command)}: {exc}") from None
 
 
+class BudgetParam(SizeParam):
+    """A memory budget: a size over 0, rounded down to whole bytes (5.6GiB)."""
+
+    def convert(self, value, param, ctx):
+        from .budget import parse_budget
+        try:
+            return parse_budget(value)
+        except MucudnnError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 memory_budget_option = click.option(
-    "--memory-budget", type=SIZE, metavar="SIZE",
+    "--memory-budget", type=BudgetParam(), metavar="SIZE",
     help="limit PyTorch's caching allocator to SIZE on each GPU (through a sitecustomize the "
          "command's Python processes load; not the CUDA context, not other libraries' memory) "
          "and give the shim MUCUDNN_MEMORY_BUDGET")
@@ -277,8 +288,8 @@ def _check_memory_budget(budget: int | None) -> None:
     """Before anything runs: a budget of 0 or over a visible GPU is an error, no GPU a warning."""
     if budget is None:
         return
-    from .budget import check_budget, parse_budget
-    warning = check_budget(parse_budget(budget))
+    from .budget import check_budget
+    warning = check_budget(budget)
     if warning:
         click.echo(f"mucudnn: warning: {warning}", err=True)
 

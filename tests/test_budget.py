@@ -159,7 +159,7 @@ def test_without_a_budget_nothing_changes(fake_exec, monkeypatch):
     assert "PYTHONPATH" not in env and "MUCUDNN_MEMORY_BUDGET" not in env
 
 
-# -- bad budgets, no torch, no GPU: one line each ----------------------------------------------------
+# -- bad budgets, no torch, no GPU: one line each ------------------------------------------------
 
 @pytest.mark.parametrize("command", ["run", "autotune"])
 def test_a_malformed_budget_names_the_value_and_runs_nothing(fake_exec, command):
@@ -170,13 +170,26 @@ def test_a_malformed_budget_names_the_value_and_runs_nothing(fake_exec, command)
     assert "Traceback" not in result.output and calls == []
 
 
-def test_a_zero_budget_is_one_error_line(fake_exec):
+def test_a_zero_budget_is_refused_and_runs_nothing(fake_exec):
     _, calls = fake_exec
     result = invoke("run", "--memory-budget", "0", "--", "true")
     assert result.exit_code == 2
-    assert lines(result.stderr, "mucudnn: error:") == [
-        "mucudnn: error: memory budget 0 is not more than 0 bytes"], result.stderr
+    assert "memory budget '0' is not more than 0 bytes" in result.stderr, result.stderr
     assert calls == []
+
+
+@pytest.mark.parametrize("text, expected", [("5.6GiB", 6012954214), ("0.5KiB", 512),
+                                            ("1.5", 1), ("6GiB", 6 << 30), (1000, 1000)])
+def test_a_budget_is_rounded_down_to_whole_bytes(text, expected):
+    assert budget_mod.parse_budget(text) == expected
+
+
+def test_run_takes_a_decimal_budget(fake_exec, monkeypatch):
+    _, calls = fake_exec
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    assert invoke("run", "--memory-budget", "5.6GiB", "--", "true").exit_code == 0
+    [(_, env)] = calls
+    assert env["MUCUDNN_MEMORY_BUDGET"] == str(int(5.6 * GIB))
 
 
 def test_a_budget_larger_than_a_gpu_is_one_error_line_and_runs_nothing(child):
@@ -334,7 +347,7 @@ def test_memory_budget_without_torch_is_a_mucudnn_error(monkeypatch):
         mucudnn.memory_budget("1GiB")
 
 
-@pytest.mark.parametrize("value", ["0", "6 parsecs", -1])
+@pytest.mark.parametrize("value", ["0", "0.1", "6 parsecs", "5.6 parsecs", -1])
 def test_memory_budget_refuses_bad_sizes(value):
     with pytest.raises(mucudnn.MucudnnError):
         mucudnn.memory_budget(value)
