@@ -33,7 +33,8 @@ PROGRAM = textwrap.dedent("""
     import torch
     with open(os.environ["FAKE_TORCH_LOG"], "a") as log:
         log.write(json.dumps({"event": "imported", "initialized": torch.cuda.is_initialized(),
-                              "budget": os.environ.get("MUCUDNN_MEMORY_BUDGET")}) + "\\n")
+                              "budget": os.environ.get("MUCUDNN_MEMORY_BUDGET"),
+                              "loader": type(torch.__spec__.loader).__name__}) + "\\n")
     torch.cuda._lazy_init()
     sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """)
@@ -91,6 +92,7 @@ def test_run_applies_the_budget_at_cuda_initialisation_not_at_import(child, capf
     result = invoke("run", "--memory-budget", "1GiB", *python())
     assert result.exit_code == 0, result.output
     imported, init, *fractions = child.events()
+    assert imported.pop("loader") == "SourceFileLoader"  # torch keeps its own loader
     # the hook queued its call: importing torch initialised nothing and limited nothing
     assert imported == {"event": "imported", "initialized": False, "budget": str(GIB)}
     assert init == {"event": "init"}

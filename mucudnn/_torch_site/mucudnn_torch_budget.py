@@ -131,6 +131,10 @@ class _ThenCall:
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
+        # the module keeps its real loader: code that inspects __loader__ sees no difference
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
         self._callback(module)
 
     def __getattr__(self, name):  # resource readers, is_package, ...: the real loader's
