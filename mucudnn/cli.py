@@ -307,6 +307,44 @@ def _exec(command: tuple[str, ...], env: dict) -> int:
         raise MucudnnError(f"cannot run {shlex.join(command)}: {exc}") from None
 
 
+class BudgetParam(SizeParam):
+    """A memory budget: a size over 0, rounded down to whole bytes (5.6GiB)."""
+
+    def convert(self, value, param, ctx):
+        from .budget import parse_budget
+        try:
+            return parse_budget(value)
+        except MucudnnError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+memory_budget_option = click.option(
+    "--memory-budget", type=BudgetParam(), metavar="SIZE",
+    help="limit PyTorch's caching allocator to SIZE on each GPU (through a sitecustomize the "
+         "command's Python processes load; not the CUDA context, not other libraries' memory) "
+         "and give the shim MUCUDNN_MEMORY_BUDGET")
+
+
+def _check_memory_budget(budget: int | None) -> None:
+    """Before anything runs: a budget of 0 or over a visible GPU is an error, no GPU a warning."""
+    if budget is None:
+        return
+    from .budget import check_budget
+    warning = check_budget(budget)
+    if warning:
+        click.echo(f"mucudnn: warning: {warning}", err=True)
+
+
+def _exec_within(budget: int | None, command: tuple[str, ...], env: dict) -> int:
+    """:func:`_exec`, under the memory budget when there is one."""
+    if budget is None:
+        return _exec(command, env)
+    from .budget import launch_env
+    with launch_env(env, budget, command,
+                    lambda text: click.echo(f"mucudnn: warning: {text}", err=True)) as budgeted:
+        return _exec(command, budgeted)
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("-o", "--output", default="mucudnn.record", show_default=True,
               type=click.Path(dir_okay=False), help="record file to append to")
@@ -326,15 +364,18 @@ def record(output, workspace_limit, command):
 @click.option("--workspace-limit", type=SIZE, help="keep unplanned kernels within this workspace")
 @click.option("--log-level", type=click.Choice(["error", "warning", "info", "debug"]))
 @click.option("--summary", is_flag=True, help="print what each kernel ran at exit")
+@memory_budget_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(plan_path, workspace_limit, log_level, summary, command):
+def run(plan_path, workspace_limit, log_level, summary, memory_budget, command):
     """Run COMMAND (after --) with the shim executing PLAN's micro-batches."""
     _require_command(command)
     if plan_path:
         from .plan import read_plan
         read_plan(plan_path)  # refuse a malformed plan here, with the file and line
-    sys.exit(_exec(command, _shim_env(plan=plan_path, limit=workspace_limit,
-                                      log_level=log_level, summary=summary)))
+    _check_memory_budget(memory_budget)
+    sys.exit(_exec_within(memory_budget, command,
+                          _shim_env(plan=plan_path, limit=workspace_limit, log_level=log_level,
+                                    summary=summary)))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -352,17 +393,20 @@ def run(plan_path, workspace_limit, log_level, summary, command):
 @click.option("--record-command", metavar="'CMD ...'",
               help="a shorter command that runs the same convolutions (e.g. 2 steps); default: "
                    "COMMAND itself")
+@memory_budget_option
 @store_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def autotune(workspace_limit, policy, precise, deterministic, borrow_output, api, plan_path, record_command,
-             store_path, command):
+             memory_budget, store_path, command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
-    with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go."""
+    with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go.
+    --memory-budget applies to both runs of COMMAND, not to benchmarking."""
     from .outputs import refuse_inputs_as_output
     from .plan import read_recording_weights
     from .tuner import benchmark
     _require_command(command)
     _check_output(plan_path)
+    _check_memory_budget(memory_budget)
     recording = Path(plan_path).with_suffix(".record")
     refuse_inputs_as_output(plan_path, [("recording", recording)] + _inputs(None, (), store_path))
     # The run records into a fresh file beside the target; plan and recording replace the old ones
@@ -372,7 +416,7 @@ def autotune(workspace_limit, policy, precise, deterministic, borrow_output, api
     try:
         recorder = tuple(shlex.split(record_command)) if record_command else command
         click.echo(f"mucudnn: 1/4 recording: {shlex.join(recorder)}", err=True)
-        code = _exec(recorder, _shim_env(limit=workspace_limit, record=fresh))
+        code = _exec_within(memory_budget, recorder, _shim_env(limit=workspace_limit, record=fresh))
         kernels = read_recording_weights([fresh]) if fresh.exists() else []
         if code != 0 or not kernels:
             raise MucudnnError(f"the recording run exited with {code} and recorded "
@@ -393,7 +437,8 @@ def autotune(workspace_limit, policy, precise, deterministic, borrow_output, api
     click.echo(f"mucudnn: wrote {plan_path}: {len(plan)} kernels ({divided} micro-batched)",
                err=True)
     click.echo(f"mucudnn: 4/4 running: {shlex.join(command)}", err=True)
-    sys.exit(_exec(command, _shim_env(plan=plan_path, limit=workspace_limit)))
+    sys.exit(_exec_within(memory_budget, command,
+                          _shim_env(plan=plan_path, limit=workspace_limit)))
 
 
 if __name__ == "__main__":  # pragma: no cover

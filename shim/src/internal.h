@@ -36,6 +36,7 @@ typedef enum {
     MU_OPT_LOG_FILE,
     MU_OPT_SUMMARY,
     MU_OPT_CUDA_GRAPHS,
+    MU_OPT_MEMORY_BUDGET,
     MU_OPT_COUNT
 } mu_option;
 

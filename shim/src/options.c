@@ -41,6 +41,9 @@ static option_entry options[MU_OPT_COUNT] = {
                         false, 0, NULL},
     [MU_OPT_CUDA_GRAPHS] = {"MUCUDNN_CUDA_GRAPHS", KIND_BOOL, 1,
                             "launch each plan's pieces as one CUDA graph", false, 0, NULL},
+    [MU_OPT_MEMORY_BUDGET] = {"MUCUDNN_MEMORY_BUDGET", KIND_SIZE, -1,
+                              "GPU memory of the whole process (read, not yet acted on)", false, 0,
+                              NULL},
 };
 
 static bool parse_bool(const char *text, long long *value) {

@@ -1,0 +1,215 @@
+"""The memory budget inside one Python process: PyTorch's caching allocator on every visible GPU
+is limited to ``MUCUDNN_MEMORY_BUDGET`` bytes (docs/shim.md, "Environment": "Memory budget").
+
+Standard library only: this file runs in the program's own interpreter, through the
+``sitecustomize.py`` beside it (the directory ``mucudnn run --memory-budget`` puts first on
+PYTHONPATH), and that interpreter need not have mucudnn installed. :mod:`mucudnn.budget` loads the
+same file for in-process use, under the same module name, so a process holds one copy.
+
+Invariant: nothing here initialises CUDA. The budget is a call queued with
+``torch.cuda._lazy_call``, which PyTorch runs inside its lazy initialisation (the first CUDA use),
+after the driver is set up and before the caching allocator's first allocation; when CUDA is
+already initialised, ``_lazy_call`` runs it at once. A failure in that call is one warning line
+and the program goes on unlimited: raised there, it would surface as PyTorch's
+``DeferredCudaCallError`` traceback at some unrelated first CUDA call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV_BUDGET = "MUCUDNN_MEMORY_BUDGET"  # also read by the shim (shim/src/options.c)
+ENV_REPORT = "MUCUDNN_BUDGET_REPORT"  # the launcher's file: one line per event of each process
+ENV_LOG_LEVEL = "MUCUDNN_LOG_LEVEL"   # the shim's level: info shows what was limited
+_LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
+
+
+def say(level: str, text: str) -> None:
+    """One line on stderr in the shim's format; info only at MUCUDNN_LOG_LEVEL info or debug."""
+    wanted = _LEVELS.get(os.environ.get(ENV_LOG_LEVEL, "warning").strip().lower(), 1)
+    if _LEVELS[level] > wanted:
+        return
+    try:
+        sys.stderr.write(f"mucudnn: {level}: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # no usable stderr: nothing to tell
+        pass
+
+
+def gib(nbytes: int | float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def report(event: str, detail: str = "") -> None:
+    """Appends ``EVENT PID DETAIL`` to the launcher's report file, if there is one (one write of
+    one short line with O_APPEND: lines of concurrent processes do not interleave)."""
+    path = os.environ.get(ENV_REPORT)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{event} {os.getpid()} {detail}".rstrip().encode() + b"\n")
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class BudgetTooLarge(ValueError):
+    """The budget is more than a device's memory: nothing was limited."""
+
+
+def apply_budget(torch, budget: int) -> list[tuple[int, float]]:
+    """Limits the caching allocator of every device PyTorch sees to ``budget`` bytes:
+    ``set_per_process_memory_fraction(budget / total_memory, device)``. Checks every device
+    before limiting any; :class:`BudgetTooLarge` names the first device smaller than the budget.
+    Initialises CUDA (through PyTorch) if it is not yet: call it queued, or in-process."""
+    cuda = torch.cuda
+    fractions = []
+    for device in range(cuda.device_count()):
+        props = cuda.get_device_properties(device)
+        total = int(props.total_memory)
+        if budget > total:
+            raise BudgetTooLarge(
+                f"memory budget {gib(budget)} is more than GPU {device}'s memory "
+                f"({getattr(props, 'name', 'unnamed')}, {gib(total)})")
+        fractions.append((device, budget / total))
+    for device, fraction in fractions:
+        cuda.set_per_process_memory_fraction(fraction, device)
+    return fractions
+
+
+class LazyBudget:
+    """The budget queued for PyTorch's CUDA initialisation; :meth:`cancel` makes it a no-op."""
+
+    def __init__(self, torch, budget: int):
+        self.torch, self.budget = torch, budget
+        self.active = True
+        self.applied: list[tuple[int, float]] = []
+
+    def __call__(self) -> None:
+        if not self.active:
+            return
+        try:
+            self.applied = apply_budget(self.torch, self.budget)
+        except Exception as exc:  # noqa: BLE001 - see the module docstring
+            say("warning", f"{exc}; PyTorch's memory is not limited")
+            report("failed", str(exc).replace("\n", " "))
+            return
+        for device, fraction in self.applied:
+            say("info", f"memory budget {gib(self.budget)}: PyTorch's caching allocator on GPU "
+                        f"{device} limited to {fraction:.4f} of its memory")
+            report("applied", f"{device} {fraction!r}")
+
+    def cancel(self) -> None:
+        self.active = False
+
+
+def apply_lazily(torch, budget: int) -> LazyBudget:
+    """Queues the budget with ``torch.cuda._lazy_call`` (runs now if CUDA is initialised)."""
+    call = LazyBudget(torch, budget)
+    lazy_call = getattr(torch.cuda, "_lazy_call", None)
+    if lazy_call is None:
+        say("warning", "this PyTorch has no torch.cuda._lazy_call; its memory is not limited")
+        report("failed", "no torch.cuda._lazy_call")
+        call.cancel()
+        return call
+    lazy_call(call)
+    return call
+
+
+class _ThenCall:
+    """A module loader that runs ``callback(module)`` once the module has executed."""
+
+    def __init__(self, loader, callback):
+        self._loader, self._callback = loader, callback
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        # the module keeps its real loader: code that inspects __loader__ sees no difference
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._callback(module)
+
+    def __getattr__(self, name):  # resource readers, is_package, ...: the real loader's
+        return getattr(self._loader, name)
+
+
+class AfterImport:
+    """A meta path finder that makes the import of ``name`` call ``callback(module)`` after the
+    module's own code has run (once). It finds nothing itself: it asks the finders after it."""
+
+    def __init__(self, name: str, callback):
+        self.name, self.callback = name, callback
+        self._busy = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name or self._busy:
+            return None
+        self._busy = True
+        try:
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None  # not installed: the import fails as it would without us
+        finally:
+            self._busy = False
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        self.uninstall()
+        spec.loader = _ThenCall(spec.loader, self.callback)
+        return spec
+
+    def uninstall(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def after_import(name: str, callback) -> None:
+    """``callback(module)`` once ``name`` is imported: now if it already is."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    sys.meta_path.insert(0, AfterImport(name, callback))
+
+
+def read_budget(text: str | None) -> int | None:
+    """The budget in ``MUCUDNN_MEMORY_BUDGET`` (decimal bytes, as the launcher writes it), None
+    when unset; one warning line and None when it is not a positive number of bytes."""
+    if text is None or not text.strip():
+        return None
+    value = text.strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    say("warning", f"{ENV_BUDGET}={text!r} is not a positive number of bytes (use `mucudnn run "
+                   f"--memory-budget SIZE`); PyTorch's memory is not limited")
+    report("failed", f"malformed {ENV_BUDGET}")
+    return None
+
+
+def install_from_environment() -> None:
+    """What sitecustomize runs: the budget of the environment, applied once torch is imported."""
+    budget = read_budget(os.environ.get(ENV_BUDGET))
+    if budget is None:
+        return
+
+    def on_torch(torch) -> None:
+        report("torch")
+        try:
+            apply_lazily(torch, budget)
+        except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`
+            say("warning", f"memory budget not queued: {exc}; PyTorch's memory is not limited")
+            report("failed", str(exc).replace("\n", " "))
+
+    after_import("torch", on_torch)

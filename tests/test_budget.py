@@ -1,0 +1,366 @@
+"""The memory budget (mucudnn/budget.py, mucudnn/_torch_site/): ``mucudnn run --memory-budget``,
+``autotune --memory-budget`` and ``mucudnn.memory_budget``, against a stand-in PyTorch
+(tests/faketorch: PyTorch's lazy CUDA initialisation, a log of every limit set) and no GPU."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import mucudnn
+from mucudnn import budget as budget_mod
+from mucudnn import cli, shimlib, tuner
+from mucudnn.cli import main
+from test_cli import fake_exec, no_gpu, stores_dir  # noqa: F401 - fixtures
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "shim" / "drivers"))
+from shim_harness import shim_env  # noqa: E402,F401 - a fixture
+
+FAKE_TORCH = Path(__file__).resolve().parent / "faketorch"
+GIB = 1 << 30
+CASE = "dir=fwd op=ws n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 g=2 ws=65536 algo=0"
+
+# The program under the budget: one line when torch is imported, then the first CUDA use.
+PROGRAM = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    with open(os.environ["FAKE_TORCH_LOG"], "a") as log:
+        log.write(json.dumps({"event": "imported", "initialized": torch.cuda.is_initialized(),
+                              "budget": os.environ.get("MUCUDNN_MEMORY_BUDGET"),
+                              "loader": type(torch.__spec__.loader).__name__}) + "\\n")
+    torch.cuda._lazy_init()
+    sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+""")
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture
+def child(monkeypatch, tmp_path):
+    """Real child processes with the fake torch on PYTHONPATH and its log; no LD_PRELOAD (the
+    shim is not what these tests are about, and no build is needed); GPUs the launcher sees are
+    set with ``child.gpus``."""
+    log = tmp_path / "torch.log"
+    monkeypatch.setenv("PYTHONPATH", str(FAKE_TORCH))
+    monkeypatch.setenv("FAKE_TORCH_LOG", str(log))
+    monkeypatch.setenv("FAKE_TORCH_DEVICES", f"{80 * GIB},{40 * GIB}")
+    monkeypatch.delenv("MUCUDNN_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("MUCUDNN_MEMORY_BUDGET", raising=False)
+    shim_env_of = cli._shim_env
+
+    def without_preload(*args, **kwargs):
+        env = shim_env_of(*args, **kwargs)
+        env.pop("LD_PRELOAD")
+        return env
+
+    monkeypatch.setattr(cli, "_shim_env", without_preload)
+    monkeypatch.setattr(shimlib, "shim_path", lambda: tmp_path / "libmucudnn.so")  # never built
+
+    class Child:
+        gpus = [("Fake GPU 0", 80 * GIB), ("Fake GPU 1", 40 * GIB)]
+
+        @staticmethod
+        def events():
+            if not log.exists():
+                return []
+            return [json.loads(line) for line in log.read_text().splitlines()]
+
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: Child.gpus)
+    return Child
+
+
+def python(*args) -> list[str]:
+    return ["--", sys.executable, "-c", PROGRAM, *args]
+
+
+def lines(text: str, prefix: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+# -- run: PyTorch's caching allocator --------------------------------------------------------------
+
+def test_run_applies_the_budget_at_cuda_initialisation_not_at_import(child, capfd):
+    result = invoke("run", "--memory-budget", "1GiB", *python())
+    assert result.exit_code == 0, result.output
+    imported, init, *fractions = child.events()
+    assert imported.pop("loader") == "SourceFileLoader"  # torch keeps its own loader
+    # the hook queued its call: importing torch initialised nothing and limited nothing
+    assert imported == {"event": "imported", "initialized": False, "budget": str(GIB)}
+    assert init == {"event": "init"}
+    assert fractions == [{"event": "fraction", "device": 0, "fraction": GIB / (80 * GIB)},
+                         {"event": "fraction", "device": 1, "fraction": GIB / (40 * GIB)}]
+    assert capfd.readouterr().err == "" and result.stderr == ""
+
+
+def test_run_with_a_budget_passes_the_exit_status_on(child):
+    assert invoke("run", "--memory-budget", "1GiB", *python("3")).exit_code == 3
+
+
+def test_the_budget_reaches_python_processes_started_by_a_shell(child):
+    """A launcher script, a shell, `python -m torch.distributed.run`: PYTHONPATH and the budget
+    go down to every Python process of the command."""
+    shell = shlex.join([sys.executable, "-c", PROGRAM])
+    result = invoke("run", "--memory-budget", "2GiB", "--", "sh", "-c", shell)
+    assert result.exit_code == 0, result.output
+    assert [e["fraction"] for e in child.events() if e["event"] == "fraction"] == [
+        2 / 80, 2 / 40]
+
+
+def test_info_level_says_what_was_limited(child, capfd):
+    assert invoke("run", "--log-level", "info", "--memory-budget", "1GiB",
+                  *python()).exit_code == 0
+    info = lines(capfd.readouterr().err, "mucudnn: info: memory budget")
+    assert info == ["mucudnn: info: memory budget 1.00 GiB: PyTorch's caching allocator on GPU 0 "
+                    "limited to 0.0125 of its memory",
+                    "mucudnn: info: memory budget 1.00 GiB: PyTorch's caching allocator on GPU 1 "
+                    "limited to 0.0250 of its memory"]
+
+
+def test_an_existing_sitecustomize_still_runs(child, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""
+        import json, os, sys
+        with open(os.environ["FAKE_TORCH_LOG"], "a") as log:
+            log.write(json.dumps({"event": "site", "file": __file__,
+                                  "torch": "torch" in sys.modules}) + "\\n")
+    """))
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_TORCH}:{site}")
+    assert invoke("run", "--memory-budget", "1GiB", *python()).exit_code == 0
+    events = child.events()
+    assert events[0] == {"event": "site", "file": str(site / "sitecustomize.py"), "torch": False}
+    assert [e["event"] for e in events[1:]] == ["imported", "init", "fraction", "fraction"]
+
+
+def test_the_site_directory_is_put_on_pythonpath_once(fake_exec, monkeypatch):
+    _, calls = fake_exec
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    site = str(budget_mod.SITE_DIR)
+    monkeypatch.setenv("PYTHONPATH", f"/elsewhere:{site}")
+    assert invoke("run", "--memory-budget", "6GiB", "--", "true").exit_code == 0
+    [(_, env)] = calls
+    assert env["PYTHONPATH"] == f"{site}:/elsewhere"
+    assert env["MUCUDNN_MEMORY_BUDGET"] == str(6 * GIB)  # bytes: for the shim and the hook
+    assert not Path(env["MUCUDNN_BUDGET_REPORT"]).exists()  # the launcher's file, removed
+
+
+def test_without_a_budget_nothing_changes(fake_exec, monkeypatch):
+    _, calls = fake_exec
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert invoke("run", "--", "true").exit_code == 0
+    [(_, env)] = calls
+    assert "PYTHONPATH" not in env and "MUCUDNN_MEMORY_BUDGET" not in env
+
+
+# -- bad budgets, no torch, no GPU: one line each ------------------------------------------------
+
+@pytest.mark.parametrize("command", ["run", "autotune"])
+def test_a_malformed_budget_names_the_value_and_runs_nothing(fake_exec, command):
+    _, calls = fake_exec
+    extra = ["--workspace-limit", "64MiB"] if command == "autotune" else []
+    result = invoke(command, *extra, "--memory-budget", "6 parsecs", "--", "true")
+    assert result.exit_code == 2 and "'6 parsecs'" in result.stderr, result.output
+    assert "Traceback" not in result.output and calls == []
+
+
+def test_a_zero_budget_is_refused_and_runs_nothing(fake_exec):
+    _, calls = fake_exec
+    result = invoke("run", "--memory-budget", "0", "--", "true")
+    assert result.exit_code == 2
+    assert "memory budget '0' is not more than 0 bytes" in result.stderr, result.stderr
+    assert calls == []
+
+
+@pytest.mark.parametrize("text, expected", [("5.6GiB", 6012954214), ("0.5KiB", 512),
+                                            ("1.5", 1), ("6GiB", 6 << 30), (1000, 1000)])
+def test_a_budget_is_rounded_down_to_whole_bytes(text, expected):
+    assert budget_mod.parse_budget(text) == expected
+
+
+def test_run_takes_a_decimal_budget(fake_exec, monkeypatch):
+    _, calls = fake_exec
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    assert invoke("run", "--memory-budget", "5.6GiB", "--", "true").exit_code == 0
+    [(_, env)] = calls
+    assert env["MUCUDNN_MEMORY_BUDGET"] == str(int(5.6 * GIB))
+
+
+def test_a_budget_larger_than_a_gpu_is_one_error_line_and_runs_nothing(child):
+    child.gpus = [("Fake GPU 0", 80 * GIB), ("Fake GPU 1", 8 * GIB)]
+    result = invoke("run", "--memory-budget", "16GiB", *python())
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"mucudnn: error: memory budget {16 * GIB} bytes (16.0 GiB) is more than GPU 1's memory "
+        f"(Fake GPU 1, {8 * GIB} bytes (8.0 GiB))"]
+    assert child.events() == []  # nothing ran
+
+
+def test_a_budget_larger_than_the_gpu_the_program_sees_is_a_warning_there(child, capfd,
+                                                                         monkeypatch):
+    """The launcher saw no GPU; the program sees one smaller than the budget: one line, no
+    DeferredCudaCallError traceback, the program goes on unlimited."""
+    child.gpus = None
+    monkeypatch.setenv("FAKE_TORCH_DEVICES", str(8 * GIB))
+    result = invoke("run", "--memory-budget", "16GiB", *python())
+    assert result.exit_code == 0, result.output
+    err = capfd.readouterr().err
+    assert err.splitlines() == [
+        "mucudnn: warning: memory budget 16.00 GiB is more than GPU 0's memory (Fake GPU 0, "
+        "8.00 GiB); PyTorch's memory is not limited"], err
+    assert [e["event"] for e in child.events()] == ["imported", "init"]
+
+
+def test_no_gpu_visible_is_a_warning_and_the_command_runs(child, capfd, monkeypatch):
+    child.gpus = None
+    monkeypatch.setenv("FAKE_TORCH_DEVICES", "")
+    script = ["--", sys.executable, "-c", "import torch; print('ran')"]
+    result = invoke("run", "--memory-budget", "1GiB", *script)
+    assert result.exit_code == 0
+    assert result.stderr.splitlines() == [
+        f"mucudnn: warning: memory budget {GIB} bytes (1.0 GiB): no GPU visible to this process "
+        "(no CUDA driver); running the command anyway"]
+    assert capfd.readouterr() == ("ran\n", "")
+
+
+def test_no_torch_in_the_command_is_one_warning_line_after_it(child, capfd):
+    command = [sys.executable, "-c", "print('ran')"]
+    result = invoke("run", "--memory-budget", "1GiB", "--", *command)
+    assert result.exit_code == 0
+    assert result.stderr.splitlines() == [
+        f"mucudnn: warning: memory budget {GIB} bytes (1.0 GiB): no Python process of "
+        f"`{shlex.join(command)}` imported torch (or it ran with python -I/-E, which "
+        "ignore PYTHONPATH), so only the shim had the budget"]
+    assert capfd.readouterr() == ("ran\n", "")
+
+
+def test_a_malformed_budget_variable_set_by_hand_is_one_warning_line(child, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", f"{budget_mod.SITE_DIR}:{FAKE_TORCH}")
+    monkeypatch.setenv("MUCUDNN_MEMORY_BUDGET", "lots")
+    done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "mucudnn: warning: MUCUDNN_MEMORY_BUDGET='lots' is not a positive number of bytes (use "
+        "`mucudnn run --memory-budget SIZE`); PyTorch's memory is not limited"]
+    assert [e["event"] for e in child.events()] == ["imported", "init"]
+
+
+# -- autotune -------------------------------------------------------------------------------------
+
+def test_autotune_runs_both_commands_under_the_budget(no_gpu, fake_exec, tmp_path, monkeypatch):
+    _, calls = fake_exec
+    kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+
+    def call(args, env=None, **kwargs):
+        calls.append((args, env))
+        if "MUCUDNN_RECORD" in env:
+            Path(env["MUCUDNN_RECORD"]).write_text(
+                "".join(f"kernel {p.key} {p.n}\n" for p in kernels))
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", call)
+    monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
+    result = invoke("autotune", "--workspace-limit", "64MiB", "--memory-budget", "6GiB", "-o",
+                    tmp_path / "auto.plan", "--", "python", "train.py")
+    assert result.exit_code == 0, result.output
+    (_, record_env), (_, run_env) = calls
+    for env in (record_env, run_env):
+        assert env["MUCUDNN_MEMORY_BUDGET"] == str(6 * GIB)
+        assert env["PYTHONPATH"].split(":")[0] == str(budget_mod.SITE_DIR)
+
+
+# -- in-process: mucudnn.memory_budget ------------------------------------------------------------
+
+@pytest.fixture
+def fake_torch(monkeypatch, tmp_path):
+    """The fake torch importable in this process, fresh for each test."""
+    log = tmp_path / "torch.log"
+    monkeypatch.setenv("FAKE_TORCH_LOG", str(log))
+    monkeypatch.setenv("FAKE_TORCH_DEVICES", f"{80 * GIB}")
+    monkeypatch.delenv("MUCUDNN_MEMORY_BUDGET", raising=False)
+    monkeypatch.syspath_prepend(str(FAKE_TORCH))
+    for name in ("torch", "torch.cuda"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import torch
+    yield torch, lambda: [json.loads(line) for line in log.read_text().splitlines()]
+    for name in ("torch", "torch.cuda"):
+        sys.modules.pop(name, None)
+
+
+def test_memory_budget_in_process_waits_for_cuda_and_sets_the_variable(fake_torch):
+    torch, events = fake_torch
+    mucudnn.memory_budget("2GiB")
+    assert not torch.cuda.is_initialized()
+    import os
+    assert os.environ["MUCUDNN_MEMORY_BUDGET"] == str(2 * GIB)
+    torch.cuda._lazy_init()
+    assert events() == [{"event": "init"},
+                        {"event": "fraction", "device": 0, "fraction": 2 / 80}]
+
+
+def test_memory_budget_as_a_context_restores_the_fraction_and_variable(fake_torch, monkeypatch):
+    torch, events = fake_torch
+    import os
+    monkeypatch.setenv("MUCUDNN_MEMORY_BUDGET", "123")
+    torch.cuda._lazy_init()
+    torch.cuda.set_per_process_memory_fraction(0.5, 0)
+    with mucudnn.memory_budget("8GiB"):
+        assert torch.cuda.get_per_process_memory_fraction(0) == 8 / 80
+        assert os.environ["MUCUDNN_MEMORY_BUDGET"] == str(8 * GIB)
+    assert torch.cuda.get_per_process_memory_fraction(0) == 0.5
+    assert os.environ["MUCUDNN_MEMORY_BUDGET"] == "123"
+
+
+def test_memory_budget_context_left_before_cuda_starts_limits_nothing(fake_torch):
+    torch, events = fake_torch
+    with mucudnn.memory_budget("8GiB"):
+        pass
+    torch.cuda._lazy_init()
+    assert events() == [{"event": "init"}]
+
+
+def test_memory_budget_larger_than_the_gpu_raises_one_line(fake_torch):
+    torch, _ = fake_torch
+    torch.cuda._lazy_init()
+    with pytest.raises(mucudnn.BudgetError, match=r"^memory budget 100.00 GiB is more than GPU "
+                                                   r"0's memory \(Fake GPU 0, 80.00 GiB\)$"):
+        mucudnn.memory_budget("100GiB")
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # nothing limited
+
+
+def test_memory_budget_without_a_gpu_warns(fake_torch, monkeypatch):
+    monkeypatch.setenv("FAKE_TORCH_DEVICES", "")
+    with pytest.warns(UserWarning, match="no GPU visible to PyTorch"):
+        mucudnn.memory_budget("1GiB")
+
+
+def test_memory_budget_without_torch_is_a_mucudnn_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    with pytest.raises(mucudnn.MucudnnError, match="memory_budget needs PyTorch"):
+        mucudnn.memory_budget("1GiB")
+
+
+@pytest.mark.parametrize("value", ["0", "0.1", "6 parsecs", "5.6 parsecs", -1])
+def test_memory_budget_refuses_bad_sizes(value):
+    with pytest.raises(mucudnn.MucudnnError):
+        mucudnn.memory_budget(value)
+
+
+# -- the shim's option -----------------------------------------------------------------------------
+
+def test_the_shim_reads_the_budget_as_a_size_option(shim_env):
+    run = shim_env.run([CASE], env={"MUCUDNN_MEMORY_BUDGET": "6GiB", "MUCUDNN_LOG_LEVEL": "debug"})
+    assert f"mucudnn: debug: option MUCUDNN_MEMORY_BUDGET = {6 * GIB} (environment;" in run.stderr
+    bad = shim_env.run([CASE], env={"MUCUDNN_MEMORY_BUDGET": "lots"})
+    assert bad.shim_lines("warning") == [
+        "mucudnn: warning: MUCUDNN_MEMORY_BUDGET='lots' is not valid (expected bytes, or a number "
+        "with B, KiB, MiB, GiB, TiB, kB, MB, GB or TB); using the default"]
