@@ -29,7 +29,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from .errors import MucudnnError, SizeError
+from .errors import MucudnnError
 from .sizes import describe_size, parse_size
 
 SITE_DIR = Path(__file__).resolve().parent / "_torch_site"
@@ -57,29 +57,12 @@ ENV_REPORT = _hook().ENV_REPORT
 
 
 def parse_budget(value: str | int) -> int:
-    """Bytes of a budget in the size grammar of :func:`~mucudnn.sizes.parse_size`, more than 0;
-    one that is not a whole number of bytes (``5.6GiB``) is rounded down: a budget is a bound."""
-    try:
-        budget = parse_size(value)
-    except SizeError:
-        budget = _rounded_down(value)
-        if budget is None:
-            raise
+    """Bytes of a budget in the one size grammar (:func:`~mucudnn.sizes.parse_size`: ``5.6GiB`` is
+    rounded down to whole bytes), more than 0."""
+    budget = parse_size(value)
     if budget <= 0:
         raise BudgetError(f"memory budget {value!r} is not more than 0 bytes")
     return budget
-
-
-def _rounded_down(value) -> int | None:
-    """``5.6GiB`` as ``56GiB // 10``: parse_size reads the unit, so the grammar stays its own."""
-    match = re.fullmatch(r"\s*(\d+)\.(\d+)\s*([A-Za-z]*)\s*", str(value))
-    if not match:
-        return None
-    whole, decimals, unit = match.groups()
-    try:
-        return parse_size(f"{whole}{decimals}{unit}") // 10 ** len(decimals)
-    except SizeError:
-        return None
 
 
 def visible_gpus() -> list[tuple[str, int]] | None:
