@@ -49,9 +49,10 @@ class Group(click.Group):
 def main() -> None:
     """Micro-batched cuDNN convolutions: fast algorithms under a workspace limit.
 
-    Typical use: `mucudnn bench resnet50` on the GPU, then `mucudnn tune resnet50
-    --workspace-limit 64MiB -o r50.plan`, `mucudnn show r50.plan`, and
-    `mucudnn run --plan r50.plan --workspace-limit 64MiB -- python train.py`.
+    Typical use: `mucudnn autotune -- python train.py`, or step by step: `mucudnn bench
+    resnet50` on the GPU, then `mucudnn tune resnet50 -o r50.plan` (each kernel's fastest plans
+    from any workspace down to the smallest; --workspace-limit 64MiB for one plan within it),
+    `mucudnn show r50.plan`, and `mucudnn run --plan r50.plan -- python train.py`.
     """
 
 
@@ -176,8 +177,11 @@ def bench(config, recordings, policy, workspace_limit, borrow_output, api, remea
 @click.argument("config", required=False)
 @click.option("--recording", "recordings", multiple=True, type=click.Path(exists=True),
               help="tune the kernels a `mucudnn record` run wrote (repeatable)")
-@click.option("--workspace-limit", type=SIZE, help="WR: each kernel within this workspace")
+@click.option("--workspace-limit", type=SIZE,
+              help="WR: each kernel within this workspace (with --front: the front's cap)")
 @click.option("--total-workspace", type=SIZE, help="WD: all kernels together within this budget")
+@click.option("--front", is_flag=True,
+              help="a front plan (the default with no limit) cut at --workspace-limit")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
 @click.option("--precise", is_flag=True,
               help="no FFT/Winograd algorithms (fp32 results stay near GEMM accuracy)")
@@ -199,20 +203,22 @@ def bench(config, recordings, policy, workspace_limit, borrow_output, api, remea
                             "store's only one)")
 @click.option("--cudnn", "cudnn_version", type=int, help="cuDNN version of the measurements")
 @store_option
-def tune(config, recordings, workspace_limit, total_workspace, policy, precise, deterministic,
-         borrow_output, exclude, api, output, gpu, cudnn_version, store_path):
-    """Compute the fastest micro-batch plan of each kernel and write a plan file."""
+def tune(config, recordings, workspace_limit, total_workspace, front, policy, precise,
+         deterministic, borrow_output, exclude, api, output, gpu, cudnn_version, store_path):
+    """Compute the fastest micro-batch plans of each kernel and write a plan file.
+
+    With no limit: a front plan, each kernel's fastest plans from any workspace down to the
+    smallest (the shim runs, per call, the fastest that fits the workspace the call has)."""
     from .bench import Environment
     from .outputs import refuse_inputs_as_output
     from .report import SUM_LABEL, describe_math
     from .tuner import (as_kernels, check_excluded_names, open_measurements,
                         predicted_network_time, sum_of_kernel_times)
-    if (workspace_limit is None) == (total_workspace is None):
-        raise click.UsageError("give exactly one of --workspace-limit and --total-workspace")
+    if workspace_limit is not None and total_workspace is not None:
+        raise click.UsageError("give at most one of --workspace-limit and --total-workspace")
     if (gpu is None) != (cudnn_version is None):
         raise click.UsageError("--gpu and --cudnn go together")
-    if borrow_output and total_workspace is not None:
-        raise click.UsageError("--borrow-output goes with --workspace-limit, not --total-workspace")
+    _check_front_options(workspace_limit, total_workspace, front, borrow_output)
     _check_output(output)
     check_excluded_names(exclude)
     refuse_inputs_as_output(output, _inputs(config, recordings, store_path))
@@ -224,18 +230,36 @@ def tune(config, recordings, workspace_limit, total_workspace, policy, precise, 
         plan = _optimize(source, workspace_limit=workspace_limit,
                         total_workspace=total_workspace, policy=policy, store=store, env=env,
                         exclude=exclude, precise=precise, api=api, borrow_output=borrow_output,
-                        deterministic=deterministic)
+                        deterministic=deterministic, front=front)
     _write_plan_file(plan, output)
     kernels = as_kernels(source)
-    divided = sum(1 for e in plan if e.is_divided)
     pass_name = ("per step (each kernel x its recorded calls per step)" if recordings
                  else "per pass (each kernel x the layers that run it)")
-    click.echo(f"wrote {output}: {len(plan)} kernels ({divided} micro-batched), predicted "
+    click.echo(f"wrote {output}: {_plan_summary(plan)}, predicted "
                f"{predicted_network_time(plan, kernels):.3f} ms {pass_name}, measurements of "
                f"{env.gpu} / cuDNN {env.cudnn}")
     click.echo(f"{SUM_LABEL}: plan {sum_of_kernel_times(plan):.3f} ms (as `mucudnn show`)")
     click.echo(describe_math(plan))
     click.echo(f"{store.describe(used=True)} (used by the plan)")
+
+
+def _check_front_options(workspace_limit, total_workspace, front, borrow_output) -> None:
+    """Usage errors of --front and of --borrow-output, which makes WR plans only."""
+    if front and total_workspace is not None:
+        raise click.UsageError("--front goes with --workspace-limit (its cap), not --total-workspace")
+    if borrow_output and (front or workspace_limit is None):
+        raise click.UsageError("--borrow-output makes WR plans: give --workspace-limit, without "
+                               "--front")
+
+
+def _plan_summary(plan) -> str:
+    """``N kernels (M micro-batched)``; for a front plan ``N kernels, P points (M with
+    micro-batched points)``."""
+    divided = sum(1 for key, n in plan.kernels() if any(e.is_divided for e in plan.front(key, n)))
+    if plan.is_front:
+        return (f"{len(plan.kernels())} kernels, {len(plan)} points ({divided} with micro-batched "
+                "points)")
+    return f"{len(plan)} kernels ({divided} micro-batched)"
 
 
 @main.command()
@@ -379,8 +403,9 @@ def run(plan_path, workspace_limit, log_level, summary, memory_budget, command):
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
-@click.option("--workspace-limit", type=SIZE, required=True,
-              help="each convolution within this workspace")
+@click.option("--workspace-limit", type=SIZE,
+              help="each convolution within this workspace (default: none, a front plan)")
+@click.option("--front", is_flag=True, help="a front plan cut at --workspace-limit")
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True)
 @click.option("--precise", is_flag=True, help="no FFT/Winograd algorithms")
 @click.option("--deterministic", is_flag=True, help="deterministic pieces only (see tune --help)")
@@ -396,15 +421,19 @@ def run(plan_path, workspace_limit, log_level, summary, memory_budget, command):
 @memory_budget_option
 @store_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def autotune(workspace_limit, policy, precise, deterministic, borrow_output, api, plan_path, record_command,
-             memory_budget, store_path, command):
+def autotune(workspace_limit, front, policy, precise, deterministic, borrow_output, api, plan_path,
+             record_command, memory_budget, store_path, command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go.
-    --memory-budget applies to both runs of COMMAND, not to benchmarking."""
+    With no --workspace-limit the plan is a front plan (see tune --help). --memory-budget applies
+    to both runs of COMMAND, not to benchmarking."""
     from .outputs import refuse_inputs_as_output
     from .plan import read_recording_weights
     from .tuner import benchmark
     _require_command(command)
+    _check_front_options(workspace_limit, None, front, borrow_output)
+    if policy == "fit" and workspace_limit is None:
+        raise click.UsageError("--policy fit needs --workspace-limit (the sizes that fit it)")
     _check_output(plan_path)
     _check_memory_budget(memory_budget)
     recording = Path(plan_path).with_suffix(".record")
@@ -428,14 +457,12 @@ def autotune(workspace_limit, policy, precise, deterministic, borrow_output, api
         click.echo("mucudnn: 3/4 tuning", err=True)
         plan = _optimize(kernels, workspace_limit=workspace_limit, policy=policy,
                          store=store_path, precise=precise, api=api, borrow_output=borrow_output,
-                         deterministic=deterministic)
+                         deterministic=deterministic, front=front)
         _write_plan_file(plan, plan_path)
         os.replace(fresh, recording)
     finally:
         fresh.unlink(missing_ok=True)
-    divided = sum(1 for e in plan if e.is_divided)
-    click.echo(f"mucudnn: wrote {plan_path}: {len(plan)} kernels ({divided} micro-batched)",
-               err=True)
+    click.echo(f"mucudnn: wrote {plan_path}: {_plan_summary(plan)}", err=True)
     click.echo(f"mucudnn: 4/4 running: {shlex.join(command)}", err=True)
     sys.exit(_exec_within(memory_budget, command,
                           _shim_env(plan=plan_path, limit=workspace_limit)))

@@ -23,7 +23,11 @@ from .problem import ALGORITHMS, ConvProblem, Direction, MathType
 FORMAT_VERSION = 1
 MAGIC = "mucudnn-plan"
 HEADER_FIELDS = ("gpu", "cudnn", "strategy", "limit", "policy")
-STRATEGIES = ("wr", "wd")
+STRATEGIES = ("wr", "wd", "front")
+#: ``strategy front``: each kernel's lines are the points of its time-workspace front.
+FRONT = "front"
+#: The ``limit`` of a ``front`` plan whose points may have any workspace.
+NO_LIMIT = (1 << 64) - 1
 POLICIES = ("undivided", "powerOfTwo", "all", "fit")
 
 
@@ -124,36 +128,92 @@ RESTRICTIONS_MARK = "# restrictions:"
 
 @dataclasses.dataclass
 class Plan:
-    """A whole plan file: header plus one entry per (key, N)."""
+    """A whole plan file: header plus its entries (``kernel`` lines), in the order added.
+
+    In ``wr`` and ``wd`` plans a (key, N) has one entry. In a ``front`` plan the entries of one
+    (key, N) are the points of its time-workspace front: each has another workspace, none over
+    ``limit`` (docs/plan-format.md); :meth:`front` lists them."""
 
     gpu: str
     cudnn: int
     strategy: str
     limit: int
     policy: str
-    entries: dict[tuple[str, int], PlanEntry] = dataclasses.field(default_factory=dict)
+    entries: list[PlanEntry] = dataclasses.field(default_factory=list)
     #: Written as ``#`` lines after the first (readers ignore them): e.g. where the
     #: measurements came from. Not read back.
     comments: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     restrictions: Restrictions = dataclasses.field(default_factory=Restrictions)
+    # (key, N) -> its entries in the order added: kept by add(), rebuilt from ``entries`` when
+    # that list's length shows it changed otherwise (entries are meant to be added with add()).
+    _points: dict[tuple[str, int], list[PlanEntry]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    _indexed: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        entries, self.entries = list(self.entries), []
+        for entry in entries:
+            self.add(entry)
+
+    @property
+    def is_front(self) -> bool:
+        return self.strategy == FRONT
+
+    def check(self, entry: PlanEntry) -> None:
+        """Raise :class:`PlanError` (no file position) if ``entry`` cannot join this plan: the
+        rules of docs/plan-format.md for a kernel line after the lines already added."""
+        points = self._index().get((entry.key, entry.n), ())
+        if not self.is_front:
+            if points:
+                raise PlanError(f"duplicate kernel {entry.key} n={entry.n}")
+            return
+        if any(p.workspace == entry.workspace for p in points):
+            raise PlanError(f"duplicate kernel {entry.key} n={entry.n} workspace={entry.workspace} "
+                            "(the points of a front each have another workspace)")
+        if entry.workspace > self.limit:
+            raise PlanError(f"workspace {entry.workspace} of kernel {entry.key} n={entry.n} is "
+                            f"over the plan's limit {self.limit}")
 
     def add(self, entry: PlanEntry) -> None:
-        if (entry.key, entry.n) in self.entries:
-            raise PlanError(f"duplicate kernel {entry.key} n={entry.n}")
-        self.entries[(entry.key, entry.n)] = entry
+        self.check(entry)
+        self._points.setdefault((entry.key, entry.n), []).append(entry)
+        self.entries.append(entry)
+        self._indexed = len(self.entries)
+
+    def _index(self) -> dict[tuple[str, int], list[PlanEntry]]:
+        if self._indexed != len(self.entries):
+            self._points = {}
+            for entry in self.entries:
+                self._points.setdefault((entry.key, entry.n), []).append(entry)
+            self._indexed = len(self.entries)
+        return self._points
+
+    def kernels(self) -> list[tuple[str, int]]:
+        """Each (key, N) once, in the order first added."""
+        return list(self._index())
+
+    def front(self, key: str, n: int) -> tuple[PlanEntry, ...]:
+        """The entries of (key, N) by workspace ascending (so time descending on a front): in a
+        ``front`` plan its points, else its one entry; () if the plan has none."""
+        return tuple(sorted(self._index().get((key, n), ()), key=lambda e: e.workspace))
 
     def get(self, key: str, n: int) -> PlanEntry | None:
-        return self.entries.get((key, n))
+        """The entry of (key, N); in a ``front`` plan its point with the largest workspace (the
+        fastest, what a call with room for every point runs)."""
+        points = self.front(key, n)
+        return points[-1] if points else None
 
     def __iter__(self):
-        return iter(self.entries.values())
+        return iter(self.entries)
 
     def __len__(self) -> int:
+        """How many entries (``kernel`` lines): in a ``front`` plan, points."""
         return len(self.entries)
 
     @property
     def total_workspace(self) -> int:
-        return sum(e.workspace for e in self)
+        """Workspace of all kernels together, each at its :meth:`get` entry."""
+        return sum(self.get(key, n).workspace for key, n in self.kernels())
 
     @property
     def max_workspace(self) -> int:
@@ -171,9 +231,10 @@ def format_plan(plan: Plan) -> str:
     out.write(f"gpu {plan.gpu}\ncudnn {plan.cudnn}\nstrategy {plan.strategy}\n")
     out.write(f"limit {plan.limit}\npolicy {plan.policy}\n")
     out.write(f"{RESTRICTIONS_MARK} {plan.restrictions}\n")
-    for e in plan:
-        pieces = " ".join(str(p) for p in e.pieces)
-        out.write(f"kernel {e.key} {e.n} {e.workspace} {e.time_ms:.6g} {pieces}\n")
+    for key, n in plan.kernels():
+        for e in plan.front(key, n):  # a front's points by workspace ascending
+            pieces = " ".join(str(p) for p in e.pieces)
+            out.write(f"kernel {e.key} {e.n} {e.workspace} {e.time_ms:.6g} {pieces}\n")
     return out.getvalue()
 
 
@@ -293,9 +354,10 @@ def read_plan_text(text: str, source: str = "<plan>") -> Plan:
             if plan is None:
                 plan = _plan_from_header(header, where)
             entry = _parse_kernel(rest, where)
-            if (entry.key, entry.n) in plan.entries:
-                raise PlanError(f"{where}: duplicate kernel {entry.key} n={entry.n}")
-            plan.entries[(entry.key, entry.n)] = entry
+            try:
+                plan.add(entry)
+            except PlanError as exc:
+                raise PlanError(f"{where}: {exc}") from None
         else:
             raise PlanError(f"{where}: unknown record '{word}'")
     if not seen_magic:

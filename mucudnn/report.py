@@ -81,11 +81,14 @@ def describe_restrictions(rules: Restrictions) -> str:
 
 
 def plan_rows(plan: Plan, store=None, env=None) -> list[PlanRow]:
-    """One row per kernel, its baselines under the plan's own restrictions; a WD plan's kernel is
-    compared with undivided algorithms within the workspace the plan gave it."""
+    """One row per entry, its baselines under the plan's own restrictions; a front plan's kernels
+    each with their points fastest first; a WD plan's kernel is compared with undivided algorithms
+    within the workspace the plan gave it."""
     from .tuner import baselines
     rows = []
-    for entry in plan:
+    entries = ([e for key, n in plan.kernels() for e in reversed(plan.front(key, n))]
+               if plan.is_front else list(plan))
+    for entry in entries:
         limit = plan.limit if plan.strategy == "wr" else entry.workspace
         base = (baselines(store, env, entry, limit, plan.restrictions) if store is not None
                 else (None, None))
@@ -101,25 +104,46 @@ def _ms(value: float | None) -> str:
     return f"{value:.3f}" if value is not None else "-"
 
 
+def _front_header(plan: Plan) -> str:
+    """``FRONT (...) no limit`` or ``FRONT (...) limit 64.0 MiB``, and how many points."""
+    from .plan import NO_LIMIT
+    limit = "no limit" if plan.limit == NO_LIMIT else f"limit {format_size(plan.limit)}"
+    return (f"FRONT (each call runs the fastest point within its workspace), {limit}, policy "
+            f"{plan.policy}, {len(plan.kernels())} kernels, {len(plan)} points")
+
+
 def format_plan_table(plan: Plan, rows: list[PlanRow]) -> str:
+    """The table ``mucudnn show`` prints. In a front plan each kernel's points follow each other,
+    fastest first, the kernel named on the first; ``point`` numbers them (1: the fastest) and the
+    totals are those of the fastest points."""
     limit_name = "limit per kernel" if plan.strategy == "wr" else "total budget"
-    header = (f"plan: {plan.gpu}, cuDNN {plan.cudnn}, {plan.strategy.upper()} "
-              f"{limit_name} {format_size(plan.limit)}, policy {plan.policy}, {len(plan)} kernels\n"
-              f"{describe_math(plan)}\n{describe_restrictions(plan.restrictions)}")
-    columns = ("kernel", "N", "micro-batches", "workspace", "plan ms", "undiv ms", "speedup",
-               "uncapped ms", "vs uncapped")
+    header = (f"plan: {plan.gpu}, cuDNN {plan.cudnn}, "
+              + (_front_header(plan) if plan.is_front else
+                 f"{plan.strategy.upper()} {limit_name} {format_size(plan.limit)}, policy "
+                 f"{plan.policy}, {len(plan)} kernels")
+              + f"\n{describe_math(plan)}\n{describe_restrictions(plan.restrictions)}")
+    columns = ("kernel", "N") + (("point",) if plan.is_front else ()) + (
+        "micro-batches", "workspace", "plan ms", "undiv ms", "speedup", "uncapped ms",
+        "vs uncapped")
     table = [columns]
     for r in rows:
         e = r.entry
-        table.append((describe_kernel(e), str(e.n), describe_pieces(e), format_size(e.workspace),
-                      _ms(e.time_ms), _ms(r.undivided_ms), _ratio(r.speedup),
-                      _ms(r.unlimited_ms), _ratio(r.vs_unlimited)))
+        points = plan.front(e.key, e.n)
+        first = points[-1] is e  # the fastest: the first row of its kernel
+        point = ((f"{len(points) - points.index(e)}/{len(points)}",) if plan.is_front else ())
+        table.append((describe_kernel(e) if first else "", str(e.n) if first else "") + point
+                     + (describe_pieces(e), format_size(e.workspace), _ms(e.time_ms),
+                        _ms(r.undivided_ms), _ratio(r.speedup), _ms(r.unlimited_ms),
+                        _ratio(r.vs_unlimited)))
+    text_columns = (0, columns.index("micro-batches"))
+    smallest = [r for r in rows if plan.front(r.entry.key, r.entry.n)[0] is r.entry]
+    rows = [r for r in rows if plan.get(r.entry.key, r.entry.n) is r.entry]  # the totals' rows
     total_plan = sum(r.entry.time_ms for r in rows)
     known = [r for r in rows if r.undivided_ms is not None and r.unlimited_ms is not None]
     widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
     lines = [header, ""]
     for i, row in enumerate(table):
-        lines.append("  ".join(cell.ljust(w) if j in (0, 2) else cell.rjust(w)
+        lines.append("  ".join(cell.ljust(w) if j in text_columns else cell.rjust(w)
                                for j, (cell, w) in enumerate(zip(row, widths))).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -127,8 +151,17 @@ def format_plan_table(plan: Plan, rows: list[PlanRow]) -> str:
     if any(piece.borrow for entry in plan for piece in entry.pieces):
         lines.append("*: the piece's workspace is the part of its output the later pieces write "
                      "(not in the workspace column)")
-    lines.append(f"{SUM_LABEL}: plan {total_plan:.3f} ms; workspace: largest "
-                 f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}")
+    if plan.is_front:
+        lines.append(f"fastest points: {SUM_LABEL} {total_plan:.3f} ms; workspace: largest "
+                     f"{format_size(max((r.entry.workspace for r in rows), default=0))}, all "
+                     f"kernels {format_size(plan.total_workspace)}")
+        least = sum(r.entry.time_ms for r in smallest)
+        lines.append(f"smallest points: {SUM_LABEL} {least:.3f} ms; workspace: largest "
+                     f"{format_size(max((r.entry.workspace for r in smallest), default=0))}, all "
+                     f"kernels {format_size(sum(r.entry.workspace for r in smallest))}")
+    else:
+        lines.append(f"{SUM_LABEL}: plan {total_plan:.3f} ms; workspace: largest "
+                     f"{format_size(plan.max_workspace)}, all kernels {format_size(plan.total_workspace)}")
     if known and len(known) == len(rows) and total_plan:
         undiv = sum(r.undivided_ms for r in known)
         unlim = sum(r.unlimited_ms for r in known)

@@ -3,6 +3,7 @@
     >>> import mucudnn
     >>> cfg = mucudnn.load_config("resnet50")
     >>> mucudnn.benchmark(cfg)                                  # on a GPU: fills the store
+    >>> plan = mucudnn.optimize(cfg)                            # front: each kernel's trade-offs
     >>> plan = mucudnn.optimize(cfg, workspace_limit="64MiB")   # WR, policy powerOfTwo
     >>> plan = mucudnn.optimize(cfg, total_workspace="1GiB")    # WD (ILP over all kernels)
     >>> mucudnn.write_plan(plan, "resnet50.plan")
@@ -33,8 +34,9 @@ from .engines import api_of, parse_engine_name, select_apis
 from .errors import (EngineNameError, MissingMeasurementsError, MucudnnError, ReadOnlyStoreError,
                      UnwritableError)
 from .measurement import Measurement
-from .optimizer import Policy, best_plan, candidate_sizes, fit_sizes, pareto_plans, solve_budget
-from .plan import Plan, PlanEntry, Restrictions
+from .optimizer import (Policy, best_plan, candidate_sizes, fit_sizes, pareto_plans, solve_budget,
+                        thin_front)
+from .plan import FRONT, NO_LIMIT, Plan, PlanEntry, Restrictions
 from .problem import ALGORITHMS, ConvProblem
 from .sizes import format_size, parse_size
 
@@ -354,12 +356,16 @@ def optimize(source, workspace_limit=None, total_workspace=None,
              policy: Policy | str = Policy.POWER_OF_TWO, store=None,
              env: Environment | None = None, exclude: Sequence[str] = (),
              precise: bool = False, api: str = "both", borrow_output: bool = False,
-             deterministic: bool = False) -> Plan:
+             deterministic: bool = False, front: bool = False) -> Plan:
     """A plan for every kernel of ``source``.
 
-    Exactly one of ``workspace_limit`` (WR: each kernel within this many bytes) and
-    ``total_workspace`` (WD: all kernels' workspaces together within this budget) is given; sizes
-    may be strings like ``"64MiB"``. Algorithms and engine configurations named in ``exclude`` are
+    With neither ``workspace_limit`` nor ``total_workspace``: a ``front`` plan, each kernel's
+    Pareto front of (time, workspace) from :func:`pareto_plans`, thinned by :func:`thin_front`
+    (the shim runs, per call, the fastest point within the workspace the call has).
+    ``workspace_limit`` alone (WR): each kernel's fastest plan within this many bytes; with
+    ``front=True``, the front cut at that many bytes instead (the plan's ``limit``).
+    ``total_workspace`` (WD): all kernels' workspaces together within this budget. Sizes may be
+    strings like ``"64MiB"``. Algorithms and engine configurations named in ``exclude`` are
     never used (a name that is neither raises :class:`MucudnnError`); ``precise`` also excludes the
     transform-based ones (:func:`~mucudnn.engines.is_transform_based`), ``deterministic`` the
     non-deterministic ones (:func:`~mucudnn.engines.is_nondeterministic`: a caller that chose a
@@ -372,11 +378,15 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     write as their workspace (:func:`best_plan`): no memory beyond the limit, only the order of the
     pieces is fixed, and the shim runs such a plan only for calls with beta = 0.
     """
-    if (workspace_limit is None) == (total_workspace is None):
-        raise MucudnnError("give exactly one of workspace_limit (WR) and total_workspace (WD)")
-    if borrow_output and total_workspace is not None:
+    if workspace_limit is not None and total_workspace is not None:
+        raise MucudnnError("give at most one of workspace_limit (WR, or a front's cap) and "
+                           "total_workspace (WD)")
+    if front and total_workspace is not None:
+        raise MucudnnError("a front plan takes workspace_limit as its cap, not total_workspace")
+    front = front or (workspace_limit is None and total_workspace is None)
+    if borrow_output and (front or total_workspace is not None):
         raise MucudnnError("borrow_output works with a workspace limit per kernel (WR), "
-                           "not with total_workspace (WD)")
+                           "not with a front plan or total_workspace (WD)")
     policy = Policy(policy)
     kernels = as_kernels(source)
     check_excluded_names(exclude)
@@ -394,7 +404,13 @@ def optimize(source, workspace_limit=None, total_workspace=None,
         source = _source_comment(st, env)
     if missing:
         raise MissingMeasurementsError(_missing_message(missing, len(kernels), env, policy, api))
-    if workspace_limit is not None:
+    if front:
+        limit = NO_LIMIT if workspace_limit is None else parse_size(workspace_limit)
+        cap = None if workspace_limit is None else limit
+        plans = [point for p, _ in kernels
+                 for point in thin_front(pareto_plans(rows[(p.key, p.n)], p.n, policy, cap))]
+        strategy = FRONT
+    elif workspace_limit is not None:
         limit = parse_size(workspace_limit)
         if policy is Policy.FIT:
             _warn_missing_fit_sizes(rows, kernels, limit, borrow_output)

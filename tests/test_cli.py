@@ -16,7 +16,7 @@ from mucudnn.cli import main
 from mucudnn.engines import Api
 from mucudnn.measurement import Measurement
 from mucudnn.optimizer import candidate_sizes
-from mucudnn.plan import read_plan
+from mucudnn.plan import NO_LIMIT, read_plan
 from mucudnn.sizes import format_size
 from mucudnn.store import open_store
 from test_store import as_unprivileged, hand_over, shared_dir  # noqa: F401 - a fixture
@@ -254,13 +254,89 @@ def test_show_without_measurements_of_the_plan_gpu_omits_the_baselines(no_gpu):
     assert "undivided within the limit" not in result.stdout
 
 
-@pytest.mark.parametrize("limits", [
-    [], ["--workspace-limit", "64MiB", "--total-workspace", "1GiB"],
-], ids=["neither", "both"])
-def test_tune_needs_exactly_one_limit(no_gpu, tmp_path, limits):
-    result = invoke("tune", "alexnet", *limits, "-o", tmp_path / "p.plan")
-    assert_usage_error(result, "exactly one of --workspace-limit and --total-workspace")
+@pytest.mark.parametrize("options, reason", [
+    (["--workspace-limit", "64MiB", "--total-workspace", "1GiB"],
+     "at most one of --workspace-limit and --total-workspace"),
+    (["--total-workspace", "1GiB", "--front"], "--front goes with --workspace-limit"),
+    (["--borrow-output"], "--borrow-output makes WR plans"),
+    (["--workspace-limit", "64MiB", "--front", "--borrow-output"], "--borrow-output makes WR plans"),
+])
+def test_tune_refuses_conflicting_limits(no_gpu, tmp_path, options, reason):
+    result = invoke("tune", "alexnet", *options, "-o", tmp_path / "p.plan")
+    assert_usage_error(result, reason)
     assert not (tmp_path / "p.plan").exists()
+
+
+# -- front plans -----------------------------------------------------------------------------------
+
+def test_tune_without_a_limit_writes_a_front_plan_and_show_prints_its_points(no_gpu, tmp_path):
+    plan_path = tmp_path / "r50.plan"
+    kernels = mucudnn.load_config("resnet50").kernels()
+    tuned = invoke("tune", "resnet50", "-o", plan_path)
+    assert tuned.exit_code == 0, tuned.output
+    plan = read_plan(plan_path)
+    assert (plan.strategy, plan.limit) == ("front", NO_LIMIT)
+    assert plan.kernels() == [(p.key, p.n) for p, _ in kernels]
+    assert len(plan) > len(kernels)  # some kernels have several points
+    assert f"wrote {plan_path}: {len(kernels)} kernels, {len(plan)} points (" in tuned.stdout
+    wr = tuner.optimize(kernels, workspace_limit=1 << 62)
+    assert [plan.get(p.key, p.n).time_ms for p, _ in kernels] == pytest.approx(
+        [wr.get(p.key, p.n).time_ms for p, _ in kernels], rel=1e-5)  # the file keeps 6 digits
+
+    shown = invoke("show", plan_path)
+    assert shown.exit_code == 0, shown.output
+    out = shown.stdout.splitlines()
+    assert out[0] == (f"plan: {plan.gpu}, cuDNN {plan.cudnn}, FRONT (each call runs the fastest "
+                      f"point within its workspace), no limit, policy powerOfTwo, "
+                      f"{len(kernels)} kernels, {len(plan)} points")
+    at = next(i for i, line in enumerate(out) if line.split()[:1] == ["kernel"])  # after math, restrictions
+    assert out[at].split()[:3] == ["kernel", "N", "point"]
+    body = out[at + 2:out.index("", at + 2)]
+    assert len(body) == len(plan)
+    # Each kernel's points follow its first row, numbered from 1 (the fastest) with falling time
+    # and workspace; the kernel is named once.
+    rows, kernel = [], None
+    for line in body:
+        match = re.search(r"\s(\d+)/(\d+)\s.*?\s([\d.]+ [KMG]?i?B)\s+([\d.]+)\s+[\d.-]", line)
+        assert match, line
+        if not line.startswith(" "):
+            kernel = line.split("  ")[0]
+            rows.append([])
+        rows[-1].append((int(match.group(1)), int(match.group(2)), float(match.group(4))))
+    assert len(rows) == len(kernels)
+    for (key, n), points in zip(plan.kernels(), rows):
+        count = len(plan.front(key, n))
+        assert [(i, total) for i, total, _ in points] == [(i, count) for i in range(1, count + 1)]
+        times = [t for _, _, t in points]
+        assert times == sorted(times) and times[0] == pytest.approx(plan.get(key, n).time_ms, abs=1e-3)
+    assert kernel is not None
+    assert any(line.startswith("fastest points: sum of kernel times ") for line in out)
+    assert any(line.startswith("smallest points: sum of kernel times ") for line in out)
+
+
+def test_tune_front_with_a_limit_is_cut_there(no_gpu, tmp_path):
+    plan_path = tmp_path / "cut.plan"
+    result = invoke("tune", "alexnet", "--workspace-limit", "1MiB", "--front", "-o", plan_path)
+    assert result.exit_code == 0, result.output
+    plan = read_plan(plan_path)
+    assert (plan.strategy, plan.limit) == ("front", 1 << 20)
+    assert all(e.workspace <= 1 << 20 for e in plan)
+    shown = invoke("show", plan_path)
+    assert shown.exit_code == 0 and ", limit 1.0 MiB, policy" in shown.stdout.splitlines()[0]
+
+
+def test_tune_front_keeps_the_row_filters(mixed_recording, tmp_path):
+    def algos(*options):
+        path = tmp_path / "p.plan"
+        result = invoke("tune", "--recording", mixed_recording, *options, "-o", path)
+        assert result.exit_code == 0, result.output
+        assert read_plan(path).strategy == "front"
+        return {piece.algo for entry in read_plan(path) for piece in entry.pieces}
+
+    assert algos() == {"implicit_gemm", "eng7.k2=16.k11=-1"}  # a front of both
+    assert algos("--api", "legacy") == algos("--exclude-algo", "eng7.k2=16.k11=-1") == {"implicit_gemm"}
+    assert algos("--api", "graph") == {"eng7.k2=16.k11=-1"}
+    assert algos("--deterministic", "--precise") == {"implicit_gemm", "eng7.k2=16.k11=-1"}
 
 
 @pytest.mark.parametrize("option", ["--workspace-limit", "--total-workspace"])
@@ -541,6 +617,45 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_
     assert run_env["MUCUDNN_PLAN"] == str(plan_path.resolve())
     assert run_env["MUCUDNN_WORKSPACE_LIMIT"] == str(64 << 20)
     assert run_env["LD_PRELOAD"].split()[0] == str(shim)
+
+
+@pytest.mark.parametrize("limit", [[], ["--workspace-limit", "64MiB", "--front"]],
+                         ids=["no-limit", "front-cut"])
+def test_autotune_makes_a_front_plan_without_a_limit_or_with_front(no_gpu, fake_exec, tmp_path,
+                                                                    monkeypatch, limit):
+    _, calls = fake_exec
+    kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
+
+    def call(args, env=None, **kwargs):
+        calls.append(env)
+        if "MUCUDNN_RECORD" in env:
+            Path(env["MUCUDNN_RECORD"]).write_text(
+                "".join(f"kernel {p.key} {p.n}\n" for p in kernels))
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", call)
+    monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
+    plan_path = tmp_path / "auto.plan"
+    result = invoke("autotune", *limit, "-o", plan_path, "--", "python", "train.py")
+    assert result.exit_code == 0, result.output
+    plan = read_plan(plan_path)
+    assert plan.strategy == "front" and plan.limit == (64 << 20 if limit else NO_LIMIT)
+    assert set(plan.kernels()) == {(p.key, p.n) for p in kernels}
+    assert "points (" in result.stderr
+    record_env, run_env = calls
+    for env in (record_env, run_env):  # the limit stays a hard cap for the shim, if given
+        assert env.get("MUCUDNN_WORKSPACE_LIMIT") == (str(64 << 20) if limit else None)
+
+
+@pytest.mark.parametrize("options, reason", [
+    (["--borrow-output"], "--borrow-output makes WR plans"),
+    (["--policy", "fit"], "--policy fit needs --workspace-limit"),
+])
+def test_autotune_refuses_what_a_front_plan_cannot_do(no_gpu, fake_exec, tmp_path, options, reason):
+    _, calls = fake_exec
+    result = invoke("autotune", *options, "-o", tmp_path / "p.plan", "--", "python", "train.py")
+    assert_usage_error(result, reason)
+    assert not calls
 
 
 def test_autotune_api_reaches_benchmark_and_tuning(mixed_recording, fake_exec, tmp_path,

@@ -75,18 +75,28 @@ def plans(draw) -> Plan:
     plan = Plan(gpu=draw(gpu_names), cudnn=draw(st.integers(1, 10**6)),
                 strategy=draw(st.sampled_from(STRATEGIES)), limit=draw(st.integers(0, 1 << 45)),
                 policy=draw(st.sampled_from(POLICIES)))
+    # In a front plan a (key, N) may have several entries (points), so draw few keys and N.
     for entry in draw(st.lists(entries(), max_size=8)):
-        if plan.get(entry.key, entry.n) is None:
+        try:
             plan.add(entry)
+        except PlanError:  # a duplicate kernel, or a point over a front plan's limit
+            pass
     return plan
+
+
+def written_order(plan: Plan) -> list[PlanEntry]:
+    """The order the writer writes entries in: kernels as first added, points by workspace."""
+    return [entry for key, n in plan.kernels() for entry in plan.front(key, n)]
 
 
 def assert_same_plan(read: Plan, written: Plan) -> None:
     """Equal but for TIME, which the file keeps to 6 significant digits."""
     assert (read.gpu, read.cudnn, read.strategy, read.limit, read.policy) == \
         (written.gpu, written.cudnn, written.strategy, written.limit, written.policy)
-    assert list(read.entries) == list(written.entries)  # same kernels, same order
-    for got, want in zip(read, written):
+    want_entries = written_order(written)
+    assert [(e.key, e.n, e.workspace) for e in read] == \
+        [(e.key, e.n, e.workspace) for e in want_entries]  # same kernels, same order
+    for got, want in zip(read, want_entries):
         assert (got.key, got.n, got.workspace, got.pieces) == \
             (want.key, want.n, want.workspace, want.pieces)
         assert math.isclose(got.time_ms, want.time_ms, rel_tol=5e-6, abs_tol=0)
@@ -499,3 +509,104 @@ def test_a_plan_over_the_maximum_size_is_refused(tmp_path):
         f.truncate(plan_mod.MAX_PLAN_BYTES + 1)
     with pytest.raises(PlanError, match=rf"^{re.escape(str(path))}:0: .*larger than 67108864 bytes"):
         read_plan(path)
+
+
+# -- front plans (strategy front): a kernel's lines are the points of its front -------------------
+
+@st.composite
+def front_plans(draw) -> Plan:
+    """Front plans of 0-3 kernels with 1-4 points each, added in a random order."""
+    limit = draw(st.sampled_from([0, 1 << 20, 1 << 40, plan_mod.NO_LIMIT]))
+    plan = Plan(gpu=draw(gpu_names), cudnn=draw(st.integers(1, 10**6)), strategy="front",
+                limit=limit, policy=draw(st.sampled_from(POLICIES)))
+    points = []
+    for index in range(draw(st.integers(0, 3))):
+        kernel = problem(draw(st.sampled_from(Direction)), index, n=draw(st.integers(1, 64)))
+        for workspace in draw(st.lists(st.integers(0, limit), min_size=1, max_size=4, unique=True)):
+            points.append(PlanEntry(kernel.key, kernel.n, workspace,
+                                    draw(st.floats(0, 1e6, allow_nan=False)),
+                                    (PlanPiece(kernel.n, ALGORITHMS[kernel.direction][0],
+                                               MathType.FMA),)))
+    for entry in draw(st.permutations(points)):
+        plan.add(entry)
+    return plan
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=front_plans())
+def test_front_plans_round_trip_with_each_kernels_points_by_workspace(tmp_path, plan):
+    path = tmp_path / "front.plan"
+    write_plan(plan, path)
+    read = read_plan(path)
+    assert_same_plan(read, plan)
+    assert read.kernels() == plan.kernels()
+    lines = [line.split() for line in path.read_text().splitlines() if line.startswith("kernel ")]
+    for key, n in plan.kernels():  # written together, by workspace ascending
+        written = [int(f[3]) for f in lines if (f[1], int(f[2])) == (key, n)]
+        assert written == sorted(e.workspace for e in plan if (e.key, e.n) == (key, n))
+        assert [e.workspace for e in read.front(key, n)] == written
+    assert format_plan(read) == path.read_text(encoding="utf-8")
+
+
+def test_front_example_reads_each_kernels_points():
+    plan = read_plan(PLAN_DIR / "front.plan")
+    assert (plan.strategy, plan.limit, plan.is_front) == ("front", 1 << 20, True)
+    fwd = problem(Direction.FORWARD, 1).key
+    assert plan.kernels() == [(fwd, 8), (fwd, 16), (problem(Direction.BACKWARD_DATA, 1).key, 8),
+                              (problem(Direction.BACKWARD_FILTER, 1).key, 8)]
+    points = plan.front(fwd, 8)
+    assert [(e.workspace, e.time_ms) for e in points] == [
+        (0, 1.5), (4096, 0.75), (65536, 0.5), (1 << 20, 0.25)]
+    assert plan.get(fwd, 8) is points[-1]  # the fastest
+    assert [len(plan.front(key, n)) for key, n in plan.kernels()] == [4, 2, 1, 2]
+    assert len(plan) == 9 and [e.workspace for e in plan][:3] == [1 << 20, 0, 65536]  # file order
+    assert plan.front(fwd, 4) == () and plan.get(fwd, 4) is None
+    assert plan.total_workspace == (1 << 20) + 65536 + 0 + 32768  # each kernel's fastest point
+
+
+FRONT_HEADER = GOOD_HEADER.replace("strategy wr", "strategy front").replace("limit 0", "limit 4096")
+
+
+def front_line(workspace: int, n: int = 8, time: str = "1") -> str:
+    return f"kernel {problem().key} {n} {workspace} {time} {n}:gemm:fma\n"
+
+
+@pytest.mark.parametrize("text, line, reason", [
+    (FRONT_HEADER + front_line(0) + front_line(16) + front_line(0, time="2"), 9,
+     "duplicate kernel .* n=8 workspace=0"),
+    (FRONT_HEADER + front_line(0) + front_line(4097), 8, "workspace 4097 .* over the plan's limit 4096"),
+    (FRONT_HEADER + front_line((1 << 64) - 1), 7, "over the plan's limit"),
+    (GOOD_HEADER + front_line(0) + front_line(16), 8, "duplicate kernel"),  # wr: one per (KEY, N)
+    (GOOD_HEADER.replace("strategy wr", "strategy wd") + front_line(0) + front_line(16), 8,
+     "duplicate kernel"),
+])
+def test_front_rules_are_plan_errors_on_the_offending_line(tmp_path, text, line, reason):
+    path = tmp_path / "p.plan"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=rf"^{re.escape(str(path))}:{line}: .*{reason}"):
+        read_plan(path)
+
+
+def test_a_front_plan_takes_points_up_to_its_limit_and_several_n():
+    text = FRONT_HEADER + front_line(4096) + front_line(0) + front_line(0, n=16) + front_line(4096, n=16)
+    plan = read_plan_text(text)
+    assert [(e.n, e.workspace) for e in plan] == [(8, 4096), (8, 0), (16, 0), (16, 4096)]
+    no_limit = read_plan_text(text.replace("limit 4096", f"limit {plan_mod.NO_LIMIT}")
+                              + front_line(plan_mod.NO_LIMIT))
+    assert [e.workspace for e in no_limit.front(problem().key, 8)] == [0, 4096, plan_mod.NO_LIMIT]
+
+
+def test_plan_add_keeps_the_front_rules():
+    plan = Plan("g", 1, "front", 100, "all")
+    entry = PlanEntry(problem().key, 4, 100, 1.0, (PlanPiece(4, "gemm", MathType.FMA),))
+    plan.add(entry)
+    plan.add(PlanEntry(problem().key, 4, 0, 2.0, entry.pieces))
+    with pytest.raises(PlanError, match="duplicate kernel"):
+        plan.add(PlanEntry(problem().key, 4, 100, 0.5, entry.pieces))
+    with pytest.raises(PlanError, match="over the plan's limit 100"):
+        plan.add(PlanEntry(problem().key, 4, 101, 0.5, entry.pieces))
+    assert [e.workspace for e in plan.front(problem().key, 4)] == [0, 100] and len(plan) == 2
+    # Entries given to the constructor obey the same rules.
+    with pytest.raises(PlanError, match="duplicate kernel"):
+        Plan("g", 1, "wr", 0, "all", entries=[entry, entry])

@@ -21,8 +21,8 @@ from mucudnn.errors import (
     InfeasibleError, MissingMeasurementsError, MucudnnError, StoreError, UnwritableError,
 )
 from mucudnn.measurement import Measurement, Status
-from mucudnn.optimizer import Policy, candidate_sizes
-from mucudnn.plan import (PlanEntry, PlanPiece, Restrictions, read_plan, read_restrictions,
+from mucudnn.optimizer import FRONT_MAX_POINTS, Policy, candidate_sizes, pareto_plans
+from mucudnn.plan import (NO_LIMIT, PlanEntry, PlanPiece, Restrictions, read_plan, read_restrictions,
                           write_plan)
 from mucudnn.problem import ConvProblem, Direction, MathType
 from mucudnn.sizes import parse_size
@@ -161,10 +161,73 @@ def test_wd_infeasible_budget_is_an_error(store):
         tuner.optimize([HUNGRY], total_workspace=50, store=store, env=ENV)
 
 
-@pytest.mark.parametrize("limits", [{}, {"workspace_limit": "1MiB", "total_workspace": "1MiB"}])
-def test_exactly_one_of_limit_and_budget(store, limits):
-    with pytest.raises(MucudnnError, match="exactly one"):
+@pytest.mark.parametrize("limits, reason", [
+    ({"workspace_limit": "1MiB", "total_workspace": "1MiB"}, "at most one"),
+    ({"total_workspace": "1MiB", "front": True}, "a front plan takes workspace_limit"),
+    ({"borrow_output": True}, "not with a front plan"),
+    ({"workspace_limit": "1MiB", "front": True, "borrow_output": True}, "not with a front plan"),
+])
+def test_conflicting_limits_are_refused(store, limits, reason):
+    with pytest.raises(MucudnnError, match=reason):
         tuner.optimize(KERNELS, store=store, env=ENV, **limits)
+
+
+# -- front plans -----------------------------------------------------------------------------------
+
+def check_front_plan(store, plan, kernels, cap: int | None) -> None:
+    """Each kernel's points: measured, within ``cap``, Pareto-optimal among themselves and taken
+    from the kernel's whole front, the fastest the WR plan's time within ``cap`` (no cap: none)."""
+    assert plan.strategy == "front" and plan.limit == (NO_LIMIT if cap is None else cap)
+    assert plan.kernels() == [(p.key, p.n) for p, _ in kernels]
+    for problem, _ in kernels:
+        points = plan.front(problem.key, problem.n)
+        assert 1 <= len(points) <= FRONT_MAX_POINTS
+        for entry in points:
+            check_entry_against_store(store, entry)
+            assert cap is None or entry.workspace <= cap
+        workspaces = [e.workspace for e in points]
+        times = [e.time_ms for e in points]
+        assert workspaces == sorted(set(workspaces))  # sorted, distinct
+        assert all(a > b for a, b in zip(times, times[1:]))  # so none dominates another
+        rows = tuner.measurements(store, ENV, problem, Policy.POWER_OF_TWO)
+        whole = pareto_plans(rows, problem.n, Policy.POWER_OF_TWO, cap)
+        assert {(e.workspace, e.time_ms) for e in points} <= {(p.workspace, p.time_ms) for p in whole}
+        assert points[0].workspace == whole[0].workspace  # the smallest point stays
+        wr = tuner.optimize([problem], workspace_limit=(1 << 62) if cap is None else cap,
+                            store=store, env=ENV)
+        assert math.isclose(points[-1].time_ms, wr.get(problem.key, problem.n).time_ms)
+
+
+def test_no_limit_gives_a_front_plan(store):
+    plan = tuner.optimize(KERNELS, store=store, env=ENV)
+    check_front_plan(store, plan, KERNELS, None)
+    assert max(len(plan.front(k, n)) for k, n in plan.kernels()) > 1  # real trade-offs
+
+
+@pytest.mark.parametrize("cap", [0, 800, 2000, 5000])
+def test_a_front_with_a_limit_is_cut_there(store, cap):
+    plan = tuner.optimize(KERNELS, workspace_limit=cap, front=True, store=store, env=ENV)
+    check_front_plan(store, plan, KERNELS, cap)
+
+
+def test_a_front_plan_is_written_and_read_back_sorted(mixed_store, tmp_path):
+    plan = tuner.optimize([FWD, BWD_DATA], store=mixed_store, env=ENV)
+    write_plan(plan, tmp_path / "front.plan")
+    read = read_plan(tmp_path / "front.plan")
+    assert read.strategy == "front" and read.kernels() == plan.kernels()
+    for key, n in plan.kernels():
+        assert [e.pieces for e in read.front(key, n)] == [e.pieces for e in plan.front(key, n)]
+
+
+def test_front_plans_keep_the_row_filters(mixed_store):
+    def used(kernel=FWD, **options):
+        return algorithms_used(tuner.optimize([kernel], store=mixed_store, env=ENV, **options))
+
+    assert "eng7" in used() and "fft" not in used(exclude=["fft", "eng7"])
+    assert "eng7" not in used(deterministic=True) and "eng7" not in used(exclude=["eng7"])
+    assert not used(precise=True) & (TRANSFORM_ALGORITHMS | {"eng7"})
+    assert used(api="legacy") <= set(FWD_ALGOS) and used(api="graph") <= set(FWD_ENGINES)
+    assert used(BWD_DATA, deterministic=True) <= {"algo_1", "fft_tiling"}
 
 
 # -- excluded algorithms ---------------------------------------------------------------------------
@@ -173,7 +236,7 @@ def algorithms_used(plan) -> set[str]:
     return {piece.algo for entry in plan for piece in entry.pieces}
 
 
-@pytest.mark.parametrize("limits", [{"workspace_limit": 1 << 30}, {"total_workspace": 1 << 30}])
+@pytest.mark.parametrize("limits", [{"workspace_limit": 1 << 30}, {"total_workspace": 1 << 30}, {}])
 def test_exclude_and_precise_drop_algorithms(store, limits):
     unrestricted = algorithms_used(tuner.optimize(KERNELS, store=store, env=ENV, **limits))
     assert {"fft", "fft_tiling"} <= unrestricted  # else the checks below prove nothing

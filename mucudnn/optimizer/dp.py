@@ -262,3 +262,46 @@ def pareto_plans(measurements: Iterable[Measurement], n: int,
     if not fronts[n]:
         raise table.infeasible(max_workspace)
     return [table.plan(chain) for chain in fronts[n]]
+
+
+#: What a front plan keeps of a kernel's Pareto front (:func:`thin_front`): a point must be at
+#: least this much faster (relative) than the best kept point with less workspace ...
+FRONT_MIN_GAIN = 0.02
+#: ... and a kernel keeps at most this many points.
+FRONT_MAX_POINTS = 6
+
+
+def thin_front(front: Sequence[KernelPlan], min_gain: float = FRONT_MIN_GAIN,
+               max_points: int = FRONT_MAX_POINTS) -> list[KernelPlan]:
+    """The points of a Pareto front (workspace ascending, as :func:`pareto_plans` gives) worth a
+    plan file's line: what a framework's fallback on a smaller workspace can use.
+
+    A call with workspace ``w`` runs the fastest kept point within ``w``, so a dropped point costs
+    the calls between its workspace and the next kept point's the time of the best kept point
+    with less workspace. The rule:
+
+    - the fastest point (the last) is kept, and so is the smallest (a call with less workspace has
+      no point at all);
+    - going up from the smallest, a point is kept only if it is at least ``min_gain`` faster than
+      the best kept point with less workspace (the last kept one): a call never loses more than
+      ``min_gain`` to a dropped point;
+    - while more than ``max_points`` are kept, the kept point between the two ends that gains
+      least over the kept point below it is dropped (the first such on a tie).
+
+    Returns the kept points, workspace ascending (so time strictly decreasing).
+    """
+    if max_points < 2:
+        raise ValueError(f"max_points must be >= 2 (the smallest and the fastest), got {max_points}")
+    if len(front) <= 1:
+        return list(front)
+    kept = [front[0]]
+    for plan in front[1:-1]:
+        if plan.time_ms <= (1.0 - min_gain) * kept[-1].time_ms:
+            kept.append(plan)
+    kept.append(front[-1])
+    while len(kept) > max_points:
+        # Least gain = largest time / time of the point below (> 0: times strictly decrease).
+        weakest = max(range(1, len(kept) - 1),
+                      key=lambda i: (kept[i].time_ms / kept[i - 1].time_ms, -i))
+        del kept[weakest]
+    return kept

@@ -8,9 +8,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mucudnn.errors import InfeasibleError, MissingMeasurementsError
-from mucudnn.optimizer import Policy, best_plan, pareto_plans
+from mucudnn.optimizer import (
+    FRONT_MAX_POINTS, FRONT_MIN_GAIN, KernelPlan, Piece, Policy, best_plan, pareto_plans, thin_front,
+)
 from optimizer_tables import (
-    SMALL_TABLES, assert_plan_is_measured, brute_force_points, usable_rows, workspace_limits,
+    KEY, SMALL_TABLES, assert_plan_is_measured, brute_force_points, usable_rows, workspace_limits,
 )
 
 
@@ -87,3 +89,51 @@ def test_undivided_front_holds_single_pieces(data):
     n, rows = feasible_table(data, Policy.UNDIVIDED)
     for plan in pareto_plans(rows, n, Policy.UNDIVIDED):
         assert len(plan.pieces) == 1 and plan.pieces[0].batch == n
+
+
+# -- thinning a front for a front plan ------------------------------------------------------------
+
+def front_of(points) -> list[KernelPlan]:
+    """Undivided single-piece plans at (workspace, time) points, as a front lists them."""
+    return [KernelPlan(KEY, 1, (Piece(1, f"eng{i}", "fma", time_ms, workspace),))
+            for i, (workspace, time_ms) in enumerate(points)]
+
+
+def points_of(plans) -> list[tuple[int, float]]:
+    return [(plan.workspace, plan.time_ms) for plan in plans]
+
+
+def test_thinning_keeps_the_ends_and_each_point_two_percent_faster():
+    front = front_of([(0, 10.0), (1, 9.9), (2, 9.85), (3, 9.5), (4, 9.4), (5, 9.0)])
+    # 9.9 and 9.85 are within 2 % of 10; 9.5 is 5 % faster; 9.4 within 2 % of 9.5; 9.0 the fastest.
+    assert points_of(thin_front(front)) == [(0, 10.0), (3, 9.5), (5, 9.0)]
+    # Steps of 1 % each add up (0.99 ** 2 is just short of 2 %): every 3rd point is kept.
+    gradual = front_of([(w, 10.0 * 0.99 ** w) for w in range(9)])
+    assert [w for w, _ in points_of(thin_front(gradual))] == [0, 3, 6, 8]
+
+
+def test_thinning_drops_the_least_gaining_points_down_to_the_maximum():
+    times = [100.0, 50.0, 40.0, 39.0, 20.0, 10.0, 9.0, 5.0, 4.5]
+    kept = thin_front(front_of(list(enumerate(times))), max_points=6)
+    # The gain rule keeps all 9. Dropped: 39 (2.5 % over 40), then 9 (10 % over 10), then 40
+    # (20 % over 50); the fastest (4.5, 10 % over 5) is never dropped.
+    assert points_of(kept) == [(0, 100.0), (1, 50.0), (4, 20.0), (5, 10.0), (7, 5.0), (8, 4.5)]
+
+
+@pytest.mark.parametrize("policy", list(SMALL_TABLES))
+@settings(deadline=None, max_examples=100)
+@given(data=st.data())
+def test_thinned_front_keeps_its_promise(policy, data):
+    n, rows = feasible_table(data, policy)
+    front = pareto_plans(rows, n, policy)
+    thin = thin_front(front, max_points=len(front) + 2)  # the gain rule alone
+    assert thin[0] == front[0] and thin[-1] == front[-1]
+    assert all(plan in front for plan in thin)
+    for lower, upper in zip(thin, thin[1:-1]):
+        assert upper.time_ms <= (1 - FRONT_MIN_GAIN) * lower.time_ms
+    for plan in front:  # a dropped point is < 2 % faster than the best kept one below it
+        below = [kept for kept in thin if kept.workspace <= plan.workspace][-1]
+        assert plan.time_ms >= (1 - FRONT_MIN_GAIN) * below.time_ms or plan is thin[-1]
+    capped = thin_front(front)
+    assert len(capped) <= FRONT_MAX_POINTS and all(plan in thin for plan in capped)
+    assert capped[0] == front[0] and capped[-1] == front[-1]
