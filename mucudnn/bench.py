@@ -152,20 +152,173 @@ def _prod(values: Iterable[int]) -> int:
     return out
 
 
-def missing_apis(rows: Iterable[Measurement], batches: Sequence[int],
-                 apis: Iterable[Api]) -> dict[int, frozenset[Api]]:
+def missing_apis(rows: Iterable[Measurement], batches: Sequence[int], apis: Iterable[Api],
+                 problem: ConvProblem | None = None,
+                 pruning: "Pruning | None" = None) -> dict[int, frozenset[Api]]:
     """For each size of ``batches`` lacking stored ``rows`` of some of ``apis``: those APIs.
 
     A size counts as measured in an API once any row of that API exists for it, OK or not, so
-    refused algorithms and engine configurations are not retried.
+    refused algorithms and engine configurations are not retried; except where rows a bench under
+    another :class:`Pruning` left untimed are needed now (see :meth:`Pruning.still_valid`).
     """
-    present = {(row.batch, api_of(row.algo)) for row in rows}
+    pruning = pruning or Pruning()
+    groups: dict[tuple[int, Api], list[Measurement]] = {}
+    for row in rows:
+        groups.setdefault((row.batch, api_of(row.algo)), []).append(row)
     missing = {}
     for b in batches:
-        lacking = frozenset(api for api in apis if (b, api) not in present)
+        lacking = frozenset(api for api in apis if (b, api) not in groups
+                            or not pruning.still_valid(groups[(b, api)], problem))
         if lacking:
             missing[b] = lacking
     return missing
+
+
+#: The note of a row not timed on purpose; the row's status is ``not_supported`` so that nothing
+#: reads its time, and its workspace is the one cuDNN reported.
+NOT_TIMED = "not timed: "
+OVER_LIMIT = NOT_TIMED + "over limit"
+OVER_LIMIT_NOTE = OVER_LIMIT + " ({bound} bytes usable at this size)"
+QUICK = NOT_TIMED + "--quick"
+QUICK_NOTE = QUICK + " stopped at size {size} ({request})"
+
+
+def is_not_timed(row: Measurement) -> bool:
+    return row.note.startswith(NOT_TIMED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pruning:
+    """What a bench leaves untimed, for plans made by ``tune`` with the same limit.
+
+    ``limit`` (bytes, None: none): a configuration needing more workspace than a piece of its size
+    may use in a WR plan within ``limit`` is never timed (exact: ``best_plan`` and the plan's
+    Pareto front within ``limit`` read only pieces within it). With ``borrow_output`` a piece of
+    ``b`` samples may use ``max(limit, (N - b) * written_sample_bytes)`` (``best_plan``'s
+    borrowing), so that is its bound.
+
+    ``quick``: sizes are timed from N downward, every configuration at each (no limit pruning),
+    and a kernel's smaller sizes are skipped in an API once :func:`quick_stop` holds: exact when a
+    kernel's best per-sample time (over its configurations, no limit) never improves as the
+    micro-batch shrinks, which is the usual case and not guaranteed.
+    """
+
+    limit: int | None = None
+    borrow_output: bool = False
+    quick: bool = False
+
+    def usable_workspace(self, problem: ConvProblem, b: int) -> int | None:
+        """The most workspace a piece of ``b`` samples of ``problem`` (at its N) may need in a
+        plan within the limit; None: any."""
+        if self.limit is None:
+            return None
+        if self.borrow_output:
+            return max(self.limit, (problem.n - b) * problem.written_sample_bytes)
+        return self.limit
+
+    def times(self, problem: ConvProblem, b: int, workspace: int) -> bool:
+        """Whether a configuration needing ``workspace`` bytes at ``b`` samples is timed. Quick
+        times them all: its bound needs every configuration's time at the sizes it visits."""
+        bound = self.usable_workspace(problem, b)
+        return self.quick or bound is None or workspace <= bound
+
+    @property
+    def request(self) -> str:
+        limit = "no limit" if self.limit is None else f"limit {self.limit} bytes"
+        return limit + (", borrowing output" if self.borrow_output else "")
+
+    def still_valid(self, group: Sequence[Measurement], problem: ConvProblem | None) -> bool:
+        """Whether the stored rows of one size and API serve this bench: not when a row over the
+        limit of an earlier bench fits this one's, nor when quick skipped the size and this bench
+        is not quick with the same limit."""
+        if all(row.note.startswith(QUICK) for row in group):
+            return self.quick and all(row.note.endswith(f"({self.request})") for row in group)
+        for row in group:
+            if row.note.startswith(OVER_LIMIT):
+                bound = None if problem is None else self.usable_workspace(problem, row.batch)
+                if bound is None or row.workspace <= bound:
+                    return False
+        return True
+
+
+def quick_stop(problem: ConvProblem, rows: Sequence[Measurement], b: int,
+               pruning: Pruning) -> bool:
+    """Whether, with ``rows`` (one API's, every size >= ``b`` timed), no size below ``b`` can make
+    a faster plan within ``pruning``'s limit, if a kernel's best per-sample time never improves
+    as the micro-batch shrinks (the :class:`Pruning` ``quick`` model).
+
+    Any plan has time >= N * (the smallest per-sample time of a piece it uses). Pieces of the
+    sizes timed that fit give at least P = the best per-sample time among them; pieces below
+    ``b`` at least, by the model, B = the best per-sample time of any configuration at ``b``. So
+    once the best plan of the sizes timed is no slower than N * min(P, B), smaller sizes cannot
+    beat it (equal time at best). Needs every configuration at ``b`` timed (none left over the
+    limit) and rows only of sizes up to N.
+    """
+    from .errors import MucudnnError
+    from .optimizer import Policy, best_plan
+    at_b = [row for row in rows if row.batch == b]
+    if any(is_not_timed(row) for row in at_b):
+        return False
+    ok_at_b = [row.time_ms / b for row in at_b if row.ok]
+    def fits(row: Measurement) -> bool:
+        bound = pruning.usable_workspace(problem, row.batch)
+        return bound is None or row.workspace <= bound
+
+    fitting = [row.time_ms / row.batch for row in rows if row.ok and row.batch >= b and fits(row)]
+    if not ok_at_b or not fitting:
+        return False
+    try:
+        plan = best_plan([row for row in rows if row.batch >= b], problem.n, pruning.limit,
+                         Policy.ALL, problem.written_sample_bytes if pruning.borrow_output else 0)
+    except (MucudnnError, ValueError):  # nothing fits yet, or unusable times: go on
+        return False
+    bound = problem.n * min(min(ok_at_b), min(fitting))
+    return plan.time_ms <= bound * (1 + 1e-9)  # the sums of a plan round
+
+
+def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
+                   stored: Sequence[Measurement], pruning: Pruning, time_size,
+                   done=lambda b: None) -> tuple[list[Measurement], int]:
+    """Rows of ``problem`` (at its N) for each size of ``wanted`` in its APIs, largest first, and
+    how many sizes were timed.
+
+    ``time_size(b, api, skip)`` measures size ``b`` in ``api``; it asks ``skip(workspace)`` of
+    each configuration, once its workspace is known and before timing it, and stores one
+    untimed, with ``skip``'s answer as its note, when that is not empty. ``stored`` are the kernel's
+    rows already in the store (quick reads them too). ``done(b)`` is called after each size.
+    """
+    rows: list[Measurement] = []
+    stopped: dict[Api, tuple[int, Measurement]] = {}  # api -> (size, fastest row there)
+    timed = 0
+
+    def skip_at(b: int):
+        note = OVER_LIMIT_NOTE.format(bound=pruning.usable_workspace(problem, b))
+        return lambda workspace: "" if pruning.times(problem, b, workspace) else note
+
+    for b in sorted(wanted, reverse=True):
+        any_timed = False
+        for api in sorted(wanted[b]):
+            if api in stopped:
+                size, fastest = stopped[api]
+                rows.append(Measurement(problem.key, b, fastest.algo, fastest.math, 0.0, 0,
+                                        Status.NOT_SUPPORTED,
+                                        QUICK_NOTE.format(size=size, request=pruning.request)))
+            else:
+                rows.extend(time_size(b, api, skip_at(b)))
+                any_timed = True
+        timed += any_timed
+        done(b)
+        if not pruning.quick:
+            continue
+        for api in Api:
+            if api in stopped:
+                continue
+            mine = [row for row in [*stored, *rows]
+                    if api_of(row.algo) is api and row.batch <= problem.n]
+            if quick_stop(problem, mine, b, pruning):
+                at_b = [row for row in mine if row.batch == b and row.ok]
+                stopped[api] = (b, min(at_b, key=lambda row: (row.time_ms, row.algo)))
+    return rows, timed
 
 
 def backward_filter_beta(problem: ConvProblem, full_n: int) -> float:
@@ -213,11 +366,13 @@ class Benchmarker:
     """Measures kernels into a store. One instance per process and device.
 
     ``max_engine_configs`` caps the graph-API configurations taken from heuristics mode A at each
-    size (the fallback ones are all timed).
+    size (the fallback ones are all timed). ``pruning`` says what is left untimed (a workspace
+    limit, ``quick``).
     """
 
     def __init__(self, store, method: TimingMethod = TimingMethod(), seed: int = 0,
-                 progress: bool = True, max_engine_configs: int = 8) -> None:
+                 progress: bool = True, max_engine_configs: int = 8,
+                 pruning: Pruning = Pruning()) -> None:
         from .cudnn import get
         cupy = _cupy()
         self.cupy = cupy
@@ -225,6 +380,8 @@ class Benchmarker:
         self.method = method
         self.progress = progress
         self.max_engine_configs = max_engine_configs
+        self.pruning = pruning
+        self.timings = 0  # configurations timed (do_bench calls), all sizes and kernels
         self.cudnn = get()
         self.env = current_environment()
         # CuPy's fills and frees run on this stream too (see measure), in order with cuDNN's work
@@ -232,11 +389,13 @@ class Benchmarker:
         self.handle = self.cudnn.handle(self.stream.ptr)
         self.rng = cupy.random.default_rng(seed)
 
+    def stored(self, problem: ConvProblem, batches: Sequence[int]) -> list[Measurement]:
+        return self.store.get(self.env.gpu, self.env.cudnn, problem.key, batches=batches)
+
     def missing(self, problem: ConvProblem, batches: Sequence[int],
                 apis: Iterable[Api]) -> dict[int, frozenset[Api]]:
         """The sizes of ``batches`` the store lacks in some of ``apis``, with those APIs."""
-        rows = self.store.get(self.env.gpu, self.env.cudnn, problem.key, batches=batches)
-        return missing_apis(rows, batches, apis)
+        return missing_apis(self.stored(problem, batches), batches, apis, problem, self.pruning)
 
     def benchmark(self, problems: Sequence[tuple[ConvProblem, Sequence[int]]],
                   remeasure: bool = False, apis: Iterable[Api] = frozenset(Api)) -> int:
@@ -245,59 +404,55 @@ class Benchmarker:
         apis = frozenset(apis)
         todo = []
         for problem, batches in problems:
+            stored = [] if remeasure else self.stored(problem, batches)
             wanted = {b: apis for b in batches} if remeasure else \
-                self.missing(problem, batches, apis)
+                missing_apis(stored, batches, apis, problem, self.pruning)
             if wanted:
-                todo.append((problem, wanted))
-        total = sum(len(wanted) for _, wanted in todo)
-        bar = _progress(total, self.progress)
-        for problem, wanted in todo:
-            by_apis: dict[frozenset[Api], list[int]] = {}
-            for b, lacking in wanted.items():
-                by_apis.setdefault(lacking, []).append(b)
-            for lacking, sizes in by_apis.items():
-                rows = self.measure(problem, sizes, bar, lacking)
-                self.store.put(self.env.gpu, self.env.cudnn, rows)
+                todo.append((problem, wanted, stored))
+        bar = _progress(sum(len(wanted) for _, wanted, _ in todo), self.progress)
+        timed = 0
+        for problem, wanted, stored in todo:
+            rows, count = self.measure_kernel(problem, wanted, stored, bar)
+            self.store.put(self.env.gpu, self.env.cudnn, rows)
+            timed += count
         bar.close()
-        return total
+        return timed
 
     def measure(self, problem: ConvProblem, batches: Sequence[int], bar=None,
                 apis: Iterable[Api] = frozenset(Api)) -> list[Measurement]:
         """Measurements of ``problem`` at each size in ``batches`` (≤ problem.n): every algorithm
         and math type of the legacy API, the engine configurations worth timing of the graph API,
         as ``apis`` asks."""
-        with self.stream:
-            return self._measure(problem, batches, bar, frozenset(apis))
+        return self.measure_kernel(problem, {b: frozenset(apis) for b in batches}, [], bar)[0]
 
-    def _measure(self, problem: ConvProblem, batches: Sequence[int], bar,
-                 apis: frozenset[Api]) -> list[Measurement]:
-        # At the kernel's N, whichever sizes are missing: slices and beta are those of its plans.
-        buffers = KernelBuffers.random(problem.with_n(max(problem.n, *batches)), self.rng)
-        rows: list[Measurement] = []
-        try:
-            for b in sorted(batches):
-                # each API's rows are pruned by its own: `tune --api legacy` must not lack any
-                frontiers = {api: Frontier(self.method.dominated_factor) for api in Api}
-                if bar is not None:
-                    bar.set_postfix_str(f"{problem.direction.value} c={problem.c} "
-                                        f"k={problem.k} in={problem.input_size} b={b}")
-                if Api.LEGACY in apis:
-                    for math in MATH_CANDIDATES[problem.math]:
-                        rows.extend(self._measure_size(problem.with_n(b), math, buffers,
-                                                       frontiers[Api.LEGACY]))
-                if Api.GRAPH in apis:
-                    rows.extend(self._measure_engines(problem.with_n(b), buffers,
-                                                      frontiers[Api.GRAPH]))
-                if bar is not None:
-                    bar.update(1)
-        finally:
-            del buffers
-            self.stream.synchronize()
-            self.cupy.get_default_memory_pool().free_all_blocks()
-        return rows
+    def measure_kernel(self, problem: ConvProblem, wanted: dict[int, frozenset[Api]],
+                       stored: Sequence[Measurement] = (), bar=None) -> tuple[list[Measurement], int]:
+        """:func:`measure_kernel` on this GPU: rows for each size of ``wanted`` in its APIs, and
+        how many sizes were timed."""
+        with self.stream:
+            # At the kernel's N, whichever sizes are missing: slices and beta are those of its plans.
+            buffers = KernelBuffers.random(problem.with_n(max(problem.n, *wanted)), self.rng)
+            try:
+                def time_size(b: int, api: Api, skip) -> list[Measurement]:
+                    # each API's rows are pruned by its own: `tune --api legacy` must not lack any
+                    frontier = Frontier(self.method.dominated_factor)
+                    if bar is not None:
+                        bar.set_postfix_str(f"{problem.direction.value} c={problem.c} "
+                                            f"k={problem.k} in={problem.input_size} b={b}")
+                    if api is Api.GRAPH:
+                        return self._measure_engines(problem.with_n(b), buffers, frontier, skip)
+                    return [row for math in MATH_CANDIDATES[problem.math] for row in
+                            self._measure_size(problem.with_n(b), math, buffers, frontier, skip)]
+
+                return measure_kernel(problem, wanted, stored, self.pruning, time_size,
+                                      done=lambda b: bar is not None and bar.update(1))
+            finally:
+                del buffers
+                self.stream.synchronize()
+                self.cupy.get_default_memory_pool().free_all_blocks()
 
     def _measure_size(self, problem: ConvProblem, math: MathType, buffers: KernelBuffers,
-                      frontier: Frontier) -> list[Measurement]:
+                      frontier: Frontier, skip=lambda workspace: "") -> list[Measurement]:
         from .cudnn import ConvolutionCall
         call = ConvolutionCall(self.cudnn, problem, math)
         slices = max(1, buffers.problem.n // problem.n)
@@ -315,6 +470,9 @@ class Benchmarker:
             except errors.CudnnError as exc:
                 rows.append(row(Status.FAILED, note=str(exc)))
                 continue
+            if skip(ws_size):
+                rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=skip(ws_size)))
+                continue
             try:
                 workspace = self.cupy.empty(max(ws_size, 1), dtype="uint8")
             except self.cupy.cuda.memory.OutOfMemoryError:
@@ -326,6 +484,7 @@ class Benchmarker:
                 call.run(self.handle, algo_value, x, w, y, workspace.data.ptr, ws_size, beta=beta)
 
             try:
+                self.timings += 1
                 timing = do_bench(run, self.stream, self.method, frontier.cutoff_ms(ws_size))
             except errors.CudnnNotSupportedError as exc:
                 rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=exc.text))
@@ -339,7 +498,7 @@ class Benchmarker:
         return rows
 
     def _measure_engines(self, problem: ConvProblem, buffers: KernelBuffers,
-                         frontier: Frontier) -> list[Measurement]:
+                         frontier: Frontier, skip=lambda workspace: "") -> list[Measurement]:
         """The graph API's engine configurations worth timing at ``problem.n``, one row each."""
         from .cudnn.graph import ConvolutionGraph, byte_alignment, candidate_configs
         slices = max(1, buffers.problem.n // problem.n)
@@ -360,11 +519,11 @@ class Benchmarker:
                 warnings.warn(f"{problem.key} b={problem.n}: no engine configurations from "
                               f"cuDNN's heuristics ({exc})", stacklevel=2)
                 return []
-            return [self._time_engine(graph, candidate, buffers, slices, frontier)
+            return [self._time_engine(graph, candidate, buffers, slices, frontier, skip)
                     for candidate in candidates]
 
     def _time_engine(self, graph, candidate, buffers: KernelBuffers, slices: int,
-                     frontier: Frontier) -> Measurement:
+                     frontier: Frontier, skip) -> Measurement:
         problem = graph.problem
 
         def row(status: Status, time_ms: float = 0.0, workspace: int = 0,
@@ -377,6 +536,10 @@ class Benchmarker:
         except errors.CudnnError as exc:
             return row(Status.NOT_SUPPORTED, note=str(exc))
         with plan, contextlib.ExitStack() as packs:
+            if skip(plan.workspace_size):
+                notes = candidate.note_text
+                return row(Status.NOT_SUPPORTED, workspace=plan.workspace_size,
+                           note=skip(plan.workspace_size) + (f"; {notes}" if notes else ""))
             try:
                 workspace = self.cupy.empty(max(plan.workspace_size, 1), dtype="uint8")
             except self.cupy.cuda.memory.OutOfMemoryError:
@@ -385,6 +548,7 @@ class Benchmarker:
                 # one variant pack per slice, built before timing as the legacy calls need none
                 slice_packs = [packs.enter_context(plan.variant_pack(
                     *buffers.pointers(i * problem.n), workspace.data.ptr)) for i in range(slices)]
+                self.timings += 1
                 timing = do_bench(lambda i: plan.execute(slice_packs[i % slices]), self.stream,
                                   self.method, frontier.cutoff_ms(plan.workspace_size))
             except errors.CudnnNotSupportedError as exc:

@@ -3,14 +3,20 @@ beta micro-batches are timed with, and which configurations a probe is enough fo
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mucudnn.bench import Frontier, backward_filter_beta, missing_apis
-from mucudnn.engines import Api, format_numerical_notes, is_transform_based, numerical_notes
+from mucudnn.bench import (Frontier, Pruning, backward_filter_beta, is_not_timed, measure_kernel,
+                           missing_apis)
+from mucudnn.engines import Api, api_of, format_numerical_notes, is_transform_based, numerical_notes
+from mucudnn.errors import MucudnnError
 from mucudnn.measurement import Measurement, Status
-from mucudnn.problem import ConvProblem, Direction
+from mucudnn.optimizer import Policy, best_plan, candidate_sizes, pareto_plans
+from mucudnn.problem import ALGORITHMS, ConvProblem, Direction
 
 FWD = ConvProblem(Direction.FORWARD, c=8, input_size=(9, 9), k=8, filter_size=(3, 3),
                   padding=(1, 1), stride=(1, 1), dilation=(1, 1), n=8)
@@ -81,3 +87,194 @@ def test_cut_short_rows_say_so_and_keep_their_numerical_notes():
     assert engine.endswith(legacy)
     assert is_transform_based(timed_row("eng7", 9.0, 0, engine))
     assert numerical_notes(engine) == {"fft", "tensor_core"}
+
+
+# -- what is left untimed: a workspace limit, --quick (synthetic kernels) ------------------------
+
+LEGACY_NAMES = ALGORITHMS[Direction.FORWARD]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A synthetic configuration: ``time_ms(b) = per_sample * b + fixed`` (ms) unless ``times``
+    gives them by size, and ``workspace(b) = ws_fixed + ws_per_sample * b`` bytes."""
+
+    algo: str
+    per_sample: float
+    fixed: float
+    ws_fixed: int
+    ws_per_sample: int
+    times: tuple[tuple[int, float], ...] = ()
+
+    def time_ms(self, b: int) -> float:
+        return dict(self.times).get(b, self.per_sample * b + self.fixed)
+
+    def workspace(self, b: int) -> int:
+        return self.ws_fixed + self.ws_per_sample * b
+
+
+class Synthetic:
+    """A kernel of synthetic configurations, benchmarked through bench.measure_kernel as the
+    Benchmarker does: counts the configurations timed."""
+
+    def __init__(self, problem: ConvProblem, configs: list[Config]) -> None:
+        self.problem, self.configs, self.timed = problem, configs, 0
+
+    def time_size(self, b: int, api: Api, skip) -> list[Measurement]:
+        rows = []
+        for config in self.configs:
+            if api_of(config.algo) is not api:
+                continue
+            workspace = config.workspace(b)
+            if skip(workspace):
+                rows.append(Measurement(self.problem.key, b, config.algo, "fma", 0.0, workspace,
+                                        Status.NOT_SUPPORTED, skip(workspace)))
+                continue
+            self.timed += 1
+            rows.append(Measurement(self.problem.key, b, config.algo, "fma", config.time_ms(b),
+                                    workspace))
+        return rows
+
+    def bench(self, pruning: Pruning, stored=(), apis=BOTH) -> list[Measurement]:
+        sizes = candidate_sizes(Policy.POWER_OF_TWO, self.problem.n)
+        wanted = missing_apis(stored, sizes, apis, self.problem, pruning)
+        rows, _ = measure_kernel(self.problem, wanted, list(stored), pruning, self.time_size)
+        return rows
+
+
+def kernel(n: int, configs: list[Config]) -> Synthetic:
+    return Synthetic(FWD.with_n(n), configs)
+
+
+def plan_or_error(rows, n, limit, borrow=0):
+    try:
+        return best_plan(rows, n, limit, Policy.POWER_OF_TWO, borrow_sample_bytes=borrow)
+    except MucudnnError:  # no plan: the same conclusion whatever the message says
+        return "no plan"
+
+
+def fronts_or_error(rows, n, limit):
+    try:
+        return pareto_plans(rows, n, Policy.POWER_OF_TWO, max_workspace=limit)
+    except MucudnnError:
+        return "no plan"
+
+
+def test_configurations_over_the_limit_are_not_timed_and_say_so():
+    k = kernel(8, [Config("implicit_gemm", 1.0, 0.1, 0, 0),
+                   Config("implicit_precomp_gemm", 0.5, 0.1, 0, 100),   # 100 B per sample
+                   Config("eng0", 0.6, 0.1, 50, 0), Config("eng1", 0.3, 0.1, 1000, 0)])
+    full = k.bench(Pruning())
+    assert k.timed == 4 * 4  # 4 configurations at sizes 1, 2, 4, 8
+    k.timed = 0
+    pruned = k.bench(Pruning(limit=400))
+    # precomp over 400 B above 4 samples, eng1 always: 1 + 4 of 16 left untimed
+    assert k.timed == 16 - 5
+    untimed = [r for r in pruned if is_not_timed(r)]
+    assert {(r.algo, r.batch) for r in untimed} == {
+        ("implicit_precomp_gemm", 8), ("eng1", 1), ("eng1", 2), ("eng1", 4), ("eng1", 8)}
+    assert all(not r.ok and r.note == "not timed: over limit (400 bytes usable at this size)"
+               for r in untimed)
+    assert all(r.ok for r in pruned if not is_not_timed(r))
+    assert best_plan(full, 8, 400) == best_plan(pruned, 8, 400)
+
+
+def test_with_borrowing_a_piece_may_use_the_output_after_it():
+    written = FWD.written_sample_bytes  # 8 x 9 x 9 floats a sample
+    k = kernel(8, [Config("implicit_gemm", 1.0, 0.1, 0, 0),
+                   Config("eng1", 0.3, 0.1, 5 * written, 0)])
+    rows = k.bench(Pruning(limit=0, borrow_output=True))
+    # a piece of b samples may use (8 - b) samples of output: eng1 fits at 1, 2 (and not 4, 8)
+    assert sorted(r.batch for r in rows if r.algo == "eng1" and r.ok) == [1, 2]
+    assert best_plan(rows, 8, 0, borrow_sample_bytes=written).pieces[0].borrow
+
+
+def test_quick_skips_a_kernel_whose_fastest_configuration_at_n_fits():
+    k = kernel(16, [Config("implicit_gemm", 1.0, 0.5, 0, 0), Config("eng0", 0.5, 0.5, 64, 1)])
+    rows = k.bench(Pruning(limit=1 << 20, quick=True))
+    assert k.timed == 2  # each API at N = 16 only; sizes 1..8 carry a marker
+    assert sorted({r.batch for r in rows}) == [1, 2, 4, 8, 16]
+    markers = [r for r in rows if r.batch < 16]
+    assert all(not r.ok and r.note.startswith("not timed: --quick stopped at size 16")
+               for r in markers) and len(markers) == 2 * 4
+    # the fastest at N is over the limit: smaller sizes may do better, so they are timed
+    k.timed = 0
+    k.bench(Pruning(limit=32, quick=True))
+    assert k.timed > 2
+
+
+def test_quick_goes_down_until_smaller_sizes_cannot_help():
+    # per sample 1 + 1/b ms and 64 B: at limit 200 B sizes <= 3 fit, 2 is the first that does
+    k = kernel(16, [Config("implicit_gemm", 1.0, 1.0, 0, 64)])
+    rows = k.bench(Pruning(limit=200, quick=True), apis={Api.LEGACY})
+    assert sorted(r.batch for r in rows if r.ok) == [2, 4, 8, 16]
+    assert [r.batch for r in rows if is_not_timed(r)] == [1]
+    full = kernel(16, k.configs).bench(Pruning(), apis={Api.LEGACY})
+    assert best_plan(rows, 16, 200) == best_plan(full, 16, 200)
+
+
+def test_rows_left_untimed_are_timed_when_a_later_bench_needs_them():
+    k = kernel(8, [Config("implicit_gemm", 1.0, 0.1, 0, 0), Config("eng1", 0.3, 0.1, 1000, 0)])
+    stored = k.bench(Pruning(limit=400))
+    sizes = [1, 2, 4, 8]
+    assert missing_apis(stored, sizes, BOTH, k.problem, Pruning(limit=400)) == {}
+    assert missing_apis(stored, sizes, BOTH, k.problem, Pruning(limit=999)) == {}
+    assert missing_apis(stored, sizes, BOTH, k.problem, Pruning(limit=1000)) == \
+        {b: {Api.GRAPH} for b in sizes}
+    assert missing_apis(stored, sizes, BOTH, k.problem, Pruning()) == \
+        {b: {Api.GRAPH} for b in sizes}
+    quick = k.bench(Pruning(quick=True))
+    assert missing_apis(quick, sizes, BOTH, k.problem, Pruning(quick=True)) == {}
+    assert missing_apis(quick, sizes, BOTH, k.problem, Pruning(limit=5, quick=True)) == \
+        {b: BOTH for b in (1, 2, 4)}
+    assert missing_apis(quick, sizes, BOTH, k.problem, Pruning()) == {b: BOTH for b in (1, 2, 4)}
+    # timed again without --quick: the markers stay but the size is measured
+    k.timed = 0
+    again = k.bench(Pruning(), stored=quick)
+    assert k.timed == 2 * 3
+    assert missing_apis(quick + again, sizes, BOTH, k.problem, Pruning()) == {}
+
+
+# Synthetic kernels: each configuration's time and workspace grow linearly with the micro-batch
+# (workspace may be flat); with ``arbitrary`` the times are any positive numbers instead.
+def configs(arbitrary: bool):
+    time = st.integers(1, 64).map(lambda t: t / 8)  # exact in binary: sums do not round
+    names = st.sampled_from([*LEGACY_NAMES, *(f"eng{i}" for i in range(6))])
+    config = st.builds(Config, names, time, time, st.integers(0, 4096), st.integers(0, 512),
+                       st.lists(st.tuples(st.sampled_from([1, 2, 4, 8, 12, 16]), time),
+                                max_size=6).map(tuple) if arbitrary else st.just(()))
+    return st.lists(config, min_size=1, max_size=6, unique_by=lambda c: c.algo)
+
+
+@given(configs(arbitrary=True), st.sampled_from([8, 12, 16]), st.integers(0, 8192),
+       st.booleans())
+@settings(max_examples=150)
+def test_plans_within_the_limit_are_those_of_the_full_store(configs, n, limit, borrow):
+    k = kernel(n, configs)
+    full = k.bench(Pruning())
+    everything = k.timed
+    k.timed = 0
+    pruned = k.bench(Pruning(limit=limit, borrow_output=borrow))
+    assert k.timed <= everything
+    if borrow:
+        written = k.problem.written_sample_bytes
+        assert plan_or_error(full, n, limit, written) == plan_or_error(pruned, n, limit, written)
+    else:
+        assert plan_or_error(full, n, limit) == plan_or_error(pruned, n, limit)
+        assert fronts_or_error(full, n, limit) == fronts_or_error(pruned, n, limit)
+
+
+@given(configs(arbitrary=False), st.sampled_from([8, 12, 16]),
+       st.one_of(st.none(), st.integers(0, 8192)))
+@settings(max_examples=150)
+def test_quick_plans_are_those_of_the_full_store_when_per_sample_time_falls_with_size(
+        configs, n, limit):
+    """Times per_sample * b + fixed (fixed > 0): per-sample time strictly falls as b grows,
+    the model quick is exact for."""
+    k = kernel(n, configs)
+    full = k.bench(Pruning())
+    everything = k.timed
+    k.timed = 0
+    quick = k.bench(Pruning(limit=limit, quick=True))
+    assert k.timed <= everything
+    assert plan_or_error(full, n, limit) == plan_or_error(quick, n, limit)
