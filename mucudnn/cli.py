@@ -138,6 +138,9 @@ def bench(config, recordings, policy, workspace_limit, borrow_output, quick, api
         raise click.UsageError("--policy fit needs --workspace-limit (the sizes that fit it)")
     if borrow_output and workspace_limit is None:
         raise click.UsageError("--borrow-output goes with --workspace-limit")
+    if quick and workspace_limit is None:
+        raise click.UsageError("--quick skips the sizes that cannot help plans within a limit: "
+                               "give --workspace-limit")
     if quick and policy == "fit":
         raise click.UsageError("--quick skips sizes; policy fit needs every power of two: "
                                "give one of them")

@@ -288,6 +288,9 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
     if policy is Policy.FIT and workspace_limit is None:
         raise MucudnnError("policy fit measures the sizes that fit a workspace limit: give one "
                            "(bench --workspace-limit)")
+    if quick and workspace_limit is None:
+        raise MucudnnError("quick skips the sizes that cannot help plans within a workspace "
+                           "limit: give one (bench --workspace-limit)")
     if policy is Policy.FIT and quick:
         raise MucudnnError("quick times sizes largest first and stops; policy fit derives its "
                            "sizes from every power of two: use one or the other")

@@ -4,7 +4,9 @@ beta micro-batches are timed with, and which configurations a probe is enough fo
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -278,3 +280,69 @@ def test_quick_plans_are_those_of_the_full_store_when_per_sample_time_falls_with
     quick = k.bench(Pruning(limit=limit, quick=True))
     assert k.timed <= everything
     assert plan_or_error(full, n, limit) == plan_or_error(quick, n, limit)
+
+
+# -- the Benchmarker against the cuDNN test double (tests/fakecupy: a host-memory CuPy) ------------
+
+def test_the_benchmarker_times_no_configuration_over_the_limit(tmp_path_factory, tmp_path):
+    """Every configuration's workspace is asked before it is timed: with a limit, exactly the
+    (configuration, size) pairs over it are left untimed, stored as such; quick times no more
+    than all."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_graph_fake import WITH_FAKE_CUPY, fake_cudnn_or_skip, run_checks
+    fake = fake_cudnn_or_skip(tmp_path_factory.mktemp("fake_cudnn"))
+    result = run_checks(fake, '''
+        from mucudnn.bench import Benchmarker, Pruning
+        from mucudnn.timing import TimingMethod
+        problem = ConvProblem(Direction.FORWARD, math=MathType.FMA, **SMALL)
+        method = TimingMethod(budget_ms=1.0, max_reps=3)
+
+        def bench(pruning):
+            bench = Benchmarker(None, method, progress=False, pruning=pruning)
+            rows = bench.measure(problem, [1, 2, 4, 8])
+            return {"timings": bench.timings, "rows": [
+                [r.batch, r.algo, r.status.value, r.workspace, r.note] for r in rows]}
+
+        result["full"] = bench(Pruning())
+        workspaces = sorted({r[3] for r in result["full"]["rows"] if r[2] == "ok"})
+        result["limit"] = workspaces[len(workspaces) // 2]
+        result["pruned"] = bench(Pruning(limit=result["limit"]))
+        result["quick"] = bench(Pruning(quick=True))
+        # through the Python API into a store, then a plan from it: quick leaves no size missing
+        from mucudnn import tuner
+        from mucudnn.bench import current_environment
+        store = STORE
+        tuner.benchmark([problem], store=store, workspace_limit=result["limit"], quick=True,
+                        progress=False)
+        plan = tuner.optimize([problem], workspace_limit=result["limit"], store=store,
+                              env=current_environment())
+        result["planned"] = [e.n for e in plan]
+    '''.replace("STORE", repr(str(tmp_path / "quick.sqlite"))), PYTHONPATH=WITH_FAKE_CUPY)
+    full, pruned, limit = result["full"], result["pruned"], result["limit"]
+    over = {(b, algo) for b, algo, status, ws, _ in full["rows"] if status == "ok" and ws > limit}
+    assert over, "the double's workspaces are all within the limit: nothing checked"
+    assert full["timings"] == sum(r[2] == "ok" for r in full["rows"])
+    assert pruned["timings"] == full["timings"] - len(over)
+    untimed = {(b, algo) for b, algo, status, ws, note in pruned["rows"]
+               if note.startswith("not timed: over limit")}
+    assert untimed == over
+    assert all(ws <= limit for b, algo, status, ws, _ in pruned["rows"] if status == "ok")
+    assert result["quick"]["timings"] <= full["timings"]
+    assert {r[0] for r in result["quick"]["rows"]} == {1, 2, 4, 8}
+    assert result["planned"] == [8]
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--quick"], "--quick skips the sizes that cannot help plans within a limit: give "
+                  "--workspace-limit"),
+    (["--quick", "--workspace-limit", "1MiB", "--policy", "fit"], "--quick skips sizes; policy "
+     "fit needs every power of two"),
+    (["--borrow-output"], "--borrow-output goes with --workspace-limit"),
+])
+def test_bench_options_that_do_not_go_together_are_refused_in_one_line(args, error):
+    from click.testing import CliRunner
+
+    from mucudnn.cli import main
+    done = CliRunner().invoke(main, ["bench", "resnet18", *args])
+    assert done.exit_code == 2 and error in done.output, done.output
+    assert "Traceback" not in done.output
