@@ -15,9 +15,11 @@ left untimed) and the plan's predicted time per step, so that variants can be co
     python3 benchmarks/tuning_cost.py --models resnet50 densenet121 --out DIR
 
 ``--simulate`` replays stored measurements instead (the shipped H200 ones, or ``--store``) on
-the CPU: for the kernels of each ``--recording``, every variant's count of timed configurations
-and sizes, the GPU time the timing method would spend on them (mucudnn.timing.calls_made), and
-whether each kernel's plan at the limit equals the one from all rows.
+the CPU: for the kernels of each ``--recording``, every variant's count of configurations timed
+in full and by a probe only, of sizes timed, the GPU time the timing method would spend in timed
+calls (mucudnn.timing.calls_made; without the cutoffs of dominated configurations, which every
+variant has; host time not included), and whether each kernel's plan at the limit equals the one
+from all rows (for those that differ: both predicted times).
 
     python3 benchmarks/tuning_cost.py --simulate --recording benchmarks/results/raw/resnet50-legacy-tf32.record --out DIR
 """
@@ -124,7 +126,8 @@ def simulate(args) -> int:
         stored = {p.key: source.get(env.gpu, env.cudnn, p.key) for p in problems}
         plans: dict[str, dict] = {}
         for name, pruning in variants.items():
-            cost = {"configs": 0, "sizes": 0, "gpu_s": 0.0, "kernels": 0, "skipped": 0}
+            cost = {"configs": 0, "probes": 0, "sizes": 0, "gpu_s": 0.0, "kernels": 0,
+                    "skipped": 0}
             plans[name] = {}
             for p in problems:
                 sizes = candidate_sizes(Policy.POWER_OF_TWO, p.n)
@@ -134,19 +137,26 @@ def simulate(args) -> int:
                     continue
                 cost["kernels"] += 1
 
-                def time_size(b, api, skip, rows=rows):
-                    out = []
+                def time_size(b, api, gate, rows=rows):
+                    out, todo = [], []
                     for r in rows:
                         if r.batch != b or api_of(r.algo) is not api:
                             continue
-                        if r.ok and skip(r.workspace):
+                        if not r.ok:
+                            out.append(r)
+                        elif gate.skip(r.workspace):
                             out.append(Measurement(r.key, b, r.algo, r.math, 0.0, r.workspace,
-                                                   Status.NOT_SUPPORTED, skip(r.workspace)))
-                            continue
-                        if r.ok:
-                            cost["configs"] += 1
-                            cost["gpu_s"] += calls_made(r.time_ms, method) * r.time_ms / 1e3
-                        out.append(r)
+                                                   Status.NOT_SUPPORTED, gate.skip(r.workspace)))
+                        else:
+                            todo.append(r)
+                    todo.sort(key=lambda r: not gate.fits(r.workspace))
+                    for r in todo:  # as the Benchmarker: fitting ones first, then probes
+                        cutoff = gate.cutoff_ms(r.workspace)
+                        probe = cutoff is not None and r.time_ms > cutoff
+                        cost["configs"] += not probe
+                        cost["probes"] += probe
+                        cost["gpu_s"] += calls_made(r.time_ms, method, cutoff) * r.time_ms / 1e3
+                        out.append(gate.add(r))
                     return out
 
                 got, timed = measure_kernel(p, {b: frozenset(Api) for b in sizes}, [], pruning,
@@ -158,6 +168,9 @@ def simulate(args) -> int:
                 except MucudnnError:
                     plans[name][p.key] = None
             cost["gpu_s"] = round(cost["gpu_s"], 1)
+            # Σ over kernels of the plan's predicted time (each kernel once, not weighted)
+            cost["predicted_ms_sum"] = round(sum(plan.time_ms for plan in plans[name].values()
+                                                 if plan is not None), 3)
             if name != "full":
                 cost["plans_equal_to_full"] = sum(plans[name][k] == plans["full"][k]
                                                   for k in plans[name])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import warnings
 from typing import Iterable, Sequence
@@ -216,11 +217,10 @@ class Pruning:
             return max(self.limit, (problem.n - b) * problem.written_sample_bytes)
         return self.limit
 
-    def times(self, problem: ConvProblem, b: int, workspace: int) -> bool:
-        """Whether a configuration needing ``workspace`` bytes at ``b`` samples is timed. Quick
-        times them all: its bound needs every configuration's time at the sizes it visits."""
-        bound = self.usable_workspace(problem, b)
-        return self.quick or bound is None or workspace <= bound
+    def fits(self, problem: ConvProblem, row: Measurement) -> bool:
+        """Whether ``row`` (of ``problem``) may be a piece of a plan within the limit."""
+        bound = self.usable_workspace(problem, row.batch)
+        return bound is None or row.workspace <= bound
 
     @property
     def request(self) -> str:
@@ -239,6 +239,49 @@ class Pruning:
                 if bound is None or row.workspace <= bound:
                     return False
         return True
+
+
+#: The note of an over-limit row that quick timed by its probe only (after ``; `` if there are
+#: numerical notes); like the dominated ones, an OK row.
+QUICK_PROBE_NOTE = "timed once: over the limit and slower per sample than a piece within it"
+
+
+class SizeGate:
+    """What one size ``b`` of a kernel in one API asks of each configuration, once its workspace
+    is known: whether to time it (:meth:`skip`), in what order (:meth:`fits` first), and when a
+    probe is enough (:meth:`cutoff_ms`).
+
+    Quick times configurations over the limit too, but only to learn whether one is faster per
+    sample than ``best`` (P: the best per-sample time of a piece within the limit timed so far at
+    this or a larger size, see :func:`quick_stop`): slower, its exact time cannot change quick's
+    decision, so a probe over ``best * b`` ends its timing. Those within the limit are timed first.
+    """
+
+    def __init__(self, problem: ConvProblem, b: int, pruning: Pruning,
+                 best: float | None = None) -> None:
+        self.b, self.pruning, self.best = b, pruning, best
+        self.bound = pruning.usable_workspace(problem, b)
+
+    def fits(self, workspace: int) -> bool:
+        return self.bound is None or workspace <= self.bound
+
+    def skip(self, workspace: int) -> str:
+        """Empty to time a configuration needing ``workspace`` bytes, else the note of its row."""
+        if self.pruning.quick or self.fits(workspace):
+            return ""
+        return OVER_LIMIT_NOTE.format(bound=self.bound)
+
+    def cutoff_ms(self, workspace: int) -> float | None:
+        if self.pruning.quick and not self.fits(workspace) and self.best is not None:
+            return self.best * self.b
+        return None
+
+    def add(self, row: Measurement) -> Measurement:
+        """Count ``row``, just measured at this size; returns it."""
+        if row.ok and self.fits(row.workspace):
+            per_sample = row.time_ms / self.b
+            self.best = per_sample if self.best is None else min(self.best, per_sample)
+        return row
 
 
 def quick_stop(problem: ConvProblem, rows: Sequence[Measurement], b: int,
@@ -260,11 +303,8 @@ def quick_stop(problem: ConvProblem, rows: Sequence[Measurement], b: int,
     if any(is_not_timed(row) for row in at_b):
         return False
     ok_at_b = [row.time_ms / b for row in at_b if row.ok]
-    def fits(row: Measurement) -> bool:
-        bound = pruning.usable_workspace(problem, row.batch)
-        return bound is None or row.workspace <= bound
-
-    fitting = [row.time_ms / row.batch for row in rows if row.ok and row.batch >= b and fits(row)]
+    fitting = [row.time_ms / row.batch for row in rows
+               if row.ok and row.batch >= b and pruning.fits(problem, row)]
     if not ok_at_b or not fitting:
         return False
     try:
@@ -282,18 +322,20 @@ def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
     """Rows of ``problem`` (at its N) for each size of ``wanted`` in its APIs, largest first, and
     how many sizes were timed.
 
-    ``time_size(b, api, skip)`` measures size ``b`` in ``api``; it asks ``skip(workspace)`` of
-    each configuration, once its workspace is known and before timing it, and stores one
-    untimed, with ``skip``'s answer as its note, when that is not empty. ``stored`` are the kernel's
+    ``time_size(b, api, gate)`` measures size ``b`` in ``api`` as its :class:`SizeGate` says:
+    each configuration's workspace first, then those that fit timed first, each row passed to
+    ``gate.add``; one that ``gate.skip`` names gets an untimed row with that note. ``stored`` are the kernel's
     rows already in the store (quick reads them too). ``done(b)`` is called after each size.
     """
     rows: list[Measurement] = []
     stopped: dict[Api, tuple[int, Measurement]] = {}  # api -> (size, fastest row there)
     timed = 0
 
-    def skip_at(b: int):
-        note = OVER_LIMIT_NOTE.format(bound=pruning.usable_workspace(problem, b))
-        return lambda workspace: "" if pruning.times(problem, b, workspace) else note
+    def gate(b: int, api: Api) -> SizeGate:
+        larger = [row for row in [*stored, *rows] if api_of(row.algo) is api and row.ok
+                  and b < row.batch <= problem.n and pruning.fits(problem, row)]
+        return SizeGate(problem, b, pruning,
+                        min((row.time_ms / row.batch for row in larger), default=None))
 
     for b in sorted(wanted, reverse=True):
         any_timed = False
@@ -304,7 +346,7 @@ def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
                                         Status.NOT_SUPPORTED,
                                         QUICK_NOTE.format(size=size, request=pruning.request)))
             else:
-                rows.extend(time_size(b, api, skip_at(b)))
+                rows.extend(time_size(b, api, gate(b, api)))
                 any_timed = True
         timed += any_timed
         done(b)
@@ -354,11 +396,12 @@ class Frontier:
             self._timed.append((row.workspace, row.time_ms))
         return row
 
-    def note(self, timing, note: str = "") -> str:
-        """``note`` plus the cut-short mark when ``timing`` stopped at the probe."""
+    def note(self, timing, note: str = "", mark: str | None = None) -> str:
+        """``note`` plus the cut-short mark (``mark``, else this frontier's) when ``timing``
+        stopped at the probe."""
         if not timing.cut_short:
             return note
-        mark = CUT_SHORT_NOTE.format(factor=self.factor)
+        mark = mark or CUT_SHORT_NOTE.format(factor=self.factor)
         return f"{note}; {mark}" if note else mark
 
 
@@ -433,16 +476,15 @@ class Benchmarker:
             # At the kernel's N, whichever sizes are missing: slices and beta are those of its plans.
             buffers = KernelBuffers.random(problem.with_n(max(problem.n, *wanted)), self.rng)
             try:
-                def time_size(b: int, api: Api, skip) -> list[Measurement]:
+                def time_size(b: int, api: Api, gate: SizeGate) -> list[Measurement]:
                     # each API's rows are pruned by its own: `tune --api legacy` must not lack any
                     frontier = Frontier(self.method.dominated_factor)
                     if bar is not None:
                         bar.set_postfix_str(f"{problem.direction.value} c={problem.c} "
                                             f"k={problem.k} in={problem.input_size} b={b}")
                     if api is Api.GRAPH:
-                        return self._measure_engines(problem.with_n(b), buffers, frontier, skip)
-                    return [row for math in MATH_CANDIDATES[problem.math] for row in
-                            self._measure_size(problem.with_n(b), math, buffers, frontier, skip)]
+                        return self._measure_engines(problem.with_n(b), buffers, frontier, gate)
+                    return self._measure_size(problem.with_n(b), buffers, frontier, gate)
 
                 return measure_kernel(problem, wanted, stored, self.pruning, time_size,
                                       done=lambda b: bar is not None and bar.update(1))
@@ -451,56 +493,78 @@ class Benchmarker:
                 self.stream.synchronize()
                 self.cupy.get_default_memory_pool().free_all_blocks()
 
-    def _measure_size(self, problem: ConvProblem, math: MathType, buffers: KernelBuffers,
-                      frontier: Frontier, skip=lambda workspace: "") -> list[Measurement]:
+    def _measure_size(self, problem: ConvProblem, buffers: KernelBuffers, frontier: Frontier,
+                      gate: SizeGate | None = None) -> list[Measurement]:
+        """Every legacy algorithm and math type at ``problem.n``: workspaces first, then the
+        timings, those within the limit first (``gate``)."""
         from .cudnn import ConvolutionCall
-        call = ConvolutionCall(self.cudnn, problem, math)
+        gate = gate or SizeGate(problem, problem.n, Pruning())
         slices = max(1, buffers.problem.n // problem.n)
         beta = backward_filter_beta(problem, buffers.problem.n)
-        rows = []
-        for algo_value, algo in enumerate(ALGORITHMS[problem.direction]):
-            def row(status: Status, time_ms: float = 0.0, workspace: int = 0, note: str = ""):
-                return Measurement(problem.key, problem.n, algo, math, time_ms, workspace,
-                                   status, note)
-            try:
-                ws_size = call.workspace_size(self.handle, algo_value)
-            except errors.CudnnNotSupportedError as exc:
-                rows.append(row(Status.NOT_SUPPORTED, note=exc.text))
-                continue
-            except errors.CudnnError as exc:
-                rows.append(row(Status.FAILED, note=str(exc)))
-                continue
-            if skip(ws_size):
-                rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=skip(ws_size)))
-                continue
+        rows, queried = [], []
+        for math in MATH_CANDIDATES[problem.math]:
+            call = ConvolutionCall(self.cudnn, problem, math)
+            for algo_value, algo in enumerate(ALGORITHMS[problem.direction]):
+                def row(status: Status, time_ms: float = 0.0, workspace: int = 0, note: str = "",
+                        algo=algo, math=math) -> Measurement:
+                    return Measurement(problem.key, problem.n, algo, math, time_ms, workspace,
+                                       status, note)
+                try:
+                    ws_size = call.workspace_size(self.handle, algo_value)
+                except errors.CudnnNotSupportedError as exc:
+                    rows.append(row(Status.NOT_SUPPORTED, note=exc.text))
+                    continue
+                except errors.CudnnError as exc:
+                    rows.append(row(Status.FAILED, note=str(exc)))
+                    continue
+                if gate.skip(ws_size):
+                    rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size,
+                                    note=gate.skip(ws_size)))
+                    continue
+                queried.append((call, algo_value, ws_size, row))
+        queried.sort(key=lambda item: not gate.fits(item[2]))  # stable: algorithm order
+        for call, algo_value, ws_size, row in queried:
             try:
                 workspace = self.cupy.empty(max(ws_size, 1), dtype="uint8")
             except self.cupy.cuda.memory.OutOfMemoryError:
                 rows.append(row(Status.FAILED, workspace=ws_size, note="out of GPU memory"))
                 continue
 
-            def run(i: int) -> None:
+            def run(i: int, call=call, algo_value=algo_value, ws_size=ws_size) -> None:
                 x, w, y = buffers.pointers((i % slices) * problem.n)
                 call.run(self.handle, algo_value, x, w, y, workspace.data.ptr, ws_size, beta=beta)
 
             try:
-                self.timings += 1
-                timing = do_bench(run, self.stream, self.method, frontier.cutoff_ms(ws_size))
+                timing, note = self._time(run, ws_size, frontier, gate)
             except errors.CudnnNotSupportedError as exc:
                 rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=exc.text))
             except errors.CudnnError as exc:
                 rows.append(row(Status.FAILED, workspace=ws_size, note=str(exc)))
             else:
-                rows.append(frontier.add(
-                    row(Status.OK, timing.median_ms, ws_size, frontier.note(timing)), timing))
+                rows.append(gate.add(frontier.add(
+                    row(Status.OK, timing.median_ms, ws_size, note("")), timing)))
             finally:
                 workspace = None  # noqa: F841 - return the block to the pool before the next
         return rows
 
+    def _time(self, run, workspace: int, frontier: Frontier, gate: SizeGate):
+        """(do_bench of ``run`` with the tighter of the frontier's and the gate's cutoffs, a
+        function adding to a row's note the mark of the cutoff that ended it)."""
+        dominated, slower = frontier.cutoff_ms(workspace), gate.cutoff_ms(workspace)
+        cutoff = min((c for c in (dominated, slower) if c is not None), default=None)
+        self.timings += 1
+        timing = do_bench(run, self.stream, self.method, cutoff)
+        by_gate = slower is not None and cutoff == slower
+        return timing, lambda note: frontier.note(
+            timing, note, QUICK_PROBE_NOTE if by_gate else None)
+
     def _measure_engines(self, problem: ConvProblem, buffers: KernelBuffers,
-                         frontier: Frontier, skip=lambda workspace: "") -> list[Measurement]:
-        """The graph API's engine configurations worth timing at ``problem.n``, one row each."""
+                         frontier: Frontier, gate: SizeGate | None = None) -> list[Measurement]:
+        """The graph API's engine configurations worth timing at ``problem.n``, one row each:
+        every execution plan (and so its workspace) first, then the timings, those within the
+        limit first (``gate``)."""
         from .cudnn.graph import ConvolutionGraph, byte_alignment, candidate_configs
+        gate = gate or SizeGate(problem, problem.n, Pruning())
         slices = max(1, buffers.problem.n // problem.n)
         # The graph declares its tensors' alignment: the one every slice's pointers have.
         pointers = [p for i in range(slices) for p in buffers.pointers(i * problem.n)]
@@ -519,27 +583,39 @@ class Benchmarker:
                 warnings.warn(f"{problem.key} b={problem.n}: no engine configurations from "
                               f"cuDNN's heuristics ({exc})", stacklevel=2)
                 return []
-            return [self._time_engine(graph, candidate, buffers, slices, frontier, skip)
-                    for candidate in candidates]
+            rows, planned = [], []
+            with contextlib.ExitStack() as plans:
+                for candidate in candidates:
+                    row = functools.partial(self._engine_row, problem, candidate)
+                    try:  # from the name, as a plan's engine piece will be built
+                        plan = plans.enter_context(graph.plan_from_name(candidate.config))
+                    except errors.CudnnError as exc:
+                        rows.append(row(Status.NOT_SUPPORTED, note=str(exc)))
+                        continue
+                    skip = gate.skip(plan.workspace_size)
+                    if skip:
+                        notes = candidate.note_text
+                        rows.append(row(Status.NOT_SUPPORTED, workspace=plan.workspace_size,
+                                        note=skip + (f"; {notes}" if notes else "")))
+                        continue
+                    planned.append((candidate, plan))
+                planned.sort(key=lambda item: not gate.fits(item[1].workspace_size))
+                for candidate, plan in planned:
+                    rows.append(gate.add(self._time_engine(problem, plan, candidate, buffers,
+                                                           slices, frontier, gate)))
+            return rows
 
-    def _time_engine(self, graph, candidate, buffers: KernelBuffers, slices: int,
-                     frontier: Frontier, skip) -> Measurement:
-        problem = graph.problem
+    @staticmethod
+    def _engine_row(problem: ConvProblem, candidate, status: Status, time_ms: float = 0.0,
+                    workspace: int = 0, note: str = "") -> Measurement:
+        return Measurement(problem.key, problem.n, candidate.name, problem.math, time_ms,
+                           workspace, status, note)
 
-        def row(status: Status, time_ms: float = 0.0, workspace: int = 0,
-                note: str = "") -> Measurement:
-            return Measurement(problem.key, problem.n, candidate.name, problem.math, time_ms,
-                               workspace, status, note)
-
-        try:  # from the name, as a plan's engine piece will be built
-            plan = graph.plan_from_name(candidate.config)
-        except errors.CudnnError as exc:
-            return row(Status.NOT_SUPPORTED, note=str(exc))
-        with plan, contextlib.ExitStack() as packs:
-            if skip(plan.workspace_size):
-                notes = candidate.note_text
-                return row(Status.NOT_SUPPORTED, workspace=plan.workspace_size,
-                           note=skip(plan.workspace_size) + (f"; {notes}" if notes else ""))
+    def _time_engine(self, problem: ConvProblem, plan, candidate, buffers: KernelBuffers,
+                     slices: int, frontier: Frontier, gate: SizeGate) -> Measurement:
+        """One engine configuration's ``plan`` timed at ``problem.n`` (a micro-batch)."""
+        row = functools.partial(self._engine_row, problem, candidate)
+        with contextlib.ExitStack() as packs:
             try:
                 workspace = self.cupy.empty(max(plan.workspace_size, 1), dtype="uint8")
             except self.cupy.cuda.memory.OutOfMemoryError:
@@ -548,15 +624,14 @@ class Benchmarker:
                 # one variant pack per slice, built before timing as the legacy calls need none
                 slice_packs = [packs.enter_context(plan.variant_pack(
                     *buffers.pointers(i * problem.n), workspace.data.ptr)) for i in range(slices)]
-                self.timings += 1
-                timing = do_bench(lambda i: plan.execute(slice_packs[i % slices]), self.stream,
-                                  self.method, frontier.cutoff_ms(plan.workspace_size))
+                timing, note = self._time(lambda i: plan.execute(slice_packs[i % slices]),
+                                          plan.workspace_size, frontier, gate)
             except errors.CudnnNotSupportedError as exc:
                 return row(Status.NOT_SUPPORTED, workspace=plan.workspace_size, note=exc.text)
             except errors.CudnnError as exc:
                 return row(Status.FAILED, workspace=plan.workspace_size, note=str(exc))
             return frontier.add(row(Status.OK, timing.median_ms, plan.workspace_size,
-                                    frontier.note(timing, candidate.note_text)), timing)
+                                    note(candidate.note_text)), timing)
 
 
 def _progress(total: int, enabled: bool):

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mucudnn.bench import (Frontier, Pruning, backward_filter_beta, is_not_timed, measure_kernel,
-                           missing_apis)
+from mucudnn.bench import (QUICK_PROBE_NOTE, Frontier, Pruning, SizeGate, backward_filter_beta,
+                           is_not_timed, measure_kernel, missing_apis)
 from mucudnn.engines import Api, api_of, format_numerical_notes, is_transform_based, numerical_notes
 from mucudnn.errors import MucudnnError
 from mucudnn.measurement import Measurement, Status
@@ -117,24 +117,30 @@ class Config:
 
 class Synthetic:
     """A kernel of synthetic configurations, benchmarked through bench.measure_kernel as the
-    Benchmarker does: counts the configurations timed."""
+    Benchmarker does: counts the configurations timed in full and those probed only."""
 
     def __init__(self, problem: ConvProblem, configs: list[Config]) -> None:
-        self.problem, self.configs, self.timed = problem, configs, 0
+        self.problem, self.configs, self.timed, self.probed = problem, configs, 0, 0
 
-    def time_size(self, b: int, api: Api, skip) -> list[Measurement]:
-        rows = []
+    def time_size(self, b: int, api: Api, gate: SizeGate) -> list[Measurement]:
+        rows, todo = [], []
         for config in self.configs:
             if api_of(config.algo) is not api:
                 continue
             workspace = config.workspace(b)
-            if skip(workspace):
+            if gate.skip(workspace):
                 rows.append(Measurement(self.problem.key, b, config.algo, "fma", 0.0, workspace,
-                                        Status.NOT_SUPPORTED, skip(workspace)))
-                continue
-            self.timed += 1
-            rows.append(Measurement(self.problem.key, b, config.algo, "fma", config.time_ms(b),
-                                    workspace))
+                                        Status.NOT_SUPPORTED, gate.skip(workspace)))
+            else:
+                todo.append((config, workspace))
+        todo.sort(key=lambda item: not gate.fits(item[1]))
+        for config, workspace in todo:
+            time_ms, cutoff = config.time_ms(b), gate.cutoff_ms(workspace)
+            probe = cutoff is not None and time_ms > cutoff
+            self.probed += probe
+            self.timed += not probe
+            rows.append(gate.add(Measurement(self.problem.key, b, config.algo, "fma", time_ms,
+                                             workspace, note=QUICK_PROBE_NOTE if probe else "")))
         return rows
 
     def bench(self, pruning: Pruning, stored=(), apis=BOTH) -> list[Measurement]:
@@ -203,6 +209,19 @@ def test_quick_skips_a_kernel_whose_fastest_configuration_at_n_fits():
     k.timed = 0
     k.bench(Pruning(limit=32, quick=True))
     assert k.timed > 2
+
+
+def test_quick_probes_configurations_over_the_limit_slower_than_one_within_it():
+    k = kernel(16, [Config("implicit_gemm", 1.0, 0.5, 0, 0),           # fits, fastest per sample
+                    Config("gemm", 2.0, 0.5, 1 << 20, 0),              # over, slower: a probe
+                    Config("implicit_precomp_gemm", 0.5, 0.5, 0, 1 << 10)])  # over above 1 sample
+    rows = k.bench(Pruning(limit=1 << 10, quick=True), apis={Api.LEGACY})
+    probed = {(r.algo, r.batch) for r in rows if r.note == QUICK_PROBE_NOTE}
+    assert ("gemm", 16) in probed and all(algo == "gemm" for algo, _ in probed)
+    assert k.probed == len(probed) and k.timed > 0
+    # quick's decision is that of timing every configuration fully
+    full = kernel(16, k.configs).bench(Pruning(), apis={Api.LEGACY})
+    assert best_plan(rows, 16, 1 << 10) == best_plan(full, 16, 1 << 10)
 
 
 def test_quick_goes_down_until_smaller_sizes_cannot_help():
