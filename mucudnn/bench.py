@@ -10,6 +10,11 @@ rotate over the N // b disjoint slices, exactly as a plan's pieces run (so small
 not timed on an L2-resident slice). Each (algorithm, math type) or engine configuration gets a
 workspace of exactly the size cuDNN asks for. Results go to the store; a size whose rows of an API
 are already there is not timed again in that API unless ``remeasure`` is set.
+
+Sizes are timed largest first, and at each size every configuration's workspace is asked before
+any is timed. A :class:`Pruning` leaves untimed what cannot change a plan within a workspace limit
+(exact), and with ``quick`` the sizes that cannot beat the larger ones under the model that a
+kernel's best per-sample time never improves as the micro-batch shrinks (docs/store.md).
 """
 
 from __future__ import annotations
@@ -324,8 +329,8 @@ def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
 
     ``time_size(b, api, gate)`` measures size ``b`` in ``api`` as its :class:`SizeGate` says:
     each configuration's workspace first, then those that fit timed first, each row passed to
-    ``gate.add``; one that ``gate.skip`` names gets an untimed row with that note. ``stored`` are the kernel's
-    rows already in the store (quick reads them too). ``done(b)`` is called after each size.
+    ``gate.add``; one that ``gate.skip`` names gets an untimed row with that note. ``stored`` are
+    the kernel's rows already in the store (quick reads them too). ``done(b)`` follows each size.
     """
     rows: list[Measurement] = []
     stopped: dict[Api, tuple[int, Measurement]] = {}  # api -> (size, fastest row there)
@@ -469,11 +474,12 @@ class Benchmarker:
         return self.measure_kernel(problem, {b: frozenset(apis) for b in batches}, [], bar)[0]
 
     def measure_kernel(self, problem: ConvProblem, wanted: dict[int, frozenset[Api]],
-                       stored: Sequence[Measurement] = (), bar=None) -> tuple[list[Measurement], int]:
+                       stored: Sequence[Measurement] = (),
+                       bar=None) -> tuple[list[Measurement], int]:
         """:func:`measure_kernel` on this GPU: rows for each size of ``wanted`` in its APIs, and
         how many sizes were timed."""
         with self.stream:
-            # At the kernel's N, whichever sizes are missing: slices and beta are those of its plans.
+            # At the kernel's N, whichever sizes are missing: slices and beta are its plans'.
             buffers = KernelBuffers.random(problem.with_n(max(problem.n, *wanted)), self.rng)
             try:
                 def time_size(b: int, api: Api, gate: SizeGate) -> list[Measurement]:
