@@ -110,7 +110,7 @@ def simulate(args) -> int:
     from mucudnn.errors import MucudnnError
     from mucudnn.measurement import Measurement, Status
     from mucudnn.optimizer import Policy, best_plan, candidate_sizes
-    from mucudnn.plan import read_recording
+    from mucudnn.plan import read_plan, read_recording
     from mucudnn.sizes import parse_size
     from mucudnn.timing import TimingMethod, calls_made
     from mucudnn.tuner import open_measurements
@@ -122,7 +122,10 @@ def simulate(args) -> int:
     report = {"limit": args.limit, "recordings": args.recording, "variants": {}}
     source, env = open_measurements(args.store)
     with source:
-        problems = read_recording(args.recording)
+        # a plan file's kernels, or a recording's
+        problems = [e.problem for path in args.recording if path.endswith(".plan")
+                    for e in read_plan(path)] + \
+            read_recording([path for path in args.recording if not path.endswith(".plan")])
         stored = {p.key: source.get(env.gpu, env.cudnn, p.key) for p in problems}
         plans: dict[str, dict] = {}
         for name, pruning in variants.items():
@@ -151,11 +154,20 @@ def simulate(args) -> int:
                             todo.append(r)
                     todo.sort(key=lambda r: not gate.fits(r.workspace))
                     for r in todo:  # as the Benchmarker: fitting ones first, then probes
-                        cutoff = gate.cutoff_ms(r.workspace)
-                        probe = cutoff is not None and r.time_ms > cutoff
-                        cost["configs"] += not probe
-                        cost["probes"] += probe
-                        cost["gpu_s"] += calls_made(r.time_ms, method, cutoff) * r.time_ms / 1e3
+                        note = gate.skip_late(r.workspace)
+                        if not note and gate.probe_only(r.workspace):
+                            cost["probes"] += 1
+                            cost["gpu_s"] += calls_made(r.time_ms, method,
+                                                        gate.cutoff_ms(r.workspace),
+                                                        probe_only=True) * r.time_ms / 1e3
+                            gate.probed(r.time_ms)
+                            note = gate.over_limit_note
+                        if note:
+                            out.append(Measurement(r.key, b, r.algo, r.math, 0.0, r.workspace,
+                                                   Status.NOT_SUPPORTED, note))
+                            continue
+                        cost["configs"] += 1
+                        cost["gpu_s"] += calls_made(r.time_ms, method) * r.time_ms / 1e3
                         out.append(gate.add(r))
                     return out
 
@@ -199,7 +211,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per bench or tune")
     ap.add_argument("--out", required=True)
     ap.add_argument("--simulate", action="store_true", help="replay stored rows on the CPU")
-    ap.add_argument("--recording", nargs="+", default=[], help="--simulate: kernels to replay")
+    ap.add_argument("--recording", nargs="+", default=[],
+                    help="--simulate: kernels to replay (recordings, or plan files' kernels)")
     ap.add_argument("--store", help="--simulate: rows to replay (default: shipped + user store)")
     args = ap.parse_args()
     if args.simulate:

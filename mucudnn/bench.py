@@ -203,10 +203,10 @@ class Pruning:
     ``b`` samples may use ``max(limit, (N - b) * written_sample_bytes)`` (``best_plan``'s
     borrowing), so that is its bound.
 
-    ``quick``: sizes are timed from N downward, every configuration at each (no limit pruning),
-    and a kernel's smaller sizes are skipped in an API once :func:`quick_stop` holds: exact when a
-    kernel's best per-sample time (over its configurations, no limit) never improves as the
-    micro-batch shrinks, which is the usual case and not guaranteed.
+    ``quick``: sizes are timed from N downward, and a kernel's smaller sizes are skipped in an API
+    once :meth:`SizeGate.stop` holds: exact when a kernel's best per-sample time (over its
+    configurations, no limit) never improves as the micro-batch shrinks, which is the usual case
+    and not guaranteed.
     """
 
     limit: int | None = None
@@ -246,79 +246,100 @@ class Pruning:
         return True
 
 
-#: The note of an over-limit row that quick timed by its probe only (after ``; `` if there are
-#: numerical notes); like the dominated ones, an OK row.
-QUICK_PROBE_NOTE = "timed once: over the limit and slower per sample than a piece within it"
-
-
 class SizeGate:
     """What one size ``b`` of a kernel in one API asks of each configuration, once its workspace
-    is known: whether to time it (:meth:`skip`), in what order (:meth:`fits` first), and when a
-    probe is enough (:meth:`cutoff_ms`).
+    is known: whether to time it (:meth:`skip`, then :meth:`skip_late` just before its turn), in
+    what order (:meth:`fits` first), whether a probe is all it needs (:meth:`probe_only`); and,
+    for quick, whether the kernel's smaller sizes can be skipped (:meth:`stop`). ``rows``: the
+    API's rows of the kernel at larger sizes (up to N).
 
-    Quick times configurations over the limit too, but only to learn whether one is faster per
-    sample than ``best`` (P: the best per-sample time of a piece within the limit timed so far at
-    this or a larger size, see :func:`quick_stop`): slower, its exact time cannot change quick's
-    decision, so a probe over ``best * b`` ends its timing. Those within the limit are timed first.
+    Quick's rule (exact when a kernel's best per-sample time, over all its configurations and no
+    limit, never improves as the micro-batch shrinks). Any plan takes at least N times the
+    smallest per-sample time of its pieces. Pieces of the sizes timed so far that fit give at
+    least P, the best per-sample time among them (``best``); pieces below ``b`` at least, by the
+    model, B, the best per-sample time of any configuration at ``b``. So once the best plan of the
+    sizes timed is as fast as N * P and B >= P, smaller sizes cannot beat it (equal time at best).
+    Configurations within the limit at ``b`` are all >= P per sample; those over it are probed
+    (one call after warm-up, cut off at P * b) only to learn whether one is faster, and only where
+    the plan already is as fast as N * P; none is stored as a timing (their rows are over-limit
+    markers, as without quick), and after the first one faster the others are not probed.
     """
 
     def __init__(self, problem: ConvProblem, b: int, pruning: Pruning,
-                 best: float | None = None) -> None:
-        self.b, self.pruning, self.best = b, pruning, best
+                 rows: Sequence[Measurement] = ()) -> None:
+        self.problem, self.b, self.pruning = problem, b, pruning
         self.bound = pruning.usable_workspace(problem, b)
+        self.rows = list(rows)
+        fitting = [row.time_ms / row.batch for row in self.rows
+                   if row.ok and pruning.fits(problem, row)]
+        self.best = min(fitting, default=None)
+        self.faster_over_limit = False
+        self._plan_fast: bool | None = None
+
+    @property
+    def over_limit_note(self) -> str:
+        return OVER_LIMIT_NOTE.format(bound=self.bound)
 
     def fits(self, workspace: int) -> bool:
         return self.bound is None or workspace <= self.bound
+
+    def probe_only(self, workspace: int) -> bool:
+        return self.pruning.quick and not self.fits(workspace)
 
     def skip(self, workspace: int) -> str:
         """Empty to time a configuration needing ``workspace`` bytes, else the note of its row."""
         if self.pruning.quick or self.fits(workspace):
             return ""
-        return OVER_LIMIT_NOTE.format(bound=self.bound)
+        return self.over_limit_note
+
+    def skip_late(self, workspace: int) -> str:
+        """:meth:`skip`, asked again once every configuration within the limit at ``b`` is
+        timed: quick probes those over it only where they can decide :meth:`stop`."""
+        if self.probe_only(workspace) and (self.faster_over_limit or not self._fast_plan()):
+            return self.over_limit_note
+        return self.skip(workspace)
 
     def cutoff_ms(self, workspace: int) -> float | None:
-        if self.pruning.quick and not self.fits(workspace) and self.best is not None:
+        """Quick's cutoff for a configuration over the limit: P * b (see the class doc)."""
+        if self.probe_only(workspace) and self.best is not None:
             return self.best * self.b
         return None
 
+    def probed(self, time_ms: float) -> None:
+        """Count the probe of a configuration over the limit, taking ``time_ms``."""
+        if self.best is None or time_ms <= self.best * self.b:
+            self.faster_over_limit = True
+
     def add(self, row: Measurement) -> Measurement:
-        """Count ``row``, just measured at this size; returns it."""
+        """Count ``row``, just timed at this size; returns it."""
+        self.rows.append(row)
+        self._plan_fast = None
         if row.ok and self.fits(row.workspace):
             per_sample = row.time_ms / self.b
             self.best = per_sample if self.best is None else min(self.best, per_sample)
         return row
 
+    def _fast_plan(self) -> bool:
+        """Whether the best plan within the limit of the sizes timed (>= ``b``) takes N * P."""
+        if self._plan_fast is None:
+            from .errors import MucudnnError
+            from .optimizer import Policy, best_plan
+            pruning, problem = self.pruning, self.problem
+            try:
+                plan_ms = best_plan(self.rows, problem.n, pruning.limit, Policy.ALL,
+                                    problem.written_sample_bytes if pruning.borrow_output else 0
+                                    ).time_ms
+            except (MucudnnError, ValueError):  # nothing fits yet, or unusable times
+                plan_ms = None
+            # the sums of a plan round
+            self._plan_fast = plan_ms is not None and self.best is not None and \
+                plan_ms <= problem.n * self.best * (1 + 1e-9)
+        return self._plan_fast
 
-def quick_stop(problem: ConvProblem, rows: Sequence[Measurement], b: int,
-               pruning: Pruning) -> bool:
-    """Whether, with ``rows`` (one API's, every size >= ``b`` timed), no size below ``b`` can make
-    a faster plan within ``pruning``'s limit, if a kernel's best per-sample time never improves
-    as the micro-batch shrinks (the :class:`Pruning` ``quick`` model).
-
-    Any plan has time >= N * (the smallest per-sample time of a piece it uses). Pieces of the
-    sizes timed that fit give at least P = the best per-sample time among them; pieces below
-    ``b`` at least, by the model, B = the best per-sample time of any configuration at ``b``. So
-    once the best plan of the sizes timed is no slower than N * min(P, B), smaller sizes cannot
-    beat it (equal time at best). Needs every configuration at ``b`` timed (none left over the
-    limit) and rows only of sizes up to N.
-    """
-    from .errors import MucudnnError
-    from .optimizer import Policy, best_plan
-    at_b = [row for row in rows if row.batch == b]
-    if any(is_not_timed(row) for row in at_b):
-        return False
-    ok_at_b = [row.time_ms / b for row in at_b if row.ok]
-    fitting = [row.time_ms / row.batch for row in rows
-               if row.ok and row.batch >= b and pruning.fits(problem, row)]
-    if not ok_at_b or not fitting:
-        return False
-    try:
-        plan = best_plan([row for row in rows if row.batch >= b], problem.n, pruning.limit,
-                         Policy.ALL, problem.written_sample_bytes if pruning.borrow_output else 0)
-    except (MucudnnError, ValueError):  # nothing fits yet, or unusable times: go on
-        return False
-    bound = problem.n * min(min(ok_at_b), min(fitting))
-    return plan.time_ms <= bound * (1 + 1e-9)  # the sums of a plan round
+    def stop(self) -> bool:
+        """Quick, once every configuration at ``b`` had its turn: whether no size below ``b``
+        can make a faster plan within the limit (under the model of the class doc)."""
+        return self.pruning.quick and not self.faster_over_limit and self._fast_plan()
 
 
 def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
@@ -328,8 +349,10 @@ def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
     how many sizes were timed.
 
     ``time_size(b, api, gate)`` measures size ``b`` in ``api`` as its :class:`SizeGate` says:
-    each configuration's workspace first, then those that fit timed first, each row passed to
-    ``gate.add``; one that ``gate.skip`` names gets an untimed row with that note. ``stored`` are
+    each configuration's workspace first, then those that fit timed first, each timed row passed
+    to ``gate.add``; one that ``gate.skip`` (or, just before its turn, ``gate.skip_late``) names
+    gets an untimed row with that note, as does one that ``gate.probe_only`` names after its
+    probe (``gate.probed``). ``stored`` are
     the kernel's rows already in the store (quick reads them too). ``done(b)`` follows each size.
     """
     rows: list[Measurement] = []
@@ -337,13 +360,13 @@ def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
     timed = 0
 
     def gate(b: int, api: Api) -> SizeGate:
-        larger = [row for row in [*stored, *rows] if api_of(row.algo) is api and row.ok
-                  and b < row.batch <= problem.n and pruning.fits(problem, row)]
-        return SizeGate(problem, b, pruning,
-                        min((row.time_ms / row.batch for row in larger), default=None))
+        larger = [row for row in [*stored, *rows]
+                  if api_of(row.algo) is api and b < row.batch <= problem.n]
+        return SizeGate(problem, b, pruning, larger)
 
     for b in sorted(wanted, reverse=True):
         any_timed = False
+        gates = {}
         for api in sorted(wanted[b]):
             if api in stopped:
                 size, fastest = stopped[api]
@@ -351,19 +374,15 @@ def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
                                         Status.NOT_SUPPORTED,
                                         QUICK_NOTE.format(size=size, request=pruning.request)))
             else:
-                rows.extend(time_size(b, api, gate(b, api)))
+                gates[api] = gate(b, api)
+                rows.extend(time_size(b, api, gates[api]))
                 any_timed = True
         timed += any_timed
         done(b)
-        if not pruning.quick:
-            continue
-        for api in Api:
-            if api in stopped:
-                continue
-            mine = [row for row in [*stored, *rows]
-                    if api_of(row.algo) is api and row.batch <= problem.n]
-            if quick_stop(problem, mine, b, pruning):
-                at_b = [row for row in mine if row.batch == b and row.ok]
+        for api, done_gate in gates.items():
+            if done_gate.stop():
+                at_b = [row for row in rows if row.batch == b and api_of(row.algo) is api
+                        and row.ok]
                 stopped[api] = (b, min(at_b, key=lambda row: (row.time_ms, row.algo)))
     return rows, timed
 
@@ -401,12 +420,11 @@ class Frontier:
             self._timed.append((row.workspace, row.time_ms))
         return row
 
-    def note(self, timing, note: str = "", mark: str | None = None) -> str:
-        """``note`` plus the cut-short mark (``mark``, else this frontier's) when ``timing``
-        stopped at the probe."""
+    def note(self, timing, note: str = "") -> str:
+        """``note`` plus the cut-short mark when ``timing`` stopped at the probe."""
         if not timing.cut_short:
             return note
-        mark = mark or CUT_SHORT_NOTE.format(factor=self.factor)
+        mark = CUT_SHORT_NOTE.format(factor=self.factor)
         return f"{note}; {mark}" if note else mark
 
 
@@ -429,7 +447,8 @@ class Benchmarker:
         self.progress = progress
         self.max_engine_configs = max_engine_configs
         self.pruning = pruning
-        self.timings = 0  # configurations timed (do_bench calls), all sizes and kernels
+        # do_bench calls, all sizes and kernels: timings, and probes (quick, over the limit)
+        self.timings = self.probes = 0
         self.cudnn = get()
         self.env = current_environment()
         # CuPy's fills and frees run on this stream too (see measure), in order with cuDNN's work
@@ -530,6 +549,10 @@ class Benchmarker:
                 queried.append((call, algo_value, ws_size, row))
         queried.sort(key=lambda item: not gate.fits(item[2]))  # stable: algorithm order
         for call, algo_value, ws_size, row in queried:
+            if gate.skip_late(ws_size):
+                rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size,
+                                note=gate.skip_late(ws_size)))
+                continue
             try:
                 workspace = self.cupy.empty(max(ws_size, 1), dtype="uint8")
             except self.cupy.cuda.memory.OutOfMemoryError:
@@ -541,28 +564,31 @@ class Benchmarker:
                 call.run(self.handle, algo_value, x, w, y, workspace.data.ptr, ws_size, beta=beta)
 
             try:
-                timing, note = self._time(run, ws_size, frontier, gate)
+                timing = self._time(run, ws_size, frontier, gate)
             except errors.CudnnNotSupportedError as exc:
                 rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=exc.text))
             except errors.CudnnError as exc:
                 rows.append(row(Status.FAILED, workspace=ws_size, note=str(exc)))
             else:
-                rows.append(gate.add(frontier.add(
-                    row(Status.OK, timing.median_ms, ws_size, note("")), timing)))
+                rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=gate.over_limit_note)
+                            if timing is None else gate.add(frontier.add(
+                                row(Status.OK, timing.median_ms, ws_size, frontier.note(timing)),
+                                timing)))
             finally:
                 workspace = None  # noqa: F841 - return the block to the pool before the next
         return rows
 
     def _time(self, run, workspace: int, frontier: Frontier, gate: SizeGate):
-        """(do_bench of ``run`` with the tighter of the frontier's and the gate's cutoffs, a
-        function adding to a row's note the mark of the cutoff that ended it)."""
-        dominated, slower = frontier.cutoff_ms(workspace), gate.cutoff_ms(workspace)
-        cutoff = min((c for c in (dominated, slower) if c is not None), default=None)
+        """do_bench of ``run``, needing ``workspace`` bytes; None after a probe only (the gate
+        has it)."""
+        if gate.probe_only(workspace):
+            self.probes += 1
+            timing = do_bench(run, self.stream, self.method, gate.cutoff_ms(workspace),
+                              probe_only=True)
+            gate.probed(timing.median_ms)
+            return None
         self.timings += 1
-        timing = do_bench(run, self.stream, self.method, cutoff)
-        by_gate = slower is not None and cutoff == slower
-        return timing, lambda note: frontier.note(
-            timing, note, QUICK_PROBE_NOTE if by_gate else None)
+        return do_bench(run, self.stream, self.method, frontier.cutoff_ms(workspace))
 
     def _measure_engines(self, problem: ConvProblem, buffers: KernelBuffers,
                          frontier: Frontier, gate: SizeGate | None = None) -> list[Measurement]:
@@ -598,18 +624,25 @@ class Benchmarker:
                     except errors.CudnnError as exc:
                         rows.append(row(Status.NOT_SUPPORTED, note=str(exc)))
                         continue
-                    skip = gate.skip(plan.workspace_size)
-                    if skip:
-                        notes = candidate.note_text
-                        rows.append(row(Status.NOT_SUPPORTED, workspace=plan.workspace_size,
-                                        note=skip + (f"; {notes}" if notes else "")))
+                    if gate.skip(plan.workspace_size):
+                        rows.append(self._untimed(problem, candidate, plan, gate.skip))
                         continue
                     planned.append((candidate, plan))
                 planned.sort(key=lambda item: not gate.fits(item[1].workspace_size))
                 for candidate, plan in planned:
-                    rows.append(gate.add(self._time_engine(problem, plan, candidate, buffers,
-                                                           slices, frontier, gate)))
+                    if gate.skip_late(plan.workspace_size):
+                        rows.append(self._untimed(problem, candidate, plan, gate.skip_late))
+                        continue
+                    rows.append(self._time_engine(problem, plan, candidate, buffers, slices,
+                                                  frontier, gate))
             return rows
+
+    def _untimed(self, problem: ConvProblem, candidate, plan, skip) -> Measurement:
+        """The row of an engine configuration left untimed: ``skip``'s note, then its
+        numerical notes."""
+        notes = candidate.note_text
+        return self._engine_row(problem, candidate, Status.NOT_SUPPORTED, 0.0, plan.workspace_size,
+                                skip(plan.workspace_size) + (f"; {notes}" if notes else ""))
 
     @staticmethod
     def _engine_row(problem: ConvProblem, candidate, status: Status, time_ms: float = 0.0,
@@ -630,14 +663,16 @@ class Benchmarker:
                 # one variant pack per slice, built before timing as the legacy calls need none
                 slice_packs = [packs.enter_context(plan.variant_pack(
                     *buffers.pointers(i * problem.n), workspace.data.ptr)) for i in range(slices)]
-                timing, note = self._time(lambda i: plan.execute(slice_packs[i % slices]),
-                                          plan.workspace_size, frontier, gate)
+                timing = self._time(lambda i: plan.execute(slice_packs[i % slices]),
+                                    plan.workspace_size, frontier, gate)
             except errors.CudnnNotSupportedError as exc:
                 return row(Status.NOT_SUPPORTED, workspace=plan.workspace_size, note=exc.text)
             except errors.CudnnError as exc:
                 return row(Status.FAILED, workspace=plan.workspace_size, note=str(exc))
-            return frontier.add(row(Status.OK, timing.median_ms, plan.workspace_size,
-                                    note(candidate.note_text)), timing)
+            if timing is None:
+                return self._untimed(problem, candidate, plan, lambda _: gate.over_limit_note)
+            return gate.add(frontier.add(row(Status.OK, timing.median_ms, plan.workspace_size,
+                                             frontier.note(timing, candidate.note_text)), timing))
 
 
 def _progress(total: int, enabled: bool):

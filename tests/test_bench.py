@@ -12,13 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mucudnn.bench import (QUICK_PROBE_NOTE, Frontier, Pruning, SizeGate, backward_filter_beta,
-                           is_not_timed, measure_kernel, missing_apis)
+from mucudnn.bench import (Frontier, Pruning, SizeGate, backward_filter_beta, is_not_timed,
+                           measure_kernel, missing_apis)
 from mucudnn.engines import Api, api_of, format_numerical_notes, is_transform_based, numerical_notes
 from mucudnn.errors import MucudnnError
 from mucudnn.measurement import Measurement, Status
 from mucudnn.optimizer import Policy, best_plan, candidate_sizes, pareto_plans
 from mucudnn.problem import ALGORITHMS, ConvProblem, Direction
+from mucudnn.timing import TimingMethod, calls_made, do_bench
+from test_timing import clock, timed  # noqa: F401 - the simulated clock fixture
 
 FWD = ConvProblem(Direction.FORWARD, c=8, input_size=(9, 9), k=8, filter_size=(3, 3),
                   padding=(1, 1), stride=(1, 1), dilation=(1, 1), n=8)
@@ -135,12 +137,18 @@ class Synthetic:
                 todo.append((config, workspace))
         todo.sort(key=lambda item: not gate.fits(item[1]))
         for config, workspace in todo:
-            time_ms, cutoff = config.time_ms(b), gate.cutoff_ms(workspace)
-            probe = cutoff is not None and time_ms > cutoff
-            self.probed += probe
-            self.timed += not probe
-            rows.append(gate.add(Measurement(self.problem.key, b, config.algo, "fma", time_ms,
-                                             workspace, note=QUICK_PROBE_NOTE if probe else "")))
+            note = gate.skip_late(workspace)
+            if not note and gate.probe_only(workspace):
+                self.probed += 1
+                gate.probed(config.time_ms(b))
+                note = gate.over_limit_note
+            if note:
+                rows.append(Measurement(self.problem.key, b, config.algo, "fma", 0.0, workspace,
+                                        Status.NOT_SUPPORTED, note))
+                continue
+            self.timed += 1
+            rows.append(gate.add(Measurement(self.problem.key, b, config.algo, "fma",
+                                             config.time_ms(b), workspace)))
         return rows
 
     def bench(self, pruning: Pruning, stored=(), apis=BOTH) -> list[Measurement]:
@@ -205,31 +213,42 @@ def test_quick_skips_a_kernel_whose_fastest_configuration_at_n_fits():
     markers = [r for r in rows if r.batch < 16]
     assert all(not r.ok and r.note.startswith("not timed: --quick stopped at size 16")
                for r in markers) and len(markers) == 2 * 4
-    # the fastest at N is over the limit: smaller sizes may do better, so they are timed
+    # eng0 is over the limit: nothing of the graph API fits at 16, so quick goes down (and finds
+    # nothing that fits at any size, with nothing to time)
     k.timed = 0
-    k.bench(Pruning(limit=32, quick=True))
-    assert k.timed > 2
+    rows = k.bench(Pruning(limit=32, quick=True))
+    assert (k.timed, k.probed) == (1, 0)
+    assert sorted(r.batch for r in rows if r.note.startswith("not timed: over limit")) == \
+        [1, 2, 4, 8, 16]
 
 
-def test_quick_probes_configurations_over_the_limit_slower_than_one_within_it():
-    k = kernel(16, [Config("implicit_gemm", 1.0, 0.5, 0, 0),           # fits, fastest per sample
-                    Config("gemm", 2.0, 0.5, 1 << 20, 0),              # over, slower: a probe
-                    Config("implicit_precomp_gemm", 0.5, 0.5, 0, 1 << 10)])  # over above 1 sample
+def test_quick_probes_configurations_over_the_limit_only_where_they_decide():
+    k = kernel(16, [Config("implicit_gemm", 1.0, 0.5, 0, 0),           # fits
+                    Config("implicit_precomp_gemm", 0.5, 0.5, 0, 1 << 10),  # fits at 1 sample
+                    Config("gemm", 2.0, 0.5, 1 << 20, 0)])             # never fits, slowest
     rows = k.bench(Pruning(limit=1 << 10, quick=True), apis={Api.LEGACY})
-    probed = {(r.algo, r.batch) for r in rows if r.note == QUICK_PROBE_NOTE}
-    assert ("gemm", 16) in probed and all(algo == "gemm" for algo, _ in probed)
-    assert k.probed == len(probed) and k.timed > 0
-    # quick's decision is that of timing every configuration fully
+    # 16 to 2: precomp's probe is faster per sample than implicit_gemm, so quick goes on, without
+    # probing gemm; at 1, precomp fits and gives the best plan (16 pieces): gemm is probed, slower
+    assert (k.timed, k.probed) == (5 + 1, 4 + 1)
+    assert {(r.algo, r.batch) for r in rows if is_not_timed(r)} == \
+        {("gemm", b) for b in (1, 2, 4, 8, 16)} | \
+        {("implicit_precomp_gemm", b) for b in (2, 4, 8, 16)}
     full = kernel(16, k.configs).bench(Pruning(), apis={Api.LEGACY})
     assert best_plan(rows, 16, 1 << 10) == best_plan(full, 16, 1 << 10)
+    # without precomp: gemm is probed at 16, slower, and quick stops there
+    k = kernel(16, [k.configs[0], k.configs[2]])
+    rows = k.bench(Pruning(limit=1 << 10, quick=True), apis={Api.LEGACY})
+    assert (k.timed, k.probed) == (1, 1)
+    assert all(is_not_timed(r) for r in rows if r.batch < 16)
 
 
 def test_quick_goes_down_until_smaller_sizes_cannot_help():
     # per sample 1 + 1/b ms and 64 B: at limit 200 B sizes <= 3 fit, 2 is the first that does
     k = kernel(16, [Config("implicit_gemm", 1.0, 1.0, 0, 64)])
     rows = k.bench(Pruning(limit=200, quick=True), apis={Api.LEGACY})
-    assert sorted(r.batch for r in rows if r.ok) == [2, 4, 8, 16]
-    assert [r.batch for r in rows if is_not_timed(r)] == [1]
+    assert [r.batch for r in rows if r.ok] == [2] and k.timed == 1
+    assert [r.batch for r in rows if r.note.startswith("not timed: over limit")] == [16, 8, 4]
+    assert [r.batch for r in rows if r.note.startswith("not timed: --quick")] == [1]
     full = kernel(16, k.configs).bench(Pruning(), apis={Api.LEGACY})
     assert best_plan(rows, 16, 200) == best_plan(full, 16, 200)
 
@@ -365,3 +384,12 @@ def test_bench_options_that_do_not_go_together_are_refused_in_one_line(args, err
     done = CliRunner().invoke(main, ["bench", "resnet18", *args])
     assert done.exit_code == 2 and error in done.output, done.output
     assert "Traceback" not in done.output
+
+
+@pytest.mark.parametrize("cutoff", [5.0, 50.0, None])
+def test_a_probe_only_timing_ends_at_the_probe_on_either_side_of_the_cutoff(clock, cutoff):
+    """What quick asks of a configuration over the limit: which side of P * b it is on."""
+    fn, calls = timed(clock, 10.0)
+    timing = do_bench(fn, stream=None, cutoff_ms=cutoff, probe_only=True)
+    assert timing.cut_short and timing.median_ms == pytest.approx(10.0)
+    assert len(calls) == 2 == calls_made(10.0, TimingMethod(), cutoff, probe_only=True)
