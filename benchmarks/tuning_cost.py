@@ -21,7 +21,8 @@ calls (mucudnn.timing.calls_made; without the cutoffs of dominated configuration
 variant has; host time not included), and whether each kernel's plan at the limit equals the one
 from all rows (for those that differ: both predicted times).
 
-    python3 benchmarks/tuning_cost.py --simulate --recording benchmarks/results/raw/resnet50-legacy-tf32.record --out DIR
+    python3 benchmarks/tuning_cost.py --simulate --out DIR \
+        --recording benchmarks/results/raw/resnet50-legacy-tf32.record
 """
 
 from __future__ import annotations

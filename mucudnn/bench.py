@@ -352,8 +352,8 @@ def measure_kernel(problem: ConvProblem, wanted: dict[int, frozenset[Api]],
     each configuration's workspace first, then those that fit timed first, each timed row passed
     to ``gate.add``; one that ``gate.skip`` (or, just before its turn, ``gate.skip_late``) names
     gets an untimed row with that note, as does one that ``gate.probe_only`` names after its
-    probe (``gate.probed``). ``stored`` are
-    the kernel's rows already in the store (quick reads them too). ``done(b)`` follows each size.
+    probe (``gate.probed``). ``stored`` are the kernel's rows already in the store (quick reads
+    them too). ``done(b)`` follows each size.
     """
     rows: list[Measurement] = []
     stopped: dict[Api, tuple[int, Measurement]] = {}  # api -> (size, fastest row there)
