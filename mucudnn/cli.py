@@ -140,10 +140,17 @@ def _optimize(*args, **kwargs):
 @click.option("--policy", type=POLICIES, default="powerOfTwo", show_default=True,
               help="micro-batch sizes to measure (fit: powerOfTwo plus each configuration's "
                    "largest size within --workspace-limit)")
-@click.option("--workspace-limit", type=SIZE, help="the limit policy fit measures sizes for")
+@click.option("--workspace-limit", type=SIZE,
+              help="configurations needing more are not timed (plans within it are unchanged; "
+                   "bench again without it before tuning for more); policy fit: the limit it "
+                   "measures sizes for")
 @click.option("--borrow-output", is_flag=True,
-              help="policy fit: also the sizes of pieces that borrow their output "
-                   "(for `tune --borrow-output`)")
+              help="for `tune --borrow-output`: pieces may use the output after them, so time "
+                   "what fits there too (policy fit: also the sizes of such pieces)")
+@click.option("--quick", is_flag=True,
+              help="time sizes largest first and skip, per kernel, the smaller ones that cannot "
+                   "beat them if per-sample time never improves as micro-batches shrink "
+                   "(the usual case, not guaranteed); plans within --workspace-limit only")
 @click.option("--api", type=APIS, default="both", show_default=True,
               help="time cuDNN's legacy algorithms, the graph API's engine configurations "
                    "(those its heuristics propose), or both")
@@ -153,21 +160,27 @@ def _optimize(*args, **kwargs):
                    "no more workspace (never in a plan; by default timed once)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @store_option
-def bench(config, recordings, policy, workspace_limit, borrow_output, api, remeasure, no_prune,
-          no_progress, store_path):
+def bench(config, recordings, policy, workspace_limit, borrow_output, quick, api, remeasure,
+          no_prune, no_progress, store_path):
     """Benchmark every algorithm of the kernels of CONFIG (a name like resnet50, or a YAML path)
     or of --recording files on this GPU, at each micro-batch size of the policy, into the store."""
     from .timing import TimingMethod
     from .tuner import as_kernels, benchmark
     if policy == "fit" and workspace_limit is None:
         raise click.UsageError("--policy fit needs --workspace-limit (the sizes that fit it)")
-    if borrow_output and policy != "fit":
-        raise click.UsageError("--borrow-output measures extra sizes of policy fit: give --policy fit")
+    if borrow_output and workspace_limit is None:
+        raise click.UsageError("--borrow-output goes with --workspace-limit")
+    if quick and workspace_limit is None:
+        raise click.UsageError("--quick skips the sizes that cannot help plans within a limit: "
+                               "give --workspace-limit")
+    if quick and policy == "fit":
+        raise click.UsageError("--quick skips sizes; policy fit needs every power of two: "
+                               "give one of them")
     source = _kernels(config, recordings)
     method = TimingMethod(dominated_factor=None) if no_prune else TimingMethod()
     timed = benchmark(source, policy, store=store_path, remeasure=remeasure,
                       progress=not no_progress, method=method, api=api,
-                      workspace_limit=workspace_limit, borrow_output=borrow_output)
+                      workspace_limit=workspace_limit, borrow_output=borrow_output, quick=quick)
     name = getattr(source, "name", "recording")
     click.echo(f"{name}: {len(as_kernels(source))} kernels, measured {timed} kernel sizes "
                f"({'all reused from the store' if timed == 0 else 'stored'})")

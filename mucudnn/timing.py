@@ -10,7 +10,9 @@ A caller that already knows a faster option passes ``cutoff_ms``: a probe slower
 the timing there, with the probe as the only sample (``cut_short``); so does a first warm-up call
 ``cold_factor`` times over it, since cold-start costs are far smaller than that. Benchmarks spend
 most of their GPU time on such hopeless configurations (an fp16 backward-filter engine of VGG-16
-takes 20 s per call at N = 256 where the best takes 1.4 ms).
+takes 20 s per call at N = 256 where the best takes 1.4 ms). A caller that only needs to know on
+which side of the cutoff a call falls passes ``probe_only``: the timing ends at the probe (or the
+cold call) either way.
 """
 
 from __future__ import annotations
@@ -56,20 +58,22 @@ def repetitions(probe_ms: float, method: TimingMethod) -> tuple[int, int]:
                    max(method.min_reps, method.budget_ms // (probe_ms * inner)))), inner
 
 
-def calls_made(call_ms: float, method: TimingMethod, cutoff_ms: float | None = None) -> int:
+def calls_made(call_ms: float, method: TimingMethod, cutoff_ms: float | None = None,
+               probe_only: bool = False) -> int:
     """How many calls :func:`do_bench` makes of a function taking ``call_ms`` every time."""
     if cutoff_ms is not None and method.warmup and call_ms > method.cold_factor * cutoff_ms:
         return 1
-    if cutoff_ms is not None and call_ms > cutoff_ms:
+    if probe_only or (cutoff_ms is not None and call_ms > cutoff_ms):
         return method.warmup + 1
     reps, inner = repetitions(max(call_ms, 1e-3), method)
     return method.warmup + 1 + reps * inner
 
 
 def do_bench(fn: Callable[[int], None], stream, method: TimingMethod = TimingMethod(),
-             cutoff_ms: float | None = None) -> Timing:
+             cutoff_ms: float | None = None, probe_only: bool = False) -> Timing:
     """Time ``fn(i)`` on a CuPy ``stream``; ``i`` counts calls so callers can rotate inputs.
-    A call slower than ``cutoff_ms`` ends it early (see the module doc)."""
+    A call slower than ``cutoff_ms`` ends it early, ``probe_only`` at the probe in any case (see
+    the module doc)."""
     import cupy
 
     calls = 0
@@ -95,7 +99,7 @@ def do_bench(fn: Callable[[int], None], stream, method: TimingMethod = TimingMet
         else:
             call()
     probe = timed_call()
-    if cutoff_ms is not None and probe > cutoff_ms:
+    if probe_only or (cutoff_ms is not None and probe > cutoff_ms):
         return Timing(probe, 1, 1, (probe,), cut_short=True)
     reps, inner = repetitions(probe, method)
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(reps)]

@@ -273,34 +273,45 @@ def _pick_environment(store) -> Environment | None:
 
 def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
               remeasure: bool = False, progress: bool = True, method=None, api: str = "both",
-              max_engine_configs: int = 8, workspace_limit=None, borrow_output: bool = False) -> int:
+              max_engine_configs: int = 8, workspace_limit=None, borrow_output: bool = False,
+              quick: bool = False) -> int:
     """Measure every kernel of ``source`` at the policy's micro-batch sizes on the current GPU.
 
     ``api`` is ``"legacy"`` (cuDNN's algorithms), ``"graph"`` (engine configurations of the graph
     API: up to ``max_engine_configs`` from heuristics mode A and all fallback ones per size) or
     ``"both"``. Policy ``fit`` needs ``workspace_limit``: after the powers of two it measures
     :func:`~mucudnn.optimizer.fit_sizes` (with ``borrow_output``, also the sizes pieces that
-    borrow their output would take). Rows already in the store are reused unless ``remeasure``.
-    Returns how many sizes were timed.
+    borrow their output would take). With another policy, configurations over ``workspace_limit``
+    (beyond the output they may borrow, with ``borrow_output``) are not timed, and ``quick``
+    skips the sizes that cannot beat the larger ones (:class:`~mucudnn.bench.Pruning`).
+    Rows already in the store are reused unless ``remeasure``. Returns how many sizes were timed.
     """
-    from .bench import Benchmarker
+    from .bench import Benchmarker, Pruning
     from .timing import TimingMethod
     policy = Policy(policy)
     if policy is Policy.FIT and workspace_limit is None:
         raise MucudnnError("policy fit measures the sizes that fit a workspace limit: give one "
                            "(bench --workspace-limit)")
+    if quick and workspace_limit is None:
+        raise MucudnnError("quick skips the sizes that cannot help plans within a workspace "
+                           "limit: give one (bench --workspace-limit)")
+    if policy is Policy.FIT and quick:
+        raise MucudnnError("quick times sizes largest first and stops; policy fit derives its "
+                           "sizes from every power of two: use one or the other")
+    limit = None if workspace_limit is None else parse_size(workspace_limit)
+    # fit reads every configuration's workspace at each power of two to place its sizes
+    pruning = Pruning(None if policy is Policy.FIT else limit, borrow_output, quick)
     apis = select_apis(api)
     own = store is None or isinstance(store, (str, os.PathLike))
     st = store_mod.open_store(store) if own else store
     try:
         st.check_writable()
         bench = Benchmarker(st, method or TimingMethod(), progress=progress,
-                            max_engine_configs=max_engine_configs)
+                            max_engine_configs=max_engine_configs, pruning=pruning)
         kernels = [p for p, _ in as_kernels(source)]
         timed = bench.benchmark([(p, candidate_sizes(policy, p.n)) for p in kernels],
                                 remeasure=remeasure, apis=apis)
         if policy is Policy.FIT:
-            limit = parse_size(workspace_limit)
             more = [(p, fit_sizes(st.get(bench.env.gpu, bench.env.cudnn, p.key), p.n, limit,
                                   p.written_sample_bytes if borrow_output else 0))
                     for p in kernels]
