@@ -75,6 +75,9 @@ print(open_store().environments())" ;;
   neverslower-*)  # benchmarks/never_slower.py: front plans against PyTorch, then under CAPS (GiB)
     specs=${s#neverslower-}; stage "neverslower-$specs" ${SHIM_TIMEOUT:-560} python3 benchmarks/never_slower.py \
       --models ${specs//+/ } --rounds ${ROUNDS:-3} --caps ${CAPS:-} --out "$LOGS/neverslower-${specs//:/_}" ;;
+  tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store
+    models=${s#tuningcost-}; stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} python3 benchmarks/tuning_cost.py \
+      --models ${models//+/ } ${TUNING_ARGS:-} --out "$LOGS/tuningcost-$models" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
       ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;
