@@ -363,4 +363,4 @@ def test_the_shim_reads_the_budget_as_a_size_option(shim_env):
     bad = shim_env.run([CASE], env={"MUCUDNN_MEMORY_BUDGET": "lots"})
     assert bad.shim_lines("warning") == [
         "mucudnn: warning: MUCUDNN_MEMORY_BUDGET='lots' is not valid (expected bytes, or a number "
-        "with B, KiB, MiB, GiB, TiB, kB, MB, GB or TB); using the default"]
+        "with B, KiB, MiB, GiB, TiB, KB, MB, GB or TB); using the default"]
