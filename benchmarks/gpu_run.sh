@@ -37,17 +37,12 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     rm -f "$OUT/r50-fresh.sqlite"*
     stage bench-r50 420 bash -c "/usr/bin/time -f 'bench wall %e s' $MU bench resnet50 --no-progress --store $OUT/r50-fresh.sqlite &&
       /usr/bin/time -f 'tune wall %e s' $MU tune resnet50 --workspace-limit 64MiB --store $OUT/r50-fresh.sqlite -o $LOGS/r50-64MiB.plan &&
-      python3 -c 'from mucudnn.store import open_store; import sys; print(\"merged\", open_store().put_rows(open_store(sys.argv[1]).rows()), \"rows\")' $OUT/r50-fresh.sqlite"
+      $MU store merge $OUT/r50-fresh.sqlite"
     rm -f "$OUT/r50-fresh.sqlite"* ;;
   bench-*) net=${s#bench-}; stage "bench-$net" ${BENCH_TIMEOUT:-240} $MU bench "$net" --no-progress ;;
   validate-tuner) stage validate-tuner 400 python3 benchmarks/validate_tuner.py --store "$MUCUDNN_STORE" \
       --networks alexnet resnet50 --limits 8MiB 64MiB 512MiB --out "$LOGS/validate-tuner.json" ;;
-  export) stage export 120 python3 -c "
-import gzip, sys
-from mucudnn.store import open_store
-with open_store() as s, gzip.open('$OUT/measurements.csv.gz', 'wt', newline='') as f:
-    s.export_csv(f)
-print(open_store().environments())" ;;
+  export) stage export 120 bash -c "$MU store export '$OUT/measurements.csv.gz' && $MU store info" ;;
   benchdiag)  # a bench that stalls: progress bar and, at the timeout, every thread's Python stack
     stage benchdiag ${DIAG_TIMEOUT:-150} env PYTHONFAULTHANDLER=1 timeout -s ABRT $((${DIAG_TIMEOUT:-150} - 5)) \
       $MU bench --recording "$DIAG_RECORD" ;;
@@ -84,7 +79,6 @@ print(open_store().environments())" ;;
 esac; done
 # The store is in WAL mode: a stage killed at its timeout leaves committed rows in store.sqlite-wal.
 # Fold them into the file before it is copied, or they stay behind on the device.
-python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).execute('PRAGMA wal_checkpoint(TRUNCATE)')" \
-  "$MUCUDNN_STORE" && gzip -c "$MUCUDNN_STORE" >"$OUT/store.sqlite.gz"  # raw, it outgrew what $OUT returns
+$MU store checkpoint && gzip -c "$MUCUDNN_STORE" >"$OUT/store.sqlite.gz"  # raw, it outgrew what $OUT returns
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 ls -la "$OUT"

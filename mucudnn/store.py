@@ -13,6 +13,7 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import gzip
 import math
 import numbers
 import os
@@ -189,6 +190,13 @@ class BenchmarkStore(abc.ABC):
         with _open_text(source, "r") as text:
             rows = list(_parse_csv(text, getattr(text, "name", "<csv>")))
         return self.put_rows(rows)
+
+    def merge_from(self, other: BenchmarkStore) -> int:
+        """Upsert every row of ``other`` into this store, atomically; returns the count.
+
+        A row whose identity is in both stores takes ``other``'s values (as a re-measurement
+        would)."""
+        return self.put_rows(other.rows())
 
     def __enter__(self) -> Self:
         return self
@@ -441,6 +449,21 @@ class SQLiteStore(BenchmarkStore):
         )
         return [key for (key,) in found]
 
+    def schema_version(self) -> int:
+        """The schema version the file is at (``PRAGMA user_version``)."""
+        return self._query("PRAGMA user_version")[0][0]
+
+    def checkpoint(self) -> None:
+        """Fold the WAL journal's committed rows into the store file and empty the journal, so
+        the file alone (copied, compressed) holds every row. Waits for readers like a write."""
+        self.check_writable()
+        connection = self._open_connection()
+        with self._sqlite_errors("checkpointing"):
+            busy, _, _ = connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            raise StoreError(f"benchmark store {self.path}: checkpoint incomplete: another "
+                             "process is reading or writing it")
+
     def close(self) -> None:
         if self._connection is not None:
             self._connection.close()
@@ -485,6 +508,22 @@ def default_store_path() -> pathlib.Path:
 def open_store(path: PathLike | None = None, readonly: bool = False) -> SQLiteStore:
     """Open the store at ``path`` (default :func:`default_store_path`)."""
     return SQLiteStore(default_store_path() if path is None else path, readonly=readonly)
+
+
+def describe(store: SQLiteStore) -> list[str]:
+    """What ``mucudnn store info`` prints: the path, the schema version and each environment
+    (GPU, cuDNN version) with its row count."""
+    environments = store.environments()
+    lines = [f"store: {store.path}", f"schema version: {store.schema_version()}",
+             f"rows: {sum(count for _, _, count in environments)}"]
+    if not environments:
+        lines.append("environments: none (run `mucudnn bench` or `mucudnn store import`)")
+    else:
+        lines.append("environments (GPU, cuDNN, rows):")
+        width = max(len(gpu) for gpu, _, _ in environments)
+        lines += [f"  {gpu:<{width}}  {cudnn:>6}  {count:>7}"
+                  for gpu, cudnn, count in environments]
+    return lines
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -556,19 +595,43 @@ def _timestamp(when: datetime.datetime) -> str:
 # -- CSV ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _open_text(target: PathLike | IO[str], mode: str) -> Iterator[IO[str]]:
-    """Yield the file at path ``target``, opened, or ``target`` itself if it is a file object."""
+    """Yield the file at path ``target``, opened, or ``target`` itself if it is a file object.
+
+    A path whose name ends in ``.gz`` is read or written gzip-compressed. A path opened for
+    writing is written to a temporary file beside it that replaces it only once the block
+    succeeded, so a failed export leaves the old file as it was.
+    """
     if not isinstance(target, (str, os.PathLike)):
         yield target  # the caller's file: theirs to close
         return
     path = pathlib.Path(target).expanduser()
+    compressed = path.name.endswith(".gz")
+    opened = path
     if mode == "w":
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot write CSV file {path}: {exc.strerror}: "
+                             f"{exc.filename}") from None
+        opened = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        handle = open(path, mode, newline="", encoding="utf-8")  # noqa: SIM115 (closed below)
+        if compressed:
+            handle = gzip.open(opened, mode + "t", newline="", encoding="utf-8")
+        else:
+            handle = open(opened, mode, newline="", encoding="utf-8")  # noqa: SIM115
     except OSError as exc:
-        raise StoreError(f"cannot open CSV file {path}: {exc.strerror}") from None
-    with handle:
-        yield handle
+        verb = "write" if mode == "w" else "open"
+        raise StoreError(f"cannot {verb} CSV file {path}: {exc.strerror}") from None
+    try:
+        with handle:
+            yield handle
+        if mode == "w":
+            os.replace(opened, path)
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise StoreError(f"CSV file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    finally:
+        if mode == "w":
+            opened.unlink(missing_ok=True)
 
 
 def _csv_fields(row: StoredMeasurement) -> list[str]:

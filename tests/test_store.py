@@ -197,6 +197,55 @@ def test_csv_export_filters_and_writes_a_header(store):
     assert len(lines) == 3 and all(line.startswith(f"{GPU},90100,") for line in lines[1:])
 
 
+def test_csv_export_to_gz_is_compressed_and_imports_back(store, tmp_path):
+    import gzip
+
+    store.put(GPU, CUDNN, MIXED, repetitions=5, measured_at=WHEN)
+    gz_path = tmp_path / "out" / "measurements.csv.gz"
+    assert store.export_csv(gz_path) == len(MIXED)
+    with gzip.open(gz_path, "rt", encoding="utf-8") as text:  # a gzip file, not plain text
+        assert text.readline().startswith("gpu,cudnn_version,")
+    with SQLiteStore(tmp_path / "other.sqlite") as other:
+        assert other.import_csv(gz_path) == len(MIXED)
+        assert list(map(comparable, other.rows())) == list(map(comparable, store.rows()))
+    assert sorted(p.name for p in gz_path.parent.iterdir()) == ["measurements.csv.gz"], \
+        "the temporary file of the atomic write stays behind"
+
+
+def test_csv_export_that_fails_leaves_the_old_file(store, tmp_path, monkeypatch):
+    store.put(GPU, CUDNN, [measurement(1)])
+    csv_path = tmp_path / "old.csv"
+    csv_path.write_text("old content\n")
+    monkeypatch.setattr("mucudnn.store._csv_fields",
+                        lambda row: (_ for _ in ()).throw(RuntimeError("midway")))
+    with pytest.raises(RuntimeError, match="midway"):
+        store.export_csv(csv_path)
+    assert csv_path.read_text() == "old content\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_merge_from_copies_every_row_and_the_other_store_wins(store, tmp_path):
+    store.put(GPU, CUDNN, [measurement(1, time_ms=9.0), measurement(2)], measured_at=WHEN)
+    with SQLiteStore(tmp_path / "other.sqlite") as other:
+        other.put(GPU, CUDNN, [measurement(1, time_ms=1.0)], measured_at=WHEN)
+        other.put("NVIDIA H100 80GB HBM3", 90800, [measurement(4)], measured_at=WHEN)
+        assert store.merge_from(other) == 2
+    times = {(r.gpu, r.measurement.batch): r.measurement.time_ms for r in store.rows()}
+    assert times == {(GPU, 1): 1.0, (GPU, 2): 1.25, ("NVIDIA H100 80GB HBM3", 4): 1.25}
+
+
+def test_checkpoint_folds_the_wal_into_the_file(store, store_path):
+    store.put(GPU, CUDNN, [measurement(1), measurement(2)])
+    wal = store_path.with_name(store_path.name + "-wal")
+    assert wal.stat().st_size > 0, "the test needs rows still in the WAL"
+    store.checkpoint()
+    assert wal.stat().st_size == 0
+    copy = store_path.with_name("copy.sqlite")
+    shutil.copyfile(store_path, copy)  # the file alone, without its -wal
+    with SQLiteStore(copy, readonly=True) as copied:
+        assert len(copied.rows()) == 2
+
+
 def test_csv_import_of_a_bad_row_names_file_line_and_column(store, tmp_path):
     store.put(GPU, CUDNN, [measurement(1), measurement(2)])
     csv_path = tmp_path / "bad.csv"
