@@ -20,12 +20,12 @@ import time
 
 from mucudnn.bench import Benchmarker
 from mucudnn.config import load_config
+from mucudnn.estimates import geometry
 from mucudnn.engines import Api, api_of
 from mucudnn.cudnn import graph as graph_mod
 from mucudnn.plan import read_plan
 from mucudnn.timing import TimingMethod
 
-from limit_bound import geometry  # this folder is on sys.path when run as a script
 
 
 def every_config(graph, max_heuristic=None):

@@ -20,6 +20,7 @@ import time
 
 from mucudnn.bench import Benchmarker, KernelBuffers
 from mucudnn.config import load_config
+from mucudnn.estimates import geometry
 from mucudnn.cudnn import ConvolutionCall
 from mucudnn.cudnn.graph import ConvolutionGraph
 from mucudnn.engines import Api, api_of, parse_engine_name
@@ -27,7 +28,6 @@ from mucudnn.plan import read_plan
 
 from mucudnn.problem import ALGORITHMS, Direction
 
-from limit_bound import geometry  # this folder is on sys.path when run as a script
 
 
 class _NullStore:
