@@ -7,7 +7,7 @@ and piece size: how many configurations each way, the fastest within the piece's
 limit, or the borrowed room for ``:out`` pieces) each way, and what the whole plan would save per
 step if every piece took the faster one (each kernel weighted by ``--config``'s layer counts).
 
-    python benchmarks/engine_census.py PLAN --config vgg16 [--directions bwd_filter] --out JSON
+    python -m benchmarks.engine_census PLAN --config vgg16 [--directions bwd_filter] --out JSON
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ shorter gaps. For each divided kernel of PLAN this times its pieces run back to 
 runs them (eager) and the same calls captured once into a CUDA graph and replayed (CuPy stream
 capture), on the same buffers, and prints the saving per step (kernels weighted by ``--config``).
 
-    python benchmarks/graph_capture_probe.py PLAN --config vgg16 [--out JSON]
+    python -m benchmarks.graph_capture_probe PLAN --config vgg16 [--out JSON]
 """
 
 from __future__ import annotations

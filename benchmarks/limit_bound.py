@@ -23,7 +23,7 @@ shipped network config, matched by geometry; a recording lists each kernel once)
 step time: ``uncapped step + (fit - uncapped)`` is roughly the best a plan at this limit can do,
 whatever its sizes.
 
-    python benchmarks/limit_bound.py benchmarks/results/raw/vgg16-legacy-tf32.record \
+    python -m benchmarks.limit_bound benchmarks/results/raw/vgg16-legacy-tf32.record \
         --config vgg16 --limit 64MiB --store STORE [--uncapped-step-ms 179.6]
 """
 
