@@ -7,7 +7,7 @@ and piece size: how many configurations each way, the fastest within the piece's
 limit, or the borrowed room for ``:out`` pieces) each way, and what the whole plan would save per
 step if every piece took the faster one (each kernel weighted by ``--config``'s layer counts).
 
-    python benchmarks/engine_census.py PLAN --config vgg16 [--directions bwd_filter] --out JSON
+    python -m benchmarks.engine_census PLAN --config vgg16 [--directions bwd_filter] --out JSON
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import time
 
 from mucudnn.bench import Benchmarker
 from mucudnn.config import load_config
+from mucudnn.estimates import geometry
 from mucudnn.engines import Api, api_of
 from mucudnn.cudnn import graph as graph_mod
 from mucudnn.plan import read_plan
 from mucudnn.timing import TimingMethod
 
-from limit_bound import geometry  # this folder is on sys.path when run as a script
 
 
 def every_config(graph, max_heuristic=None):

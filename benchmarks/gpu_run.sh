@@ -37,54 +37,48 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     rm -f "$OUT/r50-fresh.sqlite"*
     stage bench-r50 420 bash -c "/usr/bin/time -f 'bench wall %e s' $MU bench resnet50 --no-progress --store $OUT/r50-fresh.sqlite &&
       /usr/bin/time -f 'tune wall %e s' $MU tune resnet50 --workspace-limit 64MiB --store $OUT/r50-fresh.sqlite -o $LOGS/r50-64MiB.plan &&
-      python3 -c 'from mucudnn.store import open_store; import sys; print(\"merged\", open_store().put_rows(open_store(sys.argv[1]).rows()), \"rows\")' $OUT/r50-fresh.sqlite"
+      $MU store merge $OUT/r50-fresh.sqlite"
     rm -f "$OUT/r50-fresh.sqlite"* ;;
   bench-*) net=${s#bench-}; stage "bench-$net" ${BENCH_TIMEOUT:-240} $MU bench "$net" --no-progress ;;
-  validate-tuner) stage validate-tuner 400 python3 benchmarks/validate_tuner.py --store "$MUCUDNN_STORE" \
+  validate-tuner) stage validate-tuner 400 python3 -m benchmarks.validate_tuner --store "$MUCUDNN_STORE" \
       --networks alexnet resnet50 --limits 8MiB 64MiB 512MiB --out "$LOGS/validate-tuner.json" ;;
-  export) stage export 120 python3 -c "
-import gzip, sys
-from mucudnn.store import open_store
-with open_store() as s, gzip.open('$OUT/measurements.csv.gz', 'wt', newline='') as f:
-    s.export_csv(f)
-print(open_store().environments())" ;;
+  export) stage export 120 bash -c "$MU store export '$OUT/measurements.csv.gz' && $MU store info" ;;
   benchdiag)  # a bench that stalls: progress bar and, at the timeout, every thread's Python stack
     stage benchdiag ${DIAG_TIMEOUT:-150} env PYTHONFAULTHANDLER=1 timeout -s ABRT $((${DIAG_TIMEOUT:-150} - 5)) \
       $MU bench --recording "$DIAG_RECORD" ;;
   build-shim) stage build-shim 120 $MU build-shim --force ;;
-  shimprecise-*) models=${s#shimprecise-}; stage "shimprecise-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
+  shimprecise-*) models=${s#shimprecise-}; stage "shimprecise-$models" ${SHIM_TIMEOUT:-500} python3 -m benchmarks.shim_pytorch driver \
       --skip-timing --precise --models ${models//+/ } --out "$LOGS/shimprecise-$models" ;;
-  shimgrads-*) models=${s#shimgrads-}; stage "shimgrads-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
+  shimgrads-*) models=${s#shimgrads-}; stage "shimgrads-$models" ${SHIM_TIMEOUT:-500} python3 -m benchmarks.shim_pytorch driver \
       --skip-timing --models ${models//+/ } --out "$LOGS/shimgrads-$models" ;;
   census)  # engine_census.py: every heuristics configuration for the pieces of $CENSUS_PLAN
-    stage census ${CENSUS_TIMEOUT:-240} python3 benchmarks/engine_census.py "$CENSUS_PLAN" \
+    stage census ${CENSUS_TIMEOUT:-240} python3 -m benchmarks.engine_census "$CENSUS_PLAN" \
       --config "${CENSUS_CONFIG:-vgg16}" --directions ${CENSUS_DIRECTIONS:-bwd_filter} --out "$LOGS/census.json" ;;
   captureprobe)  # graph_capture_probe.py: the pieces of $CENSUS_PLAN eager and as one CUDA graph
-    stage captureprobe 240 python3 benchmarks/graph_capture_probe.py "$CENSUS_PLAN" \
+    stage captureprobe 240 python3 -m benchmarks.graph_capture_probe "$CENSUS_PLAN" \
       --config "${CENSUS_CONFIG:-vgg16}" --out "$LOGS/captureprobe.json" ;;
-  graphsmoke) stage graphsmoke 300 python3 benchmarks/graph_smoke.py --out "$LOGS/graphsmoke" ;;
+  graphsmoke) stage graphsmoke 300 python3 -m benchmarks.graph_smoke --out "$LOGS/graphsmoke" ;;
   graph-*)  # graph-MODEL+MODEL-DTYPE: PyTorch's default path, e.g. graph-resnet50+vgg16-fp32
     spec=${s#graph-}; dtype=${spec##*-}; models=${spec%-*}
-    stage "graph-$spec" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver --path default \
+    stage "graph-$spec" ${SHIM_TIMEOUT:-500} python3 -m benchmarks.shim_pytorch driver --path default \
       --dtype "$dtype" ${SHIM_ARGS:-${GRAPH_ARGS:-}} --models ${models//+/ } --out "$LOGS/graph-$spec" ;;
   f64check-*)  # float64 gradients with and without a plan that splits batches, PyTorch's default
     # path, cudnn.benchmark on, 3 forward+backward passes (the 2nd and 3rd replay CUDA graphs)
-    models=${s#f64check-}; stage "f64check-$models" ${SHIM_TIMEOUT:-540} python3 benchmarks/shim_pytorch.py driver \
+    models=${s#f64check-}; stage "f64check-$models" ${SHIM_TIMEOUT:-540} python3 -m benchmarks.shim_pytorch driver \
       --path default --skip-timing --skip-grads --double-check --double-benchmark \
       --double-limit ${F64_LIMIT:-1MiB} --double-batch ${F64_BATCH:-16} --models ${models//+/ } --out "$LOGS/f64check-$models" ;;
   neverslower-*)  # benchmarks/never_slower.py: front plans against PyTorch, then under CAPS (GiB)
-    specs=${s#neverslower-}; stage "neverslower-$specs" ${SHIM_TIMEOUT:-560} python3 benchmarks/never_slower.py \
+    specs=${s#neverslower-}; stage "neverslower-$specs" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.never_slower \
       --models ${specs//+/ } --rounds ${ROUNDS:-3} --caps ${CAPS:-} --out "$LOGS/neverslower-${specs//:/_}" ;;
   tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store
-    models=${s#tuningcost-}; stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} python3 benchmarks/tuning_cost.py \
+    models=${s#tuningcost-}; stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.tuning_cost \
       --models ${models//+/ } ${TUNING_ARGS:-} --out "$LOGS/tuningcost-$models" ;;
-  shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 benchmarks/shim_pytorch.py driver \
+  shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 -m benchmarks.shim_pytorch driver \
       ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;
 esac; done
 # The store is in WAL mode: a stage killed at its timeout leaves committed rows in store.sqlite-wal.
 # Fold them into the file before it is copied, or they stay behind on the device.
-python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).execute('PRAGMA wal_checkpoint(TRUNCATE)')" \
-  "$MUCUDNN_STORE" && gzip -c "$MUCUDNN_STORE" >"$OUT/store.sqlite.gz"  # raw, it outgrew what $OUT returns
+$MU store checkpoint && gzip -c "$MUCUDNN_STORE" >"$OUT/store.sqlite.gz"  # raw, it outgrew what $OUT returns
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 ls -la "$OUT"

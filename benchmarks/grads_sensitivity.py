@@ -5,7 +5,7 @@ PyTorch run, the shim loaded with no plan, the shim's workspace limit alone (PyT
 other engines itself), and the limit with a plan. Prints, per run, the tensors less accurate than
 PyTorch (as ``shim_pytorch.py`` judges them) and the errors of the classifier's tensors.
 
-    python benchmarks/grads_sensitivity.py PLAN [--model vgg16] [--path default] [--limit 64MiB]
+    python -m benchmarks.grads_sensitivity PLAN [--model vgg16] [--path default] [--limit 64MiB]
 
 Session 4 ran it on VGG-16 (benchmarks/results/graph-pytorch-h200.md, raw/grads-sensitivity-vgg16.txt).
 """
@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shim_pytorch  # noqa: E402  (the worker and the comparison of shim_pytorch.py driver)
+from benchmarks import shim_pytorch  # the worker and the comparison of shim_pytorch's driver
 
 
 def main() -> int:

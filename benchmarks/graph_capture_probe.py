@@ -8,7 +8,7 @@ shorter gaps. For each divided kernel of PLAN this times its pieces run back to 
 runs them (eager) and the same calls captured once into a CUDA graph and replayed (CuPy stream
 capture), on the same buffers, and prints the saving per step (kernels weighted by ``--config``).
 
-    python benchmarks/graph_capture_probe.py PLAN --config vgg16 [--out JSON]
+    python -m benchmarks.graph_capture_probe PLAN --config vgg16 [--out JSON]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 from mucudnn.bench import Benchmarker, KernelBuffers
 from mucudnn.config import load_config
+from mucudnn.estimates import geometry
 from mucudnn.cudnn import ConvolutionCall
 from mucudnn.cudnn.graph import ConvolutionGraph
 from mucudnn.engines import Api, api_of, parse_engine_name
@@ -27,7 +28,6 @@ from mucudnn.plan import read_plan
 
 from mucudnn.problem import ALGORITHMS, Direction
 
-from limit_bound import geometry  # this folder is on sys.path when run as a script
 
 
 class _NullStore:

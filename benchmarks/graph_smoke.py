@@ -6,7 +6,7 @@
    the debug log: how many kernels were keyed and recorded, why others were not, how many
    execution plans the limit refused.
 
-    python benchmarks/graph_smoke.py --out DIR
+    python -m benchmarks.graph_smoke --out DIR
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Out-of-bounds and input-modification check: run each plan entry of a plan file through the bindings with guard bands
 of NaN before and after every buffer (x, w, y, workspace) and report entries that touch them.
 
-    python benchmarks/guard_check.py PLAN [--direction bwd_filter]
+    python -m benchmarks.guard_check PLAN [--direction bwd_filter]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 measurements (CPU only): Pareto fronts are built once, then ``solve_budget`` is timed at several
 budgets (median of repeats).
 
-    python benchmarks/ilp_time.py --config resnet50
+    python -m benchmarks.ilp_time --config resnet50
 """
 
 from __future__ import annotations

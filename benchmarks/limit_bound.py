@@ -5,12 +5,13 @@ every stored size with fit):
 
 - ``uncapped``: the fastest row at the kernel's N, any workspace (what an uncapped run can pick);
 - ``plan``: the WR plan (of ``--policy``) the tuner computes at the limit (``--policy all``: from
-  :func:`every_size`'s estimate of every size, since measuring 256 sizes per kernel is not done);
-- ``fit``: an estimate of the best plan with *any* micro-batch size (policy ``all``): for every
-  algorithm, the largest size whose workspace fits the limit (workspace grows linearly with the
-  batch between measured sizes), its time per sample interpolated log-linearly between the
-  measured sizes around it, times N. Per-sample time falls with the batch, so this is what
-  ``all`` could reach without measuring 256 sizes per algorithm.
+  :func:`mucudnn.estimates.every_size`'s estimate of every size, since measuring 256 sizes per kernel is not done);
+- ``fit``: an estimate of the best plan with *any* micro-batch size (policy ``all``;
+  :func:`mucudnn.estimates.fit_estimate`): for every algorithm, the largest size whose workspace
+  fits the limit (workspace grows linearly with the batch between measured sizes), its time per
+  sample interpolated log-linearly between the measured sizes around it, times N. Per-sample time
+  falls with the batch, so this is what ``all`` could reach without measuring 256 sizes per
+  algorithm.
 
 - ``borrow`` (``--borrow-output``): the plan ``tune --borrow-output`` computes: forward and
   backward-data pieces may also use the part of their output tensor that later pieces have not
@@ -22,7 +23,7 @@ shipped network config, matched by geometry; a recording lists each kernel once)
 step time: ``uncapped step + (fit - uncapped)`` is roughly the best a plan at this limit can do,
 whatever its sizes.
 
-    python benchmarks/limit_bound.py benchmarks/results/raw/vgg16-legacy-tf32.record \
+    python -m benchmarks.limit_bound benchmarks/results/raw/vgg16-legacy-tf32.record \
         --config vgg16 --limit 64MiB --store STORE [--uncapped-step-ms 179.6]
 """
 
@@ -30,66 +31,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
-import re
 
 from mucudnn.config import load_config
-from mucudnn.measurement import Measurement
+from mucudnn.estimates import every_size, fit_estimate, geometry
 from mucudnn.optimizer import Policy, best_plan
-from mucudnn.optimizer.kernel_plan import _workspace_between, largest_fitting_size
 from mucudnn.plan import read_recording
 from mucudnn.sizes import parse_size
 from mucudnn.tuner import measurements, open_measurements
-
-
-def by_config(rows) -> dict[tuple, dict[int, Measurement]]:
-    """OK rows by configuration (algorithm, math type), then by size."""
-    grouped = collections.defaultdict(dict)
-    for row in rows:
-        if row.ok:
-            grouped[(row.algo, row.math)][row.batch] = row
-    return grouped
-
-
-def per_sample_ms(at: dict[int, Measurement], size: int) -> float:
-    """One configuration's time per sample at ``size``: measured, or log-linear between the
-    measured sizes around it."""
-    if size in at:
-        return at[size].time_ms / size
-    small, large = max(b for b in at if b < size), min(b for b in at if b > size)
-    f = math.log(size / small) / math.log(large / small)
-    return math.exp((1 - f) * math.log(at[small].time_ms / small)
-                    + f * math.log(at[large].time_ms / large))
-
-
-def fit_estimate(rows, n: int, limit: int) -> float:
-    """Best N-sample time over configurations run at their largest fitting size (module doc)."""
-    best = math.inf
-    for at in by_config(rows).values():
-        size = largest_fitting_size({b: r.workspace for b, r in at.items()}, limit)
-        if size is not None:
-            best = min(best, per_sample_ms(at, size) * n)
-    return best
-
-
-def every_size(rows, n: int) -> list[Measurement]:
-    """Policy ``all`` estimated: for every configuration, a row at each size 1..n between its
-    smallest and largest measured ones, time per sample log-linear and workspace linear between
-    the measured sizes around it (measured rows kept as they are)."""
-    out = []
-    for (algo, math_type), at in by_config(rows).items():
-        sizes = sorted(at)
-        workspace_at = {b: r.workspace for b, r in at.items()}
-        for size in range(sizes[0], min(sizes[-1], n) + 1):
-            out.append(at[size] if size in at else Measurement(
-                at[sizes[0]].key, size, algo, math_type, per_sample_ms(at, size) * size,
-                int(_workspace_between(workspace_at, size))))
-    return out
-
-
-def geometry(key: str) -> str:
-    """A kernel key without its math type: configs say fma, TF32 recordings default."""
-    return re.sub(r"math=[a-z_]+", "math=*", key)
 
 
 def main() -> int:

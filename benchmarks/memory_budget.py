@@ -13,7 +13,7 @@ allocator reserved and allocated, and the fraction in force (``get_per_process_m
 where PyTorch has it), or ``"oom"`` when PyTorch ran out of memory under that budget. Exit status
 0 whatever the configurations did; the JSON goes to ``OUT/memory_budget-MODEL-N.json``.
 
-    python3 benchmarks/memory_budget.py --model r3d_18 --batch 32 --budgets 6GiB 5.6GiB --out DIR
+    python -m benchmarks.memory_budget --model r3d_18 --batch 32 --budgets 6GiB 5.6GiB --out DIR
 
 3-D models (torchvision.models.video) take clips of (N, 3, 16, 112, 112), others (N, 3, 224, 224).
 """

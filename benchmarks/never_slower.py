@@ -11,7 +11,7 @@ workspace it has) and a front cut at --cap-limit (the hard cap). Then:
   (benchmark off); step time or "oom".
 Worker and timing: benchmarks/shim_pytorch.py (CUDA events, warm-up, median of the steps).
 
-    python3 benchmarks/never_slower.py --models resnet50:256 r3d_18:32 --caps 6.0 5.6 --out DIR
+    python3 -m benchmarks.never_slower --models resnet50:256 r3d_18:32 --caps 6.0 5.6 --out DIR
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shim_pytorch import MU, run_worker  # noqa: E402
+from benchmarks.shim_pytorch import MU, run_worker
 
 
 def prepare(model: str, batch: int, out: Path, cap_limit: str) -> dict:

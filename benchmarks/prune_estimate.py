@@ -6,7 +6,7 @@ spends on it in full (warm-up, probe, repetitions), against what it spends with 
 with no more workspace that is not FFT/Winograd (here the whole group counts, as if the faster
 configuration were always timed first). Host time is not included.
 
-    python benchmarks/prune_estimate.py benchmarks/results/raw/vgg16-legacy-tf32.record --store S
+    python -m benchmarks.prune_estimate benchmarks/results/raw/vgg16-legacy-tf32.record --store S
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ shim_pytorch.py, TF32 off) without the shim, with the whole plan, with the plan'
 direction at a time, and with CUDA_LAUNCH_BLOCKING=1, and prints each run's largest per-tensor
 relative difference from the run without the shim.
 
-    python benchmarks/shim_bisect.py --model alexnet --plan P --out DIR
+    python -m benchmarks.shim_bisect --model alexnet --plan P --out DIR
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shim_pytorch import run_worker  # noqa: E402
+from benchmarks.shim_pytorch import run_worker
 
 
 def filtered_plan(plan: Path, direction: str | None, out: Path) -> Path:

@@ -24,7 +24,7 @@ where a change of algorithm alone moves BatchNorm gradients by 1e-2. In float64,
 really split) the gradients must agree far below 1e-4 unless the micro-batching itself (slices,
 alpha/beta, order of pieces) is wrong: this check fails only on a real bug.
 
-    python benchmarks/shim_pytorch.py driver --models resnet50 vgg16 alexnet --out DIR
+    python -m benchmarks.shim_pytorch driver --models resnet50 vgg16 alexnet --out DIR
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ store and `mucudnn tune --recording R --workspace-limit L` from it. Variants:
 The JSON report holds, per model and variant, the wall times, the kernels, the store's rows (timed,
 left untimed) and the plan's predicted time per step, so that variants can be compared.
 
-    python3 benchmarks/tuning_cost.py --models resnet50 densenet121 --out DIR
+    python -m benchmarks.tuning_cost --models resnet50 densenet121 --out DIR
 
 ``--simulate`` replays stored measurements instead (the shipped H200 ones, or ``--store``) on
 the CPU: for the kernels of each ``--recording``, every variant's count of configurations timed
@@ -21,7 +21,7 @@ calls (mucudnn.timing.calls_made; without the cutoffs of dominated configuration
 variant has; host time not included), and whether each kernel's plan at the limit equals the one
 from all rows (for those that differ: both predicted times).
 
-    python3 benchmarks/tuning_cost.py --simulate --out DIR \
+    python -m benchmarks.tuning_cost --simulate --out DIR \
         --recording benchmarks/results/raw/resnet50-legacy-tf32.record
 """
 
@@ -34,8 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
 MU = [sys.executable, "-m", "mucudnn"]
 VARIANTS = {"full": [], "limit": ["--workspace-limit", "{limit}"],
             "quick": ["--workspace-limit", "{limit}", "--quick"]}
@@ -58,7 +56,7 @@ def store_counts(path: Path) -> dict:
 
 
 def gpu(args) -> int:
-    import shim_pytorch
+    from benchmarks import shim_pytorch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"limit": args.limit, "batch": args.batch, "path": args.path, "models": {}}

@@ -6,7 +6,7 @@ its median time (timing.do_bench) is compared with the predicted time (sum of th
 medians), and its output with a float64 cuDNN reference on fresh random inputs, next to the error of
 the same algorithms run undivided. TF32 is off (configs use math=fma).
 
-    python benchmarks/validate_tuner.py --store S --networks alexnet resnet50 --limits 8MiB 64MiB 512MiB --out results.json
+    python -m benchmarks.validate_tuner --store S --networks alexnet resnet50 --limits 8MiB 64MiB 512MiB --out results.json
 """
 
 from __future__ import annotations

@@ -449,6 +449,9 @@ class Benchmarker:
         self.pruning = pruning
         # do_bench calls, all sizes and kernels: timings, and probes (quick, over the limit)
         self.timings = self.probes = 0
+        # the interquartile range of each row of the last measure_kernel that was timed more
+        # than once (keyed by the row; the store keeps it beside the median)
+        self.spreads: dict[Measurement, float | None] = {}
         self.cudnn = get()
         self.env = current_environment()
         # CuPy's fills and frees run on this stream too (see measure), in order with cuDNN's work
@@ -480,7 +483,8 @@ class Benchmarker:
         timed = 0
         for problem, wanted, stored in todo:
             rows, count = self.measure_kernel(problem, wanted, stored, bar)
-            self.store.put(self.env.gpu, self.env.cudnn, rows)
+            spreads = {row: self.spreads.pop(row) for row in rows if row in self.spreads}
+            self.store.put(self.env.gpu, self.env.cudnn, rows, iqr_ms=spreads)
             timed += count
         bar.close()
         return timed
@@ -497,6 +501,7 @@ class Benchmarker:
                        bar=None) -> tuple[list[Measurement], int]:
         """:func:`measure_kernel` on this GPU: rows for each size of ``wanted`` in its APIs, and
         how many sizes were timed."""
+        self.spreads = {}
         with self.stream:
             # At the kernel's N, whichever sizes are missing: slices and beta are its plans'.
             buffers = KernelBuffers.random(problem.with_n(max(problem.n, *wanted)), self.rng)
@@ -571,12 +576,17 @@ class Benchmarker:
                 rows.append(row(Status.FAILED, workspace=ws_size, note=str(exc)))
             else:
                 rows.append(row(Status.NOT_SUPPORTED, workspace=ws_size, note=gate.over_limit_note)
-                            if timing is None else gate.add(frontier.add(
+                            if timing is None else self._with_spread(gate.add(frontier.add(
                                 row(Status.OK, timing.median_ms, ws_size, frontier.note(timing)),
-                                timing)))
+                                timing)), timing))
             finally:
                 workspace = None  # noqa: F841 - return the block to the pool before the next
         return rows
+
+    def _with_spread(self, row: Measurement, timing) -> Measurement:
+        """``row``, timed by ``timing``, with its spread kept for the store (:attr:`spreads`)."""
+        self.spreads[row] = timing.iqr_ms
+        return row
 
     def _time(self, run, workspace: int, frontier: Frontier, gate: SizeGate):
         """do_bench of ``run``, needing ``workspace`` bytes; None after a probe only (the gate
@@ -671,8 +681,9 @@ class Benchmarker:
                 return row(Status.FAILED, workspace=plan.workspace_size, note=str(exc))
             if timing is None:
                 return self._untimed(problem, candidate, plan, lambda _: gate.over_limit_note)
-            return gate.add(frontier.add(row(Status.OK, timing.median_ms, plan.workspace_size,
-                                             frontier.note(timing, candidate.note_text)), timing))
+            return self._with_spread(gate.add(frontier.add(
+                row(Status.OK, timing.median_ms, plan.workspace_size,
+                    frontier.note(timing, candidate.note_text)), timing)), timing)
 
 
 def _progress(total: int, enabled: bool):

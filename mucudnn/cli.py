@@ -481,5 +481,81 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
                           _shim_env(plan=plan_path, limit=workspace_limit)))
 
 
+@main.group("store")
+def store_group() -> None:
+    """Inspect and move benchmark stores: info, export, import, merge, checkpoint.
+
+    Each acts on --store (default $MUCUDNN_STORE or ~/.cache/mucudnn/benchmarks.sqlite).
+    """
+
+
+def _open_store(store_path, readonly: bool):
+    from .store import open_store
+
+    return open_store(store_path, readonly=readonly)
+
+
+@store_group.command("info")
+@store_option
+def store_info_cmd(store_path):
+    """Print the store's path, schema version and environments (GPU, cuDNN) with row counts."""
+    from .store import describe
+
+    with _open_store(store_path, readonly=True) as store:
+        for line in describe(store):
+            click.echo(line)
+
+
+@store_group.command("export")
+@click.argument("output", type=click.Path(dir_okay=False))
+@click.option("--gpu", help="only rows of this GPU")
+@click.option("--cudnn", "cudnn_version", type=int, help="only rows of this cuDNN version")
+@click.option("--key", help="only rows of this kernel key")
+@store_option
+def store_export_cmd(output, gpu, cudnn_version, key, store_path):
+    """Write the store's rows as CSV to OUTPUT (gzip-compressed when it ends in .gz)."""
+    from .outputs import refuse_inputs_as_output
+
+    with _open_store(store_path, readonly=True) as store:
+        refuse_inputs_as_output(output, [("benchmark store", store.path)])
+        count = store.export_csv(output, gpu=gpu, cudnn_version=cudnn_version, key=key)
+    click.echo(f"mucudnn: wrote {count} rows to {output}", err=True)
+
+
+@store_group.command("import")
+@click.argument("csv_path", metavar="CSV", type=click.Path(exists=True, dir_okay=False))
+@store_option
+def store_import_cmd(csv_path, store_path):
+    """Add the rows of CSV (written by `store export`, .gz or not) to the store; a row already
+    there (same GPU, cuDNN, key, batch, algorithm, math) is replaced."""
+    with _open_store(store_path, readonly=False) as store:
+        count = store.import_csv(csv_path)
+        click.echo(f"mucudnn: imported {count} rows into {store.path}", err=True)
+
+
+@store_group.command("merge")
+@click.argument("other", type=click.Path(exists=True, dir_okay=False))
+@store_option
+def store_merge_cmd(other, store_path):
+    """Copy every row of the store OTHER into the store; OTHER's rows replace the same rows."""
+    from .outputs import same_file
+
+    with _open_store(store_path, readonly=False) as store:
+        if same_file(other, store.path):
+            raise click.UsageError(f"{other} is the store itself; name another store")
+        with _open_store(other, readonly=True) as source:
+            count = store.merge_from(source)
+        click.echo(f"mucudnn: merged {count} rows from {other} into {store.path}", err=True)
+
+
+@store_group.command("checkpoint")
+@store_option
+def store_checkpoint_cmd(store_path):
+    """Fold the store's WAL journal into its file, so copying the file alone copies every row."""
+    with _open_store(store_path, readonly=False) as store:
+        store.checkpoint()
+        click.echo(f"mucudnn: checkpointed {store.path}", err=True)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

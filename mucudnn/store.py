@@ -13,13 +13,14 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import gzip
 import math
 import numbers
 import os
 import pathlib
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, Self
 
 from .errors import ReadOnlyStoreError, SchemaVersionError, StoreError
@@ -28,8 +29,9 @@ from .problem import MathType
 
 PathLike = str | os.PathLike[str]
 
-#: Bumped whenever the table layout changes; a store of another version is refused.
-SCHEMA_VERSION = 1
+#: The table layout this mucudnn writes. An older store is migrated on opening (``_MIGRATIONS``);
+#: a newer one is refused.
+SCHEMA_VERSION = 2
 #: ``PRAGMA application_id`` of every mucudnn store ("mcdn"), so a foreign database is recognised.
 APPLICATION_ID = 0x6D63646E
 #: Seconds a connection waits for another process's write lock before giving up.
@@ -42,9 +44,13 @@ _SQLITE_READONLY = 8
 _SQLITE_CANTOPEN = 14
 
 CSV_COLUMNS = ("gpu", "cudnn_version", "key", "batch", "algo", "math", "status", "time_ms",
-               "workspace", "repetitions", "measured_at", "note")
+               "iqr_ms", "workspace", "repetitions", "measured_at", "note")
+#: Columns a CSV may lack (files written before they existed); their rows get NULL there.
+OPTIONAL_CSV_COLUMNS = frozenset({"iqr_ms"})
 
-_SCHEMA = """
+# Schema version 1. A new store is created as this and then migrated like an old one, so a new and
+# a migrated store have one layout by construction.
+_BASE_SCHEMA = """
 CREATE TABLE measurements (
     gpu           TEXT    NOT NULL,
     cudnn_version INTEGER NOT NULL,
@@ -62,11 +68,26 @@ CREATE TABLE measurements (
 ) WITHOUT ROWID
 """
 
+
+def _add_iqr_column(cursor: sqlite3.Cursor) -> None:
+    # The interquartile range of the timed samples beside their median; NULL where the writer had
+    # fewer than two samples (a configuration timed once) or did not say (rows of version 1).
+    cursor.execute("ALTER TABLE measurements ADD COLUMN iqr_ms REAL")
+
+
+#: ``version -> migration`` that takes a store from ``version`` to ``version + 1``; applied in
+#: order, all in one transaction, when a store of an older version is opened. Every version from
+#: 1 to SCHEMA_VERSION - 1 has one.
+_MIGRATIONS: dict[int, Callable[[sqlite3.Cursor], None]] = {
+    1: _add_iqr_column,
+}
+
 _COLUMNS = ", ".join(CSV_COLUMNS)
 _UPSERT = f"""
 INSERT INTO measurements ({_COLUMNS}) VALUES ({", ".join("?" * len(CSV_COLUMNS))})
 ON CONFLICT (gpu, cudnn_version, key, batch, algo, math) DO UPDATE SET
-    status = excluded.status, time_ms = excluded.time_ms, workspace = excluded.workspace,
+    status = excluded.status, time_ms = excluded.time_ms, iqr_ms = excluded.iqr_ms,
+    workspace = excluded.workspace,
     repetitions = excluded.repetitions, measured_at = excluded.measured_at, note = excluded.note
 """
 
@@ -76,7 +97,9 @@ class StoredMeasurement:
     """One row of a store: a measurement with the environment it was taken in.
 
     ``measured_at`` is timezone-aware (UTC once stored); ``repetitions`` is the number of timed
-    runs the median came from, or ``None`` when the writer did not say.
+    runs the median came from, or ``None`` when the writer did not say; ``iqr_ms`` the
+    interquartile range of those runs' times (the spread beside the median ``time_ms``), or
+    ``None`` where there were fewer than two or the writer did not say.
     """
 
     gpu: str
@@ -84,6 +107,7 @@ class StoredMeasurement:
     measurement: Measurement
     measured_at: datetime.datetime
     repetitions: int | None = None
+    iqr_ms: float | None = None
 
     def __post_init__(self) -> None:
         _check_environment(self.gpu, self.cudnn_version)
@@ -94,6 +118,10 @@ class StoredMeasurement:
         if self.repetitions is not None and not _is_int_at_least(self.repetitions, 1):
             raise ValueError(f"repetitions must be an integer >= 1 or None, "
                              f"got {self.repetitions!r}")
+        if self.iqr_ms is not None and not (
+                isinstance(self.iqr_ms, numbers.Real) and not isinstance(self.iqr_ms, bool)
+                and math.isfinite(self.iqr_ms) and self.iqr_ms >= 0):
+            raise ValueError(f"iqr_ms must be a finite number >= 0 or None, got {self.iqr_ms!r}")
 
 
 class BenchmarkStore(abc.ABC):
@@ -148,15 +176,19 @@ class BenchmarkStore(abc.ABC):
     # -- built on the above ---------------------------------------------------------------------
     def put(self, gpu: str, cudnn_version: int, measurements: Iterable[Measurement],
             repetitions: int | None = None,
-            measured_at: datetime.datetime | None = None) -> int:
+            measured_at: datetime.datetime | None = None,
+            iqr_ms: Mapping[Measurement, float | None] | None = None) -> int:
         """Upsert ``measurements`` taken on ``gpu`` with cuDNN ``cudnn_version`` (e.g. 91900).
 
-        All rows get the same ``repetitions`` and ``measured_at`` (default: now). Atomic; returns
-        the number of measurements written.
+        All rows get the same ``repetitions`` and ``measured_at`` (default: now); ``iqr_ms``
+        gives the spread of those measurements that have one (the others store NULL). Atomic;
+        returns the number of measurements written.
         """
         when = measured_at or datetime.datetime.now(datetime.UTC)
+        spreads = iqr_ms or {}
         return self.put_rows(
-            StoredMeasurement(gpu, cudnn_version, m, when, repetitions) for m in measurements
+            StoredMeasurement(gpu, cudnn_version, m, when, repetitions, spreads.get(m))
+            for m in measurements
         )
 
     def get(self, gpu: str, cudnn_version: int, key: str,
@@ -190,6 +222,13 @@ class BenchmarkStore(abc.ABC):
             rows = list(_parse_csv(text, getattr(text, "name", "<csv>")))
         return self.put_rows(rows)
 
+    def merge_from(self, other: BenchmarkStore) -> int:
+        """Upsert every row of ``other`` into this store, atomically; returns the count.
+
+        A row whose identity is in both stores takes ``other``'s values (as a re-measurement
+        would)."""
+        return self.put_rows(other.rows())
+
     def __enter__(self) -> Self:
         return self
 
@@ -221,6 +260,7 @@ class SQLiteStore(BenchmarkStore):
         #: Why writes are refused (None: writable, as far as access(2) tells before trying).
         self.unwritable: str | None = "opened read-only" if readonly else None
         self._immutable = False
+        self._found_version = SCHEMA_VERSION  # the file's schema version before any migration
         self._pid = os.getpid()
         self._connection: sqlite3.Connection | None = self._connect()
         try:
@@ -285,7 +325,8 @@ class SQLiteStore(BenchmarkStore):
                 self._connection = self._connect_to(self._read_only_uri(), uri=True)
 
     def _prepare(self) -> None:
-        """Check the file is a store of our schema; create the schema in an empty file."""
+        """Check the file is a store of our schema or an older one, which is migrated; create the
+        schema in an empty file."""
         try:
             is_empty = self._checked_format()
         except sqlite3.Error as exc:
@@ -297,6 +338,8 @@ class SQLiteStore(BenchmarkStore):
             if is_empty:
                 raise StoreError(f"{self.path} is an empty database, not a benchmark store "
                                  "(run `mucudnn bench` first)")
+            if self._found_version < SCHEMA_VERSION:
+                self._migrate_aside()
             return
         connection = self._open_connection()
         self._use_wal()
@@ -308,10 +351,41 @@ class SQLiteStore(BenchmarkStore):
             with self._transaction() as cursor:
                 # Another process may have created the schema since the check above.
                 if self._format_check():
-                    cursor.execute(_SCHEMA)
+                    cursor.execute(_BASE_SCHEMA)
                     # PRAGMAs take no parameters; both values are our own integer constants.
                     cursor.execute(f"PRAGMA application_id = {APPLICATION_ID:d}")
-                    cursor.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
+                    _migrate(cursor, 1)
+        elif self._found_version < SCHEMA_VERSION:
+            with self._transaction() as cursor:
+                _migrate(cursor, cursor.execute("PRAGMA user_version").fetchone()[0])
+
+    def _migrate_aside(self) -> None:
+        """Migrate an old store opened for reading only, through a short-lived connection of
+        its own, where this process may write the file (``readonly=True`` promises that the
+        caller writes no rows; bringing the layout up to date is not such a write)."""
+        reason = self.unwritable if not self.readonly else _unwritable_reason(self.path)
+        if reason is not None or self._immutable:
+            raise SchemaVersionError(
+                f"benchmark store {self.path} has schema version {self._found_version}, which "
+                f"mucudnn migrates to version {SCHEMA_VERSION} on opening, but it cannot write "
+                f"it: {reason or 'its directory is read-only'}; open it once where it can be "
+                "written, or export it with `mucudnn store export` and import that")
+        try:
+            writer = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open benchmark store {self.path}: {exc}") from None
+        try:
+            with self._sqlite_errors("migrating"):
+                writer.execute("BEGIN IMMEDIATE")
+                try:
+                    _migrate(writer.cursor(), writer.execute("PRAGMA user_version").fetchone()[0])
+                    writer.execute("COMMIT")
+                except BaseException:
+                    if writer.in_transaction:
+                        writer.execute("ROLLBACK")
+                    raise
+        finally:
+            writer.close()
 
     def _use_wal(self) -> None:
         """Switch the file to WAL, which lets readers go on while one process writes.
@@ -344,8 +418,9 @@ class SQLiteStore(BenchmarkStore):
             raise StoreError(f"{self.path} is an SQLite database but not a mucudnn benchmark "
                              "store; point --store at a benchmark store or a new file")
         version = run.execute("PRAGMA user_version").fetchone()[0]
-        if version != SCHEMA_VERSION:
+        if version != SCHEMA_VERSION and version not in _MIGRATIONS:
             raise SchemaVersionError(_schema_version_message(self.path, version))
+        self._found_version = version
         return False
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -441,10 +516,34 @@ class SQLiteStore(BenchmarkStore):
         )
         return [key for (key,) in found]
 
+    def schema_version(self) -> int:
+        """The schema version the file is at (``PRAGMA user_version``)."""
+        return self._query("PRAGMA user_version")[0][0]
+
+    def checkpoint(self) -> None:
+        """Fold the WAL journal's committed rows into the store file and empty the journal, so
+        the file alone (copied, compressed) holds every row. Waits for readers like a write."""
+        self.check_writable()
+        connection = self._open_connection()
+        with self._sqlite_errors("checkpointing"):
+            busy, _, _ = connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            raise StoreError(f"benchmark store {self.path}: checkpoint incomplete: another "
+                             "process is reading or writing it")
+
     def close(self) -> None:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
+
+
+def _migrate(cursor: sqlite3.Cursor, version: int) -> None:
+    """Take a store at schema ``version`` (read inside this write transaction, so a migration
+    another process finished meanwhile is not applied twice) to :data:`SCHEMA_VERSION`."""
+    for step in range(version, SCHEMA_VERSION):
+        _MIGRATIONS[step](cursor)
+    # PRAGMAs take no parameters; the value is our own integer constant.
+    cursor.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
 
 
 def _unwritable_reason(path: pathlib.Path) -> str | None:
@@ -485,6 +584,22 @@ def default_store_path() -> pathlib.Path:
 def open_store(path: PathLike | None = None, readonly: bool = False) -> SQLiteStore:
     """Open the store at ``path`` (default :func:`default_store_path`)."""
     return SQLiteStore(default_store_path() if path is None else path, readonly=readonly)
+
+
+def describe(store: SQLiteStore) -> list[str]:
+    """What ``mucudnn store info`` prints: the path, the schema version and each environment
+    (GPU, cuDNN version) with its row count."""
+    environments = store.environments()
+    lines = [f"store: {store.path}", f"schema version: {store.schema_version()}",
+             f"rows: {sum(count for _, _, count in environments)}"]
+    if not environments:
+        lines.append("environments: none (run `mucudnn bench` or `mucudnn store import`)")
+    else:
+        lines.append("environments (GPU, cuDNN, rows):")
+        width = max(len(gpu) for gpu, _, _ in environments)
+        lines += [f"  {gpu:<{width}}  {cudnn:>6}  {count:>7}"
+                  for gpu, cudnn, count in environments]
+    return lines
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -531,21 +646,22 @@ def _row_values(row: StoredMeasurement) -> tuple:
     m = row.measurement
     time_ms = None if math.isnan(m.time_ms) else float(m.time_ms)
     repetitions = None if row.repetitions is None else int(row.repetitions)
+    iqr_ms = None if row.iqr_ms is None else float(row.iqr_ms)
     return (row.gpu, int(row.cudnn_version), m.key, int(m.batch), m.algo, m.math.value,
-            m.status.value, time_ms, int(m.workspace), repetitions, _timestamp(row.measured_at),
-            m.note)
+            m.status.value, time_ms, iqr_ms, int(m.workspace), repetitions,
+            _timestamp(row.measured_at), m.note)
 
 
 def _row_from_values(values: Sequence) -> StoredMeasurement:
-    (gpu, cudnn_version, key, batch, algo, math_type, status, time_ms, workspace, repetitions,
-     measured_at, note) = values
+    (gpu, cudnn_version, key, batch, algo, math_type, status, time_ms, iqr_ms, workspace,
+     repetitions, measured_at, note) = values
     measurement = Measurement(
         key=key, batch=batch, algo=algo, math=MathType(math_type),
         time_ms=math.nan if time_ms is None else time_ms, workspace=workspace,
         status=Status(status), note=note,
     )
     return StoredMeasurement(gpu, cudnn_version, measurement,
-                             datetime.datetime.fromisoformat(measured_at), repetitions)
+                             datetime.datetime.fromisoformat(measured_at), repetitions, iqr_ms)
 
 
 def _timestamp(when: datetime.datetime) -> str:
@@ -556,25 +672,50 @@ def _timestamp(when: datetime.datetime) -> str:
 # -- CSV ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _open_text(target: PathLike | IO[str], mode: str) -> Iterator[IO[str]]:
-    """Yield the file at path ``target``, opened, or ``target`` itself if it is a file object."""
+    """Yield the file at path ``target``, opened, or ``target`` itself if it is a file object.
+
+    A path whose name ends in ``.gz`` is read or written gzip-compressed. A path opened for
+    writing is written to a temporary file beside it that replaces it only once the block
+    succeeded, so a failed export leaves the old file as it was.
+    """
     if not isinstance(target, (str, os.PathLike)):
         yield target  # the caller's file: theirs to close
         return
     path = pathlib.Path(target).expanduser()
+    compressed = path.name.endswith(".gz")
+    opened = path
     if mode == "w":
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot write CSV file {path}: {exc.strerror}: "
+                             f"{exc.filename}") from None
+        opened = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        handle = open(path, mode, newline="", encoding="utf-8")  # noqa: SIM115 (closed below)
+        if compressed:
+            handle = gzip.open(opened, mode + "t", newline="", encoding="utf-8")
+        else:
+            handle = open(opened, mode, newline="", encoding="utf-8")  # noqa: SIM115
     except OSError as exc:
-        raise StoreError(f"cannot open CSV file {path}: {exc.strerror}") from None
-    with handle:
-        yield handle
+        verb = "write" if mode == "w" else "open"
+        raise StoreError(f"cannot {verb} CSV file {path}: {exc.strerror}") from None
+    try:
+        with handle:
+            yield handle
+        if mode == "w":
+            os.replace(opened, path)
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise StoreError(f"CSV file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    finally:
+        if mode == "w":
+            opened.unlink(missing_ok=True)
 
 
 def _csv_fields(row: StoredMeasurement) -> list[str]:
     m = row.measurement
     return [row.gpu, str(row.cudnn_version), m.key, str(m.batch), m.algo, m.math.value,
-            m.status.value, repr(float(m.time_ms)), str(m.workspace),
+            m.status.value, repr(float(m.time_ms)),
+            "" if row.iqr_ms is None else repr(float(row.iqr_ms)), str(m.workspace),
             "" if row.repetitions is None else str(row.repetitions),
             _timestamp(row.measured_at), m.note]
 
@@ -582,8 +723,10 @@ def _csv_fields(row: StoredMeasurement) -> list[str]:
 def _parse_csv(text: IO[str], name: str) -> Iterator[StoredMeasurement]:
     reader = csv.DictReader(text)
     header = tuple(reader.fieldnames or ())
-    if sorted(header) != sorted(CSV_COLUMNS):
-        raise StoreError(f"{name}:1: CSV header must name the columns {','.join(CSV_COLUMNS)}; "
+    required = [column for column in CSV_COLUMNS if column not in OPTIONAL_CSV_COLUMNS]
+    if len(set(header)) != len(header) or not set(required) <= set(header) <= set(CSV_COLUMNS):
+        raise StoreError(f"{name}:1: CSV header must name the columns {','.join(CSV_COLUMNS)} "
+                         f"({', '.join(sorted(OPTIONAL_CSV_COLUMNS))} may be left out); "
                          f"got {','.join(header) or 'nothing'}")
     for fields in reader:
         try:
@@ -595,11 +738,11 @@ def _parse_csv(text: IO[str], name: str) -> Iterator[StoredMeasurement]:
 def _parse_csv_row(fields: dict[str, str]) -> StoredMeasurement:
     """One CSV row as a StoredMeasurement; ValueError names the offending column."""
     if None in fields or None in fields.values():  # DictReader's marks of extra / missing fields
-        raise ValueError(f"{len(CSV_COLUMNS)} fields expected")
+        raise ValueError("as many fields as the header names expected")
 
     def parse(column: str, convert: Callable[[str], object]) -> Any:
         try:
-            return convert(fields[column])
+            return convert(fields.get(column, ""))
         except ValueError as exc:
             raise ValueError(f"column {column}: {exc}") from None
 
@@ -612,4 +755,5 @@ def _parse_csv_row(fields: dict[str, str]) -> StoredMeasurement:
         gpu=fields["gpu"], cudnn_version=parse("cudnn_version", int), measurement=measurement,
         measured_at=parse("measured_at", datetime.datetime.fromisoformat),
         repetitions=parse("repetitions", lambda text: int(text) if text else None),
+        iqr_ms=parse("iqr_ms", lambda text: float(text) if text else None),
     )

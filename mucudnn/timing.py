@@ -48,6 +48,16 @@ class Timing:
     samples_ms: tuple[float, ...]
     cut_short: bool = False  # a call exceeded the caller's cutoff: one sample only
 
+    @property
+    def iqr_ms(self) -> float | None:
+        """The interquartile range of the samples (the spread the store keeps beside the median),
+        None for fewer than two. Quartiles interpolate between the samples ("inclusive"), so a
+        few samples never give a spread wider than their range."""
+        if len(self.samples_ms) < 2:
+            return None
+        q1, _, q3 = statistics.quantiles(self.samples_ms, n=4, method="inclusive")
+        return q3 - q1
+
 
 def repetitions(probe_ms: float, method: TimingMethod) -> tuple[int, int]:
     """(event pairs, calls per pair) that ``method`` times a call of ``probe_ms`` with."""

@@ -355,6 +355,10 @@ def test_the_benchmarker_times_no_configuration_over_the_limit(tmp_path_factory,
         plan = tuner.optimize([problem], workspace_limit=result["limit"], store=store,
                               env=current_environment())
         result["planned"] = [e.n for e in plan]
+        from mucudnn.store import open_store
+        with open_store(store, readonly=True) as stored:
+            result["spreads"] = [[r.measurement.status.value, r.measurement.note, r.iqr_ms]
+                                 for r in stored.rows()]
     '''.replace("STORE", repr(str(tmp_path / "quick.sqlite"))), PYTHONPATH=WITH_FAKE_CUPY)
     full, pruned, limit = result["full"], result["pruned"], result["limit"]
     over = {(b, algo) for b, algo, status, ws, _ in full["rows"] if status == "ok" and ws > limit}
@@ -368,6 +372,12 @@ def test_the_benchmarker_times_no_configuration_over_the_limit(tmp_path_factory,
     assert result["quick"]["timings"] <= full["timings"]
     assert {r[0] for r in result["quick"]["rows"]} == {1, 2, 4, 8}
     assert result["planned"] == [8]
+    # the spread is stored beside each median timed more than once, and only there
+    spreads = result["spreads"]
+    assert any(status == "ok" and "timed once" not in note for status, note, _ in spreads)
+    for status, note, iqr in spreads:
+        timed_fully = status == "ok" and "timed once" not in note
+        assert (iqr is not None and iqr >= 0) if timed_fully else iqr is None, (status, note)
 
 
 @pytest.mark.parametrize("args, error", [

@@ -828,3 +828,91 @@ def test_an_empty_recording_is_one_error_line(no_gpu, tmp_path, command, monkeyp
     result = invoke(command, "--recording", recording, "--workspace-limit", "64MiB", *extra)
     assert_one_error_line(result, f"{recording}: no kernels recorded")
     assert not (tmp_path / "p.plan").exists()
+
+
+# -- store --------------------------------------------------------------------------------------
+def _filled_store(path: Path, gpu: str = "NVIDIA H200", cudnn: int = 91900,
+                  batches=(1, 2, 4), time_ms: float = 1.5) -> Path:
+    with open_store(path) as store:
+        store.put(gpu, cudnn, [Measurement("k", b, "gemm", "fma", time_ms, 0) for b in batches])
+    return path
+
+
+def test_store_info_names_path_schema_and_environments(tmp_path):
+    from mucudnn.store import SCHEMA_VERSION
+
+    path = _filled_store(tmp_path / "s.sqlite")
+    _filled_store(path, gpu="NVIDIA H100 80GB HBM3", cudnn=90800, batches=(8,))
+    result = invoke("store", "info", "--store", path)
+    assert result.exit_code == 0, result.output
+    assert f"store: {path}" in result.output
+    assert f"schema version: {SCHEMA_VERSION}" in result.output
+    assert re.search(r"NVIDIA H200\s+91900\s+3\n", result.output), result.output
+    assert re.search(r"NVIDIA H100 80GB HBM3\s+90800\s+1\n", result.output), result.output
+
+
+def test_store_info_of_a_missing_store_is_one_line_and_creates_nothing(tmp_path):
+    path = tmp_path / "typo.sqlite"
+    result = invoke("store", "info", "--store", path)
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"mucudnn: error: no benchmark store at {path} (run `mucudnn bench` first)"]
+    assert not path.exists()
+
+
+def test_store_export_import_round_trip_through_gz(tmp_path):
+    import gzip
+
+    source = _filled_store(tmp_path / "a.sqlite")
+    out = tmp_path / "m.csv.gz"
+    result = invoke("store", "export", out, "--store", source)
+    assert result.exit_code == 0, result.output
+    assert "wrote 3 rows" in result.output
+    with gzip.open(out, "rt") as text:
+        assert len(text.read().splitlines()) == 4
+    target = tmp_path / "b.sqlite"
+    result = invoke("store", "import", out, "--store", target)
+    assert result.exit_code == 0, result.output
+    with open_store(source, readonly=True) as a, open_store(target, readonly=True) as b:
+        assert a.rows() == b.rows()
+
+
+def test_store_export_refuses_to_overwrite_the_store(tmp_path):
+    source = _filled_store(tmp_path / "a.sqlite")
+    before = source.read_bytes()
+    result = invoke("store", "export", source, "--store", source)
+    assert result.exit_code == 2
+    assert "mucudnn: error:" in result.output and "Traceback" not in result.output
+    assert source.read_bytes() == before
+
+
+def test_store_import_of_a_bad_csv_names_the_line(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("gpu,cudnn_version\nx,1\n")
+    result = invoke("store", "import", bad, "--store", tmp_path / "s.sqlite")
+    assert result.exit_code == 2
+    assert result.output.startswith(f"mucudnn: error: {bad}:1: CSV header")
+
+
+def test_store_merge_copies_rows_and_refuses_itself(tmp_path):
+    target = _filled_store(tmp_path / "a.sqlite", batches=(1, 2), time_ms=9.0)
+    other = _filled_store(tmp_path / "b.sqlite", batches=(2, 8), time_ms=1.0)
+    result = invoke("store", "merge", other, "--store", target)
+    assert result.exit_code == 0, result.output
+    assert "merged 2 rows" in result.output
+    with open_store(target, readonly=True) as store:
+        assert {r.measurement.batch: r.measurement.time_ms for r in store.rows()} == {
+            1: 9.0, 2: 1.0, 8: 1.0}
+    result = invoke("store", "merge", target, "--store", target)
+    assert result.exit_code == 2 and "is the store itself" in result.output
+
+
+def test_store_checkpoint_empties_the_wal(tmp_path):
+    path = _filled_store(tmp_path / "a.sqlite")
+    wal = Path(f"{path}-wal")
+    with open_store(path) as keep_open:  # the last close would checkpoint by itself
+        keep_open.put("NVIDIA H200", 91900, [Measurement("k", 16, "gemm", "fma", 1.0, 0)])
+        assert wal.stat().st_size > 0
+        result = invoke("store", "checkpoint", "--store", path)
+        assert result.exit_code == 0, result.output
+        assert wal.stat().st_size == 0

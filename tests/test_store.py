@@ -197,6 +197,55 @@ def test_csv_export_filters_and_writes_a_header(store):
     assert len(lines) == 3 and all(line.startswith(f"{GPU},90100,") for line in lines[1:])
 
 
+def test_csv_export_to_gz_is_compressed_and_imports_back(store, tmp_path):
+    import gzip
+
+    store.put(GPU, CUDNN, MIXED, repetitions=5, measured_at=WHEN)
+    gz_path = tmp_path / "out" / "measurements.csv.gz"
+    assert store.export_csv(gz_path) == len(MIXED)
+    with gzip.open(gz_path, "rt", encoding="utf-8") as text:  # a gzip file, not plain text
+        assert text.readline().startswith("gpu,cudnn_version,")
+    with SQLiteStore(tmp_path / "other.sqlite") as other:
+        assert other.import_csv(gz_path) == len(MIXED)
+        assert list(map(comparable, other.rows())) == list(map(comparable, store.rows()))
+    assert sorted(p.name for p in gz_path.parent.iterdir()) == ["measurements.csv.gz"], \
+        "the temporary file of the atomic write stays behind"
+
+
+def test_csv_export_that_fails_leaves_the_old_file(store, tmp_path, monkeypatch):
+    store.put(GPU, CUDNN, [measurement(1)])
+    csv_path = tmp_path / "old.csv"
+    csv_path.write_text("old content\n")
+    monkeypatch.setattr("mucudnn.store._csv_fields",
+                        lambda row: (_ for _ in ()).throw(RuntimeError("midway")))
+    with pytest.raises(RuntimeError, match="midway"):
+        store.export_csv(csv_path)
+    assert csv_path.read_text() == "old content\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_merge_from_copies_every_row_and_the_other_store_wins(store, tmp_path):
+    store.put(GPU, CUDNN, [measurement(1, time_ms=9.0), measurement(2)], measured_at=WHEN)
+    with SQLiteStore(tmp_path / "other.sqlite") as other:
+        other.put(GPU, CUDNN, [measurement(1, time_ms=1.0)], measured_at=WHEN)
+        other.put("NVIDIA H100 80GB HBM3", 90800, [measurement(4)], measured_at=WHEN)
+        assert store.merge_from(other) == 2
+    times = {(r.gpu, r.measurement.batch): r.measurement.time_ms for r in store.rows()}
+    assert times == {(GPU, 1): 1.0, (GPU, 2): 1.25, ("NVIDIA H100 80GB HBM3", 4): 1.25}
+
+
+def test_checkpoint_folds_the_wal_into_the_file(store, store_path):
+    store.put(GPU, CUDNN, [measurement(1), measurement(2)])
+    wal = store_path.with_name(store_path.name + "-wal")
+    assert wal.stat().st_size > 0, "the test needs rows still in the WAL"
+    store.checkpoint()
+    assert wal.stat().st_size == 0
+    copy = store_path.with_name("copy.sqlite")
+    shutil.copyfile(store_path, copy)  # the file alone, without its -wal
+    with SQLiteStore(copy, readonly=True) as copied:
+        assert len(copied.rows()) == 2
+
+
 def test_csv_import_of_a_bad_row_names_file_line_and_column(store, tmp_path):
     store.put(GPU, CUDNN, [measurement(1), measurement(2)])
     csv_path = tmp_path / "bad.csv"
@@ -235,6 +284,113 @@ def test_schema_version_mismatch_says_what_to_do(store_path):
     assert str(store_path) in message
     assert "schema version 99" in message and f"reads version {SCHEMA_VERSION}" in message
     assert "--store" in message
+
+
+# Schema version 1 as mucudnn 0.1 wrote it, spelled out here (not taken from mucudnn.store) so
+# that the migration is tested against the old layout itself.
+_SCHEMA_V1 = """
+CREATE TABLE measurements (
+    gpu TEXT NOT NULL, cudnn_version INTEGER NOT NULL, key TEXT NOT NULL,
+    batch INTEGER NOT NULL CHECK (batch >= 1), algo TEXT NOT NULL, math TEXT NOT NULL,
+    status TEXT NOT NULL, time_ms REAL, workspace INTEGER NOT NULL, repetitions INTEGER,
+    measured_at TEXT NOT NULL, note TEXT NOT NULL,
+    PRIMARY KEY (gpu, cudnn_version, key, batch, algo, math)
+) WITHOUT ROWID
+"""
+
+
+def version_1_store(path: pathlib.Path) -> pathlib.Path:
+    """A store of schema version 1 holding one row (batch 1, 1.25 ms, 5 repetitions)."""
+    with sqlite3.connect(path) as connection:
+        connection.execute(_SCHEMA_V1)
+        connection.execute("PRAGMA application_id = 1835230318")  # "mcdn"
+        connection.execute("PRAGMA user_version = 1")
+        connection.execute("INSERT INTO measurements VALUES (?, ?, ?, 1, 'gemm', 'fma', 'ok', "
+                           "1.25, 0, 5, ?, '')", (GPU, CUDNN, KEY, WHEN.isoformat()))
+    connection.close()
+    return path
+
+
+def table_layout(path: pathlib.Path) -> list[tuple]:
+    with sqlite3.connect(path) as connection:
+        layout = sorted(connection.execute("PRAGMA table_info(measurements)").fetchall())
+    connection.close()
+    return layout
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_version_1_store_is_migrated_on_opening(tmp_path, readonly):
+    path = version_1_store(tmp_path / "old.sqlite")
+    with SQLiteStore(path, readonly=readonly) as store:
+        assert store.schema_version() == SCHEMA_VERSION == 2
+        [row] = store.rows()
+    assert (row.measurement.batch, row.measurement.time_ms, row.repetitions, row.iqr_ms) == \
+        (1, 1.25, 5, None), "the old row keeps its fields; its spread is unknown"
+    with SQLiteStore(tmp_path / "new.sqlite") as fresh:
+        fresh.put(GPU, CUDNN, [measurement(1)])
+    assert table_layout(path) == table_layout(tmp_path / "new.sqlite"), \
+        "a migrated store must have the layout of a new one"
+    with SQLiteStore(path) as store:  # opened again: already at the current version
+        store.put_rows([StoredMeasurement(GPU, CUDNN, measurement(2), WHEN, 3, 0.5)])
+        assert [r.iqr_ms for r in store.rows()] == [None, 0.5]
+
+
+def test_every_old_schema_version_has_a_migration():
+    from mucudnn.store import _MIGRATIONS
+
+    assert sorted(_MIGRATIONS) == list(range(1, SCHEMA_VERSION))
+
+
+def test_an_old_store_that_cannot_be_written_is_refused_in_one_line(shared_dir):
+    path = version_1_store(shared_dir / "old.sqlite")
+    hand_over(shared_dir, path)
+    path.chmod(0o444)
+
+    def open_it():
+        with SQLiteStore(path, readonly=True):
+            pass
+
+    with pytest.raises(SchemaVersionError) as raised:
+        as_unprivileged(open_it)
+    message = str(raised.value)
+    assert "\n" not in message and str(path) in message
+    assert "schema version 1" in message and "the file is read-only" in message
+    path.chmod(0o644)
+    assert table_layout(path) == table_layout(version_1_store(shared_dir / "again.sqlite"))
+
+
+def test_iqr_round_trips_through_the_store_and_csv(store, tmp_path):
+    store.put(GPU, CUDNN, [measurement(1), measurement(2)], repetitions=4, measured_at=WHEN,
+              iqr_ms={measurement(1): 0.125})
+    assert [r.iqr_ms for r in store.rows()] == [0.125, None]
+    csv_path = tmp_path / "m.csv"
+    store.export_csv(csv_path)
+    assert csv_path.read_text().splitlines()[0].split(",")[7:9] == ["time_ms", "iqr_ms"]
+    with SQLiteStore(tmp_path / "other.sqlite") as other:
+        other.import_csv(csv_path)
+        assert [r.iqr_ms for r in other.rows()] == [0.125, None]
+
+
+def test_a_csv_without_the_iqr_column_imports_with_no_spread(store, tmp_path):
+    store.put(GPU, CUDNN, [measurement(1)], iqr_ms={measurement(1): 0.25})
+    csv_path = tmp_path / "m.csv"
+    store.export_csv(csv_path)
+    import csv
+
+    with open(csv_path, newline="") as text:
+        lines = list(csv.reader(text))
+    column = lines[0].index("iqr_ms")
+    with open(csv_path, "w", newline="") as text:
+        csv.writer(text).writerows(f[:column] + f[column + 1:] for f in lines)
+    with SQLiteStore(tmp_path / "other.sqlite") as other:
+        assert other.import_csv(csv_path) == 1
+        assert [r.iqr_ms for r in other.rows()] == [None]
+
+
+@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf, True])
+def test_a_bad_iqr_is_refused(bad):
+    with pytest.raises(ValueError, match="iqr_ms"):
+        StoredMeasurement(GPU, CUDNN, measurement(1), WHEN, 3, bad)
 
 
 @pytest.mark.parametrize("readonly", [False, True])

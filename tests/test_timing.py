@@ -75,3 +75,21 @@ def test_calls_made_is_what_do_bench_does(clock, ms):
     fn, calls = timed(clock, ms)
     do_bench(fn, stream=None)
     assert calls_made(ms, TimingMethod()) == len(calls)
+
+
+def test_the_spread_is_the_interquartile_range_of_the_samples(clock):
+    times = iter([1.0, 1.0] + [1.0, 2.0, 3.0, 4.0, 5.0])  # warm-up, probe, then 5 samples
+
+    def fn(i: int) -> None:
+        clock["now"] += next(times)
+
+    timing = do_bench(fn, None, TimingMethod(warmup=1, min_reps=5, max_reps=5, budget_ms=0,
+                                             batch_ms=0.1))
+    assert timing.samples_ms == (1.0, 2.0, 3.0, 4.0, 5.0)
+    assert timing.iqr_ms == 2.0  # quartiles 2 and 4
+
+
+def test_a_single_sample_has_no_spread(clock):
+    fn, _ = timed(clock, 5.0)
+    timing = do_bench(fn, None, TimingMethod(), cutoff_ms=1.0)
+    assert timing.cut_short and timing.iqr_ms is None
