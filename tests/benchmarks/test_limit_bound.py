@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from limit_bound import every_size  # noqa: E402
-
-from mucudnn.measurement import Measurement, Status  # noqa: E402
+from benchmarks.limit_bound import every_size
+from mucudnn.measurement import Measurement, Status
 
 
 def rows():

@@ -12,18 +12,14 @@ Two ways in:
 from __future__ import annotations
 
 import ctypes
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
 
-from fakebuild import fake_cudnn_or_skip  # noqa: E402
-from shim_harness import parse_fields, shim_env  # noqa: E402,F401
-from test_fake_cudnn import handle, log_path  # noqa: E402,F401 - fixtures (on this module's lib)
-from test_fake_cudnn import (CONVOLUTION, CROSS_CORRELATION, DATA_DOUBLE, DATA_FLOAT,  # noqa: E402
+from fakebuild import fake_cudnn_or_skip
+from shim_harness import parse_fields
+from test_fake_cudnn import (CONVOLUTION, CROSS_CORRELATION, DATA_DOUBLE, DATA_FLOAT,
                              DATA_HALF, FORMAT_NCHW, FORMAT_NHWC, Geometry, filter_array, place,
                              random_geometry, ref_backward_data, ref_backward_filter, ref_forward,
                              tolerance)
