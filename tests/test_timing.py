@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from mucudnn.timing import TimingMethod, calls_made, do_bench

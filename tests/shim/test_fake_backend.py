@@ -16,7 +16,6 @@ import ctypes
 import numpy as np
 import pytest
 
-
 from fakebuild import fake_cudnn_or_skip
 from shim_harness import parse_fields
 from test_fake_cudnn import (CONVOLUTION, CROSS_CORRELATION, DATA_DOUBLE, DATA_FLOAT,

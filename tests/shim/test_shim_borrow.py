@@ -7,9 +7,7 @@ workspace that overlapped the piece's own slice, or an earlier piece's, would sp
 
 from __future__ import annotations
 
-
 import pytest
-
 
 from shim_harness import key_of
 from test_shim_exec import assert_passthrough, split_by_case

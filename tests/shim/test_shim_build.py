@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 import fakebuild
 
 from mucudnn import shimlib

@@ -10,9 +10,7 @@ restored before each; the last is compared with the undivided reference.
 
 from __future__ import annotations
 
-
 import pytest
-
 
 from shim_harness import plan_line
 

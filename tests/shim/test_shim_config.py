@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 from shim_harness import FAKE_GPU_NAME, plan_line
 
 PLANS = Path(__file__).resolve().parents[1] / "data" / "plans"

@@ -11,7 +11,6 @@ import random
 
 import pytest
 
-
 from shim_harness import key_of, parse_fields, plan_line
 
 # Algorithms the double supports for every geometry (fft/winograd have shape rules).

@@ -9,9 +9,7 @@ below are the plan's own, what the tuner would have measured.
 
 from __future__ import annotations
 
-
 import pytest
-
 
 from shim_harness import HEADER, WS_PER_SAMPLE, key_of
 from test_shim_graph import BASE, graph_key

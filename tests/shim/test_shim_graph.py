@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-
 from shim_harness import WS_PER_SAMPLE, key_of, parse_fields
 
 from mucudnn.problem import ALGORITHMS, Direction

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-
 from shim_harness import HERE, Run, plan_line
 
 SUCCESS = "0"

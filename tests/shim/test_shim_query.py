@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
 import pytest
-
 
 from shim_harness import WS_PER_SAMPLE, plan_line
 

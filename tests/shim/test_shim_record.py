@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-
 from shim_harness import key_of, parse_fields
 
 KEYS = Path(__file__).resolve().parents[1] / "data" / "keys.txt"

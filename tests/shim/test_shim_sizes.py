@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
 import pytest
-
 
 from size_vectors import read_size_vectors
 

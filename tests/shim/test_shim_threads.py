@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-
 from shim_harness import parse_fields, plan_line
 from test_shim_exec import random_case, random_split
 
