@@ -1,6 +1,14 @@
-"""Shared test set-up: GPU tests (marked ``gpu``) are skipped cleanly where no GPU is present."""
+"""Shared test set-up: GPU tests (marked ``gpu``) are skipped cleanly where no GPU is present, and
+the fixtures used by more than one test module (tests/shim/conftest.py has those of the double)."""
 
 from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+import types
 
 import pytest
 from hypothesis import settings
@@ -46,3 +54,86 @@ def gpu():
     stream.use()  # CuPy's fills run in order with cuDNN's work
     cudnn = get()
     return cupy, cudnn, stream, cudnn.handle(stream.ptr)
+
+
+# -- the shim against the cuDNN double (tests/shim/drivers/shim_harness.py) ------------------------
+
+@pytest.fixture(scope="session")
+def shim_env(tmp_path_factory):
+    """The shim, the cuDNN double and the drivers, built once per session (a ``ShimEnv``)."""
+    from shim_harness import build_shim_env
+
+    return build_shim_env(tmp_path_factory.mktemp("shim"))
+
+
+# -- the command line without a GPU (test_cli.py, test_budget.py) ---------------------------------
+
+@pytest.fixture(scope="module")
+def stores_dir(tmp_path_factory):
+    """One directory for every test's user store, so the shipped cache is built only once."""
+    return tmp_path_factory.mktemp("stores")
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, stores_dir, tmp_path, request):
+    """No GPU, an empty user store and a private cache: the CLI tunes from the shipped data."""
+    from mucudnn import tuner
+
+    name = re.sub(r"[^A-Za-z0-9]+", "_", request.node.name)
+    monkeypatch.setenv("MUCUDNN_STORE", str(stores_dir / f"{name}.sqlite"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(tuner, "gpu_available", lambda: False)
+    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)
+
+
+@pytest.fixture
+def fake_exec(monkeypatch, tmp_path):
+    """A dummy shim and a ``subprocess.call`` that records what it would have run."""
+    from mucudnn import shimlib
+
+    shim = tmp_path / "libmucudnn.so"
+    shim.write_bytes(b"")
+    monkeypatch.setattr(shimlib, "shim_path", lambda: shim)
+    calls = []
+
+    def call(args, env=None, **kwargs):
+        calls.append((args, env))
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", call)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("TORCH_CUDNN_V8_API_DISABLED", raising=False)
+    return shim, calls
+
+
+# -- read-only places (test_store.py's as_unprivileged runs code as the unprivileged user) --------
+
+@pytest.fixture
+def shared_dir():
+    """A directory the unprivileged user of ``test_store.as_unprivileged`` can reach and write."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="mucudnn-store-test-"))
+    path.chmod(0o755)
+    yield path
+    for inner in [path, *path.rglob("*")]:
+        if inner.is_dir():
+            inner.chmod(0o755)
+    shutil.rmtree(path)
+
+
+# -- timing without a GPU (test_timing.py, test_bench.py) -----------------------------------------
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake ``cupy`` module: each call of the timed function advances ``clock["now"]``."""
+    state = {"now": 0.0}
+
+    class Event:
+        def record(self, stream=None) -> None:
+            self.t = state["now"]
+
+        def synchronize(self) -> None:
+            pass
+
+    cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda start, end: end.t - start.t)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    return state

@@ -4,9 +4,7 @@ beta micro-batches are timed with, and which configurations a probe is enough fo
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -20,7 +18,7 @@ from mucudnn.measurement import Measurement, Status
 from mucudnn.optimizer import Policy, best_plan, candidate_sizes, pareto_plans
 from mucudnn.problem import ALGORITHMS, ConvProblem, Direction
 from mucudnn.timing import TimingMethod, calls_made, do_bench
-from test_timing import clock, timed  # noqa: F401 - the simulated clock fixture
+from test_timing import timed
 
 FWD = ConvProblem(Direction.FORWARD, c=8, input_size=(9, 9), k=8, filter_size=(3, 3),
                   padding=(1, 1), stride=(1, 1), dilation=(1, 1), n=8)
@@ -326,7 +324,6 @@ def test_the_benchmarker_times_no_configuration_over_the_limit(tmp_path_factory,
     """Every configuration's workspace is asked before it is timed: with a limit, exactly the
     (configuration, size) pairs over it are left untimed, stored as such; quick times no more
     than all."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from test_graph_fake import WITH_FAKE_CUPY, fake_cudnn_or_skip, run_checks
     fake = fake_cudnn_or_skip(tmp_path_factory.mktemp("fake_cudnn"))
     result = run_checks(fake, '''

@@ -18,10 +18,7 @@ import mucudnn
 from mucudnn import budget as budget_mod
 from mucudnn import cli, shimlib, tuner
 from mucudnn.cli import main
-from test_cli import fake_exec, no_gpu, stores_dir  # noqa: F401 - fixtures
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "shim" / "drivers"))
-from shim_harness import shim_env  # noqa: E402,F401 - a fixture
 
 FAKE_TORCH = Path(__file__).resolve().parent / "faketorch"
 GIB = 1 << 30

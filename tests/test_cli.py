@@ -13,13 +13,12 @@ from click.testing import CliRunner
 import mucudnn
 from mucudnn import shimlib, tuner
 from mucudnn.cli import main
-from mucudnn.engines import Api
 from mucudnn.measurement import Measurement
 from mucudnn.optimizer import candidate_sizes
 from mucudnn.plan import NO_LIMIT, read_plan
 from mucudnn.sizes import format_size
 from mucudnn.store import open_store
-from test_store import as_unprivileged, hand_over, shared_dir  # noqa: F401 - a fixture
+from test_store import as_unprivileged, hand_over
 
 PLAN_DIR = Path(__file__).resolve().parent / "data" / "plans"
 BAD_PLAN = PLAN_DIR / "invalid_pieces_sum.plan"  # its first line names the faulty line
@@ -32,40 +31,6 @@ def invoke(*args: str):
 
 def expected_error_line(path: Path) -> str:
     return re.fullmatch(r"# expect-error-line: (\d+)", path.read_text().splitlines()[0]).group(1)
-
-
-@pytest.fixture(scope="module")
-def stores_dir(tmp_path_factory):
-    """One directory for every test's user store, so the shipped cache is built only once."""
-    return tmp_path_factory.mktemp("stores")
-
-
-@pytest.fixture
-def no_gpu(monkeypatch, stores_dir, tmp_path, request):
-    """No GPU, an empty user store and a private cache: the CLI tunes from the shipped data."""
-    name = re.sub(r"[^A-Za-z0-9]+", "_", request.node.name)
-    monkeypatch.setenv("MUCUDNN_STORE", str(stores_dir / f"{name}.sqlite"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(tuner, "gpu_available", lambda: False)
-    monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)
-
-
-@pytest.fixture
-def fake_exec(monkeypatch, tmp_path):
-    """A dummy shim and a ``subprocess.call`` that records what it would have run."""
-    shim = tmp_path / "libmucudnn.so"
-    shim.write_bytes(b"")
-    monkeypatch.setattr(shimlib, "shim_path", lambda: shim)
-    calls = []
-
-    def call(args, env=None, **kwargs):
-        calls.append((args, env))
-        return 0
-
-    monkeypatch.setattr(subprocess, "call", call)
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.delenv("TORCH_CUDNN_V8_API_DISABLED", raising=False)
-    return shim, calls
 
 
 def assert_one_error_line(result, *fragments: str) -> str:
@@ -577,7 +542,6 @@ def test_bad_size_for_run_names_the_value(fake_exec):
 def test_version():
     result = invoke("--version")
     assert result.exit_code == 0 and mucudnn.__version__ in result.stdout
-
 
 
 # -- autotune --------------------------------------------------------------------------------------

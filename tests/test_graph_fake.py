@@ -18,13 +18,11 @@ from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
+from fakebuild import fake_cudnn_or_skip
+
+from mucudnn.engines import is_transform_based
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "shim"))
-
-from fakebuild import fake_cudnn_or_skip  # noqa: E402
-
-from mucudnn.engines import is_transform_based  # noqa: E402
 
 # PYTHONPATH for checks that run mucudnn.bench: the host-memory CuPy stand-in first
 WITH_FAKE_CUPY = f"{ROOT / 'tests' / 'fakecupy'}{os.pathsep}{ROOT}"

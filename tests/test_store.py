@@ -11,9 +11,7 @@ import multiprocessing.synchronize
 import os
 import pathlib
 import pickle
-import shutil
 import sqlite3
-import tempfile
 import time
 
 import pytest
@@ -457,18 +455,6 @@ def as_unprivileged(function, *args):
     if kind == "raised":
         raise value
     return value
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory the unprivileged user of :func:`as_unprivileged` can reach and write."""
-    path = pathlib.Path(tempfile.mkdtemp(prefix="mucudnn-store-test-"))
-    path.chmod(0o755)
-    yield path
-    for inner in [path, *path.rglob("*")]:
-        if inner.is_dir():
-            inner.chmod(0o755)
-    shutil.rmtree(path)
 
 
 def hand_over(*paths: pathlib.Path) -> None:

@@ -2,28 +2,9 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from mucudnn.timing import TimingMethod, calls_made, do_bench
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    """A fake ``cupy`` module: each call of the timed function advances ``clock["now"]``."""
-    state = {"now": 0.0}
-
-    class Event:
-        def record(self, stream=None) -> None:
-            self.t = state["now"]
-
-        def synchronize(self) -> None:
-            pass
-
-    cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda start, end: end.t - start.t)
-    monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(cuda=cuda))
-    return state
 
 
 def timed(clock, ms: float):

@@ -27,7 +27,7 @@ from mucudnn.plan import (NO_LIMIT, PlanEntry, PlanPiece, Restrictions, read_pla
 from mucudnn.problem import ConvProblem, Direction, MathType
 from mucudnn.sizes import parse_size
 from mucudnn.store import open_store
-from test_store import as_unprivileged, hand_over, shared_dir  # noqa: F401 - a fixture
+from test_store import as_unprivileged, hand_over
 
 ENV = Environment("Test GPU", 91900)
 N = 8

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import fakebuild
+import make_corpus
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "shim")]
-
-import fakebuild  # noqa: E402
-import make_corpus  # noqa: E402
 
 RUNS = ["-runs=20000", "-seed=1"]
 

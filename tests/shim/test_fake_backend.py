@@ -12,18 +12,13 @@ Two ways in:
 from __future__ import annotations
 
 import ctypes
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-
-from fakebuild import fake_cudnn_or_skip  # noqa: E402
-from shim_harness import parse_fields, shim_env  # noqa: E402,F401
-from test_fake_cudnn import handle, log_path  # noqa: E402,F401 - fixtures (on this module's lib)
-from test_fake_cudnn import (CONVOLUTION, CROSS_CORRELATION, DATA_DOUBLE, DATA_FLOAT,  # noqa: E402
+from fakebuild import fake_cudnn_or_skip
+from shim_harness import parse_fields
+from test_fake_cudnn import (CONVOLUTION, CROSS_CORRELATION, DATA_DOUBLE, DATA_FLOAT,
                              DATA_HALF, FORMAT_NCHW, FORMAT_NHWC, Geometry, filter_array, place,
                              random_geometry, ref_backward_data, ref_backward_filter, ref_forward,
                              tolerance)
@@ -567,6 +562,51 @@ def test_descriptor_rules(be):
     half = be.tensor(1, (2, 4, 5, 6), (120, 30, 6, 1), DATA_HALF, finalize=False)
     assert be.set(half, A_TENSOR_ALIGNMENT, T_INT64, 3) == SUCCESS
     assert be.finalize(half) == BAD_PARAM  # alignment not a multiple of the element size
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_convolution_operation_answers_to_its_own_attribute_names_only(be, direction):
+    x, w, y = simple_tensors(be)
+    conv = be.convolution([1, 1])
+    kind, *names = CONV_OPS[direction]
+    op = be.conv_op(direction, x, w, y, conv, alpha=0.5, beta=0.25)
+    *tensor_names, conv_name, alpha_name, beta_name = names
+    for name in tensor_names:
+        assert be.get_descs(op, name, [be.new(TENSOR)]) == (SUCCESS, 1), name
+    assert be.get_descs(op, conv_name, [be.new(CONVOLUTION_DESC)]) == (SUCCESS, 1)
+    assert be.get(op, alpha_name, T_DOUBLE) == (SUCCESS, 1, [0.5])
+    assert be.get(op, beta_name, T_FLOAT) == (SUCCESS, 1, [0.25])
+    for other in DIRECTIONS:
+        if other != direction:
+            for name in CONV_OPS[other][1:]:
+                assert be.get(op, name, T_DOUBLE)[0] == NOT_SUPPORTED, (other, name)
+                assert be.set(be.new(kind), name, T_DOUBLE, 1.0) == NOT_SUPPORTED, (other, name)
+
+
+def test_write_only_attributes_refuse_get_and_read_only_ones_refuse_set(be, handle):
+    x, w, y = simple_tensors(be)
+    graph = be.graph([be.conv_op("fwd", x, w, y, be.convolution([1, 1]))])
+    pointwise = be.build(POINTWISE, [(A_PW_MODE, T_POINTWISE_MODE, RELU_FWD)])
+    heuristics = be.build(ENGINEHEUR, [(A_HEUR_GRAPH, T_DESCRIPTOR, graph),
+                                       (A_HEUR_MODE, T_HEUR_MODE, HEUR_MODE_INSTANT)])
+    pack = be.build(VARIANT_PACK, [(A_PACK_UIDS, T_INT64, [1]), (A_PACK_POINTERS, T_VOID_PTR, [64]),
+                                   (A_PACK_WORKSPACE, T_VOID_PTR, 64)])
+    status, plan = be.plan(handle, be.config(graph, 1))
+    assert status == SUCCESS
+    write_only = [(pointwise, A_PW_MODE, T_POINTWISE_MODE), (graph, A_GRAPH_HANDLE, T_HANDLE),
+                  (be.relu_op(y, be.tensor(4, (2, 4, 5, 6), (120, 30, 6, 1))), A_PWOP_X,
+                   T_DESCRIPTOR),
+                  (heuristics, A_HEUR_MODE, T_HEUR_MODE), (heuristics, A_HEUR_GRAPH, T_DESCRIPTOR),
+                  (pack, A_PACK_UIDS, T_INT64), (pack, A_PACK_WORKSPACE, T_VOID_PTR),
+                  (plan, A_PLAN_HANDLE, T_HANDLE)]
+    for desc, name, attribute_type in write_only:
+        assert be.get(desc, name, attribute_type)[0] == NOT_SUPPORTED, name
+    read_only = [(GRAPH, A_GRAPH_GLOBAL_COUNT, T_INT64), (ENGINEHEUR, A_HEUR_RESULTS, T_INT64),
+                 (ENGINE, A_ENGINE_NUMERICAL_NOTE, T_NUMERICAL_NOTE),
+                 (ENGINE, A_ENGINE_BEHAVIOR_NOTE, T_BEHAVIOR_NOTE),
+                 (ENGINECFG, A_CFG_WORKSPACE_SIZE, T_INT64), (PLAN, A_PLAN_WORKSPACE_SIZE, T_INT64)]
+    for kind, name, attribute_type in read_only:
+        assert be.set(be.new(kind), name, attribute_type, 0) == NOT_SUPPORTED, name
 
 
 def test_descriptor_attributes_are_copies(be, handle):

@@ -151,21 +151,6 @@ def lib(fake_dir):
     return ctypes.CDLL(str(fake_dir / "libcudnn.so.9"))
 
 
-@pytest.fixture
-def handle(lib):
-    created = ctypes.c_void_p()
-    assert lib.cudnnCreate(ctypes.byref(created)) == SUCCESS
-    yield created
-    assert lib.cudnnDestroy(created) == SUCCESS
-
-
-@pytest.fixture
-def log_path(tmp_path, monkeypatch):
-    path = tmp_path / "fake_cudnn.log"
-    monkeypatch.setenv("FAKE_CUDNN_LOG", str(path))
-    return path
-
-
 def log_lines(path, function=None):
     if not path.exists():
         return []
@@ -845,7 +830,6 @@ def test_a_program_linked_with_lcudnn_runs_on_the_double(fake_dir, tmp_path):
                             env={"LD_LIBRARY_PATH": str(fake_dir), "FAKE_CUDNN_VERSION": "91234"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "version=91234 failed=0 y=4,4,4,4"
-
 
 
 def test_missing_headers_make_the_build_unavailable_not_failed(tmp_path, monkeypatch):

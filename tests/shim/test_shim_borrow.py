@@ -7,15 +7,10 @@ workspace that overlapped the piece's own slice, or an earlier piece's, would sp
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-
-from shim_harness import key_of, parse_fields, shim_env  # noqa: E402,F401
-from test_shim_exec import assert_passthrough, split_by_case  # noqa: E402
+from shim_harness import key_of
+from test_shim_exec import assert_passthrough, split_by_case
 
 ALIGNMENT = 256  # exec.c: a borrowed workspace starts at the next multiple of this
 WS_PER_SAMPLE = 256  # the double's model here: algorithm index * b * this many bytes

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fakebuild
 
-import fakebuild  # noqa: E402
-
-from mucudnn import shimlib  # noqa: E402
-from mucudnn.errors import LibraryNotFoundError, MucudnnError  # noqa: E402
+from mucudnn import shimlib
+from mucudnn.errors import LibraryNotFoundError, MucudnnError
 
 
 @pytest.fixture

@@ -10,14 +10,9 @@ restored before each; the last is compared with the undivided reference.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-
-from shim_harness import plan_line, shim_env  # noqa: E402,F401
+from shim_harness import plan_line
 
 FWD = "dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 g=2 ws=65536 algo=0"
 GRAPHS = {"FAKE_CUDA_GRAPHS": "1", "MUCUDNN_LOG_LEVEL": "info"}
@@ -106,7 +101,6 @@ def test_threads_capture_on_their_own_streams(shim_env):
 def test_graph_path_engine_and_legacy_pieces_replay(shim_env):
     """On the graph path (cudnnBackendExecute), engine pieces and a legacy piece, accumulating
     into dw over repeats: the graph replays all three in order with beta 1 after the first."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_shim_graph import BASE, graph_plan_line
 
     case = f"{BASE} dir=bwd_filter alpha=1 beta=0.25 repeat=4"

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-
-from shim_harness import FAKE_GPU_NAME, plan_line, shim_env  # noqa: E402,F401
+from shim_harness import FAKE_GPU_NAME, plan_line
 
 PLANS = Path(__file__).resolve().parents[1] / "data" / "plans"
 CASE = "dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 g=2 ws=65536 algo=0"

@@ -8,14 +8,10 @@ backward-filter's accumulation over micro-batches is exact; f64 data are random 
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-
-from shim_harness import key_of, parse_fields, plan_line, shim_env  # noqa: E402,F401
+from shim_harness import key_of, parse_fields, plan_line
 
 # Algorithms the double supports for every geometry (fft/winograd have shape rules).
 ALWAYS_SUPPORTED = {

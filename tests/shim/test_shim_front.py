@@ -9,16 +9,10 @@ below are the plan's own, what the tuner would have measured.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from shim_harness import HEADER, WS_PER_SAMPLE, key_of, shim_env  # noqa: E402,F401
-from test_shim_graph import BASE, graph_key  # noqa: E402
+from shim_harness import HEADER, WS_PER_SAMPLE, key_of
+from test_shim_graph import BASE, graph_key
 
 FRONT = HEADER.replace("strategy wr", "strategy front").replace("limit 67108864", "limit 18446744073709551615")
 CASE = "dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 math=fma"

@@ -9,16 +9,13 @@ result on the same data (``exact=1``: bit-identical; f32 data are small integers
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
+from shim_harness import WS_PER_SAMPLE, key_of, parse_fields
 
-from shim_harness import WS_PER_SAMPLE, key_of, parse_fields, shim_env  # noqa: E402,F401
-
-from mucudnn.problem import ALGORITHMS, Direction  # noqa: E402
+from mucudnn.problem import ALGORITHMS, Direction
 
 BASE = "op=exec n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 g=2 engine=1 seed=3"
 LEGACY = {"fwd": "implicit_precomp_gemm", "bwd_data": "algo_1", "bwd_filter": "algo_1"}

@@ -8,20 +8,17 @@ key.c runs against tests/fuzz/stub_cudnn.c (descriptor queries answered from a t
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
+import descs
+import fakebuild
 import pytest
+from shim_harness import key_of
+from test_shim_record import key_examples
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 FUZZ = REPO / "tests" / "fuzz"
-sys.path[:0] = [str(HERE), str(HERE / "drivers"), str(FUZZ)]
-
-import descs  # noqa: E402
-import fakebuild  # noqa: E402
-from shim_harness import key_of  # noqa: E402
-from test_shim_record import key_examples  # noqa: E402
 
 UBSAN = ["-fsanitize=undefined", "-fno-sanitize-recover=all"]
 BIG = 1 << 30

@@ -10,16 +10,9 @@ workspace too small for the engine.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from shim_harness import WS_PER_SAMPLE, key_of, parse_fields, plan_line, shim_env  # noqa: E402,F401
-from test_shim_graph import BASE, LEGACY_CASE, NONDETERMINISTIC_ENGINES, graph_key, graph_plan_line  # noqa: E402
+from shim_harness import WS_PER_SAMPLE, key_of, plan_line
+from test_shim_graph import BASE, LEGACY_CASE, NONDETERMINISTIC_ENGINES, graph_key, graph_plan_line
 
 GRAPHS = {"FAKE_CUDA_GRAPHS": "1"}
 EXECUTION_PLAN = "5"  # CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR in the double's log

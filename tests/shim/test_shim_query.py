@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-
-from shim_harness import WS_PER_SAMPLE, parse_fields, plan_line, shim_env  # noqa: E402,F401
+from shim_harness import WS_PER_SAMPLE, plan_line
 
 BASE = "n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 math=tensor_op"
 # In the double's model algorithm a needs a * n * 4096 bytes: each first piece's algorithm runs the

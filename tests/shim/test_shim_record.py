@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-
-from shim_harness import key_of, parse_fields, plan_line, shim_env  # noqa: E402,F401
+from shim_harness import key_of, parse_fields
 
 KEYS = Path(__file__).resolve().parents[1] / "data" / "keys.txt"
 

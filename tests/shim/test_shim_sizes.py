@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from shim_harness import shim_env  # noqa: E402,F401
-from size_vectors import read_size_vectors  # noqa: E402
+from size_vectors import read_size_vectors
 
 CASE = "op=ws dir=fwd n=2 c=2 in=5x5 k=2 f=3x3"
 # What the shim's warning says, besides what a size looks like, for each kind of error.

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "drivers"))
-
-from shim_harness import parse_fields, plan_line, shim_env  # noqa: E402,F401
-from test_shim_exec import random_case, random_split  # noqa: E402
+from shim_harness import parse_fields, plan_line
+from test_shim_exec import random_case, random_split
 
 
 def test_threads_with_different_handles_shapes_and_plans(shim_env):

@@ -1,7 +1,8 @@
 """Test harness of the shim: builds the shim, the cuDNN double and the drivers, runs cases.
 
-The test files import it (``sys.path`` gets this directory) and use the session fixture
-:func:`shim_env`. A *case* is one line of driver input: ``conv_driver`` runs legacy convolution
+The test files use the session fixture ``shim_env`` (tests/conftest.py: :func:`build_shim_env`) and
+import its helpers by name (pytest's ``pythonpath`` has this directory). A *case* is one line of
+driver input: ``conv_driver`` runs legacy convolution
 calls (see conv_driver.c, :meth:`ShimEnv.run`), ``graph_driver`` the same convolutions through the
 graph (backend) API as PyTorch does (see graph_driver.c, :meth:`ShimEnv.run_graph`). A driver
 prints one result line per case, and the double logs every call it receives to ``$FAKE_CUDNN_LOG``.
@@ -12,16 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import fakebuild
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent.parent
-sys.path.insert(0, str(HERE.parent))  # tests/shim: fakebuild
-
-import fakebuild  # noqa: E402
 
 FAKE_GPU_NAME = "mucudnn fake GPU"   # the double's defaults
 FAKE_CUDNN_VERSION = 91900
@@ -135,7 +132,8 @@ class ShimEnv:
         return Run(cases_out, calls, result.stderr, result.returncode)
 
 
-def _build(work: Path) -> ShimEnv:
+def build_shim_env(work: Path) -> ShimEnv:
+    """The shim, the double and the drivers built into `work` (fails the test where a build fails)."""
     from mucudnn.errors import MucudnnError
     from mucudnn.shimlib import build_shim, find_compiler
 
@@ -162,11 +160,6 @@ def _build(work: Path) -> ShimEnv:
     (work / "run").mkdir()
     return ShimEnv(shim=shim, fake_dir=library.parent, driver=drivers["conv_driver"],
                    work=work / "run", graph_driver=drivers["graph_driver"])
-
-
-@pytest.fixture(scope="session")
-def shim_env(tmp_path_factory) -> ShimEnv:
-    return _build(tmp_path_factory.mktemp("shim"))
 
 
 # -- plans and cases -----------------------------------------------------------------------------

@@ -204,8 +204,6 @@ static bool is_supported_type(cudnnBackendDescriptorType_t type)
 
 /* ---------------------------------------------------------------- convolution op roles */
 
-enum conv_role { ROLE_NONE, ROLE_X, ROLE_W, ROLE_Y, ROLE_CONV, ROLE_ALPHA, ROLE_BETA };
-
 /* The attribute names of each direction's operation, and its name in the log. */
 struct conv_op_names {
     cudnnBackendAttributeName_t x, w, y, conv, alpha, beta;
@@ -245,19 +243,6 @@ static enum fake_direction direction_of(cudnnBackendDescriptorType_t conv_op_typ
     }
 }
 
-static enum conv_role role_of(cudnnBackendDescriptorType_t conv_op_type,
-                              cudnnBackendAttributeName_t name)
-{
-    const struct conv_op_names *names = &CONV_OP_NAMES[direction_of(conv_op_type)];
-    return name == names->x       ? ROLE_X
-           : name == names->w     ? ROLE_W
-           : name == names->y     ? ROLE_Y
-           : name == names->conv  ? ROLE_CONV
-           : name == names->alpha ? ROLE_ALPHA
-           : name == names->beta  ? ROLE_BETA
-                                  : ROLE_NONE;
-}
-
 /* ---------------------------------------------------------------- reading attribute values */
 
 /* The arguments of one SetAttribute call. */
@@ -282,17 +267,6 @@ static cudnnStatus_t read_one(const struct attr_in *in, cudnnBackendAttributeTyp
     cudnnStatus_t status = check_in(in, type, 1, 1);
     if (status == CUDNN_STATUS_SUCCESS)
         memcpy(out, in->values, size);
-    return status;
-}
-
-static cudnnStatus_t read_int64s(const struct attr_in *in, int64_t min_count, int64_t max_count,
-                                 int64_t out[], int *count)
-{
-    cudnnStatus_t status = check_in(in, CUDNN_TYPE_INT64, min_count, max_count);
-    if (status == CUDNN_STATUS_SUCCESS) {
-        memcpy(out, in->values, (size_t)in->count * sizeof out[0]);
-        *count = (int)in->count;
-    }
     return status;
 }
 
@@ -425,8 +399,6 @@ static cudnnStatus_t write_desc(const struct attr_out *out, cudnnBackendDescript
     return write_descs(out, &ref, 1);
 }
 
-#define WRITE_TENSOR(out, t) write_desc(out, CUDNN_BACKEND_TENSOR_DESCRIPTOR, t, sizeof *(t))
-
 /* ---------------------------------------------------------------- the engine model */
 
 static bool engine_supported(int64_t engine)
@@ -449,7 +421,7 @@ static int graph_batch(const struct graph_attrs *graph)
     return (int)graph_conv(graph)->x.dims[0];
 }
 
-/* ---------------------------------------------------------------- Set, per descriptor type */
+/* ---------------------------------------------------------------- the attribute table */
 
 static size_t element_size(cudnnDataType_t type)
 {
@@ -466,137 +438,119 @@ static size_t element_size(cudnnDataType_t type)
     }
 }
 
-static cudnnStatus_t set_tensor(struct tensor_attrs *t, cudnnBackendAttributeName_t name,
+/* One attribute of one descriptor type: where its value lives in struct fake_backend and how it
+ * is set and read. A NULL `set` or `get` makes that call NOT_SUPPORTED, as does a name without a
+ * row. The generic handlers (set_value ... set_handle) use the members after them; the custom
+ * ones find their values themselves. */
+struct attr_field;
+typedef cudnnStatus_t attr_setter(const struct attr_field *f, struct fake_backend *d,
+                                  const struct attr_in *in);
+typedef cudnnStatus_t attr_getter(const struct attr_field *f, const struct fake_backend *d,
+                                  const struct attr_out *out);
+
+struct attr_field {
+    cudnnBackendDescriptorType_t desc_type;
+    cudnnBackendAttributeName_t name;
+    attr_setter *set;
+    attr_getter *get;
+    cudnnBackendAttributeType_t type; /* of the elements: set_value, set_array */
+    cudnnBackendDescriptorType_t of;  /* of the descriptor held: set_desc */
+    size_t offset, size;              /* of the value; arrays: of one element */
+    size_t count_offset;              /* arrays: of their int count */
+    int64_t min_count, max_count;     /* arrays: the counts accepted */
+};
+
+static void *field_of(struct fake_backend *d, size_t offset)
+{
+    return (char *)d + offset;
+}
+
+static const void *const_field_of(const struct fake_backend *d, size_t offset)
+{
+    return (const char *)d + offset;
+}
+
+/* One element of `type` (an enum, INT64, BOOLEAN or VOID_PTR). */
+static cudnnStatus_t set_value(const struct attr_field *f, struct fake_backend *d,
+                               const struct attr_in *in)
+{
+    return read_one(in, f->type, field_of(d, f->offset), f->size);
+}
+
+static cudnnStatus_t get_value(const struct attr_field *f, const struct fake_backend *d,
+                               const struct attr_out *out)
+{
+    return write_values(out, f->type, const_field_of(d, f->offset), f->size, 1);
+}
+
+/* min_count..max_count elements of `type`, and their count. */
+static cudnnStatus_t set_array(const struct attr_field *f, struct fake_backend *d,
+                               const struct attr_in *in)
+{
+    cudnnStatus_t status = check_in(in, f->type, f->min_count, f->max_count);
+    if (status == CUDNN_STATUS_SUCCESS) {
+        memcpy(field_of(d, f->offset), in->values, (size_t)in->count * f->size);
+        *(int *)field_of(d, f->count_offset) = (int)in->count;
+    }
+    return status;
+}
+
+static cudnnStatus_t get_array(const struct attr_field *f, const struct fake_backend *d,
+                               const struct attr_out *out)
+{
+    return write_values(out, f->type, const_field_of(d, f->offset), f->size,
+                        *(const int *)const_field_of(d, f->count_offset));
+}
+
+static cudnnStatus_t set_scale(const struct attr_field *f, struct fake_backend *d,
+                               const struct attr_in *in)
+{
+    return read_scale(in, field_of(d, f->offset));
+}
+
+static cudnnStatus_t get_scale(const struct attr_field *f, const struct fake_backend *d,
+                               const struct attr_out *out)
+{
+    return write_scale(out, *(const double *)const_field_of(d, f->offset));
+}
+
+static cudnnStatus_t set_desc(const struct attr_field *f, struct fake_backend *d,
+                              const struct attr_in *in)
+{
+    return read_desc(in, f->of, field_of(d, f->offset), f->size);
+}
+
+static cudnnStatus_t get_desc(const struct attr_field *f, const struct fake_backend *d,
+                              const struct attr_out *out)
+{
+    return write_desc(out, f->of, const_field_of(d, f->offset), f->size);
+}
+
+static cudnnStatus_t set_handle(const struct attr_field *f, struct fake_backend *d,
                                 const struct attr_in *in)
 {
-    cudnnStatus_t status;
+    return read_handle(in, field_of(d, f->offset));
+}
+
+/* -- custom handlers */
+
+static cudnnStatus_t set_tensor_data_type(const struct attr_field *f, struct fake_backend *d,
+                                          const struct attr_in *in)
+{
     cudnnDataType_t type;
-    switch (name) {
-    case CUDNN_ATTR_TENSOR_DATA_TYPE:
-        status = read_one(in, CUDNN_TYPE_DATA_TYPE, &type, sizeof type);
-        if (status == CUDNN_STATUS_SUCCESS && element_size(type) == 0)
-            return CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE;
-        if (status == CUDNN_STATUS_SUCCESS)
-            t->data_type = type;
-        return status;
-    case CUDNN_ATTR_TENSOR_DIMENSIONS:
-        return read_int64s(in, 4, MAX_RANK, t->dims, &t->rank);
-    case CUDNN_ATTR_TENSOR_STRIDES:
-        return read_int64s(in, 4, MAX_RANK, t->strides, &t->stride_count);
-    case CUDNN_ATTR_TENSOR_UNIQUE_ID:
-        return read_one(in, CUDNN_TYPE_INT64, &t->uid, sizeof t->uid);
-    case CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT:
-        return read_one(in, CUDNN_TYPE_INT64, &t->alignment, sizeof t->alignment);
-    case CUDNN_ATTR_TENSOR_IS_VIRTUAL:
-        return read_one(in, CUDNN_TYPE_BOOLEAN, &t->is_virtual, sizeof t->is_virtual);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
+    cudnnStatus_t status = read_one(in, f->type, &type, sizeof type);
+    if (status == CUDNN_STATUS_SUCCESS && element_size(type) == 0)
+        return CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE;
+    if (status == CUDNN_STATUS_SUCCESS)
+        d->tensor.data_type = type;
+    return status;
 }
 
-static int conv_array_of(cudnnBackendAttributeName_t name)
-{
-    switch (name) {
-    case CUDNN_ATTR_CONVOLUTION_DILATIONS:
-        return CONV_DILATIONS;
-    case CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES:
-        return CONV_STRIDES;
-    case CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS:
-        return CONV_PRE_PADDINGS;
-    case CUDNN_ATTR_CONVOLUTION_POST_PADDINGS:
-        return CONV_POST_PADDINGS;
-    default:
-        return -1;
-    }
-}
-
-static cudnnStatus_t set_convolution(struct convolution_attrs *c,
-                                     cudnnBackendAttributeName_t name, const struct attr_in *in)
-{
-    int array = conv_array_of(name);
-    if (array >= 0)
-        return read_int64s(in, 1, FAKE_SPATIAL, c->values[array], &c->counts[array]);
-    switch (name) {
-    case CUDNN_ATTR_CONVOLUTION_COMP_TYPE:
-        return read_one(in, CUDNN_TYPE_DATA_TYPE, &c->compute_type, sizeof c->compute_type);
-    case CUDNN_ATTR_CONVOLUTION_CONV_MODE:
-        return read_one(in, CUDNN_TYPE_CONVOLUTION_MODE, &c->mode, sizeof c->mode);
-    case CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS:
-        return read_one(in, CUDNN_TYPE_INT64, &c->spatial_rank, sizeof c->spatial_rank);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-static cudnnStatus_t set_conv_op(struct op_attrs *op, cudnnBackendAttributeName_t name,
-                                 const struct attr_in *in)
-{
-    switch (role_of(op->type, name)) {
-    case ROLE_X:
-        return read_desc(in, CUDNN_BACKEND_TENSOR_DESCRIPTOR, &op->conv.x, sizeof op->conv.x);
-    case ROLE_W:
-        return read_desc(in, CUDNN_BACKEND_TENSOR_DESCRIPTOR, &op->conv.w, sizeof op->conv.w);
-    case ROLE_Y:
-        return read_desc(in, CUDNN_BACKEND_TENSOR_DESCRIPTOR, &op->conv.y, sizeof op->conv.y);
-    case ROLE_CONV:
-        return read_desc(in, CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR, &op->conv.conv,
-                         sizeof op->conv.conv);
-    case ROLE_ALPHA:
-        return read_scale(in, &op->conv.alpha);
-    case ROLE_BETA:
-        return read_scale(in, &op->conv.beta);
-    case ROLE_NONE:
-        break;
-    }
-    return CUDNN_STATUS_NOT_SUPPORTED;
-}
-
-ALLOW_DEPRECATED_BEGIN
-static cudnnStatus_t set_pointwise(struct pointwise_attrs *p, cudnnBackendAttributeName_t name,
+static cudnnStatus_t set_graph_ops(const struct attr_field *f, struct fake_backend *d,
                                    const struct attr_in *in)
 {
-    switch (name) {
-    case CUDNN_ATTR_POINTWISE_MODE:
-        return read_one(in, CUDNN_TYPE_POINTWISE_MODE, &p->mode, sizeof p->mode);
-    case CUDNN_ATTR_POINTWISE_MATH_PREC:
-        return read_one(in, CUDNN_TYPE_DATA_TYPE, &p->math_precision, sizeof p->math_precision);
-    case CUDNN_ATTR_POINTWISE_NAN_PROPAGATION: /* cudnn-frontend sets it for every ReLU */
-        return read_one(in, CUDNN_TYPE_NAN_PROPOGATION, &p->nan_propagation,
-                        sizeof p->nan_propagation);
-    case CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP:
-        return read_scale(in, &p->lower_clip);
-    case CUDNN_ATTR_POINTWISE_RELU_UPPER_CLIP:
-        return read_scale(in, &p->upper_clip);
-    case CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE:
-        return read_scale(in, &p->lower_clip_slope);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-ALLOW_DEPRECATED_END
-
-static cudnnStatus_t set_pointwise_op(struct pointwise_op_attrs *op,
-                                      cudnnBackendAttributeName_t name, const struct attr_in *in)
-{
-    switch (name) {
-    case CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR:
-        return read_desc(in, CUDNN_BACKEND_POINTWISE_DESCRIPTOR, &op->pointwise,
-                         sizeof op->pointwise);
-    case CUDNN_ATTR_OPERATION_POINTWISE_XDESC:
-        return read_desc(in, CUDNN_BACKEND_TENSOR_DESCRIPTOR, &op->x, sizeof op->x);
-    case CUDNN_ATTR_OPERATION_POINTWISE_YDESC:
-        return read_desc(in, CUDNN_BACKEND_TENSOR_DESCRIPTOR, &op->y, sizeof op->y);
-    case CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1:
-        return read_scale(in, &op->alpha1);
-    case CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2:
-        return read_scale(in, &op->alpha2);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-static cudnnStatus_t read_ops(struct graph_attrs *graph, const struct attr_in *in)
-{
+    (void)f;
+    struct graph_attrs *graph = &d->graph;
     cudnnStatus_t status = check_in(in, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, INT64_MAX);
     if (status != CUDNN_STATUS_SUCCESS)
         return status;
@@ -615,254 +569,36 @@ static cudnnStatus_t read_ops(struct graph_attrs *graph, const struct attr_in *i
     return CUDNN_STATUS_SUCCESS;
 }
 
-ALLOW_DEPRECATED_BEGIN
-static cudnnStatus_t set_graph(struct graph_attrs *graph, cudnnBackendAttributeName_t name,
-                               const struct attr_in *in)
+static cudnnStatus_t get_graph_ops(const struct attr_field *f, const struct fake_backend *d,
+                                   const struct attr_out *out)
 {
-    switch (name) {
-    case CUDNN_ATTR_OPERATIONGRAPH_HANDLE:
-        return read_handle(in, &graph->handle);
-    case CUDNN_ATTR_OPERATIONGRAPH_OPS:
-        return read_ops(graph, in);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-ALLOW_DEPRECATED_END
-
-static cudnnStatus_t set_heuristics(struct heuristics_attrs *h, cudnnBackendAttributeName_t name,
-                                    const struct attr_in *in)
-{
-    switch (name) {
-    case CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH:
-        return read_desc(in, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &h->graph, sizeof h->graph);
-    case CUDNN_ATTR_ENGINEHEUR_MODE:
-        return read_one(in, CUDNN_TYPE_HEUR_MODE, &h->mode, sizeof h->mode);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-static cudnnStatus_t set_engine(struct engine_attrs *e, cudnnBackendAttributeName_t name,
-                                const struct attr_in *in)
-{
-    switch (name) {
-    case CUDNN_ATTR_ENGINE_OPERATION_GRAPH:
-        return read_desc(in, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &e->graph, sizeof e->graph);
-    case CUDNN_ATTR_ENGINE_GLOBAL_INDEX:
-        return read_one(in, CUDNN_TYPE_INT64, &e->index, sizeof e->index);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-static cudnnStatus_t set_knob(struct knob_attrs *k, cudnnBackendAttributeName_t name,
-                              const struct attr_in *in)
-{
-    switch (name) {
-    case CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE:
-        return read_one(in, CUDNN_TYPE_KNOB_TYPE, &k->type, sizeof k->type);
-    case CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE:
-        return read_one(in, CUDNN_TYPE_INT64, &k->value, sizeof k->value);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-static bool is_knob_choice(cudnnBackendDescriptorType_t type)
-{
-    return type == CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR;
-}
-
-static cudnnStatus_t read_knobs(struct engine_config_attrs *c, const struct attr_in *in)
-{
-    cudnnStatus_t status = check_in(in, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, MAX_KNOBS);
-    struct knob_attrs knobs[MAX_KNOBS];
-    for (int64_t i = 0; status == CUDNN_STATUS_SUCCESS && i < in->count; ++i) {
-        const struct fake_backend *knob;
-        status = read_desc_at(in, i, is_knob_choice, &knob);
-        if (status == CUDNN_STATUS_SUCCESS)
-            knobs[i] = knob->knob;
-    }
-    if (status == CUDNN_STATUS_SUCCESS) {
-        memcpy(c->knobs, knobs, (size_t)in->count * sizeof knobs[0]);
-        c->knob_count = (int)in->count;
-    }
-    return status;
-}
-
-static cudnnStatus_t set_engine_config(struct engine_config_attrs *c,
-                                       cudnnBackendAttributeName_t name, const struct attr_in *in)
-{
-    switch (name) {
-    case CUDNN_ATTR_ENGINECFG_ENGINE:
-        return read_desc(in, CUDNN_BACKEND_ENGINE_DESCRIPTOR, &c->engine, sizeof c->engine);
-    case CUDNN_ATTR_ENGINECFG_KNOB_CHOICES:
-        return read_knobs(c, in);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-ALLOW_DEPRECATED_BEGIN
-static cudnnStatus_t set_plan(struct plan_attrs *p, cudnnBackendAttributeName_t name,
-                              const struct attr_in *in)
-{
-    switch (name) {
-    case CUDNN_ATTR_EXECUTION_PLAN_HANDLE:
-        return read_handle(in, &p->handle);
-    case CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG:
-        return read_desc(in, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &p->config, sizeof p->config);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-ALLOW_DEPRECATED_END
-
-static cudnnStatus_t set_variant_pack(struct variant_pack_attrs *v,
-                                      cudnnBackendAttributeName_t name, const struct attr_in *in)
-{
-    cudnnStatus_t status;
-    switch (name) {
-    case CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS:
-        return read_int64s(in, 0, MAX_PACK_ENTRIES, v->uids, &v->uid_count);
-    case CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS:
-        status = check_in(in, CUDNN_TYPE_VOID_PTR, 0, MAX_PACK_ENTRIES);
-        if (status == CUDNN_STATUS_SUCCESS) {
-            memcpy(v->pointers, in->values, (size_t)in->count * sizeof v->pointers[0]);
-            v->pointer_count = (int)in->count;
-        }
-        return status;
-    case CUDNN_ATTR_VARIANT_PACK_WORKSPACE:
-        return read_one(in, CUDNN_TYPE_VOID_PTR, &v->workspace, sizeof v->workspace);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-static cudnnStatus_t set_attribute(struct fake_backend *d, cudnnBackendAttributeName_t name,
-                                   const struct attr_in *in)
-{
-    switch (d->type) {
-    case CUDNN_BACKEND_TENSOR_DESCRIPTOR:
-        return set_tensor(&d->tensor, name, in);
-    case CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR:
-        return set_convolution(&d->convolution, name, in);
-    case CUDNN_BACKEND_POINTWISE_DESCRIPTOR:
-        return set_pointwise(&d->pointwise, name, in);
-    case CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR:
-        return set_pointwise_op(&d->op.pointwise, name, in);
-    case CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR:
-        return set_graph(&d->graph, name, in);
-    case CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR:
-        return set_heuristics(&d->heuristics, name, in);
-    case CUDNN_BACKEND_ENGINE_DESCRIPTOR:
-        return set_engine(&d->engine, name, in);
-    case CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR:
-        return set_knob(&d->knob, name, in);
-    case CUDNN_BACKEND_ENGINECFG_DESCRIPTOR:
-        return set_engine_config(&d->config, name, in);
-    case CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR:
-        return set_plan(&d->plan, name, in);
-    case CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR:
-        return set_variant_pack(&d->pack, name, in);
-    default: /* the three convolution operations */
-        return set_conv_op(&d->op, name, in);
-    }
-}
-
-/* ---------------------------------------------------------------- Get, per descriptor type */
-
-static cudnnStatus_t get_tensor(const struct tensor_attrs *t, cudnnBackendAttributeName_t name,
-                                const struct attr_out *out)
-{
-    switch (name) {
-    case CUDNN_ATTR_TENSOR_DATA_TYPE:
-        return write_values(out, CUDNN_TYPE_DATA_TYPE, &t->data_type, sizeof t->data_type, 1);
-    case CUDNN_ATTR_TENSOR_DIMENSIONS:
-        return write_values(out, CUDNN_TYPE_INT64, t->dims, sizeof t->dims[0], t->rank);
-    case CUDNN_ATTR_TENSOR_STRIDES:
-        return write_values(out, CUDNN_TYPE_INT64, t->strides, sizeof t->strides[0], t->rank);
-    case CUDNN_ATTR_TENSOR_UNIQUE_ID:
-        return write_int64(out, t->uid);
-    case CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT:
-        return write_int64(out, t->alignment);
-    case CUDNN_ATTR_TENSOR_IS_VIRTUAL:
-        return write_values(out, CUDNN_TYPE_BOOLEAN, &t->is_virtual, sizeof t->is_virtual, 1);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-static cudnnStatus_t get_convolution(const struct convolution_attrs *c,
-                                     cudnnBackendAttributeName_t name, const struct attr_out *out)
-{
-    int array = conv_array_of(name);
-    if (array >= 0)
-        return write_values(out, CUDNN_TYPE_INT64, c->values[array], sizeof c->values[0][0],
-                            c->counts[array]);
-    switch (name) {
-    case CUDNN_ATTR_CONVOLUTION_COMP_TYPE:
-        return write_values(out, CUDNN_TYPE_DATA_TYPE, &c->compute_type, sizeof c->compute_type,
-                            1);
-    case CUDNN_ATTR_CONVOLUTION_CONV_MODE:
-        return write_values(out, CUDNN_TYPE_CONVOLUTION_MODE, &c->mode, sizeof c->mode, 1);
-    case CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS:
-        return write_int64(out, c->spatial_rank);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
-}
-
-static cudnnStatus_t get_conv_op(const struct op_attrs *op, cudnnBackendAttributeName_t name,
-                                 const struct attr_out *out)
-{
-    switch (role_of(op->type, name)) {
-    case ROLE_X:
-        return WRITE_TENSOR(out, &op->conv.x);
-    case ROLE_W:
-        return WRITE_TENSOR(out, &op->conv.w);
-    case ROLE_Y:
-        return WRITE_TENSOR(out, &op->conv.y);
-    case ROLE_CONV:
-        return write_desc(out, CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR, &op->conv.conv,
-                          sizeof op->conv.conv);
-    case ROLE_ALPHA:
-        return write_scale(out, op->conv.alpha);
-    case ROLE_BETA:
-        return write_scale(out, op->conv.beta);
-    case ROLE_NONE:
-        break;
-    }
-    return CUDNN_STATUS_NOT_SUPPORTED;
-}
-
-static cudnnStatus_t get_graph(const struct graph_attrs *graph, cudnnBackendAttributeName_t name,
-                               const struct attr_out *out)
-{
+    (void)f;
+    const struct graph_attrs *graph = &d->graph;
     struct desc_ref refs[MAX_GRAPH_OPS];
-    switch (name) {
-    case CUDNN_ATTR_OPERATIONGRAPH_OPS:
-        for (int i = 0; i < graph->op_count; ++i)
-            refs[i] = (struct desc_ref){graph->ops[i].type, &graph->ops[i], sizeof graph->ops[i]};
-        return write_descs(out, refs, graph->op_count);
-    case CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT:
-        return write_int64(out, ENGINE_COUNT);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
+    for (int i = 0; i < graph->op_count; ++i)
+        refs[i] = (struct desc_ref){graph->ops[i].type, &graph->ops[i], sizeof graph->ops[i]};
+    return write_descs(out, refs, graph->op_count);
+}
+
+static cudnnStatus_t get_engine_count(const struct attr_field *f, const struct fake_backend *d,
+                                      const struct attr_out *out)
+{
+    (void)f, (void)d;
+    return write_int64(out, ENGINE_COUNT);
 }
 
 /* Heuristics: every engine supports every valid graph; the highest index (largest workspace, so
  * fastest in spirit) first. */
-static cudnnStatus_t get_heuristics_results(const struct heuristics_attrs *h,
+static cudnnStatus_t get_heuristics_results(const struct attr_field *f,
+                                            const struct fake_backend *d,
                                             const struct attr_out *out)
 {
+    (void)f;
     struct engine_config_attrs configs[ENGINE_COUNT];
     struct desc_ref refs[ENGINE_COUNT];
     for (int i = 0; i < ENGINE_COUNT; ++i) {
         configs[i] = (struct engine_config_attrs){
-            .engine = {.graph = h->graph, .index = ENGINE_COUNT - 1 - i}};
+            .engine = {.graph = d->heuristics.graph, .index = ENGINE_COUNT - 1 - i}};
         refs[i] = (struct desc_ref){CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &configs[i],
                                     sizeof configs[i]};
     }
@@ -884,105 +620,257 @@ static bool engine_nondeterministic(int64_t index)
     return false;
 }
 
-static cudnnStatus_t get_engine(const struct engine_attrs *e, cudnnBackendAttributeName_t name,
-                                const struct attr_out *out)
+static cudnnStatus_t get_numerical_notes(const struct attr_field *f, const struct fake_backend *d,
+                                         const struct attr_out *out)
 {
+    (void)f;
     cudnnBackendNumericalNote_t notes[2];
     int note_count = 0;
-    if (e->index == TENSOR_CORE_ENGINE)
+    if (d->engine.index == TENSOR_CORE_ENGINE)
         notes[note_count++] = CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
-    if (engine_nondeterministic(e->index))
+    if (engine_nondeterministic(d->engine.index))
         notes[note_count++] = CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
-    switch (name) {
-    case CUDNN_ATTR_ENGINE_OPERATION_GRAPH:
-        return write_desc(out, CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, &e->graph,
-                          sizeof e->graph);
-    case CUDNN_ATTR_ENGINE_GLOBAL_INDEX:
-        return write_int64(out, e->index);
-    case CUDNN_ATTR_ENGINE_NUMERICAL_NOTE:
-        return write_values(out, CUDNN_TYPE_NUMERICAL_NOTE, notes, sizeof notes[0], note_count);
-    case CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE:
-        return write_none(out, CUDNN_TYPE_BEHAVIOR_NOTE);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
+    return write_values(out, CUDNN_TYPE_NUMERICAL_NOTE, notes, sizeof notes[0], note_count);
 }
 
-static cudnnStatus_t get_knob(const struct knob_attrs *k, cudnnBackendAttributeName_t name,
-                              const struct attr_out *out)
+static cudnnStatus_t get_behavior_notes(const struct attr_field *f, const struct fake_backend *d,
+                                        const struct attr_out *out)
 {
-    switch (name) {
-    case CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE:
-        return write_values(out, CUDNN_TYPE_KNOB_TYPE, &k->type, sizeof k->type, 1);
-    case CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE:
-        return write_int64(out, k->value);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
+    (void)f, (void)d;
+    return write_none(out, CUDNN_TYPE_BEHAVIOR_NOTE);
 }
 
-static cudnnStatus_t get_engine_config(const struct engine_config_attrs *c,
-                                       cudnnBackendAttributeName_t name,
-                                       const struct attr_out *out)
+static bool is_knob_choice(cudnnBackendDescriptorType_t type)
 {
+    return type == CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR;
+}
+
+static cudnnStatus_t set_knob_choices(const struct attr_field *f, struct fake_backend *d,
+                                      const struct attr_in *in)
+{
+    (void)f;
+    cudnnStatus_t status = check_in(in, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, MAX_KNOBS);
+    struct knob_attrs knobs[MAX_KNOBS];
+    for (int64_t i = 0; status == CUDNN_STATUS_SUCCESS && i < in->count; ++i) {
+        const struct fake_backend *knob;
+        status = read_desc_at(in, i, is_knob_choice, &knob);
+        if (status == CUDNN_STATUS_SUCCESS)
+            knobs[i] = knob->knob;
+    }
+    if (status == CUDNN_STATUS_SUCCESS) {
+        memcpy(d->config.knobs, knobs, (size_t)in->count * sizeof knobs[0]);
+        d->config.knob_count = (int)in->count;
+    }
+    return status;
+}
+
+static cudnnStatus_t get_knob_choices(const struct attr_field *f, const struct fake_backend *d,
+                                      const struct attr_out *out)
+{
+    (void)f;
+    const struct engine_config_attrs *c = &d->config;
     struct desc_ref refs[MAX_KNOBS];
-    switch (name) {
-    case CUDNN_ATTR_ENGINECFG_ENGINE:
-        return write_desc(out, CUDNN_BACKEND_ENGINE_DESCRIPTOR, &c->engine, sizeof c->engine);
-    case CUDNN_ATTR_ENGINECFG_KNOB_CHOICES:
-        for (int i = 0; i < c->knob_count; ++i)
-            refs[i] = (struct desc_ref){CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR, &c->knobs[i],
-                                        sizeof c->knobs[i]};
-        return write_descs(out, refs, c->knob_count);
-    case CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE:
-        return write_int64(
-            out, (int64_t)fake_workspace_bytes(c->engine.index, graph_batch(&c->engine.graph)));
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
+    for (int i = 0; i < c->knob_count; ++i)
+        refs[i] = (struct desc_ref){CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR, &c->knobs[i],
+                                    sizeof c->knobs[i]};
+    return write_descs(out, refs, c->knob_count);
 }
 
-static cudnnStatus_t get_plan(const struct plan_attrs *p, cudnnBackendAttributeName_t name,
-                              const struct attr_out *out)
+static cudnnStatus_t get_config_workspace(const struct attr_field *f,
+                                          const struct fake_backend *d,
+                                          const struct attr_out *out)
 {
-    switch (name) {
-    case CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE:
-        return write_int64(out, (int64_t)p->workspace);
-    case CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG:
-        return write_desc(out, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &p->config, sizeof p->config);
-    default:
-        return CUDNN_STATUS_NOT_SUPPORTED;
+    (void)f;
+    const struct engine_attrs *e = &d->config.engine;
+    return write_int64(out, (int64_t)fake_workspace_bytes(e->index, graph_batch(&e->graph)));
+}
+
+static cudnnStatus_t get_plan_workspace(const struct attr_field *f, const struct fake_backend *d,
+                                        const struct attr_out *out)
+{
+    (void)f;
+    return write_int64(out, (int64_t)d->plan.workspace);
+}
+
+/* The value of `member` of struct fake_backend; an array `member`, its int `count`, min..max. */
+#define AT(member)                                                                                 \
+    .offset = offsetof(struct fake_backend, member),                                               \
+    .size = sizeof(((struct fake_backend *)0)->member)
+#define ARRAY(member, count, min, max)                                                             \
+    .offset = offsetof(struct fake_backend, member),                                               \
+    .size = sizeof(((struct fake_backend *)0)->member[0]),                                         \
+    .count_offset = offsetof(struct fake_backend, count), .min_count = (min), .max_count = (max)
+#define RW set_value, get_value
+#define RW_ARRAY set_array, get_array
+#define RW_SCALE set_scale, get_scale
+#define RW_DESC set_desc, get_desc
+
+/* Short names of the descriptor types in ATTR_FIELDS. */
+#define DT_TENSOR CUDNN_BACKEND_TENSOR_DESCRIPTOR
+#define DT_CONV CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR
+#define DT_CONV_OP CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR /* see forward_name */
+#define DT_POINTWISE CUDNN_BACKEND_POINTWISE_DESCRIPTOR
+#define DT_POINTWISE_OP CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR
+#define DT_GRAPH CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR
+#define DT_HEURISTICS CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR
+#define DT_ENGINE CUDNN_BACKEND_ENGINE_DESCRIPTOR
+#define DT_KNOB CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR
+#define DT_CONFIG CUDNN_BACKEND_ENGINECFG_DESCRIPTOR
+#define DT_PLAN CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR
+#define DT_PACK CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR
+
+/* Descriptor types without Get rows (pointwise, variant packs) are write-only here. */
+ALLOW_DEPRECATED_BEGIN
+static const struct attr_field ATTR_FIELDS[] = {
+    {DT_TENSOR, CUDNN_ATTR_TENSOR_DATA_TYPE, set_tensor_data_type, get_value,
+     .type = CUDNN_TYPE_DATA_TYPE, AT(tensor.data_type)},
+    {DT_TENSOR, CUDNN_ATTR_TENSOR_DIMENSIONS, RW_ARRAY, .type = CUDNN_TYPE_INT64,
+     ARRAY(tensor.dims, tensor.rank, 4, MAX_RANK)},
+    /* read back rank strides: finalization requires stride_count == rank */
+    {DT_TENSOR, CUDNN_ATTR_TENSOR_STRIDES, RW_ARRAY, .type = CUDNN_TYPE_INT64,
+     ARRAY(tensor.strides, tensor.stride_count, 4, MAX_RANK)},
+    {DT_TENSOR, CUDNN_ATTR_TENSOR_UNIQUE_ID, RW, .type = CUDNN_TYPE_INT64, AT(tensor.uid)},
+    {DT_TENSOR, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, RW, .type = CUDNN_TYPE_INT64,
+     AT(tensor.alignment)},
+    {DT_TENSOR, CUDNN_ATTR_TENSOR_IS_VIRTUAL, RW, .type = CUDNN_TYPE_BOOLEAN,
+     AT(tensor.is_virtual)},
+
+    {DT_CONV, CUDNN_ATTR_CONVOLUTION_COMP_TYPE, RW, .type = CUDNN_TYPE_DATA_TYPE,
+     AT(convolution.compute_type)},
+    {DT_CONV, CUDNN_ATTR_CONVOLUTION_CONV_MODE, RW, .type = CUDNN_TYPE_CONVOLUTION_MODE,
+     AT(convolution.mode)},
+    {DT_CONV, CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, RW, .type = CUDNN_TYPE_INT64,
+     AT(convolution.spatial_rank)},
+    {DT_CONV, CUDNN_ATTR_CONVOLUTION_DILATIONS, RW_ARRAY, .type = CUDNN_TYPE_INT64,
+     ARRAY(convolution.values[CONV_DILATIONS], convolution.counts[CONV_DILATIONS], 1,
+           FAKE_SPATIAL)},
+    {DT_CONV, CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, RW_ARRAY, .type = CUDNN_TYPE_INT64,
+     ARRAY(convolution.values[CONV_STRIDES], convolution.counts[CONV_STRIDES], 1, FAKE_SPATIAL)},
+    {DT_CONV, CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, RW_ARRAY, .type = CUDNN_TYPE_INT64,
+     ARRAY(convolution.values[CONV_PRE_PADDINGS], convolution.counts[CONV_PRE_PADDINGS], 1,
+           FAKE_SPATIAL)},
+    {DT_CONV, CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, RW_ARRAY, .type = CUDNN_TYPE_INT64,
+     ARRAY(convolution.values[CONV_POST_PADDINGS], convolution.counts[CONV_POST_PADDINGS], 1,
+           FAKE_SPATIAL)},
+
+    {DT_CONV_OP, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, RW_DESC,
+     .of = CUDNN_BACKEND_TENSOR_DESCRIPTOR, AT(op.conv.x)},
+    {DT_CONV_OP, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, RW_DESC,
+     .of = CUDNN_BACKEND_TENSOR_DESCRIPTOR, AT(op.conv.w)},
+    {DT_CONV_OP, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, RW_DESC,
+     .of = CUDNN_BACKEND_TENSOR_DESCRIPTOR, AT(op.conv.y)},
+    {DT_CONV_OP, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, RW_DESC,
+     .of = CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR, AT(op.conv.conv)},
+    {DT_CONV_OP, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, RW_SCALE, AT(op.conv.alpha)},
+    {DT_CONV_OP, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, RW_SCALE, AT(op.conv.beta)},
+
+    {DT_POINTWISE, CUDNN_ATTR_POINTWISE_MODE, set_value, NULL, .type = CUDNN_TYPE_POINTWISE_MODE,
+     AT(pointwise.mode)},
+    {DT_POINTWISE, CUDNN_ATTR_POINTWISE_MATH_PREC, set_value, NULL, .type = CUDNN_TYPE_DATA_TYPE,
+     AT(pointwise.math_precision)},
+    /* cudnn-frontend sets it for every ReLU */
+    {DT_POINTWISE, CUDNN_ATTR_POINTWISE_NAN_PROPAGATION, set_value, NULL,
+     .type = CUDNN_TYPE_NAN_PROPOGATION, AT(pointwise.nan_propagation)},
+    {DT_POINTWISE, CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP, set_scale, NULL, AT(pointwise.lower_clip)},
+    {DT_POINTWISE, CUDNN_ATTR_POINTWISE_RELU_UPPER_CLIP, set_scale, NULL, AT(pointwise.upper_clip)},
+    {DT_POINTWISE, CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE, set_scale, NULL,
+     AT(pointwise.lower_clip_slope)},
+
+    {DT_POINTWISE_OP, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, set_desc, NULL,
+     .of = CUDNN_BACKEND_POINTWISE_DESCRIPTOR, AT(op.pointwise.pointwise)},
+    {DT_POINTWISE_OP, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, set_desc, NULL,
+     .of = CUDNN_BACKEND_TENSOR_DESCRIPTOR, AT(op.pointwise.x)},
+    {DT_POINTWISE_OP, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, set_desc, NULL,
+     .of = CUDNN_BACKEND_TENSOR_DESCRIPTOR, AT(op.pointwise.y)},
+    {DT_POINTWISE_OP, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, set_scale, NULL,
+     AT(op.pointwise.alpha1)},
+    {DT_POINTWISE_OP, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, set_scale, NULL,
+     AT(op.pointwise.alpha2)},
+
+    {DT_GRAPH, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, set_handle, NULL, AT(graph.handle)},
+    {DT_GRAPH, CUDNN_ATTR_OPERATIONGRAPH_OPS, .set = set_graph_ops, .get = get_graph_ops},
+    {DT_GRAPH, CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT, .get = get_engine_count},
+
+    {DT_HEURISTICS, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, set_desc, NULL,
+     .of = CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, AT(heuristics.graph)},
+    {DT_HEURISTICS, CUDNN_ATTR_ENGINEHEUR_MODE, set_value, NULL, .type = CUDNN_TYPE_HEUR_MODE,
+     AT(heuristics.mode)},
+    {DT_HEURISTICS, CUDNN_ATTR_ENGINEHEUR_RESULTS, .get = get_heuristics_results},
+
+    {DT_ENGINE, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, RW_DESC,
+     .of = CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, AT(engine.graph)},
+    {DT_ENGINE, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, RW, .type = CUDNN_TYPE_INT64, AT(engine.index)},
+    {DT_ENGINE, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, .get = get_numerical_notes},
+    {DT_ENGINE, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, .get = get_behavior_notes},
+
+    {DT_KNOB, CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, RW, .type = CUDNN_TYPE_KNOB_TYPE, AT(knob.type)},
+    {DT_KNOB, CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, RW, .type = CUDNN_TYPE_INT64, AT(knob.value)},
+
+    {DT_CONFIG, CUDNN_ATTR_ENGINECFG_ENGINE, RW_DESC, .of = CUDNN_BACKEND_ENGINE_DESCRIPTOR,
+     AT(config.engine)},
+    {DT_CONFIG, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, .set = set_knob_choices,
+     .get = get_knob_choices},
+    {DT_CONFIG, CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE, .get = get_config_workspace},
+
+    {DT_PLAN, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, set_handle, NULL, AT(plan.handle)},
+    {DT_PLAN, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, RW_DESC,
+     .of = CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, AT(plan.config)},
+    {DT_PLAN, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, .get = get_plan_workspace},
+
+    {DT_PACK, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, set_array, NULL, .type = CUDNN_TYPE_INT64,
+     ARRAY(pack.uids, pack.uid_count, 0, MAX_PACK_ENTRIES)},
+    {DT_PACK, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, set_array, NULL, .type = CUDNN_TYPE_VOID_PTR,
+     ARRAY(pack.pointers, pack.pointer_count, 0, MAX_PACK_ENTRIES)},
+    {DT_PACK, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, set_value, NULL, .type = CUDNN_TYPE_VOID_PTR,
+     AT(pack.workspace)},
+};
+ALLOW_DEPRECATED_END
+
+/* The three convolution operations have the same fields under their own attribute names
+ * (CONV_OP_NAMES); ATTR_FIELDS lists them under the forward operation's. */
+static bool forward_name(cudnnBackendDescriptorType_t conv_op_type,
+                         cudnnBackendAttributeName_t *name)
+{
+    const struct conv_op_names *own = &CONV_OP_NAMES[direction_of(conv_op_type)];
+    const struct conv_op_names *fwd = &CONV_OP_NAMES[FAKE_FWD];
+    const cudnnBackendAttributeName_t from[] = {own->x, own->w, own->y,
+                                                own->conv, own->alpha, own->beta};
+    const cudnnBackendAttributeName_t to[] = {fwd->x, fwd->w, fwd->y,
+                                              fwd->conv, fwd->alpha, fwd->beta};
+    for (size_t i = 0; i < sizeof from / sizeof from[0]; ++i)
+        if (*name == from[i]) {
+            *name = to[i];
+            return true;
+        }
+    return false;
+}
+
+static const struct attr_field *find_field(cudnnBackendDescriptorType_t type,
+                                           cudnnBackendAttributeName_t name)
+{
+    if (is_conv_op(type)) {
+        if (!forward_name(type, &name))
+            return NULL;
+        type = CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR;
     }
+    for (size_t i = 0; i < sizeof ATTR_FIELDS / sizeof ATTR_FIELDS[0]; ++i)
+        if (ATTR_FIELDS[i].desc_type == type && ATTR_FIELDS[i].name == name)
+            return &ATTR_FIELDS[i];
+    return NULL;
+}
+
+static cudnnStatus_t set_attribute(struct fake_backend *d, cudnnBackendAttributeName_t name,
+                                   const struct attr_in *in)
+{
+    const struct attr_field *f = find_field(d->type, name);
+    return f != NULL && f->set != NULL ? f->set(f, d, in) : CUDNN_STATUS_NOT_SUPPORTED;
 }
 
 static cudnnStatus_t get_attribute(const struct fake_backend *d, cudnnBackendAttributeName_t name,
                                    const struct attr_out *out)
 {
-    switch (d->type) {
-    case CUDNN_BACKEND_TENSOR_DESCRIPTOR:
-        return get_tensor(&d->tensor, name, out);
-    case CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR:
-        return get_convolution(&d->convolution, name, out);
-    case CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR:
-    case CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR:
-    case CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR:
-        return get_conv_op(&d->op, name, out);
-    case CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR:
-        return get_graph(&d->graph, name, out);
-    case CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR:
-        return name == CUDNN_ATTR_ENGINEHEUR_RESULTS ? get_heuristics_results(&d->heuristics, out)
-                                                     : CUDNN_STATUS_NOT_SUPPORTED;
-    case CUDNN_BACKEND_ENGINE_DESCRIPTOR:
-        return get_engine(&d->engine, name, out);
-    case CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR:
-        return get_knob(&d->knob, name, out);
-    case CUDNN_BACKEND_ENGINECFG_DESCRIPTOR:
-        return get_engine_config(&d->config, name, out);
-    case CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR:
-        return get_plan(&d->plan, name, out);
-    default: /* pointwise descriptors, variant packs: write-only here */
-        return CUDNN_STATUS_NOT_SUPPORTED;
-    }
+    const struct attr_field *f = find_field(d->type, name);
+    return f != NULL && f->get != NULL ? f->get(f, d, out) : CUDNN_STATUS_NOT_SUPPORTED;
 }
 
 /* ---------------------------------------------------------------- geometry from backend tensors */
