@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from ._version import __version__
 from .errors import MucudnnError, UnwritableError
 from .sizes import parse_size
 
@@ -45,7 +46,7 @@ class Group(click.Group):
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="mucudnn")
+@click.version_option(version=__version__, prog_name="mucudnn")
 def main() -> None:
     """Micro-batched cuDNN convolutions: fast algorithms under a workspace limit.
 

@@ -2,7 +2,8 @@
 
 The shim is C compiled against the cuDNN headers (it links nothing of cuDNN: the real functions are
 found with ``dlsym`` at run time). :func:`build_shim` compiles it once per distinct set of sources
-and headers into a cache directory; :func:`shim_path` returns the built library.
+and headers into a cache directory by running shim/Makefile (the one copy of the build flags);
+:func:`shim_path` returns the built library.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ._version import __version__
 from .errors import LibraryNotFoundError, MucudnnError
 
 # mucudnn/shim_src links to the checkout's shim/ and is copied into wheels, so an installed
@@ -135,15 +137,18 @@ def find_compiler() -> str:
 
 
 def _source_files() -> list[Path]:
-    files = sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]")) + sorted(SHIM_SOURCE_DIR.glob("include/*.h"))
+    files = (sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]")) + sorted(SHIM_SOURCE_DIR.glob("include/*.h"))
+             + [SHIM_SOURCE_DIR / "Makefile"])
     if not files:
         raise MucudnnError(f"shim sources not found in {SHIM_SOURCE_DIR}")
     return files
 
 
 def _build_hash(cudnn_include: Path, cuda_include: Path, compiler: str) -> str:
-    """Hash of the sources, the cuDNN headers and the compiler: a new build when any changes."""
+    """Hash of the sources, the Makefile, the version, the cuDNN headers and the compiler: a new
+    build when any changes."""
     digest = hashlib.sha256(compiler.encode())
+    digest.update(__version__.encode())
     for path in _source_files() + sorted(cudnn_include.glob("cudnn*.h")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
@@ -157,15 +162,25 @@ def _cache_root() -> Path:
     return _user_cache() / "shim"
 
 
-def build_shim(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
-    """Compile the shim and return the path of ``libmucudnn.so``.
+def find_make() -> str:
+    """``make`` on PATH (the shim is built by shim/Makefile, the one copy of its build flags)."""
+    path = shutil.which("make")
+    if path is None:
+        raise MucudnnError("no 'make' found on PATH; install make (it runs the shim's Makefile)")
+    return path
 
+
+def build_shim(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Build the shim with its Makefile and return the path of ``libmucudnn.so``.
+
+    Runs ``make -C <shim sources> CUDNN_INCLUDE=… CUDA_INCLUDE=… CC=… VERSION=… OUT=<scratch>``.
     ``out_dir`` defaults to ``<cache>/<hash>/`` where the cache is ``$MUCUDNN_SHIM_DIR`` or
     ``~/.cache/mucudnn/shim``; an existing build there is reused unless ``force``. Raises
     :class:`LibraryNotFoundError` when the headers are missing and :class:`MucudnnError` when no
-    compiler is found or compilation fails (the message carries the compiler's output).
+    compiler or make is found or the build fails (the message carries the compiler's output).
     """
     compiler = find_compiler()
+    make = find_make()
     cudnn_include, cuda_include = find_cudnn_include(), find_cuda_include()
     target_dir = (Path(out_dir) if out_dir is not None
                   else _cache_root() / _build_hash(cudnn_include, cuda_include, compiler))
@@ -175,16 +190,14 @@ def build_shim(out_dir: str | os.PathLike | None = None, force: bool = False) ->
     target_dir.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so concurrent builders never see a half-written file.
     with tempfile.TemporaryDirectory(dir=target_dir, prefix=".build-") as scratch:
-        command = [compiler, "-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-fPIC", "-shared",
-                   "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
-                   f"-I{SHIM_SOURCE_DIR / 'include'}", f"-I{cudnn_include}", f"-I{cuda_include}",
-                   *[str(p) for p in sorted(SHIM_SOURCE_DIR.glob("src/*.c"))],
-                   "-o", str(Path(scratch) / LIBRARY_NAME),
-                   "-Wl,--no-undefined", f"-Wl,-soname,{LIBRARY_NAME}", "-ldl", "-lpthread"]
+        command = [make, "-s", "-C", str(SHIM_SOURCE_DIR), f"CUDNN_INCLUDE={cudnn_include}",
+                   f"CUDA_INCLUDE={cuda_include}", f"CC={compiler}", f"VERSION={__version__}",
+                   f"OUT={scratch}"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise MucudnnError(f"building {LIBRARY_NAME} failed ({' '.join(command[:1])} exit "
-                               f"{result.returncode}):\n{result.stderr.strip()}")
+            output = (result.stderr.strip() or result.stdout.strip())
+            raise MucudnnError(f"building {LIBRARY_NAME} failed (make -C {SHIM_SOURCE_DIR} exit "
+                               f"{result.returncode}):\n{output}")
         os.replace(Path(scratch) / LIBRARY_NAME, library)
     return library
 
