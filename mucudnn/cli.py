@@ -12,11 +12,13 @@ from pathlib import Path
 import click
 
 from ._version import __version__
+from .engines import API_CHOICES
 from .errors import MucudnnError, UnwritableError
+from .policy import POLICIES as POLICY_NAMES
 from .sizes import parse_size
 
-POLICIES = click.Choice(["undivided", "powerOfTwo", "all", "fit"])
-APIS = click.Choice(["legacy", "graph", "both"])
+POLICIES = click.Choice(POLICY_NAMES)
+APIS = click.Choice(API_CHOICES)
 
 
 class SizeParam(click.ParamType):

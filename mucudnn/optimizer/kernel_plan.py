@@ -9,21 +9,10 @@ part as their workspace (``Piece.borrow``).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 
 from ..plan import PlanPiece
-
-
-class Policy(str, enum.Enum):
-    """Which micro-batch sizes a plan for a mini-batch of ``n`` may use."""
-
-    UNDIVIDED = "undivided"       # {n}: what cuDNN does on its own
-    POWER_OF_TWO = "powerOfTwo"   # {1, 2, 4, ...} up to n, and n itself
-    ALL = "all"                   # {1, ..., n}
-    # powerOfTwo, plus each configuration's largest size within a workspace limit (fit_sizes):
-    # most of what `all` gains, at a few sizes more per kernel
-    FIT = "fit"
+from ..policy import Policy  # noqa: F401 (re-exported: mucudnn.optimizer.Policy)
 
 
 def candidate_sizes(policy: Policy | str, n: int) -> list[int]:
