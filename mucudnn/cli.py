@@ -225,7 +225,7 @@ def tune(config, recordings, workspace_limit, total_workspace, front, policy, pr
 
     With no limit: a front plan, each kernel's fastest plans from any workspace down to the
     smallest (the shim runs, per call, the fastest that fits the workspace the call has)."""
-    from .bench import Environment
+    from .environment import Environment
     from .outputs import refuse_inputs_as_output
     from .report import SUM_LABEL, describe_math
     from .tuner import (as_kernels, check_excluded_names, open_measurements,
@@ -284,7 +284,7 @@ def _plan_summary(plan) -> str:
 def show(plan_path, store_path):
     """Print PLAN as a table: micro-batches, algorithms, workspace, predicted time, and speedups
     over the best undivided algorithm within the same limit and over uncapped cuDNN."""
-    from .bench import Environment
+    from .environment import Environment
     from .plan import read_plan, read_restrictions
     from .report import format_plan_table, plan_rows
     from .tuner import open_measurements

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import store as store_mod
-from .bench import Environment, current_environment, gpu_available
+from .environment import Environment, current_environment, gpu_available
 from .engines import api_of, parse_engine_name, select_apis
 from .errors import (EngineNameError, MissingMeasurementsError, MucudnnError, ReadOnlyStoreError,
                      UnwritableError)
