@@ -311,6 +311,13 @@ def configs_cmd():
         click.echo(f"{name:12s} N={batch!s:<9s} {len(cfg.kernels()):3d} kernels  {path}")
 
 
+@main.command("env")
+def env_cmd():
+    """Every MUCUDNN_* setting: its value here, meaning, default and what reads it."""
+    from .settings import format_settings
+    click.echo(format_settings())
+
+
 @main.command("build-shim")
 @click.option("--force", is_flag=True, help="rebuild even if a build exists")
 def build_shim_cmd(force):

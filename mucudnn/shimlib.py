@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ._version import __version__
 from .errors import LibraryNotFoundError, MucudnnError
+from .settings import user_cache_dir
 
 # mucudnn/shim_src links to the checkout's shim/ and is copied into wheels, so an installed
 # package carries the sources it builds the shim from.
@@ -32,19 +33,11 @@ CUDNN_HEADERS_WHEEL = "nvidia-cudnn-cu13==9.19.0.56"
 _WHEEL_INCLUDE = "nvidia/cudnn/include/"
 
 
-def _user_cache() -> Path:
-    """``$XDG_CACHE_HOME/mucudnn``, or ``~/.cache/mucudnn`` when that is unset or not absolute."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
-    if not base.is_absolute():
-        base = Path("~/.cache").expanduser()
-    return base / "mucudnn"
-
-
 def cudnn_headers_cache() -> Path:
     """Where :func:`unpack_cudnn_headers` puts the pinned wheel's headers, one directory per
     version, in the user's cache (so every checkout and command finds them)."""
     version = CUDNN_HEADERS_WHEEL.partition("==")[2]
-    return _user_cache() / f"cudnn-headers-{version}" / "include"
+    return user_cache_dir() / f"cudnn-headers-{version}" / "include"
 
 
 def unpack_cudnn_headers(wheel: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
@@ -159,7 +152,7 @@ def _build_hash(cudnn_include: Path, cuda_include: Path, compiler: str) -> str:
 def _cache_root() -> Path:
     if os.environ.get("MUCUDNN_SHIM_DIR"):
         return Path(os.environ["MUCUDNN_SHIM_DIR"])
-    return _user_cache() / "shim"
+    return user_cache_dir() / "shim"
 
 
 def find_make() -> str:
