@@ -1,4 +1,5 @@
-"""Where measurements are valid (:class:`Environment`) and whether a GPU is here.
+"""Where measurements are valid (:class:`Environment`), whether a GPU is here, and where the
+installed wheels are (:func:`package_dirs`).
 
 Imported by CPU-only tuning, so CuPy and the benchmarker are imported only inside the functions
 that need a GPU, never at module import."""
@@ -6,6 +7,8 @@ that need a GPU, never at module import."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 from . import errors
 
@@ -44,3 +47,15 @@ def gpu_available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
         return False
+
+
+def package_dirs(name: str) -> list[Path]:
+    """Directories of an installed (possibly namespace) package, without importing it: the one
+    search of the wheel directories (``nvidia`` for the CUDA and cuDNN wheels, ``torch``)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    return [Path(p) for p in (spec.submodule_search_locations or [])]

@@ -9,7 +9,6 @@ and headers into a cache directory by running shim/Makefile (the one copy of the
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 from ._version import __version__
+from .environment import package_dirs
 from .errors import LibraryNotFoundError, MucudnnError
 from .settings import user_cache_dir
 
@@ -69,12 +69,7 @@ def unpack_cudnn_headers(wheel: str | os.PathLike, dest: str | os.PathLike | Non
 
 def _nvidia_wheel_dirs(*parts: str) -> list[Path]:
     """``nvidia/<parts>`` in every search path of the ``nvidia`` namespace package (the CUDA wheels)."""
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return []
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    return [Path(location).joinpath(*parts) for location in locations]
+    return [location.joinpath(*parts) for location in package_dirs("nvidia")]
 
 
 def find_cudnn_include() -> Path:
