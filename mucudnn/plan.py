@@ -82,14 +82,6 @@ class PlanEntry:
     def is_divided(self) -> bool:
         return len(self.pieces) > 1
 
-    @classmethod
-    def from_kernel_plan(cls, plan) -> "PlanEntry":
-        """From an optimizer ``KernelPlan`` (key, n, pieces with batch/algo/math/workspace)."""
-        return cls(
-            key=plan.key, n=plan.n, workspace=plan.workspace, time_ms=plan.time_ms,
-            pieces=tuple(PlanPiece(p.batch, p.algo, p.math, borrow=p.borrow) for p in plan.pieces),
-        )
-
 
 @dataclasses.dataclass(frozen=True)
 class Restrictions:

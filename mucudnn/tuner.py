@@ -438,7 +438,7 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     plan = Plan(gpu=env.gpu, cudnn=env.cudnn, strategy=strategy, limit=limit,
                 policy=policy.value, comments=(source,), restrictions=rules)
     for kp in plans:
-        plan.add(PlanEntry.from_kernel_plan(kp))
+        plan.add(kp.plan_entry())
     return plan
 
 
