@@ -6,8 +6,7 @@ from .errors import (  # noqa: F401
 )
 from .measurement import Measurement, Status  # noqa: F401
 from .problem import ConvProblem, DataType, Direction, Layout, MathType  # noqa: F401
-
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 __all__ = [
     "BudgetError", "ConfigError", "ConvProblem", "CudnnError", "DataType", "Direction",

@@ -28,6 +28,8 @@ from typing import Iterable, Sequence
 
 from . import errors
 from .engines import Api, api_of, is_transform_based
+from .environment import (Environment, cupy_module as _cupy, current_environment,  # noqa: F401
+                          gpu_available)
 from .measurement import Measurement, Status
 from .problem import ALGORITHMS, ConvProblem, DataType, Direction, Layout, MathType
 from .timing import TimingMethod, do_bench
@@ -40,41 +42,6 @@ MATH_CANDIDATES: dict[MathType, tuple[MathType, ...]] = {
     MathType.TENSOR_OP: (MathType.TENSOR_OP,),
     MathType.TENSOR_OP_ALLOW_CONVERSION: (MathType.TENSOR_OP_ALLOW_CONVERSION, MathType.TENSOR_OP),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Environment:
-    """Where measurements are valid: the GPU model and the cuDNN version."""
-
-    gpu: str
-    cudnn: int
-
-
-def current_environment() -> Environment:
-    """The GPU of the current CUDA device and the loaded cuDNN (raises if there is none)."""
-    from .cudnn import get
-    cupy = _cupy()
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    name = props["name"]
-    return Environment(name.decode() if isinstance(name, bytes) else str(name), get().version)
-
-
-def gpu_available() -> bool:
-    try:
-        cupy = _cupy()
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
-        return False
-
-
-def _cupy():
-    try:
-        import cupy
-    except ImportError:
-        raise errors.LibraryNotFoundError(
-            "CuPy is needed to benchmark on the GPU: pip install 'mucudnn[gpu]' (cupy-cuda13x)"
-        ) from None
-    return cupy
 
 
 def random_buffer(cupy, count: int, dtype: DataType, rng):

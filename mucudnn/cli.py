@@ -11,11 +11,14 @@ from pathlib import Path
 
 import click
 
+from ._version import __version__
+from .engines import API_CHOICES
 from .errors import MucudnnError, UnwritableError
+from .policy import POLICIES as POLICY_NAMES
 from .sizes import parse_size
 
-POLICIES = click.Choice(["undivided", "powerOfTwo", "all", "fit"])
-APIS = click.Choice(["legacy", "graph", "both"])
+POLICIES = click.Choice(POLICY_NAMES)
+APIS = click.Choice(API_CHOICES)
 
 
 class SizeParam(click.ParamType):
@@ -45,7 +48,7 @@ class Group(click.Group):
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="mucudnn")
+@click.version_option(version=__version__, prog_name="mucudnn")
 def main() -> None:
     """Micro-batched cuDNN convolutions: fast algorithms under a workspace limit.
 
@@ -222,7 +225,7 @@ def tune(config, recordings, workspace_limit, total_workspace, front, policy, pr
 
     With no limit: a front plan, each kernel's fastest plans from any workspace down to the
     smallest (the shim runs, per call, the fastest that fits the workspace the call has)."""
-    from .bench import Environment
+    from .environment import Environment
     from .outputs import refuse_inputs_as_output
     from .report import SUM_LABEL, describe_math
     from .tuner import (as_kernels, check_excluded_names, open_measurements,
@@ -281,7 +284,7 @@ def _plan_summary(plan) -> str:
 def show(plan_path, store_path):
     """Print PLAN as a table: micro-batches, algorithms, workspace, predicted time, and speedups
     over the best undivided algorithm within the same limit and over uncapped cuDNN."""
-    from .bench import Environment
+    from .environment import Environment
     from .plan import read_plan, read_restrictions
     from .report import format_plan_table, plan_rows
     from .tuner import open_measurements
@@ -306,6 +309,13 @@ def configs_cmd():
         cfg = load_config(path)
         batch = cfg.batch if cfg.batch is not None else "per layer"
         click.echo(f"{name:12s} N={batch!s:<9s} {len(cfg.kernels()):3d} kernels  {path}")
+
+
+@main.command("env")
+def env_cmd():
+    """Every MUCUDNN_* setting: its value here, meaning, default and what reads it."""
+    from .settings import format_settings
+    click.echo(format_settings())
 
 
 @main.command("build-shim")

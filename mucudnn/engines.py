@@ -43,7 +43,7 @@ class Api(str, enum.Enum):
 
 
 #: What ``--api`` accepts: one API, or both.
-API_CHOICES = ("legacy", "graph", "both")
+API_CHOICES = (*(api.value for api in Api), "both")
 
 
 def select_apis(choice: str) -> frozenset[Api]:

@@ -70,10 +70,19 @@ class _EngineStep:
 class PlanExecutor:
     """Runs one :class:`PlanEntry` on buffers shaped for its N (a :class:`bench.KernelBuffers`).
 
+    Every piece runs in the caller's workspace; an entry with a borrowing piece (``:out``, whose
+    workspace the shim takes from the output, shim/src/exec.c) is refused with
+    :class:`MucudnnError`, since running it here would check another plan than the shim runs.
     ``close()`` (or ``with``) releases the graph-API descriptors of its engine pieces.
     """
 
     def __init__(self, cudnn, handle, entry: PlanEntry) -> None:
+        borrowing = [f"piece {i} ({piece})" for i, piece in enumerate(entry.pieces, 1) if piece.borrow]
+        if borrowing:
+            raise MucudnnError(
+                f"{entry.key} N={entry.n}: {', '.join(borrowing)} borrows the output as workspace, "
+                "which PlanExecutor does not run; check such plans through the shim (mucudnn run) "
+                "or tune without --borrow-output")
         self.entry = entry
         self.handle = handle
         problem = entry.problem

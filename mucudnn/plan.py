@@ -18,6 +18,7 @@ from typing import Iterable
 from .engines import Api, api_of, is_nondeterministic, is_transform_based, parse_engine_name, select_apis
 from .errors import EngineNameError, KeyFormatError, PlanError
 from .outputs import write_text_atomically
+from .policy import POLICIES  # noqa: F401 (the plan header's policy names)
 from .problem import ALGORITHMS, ConvProblem, Direction, MathType
 
 FORMAT_VERSION = 1
@@ -28,7 +29,6 @@ STRATEGIES = ("wr", "wd", "front")
 FRONT = "front"
 #: The ``limit`` of a ``front`` plan whose points may have any workspace.
 NO_LIMIT = (1 << 64) - 1
-POLICIES = ("undivided", "powerOfTwo", "all", "fit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +81,6 @@ class PlanEntry:
     @property
     def is_divided(self) -> bool:
         return len(self.pieces) > 1
-
-    @classmethod
-    def from_kernel_plan(cls, plan) -> "PlanEntry":
-        """From an optimizer ``KernelPlan`` (key, n, pieces with batch/algo/math/workspace)."""
-        return cls(
-            key=plan.key, n=plan.n, workspace=plan.workspace, time_ms=plan.time_ms,
-            pieces=tuple(PlanPiece(p.batch, p.algo, p.math, borrow=p.borrow) for p in plan.pieces),
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,13 +2,13 @@
 
 The shim is C compiled against the cuDNN headers (it links nothing of cuDNN: the real functions are
 found with ``dlsym`` at run time). :func:`build_shim` compiles it once per distinct set of sources
-and headers into a cache directory; :func:`shim_path` returns the built library.
+and headers into a cache directory by running shim/Makefile (the one copy of the build flags);
+:func:`shim_path` returns the built library.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -16,7 +16,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ._version import __version__
+from .environment import package_dirs
 from .errors import LibraryNotFoundError, MucudnnError
+from .settings import user_cache_dir
 
 # mucudnn/shim_src links to the checkout's shim/ and is copied into wheels, so an installed
 # package carries the sources it builds the shim from.
@@ -30,19 +33,11 @@ CUDNN_HEADERS_WHEEL = "nvidia-cudnn-cu13==9.19.0.56"
 _WHEEL_INCLUDE = "nvidia/cudnn/include/"
 
 
-def _user_cache() -> Path:
-    """``$XDG_CACHE_HOME/mucudnn``, or ``~/.cache/mucudnn`` when that is unset or not absolute."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
-    if not base.is_absolute():
-        base = Path("~/.cache").expanduser()
-    return base / "mucudnn"
-
-
 def cudnn_headers_cache() -> Path:
     """Where :func:`unpack_cudnn_headers` puts the pinned wheel's headers, one directory per
     version, in the user's cache (so every checkout and command finds them)."""
     version = CUDNN_HEADERS_WHEEL.partition("==")[2]
-    return _user_cache() / f"cudnn-headers-{version}" / "include"
+    return user_cache_dir() / f"cudnn-headers-{version}" / "include"
 
 
 def unpack_cudnn_headers(wheel: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
@@ -74,12 +69,7 @@ def unpack_cudnn_headers(wheel: str | os.PathLike, dest: str | os.PathLike | Non
 
 def _nvidia_wheel_dirs(*parts: str) -> list[Path]:
     """``nvidia/<parts>`` in every search path of the ``nvidia`` namespace package (the CUDA wheels)."""
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return []
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    return [Path(location).joinpath(*parts) for location in locations]
+    return [location.joinpath(*parts) for location in package_dirs("nvidia")]
 
 
 def find_cudnn_include() -> Path:
@@ -135,15 +125,18 @@ def find_compiler() -> str:
 
 
 def _source_files() -> list[Path]:
-    files = sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]")) + sorted(SHIM_SOURCE_DIR.glob("include/*.h"))
+    files = (sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]")) + sorted(SHIM_SOURCE_DIR.glob("include/*.h"))
+             + [SHIM_SOURCE_DIR / "Makefile"])
     if not files:
         raise MucudnnError(f"shim sources not found in {SHIM_SOURCE_DIR}")
     return files
 
 
 def _build_hash(cudnn_include: Path, cuda_include: Path, compiler: str) -> str:
-    """Hash of the sources, the cuDNN headers and the compiler: a new build when any changes."""
+    """Hash of the sources, the Makefile, the version, the cuDNN headers and the compiler: a new
+    build when any changes."""
     digest = hashlib.sha256(compiler.encode())
+    digest.update(__version__.encode())
     for path in _source_files() + sorted(cudnn_include.glob("cudnn*.h")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
@@ -154,18 +147,28 @@ def _build_hash(cudnn_include: Path, cuda_include: Path, compiler: str) -> str:
 def _cache_root() -> Path:
     if os.environ.get("MUCUDNN_SHIM_DIR"):
         return Path(os.environ["MUCUDNN_SHIM_DIR"])
-    return _user_cache() / "shim"
+    return user_cache_dir() / "shim"
+
+
+def find_make() -> str:
+    """``make`` on PATH (the shim is built by shim/Makefile, the one copy of its build flags)."""
+    path = shutil.which("make")
+    if path is None:
+        raise MucudnnError("no 'make' found on PATH; install make (it runs the shim's Makefile)")
+    return path
 
 
 def build_shim(out_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
-    """Compile the shim and return the path of ``libmucudnn.so``.
+    """Build the shim with its Makefile and return the path of ``libmucudnn.so``.
 
+    Runs ``make -C <shim sources> CUDNN_INCLUDE=… CUDA_INCLUDE=… CC=… VERSION=… OUT=<scratch>``.
     ``out_dir`` defaults to ``<cache>/<hash>/`` where the cache is ``$MUCUDNN_SHIM_DIR`` or
     ``~/.cache/mucudnn/shim``; an existing build there is reused unless ``force``. Raises
     :class:`LibraryNotFoundError` when the headers are missing and :class:`MucudnnError` when no
-    compiler is found or compilation fails (the message carries the compiler's output).
+    compiler or make is found or the build fails (the message carries the compiler's output).
     """
     compiler = find_compiler()
+    make = find_make()
     cudnn_include, cuda_include = find_cudnn_include(), find_cuda_include()
     target_dir = (Path(out_dir) if out_dir is not None
                   else _cache_root() / _build_hash(cudnn_include, cuda_include, compiler))
@@ -175,16 +178,14 @@ def build_shim(out_dir: str | os.PathLike | None = None, force: bool = False) ->
     target_dir.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so concurrent builders never see a half-written file.
     with tempfile.TemporaryDirectory(dir=target_dir, prefix=".build-") as scratch:
-        command = [compiler, "-std=c11", "-D_GNU_SOURCE", "-O2", "-g", "-fPIC", "-shared",
-                   "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror",
-                   f"-I{SHIM_SOURCE_DIR / 'include'}", f"-I{cudnn_include}", f"-I{cuda_include}",
-                   *[str(p) for p in sorted(SHIM_SOURCE_DIR.glob("src/*.c"))],
-                   "-o", str(Path(scratch) / LIBRARY_NAME),
-                   "-Wl,--no-undefined", f"-Wl,-soname,{LIBRARY_NAME}", "-ldl", "-lpthread"]
+        command = [make, "-s", "-C", str(SHIM_SOURCE_DIR), f"CUDNN_INCLUDE={cudnn_include}",
+                   f"CUDA_INCLUDE={cuda_include}", f"CC={compiler}", f"VERSION={__version__}",
+                   f"OUT={scratch}"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise MucudnnError(f"building {LIBRARY_NAME} failed ({' '.join(command[:1])} exit "
-                               f"{result.returncode}):\n{result.stderr.strip()}")
+            output = (result.stderr.strip() or result.stdout.strip())
+            raise MucudnnError(f"building {LIBRARY_NAME} failed (make -C {SHIM_SOURCE_DIR} exit "
+                               f"{result.returncode}):\n{output}")
         os.replace(Path(scratch) / LIBRARY_NAME, library)
     return library
 

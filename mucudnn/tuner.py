@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import store as store_mod
-from .bench import Environment, current_environment, gpu_available
+from .environment import Environment, current_environment, gpu_available
 from .engines import api_of, parse_engine_name, select_apis
 from .errors import (EngineNameError, MissingMeasurementsError, MucudnnError, ReadOnlyStoreError,
                      UnwritableError)
@@ -438,7 +438,7 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     plan = Plan(gpu=env.gpu, cudnn=env.cudnn, strategy=strategy, limit=limit,
                 policy=policy.value, comments=(source,), restrictions=rules)
     for kp in plans:
-        plan.add(PlanEntry.from_kernel_plan(kp))
+        plan.add(kp.plan_entry())
     return plan
 
 

@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 from mucudnn import tuner
-from mucudnn.bench import Environment
+from mucudnn.environment import Environment
 from mucudnn.engines import TRANSFORM_ALGORITHMS, Api, format_numerical_notes
 from mucudnn.errors import (
     InfeasibleError, MissingMeasurementsError, MucudnnError, StoreError, UnwritableError,

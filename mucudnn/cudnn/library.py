@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
+from ..environment import package_dirs as _package_dirs
 from ..errors import LibraryNotFoundError
 
 ENV_OVERRIDE = "MUCUDNN_CUDNN_LIBRARY"
 SONAME = "libcudnn.so.9"
-
-
-def _package_dirs(name: str) -> list[Path]:
-    """Directories of an installed (possibly namespace) package, without importing it."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return []
-    if spec is None:
-        return []
-    return [Path(p) for p in (spec.submodule_search_locations or [])]
 
 
 def candidates() -> list[tuple[str, Path]]:

@@ -9,21 +9,10 @@ part as their workspace (``Piece.borrow``).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 
-from ..plan import PlanPiece
-
-
-class Policy(str, enum.Enum):
-    """Which micro-batch sizes a plan for a mini-batch of ``n`` may use."""
-
-    UNDIVIDED = "undivided"       # {n}: what cuDNN does on its own
-    POWER_OF_TWO = "powerOfTwo"   # {1, 2, 4, ...} up to n, and n itself
-    ALL = "all"                   # {1, ..., n}
-    # powerOfTwo, plus each configuration's largest size within a workspace limit (fit_sizes):
-    # most of what `all` gains, at a few sizes more per kernel
-    FIT = "fit"
+from ..plan import PlanEntry, PlanPiece
+from ..policy import Policy  # noqa: F401 (re-exported: mucudnn.optimizer.Policy)
 
 
 def candidate_sizes(policy: Policy | str, n: int) -> list[int]:
@@ -128,6 +117,10 @@ class Piece(PlanPiece):
     time_ms: float
     workspace: int
 
+    def plan_piece(self) -> PlanPiece:
+        """The piece as the plan file holds it, without the measurements."""
+        return PlanPiece(self.batch, self.algo, self.math, borrow=self.borrow)
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
@@ -162,6 +155,12 @@ class KernelPlan:
     @property
     def is_divided(self) -> bool:
         return len(self.pieces) > 1
+
+    def plan_entry(self) -> PlanEntry:
+        """The plan file's ``kernel`` line for this plan. The optimizer depends on the plan file's
+        types, never the other way round."""
+        return PlanEntry(key=self.key, n=self.n, workspace=self.workspace, time_ms=self.time_ms,
+                         pieces=tuple(piece.plan_piece() for piece in self.pieces))
 
     def __str__(self) -> str:
         pieces = " ".join(str(piece) for piece in self.pieces)

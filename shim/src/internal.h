@@ -23,7 +23,11 @@
 #define MU_EXPORT __attribute__((visibility("default")))
 #define MU_PRINTF(fmt, args) __attribute__((format(printf, fmt, args)))
 
-#define MUCUDNN_VERSION_STRING "0.1.0"
+/* mucudnn/_version.py's version, passed by shim/Makefile as -DMUCUDNN_VERSION_STRING; "unknown" in a
+ * build that bypasses the Makefile (the fuzz harnesses). */
+#ifndef MUCUDNN_VERSION_STRING
+#define MUCUDNN_VERSION_STRING "unknown"
+#endif
 
 /* ---- options.c: the environment, read once into one table ------------------------------ */
 

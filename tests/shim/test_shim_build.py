@@ -58,3 +58,33 @@ def test_a_failed_compile_carries_the_compiler_output(headers, tmp_path, monkeyp
     (tmp_path / "cudnn.h").write_text("#error this is not cudnn.h\n")
     with pytest.raises(MucudnnError, match="this is not cudnn.h"):
         shimlib.build_shim(out_dir=tmp_path / "out")
+
+
+def test_shim_version_is_the_package_version(headers, tmp_path):
+    """mucudnn/_version.py is the one source: the Makefile passes it to the C build."""
+    library = shimlib.build_shim(out_dir=tmp_path / "out")
+    probe = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+             "lib.mucudnn_version.restype = ctypes.c_char_p; print(lib.mucudnn_version().decode())")
+    shim_version = subprocess.run([sys.executable, "-c", probe, str(library)], capture_output=True,
+                                  text=True, check=True).stdout.strip()
+    cli = subprocess.run([sys.executable, "-m", "mucudnn", "--version"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert cli == ["mucudnn,", "version", shim_version]
+    from importlib.metadata import version
+    assert version("mucudnn") == shim_version
+
+
+def test_build_runs_the_makefile(headers, tmp_path, monkeypatch):
+    """The Makefile is the one copy of the build flags: what make is told, the build gets."""
+    calls = []
+    real_run = subprocess.run
+
+    def spy(command, *args, **kwargs):
+        calls.append(list(command))
+        return real_run(command, *args, **kwargs)
+
+    monkeypatch.setattr(shimlib.subprocess, "run", spy)
+    shimlib.build_shim(out_dir=tmp_path / "out")
+    assert len(calls) == 1 and Path(calls[0][0]).name == "make"
+    assert calls[0][calls[0].index("-C") + 1] == str(shimlib.SHIM_SOURCE_DIR)
+    assert (shimlib.SHIM_SOURCE_DIR / "Makefile").is_file()
