@@ -572,13 +572,11 @@ def _primary_code(exc: sqlite3.Error) -> int | None:
 def default_store_path() -> pathlib.Path:
     """``$MUCUDNN_STORE`` if set, else ``mucudnn/benchmarks.sqlite`` in the XDG cache directory
     (``$XDG_CACHE_HOME``, or ``~/.cache`` when that is unset or not absolute)."""
+    from .settings import user_cache_dir
     explicit = os.environ.get("MUCUDNN_STORE")
     if explicit:
         return pathlib.Path(explicit).expanduser()
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
-    if not cache.is_absolute():  # the XDG spec says to ignore relative paths
-        cache = pathlib.Path("~/.cache").expanduser()
-    return cache / "mucudnn" / "benchmarks.sqlite"
+    return user_cache_dir() / "benchmarks.sqlite"
 
 
 def open_store(path: PathLike | None = None, readonly: bool = False) -> SQLiteStore:
