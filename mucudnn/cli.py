@@ -401,8 +401,22 @@ def record(output, workspace_limit, command):
     """Run COMMAND (after --) with the shim recording every convolution kernel it runs."""
     _require_command(command)
     code = _exec(command, _shim_env(limit=workspace_limit, record=output))
-    click.echo(f"mucudnn: recording in {output}", err=True)
+    kernels = _recorded_kernels(output)
+    if kernels:
+        click.echo(f"mucudnn: recording in {output} ({kernels} kernels)", err=True)
+    else:
+        click.echo(f"mucudnn: warning: {shlex.join(command)} ran no cuDNN convolution the shim saw: "
+                   f"nothing was recorded in {output}", err=True)
     sys.exit(code)
+
+
+def _recorded_kernels(path) -> int:
+    """The distinct kernel lines of a record file (0 if there is none)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return 0
+    return len({line for line in lines if line.startswith("kernel ")})
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -529,7 +529,18 @@ def test_record_sets_the_record_file(fake_exec, tmp_path, monkeypatch):
     assert args == ["python", "train.py"]
     assert env["MUCUDNN_RECORD"] == str(tmp_path / "out.record")
     assert env["LD_PRELOAD"] == str(shim) and "MUCUDNN_PLAN" not in env
-    assert "recording in out.record" in result.stderr
+    # the dummy command recorded nothing: one warning line says so, not "recording in"
+    assert "recording in" not in result.stderr
+    assert ("mucudnn: warning: python train.py ran no cuDNN convolution the shim saw: nothing was "
+            "recorded in out.record") in result.stderr
+
+
+def test_record_says_how_many_kernels_it_recorded(fake_exec, tmp_path, monkeypatch):
+    shim, calls = fake_exec
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out.record").write_text("# mucudnn-record 1 pid=1\nkernel K1 8\nkernel K2 8\nkernel K1 8\n")
+    result = invoke("record", "-o", "out.record", "--", "python", "train.py")
+    assert result.exit_code == 0 and "mucudnn: recording in out.record (2 kernels)" in result.stderr
 
 
 def test_bad_size_for_run_names_the_value(fake_exec):

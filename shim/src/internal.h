@@ -330,6 +330,8 @@ void mu_record_init(void);
 mu_seen *mu_seen_kernel(const mu_kernel *kernel);
 /* Counts a call that had no key. */
 void mu_count_unkeyed_call(void);
+/* How many kernels the process ran or queried, and how many of them ran a plan (at exit). */
+void mu_seen_totals(size_t *kernels, size_t *planned);
 
 /* ---- exec.c: cudnnConvolution* with a plan ----------------------------------------------- */
 

@@ -61,6 +61,18 @@ static void write_call_count(const mu_seen *seen) {
 
 static void write_call_counts(void) { for_each_seen(write_call_count); }
 
+static size_t seen_count, planned_count;
+static void count_planned(const mu_seen *seen) {
+    seen_count++;
+    planned_count += atomic_load(&seen->planned_calls) > 0;
+}
+
+void mu_seen_totals(size_t *kernels, size_t *planned) {
+    seen_count = planned_count = 0;
+    for_each_seen(count_planned);
+    *kernels = seen_count, *planned = planned_count;
+}
+
 void mu_record_init(void) {
     const char *path = mu_option_path(MU_OPT_RECORD);
     if (path != NULL) {

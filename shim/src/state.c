@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -64,14 +65,38 @@ static bool plan_matches_process(const mu_plan *plan) {
     return true;
 }
 
+/* Why MUCUDNN_PLAN was not used ("" when it was), said again at exit: the load-time line may be
+ * long scrolled away when a run ends having planned nothing. */
+static char plan_refusal[160];
+
+/* At exit, one line when a plan was given and did nothing: refused, or none of the process's
+ * kernels in it. */
+static void report_plan_use(void) {
+    const char *path = mu_option_path(MU_OPT_PLAN);
+    if (plan_refusal[0] != '\0') {
+        mu_log(MU_LOG_WARNING, "the plan %s was not used (%s): every call passed through", path, plan_refusal);
+        return;
+    }
+    size_t kernels = 0, planned = 0;
+    mu_seen_totals(&kernels, &planned);
+    if (state.plan != NULL && kernels > 0 && planned == 0)
+        mu_log(MU_LOG_WARNING, "the plan %s ran none of the %zu kernels this process ran (their keys or N "
+               "are not in it, or their calls could not use it): every call passed through", path, kernels);
+}
+
 static mu_plan *load_plan(const char *path) {
     char error[1024];
+    atexit(report_plan_use);
     mu_plan *plan = mu_plan_load(path, error, sizeof error);
     if (plan == NULL) {
         mu_log(MU_LOG_ERROR, "%s; passing every call through", error);
+        snprintf(plan_refusal, sizeof plan_refusal, "malformed: see the error above");
         return NULL;
     }
-    if (!plan_matches_process(plan)) return NULL; /* kept allocated: nothing else to free it for */
+    if (!plan_matches_process(plan)) { /* kept allocated: nothing else to free it for */
+        snprintf(plan_refusal, sizeof plan_refusal, "refused for this process: see the error above");
+        return NULL;
+    }
     mu_log(MU_LOG_INFO, "loaded plan %s: %zu kernel plans (gpu '%s', cudnn %ld, strategy %s, "
            "limit %llu, policy %s)", path, plan->entry_count, plan->gpu, plan->cudnn_version,
            plan->strategy, plan->limit, plan->policy);
