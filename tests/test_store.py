@@ -11,6 +11,7 @@ import multiprocessing.synchronize
 import os
 import pathlib
 import pickle
+import shutil
 import sqlite3
 import time
 
