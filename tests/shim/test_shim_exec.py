@@ -206,4 +206,6 @@ def test_a_first_piece_cuDNN_rejects_falls_back_to_the_undivided_call(shim_env):
     assert [(c["n"], c["algo"]) for c in run.conv_calls()] == [
         ("2", "4"), ("4", "0"), ("4", "0"), ("4", "0"), ("4", "0")]
     warnings = run.shim_lines("warning")
-    assert len(warnings) == 1 and "first piece failed" in warnings[0], run.stderr
+    assert "first piece failed" in warnings[0], run.stderr
+    # then, at exit, that the plan ended up running nothing
+    assert len(warnings) == 2 and "ran none of the 1 kernels this process ran" in warnings[1], run.stderr
