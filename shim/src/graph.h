@@ -100,9 +100,10 @@ const char *mu_g_build_pieces(mu_g_planned *planned, const mu_g_operation *op, c
                               cudnnHandle_t handle);
 /* Destroys the pieces' execution plans and every CUDA graph that launches them. */
 void mu_g_free_pieces(mu_g_planned *planned);
-/* Whether an engine (descriptor) has no NONDETERMINISTIC numerical note; an engine whose notes
- * cannot be read counts as non-deterministic. */
-bool mu_g_engine_deterministic(cudnnBackendDescriptor_t engine);
+/* An engine descriptor's numerical notes: whether it has TENSOR_CORE, and whether it has no
+ * NONDETERMINISTIC. False (neither) when they cannot be read: an unknown engine is taken as
+ * non-deterministic and without tensor cores. */
+bool mu_g_engine_notes(cudnnBackendDescriptor_t engine, bool *tensor_cores, bool *deterministic);
 
 
 /* Attribute names of a direction's operation, in the order x, w, y, conv, alpha, beta. */

@@ -123,7 +123,8 @@ static cudnnStatus_t build_piece(const mu_g_planned *p, const mu_g_operation *op
     set(&b, eng, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph);
     set(&b, eng, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &engine->global_index);
     finalize(&b, eng);
-    if (b.status == CUDNN_STATUS_SUCCESS) piece->deterministic = mu_g_engine_deterministic(eng);
+    bool tensor_cores;
+    if (b.status == CUDNN_STATUS_SUCCESS) mu_g_engine_notes(eng, &tensor_cores, &piece->deterministic);
 
     cudnnBackendDescriptor_t knobs[MU_MAX_KNOBS];
     for (int i = 0; i < engine->knob_count; i++) {
@@ -199,24 +200,26 @@ mu_plan_entry *mu_g_planned_entry(const mu_g_planned *p) { return p->entry; }
 
 mu_graph_owner *mu_g_graphs_of(const mu_g_planned *p) { return (mu_graph_owner *)&p->graphs; }
 
-bool mu_g_engine_deterministic(cudnnBackendDescriptor_t engine) {
+bool mu_g_engine_notes(cudnnBackendDescriptor_t engine, bool *tensor_cores, bool *deterministic) {
     cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
     int64_t count = 0;
+    *tensor_cores = false, *deterministic = false;
     if (mu_real()->cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
                                             CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) != CUDNN_STATUS_SUCCESS)
         return false;
-    for (int64_t i = 0; i < count && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++)
-        if (notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) return false;
+    *deterministic = true;
+    for (int64_t i = 0; i < count && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++) {
+        *tensor_cores |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
+        *deterministic &= notes[i] != CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
+    }
     return true;
 }
 
 bool mu_g_plan_deterministic(const mu_plan_entry *entry, const mu_g_planned *p) {
-    for (int i = 0; i < entry->piece_count; i++) {
-        const mu_piece *piece = &entry->pieces[i];
-        bool deterministic = piece->engine == NULL ? mu_algo_deterministic(entry->dir, piece->algo)
-                             : p != NULL && i < p->piece_count && p->pieces[i].deterministic;
-        if (!deterministic) return false;
-    }
+    if (!mu_plan_legacy_deterministic(entry)) return false;
+    for (int i = 0; i < entry->piece_count; i++)
+        if (entry->pieces[i].engine != NULL && !(p != NULL && i < p->piece_count && p->pieces[i].deterministic))
+            return false;
     return true;
 }
 

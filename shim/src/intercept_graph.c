@@ -70,7 +70,6 @@ static const char *check_operation(const mu_g_operation *op) {
 
 /* What the shim needs to know of the engine the framework's plan runs. */
 typedef struct {
-    bool known;         /* its notes could be read */
     bool tensor_cores;  /* a TENSOR_CORE numerical note */
     bool deterministic; /* no NONDETERMINISTIC numerical note (unknown engine: false) */
     int64_t index;      /* its global index, -1 if unknown */
@@ -79,7 +78,6 @@ typedef struct {
 static engine_notes plan_engine_notes(cudnnBackendDescriptor_t plan) {
     const mu_real_table *real = mu_real();
     cudnnBackendDescriptor_t config = NULL, engine = NULL;
-    cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
     int64_t count = 0;
     engine_notes found = {.index = -1};
     if (real->cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &config) == CUDNN_STATUS_SUCCESS &&
@@ -87,17 +85,11 @@ static engine_notes plan_engine_notes(cudnnBackendDescriptor_t plan) {
                                        CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &count, &config) == CUDNN_STATUS_SUCCESS &&
         real->cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &engine) == CUDNN_STATUS_SUCCESS &&
         real->cudnnBackendGetAttribute(config, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                                       &count, &engine) == CUDNN_STATUS_SUCCESS &&
-        real->cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
-                                       CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) == CUDNN_STATUS_SUCCESS) {
-        found = (engine_notes){.known = true, .deterministic = true, .index = -1};
+                                       &count, &engine) == CUDNN_STATUS_SUCCESS) {
+        mu_g_engine_notes(engine, &found.tensor_cores, &found.deterministic);
         if (real->cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &count,
                                            &found.index) != CUDNN_STATUS_SUCCESS)
             found.index = -1;
-        for (int64_t i = 0; i < count && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++) {
-            found.tensor_cores |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE;
-            found.deterministic &= notes[i] != CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
-        }
     }
     if (engine) real->cudnnBackendDestroyDescriptor(engine);
     if (config) real->cudnnBackendDestroyDescriptor(config);

@@ -175,3 +175,13 @@ def test_cudnns_native_cuda_graph_never_records_the_engine_in_a_too_small_worksp
     else:
         assert result["populate"] == "3000" and not populated  # CUDNN_STATUS_NOT_SUPPORTED
         assert any("refused" in line for line in run.shim_lines("warning")), run.stderr
+
+
+def test_an_engine_noted_tensor_core_and_nondeterministic_counts_as_nondeterministic(shim_env):
+    """Both notes are read, not only the first (the double lists TENSOR_CORE first): the
+    framework's non-deterministic tensor-core engine takes a plan with non-deterministic pieces."""
+    case = f"{BASE} dir=bwd_filter alpha=1 beta=0".replace("engine=1", "engine=2")
+    plan = shim_env.write_plan([graph_plan_line(case, [(4, "algo_0"), (4, "algo_0")], math="default")])
+    run = shim_env.run_graph([case], plan=plan, env={"FAKE_CUDNN_NONDETERMINISTIC_ENGINES": "2"})
+    assert run.cases[0]["exact"] == "1"
+    assert [c["n"] for c in run.conv_calls() if c["n"] == "4"] == ["4", "4"], run.stderr
