@@ -106,6 +106,31 @@ def fake_exec(monkeypatch, tmp_path):
     return shim, calls
 
 
+@pytest.fixture
+def recording_exec(fake_exec, monkeypatch):
+    """fake_exec whose commands, run with ``MUCUDNN_RECORD`` set, write ``recorded`` there (what
+    the shim would append while the command runs): ``shim, calls = recording_exec(text)``, each
+    call recorded as (args, env)."""
+    shim, calls = fake_exec
+
+    def install(recorded: str):
+        def call(args, env=None, **kwargs):
+            calls.append((args, env))
+            if "MUCUDNN_RECORD" in env:
+                pathlib.Path(env["MUCUDNN_RECORD"]).write_text(recorded)
+            return 0
+
+        monkeypatch.setattr(subprocess, "call", call)
+        return shim, calls
+
+    return install
+
+
+def kernel_lines(problems) -> str:
+    """The ``kernel KEY N`` record lines of these problems."""
+    return "".join(f"kernel {p.key} {p.n}\n" for p in problems)
+
+
 # -- read-only places (test_store.py's as_unprivileged runs code as the unprivileged user) --------
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import mucudnn
 from mucudnn import budget as budget_mod
 from mucudnn import cli, shimlib, tuner
 from mucudnn.cli import main
+from conftest import kernel_lines
 
 
 FAKE_TORCH = Path(__file__).resolve().parent / "faketorch"
@@ -252,19 +253,10 @@ def test_a_malformed_budget_variable_set_by_hand_is_one_warning_line(child, monk
 
 # -- autotune -------------------------------------------------------------------------------------
 
-def test_autotune_runs_both_commands_under_the_budget(no_gpu, fake_exec, tmp_path, monkeypatch):
-    _, calls = fake_exec
+def test_autotune_runs_both_commands_under_the_budget(no_gpu, recording_exec, tmp_path, monkeypatch):
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
+    _, calls = recording_exec(kernel_lines(kernels))
     monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
-
-    def call(args, env=None, **kwargs):
-        calls.append((args, env))
-        if "MUCUDNN_RECORD" in env:
-            Path(env["MUCUDNN_RECORD"]).write_text(
-                "".join(f"kernel {p.key} {p.n}\n" for p in kernels))
-        return 0
-
-    monkeypatch.setattr(subprocess, "call", call)
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
     result = invoke("autotune", "--workspace-limit", "64MiB", "--memory-budget", "6GiB", "-o",
                     tmp_path / "auto.plan", "--", "python", "train.py")

@@ -18,6 +18,7 @@ from mucudnn.optimizer import candidate_sizes
 from mucudnn.plan import NO_LIMIT, read_plan
 from mucudnn.sizes import format_size
 from mucudnn.store import open_store
+from conftest import kernel_lines
 from test_store import as_unprivileged, hand_over
 
 PLAN_DIR = Path(__file__).resolve().parent / "data" / "plans"
@@ -556,22 +557,13 @@ def test_version():
 
 
 # -- autotune --------------------------------------------------------------------------------------
-def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_exec, tmp_path,
+def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, recording_exec, tmp_path,
                                                                    monkeypatch):
     """The recording run writes kernels; they are benchmarked and tuned (from the shipped
     measurements here), and the command runs again with the plan and the limit."""
-    shim, calls = fake_exec
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
-
-    def call(args, env=None, **kwargs):
-        calls.append((args, env))
-        if "MUCUDNN_RECORD" in env:  # what the shim would append while the command runs
-            Path(env["MUCUDNN_RECORD"]).write_text(
-                "".join(f"kernel {p.key} {p.n}\n" for p in kernels))
-        return 0
-
+    shim, calls = recording_exec(kernel_lines(kernels))
     benchmarked = []
-    monkeypatch.setattr(subprocess, "call", call)
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: benchmarked.append(
         (len(source), policy, kw["api"])) or 0)
     plan_path = tmp_path / "auto.plan"
@@ -596,19 +588,10 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, fake_
 
 @pytest.mark.parametrize("limit", [[], ["--workspace-limit", "64MiB", "--front"]],
                          ids=["no-limit", "front-cut"])
-def test_autotune_makes_a_front_plan_without_a_limit_or_with_front(no_gpu, fake_exec, tmp_path,
+def test_autotune_makes_a_front_plan_without_a_limit_or_with_front(no_gpu, recording_exec, tmp_path,
                                                                     monkeypatch, limit):
-    _, calls = fake_exec
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
-
-    def call(args, env=None, **kwargs):
-        calls.append(env)
-        if "MUCUDNN_RECORD" in env:
-            Path(env["MUCUDNN_RECORD"]).write_text(
-                "".join(f"kernel {p.key} {p.n}\n" for p in kernels))
-        return 0
-
-    monkeypatch.setattr(subprocess, "call", call)
+    _, calls = recording_exec(kernel_lines(kernels))
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
     plan_path = tmp_path / "auto.plan"
     result = invoke("autotune", *limit, "-o", plan_path, "--", "python", "train.py")
@@ -617,7 +600,7 @@ def test_autotune_makes_a_front_plan_without_a_limit_or_with_front(no_gpu, fake_
     assert plan.strategy == "front" and plan.limit == (64 << 20 if limit else NO_LIMIT)
     assert set(plan.kernels()) == {(p.key, p.n) for p in kernels}
     assert "points (" in result.stderr
-    record_env, run_env = calls
+    (_, record_env), (_, run_env) = calls
     for env in (record_env, run_env):  # the limit stays a hard cap for the shim, if given
         assert env.get("MUCUDNN_WORKSPACE_LIMIT") == (str(64 << 20) if limit else None)
 
@@ -633,20 +616,11 @@ def test_autotune_refuses_what_a_front_plan_cannot_do(no_gpu, fake_exec, tmp_pat
     assert not calls
 
 
-def test_autotune_api_reaches_benchmark_and_tuning(mixed_recording, fake_exec, tmp_path,
+def test_autotune_api_reaches_benchmark_and_tuning(mixed_recording, recording_exec, tmp_path,
                                                    monkeypatch):
     """--api legacy: for a program on PyTorch's legacy path, where engine pieces cannot run."""
-    _, calls = fake_exec
-    recorded = mixed_recording.read_text()
-
-    def call(args, env=None, **kwargs):
-        calls.append(args)
-        if "MUCUDNN_RECORD" in env:
-            Path(env["MUCUDNN_RECORD"]).write_text(recorded)
-        return 0
-
+    recording_exec(mixed_recording.read_text())
     asked = []
-    monkeypatch.setattr(subprocess, "call", call)
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: asked.append(kw["api"]))
     for api, algo in (("legacy", "implicit_gemm"), ("both", "eng7.k2=16.k11=-1")):
         plan_path = tmp_path / f"{api}.plan"
