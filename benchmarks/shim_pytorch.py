@@ -124,9 +124,11 @@ def _worker_steps(args, torch, torchvision, contextlib) -> None:
         end.synchronize()
         if i >= args.warmup:
             times.append(start.elapsed_time(end))
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer PyTorch only
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
-              "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item()}
+              "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
+              "memory_fraction": fraction(0) if fraction else None}
     if args.profile:  # after the timed steps, so profiling never touches the timing
         result["profile"] = profile_steps(step, args.profile)
     print(json.dumps(result))
