@@ -108,12 +108,14 @@ def fake_exec(monkeypatch, tmp_path):
 
 @pytest.fixture
 def recording_exec(fake_exec, monkeypatch):
-    """fake_exec whose commands, run with ``MUCUDNN_RECORD`` set, write ``recorded`` there (what
-    the shim would append while the command runs): ``shim, calls = recording_exec(text)``, each
-    call recorded as (args, env)."""
+    """fake_exec whose commands, run with ``MUCUDNN_RECORD`` set, write a recording there (what
+    the shim would append while the command runs): the ``kernel KEY N`` lines of ``kernels``, or
+    ``text``. ``shim, calls = recording_exec(kernels=...)``, each call recorded as (args, env)."""
     shim, calls = fake_exec
 
-    def install(recorded: str):
+    def install(kernels=(), text: str | None = None):
+        recorded = text if text is not None else "".join(f"kernel {p.key} {p.n}\n" for p in kernels)
+
         def call(args, env=None, **kwargs):
             calls.append((args, env))
             if "MUCUDNN_RECORD" in env:
@@ -124,11 +126,6 @@ def recording_exec(fake_exec, monkeypatch):
         return shim, calls
 
     return install
-
-
-def kernel_lines(problems) -> str:
-    """The ``kernel KEY N`` record lines of these problems."""
-    return "".join(f"kernel {p.key} {p.n}\n" for p in problems)
 
 
 # -- read-only places (test_store.py's as_unprivileged runs code as the unprivileged user) --------

@@ -18,7 +18,6 @@ import mucudnn
 from mucudnn import budget as budget_mod
 from mucudnn import cli, shimlib, tuner
 from mucudnn.cli import main
-from conftest import kernel_lines
 
 
 FAKE_TORCH = Path(__file__).resolve().parent / "faketorch"
@@ -255,7 +254,7 @@ def test_a_malformed_budget_variable_set_by_hand_is_one_warning_line(child, monk
 
 def test_autotune_runs_both_commands_under_the_budget(no_gpu, recording_exec, tmp_path, monkeypatch):
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
-    _, calls = recording_exec(kernel_lines(kernels))
+    _, calls = recording_exec(kernels=kernels)
     monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
     result = invoke("autotune", "--workspace-limit", "64MiB", "--memory-budget", "6GiB", "-o",

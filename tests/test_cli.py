@@ -18,7 +18,6 @@ from mucudnn.optimizer import candidate_sizes
 from mucudnn.plan import NO_LIMIT, read_plan
 from mucudnn.sizes import format_size
 from mucudnn.store import open_store
-from conftest import kernel_lines
 from test_store import as_unprivileged, hand_over
 
 PLAN_DIR = Path(__file__).resolve().parent / "data" / "plans"
@@ -562,7 +561,7 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, recor
     """The recording run writes kernels; they are benchmarked and tuned (from the shipped
     measurements here), and the command runs again with the plan and the limit."""
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
-    shim, calls = recording_exec(kernel_lines(kernels))
+    shim, calls = recording_exec(kernels=kernels)
     benchmarked = []
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: benchmarked.append(
         (len(source), policy, kw["api"])) or 0)
@@ -591,7 +590,7 @@ def test_autotune_records_benchmarks_tunes_then_runs_with_the_plan(no_gpu, recor
 def test_autotune_makes_a_front_plan_without_a_limit_or_with_front(no_gpu, recording_exec, tmp_path,
                                                                     monkeypatch, limit):
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
-    _, calls = recording_exec(kernel_lines(kernels))
+    _, calls = recording_exec(kernels=kernels)
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
     plan_path = tmp_path / "auto.plan"
     result = invoke("autotune", *limit, "-o", plan_path, "--", "python", "train.py")
@@ -619,7 +618,7 @@ def test_autotune_refuses_what_a_front_plan_cannot_do(no_gpu, fake_exec, tmp_pat
 def test_autotune_api_reaches_benchmark_and_tuning(mixed_recording, recording_exec, tmp_path,
                                                    monkeypatch):
     """--api legacy: for a program on PyTorch's legacy path, where engine pieces cannot run."""
-    recording_exec(mixed_recording.read_text())
+    recording_exec(text=mixed_recording.read_text())
     asked = []
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: asked.append(kw["api"]))
     for api, algo in (("legacy", "implicit_gemm"), ("both", "eng7.k2=16.k11=-1")):
