@@ -19,75 +19,28 @@
  * captured when the caller's stream is itself being captured (the caller's graph takes the pieces
  * as they are) or when the CUDA driver is not in the process (the cuDNN test double).
  *
- * The driver API is resolved from the libcuda.so.1 the CUDA runtime loaded (never loaded here),
- * with the few types it needs declared below: the shim has no build dependency on cuda.h.
+ * The driver API is the libcuda.so.1 the CUDA runtime loaded (never loaded here), reached
+ * through driver.c.
  */
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
 
-typedef int CUresult;
-typedef void *CUcontext;
-typedef void *CUstream;
-typedef void *CUgraph;
-typedef void *CUgraphExec;
-
-enum { CU_SUCCESS = 0, CU_STREAM_NON_BLOCKING = 1, CU_STREAM_CAPTURE_MODE_RELAXED = 2,
-       CU_STREAM_CAPTURE_STATUS_NONE = 0 };
-
-typedef struct {
-    CUresult (*ctx_get_current)(CUcontext *);
-    CUresult (*stream_create)(CUstream *, unsigned int);
-    CUresult (*stream_is_capturing)(CUstream, int *);
-    CUresult (*begin_capture)(CUstream, int);
-    CUresult (*end_capture)(CUstream, CUgraph *);
-    CUresult (*instantiate)(CUgraphExec *, CUgraph, unsigned long long);
-    CUresult (*launch)(CUgraphExec, CUstream);
-    CUresult (*exec_destroy)(CUgraphExec);
-    CUresult (*graph_destroy)(CUgraph);
-    int (*runtime_get_last_error)(void); /* cudaGetLastError: clears what a failed capture left */
-} mu_driver;
-
-static mu_driver driver;
-static bool driver_ok;
-
-static void *loaded(const char *const names[]) {
-    for (; *names != NULL; names++) {
-        void *handle = dlopen(*names, RTLD_LAZY | RTLD_NOLOAD);
-        if (handle != NULL) return handle;
-    }
-    return NULL;
-}
+static const mu_driver_table *driver; /* with every capture function: set once, by graphs_available */
 
 static void resolve_driver(void) {
-    static const char *const cuda[] = {"libcuda.so.1", "libcuda.so", NULL};
-    static const char *const cudart[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so", NULL};
-    void *lib = loaded(cuda);
-    if (lib == NULL) {
+    const mu_driver_table *d = mu_driver();
+    if (d == NULL) {
         mu_log(MU_LOG_INFO, "CUDA graphs off: the CUDA driver (libcuda.so.1) is not loaded");
         return;
     }
-#define MU_DRIVER(field, symbol) *(void **)&driver.field = dlsym(lib, symbol)
-    MU_DRIVER(ctx_get_current, "cuCtxGetCurrent");
-    MU_DRIVER(stream_create, "cuStreamCreate");
-    MU_DRIVER(stream_is_capturing, "cuStreamIsCapturing");
-    MU_DRIVER(begin_capture, "cuStreamBeginCapture_v2");
-    MU_DRIVER(end_capture, "cuStreamEndCapture");
-    MU_DRIVER(instantiate, "cuGraphInstantiateWithFlags");
-    MU_DRIVER(launch, "cuGraphLaunch");
-    MU_DRIVER(exec_destroy, "cuGraphExecDestroy");
-    MU_DRIVER(graph_destroy, "cuGraphDestroy");
-#undef MU_DRIVER
-    void *runtime = loaded(cudart);
-    if (runtime == NULL) runtime = RTLD_DEFAULT;
-    *(void **)&driver.runtime_get_last_error = dlsym(runtime, "cudaGetLastError");
-    driver_ok = driver.ctx_get_current && driver.stream_create && driver.stream_is_capturing &&
-                driver.begin_capture && driver.end_capture && driver.instantiate && driver.launch &&
-                driver.exec_destroy && driver.graph_destroy;
-    if (!driver_ok) mu_log(MU_LOG_INFO, "CUDA graphs off: the CUDA driver lacks stream capture");
+    if (d->ctx_get_current && d->stream_create && d->stream_is_capturing && d->begin_capture &&
+        d->end_capture && d->instantiate && d->launch && d->exec_destroy && d->graph_destroy)
+        driver = d;
+    else
+        mu_log(MU_LOG_INFO, "CUDA graphs off: the CUDA driver lacks stream capture");
 }
 
 /* Set when the driver refuses to begin a capture at all: graphs are then off for the process. */
@@ -97,7 +50,7 @@ static bool graphs_available(void) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     if (!mu_option_int(MU_OPT_CUDA_GRAPHS)) return false;
     pthread_once(&once, resolve_driver);
-    return driver_ok && !atomic_load(&capture_unsupported);
+    return driver != NULL && !atomic_load(&capture_unsupported);
 }
 
 /* This thread's capture stream in the current context (a thread captures on its own stream). */
@@ -108,12 +61,12 @@ static CUstream capture_stream(void) {
         CUstream stream;
     } streams[CONTEXTS];
     CUcontext context = NULL;
-    if (driver.ctx_get_current(&context) != CU_SUCCESS || context == NULL) return NULL;
+    if (driver->ctx_get_current(&context) != CU_SUCCESS || context == NULL) return NULL;
     for (int i = 0; i < CONTEXTS; i++) {
         if (streams[i].context == context) return streams[i].stream;
         if (streams[i].context == NULL) {
             CUstream stream = NULL;
-            if (driver.stream_create(&stream, CU_STREAM_NON_BLOCKING) != CU_SUCCESS) return NULL;
+            if (driver->stream_create(&stream, CU_STREAM_NON_BLOCKING) != CU_SUCCESS) return NULL;
             streams[i].context = context, streams[i].stream = stream;
             return stream;
         }
@@ -159,7 +112,7 @@ static struct mu_graph_cache *owner_graphs(mu_graph_owner *owner) {
 }
 
 static void destroy_slot(mu_graph_slot *slot) {
-    if (slot->used) driver.exec_destroy(slot->exec); /* launches in flight complete first */
+    if (slot->used) driver->exec_destroy(slot->exec); /* launches in flight complete first */
     *slot = (mu_graph_slot){0};
 }
 
@@ -209,7 +162,7 @@ static CUgraphExec capture(cudnnHandle_t handle, cudaStream_t caller, mu_pieces_
     CUstream stream = capture_stream();
     cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
     if (stream == NULL) return *why = "no capture stream", NULL;
-    CUresult begun = driver.begin_capture(stream, CU_STREAM_CAPTURE_MODE_RELAXED);
+    CUresult begun = driver->begin_capture(stream, CU_STREAM_CAPTURE_MODE_RELAXED);
     if (begun != CU_SUCCESS) {
         if (!atomic_exchange(&capture_unsupported, true))
             mu_log(MU_LOG_INFO, "CUDA graphs off: the CUDA driver cannot begin a stream capture "
@@ -220,14 +173,14 @@ static CUgraphExec capture(cudnnHandle_t handle, cudaStream_t caller, mu_pieces_
     if (set == CUDNN_STATUS_SUCCESS) status = run(context);
     real->cudnnSetStream(handle, caller);
     CUgraph graph = NULL;
-    CUresult ended = driver.end_capture(stream, &graph);
+    CUresult ended = driver->end_capture(stream, &graph);
     CUgraphExec exec = NULL;
     if (set != CUDNN_STATUS_SUCCESS) *why = "cannot point the handle at the capture stream";
     else if (status != CUDNN_STATUS_SUCCESS) *why = "a piece failed while captured";
     else if (ended != CU_SUCCESS || graph == NULL) *why = "cuDNN did something a capture cannot hold";
-    else if (driver.instantiate(&exec, graph, 0) != CU_SUCCESS) exec = NULL, *why = "cannot instantiate the graph";
-    if (graph != NULL) driver.graph_destroy(graph);
-    if (exec == NULL && driver.runtime_get_last_error != NULL) driver.runtime_get_last_error();
+    else if (driver->instantiate(&exec, graph, 0) != CU_SUCCESS) exec = NULL, *why = "cannot instantiate the graph";
+    if (graph != NULL) driver->graph_destroy(graph);
+    if (exec == NULL && driver->runtime_get_last_error != NULL) driver->runtime_get_last_error();
     return exec;
 }
 
@@ -239,8 +192,8 @@ cudnnStatus_t mu_run_captured(const mu_plan_entry *entry, mu_graph_owner *owner,
     CUcontext cu_context = NULL;
     int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
     if (cache == NULL || mu_real()->cudnnGetStream(handle, &caller) != CUDNN_STATUS_SUCCESS ||
-        driver.ctx_get_current(&cu_context) != CU_SUCCESS ||
-        driver.stream_is_capturing((CUstream)caller, &capturing) != CU_SUCCESS ||
+        driver->ctx_get_current(&cu_context) != CU_SUCCESS ||
+        driver->stream_is_capturing((CUstream)caller, &capturing) != CU_SUCCESS ||
         capturing != CU_STREAM_CAPTURE_STATUS_NONE)
         return run(context);
     mu_capture_key key = *call_key;
@@ -277,7 +230,7 @@ cudnnStatus_t mu_run_captured(const mu_plan_entry *entry, mu_graph_owner *owner,
             mu_log(MU_LOG_DEBUG, "%s N=%d: pieces captured again (other pointers)", entry->key, entry->n);
         cache->announced = true;
     }
-    CUresult launched = driver.launch(slot->exec, (CUstream)caller);
+    CUresult launched = driver->launch(slot->exec, (CUstream)caller);
     pthread_mutex_unlock(&cache->mutex);
     if (launched != CU_SUCCESS) {
         static mu_rate_limit limit = MU_RATE_LIMIT_INIT;

@@ -167,6 +167,48 @@ const char *mu_status_text(cudnnStatus_t status);
 bool mu_guard_enter(void);
 void mu_guard_leave(void);
 
+/* ---- driver.c: the CUDA driver API, from the libcuda.so.1 the process loaded --------------- */
+
+/* The driver's types as the shim uses them (CUresult and friends are ints and opaque pointers). */
+typedef int CUresult;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUgraph;
+typedef void *CUgraphExec;
+typedef void *CUevent;
+typedef unsigned long long CUdeviceptr;
+
+enum { CU_SUCCESS = 0, CU_STREAM_NON_BLOCKING = 1, CU_STREAM_CAPTURE_MODE_RELAXED = 2,
+       CU_STREAM_CAPTURE_STATUS_NONE = 0, CU_EVENT_DEFAULT = 0 };
+
+/* Any member may be NULL (an old driver); users check what they call. */
+typedef struct {
+    CUresult (*ctx_get_current)(CUcontext *);
+    CUresult (*stream_create)(CUstream *, unsigned int);
+    CUresult (*stream_is_capturing)(CUstream, int *);
+    CUresult (*stream_synchronize)(CUstream);
+    CUresult (*begin_capture)(CUstream, int);
+    CUresult (*end_capture)(CUstream, CUgraph *);
+    CUresult (*instantiate)(CUgraphExec *, CUgraph, unsigned long long);
+    CUresult (*launch)(CUgraphExec, CUstream);
+    CUresult (*exec_destroy)(CUgraphExec);
+    CUresult (*graph_destroy)(CUgraph);
+    CUresult (*mem_get_info)(size_t *free_bytes, size_t *total_bytes);
+    CUresult (*mem_alloc)(CUdeviceptr *, size_t);
+    CUresult (*mem_free)(CUdeviceptr);
+    CUresult (*event_create)(CUevent *, unsigned int);
+    CUresult (*event_record)(CUevent, CUstream);
+    CUresult (*event_synchronize)(CUevent);
+    CUresult (*event_elapsed_time)(float *, CUevent, CUevent);
+    CUresult (*event_destroy)(CUevent);
+    int (*runtime_get_last_error)(void); /* cudaGetLastError: clears what a failed capture left */
+} mu_driver_table;
+
+/* The driver, resolved once; NULL when the process has not loaded libcuda. */
+const mu_driver_table *mu_driver(void);
+/* cuMemGetInfo of the current context's device; false without a driver or a current context. */
+bool mu_device_memory(size_t *free_bytes, size_t *total_bytes);
+
 /* ---- key.c: descriptors -> kernel key (docs/kernel-key.md), algorithm and math names ----- */
 
 typedef enum { MU_DIR_FWD = 0, MU_DIR_BWD_DATA = 1, MU_DIR_BWD_FILTER = 2 } mu_direction;

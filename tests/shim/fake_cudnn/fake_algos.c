@@ -219,11 +219,13 @@ struct deferred_call {
     struct call_buffers buffers;
     void *workspace;
     size_t needed;
+    float time_ms; /* the modelled time: what the fake driver's clock advances by */
 };
 
 static void run_deferred(void *argument)
 {
     const struct deferred_call *call = argument;
+    fake_advance_clock(call->time_ms);
     run_with_workspace(call->direction, &call->g, call->alpha, call->beta, &call->buffers,
                        call->workspace, call->needed);
 }
@@ -314,7 +316,7 @@ static cudnnStatus_t execute(enum fake_direction direction, const struct cudnnCo
     double beta_value = beta != NULL ? read_scale(beta, scale_type) : 0.0;
     if (status == CUDNN_STATUS_SUCCESS) {
         struct deferred_call call = {direction, g, alpha_value, beta_value, *buffers, workspace,
-                                     fake_workspace_bytes(algo, g.n)};
+                                     fake_workspace_bytes(algo, g.n), model_time_ms(&g, algo)};
         if (!fake_defer(handle->stream, run_deferred, &call, sizeof call))
             run_deferred(&call);
     }

@@ -172,7 +172,8 @@ CUresult cuCtxGetCurrent(CUcontext *pctx)
 {
     if (pctx == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    *pctx = (CUcontext)&fake_context;
+    const char *none = getenv("FAKE_CUDA_NO_CONTEXT");
+    *pctx = none != NULL && strcmp(none, "1") == 0 ? NULL : (CUcontext)&fake_context;
     return CUDA_SUCCESS;
 }
 
@@ -316,4 +317,150 @@ __attribute__((visibility("default"))) int fake_cuda_defer(void *stream, void (*
     s->tail = &item->next;
     pthread_mutex_unlock(&capture_mutex);
     return 1;
+}
+
+/* ---- device memory and events ----------------------------------------------------------------
+ *
+ * Memory: $FAKE_CUDA_TOTAL_BYTES (default 80 GiB) of device memory, of which $FAKE_CUDA_USED_BYTES
+ * (default 0) is taken by others; cuMemAlloc hands out host memory (the double computes on the
+ * host) and fails with CUDA_ERROR_OUT_OF_MEMORY past what is free. cuMemGetInfo answers only with
+ * a current context, as the driver does ($FAKE_CUDA_NO_CONTEXT=1: none).
+ * Time: a fake clock in milliseconds that the cuDNN double advances by its modelled time of each
+ * convolution it runs (fake_cuda_advance_ms, found with dlsym); events record the clock.
+ */
+static pthread_mutex_t memory_mutex = PTHREAD_MUTEX_INITIALIZER;
+static size_t allocated_bytes;
+static double clock_ms;
+
+static size_t env_bytes(const char *name, size_t fallback)
+{
+    const char *text = getenv(name);
+    return text != NULL && text[0] != '\0' ? (size_t)strtoull(text, NULL, 10) : fallback;
+}
+
+static size_t total_bytes(void) { return env_bytes("FAKE_CUDA_TOTAL_BYTES", (size_t)80 << 30); }
+
+static size_t free_bytes_locked(void)
+{
+    size_t taken = env_bytes("FAKE_CUDA_USED_BYTES", 0) + allocated_bytes;
+    return taken < total_bytes() ? total_bytes() - taken : 0;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *pctx);
+
+CUresult cuMemGetInfo(size_t *free, size_t *total)
+{
+    CUcontext context = NULL;
+    if (free == NULL || total == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (cuCtxGetCurrent(&context) != CUDA_SUCCESS || context == NULL)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&memory_mutex);
+    *free = free_bytes_locked();
+    *total = total_bytes();
+    pthread_mutex_unlock(&memory_mutex);
+    return CUDA_SUCCESS;
+}
+
+/* Each block remembers its size in front of it, so that cuMemFree can give it back. */
+CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize)
+{
+    if (dptr == NULL || bytesize == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&memory_mutex);
+    bool fits = bytesize <= free_bytes_locked();
+    if (fits)
+        allocated_bytes += bytesize;
+    pthread_mutex_unlock(&memory_mutex);
+    size_t *block = fits ? malloc(bytesize + 16) : NULL;
+    if (block == NULL) {
+        if (fits) {
+            pthread_mutex_lock(&memory_mutex);
+            allocated_bytes -= bytesize;
+            pthread_mutex_unlock(&memory_mutex);
+        }
+        log_call("cuMemAlloc", CUDA_ERROR_OUT_OF_MEMORY, "bytes=%zu", bytesize, 0);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    block[0] = bytesize;
+    *dptr = (CUdeviceptr)(uintptr_t)((char *)block + 16);
+    log_call("cuMemAlloc", CUDA_SUCCESS, "bytes=%zu", bytesize, 0);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFree(CUdeviceptr dptr)
+{
+    if (dptr == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t *block = (size_t *)(void *)((char *)(uintptr_t)dptr - 16);
+    pthread_mutex_lock(&memory_mutex);
+    allocated_bytes -= block[0];
+    pthread_mutex_unlock(&memory_mutex);
+    log_call("cuMemFree", CUDA_SUCCESS, "bytes=%zu", block[0], 0);
+    free(block);
+    return CUDA_SUCCESS;
+}
+
+__attribute__((visibility("default"))) void fake_cuda_advance_ms(double ms)
+{
+    pthread_mutex_lock(&memory_mutex);
+    clock_ms += ms;
+    pthread_mutex_unlock(&memory_mutex);
+}
+
+struct fake_event {
+    double at_ms;
+    bool recorded;
+};
+
+CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
+{
+    (void)Flags;
+    if (phEvent == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct fake_event *event = calloc(1, sizeof *event);
+    if (event == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *phEvent = (CUevent)(void *)event;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
+{
+    (void)hStream;
+    if (hEvent == NULL)
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct fake_event *event = (struct fake_event *)(void *)hEvent;
+    pthread_mutex_lock(&memory_mutex);
+    event->at_ms = clock_ms;
+    event->recorded = true;
+    pthread_mutex_unlock(&memory_mutex);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventSynchronize(CUevent hEvent) { return hEvent != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
+
+CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+{
+    struct fake_event *start = (struct fake_event *)(void *)hStart, *end = (struct fake_event *)(void *)hEnd;
+    if (pMilliseconds == NULL || start == NULL || end == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!start->recorded || !end->recorded)
+        return CUDA_ERROR_NOT_READY;
+    *pMilliseconds = (float)(end->at_ms - start->at_ms);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy(CUevent hEvent)
+{
+    if (hEvent == NULL)
+        return CUDA_ERROR_INVALID_HANDLE;
+    free((void *)hEvent);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream hStream)
+{
+    (void)hStream;
+    return CUDA_SUCCESS;
 }

@@ -69,6 +69,8 @@ FAKE_INTERNAL bool fake_handle_ok(const struct cudnnContext *handle);
  * graph's launch instead of now. */
 FAKE_INTERNAL bool fake_defer(cudaStream_t stream, void (*run)(void *), const void *argument,
                               size_t size);
+/* Advances the fake driver's clock (events) by a call's modelled time; nothing without the driver. */
+FAKE_INTERNAL void fake_advance_clock(double ms);
 FAKE_INTERNAL bool fake_tensor_ok(const struct cudnnTensorStruct *desc);
 FAKE_INTERNAL bool fake_filter_ok(const struct cudnnFilterStruct *desc);
 FAKE_INTERNAL bool fake_convolution_ok(const struct cudnnConvolutionStruct *desc);
