@@ -212,13 +212,15 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
      * within the workspace of the engine the framework chose (and the hard limit): never more
      * memory than the framework chose, never slower than its engine where the front holds it; and
      * where the framework's fallback (an allocation failure, cudnn.benchmark's largest free
-     * block) chose an engine of little workspace, a micro-batched point rather than a slow engine. */
+     * block) chose an engine of little workspace, a micro-batched point rather than a slow engine.
+     * Where that point needs more than the memory free now, a point within it (room.c). */
     mu_plan_entry *entry = NULL;
     if (head != NULL) {
         size_t available = state->plan->front ? real_workspace : SIZE_MAX;
         if (state->plan->front && state->has_limit && available > state->workspace_limit)
             available = state->workspace_limit;
         entry = mu_plan_point(head, available, engine.deterministic);
+        entry = mu_room_point(head, entry, engine.deterministic, &k, seen);
         if (entry == NULL)
             mu_log(MU_LOG_INFO, "%s N=%d: no %spoint of the plan within %zu bytes of workspace; not using the "
                    "plan", k.key, k.n, engine.deterministic ? "deterministic " : "", available);

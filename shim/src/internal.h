@@ -41,6 +41,8 @@ typedef enum {
     MU_OPT_SUMMARY,
     MU_OPT_CUDA_GRAPHS,
     MU_OPT_MEMORY_BUDGET,
+    MU_OPT_ROOM,
+    MU_OPT_ROOM_MARGIN,
     MU_OPT_COUNT
 } mu_option;
 
@@ -363,6 +365,7 @@ typedef struct mu_seen {
     atomic_ulong planned_calls;
     atomic_ulong passthrough_calls;
     atomic_bool first_call_logged;
+    atomic_bool degraded; /* room.c: given a point of less workspace for lack of memory */
     struct mu_seen *_Atomic next_in_bucket;
 } mu_seen;
 
@@ -496,6 +499,30 @@ cudnnStatus_t mu_workspace_size_query(const mu_query *q, int algo, size_t *size)
  * workspace (and deterministic when asked), -1 if none. The only algorithm whose workspace size
  * the shim reports as the plan's. */
 int mu_plan_algo(cudnnHandle_t handle, const mu_conv_descs *descs, const mu_plan_entry *entry);
+
+/* ---- room.c: the workspace a convolution may take now (SuperNeurons' rule) ----------------- */
+
+typedef struct {
+    size_t bytes;       /* what one workspace may take now */
+    size_t free_bytes;  /* the device's free memory (cuMemGetInfo) */
+    size_t budget_left; /* MUCUDNN_MEMORY_BUDGET less what is in use; SIZE_MAX without a budget */
+    size_t margin;      /* MUCUDNN_ROOM_MARGIN, kept back from both */
+} mu_room_info;
+
+/* The room: the device's free memory and, with MUCUDNN_MEMORY_BUDGET, the budget less what is in
+ * use (total - free), whichever is less, less the margin. False (no room limit) when it cannot be
+ * known (no driver, no current context) or with MUCUDNN_ROOM=0. */
+bool mu_room(mu_room_info *room);
+/* The point of head's kernel to choose instead of `chosen` (the fastest the framework's workspace
+ * and the hard limit allow, deterministic when asked): chosen when it fits the room or the room is
+ * unknown, else the fastest point within the room, else the smallest point. Never more workspace
+ * than chosen. A degraded choice is logged (once per kernel at info) and counted. */
+mu_plan_entry *mu_room_point(mu_plan_entry *head, mu_plan_entry *chosen, bool deterministic,
+                             const mu_kernel *k, mu_seen *seen);
+/* Counts a kernel (once) whose query put a point of less workspace first for lack of memory. */
+void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_t to, const mu_room_info *room);
+/* How many kernels were degraded so far (the exit report). */
+size_t mu_room_degraded_kernels(void);
 
 /* ---- directions.c: the real cuDNN functions of each direction, in forward terms ------------ */
 

@@ -42,8 +42,13 @@ static option_entry options[MU_OPT_COUNT] = {
     [MU_OPT_CUDA_GRAPHS] = {"MUCUDNN_CUDA_GRAPHS", KIND_BOOL, 1,
                             "launch each plan's pieces as one CUDA graph", false, 0, NULL},
     [MU_OPT_MEMORY_BUDGET] = {"MUCUDNN_MEMORY_BUDGET", KIND_SIZE, -1,
-                              "GPU memory of the whole process (read, not yet acted on)", false, 0,
-                              NULL},
+                              "GPU memory of the whole process: workspaces keep within what is left",
+                              false, 0, NULL},
+    [MU_OPT_ROOM] = {"MUCUDNN_ROOM", KIND_BOOL, 1,
+                     "choose front points within the memory free at the time (room.c)", false, 0, NULL},
+    [MU_OPT_ROOM_MARGIN] = {"MUCUDNN_ROOM_MARGIN", KIND_SIZE, 64LL << 20,
+                            "memory kept free when choosing a front point within the room", false, 0,
+                            NULL},
 };
 
 static bool parse_bool(const char *text, long long *value) {

@@ -3,7 +3,8 @@
  * cudnnGetConvolution*WorkspaceSize.
  *
  * For a kernel with a plan the plan comes first among the results (memory = the plan's
- * workspace, so PyTorch allocates enough for it), followed by cuDNN's own. With a workspace
+ * workspace, so PyTorch allocates enough for it), followed by cuDNN's own; a front plan's points
+ * fastest first, those within the memory free now before the others (room.c). With a workspace
  * limit, results above it are removed, so a framework stays inside the limit.
  */
 #include <stddef.h>
@@ -127,6 +128,23 @@ static int offered_points(mu_plan_entry *head, const mu_state *state, mu_plan_en
     return count;
 }
 
+/* Under memory pressure (room.c) the points within the room come first, each group still fastest
+ * first: a framework that falls back on an allocation failure then lands on a fitting point. */
+static void room_first(const mu_kernel *k, mu_seen *seen, mu_plan_entry *points[], int count) {
+    mu_room_info room;
+    if (count < 2 || points[0]->workspace == 0 || !mu_room(&room) || points[0]->workspace <= room.bytes) return;
+    mu_plan_entry *fitting[MU_MAX_POINTS], *over[MU_MAX_POINTS];
+    int fitting_count = 0, over_count = 0;
+    for (int i = 0; i < count; i++) {
+        if (points[i]->workspace <= room.bytes) fitting[fitting_count++] = points[i];
+        else over[over_count++] = points[i];
+    }
+    if (fitting_count == 0) return; /* none fits: fastest first, as without a room */
+    mu_room_note_degraded(seen, k, points[0]->workspace, fitting[0]->workspace, &room);
+    for (int i = 0; i < fitting_count; i++) points[i] = fitting[i];
+    for (int i = 0; i < over_count; i++) points[fitting_count + i] = over[i];
+}
+
 static cudnnStatus_t rewrite_query(const mu_query *q, const mu_state *state, int requested,
                                    int *returned, void *perf) {
     mu_kernel k;
@@ -134,9 +152,10 @@ static cudnnStatus_t rewrite_query(const mu_query *q, const mu_state *state, int
     mu_plan_entry *points[MU_MAX_POINTS] = {0};
     int point_count = 0;
     if (why == NULL) {
-        mu_seen_kernel(&k);
+        mu_seen *seen = mu_seen_kernel(&k);
         mu_plan_entry *head = state->plan != NULL ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
         if (head != NULL) point_count = offered_points(head, state, points);
+        room_first(&k, seen, points, point_count);
     }
     if (point_count == 0 && !state->has_limit) return mu_dir(q->descs.dir)->query(q, requested, returned, perf);
 

@@ -1,0 +1,73 @@
+/*
+ * room.c: the workspace a convolution may take now, from the memory free at that moment
+ * (SuperNeurons' rule: a convolution's workspace is whatever is free when it runs), and the front
+ * point that fits it.
+ *
+ * A front plan lets the shim trade speed for workspace. The framework's own choice (its engine's
+ * workspace, or what a legacy caller allocated) says how much workspace it would take, not whether
+ * that much is free: under memory pressure a large workspace fails to allocate (an out-of-memory
+ * error) or fragments the caching allocator for what follows. So when the point the shim would
+ * choose needs more than the room, it chooses the fastest point within the room instead, or the
+ * smallest: the room only ever lowers the workspace chosen, and with plenty of memory nothing
+ * changes.
+ *
+ * The room is read when a choice is made: at cudnnBackendFinalize of an execution plan (a
+ * framework allocates the workspace the plan reports right after, and reuses the plan), and at
+ * each algorithm query. It cannot see inside a framework's caching allocator: blocks it holds
+ * free count as used, so the room errs on the small side.
+ */
+#include <stdint.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+static atomic_size_t degraded_kernels;
+
+bool mu_room(mu_room_info *room) {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (mu_option_int(MU_OPT_ROOM) == 0 || !mu_device_memory(&free_bytes, &total_bytes)) return false;
+    room->free_bytes = free_bytes;
+    room->budget_left = SIZE_MAX;
+    long long budget = mu_option_int(MU_OPT_MEMORY_BUDGET);
+    if (budget >= 0) {
+        /* In use: everything the device does not have free (this process's context and memory,
+         * and other processes' on a shared GPU). */
+        size_t used = total_bytes > free_bytes ? total_bytes - free_bytes : 0;
+        room->budget_left = (size_t)budget > used ? (size_t)budget - used : 0;
+    }
+    room->margin = (size_t)mu_option_int(MU_OPT_ROOM_MARGIN);
+    size_t available = free_bytes < room->budget_left ? free_bytes : room->budget_left;
+    room->bytes = available > room->margin ? available - room->margin : 0;
+    return true;
+}
+
+static void describe_budget(const mu_room_info *room, char *buf, size_t size) {
+    if (room->budget_left == SIZE_MAX) snprintf(buf, size, "none");
+    else snprintf(buf, size, "%zu left", room->budget_left);
+}
+
+void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_t to, const mu_room_info *room) {
+    bool first = seen == NULL || !atomic_exchange(&seen->degraded, true);
+    if (first) atomic_fetch_add(&degraded_kernels, 1);
+    char budget[48];
+    describe_budget(room, budget, sizeof budget);
+    mu_log(first ? MU_LOG_INFO : MU_LOG_DEBUG, "%s N=%d: degraded for lack of memory: a point of %zu bytes of "
+           "workspace instead of %zu (room %zu: free %zu, budget %s, margin %zu)", k->key, k->n, to, from,
+           room->bytes, room->free_bytes, budget, room->margin);
+}
+
+mu_plan_entry *mu_room_point(mu_plan_entry *head, mu_plan_entry *chosen, bool deterministic,
+                             const mu_kernel *k, mu_seen *seen) {
+    mu_room_info room;
+    if (chosen == NULL || !mu_room(&room) || chosen->workspace <= room.bytes) return chosen;
+    mu_plan_entry *within = mu_plan_point(head, room.bytes, deterministic);
+    if (within == NULL) /* the smallest usable point: the one of least workspace (head first) */
+        for (mu_plan_entry *point = head; point != NULL && within == NULL; point = point->next_point)
+            if (!atomic_load(&point->disabled) && (!deterministic || mu_plan_legacy_deterministic(point)))
+                within = point;
+    if (within == NULL || within->workspace >= chosen->workspace) return chosen;
+    mu_room_note_degraded(seen, k, chosen->workspace, within->workspace, &room);
+    return within;
+}
+
+size_t mu_room_degraded_kernels(void) { return atomic_load(&degraded_kernels); }

@@ -1,0 +1,164 @@
+"""The room (shim/src/room.c): under memory pressure a front plan's point is chosen within the
+memory free at that moment (and, with MUCUDNN_MEMORY_BUDGET, within the budget less what is in
+use), less MUCUDNN_ROOM_MARGIN; with plenty of memory nothing changes.
+
+The fake driver's device has $FAKE_CUDA_TOTAL_BYTES, of which $FAKE_CUDA_USED_BYTES are taken by
+others: the free memory is their difference. Workspaces follow the double's model (a * n * 4096
+bytes for algorithm or engine a); the framework's engine in BASE is engine 1: 8 * 4096 bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shim_harness import key_of
+from test_shim_front import CASE, LEGACY_POINTS, WS, front_plan, graph_front, pieces_run
+from test_shim_graph import BASE
+
+GRAPH_CASE = f"{BASE} dir=fwd alpha=1 beta=0"
+GIB = 1 << 30
+MIB = 1 << 20
+
+FAST = (2 * 4 * WS, 0.6, "4:eng2:fma 4:eng2:fma")                      # within engine 1's workspace
+SMALLER = (2 * 2 * WS, 0.9, "2:eng2:fma 2:eng2:fma 2:eng2:fma 2:eng2:fma")
+FREE = (0, 2.0, "8:implicit_gemm:fma")
+GRAPH_POINTS = [FAST, SMALLER, FREE]
+
+
+def free_memory(free: int, margin: int | None = 0) -> dict[str, str]:
+    """A 1 GiB device with `free` bytes free (and the margin, unless None: the default)."""
+    env = {"FAKE_CUDA_TOTAL_BYTES": str(GIB), "FAKE_CUDA_USED_BYTES": str(GIB - free),
+           "MUCUDNN_LOG_LEVEL": "info"}
+    if margin is not None:
+        env["MUCUDNN_ROOM_MARGIN"] = str(margin)
+    return env
+
+
+def run_graph(shim_env, env, points=GRAPH_POINTS):
+    run = shim_env.run_graph([GRAPH_CASE], plan=graph_front(shim_env, GRAPH_CASE, points), env=env)
+    result = run.cases[0]
+    assert (result["status"], result["exact"], result["guard"]) == ("0", "1", "ok"), run.stderr
+    return run
+
+
+def chosen(run):
+    """The workspace the finalized plan reports, and (n, engine) of the graph-API pieces it ran."""
+    return int(run.cases[0]["ws"]), [(e["n"], e["engine"]) for e in run.graph_executions()]
+
+
+def degraded_lines(run):
+    return [line for line in run.shim_lines("info") if "degraded for lack of memory" in line]
+
+
+FAST_RUN = (FAST[0], [("4", "2")] * 2)
+SMALLER_RUN = (SMALLER[0], [("2", "2")] * 4)
+FREE_RUN = (0, [])  # implicit_gemm undivided, a legacy piece: no graph-API execution
+
+
+@pytest.mark.parametrize("free, expected", [
+    (FAST[0], FAST_RUN),           # the fastest point fits exactly: as before
+    (FAST[0] - 1, SMALLER_RUN),    # the fastest within the room
+    (SMALLER[0] - 1, FREE_RUN),    # only the workspace-free point fits
+])
+def test_under_pressure_finalize_picks_the_fastest_point_within_the_room(shim_env, free, expected):
+    run = run_graph(shim_env, free_memory(free))
+    assert chosen(run) == expected
+    if expected == FAST_RUN:
+        assert not degraded_lines(run)
+        return
+    key = key_of(GRAPH_CASE + " math=fma")
+    assert degraded_lines(run) == [
+        f"mucudnn: info: {key} N=8: degraded for lack of memory: a point of {expected[0]} bytes of "
+        f"workspace instead of {FAST[0]} (room {free}: free {free}, budget none, margin 0)"]
+    assert "mucudnn: info: 1 kernels got a front point of less workspace" in run.stderr
+
+
+def test_when_no_point_fits_the_room_the_smallest_is_chosen(shim_env):
+    run = run_graph(shim_env, free_memory(100), points=[FAST, SMALLER])
+    assert chosen(run) == SMALLER_RUN and len(degraded_lines(run)) == 1
+
+
+def test_never_above_the_framework_engine_or_the_hard_limit_whatever_the_room(shim_env):
+    bigger = (3 * 8 * WS, 0.3, "8:eng3:fma")  # faster, but needs more than engine 1
+    run = run_graph(shim_env, {"MUCUDNN_WORKSPACE_LIMIT": str(SMALLER[0])}, points=[bigger, *GRAPH_POINTS])
+    assert chosen(run) == SMALLER_RUN and not degraded_lines(run)
+
+
+@pytest.mark.parametrize("env", [
+    {},                                                      # the fake device: 80 GiB free
+    {**free_memory(100), "FAKE_CUDA_NO_CONTEXT": "1"},      # no context: the room is unknown
+    {**free_memory(100), "MUCUDNN_ROOM": "0"},              # turned off
+    {"FAKE_CUDA_USED_BYTES": str(10 * GIB), "MUCUDNN_MEMORY_BUDGET": "20GiB"},  # 10 GiB left
+], ids=["plenty", "no-context", "room-off", "budget-with-room"])
+def test_with_plenty_of_memory_or_no_room_the_choice_is_as_before(shim_env, env):
+    run = run_graph(shim_env, {**env, "MUCUDNN_LOG_LEVEL": "info"})
+    assert chosen(run) == FAST_RUN and not degraded_lines(run)
+    assert "kernels got a front point" not in run.stderr
+
+
+def test_a_budget_below_use_leaves_the_room_the_budget_has_left(shim_env):
+    """80 GiB free on the device, but the budget is 10 GiB and 10 GiB - 20000 bytes are in use."""
+    used = 10 * GIB - 20000
+    run = run_graph(shim_env, {"FAKE_CUDA_USED_BYTES": str(used), "MUCUDNN_MEMORY_BUDGET": "10GiB",
+                               "MUCUDNN_ROOM_MARGIN": "0", "MUCUDNN_LOG_LEVEL": "info"})
+    assert chosen(run) == SMALLER_RUN
+    (line,) = degraded_lines(run)
+    assert f"(room 20000: free {80 * GIB - used}, budget 20000 left, margin 0)" in line
+
+
+@pytest.mark.parametrize("margin, expected", [
+    (None, SMALLER_RUN),     # the default 64 MiB: the room is 20000 bytes
+    ("0", FAST_RUN),         # none: the room is 64 MiB + 20000 bytes
+    ("64M", SMALLER_RUN),    # malformed (a bare M): warned, the default
+])
+def test_the_margin_is_kept_free_and_a_bad_one_is_warned_and_defaulted(shim_env, margin, expected):
+    env = free_memory(64 * MIB + 20000, margin=None)
+    if margin is not None:
+        env["MUCUDNN_ROOM_MARGIN"] = margin
+    run = run_graph(shim_env, env)
+    assert chosen(run) == expected
+    warnings = [line for line in run.shim_lines("warning") if "MUCUDNN_ROOM_MARGIN" in line]
+    if margin == "64M":
+        assert warnings == ["mucudnn: warning: MUCUDNN_ROOM_MARGIN='64M' is not valid (a bare K, M, G or T "
+                            "is ambiguous: write KiB, MiB, GiB, TiB (powers of 2) or KB, MB, GB, TB (powers "
+                            "of 10); expected bytes, or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB or "
+                            "TB); using the default"]
+    else:
+        assert not warnings
+
+
+# -- legacy queries: the points within the room first ----------------------------------------------
+
+def offered(run):
+    return [p.split(":") for p in run.cases[0]["perf"].split(",")]
+
+
+@pytest.mark.parametrize("op", ["get_v7", "find", "find_ex ws=1048576"])
+def test_under_pressure_queries_offer_the_points_within_the_room_first(shim_env, op):
+    query = f"op={op} {CASE} requested=16"
+    plan = front_plan(shim_env, key_of(query), LEGACY_POINTS)
+    run = shim_env.run([query], plan=plan, env=free_memory(2 * 4 * WS))
+    perf = offered(run)
+    # within the room (fastest first), then the point over it; then cuDNN's results
+    assert [(p[2], p[3]) for p in perf[:3]] == [("1", str(2 * 4 * WS)), ("2", "0"), ("0.8", str(2 * 8 * WS))]
+    without = shim_env.run([query], preload=False).cases[0]["perf"].split(",")
+    assert [":".join(p) for p in perf[3:]] == without[:len(perf) - 3]
+    assert len([line for line in run.stderr.splitlines() if "degraded for lack of memory" in line]) == 1
+
+
+def test_with_plenty_of_memory_queries_offer_the_points_fastest_first(shim_env):
+    query = f"op=get_v7 {CASE} requested=16"
+    plan = front_plan(shim_env, key_of(query), LEGACY_POINTS)
+    perf = offered(shim_env.run([query], plan=plan, env=free_memory(2 * 8 * WS)))
+    assert [p[3] for p in perf[:3]] == [str(2 * 8 * WS), str(2 * 4 * WS), "0"]
+
+
+def test_a_framework_trying_the_results_in_order_lands_on_a_point_within_the_room(shim_env):
+    """PyTorch's legacy path allocates the first result's memory: under pressure, a point that
+    fits, which the call then runs (legacy execution itself is unchanged)."""
+    query = f"op=get_v7 {CASE} requested=16"
+    plan = front_plan(shim_env, key_of(query), LEGACY_POINTS)
+    env = free_memory(2 * 4 * WS)
+    algo, _, _, memory, *_ = offered(shim_env.run([query], plan=plan, env=env))[0]
+    run = shim_env.run([f"op=conv {CASE} algo={algo} ws={memory}"], plan=plan, env=env)
+    assert run.cases[0]["exact"] == "1" and pieces_run(run) == [("4", "2")] * 2
