@@ -70,9 +70,10 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
   neverslower-*)  # benchmarks/never_slower.py: front plans against PyTorch, then under CAPS (GiB)
     specs=${s#neverslower-}; stage "neverslower-$specs" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.never_slower \
       --models ${specs//+/ } --rounds ${ROUNDS:-3} --caps ${CAPS:-} --out "$LOGS/neverslower-${specs//:/_}" ;;
-  memorybudget-*)  # benchmarks/memory_budget.py: PyTorch self-capped vs mucudnn run --memory-budget
+  memorybudget-*)  # benchmarks/memory_budget.py: PyTorch self-capped vs mucudnn run --memory-budget (BUDGET_PLAN: --plan)
     spec=${s#memorybudget-}; stage "memorybudget-$spec" ${SHIM_TIMEOUT:-400} python3 -m benchmarks.memory_budget \
-      --model ${spec%:*} --batch ${spec#*:} --budgets ${BUDGETS:-6GiB} --steps 15 --warmup 5 --out "$LOGS/memorybudget-${spec//:/_}" ;;
+      --model ${spec%:*} --batch ${spec#*:} --budgets ${BUDGETS:-6GiB} --steps 15 --warmup 5 \
+      ${BUDGET_PLAN:+--plan "$BUDGET_PLAN"} --out "$LOGS/memorybudget-${spec//:/_}" ;;
   tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store
     models=${s#tuningcost-}; stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.tuning_cost \
       --models ${models//+/ } ${TUNING_ARGS:-} --out "$LOGS/tuningcost-$models" ;;

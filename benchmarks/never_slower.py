@@ -8,7 +8,9 @@ workspace it has) and a front cut at --cap-limit (the hard cap). Then:
 - no pressure: R rounds, each PyTorch then the shim back to back, per benchmark mode; the ratio
   shim/PyTorch of each round and their median;
 - under each --caps GiB: PyTorch, the shim with the front plan, the shim with the capped front
-  (benchmark off); step time or "oom".
+  (benchmark off), and the shim with the front plan told the cap as MUCUDNN_MEMORY_BUDGET, so that
+  it chooses each point within what the budget has left (shim_front_room; its info log counts the
+  kernels degraded); step time or "oom".
 Worker and timing: benchmarks/shim_pytorch.py (CUDA events, warm-up, median of the steps).
 
     python3 -m benchmarks.never_slower --models resnet50:256 r3d_18:32 --caps 6.0 5.6 --out DIR
@@ -90,13 +92,23 @@ def main() -> int:
             caps = r["caps"] = {}
             for cap in args.caps:
                 row = caps[str(cap)] = {}
-                for name, kwargs in (("pytorch", {"shim": False}),
-                                     ("shim_front", {"shim": True, "plan": plans["front"]}),
-                                     ("shim_capped", {"shim": True, "plan": plans["capped"],
-                                                      "limit": args.cap_limit})):
-                    result = run_worker(model, {}, tf32=True, path="default", batch=batch, memory_cap_gib=cap,
+                room_log = out / f"{model}-cap{cap}-room.log"
+                room_log.unlink(missing_ok=True)
+                budget = {"MUCUDNN_MEMORY_BUDGET": str(int(cap * 2**30))}  # the cap, for the shim's room
+                for name, env, kwargs in (("pytorch", {}, {"shim": False}),
+                                          ("shim_front", {}, {"shim": True, "plan": plans["front"]}),
+                                          ("shim_capped", {}, {"shim": True, "plan": plans["capped"],
+                                                               "limit": args.cap_limit}),
+                                          ("shim_front_room", budget, {"shim": True, "plan": plans["front"],
+                                                                       "log": str(room_log)})):
+                    result = run_worker(model, env, tf32=True, path="default", batch=batch, memory_cap_gib=cap,
                                         **kwargs)
                     row[name] = step(result)
+                if room_log.exists():  # the room's info lines: one per degraded kernel, a count at exit
+                    lines = room_log.read_text(errors="replace").splitlines()
+                    r.setdefault("room", {})[str(cap)] = {
+                        "degraded_kernels": sum("degraded for lack of memory" in line for line in lines),
+                        "exit_line": next((line for line in lines if "kernels got a front point" in line), None)}
                 shown = ", ".join(f"{k} " + ("oom" if v is None else f"{v:.1f} ms") for k, v in row.items())
                 print(f"[{spec}] cap {cap} GiB: {shown}", flush=True)
         except Exception as exc:  # keep going: the other models still run
