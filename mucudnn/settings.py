@@ -38,7 +38,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_SUMMARY", "print a per-kernel summary at exit", "0", (SHIM,)),
     Setting("MUCUDNN_CUDA_GRAPHS", "launch each plan's pieces as one CUDA graph", "1", (SHIM,)),
     Setting("MUCUDNN_MEMORY_BUDGET", "GPU memory of the whole process (PyTorch's allocator; the "
-            "shim reads it)", "(no budget)", (SHIM, PYTHON)),
+            "shim keeps front points within what it has left)", "(no budget)", (SHIM, PYTHON)),
+    Setting("MUCUDNN_ROOM", "choose front points within the memory free at the time", "1", (SHIM,)),
+    Setting("MUCUDNN_ROOM_MARGIN", "memory kept free when choosing a front point within the room",
+            "64MiB", (SHIM,)),
     Setting("MUCUDNN_BUDGET_REPORT", "file the budget launcher's processes report to", "(none)",
             (PYTHON,)),
     Setting("MUCUDNN_STORE", "benchmark store", "$XDG_CACHE_HOME/mucudnn/benchmarks.sqlite",
