@@ -422,21 +422,36 @@ def _recorded_kernels(path) -> int:
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
               help="plan file to execute")
+@click.option("--no-online", is_flag=True,
+              help="without --plan, do not tune online (kernels without a plan pass through)")
+@click.option("--online-dir", type=click.Path(file_okay=False),
+              help="where online tuning keeps its plan file (default: "
+                   "$XDG_CACHE_HOME/mucudnn/online or ~/.cache/mucudnn/online)")
 @click.option("--workspace-limit", type=SIZE, help="keep unplanned kernels within this workspace")
 @click.option("--log-level", type=click.Choice(["error", "warning", "info", "debug"]))
 @click.option("--summary", is_flag=True, help="print what each kernel ran at exit")
 @memory_budget_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(plan_path, workspace_limit, log_level, summary, memory_budget, command):
-    """Run COMMAND (after --) with the shim executing PLAN's micro-batches."""
+def run(plan_path, no_online, online_dir, workspace_limit, log_level, summary, memory_budget, command):
+    """Run COMMAND (after --) with the shim executing PLAN's micro-batches.
+
+    With no --plan the shim tunes online (MUCUDNN_ONLINE=1): each convolution is measured on its
+    first call, with micro-batches, and runs its fastest plan from then on; what it measured is
+    kept in --online-dir, so the next run starts tuned (docs/shim.md, "Online tuning").
+    """
     _require_command(command)
     if plan_path:
         from .plan import read_plan
         read_plan(plan_path)  # refuse a malformed plan here, with the file and line
     _check_memory_budget(memory_budget)
-    sys.exit(_exec_within(memory_budget, command,
-                          _shim_env(plan=plan_path, limit=workspace_limit, log_level=log_level,
-                                    summary=summary)))
+    env = _shim_env(plan=plan_path, limit=workspace_limit, log_level=log_level, summary=summary)
+    if plan_path is None and not no_online:
+        env["MUCUDNN_ONLINE"] = "1"
+        if online_dir is not None:
+            env["MUCUDNN_ONLINE_DIR"] = str(Path(online_dir).resolve())
+    else:
+        env.pop("MUCUDNN_ONLINE", None)
+    sys.exit(_exec_within(memory_budget, command, env))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -42,6 +42,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_ROOM", "choose front points within the memory free at the time", "1", (SHIM,)),
     Setting("MUCUDNN_ROOM_MARGIN", "memory kept free when choosing a front point within the room",
             "64MiB", (SHIM,)),
+    Setting("MUCUDNN_ONLINE", "tune kernels without a plan on first use (`mucudnn run` without "
+            "--plan sets it)", "0", (SHIM,)),
+    Setting("MUCUDNN_ONLINE_DIR", "where online tuning keeps its plan file and locks",
+            "$XDG_CACHE_HOME/mucudnn/online", (SHIM,)),
+    Setting("MUCUDNN_ONLINE_BUDGET_MS", "milliseconds a process may spend measuring", "20000",
+            (SHIM,)),
     Setting("MUCUDNN_BUDGET_REPORT", "file the budget launcher's processes report to", "(none)",
             (PYTHON,)),
     Setting("MUCUDNN_STORE", "benchmark store", "$XDG_CACHE_HOME/mucudnn/benchmarks.sqlite",

@@ -496,6 +496,19 @@ def test_run_sets_up_the_shim_environment(fake_exec):
     assert "MUCUDNN_RECORD" not in env
 
 
+def test_run_without_a_plan_tunes_online(fake_exec, tmp_path, monkeypatch):
+    _, calls = fake_exec
+    monkeypatch.delenv("MUCUDNN_ONLINE_DIR", raising=False)
+    assert invoke("run", "--online-dir", str(tmp_path / "online"), "--", "true").exit_code == 0
+    assert invoke("run", "--", "true").exit_code == 0
+    assert invoke("run", "--no-online", "--", "true").exit_code == 0
+    assert invoke("run", "--plan", VALID_PLAN, "--", "true").exit_code == 0
+    [(_, online_dir), (_, default), (_, off), (_, planned)] = calls
+    assert online_dir["MUCUDNN_ONLINE"] == "1" and online_dir["MUCUDNN_ONLINE_DIR"] == str(tmp_path / "online")
+    assert default["MUCUDNN_ONLINE"] == "1" and "MUCUDNN_ONLINE_DIR" not in default
+    assert "MUCUDNN_ONLINE" not in off and "MUCUDNN_ONLINE" not in planned
+
+
 def test_run_keeps_existing_preloads_and_torch_setting(fake_exec, monkeypatch):
     shim, calls = fake_exec
     monkeypatch.setenv("LD_PRELOAD", "libother.so")

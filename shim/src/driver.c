@@ -44,7 +44,9 @@ static void resolve(void) {
     MU_DRIVER(event_create, "cuEventCreate");
     MU_DRIVER(event_record, "cuEventRecord");
     MU_DRIVER(event_synchronize, "cuEventSynchronize");
-    MU_DRIVER(event_elapsed_time, "cuEventElapsedTime");
+    /* cuda.h 12.8+ maps cuEventElapsedTime to _v2 (same arguments); older drivers have only the first. */
+    MU_DRIVER(event_elapsed_time, "cuEventElapsedTime_v2");
+    if (driver.event_elapsed_time == NULL) MU_DRIVER(event_elapsed_time, "cuEventElapsedTime");
     MU_DRIVER(event_destroy, "cuEventDestroy_v2");
 #undef MU_DRIVER
     void *runtime = loaded(cudart);

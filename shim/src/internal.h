@@ -43,6 +43,9 @@ typedef enum {
     MU_OPT_MEMORY_BUDGET,
     MU_OPT_ROOM,
     MU_OPT_ROOM_MARGIN,
+    MU_OPT_ONLINE,
+    MU_OPT_ONLINE_DIR,
+    MU_OPT_ONLINE_BUDGET_MS,
     MU_OPT_COUNT
 } mu_option;
 
@@ -52,7 +55,8 @@ void mu_options_init(void);
 bool mu_option_is_set(mu_option option);
 /* Value of a boolean, size or level option. */
 long long mu_option_int(mu_option option);
-/* Value of a path option, NULL when unset. */
+/* Value of a path option, NULL when unset (MUCUDNN_ONLINE_DIR: its default when unset, NULL when
+ * neither $XDG_CACHE_HOME nor $HOME gives one). */
 const char *mu_option_path(mu_option option);
 /* Prints every option, its value and origin at debug level. */
 void mu_options_log(void);
@@ -339,6 +343,8 @@ mu_plan *mu_plan_load(const char *path, char *error, size_t error_size);
 mu_plan_entry *mu_plan_find(const mu_plan *plan, const char *key, int n, uint64_t hash);
 /* Parses an engine name "eng<G>[.k<T>=<V>...]"; false when it is not one. */
 bool mu_engine_parse(const char *name, mu_engine *engine);
+/* Frees a plan mu_plan_load returned (nothing of it may be in use). */
+void mu_plan_free(mu_plan *plan);
 /* "4:implicit_gemm:fma 4:..." into buf (truncated with "..." when long). */
 void mu_plan_pieces_text(const mu_plan_entry *entry, char *buf, size_t size);
 
@@ -352,6 +358,8 @@ typedef struct {
 } mu_state;
 
 const mu_state *mu_config(void);
+/* Name of the current (or first) GPU from the driver; false with the reason in name otherwise. */
+bool mu_gpu_name(char *name, int size);
 /* Before cudnnDestroy (intercept_legacy.c): drops every CUDA graph and graph-API piece plan made
  * with the handle (a later handle may get its address). */
 void mu_forget_handle(cudnnHandle_t handle);
@@ -367,6 +375,12 @@ typedef struct mu_seen {
     atomic_bool first_call_logged;
     atomic_bool degraded; /* room.c: given a point of less workspace for lack of memory */
     struct mu_seen *_Atomic next_in_bucket;
+    /* Online tuning (online.c): the kernel's measured front, published once complete. */
+    _Atomic(struct mu_plan_entry *) online_head;
+    atomic_int online_state;          /* online.c's mu_online_state */
+    atomic_int online_reason;         /* why it has no front (online.c's reasons) */
+    _Atomic long long online_retry_ms; /* claimed by another process: not before this time */
+    atomic_bool online_counted;       /* counted in the exit report */
 } mu_seen;
 
 /* Opens MUCUDNN_RECORD and registers the summary, as the options say (state.c calls it). */
@@ -407,6 +421,19 @@ bool mu_plan_legacy_deterministic(const mu_plan_entry *entry);
 cudnnStatus_t mu_convolution(const mu_conv_call *call);
 /* The same for a caller already inside the recursion guard (the graph API's executions). */
 cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
+/* ---- online.c: measuring kernels without a plan on first use (MUCUDNN_ONLINE) ------------- */
+
+/* Reads the online options; with MUCUDNN_ONLINE=1 and no MUCUDNN_PLAN, returns the online plan
+ * file of this GPU and cuDNN to use as the plan (NULL: none yet, or not usable: warned). Registers
+ * the exit report. state.c calls it once. */
+mu_plan *mu_online_init(bool have_plan);
+/* The front of a kernel that has no plan entry: measured now (on this call's buffers, never
+ * changing what the caller will read), read from the online file where another process measured
+ * it, or NULL with the reason in *why (pass the call through). Legacy calls only. */
+mu_plan_entry *mu_online_head(const mu_conv_call *call, const mu_kernel *k, mu_seen *seen, const char **why);
+/* Counts, for the exit report, a kernel that ran from the loaded plan (once per kernel). */
+void mu_online_note_planned(mu_seen *seen);
+
 /* ---- graph_pieces.c: graph-API pieces as exec.c runs them (the rest is in graph.h) ---------- */
 
 /* The graph-API pieces of `entry` for a legacy call: execution plans built from

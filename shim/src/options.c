@@ -6,13 +6,14 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
 #include "internal.h"
 
-typedef enum { KIND_BOOL, KIND_SIZE, KIND_PATH, KIND_LEVEL } option_kind;
+typedef enum { KIND_BOOL, KIND_SIZE, KIND_PATH, KIND_LEVEL, KIND_COUNT } option_kind;
 
 typedef struct {
     const char *name;
@@ -49,6 +50,13 @@ static option_entry options[MU_OPT_COUNT] = {
     [MU_OPT_ROOM_MARGIN] = {"MUCUDNN_ROOM_MARGIN", KIND_SIZE, 64LL << 20,
                             "memory kept free when choosing a front point within the room", false, 0,
                             NULL},
+    [MU_OPT_ONLINE] = {"MUCUDNN_ONLINE", KIND_BOOL, 0,
+                       "measure kernels without a plan on first use and keep their fronts", false, 0,
+                       NULL},
+    [MU_OPT_ONLINE_DIR] = {"MUCUDNN_ONLINE_DIR", KIND_PATH, 0,
+                           "where online tuning keeps its plan file and locks", false, 0, NULL},
+    [MU_OPT_ONLINE_BUDGET_MS] = {"MUCUDNN_ONLINE_BUDGET_MS", KIND_COUNT, 20000,
+                                 "milliseconds a process may spend measuring", false, 0, NULL},
 };
 
 static bool parse_bool(const char *text, long long *value) {
@@ -135,6 +143,18 @@ const char *mu_size_problem(mu_size_result result) {
 
 static bool parse_size(const char *text, long long *value) { return mu_parse_size(text, value) == MU_SIZE_OK; }
 
+/* A non-negative decimal integer (ASCII digits only, at most 2^62). */
+static bool parse_count(const char *text, long long *value) {
+    long long number = 0;
+    if (*text == '\0') return false;
+    for (const char *s = text; *s; s++) {
+        if (!is_digit(*s) || number > ((1LL << 62) - (*s - '0')) / 10) return false;
+        number = number * 10 + (*s - '0');
+    }
+    *value = number;
+    return true;
+}
+
 static bool parse_level(const char *text, long long *value) {
     static const char *const names[] = {"error", "warning", "info", "debug"};
     for (int level = 0; level < 4; level++) {
@@ -152,6 +172,7 @@ static const char *expected_form(option_kind kind) {
     case KIND_BOOL: return "1/0, true/false, yes/no or on/off";
     case KIND_SIZE: return "bytes, or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB or TB";
     case KIND_LEVEL: return "error, warning, info, debug or 0-3";
+    case KIND_COUNT: return "a non-negative integer";
     case KIND_PATH: return "a path";
     }
     return "?";
@@ -167,6 +188,7 @@ static bool read_option(option_entry *option) {
     case KIND_BOOL: ok = parse_bool(text, &option->value); break;
     case KIND_SIZE: ok = parse_size(text, &option->value); break;
     case KIND_LEVEL: ok = parse_level(text, &option->value); break;
+    case KIND_COUNT: ok = parse_count(text, &option->value); break;
     case KIND_PATH:
         ok = text[0] != '\0';
         option->path = ok ? text : NULL;
@@ -189,6 +211,20 @@ static void warn_malformed(const option_entry *option) {
            specific ? "; " : "", expected_form(option->kind));
 }
 
+/* $XDG_CACHE_HOME/mucudnn/online (an absolute XDG_CACHE_HOME only, as the XDG spec says), else
+ * $HOME/.cache/mucudnn/online; NULL when neither is usable. */
+static const char *default_online_dir(void) {
+    static char dir[4096];
+    const char *cache = getenv("XDG_CACHE_HOME");
+    const char *home = getenv("HOME");
+    int length = -1;
+    if (cache != NULL && cache[0] == '/')
+        length = snprintf(dir, sizeof dir, "%s/mucudnn/online", cache);
+    else if (home != NULL && home[0] != '\0')
+        length = snprintf(dir, sizeof dir, "%s/.cache/mucudnn/online", home);
+    return length > 0 && (size_t)length < sizeof dir ? dir : NULL;
+}
+
 static void read_all_options(void) {
     /* The log options first, so that the other warnings reach the right place at the right level. */
     bool level_ok = read_option(&options[MU_OPT_LOG_LEVEL]);
@@ -200,6 +236,7 @@ static void read_all_options(void) {
         if (i == MU_OPT_LOG_LEVEL || i == MU_OPT_LOG_FILE) continue;
         if (!read_option(&options[i])) warn_malformed(&options[i]);
     }
+    if (options[MU_OPT_ONLINE_DIR].path == NULL) options[MU_OPT_ONLINE_DIR].path = default_online_dir();
 }
 
 void mu_options_init(void) {

@@ -20,7 +20,7 @@ typedef int (*cu_device_get_fn)(int *device, int ordinal);
 typedef int (*cu_device_get_name_fn)(char *name, int length, int device);
 
 /* Name of the current (or first) GPU; false with the reason in name when it cannot be known. */
-static bool current_gpu_name(char *name, int size) {
+bool mu_gpu_name(char *name, int size) {
     void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (cuda == NULL) {
         snprintf(name, (size_t)size, "cannot load libcuda.so.1: %s", dlerror());
@@ -45,7 +45,7 @@ static bool current_gpu_name(char *name, int size) {
 /* Refuses a plan measured on another GPU or cuDNN (the algorithms and timings would not hold). */
 static bool plan_matches_process(const mu_plan *plan) {
     char gpu[256];
-    if (!current_gpu_name(gpu, sizeof gpu)) {
+    if (!mu_gpu_name(gpu, sizeof gpu)) {
         mu_log(MU_LOG_ERROR, "%s: cannot check the plan's gpu '%s' (%s); passing every call through",
                plan->path, plan->gpu, gpu);
         return false;
@@ -119,7 +119,10 @@ static void init_state(void) {
     state.has_limit = limit >= 0;
     state.workspace_limit = state.has_limit ? (size_t)limit : 0;
     mu_record_init();
-    if (mu_option_path(MU_OPT_PLAN) != NULL) state.plan = load_plan(mu_option_path(MU_OPT_PLAN));
+    bool have_plan = mu_option_path(MU_OPT_PLAN) != NULL;
+    if (have_plan) state.plan = load_plan(mu_option_path(MU_OPT_PLAN));
+    mu_plan *online = mu_online_init(have_plan);
+    if (online != NULL) state.plan = online;
 }
 
 const mu_state *mu_config(void) {

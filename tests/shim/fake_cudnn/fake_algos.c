@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define PTR(p) ((uintptr_t)(const void *)(p))
 #define BIT(algo) (1u << (algo))
@@ -128,7 +129,9 @@ static cudnnStatus_t algo_support(enum fake_direction direction, const struct fa
 static float model_time_ms(const struct fake_geometry *g, int algo)
 {
     double work = (double)g->n * fake_flops_per_sample(g);
-    return (float)(CALL_OVERHEAD_MS + work / (FLOPS_PER_MS * (1.0 + algo)));
+    long long flops_per_ms = fake_env_integer("FAKE_CUDNN_FLOPS_PER_MS", 0);
+    double throughput = flops_per_ms > 0 ? (double)flops_per_ms : FLOPS_PER_MS;
+    return (float)(CALL_OVERHEAD_MS + work / (throughput * (1.0 + algo)));
 }
 
 static struct fake_perf model_perf(enum fake_direction direction, const struct fake_geometry *g,
@@ -225,6 +228,9 @@ struct deferred_call {
 static void run_deferred(void *argument)
 {
     const struct deferred_call *call = argument;
+    long long sleep_ms = fake_env_integer("FAKE_CUDNN_SLEEP_MS", 0);
+    if (sleep_ms > 0)
+        nanosleep(&(struct timespec){sleep_ms / 1000, (long)(sleep_ms % 1000) * 1000000L}, NULL);
     fake_advance_clock(call->time_ms);
     run_with_workspace(call->direction, &call->g, call->alpha, call->beta, &call->buffers,
                        call->workspace, call->needed);

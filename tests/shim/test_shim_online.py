@@ -1,0 +1,261 @@
+"""Online tuning (MUCUDNN_ONLINE=1, docs/shim.md "Online tuning"): a kernel without a plan is
+measured on its first call (every algorithm at N and the powers of two below N), its front is
+kept in memory and appended to the online plan file, and the next process starts tuned.
+
+The double's events read a clock that each convolution advances by its modelled time
+(0.01 ms + work / (FLOPS * (1 + algo)); workspace algo * b * 4096 bytes), so the measurements and
+the front are deterministic. FAKE_CUDNN_FLOPS_PER_MS makes the small test convolutions slow in
+modelled time, so that micro-batches pay.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from mucudnn.measurement import Measurement
+from mucudnn.optimizer import best_plan, pareto_plans, thin_front
+from mucudnn.plan import read_plan
+from shim_harness import FAKE_CUDNN_VERSION, FAKE_GPU_NAME, WS_PER_SAMPLE, key_of, parse_fields
+
+FLOPS_PER_MS = 200_000
+TIMED_RUNS = 3  # online.c: one warm-up, then this many timed runs per candidate
+CASE = "op=conv dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 math=fma"
+OTHER = "op=conv dir=fwd n=8 c=5 in=7x7 k=6 f=3x3 pad=1x1 math=fma"  # another kernel
+FILE_NAME = f"{FAKE_GPU_NAME.replace(' ', '_')}-cudnn{FAKE_CUDNN_VERSION}.plan"
+FWD_ALGOS = ["implicit_gemm", "implicit_precomp_gemm", "gemm", "direct", "fft", "fft_tiling", "winograd",
+             "winograd_nonfused"]
+
+
+def online_env(directory, **extra):
+    env = {"MUCUDNN_ONLINE": "1", "MUCUDNN_ONLINE_DIR": str(directory), "MUCUDNN_LOG_LEVEL": "info",
+           "FAKE_CUDNN_FLOPS_PER_MS": str(FLOPS_PER_MS)}
+    env.update(extra)
+    return env
+
+
+def report(run):
+    lines = [line for line in run.stderr.splitlines() if "summary: online tuning:" in line]
+    assert len(lines) == 1, run.stderr
+    return lines[0]
+
+
+def candidates_timed(run) -> int:
+    return int(report(run).split("(")[1].split()[0])
+
+
+def measuring_and_pieces(run):
+    """The convolution calls of the measurement (they come first: a warm-up and the timed runs
+    per candidate), and those of the plan's pieces (the driver's reference call is the last)."""
+    calls = run.conv_calls()
+    measuring = (1 + TIMED_RUNS) * candidates_timed(run)
+    return calls[:measuring], calls[measuring:-1]
+
+
+def file_kernels(path):
+    """(key, N) of the file's kernel lines."""
+    return {tuple(line.split()[1:3]) for line in path.read_text().splitlines() if line.startswith("kernel ")}
+
+
+def model_ms(case: str, batch: int, algo: int) -> float:
+    f = parse_fields(case)
+    size = [int(v) for v in f["in"].split("x")]
+    filt = [int(v) for v in f["f"].split("x")]
+    pad = [int(v) for v in f["pad"].split("x")]
+    taps = int(f["c"])
+    for i, s, p in zip(size, filt, pad):
+        taps *= s * (i + 2 * p - s + 1)
+    return 0.01 + batch * 2.0 * int(f["k"]) * taps / (FLOPS_PER_MS * (1 + algo))
+
+
+def model_rows(case: str):
+    key = key_of(case)
+    return [Measurement(key, b, name, "fma", model_ms(case, b, a), a * b * WS_PER_SAMPLE)
+            for a, name in enumerate(FWD_ALGOS) for b in (1, 2, 4, 8)]
+
+
+def modelled_best(case: str, limit: int):
+    """The fastest plan within limit the offline tuner (mucudnn.optimizer) makes of the model."""
+    return best_plan(model_rows(case), 8, limit=limit)
+
+
+def modelled_point(case: str, limit: int):
+    """The point of the offline tuner's thinned front a call with `limit` bytes runs."""
+    front = thin_front(pareto_plans(model_rows(case), 8))
+    return min((p for p in front if p.workspace <= limit), key=lambda p: p.time_ms)
+
+
+@pytest.mark.parametrize("workspace", [0, 7 * 4 * WS_PER_SAMPLE, 3 * 8 * WS_PER_SAMPLE - 1, 7 * 8 * WS_PER_SAMPLE])
+def test_the_first_run_measures_micro_batches_and_runs_the_fastest_point_within_the_workspace(
+        shim_env, tmp_path, workspace):
+    run = shim_env.run([f"{CASE} algo=0 ws={workspace}"], env=online_env(tmp_path))
+    assert (run.cases[0]["status"], run.cases[0]["exact"]) == ("0", "1"), run.stderr
+    assert "measured 1 kernels (32 candidates timed)" in report(run)  # 8 algorithms x sizes 8, 4, 2, 1
+    measuring, pieces = measuring_and_pieces(run)
+    assert sorted({int(c["n"]) for c in measuring}) == [1, 2, 4, 8]
+    expected = modelled_point(CASE, workspace)
+    if pieces:
+        chosen = [(int(c["n"]), int(c["algo"])) for c in pieces]
+    else:  # the point is the caller's own algorithm, run undivided
+        chosen = [(8, 0)]
+        assert "passthrough (the plan's point is the caller's algorithm)" in run.stderr
+    # the point mucudnn.optimizer's pareto_plans + thin_front would run (thinned fronts lose up to
+    # a few per cent against the unthinned optimum, modelled_best)
+    assert sorted(chosen) == sorted((p.batch, FWD_ALGOS.index(p.algo)) for p in expected.pieces)
+    assert all(a * b * WS_PER_SAMPLE <= workspace for b, a in chosen)
+    assert sum(model_ms(CASE, b, a) for b, a in chosen) <= modelled_best(CASE, workspace).time_ms * 1.15
+
+
+def test_a_micro_batched_point_is_chosen_where_it_is_fastest(shim_env, tmp_path):
+    run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}"], env=online_env(tmp_path))
+    _, pieces = measuring_and_pieces(run)
+    assert [(c["n"], c["algo"]) for c in pieces] == [("4", "7"), ("4", "7")]
+    assert [(p.batch, p.algo) for p in modelled_best(CASE, 7 * 4 * WS_PER_SAMPLE).pieces] == \
+        [(4, "winograd_nonfused")] * 2
+
+
+def test_the_second_run_loads_the_file_and_measures_nothing(shim_env, tmp_path):
+    case = f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}"
+    first = shim_env.run([case, OTHER + " algo=0 ws=0"], env=online_env(tmp_path))
+    assert "measured 2 kernels" in report(first)
+    read_plan(tmp_path / FILE_NAME)  # valid for the Python side too
+    assert file_kernels(tmp_path / FILE_NAME) == {(key_of(CASE), "8"), (key_of(OTHER), "8")}
+    second = shim_env.run([case], env=online_env(tmp_path))
+    assert (second.cases[0]["status"], second.cases[0]["exact"]) == ("0", "1"), second.stderr
+    assert "measured 0 kernels (0 candidates timed)" in report(second)
+    assert f"1 kernels from {tmp_path / FILE_NAME}" in report(second)
+    assert [(c["n"], c["algo"]) for c in second.conv_calls()[:-1]] == [("4", "7"), ("4", "7")]
+
+
+def test_the_budget_stops_measuring(shim_env, tmp_path):
+    none = shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path, MUCUDNN_ONLINE_BUDGET_MS="0"))
+    assert none.cases[0]["exact"] == "1"
+    assert "measured 0 kernels" in report(none) and "1 passed through (1 budget)" in report(none)
+    assert len(none.conv_calls()) == 2  # the call, undivided, and the reference
+    # 1 ms: the first kernel's measurement is cut short (kept in memory only), the second passes
+    cut = shim_env.run([f"{CASE} algo=0 ws=0", f"{OTHER} algo=0 ws=0"],
+                       env=online_env(tmp_path, MUCUDNN_ONLINE_BUDGET_MS="1"))
+    assert [c["exact"] for c in cut.cases] == ["1", "1"]
+    assert "measured 1 kernels" in report(cut) and "1 passed through (1 budget)" in report(cut)
+    assert "cut short by the budget" in cut.stderr
+    assert not (tmp_path / FILE_NAME).exists()
+
+
+@pytest.mark.parametrize("direction, beta", [("fwd", "1"), ("bwd_data", "0.5"), ("bwd_filter", "0"),
+                                             ("bwd_filter", "1")])
+def test_measuring_never_writes_an_output_the_call_does_not_overwrite(shim_env, tmp_path, direction, beta):
+    case = f"op=conv dir={direction} n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 math=fma algo=0 ws=0 beta={beta}"
+    run = shim_env.run([case], env=online_env(tmp_path))
+    assert (run.cases[0]["status"], run.cases[0]["exact"]) == ("0", "1"), run.stderr
+    measuring, _ = measuring_and_pieces(run)
+    output = {"fwd": "y", "bwd_data": "dx", "bwd_filter": "dw"}[direction]
+    callers = run.conv_calls()[-2][output]  # the caller's buffer: the last call through the shim
+    assert measuring and all(c[output] != callers for c in measuring)
+
+
+def test_with_beta_0_forward_measures_in_the_callers_output(shim_env, tmp_path):
+    run = shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path))
+    measuring, _ = measuring_and_pieces(run)
+    assert {c["y"] for c in measuring} == {run.conv_calls()[-2]["y"]}
+    assert run.cases[0]["exact"] == "1"
+
+
+def spawn(shim_env, directory, cases, log, **extra):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("MUCUDNN_", "FAKE_CUDNN_"))}
+    environment.update(LD_LIBRARY_PATH=str(shim_env.fake_dir), LD_PRELOAD=str(shim_env.shim),
+                       FAKE_CUDNN_LOG=str(log), **online_env(directory, **extra))
+    cases_file = log.with_name(f"{log.name}.{len(list(log.parent.iterdir()))}.cases")
+    cases_file.write_text("".join(c + "\n" for c in cases))
+    with cases_file.open() as stdin:
+        return subprocess.Popen([str(shim_env.driver)], env=environment, stdin=stdin,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def log_calls(log):
+    return [parse_fields(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_processes_at_once_measure_each_kernel_once_and_merge_the_file(shim_env, tmp_path):
+    log = tmp_path / "calls.log"
+    cases = [f"{CASE} algo=0 ws=0 repeat=3", f"{OTHER} algo=0 ws=0 repeat=3"]
+    processes = [spawn(shim_env, tmp_path / "dir", cases, log, FAKE_CUDNN_SLEEP_MS="1") for _ in range(4)]
+    outputs = [p.communicate(timeout=120) for p in processes]
+    assert all(p.returncode == 0 for p in processes), outputs
+    for out, _ in outputs:
+        assert [parse_fields(line)["exact"] for line in out.splitlines() if line.startswith("case ")] == ["1", "1"]
+    # each measurement times algorithm 0 at b = 1 once: a warm-up and the timed runs
+    first_candidates = [c for c in log_calls(log) if c["fn"] == "cudnnConvolutionForward" and c["n"] == "1"
+                        and c["algo"] == "0"]
+    assert len(first_candidates) == 2 * (1 + TIMED_RUNS)
+    measured = sum(int(e.split("measured ")[1].split()[0]) for _, e in outputs
+                   for e in e.splitlines() if "summary: online tuning:" in e)
+    assert measured == 2
+    read_plan(tmp_path / "dir" / FILE_NAME)
+    assert file_kernels(tmp_path / "dir" / FILE_NAME) == {(key_of(CASE), "8"), (key_of(OTHER), "8")}
+
+
+def test_a_process_killed_while_measuring_leaves_the_file_valid_and_the_kernel_free(shim_env, tmp_path):
+    directory = tmp_path / "dir"
+    first = shim_env.run([f"{OTHER} algo=0 ws=0"], env=online_env(directory))
+    assert "measured 1 kernels" in report(first)
+    before = (directory / FILE_NAME).read_text()
+    log = tmp_path / "killed.log"
+    process = spawn(shim_env, directory, [f"{CASE} algo=0 ws=0"], log, FAKE_CUDNN_SLEEP_MS="20")
+    deadline = time.monotonic() + 30
+    while len([c for c in log_calls(log) if c["fn"] == "cudnnConvolutionForward"]) < 5:
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=30)
+    assert (directory / FILE_NAME).read_text() == before
+    read_plan(directory / FILE_NAME)
+    after = shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(directory))
+    assert "measured 1 kernels" in report(after), after.stderr  # not "claimed by another process"
+    text = (directory / FILE_NAME).read_text()
+    assert text.startswith(before) and key_of(CASE) in text
+    read_plan(directory / FILE_NAME)
+
+
+def test_a_malformed_file_is_warned_about_ignored_and_left_as_it_is(shim_env, tmp_path):
+    (tmp_path / FILE_NAME).write_text("mucudnn-plan 1\ngpu x\nnonsense here\n")
+    run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}"], env=online_env(tmp_path))
+    assert run.cases[0]["exact"] == "1"
+    warnings = [line for line in run.shim_lines("warning") if FILE_NAME in line]
+    assert len(warnings) == 1 and f"{FILE_NAME}:3:" in warnings[0], run.stderr
+    assert (tmp_path / FILE_NAME).read_text() == "mucudnn-plan 1\ngpu x\nnonsense here\n"
+    assert "measured 1 kernels" in report(run)
+    _, pieces = measuring_and_pieces(run)
+    assert [(c["n"], c["algo"]) for c in pieces] == [("4", "7"), ("4", "7")]  # tuned in memory
+
+
+def test_a_file_of_another_gpu_is_ignored_and_left_as_it_is(shim_env, tmp_path):
+    run = shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path))
+    text = (tmp_path / FILE_NAME).read_text().replace(f"gpu {FAKE_GPU_NAME}", "gpu Other GPU")
+    (tmp_path / FILE_NAME).write_text(text)
+    again = shim_env.run([f"{CASE} algo=0 ws=0", f"{OTHER} algo=0 ws=0"], env=online_env(tmp_path))
+    assert "measured 2 kernels" in report(again) and "Other GPU" in again.stderr
+    assert (tmp_path / FILE_NAME).read_text() == text
+    assert "measured 1 kernels" in report(run)
+
+
+def test_an_unusable_directory_is_one_warning_and_tuning_stays_in_memory(shim_env, tmp_path):
+    (tmp_path / "file").write_text("")
+    run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}", f"{OTHER} algo=0 ws=0"],
+                       env=online_env(tmp_path / "file" / "sub"))
+    assert [c["exact"] for c in run.cases] == ["1", "1"]
+    assert len([line for line in run.shim_lines("warning") if "MUCUDNN_ONLINE_DIR" in line]) == 1, run.stderr
+    assert "measured 2 kernels (64 candidates timed)" in report(run)
+    first_kernels_pieces = run.conv_calls()[(1 + TIMED_RUNS) * 32:][:2]  # after its measurement
+    assert [(c["n"], c["algo"]) for c in first_kernels_pieces] == [("4", "7"), ("4", "7")]
+
+
+def test_online_is_off_by_default_and_bad_values_are_warned(shim_env, tmp_path):
+    off = shim_env.run([f"{CASE} algo=0 ws=0"], env={"MUCUDNN_ONLINE_DIR": str(tmp_path)})
+    assert len(off.conv_calls()) == 2 and "online tuning" not in off.stderr
+    bad = shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path, MUCUDNN_ONLINE_BUDGET_MS="5s"))
+    assert "MUCUDNN_ONLINE_BUDGET_MS='5s' is not valid" in bad.stderr
+    assert "measured 1 kernels" in report(bad)  # the default budget
