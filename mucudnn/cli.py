@@ -162,11 +162,19 @@ def _optimize(*args, **kwargs):
               help="time every configuration fully, also those over 2x slower than one with "
                    "no more workspace (never in a plan; by default timed once)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
+@click.option("--gpus", default="all", show_default=True, metavar="all|0,1,...",
+              help="GPUs to measure on (numbers as CuPy counts the visible ones): with several, "
+                   "one worker process per GPU, the kernels split among those of one model, "
+                   "every model measuring every kernel, all into the one store")
 @store_option
 def bench(config, recordings, policy, workspace_limit, borrow_output, quick, api, remeasure,
-          no_prune, no_progress, store_path):
+          no_prune, no_progress, gpus, store_path):
     """Benchmark every algorithm of the kernels of CONFIG (a name like resnet50, or a YAML path)
-    or of --recording files on this GPU, at each micro-batch size of the policy, into the store."""
+    or of --recording files at each micro-batch size of the policy, into the store.
+
+    On several GPUs (all visible ones by default) the kernels are spread over one worker process
+    per GPU; a worker that fails loses at most the kernel it was measuring (each kernel's rows are
+    stored at once) and the bench then fails, saying which GPU, after the others finish."""
     from .timing import TimingMethod
     from .tuner import as_kernels, benchmark
     if policy == "fit" and workspace_limit is None:
@@ -183,7 +191,8 @@ def bench(config, recordings, policy, workspace_limit, borrow_output, quick, api
     method = TimingMethod(dominated_factor=None) if no_prune else TimingMethod()
     timed = benchmark(source, policy, store=store_path, remeasure=remeasure,
                       progress=not no_progress, method=method, api=api,
-                      workspace_limit=workspace_limit, borrow_output=borrow_output, quick=quick)
+                      workspace_limit=workspace_limit, borrow_output=borrow_output, quick=quick,
+                      gpus=gpus)
     name = getattr(source, "name", "recording")
     click.echo(f"{name}: {len(as_kernels(source))} kernels, measured {timed} kernel sizes "
                f"({'all reused from the store' if timed == 0 else 'stored'})")
