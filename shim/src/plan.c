@@ -452,7 +452,7 @@ static char *read_file(const char *path, size_t *size, char *error, size_t error
     return text;
 }
 
-static void free_plan(mu_plan *plan) {
+void mu_plan_free(mu_plan *plan) {
     if (plan == NULL) return;
     for (size_t i = 0; i < plan->entry_count; i++) {
         free(plan->entries[i].key);
@@ -511,7 +511,7 @@ mu_plan *mu_plan_load(const char *path, char *error, size_t error_size) {
     if (p.c_locale != (locale_t)0) freelocale(p.c_locale);
     if (!p.failed && (p.plan->path = copy_string(path)) == NULL) fail(&p, "out of memory");
     if (p.failed) {
-        free_plan(p.plan);
+        mu_plan_free(p.plan);
         return NULL;
     }
     return p.plan;
