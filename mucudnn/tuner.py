@@ -355,6 +355,18 @@ def _gpus_to_spread_over(gpus) -> list | None:
     return None if [gpu.index for gpu in chosen] == [0] else chosen
 
 
+def gpu_models_here() -> list[Environment]:
+    """The distinct GPU models CuPy sees here, in device order, each with the loaded cuDNN's
+    version ([] without a GPU): what measurements and plans are made for on this node."""
+    from .multigpu import visible_gpus
+    names = list(dict.fromkeys(gpu.name for gpu in visible_gpus()))
+    if not names:
+        return []
+    from .cudnn import get
+    version = get().version
+    return [Environment(name, version) for name in names]
+
+
 def _kernels_to_measure(store, gpu_name: str, kernels: Sequence[ConvProblem], policy: Policy,
                         pruning, apis, remeasure: bool) -> list[tuple[ConvProblem, float]]:
     """The kernels GPU model ``gpu_name`` still has to measure, each with its cost: the count of
