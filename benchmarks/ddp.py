@@ -121,7 +121,8 @@ def worker(args) -> int:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         digests = {r.get("grad_sha256") for r in gathered}
-        summary = {"ranks": gathered, "identical_gradients": len(digests) == 1 and None not in digests,
+        identical = len(digests) == 1 and None not in digests
+        summary = {"ranks": gathered, "identical_gradients": identical,
                    "step_ms": max((r.get("step_ms") or 0) for r in gathered) or None,
                    "errors": [r["error"] for r in gathered if "error" in r]}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

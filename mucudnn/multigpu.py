@@ -82,7 +82,8 @@ def select_gpus(spec: str | Sequence[int] | None, gpus: Sequence[Gpu]) -> list[G
     return [by_index[i] for i in wanted]
 
 
-def split_kernels(costs: Sequence[tuple[ConvProblem, float]], workers: int) -> list[list[ConvProblem]]:
+def split_kernels(costs: Sequence[tuple[ConvProblem, float]],
+                  workers: int) -> list[list[ConvProblem]]:
     """Kernels split over ``workers``, each kernel to one: greatest cost first, each to the worker
     with the least cost so far (ties: the lower worker; equal costs make it round-robin)."""
     shares: list[list[ConvProblem]] = [[] for _ in range(workers)]
@@ -143,7 +144,8 @@ class SpreadResult:
     stored: list[tuple[Gpu, list[tuple[str, int]]]]
 
 
-def benchmark_on_gpus(gpus: Sequence[Gpu], kernel_costs: Callable[[str], list[tuple[ConvProblem, float]]],
+def benchmark_on_gpus(gpus: Sequence[Gpu],
+                      kernel_costs: Callable[[str], list[tuple[ConvProblem, float]]],
                       job: dict, progress: bool = True) -> SpreadResult:
     """Measure kernels on ``gpus``, one worker each, into ``job["store"]``.
 
@@ -168,7 +170,8 @@ def benchmark_on_gpus(gpus: Sequence[Gpu], kernel_costs: Callable[[str], list[tu
         try:
             for number, worker in enumerate(workers):
                 path = Path(scratch) / f"job{number}.json"
-                path.write_text(json.dumps({**job, "kernels": [[p.key, p.n] for p in worker.kernels]}))
+                kernels = [[p.key, p.n] for p in worker.kernels]
+                path.write_text(json.dumps({**job, "kernels": kernels}))
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": worker.gpu.visible_as}
                 worker.process = subprocess.Popen(
                     [sys.executable, "-m", "mucudnn.multigpu", str(path)], env=env,
@@ -182,11 +185,14 @@ def benchmark_on_gpus(gpus: Sequence[Gpu], kernel_costs: Callable[[str], list[tu
                         selector.unregister(key.fileobj)
                         continue
                     _take_event(worker, line, bar)
+        except BaseException:  # the parent itself failed (Ctrl-C...): stop measuring
+            for worker in workers:
+                if worker.process is not None and worker.process.poll() is None:
+                    worker.process.kill()
+            raise
         finally:
             for worker in workers:
                 if worker.process is not None:
-                    if worker.process.poll() is None and sys.exc_info()[0] is not None:
-                        worker.process.kill()  # the parent itself failed: stop measuring
                     worker.process.wait()
                     worker.process.stdout.close()
             selector.close()

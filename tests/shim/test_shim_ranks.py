@@ -51,7 +51,8 @@ def test_a_list_of_plans_gives_each_gpu_model_its_own(shim_env):
                      f"'{FAKE_GPU_NAME}', cudnn {FAKE_CUDNN_VERSION}"]
     assert not run.shim_lines("error") and not run.shim_lines("warning")
     # the same setting on the other model takes the other plan
-    run = shim_env.run([BASE], env={"MUCUDNN_PLAN": listed, "FAKE_CUDNN_GPU_NAME": OTHER_GPU, **info})
+    run = shim_env.run([BASE], env={"MUCUDNN_PLAN": listed, "FAKE_CUDNN_GPU_NAME": OTHER_GPU,
+                                    **info})
     assert run.cases[0]["exact"] == "1" and pieces_run(run)[:2] == [("2", "2"), ("6", "2")]
     assert any(f"chose plan {other} " in line for line in run.shim_lines("info"))
 
