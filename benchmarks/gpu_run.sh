@@ -77,6 +77,13 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
   tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store
     models=${s#tuningcost-}; stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.tuning_cost \
       --models ${models//+/ } ${TUNING_ARGS:-} --out "$LOGS/tuningcost-$models" ;;
+  ddp-*)  # benchmarks/ddp.py on a node of N GPUs (ddp-2; ddp-2:bench or ddp-2:steps for one part):
+    # DDP ResNet-50 N=256 per GPU fp32, shim/PyTorch step ratio on N GPUs vs 1, gradients across
+    # ranks; bench wall time on N GPUs vs 1. DDP_ARGS: more driver options (e.g. --rounds 1)
+    spec=${s#ddp-}; n=${spec%%:*}; parts=bench\ steps; [ "$spec" != "$n" ] && parts=${spec#*:}
+    stage "ddp-${spec//:/_}" ${DDP_TIMEOUT:-590} python3 -m benchmarks.ddp driver --gpus "$n" \
+      --model ${DDP_MODEL:-resnet50} --batch ${DDP_BATCH:-256} --parts $parts ${DDP_ARGS:-} \
+      --out "$LOGS/ddp-${spec//:/_}" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 -m benchmarks.shim_pytorch driver \
       ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;

@@ -400,12 +400,15 @@ class Benchmarker:
 
     ``max_engine_configs`` caps the graph-API configurations taken from heuristics mode A at each
     size (the fallback ones are all timed). ``pruning`` says what is left untimed (a workspace
-    limit, ``quick``).
+    limit, ``quick``). ``events(name, value)``, if given, hears of the work as it goes:
+    ``("todo", sizes)`` when :meth:`benchmark` knows how many sizes it will measure, ``("size",
+    key)`` after each, ``("kernel", problem)`` once a kernel's rows are committed to the store
+    (how a worker of :mod:`mucudnn.multigpu` reports to the one progress display).
     """
 
     def __init__(self, store, method: TimingMethod = TimingMethod(), seed: int = 0,
                  progress: bool = True, max_engine_configs: int = 8,
-                 pruning: Pruning = Pruning()) -> None:
+                 pruning: Pruning = Pruning(), events=None) -> None:
         from .cudnn import get
         cupy = _cupy()
         self.cupy = cupy
@@ -414,6 +417,7 @@ class Benchmarker:
         self.progress = progress
         self.max_engine_configs = max_engine_configs
         self.pruning = pruning
+        self.events = events or (lambda name, value: None)
         # do_bench calls, all sizes and kernels: timings, and probes (quick, over the limit)
         self.timings = self.probes = 0
         # the interquartile range of each row of the last measure_kernel that was timed more
@@ -446,12 +450,16 @@ class Benchmarker:
                 missing_apis(stored, batches, apis, problem, self.pruning)
             if wanted:
                 todo.append((problem, wanted, stored))
-        bar = _progress(sum(len(wanted) for _, wanted, _ in todo), self.progress)
+        sizes = sum(len(wanted) for _, wanted, _ in todo)
+        self.events("todo", sizes)
+        bar = _progress(sizes, self.progress)
         timed = 0
         for problem, wanted, stored in todo:
             rows, count = self.measure_kernel(problem, wanted, stored, bar)
             spreads = {row: self.spreads.pop(row) for row in rows if row in self.spreads}
+            # one write per kernel: a process killed while measuring loses that kernel only
             self.store.put(self.env.gpu, self.env.cudnn, rows, iqr_ms=spreads)
+            self.events("kernel", problem)
             timed += count
         bar.close()
         return timed
@@ -483,8 +491,12 @@ class Benchmarker:
                         return self._measure_engines(problem.with_n(b), buffers, frontier, gate)
                     return self._measure_size(problem.with_n(b), buffers, frontier, gate)
 
-                return measure_kernel(problem, wanted, stored, self.pruning, time_size,
-                                      done=lambda b: bar is not None and bar.update(1))
+                def done(b: int) -> None:
+                    if bar is not None:
+                        bar.update(1)
+                    self.events("size", problem.key)
+
+                return measure_kernel(problem, wanted, stored, self.pruning, time_size, done)
             finally:
                 del buffers
                 self.stream.synchronize()

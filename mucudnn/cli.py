@@ -162,11 +162,19 @@ def _optimize(*args, **kwargs):
               help="time every configuration fully, also those over 2x slower than one with "
                    "no more workspace (never in a plan; by default timed once)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
+@click.option("--gpus", default="all", show_default=True, metavar="all|0,1,...",
+              help="GPUs to measure on (numbers as CuPy counts the visible ones): with several, "
+                   "one worker process per GPU, the kernels split among those of one model, "
+                   "every model measuring every kernel, all into the one store")
 @store_option
 def bench(config, recordings, policy, workspace_limit, borrow_output, quick, api, remeasure,
-          no_prune, no_progress, store_path):
+          no_prune, no_progress, gpus, store_path):
     """Benchmark every algorithm of the kernels of CONFIG (a name like resnet50, or a YAML path)
-    or of --recording files on this GPU, at each micro-batch size of the policy, into the store."""
+    or of --recording files at each micro-batch size of the policy, into the store.
+
+    On several GPUs (all visible ones by default) the kernels are spread over one worker process
+    per GPU; a worker that fails loses at most the kernel it was measuring (each kernel's rows are
+    stored at once) and the bench then fails, saying which GPU, after the others finish."""
     from .timing import TimingMethod
     from .tuner import as_kernels, benchmark
     if policy == "fit" and workspace_limit is None:
@@ -183,7 +191,8 @@ def bench(config, recordings, policy, workspace_limit, borrow_output, quick, api
     method = TimingMethod(dominated_factor=None) if no_prune else TimingMethod()
     timed = benchmark(source, policy, store=store_path, remeasure=remeasure,
                       progress=not no_progress, method=method, api=api,
-                      workspace_limit=workspace_limit, borrow_output=borrow_output, quick=quick)
+                      workspace_limit=workspace_limit, borrow_output=borrow_output, quick=quick,
+                      gpus=gpus)
     name = getattr(source, "name", "recording")
     click.echo(f"{name}: {len(as_kernels(source))} kernels, measured {timed} kernel sizes "
                f"({'all reused from the store' if timed == 0 else 'stored'})")
@@ -327,15 +336,19 @@ def build_shim_cmd(force):
 
 
 def _shim_env(plan=None, limit=None, record=None, log_level=None, summary=False) -> dict:
+    """The command's environment with the shim preloaded; ``plan`` one path or several (the shim
+    takes the one for its GPU and cuDNN)."""
     from .shimlib import shim_path
     env = dict(os.environ)
     preload = str(shim_path())
     env["LD_PRELOAD"] = preload + (" " + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
-    for name, value in (("MUCUDNN_PLAN", plan), ("MUCUDNN_WORKSPACE_LIMIT", limit),
-                        ("MUCUDNN_RECORD", record), ("MUCUDNN_LOG_LEVEL", log_level)):
+    if plan is not None:
+        plans = [plan] if isinstance(plan, (str, os.PathLike)) else list(plan)
+        env["MUCUDNN_PLAN"] = ":".join(str(Path(p).resolve()) for p in plans)
+    for name, value in (("MUCUDNN_WORKSPACE_LIMIT", limit), ("MUCUDNN_RECORD", record),
+                        ("MUCUDNN_LOG_LEVEL", log_level)):
         if value is not None:
-            env[name] = str(Path(value).resolve()) if name in ("MUCUDNN_PLAN", "MUCUDNN_RECORD") \
-                else str(value)
+            env[name] = str(Path(value).resolve()) if name == "MUCUDNN_RECORD" else str(value)
     if summary:
         env["MUCUDNN_SUMMARY"] = "1"
     return env
@@ -419,9 +432,35 @@ def _recorded_kernels(path) -> int:
     return len({line for line in lines if line.startswith("kernel ")})
 
 
+def _plan_files(given: tuple[str, ...]) -> list[Path]:
+    """The plan files of ``run --plan`` (files, directories standing for their ``*.plan``), each
+    read here so that a malformed one is refused with its file and line; a warning where two are
+    for the same GPU and cuDNN (the shim takes the first)."""
+    from .plan import read_plan
+    files: list[Path] = []
+    for item in map(Path, given):
+        if ":" in str(item):
+            raise MucudnnError(f"--plan {item}: a plan path cannot hold ':' (MUCUDNN_PLAN "
+                               "separates plans with it)")
+        found = sorted(p for p in item.glob("*.plan") if not p.name.startswith(".")) \
+            if item.is_dir() else [item]
+        if not found:
+            raise MucudnnError(f"--plan {item}: no *.plan files in the directory")
+        files += found
+    for_env: dict[tuple[str, int], Path] = {}
+    for path in files:
+        plan = read_plan(path)
+        first = for_env.setdefault((plan.gpu, plan.cudnn), path)
+        if first != path:
+            click.echo(f"mucudnn: warning: {first} and {path} are both for {plan.gpu} / cuDNN "
+                       f"{plan.cudnn}: the shim takes {first}", err=True)
+    return files
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
-@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
-              help="plan file to execute")
+@click.option("--plan", "plan_paths", multiple=True, type=click.Path(exists=True),
+              help="plan file to execute; repeat it, or give a directory of *.plan files, for "
+                   "GPUs of several models (each process takes the plan for its GPU and cuDNN)")
 @click.option("--no-online", is_flag=True,
               help="without --plan, do not tune online (kernels without a plan pass through)")
 @click.option("--online-dir", type=click.Path(file_okay=False),
@@ -432,20 +471,22 @@ def _recorded_kernels(path) -> int:
 @click.option("--summary", is_flag=True, help="print what each kernel ran at exit")
 @memory_budget_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(plan_path, no_online, online_dir, workspace_limit, log_level, summary, memory_budget, command):
+def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, memory_budget,
+        command):
     """Run COMMAND (after --) with the shim executing PLAN's micro-batches.
 
     With no --plan the shim tunes online (MUCUDNN_ONLINE=1): each convolution is measured on its
     first call, with micro-batches, and runs its fastest plan from then on; what it measured is
     kept in --online-dir, so the next run starts tuned (docs/shim.md, "Online tuning").
-    """
+
+    COMMAND may start several processes (`torchrun --nproc-per-node N train.py`): each loads
+    the shim, and with several plans takes the one made for its GPU model and cuDNN version;
+    online tuning measures each kernel once for all the processes of the node."""
     _require_command(command)
-    if plan_path:
-        from .plan import read_plan
-        read_plan(plan_path)  # refuse a malformed plan here, with the file and line
+    plans = _plan_files(plan_paths) if plan_paths else None
     _check_memory_budget(memory_budget)
-    env = _shim_env(plan=plan_path, limit=workspace_limit, log_level=log_level, summary=summary)
-    if plan_path is None and not no_online:
+    env = _shim_env(plan=plans, limit=workspace_limit, log_level=log_level, summary=summary)
+    if not plans and not no_online:
         env["MUCUDNN_ONLINE"] = "1"
         if online_dir is not None:
             env["MUCUDNN_ONLINE_DIR"] = str(Path(online_dir).resolve())
@@ -478,7 +519,12 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go.
     With no --workspace-limit the plan is a front plan (see tune --help). --memory-budget applies
-    to both runs of COMMAND, not to benchmarking."""
+    to both runs of COMMAND, not to benchmarking.
+
+    COMMAND may start several processes (`torchrun --nproc-per-node N train.py`): every rank
+    appends to the one recording (whole lines; each kernel is tuned once), benchmarking is
+    spread over the visible GPUs (see bench --help), and on GPUs of several models one plan per
+    model is written beside -o (NAME.<model>.plan), each rank running the one for its GPU."""
     from .outputs import refuse_inputs_as_output
     from .plan import read_recording_weights
     from .tuner import benchmark
@@ -507,17 +553,39 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
         benchmark(kernels, policy, store=store_path, api=api, workspace_limit=workspace_limit,
                   borrow_output=borrow_output)
         click.echo("mucudnn: 3/4 tuning", err=True)
-        plan = _optimize(kernels, workspace_limit=workspace_limit, policy=policy,
-                         store=store_path, precise=precise, api=api, borrow_output=borrow_output,
-                         deterministic=deterministic, front=front)
-        _write_plan_file(plan, plan_path)
+        plans = []
+        for env, path in _plans_per_gpu_model(plan_path):
+            plan = _optimize(kernels, workspace_limit=workspace_limit, policy=policy,
+                             store=store_path, env=env, precise=precise, api=api,
+                             borrow_output=borrow_output, deterministic=deterministic,
+                             front=front)
+            plans.append((path, plan))
+        for path, plan in plans:
+            _write_plan_file(plan, path)
         os.replace(fresh, recording)
     finally:
         fresh.unlink(missing_ok=True)
-    click.echo(f"mucudnn: wrote {plan_path}: {_plan_summary(plan)}", err=True)
+    for path, plan in plans:
+        click.echo(f"mucudnn: wrote {path}: {_plan_summary(plan)}"
+                   + (f" (for {plan.gpu})" if len(plans) > 1 else ""), err=True)
     click.echo(f"mucudnn: 4/4 running: {shlex.join(command)}", err=True)
     sys.exit(_exec_within(memory_budget, command,
-                          _shim_env(plan=plan_path, limit=workspace_limit)))
+                          _shim_env(plan=[path for path, _ in plans], limit=workspace_limit)))
+
+
+def _plans_per_gpu_model(plan_path) -> list[tuple[object, Path]]:
+    """(environment, plan file) of each plan autotune writes: ``plan_path`` for this GPU (or,
+    with no GPU, the measurements' own); on a node with GPUs of several models, one per model,
+    ``NAME.<model>.plan`` beside it (every model was benchmarked, see ``bench --gpus``)."""
+    import re
+
+    from .tuner import gpu_models_here
+    models = gpu_models_here()
+    if len(models) <= 1:
+        return [(models[0] if models else None, Path(plan_path))]
+    path = Path(plan_path)
+    return [(env, path.with_name(f"{path.stem}.{re.sub(r'[^A-Za-z0-9]+', '_', env.gpu).strip('_')}"
+                                 f"{path.suffix or '.plan'}")) for env in models]
 
 
 @main.group("store")

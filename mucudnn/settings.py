@@ -29,7 +29,8 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_DISABLE", "pass every call through", "0", (SHIM,)),
-    Setting("MUCUDNN_PLAN", "plan file to execute", "(none)", (SHIM,)),
+    Setting("MUCUDNN_PLAN", "plan file to execute, or plans (a:b, a directory of *.plan): the "
+            "one made for this GPU and cuDNN", "(none)", (SHIM,)),
     Setting("MUCUDNN_WORKSPACE_LIMIT", "largest workspace offered for kernels without a plan",
             "(no limit)", (SHIM,)),
     Setting("MUCUDNN_RECORD", "file the kernels run are appended to", "(none)", (SHIM,)),

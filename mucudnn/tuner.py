@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import difflib
 import gzip
 import hashlib
@@ -274,7 +275,7 @@ def _pick_environment(store) -> Environment | None:
 def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
               remeasure: bool = False, progress: bool = True, method=None, api: str = "both",
               max_engine_configs: int = 8, workspace_limit=None, borrow_output: bool = False,
-              quick: bool = False) -> int:
+              quick: bool = False, gpus=None, events=None) -> int:
     """Measure every kernel of ``source`` at the policy's micro-batch sizes on the current GPU.
 
     ``api`` is ``"legacy"`` (cuDNN's algorithms), ``"graph"`` (engine configurations of the graph
@@ -285,6 +286,11 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
     (beyond the output they may borrow, with ``borrow_output``) are not timed, and ``quick``
     skips the sizes that cannot beat the larger ones (:class:`~mucudnn.bench.Pruning`).
     Rows already in the store are reused unless ``remeasure``. Returns how many sizes were timed.
+
+    ``gpus``: ``"all"`` or None (every GPU CuPy sees), ``"0,1"`` or a list of CuPy ordinals. With
+    more than one, the kernels are split over one worker process per GPU, every GPU model
+    measuring every kernel (:mod:`mucudnn.multigpu`); with one, this process measures on the
+    current GPU. ``events``: see :class:`~mucudnn.bench.Benchmarker`.
     """
     from .bench import Benchmarker, Pruning
     from .timing import TimingMethod
@@ -306,9 +312,22 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
     st = store_mod.open_store(store) if own else store
     try:
         st.check_writable()
-        bench = Benchmarker(st, method or TimingMethod(), progress=progress,
-                            max_engine_configs=max_engine_configs, pruning=pruning)
         kernels = [p for p, _ in as_kernels(source)]
+        spread = _gpus_to_spread_over(gpus)
+        if spread:
+            job = {"store": str(Path(st.path).resolve()), "policy": policy.value,
+                   "remeasure": remeasure, "api": api, "max_engine_configs": max_engine_configs,
+                   "workspace_limit": limit, "borrow_output": borrow_output, "quick": quick,
+                   "method": dataclasses.asdict(method or TimingMethod())}
+
+            def costs(gpu_name: str) -> list[tuple[ConvProblem, float]]:
+                return _kernels_to_measure(st, gpu_name, kernels, policy, pruning, apis,
+                                           remeasure)
+
+            from .multigpu import benchmark_on_gpus
+            return benchmark_on_gpus(spread, costs, job, progress).timed
+        bench = Benchmarker(st, method or TimingMethod(), progress=progress,
+                            max_engine_configs=max_engine_configs, pruning=pruning, events=events)
         timed = bench.benchmark([(p, candidate_sizes(policy, p.n)) for p in kernels],
                                 remeasure=remeasure, apis=apis)
         if policy is Policy.FIT:
@@ -321,6 +340,49 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
     finally:
         if own:
             st.close()
+
+
+def _gpus_to_spread_over(gpus) -> list | None:
+    """The GPUs :func:`benchmark` spreads over (:mod:`mucudnn.multigpu`), or None where this
+    process measures alone on its current GPU: one GPU (or none: the benchmarker says why)."""
+    from .multigpu import select_gpus, visible_gpus
+    if gpus in ("0", [0], (0,)):
+        return None  # the current GPU: this process (what a worker asks for)
+    visible = visible_gpus()
+    if gpus in (None, "all"):
+        return visible if len(visible) > 1 else None
+    chosen = select_gpus(gpus, visible)
+    return None if [gpu.index for gpu in chosen] == [0] else chosen
+
+
+def gpu_models_here() -> list[Environment]:
+    """The distinct GPU models CuPy sees here, in device order, each with the loaded cuDNN's
+    version ([] without a GPU): what measurements and plans are made for on this node."""
+    from .multigpu import visible_gpus
+    names = list(dict.fromkeys(gpu.name for gpu in visible_gpus()))
+    if not names:
+        return []
+    from .cudnn import get
+    version = get().version
+    return [Environment(name, version) for name in names]
+
+
+def _kernels_to_measure(store, gpu_name: str, kernels: Sequence[ConvProblem], policy: Policy,
+                        pruning, apis, remeasure: bool) -> list[tuple[ConvProblem, float]]:
+    """The kernels GPU model ``gpu_name`` still has to measure, each with its cost: the count of
+    sizes it lacks (each costs about a timing budget per configuration; no finer estimate is
+    known before measuring). Policy fit: every kernel, as its fit sizes are known only later."""
+    from .bench import missing_apis
+    from .cudnn import get
+    env = Environment(gpu_name, get().version)
+    found = []
+    for p in kernels:
+        sizes = candidate_sizes(policy, p.n)
+        missing = len(sizes) if remeasure else len(missing_apis(
+            store.get(env.gpu, env.cudnn, p.key, batches=sizes), sizes, apis, p, pruning))
+        if missing or policy is Policy.FIT:
+            found.append((p, float(missing + (policy is Policy.FIT))))
+    return found
 
 
 def measurements(store, env: Environment, problem: ConvProblem, policy: Policy | str,

@@ -877,3 +877,70 @@ def test_store_checkpoint_empties_the_wal(tmp_path):
         result = invoke("store", "checkpoint", "--store", path)
         assert result.exit_code == 0, result.output
         assert wal.stat().st_size == 0
+
+
+# -- several GPUs (ranks of one job, GPUs of several models) ---------------------------------------
+
+def test_run_gives_the_shim_every_plan_of_repeated_options_and_directories(fake_exec, tmp_path):
+    _, calls = fake_exec
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    for name, gpu in (("b.plan", "GPU B"), ("a.plan", "GPU A")):
+        (plans / name).write_text(VALID_PLAN.read_text().replace(
+            f"gpu {read_plan(VALID_PLAN).gpu}", f"gpu {gpu}"))
+    (plans / "notes.txt").write_text("not a plan")
+    result = invoke("run", "--plan", VALID_PLAN, "--plan", plans, "--", "true")
+    assert result.exit_code == 0, result.output
+    (_, env), = calls
+    assert env["MUCUDNN_PLAN"] == ":".join(str(p) for p in (VALID_PLAN, plans / "a.plan",
+                                                              plans / "b.plan"))
+    assert "warning" not in result.output
+    # two plans for one GPU: the shim takes the first, which a warning says
+    copy = tmp_path / "copy.plan"
+    copy.write_text((plans / "a.plan").read_text())
+    result = invoke("run", "--plan", plans, "--plan", copy, "--", "true")
+    assert result.exit_code == 0
+    assert result.stderr.splitlines() == [
+        f"mucudnn: warning: {plans / 'a.plan'} and {copy} are both for GPU A / cuDNN "
+        f"{read_plan(VALID_PLAN).cudnn}: the shim takes {plans / 'a.plan'}"]
+
+
+def test_run_refuses_a_malformed_plan_among_several_and_an_empty_directory(fake_exec, tmp_path):
+    _, calls = fake_exec
+    assert_one_error_line(invoke("run", "--plan", VALID_PLAN, "--plan", BAD_PLAN, "--", "true"),
+                          f"{BAD_PLAN}:{expected_error_line(BAD_PLAN)}:")
+    (tmp_path / "empty").mkdir()
+    assert_one_error_line(invoke("run", "--plan", tmp_path / "empty", "--", "true"),
+                          "no *.plan files in the directory")
+    assert calls == []
+
+
+def test_autotune_on_gpus_of_two_models_writes_and_runs_a_plan_for_each(no_gpu, recording_exec,
+                                                                        tmp_path, monkeypatch):
+    """Every model was benchmarked (bench --gpus); each gets its plan, and the command runs with
+    both, its ranks each taking the one for its GPU."""
+    import os
+
+    from mucudnn.environment import Environment
+    from mucudnn.store import StoredMeasurement
+    kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
+    _, calls = recording_exec(kernels=kernels)
+    shipped = tuner.shipped_store()
+    (gpu, cudnn, _), = shipped.environments()
+    with open_store(os.environ["MUCUDNN_STORE"]) as store:  # the other model's measurements
+        store.put_rows(StoredMeasurement("Other GPU 80GB", cudnn, row.measurement,
+                                         row.measured_at, row.repetitions, row.iqr_ms)
+                       for p in kernels for row in shipped.rows(gpu, cudnn, p.key))
+    monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
+    monkeypatch.setattr(tuner, "gpu_models_here", lambda: [Environment(gpu, cudnn),
+                                                           Environment("Other GPU 80GB", cudnn)])
+    result = invoke("autotune", "--workspace-limit", "64MiB", "-o", tmp_path / "auto.plan", "--",
+                    "torchrun", "--nproc-per-node", "2", "train.py")
+    assert result.exit_code == 0, result.output
+    paths = [tmp_path / f"auto.{gpu.replace(' ', '_')}.plan", tmp_path / "auto.Other_GPU_80GB.plan"]
+    assert [read_plan(path).gpu for path in paths] == [gpu, "Other GPU 80GB"]
+    assert not (tmp_path / "auto.plan").exists()
+    (_, _), (run_args, run_env) = calls
+    assert run_args[:3] == ["torchrun", "--nproc-per-node", "2"]
+    assert run_env["MUCUDNN_PLAN"] == ":".join(str(path.resolve()) for path in paths)
+    assert f"(for {gpu})" in result.stderr and "(for Other GPU 80GB)" in result.stderr

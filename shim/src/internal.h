@@ -338,6 +338,8 @@ typedef struct {
 
 /* Loads and validates a plan file. NULL on error with "PATH:LINE: what" in error. */
 mu_plan *mu_plan_load(const char *path, char *error, size_t error_size);
+/* Frees a plan of mu_plan_load (NULL: nothing). */
+void mu_plan_free(mu_plan *plan);
 /* The entry for (key, n), NULL if none; in a front plan, its point of least workspace (the
  * others follow through next_point). */
 mu_plan_entry *mu_plan_find(const mu_plan *plan, const char *key, int n, uint64_t hash);

@@ -28,7 +28,9 @@ typedef struct {
 
 static option_entry options[MU_OPT_COUNT] = {
     [MU_OPT_DISABLE] = {"MUCUDNN_DISABLE", KIND_BOOL, 0, "pass every call through", false, 0, NULL},
-    [MU_OPT_PLAN] = {"MUCUDNN_PLAN", KIND_PATH, 0, "plan file to execute", false, 0, NULL},
+    [MU_OPT_PLAN] = {"MUCUDNN_PLAN", KIND_PATH, 0,
+                     "plan file to execute, or plans (a:b, a directory of *.plan): the one made "
+                     "for this GPU and cuDNN", false, 0, NULL},
     [MU_OPT_WORKSPACE_LIMIT] = {"MUCUDNN_WORKSPACE_LIMIT", KIND_SIZE, -1,
                                 "largest workspace offered for kernels without a plan", false, 0,
                                 NULL},

@@ -1,12 +1,15 @@
 /*
  * state.c: the process-wide configuration, set up once on the first intercepted call: options,
- * record file, plan file and the check that the plan was made for this GPU and cuDNN.
+ * record file, plan file (or the one of several made for this GPU and cuDNN) and the check that
+ * the plan was made for this GPU and cuDNN.
  */
+#include <dirent.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "internal.h"
 
@@ -42,24 +45,40 @@ bool mu_gpu_name(char *name, int size) {
     return ok;
 }
 
+/* The GPU and cuDNN a plan must have been made for: this process's. */
+typedef struct {
+    bool gpu_known;
+    char gpu[256]; /* its name, or why it is not known */
+    long cudnn_version;
+} process_identity;
+
+static void identify_process(process_identity *id) {
+    id->gpu_known = mu_gpu_name(id->gpu, sizeof id->gpu);
+    const mu_real_table *real = mu_real();
+    id->cudnn_version = real->cudnnGetVersion ? (long)real->cudnnGetVersion() : -1;
+}
+
+static bool plan_is_for(const mu_plan *plan, const process_identity *id) {
+    return id->gpu_known && strcmp(id->gpu, plan->gpu) == 0 && id->cudnn_version == plan->cudnn_version;
+}
+
 /* Refuses a plan measured on another GPU or cuDNN (the algorithms and timings would not hold). */
 static bool plan_matches_process(const mu_plan *plan) {
-    char gpu[256];
-    if (!mu_gpu_name(gpu, sizeof gpu)) {
+    process_identity id;
+    identify_process(&id);
+    if (!id.gpu_known) {
         mu_log(MU_LOG_ERROR, "%s: cannot check the plan's gpu '%s' (%s); passing every call through",
-               plan->path, plan->gpu, gpu);
+               plan->path, plan->gpu, id.gpu);
         return false;
     }
-    if (strcmp(gpu, plan->gpu) != 0) {
+    if (strcmp(id.gpu, plan->gpu) != 0) {
         mu_log(MU_LOG_ERROR, "%s: plan is for gpu '%s' but this process runs on '%s'; passing every "
-               "call through", plan->path, plan->gpu, gpu);
+               "call through", plan->path, plan->gpu, id.gpu);
         return false;
     }
-    const mu_real_table *real = mu_real();
-    long version = real->cudnnGetVersion ? (long)real->cudnnGetVersion() : -1;
-    if (version != plan->cudnn_version) {
+    if (id.cudnn_version != plan->cudnn_version) {
         mu_log(MU_LOG_ERROR, "%s: plan is for cudnn %ld but this process runs cudnn %ld; passing "
-               "every call through", plan->path, plan->cudnn_version, version);
+               "every call through", plan->path, plan->cudnn_version, id.cudnn_version);
         return false;
     }
     return true;
@@ -72,7 +91,7 @@ static char plan_refusal[160];
 /* At exit, one line when a plan was given and did nothing: refused, or none of the process's
  * kernels in it; one line when memory pressure degraded kernels to points of less workspace. */
 static void report_plan_use(void) {
-    const char *path = mu_option_path(MU_OPT_PLAN);
+    const char *path = state.plan != NULL ? state.plan->path : mu_option_path(MU_OPT_PLAN);
     size_t degraded = mu_room_degraded_kernels();
     if (degraded > 0)
         mu_log(MU_LOG_INFO, "%zu kernels got a front point of less workspace for lack of free memory "
@@ -88,9 +107,14 @@ static void report_plan_use(void) {
                "are not in it, or their calls could not use it): every call passed through", path, kernels);
 }
 
+static void log_loaded(const mu_plan *plan) {
+    mu_log(MU_LOG_INFO, "loaded plan %s: %zu kernel plans (gpu '%s', cudnn %ld, strategy %s, "
+           "limit %llu, policy %s)", plan->path, plan->entry_count, plan->gpu, plan->cudnn_version,
+           plan->strategy, plan->limit, plan->policy);
+}
+
 static mu_plan *load_plan(const char *path) {
     char error[1024];
-    atexit(report_plan_use);
     mu_plan *plan = mu_plan_load(path, error, sizeof error);
     if (plan == NULL) {
         mu_log(MU_LOG_ERROR, "%s; passing every call through", error);
@@ -101,10 +125,93 @@ static mu_plan *load_plan(const char *path) {
         snprintf(plan_refusal, sizeof plan_refusal, "refused for this process: see the error above");
         return NULL;
     }
-    mu_log(MU_LOG_INFO, "loaded plan %s: %zu kernel plans (gpu '%s', cudnn %ld, strategy %s, "
-           "limit %llu, policy %s)", path, plan->entry_count, plan->gpu, plan->cudnn_version,
-           plan->strategy, plan->limit, plan->policy);
+    log_loaded(plan);
     return plan;
+}
+
+/* The plan files of MUCUDNN_PLAN's list, in order: each item a file, or a directory standing for
+ * its *.plan files by name. Returns the count (at most max); paths are malloc'd. */
+static int compare_names(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static size_t list_plan_files(const char *spec, char **paths, size_t max) {
+    size_t count = 0;
+    char *copy = strdup(spec);
+    if (copy == NULL) return 0;
+    char *save = NULL;
+    for (char *item = strtok_r(copy, ":", &save); item != NULL && count < max;
+         item = strtok_r(NULL, ":", &save)) {
+        struct stat info;
+        DIR *dir = stat(item, &info) == 0 && S_ISDIR(info.st_mode) ? opendir(item) : NULL;
+        if (dir == NULL) { /* a file (or what mu_plan_load will say it cannot read) */
+            if ((paths[count] = strdup(item)) != NULL) count++;
+            continue;
+        }
+        size_t first = count;
+        for (struct dirent *entry; (entry = readdir(dir)) != NULL && count < max;) {
+            size_t length = strlen(entry->d_name);
+            if (length <= 5 || strcmp(entry->d_name + length - 5, ".plan") != 0 || entry->d_name[0] == '.')
+                continue;
+            if (asprintf(&paths[count], "%s/%s", item, entry->d_name) >= 0) count++;
+        }
+        closedir(dir);
+        qsort(paths + first, count - first, sizeof *paths, compare_names);
+    }
+    free(copy);
+    return count;
+}
+
+/* MUCUDNN_PLAN naming several plans (a colon-separated list, directories): the ranks of a job on
+ * GPUs of several models share one setting, and each takes the plan made for its GPU and cuDNN
+ * (the first in the list's order). Malformed plans are reported and skipped. */
+#define MU_MAX_PLAN_FILES 256
+static mu_plan *choose_plan(const char *spec) {
+    char *paths[MU_MAX_PLAN_FILES];
+    size_t count = list_plan_files(spec, paths, MU_MAX_PLAN_FILES);
+    process_identity id;
+    identify_process(&id);
+    mu_plan *chosen = NULL;
+    char others[512] = "";
+    size_t others_used = 0;
+    for (size_t i = 0; i < count; i++) {
+        char error[1024];
+        mu_plan *plan = mu_plan_load(paths[i], error, sizeof error);
+        if (plan == NULL) {
+            mu_log(MU_LOG_ERROR, "%s; skipped", error);
+        } else if (chosen == NULL && plan_is_for(plan, &id)) {
+            chosen = plan;
+        } else {
+            int wrote = snprintf(others + others_used, sizeof others - others_used, "%s'%s' cudnn %ld",
+                                 others_used ? ", " : "", plan->gpu, plan->cudnn_version);
+            if (wrote > 0 && others_used + (size_t)wrote < sizeof others) others_used += (size_t)wrote;
+            mu_plan_free(plan);
+        }
+        free(paths[i]);
+    }
+    if (chosen != NULL) {
+        mu_log(MU_LOG_INFO, "chose plan %s of the %zu in MUCUDNN_PLAN: the one for gpu '%s', cudnn %ld",
+               chosen->path, count, chosen->gpu, chosen->cudnn_version);
+        log_loaded(chosen);
+        return chosen;
+    }
+    char shown[MU_ESCAPED_MAX];
+    if (!id.gpu_known)
+        mu_log(MU_LOG_ERROR, "MUCUDNN_PLAN=%s: cannot tell which plan is for this process (%s); "
+               "passing every call through", mu_log_escape(spec, shown, sizeof shown), id.gpu);
+    else
+        mu_log(MU_LOG_ERROR, "MUCUDNN_PLAN=%s: none of its %zu plans is for gpu '%s' with cudnn %ld "
+               "(they are for: %s); passing every call through", mu_log_escape(spec, shown, sizeof shown),
+               count, id.gpu, id.cudnn_version, others_used ? others : "none readable");
+    snprintf(plan_refusal, sizeof plan_refusal, "none is for this process: see the error above");
+    return NULL;
+}
+
+/* One plan file as it always was, or the choice among several. */
+static mu_plan *plan_of_setting(const char *spec) {
+    struct stat info;
+    if (strchr(spec, ':') == NULL && !(stat(spec, &info) == 0 && S_ISDIR(info.st_mode))) return load_plan(spec);
+    return choose_plan(spec);
 }
 
 static void init_state(void) {
@@ -120,9 +227,10 @@ static void init_state(void) {
     state.workspace_limit = state.has_limit ? (size_t)limit : 0;
     mu_record_init();
     bool have_plan = mu_option_path(MU_OPT_PLAN) != NULL;
-    if (have_plan) state.plan = load_plan(mu_option_path(MU_OPT_PLAN));
+    if (have_plan) state.plan = plan_of_setting(mu_option_path(MU_OPT_PLAN));
     mu_plan *online = mu_online_init(have_plan);
     if (online != NULL) state.plan = online;
+    atexit(report_plan_use);
 }
 
 const mu_state *mu_config(void) {

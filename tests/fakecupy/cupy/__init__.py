@@ -4,10 +4,15 @@
 Only what mucudnn.bench and mucudnn.timing use: arrays are numpy arrays whose ``.data.ptr`` is
 their address; the stream is the null one; events read the host clock, which times the double's
 work since it computes synchronously. Put ``tests/fakecupy`` first on ``PYTHONPATH`` to use it.
+
+The devices are ``$FAKE_CUPY_GPUS`` (comma-separated model names; default one "host stand-in"),
+of which ``$CUDA_VISIBLE_DEVICES``, where set, keeps those it numbers, as CUDA does; all of them
+compute on the host.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import types
 
@@ -70,11 +75,23 @@ def get_default_memory_pool() -> _Pool:
     return _Pool()
 
 
+def _visible_names() -> list[str]:
+    names = os.environ.get("FAKE_CUPY_GPUS", "host stand-in").split(",")
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return names
+    listed = [e.strip() for e in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if e.strip()]
+    return [names[int(e)] for e in listed if e.isdigit() and int(e) < len(names)]
+
+
+def _device_properties(device: int) -> dict:
+    return {"name": _visible_names()[device].encode()}
+
+
 random = types.SimpleNamespace(default_rng=_Generator)
 cuda = types.SimpleNamespace(
     Stream=_Stream, Event=_Event,
     get_elapsed_time=lambda start, end: (end.t - start.t) * 1e3,
     memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
     Device=lambda: types.SimpleNamespace(id=0),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
-                                  getDeviceProperties=lambda device: {"name": b"host stand-in"}))
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: len(_visible_names()),
+                                  getDeviceProperties=_device_properties))

@@ -11,6 +11,7 @@ prints one result line per case, and the double logs every call it receives to `
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import subprocess
 from pathlib import Path
@@ -23,6 +24,8 @@ HERE = Path(__file__).resolve().parent
 FAKE_GPU_NAME = "mucudnn fake GPU"   # the double's defaults
 FAKE_CUDNN_VERSION = 91900
 WS_PER_SAMPLE = 4096                 # the double's workspace model: algo * n * WS_PER_SAMPLE bytes
+
+_RUN_NUMBERS = itertools.count()
 
 HEADER = (f"mucudnn-plan 1\ngpu {FAKE_GPU_NAME}\ncudnn {FAKE_CUDNN_VERSION}\nstrategy wr\n"
           "limit 67108864\npolicy powerOfTwo\n")
@@ -115,7 +118,7 @@ class ShimEnv:
         shim preloaded unless not ``preload`` and ``plan`` as ``MUCUDNN_PLAN``, feeding it
         ``stdin`` (none by default); its ``case `` lines and the double's log are parsed.
         """
-        log = self.work / f"calls-{len(list(self.work.iterdir()))}.log"
+        log = self.work / f"calls-{os.getpid()}-{next(_RUN_NUMBERS)}.log"  # unique across threads
         environment = {k: v for k, v in os.environ.items()
                        if not k.startswith(("MUCUDNN_", "FAKE_CUDNN_"))}
         environment.update(LD_LIBRARY_PATH=str(self.fake_dir), FAKE_CUDNN_LOG=str(log))
