@@ -382,13 +382,15 @@ def _check_memory_budget(budget: int | None) -> None:
         click.echo(f"mucudnn: warning: {warning}", err=True)
 
 
-def _exec_within(budget: int | None, command: tuple[str, ...], env: dict) -> int:
-    """:func:`_exec`, under the memory budget when there is one."""
+def _exec_within(budget: int | None, command: tuple[str, ...], env: dict,
+                 offload: bool = False) -> int:
+    """:func:`_exec`, under the memory budget when there is one (and activation offload)."""
     if budget is None:
         return _exec(command, env)
     from .budget import launch_env
     with launch_env(env, budget, command,
-                    lambda text: click.echo(f"mucudnn: warning: {text}", err=True)) as budgeted:
+                    lambda text: click.echo(f"mucudnn: warning: {text}", err=True),
+                    offload=offload) as budgeted:
         return _exec(command, budgeted)
 
 
@@ -426,17 +428,23 @@ def _recorded_kernels(path) -> int:
 @click.option("--log-level", type=click.Choice(["error", "warning", "info", "debug"]))
 @click.option("--summary", is_flag=True, help="print what each kernel ran at exit")
 @memory_budget_option
+@click.option("--offload", is_flag=True,
+              help="with --memory-budget: keep, offload to host memory or recompute the tensors "
+                   "PyTorch saves for backward, as a plan for the budget says (mucudnn.torch; "
+                   "docs/torch.md)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run(plan_path, workspace_limit, log_level, summary, memory_budget, command):
+def run(plan_path, workspace_limit, log_level, summary, memory_budget, offload, command):
     """Run COMMAND (after --) with the shim executing PLAN's micro-batches."""
     _require_command(command)
+    if offload and memory_budget is None:
+        raise click.UsageError("--offload needs --memory-budget (the budget it plans for)")
     if plan_path:
         from .plan import read_plan
         read_plan(plan_path)  # refuse a malformed plan here, with the file and line
     _check_memory_budget(memory_budget)
     sys.exit(_exec_within(memory_budget, command,
                           _shim_env(plan=plan_path, limit=workspace_limit, log_level=log_level,
-                                    summary=summary)))
+                                    summary=summary), offload=offload))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -39,6 +39,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_CUDA_GRAPHS", "launch each plan's pieces as one CUDA graph", "1", (SHIM,)),
     Setting("MUCUDNN_MEMORY_BUDGET", "GPU memory of the whole process (PyTorch's allocator; the "
             "shim reads it)", "(no budget)", (SHIM, PYTHON)),
+    Setting("MUCUDNN_OFFLOAD", "1: keep, offload or recompute saved tensors within the memory "
+            "budget (mucudnn.torch)", "0", (PYTHON,)),
     Setting("MUCUDNN_BUDGET_REPORT", "file the budget launcher's processes report to", "(none)",
             (PYTHON,)),
     Setting("MUCUDNN_STORE", "benchmark store", "$XDG_CACHE_HOME/mucudnn/benchmarks.sqlite",
