@@ -513,6 +513,58 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
                           _shim_env(plan=plan_path, limit=workspace_limit)))
 
 
+@main.command("batch-size", context_settings={"ignore_unknown_options": True})
+@click.option("--memory-budget", type=BudgetParam(), metavar="SIZE", required=True,
+              help="the budget every run is held to (as in `run`)")
+@click.option("--offload", is_flag=True, help="run each candidate with `run --offload`")
+@click.option("--start", type=int, default=8, show_default=True, help="first batch size")
+@click.option("--largest", type=int, default=4096, show_default=True, help="largest to try")
+@click.option("--multiple", type=int, help="bisect to a multiple of this (default: --start)")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def batch_size(memory_budget, offload, start, largest, multiple, command):
+    """Find the batch size with the most images/s that holds under --memory-budget: runs COMMAND
+    (after --, with {} for the batch size) for candidates (doubling, then bisection); the script
+    prints `mucudnn-throughput: <images/s>`. Prints the pick on stdout, why on stderr."""
+    from .batchsize import check_command, explain, tune
+
+    check_command(command)
+    _check_memory_budget(memory_budget)
+
+    def say(text):
+        click.echo(f"mucudnn: {text}", err=True)
+
+    best, trials, margin = tune(lambda batch: _batch_trial(command, batch, memory_budget, offload),
+                                memory_budget, start=start, largest=largest, multiple=multiple,
+                                say=say)
+    for line in explain(best, trials, memory_budget, margin):
+        say(line)
+    click.echo(best.batch)
+
+
+def _batch_trial(command, batch, budget, offload):
+    """One run of the training command at ``batch``: its exit status, throughput and peak."""
+    from .batchsize import Trial, command_for, parse_throughput
+    from .budget import ENV_REPORT, launch_env
+
+    argv = command_for(command, batch)
+    with launch_env(_shim_env(), budget, tuple(argv), lambda text: None,
+                    offload=offload) as env:
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, errors="replace")
+        except OSError as exc:
+            raise MucudnnError(f"cannot run {shlex.join(argv)}: {exc}") from None
+        events = Path(env[ENV_REPORT]).read_text().splitlines()
+    peaks = [int(line.split()[3]) for line in events
+             if line.startswith("peak ") and len(line.split()) == 4]
+    output = done.stdout + done.stderr
+    note = ""
+    if done.returncode != 0:
+        note = ("out of memory" if "out of memory" in output.lower()
+                else f"exit {done.returncode}: " + (output.strip().splitlines() or [""])[-1][:120])
+    return Trial(batch, done.returncode, parse_throughput(done.stdout),
+                 max(peaks) if peaks else None, note)
+
+
 @main.group("store")
 def store_group() -> None:
     """Inspect and move benchmark stores: info, export, import, merge, checkpoint.

@@ -214,8 +214,23 @@ def install_from_environment() -> None:
             report("failed", str(exc).replace("\n", " "))
         if os.environ.get(ENV_OFFLOAD, "").strip() in ("1", "true", "yes", "on"):
             start_offload(budget)
+        if os.environ.get(ENV_REPORT):
+            import atexit
+            atexit.register(report_peak, torch)
 
     after_import("torch", on_torch)
+
+
+def report_peak(torch) -> None:
+    """At exit: ``peak DEVICE BYTES``, PyTorch's peak reserved memory on each device it used
+    (``mucudnn batch-size`` reads it). Nothing when CUDA never started."""
+    try:
+        if not torch.cuda.is_initialized():
+            return
+        for device in range(torch.cuda.device_count()):
+            report("peak", f"{device} {int(torch.cuda.max_memory_reserved(device))}")
+    except Exception:  # noqa: BLE001 - at exit, nothing to tell
+        pass
 
 
 def start_offload(budget: int) -> None:
