@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -91,12 +91,20 @@ class CudaLink(CopyLink):
     compute stream (the producer), copies, and the caching allocator may reuse the device memory
     once that copy is done (``record_stream``). Fetch: allocated and copied on the copy stream;
     the compute stream waits for its event before use. Pinned buffers come from PyTorch's caching
-    host allocator, which keeps each one until the copies that use it are done."""
+    host allocator, which keeps each one until the copies that use it are done.
 
-    def __init__(self, device):
+    The forward can produce activations faster than the link drains them; the device memory of an
+    offloaded tensor returns only when its copy is done. So at most ``max_pending`` bytes of
+    copies to the host are in flight: beyond that the host thread waits for the oldest (vDNN's
+    layer-wise wait; the GPU keeps running what is already queued)."""
+
+    def __init__(self, device, max_pending: int = 1 << 30):
         super().__init__()
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+        self.max_pending = max_pending
+        self._pending: deque = deque()
+        self._pending_bytes = 0
 
     def offload(self, tensor):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -107,6 +115,14 @@ class CudaLink(CopyLink):
             event = torch.cuda.Event()
             event.record(self.stream)
         tensor.record_stream(self.stream)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._pending.append((event, nbytes))
+        self._pending_bytes += nbytes
+        while self._pending and (self._pending_bytes > self.max_pending
+                                 or self._pending[0][0].query()):
+            oldest, size = self._pending.popleft()
+            oldest.synchronize()
+            self._pending_bytes -= size
         return Transfer(host, event)
 
     def fetch(self, host, device):

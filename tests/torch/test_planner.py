@@ -94,3 +94,11 @@ def test_infeasible_budget_is_one_clear_error():
 def test_bad_profile_is_refused():
     with pytest.raises(ValueError, match="outside"):
         StepProfile([SavedGroup(1, 3, 3)], 1.0, 1.0, 1.0, 1.0, unpacks=2)
+
+
+def test_importing_mucudnn_and_the_planner_needs_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, mucudnn, mucudnn.torch, mucudnn.torch.planner, mucudnn.batchsize;"
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
