@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import InfeasibleError
 from . import planner
 from .planner import KEEP, OFFLOAD, RECOMPUTE
 
@@ -236,17 +237,20 @@ class OffloadSession:
     allocator's fragmentation) and applied from the next step. ``modes``: a fixed plan instead
     (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
-    ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests).
+    ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
+    no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (else: ``say`` it and offload
+    every saved tensor, as the recorded step did).
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
                  link: CopyLink | None = None, lookahead: int = 2, recompute: bool = True,
                  min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
-                 say=None):
+                 say=None, strict: bool = True):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
         self._link, self._links = link, {}
         self.trace = trace
+        self.strict = strict
         self.say = say or (lambda text: None)
         self.profile: planner.StepProfile | None = None
         self.plan: planner.OffloadPlan | None = None
@@ -489,7 +493,15 @@ class OffloadSession:
 
     def _make_plan(self) -> None:
         target = int(self.budget * (1 - self.headroom))
-        self.plan = planner.plan_offload(self.profile, target, self.lookahead)
+        try:
+            self.plan = planner.plan_offload(self.profile, target, self.lookahead)
+        except InfeasibleError as exc:
+            if self.strict:
+                raise
+            # an unmodified script: go on as the recorded step ran (everything offloaded)
+            self.say(f"{exc}; offloading every saved tensor")
+            self.modes = [OFFLOAD if g.offloadable else KEEP for g in self.profile.groups]
+            return
         self.modes = list(self.plan.modes)
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
 

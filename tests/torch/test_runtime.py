@@ -183,3 +183,16 @@ def test_parameters_and_small_tensors_pass_through():
     parameters = sum(p.numel() * p.element_size() for p in model.parameters())
     assert packs and parameters > 0
     assert all(g.nbytes >= 4096 for g in session._step.groups)
+
+
+def test_an_impossible_budget_in_an_unmodified_script_offloads_everything():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = OffloadSession(budget=1000, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             strict=False, say=said.append)
+    assert_bitwise(reference, train(model, data, session))
+    assert session.plan is None
+    assert session.modes == [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
+    assert session.modes.count(OFFLOAD) > len(session.modes) // 2
+    assert any("too small for this step" in text for text in said)
