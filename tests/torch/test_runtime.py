@@ -196,3 +196,21 @@ def test_an_impossible_budget_in_an_unmodified_script_offloads_everything():
     assert session.modes == [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
     assert session.modes.count(OFFLOAD) > len(session.modes) // 2
     assert any("too small for this step" in text for text in said)
+
+
+def test_every_step_finds_the_same_recipes_when_the_model_starts_with_cheap_modules():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 8, 3), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    data = batches(torch.float32, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    per_step = []
+    for event in trace:
+        if event[:2] == ("pack", 0):
+            per_step.append(0)
+        if event[0] == "recompute":
+            per_step[-1] += 1
+    assert len(per_step) == 3 and per_step[0] >= 2 and len(set(per_step)) == 1
