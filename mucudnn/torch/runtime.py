@@ -217,6 +217,7 @@ class _Group:
     first_unpack: int | None = None
     last_unpack: int | None = None
     pack_mark: object = None
+    wanted: str = KEEP                      # the plan's mode; ``mode`` is what runs
 
 
 @dataclass(eq=False)
@@ -317,6 +318,24 @@ class OffloadSession:
                 if self._step.profiling:
                     call.end = self._any_link().mark()
                 break
+        if isinstance(output, torch.Tensor) and self.recompute:
+            self._late_recipe(output)
+
+    def _late_recipe(self, output: torch.Tensor) -> None:
+        """A module that saves its own output (ReLU) packs it before its forward hook names the
+        output: its recipe is found here, and a group meant to be recomputed, kept until now
+        (nothing unpacks during the forward), drops its tensor."""
+        step = self._step
+        group = self._find(step, output)
+        if group is None or group.recipe is not None:
+            return
+        recipe, source = self._recipe(output, step)
+        if recipe is None:
+            return
+        group.recipe, group.source, group.producer = recipe, source, recipe[-1].name
+        if group.wanted == RECOMPUTE and group.mode == KEEP and source.mode == KEEP:
+            group.mode, group.tensor = RECOMPUTE, None
+            self._event("mode", group.gid, RECOMPUTE)
 
     def _recipe(self, tensor: torch.Tensor, step: _Step):
         """(chain of cheap calls, source group) that rebuild ``tensor``, or (None, None)."""
@@ -380,6 +399,7 @@ class OffloadSession:
         group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
                        weakref.ref(tensor), tensor._version, producer, dense(tensor),
                        recipe=recipe, source=source)
+        group.wanted = self._wanted(group)
         group.mode = self._mode_for(group)
         step.groups.append(group)
         step.by_key[self._key(tensor)] = group
@@ -395,6 +415,15 @@ class OffloadSession:
         return group
 
     def _mode_for(self, group: _Group) -> str:
+        """The wanted mode where it can be carried out (else kept)."""
+        wanted = group.wanted
+        if wanted == OFFLOAD and not group.offloadable:
+            return KEEP
+        if wanted == RECOMPUTE and (group.recipe is None or group.source.mode != KEEP):
+            return KEEP
+        return wanted
+
+    def _wanted(self, group: _Group) -> str:
         wanted = KEEP
         if self.force is not None:
             wanted = self.force
@@ -409,10 +438,6 @@ class OffloadSession:
                 self._mismatch_said = True
                 self.say(f"this step saves other tensors than the profiled one (group "
                          f"{group.gid}); keeping those")
-        if wanted == OFFLOAD and not group.offloadable:
-            return KEEP
-        if wanted == RECOMPUTE and (group.recipe is None or group.source.mode != KEEP):
-            return KEEP
         return wanted
 
     def _unpack(self, group):
