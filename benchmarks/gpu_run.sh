@@ -74,6 +74,10 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     spec=${s#memorybudget-}; stage "memorybudget-$spec" ${SHIM_TIMEOUT:-400} python3 -m benchmarks.memory_budget \
       --model ${spec%:*} --batch ${spec#*:} --budgets ${BUDGETS:-6GiB} --steps 15 --warmup 5 \
       ${BUDGET_PLAN:+--plan "$BUDGET_PLAN"} --out "$LOGS/memorybudget-${spec//:/_}" ;;
+  offload)  # benchmarks/offload.py: mucudnn.torch vs save_on_cpu, on-demand offload, checkpoint
+    stage offload ${OFFLOAD_TIMEOUT:-420} python3 -m benchmarks.offload driver \
+      --models ${OFFLOAD_MODELS:-vgg16 resnet50} --batch 256 --budget 12GiB \
+      --sweep ${OFFLOAD_SWEEP:-16GiB 8GiB} --out "$OUT/offload" ;;
   tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store
     models=${s#tuningcost-}; stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.tuning_cost \
       --models ${models//+/ } ${TUNING_ARGS:-} --out "$LOGS/tuningcost-$models" ;;

@@ -54,6 +54,7 @@ def _hook():
 
 ENV_BUDGET = _hook().ENV_BUDGET
 ENV_REPORT = _hook().ENV_REPORT
+ENV_OFFLOAD = _hook().ENV_OFFLOAD
 
 
 def parse_budget(value: str | int) -> int:
@@ -111,15 +112,20 @@ def _prepend_path(value: str | None, entry: str) -> str:
 
 
 @contextlib.contextmanager
-def launch_env(env: dict, budget: int, command: tuple[str, ...], warn):
+def launch_env(env: dict, budget: int, command: tuple[str, ...], warn, offload: bool = False):
     """``env`` for running ``command`` under ``budget``; after the command, ``warn(text)`` once if
-    no Python process of it imported torch (so only the shim had the budget)."""
+    no Python process of it imported torch (so only the shim had the budget). ``offload``: its
+    Python processes also run mucudnn.torch's activation offload (``MUCUDNN_OFFLOAD=1``, and this
+    mucudnn on PYTHONPATH after the site directory, for interpreters that lack it)."""
     handle, report = tempfile.mkstemp(prefix="mucudnn-budget-", suffix=".log")
     os.close(handle)
     try:
         env = dict(env)
         env[ENV_BUDGET] = str(budget)
         env[ENV_REPORT] = report
+        if offload:
+            env[ENV_OFFLOAD] = "1"
+            env["PYTHONPATH"] = _prepend_path(env.get("PYTHONPATH"), str(SITE_DIR.parent.parent))
         env["PYTHONPATH"] = _prepend_path(env.get("PYTHONPATH"), str(SITE_DIR))
         yield env
         events = Path(report).read_text().split()

@@ -395,13 +395,15 @@ def _check_memory_budget(budget: int | None) -> None:
         click.echo(f"mucudnn: warning: {warning}", err=True)
 
 
-def _exec_within(budget: int | None, command: tuple[str, ...], env: dict) -> int:
-    """:func:`_exec`, under the memory budget when there is one."""
+def _exec_within(budget: int | None, command: tuple[str, ...], env: dict,
+                 offload: bool = False) -> int:
+    """:func:`_exec`, under the memory budget when there is one (and activation offload)."""
     if budget is None:
         return _exec(command, env)
     from .budget import launch_env
     with launch_env(env, budget, command,
-                    lambda text: click.echo(f"mucudnn: warning: {text}", err=True)) as budgeted:
+                    lambda text: click.echo(f"mucudnn: warning: {text}", err=True),
+                    offload=offload) as budgeted:
         return _exec(command, budgeted)
 
 
@@ -470,9 +472,13 @@ def _plan_files(given: tuple[str, ...]) -> list[Path]:
 @click.option("--log-level", type=click.Choice(["error", "warning", "info", "debug"]))
 @click.option("--summary", is_flag=True, help="print what each kernel ran at exit")
 @memory_budget_option
+@click.option("--offload", is_flag=True,
+              help="with --memory-budget: keep, offload to host memory or recompute the tensors "
+                   "PyTorch saves for backward, as a plan for the budget says (mucudnn.torch; "
+                   "docs/torch.md)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, memory_budget,
-        command):
+        offload, command):
     """Run COMMAND (after --) with the shim executing PLAN's micro-batches.
 
     With no --plan the shim tunes online (MUCUDNN_ONLINE=1): each convolution is measured on its
@@ -483,6 +489,8 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
     the shim, and with several plans takes the one made for its GPU model and cuDNN version;
     online tuning measures each kernel once for all the processes of the node."""
     _require_command(command)
+    if offload and memory_budget is None:
+        raise click.UsageError("--offload needs --memory-budget (the budget it plans for)")
     plans = _plan_files(plan_paths) if plan_paths else None
     _check_memory_budget(memory_budget)
     env = _shim_env(plan=plans, limit=workspace_limit, log_level=log_level, summary=summary)
@@ -492,7 +500,7 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
             env["MUCUDNN_ONLINE_DIR"] = str(Path(online_dir).resolve())
     else:
         env.pop("MUCUDNN_ONLINE", None)
-    sys.exit(_exec_within(memory_budget, command, env))
+    sys.exit(_exec_within(memory_budget, command, env, offload=offload))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -586,6 +594,58 @@ def _plans_per_gpu_model(plan_path) -> list[tuple[object, Path]]:
     path = Path(plan_path)
     return [(env, path.with_name(f"{path.stem}.{re.sub(r'[^A-Za-z0-9]+', '_', env.gpu).strip('_')}"
                                  f"{path.suffix or '.plan'}")) for env in models]
+
+
+@main.command("batch-size", context_settings={"ignore_unknown_options": True})
+@click.option("--memory-budget", type=BudgetParam(), metavar="SIZE", required=True,
+              help="the budget every run is held to (as in `run`)")
+@click.option("--offload", is_flag=True, help="run each candidate with `run --offload`")
+@click.option("--start", type=int, default=8, show_default=True, help="first batch size")
+@click.option("--largest", type=int, default=4096, show_default=True, help="largest to try")
+@click.option("--multiple", type=int, help="bisect to a multiple of this (default: --start)")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def batch_size(memory_budget, offload, start, largest, multiple, command):
+    """Find the batch size with the most images/s that holds under --memory-budget: runs COMMAND
+    (after --, with {} for the batch size) for candidates (doubling, then bisection); the script
+    prints `mucudnn-throughput: <images/s>`. Prints the pick on stdout, why on stderr."""
+    from .batchsize import check_command, explain, tune
+
+    check_command(command)
+    _check_memory_budget(memory_budget)
+
+    def say(text):
+        click.echo(f"mucudnn: {text}", err=True)
+
+    best, trials, margin = tune(lambda batch: _batch_trial(command, batch, memory_budget, offload),
+                                memory_budget, start=start, largest=largest, multiple=multiple,
+                                say=say)
+    for line in explain(best, trials, memory_budget, margin):
+        say(line)
+    click.echo(best.batch)
+
+
+def _batch_trial(command, batch, budget, offload):
+    """One run of the training command at ``batch``: its exit status, throughput and peak."""
+    from .batchsize import Trial, command_for, parse_throughput
+    from .budget import ENV_REPORT, launch_env
+
+    argv = command_for(command, batch)
+    with launch_env(_shim_env(), budget, tuple(argv), lambda text: None,
+                    offload=offload) as env:
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, errors="replace")
+        except OSError as exc:
+            raise MucudnnError(f"cannot run {shlex.join(argv)}: {exc}") from None
+        events = Path(env[ENV_REPORT]).read_text().splitlines()
+    peaks = [int(line.split()[3]) for line in events
+             if line.startswith("peak ") and len(line.split()) == 4]
+    output = done.stdout + done.stderr
+    note = ""
+    if done.returncode != 0:
+        note = ("out of memory" if "out of memory" in output.lower()
+                else f"exit {done.returncode}: " + (output.strip().splitlines() or [""])[-1][:120])
+    return Trial(batch, done.returncode, parse_throughput(done.stdout),
+                 max(peaks) if peaks else None, note)
 
 
 @main.group("store")

@@ -45,3 +45,17 @@ ensure_cudnn_headers() {
     || { rm -rf "$scratch"; return 1; }
   rm -rf "$scratch"
 }
+
+# tests/torch run against a CPU PyTorch 2.13.0, installed into .venv only where a torch-2.13.0
+# wheel file already lies in $PIP_FIND_LINKS (a local directory): CI machines with that file run
+# those tests, every other machine skips them and never downloads PyTorch (gigabytes).
+ensure_local_torch() {
+  local dir=${PIP_FIND_LINKS:-}
+  [ -n "$dir" ] && [ -d "$dir" ] || return 0
+  ls "$dir"/torch-2.13.0[+-]*.whl >/dev/null 2>&1 || return 0
+  .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' \
+    2>/dev/null && return 0
+  echo "setup: installing torch==2.13.0 from $dir (for tests/torch)" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-index --find-links "$dir" \
+    torch==2.13.0 || echo "setup: torch==2.13.0 from $dir failed to install: tests/torch skip" >&2
+}

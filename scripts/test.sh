@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 ensure_venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+ensure_local_torch
 ensure_cudnn_headers
 exec .venv/bin/python -m pytest -q "$@"

@@ -136,3 +136,26 @@ exec {sys.executable} "$@"
     assert asked.split()[-1] == "nvidia-cudnn-cu13==9.19.0.56" and "--no-deps" in asked.split()
     assert (dest / "cudnn.h").is_file()
     assert not list(tmp_path.glob("tmp.*")), "the downloaded wheel is deleted"
+
+
+@pytest.mark.parametrize("wheel, installs", [(None, False),
+                                             ("torch-2.12.0+cpu-cp311-none-any.whl", False),
+                                             ("torch-2.13.0+cpu-cp311-none-any.whl", True)])
+def test_torch_is_installed_only_from_a_local_wheel_file(tmp_path, wheel, installs):
+    """scripts/setup.sh's ensure_local_torch: pip runs (offline) only when a torch-2.13.0 wheel
+    lies in $PIP_FIND_LINKS."""
+    links = tmp_path / "wheels"
+    links.mkdir()
+    if wheel:
+        (links / wheel).write_bytes(b"")
+    log = tmp_path / "calls.log"
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    # a .venv Python without torch that logs its pip calls
+    python.write_text(f'#!/bin/sh\n[ "$1" = -m ] && echo "$@" >> {log}\nexit 1\n')
+    python.chmod(0o755)
+    subprocess.run(["bash", "-c", f"source {ROOT}/scripts/setup.sh; ensure_local_torch"],
+                   cwd=tmp_path, env={**os.environ, "PIP_FIND_LINKS": str(links)}, check=True,
+                   capture_output=True)
+    calls = log.read_text() if log.exists() else ""
+    assert ("--no-index" in calls and "torch==2.13.0" in calls) == installs

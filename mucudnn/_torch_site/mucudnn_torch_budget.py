@@ -22,6 +22,7 @@ import sys
 ENV_BUDGET = "MUCUDNN_MEMORY_BUDGET"  # also read by the shim (shim/src/options.c)
 ENV_REPORT = "MUCUDNN_BUDGET_REPORT"  # the launcher's file: one line per event of each process
 ENV_LOG_LEVEL = "MUCUDNN_LOG_LEVEL"   # the shim's level: info shows what was limited
+ENV_OFFLOAD = "MUCUDNN_OFFLOAD"       # 1: mucudnn.torch keeps/offloads/recomputes saved tensors
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
 
 
@@ -211,5 +212,38 @@ def install_from_environment() -> None:
         except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`
             say("warning", f"memory budget not queued: {exc}; PyTorch's memory is not limited")
             report("failed", str(exc).replace("\n", " "))
+        if os.environ.get(ENV_OFFLOAD, "").strip() in ("1", "true", "yes", "on"):
+            start_offload(budget)
+        if os.environ.get(ENV_REPORT):
+            import atexit
+            atexit.register(report_peak, torch)
 
     after_import("torch", on_torch)
+
+
+def report_peak(torch) -> None:
+    """At exit: ``peak DEVICE BYTES``, PyTorch's peak reserved memory on each device it used
+    (``mucudnn batch-size`` reads it). Nothing when CUDA never started."""
+    try:
+        if not torch.cuda.is_initialized():
+            return
+        for device in range(torch.cuda.device_count()):
+            report("peak", f"{device} {int(torch.cuda.max_memory_reserved(device))}")
+    except Exception:  # noqa: BLE001 - at exit, nothing to tell
+        pass
+
+
+def start_offload(budget: int) -> None:
+    """Enters one :class:`mucudnn.torch.runtime.OffloadSession` for the whole process (never
+    left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
+    Needs mucudnn importable here (the launcher puts it on PYTHONPATH); without it, one warning
+    line and the program runs without offload."""
+    try:
+        from mucudnn.torch.runtime import OffloadSession
+        session = OffloadSession(budget, say=lambda text: say("info", text), strict=False)
+        session.__enter__()
+    except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`
+        say("warning", f"activation offload not started: {exc}")
+        report("failed", f"offload {exc}".replace("\n", " "))
+        return
+    report("offload")

@@ -1,0 +1,299 @@
+"""Keep, offload or recompute: one choice per saved tensor, minimising the predicted step time with
+the modelled peak memory within a budget (docs/torch.md, "The planner").
+
+Pure Python (PuLP's CBC, no torch): the runtime records a :class:`StepProfile`, this module
+chooses. Everything is indexed by two clocks of one training step:
+
+- *forward points* ``0..G-1``: the first pack of saved group ``g`` happens at forward point ``g``
+  (groups are numbered in the order the forward first saves them);
+- *backward points* ``0..U-1``: the ``i``-th unpack of the backward (every unpack counts).
+
+A group is one tensor saved for backward, however many ops save it. Its bytes are on the device:
+
+- kept: from its forward point through the end of the forward and the backward up to its last
+  unpack;
+- offloaded: at its forward point and the next one (the copy to the host runs meanwhile; the
+  runtime lets the caching allocator reuse the memory once the copy is done), then again from
+  ``first_unpack - lookahead`` (the runtime's prefetch point) to its last unpack;
+- recomputed: at its forward point and the next one (the forward's own use), then from its first
+  to its last unpack. Its recipe reads its source group, which must then be kept.
+
+Peak memory at a point is the measured baseline there (everything that is not a saved group:
+parameters, gradients, the op's own inputs, outputs and workspace) plus the live groups' bytes.
+
+Predicted step time (the host-link bound, vDNN's model): ``max(F, offloaded bytes / d2h) +
+max(B + recompute time, offloaded bytes / h2d)``, with F and B the forward and backward compute
+times. It is exact when copies overlap compute perfectly and a lower bound otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from ..errors import InfeasibleError, SolverError
+from ..sizes import describe_size
+
+KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+MODES = (KEEP, OFFLOAD, RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class SavedGroup:
+    """One tensor saved for backward (all packs of the same tensor)."""
+
+    nbytes: int
+    first_unpack: int              # backward point of its first unpack
+    last_unpack: int               # backward point of its last unpack (>= first_unpack)
+    producer: str = ""             # the module (or op) that made it, for reports
+    offloadable: bool = True
+    recompute_ms: float | None = None  # None: no recipe (not produced by a cheap chain)
+    recompute_source: int | None = None  # the group the recipe reads (must be kept)
+
+
+@dataclass
+class StepProfile:
+    """What one recorded training step says (see the module docstring for the clocks)."""
+
+    groups: list[SavedGroup]
+    forward_ms: float
+    backward_ms: float
+    d2h_gbps: float
+    h2d_gbps: float
+    unpacks: int                   # U, backward points
+    baseline_forward: list[int] = field(default_factory=list)   # bytes at each forward point
+    baseline_backward: list[int] = field(default_factory=list)  # bytes at each backward point
+
+    def __post_init__(self):
+        g = len(self.groups)
+        self.baseline_forward = list(self.baseline_forward) or [0] * g
+        self.baseline_backward = list(self.baseline_backward) or [0] * self.unpacks
+        if len(self.baseline_forward) != g or len(self.baseline_backward) != self.unpacks:
+            raise ValueError(f"baselines: {len(self.baseline_forward)} forward points for {g} "
+                             f"groups, {len(self.baseline_backward)} backward points for "
+                             f"{self.unpacks} unpacks")
+        for index, group in enumerate(self.groups):
+            if not 0 <= group.first_unpack <= group.last_unpack < max(self.unpacks, 1):
+                raise ValueError(f"group {index}: unpacks {group.first_unpack}.."
+                                 f"{group.last_unpack} outside 0..{self.unpacks - 1}")
+            if group.recompute_source is not None and not 0 <= group.recompute_source < g:
+                raise ValueError(f"group {index}: recompute source {group.recompute_source} "
+                                 "is no group")
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The choice per group, with what the model predicts for it."""
+
+    modes: tuple[str, ...]
+    lookahead: int
+    peak: int
+    step_ms: float
+    moved_bytes: int               # each way
+
+    def count(self, mode: str) -> int:
+        return sum(1 for m in self.modes if m == mode)
+
+    def describe(self) -> str:
+        return (f"{self.count(KEEP)} kept, {self.count(OFFLOAD)} offloaded "
+                f"({describe_size(self.moved_bytes)} each way), {self.count(RECOMPUTE)} "
+                f"recomputed; predicted peak {describe_size(self.peak)}, step {self.step_ms:.1f} ms")
+
+
+def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
+    return (KEEP,) + ((OFFLOAD,) if group.offloadable else ()) + \
+        ((RECOMPUTE,) if group.recompute_ms is not None and group.recompute_source is not None
+         else ())
+
+
+def live_points(profile: StepProfile, index: int, mode: str, lookahead: int
+                ) -> tuple[range, range]:
+    """(forward points, backward points) at which group ``index`` is on the device in ``mode``."""
+    group, g = profile.groups[index], len(profile.groups)
+    if mode == KEEP:
+        return range(index, g), range(0, group.last_unpack + 1)
+    forward = range(index, min(index + 2, g))
+    start = max(0, group.first_unpack - lookahead) if mode == OFFLOAD else group.first_unpack
+    return forward, range(start, group.last_unpack + 1)
+
+
+def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int) -> int:
+    """The modelled peak of ``modes`` (one per group)."""
+    forward = list(profile.baseline_forward)
+    backward = list(profile.baseline_backward)
+    for index, mode in enumerate(modes):
+        f_points, b_points = live_points(profile, index, mode, lookahead)
+        for t in f_points:
+            forward[t] += profile.groups[index].nbytes
+        for t in b_points:
+            backward[t] += profile.groups[index].nbytes
+    return max(forward + backward, default=0)
+
+
+def step_time(profile: StepProfile, modes: Sequence[str]) -> float:
+    """Predicted step time (ms) of ``modes``: see the module docstring."""
+    moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
+    recompute = math.fsum(g.recompute_ms for g, m in zip(profile.groups, modes, strict=True)
+                          if m == RECOMPUTE)
+    return (max(profile.forward_ms, _ms(moved, profile.d2h_gbps))
+            + max(profile.backward_ms + recompute, _ms(moved, profile.h2d_gbps)))
+
+
+def _ms(nbytes: int, gbps: float) -> float:
+    return nbytes / (gbps * 1e9) * 1e3 if nbytes else 0.0
+
+
+def valid(profile: StepProfile, modes: Sequence[str]) -> bool:
+    """Each mode allowed for its group, and every recomputed group's source kept."""
+    for group, mode in zip(profile.groups, modes, strict=True):
+        if mode not in allowed_modes(group):
+            return False
+        if mode == RECOMPUTE and modes[group.recompute_source] != KEEP:
+            return False
+    return True
+
+
+def _result(profile: StepProfile, modes: Sequence[str], lookahead: int) -> OffloadPlan:
+    moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
+    return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead),
+                       step_time(profile, modes), moved)
+
+
+def brute_force(profile: StepProfile, budget: int, lookahead: int = 2) -> OffloadPlan | None:
+    """The optimum by enumeration (small profiles: tests); None when nothing fits."""
+    best = None
+    for modes in itertools.product(*(allowed_modes(g) for g in profile.groups)):
+        if not valid(profile, modes) or peak_memory(profile, modes, lookahead) > budget:
+            continue
+        candidate = _result(profile, modes, lookahead)
+        if best is None or candidate.step_ms < best.step_ms - 1e-9:
+            best = candidate
+    return best
+
+
+def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
+                 time_limit_s: float | None = 60) -> OffloadPlan:
+    """The fastest valid choice whose modelled peak is within ``budget`` bytes (an ILP; ties go
+    to fewer bytes moved or recomputed). :class:`InfeasibleError` says the least peak any choice
+    reaches when none fits."""
+    if budget <= 0:
+        raise ValueError(f"budget must be more than 0 bytes, got {budget}")
+    everything_kept = [KEEP] * len(profile.groups)
+    if peak_memory(profile, everything_kept, lookahead) <= budget:
+        return _result(profile, everything_kept, lookahead)
+    problem, picks, _ = _program(profile, lookahead, budget)
+    status = _solve(problem, time_limit_s)
+    if status == "Infeasible":
+        least = least_peak(profile, lookahead)
+        raise InfeasibleError(
+            f"memory budget {describe_size(budget)} is too small for this step: keeping, "
+            f"offloading or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
+            f"{describe_size(least)} at least (of which {describe_size(_baseline_peak(profile))} "
+            "is not saved tensors: parameters, gradients, the largest op)")
+    if status != "Optimal":
+        raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
+    modes = _picked(picks)
+    plan = _result(profile, modes, lookahead)
+    if plan.peak > budget or not valid(profile, modes):  # CBC's tolerances: never over budget
+        raise SolverError(f"the solver chose a plan of peak {describe_size(plan.peak)}, over the "
+                          f"budget of {describe_size(budget)}")
+    return plan
+
+
+def least_peak(profile: StepProfile, lookahead: int = 2) -> int:
+    """The smallest modelled peak any valid choice reaches."""
+    problem, picks, peak = _program(profile, lookahead, None)
+    if _solve(problem, 60) != "Optimal":
+        raise SolverError("CBC did not find the least peak of this step")
+    return peak_memory(profile, _picked(picks), lookahead)
+
+
+def _baseline_peak(profile: StepProfile) -> int:
+    return max(profile.baseline_forward + profile.baseline_backward, default=0)
+
+
+def _program(profile: StepProfile, lookahead: int, budget: int | None):
+    """The ILP. With ``budget`` None it minimises the peak instead of the time."""
+    import pulp
+
+    problem = pulp.LpProblem("offload", pulp.LpMinimize)
+    picks: list[dict[str, pulp.LpVariable]] = []
+    for index, group in enumerate(profile.groups):
+        modes = allowed_modes(group)
+        x = {mode: problem.add_variable(f"x_{index}_{mode}", cat=pulp.LpBinary) for mode in modes}
+        problem += pulp.lpSum(x.values()) == 1
+        picks.append(x)
+    for index, group in enumerate(profile.groups):
+        if RECOMPUTE in picks[index]:
+            problem += picks[index][RECOMPUTE] <= picks[group.recompute_source][KEEP]
+    forward = [pulp.LpAffineExpression() + base for base in profile.baseline_forward]
+    backward = [pulp.LpAffineExpression() + base for base in profile.baseline_backward]
+    for index, group in enumerate(profile.groups):
+        for mode, x in picks[index].items():
+            f_points, b_points = live_points(profile, index, mode, lookahead)
+            for t in f_points:
+                forward[t] += group.nbytes * x
+            for t in b_points:
+                backward[t] += group.nbytes * x
+    peak = problem.add_variable("peak", lowBound=0)
+    # Bytes in GiB inside the program: CBC's tolerances are relative to coefficients near 1.
+    scale = 2.0 ** -30
+    for expression in forward + backward:
+        if budget is None:
+            problem += scale * expression <= peak
+        else:
+            problem += scale * expression <= scale * budget
+    if budget is None:
+        problem += peak
+        return problem, picks, peak
+    moved = pulp.lpSum(g.nbytes * x[OFFLOAD] for g, x in zip(profile.groups, picks)
+                       if OFFLOAD in x)
+    recompute = pulp.lpSum(g.recompute_ms * x[RECOMPUTE] for g, x in zip(profile.groups, picks)
+                           if RECOMPUTE in x)
+    forward_ms = problem.add_variable("forward_ms", lowBound=profile.forward_ms)
+    backward_ms = problem.add_variable("backward_ms", lowBound=0)
+    problem += forward_ms >= moved * (1e3 / (profile.d2h_gbps * 1e9))
+    problem += backward_ms >= profile.backward_ms + recompute
+    problem += backward_ms >= moved * (1e3 / (profile.h2d_gbps * 1e9))
+    # Ties (the copies hidden behind compute either way) go to less traffic: 1 ms per 2^40 bytes
+    # moved or recomputed, far below any real time difference.
+    tie = pulp.lpSum(g.nbytes * (x.get(OFFLOAD, 0) + x.get(RECOMPUTE, 0)) * 2.0 ** -40
+                     for g, x in zip(profile.groups, picks))
+    problem += forward_ms + backward_ms + tie
+    return problem, picks, peak
+
+
+def _solve(problem, time_limit_s) -> str:
+    import pulp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="PULP_CBC_CMD is deprecated",
+                                category=DeprecationWarning)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+    if not solver.available():
+        raise SolverError("PuLP's bundled CBC solver is not available on this machine")
+    try:
+        status = problem.solve(solver)
+    except pulp.PulpSolverError as exc:
+        raise SolverError(f"CBC failed: {exc}") from exc
+    if status == pulp.LpStatusInfeasible:
+        return "Infeasible"
+    if status == pulp.LpStatusOptimal and problem.sol_status in (
+            pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        # integer feasible: CBC stopped at the time limit with a valid plan (its peak is checked
+        # by the caller); a good plan now is worth more than a proof of optimality later
+        return "Optimal"
+    return f"{pulp.LpStatus.get(status, status)} / {pulp.LpSolution.get(problem.sol_status)}"
+
+
+def _picked(picks: Sequence[Mapping]) -> list[str]:
+    modes = []
+    for index, x in enumerate(picks):
+        chosen = [mode for mode, var in x.items() if (var.varValue or 0) > 0.5]
+        if len(chosen) != 1:
+            raise SolverError(f"saved group {index}: the solver picked {len(chosen)} modes")
+        modes.append(chosen[0])
+    return modes

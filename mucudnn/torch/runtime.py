@@ -1,0 +1,605 @@
+"""The runtime of mucudnn.torch (docs/torch.md): saved-tensor hooks that keep, offload or recompute
+each tensor autograd saves, as a plan says, after a first step that records a profile.
+
+Invariants:
+- A tensor is restored bit for bit: an offloaded one is copied to a host tensor of the same dtype,
+  shape and strides and back (dense tensors only; others are kept); a recomputed one re-runs its
+  recipe, a chain of deterministic cheap modules (:data:`CHEAP`) on a kept tensor under
+  ``no_grad``, with batch norm replayed on copies of its running statistics (its output in
+  training mode does not read them, and the model's statistics are not updated twice).
+- Nothing is recomputed from a source that changed since it was saved (its version counter).
+- Groups: every pack of the same tensor object (same version) is one group, moved or recomputed
+  once. Parameters and tensors under ``min_bytes`` pass through untouched.
+- Steps: a pack after an unpack starts a new step; group ``g`` is the ``g``-th tensor the step
+  saves, unpack ``i`` its ``i``-th unpack (planner.py's clocks). A planned step whose groups differ
+  from the profile's (another size) keeps those groups.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import MucudnnError
+from . import planner
+from .planner import KEEP, OFFLOAD, RECOMPUTE
+
+#: Modules whose recomputation is deterministic and cheap (SuperNeurons' choice: no convolution,
+#: no dropout). Exact types: a subclass may override forward.
+CHEAP = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hardswish,
+         nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+         nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool2d, nn.Identity)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_MAX_CHAIN = 4
+
+
+def dense(tensor: torch.Tensor) -> bool:
+    """Its strides cover its elements once (contiguous or channels-last): it copies bit for bit
+    into ``empty_strided`` of the same strides."""
+    if tensor.is_contiguous():
+        return True
+    if tensor.dim() == 4:
+        return tensor.is_contiguous(memory_format=torch.channels_last)
+    if tensor.dim() == 5:
+        return tensor.is_contiguous(memory_format=torch.channels_last_3d)
+    return False
+
+
+@dataclass
+class Transfer:
+    tensor: torch.Tensor
+    event: object = None
+
+
+class CopyLink:
+    """A host link where host and device are one memory (CPU tests): copies are exact clones and
+    every copy is complete when issued. Subclass it to observe the calls. ``gbps``: the
+    (device-to-host, host-to-device) bandwidth to plan with instead of measuring it."""
+
+    def __init__(self, gbps: tuple[float, float] | None = None):
+        self.gbps = gbps
+
+    def offload(self, tensor: torch.Tensor) -> Transfer:
+        return Transfer(_same_layout(tensor, tensor.device).copy_(tensor))
+
+    def fetch(self, host: Transfer, device) -> Transfer:
+        return Transfer(_same_layout(host.tensor, device).copy_(host.tensor))
+
+    def wait(self, transfer: Transfer) -> torch.Tensor:
+        return transfer.tensor
+
+    def mark(self):
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        return (end - start) * 1e3
+
+    def allocated(self) -> int:
+        return 0
+
+    def bandwidth_gbps(self) -> tuple[float, float]:
+        return self.gbps or measure_bandwidth(self, torch.device("cpu"))
+
+
+class CudaLink(CopyLink):
+    """Pinned host memory and one copy stream per device. Offload: the copy stream waits for the
+    compute stream (the producer), copies, and the caching allocator may reuse the device memory
+    once that copy is done (``record_stream``). Fetch: allocated and copied on the copy stream;
+    the compute stream waits for its event before use. Pinned buffers come from PyTorch's caching
+    host allocator, which keeps each one until the copies that use it are done.
+
+    The forward can produce activations faster than the link drains them; the device memory of an
+    offloaded tensor returns only when its copy is done. So at most ``max_pending`` bytes of
+    copies to the host are in flight: beyond that the host thread waits for the oldest (vDNN's
+    layer-wise wait; the GPU keeps running what is already queued)."""
+
+    def __init__(self, device, max_pending: int = 1 << 30):
+        super().__init__()
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.max_pending = max_pending
+        self._pending: deque = deque()
+        self._pending_bytes = 0
+
+    def offload(self, tensor):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        host = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   pin_memory=True)
+        with torch.cuda.stream(self.stream):
+            host.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        tensor.record_stream(self.stream)
+        nbytes = tensor.numel() * tensor.element_size()
+        self._pending.append((event, nbytes))
+        self._pending_bytes += nbytes
+        while self._pending and (self._pending_bytes > self.max_pending
+                                 or self._pending[0][0].query()):
+            oldest, size = self._pending.popleft()
+            oldest.synchronize()
+            self._pending_bytes -= size
+        return Transfer(host, event)
+
+    def fetch(self, host, device):
+        with torch.cuda.stream(self.stream):
+            tensor = _same_layout(host.tensor, self.device)
+            tensor.copy_(host.tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return Transfer(tensor, event)
+
+    def wait(self, transfer):
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(transfer.event)
+        transfer.tensor.record_stream(compute)
+        return transfer.tensor
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed_ms(self, start, end):
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def allocated(self):
+        return torch.cuda.memory_allocated(self.device)
+
+    def bandwidth_gbps(self):
+        if self.gbps is None:
+            self.gbps = measure_bandwidth(self, self.device)
+        return self.gbps
+
+
+def _same_layout(tensor: torch.Tensor, device) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+
+
+def measure_bandwidth(link: CopyLink, device, nbytes: int = 256 * 2**20, repeats: int = 3
+                      ) -> tuple[float, float]:
+    """(device-to-host, host-to-device) GB/s of ``link``, the best of ``repeats`` copies."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = [0.0, 0.0]
+    for _ in range(repeats):
+        start = time.perf_counter()
+        host = link.offload(source)
+        _synchronize(host)
+        middle = time.perf_counter()
+        back = link.fetch(host, device)
+        _synchronize(back)
+        end = time.perf_counter()
+        best[0] = max(best[0], nbytes / max(middle - start, 1e-9) / 1e9)
+        best[1] = max(best[1], nbytes / max(end - middle, 1e-9) / 1e9)
+    return best[0], best[1]
+
+
+def _synchronize(transfer: Transfer) -> None:
+    if transfer.event is not None:
+        transfer.event.synchronize()
+
+
+@dataclass(eq=False)
+class _Call:
+    """One leaf module's forward: what it read and wrote (weakly) and how long it took."""
+
+    module: nn.Module
+    name: str
+    source: weakref.ref | None
+    output: weakref.ref | None
+    start: object
+    end: object = None
+
+
+@dataclass(eq=False)
+class _Group:
+    gid: int
+    mode: str
+    nbytes: int
+    device: torch.device
+    ref: weakref.ref
+    version: int
+    producer: str
+    offloadable: bool
+    tensor: torch.Tensor | None = None      # on the device: kept, fetched or recomputed
+    host: Transfer | None = None
+    fetch: Transfer | None = None
+    recipe: list | None = None              # [_Call, ...] from the source's consumer on
+    source: _Group | None = None
+    packs: int = 0
+    unpacks: int = 0
+    first_unpack: int | None = None
+    last_unpack: int | None = None
+    pack_mark: object = None
+    wanted: str = KEEP                      # the plan's mode; ``mode`` is what runs
+
+
+@dataclass(eq=False)
+class _Step:
+    groups: list = field(default_factory=list)
+    by_key: dict = field(default_factory=dict)
+    unpacks: int = 0
+    calls: list = field(default_factory=list)
+    marks: list = field(default_factory=list)        # (kind, index, mark, allocated)
+    profiling: bool = False
+
+
+class OffloadSession:
+    """Saved-tensor hooks and leaf-module hooks (while entered) carrying out a plan.
+
+    ``budget`` (bytes): the first step records a profile (every dense saved tensor offloaded,
+    fetched on demand), then a plan is made for ``budget * (1 - headroom)`` (room for the caching
+    allocator's fragmentation) and applied from the next step. ``modes``: a fixed plan instead
+    (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
+    ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
+    ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
+    no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
+    ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
+    """
+
+    def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
+                 link: CopyLink | None = None, lookahead: int = 2, recompute: bool = True,
+                 min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
+                 say=None, strict: bool = True):
+        self.budget, self.force, self.lookahead = budget, force, lookahead
+        self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
+        self._link, self._links = link, {}
+        self.trace = trace
+        self.strict = strict
+        self.say = say or (lambda text: None)
+        self.profile: planner.StepProfile | None = None
+        self.plan: planner.OffloadPlan | None = None
+        self.modes = list(modes) if modes is not None else None
+        self.steps = 0
+        self._first_unpacks: list[int] = []   # per group, of the last finished step
+        self._schedule: dict[int, list[int]] = {}
+        self._step = _Step(profiling=budget is not None and modes is None and force is None)
+        self._replaying = False
+        self._mismatch_said = False
+        self._handles = []
+        self._hooks = None
+
+    # --- entering and leaving -------------------------------------------------------------
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        hooks = torch.nn.modules.module
+        self._handles = [hooks.register_module_forward_pre_hook(self._before_module),
+                         hooks.register_module_forward_hook(self._after_module)]
+        return self
+
+    def __exit__(self, *exc_info):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hooks.__exit__(*exc_info)
+        self._hooks = None
+
+    # --- the host link per device ---------------------------------------------------------
+    def link_for(self, tensor: torch.Tensor) -> CopyLink | None:
+        if self._link is not None:
+            return self._link
+        if tensor.device.type != "cuda":
+            return None
+        key = tensor.device.index
+        if key not in self._links:
+            self._links[key] = CudaLink(tensor.device)
+        return self._links[key]
+
+    def _any_link(self) -> CopyLink:
+        return self._link or next(iter(self._links.values()), None) or CopyLink()
+
+    # --- module records (producers, recipes, times) ---------------------------------------
+    def _before_module(self, module, args):
+        if self._replaying or not torch.is_grad_enabled() or _in_backward() or \
+                any(True for _ in module.children()):
+            return
+        if self._step.unpacks:   # the first module of the next step: its calls belong there
+            self._end_step()
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        self._step.calls.append(_Call(module, type(module).__name__,
+                                      weakref.ref(source) if source is not None else None, None,
+                                      self._any_link().mark() if self._step.profiling else None))
+
+    def _after_module(self, module, args, output):
+        if self._replaying or not torch.is_grad_enabled() or _in_backward() or \
+                any(True for _ in module.children()):
+            return
+        for call in reversed(self._step.calls):
+            if call.module is module and call.output is None:
+                if isinstance(output, torch.Tensor):
+                    call.output = weakref.ref(output)
+                if self._step.profiling:
+                    call.end = self._any_link().mark()
+                break
+        if isinstance(output, torch.Tensor) and self.recompute:
+            self._late_recipe(output)
+
+    def _late_recipe(self, output: torch.Tensor) -> None:
+        """A module that saves its own output (ReLU) packs it before its forward hook names the
+        output: its recipe is found here, and a group meant to be recomputed, kept until now
+        (nothing unpacks during the forward), drops its tensor."""
+        step = self._step
+        group = self._find(step, output)
+        if group is None or group.recipe is not None:
+            return
+        recipe, source = self._recipe(output, step)
+        if recipe is None:
+            return
+        group.recipe, group.source, group.producer = recipe, source, recipe[-1].name
+        if group.wanted == RECOMPUTE and group.mode == KEEP and source.mode == KEEP:
+            group.mode, group.tensor = RECOMPUTE, None
+            self._event("mode", group.gid, RECOMPUTE)
+
+    def _recipe(self, tensor: torch.Tensor, step: _Step):
+        """(chain of cheap calls, source group) that rebuild ``tensor``, or (None, None)."""
+        chain, target = [], tensor
+        calls = step.calls
+        index = len(calls)
+        while len(chain) < _MAX_CHAIN:
+            index = next((i for i in range(index - 1, -1, -1)
+                          if calls[i].output is not None and calls[i].output() is target), None)
+            if index is None or type(calls[index].module) not in CHEAP or \
+                    calls[index].source is None:
+                return None, None
+            chain.insert(0, calls[index])
+            source = calls[index].source()
+            if source is None:
+                return None, None
+            group = self._find(step, source)
+            if group is not None and group.mode != RECOMPUTE:
+                if group.version != source._version:
+                    return None, None
+                return chain, group
+            target = source
+        return None, None
+
+    # --- pack and unpack ------------------------------------------------------------------
+    @staticmethod
+    def _key(tensor):
+        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                tuple(tensor.stride()), tensor.dtype, tensor.device)
+
+    def _find(self, step, tensor):
+        group = step.by_key.get(self._key(tensor))
+        if group is not None and group.ref() is tensor and group.version == tensor._version:
+            return group
+        return None
+
+    def _pack(self, tensor: torch.Tensor):
+        if self._replaying or _in_backward():   # e.g. a checkpoint's recomputation: not ours
+            return tensor
+        if (tensor.requires_grad and tensor.is_leaf) or isinstance(tensor, nn.Parameter) or \
+                tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse:
+            return tensor
+        link = self.link_for(tensor)
+        if link is None:
+            return tensor
+        if self._step.unpacks:
+            self._end_step()
+        step = self._step
+        group = self._find(step, tensor)
+        if group is None:
+            group = self._new_group(step, tensor, link)
+        group.packs += 1
+        return group
+
+    def _new_group(self, step, tensor, link) -> _Group:
+        gid = len(step.groups)
+        recipe, source = self._recipe(tensor, step) if self.recompute else (None, None)
+        producer = recipe[-1].name if recipe else next(
+            (c.name for c in reversed(step.calls) if c.output is not None and c.output() is tensor),
+            "op")
+        group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
+                       weakref.ref(tensor), tensor._version, producer, dense(tensor),
+                       recipe=recipe, source=source)
+        group.wanted = self._wanted(group)
+        group.mode = self._mode_for(group)
+        step.groups.append(group)
+        step.by_key[self._key(tensor)] = group
+        if step.profiling:
+            group.pack_mark = link.mark()
+            step.marks.append(("pack", gid, group.pack_mark, link.allocated()))
+        self._event("pack", gid, group.mode)
+        if group.mode == OFFLOAD:
+            group.host = link.offload(tensor)
+            self._event("offload", gid)
+        else:
+            group.tensor = tensor if group.mode == KEEP else None
+        return group
+
+    def _mode_for(self, group: _Group) -> str:
+        """The wanted mode where it can be carried out (else kept)."""
+        wanted = group.wanted
+        if wanted == OFFLOAD and not group.offloadable:
+            return KEEP
+        if wanted == RECOMPUTE and (group.recipe is None or group.source.mode != KEEP):
+            return KEEP
+        return wanted
+
+    def _wanted(self, group: _Group) -> str:
+        wanted = KEEP
+        if self.force is not None:
+            wanted = self.force
+        elif self._step.profiling:
+            wanted = OFFLOAD
+        elif self.modes is not None:
+            if group.gid < len(self.modes) and (self.profile is None or (
+                    group.gid < len(self.profile.groups)
+                    and self.profile.groups[group.gid].nbytes == group.nbytes)):
+                wanted = self.modes[group.gid]
+            elif not self._mismatch_said:
+                self._mismatch_said = True
+                self.say(f"this step saves other tensors than the profiled one (group "
+                         f"{group.gid}); keeping those")
+        return wanted
+
+    def _unpack(self, group):
+        if not isinstance(group, _Group):
+            return group
+        step = self._step
+        index = step.unpacks
+        step.unpacks += 1
+        link = self.link_for_group(group)
+        if group.first_unpack is None:
+            group.first_unpack = index
+        group.last_unpack = index
+        scheduled = [step.groups[gid] for gid in self._schedule.get(index, ())
+                     if gid < len(step.groups)]
+        if group in scheduled:   # the one needed now goes first on the copy stream
+            self._prefetch(group, index)
+        if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
+            group.fetch = link.fetch(group.host, group.device)   # on demand: not prefetched
+            self._event("fetch", group.gid, index)
+        for other in scheduled:
+            self._prefetch(other, index)
+        tensor = self._materialize(group, link)
+        self._event("unpack", group.gid, index)
+        if step.profiling:
+            step.marks.append(("unpack", index, link.mark(), link.allocated()))
+        group.unpacks += 1
+        if group.unpacks >= group.packs and group.mode != KEEP:
+            group.tensor, group.fetch = None, None    # its last use: the memory can go
+        return tensor
+
+    def link_for_group(self, group):
+        return self._link or self._links.get(group.device.index) or CopyLink()
+
+    def _prefetch(self, group: _Group, index: int) -> None:
+        if group.mode == OFFLOAD and group.fetch is None and group.tensor is None \
+                and group.unpacks == 0:
+            group.fetch = self.link_for_group(group).fetch(group.host, group.device)
+            self._event("prefetch", group.gid, index)
+
+    def _materialize(self, group: _Group, link) -> torch.Tensor:
+        if group.tensor is not None:
+            return group.tensor
+        if group.mode == OFFLOAD:
+            group.tensor = link.wait(group.fetch)
+        elif group.mode == RECOMPUTE:
+            group.tensor = self._replay(group, link)
+        return group.tensor
+
+    def _replay(self, group: _Group, link) -> torch.Tensor:
+        source = group.source
+        if source.tensor is None or source.tensor._version != source.version:
+            raise RuntimeError(f"mucudnn.torch: the source of saved tensor {group.gid} changed "
+                               "after it was saved; cannot recompute it")
+        value = source.tensor
+        self._replaying = True
+        try:
+            with torch.no_grad():
+                for call in group.recipe:
+                    if getattr(call.module, "inplace", False) and value is source.tensor:
+                        value = value.clone()
+                    value = replay(call.module, value)
+        finally:
+            self._replaying = False
+        self._event("recompute", group.gid)
+        return value
+
+    def _event(self, *event):
+        if self.trace is not None:
+            self.trace.append(event)
+
+    # --- steps, profile, plan -------------------------------------------------------------
+    def _end_step(self) -> None:
+        finished, self._step = self._step, _Step()
+        self.steps += 1
+        self._first_unpacks = [g.first_unpack if g.first_unpack is not None else 0
+                               for g in finished.groups]
+        if finished.profiling and finished.groups:
+            self.profile = self._profile_of(finished)
+            self._make_plan()
+        self._schedule = self._prefetch_schedule(
+            [g.mode for g in finished.groups] if self.modes is None else self.modes)
+
+    def _make_plan(self) -> None:
+        target = int(self.budget * (1 - self.headroom))
+        try:
+            self.plan = planner.plan_offload(self.profile, target, self.lookahead)
+        except MucudnnError as exc:   # infeasible, or CBC failed
+            if self.strict:
+                raise
+            # an unmodified script: go on as the recorded step ran (everything offloaded)
+            self.say(f"{exc}; offloading every saved tensor")
+            self.modes = [OFFLOAD if g.offloadable else KEEP for g in self.profile.groups]
+            return
+        self.modes = list(self.plan.modes)
+        self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
+
+    def _prefetch_schedule(self, modes) -> dict[int, list[int]]:
+        """Unpack index -> offloaded groups to fetch then: ``lookahead`` unpacks before the first
+        unpack of each, as the last finished step unpacked them (vDNN's prefetch)."""
+        schedule = defaultdict(list)
+        for gid, (first, mode) in enumerate(zip(self._first_unpacks, modes)):
+            if mode == OFFLOAD:
+                schedule[max(0, first - self.lookahead)].append(gid)
+        return dict(schedule)
+
+    def _profile_of(self, step: _Step) -> planner.StepProfile:
+        link = self._any_link()
+        unpacks = max(step.unpacks, 1)
+        groups = []
+        for group in step.groups:
+            first = group.first_unpack if group.first_unpack is not None else unpacks - 1
+            last = group.last_unpack if group.last_unpack is not None else unpacks - 1
+            recompute_ms = None
+            if group.recipe is not None and all(c.end is not None for c in group.recipe):
+                recompute_ms = sum(link.elapsed_ms(c.start, c.end) for c in group.recipe)
+            groups.append(planner.SavedGroup(
+                group.nbytes, first, last, group.producer, group.offloadable, recompute_ms,
+                group.source.gid if group.source is not None and recompute_ms is not None
+                else None))
+        packs = [m for m in step.marks if m[0] == "pack"]
+        unpack_marks = [m for m in step.marks if m[0] == "unpack"]
+        forward_ms = link.elapsed_ms(packs[0][2], unpack_marks[0][2]) if unpack_marks else 0.0
+        backward_ms = (link.elapsed_ms(unpack_marks[0][2], unpack_marks[-1][2])
+                       if unpack_marks else 0.0)
+        d2h, h2d = link.bandwidth_gbps()
+        moved = sum(g.nbytes for g in groups if g.offloadable)
+        # The recorded backward fetched every offloaded tensor on demand: what it waited for
+        # those copies is not compute (at least the forward's time remains).
+        backward_ms = max(backward_ms - moved / (h2d * 1e9) * 1e3, forward_ms)
+        profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks)
+        recorded = [OFFLOAD if g.offloadable else KEEP for g in groups]
+        live_f, live_b = [0] * len(groups), [0] * unpacks
+        for gid, mode in enumerate(recorded):
+            f_points, b_points = planner.live_points(profile, gid, mode, 0)
+            for t in f_points:
+                live_f[t] += groups[gid].nbytes
+            for t in b_points:
+                live_b[t] += groups[gid].nbytes
+        profile.baseline_forward = [max(0, m[3] - live_f[m[1]]) for m in packs]
+        backward = [0] * unpacks
+        for m in unpack_marks:
+            backward[m[1]] = max(0, m[3] - live_b[m[1]])
+        profile.baseline_backward = backward
+        return profile
+
+
+def _in_backward() -> bool:
+    """Inside an autograd node's backward (where a step's forward never runs)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
+
+
+def replay(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """``module(value)`` as its forward ran, without its side effects: a training-mode batch norm
+    runs on copies of its running statistics (same kernel, same output; the model's statistics
+    and batch counter untouched)."""
+    if isinstance(module, _BATCH_NORMS) and type(module) in CHEAP and (
+            module.training or module.running_mean is None):
+        tracked = module.running_mean is not None and module.running_var is not None
+        return F.batch_norm(value,
+                            module.running_mean.clone() if tracked else None,
+                            module.running_var.clone() if tracked else None,
+                            module.weight, module.bias, True,
+                            module.momentum if module.momentum is not None else 0.0, module.eps)
+    return module(value)

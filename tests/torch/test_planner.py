@@ -1,0 +1,104 @@
+"""mucudnn.torch.planner: pure Python (no torch needed)."""
+
+import random
+
+import pytest
+
+from mucudnn.errors import InfeasibleError
+from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force,
+                                   least_peak, peak_memory, plan_offload, step_time, valid)
+
+MiB = 2**20
+
+
+def chain_profile(sizes, recompute_every=0, seed=0, baseline=0):
+    """A CNN-like step: group g saved at forward point g, unpacked in reverse order (one unpack
+    each), forward time proportional to bytes; every ``recompute_every``-th group has a recipe
+    reading the group before it."""
+    rng = random.Random(seed)
+    n = len(sizes)
+    groups = []
+    for g, size in enumerate(sizes):
+        recipe = recompute_every and g % recompute_every == recompute_every - 1 and g > 0
+        groups.append(SavedGroup(size, first_unpack=n - 1 - g, last_unpack=n - 1 - g,
+                                 producer=f"m{g}",
+                                 recompute_ms=rng.uniform(0.05, 0.5) if recipe else None,
+                                 recompute_source=g - 1 if recipe else None))
+    return StepProfile(groups, forward_ms=sum(sizes) / MiB * 0.05, backward_ms=sum(sizes) / MiB * 0.1,
+                       d2h_gbps=0.02, h2d_gbps=0.025, unpacks=n,
+                       baseline_forward=[baseline] * n, baseline_backward=[baseline] * n)
+
+
+def test_everything_kept_when_it_fits():
+    profile = chain_profile([4 * MiB] * 5)
+    plan = plan_offload(profile, budget=10**12)
+    assert plan.modes == (KEEP,) * 5 and plan.moved_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_on_small_profiles(seed):
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 16) * MiB for _ in range(rng.randint(3, 6))]
+    profile = chain_profile(sizes, recompute_every=2, seed=seed, baseline=rng.randint(0, 8) * MiB)
+    budget = int(peak_memory(profile, [KEEP] * len(sizes), 2) * rng.uniform(0.4, 0.9))
+    best = brute_force(profile, budget)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            plan_offload(profile, budget)
+        return
+    plan = plan_offload(profile, budget)
+    assert plan.peak <= budget and valid(profile, plan.modes)
+    assert plan.step_ms == pytest.approx(best.step_ms, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_peak_within_budget_on_larger_profiles(seed):
+    rng = random.Random(100 + seed)
+    sizes = [rng.randint(1, 64) * MiB for _ in range(60)]
+    profile = chain_profile(sizes, recompute_every=3, seed=seed, baseline=32 * MiB)
+    full = peak_memory(profile, [KEEP] * len(sizes), 2)
+    least = least_peak(profile)
+    budget = least + (full - least) // 3
+    plan = plan_offload(profile, budget)
+    assert least < full and plan.peak <= budget
+    assert step_time(profile, plan.modes) == pytest.approx(plan.step_ms)
+    assert plan.count(OFFLOAD) + plan.count(RECOMPUTE) > 0
+
+
+def test_recompute_preferred_when_the_link_is_slow():
+    # four 8 MiB groups, unpacked in reverse; the second recomputable from the first in 0.01 ms:
+    # over a link this slow recomputing it is far faster than moving anything
+    groups = [SavedGroup(8 * MiB, 3, 3), SavedGroup(8 * MiB, 2, 2, recompute_ms=0.01,
+                                                    recompute_source=0),
+              SavedGroup(8 * MiB, 1, 1), SavedGroup(8 * MiB, 0, 0)]
+    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=4)
+    plan = plan_offload(profile, budget=24 * MiB)
+    assert plan.modes == (KEEP, RECOMPUTE, KEEP, KEEP) and plan.peak == 24 * MiB
+
+
+def test_recompute_needs_its_source_kept():
+    groups = [SavedGroup(8 * MiB, 1, 1), SavedGroup(8 * MiB, 0, 0, recompute_ms=0.01,
+                                                    recompute_source=0)]
+    profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=2)
+    assert not valid(profile, [OFFLOAD, RECOMPUTE])
+    assert valid(profile, [KEEP, RECOMPUTE])
+
+
+def test_infeasible_budget_is_one_clear_error():
+    profile = chain_profile([8 * MiB] * 4, baseline=100 * MiB)
+    with pytest.raises(InfeasibleError, match=r"too small for this step.*at least") as info:
+        plan_offload(profile, budget=50 * MiB)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_profile_is_refused():
+    with pytest.raises(ValueError, match="outside"):
+        StepProfile([SavedGroup(1, 3, 3)], 1.0, 1.0, 1.0, 1.0, unpacks=2)
+
+
+def test_importing_mucudnn_and_the_planner_needs_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, mucudnn, mucudnn.torch, mucudnn.torch.planner, mucudnn.batchsize;"
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,215 @@
+"""mucudnn.torch's runtime on CPU torch: the CPU stands in for both device and host (CopyLink),
+a recording link checks the order of copies; gradients must be bitwise equal to a plain run."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
+    pytest.skip("needs a real PyTorch", allow_module_level=True)
+
+from torch import nn  # noqa: E402
+
+from mucudnn.errors import InfeasibleError  # noqa: E402
+from mucudnn.torch import fit  # noqa: E402
+from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
+from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+
+
+class RecordingLink(CopyLink):
+    """Copies as CopyLink; logs each call; a fetched tensor may be used only after wait()."""
+
+    def __init__(self):
+        super().__init__(gbps=(0.001, 0.001))   # 1 MB/s: a slow link makes the planner choose
+        self.log = []
+        self.waited = set()
+
+    def offload(self, tensor):
+        self.log.append(("offload", tensor.shape))
+        return super().offload(tensor)
+
+    def fetch(self, host, device):
+        transfer = super().fetch(host, device)
+        self.log.append(("fetch", id(transfer)))
+        return transfer
+
+    def wait(self, transfer):
+        self.log.append(("wait", id(transfer)))
+        self.waited.add(id(transfer))
+        return super().wait(transfer)
+
+
+def small_cnn(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).to(dtype)
+
+
+def batches(dtype, steps):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, 16, 16, generator=generator, dtype=dtype),
+             torch.randint(0, 10, (4,), generator=generator)) for _ in range(steps)]
+
+
+def train(model, data, session=None):
+    """Per step: every gradient and buffer after that step (SGD, so steps depend on each other)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    for x, y in data:
+        optimizer.zero_grad()
+        if session is None:
+            loss = nn.functional.cross_entropy(model(x), y)
+        else:
+            with session:
+                loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    return results
+
+
+def assert_bitwise(expected, actual):
+    assert len(expected) == len(actual)
+    for step, (a, b) in enumerate(zip(expected, actual)):
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert u.dtype == v.dtype and torch.equal(u, v), f"step {step} tensor {i} differs"
+
+
+DTYPES = [torch.float64, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_tensor_offloaded_gives_the_same_gradients(dtype):
+    model, data = small_cnn(dtype), batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace, link = [], RecordingLink()
+    session = OffloadSession(force=OFFLOAD, link=link, min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    offloads = [e for e in trace if e[0] == "offload"]
+    packed = [e for e in trace if e[0] == "pack"]
+    assert offloads and len(offloads) == sum(1 for e in packed if e[2] == OFFLOAD) >= 3 * 10
+    assert all(kind != "fetch" or transfer in link.waited for kind, transfer in link.log)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefetch_runs_lookahead_unpacks_ahead(dtype):
+    model, data = small_cnn(dtype), batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=OFFLOAD, link=RecordingLink(), min_bytes=0, trace=trace,
+                             lookahead=2)
+    assert_bitwise(reference, train(model, data, session))
+    steps, current = [], None
+    for event in trace:       # split the trace into steps at each step's first pack
+        if event[0] == "pack" and event[1] == 0:
+            current = []
+            steps.append(current)
+        current.append(event)
+    assert len(steps) == 3
+    first_step, later = steps[0], steps[1:]
+    assert not any(e[0] == "prefetch" for e in first_step)   # nothing known yet: on demand
+    for step in later:
+        first_unpack = {}
+        for e in step:
+            if e[0] == "unpack":
+                first_unpack.setdefault(e[1], e[2])
+        prefetched = {e[1]: e[2] for e in step if e[0] == "prefetch"}
+        assert prefetched, "a planned step prefetches"
+        assert not any(e[0] == "fetch" for e in step)          # none fetched on demand
+        for gid, at in prefetched.items():
+            assert at == max(0, first_unpack[gid] - 2)
+            assert step.index(("prefetch", gid, at)) < step.index(("unpack", gid, first_unpack[gid]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_recompute_gives_the_same_gradients(dtype):
+    model, data = small_cnn(dtype), batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    recomputed = [e for e in trace if e[0] == "recompute"]
+    assert len(recomputed) >= 3 * 3          # relu / pool outputs of each block, each step
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_budget_forcing_a_mix(dtype):
+    model, data = small_cnn(dtype), batches(dtype, 4)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    # the link's bandwidth makes offload dear; baselines are 0 on CPU, so the budget is bytes of
+    # saved tensors: about half of what keeping everything needs
+    session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, trace=trace,
+                             headroom=0.0)
+    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    train(copy.deepcopy(model), data[:2], probe)
+    saved = sum(g.nbytes for g in probe._step.groups)
+    session.budget = int(saved * 0.55)
+    assert_bitwise(reference, train(model, data, session))
+    modes = set(session.plan.modes)
+    assert session.plan.peak <= session.budget
+    assert {OFFLOAD, KEEP} <= modes or {RECOMPUTE, KEEP} <= modes
+    assert session.plan.count(KEEP) < len(session.plan.modes)
+    assert [g.mode for g in session._step.groups] == list(session.plan.modes)   # carried out
+
+
+def test_fit_wraps_the_model_and_plans_after_one_step():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    reference = train(copy.deepcopy(model), data)
+    fitted = fit(model, budget="1MiB", link=RecordingLink(), min_bytes=0, headroom=0.0)
+    assert_bitwise(reference, train(fitted, data))
+    assert fitted.mucudnn_session.plan is not None
+
+
+def test_an_impossible_budget_is_one_clear_error():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 2)
+    session = OffloadSession(budget=1000, link=RecordingLink(), min_bytes=0, headroom=0.0)
+    with pytest.raises(InfeasibleError, match="too small for this step"):
+        train(model, data, session)
+
+
+def test_parameters_and_small_tensors_pass_through():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 1)
+    trace = []
+    session = OffloadSession(force=OFFLOAD, link=RecordingLink(), min_bytes=4096, trace=trace)
+    train(model, data, session)
+    packs = [e for e in trace if e[0] == "pack"]
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert packs and parameters > 0
+    assert all(g.nbytes >= 4096 for g in session._step.groups)
+
+
+def test_an_impossible_budget_in_an_unmodified_script_offloads_everything():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = OffloadSession(budget=1000, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             strict=False, say=said.append)
+    assert_bitwise(reference, train(model, data, session))
+    assert session.plan is None
+    assert session.modes == [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
+    assert session.modes.count(OFFLOAD) > len(session.modes) // 2
+    assert any("too small for this step" in text for text in said)
+
+
+def test_every_step_finds_the_same_recipes_when_the_model_starts_with_cheap_modules():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 8, 3), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    data = batches(torch.float32, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    per_step = []
+    for event in trace:
+        if event[:2] == ("pack", 0):
+            per_step.append(0)
+        if event[0] == "recompute":
+            per_step[-1] += 1
+    assert len(per_step) == 3 and per_step[0] >= 1 and len(set(per_step)) == 1
