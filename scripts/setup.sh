@@ -50,12 +50,16 @@ ensure_cudnn_headers() {
 # wheel file already lies in $PIP_FIND_LINKS (a local directory): CI machines with that file run
 # those tests, every other machine skips them and never downloads PyTorch (gigabytes).
 ensure_local_torch() {
-  local dir=${PIP_FIND_LINKS:-}
+  # Only the CPU wheel that lies in $PIP_FIND_LINKS, for this venv's Python, by its path (its small
+  # pure-Python dependencies come from the index): never a download of torch's GB-sized builds.
+  local dir=${PIP_FIND_LINKS:-} tag wheel
   [ -n "$dir" ] && [ -d "$dir" ] || return 0
-  ls "$dir"/torch-2.13.0[+-]*.whl >/dev/null 2>&1 || return 0
+  tag=$(.venv/bin/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  wheel=$(ls "$dir"/torch-2.13.0[+-]*-"$tag"-*.whl 2>/dev/null | head -1)
+  [ -n "$wheel" ] || return 0
   .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' \
     2>/dev/null && return 0
-  echo "setup: installing torch==2.13.0 from $dir (for tests/torch)" >&2
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-index --find-links "$dir" \
-    torch==2.13.0 || echo "setup: torch==2.13.0 from $dir failed to install: tests/torch skip" >&2
+  echo "setup: installing $wheel (for tests/torch)" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$wheel" \
+    || echo "setup: $wheel failed to install: tests/torch skip" >&2
 }

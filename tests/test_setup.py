@@ -142,8 +142,8 @@ exec {sys.executable} "$@"
                                              ("torch-2.12.0+cpu-cp311-none-any.whl", False),
                                              ("torch-2.13.0+cpu-cp311-none-any.whl", True)])
 def test_torch_is_installed_only_from_a_local_wheel_file(tmp_path, wheel, installs):
-    """scripts/setup.sh's ensure_local_torch: pip runs (offline) only when a torch-2.13.0 wheel
-    lies in $PIP_FIND_LINKS."""
+    """scripts/setup.sh's ensure_local_torch: pip installs the wheel file itself, and only when a
+    torch-2.13.0 wheel for the venv's Python lies in $PIP_FIND_LINKS (never torch from an index)."""
     links = tmp_path / "wheels"
     links.mkdir()
     if wheel:
@@ -151,11 +151,13 @@ def test_torch_is_installed_only_from_a_local_wheel_file(tmp_path, wheel, instal
     log = tmp_path / "calls.log"
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    # a .venv Python without torch that logs its pip calls
-    python.write_text(f'#!/bin/sh\n[ "$1" = -m ] && echo "$@" >> {log}\nexit 1\n')
+    # a .venv Python 3.11 without torch that logs its pip calls
+    python.write_text(f'#!/bin/sh\ncase "$2" in *version_info*) echo cp311; exit 0;; esac\n'
+                      f'[ "$1" = -m ] && echo "$@" >> {log}\nexit 1\n')
     python.chmod(0o755)
     subprocess.run(["bash", "-c", f"source {ROOT}/scripts/setup.sh; ensure_local_torch"],
                    cwd=tmp_path, env={**os.environ, "PIP_FIND_LINKS": str(links)}, check=True,
                    capture_output=True)
     calls = log.read_text() if log.exists() else ""
-    assert ("--no-index" in calls and "torch==2.13.0" in calls) == installs
+    assert (f"install -q --disable-pip-version-check {links / wheel}" in calls if wheel else False) == installs
+    assert "torch==" not in calls
