@@ -93,8 +93,18 @@ class Budget:
 
 # -- searches (pure: probe is any function returning a worker outcome) ----------------------------
 
+class RunFailed(Exception):
+    """A search's run failed otherwise than by running out of memory or time."""
+
+
 def passed(outcome: dict) -> bool:
     return outcome.get("status") == "ok"
+
+
+def crashed(outcome: dict, where: str) -> None:
+    if outcome.get("status") not in ("ok", "oom", "timeout"):
+        raise RunFailed(f"{outcome.get('status')} at {where}: "
+                        + (outcome.get("stderr_tail") or "").strip()[-300:])
 
 
 def min_cap_search(probe, low_gib: float, high_gib: float, *, step_gib: float = 0.25,
@@ -103,8 +113,9 @@ def min_cap_search(probe, low_gib: float, high_gib: float, *, step_gib: float = 
     a larger cap never fails where a smaller one passes. ``high_gib`` is probed first and the
     bracket widens upwards (doubling) while it fails; ``low_gib`` is assumed to fail and probed
     only if every probe above it passed, the bracket then widening downwards. A cap of 0 fails
-    without a probe (it would mean no cap). OutOfTime from ``probe`` ends the search with
-    ``complete`` False and the bracket known so far."""
+    without a probe (it would mean no cap). Out of memory and timeouts do not train; a run that
+    failed otherwise (a crash) ends the search (``error``): no bisection on crashes. OutOfTime
+    from ``probe`` ends the search with ``complete`` False and the bracket known so far."""
     ceiling = max(1, math.floor(ceiling_gib / step_gib + 1e-9))
     lo = min(ceiling - 1, max(0, math.floor(low_gib / step_gib + 1e-9)))
     hi = min(ceiling, max(lo + 1, math.ceil(high_gib / step_gib - 1e-9)))
@@ -117,6 +128,7 @@ def min_cap_search(probe, low_gib: float, high_gib: float, *, step_gib: float = 
         if k not in outcomes:
             outcomes[k] = probe(k * step_gib)
             probes.append({"cap_gib": k * step_gib, **brief(outcomes[k])})
+            crashed(outcomes[k], f"{k * step_gib:g} GiB")
         return passed(outcomes[k])
 
     result = {"min_cap_gib": None, "complete": False, "probes": probes}
@@ -141,6 +153,8 @@ def min_cap_search(probe, low_gib: float, high_gib: float, *, step_gib: float = 
             width *= 2  # the assumed lower end passed too: widen downwards
             hi, lo = lo, max(0, lo - width)
         result.update(min_cap_gib=hi * step_gib, complete=True, at_min=outcomes[hi])
+    except RunFailed as exc:
+        result.update(error=str(exc))
     except OutOfTime:
         passing = [k for k in outcomes if passed(outcomes[k])]
         failing = [k for k in outcomes if not passed(outcomes[k])]
@@ -154,7 +168,8 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
     """The largest batch at which ``probe(batch)`` passes, assuming it fails for every larger
     one once it fails: from ``start`` grow by ``growth`` until a failure (or shrink until a pass),
     then bisect until the bracket is within ``resolution`` of the largest passing batch (or 1).
-    OutOfTime from ``probe`` ends the search with ``complete`` False."""
+    As in min_cap_search, a crash ends the search (``error``), and OutOfTime from ``probe`` ends
+    it with ``complete`` False."""
     outcomes: dict[int, dict] = {}
     probes: list[dict] = []
 
@@ -162,6 +177,7 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
         if batch not in outcomes:
             outcomes[batch] = probe(batch)
             probes.append({"batch": batch, **brief(outcomes[batch])})
+            crashed(outcomes[batch], f"batch {batch}")
         return passed(outcomes[batch])
 
     result = {"max_batch": None, "complete": False, "probes": probes}
@@ -197,6 +213,8 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
             else:
                 hi = mid
         result.update(max_batch=lo, complete=True, at_max=outcomes[lo])
+    except RunFailed as exc:
+        result.update(error=str(exc))
     except OutOfTime:
         passing = [b for b in outcomes if passed(outcomes[b])]
         result.update(at_least=max(passing) if passing else None)
@@ -205,8 +223,12 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
 
 def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
-    keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error")
-    return {k: outcome[k] for k in keep if k in outcome}
+    keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
+            "reused_from", "returncode")
+    kept = {k: outcome[k] for k in keep if k in outcome}
+    if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
+        kept["stderr_tail"] = outcome["stderr_tail"][-600:]
+    return kept
 
 
 # -- runs ----------------------------------------------------------------------------------------
@@ -371,6 +393,9 @@ def ratio_part(args, runner: Runner, report: Report) -> None:
                                               cudnn_benchmark=bench, steps=args.steps,
                                               warmup=args.warmup)
                         row["rounds"].append(round_row(torch_run, shim_run))
+                        if torch_run["status"] not in ("ok", "oom"):  # no ratio will come of it
+                            row["incomplete"] = f"PyTorch run {torch_run['status']}"
+                            break
                 except OutOfTime:
                     row["incomplete"] = "time budget spent"
                 ratios = [r["ratio"] for r in row["rounds"] if r.get("ratio") is not None]
@@ -553,8 +578,8 @@ def markdown(reports: dict) -> str:
                   f"shim, median of {s.get('steps')} steps after {s.get('warmup')} warm-up each. "
                   "First use: the untimed run that tuned (wall s; first and second step ms).", "",
                   "| model, N | setting | PyTorch ms | shim ms | shim / PyTorch per round | median | "
-                  "<= 1.01 | peak allocated GiB PyTorch / shim | first use |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "<= 1.01 | peak allocated GiB PyTorch / shim | first use | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for model, entry in r["models"].items():
             for key, row in entry["settings"].items():
                 rounds = row["rounds"]
@@ -573,8 +598,7 @@ def markdown(reports: dict) -> str:
                 verdict = "-" if median is None else ("yes" if median <= 1.01 else "**no**")
                 lines.append(f"| {model}, {entry['batch']} | {key} | {pt or '-'} | {sh or '-'} | "
                              f"{per or '-'} | {fmt(median, '.4f')} | {verdict} | {peaks} | "
-                             f"{first_text.replace('|', '/')} |"
-                             + (f" {row['incomplete']}" if "incomplete" in row else ""))
+                             f"{first_text.replace('|', '/')} | {row.get('incomplete', '')} |")
         lines += [""]
     if "minmem" in reports:
         r = reports["minmem"]
@@ -585,8 +609,8 @@ def markdown(reports: dict) -> str:
                   "PyTorch; 3-D models shim <= 0.8x PyTorch, at <= 1.10x PyTorch's unconstrained step.", "",
                   "| model, N | setting | PyTorch uncapped ms (peak alloc / reserved GiB) | "
                   "PyTorch min GiB | ms there | shim min GiB | ms there | shim / PyTorch min | "
-                  "shim ms / PyTorch uncapped | probes PyTorch / shim |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "shim ms / PyTorch uncapped | probes PyTorch / shim | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for model, e in r["models"].items():
             base = e.get("pytorch_uncapped", {})
             pt, sh = e.get("pytorch") or {}, e.get("shim") or {}
@@ -601,28 +625,36 @@ def markdown(reports: dict) -> str:
                 f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | {base_text} | "
                 f"{min_text(pt)} | {fmt((pt.get('at_min') or {}).get('step_ms'))} | {min_text(sh)} | "
                 f"{fmt(sh_ms)} | {fmt(ratio_min, '.3f')} | {fmt(slow, '.3f')} | "
-                f"{len(pt.get('probes', []))} / {len(sh.get('probes', []))} |"
-                + (f" {e['incomplete']}" if "incomplete" in e else "") + (f" {e['error']}" if "error" in e else ""))
+                f"{len(pt.get('probes', []))} / {len(sh.get('probes', []))} | {note_of(e)} |")
         lines += [""]
     if "maxbatch" in reports:
         r = reports["maxbatch"]
         lines += [f"## (c) Largest batch under a {r.get('cap_gib', '?')} GiB cap (target: shim >= PyTorch)", "",
                   f"Bisection on N to {r['settings'].get('resolution')} of it; images/s from that "
                   f"probe's median of {r['settings'].get('probe_steps')} steps.", "",
-                  "| model | setting | PyTorch largest N | images/s | shim largest N | images/s | shim >= PyTorch |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| model | setting | PyTorch largest N | images/s | shim largest N | images/s | "
+                  "shim >= PyTorch | note |",
+                  "|---|---|---|---|---|---|---|---|"]
         for model, e in r["models"].items():
             pt, sh = e.get("pytorch") or {}, e.get("shim") or {}
             a, b = pt.get("images_per_s"), sh.get("images_per_s")
             verdict = "-" if a is None or b is None else ("yes" if b >= a else "**no**")
             lines.append(f"| {model} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | "
-                         f"{batch_text(pt)} | {fmt(a, '.0f')} | {batch_text(sh)} | {fmt(b, '.0f')} | {verdict} |"
-                         + (f" {e['incomplete']}" if "incomplete" in e else ""))
+                         f"{batch_text(pt)} | {fmt(a, '.0f')} | {batch_text(sh)} | {fmt(b, '.0f')} | "
+                         f"{verdict} | {note_of(e)} |")
         lines += [""]
     skipped = [what for r in reports.values() for what in r.get("skipped", [])]
     if skipped:
         lines += ["## Not run (time budget spent)", ""] + [f"- {what}" for what in skipped] + [""]
     return "\n".join(lines)
+
+
+def note_of(entry: dict) -> str:
+    """What kept a model's row short: the time budget, a failed run, a crashed search."""
+    notes = [entry[k] for k in ("incomplete", "error") if entry.get(k)]
+    notes += [f"{side}: {entry[side]['error']}" for side in ("pytorch", "shim")
+              if (entry.get(side) or {}).get("error")]
+    return "; ".join(notes).replace("|", "/").replace("\n", " ")[:200]
 
 
 def min_text(search: dict) -> str:
@@ -786,8 +818,14 @@ def main(argv: list[str] | None = None) -> int:
         page = write_page(out, Path(args.to) if args.to else None)
         print(f"wrote {page}" if page else f"no pressure-*.json in {out}")
         return 0
+    def terminate(signum, frame):
+        raise Terminated()
+    signal.signal(signal.SIGTERM, terminate)
     if args.gpus:
-        fan_out(args, argv, out)
+        try:
+            fan_out(args, argv, out)  # on Terminated, its children write theirs and it merges
+        except Terminated:
+            print(f"[{args.part}] terminated: merged what the children measured", flush=True)
         print(f"wrote {write_page(out)}", flush=True)
         return 0
     budget = Budget(args.time_budget_s)
@@ -795,10 +833,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out / "online", ignore_errors=True)  # zero set-up: every model starts untuned
     runner = Runner(args, budget, out)
     report = Report(args.part, args, out, budget)
-
-    def terminate(signum, frame):
-        raise Terminated()
-    signal.signal(signal.SIGTERM, terminate)
     try:
         {"ratio": ratio_part, "minmem": minmem_part, "maxbatch": maxbatch_part}[args.part](
             args, runner, report)
