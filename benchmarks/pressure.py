@@ -239,7 +239,8 @@ class Runner:
 
     def __init__(self, args, budget: Budget, out: Path):
         self.args, self.budget, self.out = args, budget, out
-        self.front_plans: dict[tuple[str, int, str], str] = {}
+        self.front_plans: dict[tuple[str, int, str], str | None] = {}
+        self.front_errors: dict[tuple[str, int, str], str] = {}
         # settings whose first use already ran in this OUT (an earlier ratio part)
         self.tuned: set[tuple[str, int, str, bool]] = set()
         if args.part != "ratio":
@@ -261,6 +262,10 @@ class Runner:
             env_extra = {"MUCUDNN_ONLINE": "1", "MUCUDNN_ONLINE_DIR": str(self.online_dir(model))}
         elif shim:
             plan = self.front_plan(model, batch, dtype)
+            if plan is None:
+                error = self.front_errors[(model, batch, dtype)]
+                print(f"    {what}: failed (no front plan: {error[-200:]})", flush=True)
+                return {"status": "failed", "stderr_tail": f"no front plan: {error}"}
         cmd, env = worker_command(model, env_extra, tf32=True, shim=shim, steps=steps,
                                   warmup=warmup, cudnn_benchmark=cudnn_benchmark, plan=plan,
                                   log=str(log) if log else None, batch=batch, path="default",
@@ -280,14 +285,20 @@ class Runner:
               if "step_ms" in outcome else "") + f" ({wall_s:.1f} s)", flush=True)
         return outcome
 
-    def front_plan(self, model: str, batch: int, dtype: str) -> str:
+    def front_plan(self, model: str, batch: int, dtype: str) -> str | None:
+        """Front mode: the plan of (model, batch, dtype), made on first use (record, bench,
+        tune); None, with the reason in front_errors, where making it failed (tried once)."""
         key = (model, batch, dtype)
         if key not in self.front_plans:
             from benchmarks.never_slower import prepare
             self.budget.check(f"front plan {model}:{batch} {dtype}")
             plans = self.out / "front"
             plans.mkdir(parents=True, exist_ok=True)
-            self.front_plans[key] = prepare(model, batch, plans, "64MiB", dtype=dtype)["plans"]["front"]
+            try:
+                made = prepare(model, batch, plans, "64MiB", dtype=dtype)
+                self.front_plans[key] = made["plans"]["front"]
+            except RuntimeError as exc:  # recording, bench or tune failed
+                self.front_plans[key], self.front_errors[key] = None, str(exc)[-1500:]
         return self.front_plans[key]
 
     def first_use(self, model: str, batch: int, dtype: str, cudnn_benchmark: bool) -> dict | None:

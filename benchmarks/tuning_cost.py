@@ -3,8 +3,8 @@
 On a GPU (the default), for each model of benchmarks/models.py (default: the issue's five and
 DenseNet-121, each at its N unless --batch or MODEL:BATCH says otherwise): record the kernels one
 training step runs (`mucudnn record -- python benchmarks/shim_pytorch.py worker ...`, as
-shim_pytorch.py's prepare_plan does), then for each variant time `mucudnn bench --recording R` into a new, empty
-store and `mucudnn tune --recording R --workspace-limit L` from it. Variants:
+shim_pytorch.py's prepare_plan does), then for each variant time `mucudnn bench --recording R`
+into a new, empty store and `mucudnn tune --recording R --workspace-limit L` from it. Variants:
 
 - ``full``: bench with no limit (every configuration at every size: the old cost);
 - ``limit``: ``bench --workspace-limit L`` (configurations over L are not timed; exact);
@@ -76,6 +76,8 @@ def gpu(args) -> int:
             entry["record_s"] = time.perf_counter() - t0
         except RuntimeError as exc:
             entry["error"] = str(exc)[-2000:]
+            print(model, "recording failed:", str(exc)[-300:], flush=True)
+            (out / "tuning_cost.json").write_text(json.dumps(report, indent=1))
             continue
         for variant in args.variants:
             store = out / f"{model}-{variant}.sqlite"

@@ -321,6 +321,29 @@ def test_maxbatch_under_the_cap(gpu, tmp_path):
     assert "| resnet50 | bf16/benchmark-off |" in (tmp_path / "pressure-h200.md").read_text()
 
 
+def test_front_mode_runs_the_shim_with_a_plan_made_once_per_dtype(gpu, tmp_path, monkeypatch):
+    from benchmarks import never_slower
+    made = []
+
+    def prepare(model, batch, out, cap_limit, dtype="fp32"):
+        made.append((model, batch, dtype))
+        if dtype == "bf16":
+            raise RuntimeError("bench failed: no engine")
+        return {"plans": {"front": str(out / f"{model}-{dtype}.plan")}}
+
+    monkeypatch.setattr(never_slower, "prepare", prepare)
+    assert pressure.main(["ratio", "--models", "resnet50", "--shim-mode", "front", "--rounds", "2",
+                          "--out", str(tmp_path)]) == 0
+    assert made == [("resnet50", 256, "fp32"), ("resnet50", 256, "bf16")]
+    shim_runs = [r for r in gpu.runs if r["shim"]]
+    assert shim_runs and all(r["online"] is None and r["dtype"] == "fp32" for r in shim_runs)
+    settings = json.loads((tmp_path / "pressure-ratio.json").read_text())["models"]["resnet50"]["settings"]
+    assert "first_use" not in settings["fp32/benchmark-off"]
+    assert settings["fp32/benchmark-on"]["median_ratio"] == pytest.approx(116.3 / 116.0)
+    failed = settings["bf16/benchmark-off"]["rounds"][0]["shim"]
+    assert failed["status"] == "failed" and "no engine" in failed["stderr_tail"]
+
+
 def test_a_spent_budget_records_what_was_not_run(gpu, tmp_path):
     assert pressure.main(["minmem", "--models", "unet3d", "resnet50", "--time-budget-s", "0",
                           "--out", str(tmp_path)]) == 0
