@@ -9,8 +9,9 @@ and network. The shim runs in one of two modes:
 
 - ``--shim-mode online`` (default, zero set-up): ``mucudnn run -- WORKER`` with no plan, online
   tuning on (MUCUDNN_ONLINE=1), its measurements in a fresh OUT/online/MODEL (MUCUDNN_ONLINE_DIR).
-  Before a setting's timed runs, one untimed run (2 steps, no warm-up) tunes: its wall time, its
-  two step times and the shim's lines that mention ``online tuning`` are the first-use overhead;
+  Before a setting's timed runs (ratio, minmem), one untimed run (2 steps, no warm-up) tunes: its
+  wall time, its two step times and the shim's lines that mention ``online tuning`` are the
+  first-use overhead; in maxbatch each probe's warm-up step tunes its own batch size;
 - ``--shim-mode front``: an offline front plan (record, ``mucudnn bench``, ``mucudnn tune`` with
   no limit: benchmarks/never_slower.py's prepare), ``mucudnn run --plan FRONT``.
 
@@ -259,6 +260,7 @@ class Runner:
         self.budget.check(what)
         env_extra, plan = {}, None
         if shim and self.args.shim_mode == "online":
+            self.online_dir(model).mkdir(parents=True, exist_ok=True)
             env_extra = {"MUCUDNN_ONLINE": "1", "MUCUDNN_ONLINE_DIR": str(self.online_dir(model))}
         elif shim:
             plan = self.front_plan(model, batch, dtype)
@@ -279,8 +281,9 @@ class Runner:
         outcome["wall_s"] = round(wall_s, 2)
         if shim:
             logged = log.read_text(errors="replace") if log and log.exists() else ""
-            outcome["online_lines"] = [line.strip() for line in (stderr + "\n" + logged).splitlines()
-                                       if ONLINE_PATTERN.search(line)][:5]
+            # the shim's exit report comes last: keep the last lines that mention online tuning
+            outcome["online_lines"] = [line.strip() for line in (logged + "\n" + stderr).splitlines()
+                                       if ONLINE_PATTERN.search(line)][-5:]
         print(f"    {what}: {outcome['status']}" + (f" {outcome['step_ms']:.2f} ms"
               if "step_ms" in outcome else "") + f" ({wall_s:.1f} s)", flush=True)
         return outcome
@@ -308,7 +311,6 @@ class Runner:
         if self.args.shim_mode != "online" or key in self.tuned:
             return None
         self.tuned.add(key)
-        self.online_dir(model).mkdir(parents=True, exist_ok=True)
         log = self.out / "logs" / f"{model}-{batch}-{dtype}-bench{int(cudnn_benchmark)}-tuning.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.unlink(missing_ok=True)

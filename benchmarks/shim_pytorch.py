@@ -10,7 +10,11 @@ report and a table. SGD, random data, batch 256, on one of PyTorch's cuDNN paths
 - ``--path default`` (issue 4; the graph API, no switch): ``uncapped`` is PyTorch's default,
   ``capped`` the shim with the limit only (no plan: what a workspace limit alone costs on this
   path), then ``passthrough`` and ``shim`` as above. ``--dtype fp16|bf16`` runs the model under
-  autocast in channels-last memory format.
+  autocast in channels-last memory format (channels_last_3d for 3-D models).
+
+The worker's network, data and loss come from benchmarks/models.py (``--model`` any of its table,
+e.g. ``unet3d`` or ``deeplabv3_resnet50``, or a torchvision classification or video model);
+``worker_outcome`` reads what any worker run ended with (ok, out of memory, failed).
 
 Timing runs use PyTorch's defaults (TF32 allowed in cuDNN); gradient checks turn TF32 off and compare
 loss and every parameter gradient with and without the shim (relative L2 error per tensor), with
