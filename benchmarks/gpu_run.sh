@@ -103,18 +103,20 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
         --models ${models//+/ } ${TUNING_ARGS:-} --out "$LOGS/tuningcost-$models"
     fi ;;
   pressure-*)  # benchmarks/pressure.py (issue 12): pressure-PART-MODEL+MODEL, PART ratio, minmem or
-    # maxbatch. Every part of one call writes to $LOGS/pressure (minmem reuses ratio's uncapped
-    # runs and online tuning); the page is $LOGS/pressure/pressure-GPU.md. Knobs: PRESSURE_DTYPES
+    # maxbatch. Every part writes to $PRESSURE_DIR ($STATE/pressure: kept between calls while the
+    # machine stays warm, so minmem reuses ratio's uncapped runs and online tuning), copied to
+    # $LOGS/pressure (without online/) after the stage; the page is pressure-GPU.md. Knobs: PRESSURE_DTYPES
     # ("fp32 bf16"; minmem/maxbatch use the first), PRESSURE_BENCHMARK ("off on"), PRESSURE_ROUNDS
     # (3), PRESSURE_SHIM (online | front), PRESSURE_TIMEOUT (570 s; the time budget is 45 s less),
     # PRESSURE_GPUS (all or 0,1,..: models in parallel, one per GPU), PRESSURE_ARGS (more options)
     rest=${s#pressure-}; part=${rest%%-*}; models=${rest#*-}
     gpus=${PRESSURE_GPUS:-}; [ "$gpus" = all ] && gpus=$(all_gpus)
-    limit=${PRESSURE_TIMEOUT:-570}
+    limit=${PRESSURE_TIMEOUT:-570}; dir=${PRESSURE_DIR:-$STATE/pressure}
     stage "$s" "$limit" python3 -m benchmarks.pressure "$part" --models ${models//+/ } \
       --dtypes ${PRESSURE_DTYPES:-fp32 bf16} --benchmark ${PRESSURE_BENCHMARK:-off on} \
       --rounds ${PRESSURE_ROUNDS:-3} --shim-mode ${PRESSURE_SHIM:-online} \
-      --time-budget-s $((limit - 45)) ${gpus:+--gpus $gpus} ${PRESSURE_ARGS:-} --out "$LOGS/pressure" ;;
+      --time-budget-s $((limit - 45)) ${gpus:+--gpus $gpus} ${PRESSURE_ARGS:-} --out "$dir"
+    mkdir -p "$LOGS/pressure" && (cd "$dir" && tar cf - --exclude=online .) | tar xf - -C "$LOGS/pressure" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 -m benchmarks.shim_pytorch driver \
       ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;

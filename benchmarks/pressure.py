@@ -364,8 +364,9 @@ class Report:
     def __init__(self, part: str, args, out: Path, budget: Budget):
         self.path = out / f"pressure-{part}.json"
         self.budget = budget
-        self.data = {"part": part, "device": None, "settings": settings_of(args), "models": {},
-                     "skipped": budget.skipped}
+        self.data = {"part": part, "device": None,
+                     "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "settings": settings_of(args), "models": {}, "skipped": budget.skipped}
 
     def note_device(self, outcome: dict) -> None:
         if outcome.get("device") and not self.data["device"]:
@@ -587,6 +588,7 @@ def markdown(reports: dict) -> str:
         r = reports["ratio"]
         s = r["settings"]
         lines += ["## (a) No memory pressure: step time shim / PyTorch (target <= 1.01)", "",
+                  *started(r),
                   f"Shim mode `{s.get('shim_mode')}`; {s.get('rounds')} rounds of PyTorch then the "
                   f"shim, median of {s.get('steps')} steps after {s.get('warmup')} warm-up each. "
                   "First use: the untimed run that tuned (wall s; first and second step ms).", "",
@@ -617,6 +619,7 @@ def markdown(reports: dict) -> str:
         r = reports["minmem"]
         s = r["settings"]
         lines += ["## (b) Minimum memory: smallest per-process cap that trains", "",
+                  *started(r),
                   f"Caps on a {s.get('cap_step')} GiB grid; a cap passes when {s.get('probe_steps')} "
                   "steps after one warm-up train; step ms: that probe's median. Targets: shim <= "
                   "PyTorch; 3-D models shim <= 0.8x PyTorch, at <= 1.10x PyTorch's unconstrained step.", "",
@@ -643,6 +646,7 @@ def markdown(reports: dict) -> str:
     if "maxbatch" in reports:
         r = reports["maxbatch"]
         lines += [f"## (c) Largest batch under a {r.get('cap_gib', '?')} GiB cap (target: shim >= PyTorch)", "",
+                  *started(r),
                   f"Bisection on N to {r['settings'].get('resolution')} of it; images/s from that "
                   f"probe's median of {r['settings'].get('probe_steps')} steps.", "",
                   "| model | setting | PyTorch largest N | images/s | shim largest N | images/s | "
@@ -660,6 +664,11 @@ def markdown(reports: dict) -> str:
     if skipped:
         lines += ["## Not run (time budget spent)", ""] + [f"- {what}" for what in skipped] + [""]
     return "\n".join(lines)
+
+
+def started(report: dict) -> list[str]:
+    """When the part started (parts of one page may come from different runs)."""
+    return [f"Run started {report['started']}."] if report.get("started") else []
 
 
 def note_of(entry: dict) -> str:

@@ -395,6 +395,7 @@ def test_strip_options_drops_options_with_all_their_values():
 
 SAMPLE = {
     "ratio": {"part": "ratio", "device": "NVIDIA H100 80GB HBM3", "skipped": ["vgg16:256 bf16 x"],
+              "started": "2026-11-23 10:00 UTC",
               "settings": {"shim_mode": "online", "rounds": 2, "steps": 10, "warmup": 3},
               "models": {"vgg16": {"batch": 256, "settings": {"bf16/benchmark-off": {
                   "dtype": "bf16", "cudnn_benchmark": False, "median_ratio": 1.0213,
@@ -422,6 +423,7 @@ SAMPLE = {
 def test_the_page_from_sample_json():
     page = pressure.markdown(SAMPLE)
     assert "Device: NVIDIA H100 80GB HBM3" in page
+    assert page.count("Run started") == 1 and "Run started 2026-11-23 10:00 UTC." in page
     assert ("| vgg16, 256 | bf16/benchmark-off | 100.00 100.00 | 102.13 oom | 1.0213 - | 1.0213 | "
             "**no** | 2.00 / 2.00 | 31.2 s; 9000 / 100; mucudnn: online tuning: 9 kernels / 20 s |  |"
             ) in page
