@@ -33,7 +33,9 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   shim starts from PyTorch's largest, growing by --seeded-growth. images/s at the largest. Target:
   the shim's >= PyTorch's.
 
-Running out of memory is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its
+Under a cap the shim is told it (MUCUDNN_MEMORY_BUDGET, as `mucudnn run --memory-budget` does;
+--no-shim-budget: not), so that its room chooses workspaces within what the cap leaves, as it would
+on a GPU of that size. Running out of memory is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its
 process group killed). --time-budget-s: no new run starts once that many seconds have passed;
 what was not run is listed under "skipped". --gpus 0,1,...: models spread over those GPUs (one
 child process per model, CUDA_VISIBLE_DEVICES), results merged. The page OUT/pressure-GPU.md
@@ -268,12 +270,16 @@ class Runner:
                 error = self.front_errors[(model, batch, dtype)]
                 print(f"    {what}: failed (no front plan: {error[-200:]})", flush=True)
                 return {"status": "failed", "stderr_tail": f"no front plan: {error}"}
+        if shim and cap_gib and self.args.shim_budget:
+            # the cap is the allocator's, invisible in the device's free memory: tell the shim, as
+            # a GPU of that size would, so that its room (docs/shim.md) sees it
+            env_extra["MUCUDNN_MEMORY_BUDGET"] = str(int(cap_gib * 2**30))
         cmd, env = worker_command(model, env_extra, tf32=True, shim=shim, steps=steps,
                                   warmup=warmup, cudnn_benchmark=cudnn_benchmark, plan=plan,
                                   log=str(log) if log else None, batch=batch, path="default",
                                   dtype=dtype, memory_cap_gib=cap_gib)
-        if not env_extra:  # online tuning only where asked for
-            for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR"):
+        for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET"):
+            if name not in env_extra:  # only where this run asks for it
                 env.pop(name, None)
         rc, stdout, stderr, wall_s, timed_out = execute(cmd, env, self.args.probe_timeout_s)
         outcome = ({"status": "timeout", "stderr_tail": stderr[-1500:]} if timed_out
@@ -380,7 +386,7 @@ class Report:
 def settings_of(args) -> dict:
     keep = ("shim_mode", "dtypes", "benchmark", "rounds", "steps", "warmup", "probe_steps",
             "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
-            "seeded_growth", "time_budget_s", "probe_timeout_s")
+            "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s")
     return {k: getattr(args, k) for k in keep if hasattr(args, k)}
 
 
@@ -824,6 +830,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--resolution", type=float, default=0.05, help="maxbatch: relative bracket")
     ap.add_argument("--seeded-growth", type=float, default=1.25,
                     help="maxbatch: the shim's growth factor from PyTorch's largest batch")
+    ap.add_argument("--no-shim-budget", dest="shim_budget", action="store_false",
+                    help="under a cap, do not tell the shim the cap (MUCUDNN_MEMORY_BUDGET)")
     ap.add_argument("--time-budget-s", type=float, help="start no run after this many seconds")
     ap.add_argument("--probe-timeout-s", type=float, default=240.0, help="kill a run after this")
     ap.add_argument("--gpus", default="", help="comma-separated GPU indices: models in parallel")

@@ -243,6 +243,7 @@ class FakeGpu:
         cap = float(arg("--memory-cap-gib", "0"))
         self.runs.append({"model": model, "batch": batch, "cap": cap, "shim": shim,
                           "online": env.get("MUCUDNN_ONLINE"), "dir": env.get("MUCUDNN_ONLINE_DIR"),
+                          "budget": env.get("MUCUDNN_MEMORY_BUDGET"),
                           "steps": int(arg("--steps")), "dtype": arg("--dtype"),
                           "benchmark": "--cudnn-benchmark" in cmd})
         from benchmarks.models import spec_of
@@ -263,6 +264,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(pressure, "execute", fake)
     monkeypatch.setenv("MUCUDNN_ONLINE", "1")  # must never reach a plain PyTorch run
     monkeypatch.setenv("MUCUDNN_ONLINE_DIR", "/somewhere/else")
+    monkeypatch.setenv("MUCUDNN_MEMORY_BUDGET", "1GiB")  # nor a budget the run did not ask for
     return fake
 
 
@@ -305,6 +307,9 @@ def test_minmem_finds_each_sides_smallest_cap_and_reuses_the_ratio_runs(gpu, tmp
     new = gpu.runs[before:]
     assert not any(r["cap"] == 0 for r in new if r["model"] == "unet3d")  # no uncapped rerun
     assert all(r["steps"] == 3 for r in new if r["cap"])
+    # the shim is told the cap, PyTorch is not
+    assert all(r["budget"] == str(int(r["cap"] * 2**30)) for r in new if r["shim"] and r["cap"])
+    assert all(r["budget"] is None for r in gpu.runs if not r["shim"] or not r["cap"])
     page = (tmp_path / "pressure-h200.md").read_text()
     assert "| unet3d, 2 | fp32/benchmark-off |" in page and "| 9.25 |" in page and "| 0.757 |" in page
 
