@@ -17,6 +17,24 @@ fi
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 MU="python3 -m mucudnn"
 
+all_gpus() { nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd, -; }
+
+spread() {  # spread GPUS DIR MODEL... -- CMD...: CMD --models MODEL --out DIR/MODEL for each model,
+  # the models dealt round-robin over GPUS (comma-separated), one at a time per GPU, each GPU's in
+  # the background (CUDA_VISIBLE_DEVICES): parallel runs never share a GPU, so timings stay apart
+  local gpus=$1 dir=$2; shift 2
+  local models=() ; while [ "$1" != "--" ]; do models+=("$1"); shift; done; shift
+  local list=(${gpus//,/ }) i j
+  for i in "${!list[@]}"; do
+    ( for ((j = i; j < ${#models[@]}; j += ${#list[@]})); do
+        m=${models[$j]}; mkdir -p "$dir/${m//:/_}"
+        CUDA_VISIBLE_DEVICES=${list[$i]} "$@" --models "$m" --out "$dir/${m//:/_}" >"$dir/${m//:/_}.log" 2>&1
+        echo "[GPU ${list[$i]}] $m rc=$?"; tail -n 8 "$dir/${m//:/_}.log"
+      done ) &
+  done
+  wait
+}
+
 stage() {  # stage NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date +%T))"
@@ -78,9 +96,32 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     stage offload ${OFFLOAD_TIMEOUT:-420} python3 -m benchmarks.offload driver \
       --models ${OFFLOAD_MODELS:-vgg16 resnet50} --batch 256 --budget 12GiB \
       --sweep ${OFFLOAD_SWEEP:-16GiB 8GiB} --out "$OUT/offload" ;;
-  tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store
-    models=${s#tuningcost-}; stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.tuning_cost \
-      --models ${models//+/ } ${TUNING_ARGS:-} --out "$LOGS/tuningcost-$models" ;;
+  tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store, per model;
+    # TUNING_GPUS=all (or 0,1,..): the models spread over the GPUs (spread), one at a time per GPU
+    models=${s#tuningcost-}
+    if [ -n "${TUNING_GPUS:-}" ]; then
+      gpus=$TUNING_GPUS; [ "$gpus" = all ] && gpus=$(all_gpus)
+      export -f spread; stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} bash -c 'spread "$@"' _ "$gpus" \
+        "$LOGS/tuningcost-$models" ${models//+/ } -- python3 -m benchmarks.tuning_cost ${TUNING_ARGS:-}
+    else
+      stage "tuningcost-$models" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.tuning_cost \
+        --models ${models//+/ } ${TUNING_ARGS:-} --out "$LOGS/tuningcost-$models"
+    fi ;;
+  pressure-*)  # benchmarks/pressure.py (issue 12): pressure-PART-MODEL+MODEL, PART ratio, minmem or
+    # maxbatch. Every part writes to $PRESSURE_DIR ($STATE/pressure: kept between calls while the
+    # machine stays warm, so minmem reuses ratio's uncapped runs and online tuning), copied to
+    # $LOGS/pressure (without online/) after the stage; the page is pressure-GPU.md. Knobs: PRESSURE_DTYPES
+    # ("fp32 bf16"; minmem/maxbatch use the first), PRESSURE_BENCHMARK ("off on"), PRESSURE_ROUNDS
+    # (3), PRESSURE_SHIM (online | front), PRESSURE_TIMEOUT (570 s; the time budget is 45 s less),
+    # PRESSURE_GPUS (all or 0,1,..: models in parallel, one per GPU), PRESSURE_ARGS (more options)
+    rest=${s#pressure-}; part=${rest%%-*}; models=${rest#*-}
+    gpus=${PRESSURE_GPUS:-}; [ "$gpus" = all ] && gpus=$(all_gpus)
+    limit=${PRESSURE_TIMEOUT:-570}; dir=${PRESSURE_DIR:-$STATE/pressure}
+    stage "$s" "$limit" python3 -m benchmarks.pressure "$part" --models ${models//+/ } \
+      --dtypes ${PRESSURE_DTYPES:-fp32 bf16} --benchmark ${PRESSURE_BENCHMARK:-off on} \
+      --rounds ${PRESSURE_ROUNDS:-3} --shim-mode ${PRESSURE_SHIM:-online} \
+      --time-budget-s $((limit - 45)) ${gpus:+--gpus $gpus} ${PRESSURE_ARGS:-} --out "$dir"
+    mkdir -p "$LOGS/pressure" && (cd "$dir" && tar cf - --exclude=online .) | tar xf - -C "$LOGS/pressure" ;;
   ddp-*)  # benchmarks/ddp.py on a node of N GPUs (ddp-2; ddp-2:bench or ddp-2:steps for one part):
     # DDP ResNet-50 N=256 per GPU fp32, shim/PyTorch step ratio on N GPUs vs 1, gradients across
     # ranks; bench wall time on N GPUs vs 1. DDP_ARGS: more driver options (e.g. --rounds 1)

@@ -16,7 +16,7 @@ where PyTorch has it), or ``"oom"`` when PyTorch ran out of memory under that bu
 
     python -m benchmarks.memory_budget --model r3d_18 --batch 32 --budgets 6GiB 5.6GiB --out DIR
 
-3-D models (torchvision.models.video) take clips of (N, 3, 16, 112, 112), others (N, 3, 224, 224).
+Inputs, labels and loss of each model: benchmarks/models.py.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ HERE = Path(__file__).resolve()
 WORKER = HERE.with_name("shim_pytorch.py")
 sys.path.insert(0, str(HERE.parents[1]))  # the checkout's mucudnn, for its size grammar
 
+from benchmarks.shim_pytorch import is_out_of_memory  # noqa: E402
 from mucudnn.budget import parse_budget  # noqa: E402
 from mucudnn.sizes import format_size  # noqa: E402
 
 MU = [sys.executable, "-m", "mucudnn"]
-OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
-               "CUDNN_STATUS_ALLOC_FAILED")
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -71,7 +70,7 @@ def run_config(args, name: str, budget: int | None, through_mucudnn: bool) -> di
                    "peak_allocated_bytes": worker["peak_bytes"],
                    "peak_reserved_bytes": worker["peak_reserved_bytes"]})
         break
-    if result.get("status") == "failed" and any(m in proc.stderr for m in OOM_MARKERS):
+    if result.get("status") == "failed" and is_out_of_memory(proc.stderr):
         result["status"] = "oom"  # out of memory outside the training loop (cuDNN, cuBLAS, ...)
     if result.get("status") != "ok":
         result["stderr_tail"] = proc.stderr[-1500:]

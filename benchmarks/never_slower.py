@@ -29,11 +29,14 @@ from pathlib import Path
 from benchmarks.shim_pytorch import MU, run_worker
 
 
-def prepare(model: str, batch: int, out: Path, cap_limit: str) -> dict:
-    record = out / f"{model}.record"
+def prepare(model: str, batch: int, out: Path, cap_limit: str, dtype: str = "fp32") -> dict:
+    """Record ``model`` at ``batch`` in ``dtype`` (fp32: TF32 on) under the shim, bench it, tune
+    a front plan and a front cut at ``cap_limit``: {"plans": {"front": P, "capped": P}, ...}."""
+    tag = model if dtype == "fp32" else f"{model}-{dtype}"
+    record = out / f"{tag}.record"
     record.unlink(missing_ok=True)
     run_worker(model, {}, tf32=True, shim=True, record=str(record), steps=1, warmup=1, path="default",
-               batch=batch)
+               batch=batch, dtype=dtype)
     t0 = time.perf_counter()
     bench = subprocess.run(MU + ["bench", "--recording", str(record), "--no-progress"],
                            capture_output=True, text=True)
@@ -42,7 +45,7 @@ def prepare(model: str, batch: int, out: Path, cap_limit: str) -> dict:
         raise RuntimeError(f"bench failed: {bench.stderr[-2000:]}")
     plans = {}
     for name, extra in (("front", []), ("capped", ["--workspace-limit", cap_limit, "--front"])):
-        plan = out / f"{model}-{name}.plan"
+        plan = out / f"{tag}-{name}.plan"
         tune = subprocess.run(MU + ["tune", "--recording", str(record), "-o", str(plan), *extra],
                               capture_output=True, text=True)
         if tune.returncode != 0:

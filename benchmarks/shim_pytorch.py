@@ -10,7 +10,11 @@ report and a table. SGD, random data, batch 256, on one of PyTorch's cuDNN paths
 - ``--path default`` (issue 4; the graph API, no switch): ``uncapped`` is PyTorch's default,
   ``capped`` the shim with the limit only (no plan: what a workspace limit alone costs on this
   path), then ``passthrough`` and ``shim`` as above. ``--dtype fp16|bf16`` runs the model under
-  autocast in channels-last memory format.
+  autocast in channels-last memory format (channels_last_3d for 3-D models).
+
+The worker's network, data and loss come from benchmarks/models.py (``--model`` any of its table,
+e.g. ``unet3d`` or ``deeplabv3_resnet50``, or a torchvision classification or video model);
+``worker_outcome`` reads what any worker run ended with (ok, out of memory, failed).
 
 Timing runs use PyTorch's defaults (TF32 allowed in cuDNN); gradient checks turn TF32 off and compare
 loss and every parameter gradient with and without the shim (relative L2 error per tensor), with
@@ -53,9 +57,9 @@ class _Skipped(Exception):
 
 def worker(args) -> None:
     import torch
-    import torchvision
 
-    import contextlib
+    if str(HERE.parents[1]) not in sys.path:  # run as a script: the checkout's benchmarks package
+        sys.path.insert(0, str(HERE.parents[1]))
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.backends.cudnn.allow_tf32 = args.tf32
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
@@ -64,30 +68,29 @@ def worker(args) -> None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
     try:
-        _worker_steps(args, torch, torchvision, contextlib)
+        _worker_steps(args, torch)
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # a too small cap is a result
-        if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)):
+        if not (isinstance(exc, torch.cuda.OutOfMemoryError) or is_out_of_memory(str(exc))):
             raise
         print(json.dumps({"oom": True, "error": str(exc).splitlines()[0][:300]}))
 
 
-def _worker_steps(args, torch, torchvision, contextlib) -> None:
-    gen = torch.Generator().manual_seed(1)
-    if hasattr(torchvision.models.video, args.model):  # 3-D convolutions: clips of 16 frames
-        model = getattr(torchvision.models.video, args.model)(num_classes=1000).cuda()
-        images = torch.randn(args.batch, 3, 16, 112, 112, generator=gen).cuda()
-    else:
-        model = getattr(torchvision.models, args.model)(num_classes=1000).cuda()
-        images = torch.randn(args.batch, 3, 224, 224, generator=gen).cuda()
-    if args.double:  # the float64 reference: same initial weights and data, upcast
-        model, images = model.double(), images.double()
-    autocast = contextlib.nullcontext()
-    if args.dtype != "fp32" and not args.double:  # mixed precision as users run it
-        model = model.to(memory_format=torch.channels_last)
-        images = images.to(memory_format=torch.channels_last)
-        autocast = torch.autocast("cuda", dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16)
-    labels = torch.randint(0, 1000, (args.batch,), generator=gen).cuda()
-    loss_fn = torch.nn.CrossEntropyLoss()
+# What PyTorch, cuDNN and cuBLAS say when memory runs out. PyTorch's cuDNN path tries engines in
+# turn when one's workspace cannot be allocated and reports "unable to find an engine" when none
+# could: under a memory cap, that is running out of memory too.
+OOM_MARKERS = ("OutOfMemoryError", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+               "CUDNN_STATUS_ALLOC_FAILED", "unable to find an engine")
+
+
+def is_out_of_memory(text: str) -> bool:
+    return any(marker.lower() in text.lower() for marker in OOM_MARKERS)
+
+
+def _worker_steps(args, torch) -> None:
+    from benchmarks.models import prepare
+    training = prepare(args.model, args.batch, dtype=args.dtype, double=args.double,
+                       generator=torch.Generator().manual_seed(1))
+    model = training.model
     if args.grads:
         # no dropout: its masks differ between float32 and float64 runs, which would make the
         # float64 comparison meaningless (float32 runs with and without the shim share masks)
@@ -98,8 +101,7 @@ def _worker_steps(args, torch, torchvision, contextlib) -> None:
         # kernel's pieces one by one on its first call and as a CUDA graph from the second on
         for _ in range(args.grad_repeats):
             model.zero_grad(set_to_none=True)
-            with autocast:
-                loss = loss_fn(model(images), labels)
+            loss = training.forward_loss()
             loss.backward()
         grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
         torch.save({"loss": loss.item(), "grads": grads}, args.grads)
@@ -108,8 +110,7 @@ def _worker_steps(args, torch, torchvision, contextlib) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step():
-        with autocast:
-            step_loss = loss_fn(model(images), labels)
+        step_loss = training.forward_loss()
         step_loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -128,7 +129,8 @@ def _worker_steps(args, torch, torchvision, contextlib) -> None:
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
-              "memory_fraction": fraction(0) if fraction else None}
+              "memory_fraction": fraction(0) if fraction else None,
+              "device": torch.cuda.get_device_name(0), "batch": args.batch}
     if args.profile:  # after the timed steps, so profiling never touches the timing
         result["profile"] = profile_steps(step, args.profile)
     print(json.dumps(result))
@@ -194,10 +196,14 @@ def profile_steps(step, steps: int) -> dict:
 
 # -- driver ----------------------------------------------------------------------------------------
 
-def run_worker(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15, warmup=5,
-               grads: str | None = None, cudnn_benchmark=False, record=None, plan=None,
-               limit=None, log=None, batch=256, double=False, path="legacy",
-               dtype="fp32", profile=0, memory_cap_gib=0.0) -> dict:
+def worker_command(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15, warmup=5,
+                   grads: str | None = None, cudnn_benchmark=False, record=None, plan=None,
+                   limit=None, log=None, batch=256, double=False, path="legacy",
+                   dtype="fp32", profile=0, memory_cap_gib=0.0,
+                   online=False) -> tuple[list[str], dict]:
+    """The command and environment of one worker run: plain PyTorch, or under `mucudnn run`
+    (``--plan`` and ``--workspace-limit`` if given) or `mucudnn record` (``record``). Without a
+    plan, `mucudnn run` tunes online only with ``online`` (else the shim passes through)."""
     cmd = [sys.executable, str(HERE), "worker", "--model", model, "--batch", str(batch),
            "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype,
            "--profile", str(profile), "--memory-cap-gib", str(memory_cap_gib)]
@@ -213,11 +219,19 @@ def run_worker(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15,
         sub = ["record", "-o", record] if record else ["run"]
         if plan:
             sub += ["--plan", plan]
+        elif not record and not online:
+            sub += ["--no-online"]
         if limit:
             sub += ["--workspace-limit", limit]
         if log:
             env.update(MUCUDNN_LOG_LEVEL="info", MUCUDNN_LOG_FILE=log)
         cmd = MU + sub + ["--"] + cmd
+    return cmd, env
+
+
+def run_worker(model: str, env_extra: dict, **kwargs) -> dict:
+    """One worker run (see worker_command); raises RuntimeError if it fails."""
+    cmd, env = worker_command(model, env_extra, **kwargs)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -226,6 +240,26 @@ def run_worker(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps=15,
     result["wall_s"] = time.perf_counter() - t0
     result["stderr_tail"] = proc.stderr[-500:]
     return result
+
+
+def worker_outcome(returncode: int, stdout: str, stderr: str) -> dict:
+    """What a worker run ended with, whatever it was: ``status`` "ok" (with the worker's result),
+    "oom" (the worker caught it, or the run died of it elsewhere: cuDNN, cuBLAS, the shim), or
+    "failed" (with the end of stderr)."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            result = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(result, dict) and result.get("oom"):
+            return {"status": "oom", "error": result.get("error")}
+        if isinstance(result, dict) and "step_ms" in result and returncode == 0:
+            return {"status": "ok", **result}
+        break
+    if is_out_of_memory(stderr):
+        return {"status": "oom", "error": next((line for line in reversed(stderr.splitlines())
+                                                if is_out_of_memory(line)), "")[:300]}
+    return {"status": "failed", "returncode": returncode, "stderr_tail": stderr[-1500:]}
 
 
 def rel(a, b) -> float:

@@ -1,9 +1,10 @@
 """Tuning cost (issue 12, item 4): `mucudnn bench` + `tune` wall time from an empty store.
 
-On a GPU (the default), for each torchvision model: record the kernels one training step runs
-(`mucudnn record -- python benchmarks/shim_pytorch.py worker ...`, as shim_pytorch.py's
-prepare_plan does), then for each variant time `mucudnn bench --recording R` into a new, empty
-store and `mucudnn tune --recording R --workspace-limit L` from it. Variants:
+On a GPU (the default), for each model of benchmarks/models.py (default: the issue's five and
+DenseNet-121, each at its N unless --batch or MODEL:BATCH says otherwise): record the kernels one
+training step runs (`mucudnn record -- python benchmarks/shim_pytorch.py worker ...`, as
+shim_pytorch.py's prepare_plan does), then for each variant time `mucudnn bench --recording R`
+into a new, empty store and `mucudnn tune --recording R --workspace-limit L` from it. Variants:
 
 - ``full``: bench with no limit (every configuration at every size: the old cost);
 - ``limit``: ``bench --workspace-limit L`` (configurations over L are not timed; exact);
@@ -12,7 +13,7 @@ store and `mucudnn tune --recording R --workspace-limit L` from it. Variants:
 The JSON report holds, per model and variant, the wall times, the kernels, the store's rows (timed,
 left untimed) and the plan's predicted time per step, so that variants can be compared.
 
-    python -m benchmarks.tuning_cost --models resnet50 densenet121 --out DIR
+    python -m benchmarks.tuning_cost --models resnet50 unet3d:2 densenet121 --out DIR
 
 ``--simulate`` replays stored measurements instead (the shipped H200 ones, or ``--store``) on
 the CPU: for the kernels of each ``--recording``, every variant's count of configurations timed
@@ -33,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.models import ISSUE_MODELS, parse_model
 
 MU = [sys.executable, "-m", "mucudnn"]
 VARIANTS = {"full": [], "limit": ["--workspace-limit", "{limit}"],
@@ -59,18 +62,22 @@ def gpu(args) -> int:
     from benchmarks import shim_pytorch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"limit": args.limit, "batch": args.batch, "path": args.path, "models": {}}
-    for model in args.models:
-        entry = report["models"][model] = {}
+    report = {"limit": args.limit, "path": args.path, "models": {}}
+    for spec in args.models:
+        model, batch = parse_model(spec)
+        batch = args.batch or batch
+        entry = report["models"][model] = {"batch": batch}
         record = out / f"{model}-{args.path}.record"
         record.unlink(missing_ok=True)
         try:
             t0 = time.perf_counter()
             shim_pytorch.run_worker(model, {}, tf32=True, shim=True, record=str(record), steps=1,
-                                    warmup=1, path=args.path, batch=args.batch)
+                                    warmup=1, path=args.path, batch=batch)
             entry["record_s"] = time.perf_counter() - t0
         except RuntimeError as exc:
             entry["error"] = str(exc)[-2000:]
+            print(model, "recording failed:", str(exc)[-300:], flush=True)
+            (out / "tuning_cost.json").write_text(json.dumps(report, indent=1))
             continue
         for variant in args.variants:
             store = out / f"{model}-{variant}.sqlite"
@@ -98,6 +105,8 @@ def gpu(args) -> int:
                 result["timeout_s"] = args.timeout
             print(model, variant, {k: v for k, v in result.items() if k not in ("bench", "tune")},
                   flush=True)
+            # after every variant: a stage's timeout keeps what was measured
+            (out / "tuning_cost.json").write_text(json.dumps(report, indent=1))
     (out / "tuning_cost.json").write_text(json.dumps(report, indent=1))
     return 0
 
@@ -201,10 +210,11 @@ def simulate(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["resnet50", "densenet121"])
+    ap.add_argument("--models", nargs="+", default=[*ISSUE_MODELS, "densenet121"],
+                    help="MODEL or MODEL:BATCH (benchmarks/models.py)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["limit", "quick"])
     ap.add_argument("--limit", default="64MiB")
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--batch", type=int, help="every model's batch (default: each model's N)")
     ap.add_argument("--path", choices=["legacy", "default"], default="default",
                     help="PyTorch's cuDNN path to record (default: the graph API)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per bench or tune")

@@ -30,8 +30,8 @@ def test_scripts_import_each_other_as_modules_not_through_sys_path(script):
             assert node.module not in siblings, f"{script}: from {node.module} import (bare)"
 
 
-@pytest.mark.parametrize("script", ["limit_bound", "never_slower", "shim_bisect",
-                                    "grads_sensitivity", "tuning_cost", "engine_census"])
+@pytest.mark.parametrize("script", ["limit_bound", "never_slower", "shim_bisect", "pressure",
+                                    "models", "grads_sensitivity", "tuning_cost", "engine_census"])
 def test_scripts_that_share_code_import_as_modules(script):
     module = importlib.import_module(f"benchmarks.{script}")
     assert callable(module.main)

@@ -1,0 +1,884 @@
+"""Issue 12: the shim against plain PyTorch without and under memory pressure, on the GPU.
+
+Three parts, each run on its own (``ratio``, ``minmem``, ``maxbatch``; ``report`` rewrites the
+page from the JSON), for models of benchmarks/models.py (``MODEL`` or ``MODEL:BATCH``; default
+the issue's N). Every run is benchmarks/shim_pytorch.py's worker (its model, data, loss and CUDA
+event timing: median of --steps after --warmup) in its own process, on PyTorch's default cuDNN
+path, TF32 on; ``--dtypes fp32`` is fp32 with TF32, ``bf16`` autocast with channels-last inputs
+and network. The shim runs in one of two modes:
+
+- ``--shim-mode online`` (default, zero set-up): ``mucudnn run -- WORKER`` with no plan, online
+  tuning on (MUCUDNN_ONLINE=1), its measurements in a fresh OUT/online/MODEL (MUCUDNN_ONLINE_DIR).
+  Before a setting's timed runs (ratio, minmem), one untimed run (2 steps, no warm-up) tunes: its
+  wall time, its two step times and the shim's lines that mention ``online tuning`` are the
+  first-use overhead; in maxbatch each probe's warm-up step tunes its own batch size;
+- ``--shim-mode front``: an offline front plan (record, ``mucudnn bench``, ``mucudnn tune`` with
+  no limit: benchmarks/never_slower.py's prepare), ``mucudnn run --plan FRONT``.
+
+Parts (each writes OUT/pressure-PART.json after every configuration and prints one line each):
+
+- ``ratio`` (a): per setting (dtype x cudnn.benchmark off/on) and model, --rounds rounds of
+  PyTorch then the shim, back to back; the ratio shim/PyTorch of each round and their median.
+  Target: <= 1.01 everywhere.
+- ``minmem`` (b): per model and side (PyTorch, shim), the smallest per-process cap
+  (torch.cuda.set_per_process_memory_fraction) on a --cap-step GiB grid at which --probe-steps
+  steps after one warm-up succeed. Bisection, one process per probe, bracketed by an uncapped
+  run's peak allocated x --low-fraction (assumed to fail; checked when every probe passes) and peak
+  reserved (checked first; the bracket widens when it fails); the shim's bracket is PyTorch's
+  minimum and --shim-low-fraction of it. The step time at the minimum is that probe's. Targets:
+  the shim never needs more than PyTorch; on 3-D models <= 0.8x of it, at <= 1.10x PyTorch's
+  unconstrained step.
+- ``maxbatch`` (c): per model and side, the largest batch that trains under a --cap GiB cap (24):
+  from N doubling until it fails (halving if N fails), then bisection to --resolution (5 %); the
+  shim starts from PyTorch's largest, growing by --seeded-growth. images/s at the largest. Target:
+  the shim's >= PyTorch's.
+
+Under a cap the shim is told it (MUCUDNN_MEMORY_BUDGET, as `mucudnn run --memory-budget` does;
+--no-shim-budget: not), so that its room chooses workspaces within what the cap leaves, as it would
+on a GPU of that size. Running out of memory is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its
+process group killed). --time-budget-s: no new run starts once that many seconds have passed;
+what was not run is listed under "skipped". --gpus 0,1,...: models spread over those GPUs (one
+child process per model, CUDA_VISIBLE_DEVICES), results merged. The page OUT/pressure-GPU.md
+(tables of every part found in OUT) is written after each part; commit it under
+benchmarks/results/.
+
+    python -m benchmarks.pressure ratio --models resnet50 r3d_18 --dtypes fp32 bf16 --out DIR
+    python -m benchmarks.pressure minmem --models unet3d r3d_18 --out DIR --time-budget-s 300
+    python -m benchmarks.pressure maxbatch --models resnet50 --cap 24 --out DIR
+    python -m benchmarks.pressure report --out DIR --to benchmarks/results/pressure-h200.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.models import parse_model, spec_of
+from benchmarks.shim_pytorch import worker_command, worker_outcome
+
+PARTS = ("ratio", "minmem", "maxbatch")
+DTYPES = {"fp32": "fp32 (TF32 on)", "bf16": "bf16 autocast, channels-last"}
+ONLINE_PATTERN = re.compile(r"online tuning", re.IGNORECASE)
+DEVICE_MEMORY_GIB = 140.0   # where a cap search gives up widening its bracket upwards (H200)
+
+
+class OutOfTime(Exception):
+    """The time budget ran out before a run could start."""
+
+
+class Terminated(Exception):
+    """SIGTERM (a stage's timeout): stop, kill the running probe, write what was measured."""
+
+
+class Budget:
+    """--time-budget-s: a deadline for starting runs, and what was not run because of it."""
+
+    def __init__(self, seconds: float | None, clock=time.monotonic):
+        self.clock = clock
+        self.deadline = None if seconds is None else clock() + seconds
+        self.skipped: list[str] = []
+
+    def check(self, what: str) -> None:
+        if self.deadline is not None and self.clock() >= self.deadline:
+            self.skipped.append(what)
+            raise OutOfTime(what)
+
+
+# -- searches (pure: probe is any function returning a worker outcome) ----------------------------
+
+class RunFailed(Exception):
+    """A search's run failed otherwise than by running out of memory or time."""
+
+
+def passed(outcome: dict) -> bool:
+    return outcome.get("status") == "ok"
+
+
+def crashed(outcome: dict, where: str) -> None:
+    if outcome.get("status") not in ("ok", "oom", "timeout"):
+        raise RunFailed(f"{outcome.get('status')} at {where}: "
+                        + (outcome.get("stderr_tail") or "").strip()[-300:])
+
+
+def min_cap_search(probe, low_gib: float, high_gib: float, *, step_gib: float = 0.25,
+                   ceiling_gib: float = DEVICE_MEMORY_GIB) -> dict:
+    """The smallest cap on the grid of ``step_gib`` at which ``probe(cap)`` passes, assuming that
+    a larger cap never fails where a smaller one passes. ``high_gib`` is probed first and the
+    bracket widens upwards (doubling) while it fails; ``low_gib`` is assumed to fail and probed
+    only if every probe above it passed, the bracket then widening downwards. A cap of 0 fails
+    without a probe (it would mean no cap). Out of memory and timeouts do not train; a run that
+    failed otherwise (a crash) ends the search (``error``): no bisection on crashes. OutOfTime
+    from ``probe`` ends the search with ``complete`` False and the bracket known so far."""
+    ceiling = max(1, math.floor(ceiling_gib / step_gib + 1e-9))
+    lo = min(ceiling - 1, max(0, math.floor(low_gib / step_gib + 1e-9)))
+    hi = min(ceiling, max(lo + 1, math.ceil(high_gib / step_gib - 1e-9)))
+    outcomes: dict[int, dict] = {}
+    probes: list[dict] = []
+
+    def ok(k: int) -> bool:
+        if k <= 0:
+            return False
+        if k not in outcomes:
+            outcomes[k] = probe(k * step_gib)
+            probes.append({"cap_gib": k * step_gib, **brief(outcomes[k])})
+            crashed(outcomes[k], f"{k * step_gib:g} GiB")
+        return passed(outcomes[k])
+
+    result = {"min_cap_gib": None, "complete": False, "probes": probes}
+    try:
+        width, lo_failed = hi - lo, False
+        while not ok(hi):  # the upper end fails: widen upwards
+            lo, lo_failed = hi, True
+            if hi >= ceiling:
+                result.update(complete=True, note=f"fails even at {hi * step_gib} GiB")
+                return result
+            width *= 2
+            hi = min(ceiling, hi + width)
+        while True:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if ok(mid):
+                    hi = mid
+                else:
+                    lo, lo_failed = mid, True
+            if lo_failed or lo <= 0 or not ok(lo):
+                break
+            width *= 2  # the assumed lower end passed too: widen downwards
+            hi, lo = lo, max(0, lo - width)
+        result.update(min_cap_gib=hi * step_gib, complete=True, at_min=outcomes[hi])
+    except RunFailed as exc:
+        result.update(error=str(exc))
+    except OutOfTime:
+        passing = [k for k in outcomes if passed(outcomes[k])]
+        failing = [k for k in outcomes if not passed(outcomes[k])]
+        result.update(at_most_gib=min(passing) * step_gib if passing else None,
+                      above_gib=max(failing) * step_gib if failing else None)
+    return result
+
+
+def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: float = 0.05,
+                     ceiling: int = 1 << 16) -> dict:
+    """The largest batch at which ``probe(batch)`` passes, assuming it fails for every larger
+    one once it fails: from ``start`` grow by ``growth`` until a failure (or shrink until a pass),
+    then bisect until the bracket is within ``resolution`` of the largest passing batch (or 1).
+    As in min_cap_search, a crash ends the search (``error``), and OutOfTime from ``probe`` ends
+    it with ``complete`` False."""
+    outcomes: dict[int, dict] = {}
+    probes: list[dict] = []
+
+    def ok(batch: int) -> bool:
+        if batch not in outcomes:
+            outcomes[batch] = probe(batch)
+            probes.append({"batch": batch, **brief(outcomes[batch])})
+            crashed(outcomes[batch], f"batch {batch}")
+        return passed(outcomes[batch])
+
+    result = {"max_batch": None, "complete": False, "probes": probes}
+    try:
+        start = max(1, min(start, ceiling))
+        if ok(start):
+            lo, hi = start, None
+            while hi is None:
+                if lo >= ceiling:
+                    result.update(note=f"passes at the ceiling batch {ceiling}")
+                    hi = lo + 1
+                    break
+                nxt = min(ceiling, max(lo + 1, int(lo * growth)))
+                if ok(nxt):
+                    lo = nxt
+                else:
+                    hi = nxt
+        else:
+            lo, hi = None, start
+            while lo is None:
+                if hi <= 1:
+                    result.update(complete=True, note="fails at batch 1")
+                    return result
+                nxt = max(1, min(hi - 1, int(hi / growth)))
+                if ok(nxt):
+                    lo = nxt
+                else:
+                    hi = nxt
+        while hi - lo > max(1, int(resolution * lo)):
+            mid = (lo + hi) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        result.update(max_batch=lo, complete=True, at_max=outcomes[lo])
+    except RunFailed as exc:
+        result.update(error=str(exc))
+    except OutOfTime:
+        passing = [b for b in outcomes if passed(outcomes[b])]
+        result.update(at_least=max(passing) if passing else None)
+    return result
+
+
+def brief(outcome: dict) -> dict:
+    """The fields of a worker outcome worth keeping per probe."""
+    keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
+            "reused_from", "returncode")
+    kept = {k: outcome[k] for k in keep if k in outcome}
+    if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
+        kept["stderr_tail"] = outcome["stderr_tail"][-600:]
+    return kept
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+class Runner:
+    """Runs the worker, one process per run, plain or under the shim, never raising for what the
+    run did (OutOfTime when the budget is spent, Terminated on SIGTERM)."""
+
+    def __init__(self, args, budget: Budget, out: Path):
+        self.args, self.budget, self.out = args, budget, out
+        self.front_plans: dict[tuple[str, int, str], str | None] = {}
+        self.front_errors: dict[tuple[str, int, str], str] = {}
+        # settings whose first use already ran in this OUT (an earlier ratio part)
+        self.tuned: set[tuple[str, int, str, bool]] = set()
+        if args.part != "ratio":
+            for model, entry in read_part(out, "ratio").get("models", {}).items():
+                for row in entry.get("settings", {}).values():
+                    if (row.get("first_use") or {}).get("status") == "ok" \
+                            and self.online_dir(model).is_dir():
+                        self.tuned.add((model, entry["batch"], row["dtype"], row["cudnn_benchmark"]))
+
+    def online_dir(self, model: str) -> Path:
+        return self.out / "online" / model
+
+    def run(self, what: str, model: str, batch: int, *, shim: bool, dtype: str,
+            cudnn_benchmark: bool, cap_gib: float = 0.0, steps: int, warmup: int,
+            log: Path | None = None) -> dict:
+        self.budget.check(what)
+        env_extra, plan = {}, None
+        if shim and self.args.shim_mode == "online":
+            self.online_dir(model).mkdir(parents=True, exist_ok=True)
+            env_extra = {"MUCUDNN_ONLINE": "1", "MUCUDNN_ONLINE_DIR": str(self.online_dir(model))}
+        elif shim:
+            plan = self.front_plan(model, batch, dtype)
+            if plan is None:
+                error = self.front_errors[(model, batch, dtype)]
+                print(f"    {what}: failed (no front plan: {error[-200:]})", flush=True)
+                return {"status": "failed", "stderr_tail": f"no front plan: {error}"}
+        if shim and cap_gib and self.args.shim_budget:
+            # the cap is the allocator's, invisible in the device's free memory: tell the shim, as
+            # a GPU of that size would, so that its room (docs/shim.md) sees it
+            env_extra["MUCUDNN_MEMORY_BUDGET"] = str(int(cap_gib * 2**30))
+        cmd, env = worker_command(model, env_extra, tf32=True, shim=shim, steps=steps,
+                                  warmup=warmup, cudnn_benchmark=cudnn_benchmark, plan=plan,
+                                  log=str(log) if log else None, batch=batch, path="default",
+                                  dtype=dtype, memory_cap_gib=cap_gib,
+                                  online=shim and self.args.shim_mode == "online")
+        for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET"):
+            if name not in env_extra:  # only where this run asks for it
+                env.pop(name, None)
+        rc, stdout, stderr, wall_s, timed_out = execute(cmd, env, self.args.probe_timeout_s)
+        outcome = ({"status": "timeout", "stderr_tail": stderr[-1500:]} if timed_out
+                   else worker_outcome(rc, stdout, stderr))
+        outcome["wall_s"] = round(wall_s, 2)
+        if shim:
+            logged = log.read_text(errors="replace") if log and log.exists() else ""
+            # the shim's exit report comes last: keep the last lines that mention online tuning
+            outcome["online_lines"] = [line.strip() for line in (logged + "\n" + stderr).splitlines()
+                                       if ONLINE_PATTERN.search(line)][-5:]
+        print(f"    {what}: {outcome['status']}" + (f" {outcome['step_ms']:.2f} ms"
+              if "step_ms" in outcome else "") + f" ({wall_s:.1f} s)", flush=True)
+        return outcome
+
+    def front_plan(self, model: str, batch: int, dtype: str) -> str | None:
+        """Front mode: the plan of (model, batch, dtype), made on first use (record, bench,
+        tune); None, with the reason in front_errors, where making it failed (tried once)."""
+        key = (model, batch, dtype)
+        if key not in self.front_plans:
+            from benchmarks.never_slower import prepare
+            self.budget.check(f"front plan {model}:{batch} {dtype}")
+            plans = self.out / "front"
+            plans.mkdir(parents=True, exist_ok=True)
+            try:
+                made = prepare(model, batch, plans, "64MiB", dtype=dtype)
+                self.front_plans[key] = made["plans"]["front"]
+            except RuntimeError as exc:  # recording, bench or tune failed
+                self.front_plans[key], self.front_errors[key] = None, str(exc)[-1500:]
+        return self.front_plans[key]
+
+    def first_use(self, model: str, batch: int, dtype: str, cudnn_benchmark: bool) -> dict | None:
+        """Online mode: one untimed run that tunes what the setting runs (once per model, batch,
+        dtype and benchmark mode), so that timed runs start tuned. None in front mode or when done."""
+        key = (model, batch, dtype, cudnn_benchmark)
+        if self.args.shim_mode != "online" or key in self.tuned:
+            return None
+        self.tuned.add(key)
+        log = self.out / "logs" / f"{model}-{batch}-{dtype}-bench{int(cudnn_benchmark)}-tuning.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        outcome = self.run(f"{model}:{batch} {dtype} benchmark {on_off(cudnn_benchmark)} first use",
+                           model, batch, shim=True, dtype=dtype, cudnn_benchmark=cudnn_benchmark,
+                           steps=2, warmup=0, log=log)
+        return {**brief(outcome), "step_ms_all": outcome.get("step_ms_all"),
+                "online_lines": outcome.get("online_lines", []), "log": log.name}
+
+
+def execute(cmd: list[str], env: dict, timeout_s: float) -> tuple[int, str, str, float, bool]:
+    """Run ``cmd`` in a session of its own; past ``timeout_s``, or when this process is
+    terminated, kill that whole process group (the worker runs as a grandchild under `mucudnn
+    run`, and must not hold GPU memory while the next probe runs)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        return proc.returncode, stdout, stderr, time.perf_counter() - t0, False
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        stdout, stderr = proc.communicate()
+        return proc.returncode, stdout, stderr, time.perf_counter() - t0, True
+    except BaseException:
+        _kill_group(proc)
+        proc.communicate()
+        raise
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def setting_key(dtype: str, cudnn_benchmark: bool) -> str:
+    return f"{dtype}/benchmark-{on_off(cudnn_benchmark)}"
+
+
+# -- parts ---------------------------------------------------------------------------------------
+
+class Report:
+    """One part's JSON, rewritten after every configuration."""
+
+    def __init__(self, part: str, args, out: Path, budget: Budget):
+        self.path = out / f"pressure-{part}.json"
+        self.budget = budget
+        self.data = {"part": part, "device": None,
+                     "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "settings": settings_of(args), "models": {}, "skipped": budget.skipped}
+
+    def note_device(self, outcome: dict) -> None:
+        if outcome.get("device") and not self.data["device"]:
+            self.data["device"] = outcome["device"]
+
+    def save(self) -> None:
+        from mucudnn.outputs import write_text_atomically
+        write_text_atomically(self.path, json.dumps(self.data, indent=1) + "\n")
+
+
+def settings_of(args) -> dict:
+    keep = ("shim_mode", "dtypes", "benchmark", "rounds", "steps", "warmup", "probe_steps",
+            "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
+            "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s")
+    return {k: getattr(args, k) for k in keep if hasattr(args, k)}
+
+
+def ratio_part(args, runner: Runner, report: Report) -> None:
+    models = [parse_model(m) for m in args.models]
+    for dtype in args.dtypes:  # settings outside, models inside: a short budget covers every model
+        for mode in args.benchmark:
+            bench = mode == "on"
+            for model, batch in models:
+                entry = report.data["models"].setdefault(model, {"batch": batch, "settings": {}})
+                row = entry["settings"][setting_key(dtype, bench)] = {
+                    "dtype": dtype, "cudnn_benchmark": bench, "rounds": []}
+                try:
+                    first = runner.first_use(model, batch, dtype, bench)
+                    if first:
+                        row["first_use"] = first
+                    for i in range(args.rounds):
+                        what = f"{model}:{batch} {dtype} benchmark {mode} round {i + 1}"
+                        torch_run = runner.run(f"{what} PyTorch", model, batch, shim=False,
+                                               dtype=dtype, cudnn_benchmark=bench,
+                                               steps=args.steps, warmup=args.warmup)
+                        report.note_device(torch_run)
+                        shim_run = runner.run(f"{what} shim", model, batch, shim=True, dtype=dtype,
+                                              cudnn_benchmark=bench, steps=args.steps,
+                                              warmup=args.warmup)
+                        row["rounds"].append(round_row(torch_run, shim_run))
+                        if torch_run["status"] not in ("ok", "oom"):  # no ratio will come of it
+                            row["incomplete"] = f"PyTorch run {torch_run['status']}"
+                            break
+                except OutOfTime:
+                    row["incomplete"] = "time budget spent"
+                ratios = [r["ratio"] for r in row["rounds"] if r.get("ratio") is not None]
+                row["median_ratio"] = statistics.median(ratios) if ratios else None
+                report.save()
+                print(ratio_line(model, batch, dtype, bench, row), flush=True)
+
+
+def round_row(torch_run: dict, shim_run: dict) -> dict:
+    row = {"pytorch": brief(torch_run), "shim": {**brief(shim_run),
+                                                  "online_lines": shim_run.get("online_lines", [])}}
+    if passed(torch_run) and passed(shim_run):
+        row["ratio"] = shim_run["step_ms"] / torch_run["step_ms"]
+    return row
+
+
+def ratio_line(model, batch, dtype, bench, row) -> str:
+    ratios = " ".join(f"{r['ratio']:.4f}" if r.get("ratio") else
+                      f"{r['pytorch']['status']}/{r['shim']['status']}" for r in row["rounds"])
+    median = row["median_ratio"]
+    first = row.get("first_use")
+    return (f"[ratio {model}:{batch} {dtype} benchmark {on_off(bench)}] shim/PyTorch {ratios or '-'}"
+            f" -> median {'-' if median is None else f'{median:.4f}'}"
+            + (f"; first use {first.get('wall_s', '-')} s" if first else "")
+            + (f" ({row['incomplete']})" if "incomplete" in row else ""))
+
+
+def minmem_part(args, runner: Runner, report: Report) -> None:
+    dtype, bench = args.dtypes[0], args.benchmark[0] == "on"
+    reused = previous_uncapped(runner.out, dtype, bench)
+    for model, batch in (parse_model(m) for m in args.models):
+        entry = report.data["models"][model] = {"batch": batch, "dtype": dtype,
+                                                "cudnn_benchmark": bench}
+        label = f"{model}:{batch} {dtype} benchmark {on_off(bench)}"
+
+        def probe(side_is_shim: bool):
+            side = "shim" if side_is_shim else "PyTorch"
+
+            def at(cap_gib: float) -> dict:
+                outcome = runner.run(f"{label} {side} cap {cap_gib:g} GiB", model, batch,
+                                     shim=side_is_shim, dtype=dtype, cudnn_benchmark=bench,
+                                     cap_gib=cap_gib, steps=args.probe_steps, warmup=1)
+                report.note_device(outcome)
+                return outcome
+            return at
+
+        try:
+            base = reused.get((model, batch))
+            if base is None:
+                base = runner.run(f"{label} PyTorch uncapped", model, batch, shim=False,
+                                  dtype=dtype, cudnn_benchmark=bench, steps=args.steps,
+                                  warmup=args.warmup)
+                report.note_device(base)
+            entry["pytorch_uncapped"] = brief(base)
+            if not passed(base):
+                entry["error"] = f"PyTorch uncapped: {base['status']}"
+                continue
+            allocated, reserved = base["peak_bytes"] / 2**30, base["peak_reserved_bytes"] / 2**30
+            entry["pytorch"] = min_cap_search(probe(False), allocated * args.low_fraction, reserved,
+                                              step_gib=args.cap_step)
+            report.save()
+            first = runner.first_use(model, batch, dtype, bench)
+            if first:
+                entry["shim_first_use"] = first
+            reference = entry["pytorch"].get("min_cap_gib") or entry["pytorch"].get("at_most_gib")
+            high = reference or reserved
+            entry["shim"] = min_cap_search(probe(True), high * args.shim_low_fraction, high,
+                                           step_gib=args.cap_step)
+        except OutOfTime:
+            entry.setdefault("incomplete", "time budget spent")
+        finally:
+            report.save()
+            print(minmem_line(model, batch, entry), flush=True)
+
+
+def previous_uncapped(out: Path, dtype: str, bench: bool) -> dict:
+    """PyTorch's uncapped runs of an earlier ``ratio`` part in the same OUT, same setting: their
+    peaks bracket the minimum-memory search without running again."""
+    found = {}
+    for model, entry in read_part(out, "ratio").get("models", {}).items():
+        rounds = entry.get("settings", {}).get(setting_key(dtype, bench), {}).get("rounds", [])
+        runs = [r["pytorch"] for r in rounds if passed(r.get("pytorch", {}))]
+        if runs and all(k in runs[0] for k in ("peak_bytes", "peak_reserved_bytes")):
+            found[(model, entry["batch"])] = {**runs[0], "reused_from": "pressure-ratio.json",
+                                              "step_ms": statistics.median(r["step_ms"] for r in runs)}
+    return found
+
+
+def minmem_line(model, batch, entry) -> str:
+    def side(name):
+        s = entry.get(name)
+        if not s:
+            return f"{name} -"
+        at = s.get("at_min") or {}
+        cap = s.get("min_cap_gib")
+        text = f"{name} {cap:g} GiB" if cap is not None else (
+            f"{name} <= {s['at_most_gib']:g} GiB (incomplete)" if s.get("at_most_gib") else f"{name} -")
+        return text + (f" {at['step_ms']:.1f} ms" if "step_ms" in at else "") + f" [{len(s['probes'])} probes]"
+    return f"[minmem {model}:{batch}] " + ", ".join(side(n) for n in ("pytorch", "shim")) + \
+        (f" ({entry['incomplete']})" if "incomplete" in entry else "") + \
+        (f" ({entry['error']})" if "error" in entry else "")
+
+
+def maxbatch_part(args, runner: Runner, report: Report) -> None:
+    dtype, bench = args.dtypes[0], args.benchmark[0] == "on"
+    report.data["cap_gib"] = args.cap
+    for model, batch in (parse_model(m) for m in args.models):
+        entry = report.data["models"][model] = {"batch": batch, "dtype": dtype,
+                                                "cudnn_benchmark": bench, "cap_gib": args.cap}
+
+        def probe(shim: bool):
+            def at(n: int) -> dict:
+                outcome = runner.run(f"{model} {dtype} benchmark {on_off(bench)} "
+                                     f"{'shim' if shim else 'PyTorch'} batch {n} cap {args.cap:g} GiB",
+                                     model, n, shim=shim, dtype=dtype, cudnn_benchmark=bench,
+                                     cap_gib=args.cap, steps=args.probe_steps, warmup=1)
+                report.note_device(outcome)
+                return outcome
+            return at
+
+        try:
+            entry["pytorch"] = with_throughput(max_batch_search(probe(False), batch,
+                                                                resolution=args.resolution))
+            report.save()
+            # online mode: no separate first use, each probe's warm-up step tunes its batch size
+            # (kernels are keyed by their shapes), as a user's first step at a new batch would
+            seed = entry["pytorch"].get("max_batch") or batch
+            entry["shim"] = with_throughput(max_batch_search(
+                probe(True), seed, growth=args.seeded_growth, resolution=args.resolution))
+        except OutOfTime:
+            entry.setdefault("incomplete", "time budget spent")
+        finally:
+            report.save()
+            print(maxbatch_line(model, entry), flush=True)
+
+
+def with_throughput(search: dict) -> dict:
+    at = search.get("at_max") or {}
+    if search.get("max_batch") and at.get("step_ms"):
+        search["images_per_s"] = search["max_batch"] * 1000.0 / at["step_ms"]
+    return search
+
+
+def maxbatch_line(model, entry) -> str:
+    def side(name):
+        s = entry.get(name) or {}
+        if s.get("max_batch") is None:
+            return f"{name} -" + (f" (>= {s['at_least']})" if s.get("at_least") else "")
+        rate = s.get("images_per_s")
+        return (f"{name} N={s['max_batch']}" + (f" {rate:.0f}/s" if rate else "")
+                + f" [{len(s['probes'])} probes]")
+    return f"[maxbatch {model} cap {entry['cap_gib']:g} GiB] " + ", ".join(
+        side(n) for n in ("pytorch", "shim")) + (f" ({entry['incomplete']})" if "incomplete" in entry else "")
+
+
+# -- the page ------------------------------------------------------------------------------------
+
+def gpu_slug(device: str | None) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", device or "")
+    return match.group(1).lower() if match else "gpu"
+
+
+def fmt(value, spec=".2f", missing="-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def markdown(reports: dict) -> str:
+    """The results page from the parts' JSON (``{part: data}``, any subset)."""
+    device = next((r["device"] for r in reports.values() if r.get("device")), None)
+    lines = ["# The shim against PyTorch, without and under memory pressure (issue 12)", "",
+             f"Device: {device or 'unknown'}. `python -m benchmarks.pressure` (benchmarks/pressure.py; "
+             "worker: benchmarks/shim_pytorch.py, models: benchmarks/models.py), PyTorch's default "
+             "cuDNN path, TF32 on, SGD, random data, one process per run.", ""]
+    if "ratio" in reports:
+        r = reports["ratio"]
+        s = r["settings"]
+        lines += ["## (a) No memory pressure: step time shim / PyTorch (target <= 1.01)", "",
+                  *started(r),
+                  f"Shim mode `{s.get('shim_mode')}`; {s.get('rounds')} rounds of PyTorch then the "
+                  f"shim, median of {s.get('steps')} steps after {s.get('warmup')} warm-up each. "
+                  "First use: the untimed run that tuned (wall s; first and second step ms).", "",
+                  "| model, N | setting | PyTorch ms | shim ms | shim / PyTorch per round | median | "
+                  "<= 1.01 | peak allocated GiB PyTorch / shim | first use | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for model, entry in r["models"].items():
+            for key, row in entry["settings"].items():
+                rounds = row["rounds"]
+                pt = " ".join(fmt(x["pytorch"].get("step_ms"), ".2f", x["pytorch"]["status"]) for x in rounds)
+                sh = " ".join(fmt(x["shim"].get("step_ms"), ".2f", x["shim"]["status"]) for x in rounds)
+                per = " ".join(fmt(x.get("ratio"), ".4f") for x in rounds)
+                median = row.get("median_ratio")
+                peaks = next((f"{x['pytorch']['peak_bytes'] / 2**30:.2f} / {x['shim']['peak_bytes'] / 2**30:.2f}"
+                              for x in rounds if x.get("ratio") is not None), "-")
+                first = row.get("first_use")
+                first_text = "-" if not first else (
+                    f"{fmt(first.get('wall_s'), '.1f')} s; "
+                    + " / ".join(fmt(t, ".0f") for t in (first.get("step_ms_all") or []))
+                    + (f"; {first['online_lines'][-1]}" if first.get("online_lines") else
+                       "; no 'online tuning' line" if first.get("status") == "ok" else f"; {first.get('status')}"))
+                verdict = "-" if median is None else ("yes" if median <= 1.01 else "**no**")
+                lines.append(f"| {model}, {entry['batch']} | {key} | {pt or '-'} | {sh or '-'} | "
+                             f"{per or '-'} | {fmt(median, '.4f')} | {verdict} | {peaks} | "
+                             f"{first_text.replace('|', '/')} | {row.get('incomplete', '')} |")
+        lines += [""]
+    if "minmem" in reports:
+        r = reports["minmem"]
+        s = r["settings"]
+        lines += ["## (b) Minimum memory: smallest per-process cap that trains", "",
+                  *started(r),
+                  f"Caps on a {s.get('cap_step')} GiB grid; a cap passes when {s.get('probe_steps')} "
+                  "steps after one warm-up train; step ms: that probe's median. Targets: shim <= "
+                  "PyTorch; 3-D models shim <= 0.8x PyTorch, at <= 1.10x PyTorch's unconstrained step.", "",
+                  "| model, N | setting | PyTorch uncapped ms (peak alloc / reserved GiB) | "
+                  "PyTorch min GiB | ms there | shim min GiB | ms there | shim / PyTorch min | "
+                  "shim ms / PyTorch uncapped | probes PyTorch / shim | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for model, e in r["models"].items():
+            base = e.get("pytorch_uncapped", {})
+            pt, sh = e.get("pytorch") or {}, e.get("shim") or {}
+            ptmin, shmin = pt.get("min_cap_gib"), sh.get("min_cap_gib")
+            sh_ms = (sh.get("at_min") or {}).get("step_ms")
+            ratio_min = shmin / ptmin if ptmin and shmin else None
+            slow = sh_ms / base["step_ms"] if sh_ms and base.get("step_ms") else None
+            base_text = (f"{fmt(base.get('step_ms'))} ({fmt(base.get('peak_bytes', 0) / 2**30)} / "
+                         f"{fmt(base.get('peak_reserved_bytes', 0) / 2**30)})") if base.get("step_ms") \
+                else base.get("status", "-")
+            lines.append(
+                f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | {base_text} | "
+                f"{min_text(pt)} | {fmt((pt.get('at_min') or {}).get('step_ms'))} | {min_text(sh)} | "
+                f"{fmt(sh_ms)} | {fmt(ratio_min, '.3f')} | {fmt(slow, '.3f')} | "
+                f"{len(pt.get('probes', []))} / {len(sh.get('probes', []))} | {note_of(e)} |")
+        lines += [""]
+    if "maxbatch" in reports:
+        r = reports["maxbatch"]
+        lines += [f"## (c) Largest batch under a {r.get('cap_gib', '?')} GiB cap (target: shim >= PyTorch)", "",
+                  *started(r),
+                  f"Bisection on N to {r['settings'].get('resolution')} of it; images/s from that "
+                  f"probe's median of {r['settings'].get('probe_steps')} steps.", "",
+                  "| model | setting | PyTorch largest N | images/s | shim largest N | images/s | "
+                  "shim >= PyTorch | note |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for model, e in r["models"].items():
+            pt, sh = e.get("pytorch") or {}, e.get("shim") or {}
+            a, b = pt.get("images_per_s"), sh.get("images_per_s")
+            verdict = "-" if a is None or b is None else ("yes" if b >= a else "**no**")
+            lines.append(f"| {model} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | "
+                         f"{batch_text(pt)} | {fmt(a, '.0f')} | {batch_text(sh)} | {fmt(b, '.0f')} | "
+                         f"{verdict} | {note_of(e)} |")
+        lines += [""]
+    skipped = [what for r in reports.values() for what in r.get("skipped", [])]
+    if skipped:
+        lines += ["## Not run (time budget spent)", ""] + [f"- {what}" for what in skipped] + [""]
+    return "\n".join(lines)
+
+
+def started(report: dict) -> list[str]:
+    """When the part started (parts of one page may come from different runs)."""
+    return [f"Run started {report['started']}."] if report.get("started") else []
+
+
+def note_of(entry: dict) -> str:
+    """What kept a model's row short: the time budget, a failed run, a crashed search."""
+    notes = [entry[k] for k in ("incomplete", "error") if entry.get(k)]
+    notes += [f"{side}: {entry[side]['error']}" for side in ("pytorch", "shim")
+              if (entry.get(side) or {}).get("error")]
+    return "; ".join(notes).replace("|", "/").replace("\n", " ")[:200]
+
+
+def min_text(search: dict) -> str:
+    if search.get("min_cap_gib") is not None:
+        return f"{search['min_cap_gib']:g}"
+    if search.get("at_most_gib") is not None:
+        return f"<= {search['at_most_gib']:g} (incomplete)"
+    return search.get("note", "-")
+
+
+def batch_text(search: dict) -> str:
+    if search.get("max_batch") is not None:
+        return str(search["max_batch"])
+    if search.get("at_least") is not None:
+        return f">= {search['at_least']} (incomplete)"
+    return search.get("note", "-")
+
+
+def read_part(out: Path, part: str) -> dict:
+    """OUT/pressure-PART.json, or {} where there is none (or it is unreadable)."""
+    try:
+        return json.loads((out / f"pressure-{part}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_page(out: Path, to: Path | None = None) -> Path | None:
+    """Read every part's JSON in ``out``, write the page (``to``, or OUT/pressure-GPU.md)."""
+    from mucudnn.outputs import write_text_atomically
+    reports = {part: data for part in PARTS if (data := read_part(out, part))}
+    if not reports:
+        return None
+    device = next((r["device"] for r in reports.values() if r.get("device")), None)
+    target = to or out / f"pressure-{gpu_slug(device)}.md"
+    write_text_atomically(target, markdown(reports) + "\n")
+    return target
+
+
+# -- several GPUs ----------------------------------------------------------------------------------
+
+def fan_out(args, argv: list[str], out: Path) -> None:
+    """One child per model (``pressure PART --models MODEL --out OUT/parts/MODEL``: its own
+    online directory and earlier parts), at most one per GPU at a time, each with what is left of
+    the time budget; then each part's JSON merged into OUT."""
+    queue = list(args.models)
+    gpus = [g for g in args.gpus.split(",") if g]
+    running: dict[str, tuple[subprocess.Popen, str, Path]] = {}
+    base = strip_options(argv, {"--models", "--out", "--gpus", "--time-budget-s"})
+    budget = Budget(args.time_budget_s)
+    try:
+        while queue or running:
+            for gpu in gpus:
+                if gpu not in running and queue:
+                    model = queue.pop(0)
+                    child_out = out / "parts" / model.replace(":", "_")
+                    child_out.mkdir(parents=True, exist_ok=True)
+                    left = []
+                    if budget.deadline is not None:
+                        remaining = budget.deadline - budget.clock()
+                        if remaining <= 0:
+                            print(f"[{args.part}] {model}: not started (time budget spent)", flush=True)
+                            continue
+                        left = ["--time-budget-s", f"{remaining:.0f}"]
+                    log = open(child_out / "child.log", "a")
+                    proc = subprocess.Popen(
+                        [sys.executable, "-m", "benchmarks.pressure", *base, *left, "--models",
+                         model, "--out", str(child_out)],
+                        env=dict(os.environ, CUDA_VISIBLE_DEVICES=gpu), stdout=log,
+                        stderr=subprocess.STDOUT)
+                    log.close()
+                    running[gpu] = (proc, model, child_out)
+                    print(f"[{args.part}] {model} on GPU {gpu}", flush=True)
+            for gpu, (proc, model, child_out) in list(running.items()):
+                if proc.poll() is not None:
+                    del running[gpu]
+                    print((child_out / "child.log").read_text(errors="replace"), flush=True)
+            time.sleep(1)
+    finally:
+        for proc, _, _ in running.values():
+            proc.terminate()  # each child kills its probe and writes its JSON
+        for proc, _, _ in running.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        merge_parts(out)
+
+
+def strip_options(argv: list[str], names: set[str]) -> list[str]:
+    """``argv`` without the options ``names`` and their values (one or more, up to the next
+    option)."""
+    kept, skipping = [], False
+    for item in argv:
+        if item.startswith("--"):
+            name = item.split("=", 1)[0]
+            skipping = name in names
+            if skipping:
+                continue
+        elif skipping:
+            continue
+        kept.append(item)
+    return kept
+
+
+def merge_parts(out: Path) -> None:
+    """OUT/parts/*/pressure-PART.json -> OUT/pressure-PART.json (models united)."""
+    from mucudnn.outputs import write_text_atomically
+    for part in PARTS:
+        merged = None
+        for path in sorted(out.glob(f"parts/*/pressure-{part}.json")):
+            data = json.loads(path.read_text())
+            if merged is None:
+                merged = data
+            else:
+                merged["models"].update(data["models"])
+                merged["skipped"] += data.get("skipped", [])
+                merged["device"] = merged["device"] or data.get("device")
+        if merged is not None:
+            write_text_atomically(out / f"pressure-{part}.json", json.dumps(merged, indent=1) + "\n")
+
+
+# -- command line --------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=[*PARTS, "report"])
+    ap.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "r3d_18", "unet3d",
+                                                    "deeplabv3_resnet50"], help="MODEL or MODEL:BATCH")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shim-mode", choices=["online", "front"], default="online")
+    ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"],
+                    help="ratio: each; minmem, maxbatch: the first")
+    ap.add_argument("--benchmark", nargs="+", choices=["off", "on"], default=["off", "on"],
+                    help="cudnn.benchmark (ratio: each; minmem, maxbatch: the first)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps of ratio and uncapped runs")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--probe-steps", type=int, default=3, help="timed steps of a probe (after 1 warm-up)")
+    ap.add_argument("--cap-step", type=float, default=0.25, help="GiB: the grid of minmem caps")
+    ap.add_argument("--low-fraction", type=float, default=0.7,
+                    help="minmem: PyTorch's lower bracket, this times its uncapped peak allocated")
+    ap.add_argument("--shim-low-fraction", type=float, default=0.6,
+                    help="minmem: the shim's lower bracket, this times PyTorch's minimum")
+    ap.add_argument("--cap", type=float, default=24.0, help="maxbatch: the cap, GiB")
+    ap.add_argument("--resolution", type=float, default=0.05, help="maxbatch: relative bracket")
+    ap.add_argument("--seeded-growth", type=float, default=1.25,
+                    help="maxbatch: the shim's growth factor from PyTorch's largest batch")
+    ap.add_argument("--no-shim-budget", dest="shim_budget", action="store_false",
+                    help="under a cap, do not tell the shim the cap (MUCUDNN_MEMORY_BUDGET)")
+    ap.add_argument("--time-budget-s", type=float, help="start no run after this many seconds")
+    ap.add_argument("--probe-timeout-s", type=float, default=240.0, help="kill a run after this")
+    ap.add_argument("--gpus", default="", help="comma-separated GPU indices: models in parallel")
+    ap.add_argument("--to", help="report: the page to write (default OUT/pressure-GPU.md)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.part == "report":
+        page = write_page(out, Path(args.to) if args.to else None)
+        print(f"wrote {page}" if page else f"no pressure-*.json in {out}")
+        return 0
+    def terminate(signum, frame):
+        raise Terminated()
+    signal.signal(signal.SIGTERM, terminate)
+    if args.gpus:
+        try:
+            fan_out(args, argv, out)  # on Terminated, its children write theirs and it merges
+        except Terminated:
+            print(f"[{args.part}] terminated: merged what the children measured", flush=True)
+        print(f"wrote {write_page(out)}", flush=True)
+        return 0
+    budget = Budget(args.time_budget_s)
+    if args.part == "ratio" and args.shim_mode == "online":
+        shutil.rmtree(out / "online", ignore_errors=True)  # zero set-up: every model starts untuned
+    runner = Runner(args, budget, out)
+    report = Report(args.part, args, out, budget)
+    try:
+        {"ratio": ratio_part, "minmem": minmem_part, "maxbatch": maxbatch_part}[args.part](
+            args, runner, report)
+    except Terminated:
+        report.data["terminated"] = True
+        print(f"[{args.part}] terminated: writing what was measured", flush=True)
+    finally:
+        report.save()
+        page = write_page(out)
+    if budget.skipped:
+        print(f"[{args.part}] time budget spent: {len(budget.skipped)} run(s) not started, first: "
+              f"{budget.skipped[0]}", flush=True)
+    print(f"wrote {report.path} and {page}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""benchmarks/pressure.py on the CPU: the searches against fake probes with known thresholds,
+the parts end to end against a fake GPU (every worker run answered from the command it was
+given), the time budget, killing a run's process group, and the results page."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from benchmarks import pressure
+from benchmarks.pressure import Budget, OutOfTime, max_batch_search, min_cap_search
+from benchmarks.shim_pytorch import worker_outcome
+
+OK, OOM = {"status": "ok", "step_ms": 10.0}, {"status": "oom"}
+
+
+def threshold_probe(threshold, calls):
+    def probe(x):
+        calls.append(x)
+        return OK if x >= threshold else OOM
+    return probe
+
+
+# -- minimum cap -----------------------------------------------------------------------------------
+
+@given(threshold=st.floats(0.01, 60), low=st.floats(0, 80), high=st.floats(0, 80))
+def test_min_cap_is_the_threshold_rounded_up_to_the_grid_whatever_the_bracket(threshold, low, high):
+    calls = []
+    result = min_cap_search(threshold_probe(threshold, calls), low, high, step_gib=0.25,
+                            ceiling_gib=100)
+    assert result["complete"]
+    assert result["min_cap_gib"] == pytest.approx(math.ceil(threshold / 0.25 - 1e-9) * 0.25)
+    assert len(calls) == len(set(calls))  # no cap probed twice
+    assert all(c > 0 and round(c / 0.25, 9) == round(c / 0.25) for c in calls)  # on the grid
+
+
+def test_a_good_bracket_costs_a_few_probes():
+    calls = []
+    result = min_cap_search(threshold_probe(6.1, calls), 4.0, 9.0, step_gib=0.25)
+    assert result["min_cap_gib"] == 6.25
+    assert calls[0] == 9.0  # the upper end first
+    assert len(calls) <= 1 + math.ceil(math.log2((9.0 - 4.0) / 0.25))
+    assert result["at_min"]["status"] == "ok" and len(result["probes"]) == len(calls)
+
+
+def test_a_lower_end_that_passes_is_probed_and_the_bracket_widens_down():
+    calls = []
+    result = min_cap_search(threshold_probe(1.0, calls), 4.0, 5.0, step_gib=0.25)
+    assert result["min_cap_gib"] == 1.0
+    assert 4.0 in calls and 0.75 in calls  # the assumed-failing end, then the one below 1.0
+
+
+def test_out_of_memory_at_every_cap_is_a_result():
+    calls = []
+    result = min_cap_search(lambda c: calls.append(c) or OOM, 4.0, 9.0, ceiling_gib=140)
+    assert result["complete"] and result["min_cap_gib"] is None
+    assert "fails even at 140" in result["note"]
+    assert len(calls) <= 6  # 9, 14, 24, 44, 84, 140
+
+
+def test_timed_out_runs_count_as_not_training():
+    result = min_cap_search(lambda c: {"status": "ok" if c >= 3 else "timeout"}, 1, 8)
+    assert result["min_cap_gib"] == 3.0
+
+
+def test_a_crash_ends_a_search_instead_of_bisecting_on_it():
+    calls = []
+    crash = {"status": "failed", "stderr_tail": "Segmentation fault"}
+    result = min_cap_search(lambda c: calls.append(c) or (OK if c >= 7 else crash), 2, 8)
+    assert calls == [8, 5] and result["min_cap_gib"] is None and not result["complete"]
+    assert result["error"] == "failed at 5 GiB: Segmentation fault"
+    calls.clear()
+    result = max_batch_search(lambda b: calls.append(b) or crash, 256)
+    assert calls == [256] and result["max_batch"] is None and "batch 256" in result["error"]
+
+
+def fake_clock(budget_probes):
+    """A clock that passes the deadline after ``budget_probes`` probes."""
+    state = {"now": 0.0}
+
+    def clock():
+        return state["now"]
+    return clock, state
+
+
+def test_the_time_budget_ends_a_min_cap_search_with_the_bracket_so_far():
+    clock, state = fake_clock(3)
+    budget = Budget(3.0, clock=clock)
+    calls = []
+
+    def probe(cap):
+        budget.check(f"cap {cap}")
+        calls.append(cap)
+        state["now"] += 1.0
+        return OK if cap >= 5.3 else OOM
+
+    result = min_cap_search(probe, 2.0, 12.0)
+    assert not result["complete"] and result["min_cap_gib"] is None and len(calls) == 3
+    assert result["at_most_gib"] == min(c for c in calls if c >= 5.3)
+    assert result["above_gib"] == max((c for c in calls if c < 5.3), default=None)
+    assert budget.skipped and budget.skipped[0].startswith("cap ")
+
+
+def test_budget_allows_runs_until_the_deadline_only():
+    clock, state = fake_clock(0)
+    budget = Budget(10, clock=clock)
+    budget.check("first")
+    state["now"] = 10
+    with pytest.raises(OutOfTime):
+        budget.check("second")
+    assert budget.skipped == ["second"]
+    Budget(None, clock=clock).check("never limited")
+
+
+# -- largest batch ---------------------------------------------------------------------------------
+
+@given(largest=st.integers(0, 5000), start=st.integers(1, 600), growth=st.sampled_from([2.0, 1.25]))
+def test_largest_batch_within_the_resolution(largest, start, growth):
+    calls = []
+    result = max_batch_search(threshold_probe_le(largest, calls), start, growth=growth,
+                              resolution=0.05)
+    assert result["complete"]
+    assert len(calls) == len(set(calls))
+    if largest == 0:
+        assert result["max_batch"] is None and "batch 1" in result["note"]
+        return
+    found = result["max_batch"]
+    assert found <= largest and largest - found < max(1, int(0.05 * found))
+    assert result["at_max"]["status"] == "ok"
+
+
+def threshold_probe_le(largest, calls):
+    def probe(batch):
+        calls.append(batch)
+        return OK if batch <= largest else OOM
+    return probe
+
+
+def test_largest_batch_doubles_from_n_then_bisects():
+    calls = []
+    result = max_batch_search(threshold_probe_le(300, calls), 256)
+    assert calls[:2] == [256, 512] and result["max_batch"] in range(286, 301)
+    assert len(calls) <= 2 + math.ceil(math.log2(256 / (0.05 * 256)))
+
+
+def test_largest_batch_when_every_batch_runs_out_of_memory():
+    calls = []
+    result = max_batch_search(lambda b: calls.append(b) or OOM, 256)
+    assert result["complete"] and result["max_batch"] is None
+    assert calls == [256, 128, 64, 32, 16, 8, 4, 2, 1]
+
+
+def test_largest_batch_stops_at_the_ceiling():
+    result = max_batch_search(lambda b: OK, 4, ceiling=64)
+    assert result["max_batch"] == 64 and "ceiling" in result["note"]
+
+
+def test_the_time_budget_ends_a_batch_search():
+    clock, state = fake_clock(0)
+    budget = Budget(2.5, clock=clock)
+
+    def probe(batch):
+        budget.check(f"batch {batch}")
+        state["now"] += 1
+        return OK if batch <= 1000 else OOM
+
+    result = max_batch_search(probe, 16)
+    assert not result["complete"] and result["max_batch"] is None
+    assert result["at_least"] == 64 and budget.skipped == ["batch 128"]
+
+
+# -- runs ------------------------------------------------------------------------------------------
+
+def test_worker_outcomes():
+    ok = worker_outcome(0, 'noise\n{"step_ms": 12.5, "peak_bytes": 1}\n', "")
+    assert ok["status"] == "ok" and ok["step_ms"] == 12.5
+    assert worker_outcome(0, '{"oom": true, "error": "CUDA out of memory"}', "")["status"] == "oom"
+    # died of it outside the training loop, with a traceback
+    died = worker_outcome(1, "", "Traceback...\nRuntimeError: GET was unable to find an engine to "
+                                 "execute this computation\n")
+    assert died["status"] == "oom" and "unable to find an engine" in died["error"]
+    failed = worker_outcome(139, "", "Segmentation fault")
+    assert failed["status"] == "failed" and failed["returncode"] == 139
+    assert worker_outcome(1, '{"step_ms": 1}', "")["status"] == "failed"
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    script = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', " \
+             f"'import time; time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); " \
+             f"time.sleep(60)"
+    t0 = time.monotonic()
+    rc, _, _, wall, timed_out = pressure.execute([sys.executable, "-c", script], dict(os.environ), 5)
+    assert timed_out and wall < 30 and time.monotonic() - t0 < 30
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init shortly after the kill
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        if _zombie(grandchild):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the worker (a grandchild) outlived its timeout")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+# -- the parts end to end, against a fake GPU --------------------------------------------------------
+
+# GiB each side needs to train (PyTorch, shim) at the table's N, and its step ms
+NEEDS = {"resnet50": (20.3, 19.6), "unet3d": (9.1, 6.8)}
+STEP_MS = {"resnet50": (116.0, 116.3), "unet3d": (600.0, 590.0)}
+
+
+class FakeGpu:
+    """Answers worker commands as the worker would print, from the model, batch and cap in the
+    command and whether it runs under `mucudnn run`."""
+
+    def __init__(self):
+        self.runs = []
+
+    def __call__(self, cmd, env, timeout_s):
+        def arg(name, default=None):
+            return cmd[cmd.index(name) + 1] if name in cmd else default
+        shim = "mucudnn" in cmd and "run" in cmd
+        model, batch = arg("--model"), int(arg("--batch"))
+        cap = float(arg("--memory-cap-gib", "0"))
+        self.runs.append({"model": model, "batch": batch, "cap": cap, "shim": shim,
+                          "online": env.get("MUCUDNN_ONLINE"), "dir": env.get("MUCUDNN_ONLINE_DIR"),
+                          "budget": env.get("MUCUDNN_MEMORY_BUDGET"),
+                          "steps": int(arg("--steps")), "dtype": arg("--dtype"),
+                          "benchmark": "--cudnn-benchmark" in cmd})
+        from benchmarks.models import spec_of
+        need = NEEDS[model][shim] * batch / spec_of(model).batch
+        stderr = "mucudnn: online tuning: 12 kernels measured in 3.0 s\n" if shim and int(arg("--warmup")) == 0 else ""
+        if cap and need > cap:
+            return 0, json.dumps({"oom": True, "error": "CUDA out of memory"}) + "\n", stderr, 5.0, False
+        step = STEP_MS[model][shim] * batch / spec_of(model).batch
+        out = {"step_ms": step, "step_ms_all": [step * 3, step] if "--warmup" in cmd else [step],
+               "steps": 2, "peak_bytes": int(need * 2**30), "peak_reserved_bytes": int(need * 1.3 * 2**30),
+               "loss": 1.0, "memory_fraction": None, "device": "NVIDIA H200", "batch": batch}
+        return 0, json.dumps(out) + "\n", stderr, 6.0, False
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    fake = FakeGpu()
+    monkeypatch.setattr(pressure, "execute", fake)
+    monkeypatch.setenv("MUCUDNN_ONLINE", "1")  # must never reach a plain PyTorch run
+    monkeypatch.setenv("MUCUDNN_ONLINE_DIR", "/somewhere/else")
+    monkeypatch.setenv("MUCUDNN_MEMORY_BUDGET", "1GiB")  # nor a budget the run did not ask for
+    return fake
+
+
+def test_ratio_tunes_once_per_setting_then_alternates_rounds(gpu, tmp_path, capsys):
+    assert pressure.main(["ratio", "--models", "resnet50", "unet3d", "--rounds", "2",
+                          "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "pressure-ratio.json").read_text())
+    assert data["device"] == "NVIDIA H200" and data["skipped"] == []
+    row = data["models"]["resnet50"]["settings"]["bf16/benchmark-on"]
+    assert row["median_ratio"] == pytest.approx(116.3 / 116.0)
+    assert row["first_use"]["online_lines"] == ["mucudnn: online tuning: 12 kernels measured in 3.0 s"]
+    assert len(data["models"]["unet3d"]["settings"]) == 4
+    # per setting and model: the first use, then PyTorch and the shim alternating
+    resnet = [r for r in gpu.runs if r["model"] == "resnet50" and r["dtype"] == "fp32" and not r["benchmark"]]
+    assert [(r["shim"], r["steps"]) for r in resnet] == [(True, 2), (False, 10), (True, 10),
+                                                         (False, 10), (True, 10)]
+    assert all(r["online"] is None and r["dir"] is None for r in gpu.runs if not r["shim"])
+    assert all(r["online"] == "1" and r["dir"] == str(tmp_path / "online" / r["model"])
+               for r in gpu.runs if r["shim"])
+    assert "[ratio resnet50:256 fp32 benchmark off] shim/PyTorch 1.0026 1.0026 -> median 1.0026" \
+        in capsys.readouterr().out
+    page = (tmp_path / "pressure-h200.md").read_text()
+    assert "| resnet50, 256 | fp32/benchmark-off |" in page and "| 1.0026 | yes |" in page
+    assert "| unet3d, 2 | bf16/benchmark-on |" in page and "| 0.9833 | yes |" in page
+
+
+def test_minmem_finds_each_sides_smallest_cap_and_reuses_the_ratio_runs(gpu, tmp_path):
+    pressure.main(["ratio", "--models", "unet3d", "--rounds", "1", "--dtypes", "fp32",
+                   "--benchmark", "off", "--out", str(tmp_path)])
+    before = len(gpu.runs)
+    assert pressure.main(["minmem", "--models", "unet3d", "resnet50", "--dtypes", "fp32",
+                          "--benchmark", "off", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "pressure-minmem.json").read_text())
+    unet, resnet = data["models"]["unet3d"], data["models"]["resnet50"]
+    assert unet["pytorch"]["min_cap_gib"] == 9.25 and unet["shim"]["min_cap_gib"] == 7.0
+    assert resnet["pytorch"]["min_cap_gib"] == 20.5 and resnet["shim"]["min_cap_gib"] == 19.75
+    assert unet["pytorch_uncapped"].get("reused_from") == "pressure-ratio.json"
+    assert "shim_first_use" not in unet  # tuned by the ratio part already
+    assert "shim_first_use" in resnet
+    new = gpu.runs[before:]
+    assert not any(r["cap"] == 0 for r in new if r["model"] == "unet3d")  # no uncapped rerun
+    assert all(r["steps"] == 3 for r in new if r["cap"])
+    # the shim is told the cap, PyTorch is not
+    assert all(r["budget"] == str(int(r["cap"] * 2**30)) for r in new if r["shim"] and r["cap"])
+    assert all(r["budget"] is None for r in gpu.runs if not r["shim"] or not r["cap"])
+    page = (tmp_path / "pressure-h200.md").read_text()
+    assert "| unet3d, 2 | fp32/benchmark-off |" in page and "| 9.25 |" in page and "| 0.757 |" in page
+
+
+def test_maxbatch_under_the_cap(gpu, tmp_path):
+    assert pressure.main(["maxbatch", "--models", "resnet50", "--cap", "24", "--dtypes", "bf16",
+                          "--out", str(tmp_path)]) == 0
+    entry = json.loads((tmp_path / "pressure-maxbatch.json").read_text())["models"]["resnet50"]
+    pt, shim = entry["pytorch"]["max_batch"], entry["shim"]["max_batch"]
+    assert 24 / 20.3 * 256 - pt < 0.05 * pt and pt <= 24 / 20.3 * 256
+    assert 24 / 19.6 * 256 - shim < 0.05 * shim and shim <= 24 / 19.6 * 256
+    assert entry["pytorch"]["images_per_s"] == pytest.approx(256 * 1000 / 116.0)
+    assert all(r["dtype"] == "bf16" and r["cap"] == 24 for r in gpu.runs)
+    assert "| resnet50 | bf16/benchmark-off |" in (tmp_path / "pressure-h200.md").read_text()
+
+
+def test_front_mode_runs_the_shim_with_a_plan_made_once_per_dtype(gpu, tmp_path, monkeypatch):
+    from benchmarks import never_slower
+    made = []
+
+    def prepare(model, batch, out, cap_limit, dtype="fp32"):
+        made.append((model, batch, dtype))
+        if dtype == "bf16":
+            raise RuntimeError("bench failed: no engine")
+        return {"plans": {"front": str(out / f"{model}-{dtype}.plan")}}
+
+    monkeypatch.setattr(never_slower, "prepare", prepare)
+    assert pressure.main(["ratio", "--models", "resnet50", "--shim-mode", "front", "--rounds", "2",
+                          "--out", str(tmp_path)]) == 0
+    assert made == [("resnet50", 256, "fp32"), ("resnet50", 256, "bf16")]
+    shim_runs = [r for r in gpu.runs if r["shim"]]
+    assert shim_runs and all(r["online"] is None and r["dtype"] == "fp32" for r in shim_runs)
+    settings = json.loads((tmp_path / "pressure-ratio.json").read_text())["models"]["resnet50"]["settings"]
+    assert "first_use" not in settings["fp32/benchmark-off"]
+    assert settings["fp32/benchmark-on"]["median_ratio"] == pytest.approx(116.3 / 116.0)
+    failed = settings["bf16/benchmark-off"]["rounds"][0]["shim"]
+    assert failed["status"] == "failed" and "no engine" in failed["stderr_tail"]
+
+
+def test_a_spent_budget_records_what_was_not_run(gpu, tmp_path):
+    assert pressure.main(["minmem", "--models", "unet3d", "resnet50", "--time-budget-s", "0",
+                          "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "pressure-minmem.json").read_text())
+    assert gpu.runs == []
+    assert len(data["skipped"]) == 2 and data["skipped"][0].startswith("unet3d:2 fp32")
+    assert all(e["incomplete"] == "time budget spent" for e in data["models"].values())
+    page = (tmp_path / "pressure-gpu.md").read_text()  # no run: no device name
+    assert "## Not run (time budget spent)" in page
+
+
+# -- several GPUs ----------------------------------------------------------------------------------
+
+def test_models_spread_over_gpus_and_results_merge(tmp_path, monkeypatch):
+    started = []
+
+    class FakeChild:
+        def __init__(self, cmd, env, stdout, stderr):
+            out = cmd[cmd.index("--out") + 1]
+            model = cmd[cmd.index("--models") + 1]
+            started.append((model, env["CUDA_VISIBLE_DEVICES"], cmd))
+            data = {"part": "ratio", "device": "NVIDIA H200", "settings": {}, "skipped": [],
+                    "models": {model: {"batch": 1, "settings": {}}}}
+            with open(os.path.join(out, "pressure-ratio.json"), "w") as f:
+                json.dump(data, f)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(pressure.subprocess, "Popen", FakeChild)
+    monkeypatch.setattr(pressure.time, "sleep", lambda s: None)
+    assert pressure.main(["ratio", "--models", "resnet50", "unet3d", "r3d_18:16", "--gpus", "0,1",
+                          "--rounds", "1", "--time-budget-s", "500", "--out", str(tmp_path)]) == 0
+    assert [(m, g) for m, g, _ in started] == [("resnet50", "0"), ("unet3d", "1"), ("r3d_18:16", "0")]
+    cmd = started[0][2]
+    assert cmd.count("--models") == 1 and "--gpus" not in cmd and "--rounds" in cmd
+    assert float(cmd[cmd.index("--time-budget-s") + 1]) <= 500
+    merged = json.loads((tmp_path / "pressure-ratio.json").read_text())
+    assert set(merged["models"]) == {"resnet50", "unet3d", "r3d_18:16"}
+    assert (tmp_path / "pressure-h200.md").exists()
+
+
+def test_strip_options_drops_options_with_all_their_values():
+    argv = ["ratio", "--models", "a", "b:2", "--rounds", "2", "--out=x", "--gpus", "0,1"]
+    assert pressure.strip_options(argv, {"--models", "--out", "--gpus"}) == ["ratio", "--rounds", "2"]
+
+
+# -- the page ----------------------------------------------------------------------------------------
+
+SAMPLE = {
+    "ratio": {"part": "ratio", "device": "NVIDIA H100 80GB HBM3", "skipped": ["vgg16:256 bf16 x"],
+              "started": "2026-11-23 10:00 UTC",
+              "settings": {"shim_mode": "online", "rounds": 2, "steps": 10, "warmup": 3},
+              "models": {"vgg16": {"batch": 256, "settings": {"bf16/benchmark-off": {
+                  "dtype": "bf16", "cudnn_benchmark": False, "median_ratio": 1.0213,
+                  "first_use": {"status": "ok", "wall_s": 31.2, "step_ms_all": [9000.0, 100.0],
+                                "online_lines": ["mucudnn: online tuning: 9 kernels | 20 s"]},
+                  "rounds": [{"pytorch": {"status": "ok", "step_ms": 100.0, "peak_bytes": 2**31},
+                              "shim": {"status": "ok", "step_ms": 102.13, "peak_bytes": 2**31},
+                              "ratio": 1.0213},
+                             {"pytorch": {"status": "ok", "step_ms": 100.0},
+                              "shim": {"status": "oom"}}]}}}}},
+    "minmem": {"part": "minmem", "device": None, "skipped": [],
+               "settings": {"cap_step": 0.25, "probe_steps": 3},
+               "models": {"r3d_18": {"batch": 32, "dtype": "fp32", "cudnn_benchmark": False,
+                                     "pytorch_uncapped": {"status": "ok", "step_ms": 80.0,
+                                                          "peak_bytes": 6 * 2**30,
+                                                          "peak_reserved_bytes": 9 * 2**30},
+                                     "pytorch": {"min_cap_gib": 6.5, "probes": [{}] * 4,
+                                                 "at_min": {"step_ms": 84.0}},
+                                     "shim": {"min_cap_gib": None, "at_most_gib": 5.0,
+                                              "error": "failed at 4 GiB: boom",
+                                              "probes": [{}] * 2}}}},
+}
+
+
+def test_the_page_from_sample_json():
+    page = pressure.markdown(SAMPLE)
+    assert "Device: NVIDIA H100 80GB HBM3" in page
+    assert page.count("Run started") == 1 and "Run started 2026-11-23 10:00 UTC." in page
+    assert ("| vgg16, 256 | bf16/benchmark-off | 100.00 100.00 | 102.13 oom | 1.0213 - | 1.0213 | "
+            "**no** | 2.00 / 2.00 | 31.2 s; 9000 / 100; mucudnn: online tuning: 9 kernels / 20 s |  |"
+            ) in page
+    assert ("| r3d_18, 32 | fp32/benchmark-off | 80.00 (6.00 / 9.00) | 6.5 | 84.00 | <= 5 (incomplete) "
+            "| - | - | - | 4 / 2 | shim: failed at 4 GiB: boom |") in page
+    assert "(c) Largest batch" not in page  # no maxbatch JSON
+    assert page.rstrip().endswith("- vgg16:256 bf16 x")
+    assert pressure.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert pressure.gpu_slug("NVIDIA H200") == "h200" and pressure.gpu_slug(None) == "gpu"
+
+
+def test_report_rewrites_the_page_from_the_json(tmp_path):
+    (tmp_path / "pressure-minmem.json").write_text(json.dumps(SAMPLE["minmem"]))
+    target = tmp_path / "page.md"
+    assert pressure.main(["report", "--out", str(tmp_path), "--to", str(target)]) == 0
+    assert "| r3d_18, 32 |" in target.read_text()
+
+
+def test_the_module_runs_without_torch():
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; "
+                           "import benchmarks.pressure, benchmarks.models"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,25 @@
+"""benchmarks/shim_pytorch.py's worker commands: which shim mode each run asks `mucudnn run` for."""
+
+import pytest
+
+from benchmarks.shim_pytorch import worker_command
+
+
+def _shim_arguments(cmd: list[str]) -> list[str]:
+    return cmd[cmd.index("-m") + 2:cmd.index("--")]
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, ["run", "--no-online"]),                       # the shim's overhead: a passthrough
+    ({"online": True}, ["run"]),                        # zero set-up: `mucudnn run` tunes online
+    ({"plan": "p.plan"}, ["run", "--plan", "p.plan"]),  # a plan: never online
+    ({"record": "r.rec"}, ["record", "-o", "r.rec"]),
+])
+def test_a_run_without_a_plan_passes_through_unless_it_asks_for_online_tuning(kwargs, expected):
+    cmd, _ = worker_command("resnet50", {}, tf32=True, shim=True, **kwargs)
+    assert _shim_arguments(cmd) == expected
+
+
+def test_plain_pytorch_runs_without_mucudnn():
+    cmd, _ = worker_command("resnet50", {}, tf32=True, shim=False)
+    assert "mucudnn" not in cmd and "--" not in cmd
