@@ -109,7 +109,7 @@ def worker(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = False
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # an index: the memory-fraction API needs one
     total = torch.cuda.get_device_properties(device).total_memory
     if args.budget_bytes:
         torch.cuda.set_per_process_memory_fraction(args.budget_bytes / total, device)
