@@ -7,8 +7,9 @@
  *   - with a micro-batch plan for its kernel key and N, the plan reports the micro-batch plan's
  *     workspace (so the framework allocates only that) and cudnnBackendExecute runs the pieces
  *     through the legacy path (exec.c), on legacy descriptors built once from the graph's;
- *   - without one, with a workspace limit set, a plan that needs more than the limit is refused
- *     (CUDNN_STATUS_NOT_SUPPORTED), so the framework takes its next engine configuration.
+ *   - without one, a plan that needs more than the workspace limit (when set) or than the memory
+ *     free now (room.c) is refused (CUDNN_STATUS_NOT_SUPPORTED), so the framework takes its next
+ *     engine configuration.
  * Graphs of anything else (fused operations, norms, attention) pass through untouched.
  */
 #include <stdint.h>
@@ -200,7 +201,8 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     mu_kernel k;
     const char *why = NULL;
     mu_g_planned *p = legacy_equivalent(&engine, &graph.op, &k, &why);
-    mu_seen *seen = p ? mu_seen_kernel(&k) : NULL;
+    bool keyed = p != NULL;
+    mu_seen *seen = keyed ? mu_seen_kernel(&k) : NULL;
     mu_plan_entry *head = p && state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
     if (head != NULL && graph.handle == NULL) {
         static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
@@ -286,6 +288,9 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
                (void *)plan, real_workspace, state->workspace_limit);
         return CUDNN_STATUS_NOT_SUPPORTED;
     }
+    /* The engine runs undivided in its own workspace: more than is free now would fail to allocate
+     * or take the last free memory, so the framework is sent to its next configuration (room.c). */
+    if (mu_room_refuses(real_workspace, keyed ? &k : NULL, seen, plan)) return CUDNN_STATUS_NOT_SUPPORTED;
     return CUDNN_STATUS_SUCCESS;
 }
 

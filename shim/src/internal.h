@@ -376,6 +376,7 @@ typedef struct mu_seen {
     atomic_ulong passthrough_calls;
     atomic_bool first_call_logged;
     atomic_bool degraded; /* room.c: given a point of less workspace for lack of memory */
+    atomic_bool room_refused; /* room.c: an engine of its refused at finalize for lack of memory */
     struct mu_seen *_Atomic next_in_bucket;
     /* Online tuning (online.c): the kernel's measured front, published once complete. */
     _Atomic(struct mu_plan_entry *) online_head;
@@ -552,6 +553,13 @@ mu_plan_entry *mu_room_point(mu_plan_entry *head, mu_plan_entry *chosen, bool de
 void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_t to, const mu_room_info *room);
 /* How many kernels were degraded so far (the exit report). */
 size_t mu_room_degraded_kernels(void);
+/* Whether an execution plan that runs its engine undivided, needing `workspace` bytes, is to be
+ * refused at finalize for lack of memory: more than the room (never an engine of no workspace;
+ * never when the room is unknown). A refusal is logged (once per kernel at info) and counted. k
+ * and seen may be NULL (a graph without a kernel key: named by the plan's address). */
+bool mu_room_refuses(size_t workspace, const mu_kernel *k, mu_seen *seen, const void *plan);
+/* How many kernels had an engine refused so far (the exit report). */
+size_t mu_room_refused_kernels(void);
 
 /* ---- directions.c: the real cuDNN functions of each direction, in forward terms ------------ */
 
