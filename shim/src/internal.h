@@ -432,8 +432,19 @@ cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
 mu_plan *mu_online_init(bool have_plan);
 /* The front of a kernel that has no plan entry: measured now (on this call's buffers, never
  * changing what the caller will read), read from the online file where another process measured
- * it, or NULL with the reason in *why (pass the call through). Legacy calls only. */
+ * it, or NULL with the reason in *why (pass the call through). Legacy calls, and a graph-API
+ * execution plan's first executions (the call built as its planned path builds it): the
+ * measurement runs legacy algorithms on the legacy equivalent descriptors either way. */
 mu_plan_entry *mu_online_head(const mu_conv_call *call, const mu_kernel *k, mu_seen *seen, const char **why);
+/* Whether MUCUDNN_ONLINE is on (after mu_config). */
+bool mu_online_on(void);
+/* The kernel's front where this process already has one (measured, or read from the file where
+ * another process measured it), NULL otherwise; one acquire load. */
+mu_plan_entry *mu_online_front(mu_seen *seen);
+/* Whether online tuning gave up on the kernel for this process (budget, nothing measurable, N too
+ * large), as opposed to a kernel that may still get a front on a later call (claimed by another
+ * process, measured by another thread, a stream being captured). */
+bool mu_online_settled(mu_seen *seen);
 /* Counts, for the exit report, a kernel that ran from the loaded plan (once per kernel). */
 void mu_online_note_planned(mu_seen *seen);
 
