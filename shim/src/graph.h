@@ -85,8 +85,14 @@ typedef struct mu_g_planned {
     bool double_scales; /* alpha/beta are passed as double (f64 data) rather than float */
     float alpha_f, beta_f;
     double alpha_d, beta_d;
-    mu_plan_entry *entry; /* the point of the kernel's plan it runs */
-    size_t workspace;  /* the micro-batch plan's: what the framework is told and allocates */
+    /* The point of the kernel's plan it runs. NULL while pending: online tuning chooses it at the
+     * first execution (published once with a release store; read with acquire loads). */
+    _Atomic(mu_plan_entry *) entry;
+    bool deterministic; /* the framework's engine has no NONDETERMINISTIC note: its points must not */
+    mu_kernel *pending_kernel; /* pending: the kernel to tune (freed with the plan), else NULL */
+    atomic_bool native;        /* pending, and online tuning gave no usable point: the engine runs */
+    size_t workspace;  /* the micro-batch plan's (pending: the engine's): what the framework is told
+                        * and allocates */
     size_t engine_workspace; /* what the framework's own engine needs */
     int fallback_algo; /* runs undivided within that workspace, should the plan fail untouched */
     int piece_count;

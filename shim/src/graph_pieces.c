@@ -196,7 +196,9 @@ void mu_g_free_pieces(mu_g_planned *p) {
     p->piece_count = 0;
 }
 
-mu_plan_entry *mu_g_planned_entry(const mu_g_planned *p) { return p->entry; }
+mu_plan_entry *mu_g_planned_entry(const mu_g_planned *p) {
+    return atomic_load_explicit((_Atomic(mu_plan_entry *) *)&p->entry, memory_order_acquire);
+}
 
 mu_graph_owner *mu_g_graphs_of(const mu_g_planned *p) { return (mu_graph_owner *)&p->graphs; }
 

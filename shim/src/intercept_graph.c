@@ -7,8 +7,11 @@
  *   - with a micro-batch plan for its kernel key and N, the plan reports the micro-batch plan's
  *     workspace (so the framework allocates only that) and cudnnBackendExecute runs the pieces
  *     through the legacy path (exec.c), on legacy descriptors built once from the graph's;
- *   - without one, with a workspace limit set, a plan that needs more than the limit is refused
- *     (CUDNN_STATUS_NOT_SUPPORTED), so the framework takes its next engine configuration.
+ *   - without one, a plan that needs more than the workspace limit (when set) or than the memory
+ *     free now (room.c) is refused (CUDNN_STATUS_NOT_SUPPORTED), so the framework takes its next
+ *     engine configuration;
+ *   - with online tuning on and no front for the kernel, the plan is attached pending: its first
+ *     cudnnBackendExecute measures the kernel (online.c) and chooses the point it runs from then on.
  * Graphs of anything else (fused operations, norms, attention) pass through untouched.
  */
 #include <stdint.h>
@@ -26,6 +29,7 @@ static void free_planned(mu_g_planned *p) {
     if (p->w) real->cudnnDestroyFilterDescriptor(p->w);
     if (p->conv) real->cudnnDestroyConvolutionDescriptor(p->conv);
     mu_g_free_pieces(p);
+    free(p->pending_kernel);
     free(p);
 }
 
@@ -190,8 +194,29 @@ static size_t real_plan_workspace(cudnnBackendDescriptor_t plan) {
     return (size_t)size;
 }
 
-/* Attaches a micro-batch plan to a just finalized execution plan when there is one; applies the
- * workspace limit otherwise. Returns the status for the caller's cudnnBackendFinalize. */
+/*
+ * A plan of a kernel without a front, with online tuning on, is attached pending: its point is
+ * chosen at its first execution, once measured (choose_online_point). Until then the framework is
+ * told the engine's own workspace, so it allocates what it would have, and any point within that
+ * can run. The fallback (should the point fail before writing) runs within it too. False when no
+ * legacy algorithm runs undivided within it: the plan then stays cuDNN's.
+ */
+static bool make_pending(mu_g_planned *p, const engine_notes *engine, const mu_kernel *k, cudnnHandle_t handle,
+                         size_t real_workspace) {
+    mu_conv_descs descs = {p->dir, p->x, p->w, p->conv, p->y};
+    p->workspace = p->engine_workspace = real_workspace;
+    p->deterministic = engine->deterministic;
+    p->fallback_algo = mu_first_algo_within(handle, &descs, real_workspace, engine->deterministic);
+    if (p->fallback_algo < 0 && engine->deterministic)
+        p->fallback_algo = mu_first_algo_within(handle, &descs, real_workspace, false);
+    if (p->fallback_algo < 0 || (p->pending_kernel = malloc(sizeof *k)) == NULL) return false;
+    *p->pending_kernel = *k;
+    return true;
+}
+
+/* Attaches a micro-batch plan to a just finalized execution plan when there is one (or a pending
+ * one, for online tuning); applies the workspace limit and the room otherwise. Returns the status
+ * for the caller's cudnnBackendFinalize. */
 static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const mu_state *state) {
     mu_g_graph graph;
     if (!mu_g_graph_of(plan, &graph) || !graph.single) return CUDNN_STATUS_SUCCESS;
@@ -200,8 +225,15 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     mu_kernel k;
     const char *why = NULL;
     mu_g_planned *p = legacy_equivalent(&engine, &graph.op, &k, &why);
-    mu_seen *seen = p ? mu_seen_kernel(&k) : NULL;
+    bool keyed = p != NULL;
+    mu_seen *seen = keyed ? mu_seen_kernel(&k) : NULL;
     mu_plan_entry *head = p && state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
+    bool front = head != NULL && state->plan->front;
+    /* Online tuning: a front this process already has (measured for an earlier plan or call, or
+     * read from what another process measured) is used as a front plan's; without one, the plan
+     * is tuned at its first execution (pending, below). */
+    if (head == NULL && keyed && (head = mu_online_front(seen)) != NULL) front = true;
+    bool tunable = keyed && head == NULL && graph.handle != NULL && mu_online_on();
     if (head != NULL && graph.handle == NULL) {
         static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
         mu_log_limited(&limit, MU_LOG_WARNING, "%s N=%d: the execution plan's graph names no cuDNN handle "
@@ -216,15 +248,15 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
      * Where that point needs more than the memory free now, a point within it (room.c). */
     mu_plan_entry *entry = NULL;
     if (head != NULL) {
-        size_t available = state->plan->front ? real_workspace : SIZE_MAX;
-        if (state->plan->front && state->has_limit && available > state->workspace_limit)
+        size_t available = front ? real_workspace : SIZE_MAX;
+        if (front && state->has_limit && available > state->workspace_limit)
             available = state->workspace_limit;
         entry = mu_plan_point(head, available, engine.deterministic);
         entry = mu_room_point(head, entry, engine.deterministic, &k, seen);
         if (entry == NULL)
             mu_log(MU_LOG_INFO, "%s N=%d: no %spoint of the plan within %zu bytes of workspace; not using the "
                    "plan", k.key, k.n, engine.deterministic ? "deterministic " : "", available);
-        else if (state->plan->front && entry->piece_count == 1 && entry->pieces[0].engine != NULL &&
+        else if (front && entry->piece_count == 1 && entry->pieces[0].engine != NULL &&
                  entry->pieces[0].engine->global_index == engine.index && engine.index >= 0) {
             mu_log(MU_LOG_DEBUG, "%s N=%d: the fastest point is the framework's own engine %lld, undivided",
                    k.key, k.n, (long long)engine.index);
@@ -237,6 +269,7 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
         bool deterministic = engine.deterministic;
         mu_conv_descs descs = {p->dir, p->x, p->w, p->conv, p->y};
         p->entry = entry;
+        p->deterministic = deterministic;
         p->workspace = entry->workspace;
         p->engine_workspace = real_workspace;
         /* The fallback runs only if the plan fails before writing anything: deterministic when one
@@ -275,18 +308,29 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
                    "so a failing plan would have no way back; not using the plan on the graph path",
                    k.key, k.n, entry->workspace);
     }
-    free_planned(p);
-    mu_g_set_planned(plan, NULL, seen);
-    if (p == NULL) {
-        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
-        mu_log_limited(&limit, MU_LOG_INFO, "graph convolution without a kernel key: %s; passthrough", why);
-    }
+    /* No point runs: the engine would run undivided in its own workspace, so it is refused over the
+     * hard limit, and over the memory free now, where it would fail to allocate or take the last
+     * free memory (room.c): the framework then takes its next configuration. */
+    cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
     if (state->has_limit && real_workspace > state->workspace_limit) {
         mu_log(MU_LOG_DEBUG, "graph plan %p needs %zu bytes of workspace, over the limit %zu: refused",
                (void *)plan, real_workspace, state->workspace_limit);
-        return CUDNN_STATUS_NOT_SUPPORTED;
+        status = CUDNN_STATUS_NOT_SUPPORTED;
+    } else if (mu_room_refuses(real_workspace, keyed ? &k : NULL, seen, plan)) {
+        status = CUDNN_STATUS_NOT_SUPPORTED;
+    } else if (tunable && make_pending(p, &engine, &k, graph.handle, real_workspace)) {
+        mu_log(MU_LOG_DEBUG, "graph plan %p: %s N=%d is tuned online at its first execution (workspace %zu, "
+               "the engine's)", (void *)plan, k.key, k.n, real_workspace);
+        mu_g_set_planned(plan, p, seen);
+        return CUDNN_STATUS_SUCCESS;
     }
-    return CUDNN_STATUS_SUCCESS;
+    free_planned(p);
+    mu_g_set_planned(plan, NULL, seen);
+    if (!keyed) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_INFO, "graph convolution without a kernel key: %s; passthrough", why);
+    }
+    return status;
 }
 
 /* ---- cudnnBackendExecute of a planned execution plan ---------------------------------------- */
@@ -298,7 +342,49 @@ static void *pointer_of(const mu_g_variant_pack *pack, int64_t uid) {
     return NULL;
 }
 
-static cudnnStatus_t execute_planned(cudnnHandle_t handle, const mu_g_planned *p, const mu_g_variant_pack *pack) {
+/* The framework's own engine, for a pending plan that has no point (yet: a later execution may
+ * get one; or for good: p->native). */
+static cudnnStatus_t run_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t pack,
+                                mu_seen *seen, const char *why) {
+    static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+    if (seen != NULL) {
+        atomic_fetch_add(&seen->passthrough_calls, 1);
+        mu_log_limited(&limit, MU_LOG_INFO, "%s N=%d: passthrough on the graph path (%s)", seen->key, seen->n, why);
+    }
+    return mu_real()->cudnnBackendExecute(handle, plan, pack);
+}
+
+/*
+ * A pending plan's point: the kernel's front from online tuning (measured now on this call's
+ * buffers, or what another thread or process measured), its fastest point within the workspace
+ * the framework allocated, deterministic when its engine is. Published on p once (p is shared by
+ * the framework's threads). NULL when p has its point, else why not: the framework's engine runs
+ * this call, and, where online tuning gave up or no point fits, every later one (p->native).
+ */
+static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call, mu_seen *seen) {
+    const mu_kernel *k = p->pending_kernel;
+    const char *why = "no plan";
+    mu_plan_entry *head = mu_online_head(call, k, seen, &why);
+    if (head == NULL) {
+        if (mu_online_settled(seen)) atomic_store(&p->native, true);
+        return why;
+    }
+    mu_plan_entry *entry = mu_plan_point(head, p->workspace, p->deterministic);
+    if (entry == NULL || entry->has_engine_pieces) { /* engine pieces are built at finalize only */
+        atomic_store(&p->native, true);
+        mu_log(MU_LOG_INFO, "%s N=%d: no %spoint of the online front within the engine's %zu bytes of workspace; "
+               "the framework's engine runs", k->key, k->n, p->deterministic ? "deterministic " : "", p->workspace);
+        return "no point of the online front fits";
+    }
+    mu_plan_entry *none = NULL;
+    if (atomic_compare_exchange_strong_explicit(&p->entry, &none, entry, memory_order_release, memory_order_acquire))
+        mu_log(MU_LOG_INFO, "graph plan: %s N=%d runs the online front's point (workspace %zu, the engine's %zu)",
+               k->key, k->n, entry->workspace, p->workspace);
+    return NULL;
+}
+
+static cudnnStatus_t execute_planned(cudnnHandle_t handle, mu_g_planned *p, const mu_g_variant_pack *pack,
+                                     mu_seen *seen, cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t variant_pack) {
     mu_conv_call call = {
         .descs = {p->dir, p->x, p->w, p->conv, p->y},
         .handle = handle,
@@ -313,6 +399,10 @@ static cudnnStatus_t execute_planned(cudnnHandle_t handle, const mu_g_planned *p
         .graph = p,
     };
     if (call.x == NULL || call.w == NULL || call.y == NULL) return CUDNN_STATUS_BAD_PARAM;
+    if (mu_g_planned_entry(p) == NULL) { /* pending */
+        const char *why = choose_online_point(p, &call, seen);
+        if (why != NULL) return run_engine(handle, plan, variant_pack, seen, why);
+    }
     return mu_convolution_guarded(&call);
 }
 
@@ -401,15 +491,17 @@ MU_EXPORT cudnnStatus_t cudnnBackendExecute(cudnnHandle_t handle, cudnnBackendDe
     if (!mu_guard_enter()) return mu_real()->cudnnBackendExecute(handle, executionPlan, variantPack);
     mu_seen *seen = NULL;
     mu_g_planned *planned = mu_g_planned_of(executionPlan, &seen);
+    if (planned != NULL && atomic_load_explicit(&planned->native, memory_order_relaxed)) planned = NULL;
     mu_g_variant_pack pack;
     cudnnStatus_t status;
     if (planned != NULL && mu_g_variant_pack_of(variantPack, &pack)) {
-        status = execute_planned(handle, planned, &pack);
+        status = execute_planned(handle, planned, &pack, seen, executionPlan, variantPack);
     } else {
-        /* A planned plan never gets here with an unknown variant pack: that would run the
-         * engine in a workspace sized for the micro-batch plan. */
-        status = planned != NULL ? CUDNN_STATUS_BAD_PARAM
-                                 : mu_real()->cudnnBackendExecute(handle, executionPlan, variantPack);
+        /* A planned plan never gets here with an unknown variant pack when its workspace is less
+         * than the engine's: that would run the engine in a workspace sized for the micro-batch plan. */
+        status = planned != NULL && planned->workspace < planned->engine_workspace
+                     ? CUDNN_STATUS_BAD_PARAM
+                     : mu_real()->cudnnBackendExecute(handle, executionPlan, variantPack);
         if (planned == NULL && seen != NULL) atomic_fetch_add(&seen->passthrough_calls, 1);
     }
     mu_guard_leave();

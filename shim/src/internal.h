@@ -376,6 +376,7 @@ typedef struct mu_seen {
     atomic_ulong passthrough_calls;
     atomic_bool first_call_logged;
     atomic_bool degraded; /* room.c: given a point of less workspace for lack of memory */
+    atomic_bool room_refused; /* room.c: an engine of its refused at finalize for lack of memory */
     struct mu_seen *_Atomic next_in_bucket;
     /* Online tuning (online.c): the kernel's measured front, published once complete. */
     _Atomic(struct mu_plan_entry *) online_head;
@@ -431,8 +432,19 @@ cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
 mu_plan *mu_online_init(bool have_plan);
 /* The front of a kernel that has no plan entry: measured now (on this call's buffers, never
  * changing what the caller will read), read from the online file where another process measured
- * it, or NULL with the reason in *why (pass the call through). Legacy calls only. */
+ * it, or NULL with the reason in *why (pass the call through). Legacy calls, and a graph-API
+ * execution plan's first executions (the call built as its planned path builds it): the
+ * measurement runs legacy algorithms on the legacy equivalent descriptors either way. */
 mu_plan_entry *mu_online_head(const mu_conv_call *call, const mu_kernel *k, mu_seen *seen, const char **why);
+/* Whether MUCUDNN_ONLINE is on (after mu_config). */
+bool mu_online_on(void);
+/* The kernel's front where this process already has one (measured, or read from the file where
+ * another process measured it), NULL otherwise; one acquire load. */
+mu_plan_entry *mu_online_front(mu_seen *seen);
+/* Whether online tuning gave up on the kernel for this process (budget, nothing measurable, N too
+ * large), as opposed to a kernel that may still get a front on a later call (claimed by another
+ * process, measured by another thread, a stream being captured). */
+bool mu_online_settled(mu_seen *seen);
 /* Counts, for the exit report, a kernel that ran from the loaded plan (once per kernel). */
 void mu_online_note_planned(mu_seen *seen);
 
@@ -552,6 +564,13 @@ mu_plan_entry *mu_room_point(mu_plan_entry *head, mu_plan_entry *chosen, bool de
 void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_t to, const mu_room_info *room);
 /* How many kernels were degraded so far (the exit report). */
 size_t mu_room_degraded_kernels(void);
+/* Whether an execution plan that runs its engine undivided, needing `workspace` bytes, is to be
+ * refused at finalize for lack of memory: more than the room (never an engine of no workspace;
+ * never when the room is unknown). A refusal is logged (once per kernel at info) and counted. k
+ * and seen may be NULL (a graph without a kernel key: named by the plan's address). */
+bool mu_room_refuses(size_t workspace, const mu_kernel *k, mu_seen *seen, const void *plan);
+/* How many kernels had an engine refused so far (the exit report). */
+size_t mu_room_refused_kernels(void);
 
 /* ---- directions.c: the real cuDNN functions of each direction, in forward terms ------------ */
 

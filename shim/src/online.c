@@ -1,6 +1,7 @@
 /*
- * online.c: online tuning (MUCUDNN_ONLINE=1, docs/shim.md "Online tuning"). A legacy convolution
- * whose (key, N) has no plan entry is measured on its first call, as cudnn.benchmark does but
+ * online.c: online tuning (MUCUDNN_ONLINE=1, docs/shim.md "Online tuning"). A convolution whose
+ * (key, N) has no plan entry is measured on its first call (legacy cudnnConvolution*, or the first
+ * cudnnBackendExecute of a graph-API execution plan: intercept_graph.c), as cudnn.benchmark does but
  * with micro-batches: every algorithm of its direction (the caller's math type) at N and at the
  * powers of two below N, timed with driver events on the caller's stream and on the caller's
  * slices. The per-kernel dynamic program turns the measurements into the kernel's time-workspace
@@ -742,6 +743,17 @@ static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen
     atomic_store_explicit(&seen->online_head, head, memory_order_release);
     atomic_store(&seen->online_state, STATE_DONE);
     return head;
+}
+
+bool mu_online_on(void) { return online.on; }
+
+mu_plan_entry *mu_online_front(mu_seen *seen) {
+    return online.on && seen != NULL ? atomic_load_explicit(&seen->online_head, memory_order_acquire) : NULL;
+}
+
+bool mu_online_settled(mu_seen *seen) {
+    return seen != NULL && atomic_load(&seen->online_state) == STATE_DONE &&
+           atomic_load_explicit(&seen->online_head, memory_order_acquire) == NULL;
 }
 
 mu_plan_entry *mu_online_head(const mu_conv_call *call, const mu_kernel *k, mu_seen *seen, const char **why) {

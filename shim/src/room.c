@@ -15,13 +15,18 @@
  * framework allocates the workspace the plan reports right after, and reuses the plan), and at
  * each algorithm query. It cannot see inside a framework's caching allocator: blocks it holds
  * free count as used, so the room errs on the small side.
+ *
+ * Where no point is chosen (no plan for the kernel, or one the framework's engine cannot use), an
+ * execution plan whose engine needs more workspace than the room is refused at finalize, as the hard
+ * limit refuses one over it, and the framework takes its next engine configuration: one of less
+ * workspace, down to a workspace-free engine, which is never refused.
  */
 #include <stdint.h>
 #include <stdio.h>
 
 #include "internal.h"
 
-static atomic_size_t degraded_kernels;
+static atomic_size_t degraded_kernels, refused_kernels;
 
 bool mu_room(mu_room_info *room) {
     size_t free_bytes = 0, total_bytes = 0;
@@ -70,4 +75,22 @@ mu_plan_entry *mu_room_point(mu_plan_entry *head, mu_plan_entry *chosen, bool de
     return within;
 }
 
+bool mu_room_refuses(size_t workspace, const mu_kernel *k, mu_seen *seen, const void *plan) {
+    mu_room_info room;
+    /* An engine without workspace always fits: the framework always has one to land on. */
+    if (workspace == 0 || !mu_room(&room) || workspace <= room.bytes) return false;
+    bool first = seen == NULL || !atomic_exchange(&seen->room_refused, true);
+    if (first) atomic_fetch_add(&refused_kernels, 1);
+    char budget[48], kernel[MU_KEY_MAX + 32];
+    describe_budget(&room, budget, sizeof budget);
+    if (k != NULL) snprintf(kernel, sizeof kernel, "%s N=%d", k->key, k->n);
+    else snprintf(kernel, sizeof kernel, "graph plan %p", plan);
+    mu_log(first ? MU_LOG_INFO : MU_LOG_DEBUG, "%s: an engine of %zu bytes of workspace refused for lack of "
+           "memory, the framework takes its next configuration (room %zu: free %zu, budget %s, margin %zu)",
+           kernel, workspace, room.bytes, room.free_bytes, budget, room.margin);
+    return true;
+}
+
 size_t mu_room_degraded_kernels(void) { return atomic_load(&degraded_kernels); }
+
+size_t mu_room_refused_kernels(void) { return atomic_load(&refused_kernels); }

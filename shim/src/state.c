@@ -89,13 +89,18 @@ static bool plan_matches_process(const mu_plan *plan) {
 static char plan_refusal[160];
 
 /* At exit, one line when a plan was given and did nothing: refused, or none of the process's
- * kernels in it; one line when memory pressure degraded kernels to points of less workspace. */
+ * kernels in it; one line when memory pressure degraded kernels to points of less workspace, one
+ * when it refused kernels' engines. */
 static void report_plan_use(void) {
     const char *path = state.plan != NULL ? state.plan->path : mu_option_path(MU_OPT_PLAN);
     size_t degraded = mu_room_degraded_kernels();
     if (degraded > 0)
         mu_log(MU_LOG_INFO, "%zu kernels got a front point of less workspace for lack of free memory "
                "(room: MUCUDNN_ROOM_MARGIN, MUCUDNN_MEMORY_BUDGET)", degraded);
+    size_t refused = mu_room_refused_kernels();
+    if (refused > 0)
+        mu_log(MU_LOG_INFO, "%zu kernels had an engine configuration refused for lack of free memory (the "
+               "framework took one of less workspace; room: MUCUDNN_ROOM_MARGIN, MUCUDNN_MEMORY_BUDGET)", refused);
     if (plan_refusal[0] != '\0') {
         mu_log(MU_LOG_WARNING, "the plan %s was not used (%s): every call passed through", path, plan_refusal);
         return;

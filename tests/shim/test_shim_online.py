@@ -259,3 +259,102 @@ def test_online_is_off_by_default_and_bad_values_are_warned(shim_env, tmp_path):
     bad = shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path, MUCUDNN_ONLINE_BUDGET_MS="5s"))
     assert "MUCUDNN_ONLINE_BUDGET_MS='5s' is not valid" in bad.stderr
     assert "measured 1 kernels" in report(bad)  # the default budget
+
+
+# -- the graph API (PyTorch's default path): tuned at an execution plan's first execution -----------
+
+# CASE's kernel through the graph API on engine 3 (no TENSOR_CORE note: math fma, the same key),
+# whose workspace 3 * 8 * 4096 bytes the framework allocates
+GRAPH_CASE = "op=exec dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 engine=3 seed=3 alpha=1 beta=0 repeat=2"
+ENGINE_WS = 3 * 8 * WS_PER_SAMPLE
+
+
+def graph_result(run):
+    result = run.cases[0]
+    assert (result["status"], result["exact"], result["guard"], result["finalize"]) == ("0", "1", "ok", "0"), \
+        run.stderr
+    return result
+
+
+def graph_pieces(run, repeat=2):
+    """(b, algo) of the legacy convolutions run after the measurement, but the driver's references."""
+    _, pieces = measuring_and_pieces(run)
+    return [(int(c["n"]), int(c["algo"])) for c in pieces[:len(pieces) - (repeat - 1)]]
+
+
+def test_on_the_graph_path_the_first_execution_measures_and_the_next_process_loads_the_front(shim_env, tmp_path):
+    first = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path))
+    result = graph_result(first)
+    assert int(result["ws"]) == ENGINE_WS  # pending: the framework allocates its engine's workspace
+    assert "measured 1 kernels (32 candidates timed)" in report(first)
+    measuring, _ = measuring_and_pieces(first)
+    assert sorted({int(c["n"]) for c in measuring}) == [1, 2, 4, 8]  # micro-batches timed
+    expected = sorted((p.batch, FWD_ALGOS.index(p.algo)) for p in modelled_point(CASE, ENGINE_WS).pieces)
+    assert len(expected) > 1  # a micro-batched point
+    # both executions run the point; the framework's engine runs none
+    assert sorted(graph_pieces(first)) == sorted(expected * 2)
+    assert not first.graph_executions()
+    assert file_kernels(tmp_path / FILE_NAME) == {(key_of(CASE), "8")}
+    read_plan(tmp_path / FILE_NAME)
+
+    second = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path))
+    result = graph_result(second)
+    assert "measured 0 kernels (0 candidates timed)" in report(second)
+    assert f"1 kernels from {tmp_path / FILE_NAME}" in report(second)
+    assert int(result["ws"]) == max(a * b * WS_PER_SAMPLE for b, a in expected)  # the point's, at finalize
+    assert sorted((int(c["n"]), int(c["algo"])) for c in second.conv_calls()[:-2]) == sorted(expected * 2)
+
+
+def test_a_plan_finalized_after_the_kernel_was_tuned_takes_its_point_at_finalize(shim_env, tmp_path):
+    """Two rounds of planning in one process: the second plan gets the front measured in the first."""
+    run = shim_env.run_graph([GRAPH_CASE + " replan=2"], env=online_env(tmp_path))
+    assert graph_result(run)
+    assert "measured 1 kernels" in report(run)
+    point = [line for line in run.stderr.splitlines() if "runs the micro-batch plan" in line]
+    assert len(point) == 1 and f"the engine's {ENGINE_WS})" in point[0], run.stderr
+
+
+def test_when_measuring_is_refused_the_framework_engine_runs(shim_env, tmp_path):
+    run = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path, MUCUDNN_ONLINE_BUDGET_MS="0"))
+    result = graph_result(run)
+    assert int(result["ws"]) == ENGINE_WS
+    assert "measured 0 kernels" in report(run) and "1 passed through (1 budget)" in report(run)
+    assert [(e["engine"], e["n"]) for e in run.graph_executions()] == [("3", "8")] * 2
+    assert len(run.conv_calls()) == 2  # the driver's references only
+
+
+def test_a_kernel_claimed_by_another_process_runs_the_framework_engine_meanwhile(shim_env, tmp_path):
+    import fcntl
+
+    # a first run leaves the kernel's lock file (named by its hash) in its directory
+    shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path / "first"))
+    (lock_name,) = [p.name for p in (tmp_path / "first" / "locks").iterdir() if not p.name.endswith(".file.lock")]
+    locks = tmp_path / "dir" / "locks"
+    locks.mkdir(parents=True)
+    with open(locks / lock_name, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process measuring it
+        run = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path / "dir"))
+    graph_result(run)
+    assert "1 passed through (1 claimed by another process)" in report(run)
+    assert [(e["engine"], e["n"]) for e in run.graph_executions()] == [("3", "8")] * 2
+    assert len(run.conv_calls()) == 2
+
+
+BWD_FILTER = ("op=exec dir=bwd_filter n=8 c=4 in=9x9 k=6 f=3x3 pad=1x1 stride=2x2 engine=1 seed=3 alpha=1 "
+              "beta=0 repeat=2")
+NONDETERMINISTIC_ALGOS = {0, 3}  # backward-filter's, in cuDNN and in the double
+
+
+@pytest.mark.parametrize("engines_nondeterministic", [False, True])
+def test_a_deterministic_framework_engine_gets_only_deterministic_points(shim_env, tmp_path,
+                                                                         engines_nondeterministic):
+    extra = {"FAKE_CUDNN_NONDETERMINISTIC_ENGINES": "all"} if engines_nondeterministic else {}
+    run = shim_env.run_graph([BWD_FILTER], env=online_env(tmp_path, **extra))
+    graph_result(run)
+    assert "measured 1 kernels" in report(run)
+    algos = {a for _, a in graph_pieces(run)}
+    assert algos and all(a * b * WS_PER_SAMPLE <= 8 * WS_PER_SAMPLE for b, a in graph_pieces(run))
+    if engines_nondeterministic:  # the fastest point within the engine's workspace: algorithm 3
+        assert algos & NONDETERMINISTIC_ALGOS
+    else:
+        assert not algos & NONDETERMINISTIC_ALGOS

@@ -162,3 +162,76 @@ def test_a_framework_trying_the_results_in_order_lands_on_a_point_within_the_roo
     algo, _, _, memory, *_ = offered(shim_env.run([query], plan=plan, env=env))[0]
     run = shim_env.run([f"op=conv {CASE} algo={algo} ws={memory}"], plan=plan, env=env)
     assert run.cases[0]["exact"] == "1" and pieces_run(run) == [("4", "2")] * 2
+
+
+# -- finalize: an engine over the room is refused where no point runs ------------------------------
+
+HEUR_CASE = f"{BASE.replace('engine=1', 'engine=heur')} dir=fwd alpha=1 beta=0"
+
+
+def other_kernels_plan(shim_env):
+    """A plan without HEUR_CASE's kernel: loading it names the GPU, which loads the fake driver,
+    as a CUDA process always has its driver (the graph driver alone never loads it)."""
+    return graph_front(shim_env, HEUR_CASE.replace("k=6", "k=2"), [FREE])
+
+
+def refused_lines(run):
+    return [line for line in run.shim_lines("info") if "refused for lack of memory" in line]
+
+
+def landed(run):
+    """The engine the framework-like heuristics walk landed on, and its workspace."""
+    result = run.cases[0]
+    assert (result["status"], result["exact"], result["guard"]) == ("0", "1", "ok"), run.stderr
+    return result["engine"], int(result["ws"])
+
+
+@pytest.mark.parametrize("free, expected", [
+    (2 * 8 * WS, ("2", 2 * 8 * WS)),      # engine 3 over the room, engine 2 fits exactly
+    (2 * 8 * WS - 1, ("1", 8 * WS)),      # engines 3 and 2 over it
+    (0, ("0", 0)),                        # nothing free: the workspace-free engine is never refused
+])
+def test_without_a_plan_an_engine_over_the_room_is_refused_and_the_framework_takes_a_smaller(
+        shim_env, free, expected):
+    # two rounds of planning: each kernel's refusal is said once at info
+    run = shim_env.run_graph([HEUR_CASE + " replan=2"], plan=other_kernels_plan(shim_env), env=free_memory(free))
+    assert landed(run) == expected
+    lines = refused_lines(run)
+    assert lines[0] == (f"mucudnn: info: {key_of(HEUR_CASE + ' math=fma')} N=8: an engine of {3 * 8 * WS} bytes "
+                        f"of workspace refused for lack of memory, the framework takes its next configuration "
+                        f"(room {free}: free {free}, budget none, margin 0)")
+    # engine 2 carries a TENSOR_CORE note, so its plan is another kernel (math=default); engines 3
+    # and 1 are one kernel (math=fma), said once
+    refused = [engine for engine in "321" if int(engine) * 8 * WS > free]
+    kernels = {"default" if engine == "2" else "fma" for engine in refused}
+    assert len(lines) == len(kernels)
+    if "2" in refused:
+        assert lines[1].startswith(f"mucudnn: info: {key_of(HEUR_CASE + ' math=default')} N=8: an engine of "
+                                   f"{2 * 8 * WS} bytes")
+    assert (f"mucudnn: info: {len(kernels)} kernels had an engine configuration refused for lack of free memory"
+            in run.stderr)
+
+
+@pytest.mark.parametrize("env", [
+    {},                                                      # the fake device: 80 GiB free
+    {**free_memory(100), "FAKE_CUDA_NO_CONTEXT": "1"},      # no context: the room is unknown
+    {**free_memory(100), "MUCUDNN_ROOM": "0"},              # turned off
+], ids=["plenty", "no-context", "room-off"])
+def test_with_plenty_of_memory_or_no_room_no_engine_is_refused(shim_env, env):
+    run = shim_env.run_graph([HEUR_CASE], plan=other_kernels_plan(shim_env), env={**env, "MUCUDNN_LOG_LEVEL": "info"})
+    assert landed(run) == ("3", 3 * 8 * WS) and not refused_lines(run)
+    assert "refused for lack of free memory" not in run.stderr
+
+
+def test_a_plan_the_engine_cannot_use_leaves_the_engine_to_the_room(shim_env):
+    """A front plan whose only point needs more than the framework's engine 1 is not used: the
+    engine runs undivided, so the room refuses it like an unplanned one."""
+    bigger = (3 * 8 * WS, 0.3, "8:eng3:fma")
+    plan = graph_front(shim_env, GRAPH_CASE, [bigger])
+    run = shim_env.run_graph([GRAPH_CASE], plan=plan, env=free_memory(100))
+    result = run.cases[0]
+    assert (result["finalize"], result["status"]) == ("3000", "-1"), run.stderr
+    assert len(refused_lines(run)) == 1
+    # with a point attached (the smallest, over the room), nothing is refused
+    run = run_graph(shim_env, free_memory(100), points=[FAST, SMALLER])
+    assert not refused_lines(run)
