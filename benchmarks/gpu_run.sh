@@ -85,6 +85,10 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     models=${s#f64check-}; stage "f64check-$models" ${SHIM_TIMEOUT:-540} python3 -m benchmarks.shim_pytorch driver \
       --path default --skip-timing --skip-grads --double-check --double-benchmark \
       --double-limit ${F64_LIMIT:-1MiB} --double-batch ${F64_BATCH:-16} --models ${models//+/ } --out "$LOGS/f64check-$models" ;;
+  f64online-*)  # benchmarks/f64_online.py: float64 gradients with online tuning active (zero set-up,
+    # F64_LIMIT hard cap so points split), legacy and default paths, first run and loaded run
+    models=${s#f64online-}; stage "f64online-$models" ${SHIM_TIMEOUT:-400} python3 -m benchmarks.f64_online \
+      --models ${models//+/ } --limit ${F64_LIMIT:-1MiB} --batch ${F64_BATCH:-16} --out "$LOGS/f64online-$models" ;;
   neverslower-*)  # benchmarks/never_slower.py: front plans against PyTorch, then under CAPS (GiB)
     specs=${s#neverslower-}; stage "neverslower-$specs" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.never_slower \
       --models ${specs//+/ } --rounds ${ROUNDS:-3} --caps ${CAPS:-} --out "$LOGS/neverslower-${specs//:/_}" ;;
