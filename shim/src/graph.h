@@ -90,6 +90,8 @@ typedef struct mu_g_planned {
     _Atomic(mu_plan_entry *) entry;
     bool deterministic; /* the framework's engine has no NONDETERMINISTIC note: its points must not */
     mu_kernel *pending_kernel; /* pending: the kernel to tune (freed with the plan), else NULL */
+    mu_plan_entry *pending_front; /* pending with an online front already known (the online file's,
+                                   * or measured for another plan): checked against the engine */
     atomic_bool native;        /* pending, and online tuning gave no usable point: the engine runs */
     size_t workspace;  /* the micro-batch plan's (pending: the engine's): what the framework is told
                         * and allocates */

@@ -232,7 +232,12 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     /* Online tuning: a front this process already has (measured for an earlier plan or call, or
      * read from what another process measured) is used as a front plan's; without one, the plan
      * is tuned at its first execution (pending, below). */
-    if (head == NULL && keyed && (head = mu_online_front(seen)) != NULL) front = true;
+    mu_plan_entry *online_front = head != NULL && state->plan->online ? head : NULL;
+    if (head == NULL && keyed) online_front = mu_online_front(seen);
+    /* An online front holds legacy algorithms only, and the framework's engine may beat all of
+     * them (PyTorch's default path picks among engines the legacy API lacks): its point is chosen
+     * at the first execution, where the engine is timed on the same buffers (pending, below). */
+    if (online_front != NULL) head = NULL;
     bool tunable = keyed && head == NULL && graph.handle != NULL && mu_online_on();
     if (head != NULL && graph.handle == NULL) {
         static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
@@ -319,6 +324,7 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     } else if (mu_room_refuses(real_workspace, keyed ? &k : NULL, seen, plan)) {
         status = CUDNN_STATUS_NOT_SUPPORTED;
     } else if (tunable && make_pending(p, &engine, &k, graph.handle, real_workspace)) {
+        p->pending_front = online_front;
         mu_log(MU_LOG_DEBUG, "graph plan %p: %s N=%d is tuned online at its first execution (workspace %zu, "
                "the engine's)", (void *)plan, k.key, k.n, real_workspace);
         mu_g_set_planned(plan, p, seen);
@@ -361,10 +367,46 @@ static cudnnStatus_t run_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t p
  * the framework's threads). NULL when p has its point, else why not: the framework's engine runs
  * this call, and, where online tuning gave up or no point fits, every later one (p->native).
  */
-static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call, mu_seen *seen) {
+/* A point of an online front replaces the framework's engine only when it is at least this much
+ * faster on the same call (as a front keeps a point only 2 % faster than the next: thin_front). */
+#define MU_ONLINE_ENGINE_GAIN 0.98
+#define MU_ENGINE_TIMED_RUNS 3
+
+/* The framework engine's time on this call's buffers, in ms; -1 where it cannot be timed without
+ * changing a result (beta != 0 accumulates into the output; a capture must not synchronise) or
+ * without the driver's events. The real execution that follows overwrites what these wrote. */
+static double time_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t pack,
+                          const mu_g_planned *p) {
+    const mu_driver_table *d = mu_driver();
+    double beta = p->double_scales ? p->beta_d : (double)p->beta_f;
+    if (beta != 0.0 || d == NULL || !d->event_create || !d->event_record || !d->event_synchronize ||
+        !d->event_elapsed_time || !d->event_destroy || mu_online_capturing(handle))
+        return -1;
+    CUstream stream = NULL;
+    CUevent start = NULL, end = NULL;
+    double ms = -1;
+    cudnnStatus_t status = mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream);
+    if (status == CUDNN_STATUS_SUCCESS && d->event_create(&start, CU_EVENT_DEFAULT) == CU_SUCCESS &&
+        d->event_create(&end, CU_EVENT_DEFAULT) == CU_SUCCESS &&
+        mu_real()->cudnnBackendExecute(handle, plan, pack) == CUDNN_STATUS_SUCCESS /* warm-up */ &&
+        d->event_record(start, stream) == CU_SUCCESS) {
+        for (int r = 0; r < MU_ENGINE_TIMED_RUNS && status == CUDNN_STATUS_SUCCESS; r++)
+            status = mu_real()->cudnnBackendExecute(handle, plan, pack);
+        float elapsed = 0;
+        if (status == CUDNN_STATUS_SUCCESS && d->event_record(end, stream) == CU_SUCCESS &&
+            d->event_synchronize(end) == CU_SUCCESS && d->event_elapsed_time(&elapsed, start, end) == CU_SUCCESS)
+            ms = (double)elapsed / MU_ENGINE_TIMED_RUNS;
+    }
+    if (start != NULL) d->event_destroy(start);
+    if (end != NULL) d->event_destroy(end);
+    return ms;
+}
+
+static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call, mu_seen *seen,
+                                       cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t pack) {
     const mu_kernel *k = p->pending_kernel;
     const char *why = "no plan";
-    mu_plan_entry *head = mu_online_head(call, k, seen, &why);
+    mu_plan_entry *head = p->pending_front != NULL ? p->pending_front : mu_online_head(call, k, seen, &why);
     if (head == NULL) {
         if (mu_online_settled(seen)) atomic_store(&p->native, true);
         return why;
@@ -376,10 +418,19 @@ static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call
                "the framework's engine runs", k->key, k->n, p->deterministic ? "deterministic " : "", p->workspace);
         return "no point of the online front fits";
     }
+    double engine_ms = time_engine(call->handle, plan, pack, p);
+    if (engine_ms < 0 || entry->time_ms >= engine_ms * MU_ONLINE_ENGINE_GAIN) {
+        atomic_store(&p->native, true);
+        mu_log(MU_LOG_INFO, "%s N=%d: the framework's engine runs: %s (the online front's point within its "
+               "workspace %.4f ms)", k->key, k->n, engine_ms < 0 ? "it cannot be timed here" : "as fast or faster",
+               entry->time_ms);
+        if (engine_ms >= 0) mu_log(MU_LOG_DEBUG, "%s N=%d: engine %.4f ms", k->key, k->n, engine_ms);
+        return "the framework's engine is as fast";
+    }
     mu_plan_entry *none = NULL;
     if (atomic_compare_exchange_strong_explicit(&p->entry, &none, entry, memory_order_release, memory_order_acquire))
-        mu_log(MU_LOG_INFO, "graph plan: %s N=%d runs the online front's point (workspace %zu, the engine's %zu)",
-               k->key, k->n, entry->workspace, p->workspace);
+        mu_log(MU_LOG_INFO, "graph plan: %s N=%d runs the online front's point (workspace %zu, the engine's %zu; "
+               "%.4f ms, the engine %.4f ms)", k->key, k->n, entry->workspace, p->workspace, entry->time_ms, engine_ms);
     return NULL;
 }
 
@@ -400,7 +451,7 @@ static cudnnStatus_t execute_planned(cudnnHandle_t handle, mu_g_planned *p, cons
     };
     if (call.x == NULL || call.w == NULL || call.y == NULL) return CUDNN_STATUS_BAD_PARAM;
     if (mu_g_planned_entry(p) == NULL) { /* pending */
-        const char *why = choose_online_point(p, &call, seen);
+        const char *why = choose_online_point(p, &call, seen, plan, variant_pack);
         if (why != NULL) return run_engine(handle, plan, variant_pack, seen, why);
     }
     return mu_convolution_guarded(&call);

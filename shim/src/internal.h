@@ -328,6 +328,8 @@ typedef struct {
     long cudnn_version;
     char *strategy;
     bool front; /* strategy front: each kernel's lines are the points of its front */
+    bool online; /* the online tuning file (online.c): legacy points only, so on the graph path each
+                  * kernel's point is checked against the framework's engine before it runs */
     unsigned long long limit;
     char *policy;
     size_t entry_count;
@@ -441,6 +443,8 @@ bool mu_online_on(void);
 /* The kernel's front where this process already has one (measured, or read from the file where
  * another process measured it), NULL otherwise; one acquire load. */
 mu_plan_entry *mu_online_front(mu_seen *seen);
+/* Whether the handle's stream is being captured (nothing that synchronises may run then). */
+bool mu_online_capturing(cudnnHandle_t handle);
 /* Whether online tuning gave up on the kernel for this process (budget, nothing measurable, N too
  * large), as opposed to a kernel that may still get a front on a later call (claimed by another
  * process, measured by another thread, a stream being captured). */

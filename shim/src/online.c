@@ -198,6 +198,7 @@ mu_plan *mu_online_init(bool have_plan) {
     online.persist = online.locks = true;
     bool usable;
     mu_plan *plan = have_plan ? NULL : load_file(&usable);
+    if (plan != NULL) plan->online = true;
     if (plan != NULL)
         mu_log(MU_LOG_INFO, "online tuning: loaded %s: %zu kernel points", shown(online.file, path, sizeof path),
                plan->entry_count);
@@ -747,6 +748,15 @@ static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen
 
 bool mu_online_on(void) { return online.on; }
 
+bool mu_online_capturing(cudnnHandle_t handle) {
+    const mu_driver_table *d = mu_driver();
+    CUstream stream = NULL;
+    int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
+    return d != NULL && d->stream_is_capturing != NULL &&
+           mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream) == CUDNN_STATUS_SUCCESS &&
+           d->stream_is_capturing(stream, &capturing) == CU_SUCCESS && capturing != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
 mu_plan_entry *mu_online_front(mu_seen *seen) {
     return online.on && seen != NULL ? atomic_load_explicit(&seen->online_head, memory_order_acquire) : NULL;
 }
@@ -763,12 +773,7 @@ mu_plan_entry *mu_online_head(const mu_conv_call *call, const mu_kernel *k, mu_s
     int state = atomic_load(&seen->online_state);
     if (state == STATE_WAIT && now_ms() < (double)atomic_load(&seen->online_retry_ms)) state = STATE_BUSY;
     /* Measuring synchronises: never inside the caller's own stream capture (retried later). */
-    const mu_driver_table *d = mu_driver();
-    CUstream stream = NULL;
-    int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
-    if ((state == STATE_NEW || state == STATE_WAIT) && d->stream_is_capturing != NULL &&
-        mu_real()->cudnnGetStream(call->handle, (cudaStream_t *)&stream) == CUDNN_STATUS_SUCCESS &&
-        d->stream_is_capturing(stream, &capturing) == CU_SUCCESS && capturing != CU_STREAM_CAPTURE_STATUS_NONE) {
+    if ((state == STATE_NEW || state == STATE_WAIT) && mu_online_capturing(call->handle)) {
         *why = "online tuning: the stream is being captured";
         return NULL;
     }

@@ -267,6 +267,7 @@ def test_online_is_off_by_default_and_bad_values_are_warned(shim_env, tmp_path):
 # whose workspace 3 * 8 * 4096 bytes the framework allocates
 GRAPH_CASE = "op=exec dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 engine=3 seed=3 alpha=1 beta=0 repeat=2"
 ENGINE_WS = 3 * 8 * WS_PER_SAMPLE
+ENGINE_TIMED_RUNS = 3  # intercept_graph.c MU_ENGINE_TIMED_RUNS, after one warm-up
 
 
 def graph_result(run):
@@ -291,9 +292,10 @@ def test_on_the_graph_path_the_first_execution_measures_and_the_next_process_loa
     assert sorted({int(c["n"]) for c in measuring}) == [1, 2, 4, 8]  # micro-batches timed
     expected = sorted((p.batch, FWD_ALGOS.index(p.algo)) for p in modelled_point(CASE, ENGINE_WS).pieces)
     assert len(expected) > 1  # a micro-batched point
-    # both executions run the point; the framework's engine runs none
+    # both executions run the point; the framework's engine runs only to be timed against it
     assert sorted(graph_pieces(first)) == sorted(expected * 2)
-    assert not first.graph_executions()
+    assert len(first.graph_executions()) == 1 + ENGINE_TIMED_RUNS
+    assert "runs the online front's point" in first.stderr
     assert file_kernels(tmp_path / FILE_NAME) == {(key_of(CASE), "8")}
     read_plan(tmp_path / FILE_NAME)
 
@@ -301,8 +303,25 @@ def test_on_the_graph_path_the_first_execution_measures_and_the_next_process_loa
     result = graph_result(second)
     assert "measured 0 kernels (0 candidates timed)" in report(second)
     assert f"1 kernels from {tmp_path / FILE_NAME}" in report(second)
-    assert int(result["ws"]) == max(a * b * WS_PER_SAMPLE for b, a in expected)  # the point's, at finalize
+    # the loaded front's point is checked against the engine at the first execution, as measured
+    assert int(result["ws"]) == ENGINE_WS
+    assert len(second.graph_executions()) == 1 + ENGINE_TIMED_RUNS
     assert sorted((int(c["n"]), int(c["algo"])) for c in second.conv_calls()[:-2]) == sorted(expected * 2)
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["measuring", "loaded"])
+def test_an_online_point_never_replaces_a_faster_framework_engine(shim_env, tmp_path, fresh):
+    """The front holds legacy algorithms only: PyTorch's default path may pick an engine faster than
+    all of them (ResNet-50 on an H200 ran 1.26x slower when the front's point replaced it)."""
+    if not fresh:  # the file from a process whose engine was slow, then a process whose engine is fast
+        shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path))
+    run = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path, FAKE_CUDNN_ENGINE_US="1"))
+    graph_result(run)
+    executions = run.graph_executions()
+    assert [(e["engine"], e["n"]) for e in executions] == [("3", "8")] * (1 + ENGINE_TIMED_RUNS + 2)  # repeat=2
+    assert "the framework's engine runs: as fast or faster" in run.stderr
+    if fresh:
+        assert "measured 1 kernels" in report(run)
 
 
 def test_a_plan_finalized_after_the_kernel_was_tuned_takes_its_point_at_finalize(shim_env, tmp_path):
@@ -310,8 +329,8 @@ def test_a_plan_finalized_after_the_kernel_was_tuned_takes_its_point_at_finalize
     run = shim_env.run_graph([GRAPH_CASE + " replan=2"], env=online_env(tmp_path))
     assert graph_result(run)
     assert "measured 1 kernels" in report(run)
-    point = [line for line in run.stderr.splitlines() if "runs the micro-batch plan" in line]
-    assert len(point) == 1 and f"the engine's {ENGINE_WS})" in point[0], run.stderr
+    point = [line for line in run.stderr.splitlines() if "runs the online front's point" in line]
+    assert len(point) == 2 and all(f"the engine's {ENGINE_WS};" in line for line in point), run.stderr
 
 
 def test_when_measuring_is_refused_the_framework_engine_runs(shim_env, tmp_path):
@@ -349,6 +368,7 @@ NONDETERMINISTIC_ALGOS = {0, 3}  # backward-filter's, in cuDNN and in the double
 def test_a_deterministic_framework_engine_gets_only_deterministic_points(shim_env, tmp_path,
                                                                          engines_nondeterministic):
     extra = {"FAKE_CUDNN_NONDETERMINISTIC_ENGINES": "all"} if engines_nondeterministic else {}
+    extra["FAKE_CUDNN_ENGINE_US"] = "1000000"  # a slow engine: the front's points replace it
     run = shim_env.run_graph([BWD_FILTER], env=online_env(tmp_path, **extra))
     graph_result(run)
     assert "measured 1 kernels" in report(run)

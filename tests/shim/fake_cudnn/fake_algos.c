@@ -126,7 +126,7 @@ static cudnnStatus_t algo_support(enum fake_direction direction, const struct fa
     return CUDNN_STATUS_SUCCESS;
 }
 
-static float model_time_ms(const struct fake_geometry *g, int algo)
+float fake_model_time_ms(const struct fake_geometry *g, int algo)
 {
     double work = (double)g->n * fake_flops_per_sample(g);
     long long flops_per_ms = fake_env_integer("FAKE_CUDNN_FLOPS_PER_MS", 0);
@@ -147,7 +147,7 @@ static struct fake_perf model_perf(enum fake_direction direction, const struct f
     };
     bool supported = perf.status == CUDNN_STATUS_SUCCESS;
     perf.memory = supported ? fake_workspace_bytes(algo, g->n) : 0;
-    perf.time = supported ? model_time_ms(g, algo) : -1.0f;
+    perf.time = supported ? fake_model_time_ms(g, algo) : -1.0f;
     return perf;
 }
 
@@ -322,7 +322,7 @@ static cudnnStatus_t execute(enum fake_direction direction, const struct cudnnCo
     double beta_value = beta != NULL ? read_scale(beta, scale_type) : 0.0;
     if (status == CUDNN_STATUS_SUCCESS) {
         struct deferred_call call = {direction, g, alpha_value, beta_value, *buffers, workspace,
-                                     fake_workspace_bytes(algo, g.n), model_time_ms(&g, algo)};
+                                     fake_workspace_bytes(algo, g.n), fake_model_time_ms(&g, algo)};
         if (!fake_defer(handle->stream, run_deferred, &call, sizeof call))
             run_deferred(&call);
     }

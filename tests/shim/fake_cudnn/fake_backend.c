@@ -1498,10 +1498,20 @@ static void relu(const struct pointwise_op_attrs *op, const void *x, void *y)
     }
 }
 
+/* An execution's modelled time: engine e as algorithm e of the legacy model, or
+ * $FAKE_CUDNN_ENGINE_US microseconds (tests that need the framework's engine fast or slow). */
+static double engine_time_ms(const struct execution *e)
+{
+    long long fixed_us = fake_env_integer("FAKE_CUDNN_ENGINE_US", -1);
+    return fixed_us >= 0 ? (double)fixed_us / 1000.0
+                         : (double)fake_model_time_ms(&e->g, (int)e->plan->config.engine.index);
+}
+
 static void run(const struct execution *e)
 {
     const struct fake_geometry *g = &e->g;
     double alpha = e->view.conv->alpha, beta = e->view.conv->beta;
+    fake_advance_clock(engine_time_ms(e));
     if (e->plan->workspace > 0)
         fake_fill_workspace(e->workspace, e->plan->workspace);
     switch (e->view.direction) {

@@ -116,6 +116,9 @@ FAKE_INTERNAL int fake_output_dim(int in, int filter, int pad, int stride, int d
 
 /* Multiply-adds of one sample of the forward convolution (same for all three directions). */
 FAKE_INTERNAL double fake_flops_per_sample(const struct fake_geometry *geometry);
+/* The modelled time of one convolution by algorithm (or engine) `index`: a call overhead plus the
+ * work at $FAKE_CUDNN_FLOPS_PER_MS times (1 + index) (fake_algos.c). */
+FAKE_INTERNAL float fake_model_time_ms(const struct fake_geometry *geometry, int index);
 
 /*
  * Reference loops: out = alpha * conv(...) + beta * out, accumulated in double. When beta == 0 the
