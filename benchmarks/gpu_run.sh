@@ -96,7 +96,10 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     spec=${s#memorybudget-}; stage "memorybudget-$spec" ${SHIM_TIMEOUT:-400} python3 -m benchmarks.memory_budget \
       --model ${spec%:*} --batch ${spec#*:} --budgets ${BUDGETS:-6GiB} --steps 15 --warmup 5 \
       ${BUDGET_PLAN:+--plan "$BUDGET_PLAN"} --out "$LOGS/memorybudget-${spec//:/_}" ;;
-  offload)  # benchmarks/offload.py: mucudnn.torch vs save_on_cpu, on-demand offload, checkpoint
+  offload)  # benchmarks/offload.py: mucudnn.torch vs save_on_cpu, on-demand offload, checkpoint;
+    # every configuration with the allocator `mucudnn run --memory-budget` sets (OFFLOAD_ALLOC_CONF;
+    # empty: PyTorch's default, under which VGG-16 fails at 12 GiB with every method: fragmentation)
+    PYTORCH_CUDA_ALLOC_CONF=${OFFLOAD_ALLOC_CONF-expandable_segments:True} \
     stage offload ${OFFLOAD_TIMEOUT:-420} python3 -m benchmarks.offload driver \
       --models ${OFFLOAD_MODELS:-vgg16 resnet50} --batch 256 --budget 12GiB \
       --sweep ${OFFLOAD_SWEEP:-16GiB 8GiB} --out "$OUT/offload" ;;

@@ -150,12 +150,28 @@ def test_the_site_directory_is_put_on_pythonpath_once(fake_exec, monkeypatch):
     assert not Path(env["MUCUDNN_BUDGET_REPORT"]).exists()  # the launcher's file, removed
 
 
+@pytest.mark.parametrize("users", [None, "max_split_size_mb:128"])
+def test_a_budget_avoids_fragmentation_unless_the_user_configured_the_allocator(fake_exec, monkeypatch,
+                                                                                 users):
+    _, calls = fake_exec
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    if users is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", users)
+    assert invoke("run", "--memory-budget", "6GiB", "--", "true").exit_code == 0
+    [(_, env)] = calls
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == (users or "expandable_segments:True")
+
+
 def test_without_a_budget_nothing_changes(fake_exec, monkeypatch):
     _, calls = fake_exec
     monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert invoke("run", "--", "true").exit_code == 0
     [(_, env)] = calls
     assert "PYTHONPATH" not in env and "MUCUDNN_MEMORY_BUDGET" not in env
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env
 
 
 # -- bad budgets, no torch, no GPU: one line each ------------------------------------------------
