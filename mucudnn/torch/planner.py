@@ -16,10 +16,13 @@ A group is one tensor saved for backward, however many ops save it. Its bytes ar
   runtime lets the caching allocator reuse the memory once the copy is done), then again from
   ``first_unpack - lookahead`` (the runtime's prefetch point) to its last unpack;
 - recomputed: at its forward point and the next one (the forward's own use), then from its first
-  to its last unpack. Its recipe reads its source group, which must then be kept.
+  to its last unpack, twice its bytes at its first unpack (the recipe's intermediate or the copy of
+  an in-place module's input). Its recipe reads its source group, which must then be kept, and
+  stays on the device through the recomputed group's last unpack.
 
 Peak memory at a point is the measured baseline there (everything that is not a saved group:
-parameters, gradients, the op's own inputs, outputs and workspace) plus the live groups' bytes.
+parameters, gradients, the op's own inputs, outputs and workspace, as the recorded step's peak
+between this point and the next shows it) plus the live groups' bytes.
 
 Predicted step time (the host-link bound, vDNN's model): ``max(F, offloaded bytes / d2h) +
 max(B + recompute time, offloaded bytes / h2d)``, with F and B the forward and backward compute
@@ -120,16 +123,40 @@ def live_points(profile: StepProfile, index: int, mode: str, lookahead: int
     return forward, range(start, group.last_unpack + 1)
 
 
-def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int) -> int:
-    """The modelled peak of ``modes`` (one per group)."""
+def contributions(profile: StepProfile, index: int, mode: str, lookahead: int
+                  ) -> list[tuple[int, range, range]]:
+    """(bytes, forward points, backward points) that choosing ``mode`` for group ``index`` puts on
+    the device: its own liveness and, when recomputed, the transient at its first unpack and its
+    source held past the source's own last unpack."""
+    group = profile.groups[index]
+    f_points, b_points = live_points(profile, index, mode, lookahead)
+    added = [(group.nbytes, f_points, b_points)]
+    if mode == RECOMPUTE:
+        added.append((group.nbytes, range(0), range(group.first_unpack, group.first_unpack + 1)))
+        source = profile.groups[group.recompute_source]
+        if group.last_unpack > source.last_unpack:
+            added.append((source.nbytes, range(0),
+                          range(source.last_unpack + 1, group.last_unpack + 1)))
+    return added
+
+
+def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int
+                     ) -> tuple[list[int], list[int]]:
+    """The modelled bytes at each (forward point, backward point) under ``modes``."""
     forward = list(profile.baseline_forward)
     backward = list(profile.baseline_backward)
     for index, mode in enumerate(modes):
-        f_points, b_points = live_points(profile, index, mode, lookahead)
-        for t in f_points:
-            forward[t] += profile.groups[index].nbytes
-        for t in b_points:
-            backward[t] += profile.groups[index].nbytes
+        for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead):
+            for t in f_points:
+                forward[t] += nbytes
+            for t in b_points:
+                backward[t] += nbytes
+    return forward, backward
+
+
+def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int) -> int:
+    """The modelled peak of ``modes`` (one per group)."""
+    forward, backward = memory_at_points(profile, modes, lookahead)
     return max(forward + backward, default=0)
 
 
@@ -233,11 +260,11 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None):
     backward = [pulp.LpAffineExpression() + base for base in profile.baseline_backward]
     for index, group in enumerate(profile.groups):
         for mode, x in picks[index].items():
-            f_points, b_points = live_points(profile, index, mode, lookahead)
-            for t in f_points:
-                forward[t] += group.nbytes * x
-            for t in b_points:
-                backward[t] += group.nbytes * x
+            for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead):
+                for t in f_points:
+                    forward[t] += nbytes * x
+                for t in b_points:
+                    backward[t] += nbytes * x
     peak = problem.add_variable("peak", lowBound=0)
     # Bytes in GiB inside the program: CBC's tolerances are relative to coefficients near 1.
     scale = 2.0 ** -30

@@ -102,3 +102,16 @@ def test_importing_mucudnn_and_the_planner_needs_no_torch():
     code = ("import sys, mucudnn, mucudnn.torch, mucudnn.torch.planner, mucudnn.batchsize;"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_recompute_counts_its_transient_and_holds_its_source_until_its_last_unpack():
+    # group 1 is recomputed from group 0, and unpacked after group 0's last unpack: group 0 stays
+    # on the device through point 2; at its first unpack the recipe's intermediate doubles it
+    groups = [SavedGroup(8 * MiB, 0, 0), SavedGroup(4 * MiB, 1, 2, recompute_ms=0.01,
+                                                    recompute_source=0)]
+    profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=3)
+    kept = peak_memory(profile, [KEEP, KEEP], 2)
+    assert kept == 12 * MiB
+    assert peak_memory(profile, [KEEP, RECOMPUTE], 2) == 8 * MiB + 2 * 4 * MiB
+    plan = plan_offload(profile, budget=12 * MiB)
+    assert plan.modes != (KEEP, RECOMPUTE) and plan.peak <= 12 * MiB
