@@ -211,9 +211,23 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
     everything_kept = [KEEP] * len(profile.groups)
     if peak_memory(profile, everything_kept, lookahead) <= budget:
         return _result(profile, everything_kept, lookahead)
-    problem, picks, _ = _program(profile, lookahead, budget)
+    limit = budget
+    for _ in range(3):
+        plan = _solved(profile, lookahead, budget, limit, time_limit_s)
+        if plan.peak <= budget:
+            return plan
+        # CBC's feasibility tolerance (1e-7 of the limit) let the peak over by a few bytes:
+        # never over budget
+        limit -= plan.peak - budget + int(2e-7 * limit) + 1
+    raise SolverError(f"the solver chose a plan of peak {describe_size(plan.peak)}, over the "
+                      f"budget of {describe_size(budget)}")
+
+
+def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
+            time_limit_s: float | None) -> OffloadPlan:
+    problem, picks, _ = _program(profile, lookahead, limit)
     status = _solve(problem, time_limit_s)
-    if status == "Infeasible":
+    if status == "Infeasible" and limit == budget:
         least = least_peak(profile, lookahead)
         raise InfeasibleError(
             f"memory budget {describe_size(budget)} is too small for this step: keeping, "
@@ -223,11 +237,9 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
     if status != "Optimal":
         raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
     modes = _picked(picks)
-    plan = _result(profile, modes, lookahead)
-    if plan.peak > budget or not valid(profile, modes):  # CBC's tolerances: never over budget
-        raise SolverError(f"the solver chose a plan of peak {describe_size(plan.peak)}, over the "
-                          f"budget of {describe_size(budget)}")
-    return plan
+    if not valid(profile, modes):
+        raise SolverError("the solver chose an invalid offload plan")
+    return _result(profile, modes, lookahead)
 
 
 def least_peak(profile: StepProfile, lookahead: int = 2) -> int:
@@ -266,13 +278,14 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None):
                 for t in b_points:
                     backward[t] += nbytes * x
     peak = problem.add_variable("peak", lowBound=0)
-    # Bytes in GiB inside the program: CBC's tolerances are relative to coefficients near 1.
-    scale = 2.0 ** -30
+    # Bytes in GiB (or in budgets) inside the program: CBC's tolerances are relative to
+    # coefficients near 1 (the caller checks the peak in bytes).
+    scale = 2.0 ** -30 if budget is None else 1.0 / budget
     for expression in forward + backward:
         if budget is None:
             problem += scale * expression <= peak
         else:
-            problem += scale * expression <= scale * budget
+            problem += scale * expression <= 1.0
     if budget is None:
         problem += peak
         return problem, picks, peak

@@ -318,7 +318,7 @@ class OffloadSession:
         self.plan: planner.OffloadPlan | None = None
         self.modes = list(modes) if modes is not None else None
         self.steps = 0
-        self._first_unpacks: list[int] = []   # per group, of the last finished step
+        self._first_unpacks: list[int | None] = []   # per group, of the last whole step
         self._schedule: dict[int, list[int]] = {}
         self._step = _Step(profiling=budget is not None and modes is None and force is None)
         self._replaying = False
@@ -608,18 +608,22 @@ class OffloadSession:
             self.say("the recording step failed" + (" (out of device memory)" if out_of_memory
                                                     else "") + "; recording the next one")
             return
-        if failed and out_of_memory and not self.fell_back and self.budget is not None:
-            self.fell_back = True
-            recorded = self.profile.groups if self.profile is not None else finished.groups
-            self.modes = [OFFLOAD if g.offloadable else KEEP for g in recorded]
-            self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran out "
-                     "of device memory; offloading every saved tensor from now on")
-        self._first_unpacks = [g.first_unpack if g.first_unpack is not None else 0
-                               for g in finished.groups]
+        if failed:
+            # its unpacks are partial: the prefetch schedule stays that of the last whole step
+            if out_of_memory and not self.fell_back and self.budget is not None:
+                # as the recording step ran: everything offloaded, fetched on demand
+                self.fell_back = True
+                recorded = self.profile.groups if self.profile is not None else finished.groups
+                self.modes = [OFFLOAD if g.offloadable else KEEP for g in recorded]
+                self._schedule = {}
+                self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran "
+                         "out of device memory; offloading every saved tensor from now on")
+            return
+        self._first_unpacks = [g.first_unpack for g in finished.groups]
         if finished.profiling and finished.groups:
             self.profile = self._profile_of(finished, tail_peak)
             self._make_plan()
-        self._schedule = self._prefetch_schedule(
+        self._schedule = {} if self.fell_back else self._prefetch_schedule(
             [g.mode for g in finished.groups] if self.modes is None else self.modes)
 
     def _make_plan(self) -> None:
@@ -638,10 +642,11 @@ class OffloadSession:
 
     def _prefetch_schedule(self, modes) -> dict[int, list[int]]:
         """Unpack index -> offloaded groups to fetch then: ``lookahead`` unpacks before the first
-        unpack of each, as the last finished step unpacked them (vDNN's prefetch)."""
+        unpack of each, as the last finished step unpacked them (vDNN's prefetch; one it never
+        unpacked is fetched on demand)."""
         schedule = defaultdict(list)
         for gid, (first, mode) in enumerate(zip(self._first_unpacks, modes)):
-            if mode == OFFLOAD:
+            if mode == OFFLOAD and first is not None:
                 schedule[max(0, first - self.lookahead)].append(gid)
         return dict(schedule)
 

@@ -115,3 +115,13 @@ def test_recompute_counts_its_transient_and_holds_its_source_until_its_last_unpa
     assert peak_memory(profile, [KEEP, RECOMPUTE], 2) == 8 * MiB + 2 * 4 * MiB
     plan = plan_offload(profile, budget=12 * MiB)
     assert plan.modes != (KEEP, RECOMPUTE) and plan.peak <= 12 * MiB
+
+
+def test_never_over_budget_by_the_solvers_tolerance():
+    # keeping everything is 100 bytes over a 12 GiB budget: within CBC's feasibility tolerance,
+    # so the solver may call it feasible; the plan must still be within the budget
+    GiB = 2**30
+    profile = chain_profile([3 * GiB, 3 * GiB, 3 * GiB, 3 * GiB], baseline=0)
+    full = peak_memory(profile, [KEEP] * 4, 2)
+    plan = plan_offload(profile, budget=full - 100)
+    assert plan.peak <= full - 100 and plan.modes != (KEEP,) * 4

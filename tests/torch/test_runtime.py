@@ -289,6 +289,13 @@ def test_the_session_holds_no_more_than_the_plan_models(dtype):
     assert KEEP in session.plan.modes and trace.checked >= 3 * 10
 
 
+def saved_bytes(model, data):
+    """The bytes a step of ``model`` saves (every group kept)."""
+    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    train(copy.deepcopy(model), data[:2], probe)
+    return sum(g.nbytes for g in probe._step.groups)
+
+
 class MeteredLink(RecordingLink):
     """CopyLink with a device-memory meter that tests drive: ``spike(nbytes)`` is a transient
     allocation (a workspace), ``oom()`` a refused one."""
@@ -379,7 +386,9 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
             return Spike.apply(x, out_of_memory)
 
     wrapped = nn.Sequential(model, Fail())
-    session = OffloadSession(budget=GiB, link=link, min_bytes=0, headroom=0.0, say=said.append)
+    trace = []
+    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
+                             headroom=0.0, say=said.append, trace=trace)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     failures = 0
     for x, y in data:
@@ -393,7 +402,11 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
             failures += 1
             continue
         optimizer.step()
-    assert failures == 1 and session.fell_back
+    assert failures == 1 and session.fell_back and session.plan.count(OFFLOAD)
     assert [g.mode for g in session._step.groups] == \
         [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
     assert sum("ran out of device memory" in line for line in said) == 1
+    # the last step ran as the recording step did: every fetch on demand
+    last_step = trace[max(i for i, e in enumerate(trace) if e[:2] == ("pack", 0)):]
+    assert any(e[0] == "fetch" for e in last_step)
+    assert not any(e[0] == "prefetch" for e in last_step)
