@@ -323,6 +323,7 @@ class OffloadSession:
         self._step = _Step(profiling=budget is not None and modes is None and force is None)
         self._replaying = False
         self._mismatch_said = False
+        self._unmoved_said = False
         self.fell_back = False
         self._handles = []
         self._hooks = None
@@ -620,11 +621,22 @@ class OffloadSession:
                          "out of device memory; offloading every saved tensor from now on")
             return
         self._first_unpacks = [g.first_unpack for g in finished.groups]
+        self._say_unmoved(finished)
         if finished.profiling and finished.groups:
             self.profile = self._profile_of(finished, tail_peak)
             self._make_plan()
         self._schedule = {} if self.fell_back else self._prefetch_schedule(
             [g.mode for g in finished.groups] if self.modes is None else self.modes)
+
+    def _say_unmoved(self, step: _Step) -> None:
+        """One line, once, when a step kept groups its plan moves (no recipe found, not dense):
+        its peak is then over the plan's."""
+        unmoved = [g for g in step.groups if g.wanted != KEEP and g.mode == KEEP]
+        if unmoved and not step.profiling and not self._unmoved_said:
+            self._unmoved_said = True
+            self.say(f"{len(unmoved)} saved tensors the plan offloads or recomputes were kept "
+                     f"({sum(g.nbytes for g in unmoved) / 2**20:.1f} MiB; first: group "
+                     f"{unmoved[0].gid}, {unmoved[0].producer}, wanted {unmoved[0].wanted})")
 
     def _make_plan(self) -> None:
         target = int(self.budget * (1 - self.headroom))
