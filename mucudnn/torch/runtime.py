@@ -286,6 +286,7 @@ class _Step:
     ooms: int | None = None                          # the link's ``ooms()`` at its first pack
     node: object = None            # the autograd node of the last unpack (not its tensors)
     node_groups: list = field(default_factory=list)  # the groups that node unpacked
+    backward_done: bool = False    # its backward ran to the end (autograd's final callback)
 
 
 class OffloadSession:
@@ -345,7 +346,8 @@ class OffloadSession:
         self._hooks = None
         if exc_info[0] is not None and self._step.groups:
             # the forward failed: this step never reaches its backward; the next one starts afresh
-            self._end_step(failed=True)
+            self._end_step(failed=True,
+                           out_of_memory=issubclass(exc_info[0], torch.OutOfMemoryError))
 
     # --- the host link per device ---------------------------------------------------------
     def link_for(self, tensor: torch.Tensor) -> CopyLink | None:
@@ -525,6 +527,8 @@ class OffloadSession:
         step.unpacks += 1
         link = self.link_for_group(group)
         peak_before = link.peak_allocated() if step.profiling else 0
+        if index == 0:
+            _at_end_of_backward(lambda: setattr(step, "backward_done", True))
         if group.first_unpack is None:
             group.first_unpack = index
         # what a node unpacked stays alive (autograd holds it) until the node is done, so in the
@@ -594,15 +598,18 @@ class OffloadSession:
             self.trace.append(event)
 
     # --- steps, profile, plan -------------------------------------------------------------
-    def _end_step(self, failed: bool = False) -> None:
-        """The step is over (the next one saves its first tensor or runs its first module, or its
-        forward raised: ``failed``)."""
+    def _end_step(self, failed: bool = False, out_of_memory: bool = False) -> None:
+        """The step is over: the next one saves its first tensor or runs its first module, or its
+        forward raised (``failed``; ``out_of_memory`` when it ran out of device memory)."""
         finished = self._step
         link = self._any_link()
         # the rest of the backward, the optimizer and the next forward up to here
         tail_peak = link.peak_allocated() if finished.profiling else 0
-        out_of_memory = finished.ooms is not None and link.ooms() > finished.ooms
-        failed = failed or out_of_memory
+        if not failed and finished.unpacks and not finished.backward_done:
+            # its backward raised; out of memory if the allocator refused something meanwhile
+            # (a refusal that an op caught, cuDNN trying a workspace, does not end a backward)
+            failed = True
+            out_of_memory = finished.ooms is not None and link.ooms() > finished.ooms
         self._step = _Step(profiling=finished.profiling and failed)
         self.steps += 1
         if failed and finished.profiling:
@@ -712,6 +719,15 @@ class OffloadSession:
         profile.baseline_forward = forward
         profile.baseline_backward = backward
         return profile
+
+
+def _at_end_of_backward(callback) -> None:
+    """Run ``callback`` when the running backward finishes without an error."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is not None and hasattr(engine, "queue_callback"):
+        engine.queue_callback(callback)
+    else:   # no way to tell: take every backward as finished
+        callback()
 
 
 def _current_node():

@@ -371,15 +371,18 @@ def test_the_plan_counts_the_measured_peak_between_points(where):
     assert session.plan.peak >= GiB
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", "backward", "caught"])
 def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where):
+    # "caught": an op's refused allocation that it handles (cuDNN trying a workspace) is no
+    # failed step
     model, data = small_cnn(torch.float32), batches(torch.float32, 4)
     link, said, steps = MeteredLink(), [], []
 
     def out_of_memory():
         if len(steps) == 2:          # the first planned step
             link.oom()
-            raise torch.OutOfMemoryError("out of memory (test)")
+            if where != "caught":
+                raise torch.OutOfMemoryError("out of memory (test)")
 
     class Fail(nn.Module):
         def forward(self, x):
@@ -405,6 +408,10 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
             failures += 1
             continue
         optimizer.step()
+    if where == "caught":
+        assert failures == 0 and not session.fell_back and not said[1:]
+        assert [g.mode for g in session._step.groups] == list(session.plan.modes)
+        return
     assert failures == 1 and session.fell_back and session.plan.count(OFFLOAD)
     assert [g.mode for g in session._step.groups] == \
         [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
