@@ -26,7 +26,9 @@ between this point and the next shows it) plus the live groups' bytes.
 
 Predicted step time (the host-link bound, vDNN's model): ``max(F, offloaded bytes / d2h) +
 max(B + recompute time, offloaded bytes / h2d)``, with F and B the forward and backward compute
-times. It is exact when copies overlap compute perfectly and a lower bound otherwise.
+times. It is exact when copies overlap compute perfectly and a lower bound otherwise. Without
+prefetch (lookahead 0: :func:`plan_with_prefetch` when prefetching does not fit) the backward
+term is ``B + recompute time + offloaded bytes / h2d``.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class OffloadPlan:
     def describe(self) -> str:
         return (f"{self.count(KEEP)} kept, {self.count(OFFLOAD)} offloaded "
                 f"({describe_size(self.moved_bytes)} each way), {self.count(RECOMPUTE)} "
-                f"recomputed; predicted peak {describe_size(self.peak)}, step {self.step_ms:.1f} ms")
+                f"recomputed; predicted peak {describe_size(self.peak)}, step {self.step_ms:.1f} ms"
+                + (f"; prefetch {self.lookahead} unpacks ahead" if self.count(OFFLOAD) else ""))
 
 
 def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
@@ -160,13 +163,16 @@ def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int) -> i
     return max(forward + backward, default=0)
 
 
-def step_time(profile: StepProfile, modes: Sequence[str]) -> float:
-    """Predicted step time (ms) of ``modes``: see the module docstring."""
+def step_time(profile: StepProfile, modes: Sequence[str], lookahead: int = 2) -> float:
+    """Predicted step time (ms) of ``modes``: see the module docstring. Without prefetch
+    (``lookahead`` 0) the backward waits for every fetch: no overlap."""
     moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
     recompute = math.fsum(g.recompute_ms for g, m in zip(profile.groups, modes, strict=True)
                           if m == RECOMPUTE)
+    backward = profile.backward_ms + recompute
+    fetch = _ms(moved, profile.h2d_gbps)
     return (max(profile.forward_ms, _ms(moved, profile.d2h_gbps))
-            + max(profile.backward_ms + recompute, _ms(moved, profile.h2d_gbps)))
+            + (backward + fetch if lookahead == 0 else max(backward, fetch)))
 
 
 def _ms(nbytes: int, gbps: float) -> float:
@@ -186,7 +192,7 @@ def valid(profile: StepProfile, modes: Sequence[str]) -> bool:
 def _result(profile: StepProfile, modes: Sequence[str], lookahead: int) -> OffloadPlan:
     moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
     return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead),
-                       step_time(profile, modes), moved)
+                       step_time(profile, modes, lookahead), moved)
 
 
 def brute_force(profile: StepProfile, budget: int, lookahead: int = 2) -> OffloadPlan | None:
@@ -240,6 +246,21 @@ def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
     if not valid(profile, modes):
         raise SolverError("the solver chose an invalid offload plan")
     return _result(profile, modes, lookahead)
+
+
+def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
+                       time_limit_s: float | None = 60) -> OffloadPlan:
+    """:func:`plan_offload` at ``lookahead``, else at the largest smaller prefetch distance that
+    fits (down to 0: fetched when first unpacked, as the recording step did): a prefetch puts a
+    group on the device ``lookahead`` unpacks early, which the largest backward ops may not have
+    room for. The :class:`InfeasibleError` of ``lookahead`` when none fits."""
+    first_error = None
+    for distance in range(lookahead, -1, -1):
+        try:
+            return plan_offload(profile, budget, distance, time_limit_s)
+        except InfeasibleError as exc:
+            first_error = first_error or exc
+    raise first_error
 
 
 def least_peak(profile: StepProfile, lookahead: int = 2) -> int:
@@ -296,8 +317,12 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None):
     forward_ms = problem.add_variable("forward_ms", lowBound=profile.forward_ms)
     backward_ms = problem.add_variable("backward_ms", lowBound=0)
     problem += forward_ms >= moved * (1e3 / (profile.d2h_gbps * 1e9))
-    problem += backward_ms >= profile.backward_ms + recompute
-    problem += backward_ms >= moved * (1e3 / (profile.h2d_gbps * 1e9))
+    fetch_ms = moved * (1e3 / (profile.h2d_gbps * 1e9))
+    if lookahead == 0:   # fetched when needed: the backward waits for each copy
+        problem += backward_ms >= profile.backward_ms + recompute + fetch_ms
+    else:
+        problem += backward_ms >= profile.backward_ms + recompute
+        problem += backward_ms >= fetch_ms
     # Ties (the copies hidden behind compute either way) go to less traffic: 1 ms per 2^40 bytes
     # moved or recomputed, far below any real time difference.
     tie = pulp.lpSum(g.nbytes * (x.get(OFFLOAD, 0) + x.get(RECOMPUTE, 0)) * 2.0 ** -40

@@ -648,7 +648,7 @@ class OffloadSession:
     def _make_plan(self) -> None:
         target = int(self.budget * (1 - self.headroom))
         try:
-            self.plan = planner.plan_offload(self.profile, target, self.lookahead)
+            self.plan = planner.plan_with_prefetch(self.profile, target, self.lookahead)
         except MucudnnError as exc:   # infeasible, or CBC failed
             if self.strict:
                 raise
@@ -659,6 +659,12 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
 
+    @property
+    def prefetch_distance(self) -> int:
+        """How many unpacks ahead offloaded groups are fetched: the plan's (it may prefetch less
+        than ``lookahead`` to fit), else ``lookahead``."""
+        return self.plan.lookahead if self.plan is not None else self.lookahead
+
     def _prefetch_schedule(self, modes) -> dict[int, list[int]]:
         """Unpack index -> offloaded groups to fetch then: ``lookahead`` unpacks before the first
         unpack of each, as the last finished step unpacked them (vDNN's prefetch; one it never
@@ -666,7 +672,7 @@ class OffloadSession:
         schedule = defaultdict(list)
         for gid, (first, mode) in enumerate(zip(self._first_unpacks, modes)):
             if mode == OFFLOAD and first is not None:
-                schedule[max(0, first - self.lookahead)].append(gid)
+                schedule[max(0, first - self.prefetch_distance)].append(gid)
         return dict(schedule)
 
     def _profile_of(self, step: _Step, tail_peak: int = 0) -> planner.StepProfile:

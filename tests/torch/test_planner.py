@@ -6,7 +6,8 @@ import pytest
 
 from mucudnn.errors import InfeasibleError
 from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force,
-                                   least_peak, peak_memory, plan_offload, step_time, valid)
+                                   least_peak, peak_memory, plan_offload, plan_with_prefetch,
+                                   step_time, valid)
 
 MiB = 2**20
 
@@ -125,3 +126,19 @@ def test_never_over_budget_by_the_solvers_tolerance():
     full = peak_memory(profile, [KEEP] * 4, 2)
     plan = plan_offload(profile, budget=full - 100)
     assert plan.peak <= full - 100 and plan.modes != (KEEP,) * 4
+
+
+def test_prefetch_distance_shrinks_when_prefetching_does_not_fit():
+    # a prefetch puts a group on the device two unpacks early: here only fetching each group when
+    # first unpacked fits, and the plan says so (its time counts the fetches as not overlapped)
+    profile = chain_profile([8 * MiB] * 6, baseline=0)
+    budget = least_peak(profile, lookahead=0)
+    assert least_peak(profile, lookahead=2) > budget
+    with pytest.raises(InfeasibleError):
+        plan_offload(profile, budget, lookahead=2)
+    plan = plan_with_prefetch(profile, budget, lookahead=2)
+    assert plan.lookahead < 2 and plan.peak <= budget
+    assert plan.step_ms == pytest.approx(step_time(profile, plan.modes, plan.lookahead))
+    if plan.lookahead == 0:
+        assert plan.step_ms > step_time(profile, plan.modes, 2)
+    assert "prefetch" in plan.describe()

@@ -271,7 +271,7 @@ class HeldBytes(list):
         index = event[2] if backward else event[1]
         modelled = sum(nbytes for gid, mode in enumerate(session.plan.modes)
                        for nbytes, forward_points, backward_points in planner.contributions(
-                           session.profile, gid, mode, session.lookahead)
+                           session.profile, gid, mode, session.prefetch_distance)
                        if index in (backward_points if backward else forward_points))
         assert held <= modelled, f"{event}: session holds {held} B, plan models {modelled}"
         self.checked += 1
