@@ -174,7 +174,7 @@ def worker(args) -> None:
                                                     + profile.baseline_backward, default=0))
         if plan is not None:
             result.update(moved_bytes=plan.moved_bytes, predicted_ms=plan.step_ms,
-                          predicted_peak=plan.peak,
+                          predicted_peak=plan.peak, prefetch_lookahead=plan.lookahead,
                           kept=plan.count("keep"), offloaded=plan.count("offload"),
                           recomputed=plan.count("recompute"), d2h_gbps=profile.d2h_gbps,
                           h2d_gbps=profile.h2d_gbps, profile_forward_ms=profile.forward_ms,
