@@ -15,8 +15,9 @@ configuration trains a few steps with PyTorch's caching allocator limited to the
 - ``checkpoint@B``: ``torch.utils.checkpoint`` of every block (VGG: each stage up to its pooling;
   ResNet: each bottleneck).
 
-Each reports the median step time (CUDA events, after warm-up), peak reserved and allocated memory,
-or ``oom``. mucudnn's rows add the plan (bytes moved each way, counts), the measured host link and
+Each reports the median step time (CUDA events, after warm-up), peak reserved and allocated memory
+of the timed steps, or ``oom``. A mucudnn step that runs out of memory is recorded
+(``failed_steps``; the session then offloads everything, ``fell_back``) and the run goes on. mucudnn's rows add the plan (bytes moved each way, counts), the measured host link and
 the lower bound from it: ``max(F, moved/d2h) + max(B, moved/h2d)`` with F, B the unconstrained
 step split as the recorded profile splits it. Writes ``OUT/offload.json``, ``OUT/offload.md`` and
 ``OUT/offload.png`` (step time against the budget; matplotlib, if installed).
@@ -131,29 +132,49 @@ def worker(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(args.batch, 3, 224, 224, device=device)
     y = torch.randint(0, 1000, (args.batch,), device=device)
-    times = []
+    times, failed_steps = [], []
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            # peaks of the timed steps only (mucudnn's recording step resets the statistics)
+            torch.cuda.reset_peak_memory_stats(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         optimizer.zero_grad(set_to_none=True)
-        with context():
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        try:
+            with context():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        except torch.OutOfMemoryError:
+            # mucudnn falls back to offloading everything after a planned step that ran out of
+            # memory: record the step and go on; any other method's OOM ends the configuration
+            if args.method != "mucudnn":
+                raise
+            loss = None
+            failed_steps.append(step)
+            print(f"step {step}: out of memory", file=sys.stderr, flush=True)
+            continue
         optimizer.step()
         end.record()
         end.synchronize()
         if step >= args.warmup:
             times.append(start.elapsed_time(end))
         print(f"step {step}: {start.elapsed_time(end):.1f} ms", file=sys.stderr, flush=True)
+    if not times:
+        raise torch.OutOfMemoryError(f"every timed step ran out of memory ({failed_steps})")
+    result.update(failed_steps=failed_steps)
     result.update(step_ms=statistics.median(times), steps_ms=times,
                   peak_reserved=torch.cuda.max_memory_reserved(device),
                   peak_allocated=torch.cuda.max_memory_allocated(device))
     if args.method == "mucudnn":
         session = model.mucudnn_session
         plan, profile = session.plan, session.profile
+        result.update(fell_back=session.fell_back)
+        if profile is not None:
+            result.update(profile_baseline_peak=max(profile.baseline_forward
+                                                    + profile.baseline_backward, default=0))
         if plan is not None:
             result.update(moved_bytes=plan.moved_bytes, predicted_ms=plan.step_ms,
-                          predicted_peak=plan.peak,
+                          predicted_peak=plan.peak, prefetch_lookahead=plan.lookahead,
                           kept=plan.count("keep"), offloaded=plan.count("offload"),
                           recomputed=plan.count("recompute"), d2h_gbps=profile.d2h_gbps,
                           h2d_gbps=profile.h2d_gbps, profile_forward_ms=profile.forward_ms,
@@ -221,7 +242,9 @@ def markdown(rows: list[dict], args) -> str:
     for r in rows:
         ok = r.get("status") == "ok"
         out.append("| " + " | ".join([
-            r["model"], r["config"], r.get("status", "?"),
+            r["model"], r["config"], r.get("status", "?") + (
+                f" (steps {r['failed_steps']} out of memory; fell back to offloading everything)"
+                if r.get("failed_steps") else ""),
             f"{r['step_ms']:.1f}" if ok else "—",
             f"{r['vs_unconstrained']:.3f}" if "vs_unconstrained" in r else "—",
             f"{r['peak_reserved'] / 2**30:.2f}" if ok else "—",

@@ -16,14 +16,19 @@ A group is one tensor saved for backward, however many ops save it. Its bytes ar
   runtime lets the caching allocator reuse the memory once the copy is done), then again from
   ``first_unpack - lookahead`` (the runtime's prefetch point) to its last unpack;
 - recomputed: at its forward point and the next one (the forward's own use), then from its first
-  to its last unpack. Its recipe reads its source group, which must then be kept.
+  to its last unpack, twice its bytes at its first unpack (the recipe's intermediate or the copy of
+  an in-place module's input). Its recipe reads its source group, which must then be kept, and
+  stays on the device through the recomputed group's last unpack.
 
 Peak memory at a point is the measured baseline there (everything that is not a saved group:
-parameters, gradients, the op's own inputs, outputs and workspace) plus the live groups' bytes.
+parameters, gradients, the op's own inputs, outputs and workspace, as the recorded step's peak
+between this point and the next shows it) plus the live groups' bytes.
 
 Predicted step time (the host-link bound, vDNN's model): ``max(F, offloaded bytes / d2h) +
 max(B + recompute time, offloaded bytes / h2d)``, with F and B the forward and backward compute
-times. It is exact when copies overlap compute perfectly and a lower bound otherwise.
+times. It is exact when copies overlap compute perfectly and a lower bound otherwise. Without
+prefetch (lookahead 0: :func:`plan_with_prefetch` when prefetching does not fit) the backward
+term is ``B + recompute time + offloaded bytes / h2d``.
 """
 
 from __future__ import annotations
@@ -100,7 +105,8 @@ class OffloadPlan:
     def describe(self) -> str:
         return (f"{self.count(KEEP)} kept, {self.count(OFFLOAD)} offloaded "
                 f"({describe_size(self.moved_bytes)} each way), {self.count(RECOMPUTE)} "
-                f"recomputed; predicted peak {describe_size(self.peak)}, step {self.step_ms:.1f} ms")
+                f"recomputed; predicted peak {describe_size(self.peak)}, step {self.step_ms:.1f} ms"
+                + (f"; prefetch {self.lookahead} unpacks ahead" if self.count(OFFLOAD) else ""))
 
 
 def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
@@ -120,26 +126,53 @@ def live_points(profile: StepProfile, index: int, mode: str, lookahead: int
     return forward, range(start, group.last_unpack + 1)
 
 
-def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int) -> int:
-    """The modelled peak of ``modes`` (one per group)."""
+def contributions(profile: StepProfile, index: int, mode: str, lookahead: int
+                  ) -> list[tuple[int, range, range]]:
+    """(bytes, forward points, backward points) that choosing ``mode`` for group ``index`` puts on
+    the device: its own liveness and, when recomputed, the transient at its first unpack and its
+    source held past the source's own last unpack."""
+    group = profile.groups[index]
+    f_points, b_points = live_points(profile, index, mode, lookahead)
+    added = [(group.nbytes, f_points, b_points)]
+    if mode == RECOMPUTE:
+        added.append((group.nbytes, range(0), range(group.first_unpack, group.first_unpack + 1)))
+        source = profile.groups[group.recompute_source]
+        if group.last_unpack > source.last_unpack:
+            added.append((source.nbytes, range(0),
+                          range(source.last_unpack + 1, group.last_unpack + 1)))
+    return added
+
+
+def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int
+                     ) -> tuple[list[int], list[int]]:
+    """The modelled bytes at each (forward point, backward point) under ``modes``."""
     forward = list(profile.baseline_forward)
     backward = list(profile.baseline_backward)
     for index, mode in enumerate(modes):
-        f_points, b_points = live_points(profile, index, mode, lookahead)
-        for t in f_points:
-            forward[t] += profile.groups[index].nbytes
-        for t in b_points:
-            backward[t] += profile.groups[index].nbytes
+        for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead):
+            for t in f_points:
+                forward[t] += nbytes
+            for t in b_points:
+                backward[t] += nbytes
+    return forward, backward
+
+
+def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int) -> int:
+    """The modelled peak of ``modes`` (one per group)."""
+    forward, backward = memory_at_points(profile, modes, lookahead)
     return max(forward + backward, default=0)
 
 
-def step_time(profile: StepProfile, modes: Sequence[str]) -> float:
-    """Predicted step time (ms) of ``modes``: see the module docstring."""
+def step_time(profile: StepProfile, modes: Sequence[str], lookahead: int = 2) -> float:
+    """Predicted step time (ms) of ``modes``: see the module docstring. Without prefetch
+    (``lookahead`` 0) the backward waits for every fetch: no overlap."""
     moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
     recompute = math.fsum(g.recompute_ms for g, m in zip(profile.groups, modes, strict=True)
                           if m == RECOMPUTE)
+    backward = profile.backward_ms + recompute
+    fetch = _ms(moved, profile.h2d_gbps)
     return (max(profile.forward_ms, _ms(moved, profile.d2h_gbps))
-            + max(profile.backward_ms + recompute, _ms(moved, profile.h2d_gbps)))
+            + (backward + fetch if lookahead == 0 else max(backward, fetch)))
 
 
 def _ms(nbytes: int, gbps: float) -> float:
@@ -159,7 +192,7 @@ def valid(profile: StepProfile, modes: Sequence[str]) -> bool:
 def _result(profile: StepProfile, modes: Sequence[str], lookahead: int) -> OffloadPlan:
     moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
     return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead),
-                       step_time(profile, modes), moved)
+                       step_time(profile, modes, lookahead), moved)
 
 
 def brute_force(profile: StepProfile, budget: int, lookahead: int = 2) -> OffloadPlan | None:
@@ -184,9 +217,23 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
     everything_kept = [KEEP] * len(profile.groups)
     if peak_memory(profile, everything_kept, lookahead) <= budget:
         return _result(profile, everything_kept, lookahead)
-    problem, picks, _ = _program(profile, lookahead, budget)
+    limit = budget
+    for _ in range(3):
+        plan = _solved(profile, lookahead, budget, limit, time_limit_s)
+        if plan.peak <= budget:
+            return plan
+        # CBC's feasibility tolerance (1e-7 of the limit) let the peak over by a few bytes:
+        # never over budget
+        limit -= plan.peak - budget + int(2e-7 * limit) + 1
+    raise SolverError(f"the solver chose a plan of peak {describe_size(plan.peak)}, over the "
+                      f"budget of {describe_size(budget)}")
+
+
+def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
+            time_limit_s: float | None) -> OffloadPlan:
+    problem, picks, _ = _program(profile, lookahead, limit)
     status = _solve(problem, time_limit_s)
-    if status == "Infeasible":
+    if status == "Infeasible" and limit == budget:
         least = least_peak(profile, lookahead)
         raise InfeasibleError(
             f"memory budget {describe_size(budget)} is too small for this step: keeping, "
@@ -196,11 +243,24 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
     if status != "Optimal":
         raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
     modes = _picked(picks)
-    plan = _result(profile, modes, lookahead)
-    if plan.peak > budget or not valid(profile, modes):  # CBC's tolerances: never over budget
-        raise SolverError(f"the solver chose a plan of peak {describe_size(plan.peak)}, over the "
-                          f"budget of {describe_size(budget)}")
-    return plan
+    if not valid(profile, modes):
+        raise SolverError("the solver chose an invalid offload plan")
+    return _result(profile, modes, lookahead)
+
+
+def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
+                       time_limit_s: float | None = 60) -> OffloadPlan:
+    """:func:`plan_offload` at ``lookahead``, else at the largest smaller prefetch distance that
+    fits (down to 0: fetched when first unpacked, as the recording step did): a prefetch puts a
+    group on the device ``lookahead`` unpacks early, which the largest backward ops may not have
+    room for. The :class:`InfeasibleError` of ``lookahead`` when none fits."""
+    first_error = None
+    for distance in range(lookahead, -1, -1):
+        try:
+            return plan_offload(profile, budget, distance, time_limit_s)
+        except InfeasibleError as exc:
+            first_error = first_error or exc
+    raise first_error
 
 
 def least_peak(profile: StepProfile, lookahead: int = 2) -> int:
@@ -233,19 +293,20 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None):
     backward = [pulp.LpAffineExpression() + base for base in profile.baseline_backward]
     for index, group in enumerate(profile.groups):
         for mode, x in picks[index].items():
-            f_points, b_points = live_points(profile, index, mode, lookahead)
-            for t in f_points:
-                forward[t] += group.nbytes * x
-            for t in b_points:
-                backward[t] += group.nbytes * x
+            for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead):
+                for t in f_points:
+                    forward[t] += nbytes * x
+                for t in b_points:
+                    backward[t] += nbytes * x
     peak = problem.add_variable("peak", lowBound=0)
-    # Bytes in GiB inside the program: CBC's tolerances are relative to coefficients near 1.
-    scale = 2.0 ** -30
+    # Bytes in GiB (or in budgets) inside the program: CBC's tolerances are relative to
+    # coefficients near 1 (the caller checks the peak in bytes).
+    scale = 2.0 ** -30 if budget is None else 1.0 / budget
     for expression in forward + backward:
         if budget is None:
             problem += scale * expression <= peak
         else:
-            problem += scale * expression <= scale * budget
+            problem += scale * expression <= 1.0
     if budget is None:
         problem += peak
         return problem, picks, peak
@@ -256,8 +317,12 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None):
     forward_ms = problem.add_variable("forward_ms", lowBound=profile.forward_ms)
     backward_ms = problem.add_variable("backward_ms", lowBound=0)
     problem += forward_ms >= moved * (1e3 / (profile.d2h_gbps * 1e9))
-    problem += backward_ms >= profile.backward_ms + recompute
-    problem += backward_ms >= moved * (1e3 / (profile.h2d_gbps * 1e9))
+    fetch_ms = moved * (1e3 / (profile.h2d_gbps * 1e9))
+    if lookahead == 0:   # fetched when needed: the backward waits for each copy
+        problem += backward_ms >= profile.backward_ms + recompute + fetch_ms
+    else:
+        problem += backward_ms >= profile.backward_ms + recompute
+        problem += backward_ms >= fetch_ms
     # Ties (the copies hidden behind compute either way) go to less traffic: 1 ms per 2^40 bytes
     # moved or recomputed, far below any real time difference.
     tie = pulp.lpSum(g.nbytes * (x.get(OFFLOAD, 0) + x.get(RECOMPUTE, 0)) * 2.0 ** -40

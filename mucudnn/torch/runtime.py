@@ -10,6 +10,12 @@ Invariants:
 - Nothing is recomputed from a source that changed since it was saved (its version counter).
 - Groups: every pack of the same tensor object (same version) is one group, moved or recomputed
   once. Parameters and tensors under ``min_bytes`` pass through untouched.
+- The session holds a group's device tensor (kept, fetched, prefetched or recomputed) no longer
+  than the planner's liveness says (planner.py): autograd holds one :class:`_Packed` per pack,
+  and the device tensor goes when the last of them is freed (autograd frees a node's saved
+  tensors once it ran), at the last unpack of a moved or recomputed group, and never while a
+  recomputed group that reads it may still be unpacked. Nothing else (steps, recipes, calls,
+  transfers) refers to a device tensor strongly.
 - Steps: a pack after an unpack starts a new step; group ``g`` is the ``g``-th tensor the step
   saves, unpack ``i`` its ``i``-th unpack (planner.py's clocks). A planned step whose groups differ
   from the profile's (another size) keeps those groups.
@@ -83,6 +89,15 @@ class CopyLink:
     def allocated(self) -> int:
         return 0
 
+    def peak_allocated(self) -> int:
+        """The most bytes allocated on the device since the previous call (which starts the next
+        interval); ``allocated()`` where the link cannot see more."""
+        return self.allocated()
+
+    def ooms(self) -> int:
+        """Allocations the device refused so far (a counter that only grows)."""
+        return 0
+
     def bandwidth_gbps(self) -> tuple[float, float]:
         return self.gbps or measure_bandwidth(self, torch.device("cpu"))
 
@@ -152,6 +167,16 @@ class CudaLink(CopyLink):
     def allocated(self):
         return torch.cuda.memory_allocated(self.device)
 
+    def peak_allocated(self):
+        # the caching allocator's peak since the last reset; resetting starts the next interval
+        # (this also resets the peak reserved statistic of the device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+    def ooms(self):
+        return torch.cuda.memory_stats(self.device).get("num_ooms", 0)
+
     def bandwidth_gbps(self):
         if self.gbps is None:
             self.gbps = measure_bandwidth(self, self.device)
@@ -218,6 +243,36 @@ class _Group:
     last_unpack: int | None = None
     pack_mark: object = None
     wanted: str = KEEP                      # the plan's mode; ``mode`` is what runs
+    live_packs: int = 0                     # _Packed objects autograd still holds
+    readers: int = 0                        # recomputed groups that may still read this one
+
+    def drop_device(self) -> None:
+        """Let go of the device tensor where nothing may need it from the session again."""
+        if self.readers or self.tensor is None and self.fetch is None:
+            return
+        if self.live_packs == 0 or (self.mode != KEEP and self.unpacks >= self.packs):
+            self.tensor, self.fetch = None, None
+
+    def pack_freed(self) -> None:
+        self.live_packs -= 1
+        if self.live_packs == 0:
+            if self.mode == RECOMPUTE and self.source is not None:
+                self.source.readers -= 1      # this one can no longer be unpacked
+                self.source.drop_device()
+            self.drop_device()
+
+
+class _Packed:
+    """What autograd holds for one pack of a group: its lifetime is the saved tensor's."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: _Group):
+        self.group = group
+        group.live_packs += 1
+
+    def __del__(self):
+        self.group.pack_freed()
 
 
 @dataclass(eq=False)
@@ -226,8 +281,12 @@ class _Step:
     by_key: dict = field(default_factory=dict)
     unpacks: int = 0
     calls: list = field(default_factory=list)
-    marks: list = field(default_factory=list)        # (kind, index, mark, allocated)
+    marks: list = field(default_factory=list)  # (kind, index, mark, allocated, peak before)
     profiling: bool = False
+    ooms: int | None = None                          # the link's ``ooms()`` at its first pack
+    node: object = None            # the autograd node of the last unpack (not its tensors)
+    node_groups: list = field(default_factory=list)  # the groups that node unpacked
+    backward_done: bool = False    # its backward ran to the end (autograd's final callback)
 
 
 class OffloadSession:
@@ -241,6 +300,9 @@ class OffloadSession:
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
     no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
     ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
+    A planned step that runs out of device memory (the link's ``ooms()`` grew; its exception
+    propagates as ever) makes every later step offload every saved tensor, with one line
+    (``fell_back``).
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -257,11 +319,13 @@ class OffloadSession:
         self.plan: planner.OffloadPlan | None = None
         self.modes = list(modes) if modes is not None else None
         self.steps = 0
-        self._first_unpacks: list[int] = []   # per group, of the last finished step
+        self._first_unpacks: list[int | None] = []   # per group, of the last whole step
         self._schedule: dict[int, list[int]] = {}
         self._step = _Step(profiling=budget is not None and modes is None and force is None)
         self._replaying = False
         self._mismatch_said = False
+        self._unmoved_said = False
+        self.fell_back = False
         self._handles = []
         self._hooks = None
 
@@ -280,6 +344,10 @@ class OffloadSession:
         self._handles = []
         self._hooks.__exit__(*exc_info)
         self._hooks = None
+        if exc_info[0] is not None and self._step.groups:
+            # the forward failed: this step never reaches its backward; the next one starts afresh
+            self._end_step(failed=True,
+                           out_of_memory=issubclass(exc_info[0], torch.OutOfMemoryError))
 
     # --- the host link per device ---------------------------------------------------------
     def link_for(self, tensor: torch.Tensor) -> CopyLink | None:
@@ -335,6 +403,7 @@ class OffloadSession:
         group.recipe, group.source, group.producer = recipe, source, recipe[-1].name
         if group.wanted == RECOMPUTE and group.mode == KEEP and source.mode == KEEP:
             group.mode, group.tensor = RECOMPUTE, None
+            source.readers += 1
             self._event("mode", group.gid, RECOMPUTE)
 
     def _recipe(self, tensor: torch.Tensor, step: _Step):
@@ -373,14 +442,18 @@ class OffloadSession:
         return None
 
     def _pack(self, tensor: torch.Tensor):
+        group = self._group_for(tensor)
+        return tensor if group is None else _Packed(group)
+
+    def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         if self._replaying or _in_backward():   # e.g. a checkpoint's recomputation: not ours
-            return tensor
+            return None
         if (tensor.requires_grad and tensor.is_leaf) or isinstance(tensor, nn.Parameter) or \
                 tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse:
-            return tensor
+            return None
         link = self.link_for(tensor)
         if link is None:
-            return tensor
+            return None
         if self._step.unpacks:
             self._end_step()
         step = self._step
@@ -392,6 +465,8 @@ class OffloadSession:
 
     def _new_group(self, step, tensor, link) -> _Group:
         gid = len(step.groups)
+        if step.ooms is None:
+            step.ooms = link.ooms()
         recipe, source = self._recipe(tensor, step) if self.recompute else (None, None)
         producer = recipe[-1].name if recipe else next(
             (c.name for c in reversed(step.calls) if c.output is not None and c.output() is tensor),
@@ -405,13 +480,16 @@ class OffloadSession:
         step.by_key[self._key(tensor)] = group
         if step.profiling:
             group.pack_mark = link.mark()
-            step.marks.append(("pack", gid, group.pack_mark, link.allocated()))
+            step.marks.append(("pack", gid, group.pack_mark, link.allocated(),
+                               link.peak_allocated()))
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
             group.host = link.offload(tensor)
             self._event("offload", gid)
+        elif group.mode == KEEP:
+            group.tensor = tensor
         else:
-            group.tensor = tensor if group.mode == KEEP else None
+            source.readers += 1
         return group
 
     def _mode_for(self, group: _Group) -> str:
@@ -440,16 +518,27 @@ class OffloadSession:
                          f"{group.gid}); keeping those")
         return wanted
 
-    def _unpack(self, group):
-        if not isinstance(group, _Group):
-            return group
+    def _unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        group = packed.group
         step = self._step
         index = step.unpacks
         step.unpacks += 1
         link = self.link_for_group(group)
+        peak_before = link.peak_allocated() if step.profiling else 0
+        if index == 0:
+            _at_end_of_backward(lambda: setattr(step, "backward_done", True))
         if group.first_unpack is None:
             group.first_unpack = index
-        group.last_unpack = index
+        # what a node unpacked stays alive (autograd holds it) until the node is done, so in the
+        # model its last unpack is the node's last
+        node = _current_node()
+        if node is None or node is not step.node:
+            step.node, step.node_groups = node, []
+        step.node_groups.append(group)
+        for unpacked in step.node_groups:
+            unpacked.last_unpack = index
         scheduled = [step.groups[gid] for gid in self._schedule.get(index, ())
                      if gid < len(step.groups)]
         if group in scheduled:   # the one needed now goes first on the copy stream
@@ -462,10 +551,10 @@ class OffloadSession:
         tensor = self._materialize(group, link)
         self._event("unpack", group.gid, index)
         if step.profiling:
-            step.marks.append(("unpack", index, link.mark(), link.allocated()))
+            at = max(link.allocated(), link.peak_allocated())   # with this group fetched
+            step.marks.append(("unpack", index, link.mark(), at, peak_before))
         group.unpacks += 1
-        if group.unpacks >= group.packs and group.mode != KEEP:
-            group.tensor, group.fetch = None, None    # its last use: the memory can go
+        group.drop_device()    # a moved group's last unpack: autograd holds the rest of its use
         return tensor
 
     def link_for_group(self, group):
@@ -481,7 +570,7 @@ class OffloadSession:
         if group.tensor is not None:
             return group.tensor
         if group.mode == OFFLOAD:
-            group.tensor = link.wait(group.fetch)
+            group.tensor, group.fetch = link.wait(group.fetch), None
         elif group.mode == RECOMPUTE:
             group.tensor = self._replay(group, link)
         return group.tensor
@@ -509,21 +598,57 @@ class OffloadSession:
             self.trace.append(event)
 
     # --- steps, profile, plan -------------------------------------------------------------
-    def _end_step(self) -> None:
-        finished, self._step = self._step, _Step()
+    def _end_step(self, failed: bool = False, out_of_memory: bool = False) -> None:
+        """The step is over: the next one saves its first tensor or runs its first module, or its
+        forward raised (``failed``; ``out_of_memory`` when it ran out of device memory)."""
+        finished = self._step
+        link = self._any_link()
+        # the rest of the backward, the optimizer and the next forward up to here
+        tail_peak = link.peak_allocated() if finished.profiling else 0
+        if not failed and finished.unpacks and not finished.backward_done:
+            # its backward raised; out of memory if the allocator refused something meanwhile
+            # (a refusal that an op caught, cuDNN trying a workspace, does not end a backward)
+            failed = True
+            out_of_memory = finished.ooms is not None and link.ooms() > finished.ooms
+        self._step = _Step(profiling=finished.profiling and failed)
         self.steps += 1
-        self._first_unpacks = [g.first_unpack if g.first_unpack is not None else 0
-                               for g in finished.groups]
+        if failed and finished.profiling:
+            self.say("the recording step failed" + (" (out of device memory)" if out_of_memory
+                                                    else "") + "; recording the next one")
+            return
+        if failed:
+            # its unpacks are partial: the prefetch schedule stays that of the last whole step
+            if out_of_memory and not self.fell_back and self.budget is not None:
+                # as the recording step ran: everything offloaded, fetched on demand
+                self.fell_back = True
+                recorded = self.profile.groups if self.profile is not None else finished.groups
+                self.modes = [OFFLOAD if g.offloadable else KEEP for g in recorded]
+                self._schedule = {}
+                self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran "
+                         "out of device memory; offloading every saved tensor from now on")
+            return
+        self._first_unpacks = [g.first_unpack for g in finished.groups]
+        self._say_unmoved(finished)
         if finished.profiling and finished.groups:
-            self.profile = self._profile_of(finished)
+            self.profile = self._profile_of(finished, tail_peak)
             self._make_plan()
-        self._schedule = self._prefetch_schedule(
+        self._schedule = {} if self.fell_back else self._prefetch_schedule(
             [g.mode for g in finished.groups] if self.modes is None else self.modes)
+
+    def _say_unmoved(self, step: _Step) -> None:
+        """One line, once, when a step kept groups its plan moves (no recipe found, not dense):
+        its peak is then over the plan's."""
+        unmoved = [g for g in step.groups if g.wanted != KEEP and g.mode == KEEP]
+        if unmoved and not step.profiling and not self._unmoved_said:
+            self._unmoved_said = True
+            self.say(f"{len(unmoved)} saved tensors the plan offloads or recomputes were kept "
+                     f"({sum(g.nbytes for g in unmoved) / 2**20:.1f} MiB; first: group "
+                     f"{unmoved[0].gid}, {unmoved[0].producer}, wanted {unmoved[0].wanted})")
 
     def _make_plan(self) -> None:
         target = int(self.budget * (1 - self.headroom))
         try:
-            self.plan = planner.plan_offload(self.profile, target, self.lookahead)
+            self.plan = planner.plan_with_prefetch(self.profile, target, self.lookahead)
         except MucudnnError as exc:   # infeasible, or CBC failed
             if self.strict:
                 raise
@@ -534,16 +659,23 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
 
+    @property
+    def prefetch_distance(self) -> int:
+        """How many unpacks ahead offloaded groups are fetched: the plan's (it may prefetch less
+        than ``lookahead`` to fit), else ``lookahead``."""
+        return self.plan.lookahead if self.plan is not None else self.lookahead
+
     def _prefetch_schedule(self, modes) -> dict[int, list[int]]:
         """Unpack index -> offloaded groups to fetch then: ``lookahead`` unpacks before the first
-        unpack of each, as the last finished step unpacked them (vDNN's prefetch)."""
+        unpack of each, as the last finished step unpacked them (vDNN's prefetch; one it never
+        unpacked is fetched on demand)."""
         schedule = defaultdict(list)
         for gid, (first, mode) in enumerate(zip(self._first_unpacks, modes)):
-            if mode == OFFLOAD:
-                schedule[max(0, first - self.lookahead)].append(gid)
+            if mode == OFFLOAD and first is not None:
+                schedule[max(0, first - self.prefetch_distance)].append(gid)
         return dict(schedule)
 
-    def _profile_of(self, step: _Step) -> planner.StepProfile:
+    def _profile_of(self, step: _Step, tail_peak: int = 0) -> planner.StepProfile:
         link = self._any_link()
         unpacks = max(step.unpacks, 1)
         groups = []
@@ -576,18 +708,43 @@ class OffloadSession:
                 live_f[t] += groups[gid].nbytes
             for t in b_points:
                 live_b[t] += groups[gid].nbytes
-        profile.baseline_forward = [max(0, m[3] - live_f[m[1]]) for m in packs]
+        # Baselines: the most allocated at or between points, less the saved groups live there.
+        # A forward point takes the peak since the previous point (the op that made its group);
+        # a backward point the peak until the next unpack (the node that unpacked it: its output,
+        # gradients, workspace), the last one the peak until the next step (the rest of the
+        # backward, the optimizer). In between no group arrives (the recording fetches at
+        # unpacks), and a group freed meanwhile is freed as early under any plan, so this is the
+        # non-saved memory at the interval's peak.
+        forward = [max(0, max(m[3], m[4]) - live_f[m[1]]) for m in packs]
+        if packs and unpack_marks:      # the loss and the start of the backward
+            forward[-1] = max(forward[-1], unpack_marks[0][4] - live_f[packs[-1][1]])
         backward = [0] * unpacks
-        for m in unpack_marks:
-            backward[m[1]] = max(0, m[3] - live_b[m[1]])
+        peaks_after = [m[4] for m in unpack_marks[1:]] + [tail_peak]
+        for m, after in zip(unpack_marks, peaks_after):
+            backward[m[1]] = max(backward[m[1]], 0, max(m[3], after) - live_b[m[1]])
+        profile.baseline_forward = forward
         profile.baseline_backward = backward
         return profile
 
 
+def _at_end_of_backward(callback) -> None:
+    """Run ``callback`` when the running backward finishes without an error."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is not None and hasattr(engine, "queue_callback"):
+        engine.queue_callback(callback)
+    else:   # no way to tell: take every backward as finished
+        callback()
+
+
+def _current_node():
+    """The autograd node whose backward runs now, or None."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current() if current is not None else None
+
+
 def _in_backward() -> bool:
     """Inside an autograd node's backward (where a step's forward never runs)."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return current is not None and current() is not None
+    return _current_node() is not None
 
 
 def replay(module: nn.Module, value: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ import pytest
 
 from mucudnn.errors import InfeasibleError
 from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force,
-                                   least_peak, peak_memory, plan_offload, step_time, valid)
+                                   least_peak, peak_memory, plan_offload, plan_with_prefetch,
+                                   step_time, valid)
 
 MiB = 2**20
 
@@ -102,3 +103,42 @@ def test_importing_mucudnn_and_the_planner_needs_no_torch():
     code = ("import sys, mucudnn, mucudnn.torch, mucudnn.torch.planner, mucudnn.batchsize;"
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_recompute_counts_its_transient_and_holds_its_source_until_its_last_unpack():
+    # group 1 is recomputed from group 0, and unpacked after group 0's last unpack: group 0 stays
+    # on the device through point 2; at its first unpack the recipe's intermediate doubles it
+    groups = [SavedGroup(8 * MiB, 0, 0), SavedGroup(4 * MiB, 1, 2, recompute_ms=0.01,
+                                                    recompute_source=0)]
+    profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=3)
+    kept = peak_memory(profile, [KEEP, KEEP], 2)
+    assert kept == 12 * MiB
+    assert peak_memory(profile, [KEEP, RECOMPUTE], 2) == 8 * MiB + 2 * 4 * MiB
+    plan = plan_offload(profile, budget=12 * MiB)
+    assert plan.modes != (KEEP, RECOMPUTE) and plan.peak <= 12 * MiB
+
+
+def test_never_over_budget_by_the_solvers_tolerance():
+    # keeping everything is 100 bytes over a 12 GiB budget: within CBC's feasibility tolerance,
+    # so the solver may call it feasible; the plan must still be within the budget
+    GiB = 2**30
+    profile = chain_profile([3 * GiB, 3 * GiB, 3 * GiB, 3 * GiB], baseline=0)
+    full = peak_memory(profile, [KEEP] * 4, 2)
+    plan = plan_offload(profile, budget=full - 100)
+    assert plan.peak <= full - 100 and plan.modes != (KEEP,) * 4
+
+
+def test_prefetch_distance_shrinks_when_prefetching_does_not_fit():
+    # a prefetch puts a group on the device two unpacks early: here only fetching each group when
+    # first unpacked fits, and the plan says so (its time counts the fetches as not overlapped)
+    profile = chain_profile([8 * MiB] * 6, baseline=0)
+    budget = least_peak(profile, lookahead=0)
+    assert least_peak(profile, lookahead=2) > budget
+    with pytest.raises(InfeasibleError):
+        plan_offload(profile, budget, lookahead=2)
+    plan = plan_with_prefetch(profile, budget, lookahead=2)
+    assert plan.lookahead < 2 and plan.peak <= budget
+    assert plan.step_ms == pytest.approx(step_time(profile, plan.modes, plan.lookahead))
+    if plan.lookahead == 0:
+        assert plan.step_ms > step_time(profile, plan.modes, 2)
+    assert "prefetch" in plan.describe()

@@ -2,6 +2,7 @@
 a recording link checks the order of copies; gradients must be bitwise equal to a plain run."""
 
 import copy
+import weakref
 
 import pytest
 
@@ -13,6 +14,7 @@ from torch import nn  # noqa: E402
 
 from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import fit  # noqa: E402
+from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
 from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
 
@@ -213,3 +215,219 @@ def test_every_step_finds_the_same_recipes_when_the_model_starts_with_cheap_modu
         if event[0] == "recompute":
             per_step[-1] += 1
     assert len(per_step) == 3 and per_step[0] >= 1 and len(set(per_step)) == 1
+
+
+def outputs_of(model):
+    """Weak references to every module output of the forward passes run after this call."""
+    refs = []
+
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor):
+            refs.append(weakref.ref(output))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    return refs, handles
+
+
+@pytest.mark.parametrize("mode", [KEEP, OFFLOAD, RECOMPUTE])
+def test_no_saved_tensor_outlives_the_backward(mode):
+    # plain PyTorch frees every activation once the backward ran; the session must not hold one
+    # (on the device) until the next step starts
+    model, data = small_cnn(torch.float32), batches(torch.float32, 2)
+    session = OffloadSession(force=mode, link=RecordingLink(), min_bytes=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        refs, handles = outputs_of(model)
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        del loss
+        for handle in handles:
+            handle.remove()
+        alive = [r for r in refs if r() is not None]
+        assert refs and not alive, f"{len(alive)} of {len(refs)} activations still alive"
+        assert all(g.tensor is None and g.fetch is None for g in session._step.groups)
+        optimizer.step()
+
+
+class HeldBytes(list):
+    """A trace that, at each unpack of a planned step, compares the bytes of device tensors the
+    session holds with what the planner modelled live at that backward point."""
+
+    def __init__(self):
+        super().__init__()
+        self.session = None
+        self.checked = 0
+
+    def append(self, event):
+        super().append(event)
+        session = self.session
+        if event[0] not in ("pack", "unpack") or session.plan is None or \
+                session._step.profiling:
+            return
+        held = sum(g.nbytes for g in session._step.groups
+                   if g.tensor is not None or g.fetch is not None)
+        backward = event[0] == "unpack"
+        index = event[2] if backward else event[1]
+        modelled = sum(nbytes for gid, mode in enumerate(session.plan.modes)
+                       for nbytes, forward_points, backward_points in planner.contributions(
+                           session.profile, gid, mode, session.prefetch_distance)
+                       if index in (backward_points if backward else forward_points))
+        assert held <= modelled, f"{event}: session holds {held} B, plan models {modelled}"
+        self.checked += 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_session_holds_no_more_than_the_plan_models(dtype):
+    model, data = small_cnn(dtype), batches(dtype, 4)
+    reference = train(copy.deepcopy(model), data)
+    trace = HeldBytes()
+    session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, trace=trace,
+                             headroom=0.0)
+    trace.session = session
+    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    train(copy.deepcopy(model), data[:2], probe)
+    session.budget = int(sum(g.nbytes for g in probe._step.groups) * 0.55)
+    assert_bitwise(reference, train(model, data, session))
+    assert KEEP in session.plan.modes and trace.checked >= 3 * 2 * 10
+
+
+def saved_bytes(model, data):
+    """The bytes a step of ``model`` saves (every group kept)."""
+    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    train(copy.deepcopy(model), data[:2], probe)
+    return sum(g.nbytes for g in probe._step.groups)
+
+
+class MeteredLink(RecordingLink):
+    """CopyLink with a device-memory meter that tests drive: ``spike(nbytes)`` is a transient
+    allocation (a workspace), ``oom()`` a refused one."""
+
+    def __init__(self):
+        super().__init__()
+        self._peak = 0
+        self.refused = 0
+
+    def spike(self, nbytes):
+        self._peak = max(self._peak, nbytes)
+
+    def peak_allocated(self):
+        peak, self._peak = self._peak, 0
+        return peak
+
+    def oom(self):
+        self.refused += 1
+
+    def ooms(self):
+        return self.refused
+
+
+class Spike(torch.autograd.Function):
+    """Identity; its backward allocates (per ``action``) what the link then reports."""
+
+    @staticmethod
+    def forward(ctx, x, action):
+        ctx.action = action
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.action()
+        return grad, None
+
+
+class WithSpike(nn.Module):
+    def __init__(self, model, action):
+        super().__init__()
+        self.model, self.action = model, action
+
+    def forward(self, x):   # the spike between the first convolution and the rest
+        x = self.model[0](x)
+        return self.model[1:](Spike.apply(x, self.action) if self.action else x)
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("where", ["backward", "optimizer"])
+def test_the_plan_counts_the_measured_peak_between_points(where):
+    # a backward node's workspace (or the optimizer's temporaries) that no point's allocated bytes
+    # show: the profile's baseline takes the peak between points, and the plan's peak includes it
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    link = MeteredLink()
+    spike = lambda: link.spike(GiB)   # noqa: E731
+    wrapped = WithSpike(model, spike if where == "backward" else None)
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        with session:
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+        loss.backward()
+        if where == "optimizer":
+            spike()
+        optimizer.step()
+    saved = sum(g.nbytes for g in session.profile.groups)
+    assert max(session.profile.baseline_backward) >= GiB - saved
+    assert session.plan.peak >= GiB
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "caught"])
+def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where):
+    # "caught": an op's refused allocation that it handles (cuDNN trying a workspace) is no
+    # failed step
+    model, data = small_cnn(torch.float32), batches(torch.float32, 4)
+    link, said, steps = MeteredLink(), [], []
+
+    def out_of_memory():
+        if len(steps) == 2:          # the first planned step
+            link.oom()
+            if where != "caught":
+                raise torch.OutOfMemoryError("out of memory (test)")
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            if where == "forward":
+                out_of_memory()
+                return x
+            return Spike.apply(x, out_of_memory)
+
+    wrapped = nn.Sequential(model, Fail())
+    trace = []
+    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
+                             headroom=0.0, say=said.append, trace=trace)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    failures = 0
+    for x, y in data:
+        steps.append(None)
+        optimizer.zero_grad()
+        try:
+            with session:
+                loss = nn.functional.cross_entropy(wrapped(x), y)
+            loss.backward()
+        except torch.OutOfMemoryError:
+            failures += 1
+            continue
+        optimizer.step()
+    if where == "caught":
+        assert failures == 0 and not session.fell_back and not said[1:]
+        assert [g.mode for g in session._step.groups] == list(session.plan.modes)
+        return
+    assert failures == 1 and session.fell_back and session.plan.count(OFFLOAD)
+    assert [g.mode for g in session._step.groups] == \
+        [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
+    assert sum("ran out of device memory" in line for line in said) == 1
+    # the last step ran as the recording step did: every fetch on demand
+    last_step = trace[max(i for i, e in enumerate(trace) if e[:2] == ("pack", 0)):]
+    assert any(e[0] == "fetch" for e in last_step)
+    assert not any(e[0] == "prefetch" for e in last_step)
+
+
+def test_groups_a_plan_moves_but_the_step_keeps_are_one_line():
+    # convolution outputs have no recipe: a plan recomputing every group keeps those
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    said = []
+    session = OffloadSession(modes=[RECOMPUTE] * 100, link=RecordingLink(), min_bytes=0,
+                             say=said.append)
+    train(model, data, session)
+    lines = [line for line in said if "were kept" in line]
+    assert len(lines) == 1 and "wanted recompute" in lines[0]
