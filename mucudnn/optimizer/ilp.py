@@ -128,7 +128,7 @@ def _solve(options: Mapping[str, Sequence[KernelPlan]], weight: Mapping[str, flo
     problem += pulp.LpAffineExpression(workspace_terms) <= \
         budget - sum(plans[0].workspace for plans in options.values())
 
-    status = _run_cbc(problem, time_limit_s)
+    status = run_cbc(problem, time_limit_s)
     if status != pulp.LpStatusOptimal or problem.sol_status != pulp.LpSolutionOptimal:
         raise SolverError(
             f"CBC did not prove an optimal choice of plans for {len(options)} kernels: status "
@@ -145,7 +145,9 @@ def _solve(options: Mapping[str, Sequence[KernelPlan]], weight: Mapping[str, flo
     return result
 
 
-def _run_cbc(problem: pulp.LpProblem, time_limit_s: float | None) -> int:
+def run_cbc(problem: pulp.LpProblem, time_limit_s: float | None) -> int:
+    """Solves ``problem`` with PuLP's bundled CBC (quiet, within the time limit): its status, or
+    :class:`SolverError` where CBC is missing or fails. The one way this package runs CBC."""
     with warnings.catch_warnings():
         # PuLP 3.x deprecates its bundled CBC for 4.x, which ships none (pyproject pins <4).
         warnings.filterwarnings("ignore", message="PULP_CBC_CMD is deprecated",

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -334,16 +333,8 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None):
 def _solve(problem, time_limit_s) -> str:
     import pulp
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="PULP_CBC_CMD is deprecated",
-                                category=DeprecationWarning)
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
-    if not solver.available():
-        raise SolverError("PuLP's bundled CBC solver is not available on this machine")
-    try:
-        status = problem.solve(solver)
-    except pulp.PulpSolverError as exc:
-        raise SolverError(f"CBC failed: {exc}") from exc
+    from ..optimizer.ilp import run_cbc
+    status = run_cbc(problem, time_limit_s)
     if status == pulp.LpStatusInfeasible:
         return "Infeasible"
     if status == pulp.LpStatusOptimal and problem.sol_status in (

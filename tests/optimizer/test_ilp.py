@@ -159,7 +159,7 @@ def test_unproven_optimum_is_an_error(monkeypatch):
         problem.assignStatus(pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)
         return pulp.LpStatusOptimal
 
-    monkeypatch.setattr(ilp, "_run_cbc", stopped_at_time_limit)
+    monkeypatch.setattr(ilp, "run_cbc", stopped_at_time_limit)
     fronts = fronts_of([[(2.0, 0), (1.0, MIB)]] * 2)
     with pytest.raises(SolverError, match="did not prove an optimal"):
         solve_budget(fronts, MIB, time_limit_s=1)
