@@ -164,7 +164,7 @@ def benchmark_on_gpus(gpus: Sequence[Gpu],
         return SpreadResult(0, [])  # everything already stored
     shares = ", ".join(f"GPU {w.gpu.index} ({w.gpu.name}): {len(w.kernels)}" for w in workers)
     print(f"mucudnn: measuring on {len(workers)} GPUs, kernels each: {shares}", file=sys.stderr)
-    bar = _progress(0, progress)
+    bar = _progress(None, progress)  # its total grows as the workers say what they measure
     with tempfile.TemporaryDirectory(prefix="mucudnn-bench-") as scratch:
         selector = selectors.DefaultSelector()
         try:

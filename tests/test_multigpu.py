@@ -146,3 +146,32 @@ def test_a_worker_killed_mid_write_loses_its_kernel_only_and_the_bench_fails_in_
     again = bench(fake_env, store, "0", "host stand-in")
     assert again.returncode == 0 and "measured 8 kernel sizes" in again.stdout, again.stderr
     assert {row[1] for row in identities(store)} == {p.key for p in KERNELS}
+
+
+# -- the parent's reading of its workers' events ---------------------------------------------------
+
+def scripted_workers(monkeypatch, script: str) -> None:
+    """Every worker :func:`benchmark_on_gpus` starts runs ``script`` (python -c) instead."""
+    from mucudnn import multigpu
+    popen = subprocess.Popen
+
+    def start(args, **kwargs):
+        return popen([sys.executable, "-c", textwrap.dedent(script)], **kwargs)
+
+    monkeypatch.setattr(multigpu.subprocess, "Popen", start)
+
+
+def spread_one_kernel(progress: bool):
+    from mucudnn.multigpu import benchmark_on_gpus
+    return benchmark_on_gpus([Gpu(0, "0", "model A")], lambda name: [(KERNELS[0], 1.0)],
+                             {"store": "unused"}, progress=progress)
+
+
+def test_the_progress_display_of_several_workers_shows_their_sizes(monkeypatch, capsys):
+    scripted_workers(monkeypatch, """
+        import sys
+        for event in ("todo 3", "size 1", "size 2", "size 4", "timed 3"):
+            print("mucudnn-bench-event " + event, flush=True)
+    """)
+    assert spread_one_kernel(progress=True).timed == 3
+    assert "3/3" in capsys.readouterr().err
