@@ -665,7 +665,9 @@ class Benchmarker:
                     frontier.note(timing, candidate.note_text)), timing)), timing)
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int | None, enabled: bool):
+    """A progress bar (none when not enabled or nothing is to be done); ``total`` None: known
+    later (the bar's ``total`` set as it becomes known)."""
     from tqdm import tqdm
     return tqdm(total=total, unit="size", desc="benchmark", disable=not enabled or total == 0,
                 file=sys.stderr, dynamic_ncols=True)

@@ -343,8 +343,14 @@ def _shim_env(plan=None, limit=None, record=None, log_level=None, summary=False)
     preload = str(shim_path())
     env["LD_PRELOAD"] = preload + (" " + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
     if plan is not None:
-        plans = [plan] if isinstance(plan, (str, os.PathLike)) else list(plan)
-        env["MUCUDNN_PLAN"] = ":".join(str(Path(p).resolve()) for p in plans)
+        plans = [str(Path(p).resolve()) for p in
+                 ([plan] if isinstance(plan, (str, os.PathLike)) else plan)]
+        # checked on the paths the shim gets: a directory's files and the working directory count
+        for path in plans:
+            if ":" in path:
+                raise MucudnnError(f"plan {path}: a plan path cannot hold ':' (MUCUDNN_PLAN "
+                                   "separates plans with it); rename or move it")
+        env["MUCUDNN_PLAN"] = ":".join(plans)
     for name, value in (("MUCUDNN_WORKSPACE_LIMIT", limit), ("MUCUDNN_RECORD", record),
                         ("MUCUDNN_LOG_LEVEL", log_level)):
         if value is not None:
@@ -441,9 +447,6 @@ def _plan_files(given: tuple[str, ...]) -> list[Path]:
     from .plan import read_plan
     files: list[Path] = []
     for item in map(Path, given):
-        if ":" in str(item):
-            raise MucudnnError(f"--plan {item}: a plan path cannot hold ':' (MUCUDNN_PLAN "
-                               "separates plans with it)")
         found = sorted(p for p in item.glob("*.plan") if not p.name.startswith(".")) \
             if item.is_dir() else [item]
         if not found:

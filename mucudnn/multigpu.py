@@ -117,7 +117,8 @@ class Worker:
     process: subprocess.Popen | None = None
     stored: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     timed: int = 0
-    buffer: str = ""
+    #: Bytes read from the worker's stdout after its last whole line.
+    buffer: bytes = b""
 
     def failure(self) -> str | None:
         """How this worker ended, where it failed (None: it succeeded)."""
@@ -164,7 +165,7 @@ def benchmark_on_gpus(gpus: Sequence[Gpu],
         return SpreadResult(0, [])  # everything already stored
     shares = ", ".join(f"GPU {w.gpu.index} ({w.gpu.name}): {len(w.kernels)}" for w in workers)
     print(f"mucudnn: measuring on {len(workers)} GPUs, kernels each: {shares}", file=sys.stderr)
-    bar = _progress(0, progress)
+    bar = _progress(None, progress)  # its total grows as the workers say what they measure
     with tempfile.TemporaryDirectory(prefix="mucudnn-bench-") as scratch:
         selector = selectors.DefaultSelector()
         try:
@@ -175,16 +176,22 @@ def benchmark_on_gpus(gpus: Sequence[Gpu],
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": worker.gpu.visible_as}
                 worker.process = subprocess.Popen(
                     [sys.executable, "-m", "mucudnn.multigpu", str(path)], env=env,
-                    stdout=subprocess.PIPE, text=True, bufsize=1)
+                    stdout=subprocess.PIPE, bufsize=0)
                 selector.register(worker.process.stdout, selectors.EVENT_READ, worker)
+            # Raw reads of what is there, split into lines here: a buffered readline would wait
+            # for the end of a worker's unfinished line (its own block-buffered output), holding
+            # the others back, and would keep a second line read with the first from the
+            # selector until the worker writes again.
             while selector.get_map():
                 for key, _ in selector.select():
                     worker = key.data
-                    line = key.fileobj.readline()
-                    if not line:
+                    chunk = os.read(key.fileobj.fileno(), 65536)
+                    lines = (worker.buffer + chunk).split(b"\n")
+                    worker.buffer = lines.pop() if chunk else b""
+                    if not chunk:
                         selector.unregister(key.fileobj)
-                        continue
-                    _take_event(worker, line, bar)
+                    for line in lines if chunk else [line for line in lines if line]:
+                        _take_event(worker, line.decode(errors="replace") + "\n", bar)
         except BaseException:  # the parent itself failed (Ctrl-C...): stop measuring
             for worker in workers:
                 if worker.process is not None and worker.process.poll() is None:

@@ -915,6 +915,24 @@ def test_run_refuses_a_malformed_plan_among_several_and_an_empty_directory(fake_
     assert calls == []
 
 
+def test_run_refuses_a_plan_whose_path_holds_a_colon_wherever_it_comes_from(fake_exec, tmp_path,
+                                                                          monkeypatch):
+    """MUCUDNN_PLAN separates plans with ':': a plan path holding one, found in a directory or
+    from a working directory whose path holds one, would name two files that do not exist."""
+    _, calls = fake_exec
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    (plans / "a:b.plan").write_text(VALID_PLAN.read_text())
+    assert_one_error_line(invoke("run", "--plan", plans, "--", "true"), f"{plans / 'a:b.plan'}",
+                          "':'")
+    odd = tmp_path / "run:1"
+    odd.mkdir()
+    (odd / "r.plan").write_text(VALID_PLAN.read_text())
+    monkeypatch.chdir(odd)
+    assert_one_error_line(invoke("run", "--plan", "r.plan", "--", "true"), f"{odd / 'r.plan'}", "':'")
+    assert calls == []
+
+
 def test_autotune_on_gpus_of_two_models_writes_and_runs_a_plan_for_each(no_gpu, recording_exec,
                                                                         tmp_path, monkeypatch):
     """Every model was benchmarked (bench --gpus); each gets its plan, and the command runs with

@@ -146,3 +146,77 @@ def test_a_worker_killed_mid_write_loses_its_kernel_only_and_the_bench_fails_in_
     again = bench(fake_env, store, "0", "host stand-in")
     assert again.returncode == 0 and "measured 8 kernel sizes" in again.stdout, again.stderr
     assert {row[1] for row in identities(store)} == {p.key for p in KERNELS}
+
+
+# -- the parent's reading of its workers' events ---------------------------------------------------
+
+def scripted_workers(monkeypatch, script: str) -> None:
+    """Every worker :func:`benchmark_on_gpus` starts runs ``script`` (python -c) instead."""
+    from mucudnn import multigpu
+    popen = subprocess.Popen
+
+    def start(args, **kwargs):
+        return popen([sys.executable, "-c", textwrap.dedent(script)], **kwargs)
+
+    monkeypatch.setattr(multigpu.subprocess, "Popen", start)
+
+
+def spread_one_kernel(progress: bool):
+    from mucudnn.multigpu import benchmark_on_gpus
+    return benchmark_on_gpus([Gpu(0, "0", "model A")], lambda name: [(KERNELS[0], 1.0)],
+                             {"store": "unused"}, progress=progress)
+
+
+def test_the_progress_display_of_several_workers_shows_their_sizes(monkeypatch, capsys):
+    scripted_workers(monkeypatch, """
+        import sys
+        for event in ("todo 3", "size 1", "size 2", "size 4", "timed 3"):
+            print("mucudnn-bench-event " + event, flush=True)
+    """)
+    assert spread_one_kernel(progress=True).timed == 3
+    assert "3/3" in capsys.readouterr().err
+
+
+def test_events_are_taken_as_they_come_whole_lines_or_not(monkeypatch, tmp_path):
+    """A worker's events reach the display while it runs: two lines in one write, or another
+    worker's unfinished line of its own output (block-buffered), do not hold them back. Each
+    worker waits, while running, for the display to have counted the size one of them did."""
+    from mucudnn import bench as bench_module
+    seen = tmp_path / "seen"
+
+    class Bar:
+        total = None
+
+        def update(self, n):
+            seen.touch()
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_module, "_progress", lambda total, enabled: Bar())
+    scripted_workers(monkeypatch, f"""
+        import os, sys, time
+        def wait_seen():
+            deadline = time.monotonic() + 5
+            while not os.path.exists({str(seen)!r}):
+                if time.monotonic() > deadline:
+                    sys.exit(3)  # the parent did not take the event while the workers ran
+                time.sleep(0.02)
+        event = "mucudnn-bench-event "
+        if os.environ["CUDA_VISIBLE_DEVICES"] == "0":
+            os.write(1, b"the worker's own output, not yet a whole line")
+            wait_seen()
+            os.write(1, (" ended\\n" + event + "timed 0\\n").encode())
+        else:
+            os.write(1, (event + "todo 1\\n" + event + "size 1\\n").encode())
+            wait_seen()
+            os.write(1, (event + "timed 1\\n").encode())
+    """)
+    from mucudnn.multigpu import benchmark_on_gpus
+    result = benchmark_on_gpus([Gpu(0, "0", "model A"), Gpu(1, "1", "model A")],
+                               lambda name: [(KERNELS[0], 1.0), (KERNELS[1], 1.0)],
+                               {"store": "unused"}, progress=False)
+    assert result.timed == 1

@@ -135,33 +135,57 @@ static mu_plan *load_plan(const char *path) {
 }
 
 /* The plan files of MUCUDNN_PLAN's list, in order: each item a file, or a directory standing for
- * its *.plan files by name. Returns the count (at most max); paths are malloc'd. */
+ * its *.plan files by name (empty items, as in a trailing ':', name nothing). Returns the count (at
+ * most max; paths are malloc'd) and, in *left_out, how many more the list names: a directory is
+ * read whole and sorted before it is cut, so the files kept are the first by name, whatever order
+ * the directory lists them in. */
 static int compare_names(const void *a, const void *b) {
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
-static size_t list_plan_files(const char *spec, char **paths, size_t max) {
+/* A directory's *.plan paths, sorted; count in *found (0 and NULL when none or out of memory). */
+static char **directory_plans(const char *directory, DIR *dir, size_t *found) {
+    char **names = NULL;
+    size_t count = 0, capacity = 0;
+    for (struct dirent *entry; (entry = readdir(dir)) != NULL;) {
+        size_t length = strlen(entry->d_name);
+        if (length <= 5 || strcmp(entry->d_name + length - 5, ".plan") != 0 || entry->d_name[0] == '.')
+            continue;
+        if (count == capacity) {
+            size_t grown = capacity ? 2 * capacity : 64;
+            char **more = realloc(names, grown * sizeof *names);
+            if (more == NULL) break;
+            names = more, capacity = grown;
+        }
+        if (asprintf(&names[count], "%s/%s", directory, entry->d_name) >= 0) count++;
+    }
+    if (count > 0) qsort(names, count, sizeof *names, compare_names);
+    *found = count;
+    return names;
+}
+
+static size_t list_plan_files(const char *spec, char **paths, size_t max, size_t *left_out) {
     size_t count = 0;
+    *left_out = 0;
     char *copy = strdup(spec);
     if (copy == NULL) return 0;
     char *save = NULL;
-    for (char *item = strtok_r(copy, ":", &save); item != NULL && count < max;
-         item = strtok_r(NULL, ":", &save)) {
+    for (char *item = strtok_r(copy, ":", &save); item != NULL; item = strtok_r(NULL, ":", &save)) {
         struct stat info;
         DIR *dir = stat(item, &info) == 0 && S_ISDIR(info.st_mode) ? opendir(item) : NULL;
         if (dir == NULL) { /* a file (or what mu_plan_load will say it cannot read) */
-            if ((paths[count] = strdup(item)) != NULL) count++;
+            if (count == max) (*left_out)++;
+            else if ((paths[count] = strdup(item)) != NULL) count++;
             continue;
         }
-        size_t first = count;
-        for (struct dirent *entry; (entry = readdir(dir)) != NULL && count < max;) {
-            size_t length = strlen(entry->d_name);
-            if (length <= 5 || strcmp(entry->d_name + length - 5, ".plan") != 0 || entry->d_name[0] == '.')
-                continue;
-            if (asprintf(&paths[count], "%s/%s", item, entry->d_name) >= 0) count++;
-        }
+        size_t found = 0;
+        char **names = directory_plans(item, dir, &found);
         closedir(dir);
-        qsort(paths + first, count - first, sizeof *paths, compare_names);
+        for (size_t i = 0; i < found; i++) {
+            if (count < max) paths[count++] = names[i];
+            else (*left_out)++, free(names[i]);
+        }
+        free(names);
     }
     free(copy);
     return count;
@@ -173,7 +197,13 @@ static size_t list_plan_files(const char *spec, char **paths, size_t max) {
 #define MU_MAX_PLAN_FILES 256
 static mu_plan *choose_plan(const char *spec) {
     char *paths[MU_MAX_PLAN_FILES];
-    size_t count = list_plan_files(spec, paths, MU_MAX_PLAN_FILES);
+    size_t left_out = 0;
+    size_t count = list_plan_files(spec, paths, MU_MAX_PLAN_FILES, &left_out);
+    char shown[MU_ESCAPED_MAX];
+    if (left_out > 0)
+        mu_log(MU_LOG_WARNING, "MUCUDNN_PLAN names %zu plan files, more than the shim reads: the %zu after "
+               "the first %d (in the list's order, a directory's by name) are not considered (MUCUDNN_PLAN=%s)",
+               count + left_out, left_out, MU_MAX_PLAN_FILES, mu_log_escape(spec, shown, sizeof shown));
     process_identity id;
     identify_process(&id);
     mu_plan *chosen = NULL;
@@ -200,7 +230,6 @@ static mu_plan *choose_plan(const char *spec) {
         log_loaded(chosen);
         return chosen;
     }
-    char shown[MU_ESCAPED_MAX];
     if (!id.gpu_known)
         mu_log(MU_LOG_ERROR, "MUCUDNN_PLAN=%s: cannot tell which plan is for this process (%s); "
                "passing every call through", mu_log_escape(spec, shown, sizeof shown), id.gpu);

@@ -82,6 +82,27 @@ def test_no_plan_for_this_gpu_passes_through_saying_what_the_plans_are_for(shim_
                "through" in line for line in errors), errors
 
 
+def test_a_directory_over_the_plan_count_is_cut_by_name_and_says_so(shim_env, tmp_path):
+    """More plan files than the shim reads (256): the first by name are taken, whatever order the
+    directory lists them in, and a warning says how many were left out."""
+    plans = tmp_path / "plans"
+    mine, other = plans_for_two_models(shim_env, plans)  # b-mine.plan, a-other.plan
+    text = other.read_text()
+    for i in range(300):
+        (plans / f"a-other-{i:03}.plan").write_text(text)
+    run = shim_env.run([BASE], env={"MUCUDNN_PLAN": str(plans)})
+    assert pieces_run(run) == [("8", "0"), ("8", "0")]  # b-mine.plan sorts 302nd: not read
+    warnings = run.shim_lines("warning")
+    assert any("MUCUDNN_PLAN names 302 plan files" in line and "the 46 after the first 256" in line
+               for line in warnings), warnings
+    assert any("none of its 256 plans is for gpu" in line for line in run.shim_lines("error"))
+    # within the count, the same directory's plan for this GPU is found
+    for i in range(60):
+        (plans / f"a-other-{i:03}.plan").unlink()
+    run = shim_env.run([BASE], env={"MUCUDNN_PLAN": str(plans)})
+    assert pieces_run(run)[:2] == [("4", "1"), ("4", "1")] and not run.shim_lines("warning")
+
+
 # -- ranks sharing files ---------------------------------------------------------------------------
 
 #: Distinct kernels, so that every rank appends many lines to the one recording.
