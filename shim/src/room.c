@@ -77,9 +77,14 @@ mu_plan_entry *mu_room_point(mu_plan_entry *head, mu_plan_entry *chosen, bool de
 
 bool mu_room_refuses(size_t workspace, const mu_kernel *k, mu_seen *seen, const void *plan) {
     mu_room_info room;
-    /* An engine without workspace always fits: the framework always has one to land on. */
-    if (workspace == 0 || !mu_room(&room) || workspace <= room.bytes) return false;
-    bool first = seen == NULL || !atomic_exchange(&seen->room_refused, true);
+    /* An engine without workspace always fits: the framework always has one to land on. Refusing
+     * needs a budget: without one the room is the device's free memory, where the blocks PyTorch's
+     * cache holds free count as used, so a full cache would turn away engines that PyTorch would
+     * have fed from it (and where it cannot, its own fallback takes the next engine). */
+    if (workspace == 0 || !mu_room(&room) || room.budget_left == SIZE_MAX || workspace <= room.bytes)
+        return false;
+    /* Counted per kernel; a convolution without a key has no kernel to count it under. */
+    bool first = seen != NULL && !atomic_exchange(&seen->room_refused, true);
     if (first) atomic_fetch_add(&refused_kernels, 1);
     char budget[48], kernel[MU_KEY_MAX + 32];
     describe_budget(&room, budget, sizeof budget);

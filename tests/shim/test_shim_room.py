@@ -25,6 +25,11 @@ FREE = (0, 2.0, "8:implicit_gemm:fma")
 GRAPH_POINTS = [FAST, SMALLER, FREE]
 
 
+def budget_left(left: int) -> dict[str, str]:
+    """A 1 GiB device of which half is in use, under a budget that leaves `left` bytes (margin 0)."""
+    return {**free_memory(GIB // 2), "MUCUDNN_MEMORY_BUDGET": str(GIB // 2 + left)}
+
+
 def free_memory(free: int, margin: int | None = 0) -> dict[str, str]:
     """A 1 GiB device with `free` bytes free (and the margin, unless None: the default)."""
     env = {"FAKE_CUDA_TOTAL_BYTES": str(GIB), "FAKE_CUDA_USED_BYTES": str(GIB - free),
@@ -86,7 +91,7 @@ def test_never_above_the_framework_engine_or_the_hard_limit_whatever_the_room(sh
 
 @pytest.mark.parametrize("env", [
     {},                                                      # the fake device: 80 GiB free
-    {**free_memory(100), "FAKE_CUDA_NO_CONTEXT": "1"},      # no context: the room is unknown
+    {**budget_left(100), "FAKE_CUDA_NO_CONTEXT": "1"},      # no context: the room is unknown
     {**free_memory(100), "MUCUDNN_ROOM": "0"},              # turned off
     {"FAKE_CUDA_USED_BYTES": str(10 * GIB), "MUCUDNN_MEMORY_BUDGET": "20GiB"},  # 10 GiB left
 ], ids=["plenty", "no-context", "room-off", "budget-with-room"])
@@ -194,12 +199,12 @@ def landed(run):
 def test_without_a_plan_an_engine_over_the_room_is_refused_and_the_framework_takes_a_smaller(
         shim_env, free, expected):
     # two rounds of planning: each kernel's refusal is said once at info
-    run = shim_env.run_graph([HEUR_CASE + " replan=2"], plan=other_kernels_plan(shim_env), env=free_memory(free))
+    run = shim_env.run_graph([HEUR_CASE + " replan=2"], plan=other_kernels_plan(shim_env), env=budget_left(free))
     assert landed(run) == expected
     lines = refused_lines(run)
     assert lines[0] == (f"mucudnn: info: {key_of(HEUR_CASE + ' math=fma')} N=8: an engine of {3 * 8 * WS} bytes "
                         f"of workspace refused for lack of memory, the framework takes its next configuration "
-                        f"(room {free}: free {free}, budget none, margin 0)")
+                        f"(room {free}: free {GIB // 2}, budget {free} left, margin 0)")
     # engine 2 carries a TENSOR_CORE note, so its plan is another kernel (math=default); engines 3
     # and 1 are one kernel (math=fma), said once
     refused = [engine for engine in "321" if int(engine) * 8 * WS > free]
@@ -215,8 +220,9 @@ def test_without_a_plan_an_engine_over_the_room_is_refused_and_the_framework_tak
 @pytest.mark.parametrize("env", [
     {},                                                      # the fake device: 80 GiB free
     {**free_memory(100), "FAKE_CUDA_NO_CONTEXT": "1"},      # no context: the room is unknown
-    {**free_memory(100), "MUCUDNN_ROOM": "0"},              # turned off
-], ids=["plenty", "no-context", "room-off"])
+    {**budget_left(100), "MUCUDNN_ROOM": "0"},              # turned off
+    free_memory(100),  # no budget: the device's free memory alone (PyTorch's cache counts as used)
+], ids=["plenty", "no-context", "room-off", "no-budget"])
 def test_with_plenty_of_memory_or_no_room_no_engine_is_refused(shim_env, env):
     run = shim_env.run_graph([HEUR_CASE], plan=other_kernels_plan(shim_env), env={**env, "MUCUDNN_LOG_LEVEL": "info"})
     assert landed(run) == ("3", 3 * 8 * WS) and not refused_lines(run)
@@ -228,10 +234,10 @@ def test_a_plan_the_engine_cannot_use_leaves_the_engine_to_the_room(shim_env):
     engine runs undivided, so the room refuses it like an unplanned one."""
     bigger = (3 * 8 * WS, 0.3, "8:eng3:fma")
     plan = graph_front(shim_env, GRAPH_CASE, [bigger])
-    run = shim_env.run_graph([GRAPH_CASE], plan=plan, env=free_memory(100))
+    run = shim_env.run_graph([GRAPH_CASE], plan=plan, env=budget_left(100))
     result = run.cases[0]
     assert (result["finalize"], result["status"]) == ("3000", "-1"), run.stderr
     assert len(refused_lines(run)) == 1
     # with a point attached (the smallest, over the room), nothing is refused
-    run = run_graph(shim_env, free_memory(100), points=[FAST, SMALLER])
+    run = run_graph(shim_env, budget_left(100), points=[FAST, SMALLER])
     assert not refused_lines(run)
