@@ -748,13 +748,17 @@ static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen
 
 bool mu_online_on(void) { return online.on; }
 
+/* A status that cannot be read counts as a capture: on the legacy stream while a blocking stream
+ * captures, cuStreamIsCapturing fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), and events recorded or
+ * synchronised there would join that capture. A driver without cuStreamIsCapturing has no capture. */
 bool mu_online_capturing(cudnnHandle_t handle) {
     const mu_driver_table *d = mu_driver();
     CUstream stream = NULL;
     int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
-    return d != NULL && d->stream_is_capturing != NULL &&
-           mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream) == CUDNN_STATUS_SUCCESS &&
-           d->stream_is_capturing(stream, &capturing) == CU_SUCCESS && capturing != CU_STREAM_CAPTURE_STATUS_NONE;
+    if (d == NULL || d->stream_is_capturing == NULL ||
+        mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream) != CUDNN_STATUS_SUCCESS)
+        return false;
+    return d->stream_is_capturing(stream, &capturing) != CU_SUCCESS || capturing != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 mu_plan_entry *mu_online_front(mu_seen *seen) {

@@ -378,3 +378,18 @@ def test_a_deterministic_framework_engine_gets_only_deterministic_points(shim_en
         assert algos & NONDETERMINISTIC_ALGOS
     else:
         assert not algos & NONDETERMINISTIC_ALGOS
+
+
+# -- regressions found in review ---------------------------------------------------------------------
+
+
+def test_a_stream_whose_capture_status_cannot_be_read_is_not_measured_on(shim_env, tmp_path):
+    """cuStreamIsCapturing fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) on the legacy stream while a
+    blocking stream captures: measuring there (events, synchronisation) would join that capture, so
+    a status that cannot be read counts as a capture: the call passes through, nothing measured."""
+    run = shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path, FAKE_CUDA_CALLER_CAPTURING="implicit"))
+    assert (run.cases[0]["status"], run.cases[0]["exact"]) == ("0", "1"), run.stderr
+    assert len(run.conv_calls()) == 2, run.stderr  # the call, undivided, and the reference
+    assert "online tuning: the stream is being captured" in run.stderr
+    assert "measured 1 kernels" not in run.stderr
+
