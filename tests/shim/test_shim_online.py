@@ -393,3 +393,14 @@ def test_a_stream_whose_capture_status_cannot_be_read_is_not_measured_on(shim_en
     assert "online tuning: the stream is being captured" in run.stderr
     assert "measured 1 kernels" not in run.stderr
 
+
+def test_on_the_graph_path_a_capture_defers_the_engine_comparison_instead_of_settling_it(shim_env, tmp_path):
+    """A pending plan of a kernel with a front times the framework's engine at its first
+    execution; inside a capture it cannot (no synchronising there), which is "not now", not "never":
+    the engine runs the call and a later execution compares, as docs/shim.md says for captures."""
+    shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path))  # the file with the kernel's front
+    run = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path, FAKE_CUDA_CALLER_CAPTURING="1"))
+    graph_result(run)
+    assert "the framework's engine runs: it cannot be timed here" not in run.stderr, run.stderr
+    assert "passthrough on the graph path (online tuning: the stream is being captured)" in run.stderr
+    assert [(e["engine"], e["n"]) for e in run.graph_executions()] == [("3", "8")] * 2  # repeat=2, untimed
