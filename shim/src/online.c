@@ -44,6 +44,9 @@
 #define MU_ONLINE_TIMED_RUNS 3
 /* A kernel claimed by another process is looked at again after this long. */
 #define MU_ONLINE_RETRY_MS 200
+/* The longest a call waits for the plan file's lock (a merge takes milliseconds; a holder stopped,
+ * or a child forked while the lock was held, which keeps it, must not hang the caller). */
+#define MU_ONLINE_FILE_WAIT_MS 2000
 /* Device memory left free when sizing the measuring workspace (the framework's next allocation). */
 #define MU_ONLINE_MEMORY_MARGIN ((size_t)256 << 20)
 /* The largest N measured: the dynamic program keeps N + 1 partial plans. */
@@ -241,6 +244,7 @@ static int lock_path(char *path, size_t size, const char *what) {
 
 typedef enum { LOCK_TAKEN, LOCK_BUSY, LOCK_NONE } lock_result;
 
+/* wait: for at most MU_ONLINE_FILE_WAIT_MS (LOCK_BUSY after). */
 static lock_result take_lock(const char *what, bool wait, int *fd) {
     char path[PATH_MAX + 300], dir[PATH_MAX + 16];
     *fd = -1;
@@ -258,7 +262,10 @@ static lock_result take_lock(const char *what, bool wait, int *fd) {
         return LOCK_NONE;
     }
     int rc;
-    while ((rc = flock(*fd, LOCK_EX | (wait ? 0 : LOCK_NB))) != 0 && errno == EINTR) {}
+    double deadline = now_ms() + MU_ONLINE_FILE_WAIT_MS;
+    while ((rc = flock(*fd, LOCK_EX | LOCK_NB)) != 0 &&
+           (errno == EINTR || (errno == EWOULDBLOCK && wait && now_ms() < deadline)))
+        if (errno == EWOULDBLOCK) nanosleep(&(struct timespec){.tv_nsec = 5000000}, NULL);
     if (rc == 0) return LOCK_TAKEN;
     bool busy = errno == EWOULDBLOCK;
     close(*fd);
@@ -653,7 +660,16 @@ static char *read_text(size_t *length) {
  * file, rename). Another process may have added other kernels since this one loaded it. */
 static void persist(const mu_kernel *k, const mu_plan_entry *head) {
     int fd;
-    if (!online.persist || take_lock("file", true, &fd) != LOCK_TAKEN) return;
+    char path[MU_ESCAPED_MAX];
+    if (!online.persist) return;
+    lock_result taken = take_lock("file", true, &fd);
+    if (taken == LOCK_BUSY) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_WARNING, "online tuning: the lock of %s was held by another process for "
+                       "over %d ms; %s N=%d kept in memory only", shown(online.file, path, sizeof path),
+                       MU_ONLINE_FILE_WAIT_MS, k->key, k->n);
+    }
+    if (taken != LOCK_TAKEN) return;
     bool usable;
     mu_plan *plan = load_file(&usable);
     bool present = plan != NULL && mu_plan_find(plan, k->key, k->n, k->hash) != NULL;
@@ -661,7 +677,7 @@ static void persist(const mu_kernel *k, const mu_plan_entry *head) {
     char *lines = usable && !present ? kernel_lines(head) : NULL;
     size_t length = 0;
     char *text = lines != NULL ? read_text(&length) : NULL;
-    char temporary[PATH_MAX + 32], path[MU_ESCAPED_MAX];
+    char temporary[PATH_MAX + 32];
     snprintf(temporary, sizeof temporary, "%s.tmp.%ld", online.file, (long)getpid());
     int out = lines != NULL ? open(temporary, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
     if (lines != NULL) {

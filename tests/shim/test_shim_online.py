@@ -404,3 +404,24 @@ def test_on_the_graph_path_a_capture_defers_the_engine_comparison_instead_of_set
     assert "the framework's engine runs: it cannot be timed here" not in run.stderr, run.stderr
     assert "passthrough on the graph path (online tuning: the stream is being captured)" in run.stderr
     assert [(e["engine"], e["n"]) for e in run.graph_executions()] == [("3", "8")] * 2  # repeat=2, untimed
+
+
+def test_a_plan_file_lock_held_for_long_does_not_hang_the_call(shim_env, tmp_path):
+    """The merge waits for the file's lock a bounded time: a holder that never lets go (a stopped
+    process, or a child forked while the lock was held, which keeps it) must not hang the caller's
+    convolution. The kernel then runs its front from memory, unsaved."""
+    import fcntl
+
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    with open(locks / f"{FILE_NAME}.file.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}"], env=online_env(tmp_path), timeout=30)
+        assert time.monotonic() - started < 20
+    assert (run.cases[0]["status"], run.cases[0]["exact"]) == ("0", "1"), run.stderr
+    assert "measured 1 kernels" in report(run)
+    assert [line for line in run.shim_lines("warning") if "held by another process" in line], run.stderr
+    _, pieces = measuring_and_pieces(run)
+    assert [(c["n"], c["algo"]) for c in pieces] == [("4", "7"), ("4", "7")]  # the front, in memory
+    assert not (tmp_path / FILE_NAME).exists()
