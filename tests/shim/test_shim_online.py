@@ -425,3 +425,16 @@ def test_a_plan_file_lock_held_for_long_does_not_hang_the_call(shim_env, tmp_pat
     _, pieces = measuring_and_pieces(run)
     assert [(c["n"], c["algo"]) for c in pieces] == [("4", "7"), ("4", "7")]  # the front, in memory
     assert not (tmp_path / FILE_NAME).exists()
+
+
+def test_kernels_of_a_given_plan_are_not_reported_as_from_the_online_file(shim_env, tmp_path):
+    """With MUCUDNN_PLAN the plan's kernels run from that plan: the exit report's "kernels from FILE"
+    names the online file, so it counts only kernels that came from it (here: none, it does not exist)."""
+    from shim_harness import plan_line
+
+    plan = shim_env.write_plan([plan_line(CASE, [(4, "winograd_nonfused", "fma")] * 2)])
+    run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}", f"{OTHER} algo=0 ws=0"], plan=plan,
+                       env=online_env(tmp_path))
+    assert [c["exact"] for c in run.cases] == ["1", "1"], run.stderr
+    assert "measured 1 kernels" in report(run)  # OTHER, which the plan lacks
+    assert f"0 kernels from {tmp_path / FILE_NAME}" in report(run), report(run)
