@@ -711,10 +711,6 @@ static void pass_kernel(mu_seen *seen, int reason, int state) {
 
 /* The kernel's front now: read from the file or measured, NULL with the reason on the seen entry. */
 static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen *seen) {
-    if (spent_so_far() >= (double)online.budget_ms) {
-        pass_kernel(seen, REASON_BUDGET, STATE_DONE);
-        return NULL;
-    }
     if (k->n > MU_ONLINE_MAX_N) {
         pass_kernel(seen, REASON_TOO_LARGE, STATE_DONE);
         return NULL;
@@ -727,10 +723,15 @@ static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen
         pass_kernel(seen, REASON_CLAIMED, STATE_WAIT);
         return NULL;
     }
-    mu_plan_entry *head = fd >= 0 ? chain_from_file(k) : NULL; /* measured while this one waited */
+    /* What another process measured is read whatever the budget (which bounds measuring only). */
+    mu_plan_entry *head = fd >= 0 ? chain_from_file(k) : NULL;
     if (head != NULL) {
         atomic_fetch_add(&online.from_file, 1);
         atomic_store(&seen->online_counted, true);
+    } else if (spent_so_far() >= (double)online.budget_ms) {
+        release_lock(fd);
+        pass_kernel(seen, REASON_BUDGET, STATE_DONE);
+        return NULL;
     } else {
         measurements m;
         double spent = 0;

@@ -438,3 +438,19 @@ def test_kernels_of_a_given_plan_are_not_reported_as_from_the_online_file(shim_e
     assert [c["exact"] for c in run.cases] == ["1", "1"], run.stderr
     assert "measured 1 kernels" in report(run)  # OTHER, which the plan lacks
     assert f"0 kernels from {tmp_path / FILE_NAME}" in report(run), report(run)
+
+
+def test_past_the_budget_a_kernel_another_process_measured_is_read_not_passed(shim_env, tmp_path):
+    """The budget bounds measuring; reading a front another process of the node wrote to the file
+    costs nothing, so a kernel found there runs it even past the budget (each kernel is measured
+    once per node). Here the file is not loaded at start (MUCUDNN_PLAN is set, without the kernel)."""
+    from shim_harness import plan_line
+
+    shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path))  # "another process"
+    plan = shim_env.write_plan([plan_line(OTHER, [(8, "implicit_gemm", "fma")])])
+    run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}"], plan=plan,
+                       env=online_env(tmp_path, MUCUDNN_ONLINE_BUDGET_MS="0"))
+    assert run.cases[0]["exact"] == "1", run.stderr
+    assert "measured 0 kernels" in report(run) and f"1 kernels from {tmp_path / FILE_NAME}" in report(run)
+    assert report(run).endswith("0 passed through")
+    assert [(c["n"], c["algo"]) for c in run.conv_calls()[:-1]] == [("4", "7"), ("4", "7")]
