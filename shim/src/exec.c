@@ -360,9 +360,13 @@ static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
     mu_plan_entry *head = state->plan ? mu_plan_find(state->plan, k.key, k.n, k.hash) : NULL;
     bool legacy_call = call->graph == NULL;
     const char *no_plan = "no plan";
-    if (head != NULL) mu_online_note_planned(seen);
-    else if (legacy_call) head = mu_online_head(call, &k, seen, &no_plan); /* MUCUDNN_ONLINE */
-    else head = mu_g_planned_entry(call->graph); /* a point of an online front (intercept_graph.c) */
+    if (head != NULL) {
+        if (state->plan->online) mu_online_note_planned(seen); /* a MUCUDNN_PLAN's kernels are not the file's */
+    } else if (legacy_call) {
+        head = mu_online_head(call, &k, seen, &no_plan); /* MUCUDNN_ONLINE */
+    } else {
+        head = mu_g_planned_entry(call->graph); /* a point of an online front (intercept_graph.c) */
+    }
     if (head == NULL) return passthrough(call, seen, &k, no_plan);
     /* A caller that chose a deterministic algorithm may need the same bits every run
      * (torch.backends.cudnn.deterministic): it gets no less. On the graph path the point was

@@ -373,14 +373,15 @@ static cudnnStatus_t run_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t p
 #define MU_ENGINE_TIMED_RUNS 3
 
 /* The framework engine's time on this call's buffers, in ms; -1 where it cannot be timed without
- * changing a result (beta != 0 accumulates into the output; a capture must not synchronise) or
- * without the driver's events. The real execution that follows overwrites what these wrote. */
+ * changing a result (beta != 0 accumulates into the output) or without the driver's events. The
+ * real execution that follows overwrites what these wrote. Never called inside a capture (which
+ * must not synchronise): that is "not now", decided by the caller. */
 static double time_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t pack,
                           const mu_g_planned *p) {
     const mu_driver_table *d = mu_driver();
     double beta = p->double_scales ? p->beta_d : (double)p->beta_f;
     if (beta != 0.0 || d == NULL || !d->event_create || !d->event_record || !d->event_synchronize ||
-        !d->event_elapsed_time || !d->event_destroy || mu_online_capturing(handle))
+        !d->event_elapsed_time || !d->event_destroy)
         return -1;
     CUstream stream = NULL;
     CUevent start = NULL, end = NULL;
@@ -418,6 +419,8 @@ static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call
                "the framework's engine runs", k->key, k->n, p->deterministic ? "deterministic " : "", p->workspace);
         return "no point of the online front fits";
     }
+    /* The engine cannot be timed inside a capture: the engine runs this call, a later one compares. */
+    if (mu_online_capturing(call->handle)) return "online tuning: the stream is being captured";
     double engine_ms = time_engine(call->handle, plan, pack, p);
     if (engine_ms < 0 || entry->time_ms >= engine_ms * MU_ONLINE_ENGINE_GAIN) {
         atomic_store(&p->native, true);

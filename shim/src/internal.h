@@ -443,7 +443,8 @@ bool mu_online_on(void);
 /* The kernel's front where this process already has one (measured, or read from the file where
  * another process measured it), NULL otherwise; one acquire load. */
 mu_plan_entry *mu_online_front(mu_seen *seen);
-/* Whether the handle's stream is being captured (nothing that synchronises may run then). */
+/* Whether the handle's stream is being captured, or its capture status cannot be read (nothing that
+ * synchronises may run then). */
 bool mu_online_capturing(cudnnHandle_t handle);
 /* Whether online tuning gave up on the kernel for this process (budget, nothing measurable, N too
  * large), as opposed to a kernel that may still get a front on a later call (claimed by another

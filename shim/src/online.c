@@ -44,6 +44,9 @@
 #define MU_ONLINE_TIMED_RUNS 3
 /* A kernel claimed by another process is looked at again after this long. */
 #define MU_ONLINE_RETRY_MS 200
+/* The longest a call waits for the plan file's lock (a merge takes milliseconds; a holder stopped,
+ * or a child forked while the lock was held, which keeps it, must not hang the caller). */
+#define MU_ONLINE_FILE_WAIT_MS 2000
 /* Device memory left free when sizing the measuring workspace (the framework's next allocation). */
 #define MU_ONLINE_MEMORY_MARGIN ((size_t)256 << 20)
 /* The largest N measured: the dynamic program keeps N + 1 partial plans. */
@@ -241,6 +244,7 @@ static int lock_path(char *path, size_t size, const char *what) {
 
 typedef enum { LOCK_TAKEN, LOCK_BUSY, LOCK_NONE } lock_result;
 
+/* wait: for at most MU_ONLINE_FILE_WAIT_MS (LOCK_BUSY after). */
 static lock_result take_lock(const char *what, bool wait, int *fd) {
     char path[PATH_MAX + 300], dir[PATH_MAX + 16];
     *fd = -1;
@@ -258,7 +262,10 @@ static lock_result take_lock(const char *what, bool wait, int *fd) {
         return LOCK_NONE;
     }
     int rc;
-    while ((rc = flock(*fd, LOCK_EX | (wait ? 0 : LOCK_NB))) != 0 && errno == EINTR) {}
+    double deadline = now_ms() + MU_ONLINE_FILE_WAIT_MS;
+    while ((rc = flock(*fd, LOCK_EX | LOCK_NB)) != 0 &&
+           (errno == EINTR || (errno == EWOULDBLOCK && wait && now_ms() < deadline)))
+        if (errno == EWOULDBLOCK) nanosleep(&(struct timespec){.tv_nsec = 5000000}, NULL);
     if (rc == 0) return LOCK_TAKEN;
     bool busy = errno == EWOULDBLOCK;
     close(*fd);
@@ -653,7 +660,16 @@ static char *read_text(size_t *length) {
  * file, rename). Another process may have added other kernels since this one loaded it. */
 static void persist(const mu_kernel *k, const mu_plan_entry *head) {
     int fd;
-    if (!online.persist || take_lock("file", true, &fd) != LOCK_TAKEN) return;
+    char path[MU_ESCAPED_MAX];
+    if (!online.persist) return;
+    lock_result taken = take_lock("file", true, &fd);
+    if (taken == LOCK_BUSY) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_WARNING, "online tuning: the lock of %s was held by another process for "
+                       "over %d ms; %s N=%d kept in memory only", shown(online.file, path, sizeof path),
+                       MU_ONLINE_FILE_WAIT_MS, k->key, k->n);
+    }
+    if (taken != LOCK_TAKEN) return;
     bool usable;
     mu_plan *plan = load_file(&usable);
     bool present = plan != NULL && mu_plan_find(plan, k->key, k->n, k->hash) != NULL;
@@ -661,7 +677,7 @@ static void persist(const mu_kernel *k, const mu_plan_entry *head) {
     char *lines = usable && !present ? kernel_lines(head) : NULL;
     size_t length = 0;
     char *text = lines != NULL ? read_text(&length) : NULL;
-    char temporary[PATH_MAX + 32], path[MU_ESCAPED_MAX];
+    char temporary[PATH_MAX + 32];
     snprintf(temporary, sizeof temporary, "%s.tmp.%ld", online.file, (long)getpid());
     int out = lines != NULL ? open(temporary, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
     if (lines != NULL) {
@@ -695,10 +711,6 @@ static void pass_kernel(mu_seen *seen, int reason, int state) {
 
 /* The kernel's front now: read from the file or measured, NULL with the reason on the seen entry. */
 static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen *seen) {
-    if (spent_so_far() >= (double)online.budget_ms) {
-        pass_kernel(seen, REASON_BUDGET, STATE_DONE);
-        return NULL;
-    }
     if (k->n > MU_ONLINE_MAX_N) {
         pass_kernel(seen, REASON_TOO_LARGE, STATE_DONE);
         return NULL;
@@ -711,10 +723,15 @@ static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen
         pass_kernel(seen, REASON_CLAIMED, STATE_WAIT);
         return NULL;
     }
-    mu_plan_entry *head = fd >= 0 ? chain_from_file(k) : NULL; /* measured while this one waited */
+    /* What another process measured is read whatever the budget (which bounds measuring only). */
+    mu_plan_entry *head = fd >= 0 ? chain_from_file(k) : NULL;
     if (head != NULL) {
         atomic_fetch_add(&online.from_file, 1);
         atomic_store(&seen->online_counted, true);
+    } else if (spent_so_far() >= (double)online.budget_ms) {
+        release_lock(fd);
+        pass_kernel(seen, REASON_BUDGET, STATE_DONE);
+        return NULL;
     } else {
         measurements m;
         double spent = 0;
@@ -748,13 +765,17 @@ static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen
 
 bool mu_online_on(void) { return online.on; }
 
+/* A status that cannot be read counts as a capture: on the legacy stream while a blocking stream
+ * captures, cuStreamIsCapturing fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), and events recorded or
+ * synchronised there would join that capture. A driver without cuStreamIsCapturing has no capture. */
 bool mu_online_capturing(cudnnHandle_t handle) {
     const mu_driver_table *d = mu_driver();
     CUstream stream = NULL;
     int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
-    return d != NULL && d->stream_is_capturing != NULL &&
-           mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream) == CUDNN_STATUS_SUCCESS &&
-           d->stream_is_capturing(stream, &capturing) == CU_SUCCESS && capturing != CU_STREAM_CAPTURE_STATUS_NONE;
+    if (d == NULL || d->stream_is_capturing == NULL ||
+        mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream) != CUDNN_STATUS_SUCCESS)
+        return false;
+    return d->stream_is_capturing(stream, &capturing) != CU_SUCCESS || capturing != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 mu_plan_entry *mu_online_front(mu_seen *seen) {

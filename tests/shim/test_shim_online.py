@@ -378,3 +378,79 @@ def test_a_deterministic_framework_engine_gets_only_deterministic_points(shim_en
         assert algos & NONDETERMINISTIC_ALGOS
     else:
         assert not algos & NONDETERMINISTIC_ALGOS
+
+
+# -- regressions found in review ---------------------------------------------------------------------
+
+
+def test_a_stream_whose_capture_status_cannot_be_read_is_not_measured_on(shim_env, tmp_path):
+    """cuStreamIsCapturing fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) on the legacy stream while a
+    blocking stream captures: measuring there (events, synchronisation) would join that capture, so
+    a status that cannot be read counts as a capture: the call passes through, nothing measured."""
+    run = shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path, FAKE_CUDA_CALLER_CAPTURING="implicit"))
+    assert (run.cases[0]["status"], run.cases[0]["exact"]) == ("0", "1"), run.stderr
+    assert len(run.conv_calls()) == 2, run.stderr  # the call, undivided, and the reference
+    assert "online tuning: the stream is being captured" in run.stderr
+    assert "measured 1 kernels" not in run.stderr
+
+
+def test_on_the_graph_path_a_capture_defers_the_engine_comparison_instead_of_settling_it(shim_env, tmp_path):
+    """A pending plan of a kernel with a front times the framework's engine at its first
+    execution; inside a capture it cannot (no synchronising there), which is "not now", not "never":
+    the engine runs the call and a later execution compares, as docs/shim.md says for captures."""
+    shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path))  # the file with the kernel's front
+    run = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path, FAKE_CUDA_CALLER_CAPTURING="1"))
+    graph_result(run)
+    assert "the framework's engine runs: it cannot be timed here" not in run.stderr, run.stderr
+    assert "passthrough on the graph path (online tuning: the stream is being captured)" in run.stderr
+    assert [(e["engine"], e["n"]) for e in run.graph_executions()] == [("3", "8")] * 2  # repeat=2, untimed
+
+
+def test_a_plan_file_lock_held_for_long_does_not_hang_the_call(shim_env, tmp_path):
+    """The merge waits for the file's lock a bounded time: a holder that never lets go (a stopped
+    process, or a child forked while the lock was held, which keeps it) must not hang the caller's
+    convolution. The kernel then runs its front from memory, unsaved."""
+    import fcntl
+
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    with open(locks / f"{FILE_NAME}.file.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}"], env=online_env(tmp_path), timeout=30)
+        assert time.monotonic() - started < 20
+    assert (run.cases[0]["status"], run.cases[0]["exact"]) == ("0", "1"), run.stderr
+    assert "measured 1 kernels" in report(run)
+    assert [line for line in run.shim_lines("warning") if "held by another process" in line], run.stderr
+    _, pieces = measuring_and_pieces(run)
+    assert [(c["n"], c["algo"]) for c in pieces] == [("4", "7"), ("4", "7")]  # the front, in memory
+    assert not (tmp_path / FILE_NAME).exists()
+
+
+def test_kernels_of_a_given_plan_are_not_reported_as_from_the_online_file(shim_env, tmp_path):
+    """With MUCUDNN_PLAN the plan's kernels run from that plan: the exit report's "kernels from FILE"
+    names the online file, so it counts only kernels that came from it (here: none, it does not exist)."""
+    from shim_harness import plan_line
+
+    plan = shim_env.write_plan([plan_line(CASE, [(4, "winograd_nonfused", "fma")] * 2)])
+    run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}", f"{OTHER} algo=0 ws=0"], plan=plan,
+                       env=online_env(tmp_path))
+    assert [c["exact"] for c in run.cases] == ["1", "1"], run.stderr
+    assert "measured 1 kernels" in report(run)  # OTHER, which the plan lacks
+    assert f"0 kernels from {tmp_path / FILE_NAME}" in report(run), report(run)
+
+
+def test_past_the_budget_a_kernel_another_process_measured_is_read_not_passed(shim_env, tmp_path):
+    """The budget bounds measuring; reading a front another process of the node wrote to the file
+    costs nothing, so a kernel found there runs it even past the budget (each kernel is measured
+    once per node). Here the file is not loaded at start (MUCUDNN_PLAN is set, without the kernel)."""
+    from shim_harness import plan_line
+
+    shim_env.run([f"{CASE} algo=0 ws=0"], env=online_env(tmp_path))  # "another process"
+    plan = shim_env.write_plan([plan_line(OTHER, [(8, "implicit_gemm", "fma")])])
+    run = shim_env.run([f"{CASE} algo=0 ws={7 * 4 * WS_PER_SAMPLE}"], plan=plan,
+                       env=online_env(tmp_path, MUCUDNN_ONLINE_BUDGET_MS="0"))
+    assert run.cases[0]["exact"] == "1", run.stderr
+    assert "measured 0 kernels" in report(run) and f"1 kernels from {tmp_path / FILE_NAME}" in report(run)
+    assert report(run).endswith("0 passed through")
+    assert [(c["n"], c["algo"]) for c in run.conv_calls()[:-1]] == [("4", "7"), ("4", "7")]

@@ -105,7 +105,9 @@ CUresult cuGetErrorString(CUresult error, const char **pStr)
  * Without $FAKE_CUDA_GRAPHS, cuStreamBeginCapture answers CUDA_ERROR_NOT_SUPPORTED.
  * $FAKE_CUDA_GRAPHS=invalidate: every capture ends with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED.
  * $FAKE_CUDA_CALLER_CAPTURING=1: streams this driver did not create report an active capture (a
- * framework capturing its own stream).
+ * framework capturing its own stream); =implicit: asking about them fails with
+ * CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, as the driver answers for the legacy stream while a blocking
+ * stream captures.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -199,6 +201,8 @@ CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureSta
     struct fake_stream *s = own_stream(hStream);
     bool active = s != NULL ? s->capturing : caller != NULL && caller[0] == '1';
     pthread_mutex_unlock(&capture_mutex);
+    if (s == NULL && caller != NULL && strcmp(caller, "implicit") == 0)
+        return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
     *captureStatus = active ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
     return CUDA_SUCCESS;
 }
