@@ -173,7 +173,7 @@ mu_plan *mu_online_init(bool have_plan) {
     bool named = mu_gpu_name(online.gpu, sizeof online.gpu);
     const mu_driver_table *d = mu_driver();
     if (d == NULL || d->event_create == NULL || d->event_record == NULL || d->event_synchronize == NULL ||
-        d->event_elapsed_time == NULL || d->mem_alloc == NULL || d->mem_free == NULL) {
+        d->event_elapsed_time == NULL || d->event_destroy == NULL || d->mem_alloc == NULL || d->mem_free == NULL) {
         mu_log(MU_LOG_WARNING, "online tuning off: the CUDA driver (events, memory) is not in the process");
         online.on = false;
         return NULL;
@@ -461,8 +461,12 @@ static bool measure(const mu_conv_call *call, const mu_kernel *k, measurements *
             }
             mu_conv_descs descs = {call->descs.dir, x_descs[s], call->descs.w, call->descs.conv, y_descs[s]};
             mu_conv_buffers buffers = {x, w, y};
-            void *ws = c->workspace > 0 ? (void *)(uintptr_t)workspace : NULL;
-            c->ok = c->workspace <= workspace_size &&
+            /* The caller's workspace is free until the real call: what fits it is always measured
+             * (the caller's own algorithm among them), however little memory is free. */
+            bool in_callers = c->workspace > workspace_size && c->workspace <= call->workspace_size &&
+                              call->workspace != NULL;
+            void *ws = c->workspace == 0 ? NULL : in_callers ? call->workspace : (void *)(uintptr_t)workspace;
+            c->ok = (c->workspace <= workspace_size || in_callers) &&
                     ops->run(call->handle, &descs, &buffers, a, call->alpha, call->beta, ws, c->workspace) ==
                         CUDNN_STATUS_SUCCESS; /* the warm-up: also how unsupported ones show */
             if (!c->ok) continue;
@@ -637,9 +641,13 @@ static bool write_all(int fd, const char *text, size_t length) {
 }
 
 /* The file as it is (NULL with *length 0 when it does not exist). */
-static char *read_text(size_t *length) {
+/* The file's text; NULL when it cannot be read, with *missing set where it does not exist (the
+ * one case where a new file is written: a file that exists but cannot be read is never replaced,
+ * so no other process's kernels are lost). */
+static char *read_text(size_t *length, bool *missing) {
     *length = 0;
     FILE *file = fopen(online.file, "re");
+    *missing = file == NULL && errno == ENOENT;
     if (file == NULL) return NULL;
     size_t capacity = 1 << 16;
     char *text = malloc(capacity);
@@ -651,6 +659,10 @@ static char *read_text(size_t *length) {
             if (bigger == NULL) free(text);
             text = bigger;
         }
+    }
+    if (text != NULL && ferror(file)) {
+        free(text);
+        text = NULL;
     }
     fclose(file);
     return text;
@@ -676,7 +688,15 @@ static void persist(const mu_kernel *k, const mu_plan_entry *head) {
     mu_plan_free(plan);
     char *lines = usable && !present ? kernel_lines(head) : NULL;
     size_t length = 0;
-    char *text = lines != NULL ? read_text(&length) : NULL;
+    bool missing = false;
+    char *text = lines != NULL ? read_text(&length, &missing) : NULL;
+    if (lines != NULL && text == NULL && !missing) {
+        static mu_rate_limit limit = MU_RATE_LIMIT_INIT;
+        mu_log_limited(&limit, MU_LOG_WARNING, "online tuning: cannot read %s (%s); %s N=%d kept in memory only",
+                       shown(online.file, path, sizeof path), strerror(errno), k->key, k->n);
+        free(lines);
+        lines = NULL;
+    }
     char temporary[PATH_MAX + 32];
     snprintf(temporary, sizeof temporary, "%s.tmp.%ld", online.file, (long)getpid());
     int out = lines != NULL ? open(temporary, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;

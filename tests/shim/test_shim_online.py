@@ -454,3 +454,18 @@ def test_past_the_budget_a_kernel_another_process_measured_is_read_not_passed(sh
     assert "measured 0 kernels" in report(run) and f"1 kernels from {tmp_path / FILE_NAME}" in report(run)
     assert report(run).endswith("0 passed through")
     assert [(c["n"], c["algo"]) for c in run.conv_calls()[:-1]] == [("4", "7"), ("4", "7")]
+
+
+def test_with_no_memory_free_what_fits_the_callers_workspace_is_still_measured(shim_env, tmp_path):
+    """Scratch workspace comes from the memory free (less a 256 MiB margin); the caller's own
+    workspace is free until the real call, so its algorithm, and whatever else fits it, is measured
+    and can run: the point is never one of only the workspace-free algorithms."""
+    workspace = 7 * 8 * WS_PER_SAMPLE  # the caller's winograd_nonfused (7) at N = 8
+    full = {"FAKE_CUDA_TOTAL_BYTES": str(1 << 30), "FAKE_CUDA_USED_BYTES": str((1 << 30) - (1 << 20))}
+    run = shim_env.run([f"{CASE} algo=7 ws={workspace}"], env=online_env(tmp_path, **full))
+    assert (run.cases[0]["status"], run.cases[0]["exact"]) == ("0", "1"), run.stderr
+    assert "measured 1 kernels (32 candidates timed)" in report(run)
+    _, pieces = measuring_and_pieces(run)
+    chosen = [(int(c["n"]), int(c["algo"])) for c in pieces] or [(8, 7)]  # undivided: the caller's own
+    expected = modelled_point(CASE, workspace)
+    assert sorted(chosen) == sorted((p.batch, FWD_ALGOS.index(p.algo)) for p in expected.pieces)
