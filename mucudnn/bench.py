@@ -30,7 +30,8 @@ from . import errors
 from .engines import Api, api_of, is_transform_based
 from .environment import (Environment, cupy_module as _cupy, current_environment,  # noqa: F401
                           gpu_available)
-from .measurement import Measurement, Status
+from .measurement import (NOT_TIMED, OVER_LIMIT, OVER_LIMIT_NOTE, QUICK, QUICK_NOTE,  # noqa: F401
+                          Measurement, Status, is_not_timed)
 from .problem import ALGORITHMS, ConvProblem, DataType, Direction, Layout, MathType
 from .timing import TimingMethod, do_bench
 
@@ -147,17 +148,6 @@ def missing_apis(rows: Iterable[Measurement], batches: Sequence[int], apis: Iter
     return missing
 
 
-#: The note of a row not timed on purpose; the row's status is ``not_supported`` so that nothing
-#: reads its time, and its workspace is the one cuDNN reported.
-NOT_TIMED = "not timed: "
-OVER_LIMIT = NOT_TIMED + "over limit"
-OVER_LIMIT_NOTE = OVER_LIMIT + " ({bound} bytes usable at this size)"
-QUICK = NOT_TIMED + "--quick"
-QUICK_NOTE = QUICK + " stopped at size {size} ({request})"
-
-
-def is_not_timed(row: Measurement) -> bool:
-    return row.note.startswith(NOT_TIMED)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,13 +122,15 @@ def _inputs(config: str | None, recordings, store_path) -> list[tuple[str, objec
 
 
 def _optimize(*args, **kwargs):
-    """tuner.optimize, its FitSizesMissingWarning printed as one warning line."""
-    from .tuner import FitSizesMissingWarning, optimize
+    """tuner.optimize, each of its warnings about the measurements printed as one line."""
+    from .tuner import FitSizesMissingWarning, UntimedOverLimitWarning, optimize
+    said = (FitSizesMissingWarning, UntimedOverLimitWarning)
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", FitSizesMissingWarning)
+        for category in said:
+            warnings.simplefilter("always", category)
         plan = optimize(*args, **kwargs)
     for warning in caught:
-        if issubclass(warning.category, FitSizesMissingWarning):
+        if issubclass(warning.category, said):
             click.echo(f"mucudnn: warning: {warning.message}", err=True)
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename,

@@ -38,3 +38,17 @@ class Measurement:
     @property
     def ok(self) -> bool:
         return self.status is Status.OK
+
+
+#: The note of a row a bench left untimed on purpose (mucudnn/bench.py); the row's status is
+#: ``not_supported`` so that nothing reads its time, and its workspace is the one cuDNN reported.
+#: Here, not in bench.py, because tuning reads it and must not import the benchmarker.
+NOT_TIMED = "not timed: "
+OVER_LIMIT = NOT_TIMED + "over limit"
+OVER_LIMIT_NOTE = OVER_LIMIT + " ({bound} bytes usable at this size)"
+QUICK = NOT_TIMED + "--quick"
+QUICK_NOTE = QUICK + " stopped at size {size} ({request})"
+
+
+def is_not_timed(row: Measurement) -> bool:
+    return row.note.startswith(NOT_TIMED)

@@ -34,7 +34,7 @@ from .environment import Environment, current_environment, gpu_available
 from .engines import api_of, parse_engine_name, select_apis
 from .errors import (EngineNameError, MissingMeasurementsError, MucudnnError, ReadOnlyStoreError,
                      UnwritableError)
-from .measurement import Measurement
+from .measurement import OVER_LIMIT, Measurement
 from .optimizer import (Policy, best_plan, candidate_sizes, fit_sizes, pareto_plans, solve_budget,
                         thin_front)
 from .plan import FRONT, NO_LIMIT, Plan, PlanEntry, Restrictions
@@ -477,6 +477,7 @@ def optimize(source, workspace_limit=None, total_workspace=None,
         source = _source_comment(st, env)
     if missing:
         raise MissingMeasurementsError(_missing_message(missing, len(kernels), env, policy, api))
+    _warn_untimed_over_a_smaller_limit(rows, kernels, front, workspace_limit, total_workspace)
     if front:
         limit = NO_LIMIT if workspace_limit is None else parse_size(workspace_limit)
         cap = None if workspace_limit is None else limit
@@ -502,6 +503,40 @@ def optimize(source, workspace_limit=None, total_workspace=None,
     for kp in plans:
         plan.add(kp.plan_entry())
     return plan
+
+
+class UntimedOverLimitWarning(UserWarning):
+    """Rows a ``bench --workspace-limit`` left untimed, as over its limit, could be pieces of this
+    plan (no limit, or a larger one): the plan is made without them, so it may be slower than one
+    from a full bench."""
+
+
+def _warn_untimed_over_a_smaller_limit(rows: dict, kernels: Kernels, front: bool,
+                                       workspace_limit, total_workspace) -> None:
+    """Warn (:class:`UntimedOverLimitWarning`) naming how many kernels have configurations a bench
+    under a smaller workspace limit did not time but this plan could use."""
+    limit = None
+    if workspace_limit is not None:
+        limit = parse_size(workspace_limit)
+    elif total_workspace is not None:
+        limit = parse_size(total_workspace)
+    lacking, smallest = 0, None
+    for p, _ in kernels:
+        over = [m for m in rows[(p.key, p.n)] if m.note.startswith(OVER_LIMIT)
+                and (limit is None or m.workspace <= limit)]
+        if over:
+            lacking += 1
+            least = min(m.workspace for m in over)
+            smallest = least if smallest is None else min(smallest, least)
+    if lacking:
+        within = "any workspace" if limit is None else f"{format_size(limit).replace(' ', '')}"
+        warnings.warn(UntimedOverLimitWarning(
+            f"{lacking} of {len(kernels)} kernels have configurations that a bench with a smaller "
+            f"--workspace-limit left untimed (from {format_size(smallest).replace(' ', '')} of "
+            f"workspace) but this plan ({within}) could use: it is made without them; measure them "
+            f"with 'mucudnn bench' without --workspace-limit"
+            + ("" if limit is None else f" or with --workspace-limit {within}")),
+            stacklevel=3)
 
 
 class FitSizesMissingWarning(UserWarning):

@@ -759,3 +759,21 @@ def test_a_plan_carries_its_restrictions_and_its_baselines_obey_them(store, tmp_
     assert undivided == uncapped == pytest.approx(entry.time_ms)
     # everything allowed, fft is the baseline (faster than the plan that could not use it)
     assert tuner.baselines(store, ENV, entry, plan.limit)[0] < entry.time_ms
+
+
+def test_a_plan_that_could_use_configurations_a_smaller_bench_limit_left_untimed_says_so(store):
+    """A store benched with --workspace-limit 1KiB has no times above it: a front (or a larger
+    limit) made from it silently lacks the fastest configurations unless tune says so."""
+    from mucudnn.measurement import OVER_LIMIT_NOTE
+    untimed = [Measurement(FWD.key, b, "winograd", MathType.FMA, math.nan, 5000 * b, Status.NOT_SUPPORTED,
+                           note=OVER_LIMIT_NOTE.format(bound=1024))
+               for b in candidate_sizes(Policy.POWER_OF_TWO, FWD.n)]
+    store.put(ENV.gpu, ENV.cudnn, untimed)
+    with pytest.warns(tuner.UntimedOverLimitWarning, match=r"1 of 2 kernels .* \(from 4.9KiB of workspace\) "
+                      r"but this plan \(any workspace\)"):
+        tuner.optimize(KERNELS, store=store, env=ENV)  # a front: no limit
+    with pytest.warns(tuner.UntimedOverLimitWarning, match=r"1 of 2 kernels .*or with --workspace-limit"):
+        tuner.optimize(KERNELS, workspace_limit="1MiB", store=store, env=ENV)
+    with warnings.catch_warnings():  # a plan within the bench's own limit needs none of them
+        warnings.simplefilter("error", tuner.UntimedOverLimitWarning)
+        tuner.optimize(KERNELS, workspace_limit=1024, store=store, env=ENV)
