@@ -124,6 +124,9 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     rest=${s#pressure-}; part=${rest%%-*}; models=${rest#*-}
     gpus=${PRESSURE_GPUS:-}; [ "$gpus" = all ] && gpus=$(all_gpus)
     limit=${PRESSURE_TIMEOUT:-570}; dir=${PRESSURE_DIR:-$STATE/pressure}
+    # PRESSURE_ALLOC_CONF: PyTorch's allocator for every run of the part (e.g. expandable_segments:True,
+    # what `mucudnn run --memory-budget` sets), PyTorch's and the shim's alike
+    PYTORCH_CUDA_ALLOC_CONF=${PRESSURE_ALLOC_CONF:-${PYTORCH_CUDA_ALLOC_CONF:-}} \
     stage "$s" "$limit" python3 -m benchmarks.pressure "$part" --models ${models//+/ } \
       --dtypes ${PRESSURE_DTYPES:-fp32 bf16} --benchmark ${PRESSURE_BENCHMARK:-off on} \
       --rounds ${PRESSURE_ROUNDS:-3} --shim-mode ${PRESSURE_SHIM:-online} \

@@ -388,7 +388,10 @@ def settings_of(args) -> dict:
     keep = ("shim_mode", "dtypes", "benchmark", "rounds", "steps", "warmup", "probe_steps",
             "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
             "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s")
-    return {k: getattr(args, k) for k in keep if hasattr(args, k)}
+    settings = {k: getattr(args, k) for k in keep if hasattr(args, k)}
+    # every run of the part inherits it, PyTorch's and the shim's alike
+    settings["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    return settings
 
 
 def ratio_part(args, runner: Runner, report: Report) -> None:
@@ -591,6 +594,9 @@ def markdown(reports: dict) -> str:
              f"Device: {device or 'unknown'}. `python -m benchmarks.pressure` (benchmarks/pressure.py; "
              "worker: benchmarks/shim_pytorch.py, models: benchmarks/models.py), PyTorch's default "
              "cuDNN path, TF32 on, SGD, random data, one process per run.", ""]
+    allocators = {r["settings"].get("allocator", "") for r in reports.values()}
+    lines += [f"PyTorch's allocator (`PYTORCH_CUDA_ALLOC_CONF`, every run alike): "
+              f"{', '.join(f'`{a}`' if a else 'the default' for a in sorted(allocators))}.", ""]
     if "ratio" in reports:
         r = reports["ratio"]
         s = r["settings"]

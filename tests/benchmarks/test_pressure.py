@@ -452,3 +452,15 @@ def test_the_module_runs_without_torch():
                            "import benchmarks.pressure, benchmarks.models"], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("allocator", ["", "expandable_segments:True"])
+def test_the_allocator_every_run_inherits_is_recorded_and_shown(gpu, tmp_path, monkeypatch, allocator):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", allocator)
+    pressure.main(["ratio", "--models", "resnet50", "--rounds", "1", "--dtypes", "fp32",
+                   "--benchmark", "off", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "pressure-ratio.json").read_text())
+    assert data["settings"]["allocator"] == allocator
+    shown = f"`{allocator}`" if allocator else "the default"
+    assert f"PyTorch's allocator (`PYTORCH_CUDA_ALLOC_CONF`, every run alike): {shown}." in \
+        (tmp_path / "pressure-h200.md").read_text()
