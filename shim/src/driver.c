@@ -69,3 +69,36 @@ bool mu_device_memory(size_t *free_bytes, size_t *total_bytes) {
         return false;
     return d->mem_get_info(free_bytes, total_bytes) == CU_SUCCESS;
 }
+
+bool mu_stream_capturing(cudnnHandle_t handle) {
+    const mu_driver_table *d = mu_driver();
+    CUstream stream = NULL;
+    int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (d == NULL || d->stream_is_capturing == NULL ||
+        mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream) != CUDNN_STATUS_SUCCESS)
+        return false;
+    return d->stream_is_capturing(stream, &capturing) != CU_SUCCESS || capturing != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+double mu_time_calls(cudnnHandle_t handle, mu_timed_fn call, void *context) {
+    const mu_driver_table *d = mu_driver();
+    if (d == NULL || !d->event_create || !d->event_record || !d->event_synchronize || !d->event_elapsed_time ||
+        !d->event_destroy)
+        return -1;
+    CUstream stream = NULL;
+    CUevent start = NULL, end = NULL;
+    double ms = -1;
+    cudnnStatus_t status = mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream);
+    if (status == CUDNN_STATUS_SUCCESS && d->event_create(&start, CU_EVENT_DEFAULT) == CU_SUCCESS &&
+        d->event_create(&end, CU_EVENT_DEFAULT) == CU_SUCCESS &&
+        call(context) == CUDNN_STATUS_SUCCESS /* the warm-up */ && d->event_record(start, stream) == CU_SUCCESS) {
+        for (int r = 0; r < MU_TIMED_RUNS && status == CUDNN_STATUS_SUCCESS; r++) status = call(context);
+        float elapsed = 0;
+        if (status == CUDNN_STATUS_SUCCESS && d->event_record(end, stream) == CU_SUCCESS &&
+            d->event_synchronize(end) == CU_SUCCESS && d->event_elapsed_time(&elapsed, start, end) == CU_SUCCESS)
+            ms = (double)elapsed / MU_TIMED_RUNS;
+    }
+    if (start != NULL) d->event_destroy(start);
+    if (end != NULL) d->event_destroy(end);
+    return ms;
+}

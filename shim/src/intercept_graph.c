@@ -360,6 +360,31 @@ static cudnnStatus_t run_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t p
     return mu_real()->cudnnBackendExecute(handle, plan, pack);
 }
 
+/* A point of an online front replaces the framework's engine only when it is at least this much
+ * faster on the same call (as a front keeps a point only 2 % faster than the next: thin_front). */
+#define MU_ONLINE_ENGINE_GAIN 0.98
+
+/* The framework's execution plan on one call's variant pack, as mu_time_calls runs it. */
+typedef struct {
+    cudnnHandle_t handle;
+    cudnnBackendDescriptor_t plan, pack;
+} engine_call;
+
+static cudnnStatus_t execute_engine(void *context) {
+    const engine_call *e = context;
+    return mu_real()->cudnnBackendExecute(e->handle, e->plan, e->pack);
+}
+
+/* The framework engine's time on this call's buffers, in ms; -1 where it cannot be timed without
+ * changing a result (beta != 0 accumulates into the output) or without the driver's events. The
+ * real execution that follows overwrites what these wrote. */
+static double time_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t pack,
+                          const mu_g_planned *p) {
+    double beta = p->double_scales ? p->beta_d : (double)p->beta_f;
+    engine_call call = {handle, plan, pack};
+    return beta != 0.0 ? -1 : mu_time_calls(handle, execute_engine, &call);
+}
+
 /*
  * A pending plan's point: the kernel's front from online tuning (measured now on this call's
  * buffers, or what another thread or process measured), its fastest point within the workspace
@@ -367,42 +392,6 @@ static cudnnStatus_t run_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t p
  * the framework's threads). NULL when p has its point, else why not: the framework's engine runs
  * this call, and, where online tuning gave up or no point fits, every later one (p->native).
  */
-/* A point of an online front replaces the framework's engine only when it is at least this much
- * faster on the same call (as a front keeps a point only 2 % faster than the next: thin_front). */
-#define MU_ONLINE_ENGINE_GAIN 0.98
-#define MU_ENGINE_TIMED_RUNS 3
-
-/* The framework engine's time on this call's buffers, in ms; -1 where it cannot be timed without
- * changing a result (beta != 0 accumulates into the output) or without the driver's events. The
- * real execution that follows overwrites what these wrote. Never called inside a capture (which
- * must not synchronise): that is "not now", decided by the caller. */
-static double time_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t pack,
-                          const mu_g_planned *p) {
-    const mu_driver_table *d = mu_driver();
-    double beta = p->double_scales ? p->beta_d : (double)p->beta_f;
-    if (beta != 0.0 || d == NULL || !d->event_create || !d->event_record || !d->event_synchronize ||
-        !d->event_elapsed_time || !d->event_destroy)
-        return -1;
-    CUstream stream = NULL;
-    CUevent start = NULL, end = NULL;
-    double ms = -1;
-    cudnnStatus_t status = mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream);
-    if (status == CUDNN_STATUS_SUCCESS && d->event_create(&start, CU_EVENT_DEFAULT) == CU_SUCCESS &&
-        d->event_create(&end, CU_EVENT_DEFAULT) == CU_SUCCESS &&
-        mu_real()->cudnnBackendExecute(handle, plan, pack) == CUDNN_STATUS_SUCCESS /* warm-up */ &&
-        d->event_record(start, stream) == CU_SUCCESS) {
-        for (int r = 0; r < MU_ENGINE_TIMED_RUNS && status == CUDNN_STATUS_SUCCESS; r++)
-            status = mu_real()->cudnnBackendExecute(handle, plan, pack);
-        float elapsed = 0;
-        if (status == CUDNN_STATUS_SUCCESS && d->event_record(end, stream) == CU_SUCCESS &&
-            d->event_synchronize(end) == CU_SUCCESS && d->event_elapsed_time(&elapsed, start, end) == CU_SUCCESS)
-            ms = (double)elapsed / MU_ENGINE_TIMED_RUNS;
-    }
-    if (start != NULL) d->event_destroy(start);
-    if (end != NULL) d->event_destroy(end);
-    return ms;
-}
-
 static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call, mu_seen *seen,
                                        cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t pack) {
     const mu_kernel *k = p->pending_kernel;
@@ -420,7 +409,7 @@ static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call
         return "no point of the online front fits";
     }
     /* The engine cannot be timed inside a capture: the engine runs this call, a later one compares. */
-    if (mu_online_capturing(call->handle)) return "online tuning: the stream is being captured";
+    if (mu_stream_capturing(call->handle)) return "online tuning: the stream is being captured";
     double engine_ms = time_engine(call->handle, plan, pack, p);
     if (engine_ms < 0 || entry->time_ms >= engine_ms * MU_ONLINE_ENGINE_GAIN) {
         atomic_store(&p->native, true);

@@ -214,6 +214,19 @@ typedef struct {
 const mu_driver_table *mu_driver(void);
 /* cuMemGetInfo of the current context's device; false without a driver or a current context. */
 bool mu_device_memory(size_t *free_bytes, size_t *total_bytes);
+/* Whether the handle's stream is being captured, or its capture status cannot be read (while a
+ * legacy-stream capture runs elsewhere cuStreamIsCapturing fails with
+ * CUDA_ERROR_STREAM_CAPTURE_IMPLICIT): nothing that records events or synchronises may run then.
+ * False without the driver's cuStreamIsCapturing (no capture). */
+bool mu_stream_capturing(cudnnHandle_t handle);
+
+/* The shim's one timing method (online tuning's candidates, and the framework's engine they are
+ * compared with): one warm-up call, then MU_TIMED_RUNS calls between two events on the handle's
+ * stream. Milliseconds per call, or -1 when a call (the warm-up failing is how an unsupported
+ * configuration shows) or the events fail. Synchronises. */
+#define MU_TIMED_RUNS 3
+typedef cudnnStatus_t (*mu_timed_fn)(void *context);
+double mu_time_calls(cudnnHandle_t handle, mu_timed_fn call, void *context);
 
 /* ---- key.c: descriptors -> kernel key (docs/kernel-key.md), algorithm and math names ----- */
 
@@ -443,9 +456,6 @@ bool mu_online_on(void);
 /* The kernel's front where this process already has one (measured, or read from the file where
  * another process measured it), NULL otherwise; one acquire load. */
 mu_plan_entry *mu_online_front(mu_seen *seen);
-/* Whether the handle's stream is being captured, or its capture status cannot be read (nothing that
- * synchronises may run then). */
-bool mu_online_capturing(cudnnHandle_t handle);
 /* Whether online tuning gave up on the kernel for this process (budget, nothing measurable, N too
  * large), as opposed to a kernel that may still get a front on a later call (claimed by another
  * process, measured by another thread, a stream being captured). */

@@ -41,7 +41,6 @@
 #include "internal.h"
 
 /* Timed runs per candidate, after one warm-up run; the candidate's time is their mean. */
-#define MU_ONLINE_TIMED_RUNS 3
 /* A kernel claimed by another process is looked at again after this long. */
 #define MU_ONLINE_RETRY_MS 200
 /* The longest a call waits for the plan file's lock (a merge takes milliseconds; a holder stopped,
@@ -391,6 +390,23 @@ static double spent_so_far(void) {
     return spent;
 }
 
+/* One candidate of a kernel's measurement: an algorithm on micro-batch descriptors, in a workspace. */
+typedef struct {
+    const mu_direction_ops *ops;
+    const mu_conv_call *call;
+    mu_conv_descs descs;
+    mu_conv_buffers buffers;
+    int algo;
+    void *workspace;
+    size_t workspace_size;
+} candidate;
+
+static cudnnStatus_t run_candidate(void *context) {
+    const candidate *c = context;
+    return c->ops->run(c->call->handle, &c->descs, &c->buffers, c->algo, c->call->alpha, c->call->beta,
+                       c->workspace, c->workspace_size);
+}
+
 /*
  * Times every supported (algorithm, size) on the caller's buffers; false when nothing could be
  * measured. Sizes are measured largest first, algorithm 0 (workspace-free) first, so that a
@@ -445,10 +461,6 @@ static bool measure(const mu_conv_call *call, const mu_kernel *k, measurements *
     bool needs_scratch = call->descs.dir == MU_DIR_BWD_FILTER || !zero_beta;
     ok = ok && (!needs_scratch || scratch != 0);
 
-    CUstream stream = NULL;
-    CUevent start = NULL, end = NULL;
-    ok = ok && real->cudnnGetStream(call->handle, (cudaStream_t *)&stream) == CUDNN_STATUS_SUCCESS &&
-         d->event_create(&start, CU_EVENT_DEFAULT) == CU_SUCCESS && d->event_create(&end, CU_EVENT_DEFAULT) == CU_SUCCESS;
     int timed = 0;
     for (int s = 0; s < m->size_count && ok && !m->partial; s++)
         for (int a = 0; a < m->algo_count; a++) {
@@ -459,35 +471,29 @@ static bool measure(const mu_conv_call *call, const mu_kernel *k, measurements *
                 m->partial = true;
                 break;
             }
-            mu_conv_descs descs = {call->descs.dir, x_descs[s], call->descs.w, call->descs.conv, y_descs[s]};
-            mu_conv_buffers buffers = {x, w, y};
             /* The caller's workspace is free until the real call: what fits it is always measured
              * (the caller's own algorithm among them), however little memory is free. */
             bool in_callers = c->workspace > workspace_size && c->workspace <= call->workspace_size &&
                               call->workspace != NULL;
-            void *ws = c->workspace == 0 ? NULL : in_callers ? call->workspace : (void *)(uintptr_t)workspace;
-            c->ok = (c->workspace <= workspace_size || in_callers) &&
-                    ops->run(call->handle, &descs, &buffers, a, call->alpha, call->beta, ws, c->workspace) ==
-                        CUDNN_STATUS_SUCCESS; /* the warm-up: also how unsupported ones show */
+            candidate run = {ops, call, {call->descs.dir, x_descs[s], call->descs.w, call->descs.conv, y_descs[s]},
+                             {x, w, y}, a,
+                             c->workspace == 0 ? NULL : in_callers ? call->workspace : (void *)(uintptr_t)workspace,
+                             c->workspace};
+            double ms = c->workspace <= workspace_size || in_callers ? mu_time_calls(call->handle, run_candidate, &run)
+                                                                     : -1;
+            c->ok = ms >= 0;
             if (!c->ok) continue;
-            cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
-            d->event_record(start, stream);
-            for (int r = 0; r < MU_ONLINE_TIMED_RUNS && status == CUDNN_STATUS_SUCCESS; r++)
-                status = ops->run(call->handle, &descs, &buffers, a, call->alpha, call->beta, ws, c->workspace);
-            float ms = 0;
-            c->ok = status == CUDNN_STATUS_SUCCESS && d->event_record(end, stream) == CU_SUCCESS &&
-                    d->event_synchronize(end) == CU_SUCCESS && d->event_elapsed_time(&ms, start, end) == CU_SUCCESS;
-            if (!c->ok) continue;
-            c->time_ms = (double)ms / MU_ONLINE_TIMED_RUNS;
-            gpu_ms += (double)ms * (MU_ONLINE_TIMED_RUNS + 1) / MU_ONLINE_TIMED_RUNS; /* with the warm-up */
+            c->time_ms = ms;
+            gpu_ms += ms * (MU_TIMED_RUNS + 1); /* with the warm-up */
             timed++;
             if (mu_log_enabled(MU_LOG_DEBUG))
                 mu_log(MU_LOG_DEBUG, "%s N=%d: online b=%d algo=%s: %.4f ms, workspace %zu", k->key, k->n,
                        m->sizes[s], mu_algo_name(call->descs.dir, a), c->time_ms, c->workspace);
         }
-    if (start != NULL) d->event_destroy(start);
-    if (end != NULL) d->event_destroy(end);
-    if (d->stream_synchronize != NULL) d->stream_synchronize(stream); /* before the buffers go */
+    CUstream stream = NULL; /* mu_time_calls synchronised on its events; anything else queued: */
+    if (d->stream_synchronize != NULL &&
+        real->cudnnGetStream(call->handle, (cudaStream_t *)&stream) == CUDNN_STATUS_SUCCESS)
+        d->stream_synchronize(stream); /* before the buffers go */
     if (workspace != 0) d->mem_free(workspace);
     if (scratch != 0) d->mem_free(scratch);
     for (int s = 0; s < m->size_count; s++) {
@@ -785,19 +791,6 @@ static mu_plan_entry *tune(const mu_conv_call *call, const mu_kernel *k, mu_seen
 
 bool mu_online_on(void) { return online.on; }
 
-/* A status that cannot be read counts as a capture: on the legacy stream while a blocking stream
- * captures, cuStreamIsCapturing fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), and events recorded or
- * synchronised there would join that capture. A driver without cuStreamIsCapturing has no capture. */
-bool mu_online_capturing(cudnnHandle_t handle) {
-    const mu_driver_table *d = mu_driver();
-    CUstream stream = NULL;
-    int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
-    if (d == NULL || d->stream_is_capturing == NULL ||
-        mu_real()->cudnnGetStream(handle, (cudaStream_t *)&stream) != CUDNN_STATUS_SUCCESS)
-        return false;
-    return d->stream_is_capturing(stream, &capturing) != CU_SUCCESS || capturing != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
 mu_plan_entry *mu_online_front(mu_seen *seen) {
     return online.on && seen != NULL ? atomic_load_explicit(&seen->online_head, memory_order_acquire) : NULL;
 }
@@ -814,7 +807,7 @@ mu_plan_entry *mu_online_head(const mu_conv_call *call, const mu_kernel *k, mu_s
     int state = atomic_load(&seen->online_state);
     if (state == STATE_WAIT && now_ms() < (double)atomic_load(&seen->online_retry_ms)) state = STATE_BUSY;
     /* Measuring synchronises: never inside the caller's own stream capture (retried later). */
-    if ((state == STATE_NEW || state == STATE_WAIT) && mu_online_capturing(call->handle)) {
+    if ((state == STATE_NEW || state == STATE_WAIT) && mu_stream_capturing(call->handle)) {
         *why = "online tuning: the stream is being captured";
         return NULL;
     }

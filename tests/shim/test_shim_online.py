@@ -267,7 +267,7 @@ def test_online_is_off_by_default_and_bad_values_are_warned(shim_env, tmp_path):
 # whose workspace 3 * 8 * 4096 bytes the framework allocates
 GRAPH_CASE = "op=exec dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 engine=3 seed=3 alpha=1 beta=0 repeat=2"
 ENGINE_WS = 3 * 8 * WS_PER_SAMPLE
-ENGINE_TIMED_RUNS = 3  # intercept_graph.c MU_ENGINE_TIMED_RUNS, after one warm-up
+ENGINE_TIMED_RUNS = 3  # internal.h MU_TIMED_RUNS (mu_time_calls), after one warm-up
 
 
 def graph_result(run):
