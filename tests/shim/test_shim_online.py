@@ -23,7 +23,7 @@ from mucudnn.plan import read_plan
 from shim_harness import FAKE_CUDNN_VERSION, FAKE_GPU_NAME, WS_PER_SAMPLE, key_of, parse_fields
 
 FLOPS_PER_MS = 200_000
-TIMED_RUNS = 3  # online.c: one warm-up, then this many timed runs per candidate
+TIMED_RUNS = 3  # internal.h MU_TIMED_RUNS (mu_time_calls): one warm-up, then this many timed runs
 CASE = "op=conv dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 math=fma"
 OTHER = "op=conv dir=fwd n=8 c=5 in=7x7 k=6 f=3x3 pad=1x1 math=fma"  # another kernel
 FILE_NAME = f"{FAKE_GPU_NAME.replace(' ', '_')}-cudnn{FAKE_CUDNN_VERSION}.plan"
@@ -267,7 +267,7 @@ def test_online_is_off_by_default_and_bad_values_are_warned(shim_env, tmp_path):
 # whose workspace 3 * 8 * 4096 bytes the framework allocates
 GRAPH_CASE = "op=exec dir=fwd n=8 c=4 in=7x7 k=6 f=3x3 pad=1x1 engine=3 seed=3 alpha=1 beta=0 repeat=2"
 ENGINE_WS = 3 * 8 * WS_PER_SAMPLE
-ENGINE_TIMED_RUNS = 3  # internal.h MU_TIMED_RUNS (mu_time_calls), after one warm-up
+ENGINE_TIMED_RUNS = TIMED_RUNS  # the engine is timed as the candidates are
 
 
 def graph_result(run):
