@@ -17,7 +17,8 @@ configuration trains a few steps with PyTorch's caching allocator limited to the
 
 Each reports the median step time (CUDA events, after warm-up), peak reserved and allocated memory
 of the timed steps, or ``oom``. A mucudnn step that runs out of memory is recorded
-(``failed_steps``; the session then offloads everything, ``fell_back``) and the run goes on. mucudnn's rows add the plan (bytes moved each way, counts), the measured host link and
+(``failed_steps``; the session plans again for less, at most 3 times, then offloads everything,
+``fell_back``) and the run goes on. mucudnn's rows add the plan (bytes moved each way, counts), the measured host link and
 the lower bound from it: ``max(F, moved/d2h) + max(B, moved/h2d)`` with F, B the unconstrained
 step split as the recorded profile splits it. Writes ``OUT/offload.json``, ``OUT/offload.md`` and
 ``OUT/offload.png`` (step time against the budget; matplotlib, if installed).
@@ -168,7 +169,8 @@ def worker(args) -> None:
     if args.method == "mucudnn":
         session = model.mucudnn_session
         plan, profile = session.plan, session.profile
-        result.update(fell_back=session.fell_back)
+        result.update(fell_back=session.fell_back, target=session.target,
+                      replans_used=session.replans_used)
         if profile is not None:
             result.update(profile_baseline_peak=max(profile.baseline_forward
                                                     + profile.baseline_backward, default=0))
@@ -210,6 +212,7 @@ def run_config(args, model: str, method: str, budget: int | None) -> dict:
     else:
         row.update(status="error", error=proc.stderr.strip().splitlines()[-5:])
     row["log_tail"] = proc.stderr.strip().splitlines()[-4:]
+    row["said"] = [line for line in proc.stderr.splitlines() if line.startswith("mucudnn:")]
     print(f"    {row['status']}" + (f" {row['step_ms']:.1f} ms, peak reserved "
                                     f"{row['peak_reserved'] / 2**30:.2f} GiB"
                                     if row["status"] == "ok" else ""), flush=True)
@@ -327,8 +330,9 @@ def main(argv=None) -> None:
         p.add_argument("--sweep", nargs="*", default=["16GiB", "8GiB"],
                        help="more budgets for mucudnn alone (the plot)")
         p.add_argument("--steps", type=int, default=5)
-        p.add_argument("--warmup", type=int, default=2, help="steps not timed (mucudnn records "
-                                                             "the first)")
+        p.add_argument("--warmup", type=int, default=4,
+                       help="steps not timed (mucudnn records the first; a planned step that "
+                            "runs out of memory plans again)")
         p.add_argument("--headroom", type=float, default=0.1)
         p.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
         p.add_argument("--out", default="offload-out")
@@ -336,7 +340,7 @@ def main(argv=None) -> None:
     work.add_argument("--method", choices=("pytorch",) + METHODS, required=True)
     work.add_argument("--batch", type=int, required=True)
     work.add_argument("--steps", type=int, default=5)
-    work.add_argument("--warmup", type=int, default=2)
+    work.add_argument("--warmup", type=int, default=4)
     work.add_argument("--budget-bytes", type=int, default=0)
     work.add_argument("--headroom", type=float, default=0.1)
     args = parser.parse_args(argv)

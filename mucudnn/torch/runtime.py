@@ -301,15 +301,20 @@ class OffloadSession:
     no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
     ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
     A planned step that runs out of device memory (the link's ``ooms()`` grew; its exception
-    propagates as ever) makes every later step offload every saved tensor, with one line
-    (``fell_back``).
+    propagates as ever) shows the peak model fell short: the plan is made again for a lower target
+    (``min(target, modelled peak) - replan_step * budget``), at most ``replans`` times, each with
+    one line; after that, or when no plan meets the lower target, every later step offloads every
+    saved tensor, with one line (``fell_back``).
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
                  link: CopyLink | None = None, lookahead: int = 2, recompute: bool = True,
                  min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
-                 say=None, strict: bool = True):
+                 say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1):
         self.budget, self.force, self.lookahead = budget, force, lookahead
+        self.replans_left, self.replan_step = replans, replan_step
+        self.replans_used = 0
+        self._lowered_target: int | None = None
         self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
         self._link, self._links = link, {}
         self.trace = trace
@@ -619,6 +624,8 @@ class OffloadSession:
         if failed:
             # its unpacks are partial: the prefetch schedule stays that of the last whole step
             if out_of_memory and not self.fell_back and self.budget is not None:
+                if self._plan_again():
+                    return
                 # as the recording step ran: everything offloaded, fetched on demand
                 self.fell_back = True
                 recorded = self.profile.groups if self.profile is not None else finished.groups
@@ -645,8 +652,36 @@ class OffloadSession:
                      f"({sum(g.nbytes for g in unmoved) / 2**20:.1f} MiB; first: group "
                      f"{unmoved[0].gid}, {unmoved[0].producer}, wanted {unmoved[0].wanted})")
 
+    @property
+    def target(self) -> int | None:
+        """What plans are made for: ``budget * (1 - headroom)``, lower after a planned step that
+        ran out of memory."""
+        if self._lowered_target is not None:
+            return self._lowered_target
+        return int(self.budget * (1 - self.headroom)) if self.budget is not None else None
+
+    def _plan_again(self) -> bool:
+        """After a planned step ran out of memory: a plan for a lower target, if replans are left
+        and one meets it (True), with one line."""
+        if self.plan is None or self.profile is None or self.replans_left <= 0:
+            return False
+        self.replans_left -= 1
+        self.replans_used += 1
+        modelled = self.plan.peak
+        target = min(self.target, modelled) - int(self.replan_step * self.budget)
+        try:
+            plan = planner.plan_with_prefetch(self.profile, target, self.lookahead)
+        except MucudnnError:
+            return False
+        self._lowered_target, self.plan, self.modes = target, plan, list(plan.modes)
+        self._schedule = self._prefetch_schedule(self.modes)
+        self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran out of "
+                 f"device memory (modelled peak {modelled / 2**30:.2f} GiB); planning for "
+                 f"{target / 2**30:.2f} GiB: {plan.describe()}")
+        return True
+
     def _make_plan(self) -> None:
-        target = int(self.budget * (1 - self.headroom))
+        target = self.target
         try:
             self.plan = planner.plan_with_prefetch(self.profile, target, self.lookahead)
         except MucudnnError as exc:   # infeasible, or CBC failed

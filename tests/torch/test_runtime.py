@@ -374,7 +374,7 @@ def test_the_plan_counts_the_measured_peak_between_points(where):
 @pytest.mark.parametrize("where", ["forward", "backward", "caught"])
 def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where):
     # "caught": an op's refused allocation that it handles (cuDNN trying a workspace) is no
-    # failed step
+    # failed step. No replans: the first failure falls back.
     model, data = small_cnn(torch.float32), batches(torch.float32, 4)
     link, said, steps = MeteredLink(), [], []
 
@@ -394,7 +394,7 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
     wrapped = nn.Sequential(model, Fail())
     trace = []
     session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
-                             headroom=0.0, say=said.append, trace=trace)
+                             headroom=0.0, say=said.append, trace=trace, replans=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     failures = 0
     for x, y in data:
@@ -420,6 +420,55 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
     last_step = trace[max(i for i, e in enumerate(trace) if e[:2] == ("pack", 0)):]
     assert any(e[0] == "fetch" for e in last_step)
     assert not any(e[0] == "prefetch" for e in last_step)
+
+
+@pytest.mark.parametrize("failing_steps", [1, 99])
+def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(failing_steps):
+    # the peak model fell short: the next plan aims lower (replan_step of the budget below the
+    # failed plan's modelled peak); when every planned step fails, after `replans` plans it falls
+    # back to offloading everything
+    model, data = small_cnn(torch.float32), batches(torch.float32, 7)
+    link, said, steps = MeteredLink(), [], []
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            def out_of_memory():
+                if 2 <= len(steps) < 2 + failing_steps:     # planned steps
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+            return Spike.apply(x, out_of_memory)
+
+    budget = saved_bytes(model, data) * 2
+    session = OffloadSession(budget=budget, link=link, min_bytes=0, headroom=0.0,
+                             say=said.append, replans=2, replan_step=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    peaks, failures = [], 0
+    for x, y in data:
+        steps.append(None)
+        optimizer.zero_grad()
+        if session.plan is not None:
+            peaks.append((session.target, session.plan.peak))
+        try:
+            with session:
+                loss = nn.functional.cross_entropy(nn.Sequential(model, Fail())(x), y)
+            loss.backward()
+        except torch.OutOfMemoryError:
+            failures += 1
+            continue
+        optimizer.step()
+    replanned = [line for line in said if "planning for" in line]
+    if failing_steps == 1:
+        assert failures == 1 and not session.fell_back and len(replanned) == 1
+        first_target, first_peak = peaks[0]
+        assert session.target == min(first_target, first_peak) - int(0.1 * budget)
+        assert session.plan.peak <= session.target < first_peak
+        assert [g.mode for g in session._step.groups] == list(session.plan.modes)
+    else:
+        # two replans (each lower), then the third failure falls back
+        assert len(replanned) == 2 and session.fell_back and failures == len(data) - 1
+        assert sum("offloading every saved tensor from now on" in line for line in said) == 1
+        targets = [t for t, _ in peaks]
+        assert targets[0] > targets[1] > targets[2]
 
 
 def test_groups_a_plan_moves_but_the_step_keeps_are_one_line():
