@@ -101,7 +101,7 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     # empty: PyTorch's default, under which VGG-16 fails at 12 GiB with every method: fragmentation)
     PYTORCH_CUDA_ALLOC_CONF=${OFFLOAD_ALLOC_CONF-expandable_segments:True} \
     stage offload ${OFFLOAD_TIMEOUT:-420} python3 -m benchmarks.offload driver \
-      --models ${OFFLOAD_MODELS:-vgg16 resnet50} --batch 256 --budget 12GiB \
+      --models ${OFFLOAD_MODELS:-vgg16 resnet50} --batch 256 --budget 12GiB ${OFFLOAD_ARGS:-} \
       --sweep ${OFFLOAD_SWEEP:-16GiB 8GiB} --out "$OUT/offload" ;;
   tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store, per model;
     # TUNING_GPUS=all (or 0,1,..): the models spread over the GPUs (spread), one at a time per GPU

@@ -70,9 +70,28 @@ class CopyLink:
 
     def __init__(self, gbps: tuple[float, float] | None = None):
         self.gbps = gbps
+        self._free_host: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self.host_allocations = 0     # host tensors made (not taken from the pool)
+
+    def host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor of ``tensor``'s layout: one a group gave back (the host pool: a step
+        saves the tensors the last one saved), else a new one."""
+        free = self._free_host.get(_layout(tensor))
+        if free:
+            return free.pop()
+        self.host_allocations += 1
+        return self._new_host(tensor)
+
+    def _new_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _same_layout(tensor, tensor.device)
+
+    def release(self, transfer: Transfer) -> None:
+        """``transfer``'s host tensor goes back to the pool: no group reads it again. A copy that
+        still reads it is ordered before any later copy into it (one copy stream)."""
+        self._free_host[_layout(transfer.tensor)].append(transfer.tensor)
 
     def offload(self, tensor: torch.Tensor) -> Transfer:
-        return Transfer(_same_layout(tensor, tensor.device).copy_(tensor))
+        return Transfer(self.host_buffer(tensor).copy_(tensor))
 
     def fetch(self, host: Transfer, device) -> Transfer:
         return Transfer(_same_layout(host.tensor, device).copy_(host.tensor))
@@ -122,10 +141,13 @@ class CudaLink(CopyLink):
         self._pending: deque = deque()
         self._pending_bytes = 0
 
+    def _new_host(self, tensor):
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   pin_memory=True)
+
     def offload(self, tensor):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        host = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
-                                   pin_memory=True)
+        host = self.host_buffer(tensor)
         with torch.cuda.stream(self.stream):
             host.copy_(tensor, non_blocking=True)
             event = torch.cuda.Event()
@@ -142,17 +164,23 @@ class CudaLink(CopyLink):
         return Transfer(host, event)
 
     def fetch(self, host, device):
+        # Allocated from the compute stream's pool, where the memory the backward frees returns:
+        # a block of the copy stream's own pool is not reusable by the compute stream, and at a
+        # memory cap the allocator then frees and maps memory again (synchronising the device)
+        # at every step. The copy waits for the compute work queued so far (the block's last
+        # users); the copy stream's use is recorded for a fetch that is never waited for.
+        compute = torch.cuda.current_stream(self.device)
+        tensor = _same_layout(host.tensor, self.device)
+        self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            tensor = _same_layout(host.tensor, self.device)
             tensor.copy_(host.tensor, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
+        tensor.record_stream(self.stream)
         return Transfer(tensor, event)
 
     def wait(self, transfer):
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_event(transfer.event)
-        transfer.tensor.record_stream(compute)
+        torch.cuda.current_stream(self.device).wait_event(transfer.event)
         return transfer.tensor
 
     def mark(self):
@@ -181,6 +209,10 @@ class CudaLink(CopyLink):
         if self.gbps is None:
             self.gbps = measure_bandwidth(self, self.device)
         return self.gbps
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
 
 
 def _same_layout(tensor: torch.Tensor, device) -> torch.Tensor:
@@ -234,6 +266,7 @@ class _Group:
     offloadable: bool
     tensor: torch.Tensor | None = None      # on the device: kept, fetched or recomputed
     host: Transfer | None = None
+    release: object = None                  # gives ``host`` back to the link's pool
     fetch: Transfer | None = None
     recipe: list | None = None              # [_Call, ...] from the source's consumer on
     source: _Group | None = None
@@ -256,6 +289,9 @@ class _Group:
     def pack_freed(self) -> None:
         self.live_packs -= 1
         if self.live_packs == 0:
+            if self.host is not None and self.release is not None:
+                self.release(self.host)       # nothing can unpack this group again
+                self.host = None
             if self.mode == RECOMPUTE and self.source is not None:
                 self.source.readers -= 1      # this one can no longer be unpacked
                 self.source.drop_device()
@@ -489,7 +525,7 @@ class OffloadSession:
                                link.peak_allocated()))
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
-            group.host = link.offload(tensor)
+            group.host, group.release = link.offload(tensor), link.release
             self._event("offload", gid)
         elif group.mode == KEEP:
             group.tensor = tensor
