@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections import defaultdict, deque
@@ -57,6 +58,15 @@ def dense(tensor: torch.Tensor) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A point of a step on a link's clock: ``seq`` orders marks (and stalls) as issued."""
+
+    link: object
+    seq: int
+    stamp: object
+
+
 @dataclass
 class Transfer:
     tensor: torch.Tensor
@@ -72,6 +82,10 @@ class CopyLink:
         self.gbps = gbps
         self._free_host: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self.host_allocations = 0     # host tensors made (not taken from the pool)
+        self._seq = 0
+        #: while True (a recording step), :meth:`stalling` records (before, after) marks
+        self.timing = False
+        self.stalls: list[tuple[Mark, Mark]] = []
 
     def host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor of ``tensor``'s layout: one a group gave back (the host pool: a step
@@ -80,7 +94,21 @@ class CopyLink:
         if free:
             return free.pop()
         self.host_allocations += 1
-        return self._new_host(tensor)
+        with self.stalling():         # pinning fresh host memory blocks the host
+            return self._new_host(tensor)
+
+    @contextlib.contextmanager
+    def stalling(self):
+        """Around what blocks the host thread: the device runs dry meanwhile, which is no
+        module's compute time (:meth:`compute_ms` leaves it out)."""
+        if not self.timing:
+            yield
+            return
+        before = self.mark()
+        try:
+            yield
+        finally:
+            self.stalls.append((before, self.mark()))
 
     def _new_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return _same_layout(tensor, tensor.device)
@@ -99,11 +127,27 @@ class CopyLink:
     def wait(self, transfer: Transfer) -> torch.Tensor:
         return transfer.tensor
 
-    def mark(self):
+    def mark(self) -> Mark:
+        self._seq += 1
+        return Mark(self, self._seq, self._stamp())
+
+    def _stamp(self):
         return time.perf_counter()
 
-    def elapsed_ms(self, start, end) -> float:
+    def _interval_ms(self, start, end) -> float:
         return (end - start) * 1e3
+
+    def elapsed_ms(self, start: Mark, end: Mark) -> float:
+        return self._interval_ms(start.stamp, end.stamp)
+
+    def compute_ms(self, start: Mark, end: Mark) -> float:
+        """The time from ``start`` to ``end`` less the host stalls between them (0 for marks of
+        different links: no common clock)."""
+        if start.link is not self or end.link is not self:
+            return 0.0
+        stalled = sum(self.elapsed_ms(a, b) for a, b in self.stalls
+                      if start.seq < a.seq and b.seq < end.seq)
+        return max(0.0, self.elapsed_ms(start, end) - stalled)
 
     def allocated(self) -> int:
         return 0
@@ -156,11 +200,14 @@ class CudaLink(CopyLink):
         nbytes = tensor.numel() * tensor.element_size()
         self._pending.append((event, nbytes))
         self._pending_bytes += nbytes
-        while self._pending and (self._pending_bytes > self.max_pending
-                                 or self._pending[0][0].query()):
-            oldest, size = self._pending.popleft()
-            oldest.synchronize()
-            self._pending_bytes -= size
+        while self._pending and self._pending[0][0].query():
+            self._pending_bytes -= self._pending.popleft()[1]
+        if self._pending_bytes > self.max_pending:
+            with self.stalling():
+                while self._pending and self._pending_bytes > self.max_pending:
+                    oldest, size = self._pending.popleft()
+                    oldest.synchronize()
+                    self._pending_bytes -= size
         return Transfer(host, event)
 
     def fetch(self, host, device):
@@ -183,12 +230,12 @@ class CudaLink(CopyLink):
         torch.cuda.current_stream(self.device).wait_event(transfer.event)
         return transfer.tensor
 
-    def mark(self):
+    def _stamp(self):
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def elapsed_ms(self, start, end):
+    def _interval_ms(self, start, end):
         end.synchronize()
         return start.elapsed_time(end)
 
@@ -232,6 +279,7 @@ def measure_bandwidth(link: CopyLink, device, nbytes: int = 256 * 2**20, repeats
         back = link.fetch(host, device)
         _synchronize(back)
         end = time.perf_counter()
+        link.release(host)     # the next repeat copies into the same pinned memory
         best[0] = max(best[0], nbytes / max(middle - start, 1e-9) / 1e9)
         best[1] = max(best[1], nbytes / max(end - middle, 1e-9) / 1e9)
     return best[0], best[1]
@@ -323,6 +371,7 @@ class _Step:
     node: object = None            # the autograd node of the last unpack (not its tensors)
     node_groups: list = field(default_factory=list)  # the groups that node unpacked
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
+    start_allocated: int | None = None   # the link's allocated bytes at its first module
 
 
 class OffloadSession:
@@ -411,6 +460,8 @@ class OffloadSession:
             return
         if self._step.unpacks:   # the first module of the next step: its calls belong there
             self._end_step()
+        if self._step.profiling and self._step.start_allocated is None:
+            self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         self._step.calls.append(_Call(module, type(module).__name__,
                                       weakref.ref(source) if source is not None else None, None,
@@ -520,6 +571,8 @@ class OffloadSession:
         step.groups.append(group)
         step.by_key[self._key(tensor)] = group
         if step.profiling:
+            if gid == 0:
+                link.timing, link.stalls = True, []
             group.pack_mark = link.mark()
             step.marks.append(("pack", gid, group.pack_mark, link.allocated(),
                                link.peak_allocated()))
@@ -673,7 +726,12 @@ class OffloadSession:
         self._first_unpacks = [g.first_unpack for g in finished.groups]
         self._say_unmoved(finished)
         if finished.profiling and finished.groups:
-            self.profile = self._profile_of(finished, tail_peak)
+            # what the recorded step left that every later step carries (the optimizer's state,
+            # made by its first step): each point of the profile has it too
+            grown = 0
+            if finished.start_allocated is not None:
+                grown = max(0, link.allocated() - finished.start_allocated)
+            self.profile = self._profile_of(finished, tail_peak, grown)
             self._make_plan()
         self._schedule = {} if self.fell_back else self._prefetch_schedule(
             [g.mode for g in finished.groups] if self.modes is None else self.modes)
@@ -746,7 +804,8 @@ class OffloadSession:
                 schedule[max(0, first - self.prefetch_distance)].append(gid)
         return dict(schedule)
 
-    def _profile_of(self, step: _Step, tail_peak: int = 0) -> planner.StepProfile:
+    def _profile_of(self, step: _Step, tail_peak: int = 0, grown: int = 0
+                    ) -> planner.StepProfile:
         link = self._any_link()
         unpacks = max(step.unpacks, 1)
         groups = []
@@ -755,16 +814,18 @@ class OffloadSession:
             last = group.last_unpack if group.last_unpack is not None else unpacks - 1
             recompute_ms = None
             if group.recipe is not None and all(c.end is not None for c in group.recipe):
-                recompute_ms = sum(link.elapsed_ms(c.start, c.end) for c in group.recipe)
+                recompute_ms = sum(link.compute_ms(c.start, c.end) for c in group.recipe)
             groups.append(planner.SavedGroup(
                 group.nbytes, first, last, group.producer, group.offloadable, recompute_ms,
                 group.source.gid if group.source is not None and recompute_ms is not None
                 else None))
         packs = [m for m in step.marks if m[0] == "pack"]
         unpack_marks = [m for m in step.marks if m[0] == "unpack"]
-        forward_ms = link.elapsed_ms(packs[0][2], unpack_marks[0][2]) if unpack_marks else 0.0
-        backward_ms = (link.elapsed_ms(unpack_marks[0][2], unpack_marks[-1][2])
+        # compute only: the host's waits for copies and for pinned memory are left out
+        forward_ms = link.compute_ms(packs[0][2], unpack_marks[0][2]) if unpack_marks else 0.0
+        backward_ms = (link.compute_ms(unpack_marks[0][2], unpack_marks[-1][2])
                        if unpack_marks else 0.0)
+        link.timing, link.stalls = False, []
         d2h, h2d = link.bandwidth_gbps()
         moved = sum(g.nbytes for g in groups if g.offloadable)
         # The recorded backward fetched every offloaded tensor on demand: what it waited for
@@ -793,8 +854,8 @@ class OffloadSession:
         peaks_after = [m[4] for m in unpack_marks[1:]] + [tail_peak]
         for m, after in zip(unpack_marks, peaks_after):
             backward[m[1]] = max(backward[m[1]], 0, max(m[3], after) - live_b[m[1]])
-        profile.baseline_forward = forward
-        profile.baseline_backward = backward
+        profile.baseline_forward = [b + grown for b in forward]
+        profile.baseline_backward = [b + grown for b in backward]
         return profile
 
 

@@ -2,6 +2,7 @@
 a recording link checks the order of copies; gradients must be bitwise equal to a plain run."""
 
 import copy
+import time
 import weakref
 
 import pytest
@@ -472,6 +473,54 @@ def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(faili
         assert sum("offloading every saved tensor from now on" in line for line in said) == 1
         targets = [t for t, _ in peaks]
         assert targets[0] > targets[1] > targets[2]
+
+
+def test_what_the_recorded_step_leaves_behind_is_in_every_baseline():
+    # the optimizer's state, made by the first step, is on the device in every later step
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+
+    class GrowingLink(MeteredLink):
+        def __init__(self):
+            super().__init__()
+            self.resident = 0
+
+        def allocated(self):
+            return self.resident
+
+    link = GrowingLink()
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        link.resident = GiB          # the first optimizer step's state
+    assert min(session.profile.baseline_forward + session.profile.baseline_backward) >= GiB
+    assert session.plan.peak >= GiB
+
+
+class SlowHostLink(RecordingLink):
+    """Making a host tensor blocks the host thread (pinning fresh memory), 30 ms each."""
+
+    def _new_host(self, tensor):
+        time.sleep(0.03)
+        return super()._new_host(tensor)
+
+
+def test_the_recorded_times_leave_out_the_hosts_waits():
+    # the recording step offloads everything; the host's waits there (pinning memory, the copy
+    # queue) are no module's compute: counted, they made offloading look free and recomputing dear
+    model, data = small_cnn(torch.float32), batches(torch.float32, 2)
+    link = SlowHostLink()
+    session = OffloadSession(budget=GiB, link=link, min_bytes=0)
+    train(model, data, session)
+    profile = session.profile
+    waited_ms = 30 * link.host_allocations
+    assert link.host_allocations >= 10 and link.stalls == [] and not link.timing
+    assert profile.forward_ms < waited_ms / 3
+    recipes = [g.recompute_ms for g in profile.groups if g.recompute_ms is not None]
+    assert recipes and max(recipes) < 30
 
 
 def test_groups_a_plan_moves_but_the_step_keeps_are_one_line():
