@@ -118,10 +118,13 @@ class CopyLink:
         still reads it is ordered before any later copy into it (one copy stream)."""
         self._free_host[_layout(transfer.tensor)].append(transfer.tensor)
 
-    def offload(self, tensor: torch.Tensor) -> Transfer:
+    def offload(self, tensor: torch.Tensor, inline: bool = False) -> Transfer:
+        """A host copy of ``tensor``. ``inline``: on the compute stream, in its order (as
+        ``save_on_cpu``): no overlap, but the device memory is reusable at once, and the copy's
+        time is in the compute stream's (the recording step subtracts it)."""
         return Transfer(self.host_buffer(tensor).copy_(tensor))
 
-    def fetch(self, host: Transfer, device) -> Transfer:
+    def fetch(self, host: Transfer, device, inline: bool = False) -> Transfer:
         return Transfer(_same_layout(host.tensor, device).copy_(host.tensor))
 
     def wait(self, transfer: Transfer) -> torch.Tensor:
@@ -189,9 +192,14 @@ class CudaLink(CopyLink):
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
                                    pin_memory=True)
 
-    def offload(self, tensor):
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def offload(self, tensor, inline=False):
         host = self.host_buffer(tensor)
+        if inline:
+            host.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            return Transfer(host, event)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             host.copy_(tensor, non_blocking=True)
             event = torch.cuda.Event()
@@ -210,7 +218,13 @@ class CudaLink(CopyLink):
                     self._pending_bytes -= size
         return Transfer(host, event)
 
-    def fetch(self, host, device):
+    def fetch(self, host, device, inline=False):
+        if inline:
+            tensor = _same_layout(host.tensor, self.device)
+            tensor.copy_(host.tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            return Transfer(tensor, event)
         # Allocated from the compute stream's pool, where the memory the backward frees returns:
         # a block of the copy stream's own pool is not reusable by the compute stream, and at a
         # memory cap the allocator then frees and maps memory again (synchronising the device)
@@ -300,6 +314,7 @@ class _Call:
     output: weakref.ref | None
     start: object
     end: object = None
+    moved: int = 0            # bytes copied inline to the host while it ran (recording step)
 
 
 @dataclass(eq=False)
@@ -578,7 +593,12 @@ class OffloadSession:
                                link.peak_allocated()))
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
-            group.host, group.release = link.offload(tensor), link.release
+            inline = self._inline(step)
+            group.host, group.release = link.offload(tensor, inline), link.release
+            if inline and step.profiling:
+                for call in step.calls:    # the calls running now: the copy is in their time
+                    if call.end is None and call.start is not None:
+                        call.moved += group.nbytes
             self._event("offload", gid)
         elif group.mode == KEEP:
             group.tensor = tensor
@@ -638,7 +658,8 @@ class OffloadSession:
         if group in scheduled:   # the one needed now goes first on the copy stream
             self._prefetch(group, index)
         if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
-            group.fetch = link.fetch(group.host, group.device)   # on demand: not prefetched
+            # on demand: not prefetched
+            group.fetch = link.fetch(group.host, group.device, self._inline(step))
             self._event("fetch", group.gid, index)
         for other in scheduled:
             self._prefetch(other, index)
@@ -650,6 +671,12 @@ class OffloadSession:
         group.unpacks += 1
         group.drop_device()    # a moved group's last unpack: autograd holds the rest of its use
         return tensor
+
+    def _inline(self, step: _Step) -> bool:
+        """Copies on the compute stream: in the recording step (its times are then compute plus
+        known copies, with no host waits, and its memory that of ``save_on_cpu``) and after a
+        fall-back (the least memory)."""
+        return step.profiling or self.fell_back
 
     def link_for_group(self, group):
         return self._link or self._links.get(group.device.index) or CopyLink()
@@ -808,13 +835,15 @@ class OffloadSession:
                     ) -> planner.StepProfile:
         link = self._any_link()
         unpacks = max(step.unpacks, 1)
+        d2h, h2d = link.bandwidth_gbps()
         groups = []
         for group in step.groups:
             first = group.first_unpack if group.first_unpack is not None else unpacks - 1
             last = group.last_unpack if group.last_unpack is not None else unpacks - 1
             recompute_ms = None
             if group.recipe is not None and all(c.end is not None for c in group.recipe):
-                recompute_ms = sum(link.compute_ms(c.start, c.end) for c in group.recipe)
+                recompute_ms = sum(max(0.0, link.compute_ms(c.start, c.end)
+                                       - c.moved / (d2h * 1e9) * 1e3) for c in group.recipe)
             groups.append(planner.SavedGroup(
                 group.nbytes, first, last, group.producer, group.offloadable, recompute_ms,
                 group.source.gid if group.source is not None and recompute_ms is not None
@@ -826,10 +855,11 @@ class OffloadSession:
         backward_ms = (link.compute_ms(unpack_marks[0][2], unpack_marks[-1][2])
                        if unpack_marks else 0.0)
         link.timing, link.stalls = False, []
-        d2h, h2d = link.bandwidth_gbps()
         moved = sum(g.nbytes for g in groups if g.offloadable)
-        # The recorded backward fetched every offloaded tensor on demand: what it waited for
-        # those copies is not compute (at least the forward's time remains).
+        # The recording step copied every offloaded tensor on the compute stream, to the host in
+        # the forward and back on demand in the backward: those copies are not compute (at least
+        # the forward's time remains in the backward).
+        forward_ms = max(forward_ms - moved / (d2h * 1e9) * 1e3, 0.0)
         backward_ms = max(backward_ms - moved / (h2d * 1e9) * 1e3, forward_ms)
         profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks)
         recorded = [OFFLOAD if g.offloadable else KEEP for g in groups]

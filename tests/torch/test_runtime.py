@@ -28,12 +28,12 @@ class RecordingLink(CopyLink):
         self.log = []
         self.waited = set()
 
-    def offload(self, tensor):
+    def offload(self, tensor, inline=False):
         self.log.append(("offload", tensor.shape))
-        return super().offload(tensor)
+        return super().offload(tensor, inline)
 
-    def fetch(self, host, device):
-        transfer = super().fetch(host, device)
+    def fetch(self, host, device, inline=False):
+        transfer = super().fetch(host, device, inline)
         self.log.append(("fetch", id(transfer)))
         return transfer
 
