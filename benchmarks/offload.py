@@ -30,6 +30,7 @@ step split as the recorded profile splits it. Writes ``OUT/offload.json``, ``OUT
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -139,6 +140,9 @@ def worker(args) -> None:
             # peaks of the timed steps only (mucudnn's recording step resets the statistics)
             torch.cuda.reset_peak_memory_stats(device)
             retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        if args.method == "mucudnn":   # what a step leaves behind shows here (a leak, state)
+            print(f"step {step}: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated "
+                  "at its start", file=sys.stderr, flush=True)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         optimizer.zero_grad(set_to_none=True)
@@ -180,6 +184,9 @@ def worker(args) -> None:
         if profile is not None:
             result.update(profile_baseline_peak=max(profile.baseline_forward
                                                     + profile.baseline_backward, default=0))
+            # the whole recorded profile: the planner can be replayed on it off the GPU
+            result.update(profile=dataclasses.asdict(profile),
+                          modes=list(plan.modes) if plan is not None else None)
         if plan is not None:
             result.update(moved_bytes=plan.moved_bytes, predicted_ms=plan.step_ms,
                           predicted_peak=plan.peak, prefetch_lookahead=plan.lookahead,
