@@ -225,7 +225,8 @@ def run_config(args, model: str, method: str, budget: int | None) -> dict:
     else:
         row.update(status="error", error=proc.stderr.strip().splitlines()[-5:])
     row["log_tail"] = proc.stderr.strip().splitlines()[-4:]
-    row["said"] = [line for line in proc.stderr.splitlines() if line.startswith("mucudnn:")]
+    row["said"] = [line for line in proc.stderr.splitlines()
+                   if line.startswith(("mucudnn:", "step "))]
     print(f"    {row['status']}" + (f" {row['step_ms']:.1f} ms, peak reserved "
                                     f"{row['peak_reserved'] / 2**30:.2f} GiB"
                                     if row["status"] == "ok" else ""), flush=True)
