@@ -410,10 +410,12 @@ class OffloadSession:
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
                  link: CopyLink | None = None, lookahead: int = 2, recompute: bool = True,
                  min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
-                 say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1):
+                 say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
+                 record_steps: int = 2):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
+        self._recordings_left = max(1, record_steps)
         self._lowered_target: int | None = None
         self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
         self._link, self._links = link, {}
@@ -731,7 +733,12 @@ class OffloadSession:
             # (a refusal that an op caught, cuDNN trying a workspace, does not end a backward)
             failed = True
             out_of_memory = finished.ooms is not None and link.ooms() > finished.ooms
-        self._step = _Step(profiling=finished.profiling and failed)
+        # the first recording pins the host pool (seconds of the host waiting, which leave the
+        # copies' own time uncertain); the profile is that of the last of ``record_steps``
+        more_recording = finished.profiling and not failed and self._recordings_left > 1
+        if finished.profiling and not failed:
+            self._recordings_left -= 1
+        self._step = _Step(profiling=finished.profiling and (failed or more_recording))
         if failed:
             # A kept group holds its tensor, whose autograd node holds the group (its saved
             # variable): a cycle through the graph that only running the node breaks. A failed
@@ -760,7 +767,7 @@ class OffloadSession:
             return
         self._first_unpacks = [g.first_unpack for g in finished.groups]
         self._say_unmoved(finished)
-        if finished.profiling and finished.groups:
+        if finished.profiling and finished.groups and not more_recording:
             # what the recorded step left that every later step carries (the optimizer's state,
             # made by its first step): each point of the profile has it too
             grown = 0

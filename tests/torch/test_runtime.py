@@ -174,7 +174,7 @@ def test_fit_wraps_the_model_and_plans_after_one_step():
 
 
 def test_an_impossible_budget_is_one_clear_error():
-    model, data = small_cnn(torch.float32), batches(torch.float32, 2)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)   # two steps record
     session = OffloadSession(budget=1000, link=RecordingLink(), min_bytes=0, headroom=0.0)
     with pytest.raises(InfeasibleError, match="too small for this step"):
         train(model, data, session)
@@ -399,7 +399,8 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
     wrapped = nn.Sequential(model, Fail())
     trace = []
     session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
-                             headroom=0.0, say=said.append, trace=trace, replans=0)
+                             headroom=0.0, say=said.append, trace=trace, replans=0,
+                             record_steps=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     failures = 0
     for x, y in data:
@@ -445,7 +446,8 @@ def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(faili
 
     budget = saved_bytes(model, data) * 2
     session = OffloadSession(budget=budget, link=link, min_bytes=0, headroom=0.0,
-                             say=said.append, replans=2, replan_step=0.1)
+                             say=said.append, replans=2, replan_step=0.1,
+                             record_steps=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     peaks, failures = [], 0
     for x, y in data:
@@ -489,7 +491,8 @@ def test_what_the_recorded_step_leaves_behind_is_in_every_baseline():
             return self.resident
 
     link = GrowingLink()
-    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.0)
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.0,
+                             record_steps=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in data:
         with session:
@@ -534,6 +537,19 @@ def test_a_failed_backward_leaves_no_saved_tensor_behind():
     assert all(any(tensor is mine for mine in ours) for tensor in alive)
 
 
+def test_two_steps_record_and_the_second_is_profiled():
+    # the first recording pins the host pool; the second, which copies into it, is the profile
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    link = SlowHostLink()
+    session = OffloadSession(budget=GiB, link=link, min_bytes=0)
+    train(model, data[:2], session)
+    assert session.plan is None and session.profile is None
+    allocations = link.host_allocations
+    train(model, data[2:], session)
+    assert session.plan is not None and link.host_allocations == allocations
+    assert session.profile.forward_ms < 30     # no pinning waited for in the profiled step
+
+
 class SlowHostLink(RecordingLink):
     """Making a host tensor blocks the host thread (pinning fresh memory), 30 ms each."""
 
@@ -545,7 +561,7 @@ class SlowHostLink(RecordingLink):
 def test_the_recorded_times_leave_out_the_hosts_waits():
     # the recording step offloads everything; the host's waits there (pinning memory, the copy
     # queue) are no module's compute: counted, they made offloading look free and recomputing dear
-    model, data = small_cnn(torch.float32), batches(torch.float32, 2)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
     link = SlowHostLink()
     session = OffloadSession(budget=GiB, link=link, min_bytes=0)
     train(model, data, session)
