@@ -315,6 +315,11 @@ class _Call:
     start: object
     end: object = None
     moved: int = 0            # bytes copied inline to the host while it ran (recording step)
+    done: bool = False        # its forward returned
+    # its input's group key and version: an offloaded input is gone (autograd holds only what
+    # the pack hook returned) when a later module's recipe looks for it
+    source_key: tuple | None = None
+    source_version: int = 0
 
 
 @dataclass(eq=False)
@@ -480,16 +485,20 @@ class OffloadSession:
         if self._step.profiling and self._step.start_allocated is None:
             self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        self._step.calls.append(_Call(module, type(module).__name__,
-                                      weakref.ref(source) if source is not None else None, None,
-                                      self._any_link().mark() if self._step.profiling else None))
+        call = _Call(module, type(module).__name__,
+                     weakref.ref(source) if source is not None else None, None,
+                     self._any_link().mark() if self._step.profiling else None)
+        if source is not None:
+            call.source_key, call.source_version = self._key(source), source._version
+        self._step.calls.append(call)
 
     def _after_module(self, module, args, output):
         if self._replaying or not torch.is_grad_enabled() or _in_backward() or \
                 any(True for _ in module.children()):
             return
         for call in reversed(self._step.calls):
-            if call.module is module and call.output is None:
+            if call.module is module and not call.done:
+                call.done = True
                 if isinstance(output, torch.Tensor):
                     call.output = weakref.ref(output)
                 if self._step.profiling:
@@ -520,6 +529,15 @@ class OffloadSession:
         chain, target = [], tensor
         calls = step.calls
         index = len(calls)
+        # An in-place module (ReLU(inplace=True)) saves its output, the tensor it was given, while
+        # it runs: it ends the chain, and what made its input (batch norm) comes before it.
+        running = calls[-1] if calls and not calls[-1].done else None
+        if running is not None and getattr(running.module, "inplace", False) and \
+                running.source is not None and running.source() is tensor:
+            if type(running.module) not in CHEAP:
+                return None, None
+            chain.append(running)
+            index -= 1
         while len(chain) < _MAX_CHAIN:
             index = next((i for i in range(index - 1, -1, -1)
                           if calls[i].output is not None and calls[i].output() is target), None)
@@ -527,14 +545,24 @@ class OffloadSession:
                     calls[index].source is None:
                 return None, None
             chain.insert(0, calls[index])
-            source = calls[index].source()
-            if source is None:
-                return None, None
-            group = self._find(step, source)
+            call = calls[index]
+            source = call.source()
+            if source is not None and source is target:
+                continue           # an in-place module: its input is gone; look further back
+            if source is not None:
+                group = self._find(step, source)
+                version = source._version
+            else:                  # freed: its group (if saved) by the key it had
+                group = step.by_key.get(call.source_key)
+                version = call.source_version
+                if group is not None and group.ref() is not None:
+                    group = None   # that address now holds another tensor
             if group is not None and group.mode != RECOMPUTE:
-                if group.version != source._version:
+                if group.version != version:
                     return None, None
                 return chain, group
+            if source is None:
+                return None, None
             target = source
         return None, None
 

@@ -142,6 +142,32 @@ def test_recompute_gives_the_same_gradients(dtype):
     assert_bitwise(reference, train(model, data, session))
     recomputed = [e for e in trace if e[0] == "recompute"]
     assert len(recomputed) >= 3 * 3          # relu / pool outputs of each block, each step
+    # an in-place ReLU's output is rebuilt from the batch norm's input (batch norm, then ReLU):
+    # its own input is gone, so it is never its own source
+    groups = session._step.groups
+    inplace = [g for g in groups if g.recipe is not None
+               and getattr(g.recipe[-1].module, "inplace", False)]
+    assert len(inplace) == 2 and all(g.source is not g for g in inplace)
+    assert all([c.name for c in g.recipe] == ["BatchNorm2d", "ReLU"] for g in inplace)
+    assert all(g.mode == RECOMPUTE for g in inplace)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_in_place_relu_feeding_a_convolution_is_recomputed_exactly(dtype):
+    # ResNet's conv-bn-relu(inplace)-conv: the next convolution's weight gradient reads the ReLU's
+    # output, so a recipe that stopped at the batch norm would change gradients
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 10)).to(dtype)
+    data = batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    relus = [g for g in session._step.groups if g.mode == RECOMPUTE]
+    assert len(relus) == 2
+    assert all([c.name for c in g.recipe] == ["BatchNorm2d", "ReLU"] for g in relus)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
