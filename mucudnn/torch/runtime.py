@@ -397,9 +397,10 @@ class _Step:
 class OffloadSession:
     """Saved-tensor hooks and leaf-module hooks (while entered) carrying out a plan.
 
-    ``budget`` (bytes): the first step records a profile (every dense saved tensor offloaded,
-    fetched on demand), then a plan is made for ``budget * (1 - headroom)`` (room for the caching
-    allocator's fragmentation) and applied from the next step. ``modes``: a fixed plan instead
+    ``budget`` (bytes): the first ``record_steps`` steps record (every dense saved tensor
+    offloaded on the compute stream, fetched on demand; the last is the profile), then a plan is
+    made for ``budget * (1 - headroom)`` (room for the caching allocator's fragmentation; CBC at
+    most ``plan_time_limit_s`` per solve) and applied from the next step. ``modes``: a fixed plan instead
     (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
@@ -416,11 +417,13 @@ class OffloadSession:
                  link: CopyLink | None = None, lookahead: int = 2, recompute: bool = True,
                  min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
                  say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
-                 record_steps: int = 2):
+                 record_steps: int = 2, plan_time_limit_s: float = 20):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
         self._recordings_left = max(1, record_steps)
+        #: CBC's limit per solve: ResNet-50's plans reached 60 s and were no better than at 20 s
+        self.plan_time_limit_s = plan_time_limit_s
         self._lowered_target: int | None = None
         self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
         self._link, self._links = link, {}
@@ -834,7 +837,8 @@ class OffloadSession:
         modelled = self.plan.peak
         target = min(self.target, modelled) - int(self.replan_step * self.budget)
         try:
-            plan = planner.plan_with_prefetch(self.profile, target, self.lookahead)
+            plan = planner.plan_with_prefetch(self.profile, target, self.lookahead,
+                                              self.plan_time_limit_s)
         except MucudnnError:
             return False
         self._lowered_target, self.plan, self.modes = target, plan, list(plan.modes)
@@ -847,7 +851,8 @@ class OffloadSession:
     def _make_plan(self) -> None:
         target = self.target
         try:
-            self.plan = planner.plan_with_prefetch(self.profile, target, self.lookahead)
+            self.plan = planner.plan_with_prefetch(self.profile, target, self.lookahead,
+                                                   self.plan_time_limit_s)
         except MucudnnError as exc:   # infeasible, or CBC failed
             if self.strict:
                 raise
