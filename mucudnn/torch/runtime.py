@@ -392,6 +392,7 @@ class _Step:
     node_groups: list = field(default_factory=list)  # the groups that node unpacked
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
     start_allocated: int | None = None   # the link's allocated bytes at its first module
+    end_mark: object = None        # its backward's end (recording steps)
 
 
 class OffloadSession:
@@ -675,7 +676,11 @@ class OffloadSession:
         link = self.link_for_group(group)
         peak_before = link.peak_allocated() if step.profiling else 0
         if index == 0:
-            _at_end_of_backward(lambda: setattr(step, "backward_done", True))
+            def backward_done(step=step, link=link):
+                step.backward_done = True
+                if step.profiling:      # the backward's last ops follow its last unpack
+                    step.end_mark = link.mark()
+            _at_end_of_backward(backward_done)
         if group.first_unpack is None:
             group.first_unpack = index
         # what a node unpacked stays alive (autograd holds it) until the node is done, so in the
@@ -900,7 +905,7 @@ class OffloadSession:
         unpack_marks = [m for m in step.marks if m[0] == "unpack"]
         # compute only: the host's waits for copies and for pinned memory are left out
         forward_ms = link.compute_ms(packs[0][2], unpack_marks[0][2]) if unpack_marks else 0.0
-        backward_ms = (link.compute_ms(unpack_marks[0][2], unpack_marks[-1][2])
+        backward_ms = (link.compute_ms(unpack_marks[0][2], step.end_mark or unpack_marks[-1][2])
                        if unpack_marks else 0.0)
         link.timing, link.stalls = False, []
         moved = sum(g.nbytes for g in groups if g.offloadable)

@@ -576,6 +576,36 @@ def test_two_steps_record_and_the_second_is_profiled():
     assert session.profile.forward_ms < 30     # no pinning waited for in the profiled step
 
 
+class SlowBackward(torch.autograd.Function):
+    """Identity that saves nothing; its backward takes 50 ms (the first layer's weight gradient
+    and the rest of a backward after its last unpack)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)
+        return grad
+
+
+def test_the_recorded_backward_runs_to_its_end():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+
+    class First(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(SlowBackward.apply(x.detach().requires_grad_()))
+
+    session = OffloadSession(budget=GiB, link=CopyLink(gbps=(1e3, 1e3)), min_bytes=0)
+    train(First(), data, session)
+    assert session.profile.backward_ms >= 50
+
+
 class SlowHostLink(RecordingLink):
     """Making a host tensor blocks the host thread (pinning fresh memory), 30 ms each."""
 
