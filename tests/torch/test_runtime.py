@@ -576,6 +576,45 @@ def test_two_steps_record_and_the_second_is_profiled():
     assert session.profile.forward_ms < 30     # no pinning waited for in the profiled step
 
 
+def test_a_failed_step_s_reference_cycles_are_collected_before_the_next_step():
+    # an error's frames in a reference cycle hold a tensor until the collector runs, which may be
+    # after the next step needed that memory
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    steps, held = [], []
+
+    def out_of_memory():
+        if len(steps) == 2:
+            cycle = [torch.empty(1000)]
+            cycle.append(cycle)
+            held.append(weakref.ref(cycle[0]))
+            raise torch.OutOfMemoryError("out of memory (test)")
+
+    session = OffloadSession(force=KEEP, link=MeteredLink(), min_bytes=0)
+    wrapped = WithSpike(model, out_of_memory)
+    alive_at_next_step = []
+
+    class Probe(nn.Module):    # a leaf (wrapped is not registered): the step's first module,
+        def forward(self, x):   # whose forward runs once the session has begun the step
+            if len(steps) == 3:
+                alive_at_next_step.append(held[0]() is not None)
+            return wrapped(x)
+
+    probe = Probe()
+    gc.disable()
+    try:
+        for x, y in data:
+            steps.append(None)
+            try:
+                with session:
+                    loss = nn.functional.cross_entropy(probe(x), y)
+                loss.backward()
+            except torch.OutOfMemoryError:
+                loss = None
+    finally:
+        gc.enable()
+    assert alive_at_next_step == [False]
+
+
 class SlowBackward(torch.autograd.Function):
     """Identity that saves nothing; its backward takes 50 ms (the first layer's weight gradient
     and the rest of a backward after its last unpack)."""
