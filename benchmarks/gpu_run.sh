@@ -139,6 +139,14 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     stage "ddp-${spec//:/_}" ${DDP_TIMEOUT:-590} python3 -m benchmarks.ddp driver --gpus "$n" \
       --model ${DDP_MODEL:-resnet50} --batch ${DDP_BATCH:-256} --parts $parts ${DDP_ARGS:-} \
       --out "$LOGS/ddp-${spec//:/_}" ;;
+  batchsize-*)  # benchmarks/batch_size.py (issue 14): `mucudnn batch-size` on MODEL under BS_BUDGET
+    # (24GiB), an independent measured sweep, pick/best images/s (target >= 0.97), the pick for
+    # BS_LONG_STEPS (500) steps. BS_TIMEOUT (570 s; no run starts after 30 s less), BS_ARGS (more
+    # driver options, e.g. --offload, --multiple 8, --no-neighbours). JSON + page in the logs.
+    model=${s#batchsize-}; limit=${BS_TIMEOUT:-570}
+    stage "batchsize-$model" "$limit" python3 -m benchmarks.batch_size driver --model "$model" \
+      --memory-budget ${BS_BUDGET:-24GiB} --long-steps ${BS_LONG_STEPS:-500} \
+      --time-budget-s $((limit - 30)) ${BS_ARGS:-} --out "$LOGS/batchsize-$model" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 -m benchmarks.shim_pytorch driver \
       ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;

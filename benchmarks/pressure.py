@@ -88,10 +88,14 @@ class Budget:
         self.deadline = None if seconds is None else clock() + seconds
         self.skipped: list[str] = []
 
-    def check(self, what: str) -> None:
-        if self.deadline is not None and self.clock() >= self.deadline:
+    def check(self, what: str, reserve_s: float = 0.0) -> None:
+        """OutOfTime unless ``reserve_s`` seconds (kept for what must run later) are left."""
+        if self.deadline is not None and self.clock() + reserve_s >= self.deadline:
             self.skipped.append(what)
             raise OutOfTime(what)
+
+    def remaining_s(self) -> float | None:
+        return None if self.deadline is None else self.deadline - self.clock()
 
 
 # -- searches (pure: probe is any function returning a worker outcome) ----------------------------

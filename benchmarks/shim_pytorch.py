@@ -56,6 +56,13 @@ class _Skipped(Exception):
 # -- worker: runs inside the measured process ----------------------------------------------------
 
 def worker(args) -> None:
+    print(json.dumps(worker_result(args)))
+
+
+def worker_result(args) -> dict:
+    """What one worker run measured (the line ``worker`` prints): the timing result, the gradient
+    run's loss, or ``{"oom": True, "error": ...}`` where memory ran out. ``args``: the worker's
+    options (add_worker_arguments)."""
     import torch
 
     if str(HERE.parents[1]) not in sys.path:  # run as a script: the checkout's benchmarks package
@@ -68,11 +75,11 @@ def worker(args) -> None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
     try:
-        _worker_steps(args, torch)
+        return _worker_steps(args, torch)
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # a too small cap is a result
         if not (isinstance(exc, torch.cuda.OutOfMemoryError) or is_out_of_memory(str(exc))):
             raise
-        print(json.dumps({"oom": True, "error": str(exc).splitlines()[0][:300]}))
+        return {"oom": True, "error": str(exc).splitlines()[0][:300]}
 
 
 # What PyTorch, cuDNN and cuBLAS say when memory runs out. PyTorch's cuDNN path tries engines in
@@ -86,7 +93,7 @@ def is_out_of_memory(text: str) -> bool:
     return any(marker.lower() in text.lower() for marker in OOM_MARKERS)
 
 
-def _worker_steps(args, torch) -> None:
+def _worker_steps(args, torch) -> dict:
     from benchmarks.models import prepare
     training = prepare(args.model, args.batch, dtype=args.dtype, double=args.double,
                        generator=torch.Generator().manual_seed(1))
@@ -105,8 +112,7 @@ def _worker_steps(args, torch) -> None:
             loss.backward()
         grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
         torch.save({"loss": loss.item(), "grads": grads}, args.grads)
-        print(json.dumps({"loss": loss.item()}))
-        return
+        return {"loss": loss.item()}
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step():
@@ -133,7 +139,7 @@ def _worker_steps(args, torch) -> None:
               "device": torch.cuda.get_device_name(0), "batch": args.batch}
     if args.profile:  # after the timed steps, so profiling never touches the timing
         result["profile"] = profile_steps(step, args.profile)
-    print(json.dumps(result))
+    return result
 
 
 def profile_steps(step, steps: int) -> dict:
@@ -581,10 +587,8 @@ def print_table(report: dict) -> None:
             print(f"{model:10s} float64 check failed: {r['double_error'][:100]}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="mode", required=True)
-    w = sub.add_parser("worker")
+def add_worker_arguments(w: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The worker's options (its defaults: what worker_result reads)."""
     w.add_argument("--model", required=True)
     w.add_argument("--batch", type=int, default=256)
     w.add_argument("--steps", type=int, default=15)
@@ -599,6 +603,13 @@ def main() -> int:
                    help="torch.cuda.set_per_process_memory_fraction to this many GiB (0: none)")
     w.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile this many steps (GPU busy and idle time)")
+    return w
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    add_worker_arguments(sub.add_parser("worker"))
     d = sub.add_parser("driver")
     d.add_argument("--models", nargs="+", default=["resnet50", "vgg16", "alexnet"])
     d.add_argument("--out", required=True)

@@ -1,0 +1,261 @@
+"""benchmarks/batch_size.py on the CPU: reading what `mucudnn batch-size` prints (lines made by
+mucudnn.batchsize itself), the sweep's grid, the verdict, the long run's time reservation, and the
+driver end to end against a fake GPU (every command answered from its arguments)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import batch_size
+from benchmarks.batch_size import (long_run_estimate_s, neighbours, next_grid_batch,
+                                   parse_tuner_output, summarize)
+from benchmarks.pressure import Budget, OutOfTime
+from mucudnn.batchsize import Trial, explain, tune
+
+GiB = 2**30
+BUDGET = 24 * GiB
+
+
+# A fake GPU: images/s grows with the batch and saturates; memory grows linearly.
+def images_per_s(batch: int) -> float:
+    return 2400.0 * batch / (batch + 24)
+
+
+def peak_of(batch: int) -> int:
+    return int(0.5 * GiB + batch * 80 * 2**20)   # 300 holds in 24 GiB, 310 does not
+
+
+def fits(batch: int) -> bool:
+    return peak_of(batch) <= BUDGET
+
+
+def fake_trial(batch: int) -> Trial:
+    if not fits(batch):
+        return Trial(batch, 1, None, None, "out of memory")
+    return Trial(batch, 0, images_per_s(batch), peak_of(batch))
+
+
+def tuner_output(start=32, multiple=16, largest=4096) -> tuple[str, str, Trial]:
+    """stdout and stderr as the CLI writes them (its `say` prefixes "mucudnn: ")."""
+    lines = []
+    best, trials, margin = tune(fake_trial, BUDGET, start=start, largest=largest,
+                                multiple=multiple, say=lines.append)
+    lines += explain(best, trials, BUDGET, margin)
+    return f"{best.batch}\n", "\n".join(f"mucudnn: {line}" for line in lines) + "\n", best
+
+
+# -- the tuner's output ----------------------------------------------------------------------------
+
+def test_the_tuners_pick_candidates_and_reasons_are_read_from_what_it_prints():
+    stdout, stderr, best = tuner_output()
+    parsed = parse_tuner_output(stdout, stderr)
+    assert parsed["pick"] == best.batch
+    by_batch = {t["batch"]: t for t in parsed["trials"]}
+    assert set(by_batch) >= {32, 64, 128, 256, 512}
+    for batch, trial in by_batch.items():
+        assert trial["holds"] == fits(batch)
+        if fits(batch):
+            assert trial["images_per_s"] == pytest.approx(images_per_s(batch), abs=0.05)
+            assert trial["peak_bytes"] == peak_of(batch)
+        else:
+            assert trial["why"] == "out of memory" and trial["images_per_s"] is None
+    assert parsed["again"] == [{"batch": best.batch, "peak_bytes": peak_of(best.batch),
+                                "exit": 0}]
+    assert parsed["margin_bytes"] == 0
+    assert parsed["reasons"][0].startswith(f"batch size {best.batch}:")
+
+
+def test_a_candidate_over_the_budget_is_read_as_not_holding_with_its_peak():
+    stderr = ("mucudnn: batch 64: 1000.0 images/s, peak 30 bytes (30 B); does not hold "
+              "(peak 30 bytes (30 B) over 20 bytes (20 B))\n"
+              "mucudnn: batch 8: no throughput; does not hold (exit 1: boom)\n")
+    trials = parse_tuner_output("", stderr)["trials"]
+    assert trials == [
+        {"batch": 64, "images_per_s": 1000.0, "peak_bytes": 30, "holds": False,
+         "why": "peak 30 bytes (30 B) over 20 bytes (20 B)"},
+        {"batch": 8, "images_per_s": None, "peak_bytes": None, "holds": False,
+         "why": "exit 1: boom"}]
+
+
+def test_a_failed_tuner_has_no_pick_and_keeps_its_error():
+    parsed = parse_tuner_output("", "mucudnn: error: no batch size from 32 holds\n")
+    assert parsed["pick"] is None and parsed["reasons"] == ["error: no batch size from 32 holds"]
+
+
+# -- the sweep's grid ------------------------------------------------------------------------------
+
+def sweep_batches(threshold: int, multiple=16, step=32, largest=4096) -> list[int]:
+    held: dict[int, bool] = {}
+    while (batch := next_grid_batch(held, multiple, step, largest)) is not None:
+        held[batch] = batch <= threshold
+    return list(held)
+
+
+def test_the_sweep_doubles_then_steps_up_from_the_largest_that_held_until_one_does_not():
+    assert sweep_batches(300) == [16, 32, 64, 128, 256, 512, 288, 320]
+
+
+def test_the_sweep_stops_at_largest_and_when_even_the_first_does_not_hold():
+    assert sweep_batches(10_000, largest=256) == [16, 32, 64, 128, 256]
+    assert sweep_batches(10_000, largest=300) == [16, 32, 64, 128, 256, 288]
+    assert sweep_batches(8) == [16]
+
+
+def test_the_step_up_never_reaches_the_doubling_failure():
+    # 256 held, 512 did not: with a step of 128 the only point between is 384
+    assert sweep_batches(400, step=128) == [16, 32, 64, 128, 256, 512, 384]
+
+
+def test_the_picks_neighbours_stay_within_one_and_largest():
+    assert neighbours(288, 16, 4096) == [272, 304]
+    assert neighbours(16, 16, 4096) == [32]
+    assert neighbours(4096, 16, 4096) == [4080]
+
+
+# -- verdict and time ------------------------------------------------------------------------------
+
+def report_with(points, pick, long_run=None, long_steps=500):
+    return {"budget_bytes": BUDGET, "settings": {"target": 0.97, "long_steps": long_steps},
+            "tuner": {"pick": pick}, "long_run": long_run,
+            "sweep": {"points": [{"batch": b, "holds": ok, "images_per_s": ips}
+                                 for b, ok, ips in points]}}
+
+
+def test_the_ratio_is_the_picks_sweep_images_per_s_over_the_best_that_held():
+    points = [(64, True, 1900.0), (128, True, 2000.0), (256, True, 1950.0), (512, False, None)]
+    summary = summarize(report_with(points, 256, {"status": "ok", "steps": 500,
+                                                  "peak_reserved_bytes": 20 * GiB}))
+    assert summary["best_batch"] == 128 and summary["ratio"] == pytest.approx(0.975)
+    assert summary["ratio_passed"] and summary["long_run_passed"] and summary["passed"]
+    assert summary["largest_held"] == 256 and summary["smallest_failed_above"] == 512
+
+
+def test_a_pick_below_the_target_fails():
+    points = [(64, True, 1900.0), (128, True, 2000.0)]
+    summary = summarize(report_with(points, 64, {"status": "ok", "steps": 500,
+                                                 "peak_reserved_bytes": GiB}))
+    assert summary["ratio"] == pytest.approx(0.95) and summary["ratio_passed"] is False
+    assert not summary["passed"]
+
+
+@pytest.mark.parametrize("long_run", [
+    {"status": "oom"},
+    {"status": "ok", "steps": 499, "peak_reserved_bytes": GiB},     # cut short
+    {"status": "ok", "steps": 500, "peak_reserved_bytes": BUDGET + 1},
+    None,                                                             # never ran
+])
+def test_the_long_run_passes_only_with_all_its_steps_within_the_budget(long_run):
+    summary = summarize(report_with([(128, True, 2000.0)], 128, long_run))
+    assert summary["ratio"] == 1.0 and not summary["long_run_passed"] and not summary["passed"]
+
+
+def test_a_pick_that_did_not_hold_in_the_sweep_has_no_ratio():
+    summary = summarize(report_with([(128, True, 2000.0), (288, False, None)], 288))
+    assert summary["ratio"] is None and summary["pick_held"] is False and not summary["passed"]
+
+
+def test_the_long_run_estimate_scales_the_picks_run_to_its_steps():
+    point = {"status": "ok", "wall_s": 20.0, "steps": 10, "warmup": 3, "step_ms": 100.0}
+    assert long_run_estimate_s(point, 500, 3, 99.0) == pytest.approx(1.15 * (20 + 490 * 0.1))
+    assert long_run_estimate_s({"status": "oom"}, 500, 3, 99.0) == 99.0
+    assert long_run_estimate_s(None, 500, 3, 99.0) == 99.0
+
+
+def test_the_time_budget_keeps_a_reserve():
+    now = [0.0]
+    budget = Budget(100, clock=lambda: now[0])
+    now[0] = 50
+    budget.check("a", reserve_s=40)
+    with pytest.raises(OutOfTime):
+        budget.check("b", reserve_s=60)
+    assert budget.skipped == ["b"] and budget.remaining_s() == 50
+
+
+# -- the driver against a fake GPU -----------------------------------------------------------------
+
+class FakeGpu:
+    """Answers the tuner's command as the CLI would (mucudnn.batchsize's search on fake_trial) and
+    each `mucudnn run -- worker` as the worker would; the clock advances by each run's wall time."""
+
+    def __init__(self, run_s=15.0):
+        self.now, self.run_s, self.commands = 0.0, run_s, []
+
+    def clock(self):
+        return self.now
+
+    def execute(self, cmd, env, timeout_s):
+        self.commands.append(cmd)
+        assert "benchmarks.batch_size" in cmd and "worker" in cmd
+        if "batch-size" in cmd:
+            assert cmd[cmd.index("--batch-size") + 1] == "{}"
+            start = int(cmd[cmd.index("--start") + 1])
+            multiple = int(cmd[cmd.index("--multiple") + 1])
+            stdout, stderr, _ = tuner_output(start, multiple)
+            self.now += 150
+            return 0, stdout, stderr, 150.0, False
+        assert cmd[3:6] == ["run", "--no-online", "--memory-budget"]
+        batch = int(cmd[cmd.index("--batch-size") + 1])
+        steps = int(cmd[cmd.index("--steps") + 1])
+        wall = min(timeout_s, self.run_s + steps * 0.1)
+        self.now += wall
+        if not fits(batch):
+            return 3, json.dumps({"oom": True, "error": "CUDA out of memory"}) + "\n", \
+                "batch_size worker: out of memory\n", wall, False
+        result = {"step_ms": batch * 1000 / images_per_s(batch), "steps": steps,
+                  "peak_reserved_bytes": peak_of(batch), "peak_bytes": peak_of(batch) - 1,
+                  "device": "NVIDIA H200", "batch": batch, "step_ms_all": [1.0] * steps}
+        return 0, json.dumps(result) + f"\nmucudnn-throughput: {images_per_s(batch)}\n", "", \
+            wall, False
+
+
+def run_driver(tmp_path, monkeypatch, *extra, run_s=15.0):
+    gpu = FakeGpu(run_s)
+    monkeypatch.setattr(batch_size, "execute", gpu.execute)
+    monkeypatch.setattr(batch_size, "Budget",
+                        lambda seconds: Budget(seconds, clock=gpu.clock))
+    assert batch_size.main(["driver", "--out", str(tmp_path), *extra]) == 0
+    return json.loads((tmp_path / "batch-size-resnet50.json").read_text()), gpu
+
+
+def test_the_driver_runs_tuner_sweep_and_long_run_and_writes_json_and_page(tmp_path, monkeypatch):
+    report, gpu = run_driver(tmp_path, monkeypatch)
+    pick = report["tuner"]["pick"]
+    assert pick == tuner_output()[2].batch
+    points = report["sweep"]["points"]
+    assert points[0] == {**points[0], "batch": pick, "role": "pick", "holds": True}
+    # the grid of sweep_batches(300), less the pick, already measured
+    assert [p["batch"] for p in points if p["role"] == "grid"] == [
+        b for b in [16, 32, 64, 128, 256, 512, 288, 320] if b != pick]
+    assert {p["batch"] for p in points if p["role"] == "neighbour"} <= {pick - 16, pick + 16}
+    summary = report["summary"]
+    best = max((p for p in points if fits(p["batch"])), key=lambda p: images_per_s(p["batch"]))
+    assert summary["best_batch"] == best["batch"]
+    assert summary["ratio"] == pytest.approx(images_per_s(pick) / images_per_s(best["batch"]))
+    assert report["long_run"]["batch"] == pick and report["long_run"]["steps"] == 500
+    assert summary["long_run_passed"] and summary["passed"] == (summary["ratio"] >= 0.97)
+    page = (tmp_path / "batch-size-resnet50.md").read_text()
+    assert f"| {best['batch']} **best** |" in page and "ratio pick / best" in page
+
+
+def test_a_short_time_budget_cuts_the_sweep_but_keeps_the_long_run(tmp_path, monkeypatch):
+    # 150 s tuner + pick ~16 s; the long run needs ~1.15 * (16 + 490 * 0.1) = 75 s
+    report, _ = run_driver(tmp_path, monkeypatch, "--time-budget-s", "300")
+    assert report["skipped"] and report["skipped"][0].startswith("sweep batch")
+    assert 1 < len(report["sweep"]["points"]) < 8
+    assert report["long_run"]["status"] == "ok" and report["long_run"]["steps"] == 500
+
+
+def test_worker_lines_follow_the_tuners_protocol(monkeypatch, capsys):
+    monkeypatch.setattr(batch_size, "worker_result", lambda ns: {
+        "step_ms": 100.0, "steps": ns.steps, "batch": ns.batch, "tf32": ns.tf32})
+    assert batch_size.main(["worker", "--batch-size", "64", "--steps", "7"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.splitlines()[0])["tf32"] is True
+    from mucudnn.batchsize import parse_throughput
+    assert parse_throughput(out) == pytest.approx(640.0)
+    monkeypatch.setattr(batch_size, "worker_result", lambda ns: {"oom": True, "error": "x"})
+    assert batch_size.main(["worker", "--batch-size", "64"]) == batch_size.OUT_OF_MEMORY_EXIT
+    captured = capsys.readouterr()
+    assert "out of memory" in captured.err and parse_throughput(captured.out) is None
