@@ -593,6 +593,16 @@ def plot_series(rows: list[dict], model: str) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
+    """The plot, if matplotlib is installed; a failure to draw is said, never raised (the runs
+    after it matter more)."""
+    try:
+        return _plot(rows, path)
+    except Exception as exc:  # noqa: BLE001
+        print(f"no plot: {type(exc).__name__}: {exc}", flush=True)
+        return False
+
+
+def _plot(rows: list[dict], path: Path) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
