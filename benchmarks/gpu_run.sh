@@ -96,13 +96,23 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     spec=${s#memorybudget-}; stage "memorybudget-$spec" ${SHIM_TIMEOUT:-400} python3 -m benchmarks.memory_budget \
       --model ${spec%:*} --batch ${spec#*:} --budgets ${BUDGETS:-6GiB} --steps 15 --warmup 5 \
       ${BUDGET_PLAN:+--plan "$BUDGET_PLAN"} --out "$LOGS/memorybudget-${spec//:/_}" ;;
-  offload)  # benchmarks/offload.py: mucudnn.torch vs save_on_cpu, on-demand offload, checkpoint;
-    # every configuration with the allocator `mucudnn run --memory-budget` sets (OFFLOAD_ALLOC_CONF;
-    # empty: PyTorch's default, under which VGG-16 fails at 12 GiB with every method: fragmentation)
+  offload)  # benchmarks/offload.py: mucudnn.torch vs save_on_cpu, on-demand offload, checkpoint
+    # at OFFLOAD_BUDGET (12GiB) for OFFLOAD_MODELS (MODEL or MODEL:BATCH of benchmarks/models.py, N
+    # the model's unless OFFLOAD_BATCH); OFFLOAD_METHODS (default all four; set empty: none),
+    # OFFLOAD_SWEEP (mucudnn alone at these budgets, default 16GiB 8GiB; auto: from PyTorch's peak
+    # down to mucudnn's minimum in OFFLOAD_SWEEP_POINTS (5) budgets; set empty: none), OFFLOAD_MIN
+    # (e.g. "pytorch mucudnn": the smallest budget that trains, bisected), OFFLOAD_TIMEOUT (420 s;
+    # no run starts or runs past it less 20 s), OFFLOAD_ARGS (more options). Every configuration
+    # with the allocator `mucudnn run --memory-budget` sets (OFFLOAD_ALLOC_CONF; empty: PyTorch's
+    # default, under which VGG-16 fails at 12 GiB with every method: fragmentation)
+    limit=${OFFLOAD_TIMEOUT:-420}
     PYTORCH_CUDA_ALLOC_CONF=${OFFLOAD_ALLOC_CONF-expandable_segments:True} \
-    stage offload ${OFFLOAD_TIMEOUT:-420} python3 -m benchmarks.offload driver \
-      --models ${OFFLOAD_MODELS:-vgg16 resnet50} --batch 256 --budget 12GiB ${OFFLOAD_ARGS:-} \
-      --sweep ${OFFLOAD_SWEEP:-16GiB 8GiB} --out "$OUT/offload" ;;
+    stage offload "$limit" python3 -m benchmarks.offload driver \
+      --models ${OFFLOAD_MODELS:-vgg16 resnet50} ${OFFLOAD_BATCH:+--batch $OFFLOAD_BATCH} \
+      --budget ${OFFLOAD_BUDGET:-12GiB} --methods ${OFFLOAD_METHODS-mucudnn save_on_cpu ondemand checkpoint} \
+      --sweep ${OFFLOAD_SWEEP-16GiB 8GiB} --sweep-points ${OFFLOAD_SWEEP_POINTS:-5} \
+      --min-search ${OFFLOAD_MIN:-} --time-budget-s $((limit - 20)) ${OFFLOAD_ARGS:-} \
+      --out "$OUT/offload" ;;
   tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store, per model;
     # TUNING_GPUS=all (or 0,1,..): the models spread over the GPUs (spread), one at a time per GPU
     models=${s#tuningcost-}

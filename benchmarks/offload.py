@@ -2,8 +2,10 @@
 PyTorch users have, at the same budget (docs/torch.md; issue "One memory budget for the whole
 step").
 
-For each model (torchvision, fp32 with TF32, SGD, random data, batch N) one subprocess per
-configuration trains a few steps with PyTorch's caching allocator limited to the budget
+For each model of benchmarks/models.py (``MODEL`` or ``MODEL:BATCH``: its network, input, labels
+and loss, e.g. ``vgg16``, ``resnet50``, ``unet3d``, ``r3d_18``, ``deeplabv3_resnet50``; N: the
+table's unless ``--batch``; fp32 with TF32, SGD, random data) one subprocess per configuration
+trains a few steps with PyTorch's caching allocator limited to the budget
 (``set_per_process_memory_fraction``):
 
 - ``pytorch``: no limit, nothing offloaded: the unconstrained step and PyTorch's own peak;
@@ -13,18 +15,36 @@ configuration trains a few steps with PyTorch's caching allocator limited to the
 - ``ondemand@B``: torchtune-style offload: every saved activation copied to pinned memory on a side
   stream, fetched back when backward needs it (no lookahead), written here in a few lines;
 - ``checkpoint@B``: ``torch.utils.checkpoint`` of every block (VGG: each stage up to its pooling;
-  ResNet: each bottleneck).
+  ResNets, video ResNets and DeepLabV3's backbone: each residual block; the 3-D U-Net: each
+  encoder and decoder stage); another model's row is ``unsupported``.
 
 Each reports the median step time (CUDA events, after warm-up), peak reserved and allocated memory
 of the timed steps, or ``oom``. A mucudnn step that runs out of memory is recorded
 (``failed_steps``; the session plans again for less, at most 3 times, then offloads everything,
 ``fell_back``) and the run goes on. mucudnn's rows add the plan (bytes moved each way, counts), the measured host link and
 the lower bound from it: ``max(F, moved/d2h) + max(B, moved/h2d)`` with F, B the unconstrained
-step split as the recorded profile splits it. Writes ``OUT/offload.json``, ``OUT/offload.md`` and
-``OUT/offload.png`` (step time against the budget; matplotlib, if installed).
+step split as the recorded profile splits it.
 
-    python -m benchmarks.offload --models vgg16 resnet50 --batch 256 --budget 12GiB \\
-        --sweep 16GiB 8GiB --out DIR
+``--min-search pytorch mucudnn``: the smallest budget that trains, per method, bisected on a
+``--min-step`` GiB grid (benchmarks/pressure.py's search): PyTorch's between its unconstrained peak
+allocated x ``--pytorch-low-fraction`` (assumed to fail) and peak reserved (probed first);
+mucudnn's between ``--mucudnn-low-fraction`` of PyTorch's minimum (its peak reserved where there is
+none) and that minimum. A budget trains when every step ran (--warmup + --probe-steps): out of
+memory, an error, a timeout or a mucudnn step that ran out of memory (``failed_steps``) fail. Every
+probe is a row (``part: min-probe``); each search adds a ``part: min`` row with the minimum, its
+probes (budget, status, step ms) and, for mucudnn, ``vs_pytorch_min`` (the issue's U-Net target:
+<= 0.5). ``--sweep auto`` sweeps mucudnn from PyTorch's peak reserved down to mucudnn's minimum
+(without one: to ``--mucudnn-low-fraction`` of the peak) in ``--sweep-points`` evenly spaced
+budgets, stopping at the first that fails. ``--time-budget-s``: no run starts once that many
+seconds have passed and none runs past it (rows ``skipped``, searches ``complete: false``).
+
+Writes ``OUT/offload.json`` (every row), ``OUT/offload.md`` and ``OUT/offload.png`` (step time
+against the budget, with PyTorch unconstrained, the other methods and the minima marked;
+matplotlib, if installed) after every configuration.
+
+    python -m benchmarks.offload --models vgg16 resnet50 --budget 12GiB --sweep 16GiB 8GiB --out DIR
+    python -m benchmarks.offload --models unet3d --methods --sweep auto \\
+        --min-search pytorch mucudnn --time-budget-s 500 --out DIR
 """
 
 from __future__ import annotations
@@ -32,17 +52,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.models import parse_model
+from benchmarks.pressure import (DEVICE_MEMORY_GIB, Budget, OutOfTime, Terminated, execute,
+                                 min_cap_search, min_text)
+from benchmarks.shim_pytorch import is_out_of_memory
+from mucudnn.budget import parse_budget
+from mucudnn.errors import MucudnnError
+from mucudnn.outputs import write_text_atomically
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
-               "CUDNN_STATUS_ALLOC_FAILED")
 METHODS = ("mucudnn", "save_on_cpu", "ondemand", "checkpoint")
 
 
@@ -76,8 +103,14 @@ def ondemand_hooks(torch, min_bytes: int = 1 << 20):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+class UnsupportedModel(Exception):
+    """A model whose blocks ``checkpointed`` does not know: its checkpoint row is ``unsupported``."""
+
+
 def checkpointed(torch, model, name: str):
-    """``model`` with every block under ``torch.utils.checkpoint``."""
+    """``model`` with every block under ``torch.utils.checkpoint``: VGG's stages up to each pooling,
+    the residual blocks of a ResNet (2-D, video, or a segmentation model's ``backbone``), the
+    encoder and decoder stages of benchmarks/models.py's 3-D U-Net; UnsupportedModel otherwise."""
     from torch.utils.checkpoint import checkpoint
 
     class Checkpointed(torch.nn.Module):
@@ -88,6 +121,8 @@ def checkpointed(torch, model, name: str):
         def forward(self, x):
             return checkpoint(self.inner, x, use_reentrant=False)
 
+    trunk = getattr(model, "backbone", model)
+    residual_stages = ("layer1", "layer2", "layer3", "layer4")
     if name.startswith("vgg"):
         stages, current = [], []
         for layer in model.features:
@@ -96,10 +131,20 @@ def checkpointed(torch, model, name: str):
                 stages.append(Checkpointed(torch.nn.Sequential(*current)))
                 current = []
         model.features = torch.nn.Sequential(*stages, *current)
+    elif all(isinstance(getattr(trunk, stage, None), torch.nn.Sequential)
+             for stage in residual_stages):
+        for stage in residual_stages:
+            blocks = getattr(trunk, stage)
+            setattr(trunk, stage, torch.nn.Sequential(*(Checkpointed(b) for b in blocks)))
+    elif all(isinstance(getattr(model, part, None), torch.nn.ModuleList)
+             for part in ("encoder", "decoder")):
+        # each stage takes one tensor (the decoder's: the upsampled and skip tensors concatenated)
+        for stages in (model.encoder, model.decoder):
+            for index, stage in enumerate(stages):
+                stages[index] = Checkpointed(stage)
     else:
-        for stage in ("layer1", "layer2", "layer3", "layer4"):
-            blocks = getattr(model, stage)
-            setattr(model, stage, torch.nn.Sequential(*(Checkpointed(b) for b in blocks)))
+        raise UnsupportedModel(f"per-block checkpointing knows VGG, ResNets (layer1..layer4) and "
+                               f"the 3-D U-Net (encoder/decoder stages), not {name}")
     return model
 
 
@@ -107,7 +152,8 @@ def worker(args) -> None:
     import contextlib
 
     import torch
-    import torchvision
+
+    from benchmarks.models import prepare
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -116,13 +162,20 @@ def worker(args) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     if args.budget_bytes:
         torch.cuda.set_per_process_memory_fraction(args.budget_bytes / total, device)
-    model = getattr(torchvision.models, args.model)(num_classes=1000).to(device)
+    torch.manual_seed(0)
+    # network, input, labels and loss: benchmarks/models.py's, fp32
+    training = prepare(args.model, args.batch, device=str(device),
+                       generator=torch.Generator().manual_seed(1))
+    model = training.model
     if args.method == "checkpoint":
-        model = checkpointed(torch, model, args.model)
-    result = {}
+        try:
+            model = checkpointed(torch, model, args.model)
+        except UnsupportedModel as exc:
+            print("RESULT " + json.dumps({"status": "unsupported", "reason": str(exc)}), flush=True)
+            return
+    result = {"device_memory": total}
     context = contextlib.nullcontext
     if args.method == "mucudnn":
-        sys.path.insert(0, str(ROOT))
         import mucudnn.torch as mt
         # not strict: a budget no plan meets offloads everything (as an unmodified script does)
         # and the row still has the recorded profile
@@ -134,8 +187,6 @@ def worker(args) -> None:
         hooks = ondemand_hooks(torch)
         context = lambda: hooks  # noqa: E731
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(args.batch, 3, 224, 224, device=device)
-    y = torch.randint(0, 1000, (args.batch,), device=device)
     times, failed_steps, retries_before = [], [], 0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -150,7 +201,7 @@ def worker(args) -> None:
         optimizer.zero_grad(set_to_none=True)
         try:
             with context():
-                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss = training.loss(model(training.inputs), training.labels)
             loss.backward()
         except torch.OutOfMemoryError:
             # mucudnn falls back to offloading everything after a planned step that ran out of
@@ -202,45 +253,78 @@ def worker(args) -> None:
 
 # -- driver ---------------------------------------------------------------------------------------
 
-def run_config(args, model: str, method: str, budget: int | None) -> dict:
-    name = method if budget is None else f"{method}@{budget / 2**30:g}GiB"
+GiB = 2**30
+MIN_PARTS = ("min", "min-probe")   # the searches' rows: their own table, not the main one
+
+
+def config_name(method: str, budget: int | None) -> str:
+    return method if budget is None else f"{method}@{budget / GiB:g}GiB"
+
+
+def trains(row: dict) -> bool:
+    """Every step ran: a mucudnn step that ran out of memory would have ended a user's script."""
+    return row.get("status") == "ok" and not row.get("failed_steps")
+
+
+def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
+               part: str = "table", steps: int | None = None, clock: Budget | None = None) -> dict:
+    """One configuration in its own process (its process group killed past its timeout or on
+    SIGTERM); ``skipped`` without a run once ``clock``'s time budget is spent, and never run past
+    it (``out_of_time``)."""
+    name = config_name(method, budget)
+    row = {"model": model, "batch": batch, "config": name, "method": method,
+           "budget_bytes": budget, "part": part}
+    timeout, cut = args.timeout, False
+    if clock is not None:
+        try:
+            clock.check(f"{model} {name} ({part})")
+        except OutOfTime:
+            row.update(status="skipped", reason="time budget spent")
+            return row
+        if clock.deadline is not None:
+            remaining = clock.deadline - clock.clock()
+            timeout, cut = min(timeout, remaining), remaining < timeout
     cmd = [sys.executable, "-m", "benchmarks.offload", "worker", "--model", model,
-           "--method", method, "--batch", str(args.batch), "--steps", str(args.steps),
+           "--method", method, "--batch", str(batch), "--steps", str(steps or args.steps),
            "--warmup", str(args.warmup), "--budget-bytes", str(budget or 0),
            "--headroom", str(args.headroom)]
-    row = {"model": model, "config": name, "method": method, "budget_bytes": budget}
-    started = time.time()
-    print(f"[{time.strftime('%H:%M:%S')}] {model} {name}", flush=True)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    except subprocess.TimeoutExpired:
-        row.update(status="timeout", wall_s=time.time() - started)
-        print("    timeout", flush=True)
-        return row
-    row["wall_s"] = round(time.time() - started, 1)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode == 0 and lines:
-        row.update(status="ok", **json.loads(lines[-1][len("RESULT "):]))
-    elif any(marker in proc.stderr for marker in OOM_MARKERS):
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+    print(f"[{time.strftime('%H:%M:%S')}] {model} N={batch} {name} ({part})", flush=True)
+    rc, stdout, stderr, wall_s, timed_out = execute(cmd, env, timeout)
+    row["wall_s"] = round(wall_s, 1)
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if timed_out:
+        row["status"] = "out_of_time" if cut else "timeout"
+    elif rc == 0 and lines:
+        result = json.loads(lines[-1][len("RESULT "):])
+        row.update(status=result.pop("status", "ok"), **result)
+    elif is_out_of_memory(stderr):
         row["status"] = "oom"
     else:
-        row.update(status="error", error=proc.stderr.strip().splitlines()[-5:])
-    row["log_tail"] = proc.stderr.strip().splitlines()[-4:]
-    row["said"] = [line for line in proc.stderr.splitlines()
-                   if line.startswith(("mucudnn:", "step "))]
+        row.update(status="error", error=stderr.strip().splitlines()[-5:])
+    row["log_tail"] = stderr.strip().splitlines()[-4:]
+    row["said"] = [line for line in stderr.splitlines() if line.startswith(("mucudnn:", "step "))]
     print(f"    {row['status']}" + (f" {row['step_ms']:.1f} ms, peak reserved "
-                                    f"{row['peak_reserved'] / 2**30:.2f} GiB"
-                                    if row["status"] == "ok" else ""), flush=True)
+                                    f"{row['peak_reserved'] / GiB:.2f} GiB"
+                                    if row["status"] == "ok" else "")
+          + (f", steps {row['failed_steps']} out of memory" if row.get("failed_steps") else "")
+          + f" ({row['wall_s']} s)", flush=True)
     return row
 
 
+def unconstrained(rows: list[dict], model: str) -> dict | None:
+    """PyTorch's run without a budget of ``model``, if it trained."""
+    return next((r for r in rows if r["model"] == model and r["method"] == "pytorch"
+                 and r.get("budget_bytes") is None and r.get("status") == "ok"), None)
+
+
 def add_bounds(rows: list[dict]) -> None:
-    """The host-link lower bound and ratios to the unconstrained step, per model."""
-    base = {r["model"]: r for r in rows if r["method"] == "pytorch" and r["status"] == "ok"}
+    """The host-link lower bound and ratios to the unconstrained step, per model; each minimum
+    against PyTorch's."""
     for row in rows:
-        ref = base.get(row["model"])
-        if ref is None or row.get("status") != "ok":
+        ref = unconstrained(rows, row["model"])
+        if ref is None or row.get("status") != "ok" or "step_ms" not in row:
             continue
         row["vs_unconstrained"] = row["step_ms"] / ref["step_ms"]
         if "moved_bytes" in row:
@@ -251,28 +335,186 @@ def add_bounds(rows: list[dict]) -> None:
             row["bound_ms"] = max(share * ref["step_ms"], d2h_ms) + \
                 max((1 - share) * ref["step_ms"], h2d_ms)
             row["vs_bound"] = row["step_ms"] / row["bound_ms"]
+    for row in rows:
+        pytorch = next((r for r in rows if r.get("part") == "min" and r["model"] == row["model"]
+                        and r["method"] == "pytorch" and r.get("min_budget_gib")), None)
+        if row.get("part") == "min" and row["method"] != "pytorch" and pytorch \
+                and row.get("min_budget_gib"):
+            row["vs_pytorch_min"] = row["min_budget_gib"] / pytorch["min_budget_gib"]
+
+
+# -- the smallest budget that trains, and the sweep down to it ------------------------------------
+
+def search_bracket(method: str, base: dict, args, pytorch_min: dict | None = None):
+    """(low, high) GiB of ``method``'s search: low assumed to fail, high probed first. PyTorch's
+    from its unconstrained run (peak allocated x --pytorch-low-fraction, peak reserved); any other
+    method's below PyTorch's minimum (or what bounds it), else below PyTorch's peak reserved."""
+    if method == "pytorch":
+        return (base["peak_allocated"] / GiB * args.pytorch_low_fraction,
+                base["peak_reserved"] / GiB)
+    high = ((pytorch_min or {}).get("min_budget_gib") or (pytorch_min or {}).get("at_most_gib")
+            or base["peak_reserved"] / GiB)
+    return high * args.offload_low_fraction, high
+
+
+def min_budget_search(method: str, run_probe, base: dict, args,
+                      pytorch_min: dict | None = None) -> dict:
+    """The ``part: min`` row of ``method``: the smallest budget on the --min-step grid at which
+    ``run_probe(budget_bytes) -> row`` trains (``trains``), by benchmarks/pressure.py's bisection,
+    every outcome but training a failure. A ``skipped`` or ``out_of_time`` probe (the time budget)
+    ends the search incomplete."""
+    low, high = search_bracket(method, base, args, pytorch_min)
+    probed: dict[int, dict] = {}
+
+    def probe(gib: float) -> dict:
+        budget = round(gib * GiB)
+        row = probed[budget] = run_probe(budget)
+        if row.get("status") in ("skipped", "out_of_time"):
+            raise OutOfTime(row["config"])
+        status = "ok" if trains(row) else ("failed_steps" if row.get("status") == "ok"
+                                           else row.get("status", "error"))
+        outcome = {"status": status, "wall_s": row.get("wall_s")}
+        if row.get("status") == "ok":
+            outcome["step_ms"] = row["step_ms"]
+        if row.get("error"):
+            outcome["error"] = " / ".join(row["error"])[-300:]
+        return outcome
+
+    search = min_cap_search(probe, low, high, step_gib=args.min_step,
+                            ceiling_gib=base.get("device_memory", 0) / GiB or DEVICE_MEMORY_GIB,
+                            crash_ends_search=False)
+    search["probes"] = [{"budget_gib": p.pop("cap_gib"), **p} for p in search["probes"]]
+    search.pop("at_min", None)   # the probe's own row is in the rows
+    found = search.get("min_cap_gib")
+    status = ("ok" if found is not None else "incomplete" if not search["complete"]
+              else "not found")
+    row = {"model": base["model"], "batch": base["batch"], "config": f"{method} min",
+           "method": method, "part": "min", "status": status,
+           "budget_bytes": round(found * GiB) if found is not None else None,
+           "min_budget_gib": found, "at_most_gib": search.get("at_most_gib"),
+           "bracket_gib": [round(low, 3), round(high, 3)], "search": search}
+    if found is not None:
+        at_min = probed[round(found * GiB)]
+        row.update(step_ms=at_min["step_ms"], peak_reserved=at_min["peak_reserved"],
+                   peak_allocated=at_min["peak_allocated"])
+    return row
+
+
+def auto_sweep_budgets(high_gib: float, low_gib: float, points: int, step_gib: float) -> list[float]:
+    """``points`` budgets from ``high_gib`` (rounded up to the grid: at least PyTorch's peak) down
+    to ``low_gib`` (rounded up: a found minimum stays itself), evenly spaced, the ones between
+    rounded to the nearest grid point; descending, distinct, all above 0."""
+    if points < 1:
+        return []
+    top = math.ceil(high_gib / step_gib - 1e-9) * step_gib
+    bottom = max(step_gib, math.ceil(low_gib / step_gib - 1e-9) * step_gib)
+    if points == 1 or bottom >= top:
+        return [top]
+    budgets = [top]
+    for i in range(1, points - 1):
+        budgets.append(round((top - (top - bottom) * i / (points - 1)) / step_gib) * step_gib)
+    budgets.append(bottom)
+    return sorted(set(budgets), reverse=True)
+
+
+def measured(rows: list[dict], model: str, batch: int, method: str, budget: int) -> dict | None:
+    """A run of ``method`` at ``budget`` already made (main table, sweep or search probe)."""
+    return next((r for r in rows if r["model"] == model and r.get("batch", batch) == batch
+                 and r["method"] == method and r.get("budget_bytes") == budget
+                 and r.get("part") != "min"
+                 and r.get("status") not in ("skipped", "out_of_time")), None)
+
+
+def measure_model(args, text: str, rows: list[dict], clock: Budget, save) -> None:
+    """Every configuration of one model, in order: PyTorch unconstrained, --methods at --budget,
+    the explicit sweep, the searches, the automatic sweep; ``save()`` after each."""
+    model, batch = parse_model(text)
+    if args.batch and ":" not in text:
+        batch = args.batch
+
+    def run(method, budget, part, steps=None):
+        row = run_config(args, model, batch, method, budget, part=part, steps=steps, clock=clock)
+        rows.append(row)
+        add_bounds(rows)
+        save()
+        return row
+
+    base = run("pytorch", None, "table")
+    for method in args.methods:
+        run(method, parse_budget(args.budget), "table")
+    for text_budget in args.sweep:
+        if text_budget != "auto":
+            run("mucudnn", parse_budget(text_budget), "sweep")
+    later = [f"{m} min" for m in args.min_search] + (["auto sweep"] if "auto" in args.sweep else [])
+    if not trains(base):
+        for what in later:   # both need PyTorch's peak
+            rows.append({"model": model, "batch": batch, "config": what, "method": what.split()[0],
+                         "part": "min" if what.endswith("min") else "auto-sweep",
+                         "status": "skipped", "budget_bytes": None,
+                         "reason": f"PyTorch's unconstrained run: {base['status']}"})
+        save()
+        return
+    found: dict[str, dict] = {}
+    for method in args.min_search:
+        found[method] = min_budget_search(
+            method, lambda budget, m=method: run(m, budget, "min-probe", args.probe_steps),
+            base, args, found.get("pytorch"))
+        rows.append(found[method])
+        add_bounds(rows)
+        save()
+        print(f"    {model} {method}: smallest budget that trains "
+              f"{min_text(found[method]['search'])} GiB", flush=True)
+    if "auto" in args.sweep:
+        low = (found.get("mucudnn") or {}).get("min_budget_gib") or \
+            base["peak_reserved"] / GiB * args.offload_low_fraction
+        for gib in auto_sweep_budgets(base["peak_reserved"] / GiB, low, args.sweep_points,
+                                      args.min_step):
+            budget = round(gib * GiB)
+            row = measured(rows, model, batch, "mucudnn", budget) or run("mucudnn", budget,
+                                                                        "auto-sweep")
+            if row["status"] != "skipped" and not trains(row):
+                print(f"    auto sweep: stops at {gib:g} GiB ({row['status']})", flush=True)
+                break
+
+
+# -- outputs ----------------------------------------------------------------------------------------
+
+def model_cell(row: dict) -> str:
+    return f"{row['model']} N={row['batch']}" if "batch" in row else row["model"]
+
+
+def status_cell(row: dict) -> str:
+    status = row.get("status", "?")
+    if row.get("failed_steps"):
+        return status + (f" (steps {row['failed_steps']} out of memory; fell back to offloading "
+                         "everything)")
+    if row.get("reason"):
+        return f"{status} ({row['reason']})".replace("|", "/")
+    return status
 
 
 def markdown(rows: list[dict], args) -> str:
-    out = [f"# Activation offload, N={args.batch}, budget {args.budget} (fp32, TF32)", "",
+    out = [f"# Activation offload under a memory budget (fp32, TF32), budget {args.budget}", "",
            "| model | config | status | step ms | × unconstrained | peak reserved GiB | "
            "moved each way GiB | bound ms | × bound | plan (keep/offload/recompute) | "
            "allocator flushes |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("part") in MIN_PARTS:
+            continue
         ok = r.get("status") == "ok"
         out.append("| " + " | ".join([
-            r["model"], r["config"], r.get("status", "?") + (
-                f" (steps {r['failed_steps']} out of memory; fell back to offloading everything)"
-                if r.get("failed_steps") else ""),
+            model_cell(r), r["config"] + (" (auto sweep)" if r.get("part") == "auto-sweep" else ""),
+            status_cell(r),
             f"{r['step_ms']:.1f}" if ok else "—",
             f"{r['vs_unconstrained']:.3f}" if "vs_unconstrained" in r else "—",
-            f"{r['peak_reserved'] / 2**30:.2f}" if ok else "—",
-            f"{r['moved_bytes'] / 2**30:.2f}" if "moved_bytes" in r else "—",
+            f"{r['peak_reserved'] / GiB:.2f}" if ok else "—",
+            f"{r['moved_bytes'] / GiB:.2f}" if "moved_bytes" in r else "—",
             f"{r['bound_ms']:.1f}" if "bound_ms" in r else "—",
             f"{r['vs_bound']:.3f}" if "vs_bound" in r else "—",
             f"{r['kept']}/{r['offloaded']}/{r['recomputed']}" if "kept" in r else "—",
             str(r["alloc_retries"]) if "alloc_retries" in r else "—"]) + " |")
+    out += min_markdown(rows, args)
     link = next((r for r in rows if "d2h_gbps" in r), None)
     if link:
         out += ["", f"Host link measured by mucudnn.torch: {link['d2h_gbps']:.1f} GB/s to the "
@@ -281,56 +523,140 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(out) + "\n"
 
 
+def probe_text(probe: dict) -> str:
+    return f"{probe['budget_gib']:g}: {probe['status']}" + (
+        f" {probe['step_ms']:.1f} ms" if probe.get("step_ms") is not None else "")
+
+
+def min_markdown(rows: list[dict], args) -> list[str]:
+    """The searches' table (nothing without one) and mucudnn's minimum against PyTorch's."""
+    mins = [r for r in rows if r.get("part") == "min"]
+    if not mins:
+        return []
+    out = ["", "## Smallest budget that trains", "",
+           f"A budget trains when all {args.warmup} + {args.probe_steps} steps ran; bisection on "
+           f"a {args.min_step:g} GiB grid between the bracket's low end (assumed to fail) and "
+           "high end (probed first); probes in the order run.", "",
+           "| model | method | smallest budget GiB | × PyTorch's minimum | step ms there | "
+           "× unconstrained | bracket GiB | probes (GiB: outcome) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in mins:
+        search = r.get("search", {})
+        if r.get("status") == "skipped":
+            smallest = status_cell(r)
+        elif r.get("status") == "incomplete" and r.get("at_most_gib") is None:
+            smallest = "not found (time budget spent)"
+        else:
+            smallest = min_text(search)
+        out.append("| " + " | ".join([
+            model_cell(r), r["method"], smallest,
+            f"{r['vs_pytorch_min']:.2f}" if "vs_pytorch_min" in r else "—",
+            f"{r['step_ms']:.1f}" if "step_ms" in r else "—",
+            f"{r['vs_unconstrained']:.3f}" if "vs_unconstrained" in r else "—",
+            "–".join(f"{b:g}" for b in r["bracket_gib"]) if "bracket_gib" in r else "—",
+            "; ".join(probe_text(p) for p in search.get("probes", [])) or "—"]) + " |")
+    for r in mins:
+        if "vs_pytorch_min" in r:
+            pytorch = next(m for m in mins if m["model"] == r["model"] and m["method"] == "pytorch")
+            out += ["", f"{model_cell(r)}: {r['method']} trains in {r['vs_pytorch_min']:.2f} of "
+                        f"PyTorch's smallest budget ({r['min_budget_gib']:g} GiB against "
+                        f"{pytorch['min_budget_gib']:g} GiB)."]
+    return out
+
+
+def plot_series(rows: list[dict], model: str) -> dict:
+    """What the plot draws for ``model``: mucudnn's and capped PyTorch's step time against the
+    budget (every run that trained: table, sweeps, search probes), the anchors (PyTorch
+    unconstrained at its peak reserved, the other methods at their budget), the minima found and
+    the budgets where a run failed."""
+    mine = [r for r in rows if r["model"] == model and r.get("part") not in ("min",)]
+
+    def curve(method):
+        return sorted({(r["budget_bytes"] / GiB, r["step_ms"]) for r in mine
+                       if r["method"] == method and r.get("budget_bytes") and trains(r)})
+
+    anchors = []
+    for r in mine:
+        if r["method"] == "pytorch" and r.get("budget_bytes") is None and trains(r):
+            anchors.append((f"pytorch unconstrained (peak {r['peak_reserved'] / GiB:.1f} GiB)",
+                            r["peak_reserved"] / GiB, r["step_ms"]))
+        elif r["method"] not in ("pytorch", "mucudnn") and r.get("budget_bytes") and trains(r):
+            anchors.append((f"{r['method']} (peak {r['peak_reserved'] / GiB:.1f} GiB)",
+                            r["budget_bytes"] / GiB, r["step_ms"]))
+    minima = [(f"{r['method']} min {r['min_budget_gib']:g} GiB", r["min_budget_gib"])
+              for r in rows if r["model"] == model and r.get("part") == "min"
+              and r.get("min_budget_gib")]
+    failures = sorted({r["budget_bytes"] / GiB for r in mine if r.get("budget_bytes")
+                       and r.get("status") not in ("ok", "skipped", "unsupported")})
+    return {"mucudnn": curve("mucudnn"), "pytorch": curve("pytorch"), "anchors": anchors,
+            "minima": minima, "failures": failures}
+
+
 def plot(rows: list[dict], path: Path) -> bool:
+    """The plot, if matplotlib is installed; a failure to draw is said, never raised (the runs
+    after it matter more)."""
+    try:
+        return _plot(rows, path)
+    except Exception as exc:  # noqa: BLE001
+        print(f"no plot: {type(exc).__name__}: {exc}", flush=True)
+        return False
+
+
+def _plot(rows: list[dict], path: Path) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    models = sorted({r["model"] for r in rows})
+    models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        mine = sorted((r for r in rows if r["model"] == model and r["status"] == "ok"
-                       and r["method"] == "mucudnn"), key=lambda r: r["budget_bytes"])
-        ax.plot([r["budget_bytes"] / 2**30 for r in mine], [r["step_ms"] for r in mine], "o-",
-                label="mucudnn.torch")
-        for r in rows:
-            if r["model"] != model or r["status"] != "ok" or r["method"] == "mucudnn":
-                continue
-            x = (r["budget_bytes"] or r["peak_reserved"]) / 2**30
-            ax.plot([x], [r["step_ms"]], "s", label=f"{r['method']} (peak "
-                                                     f"{r['peak_reserved'] / 2**30:.1f} GiB)")
-        for r in rows:
-            if r["model"] == model and r["status"] == "oom":
-                ax.axvline(r["budget_bytes"] / 2**30, color="grey", lw=0.5, ls=":")
+        series = plot_series(rows, model)
+        for method, label, style in (("mucudnn", "mucudnn.torch", "o-"),
+                                     ("pytorch", "PyTorch under the budget", "^--")):
+            if series[method]:
+                ax.plot(*zip(*series[method]), style, label=label)
+        for label, x, y in series["anchors"]:
+            ax.plot([x], [y], "s", label=label)
+        for label, x in series["minima"]:
+            ax.axvline(x, ls="--", lw=1, color="C3" if label.startswith("mucudnn") else "C7",
+                       label=label)
+        for x in series["failures"]:
+            ax.axvline(x, color="grey", lw=0.5, ls=":")
         ax.set(title=model, xlabel="budget (GiB)", ylabel="step time (ms)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return True
 
 
 def driver(args) -> None:
-    sys.path.insert(0, str(ROOT))
-    from mucudnn.budget import parse_budget
-    from mucudnn.outputs import write_text_atomically
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    budget = parse_budget(args.budget)
-    sweep = [parse_budget(b) for b in args.sweep]
-    rows = []
-    for model in args.models:
-        rows.append(run_config(args, model, "pytorch", None))
-        for method in args.methods:
-            rows.append(run_config(args, model, method, budget))
-        for extra in sweep:
-            rows.append(run_config(args, model, "mucudnn", extra))
-        add_bounds(rows)
-        # after each model: what ran so far survives a later timeout
+    clock = Budget(args.time_budget_s)
+    rows: list[dict] = []
+
+    def save() -> None:   # after every configuration: what ran survives a later timeout
         write_text_atomically(out / "offload.json", json.dumps(rows, indent=1))
         write_text_atomically(out / "offload.md", markdown(rows, args))
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        for text in args.models:
+            measure_model(args, text, rows, clock, save)
+            plot(rows, out / "offload.png")
+    except Terminated:
+        print("terminated: writing what was measured", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        save()
+    if clock.skipped:
+        print(f"not run (time budget spent): {', '.join(clock.skipped)}", flush=True)
     if plot(rows, out / "offload.png"):
         print(f"wrote {out / 'offload.png'}")
     print(markdown(rows, args))
@@ -342,19 +668,33 @@ def main(argv=None) -> None:
     drive = sub.add_parser("driver", help="every configuration (the default)")
     work = sub.add_parser("worker", help="one configuration (internal)")
     for p in (parser, drive):
-        p.add_argument("--models", nargs="+", default=["vgg16", "resnet50"])
-        p.add_argument("--batch", type=int, default=256)
+        p.add_argument("--models", nargs="+", default=["vgg16", "resnet50"],
+                       help="MODEL or MODEL:BATCH of benchmarks/models.py")
+        p.add_argument("--batch", type=int, help="N of every MODEL (default: the model's own)")
         p.add_argument("--budget", default="12GiB", help="the budget every method is held to")
-        p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                       help="what runs at --budget (all: one table)")
+        p.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS),
+                       help="what runs at --budget (default all: one table; --methods alone: none)")
         p.add_argument("--sweep", nargs="*", default=["16GiB", "8GiB"],
-                       help="more budgets for mucudnn alone (the plot)")
+                       help="more budgets for mucudnn alone (the plot); auto: PyTorch's peak "
+                            "reserved down to mucudnn's minimum in --sweep-points budgets")
+        p.add_argument("--sweep-points", type=int, default=5, help="budgets of --sweep auto")
+        p.add_argument("--min-search", nargs="*", default=[], choices=("pytorch",) + METHODS,
+                       help="methods whose smallest budget that trains is bisected")
+        p.add_argument("--min-step", type=float, default=0.25, help="GiB: the searches' grid")
+        p.add_argument("--pytorch-low-fraction", type=float, default=0.7,
+                       help="PyTorch's search: its peak allocated x this is assumed to fail")
+        p.add_argument("--offload-low-fraction", type=float, default=0.25,
+                       help="other methods' searches (and --sweep auto without a minimum): this "
+                            "fraction of PyTorch's minimum (else peak reserved) is assumed to fail")
+        p.add_argument("--probe-steps", type=int, default=2, help="timed steps of a search probe")
         p.add_argument("--steps", type=int, default=5)
         p.add_argument("--warmup", type=int, default=4,
                        help="steps not timed (mucudnn records the first; a planned step that "
                             "runs out of memory plans again)")
         p.add_argument("--headroom", type=float, default=0.1)
         p.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
+        p.add_argument("--time-budget-s", type=float,
+                       help="no configuration starts, nor runs, past this many seconds")
         p.add_argument("--out", default="offload-out")
     work.add_argument("--model", required=True)
     work.add_argument("--method", choices=("pytorch",) + METHODS, required=True)
@@ -366,8 +706,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.role == "worker":
         worker(args)
-    else:
-        driver(args)
+        return
+    try:   # the budgets, before any run: one clear line for a bad one
+        for text in [args.budget] * bool(args.methods) + [b for b in args.sweep if b != "auto"]:
+            parse_budget(text)
+    except MucudnnError as exc:
+        parser.error(str(exc))
+    driver(args)
 
 
 if __name__ == "__main__":

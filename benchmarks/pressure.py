@@ -115,13 +115,14 @@ def crashed(outcome: dict, where: str) -> None:
 
 
 def min_cap_search(probe, low_gib: float, high_gib: float, *, step_gib: float = 0.25,
-                   ceiling_gib: float = DEVICE_MEMORY_GIB) -> dict:
+                   ceiling_gib: float = DEVICE_MEMORY_GIB, crash_ends_search: bool = True) -> dict:
     """The smallest cap on the grid of ``step_gib`` at which ``probe(cap)`` passes, assuming that
     a larger cap never fails where a smaller one passes. ``high_gib`` is probed first and the
     bracket widens upwards (doubling) while it fails; ``low_gib`` is assumed to fail and probed
     only if every probe above it passed, the bracket then widening downwards. A cap of 0 fails
     without a probe (it would mean no cap). Out of memory and timeouts do not train; a run that
-    failed otherwise (a crash) ends the search (``error``): no bisection on crashes. OutOfTime
+    failed otherwise (a crash) ends the search (``error``): no bisection on crashes, unless
+    ``crash_ends_search`` is False (every outcome but ``ok`` then just fails to train). OutOfTime
     from ``probe`` ends the search with ``complete`` False and the bracket known so far."""
     ceiling = max(1, math.floor(ceiling_gib / step_gib + 1e-9))
     lo = min(ceiling - 1, max(0, math.floor(low_gib / step_gib + 1e-9)))
@@ -135,7 +136,8 @@ def min_cap_search(probe, low_gib: float, high_gib: float, *, step_gib: float = 
         if k not in outcomes:
             outcomes[k] = probe(k * step_gib)
             probes.append({"cap_gib": k * step_gib, **brief(outcomes[k])})
-            crashed(outcomes[k], f"{k * step_gib:g} GiB")
+            if crash_ends_search:
+                crashed(outcomes[k], f"{k * step_gib:g} GiB")
         return passed(outcomes[k])
 
     result = {"min_cap_gib": None, "complete": False, "probes": probes}

@@ -71,6 +71,15 @@ def test_timed_out_runs_count_as_not_training():
     assert result["min_cap_gib"] == 3.0
 
 
+def test_a_crash_can_count_as_failing_to_train():
+    calls = []
+    crash = {"status": "failed", "stderr_tail": "Segmentation fault"}
+    result = min_cap_search(lambda c: calls.append(c) or (OK if c >= 7 else crash), 2, 8,
+                            crash_ends_search=False)
+    assert result["min_cap_gib"] == 7 and "error" not in result
+    assert {p["status"] for p in result["probes"]} == {"ok", "failed"}
+
+
 def test_a_crash_ends_a_search_instead_of_bisecting_on_it():
     calls = []
     crash = {"status": "failed", "stderr_tail": "Segmentation fault"}

@@ -1,0 +1,407 @@
+"""benchmarks/offload.py on the CPU: the smallest-budget search and the automatic sweep against fake
+runs (a function budget -> row), the driver's order and time budget with run_config faked, the
+tables and plot series written from those rows, per-block checkpointing of the 3-D U-Net, and how
+a worker's output becomes a row."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from benchmarks import offload
+from benchmarks.offload import (GiB, auto_sweep_budgets, markdown, measure_model,
+                                min_budget_search, plot_series, run_config)
+from benchmarks.pressure import Budget
+
+BASE = {"model": "unet3d", "batch": 2, "method": "pytorch", "budget_bytes": None, "status": "ok",
+        "step_ms": 400.0, "peak_allocated": 10.2 * GiB, "peak_reserved": 11.6 * GiB,
+        "device_memory": 80 * GiB, "part": "table"}
+
+
+def args_of(*argv):
+    """The driver's options as its parser makes them."""
+    parsed = {}
+
+    def capture(args):
+        parsed["args"] = args
+
+    original = offload.driver
+    offload.driver = capture
+    try:
+        offload.main(["driver", *argv])
+    finally:
+        offload.driver = original
+    return parsed["args"]
+
+
+def fake_row(method, budget, status, step_ms=500.0, **extra):
+    row = {"model": "unet3d", "batch": 2, "config": offload.config_name(method, budget),
+           "method": method, "budget_bytes": budget, "status": status, **extra}
+    if status == "ok":
+        row.update(step_ms=step_ms, peak_reserved=budget or 11.6 * GiB,
+                   peak_allocated=(budget or 11.6 * GiB) * 0.9)
+    return row
+
+
+def threshold_runner(method, threshold_gib, calls, below="oom"):
+    def run_probe(budget):
+        calls.append(budget / GiB)
+        if budget / GiB >= threshold_gib - 1e-9:
+            return fake_row(method, budget, "ok", step_ms=400 + 1000 / (budget / GiB))
+        return fake_row(method, budget, below)
+    return run_probe
+
+
+# -- the search ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threshold", [8.1, 9.0, 11.6, 14.2])
+def test_pytorch_minimum_is_the_threshold_rounded_up_to_the_grid(threshold):
+    calls = []
+    row = min_budget_search("pytorch", threshold_runner("pytorch", threshold, calls), BASE,
+                            args_of())
+    expected = math.ceil(threshold / 0.25 - 1e-9) * 0.25
+    assert row["part"] == "min" and row["status"] == "ok"
+    assert row["min_budget_gib"] == pytest.approx(expected)
+    assert row["budget_bytes"] == round(expected * GiB)
+    assert calls[0] == pytest.approx(11.75)   # PyTorch's peak reserved, up to the grid, first
+    assert all(abs(c / 0.25 - round(c / 0.25)) < 1e-9 for c in calls)
+    assert len(calls) == len(set(calls))
+    # every probe: budget, status, step time where it trained
+    probes = row["search"]["probes"]
+    assert [p["budget_gib"] for p in probes] == pytest.approx(calls)
+    for probe in probes:
+        assert probe["status"] == ("ok" if probe["budget_gib"] >= threshold - 1e-9 else "oom")
+        assert ("step_ms" in probe) == (probe["status"] == "ok")
+    assert row["step_ms"] == pytest.approx(400 + 1000 / expected)
+
+
+@pytest.mark.parametrize("below", ["error", "timeout", "failed_steps"])
+def test_an_error_a_timeout_or_a_failed_step_fails_to_train_and_the_search_goes_on(below):
+    calls = []
+
+    def run_probe(budget):
+        calls.append(budget / GiB)
+        if budget / GiB >= 5.0:
+            return fake_row("mucudnn", budget, "ok")
+        if below == "failed_steps":   # it ran, but one step ran out of memory
+            return fake_row("mucudnn", budget, "ok", failed_steps=[1])
+        return fake_row("mucudnn", budget, below, error=["RuntimeError: boom"])
+
+    row = min_budget_search("mucudnn", run_probe, BASE, args_of())
+    assert row["status"] == "ok" and row["min_budget_gib"] == 5.0
+    assert below in {p["status"] for p in row["search"]["probes"]}
+
+
+def test_mucudnn_searches_below_pytorchs_minimum():
+    pytorch = min_budget_search("pytorch", threshold_runner("pytorch", 9.6, []), BASE, args_of())
+    calls = []
+    row = min_budget_search("mucudnn", threshold_runner("mucudnn", 3.3, calls), BASE, args_of(),
+                            pytorch)
+    assert pytorch["min_budget_gib"] == 9.75
+    assert calls[0] == 9.75                       # PyTorch's minimum first
+    assert row["bracket_gib"] == [pytest.approx(9.75 * 0.25, abs=1e-3), 9.75]
+    assert row["min_budget_gib"] == 3.5
+
+
+def test_a_spent_time_budget_leaves_the_search_incomplete_with_what_it_knows():
+    calls = []
+    passing = threshold_runner("pytorch", 9.0, calls)
+
+    def run_probe(budget):
+        if len(calls) >= 2:
+            return fake_row("pytorch", budget, "skipped", reason="time budget spent")
+        return passing(budget)
+
+    row = min_budget_search("pytorch", run_probe, BASE, args_of())
+    assert row["status"] == "incomplete" and row["min_budget_gib"] is None
+    assert row["at_most_gib"] == pytest.approx(min(c for c in calls if c >= 9.0))
+    assert row["search"]["complete"] is False and len(row["search"]["probes"]) == 2
+
+
+# -- the automatic sweep ---------------------------------------------------------------------------
+
+def test_auto_sweep_from_pytorchs_peak_down_to_the_minimum():
+    budgets = auto_sweep_budgets(31.37, 6.25, 5, 0.25)
+    assert budgets[0] == 31.5 and budgets[-1] == 6.25   # the peak rounded up; the minimum itself
+    assert len(budgets) == 5 and budgets == sorted(budgets, reverse=True)
+    assert all(abs(b / 0.25 - round(b / 0.25)) < 1e-9 for b in budgets)
+    gaps = [a - b for a, b in zip(budgets, budgets[1:])]
+    assert max(gaps) - min(gaps) <= 0.25 + 1e-9          # evenly spaced, up to the grid
+
+
+def test_auto_sweep_degenerate_cases():
+    assert auto_sweep_budgets(10.0, 9.9, 6, 0.25) == [10.0]   # the minimum at the peak
+    assert auto_sweep_budgets(2.0, 1.5, 10, 0.25) == [2.0, 1.75, 1.5]   # distinct on the grid
+    assert auto_sweep_budgets(12.0, 3.0, 1, 0.25) == [12.0]
+    assert auto_sweep_budgets(12.0, 0.0, 3, 0.25)[-1] == 0.25          # never 0 (no budget)
+    assert auto_sweep_budgets(12.0, 3.0, 0, 0.25) == []
+
+
+# -- the driver's order, with run_config faked -------------------------------------------------------
+
+class FakeGPU:
+    """run_config answered from thresholds: PyTorch trains from 9.6 GiB, mucudnn from 3.3 GiB
+    (slower the smaller the budget), save_on_cpu fails, checkpoint is unsupported."""
+
+    def __init__(self, mucudnn_from=3.3, fail_at=()):
+        self.calls, self.mucudnn_from, self.fail_at = [], mucudnn_from, set(fail_at)
+
+    def __call__(self, args, model, batch, method, budget, *, part="table", steps=None,
+                 clock=None):
+        self.calls.append((method, budget and budget / GiB, part))
+        row = {"model": model, "batch": batch, "config": offload.config_name(method, budget),
+               "method": method, "budget_bytes": budget, "part": part}
+        if clock is not None:
+            try:
+                clock.check(row["config"])
+            except offload.OutOfTime:
+                return {**row, "status": "skipped", "reason": "time budget spent"}
+        gib = budget / GiB if budget else None
+        if method == "checkpoint":
+            return {**row, "status": "unsupported", "reason": "not this model"}
+        trains = (gib is None or (method == "pytorch" and gib >= 9.6)
+                  or (method == "mucudnn" and gib >= self.mucudnn_from
+                      and round(gib, 2) not in self.fail_at))
+        if not trains or method == "save_on_cpu":
+            return {**row, "status": "oom"}
+        return {**row, "status": "ok", "step_ms": 400.0 + (0 if gib is None else 800 / gib),
+                "peak_reserved": 11.6 * GiB if gib is None else 0.95 * budget,
+                "peak_allocated": 10.2 * GiB if gib is None else 0.9 * budget,
+                "device_memory": 80 * GiB}
+
+
+def drive(monkeypatch, fake, *argv, clock=None):
+    monkeypatch.setattr(offload, "run_config", fake)
+    args = args_of(*argv)
+    rows, saves = [], []
+    for text in args.models:
+        measure_model(args, text, rows, clock or Budget(None), lambda: saves.append(len(rows)))
+    return args, rows, saves
+
+
+def test_the_driver_runs_pytorch_the_table_the_searches_then_the_sweep(monkeypatch):
+    fake = FakeGPU()
+    args, rows, saves = drive(monkeypatch, fake, "--models", "unet3d", "--methods", "mucudnn",
+                              "checkpoint", "--budget", "6GiB", "--sweep", "auto",
+                              "--min-search", "pytorch", "mucudnn")
+    parts = [part for _, _, part in fake.calls]
+    assert fake.calls[0] == ("pytorch", None, "table")
+    assert parts.index("min-probe") > parts.index("table")
+    assert parts[-1] == "auto-sweep" and "table" not in parts[parts.index("min-probe"):]
+    assert rows[0]["batch"] == 2                      # models.py's N of unet3d
+    mins = {r["method"]: r for r in rows if r["part"] == "min"}
+    assert mins["pytorch"]["min_budget_gib"] == 9.75 and mins["mucudnn"]["min_budget_gib"] == 3.5
+    assert mins["mucudnn"]["vs_pytorch_min"] == pytest.approx(3.5 / 9.75)
+    sweep = [b for m, b, p in fake.calls if p == "auto-sweep"]
+    # from PyTorch's peak (11.6 up to 11.75) down to the minimum, which was probed already
+    assert sweep[0] == 11.75 and 3.5 not in sweep
+    assert all(b > 3.5 for b in sweep)
+    checkpoint = next(r for r in rows if r["method"] == "checkpoint")
+    assert checkpoint["status"] == "unsupported"
+    assert len(saves) == len(fake.calls) + 2          # after every run and every search
+
+
+def test_the_auto_sweep_stops_at_its_first_failure(monkeypatch):
+    # no minimum searched: down to a quarter of PyTorch's peak, stopped at the failure
+    planned = auto_sweep_budgets(11.6, 11.6 * 0.25, 8, 0.25)
+    fake = FakeGPU(fail_at={planned[3]})
+    drive(monkeypatch, fake, "--models", "unet3d", "--methods", "--sweep", "auto",
+          "--sweep-points", "8")
+    assert [b for m, b, p in fake.calls if p == "auto-sweep"] == planned[:4]
+
+
+def test_batch_option_and_model_batch(monkeypatch):
+    _, rows, _ = drive(monkeypatch, FakeGPU(), "--models", "unet3d", "vgg16:64", "--methods",
+                       "--sweep", "--batch", "4")
+    assert [(r["model"], r["batch"]) for r in rows] == [("unet3d", 4), ("vgg16", 64)]
+
+
+def test_a_spent_time_budget_marks_what_was_not_run(monkeypatch):
+    now = [0.0]
+    clock = Budget(100.0, clock=lambda: now[0])
+    fake = FakeGPU()
+    original = fake.__call__
+
+    def slow(*a, **k):   # every run takes 30 s
+        row = original(*a, **k)
+        now[0] += 30
+        return row
+
+    _, rows, _ = drive(monkeypatch, slow, "--models", "unet3d", "--methods", "--sweep", "auto",
+                       "--min-search", "pytorch", "mucudnn", clock=clock)
+    ran = [r for r in rows if r["part"] != "min" and r["status"] != "skipped"]
+    assert len(ran) == 4                              # started at 0, 30, 60, 90 s
+    mins = {r["method"]: r for r in rows if r["part"] == "min"}
+    assert mins["pytorch"]["status"] == "incomplete" and mins["mucudnn"]["status"] == "incomplete"
+    assert any(r["part"] == "auto-sweep" and r["status"] == "skipped" for r in rows)
+    assert clock.skipped
+
+
+def test_without_pytorchs_run_the_searches_are_skipped(monkeypatch):
+    fake = FakeGPU()
+    original = fake.__call__
+    monkeypatch.setattr(offload, "run_config", lambda *a, **k: (
+        {**original(*a, **k), "status": "oom"} if a[3] == "pytorch" else original(*a, **k)))
+    args = args_of("--models", "unet3d", "--methods", "--sweep", "auto", "--min-search",
+                   "pytorch", "mucudnn")
+    rows = []
+    measure_model(args, "unet3d", rows, Budget(None), lambda: None)
+    assert [(r["config"], r["status"]) for r in rows[1:]] == [
+        ("pytorch min", "skipped"), ("mucudnn min", "skipped"), ("auto sweep", "skipped")]
+    assert "PyTorch's unconstrained run: oom" in markdown(rows, args)
+
+
+# -- outputs -----------------------------------------------------------------------------------------
+
+def test_markdown_of_the_searches(monkeypatch):
+    args, rows, _ = drive(monkeypatch, FakeGPU(), "--models", "unet3d", "--methods", "mucudnn",
+                          "--budget", "6GiB", "--sweep", "--min-search", "pytorch", "mucudnn")
+    text = markdown(rows, args)
+    assert "## Smallest budget that trains" in text
+    table = text.split("## Smallest budget that trains")[1]
+    pytorch_line = next(line for line in table.splitlines() if line.startswith("| unet3d N=2 | pytorch"))
+    mucudnn_line = next(line for line in table.splitlines() if line.startswith("| unet3d N=2 | mucudnn"))
+    assert "| 9.75 |" in pytorch_line and "11.75: ok" in pytorch_line and "oom" in pytorch_line
+    assert "| 3.5 | 0.36 |" in mucudnn_line
+    assert "mucudnn trains in 0.36 of PyTorch's smallest budget (3.5 GiB against 9.75 GiB)" in text
+    # the probes are not rows of the main table
+    main = text.split("## Smallest budget that trains")[0]
+    assert "pytorch@9.75GiB" not in main and "mucudnn@6GiB" in main
+    json.dumps(rows)   # offload.json
+
+
+def test_markdown_without_searches_has_no_search_table(monkeypatch):
+    args, rows, _ = drive(monkeypatch, FakeGPU(), "--models", "unet3d", "--sweep", "8GiB")
+    assert "Smallest budget" not in markdown(rows, args)
+
+
+def test_plot_series_has_the_anchors_the_curve_and_the_minima(monkeypatch):
+    _, rows, _ = drive(monkeypatch, FakeGPU(), "--models", "unet3d", "--methods", "mucudnn",
+                       "save_on_cpu", "--budget", "12GiB", "--sweep", "auto",
+                       "--min-search", "pytorch", "mucudnn")
+    rows.append({**rows[0], "method": "ondemand", "config": "ondemand@12GiB",
+                 "budget_bytes": 12 * GiB, "step_ms": 900.0})
+    series = plot_series(rows, "unet3d")
+    labels = [label for label, _, _ in series["anchors"]]
+    assert any(label.startswith("pytorch unconstrained") for label in labels)
+    assert (next(a for a in series["anchors"] if a[0].startswith("pytorch"))[1:]
+            == (pytest.approx(11.6), 400.0))
+    assert any(label.startswith("ondemand") for label in labels)
+    assert [x for _, x in series["minima"]] == [9.75, 3.5]
+    budgets = [x for x, _ in series["mucudnn"]]
+    assert min(budgets) == 3.5 and max(budgets) == 12.0 and budgets == sorted(budgets)
+    assert 9.75 in [x for x, _ in series["pytorch"]]    # PyTorch under a budget: its probes
+    assert 12.0 in series["failures"]                   # save_on_cpu ran out of memory there
+
+
+# -- a worker's output, per-block checkpointing ------------------------------------------------------
+
+@pytest.mark.parametrize("stdout,stderr,rc,timed_out,status", [
+    ('RESULT {"status": "unsupported", "reason": "no"}\n', "", 0, False, "unsupported"),
+    ('RESULT {"step_ms": 1.0, "peak_reserved": 1}\n', "", 0, False, "ok"),
+    ("", "torch.OutOfMemoryError: CUDA out of memory.", 1, False, "oom"),
+    ("", "RuntimeError: something else", 1, False, "error"),
+    ("", "", -9, True, "timeout"),
+])
+def test_a_workers_outcome_becomes_the_rows_status(monkeypatch, stdout, stderr, rc, timed_out,
+                                                   status):
+    seen = {}
+
+    def execute(cmd, env, timeout):
+        seen.update(cmd=cmd, timeout=timeout)
+        return rc, stdout, stderr, 1.0, timed_out
+
+    monkeypatch.setattr(offload, "execute", execute)
+    row = run_config(args_of(), "unet3d", 2, "checkpoint", 3 * GiB, part="min-probe", steps=2)
+    assert row["status"] == status and row["part"] == "min-probe" and row["batch"] == 2
+    assert seen["cmd"][seen["cmd"].index("--steps") + 1] == "2"
+    assert seen["cmd"][seen["cmd"].index("--budget-bytes") + 1] == str(3 * GiB)
+
+
+def test_a_run_is_cut_at_the_time_budget_and_none_starts_after_it(monkeypatch):
+    now = [0.0]
+    clock = Budget(100.0, clock=lambda: now[0])
+    seen = []
+    monkeypatch.setattr(offload, "execute",
+                        lambda cmd, env, timeout: seen.append(timeout) or (-9, "", "", 1.0, True))
+    now[0] = 60.0
+    assert run_config(args_of(), "unet3d", 2, "mucudnn", GiB, clock=clock)["status"] == "out_of_time"
+    assert seen == [40.0]
+    now[0] = 100.0
+    row = run_config(args_of(), "unet3d", 2, "mucudnn", GiB, clock=clock)
+    assert row["status"] == "skipped" and seen == [40.0]
+
+
+def test_the_unet_is_checkpointed_per_stage_with_the_same_gradients():
+    torch = pytest.importorskip("torch")
+    from benchmarks.models import unet3d
+
+    torch.manual_seed(0)
+    plain = unet3d(base=4, levels=3, max_channels=16)
+    wrapped = unet3d(base=4, levels=3, max_channels=16)
+    wrapped.load_state_dict(plain.state_dict())
+    wrapped = offload.checkpointed(torch, wrapped, "unet3d")
+    stages = [m for m in wrapped.modules() if type(m).__name__ == "Checkpointed"]
+    assert len(stages) == 3 + 2                        # every encoder and decoder stage
+    x = torch.randn(1, 1, 8, 8, 8)
+    grads = []
+    for model in (plain, wrapped):
+        model(x).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_model_without_known_blocks_is_unsupported():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(offload.UnsupportedModel, match="not mlp"):
+        offload.checkpointed(torch, torch.nn.Sequential(torch.nn.Linear(2, 2)), "mlp")
+
+
+def test_a_resnet_like_backbone_is_checkpointed_per_block():
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Backbone(nn.Module):   # DeepLabV3's: the residual stages under ``backbone``
+        def __init__(self):
+            super().__init__()
+            for i in range(1, 5):
+                setattr(self, f"layer{i}", nn.Sequential(nn.Conv2d(2, 2, 1), nn.Conv2d(2, 2, 1)))
+
+    model = nn.Module()
+    model.backbone = Backbone()
+    offload.checkpointed(torch, model, "deeplabv3_resnet50")
+    assert all(type(block).__name__ == "Checkpointed"
+               for i in range(1, 5) for block in getattr(model.backbone, f"layer{i}"))
+
+
+def test_the_driver_writes_json_and_markdown_after_every_run(monkeypatch, tmp_path):
+    written = []
+
+    def execute(cmd, env, timeout):
+        written.append((tmp_path / "offload.json").exists())
+        budget = int(cmd[cmd.index("--budget-bytes") + 1])
+        method = cmd[cmd.index("--method") + 1]
+        if method == "pytorch" and budget and budget < 9 * GiB:
+            return 1, "", "torch.OutOfMemoryError: CUDA out of memory", 1.0, False
+        result = {"step_ms": 100.0, "peak_reserved": budget or 10 * GiB,
+                  "peak_allocated": 0.9 * (budget or 10 * GiB), "device_memory": 80 * GiB}
+        return 0, "RESULT " + json.dumps(result) + "\n", "", 1.0, False
+
+    monkeypatch.setattr(offload, "execute", execute)
+    offload.main(["driver", "--models", "unet3d", "--methods", "--sweep", "--min-search",
+                  "pytorch", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "offload.json").read_text())
+    assert rows[-1]["part"] == "min" and rows[-1]["min_budget_gib"] == 9.0
+    assert written[0] is False and all(written[1:])
+    assert "| unet3d N=2 | pytorch | 9 |" in (tmp_path / "offload.md").read_text()
+
+
+def test_a_bad_budget_is_one_error_before_any_run(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(offload, "execute", lambda *a: pytest.fail("ran"))
+    with pytest.raises(SystemExit):
+        offload.main(["driver", "--sweep", "auto", "8GB2", "--out", str(tmp_path)])
+    assert "cannot read '8GB2' as a size" in capsys.readouterr().err
