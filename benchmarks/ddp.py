@@ -127,6 +127,9 @@ def worker(args) -> int:
                    "errors": [r["error"] for r in gathered if "error" in r]}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(summary, indent=1))
+    # every rank leaves together: once, on a loaded machine, a gloo rank tearing its group down
+    # while rank 0 was still writing aborted ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
