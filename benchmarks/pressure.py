@@ -42,7 +42,7 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   the shim's >= PyTorch's.
 
 Under a cap the shim is told it (MUCUDNN_MEMORY_BUDGET, as `mucudnn run --memory-budget` does;
---no-shim-budget: not), so that its room chooses workspaces within what the cap leaves, as it would
+--no-shim-budget: not; offload runs always, the CLI tells it), so that its room chooses workspaces within what the cap leaves, as it would
 on a GPU of that size. Running out of memory is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its
 process group killed). --time-budget-s: no new run starts once that many seconds have passed;
 what was not run is listed under "skipped". --gpus 0,1,...: models spread over those GPUs (one
