@@ -130,8 +130,11 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     # $LOGS/pressure (without online/) after the stage; the page is pressure-GPU.md. Knobs: PRESSURE_DTYPES
     # ("fp32 bf16"; minmem/maxbatch use the first), PRESSURE_BENCHMARK ("off on"), PRESSURE_ROUNDS
     # (3), PRESSURE_SHIM (online | front), PRESSURE_TIMEOUT (570 s; the time budget is 45 s less),
-    # PRESSURE_GPUS (all or 0,1,..: models in parallel, one per GPU), PRESSURE_ARGS (more options)
+    # PRESSURE_GPUS (all or 0,1,..: models in parallel, one per GPU), PRESSURE_OFFLOAD (1: minmem
+    # also searches the shim + offload, `mucudnn run --memory-budget CAP --offload`; other parts
+    # ignore it), PRESSURE_ARGS (more options)
     rest=${s#pressure-}; part=${rest%%-*}; models=${rest#*-}
+    offload=; [ "${PRESSURE_OFFLOAD:-0}" = 1 ] && [ "$part" = minmem ] && offload=--offload
     gpus=${PRESSURE_GPUS:-}; [ "$gpus" = all ] && gpus=$(all_gpus)
     limit=${PRESSURE_TIMEOUT:-570}; dir=${PRESSURE_DIR:-$STATE/pressure}
     # PRESSURE_ALLOC_CONF: PyTorch's allocator for every run of the part (e.g. expandable_segments:True,
@@ -140,7 +143,7 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     stage "$s" "$limit" python3 -m benchmarks.pressure "$part" --models ${models//+/ } \
       --dtypes ${PRESSURE_DTYPES:-fp32 bf16} --benchmark ${PRESSURE_BENCHMARK:-off on} \
       --rounds ${PRESSURE_ROUNDS:-3} --shim-mode ${PRESSURE_SHIM:-online} \
-      --time-budget-s $((limit - 45)) ${gpus:+--gpus $gpus} ${PRESSURE_ARGS:-} --out "$dir"
+      --time-budget-s $((limit - 45)) ${gpus:+--gpus $gpus} $offload ${PRESSURE_ARGS:-} --out "$dir"
     mkdir -p "$LOGS/pressure" && (cd "$dir" && tar cf - --exclude=online .) | tar xf - -C "$LOGS/pressure" ;;
   ddp-*)  # benchmarks/ddp.py on a node of N GPUs (ddp-2; ddp-2:bench or ddp-2:steps for one part):
     # DDP ResNet-50 N=256 per GPU fp32, shim/PyTorch step ratio on N GPUs vs 1, gradients across

@@ -27,14 +27,22 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   reserved (checked first; the bracket widens when it fails); the shim's bracket is PyTorch's
   minimum and --shim-low-fraction of it. The step time at the minimum is that probe's. Targets:
   the shim never needs more than PyTorch; on 3-D models <= 0.8x of it, at <= 1.10x PyTorch's
-  unconstrained step.
+  unconstrained step. ``--offload`` adds a third side, "shim + offload": the shim as above run
+  through `mucudnn run --memory-budget CAP --offload` (the CLI's own path: its budget hook limits
+  the allocator and tells the shim; mucudnn.torch keeps, offloads or recomputes saved tensors,
+  docs/torch.md), bracketed by the smaller minimum found and --offload-low-fraction of it; its
+  probes warm up --offload-warmup steps (>= 4: mucudnn.torch records 2 before its plan applies),
+  and keep mucudnn.torch's plan line (``offload_lines``; MUCUDNN_LOG_LEVEL=info, the shim's lines
+  in OUT/logs). Its allocator is the part's (the CLI's expandable_segments default does not
+  apply; set PYTORCH_CUDA_ALLOC_CONF for every run). Each searched shim side gets
+  ``vs_pytorch_min``, ``vs_pytorch_uncapped_step`` and ``target_met`` in the JSON.
 - ``maxbatch`` (c): per model and side, the largest batch that trains under a --cap GiB cap (24):
   from N doubling until it fails (halving if N fails), then bisection to --resolution (5 %); the
   shim starts from PyTorch's largest, growing by --seeded-growth. images/s at the largest. Target:
   the shim's >= PyTorch's.
 
 Under a cap the shim is told it (MUCUDNN_MEMORY_BUDGET, as `mucudnn run --memory-budget` does;
---no-shim-budget: not), so that its room chooses workspaces within what the cap leaves, as it would
+--no-shim-budget: not; offload runs always, the CLI tells it), so that its room chooses workspaces within what the cap leaves, as it would
 on a GPU of that size. Running out of memory is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its
 process group killed). --time-budget-s: no new run starts once that many seconds have passed;
 what was not run is listed under "skipped". --gpus 0,1,...: models spread over those GPUs (one
@@ -44,6 +52,7 @@ benchmarks/results/.
 
     python -m benchmarks.pressure ratio --models resnet50 r3d_18 --dtypes fp32 bf16 --out DIR
     python -m benchmarks.pressure minmem --models unet3d r3d_18 --out DIR --time-budget-s 300
+    python -m benchmarks.pressure minmem --models r3d_18 --offload --out DIR --time-budget-s 500
     python -m benchmarks.pressure maxbatch --models resnet50 --cap 24 --out DIR
     python -m benchmarks.pressure report --out DIR --to benchmarks/results/pressure-h200.md
 """
@@ -64,11 +73,19 @@ import time
 from pathlib import Path
 
 from benchmarks.models import parse_model, spec_of
+from mucudnn.budget import ENV_OFFLOAD  # set by `mucudnn run --offload` only
 from benchmarks.shim_pytorch import worker_command, worker_outcome
 
 PARTS = ("ratio", "minmem", "maxbatch")
 DTYPES = {"fp32": "fp32 (TF32 on)", "bf16": "bf16 autocast, channels-last"}
 ONLINE_PATTERN = re.compile(r"online tuning", re.IGNORECASE)
+OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor)", re.IGNORECASE)
+# mucudnn.torch's OffloadSession records this many steps (its record_steps; every saved tensor
+# offloaded, the first pinning the host pool) before its plan applies: an offload probe's warm-up
+# covers them and two planned steps (the first grows the pinned pool and the caching allocator to
+# the plan's pattern), so that its timed steps are the plan's steady state
+OFFLOAD_RECORD_STEPS = 2
+OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + 2
 DEVICE_MEMORY_GIB = 140.0   # where a cap search gives up widening its bracket upwards (H200)
 
 
@@ -233,7 +250,7 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
 def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
-            "reused_from", "returncode")
+            "reused_from", "returncode", "offload_lines")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]
@@ -264,7 +281,12 @@ class Runner:
 
     def run(self, what: str, model: str, batch: int, *, shim: bool, dtype: str,
             cudnn_benchmark: bool, cap_gib: float = 0.0, steps: int, warmup: int,
-            log: Path | None = None) -> dict:
+            log: Path | None = None, offload: bool = False) -> dict:
+        """One worker run. ``offload`` (with ``shim`` and a cap): through `mucudnn run
+        --memory-budget CAP --offload`, the CLI's own path (the budget hook limits the allocator
+        and tells the shim; mucudnn.torch keeps, offloads or recomputes saved tensors)."""
+        if offload and not (shim and cap_gib):
+            raise ValueError("an offload run is a shim run under a cap")
         self.budget.check(what)
         env_extra, plan = {}, None
         if shim and self.args.shim_mode == "online":
@@ -276,18 +298,31 @@ class Runner:
                 error = self.front_errors[(model, batch, dtype)]
                 print(f"    {what}: failed (no front plan: {error[-200:]})", flush=True)
                 return {"status": "failed", "stderr_tail": f"no front plan: {error}"}
-        if shim and cap_gib and self.args.shim_budget:
+        if shim and cap_gib and self.args.shim_budget and not offload:
             # the cap is the allocator's, invisible in the device's free memory: tell the shim, as
             # a GPU of that size would, so that its room (docs/shim.md) sees it
             env_extra["MUCUDNN_MEMORY_BUDGET"] = str(int(cap_gib * 2**30))
+        if offload and log is None:
+            # mucudnn.torch says its plan (or its fall-back) at info level, on stderr; the shim's
+            # own info lines go to this file
+            log = self.out / "logs" / f"{model}-{batch}-{dtype}-offload-{cap_gib:g}GiB.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.unlink(missing_ok=True)
         cmd, env = worker_command(model, env_extra, tf32=True, shim=shim, steps=steps,
                                   warmup=warmup, cudnn_benchmark=cudnn_benchmark, plan=plan,
                                   log=str(log) if log else None, batch=batch, path="default",
                                   dtype=dtype, memory_cap_gib=cap_gib,
-                                  online=shim and self.args.shim_mode == "online")
-        for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET"):
-            if name not in env_extra:  # only where this run asks for it
+                                  online=shim and self.args.shim_mode == "online",
+                                  memory_budget=int(cap_gib * 2**30) if offload else None,
+                                  offload=offload)
+        # only where this run asks for it (an offload run's budget and offload: the CLI sets them)
+        for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET", ENV_OFFLOAD):
+            if name not in env_extra:
                 env.pop(name, None)
+        if offload:
+            # `mucudnn run --memory-budget` turns on expandable segments unless the allocator is
+            # configured: configured here as the part's, so that every run has the same allocator
+            env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         rc, stdout, stderr, wall_s, timed_out = execute(cmd, env, self.args.probe_timeout_s)
         outcome = ({"status": "timeout", "stderr_tail": stderr[-1500:]} if timed_out
                    else worker_outcome(rc, stdout, stderr))
@@ -297,6 +332,9 @@ class Runner:
             # the shim's exit report comes last: keep the last lines that mention online tuning
             outcome["online_lines"] = [line.strip() for line in (logged + "\n" + stderr).splitlines()
                                        if ONLINE_PATTERN.search(line)][-5:]
+        if offload:  # the plan the probe ran (or that it fell back to offloading everything)
+            outcome["offload_lines"] = [line.strip()[:300] for line in stderr.splitlines()
+                                        if OFFLOAD_PATTERN.search(line)][-2:]
         print(f"    {what}: {outcome['status']}" + (f" {outcome['step_ms']:.2f} ms"
               if "step_ms" in outcome else "") + f" ({wall_s:.1f} s)", flush=True)
         return outcome
@@ -393,7 +431,8 @@ class Report:
 def settings_of(args) -> dict:
     keep = ("shim_mode", "dtypes", "benchmark", "rounds", "steps", "warmup", "probe_steps",
             "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
-            "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s")
+            "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s", "offload",
+            "offload_warmup", "offload_low_fraction")
     settings = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     # every run of the part inherits it, PyTorch's and the shim's alike
     settings["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -453,6 +492,9 @@ def ratio_line(model, batch, dtype, bench, row) -> str:
             + (f" ({row['incomplete']})" if "incomplete" in row else ""))
 
 
+SIDES = {"pytorch": "PyTorch", "shim": "shim", "offload": "shim + offload"}  # minmem's searches
+
+
 def minmem_part(args, runner: Runner, report: Report) -> None:
     dtype, bench = args.dtypes[0], args.benchmark[0] == "on"
     reused = previous_uncapped(runner.out, dtype, bench)
@@ -461,13 +503,15 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
                                                 "cudnn_benchmark": bench}
         label = f"{model}:{batch} {dtype} benchmark {on_off(bench)}"
 
-        def probe(side_is_shim: bool):
-            side = "shim" if side_is_shim else "PyTorch"
+        def probe(side: str):
+            offload = side == "offload"
 
             def at(cap_gib: float) -> dict:
-                outcome = runner.run(f"{label} {side} cap {cap_gib:g} GiB", model, batch,
-                                     shim=side_is_shim, dtype=dtype, cudnn_benchmark=bench,
-                                     cap_gib=cap_gib, steps=args.probe_steps, warmup=1)
+                outcome = runner.run(f"{label} {SIDES[side]} cap {cap_gib:g} GiB", model, batch,
+                                     shim=side != "pytorch", offload=offload, dtype=dtype,
+                                     cudnn_benchmark=bench, cap_gib=cap_gib,
+                                     steps=args.probe_steps,
+                                     warmup=args.offload_warmup if offload else 1)
                 report.note_device(outcome)
                 return outcome
             return at
@@ -484,21 +528,64 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
                 entry["error"] = f"PyTorch uncapped: {base['status']}"
                 continue
             allocated, reserved = base["peak_bytes"] / 2**30, base["peak_reserved_bytes"] / 2**30
-            entry["pytorch"] = min_cap_search(probe(False), allocated * args.low_fraction, reserved,
-                                              step_gib=args.cap_step)
+            entry["pytorch"] = min_cap_search(probe("pytorch"), allocated * args.low_fraction,
+                                              reserved, step_gib=args.cap_step)
             report.save()
             first = runner.first_use(model, batch, dtype, bench)
             if first:
                 entry["shim_first_use"] = first
             reference = entry["pytorch"].get("min_cap_gib") or entry["pytorch"].get("at_most_gib")
             high = reference or reserved
-            entry["shim"] = min_cap_search(probe(True), high * args.shim_low_fraction, high,
+            entry["shim"] = min_cap_search(probe("shim"), high * args.shim_low_fraction, high,
                                            step_gib=args.cap_step)
+            report.save()
+            if args.offload:
+                # offload trains wherever the shim does (its plan keeps what fits): below the
+                # smaller minimum, down to --offload-low-fraction of it
+                found = [s.get("min_cap_gib") or s.get("at_most_gib")
+                         for s in (entry["pytorch"], entry["shim"])]
+                high = min((x for x in found if x), default=reserved)
+                entry["offload"] = min_cap_search(probe("offload"), high * args.offload_low_fraction,
+                                                  high, step_gib=args.cap_step)
         except OutOfTime:
             entry.setdefault("incomplete", "time budget spent")
         finally:
+            for side in ("shim", "offload"):
+                if entry.get(side) is not None:
+                    entry[side].update(minmem_targets(model, entry, side))
             report.save()
             print(minmem_line(model, batch, entry), flush=True)
+
+
+# issue 12 (b) on the 3-D models: a minimum at most this fraction of PyTorch's, with a step there
+# at most this multiple of PyTorch's unconstrained step; elsewhere: at most PyTorch's minimum
+MIN_FRACTION_3D, STEP_RATIO_3D = 0.8, 1.10
+
+
+def is_3d(model: str) -> bool:
+    """A model of volumes or clips: (C, D, H, W) samples."""
+    return len(spec_of(model).sample) == 4
+
+
+def minmem_targets(model: str, entry: dict, side: str) -> dict:
+    """A side's minimum against PyTorch's (``vs_pytorch_min``), its step there against PyTorch's
+    uncapped step (``vs_pytorch_uncapped_step``), and whether they meet the issue's target
+    (``target_met``; None while a ratio it needs is missing)."""
+    own, pytorch = entry.get(side) or {}, entry.get("pytorch") or {}
+    base_ms = (entry.get("pytorch_uncapped") or {}).get("step_ms")
+    own_ms = (own.get("at_min") or {}).get("step_ms")
+    ratios = {}
+    if own.get("min_cap_gib") and pytorch.get("min_cap_gib"):
+        ratios["vs_pytorch_min"] = own["min_cap_gib"] / pytorch["min_cap_gib"]
+    if own_ms and base_ms:
+        ratios["vs_pytorch_uncapped_step"] = own_ms / base_ms
+    met = None
+    if "vs_pytorch_min" in ratios and not is_3d(model):
+        met = ratios["vs_pytorch_min"] <= 1.0
+    elif len(ratios) == 2:
+        met = (ratios["vs_pytorch_min"] <= MIN_FRACTION_3D
+               and ratios["vs_pytorch_uncapped_step"] <= STEP_RATIO_3D)
+    return {**ratios, "target_met": met}
 
 
 def previous_uncapped(out: Path, dtype: str, bench: bool) -> dict:
@@ -523,8 +610,12 @@ def minmem_line(model, batch, entry) -> str:
         cap = s.get("min_cap_gib")
         text = f"{name} {cap:g} GiB" if cap is not None else (
             f"{name} <= {s['at_most_gib']:g} GiB (incomplete)" if s.get("at_most_gib") else f"{name} -")
-        return text + (f" {at['step_ms']:.1f} ms" if "step_ms" in at else "") + f" [{len(s['probes'])} probes]"
-    return f"[minmem {model}:{batch}] " + ", ".join(side(n) for n in ("pytorch", "shim")) + \
+        ratios = [f"{s[k]:.3f}x {what}" for k, what in (("vs_pytorch_min", "PyTorch's min"),
+                  ("vs_pytorch_uncapped_step", "its uncapped step")) if s.get(k) is not None]
+        return text + (f" {at['step_ms']:.1f} ms" if "step_ms" in at else "") + \
+            f" [{len(s['probes'])} probes]" + (f" ({', '.join(ratios)})" if ratios else "")
+    return f"[minmem {model}:{batch}] " + ", ".join(
+        side(n) for n in SIDES if n != "offload" or n in entry) + \
         (f" ({entry['incomplete']})" if "incomplete" in entry else "") + \
         (f" ({entry['error']})" if "error" in entry else "")
 
@@ -649,10 +740,9 @@ def markdown(reports: dict) -> str:
         for model, e in r["models"].items():
             base = e.get("pytorch_uncapped", {})
             pt, sh = e.get("pytorch") or {}, e.get("shim") or {}
-            ptmin, shmin = pt.get("min_cap_gib"), sh.get("min_cap_gib")
             sh_ms = (sh.get("at_min") or {}).get("step_ms")
-            ratio_min = shmin / ptmin if ptmin and shmin else None
-            slow = sh_ms / base["step_ms"] if sh_ms and base.get("step_ms") else None
+            ratios = minmem_targets(model, e, "shim")
+            ratio_min, slow = ratios.get("vs_pytorch_min"), ratios.get("vs_pytorch_uncapped_step")
             base_text = (f"{fmt(base.get('step_ms'))} ({fmt(base.get('peak_bytes', 0) / 2**30)} / "
                          f"{fmt(base.get('peak_reserved_bytes', 0) / 2**30)})") if base.get("step_ms") \
                 else base.get("status", "-")
@@ -662,6 +752,7 @@ def markdown(reports: dict) -> str:
                 f"{fmt(sh_ms)} | {fmt(ratio_min, '.3f')} | {fmt(slow, '.3f')} | "
                 f"{len(pt.get('probes', []))} / {len(sh.get('probes', []))} | {note_of(e)} |")
         lines += [""]
+        lines += offload_table(r)
     if "maxbatch" in reports:
         r = reports["maxbatch"]
         lines += [f"## (c) Largest batch under a {r.get('cap_gib', '?')} GiB cap (target: shim >= PyTorch)", "",
@@ -683,6 +774,40 @@ def markdown(reports: dict) -> str:
     if skipped:
         lines += ["## Not run (time budget spent)", ""] + [f"- {what}" for what in skipped] + [""]
     return "\n".join(lines)
+
+
+def offload_table(report: dict) -> list[str]:
+    """minmem's shim + offload rows (--offload), where any model has them."""
+    models = {m: e for m, e in report["models"].items() if "offload" in e}
+    if not models:
+        return []
+    s = report["settings"]
+    lines = ["### Shim + activation offload (`mucudnn run --memory-budget CAP --offload`)", "",
+             f"The shim as above, plus mucudnn.torch keeping, offloading or recomputing saved "
+             f"tensors for the cap (docs/torch.md). A cap passes when {s.get('probe_steps')} steps "
+             f"after {s.get('offload_warmup')} warm-up train (the first {OFFLOAD_RECORD_STEPS} "
+             "record, then the plan applies). Target on 3-D models: min <= "
+             f"{MIN_FRACTION_3D}x PyTorch's, at <= {STEP_RATIO_3D:.2f}x its uncapped step; "
+             "elsewhere <= PyTorch's min.", "",
+             "| model, N | setting | PyTorch uncapped ms | PyTorch min GiB | offload min GiB | "
+             "ms there | offload / PyTorch min | offload ms / PyTorch uncapped | target met | "
+             "probes | plan at the min | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for model, e in models.items():
+        off, pt = e["offload"], e.get("pytorch") or {}
+        at = off.get("at_min") or {}
+        ratios = minmem_targets(model, e, "offload")
+        met = ratios["target_met"]
+        plan = "; ".join(at.get("offload_lines") or []).replace("|", "/") or "-"
+        note = "; ".join(x for x in (off.get("error"), e.get("incomplete")) if x)
+        lines.append(
+            f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | "
+            f"{fmt((e.get('pytorch_uncapped') or {}).get('step_ms'))} | {min_text(pt)} | "
+            f"{min_text(off)} | {fmt(at.get('step_ms'))} | {fmt(ratios.get('vs_pytorch_min'), '.3f')} | "
+            f"{fmt(ratios.get('vs_pytorch_uncapped_step'), '.3f')} | "
+            f"{'-' if met is None else 'yes' if met else '**no**'} | {len(off.get('probes', []))} | "
+            f"{plan[:300]} | {note.replace('|', '/')[:200]} |")
+    return lines + [""]
 
 
 def started(report: dict) -> list[str]:
@@ -839,6 +964,14 @@ def parser() -> argparse.ArgumentParser:
                     help="minmem: PyTorch's lower bracket, this times its uncapped peak allocated")
     ap.add_argument("--shim-low-fraction", type=float, default=0.6,
                     help="minmem: the shim's lower bracket, this times PyTorch's minimum")
+    ap.add_argument("--offload", action="store_true",
+                    help="minmem: also search the shim + activation offload (`mucudnn run "
+                         "--memory-budget CAP --offload`), below the smaller minimum found")
+    ap.add_argument("--offload-warmup", type=int, default=OFFLOAD_MIN_WARMUP,
+                    help=f"minmem --offload: warm-up steps of its probes (at least "
+                         f"{OFFLOAD_MIN_WARMUP}: mucudnn.torch records {OFFLOAD_RECORD_STEPS} first)")
+    ap.add_argument("--offload-low-fraction", type=float, default=0.25,
+                    help="minmem --offload: its lower bracket, this times the smaller minimum")
     ap.add_argument("--cap", type=float, default=24.0, help="maxbatch: the cap, GiB")
     ap.add_argument("--resolution", type=float, default=0.05, help="maxbatch: relative bracket")
     ap.add_argument("--seeded-growth", type=float, default=1.25,
@@ -854,7 +987,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.offload and args.part not in ("minmem", "report"):
+        ap.error(f"--offload is minmem's (the {args.part} part has no offload runs)")
+    if args.offload_warmup < OFFLOAD_MIN_WARMUP:
+        ap.error(f"--offload-warmup {args.offload_warmup}: at least {OFFLOAD_MIN_WARMUP} "
+                 f"(mucudnn.torch records {OFFLOAD_RECORD_STEPS} steps before its plan applies)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part == "report":

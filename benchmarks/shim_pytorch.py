@@ -206,10 +206,15 @@ def worker_command(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps
                    grads: str | None = None, cudnn_benchmark=False, record=None, plan=None,
                    limit=None, log=None, batch=256, double=False, path="legacy",
                    dtype="fp32", profile=0, memory_cap_gib=0.0,
-                   online=False) -> tuple[list[str], dict]:
+                   online=False, memory_budget: int | None = None,
+                   offload=False) -> tuple[list[str], dict]:
     """The command and environment of one worker run: plain PyTorch, or under `mucudnn run`
     (``--plan`` and ``--workspace-limit`` if given) or `mucudnn record` (``record``). Without a
-    plan, `mucudnn run` tunes online only with ``online`` (else the shim passes through)."""
+    plan, `mucudnn run` tunes online only with ``online`` (else the shim passes through).
+    ``memory_budget`` (bytes): `mucudnn run --memory-budget`, and with ``offload`` its
+    ``--offload`` (mucudnn.torch's activation offload, docs/torch.md), which needs a budget."""
+    if offload and not (shim and memory_budget and not record):
+        raise ValueError("offload needs `mucudnn run` (shim, no record) with a memory budget")
     cmd = [sys.executable, str(HERE), "worker", "--model", model, "--batch", str(batch),
            "--steps", str(steps), "--warmup", str(warmup), "--dtype", dtype,
            "--profile", str(profile), "--memory-cap-gib", str(memory_cap_gib)]
@@ -229,6 +234,8 @@ def worker_command(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps
             sub += ["--no-online"]
         if limit:
             sub += ["--workspace-limit", limit]
+        if memory_budget:
+            sub += ["--memory-budget", str(memory_budget)] + (["--offload"] if offload else [])
         if log:
             env.update(MUCUDNN_LOG_LEVEL="info", MUCUDNN_LOG_FILE=log)
         cmd = MU + sub + ["--"] + cmd

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -232,9 +233,10 @@ def _zombie(pid: int) -> bool:
 
 # -- the parts end to end, against a fake GPU --------------------------------------------------------
 
-# GiB each side needs to train (PyTorch, shim) at the table's N, and its step ms
-NEEDS = {"resnet50": (20.3, 19.6), "unet3d": (9.1, 6.8)}
-STEP_MS = {"resnet50": (116.0, 116.3), "unet3d": (600.0, 590.0)}
+# GiB each side needs to train (PyTorch, shim, shim + offload) at the table's N, and its step ms
+NEEDS = {"resnet50": (20.3, 19.6, 12.1), "unet3d": (9.1, 6.8, 4.4)}
+STEP_MS = {"resnet50": (116.0, 116.3, 150.0), "unet3d": (600.0, 590.0, 630.0)}
+OFFLOAD_LINE = "mucudnn: info: offload plan for {cap:.2f} GiB: 40 kept, 12 offloaded, 3 recomputed"
 
 
 class FakeGpu:
@@ -248,19 +250,28 @@ class FakeGpu:
         def arg(name, default=None):
             return cmd[cmd.index(name) + 1] if name in cmd else default
         shim = "mucudnn" in cmd and "run" in cmd
+        cli = cmd[:cmd.index("--")] if shim else []  # `python -m mucudnn run ...` before the worker
+        offload = "--offload" in cli
         model, batch = arg("--model"), int(arg("--batch"))
         cap = float(arg("--memory-cap-gib", "0"))
         self.runs.append({"model": model, "batch": batch, "cap": cap, "shim": shim,
                           "online": env.get("MUCUDNN_ONLINE"), "dir": env.get("MUCUDNN_ONLINE_DIR"),
                           "budget": env.get("MUCUDNN_MEMORY_BUDGET"),
                           "steps": int(arg("--steps")), "dtype": arg("--dtype"),
-                          "benchmark": "--cudnn-benchmark" in cmd})
+                          "benchmark": "--cudnn-benchmark" in cmd, "offload": offload,
+                          "cli": cli, "warmup": int(arg("--warmup")),
+                          "offload_env": env.get("MUCUDNN_OFFLOAD"),
+                          "allocator": env.get("PYTORCH_CUDA_ALLOC_CONF"),
+                          "log_level": env.get("MUCUDNN_LOG_LEVEL")})
         from benchmarks.models import spec_of
-        need = NEEDS[model][shim] * batch / spec_of(model).batch
+        side = 2 if offload else int(shim)
+        need = NEEDS[model][side] * batch / spec_of(model).batch
         stderr = "mucudnn: online tuning: 12 kernels measured in 3.0 s\n" if shim and int(arg("--warmup")) == 0 else ""
+        if offload:
+            stderr += OFFLOAD_LINE.format(cap=cap) + "\n"
         if cap and need > cap:
             return 0, json.dumps({"oom": True, "error": "CUDA out of memory"}) + "\n", stderr, 5.0, False
-        step = STEP_MS[model][shim] * batch / spec_of(model).batch
+        step = STEP_MS[model][side] * batch / spec_of(model).batch
         out = {"step_ms": step, "step_ms_all": [step * 3, step] if "--warmup" in cmd else [step],
                "steps": 2, "peak_bytes": int(need * 2**30), "peak_reserved_bytes": int(need * 1.3 * 2**30),
                "loss": 1.0, "memory_fraction": None, "device": "NVIDIA H200", "batch": batch}
@@ -274,6 +285,7 @@ def gpu(monkeypatch):
     monkeypatch.setenv("MUCUDNN_ONLINE", "1")  # must never reach a plain PyTorch run
     monkeypatch.setenv("MUCUDNN_ONLINE_DIR", "/somewhere/else")
     monkeypatch.setenv("MUCUDNN_MEMORY_BUDGET", "1GiB")  # nor a budget the run did not ask for
+    monkeypatch.setenv("MUCUDNN_OFFLOAD", "1")  # nor offload
     return fake
 
 
@@ -321,6 +333,111 @@ def test_minmem_finds_each_sides_smallest_cap_and_reuses_the_ratio_runs(gpu, tmp
     assert all(r["budget"] is None for r in gpu.runs if not r["shim"] or not r["cap"])
     page = (tmp_path / "pressure-h200.md").read_text()
     assert "| unet3d, 2 | fp32/benchmark-off |" in page and "| 9.25 |" in page and "| 0.757 |" in page
+
+
+def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_minimum(
+        gpu, tmp_path, capsys):
+    assert pressure.main(["minmem", "--models", "unet3d", "resnet50", "--dtypes", "fp32",
+                          "--benchmark", "off", "--offload", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "pressure-minmem.json").read_text())
+    assert data["settings"]["offload"] and data["settings"]["offload_warmup"] == 4
+    unet, resnet = data["models"]["unet3d"], data["models"]["resnet50"]
+    assert unet["shim"]["min_cap_gib"] == 7.0 and unet["offload"]["min_cap_gib"] == 4.5
+    assert resnet["offload"]["min_cap_gib"] == 12.25
+    # the issue's conditions, per side: unet3d is 3-D (<= 0.8x at <= 1.10x), resnet50 is not
+    assert unet["offload"]["vs_pytorch_min"] == pytest.approx(4.5 / 9.25)
+    assert unet["offload"]["vs_pytorch_uncapped_step"] == pytest.approx(630.0 / 600.0)
+    assert unet["offload"]["target_met"] is True
+    assert unet["shim"]["vs_pytorch_min"] == pytest.approx(7.0 / 9.25)
+    assert unet["shim"]["target_met"] is True and resnet["shim"]["target_met"] is True
+    assert resnet["offload"]["target_met"] is True  # 2-D: at most PyTorch's minimum
+    assert unet["offload"]["at_min"]["offload_lines"] == [OFFLOAD_LINE.format(cap=4.5)]
+    offload = [r for r in gpu.runs if r["offload"]]
+    # bracketed below the shim's minimum: that minimum first, down to 0.25x of it
+    assert offload[0]["cap"] == 7.0 and min(r["cap"] for r in offload if r["model"] == "unet3d") >= 1.75
+    for run in offload:  # the CLI's path: `mucudnn run --memory-budget CAP --offload`
+        assert run["cli"][-4:] == ["run", "--memory-budget", str(int(run["cap"] * 2**30)), "--offload"]
+        assert run["warmup"] == 4 and run["steps"] == 3 and run["online"] == "1"
+        # the CLI sets the budget and offload; the allocator stays the part's (none: the default)
+        assert run["budget"] is None and run["offload_env"] is None and run["allocator"] == ""
+        assert run["log_level"] == "info"
+    assert all(r["offload_env"] is None and "--memory-budget" not in r["cli"]
+               for r in gpu.runs if not r["offload"])
+    assert all(r["warmup"] == 1 for r in gpu.runs if r["cap"] and not r["offload"])
+    assert "offload 4.5 GiB 630.0 ms [" in capsys.readouterr().out
+    page = (tmp_path / "pressure-h200.md").read_text()
+    assert "### Shim + activation offload (`mucudnn run --memory-budget CAP --offload`)" in page
+    assert "after 4 warm-up train (the first 2 record" in page
+    assert (f"| unet3d, 2 | fp32/benchmark-off | 600.00 | 9.25 | 4.5 | 630.00 | 0.486 | 1.050 | yes | "
+            f"{len(unet['offload']['probes'])} | {OFFLOAD_LINE.format(cap=4.5)} |  |") in page
+
+
+def test_minmem_without_offload_runs_no_offload(gpu, tmp_path):
+    pressure.main(["minmem", "--models", "unet3d", "--out", str(tmp_path)])
+    entry = json.loads((tmp_path / "pressure-minmem.json").read_text())["models"]["unet3d"]
+    assert "offload" not in entry and not any(r["offload"] for r in gpu.runs)
+    assert "Shim + activation offload" not in (tmp_path / "pressure-h200.md").read_text()
+
+
+def test_offload_is_minmems_and_warms_up_past_the_recording_steps(gpu, tmp_path, capsys):
+    for argv in (["ratio", "--offload"], ["maxbatch", "--offload"],
+                 ["minmem", "--offload", "--offload-warmup", "3"]):
+        with pytest.raises(SystemExit):
+            pressure.main([*argv, "--out", str(tmp_path)])
+        assert "error: --offload" in capsys.readouterr().err
+    assert gpu.runs == []
+    pressure.main(["minmem", "--models", "unet3d", "--offload", "--offload-warmup", "6",
+                   "--offload-low-fraction", "0.5", "--out", str(tmp_path)])
+    offload = [r for r in gpu.runs if r["offload"]]
+    assert offload and all(r["warmup"] == 6 for r in offload)
+    assert min(r["cap"] for r in offload) >= 3.5  # 0.5 x the shim's 7 GiB
+
+
+def test_the_offload_warmup_covers_mucudnn_torchs_recording_steps():
+    pytest.importorskip("torch")
+    import inspect
+    from mucudnn.torch.runtime import OffloadSession
+    recorded = inspect.signature(OffloadSession).parameters["record_steps"].default
+    assert pressure.OFFLOAD_RECORD_STEPS == recorded
+    assert pressure.OFFLOAD_MIN_WARMUP >= recorded + 2
+
+
+@pytest.mark.parametrize("model, ratios, met", [
+    ("unet3d", (4.0, 9.0, 105.0, 100.0), True),
+    ("unet3d", (8.0, 9.0, 105.0, 100.0), False),    # 0.89x PyTorch's minimum
+    ("r3d_18", (4.0, 6.25, 115.0, 100.0), False),   # 1.15x the uncapped step
+    ("resnet50", (20.0, 20.0, 300.0, 100.0), True),  # 2-D: at most PyTorch's minimum
+    ("resnet50", (20.25, 20.0, 100.0, 100.0), False),
+    ("unet3d", (None, 9.0, None, 100.0), None),     # no minimum: nothing to judge
+])
+def test_minmem_targets(model, ratios, met):
+    own, pytorch, own_ms, base_ms = ratios
+    entry = {"pytorch_uncapped": {"step_ms": base_ms}, "pytorch": {"min_cap_gib": pytorch},
+             "offload": {"min_cap_gib": own, "at_min": {"step_ms": own_ms} if own_ms else {}}}
+    result = pressure.minmem_targets(model, entry, "offload")
+    assert result["target_met"] is met
+    if own:
+        assert result["vs_pytorch_min"] == pytest.approx(own / pytorch)
+        assert result["vs_pytorch_uncapped_step"] == pytest.approx(own_ms / base_ms)
+
+
+def test_the_minmem_stage_adds_offload_when_asked(tmp_path):
+    """gpu_run.sh's pressure stage, its python3 faked: PRESSURE_OFFLOAD=1 reaches minmem only."""
+    root = Path(__file__).resolve().parents[2]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    calls = tmp_path / "calls"
+    (fake / "python3").write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    (fake / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               PRESSURE_OFFLOAD="1")
+    subprocess.run(["bash", str(root / "benchmarks" / "gpu_run.sh"), "pressure-minmem-r3d_18",
+                    "pressure-ratio-r3d_18"], cwd=tmp_path, env=env, capture_output=True,
+                   timeout=60)
+    runs = [line for line in calls.read_text().splitlines() if "benchmarks.pressure" in line]
+    assert len(runs) == 2
+    assert runs[0].startswith("-m benchmarks.pressure minmem --models r3d_18") and "--offload" in runs[0]
+    assert runs[1].startswith("-m benchmarks.pressure ratio") and "--offload" not in runs[1]
 
 
 def test_maxbatch_under_the_cap(gpu, tmp_path):

@@ -20,6 +20,18 @@ def test_a_run_without_a_plan_passes_through_unless_it_asks_for_online_tuning(kw
     assert _shim_arguments(cmd) == expected
 
 
+def test_an_offload_run_goes_through_the_clis_memory_budget_and_offload():
+    cmd, _ = worker_command("r3d_18", {}, tf32=True, shim=True, online=True,
+                            memory_budget=5 * 2**30, offload=True)
+    assert _shim_arguments(cmd) == ["run", "--memory-budget", str(5 * 2**30), "--offload"]
+    cmd, _ = worker_command("r3d_18", {}, tf32=True, shim=True, online=True, memory_budget=2**30)
+    assert _shim_arguments(cmd) == ["run", "--memory-budget", str(2**30)]
+    for kwargs in ({"shim": True}, {"shim": False, "memory_budget": 2**30},
+                   {"shim": True, "memory_budget": 2**30, "record": "r.rec"}):
+        with pytest.raises(ValueError, match="offload needs"):  # the CLI would refuse them
+            worker_command("r3d_18", {}, tf32=True, offload=True, **kwargs)
+
+
 def test_plain_pytorch_runs_without_mucudnn():
     cmd, _ = worker_command("resnet50", {}, tf32=True, shim=False)
     assert "mucudnn" not in cmd and "--" not in cmd
