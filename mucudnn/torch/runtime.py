@@ -560,8 +560,8 @@ class OffloadSession:
             else:                  # freed: its group (if saved) by the key it had
                 group = step.by_key.get(call.source_key)
                 version = call.source_version
-                if group is not None and group.ref() is not None:
-                    group = None   # that address now holds another tensor
+                if group is not None and (group.ref() is not None or group.live_packs == 0):
+                    group = None   # that address now holds another tensor, or it was let go
             if group is not None and group.mode != RECOMPUTE:
                 if group.version != version:
                     return None, None
@@ -578,8 +578,12 @@ class OffloadSession:
                 tuple(tensor.stride()), tensor.dtype, tensor.device)
 
     def _find(self, step, tensor):
+        """The live group of ``tensor``: one whose packs were all freed (a graph dropped during
+        the forward) gave its device and host tensors up, so saving the tensor again starts a
+        new group."""
         group = step.by_key.get(self._key(tensor))
-        if group is not None and group.ref() is tensor and group.version == tensor._version:
+        if group is not None and group.ref() is tensor and group.version == tensor._version \
+                and group.live_packs > 0:
             return group
         return None
 
@@ -814,7 +818,9 @@ class OffloadSession:
                 grown = max(0, link.allocated() - finished.start_allocated)
             self.profile = self._profile_of(finished, tail_peak, grown)
             self._make_plan()
-        self._schedule = {} if self.fell_back else self._prefetch_schedule(
+        # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines
+        # count no group before its first unpack); so does a fall-back
+        self._schedule = {} if self.fell_back or self._step.profiling else self._prefetch_schedule(
             [g.mode for g in finished.groups] if self.modes is None else self.modes)
 
     def _say_unmoved(self, step: _Step) -> None:

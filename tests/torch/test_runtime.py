@@ -677,3 +677,49 @@ def test_groups_a_plan_moves_but_the_step_keeps_are_one_line():
     train(model, data, session)
     lines = [line for line in said if "were kept" in line]
     assert len(lines) == 1 and "wanted recompute" in lines[0]
+
+
+def split_steps(trace):
+    """The trace's events per step (a step starts at its first pack)."""
+    steps = []
+    for event in trace:
+        if event[0] == "pack" and event[1] == 0:
+            steps.append([])
+        steps[-1].append(event)
+    return steps
+
+
+def test_every_recording_step_fetches_on_demand():
+    # the second recording step is the profile: its memory is save_on_cpu's and its baselines
+    # assume no group arrives before its unpack, so it must not prefetch as a planned step does
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    trace = []
+    session = OffloadSession(budget=GiB, link=RecordingLink(), min_bytes=0, trace=trace,
+                             record_steps=2)
+    train(model, data, session)
+    first, second, planned = split_steps(trace)
+    for recording in (first, second):
+        assert any(e[0] == "fetch" for e in recording)
+        assert not any(e[0] == "prefetch" for e in recording)
+
+
+class LogsItsInputNorm(nn.Module):
+    """Saves its input for a graph it drops at once (a logged statistic), before the next
+    module saves the same tensor again."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        h = self.model[:8](x)                # AvgPool2d's output: its maker does not save it
+        self.logged = h.pow(2).sum().item()  # saves h; that node is freed right away
+        return self.model[8:](h)             # the convolution saves h again
+
+
+@pytest.mark.parametrize("mode", [OFFLOAD, KEEP, RECOMPUTE])
+def test_a_tensor_saved_again_after_its_first_saver_was_freed(mode):
+    model, data = LogsItsInputNorm(small_cnn(torch.float64)), batches(torch.float64, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=mode, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
