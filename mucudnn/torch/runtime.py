@@ -116,7 +116,8 @@ class CopyLink:
 
     def release(self, transfer: Transfer) -> None:
         """``transfer``'s host tensor goes back to the pool: no group reads it again. A copy that
-        still reads it is ordered before any later copy into it (one copy stream)."""
+        still uses it is ordered before any later copy into it: a copy on the copy stream first
+        waits for the compute stream, and an inline one for the copy stream."""
         self._free_host[_layout(transfer.tensor)].append(transfer.tensor)
 
     def offload(self, tensor: torch.Tensor, inline: bool = False) -> Transfer:
@@ -196,6 +197,9 @@ class CudaLink(CopyLink):
     def offload(self, tensor, inline=False):
         host = self.host_buffer(tensor)
         if inline:
+            # a pooled buffer's last copy may be on the copy stream (a planned step before a
+            # fall-back; its forward failed, so nothing waited for that copy)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
             host.copy_(tensor, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
@@ -221,6 +225,9 @@ class CudaLink(CopyLink):
 
     def fetch(self, host, device, inline=False):
         if inline:
+            # ``host`` may have been written on the copy stream (a group of an earlier step,
+            # kept by ``retain_graph``, unpacked after a fall-back)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
             tensor = _same_layout(host.tensor, self.device)
             tensor.copy_(host.tensor, non_blocking=True)
             event = torch.cuda.Event()
