@@ -328,6 +328,7 @@ class _Call:
     # the pack hook returned) when a later module's recipe looks for it
     source_key: tuple | None = None
     source_version: int = 0
+    output_version: int = 0   # its output's version when it returned
 
 
 @dataclass(eq=False)
@@ -513,6 +514,7 @@ class OffloadSession:
                 call.done = True
                 if isinstance(output, torch.Tensor):
                     call.output = weakref.ref(output)
+                    call.output_version = output._version
                 if self._step.profiling:
                     call.end = self._any_link().mark()
                 break
@@ -539,6 +541,10 @@ class OffloadSession:
     def _recipe(self, tensor: torch.Tensor, step: _Step):
         """(chain of cheap calls, source group) that rebuild ``tensor``, or (None, None)."""
         chain, target = [], tensor
+        # the version ``target`` had where the chain reads it: a call whose output is ``target``
+        # at another version did not make what is saved (``out += identity`` after the batch
+        # norm, no module, would be left out)
+        expected = tensor._version
         calls = step.calls
         index = len(calls)
         # An in-place module (ReLU(inplace=True)) saves its output, the tensor it was given, while
@@ -550,15 +556,17 @@ class OffloadSession:
                 return None, None
             chain.append(running)
             index -= 1
+            expected = running.source_version
         while len(chain) < _MAX_CHAIN:
             index = next((i for i in range(index - 1, -1, -1)
                           if calls[i].output is not None and calls[i].output() is target), None)
             if index is None or type(calls[index].module) not in CHEAP or \
-                    calls[index].source is None:
+                    calls[index].source is None or calls[index].output_version != expected:
                 return None, None
             chain.insert(0, calls[index])
             call = calls[index]
             source = call.source()
+            expected = call.source_version
             if source is not None and source is target:
                 continue           # an in-place module: its input is gone; look further back
             if source is not None:

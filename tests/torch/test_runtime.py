@@ -723,3 +723,35 @@ def test_a_tensor_saved_again_after_its_first_saver_was_freed(mode):
     reference = train(copy.deepcopy(model), data)
     session = OffloadSession(force=mode, link=RecordingLink(), min_bytes=0)
     assert_bitwise(reference, train(model, data, session))
+
+
+class ResidualBlock(nn.Module):
+    """ResNet's basic block: the batch norm's output takes the shortcut in place (``+=``, no
+    module) before the in-place ReLU saves it."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tensor_changed_in_place_outside_any_module_is_not_recomputed_without_the_change(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), ResidualBlock(8), ResidualBlock(8),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to(dtype)
+    data = batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    assert any(g.mode == RECOMPUTE for g in session._step.groups)   # bn1's ReLU still is
+
