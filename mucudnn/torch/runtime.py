@@ -655,7 +655,10 @@ class OffloadSession:
                         call.moved += group.nbytes
             self._event("offload", gid)
         elif group.mode == KEEP:
-            group.tensor = tensor
+            # an alias without the autograd history: a node saving its own output (ReLU) would
+            # otherwise hold itself through it, a cycle through C++ that the collector cannot
+            # break, and a graph dropped without a backward would keep its memory for good
+            group.tensor = tensor.detach()
         else:
             source.readers += 1
         return group

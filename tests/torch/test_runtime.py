@@ -755,3 +755,17 @@ def test_a_tensor_changed_in_place_outside_any_module_is_not_recomputed_without_
     assert_bitwise(reference, train(model, data, session))
     assert any(g.mode == RECOMPUTE for g in session._step.groups)   # bn1's ReLU still is
 
+
+
+def test_a_graph_dropped_without_a_backward_frees_its_saved_outputs():
+    # a ReLU saves its own output: holding that tensor as it is would make its node hold itself
+    # (a cycle through autograd's C++ nodes, which the collector never frees)
+    model = small_cnn(torch.float32)
+    session = OffloadSession(force=KEEP, link=RecordingLink(), min_bytes=0)
+    with session:
+        outputs, handles = outputs_of(model)
+        model(batches(torch.float32, 1)[0][0])   # a forward whose result nobody keeps
+    for handle in handles:
+        handle.remove()
+    gc.collect()
+    assert len(outputs) > 10 and not [ref for ref in outputs if ref() is not None]
