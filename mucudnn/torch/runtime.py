@@ -116,7 +116,8 @@ class CopyLink:
 
     def release(self, transfer: Transfer) -> None:
         """``transfer``'s host tensor goes back to the pool: no group reads it again. A copy that
-        still reads it is ordered before any later copy into it (one copy stream)."""
+        still uses it is ordered before any later copy into it: a copy on the copy stream first
+        waits for the compute stream, and an inline one for the copy stream."""
         self._free_host[_layout(transfer.tensor)].append(transfer.tensor)
 
     def offload(self, tensor: torch.Tensor, inline: bool = False) -> Transfer:
@@ -196,6 +197,9 @@ class CudaLink(CopyLink):
     def offload(self, tensor, inline=False):
         host = self.host_buffer(tensor)
         if inline:
+            # a pooled buffer's last copy may be on the copy stream (a planned step before a
+            # fall-back; its forward failed, so nothing waited for that copy)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
             host.copy_(tensor, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
@@ -221,6 +225,9 @@ class CudaLink(CopyLink):
 
     def fetch(self, host, device, inline=False):
         if inline:
+            # ``host`` may have been written on the copy stream (a group of an earlier step,
+            # kept by ``retain_graph``, unpacked after a fall-back)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
             tensor = _same_layout(host.tensor, self.device)
             tensor.copy_(host.tensor, non_blocking=True)
             event = torch.cuda.Event()
@@ -321,6 +328,7 @@ class _Call:
     # the pack hook returned) when a later module's recipe looks for it
     source_key: tuple | None = None
     source_version: int = 0
+    output_version: int = 0   # its output's version when it returned
 
 
 @dataclass(eq=False)
@@ -506,6 +514,7 @@ class OffloadSession:
                 call.done = True
                 if isinstance(output, torch.Tensor):
                     call.output = weakref.ref(output)
+                    call.output_version = output._version
                 if self._step.profiling:
                     call.end = self._any_link().mark()
                 break
@@ -532,6 +541,10 @@ class OffloadSession:
     def _recipe(self, tensor: torch.Tensor, step: _Step):
         """(chain of cheap calls, source group) that rebuild ``tensor``, or (None, None)."""
         chain, target = [], tensor
+        # the version ``target`` had where the chain reads it: a call whose output is ``target``
+        # at another version did not make what is saved (``out += identity`` after the batch
+        # norm, no module, would be left out)
+        expected = tensor._version
         calls = step.calls
         index = len(calls)
         # An in-place module (ReLU(inplace=True)) saves its output, the tensor it was given, while
@@ -543,15 +556,17 @@ class OffloadSession:
                 return None, None
             chain.append(running)
             index -= 1
+            expected = running.source_version
         while len(chain) < _MAX_CHAIN:
             index = next((i for i in range(index - 1, -1, -1)
                           if calls[i].output is not None and calls[i].output() is target), None)
             if index is None or type(calls[index].module) not in CHEAP or \
-                    calls[index].source is None:
+                    calls[index].source is None or calls[index].output_version != expected:
                 return None, None
             chain.insert(0, calls[index])
             call = calls[index]
             source = call.source()
+            expected = call.source_version
             if source is not None and source is target:
                 continue           # an in-place module: its input is gone; look further back
             if source is not None:
@@ -560,8 +575,8 @@ class OffloadSession:
             else:                  # freed: its group (if saved) by the key it had
                 group = step.by_key.get(call.source_key)
                 version = call.source_version
-                if group is not None and group.ref() is not None:
-                    group = None   # that address now holds another tensor
+                if group is not None and (group.ref() is not None or group.live_packs == 0):
+                    group = None   # that address now holds another tensor, or it was let go
             if group is not None and group.mode != RECOMPUTE:
                 if group.version != version:
                     return None, None
@@ -578,8 +593,12 @@ class OffloadSession:
                 tuple(tensor.stride()), tensor.dtype, tensor.device)
 
     def _find(self, step, tensor):
+        """The live group of ``tensor``: one whose packs were all freed (a graph dropped during
+        the forward) gave its device and host tensors up, so saving the tensor again starts a
+        new group."""
         group = step.by_key.get(self._key(tensor))
-        if group is not None and group.ref() is tensor and group.version == tensor._version:
+        if group is not None and group.ref() is tensor and group.version == tensor._version \
+                and group.live_packs > 0:
             return group
         return None
 
@@ -636,7 +655,10 @@ class OffloadSession:
                         call.moved += group.nbytes
             self._event("offload", gid)
         elif group.mode == KEEP:
-            group.tensor = tensor
+            # an alias without the autograd history: a node saving its own output (ReLU) would
+            # otherwise hold itself through it, a cycle through C++ that the collector cannot
+            # break, and a graph dropped without a backward would keep its memory for good
+            group.tensor = tensor.detach()
         else:
             source.readers += 1
         return group
@@ -814,7 +836,9 @@ class OffloadSession:
                 grown = max(0, link.allocated() - finished.start_allocated)
             self.profile = self._profile_of(finished, tail_peak, grown)
             self._make_plan()
-        self._schedule = {} if self.fell_back else self._prefetch_schedule(
+        # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines
+        # count no group before its first unpack); so does a fall-back
+        self._schedule = {} if self.fell_back or self._step.profiling else self._prefetch_schedule(
             [g.mode for g in finished.groups] if self.modes is None else self.modes)
 
     def _say_unmoved(self, step: _Step) -> None:

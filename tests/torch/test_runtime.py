@@ -677,3 +677,95 @@ def test_groups_a_plan_moves_but_the_step_keeps_are_one_line():
     train(model, data, session)
     lines = [line for line in said if "were kept" in line]
     assert len(lines) == 1 and "wanted recompute" in lines[0]
+
+
+def split_steps(trace):
+    """The trace's events per step (a step starts at its first pack)."""
+    steps = []
+    for event in trace:
+        if event[0] == "pack" and event[1] == 0:
+            steps.append([])
+        steps[-1].append(event)
+    return steps
+
+
+def test_every_recording_step_fetches_on_demand():
+    # the second recording step is the profile: its memory is save_on_cpu's and its baselines
+    # assume no group arrives before its unpack, so it must not prefetch as a planned step does
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    trace = []
+    session = OffloadSession(budget=GiB, link=RecordingLink(), min_bytes=0, trace=trace,
+                             record_steps=2)
+    train(model, data, session)
+    first, second, planned = split_steps(trace)
+    for recording in (first, second):
+        assert any(e[0] == "fetch" for e in recording)
+        assert not any(e[0] == "prefetch" for e in recording)
+
+
+class LogsItsInputNorm(nn.Module):
+    """Saves its input for a graph it drops at once (a logged statistic), before the next
+    module saves the same tensor again."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        h = self.model[:8](x)                # AvgPool2d's output: its maker does not save it
+        self.logged = h.pow(2).sum().item()  # saves h; that node is freed right away
+        return self.model[8:](h)             # the convolution saves h again
+
+
+@pytest.mark.parametrize("mode", [OFFLOAD, KEEP, RECOMPUTE])
+def test_a_tensor_saved_again_after_its_first_saver_was_freed(mode):
+    model, data = LogsItsInputNorm(small_cnn(torch.float64)), batches(torch.float64, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=mode, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+
+
+class ResidualBlock(nn.Module):
+    """ResNet's basic block: the batch norm's output takes the shortcut in place (``+=``, no
+    module) before the in-place ReLU saves it."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tensor_changed_in_place_outside_any_module_is_not_recomputed_without_the_change(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), ResidualBlock(8), ResidualBlock(8),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to(dtype)
+    data = batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    assert any(g.mode == RECOMPUTE for g in session._step.groups)   # bn1's ReLU still is
+
+
+
+def test_a_graph_dropped_without_a_backward_frees_its_saved_outputs():
+    # a ReLU saves its own output: holding that tensor as it is would make its node hold itself
+    # (a cycle through autograd's C++ nodes, which the collector never frees)
+    model = small_cnn(torch.float32)
+    session = OffloadSession(force=KEEP, link=RecordingLink(), min_bytes=0)
+    with session:
+        outputs, handles = outputs_of(model)
+        model(batches(torch.float32, 1)[0][0])   # a forward whose result nobody keeps
+    for handle in handles:
+        handle.remove()
+    gc.collect()
+    assert len(outputs) > 10 and not [ref for ref in outputs if ref() is not None]
