@@ -44,6 +44,8 @@ CHEAP = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hards
          nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
          nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool2d, nn.Identity)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: the smallest copy whose time measures the host link (smaller ones measure its latency)
+LINK_PROBE_BYTES = 32 << 20
 _MAX_CHAIN = 4
 
 
@@ -402,6 +404,7 @@ class _Step:
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
+    copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
 
 
 class OffloadSession:
@@ -648,7 +651,10 @@ class OffloadSession:
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
             inline = self._inline(step)
+            before = link.mark() if inline and step.profiling else None
             group.host, group.release = link.offload(tensor, inline), link.release
+            if before is not None:
+                step.copies.append(("d2h", group.nbytes, before, link.mark()))
             if inline and step.profiling:
                 for call in step.calls:    # the calls running now: the copy is in their time
                     if call.end is None and call.start is not None:
@@ -720,7 +726,10 @@ class OffloadSession:
             self._prefetch(group, index)
         if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
             # on demand: not prefetched
+            before = link.mark() if step.profiling and self._inline(step) else None
             group.fetch = link.fetch(group.host, group.device, self._inline(step))
+            if before is not None:
+                step.copies.append(("h2d", group.nbytes, before, link.mark()))
             self._event("fetch", group.gid, index)
         for other in scheduled:
             self._prefetch(other, index)
@@ -911,11 +920,30 @@ class OffloadSession:
                 schedule[max(0, first - self.prefetch_distance)].append(gid)
         return dict(schedule)
 
+    @staticmethod
+    def _link_speeds(step: _Step, link: CopyLink) -> tuple[float, float]:
+        """(device-to-host, host-to-device) GB/s: the link's own (given, or measured before), else
+        the fastest of the recording step's inline copies of at least ``LINK_PROBE_BYTES`` (each
+        alone on the compute stream between two marks: the link as this step used it, with no
+        buffer to allocate at the tightest moment), else a probe of the link."""
+        if link.gbps is not None:
+            return link.gbps
+        best = {}
+        for direction, nbytes, start, end in step.copies:
+            if nbytes >= LINK_PROBE_BYTES:
+                ms = link.compute_ms(start, end)
+                if ms > 0:
+                    best[direction] = max(best.get(direction, 0.0), nbytes / (ms * 1e6))
+        if "d2h" in best and "h2d" in best:
+            link.gbps = (best["d2h"], best["h2d"])
+            return link.gbps
+        return link.bandwidth_gbps()
+
     def _profile_of(self, step: _Step, tail_peak: int = 0, grown: int = 0
                     ) -> planner.StepProfile:
         link = self._any_link()
         unpacks = max(step.unpacks, 1)
-        d2h, h2d = link.bandwidth_gbps()
+        d2h, h2d = self._link_speeds(step, link)
         groups = []
         for group in step.groups:
             first = group.first_unpack if group.first_unpack is not None else unpacks - 1

@@ -615,6 +615,29 @@ def test_a_failed_step_s_reference_cycles_are_collected_before_the_next_step():
     assert alive_at_next_step == [False]
 
 
+@pytest.mark.parametrize("probe_bytes", [0, 1 << 40])
+def test_the_host_link_is_timed_on_the_recording_steps_own_copies(monkeypatch, probe_bytes):
+    # no probe buffer allocated after the recording (at the tightest moment) when the recording's
+    # copies were large enough to time the link; a probe only when they were not
+    import mucudnn.torch.runtime as runtime
+    probed = []
+
+    def probe(link, device):
+        probed.append(device)
+        return 1.5, 2.5
+
+    monkeypatch.setattr(runtime, "LINK_PROBE_BYTES", probe_bytes)
+    monkeypatch.setattr(runtime, "measure_bandwidth", probe)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    session = OffloadSession(budget=GiB, link=CopyLink(), min_bytes=0)
+    train(model, data, session)
+    speeds = (session.profile.d2h_gbps, session.profile.h2d_gbps)
+    if probe_bytes:
+        assert probed and speeds == (1.5, 2.5)
+    else:
+        assert not probed and min(speeds) > 0 and speeds != (1.5, 2.5)
+
+
 class SlowBackward(torch.autograd.Function):
     """Identity that saves nothing; its backward takes 50 ms (the first layer's weight gradient
     and the rest of a backward after its last unpack)."""
