@@ -472,7 +472,13 @@ class OffloadSession:
         self._handles = []
         self._hooks.__exit__(*exc_info)
         self._hooks = None
-        if exc_info[0] is not None and self._step.groups:
+        if exc_info[0] is None:
+            return
+        if self._step.unpacks:
+            # the forward failed before its first module or save: the step still open is the
+            # last one, whose backward ran; it ends as it would have, and the failure is no plan's
+            self._end_step()
+        if self._step.groups:
             # the forward failed: this step never reaches its backward; the next one starts afresh
             self._end_step(failed=True,
                            out_of_memory=issubclass(exc_info[0], torch.OutOfMemoryError))

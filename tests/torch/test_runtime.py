@@ -615,6 +615,30 @@ def test_a_failed_step_s_reference_cycles_are_collected_before_the_next_step():
     assert alive_at_next_step == [False]
 
 
+def test_a_forward_failing_before_its_first_module_is_not_the_last_steps_failure():
+    # the step still open when such a forward raises is the last one, which ran to its end
+    model, data = small_cnn(torch.float32), batches(torch.float32, 5)
+    link, said = MeteredLink(), []
+    session = OffloadSession(budget=saved_bytes(model, data) * 2, link=link, min_bytes=0,
+                             headroom=0.0, say=said.append, record_steps=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        try:
+            with session:
+                if step == 3:          # e.g. moving the batch to the device runs out of memory
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        except torch.OutOfMemoryError:
+            continue
+        optimizer.step()
+    assert session.replans_used == 0 and not session.fell_back
+    assert not any("ran out of device memory" in line for line in said)
+    assert [g.mode for g in session._step.groups] == list(session.plan.modes)
+
+
 @pytest.mark.parametrize("probe_bytes", [0, 1 << 40])
 def test_the_host_link_is_timed_on_the_recording_steps_own_copies(monkeypatch, probe_bytes):
     # no probe buffer allocated after the recording (at the tightest moment) when the recording's
