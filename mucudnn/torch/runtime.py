@@ -402,6 +402,7 @@ class _Step:
     node: object = None            # the autograd node of the last unpack (not its tensors)
     node_groups: list = field(default_factory=list)  # the groups that node unpacked
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
+    watching: bool = False         # that callback is queued
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
@@ -710,7 +711,11 @@ class OffloadSession:
         step.unpacks += 1
         link = self.link_for_group(group)
         peak_before = link.peak_allocated() if step.profiling else 0
-        if index == 0:
+        # autograd's final callback can only be queued from inside a backward (an unpack can also
+        # come from Python reading ``grad_fn._saved_*``): at the first unpack inside one
+        if not step.watching and _in_backward():
+            step.watching = True
+
             def backward_done(step=step, link=link):
                 step.backward_done = True
                 if step.profiling:      # the backward's last ops follow its last unpack

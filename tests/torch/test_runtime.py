@@ -639,6 +639,28 @@ def test_a_forward_failing_before_its_first_module_is_not_the_last_steps_failure
     assert [g.mode for g in session._step.groups] == list(session.plan.modes)
 
 
+def test_reading_a_saved_tensor_outside_the_backward_is_no_failure():
+    # Python may read a saved tensor (grad_fn._saved_*): the unpack hook runs outside any backward
+    model, data = small_cnn(torch.float32), batches(torch.float32, 4)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = OffloadSession(budget=GiB, link=RecordingLink(), min_bytes=0, say=said.append)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    for x, y in data:
+        optimizer.zero_grad()
+        with session:
+            logits = model(x)
+        seen = logits.grad_fn._saved_mat1      # the linear layer's input, unpacked here
+        assert seen.shape == (x.shape[0], 16)
+        nn.functional.cross_entropy(logits, y).backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    assert_bitwise(reference, results)
+    assert session.plan is not None and not any("failed" in line for line in said)
+
+
 @pytest.mark.parametrize("probe_bytes", [0, 1 << 40])
 def test_the_host_link_is_timed_on_the_recording_steps_own_copies(monkeypatch, probe_bytes):
     # no probe buffer allocated after the recording (at the tightest moment) when the recording's
