@@ -175,9 +175,10 @@ class CopyLink:
 class CudaLink(CopyLink):
     """Pinned host memory and one copy stream per device. Offload: the copy stream waits for the
     compute stream (the producer), copies, and the caching allocator may reuse the device memory
-    once that copy is done (``record_stream``). Fetch: allocated and copied on the copy stream;
-    the compute stream waits for its event before use. Pinned buffers come from PyTorch's caching
-    host allocator, which keeps each one until the copies that use it are done.
+    once that copy is done (``record_stream``). Fetch: allocated from the compute stream's pool,
+    copied on the copy stream; the compute stream waits for its event before use. Inline copies
+    (recording steps, a fall-back) run on the compute stream. Pinned buffers come from the link's
+    host pool (:meth:`CopyLink.host_buffer`).
 
     The forward can produce activations faster than the link drains them; the device memory of an
     offloaded tensor returns only when its copy is done. So at most ``max_pending`` bytes of
@@ -196,24 +197,36 @@ class CudaLink(CopyLink):
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
                                    pin_memory=True)
 
+    def _copy_inline(self, destination, source) -> Transfer:
+        """``source`` into ``destination`` on the compute stream, after what the copy stream
+        holds: a pooled host buffer's last copy may be there (a planned step before a fall-back,
+        whose forward failed, so nothing waited for that copy; a group of an earlier step kept by
+        ``retain_graph``, unpacked after a fall-back)."""
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.stream)
+        destination.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(compute)
+        return Transfer(destination, event)
+
+    def _copy_on_side(self, destination, source) -> Transfer:
+        """``source`` into ``destination`` on the copy stream, after the compute work queued so
+        far (the producer, or the last users of a block the compute stream freed)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            destination.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return Transfer(destination, event)
+
     def offload(self, tensor, inline=False):
         host = self.host_buffer(tensor)
         if inline:
-            # a pooled buffer's last copy may be on the copy stream (a planned step before a
-            # fall-back; its forward failed, so nothing waited for that copy)
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            host.copy_(tensor, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            return Transfer(host, event)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            host.copy_(tensor, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            return self._copy_inline(host, tensor)
+        transfer = self._copy_on_side(host, tensor)
         tensor.record_stream(self.stream)
         nbytes = tensor.numel() * tensor.element_size()
-        self._pending.append((event, nbytes))
+        self._pending.append((transfer.event, nbytes))
         self._pending_bytes += nbytes
         while self._pending and self._pending[0][0].query():
             self._pending_bytes -= self._pending.popleft()[1]
@@ -223,32 +236,19 @@ class CudaLink(CopyLink):
                     oldest, size = self._pending.popleft()
                     oldest.synchronize()
                     self._pending_bytes -= size
-        return Transfer(host, event)
+        return transfer
 
     def fetch(self, host, device, inline=False):
-        if inline:
-            # ``host`` may have been written on the copy stream (a group of an earlier step,
-            # kept by ``retain_graph``, unpacked after a fall-back)
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            tensor = _same_layout(host.tensor, self.device)
-            tensor.copy_(host.tensor, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            return Transfer(tensor, event)
         # Allocated from the compute stream's pool, where the memory the backward frees returns:
         # a block of the copy stream's own pool is not reusable by the compute stream, and at a
         # memory cap the allocator then frees and maps memory again (synchronising the device)
-        # at every step. The copy waits for the compute work queued so far (the block's last
-        # users); the copy stream's use is recorded for a fetch that is never waited for.
-        compute = torch.cuda.current_stream(self.device)
+        # at every step.
         tensor = _same_layout(host.tensor, self.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            tensor.copy_(host.tensor, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        tensor.record_stream(self.stream)
-        return Transfer(tensor, event)
+        if inline:
+            return self._copy_inline(tensor, host.tensor)
+        transfer = self._copy_on_side(tensor, host.tensor)
+        tensor.record_stream(self.stream)   # for a fetch that is never waited for
+        return transfer
 
     def wait(self, transfer):
         torch.cuda.current_stream(self.device).wait_event(transfer.event)
