@@ -67,6 +67,7 @@ from benchmarks.shim_pytorch import is_out_of_memory
 from mucudnn.budget import parse_budget
 from mucudnn.errors import MucudnnError
 from mucudnn.outputs import write_text_atomically
+from mucudnn.torch.planner import transfer_ms
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -330,8 +331,8 @@ def add_bounds(rows: list[dict]) -> None:
         if "moved_bytes" in row:
             share = row["profile_forward_ms"] / max(row["profile_forward_ms"]
                                                     + row["profile_backward_ms"], 1e-9)
-            d2h_ms = row["moved_bytes"] / (row["d2h_gbps"] * 1e9) * 1e3
-            h2d_ms = row["moved_bytes"] / (row["h2d_gbps"] * 1e9) * 1e3
+            d2h_ms = transfer_ms(row["moved_bytes"], row["d2h_gbps"])
+            h2d_ms = transfer_ms(row["moved_bytes"], row["h2d_gbps"])
             row["bound_ms"] = max(share * ref["step_ms"], d2h_ms) + \
                 max((1 - share) * ref["step_ms"], h2d_ms)
             row["vs_bound"] = row["step_ms"] / row["bound_ms"]

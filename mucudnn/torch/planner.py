@@ -169,12 +169,13 @@ def step_time(profile: StepProfile, modes: Sequence[str], lookahead: int = 2) ->
     recompute = math.fsum(g.recompute_ms for g, m in zip(profile.groups, modes, strict=True)
                           if m == RECOMPUTE)
     backward = profile.backward_ms + recompute
-    fetch = _ms(moved, profile.h2d_gbps)
-    return (max(profile.forward_ms, _ms(moved, profile.d2h_gbps))
+    fetch = transfer_ms(moved, profile.h2d_gbps)
+    return (max(profile.forward_ms, transfer_ms(moved, profile.d2h_gbps))
             + (backward + fetch if lookahead == 0 else max(backward, fetch)))
 
 
-def _ms(nbytes: int, gbps: float) -> float:
+def transfer_ms(nbytes: int, gbps: float) -> float:
+    """Milliseconds to move ``nbytes`` at ``gbps`` GB/s."""
     return nbytes / (gbps * 1e9) * 1e3 if nbytes else 0.0
 
 

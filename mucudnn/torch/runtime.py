@@ -962,7 +962,7 @@ class OffloadSession:
             recompute_ms = None
             if group.recipe is not None and all(c.end is not None for c in group.recipe):
                 recompute_ms = sum(max(0.0, link.compute_ms(c.start, c.end)
-                                       - c.moved / (d2h * 1e9) * 1e3) for c in group.recipe)
+                                       - planner.transfer_ms(c.moved, d2h)) for c in group.recipe)
             groups.append(planner.SavedGroup(
                 group.nbytes, first, last, group.producer, group.offloadable, recompute_ms,
                 group.source.gid if group.source is not None and recompute_ms is not None
@@ -978,8 +978,8 @@ class OffloadSession:
         # The recording step copied every offloaded tensor on the compute stream, to the host in
         # the forward and back on demand in the backward: those copies are not compute (at least
         # the forward's time remains in the backward).
-        forward_ms = max(forward_ms - moved / (d2h * 1e9) * 1e3, 0.0)
-        backward_ms = max(backward_ms - moved / (h2d * 1e9) * 1e3, forward_ms)
+        forward_ms = max(forward_ms - planner.transfer_ms(moved, d2h), 0.0)
+        backward_ms = max(backward_ms - planner.transfer_ms(moved, h2d), forward_ms)
         profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks)
         recorded = [OFFLOAD if g.offloadable else KEEP for g in groups]
         live_f, live_b = [0] * len(groups), [0] * unpacks
