@@ -841,7 +841,7 @@ class OffloadSession:
                 # as the recording step ran: everything offloaded, fetched on demand
                 self.fell_back = True
                 recorded = self.profile.groups if self.profile is not None else finished.groups
-                self.modes = [OFFLOAD if g.offloadable else KEEP for g in recorded]
+                self.modes = offload_everything(recorded)
                 self._schedule = {}
                 self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran "
                          "out of device memory; offloading every saved tensor from now on")
@@ -889,8 +889,7 @@ class OffloadSession:
         modelled = self.plan.peak
         target = min(self.target, modelled) - int(self.replan_step * self.budget)
         try:
-            plan = planner.plan_with_prefetch(self.profile, target, self.lookahead,
-                                              self.plan_time_limit_s)
+            plan = self._plan_for(target)
         except MucudnnError:
             return False
         self._lowered_target, self.plan, self.modes = target, plan, list(plan.modes)
@@ -900,17 +899,20 @@ class OffloadSession:
                  f"{target / 2**30:.2f} GiB: {plan.describe()}")
         return True
 
+    def _plan_for(self, target: int) -> planner.OffloadPlan:
+        return planner.plan_with_prefetch(self.profile, target, self.lookahead,
+                                          self.plan_time_limit_s)
+
     def _make_plan(self) -> None:
         target = self.target
         try:
-            self.plan = planner.plan_with_prefetch(self.profile, target, self.lookahead,
-                                                   self.plan_time_limit_s)
+            self.plan = self._plan_for(target)
         except MucudnnError as exc:   # infeasible, or CBC failed
             if self.strict:
                 raise
             # an unmodified script: go on as the recorded step ran (everything offloaded)
             self.say(f"{exc}; offloading every saved tensor")
-            self.modes = [OFFLOAD if g.offloadable else KEEP for g in self.profile.groups]
+            self.modes = offload_everything(self.profile.groups)
             return
         self.modes = list(self.plan.modes)
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
@@ -981,7 +983,7 @@ class OffloadSession:
         forward_ms = max(forward_ms - planner.transfer_ms(moved, d2h), 0.0)
         backward_ms = max(backward_ms - planner.transfer_ms(moved, h2d), forward_ms)
         profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks)
-        recorded = [OFFLOAD if g.offloadable else KEEP for g in groups]
+        recorded = offload_everything(groups)
         live_f, live_b = [0] * len(groups), [0] * unpacks
         for gid, mode in enumerate(recorded):
             f_points, b_points = planner.live_points(profile, gid, mode, 0)
@@ -1006,6 +1008,11 @@ class OffloadSession:
         profile.baseline_forward = [b + grown for b in forward]
         profile.baseline_backward = [b + grown for b in backward]
         return profile
+
+
+def offload_everything(groups) -> list[str]:
+    """The recording steps' modes: every group offloaded where it can be (else kept)."""
+    return [OFFLOAD if g.offloadable else KEEP for g in groups]
 
 
 def _at_end_of_backward(callback) -> None:
