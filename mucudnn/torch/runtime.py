@@ -657,12 +657,10 @@ class OffloadSession:
                                link.peak_allocated()))
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
-            inline = self._inline(step)
-            before = link.mark() if inline and step.profiling else None
-            group.host, group.release = link.offload(tensor, inline), link.release
-            if before is not None:
-                step.copies.append(("d2h", group.nbytes, before, link.mark()))
-            if inline and step.profiling:
+            group.host = self._copy(step, link, "d2h", group.nbytes,
+                                    lambda: link.offload(tensor, self._inline(step)))
+            group.release = link.release
+            if step.profiling:             # recording: copies inline
                 for call in step.calls:    # the calls running now: the copy is in their time
                     if call.end is None and call.start is not None:
                         call.moved += group.nbytes
@@ -737,10 +735,8 @@ class OffloadSession:
             self._prefetch(group, index)
         if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
             # on demand: not prefetched
-            before = link.mark() if step.profiling and self._inline(step) else None
-            group.fetch = link.fetch(group.host, group.device, self._inline(step))
-            if before is not None:
-                step.copies.append(("h2d", group.nbytes, before, link.mark()))
+            group.fetch = self._copy(step, link, "h2d", group.nbytes, lambda: link.fetch(
+                group.host, group.device, self._inline(step)))
             self._event("fetch", group.gid, index)
         for other in scheduled:
             self._prefetch(other, index)
@@ -752,6 +748,17 @@ class OffloadSession:
         group.unpacks += 1
         group.drop_device()    # a moved group's last unpack: autograd holds the rest of its use
         return tensor
+
+    @staticmethod
+    def _copy(step: _Step, link: CopyLink, direction: str, nbytes: int, copy) -> Transfer:
+        """``copy()``; in a recording step (whose copies are inline, each alone on the compute
+        stream) between two marks, which time the host link (:meth:`_link_speeds`)."""
+        if not step.profiling:
+            return copy()
+        before = link.mark()
+        transfer = copy()
+        step.copies.append((direction, nbytes, before, link.mark()))
+        return transfer
 
     def _inline(self, step: _Step) -> bool:
         """Copies on the compute stream: in the recording step (its times are then compute plus
