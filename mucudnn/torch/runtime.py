@@ -499,9 +499,14 @@ class OffloadSession:
         return self._link or next(iter(self._links.values()), None) or CopyLink()
 
     # --- module records (producers, recipes, times) ---------------------------------------
+    def _records(self, module) -> bool:
+        """A leaf module's forward in a step's forward (not a recipe's replay, not in a
+        backward, not under ``no_grad``)."""
+        return not (self._replaying or not torch.is_grad_enabled() or _in_backward()
+                    or any(True for _ in module.children()))
+
     def _before_module(self, module, args):
-        if self._replaying or not torch.is_grad_enabled() or _in_backward() or \
-                any(True for _ in module.children()):
+        if not self._records(module):
             return
         if self._step.unpacks:   # the first module of the next step: its calls belong there
             self._end_step()
@@ -516,8 +521,7 @@ class OffloadSession:
         self._step.calls.append(call)
 
     def _after_module(self, module, args, output):
-        if self._replaying or not torch.is_grad_enabled() or _in_backward() or \
-                any(True for _ in module.children()):
+        if not self._records(module):
             return
         for call in reversed(self._step.calls):
             if call.module is module and not call.done:
