@@ -9,8 +9,9 @@ trains a few steps with PyTorch's caching allocator limited to the budget
 (``set_per_process_memory_fraction``):
 
 - ``pytorch``: no limit, nothing offloaded: the unconstrained step and PyTorch's own peak;
-- ``mucudnn@B``: ``mucudnn.torch.fit(model, budget=B)``: the first step records, then the plan
-  (keep / offload with prefetch / recompute) runs; at ``--budget`` and each ``--sweep`` budget;
+- ``mucudnn@B``: ``mucudnn.torch.fit(model, budget=B, strict=False)``: the first two steps
+  record, then the plan (keep / offload with prefetch / recompute) runs; at ``--budget`` and each
+  ``--sweep`` budget;
 - ``save_on_cpu@B``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
 - ``ondemand@B``: torchtune-style offload: every saved activation copied to pinned memory on a side
   stream, fetched back when backward needs it (no lookahead), written here in a few lines;
@@ -21,9 +22,9 @@ trains a few steps with PyTorch's caching allocator limited to the budget
 Each reports the median step time (CUDA events, after warm-up), peak reserved and allocated memory
 of the timed steps, or ``oom``. A mucudnn step that runs out of memory is recorded
 (``failed_steps``; the session plans again for less, at most 3 times, then offloads everything,
-``fell_back``) and the run goes on. mucudnn's rows add the plan (bytes moved each way, counts), the measured host link and
-the lower bound from it: ``max(F, moved/d2h) + max(B, moved/h2d)`` with F, B the unconstrained
-step split as the recorded profile splits it.
+``fell_back``) and the run goes on. mucudnn's rows add the plan (bytes moved each way, counts),
+the recorded profile, the measured host link and the lower bound from it: ``max(F, moved/d2h) +
+max(B, moved/h2d)`` with F, B the unconstrained step split as the recorded profile splits it.
 
 ``--min-search pytorch mucudnn``: the smallest budget that trains, per method, bisected on a
 ``--min-step`` GiB grid (benchmarks/pressure.py's search): PyTorch's between its unconstrained peak

@@ -414,8 +414,8 @@ class OffloadSession:
     ``budget`` (bytes): the first ``record_steps`` steps record (every dense saved tensor
     offloaded on the compute stream, fetched on demand; the last is the profile), then a plan is
     made for ``budget * (1 - headroom)`` (room for the caching allocator's fragmentation; CBC at
-    most ``plan_time_limit_s`` per solve) and applied from the next step. ``modes``: a fixed plan instead
-    (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
+    most ``plan_time_limit_s`` per solve) and applied from the next step. ``modes``: a fixed plan
+    instead (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
     no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
