@@ -77,6 +77,29 @@ def train(model, data, session=None):
     return results
 
 
+def train_through_failures(model, data, session, forward=None, before_step=None) -> int:
+    """SGD steps of ``forward`` (default ``model``) under ``session``, as a script that catches
+    out-of-memory errors runs them: a step that raises one is skipped and its graph let go.
+    ``before_step()`` runs first in each step. The number of steps that failed."""
+    forward = forward or model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    failures = 0
+    for x, y in data:
+        if before_step is not None:
+            before_step()
+        optimizer.zero_grad()
+        try:
+            with session:
+                loss = nn.functional.cross_entropy(forward(x), y)
+            loss.backward()
+        except torch.OutOfMemoryError:
+            loss = None
+            failures += 1
+            continue
+        optimizer.step()
+    return failures
+
+
 def assert_bitwise(expected, actual):
     assert len(expected) == len(actual)
     for step, (a, b) in enumerate(zip(expected, actual)):
@@ -427,19 +450,8 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
     session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
                              headroom=0.0, say=said.append, trace=trace, replans=0,
                              record_steps=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    failures = 0
-    for x, y in data:
-        steps.append(None)
-        optimizer.zero_grad()
-        try:
-            with session:
-                loss = nn.functional.cross_entropy(wrapped(x), y)
-            loss.backward()
-        except torch.OutOfMemoryError:
-            failures += 1
-            continue
-        optimizer.step()
+    failures = train_through_failures(model, data, session, wrapped,
+                                      lambda: steps.append(None))
     if where == "caught":
         assert failures == 0 and not session.fell_back and not said[1:]
         assert [g.mode for g in session._step.groups] == list(session.plan.modes)
@@ -474,21 +486,15 @@ def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(faili
     session = OffloadSession(budget=budget, link=link, min_bytes=0, headroom=0.0,
                              say=said.append, replans=2, replan_step=0.1,
                              record_steps=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    peaks, failures = [], 0
-    for x, y in data:
+    peaks = []
+
+    def before_step():
         steps.append(None)
-        optimizer.zero_grad()
         if session.plan is not None:
             peaks.append((session.target, session.plan.peak))
-        try:
-            with session:
-                loss = nn.functional.cross_entropy(nn.Sequential(model, Fail())(x), y)
-            loss.backward()
-        except torch.OutOfMemoryError:
-            failures += 1
-            continue
-        optimizer.step()
+
+    failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                                      before_step)
     replanned = [line for line in said if "planning for" in line]
     if failing_steps == 1:
         assert failures == 1 and not session.fell_back and len(replanned) == 1
@@ -546,16 +552,13 @@ def test_a_failed_backward_leaves_no_saved_tensor_behind():
 
     session = OffloadSession(modes=[KEEP, OFFLOAD] * 50, link=FailingLink(), min_bytes=0)
     kept = []
-    for x, y in data:
+
+    def before_step():
         steps.append(None)
         if len(steps) == 3:      # the failed step's groups, as the next step begins
-            kept = [g.ref for g in session._step.groups]
-        try:
-            with session:
-                loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-        except torch.OutOfMemoryError:
-            loss = None
+            kept.extend(g.ref for g in session._step.groups)
+
+    train_through_failures(model, data, session, before_step=before_step)
     gc.collect()
     ours = [t for pair in data for t in pair] + list(model.buffers())   # the test holds them
     alive = [ref() for ref in kept if ref() is not None]
@@ -599,17 +602,9 @@ def test_a_failed_step_s_reference_cycles_are_collected_before_the_next_step():
                 alive_at_next_step.append(held[0]() is not None)
             return wrapped(x)
 
-    probe = Probe()
     gc.disable()
     try:
-        for x, y in data:
-            steps.append(None)
-            try:
-                with session:
-                    loss = nn.functional.cross_entropy(probe(x), y)
-                loss.backward()
-            except torch.OutOfMemoryError:
-                loss = None
+        train_through_failures(model, data, session, Probe(), lambda: steps.append(None))
     finally:
         gc.enable()
     assert alive_at_next_step == [False]
@@ -621,19 +616,16 @@ def test_a_forward_failing_before_its_first_module_is_not_the_last_steps_failure
     link, said = MeteredLink(), []
     session = OffloadSession(budget=saved_bytes(model, data) * 2, link=link, min_bytes=0,
                              headroom=0.0, say=said.append, record_steps=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step, (x, y) in enumerate(data):
-        optimizer.zero_grad()
-        try:
-            with session:
-                if step == 3:          # e.g. moving the batch to the device runs out of memory
-                    link.oom()
-                    raise torch.OutOfMemoryError("out of memory (test)")
-                loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-        except torch.OutOfMemoryError:
-            continue
-        optimizer.step()
+    steps = []
+
+    def forward(x):
+        if len(steps) == 4:      # e.g. moving the batch to the device runs out of memory
+            link.oom()
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return model(x)
+
+    assert train_through_failures(model, data, session, forward,
+                                  lambda: steps.append(None)) == 1
     assert session.replans_used == 0 and not session.fell_back
     assert not any("ran out of device memory" in line for line in said)
     assert [g.mode for g in session._step.groups] == list(session.plan.modes)
