@@ -222,6 +222,22 @@ def worker(args) -> None:
         print(f"step {step}: {start.elapsed_time(end):.1f} ms", file=sys.stderr, flush=True)
     if not times:
         raise torch.OutOfMemoryError(f"every timed step ran out of memory ({failed_steps})")
+    if args.trace:   # one more step under the profiler: where its time went (trace_summary)
+        import tempfile
+
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            optimizer.zero_grad(set_to_none=True)
+            with context():
+                loss = training.loss(model(training.inputs), training.labels)
+            loss.backward()
+            optimizer.step()
+            torch.cuda.synchronize(device)
+        with tempfile.TemporaryDirectory() as scratch:
+            path = os.path.join(scratch, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as file:
+                result["trace"] = trace_summary(json.load(file))
     # the caching allocator's flushes (free every cached block, synchronise, allocate again)
     # during the timed steps: a configuration that runs at the cap pays them in its step time
     result.update(failed_steps=failed_steps, alloc_retries=torch.cuda.memory_stats(device).get(
@@ -259,6 +275,57 @@ GiB = 2**30
 MIN_PARTS = ("min", "min-probe")   # the searches' rows: their own table, not the main one
 
 
+def trace_summary(trace: dict, top: int = 8) -> dict:
+    """Where a step's time went, from a profiler's Chrome trace (``export_chrome_trace``): per
+    CUDA stream its busy ms (kernels, copies, memsets; overlaps merged) and, for the busiest
+    (the compute stream), its idle gaps; the CUDA runtime calls that took the host's time (a
+    host waiting on the device shows as ``cudaEventSynchronize`` and its kin)."""
+    device = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+              and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not device:
+        return {}
+    streams: dict = {}
+    for event in device:
+        stream = (event.get("args") or {}).get("stream", event.get("tid"))
+        streams.setdefault(stream, []).append((float(event["ts"]), float(event["ts"]) + float(event["dur"]),
+                                               event["cat"]))
+    begin = min(start for spans in streams.values() for start, _, _ in spans)
+    end = max(stop for spans in streams.values() for _, stop, _ in spans)
+
+    def merged(spans):
+        out = []
+        for start, stop, _ in sorted(spans):
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], stop)
+            else:
+                out.append([start, stop])
+        return out
+
+    busy = {stream: merged(spans) for stream, spans in streams.items()}
+    compute = max(busy, key=lambda s: sum(b - a for a, b, c in streams[s] if c == "kernel"))
+    intervals = busy[compute]
+    gaps = sorted(((b[0] - a[1]) / 1e3, (a[1] - begin) / 1e3)
+                  for a, b in zip(intervals, intervals[1:]))
+    runtime: dict = {}
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and event.get("cat") == "cuda_runtime":
+            total, count = runtime.get(event["name"], (0.0, 0))
+            runtime[event["name"]] = (total + float(event["dur"]) / 1e3, count + 1)
+    return {
+        "span_ms": round((end - begin) / 1e3, 3),
+        "streams": {str(stream): {"busy_ms": round(sum(b - a for a, b in spans) / 1e3, 3),
+                                  "events": len(streams[stream]),
+                                  "kinds": sorted({c for _, _, c in streams[stream]})}
+                    for stream, spans in busy.items()},
+        "compute_stream": str(compute),
+        "compute_idle_ms": round(sum(g for g, _ in gaps), 3),
+        "compute_gaps_over_50us": sum(1 for g, _ in gaps if g > 0.05),
+        "largest_gaps_ms_at_ms": [[round(g, 3), round(at, 3)] for g, at in gaps[::-1][:top]],
+        "runtime_calls_ms": {name: [round(total, 3), count] for name, (total, count) in
+                             sorted(runtime.items(), key=lambda kv: -kv[1][0])[:top]},
+    }
+
+
 def config_name(method: str, budget: int | None) -> str:
     return method if budget is None else f"{method}@{budget / GiB:g}GiB"
 
@@ -289,7 +356,7 @@ def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
     cmd = [sys.executable, "-m", "benchmarks.offload", "worker", "--model", model,
            "--method", method, "--batch", str(batch), "--steps", str(steps or args.steps),
            "--warmup", str(args.warmup), "--budget-bytes", str(budget or 0),
-           "--headroom", str(args.headroom)]
+           "--headroom", str(args.headroom)] + ["--trace"] * bool(getattr(args, "trace", False))
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     print(f"[{time.strftime('%H:%M:%S')}] {model} N={batch} {name} ({part})", flush=True)
@@ -517,6 +584,22 @@ def markdown(rows: list[dict], args) -> str:
             f"{r['kept']}/{r['offloaded']}/{r['recomputed']}" if "kept" in r else "—",
             str(r["alloc_retries"]) if "alloc_retries" in r else "—"]) + " |")
     out += min_markdown(rows, args)
+    traced = [r for r in rows if r.get("trace")]
+    if traced:
+        out += ["", "## One profiled step per configuration (`--trace`)", "",
+                "| model | config | span ms | compute stream busy ms | idle ms (gaps > 50 µs) | "
+                "other streams busy ms | host's top CUDA calls ms (count) |",
+                "|---|---|---|---|---|---|---|"]
+        for r in traced:
+            t = r["trace"]
+            others = ", ".join(f"{s['busy_ms']:.1f}" for k, s in t["streams"].items()
+                               if k != t["compute_stream"])
+            calls = ", ".join(f"{name} {ms:.1f} ({n})" for name, (ms, n) in
+                              list(t["runtime_calls_ms"].items())[:3])
+            out.append(f"| {model_cell(r)} | {r['config']} | {t['span_ms']:.1f} | "
+                       f"{t['streams'][t['compute_stream']]['busy_ms']:.1f} | "
+                       f"{t['compute_idle_ms']:.1f} ({t['compute_gaps_over_50us']}) | "
+                       f"{others or '—'} | {calls} |")
     link = next((r for r in rows if "d2h_gbps" in r), None)
     if link:
         out += ["", f"Host link measured by mucudnn.torch: {link['d2h_gbps']:.1f} GB/s to the "
@@ -698,6 +781,9 @@ def main(argv=None) -> None:
         p.add_argument("--time-budget-s", type=float,
                        help="no configuration starts, nor runs, past this many seconds")
         p.add_argument("--out", default="offload-out")
+        p.add_argument("--trace", action="store_true",
+                       help="each configuration also profiles one step after the timed ones: "
+                            "busy and idle time per CUDA stream, host waits (row's 'trace')")
     work.add_argument("--model", required=True)
     work.add_argument("--method", choices=("pytorch",) + METHODS, required=True)
     work.add_argument("--batch", type=int, required=True)
@@ -705,6 +791,7 @@ def main(argv=None) -> None:
     work.add_argument("--warmup", type=int, default=4)
     work.add_argument("--budget-bytes", type=int, default=0)
     work.add_argument("--headroom", type=float, default=0.1)
+    work.add_argument("--trace", action="store_true")
     args = parser.parse_args(argv)
     if args.role == "worker":
         worker(args)
