@@ -14,7 +14,8 @@ A group is one tensor saved for backward, however many ops save it. Its bytes ar
   unpack;
 - offloaded: at its forward point and the next one (the copy to the host runs meanwhile; the
   runtime lets the caching allocator reuse the memory once the copy is done), then again from
-  ``first_unpack - lookahead`` (the runtime's prefetch point) to its last unpack;
+  its prefetch point (:func:`prefetch_point`: ``lookahead`` unpacks before its first unpack, or
+  earlier where the recorded backward clock says the copy needs longer) to its last unpack;
 - recomputed: at its forward point and the next one (the forward's own use), then from its first
   to its last unpack, twice its bytes at its first unpack (the recipe's intermediate or the copy of
   an in-place module's input). Its recipe reads its source group, which must then be kept, and
@@ -33,6 +34,7 @@ term is ``B + recompute time + offloaded bytes / h2d``.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -43,6 +45,9 @@ from ..sizes import describe_size
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 MODES = (KEEP, OFFLOAD, RECOMPUTE)
+#: a prefetch is issued this many copy times before its first unpack (the recorded clock is the
+#: recording step's; other fetches may share the link)
+PREFETCH_MARGIN = 1.5
 
 
 @dataclass(frozen=True)
@@ -70,11 +75,20 @@ class StepProfile:
     unpacks: int                   # U, backward points
     baseline_forward: list[int] = field(default_factory=list)   # bytes at each forward point
     baseline_backward: list[int] = field(default_factory=list)  # bytes at each backward point
+    # compute ms from the backward's start to each backward point (non-decreasing); empty:
+    # ``backward_ms`` spread evenly over the points
+    backward_clock: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         g = len(self.groups)
         self.baseline_forward = list(self.baseline_forward) or [0] * g
         self.baseline_backward = list(self.baseline_backward) or [0] * self.unpacks
+        self.backward_clock = list(self.backward_clock) or [
+            self.backward_ms * t / max(self.unpacks, 1) for t in range(self.unpacks)]
+        if len(self.backward_clock) != self.unpacks or any(
+                b < a for a, b in zip(self.backward_clock, self.backward_clock[1:])):
+            raise ValueError(f"backward clock: {len(self.backward_clock)} non-decreasing times "
+                             f"for {self.unpacks} backward points expected")
         if len(self.baseline_forward) != g or len(self.baseline_backward) != self.unpacks:
             raise ValueError(f"baselines: {len(self.baseline_forward)} forward points for {g} "
                              f"groups, {len(self.baseline_backward)} backward points for "
@@ -97,6 +111,7 @@ class OffloadPlan:
     peak: int
     step_ms: float
     moved_bytes: int               # each way
+    margin: float = 0.0            # prefetch_point's: copy times of its prefetches' lead
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)
@@ -105,7 +120,8 @@ class OffloadPlan:
         return (f"{self.count(KEEP)} kept, {self.count(OFFLOAD)} offloaded "
                 f"({describe_size(self.moved_bytes)} each way), {self.count(RECOMPUTE)} "
                 f"recomputed; predicted peak {describe_size(self.peak)}, step {self.step_ms:.1f} ms"
-                + (f"; prefetch {self.lookahead} unpacks ahead" if self.count(OFFLOAD) else ""))
+                + (f"; prefetch {self.lookahead} unpacks ahead" if self.count(OFFLOAD) else "")
+                + (f" or {self.margin:g} copy times" if self.count(OFFLOAD) and self.margin else ""))
 
 
 def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
@@ -114,24 +130,41 @@ def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
          else ())
 
 
-def live_points(profile: StepProfile, index: int, mode: str, lookahead: int
-                ) -> tuple[range, range]:
+def prefetch_point(profile: StepProfile, index: int, lookahead: int,
+                   margin: float = PREFETCH_MARGIN) -> int:
+    """The backward point at which offloaded group ``index`` is fetched: ``lookahead`` unpacks
+    before its first unpack, or earlier where the recorded backward between them is shorter than
+    its copy (``margin`` times ``nbytes / h2d``; 0: untimed): the fetch starts once the compute
+    stream reaches that point, and must end before the first unpack. ``lookahead`` 0: at its first
+    unpack."""
+    group = profile.groups[index]
+    if lookahead <= 0:
+        return group.first_unpack
+    clock = profile.backward_clock
+    need = margin * transfer_ms(group.nbytes, profile.h2d_gbps)
+    timed = bisect.bisect_right(clock, clock[group.first_unpack] - need) - 1
+    return max(0, min(group.first_unpack - lookahead, timed))
+
+
+def live_points(profile: StepProfile, index: int, mode: str, lookahead: int,
+                margin: float = PREFETCH_MARGIN) -> tuple[range, range]:
     """(forward points, backward points) at which group ``index`` is on the device in ``mode``."""
     group, g = profile.groups[index], len(profile.groups)
     if mode == KEEP:
         return range(index, g), range(0, group.last_unpack + 1)
     forward = range(index, min(index + 2, g))
-    start = max(0, group.first_unpack - lookahead) if mode == OFFLOAD else group.first_unpack
+    start = (prefetch_point(profile, index, lookahead, margin) if mode == OFFLOAD
+             else group.first_unpack)
     return forward, range(start, group.last_unpack + 1)
 
 
-def contributions(profile: StepProfile, index: int, mode: str, lookahead: int
-                  ) -> list[tuple[int, range, range]]:
+def contributions(profile: StepProfile, index: int, mode: str, lookahead: int,
+                  margin: float = PREFETCH_MARGIN) -> list[tuple[int, range, range]]:
     """(bytes, forward points, backward points) that choosing ``mode`` for group ``index`` puts on
     the device: its own liveness and, when recomputed, the transient at its first unpack and its
     source held past the source's own last unpack."""
     group = profile.groups[index]
-    f_points, b_points = live_points(profile, index, mode, lookahead)
+    f_points, b_points = live_points(profile, index, mode, lookahead, margin)
     added = [(group.nbytes, f_points, b_points)]
     if mode == RECOMPUTE:
         added.append((group.nbytes, range(0), range(group.first_unpack, group.first_unpack + 1)))
@@ -142,13 +175,13 @@ def contributions(profile: StepProfile, index: int, mode: str, lookahead: int
     return added
 
 
-def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int
-                     ) -> tuple[list[int], list[int]]:
+def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int,
+                     margin: float = PREFETCH_MARGIN) -> tuple[list[int], list[int]]:
     """The modelled bytes at each (forward point, backward point) under ``modes``."""
     forward = list(profile.baseline_forward)
     backward = list(profile.baseline_backward)
     for index, mode in enumerate(modes):
-        for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead):
+        for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead, margin):
             for t in f_points:
                 forward[t] += nbytes
             for t in b_points:
@@ -156,9 +189,10 @@ def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int
     return forward, backward
 
 
-def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int) -> int:
+def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int,
+                margin: float = PREFETCH_MARGIN) -> int:
     """The modelled peak of ``modes`` (one per group)."""
-    forward, backward = memory_at_points(profile, modes, lookahead)
+    forward, backward = memory_at_points(profile, modes, lookahead, margin)
     return max(forward + backward, default=0)
 
 
@@ -189,37 +223,40 @@ def valid(profile: StepProfile, modes: Sequence[str]) -> bool:
     return True
 
 
-def _result(profile: StepProfile, modes: Sequence[str], lookahead: int) -> OffloadPlan:
+def _result(profile: StepProfile, modes: Sequence[str], lookahead: int,
+            margin: float = PREFETCH_MARGIN) -> OffloadPlan:
     moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
-    return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead),
-                       step_time(profile, modes, lookahead), moved)
+    return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead, margin),
+                       step_time(profile, modes, lookahead), moved, margin)
 
 
-def brute_force(profile: StepProfile, budget: int, lookahead: int = 2) -> OffloadPlan | None:
+def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
+                margin: float = PREFETCH_MARGIN) -> OffloadPlan | None:
     """The optimum by enumeration (small profiles: tests); None when nothing fits."""
     best = None
     for modes in itertools.product(*(allowed_modes(g) for g in profile.groups)):
-        if not valid(profile, modes) or peak_memory(profile, modes, lookahead) > budget:
+        if not valid(profile, modes) or peak_memory(profile, modes, lookahead, margin) > budget:
             continue
-        candidate = _result(profile, modes, lookahead)
+        candidate = _result(profile, modes, lookahead, margin)
         if best is None or candidate.step_ms < best.step_ms - 1e-9:
             best = candidate
     return best
 
 
 def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
-                 time_limit_s: float | None = 60) -> OffloadPlan:
+                 time_limit_s: float | None = 60, margin: float = PREFETCH_MARGIN
+                 ) -> OffloadPlan:
     """The fastest valid choice whose modelled peak is within ``budget`` bytes (an ILP; ties go
     to fewer bytes moved or recomputed). :class:`InfeasibleError` says the least peak any choice
     reaches when none fits."""
     if budget <= 0:
         raise ValueError(f"budget must be more than 0 bytes, got {budget}")
     everything_kept = [KEEP] * len(profile.groups)
-    if peak_memory(profile, everything_kept, lookahead) <= budget:
-        return _result(profile, everything_kept, lookahead)
+    if peak_memory(profile, everything_kept, lookahead, margin) <= budget:
+        return _result(profile, everything_kept, lookahead, margin)
     limit = budget
     for _ in range(3):
-        plan = _solved(profile, lookahead, budget, limit, time_limit_s)
+        plan = _solved(profile, lookahead, budget, limit, time_limit_s, margin)
         if plan.peak <= budget:
             return plan
         # CBC's feasibility tolerance (1e-7 of the limit) let the peak over by a few bytes:
@@ -230,11 +267,11 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
 
 
 def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
-            time_limit_s: float | None) -> OffloadPlan:
-    problem, picks, _ = _program(profile, lookahead, limit)
+            time_limit_s: float | None, margin: float = PREFETCH_MARGIN) -> OffloadPlan:
+    problem, picks, _ = _program(profile, lookahead, limit, margin)
     status = _solve(problem, time_limit_s)
     if status == "Infeasible" and limit == budget:
-        least = least_peak(profile, lookahead)
+        least = least_peak(profile, lookahead, margin)
         raise InfeasibleError(
             f"memory budget {describe_size(budget)} is too small for this step: keeping, "
             f"offloading or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
@@ -245,37 +282,42 @@ def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
     modes = _picked(picks)
     if not valid(profile, modes):
         raise SolverError("the solver chose an invalid offload plan")
-    return _result(profile, modes, lookahead)
+    return _result(profile, modes, lookahead, margin)
 
 
 def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
                        time_limit_s: float | None = 60) -> OffloadPlan:
-    """:func:`plan_offload` at ``lookahead``, else at the largest smaller prefetch distance that
-    fits (down to 0: fetched when first unpacked, as the recording step did): a prefetch puts a
-    group on the device ``lookahead`` unpacks early, which the largest backward ops may not have
-    room for. The :class:`InfeasibleError` of ``lookahead`` when none fits."""
-    first_error = None
-    for distance in range(lookahead, -1, -1):
+    """:func:`plan_offload` with the earliest prefetches that fit: at ``lookahead`` timed by
+    :data:`PREFETCH_MARGIN`, then by half of it, then untimed at ``lookahead`` and each smaller
+    distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
+    prefetch hides more of its copy but holds its group on the device longer, which the largest
+    backward ops may not have room for. Distance 0's :class:`InfeasibleError` (the least peak of
+    all) when none fits."""
+    ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
+    ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
+    error = None
+    for distance, margin in ladder:
         try:
-            return plan_offload(profile, budget, distance, time_limit_s)
+            return plan_offload(profile, budget, distance, time_limit_s, margin)
         except InfeasibleError as exc:
-            first_error = first_error or exc
-    raise first_error
+            error = exc
+    raise error
 
 
-def least_peak(profile: StepProfile, lookahead: int = 2) -> int:
+def least_peak(profile: StepProfile, lookahead: int = 2, margin: float = PREFETCH_MARGIN) -> int:
     """The smallest modelled peak any valid choice reaches."""
-    problem, picks, peak = _program(profile, lookahead, None)
+    problem, picks, peak = _program(profile, lookahead, None, margin)
     if _solve(problem, 60) != "Optimal":
         raise SolverError("CBC did not find the least peak of this step")
-    return peak_memory(profile, _picked(picks), lookahead)
+    return peak_memory(profile, _picked(picks), lookahead, margin)
 
 
 def _baseline_peak(profile: StepProfile) -> int:
     return max(profile.baseline_forward + profile.baseline_backward, default=0)
 
 
-def _program(profile: StepProfile, lookahead: int, budget: int | None):
+def _program(profile: StepProfile, lookahead: int, budget: int | None,
+             margin: float = PREFETCH_MARGIN):
     """The ILP. With ``budget`` None it minimises the peak instead of the time."""
     import pulp
 
@@ -293,7 +335,8 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None):
     backward = [pulp.LpAffineExpression() + base for base in profile.baseline_backward]
     for index, group in enumerate(profile.groups):
         for mode, x in picks[index].items():
-            for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead):
+            for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead,
+                                                            margin):
                 for t in f_points:
                     forward[t] += nbytes * x
                 for t in b_points:

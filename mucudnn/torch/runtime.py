@@ -118,8 +118,8 @@ class CopyLink:
 
     def release(self, transfer: Transfer) -> None:
         """``transfer``'s host tensor goes back to the pool: no group reads it again. A copy that
-        still uses it is ordered before any later copy into it: a copy on the copy stream first
-        waits for the compute stream, and an inline one for the copy stream."""
+        still uses it is ordered before any later copy into it: a copy on a copy stream first
+        waits for the compute stream, and an inline one for both copy streams."""
         self._free_host[_layout(transfer.tensor)].append(transfer.tensor)
 
     def offload(self, tensor: torch.Tensor, inline: bool = False) -> Transfer:
@@ -173,10 +173,11 @@ class CopyLink:
 
 
 class CudaLink(CopyLink):
-    """Pinned host memory and one copy stream per device. Offload: the copy stream waits for the
-    compute stream (the producer), copies, and the caching allocator may reuse the device memory
-    once that copy is done (``record_stream``). Fetch: allocated from the compute stream's pool,
-    copied on the copy stream; the compute stream waits for its event before use. Inline copies
+    """Pinned host memory and two copy streams per device, one per direction. Offload: the
+    offload stream waits for the compute stream (the producer), copies, and the caching allocator
+    may reuse the device memory once that copy is done (``record_stream``). Fetch: allocated from
+    the compute stream's pool, copied on the fetch stream after the compute work queued so far
+    and after the offload it reads; the compute stream waits for its event before use. Inline copies
     (recording steps, a fall-back) run on the compute stream. Pinned buffers come from the link's
     host pool (:meth:`CopyLink.host_buffer`).
 
@@ -188,7 +189,10 @@ class CudaLink(CopyLink):
     def __init__(self, device, max_pending: int = 1 << 30):
         super().__init__()
         self.device = torch.device(device)
+        # one stream per direction: a fetch in the backward never queues behind the forward's
+        # offloads still draining (the two directions run at once on their own copy engines)
         self.stream = torch.cuda.Stream(self.device)
+        self.fetch_stream = torch.cuda.Stream(self.device)
         self.max_pending = max_pending
         self._pending: deque = deque()
         self._pending_bytes = 0
@@ -204,26 +208,27 @@ class CudaLink(CopyLink):
         ``retain_graph``, unpacked after a fall-back)."""
         compute = torch.cuda.current_stream(self.device)
         compute.wait_stream(self.stream)
+        compute.wait_stream(self.fetch_stream)
         destination.copy_(source, non_blocking=True)
         event = torch.cuda.Event()
         event.record(compute)
         return Transfer(destination, event)
 
-    def _copy_on_side(self, destination, source) -> Transfer:
-        """``source`` into ``destination`` on the copy stream, after the compute work queued so
-        far (the producer, or the last users of a block the compute stream freed)."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+    def _copy_on_side(self, destination, source, stream) -> Transfer:
+        """``source`` into ``destination`` on ``stream``, after the compute work queued so far
+        (the producer, or the last users of a block the compute stream freed)."""
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             destination.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
         return Transfer(destination, event)
 
     def offload(self, tensor, inline=False):
         host = self.host_buffer(tensor)
         if inline:
             return self._copy_inline(host, tensor)
-        transfer = self._copy_on_side(host, tensor)
+        transfer = self._copy_on_side(host, tensor, self.stream)
         tensor.record_stream(self.stream)
         nbytes = tensor.numel() * tensor.element_size()
         self._pending.append((transfer.event, nbytes))
@@ -246,8 +251,10 @@ class CudaLink(CopyLink):
         tensor = _same_layout(host.tensor, self.device)
         if inline:
             return self._copy_inline(tensor, host.tensor)
-        transfer = self._copy_on_side(tensor, host.tensor)
-        tensor.record_stream(self.stream)   # for a fetch that is never waited for
+        if host.event is not None:   # its offload may still be draining on the other stream
+            self.fetch_stream.wait_event(host.event)
+        transfer = self._copy_on_side(tensor, host.tensor, self.fetch_stream)
+        tensor.record_stream(self.fetch_stream)   # for a fetch that is never waited for
         return transfer
 
     def wait(self, transfer):
@@ -929,19 +936,31 @@ class OffloadSession:
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
 
     @property
+    def prefetch_margin(self) -> float:
+        """The plan's :func:`planner.prefetch_point` margin (0 without a plan: untimed)."""
+        return self.plan.margin if self.plan is not None else 0.0
+
+    @property
     def prefetch_distance(self) -> int:
         """How many unpacks ahead offloaded groups are fetched: the plan's (it may prefetch less
         than ``lookahead`` to fit), else ``lookahead``."""
         return self.plan.lookahead if self.plan is not None else self.lookahead
 
     def _prefetch_schedule(self, modes) -> dict[int, list[int]]:
-        """Unpack index -> offloaded groups to fetch then: ``lookahead`` unpacks before the first
-        unpack of each, as the last finished step unpacked them (vDNN's prefetch; one it never
-        unpacked is fetched on demand)."""
+        """Unpack index -> offloaded groups to fetch then, relative to the first unpack of each as
+        the last finished step unpacked them (vDNN's prefetch; one it never unpacked is fetched
+        on demand): as many unpacks ahead as the planner's model has it
+        (:func:`planner.prefetch_point` on the profile), else ``prefetch_distance``."""
         schedule = defaultdict(list)
+        profile = self.profile
         for gid, (first, mode) in enumerate(zip(self._first_unpacks, modes)):
-            if mode == OFFLOAD and first is not None:
-                schedule[max(0, first - self.prefetch_distance)].append(gid)
+            if mode != OFFLOAD or first is None:
+                continue
+            distance = self.prefetch_distance
+            if profile is not None and gid < len(profile.groups):
+                distance = profile.groups[gid].first_unpack - planner.prefetch_point(
+                    profile, gid, self.prefetch_distance, self.prefetch_margin)
+            schedule[max(0, first - distance)].append(gid)
         return dict(schedule)
 
     @staticmethod
@@ -962,6 +981,27 @@ class OffloadSession:
             link.gbps = (best["d2h"], best["h2d"])
             return link.gbps
         return link.bandwidth_gbps()
+
+    @staticmethod
+    def _backward_clock(step: _Step, link: CopyLink, unpacks: int) -> list[float]:
+        """Compute ms from the backward's first unpack to each unpack of a recording step: its
+        marks' times less its own on-demand fetches in between (inline, each between two marks),
+        non-decreasing; [] without unpacks."""
+        marks = [m for m in step.marks if m[0] == "unpack"]
+        if not marks:
+            return []
+        start = marks[0][2]
+        fetches = [(before, after) for direction, _, before, after in step.copies
+                   if direction == "h2d" and before.seq > start.seq]
+        clock, now = [0.0] * unpacks, 0.0
+        for _, index, mark, *_ in marks:
+            copying = sum(link.compute_ms(before, after) for before, after in fetches
+                          if after.seq <= mark.seq)
+            now = max(now, link.compute_ms(start, mark) - copying)
+            clock[index] = now
+        for index in range(1, unpacks):     # points no mark names keep the time before them
+            clock[index] = max(clock[index], clock[index - 1])
+        return clock
 
     def _profile_of(self, step: _Step, tail_peak: int = 0, grown: int = 0
                     ) -> planner.StepProfile:
@@ -993,7 +1033,8 @@ class OffloadSession:
         # the forward's time remains in the backward).
         forward_ms = max(forward_ms - planner.transfer_ms(moved, d2h), 0.0)
         backward_ms = max(backward_ms - planner.transfer_ms(moved, h2d), forward_ms)
-        profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks)
+        profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks,
+                                      backward_clock=self._backward_clock(step, link, unpacks))
         recorded = offload_everything(groups)
         live_f, live_b = [0] * len(groups), [0] * unpacks
         for gid, mode in enumerate(recorded):

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from mucudnn.errors import InfeasibleError
+from mucudnn.torch import planner
 from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force,
                                    least_peak, peak_memory, plan_offload, plan_with_prefetch,
                                    step_time, valid)
@@ -123,8 +124,8 @@ def test_never_over_budget_by_the_solvers_tolerance():
     # so the solver may call it feasible; the plan must still be within the budget
     GiB = 2**30
     profile = chain_profile([3 * GiB, 3 * GiB, 3 * GiB, 3 * GiB], baseline=0)
-    full = peak_memory(profile, [KEEP] * 4, 2)
-    plan = plan_offload(profile, budget=full - 100)
+    full = peak_memory(profile, [KEEP] * 4, 0)
+    plan = plan_offload(profile, budget=full - 100, lookahead=0)
     assert plan.peak <= full - 100 and plan.modes != (KEEP,) * 4
 
 
@@ -142,3 +143,29 @@ def test_prefetch_distance_shrinks_when_prefetching_does_not_fit():
     if plan.lookahead == 0:
         assert plan.step_ms > step_time(profile, plan.modes, 2)
     assert "prefetch" in plan.describe()
+
+
+def test_a_prefetch_starts_early_enough_for_its_copy():
+    # backward points 1 ms apart; a 3 MB group over a 1 GB/s link needs 3 ms, with the margin
+    # 4.5 ms: issued 5 points before its first unpack, not 2; a small one 2 points before
+    big, small = 3_000_000, 1_000
+    groups = [SavedGroup(small, 8, 8), SavedGroup(big, 9, 9)]
+    profile = StepProfile(groups, forward_ms=5.0, backward_ms=10.0, d2h_gbps=1.0, h2d_gbps=1.0,
+                          unpacks=10, backward_clock=[float(t) for t in range(10)])
+    assert planner.PREFETCH_MARGIN == 1.5
+    assert planner.prefetch_point(profile, 1, lookahead=2) == 4
+    assert planner.prefetch_point(profile, 0, lookahead=2) == 6
+    assert planner.prefetch_point(profile, 1, lookahead=0) == 9        # on demand
+    assert planner.live_points(profile, 1, OFFLOAD, 2)[1] == range(4, 10)
+    # a backward too short for the copy: as early as the backward's start
+    slow = StepProfile(groups, 5.0, 10.0, 1.0, 0.1, 10, backward_clock=[float(t) for t in range(10)])
+    assert planner.prefetch_point(slow, 1, lookahead=2) == 0
+    # no recorded clock: the backward spread evenly over its points
+    even = StepProfile(groups, 5.0, 10.0, 1.0, 1.0, 10)
+    assert even.backward_clock == [float(t) for t in range(10)]
+
+
+@pytest.mark.parametrize("clock", [[0.0, 2.0, 1.0], [0.0, 1.0]])
+def test_a_backward_clock_must_name_every_point_in_order(clock):
+    with pytest.raises(ValueError, match="backward clock"):
+        StepProfile([SavedGroup(10, 0, 2)], 1.0, 1.0, 1.0, 1.0, 3, backward_clock=clock)

@@ -325,7 +325,8 @@ class HeldBytes(list):
         index = event[2] if backward else event[1]
         modelled = sum(nbytes for gid, mode in enumerate(session.plan.modes)
                        for nbytes, forward_points, backward_points in planner.contributions(
-                           session.profile, gid, mode, session.prefetch_distance)
+                           session.profile, gid, mode, session.prefetch_distance,
+                           session.prefetch_margin)
                        if index in (backward_points if backward else forward_points))
         assert held <= modelled, f"{event}: session holds {held} B, plan models {modelled}"
         self.checked += 1
@@ -830,3 +831,49 @@ def test_a_graph_dropped_without_a_backward_frees_its_saved_outputs():
         handle.remove()
     gc.collect()
     assert len(outputs) > 10 and not [ref for ref in outputs if ref() is not None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_planned_prefetches_run_where_the_model_puts_them(dtype):
+    # the recording step's backward clock is in the profile, and each planned prefetch is issued
+    # as many unpacks ahead as planner.prefetch_point says (earlier than ``lookahead`` for a
+    # group whose copy is long on this slow link), which the held-bytes test checks against
+    model, data = small_cnn(dtype), batches(dtype, 4)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(budget=int(saved_bytes(model, data) * 0.5), link=RecordingLink(),
+                             min_bytes=0, trace=trace, headroom=0.0, recompute=False)
+    assert_bitwise(reference, train(model, data, session))
+    profile = session.profile
+    clock = profile.backward_clock
+    assert len(clock) == profile.unpacks and clock[0] == 0.0
+    assert all(a <= b for a, b in zip(clock, clock[1:])) and clock[-1] > 0.0
+    last = trace[max(i for i, e in enumerate(trace) if e[0] == "pack" and e[1] == 0):]
+    first_unpack = {}
+    for e in last:
+        if e[0] == "unpack":
+            first_unpack.setdefault(e[1], e[2])
+    prefetched = {e[1]: e[2] for e in last if e[0] == "prefetch"}
+    assert prefetched and set(prefetched) <= {g for g, m in enumerate(session.plan.modes)
+                                              if m == OFFLOAD}
+    distances = {gid: profile.groups[gid].first_unpack
+                 - planner.prefetch_point(profile, gid, session.prefetch_distance,
+                                          session.prefetch_margin)
+                 for gid in prefetched}
+    for gid, at in prefetched.items():
+        assert at == max(0, first_unpack[gid] - distances[gid])
+
+
+def test_the_prefetch_schedule_leads_a_long_copy_by_its_time():
+    # the schedule from the plan's model: backward points 1 ms apart, a 3 MB group over 1 GB/s
+    # with margin 1.5 is fetched 5 unpacks ahead, a small one ``lookahead`` (2) ahead
+    groups = [planner.SavedGroup(1_000, 8, 8), planner.SavedGroup(3_000_000, 9, 9)]
+    profile = planner.StepProfile(groups, 5.0, 10.0, 1.0, 1.0, 10,
+                                  backward_clock=[float(t) for t in range(10)])
+    session = OffloadSession(link=CopyLink(gbps=(1.0, 1.0)))
+    session.profile = profile
+    session.plan = planner.OffloadPlan((OFFLOAD, OFFLOAD), 2, 0, 0.0, 3_001_000, 1.5)
+    session._first_unpacks = [8, 9]
+    assert session._prefetch_schedule(session.plan.modes) == {6: [0], 4: [1]}
+    session.plan = planner.OffloadPlan((OFFLOAD, OFFLOAD), 2, 0, 0.0, 3_001_000, 0.0)
+    assert session._prefetch_schedule(session.plan.modes) == {6: [0], 7: [1]}
