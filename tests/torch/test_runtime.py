@@ -168,10 +168,9 @@ def test_recompute_gives_the_same_gradients(dtype):
     # an in-place ReLU's output is rebuilt from the batch norm's input (batch norm, then ReLU):
     # its own input is gone, so it is never its own source
     groups = session._step.groups
-    inplace = [g for g in groups if g.recipe is not None
-               and getattr(g.recipe[-1].module, "inplace", False)]
-    assert len(inplace) == 2 and all(g.source is not g for g in inplace)
-    assert all([c.name for c in g.recipe] == ["BatchNorm2d", "ReLU"] for g in inplace)
+    inplace = [g for g in groups if g.recipe is not None and g.recipe.calls[-1].in_place]
+    assert len(inplace) == 2 and all(g not in g.recipe.sources for g in inplace)
+    assert all([c.name for c in g.recipe.calls] == ["BatchNorm2d", "ReLU"] for g in inplace)
     assert all(g.mode == RECOMPUTE for g in inplace)
 
 
@@ -190,7 +189,7 @@ def test_an_in_place_relu_feeding_a_convolution_is_recomputed_exactly(dtype):
     assert_bitwise(reference, train(model, data, session))
     relus = [g for g in session._step.groups if g.mode == RECOMPUTE]
     assert len(relus) == 2
-    assert all([c.name for c in g.recipe] == ["BatchNorm2d", "ReLU"] for g in relus)
+    assert all([c.name for c in g.recipe.calls] == ["BatchNorm2d", "ReLU"] for g in relus)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
