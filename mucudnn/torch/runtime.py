@@ -325,12 +325,14 @@ def _synchronize(transfer: Transfer) -> None:
 
 @dataclass(frozen=True)
 class _Read:
-    """A tensor a call read: weakly, with its group key and its version then (an offloaded input
-    is gone, autograd holding only what the pack hook returned, when a later recipe looks for
-    it)."""
+    """A tensor a call read, weakly, and its version then. An offloaded input is gone (autograd
+    holds only what the pack hook returned) when a later recipe looks for it: its group is the
+    one whose ``ref`` is this ``ref`` (CPython gives an object one weak reference without a
+    callback, the same object after it died), never one by address, which the caching
+    allocator gives the next tensor of its size (a downsampling convolution's output after the
+    freed output of the block's last convolution)."""
 
     ref: weakref.ref
-    key: tuple
     version: int
 
 
@@ -462,6 +464,7 @@ class _Packed:
 class _Step:
     groups: list = field(default_factory=list)
     by_key: dict = field(default_factory=dict)
+    by_ref: dict = field(default_factory=dict)   # id(group.ref) -> group (the group holds it)
     unpacks: int = 0
     calls: list = field(default_factory=list)
     marks: list = field(default_factory=list)  # (kind, index, mark, allocated, peak before)
@@ -593,7 +596,7 @@ class OffloadSession:
                     or any(True for _ in module.children()))
 
     def _read(self, tensor: torch.Tensor) -> _Read:
-        return _Read(weakref.ref(tensor), self._key(tensor), tensor._version)
+        return _Read(weakref.ref(tensor), tensor._version)
 
     def _before_module(self, module, args):
         if not self._records(module):
@@ -691,7 +694,7 @@ class OffloadSession:
             recipe.calls.append(running)
             recipe.inputs.append((slot,))
             return recipe
-        now = _Read(weakref.ref(tensor), self._key(tensor), tensor._version)
+        now = self._read(tensor)
         if self._rebuild(step, recipe, tensor, now, len(calls), own=True) is None:
             return None
         return recipe
@@ -708,10 +711,10 @@ class OffloadSession:
         if not own:
             if tensor is not None:
                 group = self._find(step, tensor)
-            else:                  # freed: its group (if saved) by the key it had
-                group = step.by_key.get(read.key)
-                if group is not None and (group.ref() is not None or group.live_packs == 0):
-                    group = None   # that address now holds another tensor, or it was let go
+            else:                  # freed: its group (if saved), by its weak reference
+                group = step.by_ref.get(id(read.ref))
+                if group is not None and (group.ref is not read.ref or group.live_packs == 0):
+                    group = None   # let go (a graph dropped during the forward)
             if group is not None and group.mode != RECOMPUTE:
                 # a group of it at another version holds another value (a change by no call,
                 # ``identity.mul_(2)``, or after the read)
@@ -797,6 +800,7 @@ class OffloadSession:
         group.mode = self._mode_for(group)
         step.groups.append(group)
         step.by_key[self._key(tensor)] = group
+        step.by_ref[id(group.ref)] = group
         if step.profiling:
             if gid == 0:
                 link.timing, link.stalls = True, []
