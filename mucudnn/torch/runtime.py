@@ -4,7 +4,7 @@ each tensor autograd saves, as a plan says, after a first step that records a pr
 Invariants:
 - A tensor is restored bit for bit: an offloaded one is copied to a host tensor of the same dtype,
   shape and strides and back (dense tensors only; others are kept); a recomputed one re-runs its
-  recipe, deterministic cheap modules (:data:`CHEAP`) and tensor adds (:data:`_ADDS`, ResNet's
+  recipe, deterministic cheap modules (:data:`CHEAP`) and tensor adds (:data:`ADDS`, ResNet's
   ``out += identity``) on kept tensors (its sources) under ``no_grad``, with batch norm replayed
   on copies of its running statistics (its output in training mode does not read them, and the
   model's statistics are not updated twice).
@@ -52,7 +52,7 @@ LINK_PROBE_BYTES = 32 << 20
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
 #: tensors, deterministic and elementwise (ResNet's residual ``out += identity``, which Python runs
 #: as ``add_``); True where the op changes its first operand.
-_ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: False,
+ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: False,
          torch.Tensor.__add__: False, torch.add: False}
 #: the most calls (modules and ops) one recipe replays
 _MAX_CHAIN = 4
@@ -338,7 +338,7 @@ class _Read:
 
 @dataclass(eq=False)
 class _Call:
-    """One leaf module's forward, or one recorded op (:data:`_ADDS`; ``module`` None): what it
+    """One leaf module's forward, or one recorded op (:data:`ADDS`; ``module`` None): what it
     read and wrote (weakly) and how long it took."""
 
     module: nn.Module | None
@@ -433,7 +433,7 @@ class _Group:
 
 
 class _OpRecorder(TorchFunctionMode):
-    """Hands the ops of :data:`_ADDS` to the session, which records them while a step's forward
+    """Hands the ops of :data:`ADDS` to the session, which records them while a step's forward
     records; every other function, and tensor attribute reads, pass straight through (a dict
     look-up each)."""
 
@@ -442,7 +442,11 @@ class _OpRecorder(TorchFunctionMode):
         self.session = session
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _ADDS:
+        try:
+            recorded = func in ADDS
+        except TypeError:         # an unhashable callable: no add
+            recorded = False
+        if recorded:
             return self.session._op(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
@@ -637,7 +641,7 @@ class OffloadSession:
                 and torch.is_grad_enabled() and not _in_backward())
 
     def _op(self, func, args, kwargs):
-        """``func(*args, **kwargs)``, recorded as a call when it is an op of :data:`_ADDS` on two
+        """``func(*args, **kwargs)``, recorded as a call when it is an op of :data:`ADDS` on two
         distinct plain tensors of one device (``alpha`` the only keyword) in a recording forward:
         a recipe may then include it (ResNet's ``out += identity``)."""
         if len(args) != 2 or not set(kwargs) <= {"alpha"} or not self._records_op():
@@ -648,7 +652,7 @@ class OffloadSession:
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, (self._read(first), self._read(second)), None,
                      self._any_link().mark() if self._step.profiling else None,
-                     in_place=_ADDS[func], op=func, keywords=dict(kwargs))
+                     in_place=ADDS[func], op=func, keywords=dict(kwargs))
         self._step.calls.append(call)
         output = None
         try:

@@ -1019,6 +1019,18 @@ def test_a_plan_recomputes_blocks_outputs_through_their_adds():
     assert trace.checked > 0
 
 
+def test_a_function_that_cannot_be_hashed_passes_the_op_recorder():
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, tensor):
+            return tensor + 1
+
+    x = torch.zeros(2)
+    with OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0):
+        assert torch.overrides.handle_torch_function(Unhashable(), (x,), x).tolist() == [1, 1]
+
+
 @pytest.mark.parametrize("force", [KEEP, RECOMPUTE])
 def test_adds_are_recorded_only_in_a_forward_whose_recipes_may_be_used(force):
     # not under no_grad, not in the backward or a recipe's replay, not after the session: only
