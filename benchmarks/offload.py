@@ -262,7 +262,14 @@ def worker(args) -> None:
             result.update(moved_bytes=plan.moved_bytes, predicted_ms=plan.step_ms,
                           predicted_peak=plan.peak, prefetch_lookahead=plan.lookahead,
                           kept=plan.count("keep"), offloaded=plan.count("offload"),
-                          recomputed=plan.count("recompute"), d2h_gbps=profile.d2h_gbps,
+                          recomputed=plan.count("recompute"),
+                          recomputed_bytes=sum(g.nbytes for g, m in zip(profile.groups, plan.modes)
+                                               if m == "recompute"),
+                          # recipes reading several groups: a residual add (ResNet's blocks)
+                          recomputed_multi_source=sum(
+                              1 for g, m in zip(profile.groups, plan.modes)
+                              if m == "recompute" and len(g.recompute_source) > 1),
+                          d2h_gbps=profile.d2h_gbps,
                           h2d_gbps=profile.h2d_gbps, profile_forward_ms=profile.forward_ms,
                           profile_backward_ms=profile.backward_ms,
                           saved_bytes=sum(g.nbytes for g in profile.groups))

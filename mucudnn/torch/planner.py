@@ -18,8 +18,9 @@ A group is one tensor saved for backward, however many ops save it. Its bytes ar
   earlier where the recorded backward clock says the copy needs longer) to its last unpack;
 - recomputed: at its forward point and the next one (the forward's own use), then from its first
   to its last unpack, twice its bytes at its first unpack (the recipe's intermediate or the copy of
-  an in-place module's input). Its recipe reads its source group, which must then be kept, and
-  stays on the device through the recomputed group's last unpack.
+  an in-place module's input). Its recipe reads its source groups (a residual add reads two),
+  which must then be kept, and each stays on the device through the recomputed group's last
+  unpack.
 
 Peak memory at a point is the measured baseline there (everything that is not a saved group:
 parameters, gradients, the op's own inputs, outputs and workspace, as the recorded step's peak
@@ -60,7 +61,14 @@ class SavedGroup:
     producer: str = ""             # the module (or op) that made it, for reports
     offloadable: bool = True
     recompute_ms: float | None = None  # None: no recipe (not produced by a cheap chain)
-    recompute_source: int | None = None  # the group the recipe reads (must be kept)
+    #: the groups the recipe reads, each to be kept (a tuple; an int, one group, is read as such)
+    recompute_source: tuple[int, ...] | int | None = None
+
+    def __post_init__(self):
+        source = self.recompute_source
+        if source is not None:
+            object.__setattr__(self, "recompute_source",
+                               (source,) if isinstance(source, int) else tuple(source))
 
 
 @dataclass
@@ -97,9 +105,9 @@ class StepProfile:
             if not 0 <= group.first_unpack <= group.last_unpack < max(self.unpacks, 1):
                 raise ValueError(f"group {index}: unpacks {group.first_unpack}.."
                                  f"{group.last_unpack} outside 0..{self.unpacks - 1}")
-            if group.recompute_source is not None and not 0 <= group.recompute_source < g:
-                raise ValueError(f"group {index}: recompute source {group.recompute_source} "
-                                 "is no group")
+            if any(not 0 <= source < g for source in group.recompute_source or ()):
+                raise ValueError(f"group {index}: recompute sources {group.recompute_source} "
+                                 "are not all groups")
 
 
 @dataclass(frozen=True)
@@ -126,8 +134,7 @@ class OffloadPlan:
 
 def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
     return (KEEP,) + ((OFFLOAD,) if group.offloadable else ()) + \
-        ((RECOMPUTE,) if group.recompute_ms is not None and group.recompute_source is not None
-         else ())
+        ((RECOMPUTE,) if group.recompute_ms is not None and group.recompute_source else ())
 
 
 def prefetch_point(profile: StepProfile, index: int, lookahead: int,
@@ -161,17 +168,17 @@ def live_points(profile: StepProfile, index: int, mode: str, lookahead: int,
 def contributions(profile: StepProfile, index: int, mode: str, lookahead: int,
                   margin: float = PREFETCH_MARGIN) -> list[tuple[int, range, range]]:
     """(bytes, forward points, backward points) that choosing ``mode`` for group ``index`` puts on
-    the device: its own liveness and, when recomputed, the transient at its first unpack and its
-    source held past the source's own last unpack."""
+    the device: its own liveness and, when recomputed, the transient at its first unpack and each
+    source held past that source's own last unpack."""
     group = profile.groups[index]
     f_points, b_points = live_points(profile, index, mode, lookahead, margin)
     added = [(group.nbytes, f_points, b_points)]
     if mode == RECOMPUTE:
         added.append((group.nbytes, range(0), range(group.first_unpack, group.first_unpack + 1)))
-        source = profile.groups[group.recompute_source]
-        if group.last_unpack > source.last_unpack:
-            added.append((source.nbytes, range(0),
-                          range(source.last_unpack + 1, group.last_unpack + 1)))
+        for source in (profile.groups[s] for s in group.recompute_source):
+            if group.last_unpack > source.last_unpack:
+                added.append((source.nbytes, range(0),
+                              range(source.last_unpack + 1, group.last_unpack + 1)))
     return added
 
 
@@ -214,11 +221,11 @@ def transfer_ms(nbytes: int, gbps: float) -> float:
 
 
 def valid(profile: StepProfile, modes: Sequence[str]) -> bool:
-    """Each mode allowed for its group, and every recomputed group's source kept."""
+    """Each mode allowed for its group, and every recomputed group's sources kept."""
     for group, mode in zip(profile.groups, modes, strict=True):
         if mode not in allowed_modes(group):
             return False
-        if mode == RECOMPUTE and modes[group.recompute_source] != KEEP:
+        if mode == RECOMPUTE and any(modes[s] != KEEP for s in group.recompute_source):
             return False
     return True
 
@@ -330,7 +337,8 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
         picks.append(x)
     for index, group in enumerate(profile.groups):
         if RECOMPUTE in picks[index]:
-            problem += picks[index][RECOMPUTE] <= picks[group.recompute_source][KEEP]
+            for source in group.recompute_source:
+                problem += picks[index][RECOMPUTE] <= picks[source][KEEP]
     forward = [pulp.LpAffineExpression() + base for base in profile.baseline_forward]
     backward = [pulp.LpAffineExpression() + base for base in profile.baseline_backward]
     for index, group in enumerate(profile.groups):

@@ -4,10 +4,12 @@ each tensor autograd saves, as a plan says, after a first step that records a pr
 Invariants:
 - A tensor is restored bit for bit: an offloaded one is copied to a host tensor of the same dtype,
   shape and strides and back (dense tensors only; others are kept); a recomputed one re-runs its
-  recipe, a chain of deterministic cheap modules (:data:`CHEAP`) on a kept tensor under
-  ``no_grad``, with batch norm replayed on copies of its running statistics (its output in
-  training mode does not read them, and the model's statistics are not updated twice).
-- Nothing is recomputed from a source that changed since it was saved (its version counter).
+  recipe, deterministic cheap modules (:data:`CHEAP`) and tensor adds (:data:`ADDS`, ResNet's
+  ``out += identity``) on kept tensors (its sources) under ``no_grad``, with batch norm replayed
+  on copies of its running statistics (its output in training mode does not read them, and the
+  model's statistics are not updated twice).
+- Nothing is recomputed from a source that changed since it was saved (its version counter), and
+  every call of a recipe read each of its inputs at the version the recipe rebuilds or reads.
 - Groups: every pack of the same tensor object (same version) is one group, moved or recomputed
   once. Parameters and tensors under ``min_bytes`` pass through untouched.
 - The session holds a group's device tensor (kept, fetched, prefetched or recomputed) no longer
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ..errors import MucudnnError
 from . import planner
@@ -46,6 +49,12 @@ CHEAP = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hards
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 #: the smallest copy whose time measures the host link (smaller ones measure its latency)
 LINK_PROBE_BYTES = 32 << 20
+#: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
+#: tensors, deterministic and elementwise (ResNet's residual ``out += identity``, which Python runs
+#: as ``add_``); True where the op changes its first operand.
+ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: False,
+         torch.Tensor.__add__: False, torch.add: False}
+#: the most calls (modules and ops) one recipe replays
 _MAX_CHAIN = 4
 
 
@@ -321,23 +330,69 @@ def _synchronize(transfer: Transfer) -> None:
         transfer.event.synchronize()
 
 
+@dataclass(frozen=True)
+class _Read:
+    """A tensor a call read, weakly, and its version then. An offloaded input is gone (autograd
+    holds only what the pack hook returned) when a later recipe looks for it: its group is the
+    one whose ``ref`` is this ``ref`` (CPython gives an object one weak reference without a
+    callback, the same object after it died), never one by address, which the caching
+    allocator gives the next tensor of its size (a downsampling convolution's output after the
+    freed output of the block's last convolution)."""
+
+    ref: weakref.ref
+    version: int
+
+
 @dataclass(eq=False)
 class _Call:
-    """One leaf module's forward: what it read and wrote (weakly) and how long it took."""
+    """One leaf module's forward, or one recorded op (:data:`ADDS`; ``module`` None): what it
+    read and wrote (weakly) and how long it took."""
 
-    module: nn.Module
+    module: nn.Module | None
     name: str
-    source: weakref.ref | None
+    reads: tuple[_Read, ...]  # its tensor inputs (a module's first argument; an op's operands)
     output: weakref.ref | None
     start: object
     end: object = None
     moved: int = 0            # bytes copied inline to the host while it ran (recording step)
     done: bool = False        # its forward returned
-    # its input's group key and version: an offloaded input is gone (autograd holds only what
-    # the pack hook returned) when a later module's recipe looks for it
-    source_key: tuple | None = None
-    source_version: int = 0
     output_version: int = 0   # its output's version when it returned
+    in_place: bool = False    # its output is its first input, changed
+    op: object = None         # an op's function, called again with ``keywords`` to replay it
+    keywords: dict = field(default_factory=dict)
+
+    @property
+    def cheap(self) -> bool:
+        """Deterministic and cheap to run again: a module of an exact type in :data:`CHEAP`, or
+        a recorded op (only deterministic elementwise ones are recorded)."""
+        return self.op is not None or type(self.module) in CHEAP
+
+    def run(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """Its forward again on ``values`` (one per read), without side effects (:func:`replay`)."""
+        if self.op is not None:
+            return self.op(*values, **self.keywords)
+        return replay(self.module, values[0])
+
+
+@dataclass(eq=False)
+class _Recipe:
+    """Cheap calls that rebuild a saved tensor from kept groups: ``calls`` run in order, the last
+    makes the tensor; ``inputs[i]`` says where each read of ``calls[i]`` comes from: a source
+    group or the index of an earlier call (each call's output is read once)."""
+
+    calls: list[_Call] = field(default_factory=list)
+    inputs: list[tuple] = field(default_factory=list)
+
+    @property
+    def sources(self) -> list[_Group]:
+        """The groups it reads, each once, in the order it first reads them: each must be kept,
+        at the version it read, until the rebuilt tensor can no longer be unpacked."""
+        found = []
+        for slots in self.inputs:
+            for slot in slots:
+                if isinstance(slot, _Group) and slot not in found:
+                    found.append(slot)
+        return found
 
 
 @dataclass(eq=False)
@@ -354,8 +409,7 @@ class _Group:
     host: Transfer | None = None
     release: object = None                  # gives ``host`` back to the link's pool
     fetch: Transfer | None = None
-    recipe: list | None = None              # [_Call, ...] from the source's consumer on
-    source: _Group | None = None
+    recipe: _Recipe | None = None
     packs: int = 0
     unpacks: int = 0
     first_unpack: int | None = None
@@ -378,10 +432,30 @@ class _Group:
             if self.host is not None and self.release is not None:
                 self.release(self.host)       # nothing can unpack this group again
                 self.host = None
-            if self.mode == RECOMPUTE and self.source is not None:
-                self.source.readers -= 1      # this one can no longer be unpacked
-                self.source.drop_device()
+            if self.mode == RECOMPUTE:
+                for source in self.recipe.sources:
+                    source.readers -= 1       # this one can no longer be unpacked
+                    source.drop_device()
             self.drop_device()
+
+
+class _OpRecorder(TorchFunctionMode):
+    """Hands the ops of :data:`ADDS` to the session, which records them while a step's forward
+    records; every other function, and tensor attribute reads, pass straight through (a dict
+    look-up each)."""
+
+    def __init__(self, session: OffloadSession):
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        try:
+            recorded = func in ADDS
+        except TypeError:         # an unhashable callable: no add
+            recorded = False
+        if recorded:
+            return self.session._op(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
 
 
 class _Packed:
@@ -401,6 +475,7 @@ class _Packed:
 class _Step:
     groups: list = field(default_factory=list)
     by_key: dict = field(default_factory=dict)
+    by_ref: dict = field(default_factory=dict)   # id(group.ref) -> group (the group holds it)
     unpacks: int = 0
     calls: list = field(default_factory=list)
     marks: list = field(default_factory=list)  # (kind, index, mark, allocated, peak before)
@@ -464,6 +539,7 @@ class OffloadSession:
         self.fell_back = False
         self._handles = []
         self._hooks = None
+        self._ops: _OpRecorder | None = None
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -472,9 +548,27 @@ class OffloadSession:
         hooks = torch.nn.modules.module
         self._handles = [hooks.register_module_forward_pre_hook(self._before_module),
                          hooks.register_module_forward_hook(self._after_module)]
+        if self._recipes_used():  # the ops a recipe may include (the residual add)
+            self._ops = _OpRecorder(self)
+            self._ops.__enter__()
         return self
 
+    def _recipes_used(self) -> bool:
+        """Whether the steps run in this ``with`` may use recipes: recording ones (the profile's
+        recipes), or a plan or ``force`` that recomputes. Otherwise no op is recorded, and the
+        function mode that records them (a Python call per torch function) is not entered."""
+        if not self.recompute or self.fell_back:
+            return False
+        if self.force is not None:
+            return self.force == RECOMPUTE
+        if self.modes is not None:
+            return RECOMPUTE in self.modes
+        return self.budget is not None
+
     def __exit__(self, *exc_info):
+        if self._ops is not None:
+            self._ops.__exit__(*exc_info)
+            self._ops = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -505,12 +599,15 @@ class OffloadSession:
     def _any_link(self) -> CopyLink:
         return self._link or next(iter(self._links.values()), None) or CopyLink()
 
-    # --- module records (producers, recipes, times) ---------------------------------------
+    # --- module and op records (producers, recipes, times) --------------------------------
     def _records(self, module) -> bool:
         """A leaf module's forward in a step's forward (not a recipe's replay, not in a
         backward, not under ``no_grad``)."""
         return not (self._replaying or not torch.is_grad_enabled() or _in_backward()
                     or any(True for _ in module.children()))
+
+    def _read(self, tensor: torch.Tensor) -> _Read:
+        return _Read(weakref.ref(tensor), tensor._version)
 
     def _before_module(self, module, args):
         if not self._records(module):
@@ -520,27 +617,56 @@ class OffloadSession:
         if self._step.profiling and self._step.start_allocated is None:
             self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        call = _Call(module, type(module).__name__,
-                     weakref.ref(source) if source is not None else None, None,
-                     self._any_link().mark() if self._step.profiling else None)
-        if source is not None:
-            call.source_key, call.source_version = self._key(source), source._version
-        self._step.calls.append(call)
+        self._step.calls.append(_Call(
+            module, type(module).__name__, (self._read(source),) if source is not None else (),
+            None, self._any_link().mark() if self._step.profiling else None,
+            in_place=bool(getattr(module, "inplace", False))))
 
     def _after_module(self, module, args, output):
         if not self._records(module):
             return
         for call in reversed(self._step.calls):
             if call.module is module and not call.done:
-                call.done = True
-                if isinstance(output, torch.Tensor):
-                    call.output = weakref.ref(output)
-                    call.output_version = output._version
-                if self._step.profiling:
-                    call.end = self._any_link().mark()
+                self._returned(call, output)
                 break
         if isinstance(output, torch.Tensor) and self.recompute:
             self._late_recipe(output)
+
+    def _returned(self, call: _Call, output) -> None:
+        call.done = True
+        if isinstance(output, torch.Tensor):
+            call.output = weakref.ref(output)
+            call.output_version = output._version
+        if self._step.profiling:
+            call.end = self._any_link().mark()
+
+    def _records_op(self) -> bool:
+        """Ops are recorded in a step's forward as modules are, and only before its backward
+        began: an op after it (``total += loss.detach()``) neither is the next step's nor
+        ends this one."""
+        return (self.recompute and not self._replaying and not self._step.unpacks
+                and torch.is_grad_enabled() and not _in_backward())
+
+    def _op(self, func, args, kwargs):
+        """``func(*args, **kwargs)``, recorded as a call when it is an op of :data:`ADDS` on two
+        distinct plain tensors of one device (``alpha`` the only keyword) in a recording forward:
+        a recipe may then include it (ResNet's ``out += identity``)."""
+        if len(args) != 2 or not set(kwargs) <= {"alpha"} or not self._records_op():
+            return func(*args, **kwargs)
+        first, second = args
+        if type(first) is not torch.Tensor or type(second) is not torch.Tensor or \
+                first is second or first.device != second.device:
+            return func(*args, **kwargs)
+        call = _Call(None, func.__name__, (self._read(first), self._read(second)), None,
+                     self._any_link().mark() if self._step.profiling else None,
+                     in_place=ADDS[func], op=func, keywords=dict(kwargs))
+        self._step.calls.append(call)
+        output = None
+        try:
+            output = func(*args, **kwargs)
+        finally:
+            self._returned(call, output)
+        return output
 
     def _late_recipe(self, output: torch.Tensor) -> None:
         """A module that saves its own output (ReLU) packs it before its forward hook names the
@@ -550,62 +676,87 @@ class OffloadSession:
         group = self._find(step, output)
         if group is None or group.recipe is not None:
             return
-        recipe, source = self._recipe(output, step)
+        recipe = self._recipe(output, step)
         if recipe is None:
             return
-        group.recipe, group.source, group.producer = recipe, source, recipe[-1].name
-        if group.wanted == RECOMPUTE and group.mode == KEEP and source.mode == KEEP:
+        group.recipe, group.producer = recipe, recipe.calls[-1].name
+        if group.wanted == RECOMPUTE and group.mode == KEEP and self._mode_for(group) == RECOMPUTE:
             group.mode, group.tensor = RECOMPUTE, None
-            source.readers += 1
+            for source in recipe.sources:
+                source.readers += 1
             self._event("mode", group.gid, RECOMPUTE)
 
-    def _recipe(self, tensor: torch.Tensor, step: _Step):
-        """(chain of cheap calls, source group) that rebuild ``tensor``, or (None, None)."""
-        chain, target = [], tensor
-        # the version ``target`` had where the chain reads it: a call whose output is ``target``
-        # at another version did not make what is saved (``out += identity`` after the batch
-        # norm, no module, would be left out)
-        expected = tensor._version
-        calls = step.calls
-        index = len(calls)
+    def _recipe(self, tensor: torch.Tensor, step: _Step) -> _Recipe | None:
+        """The cheap calls (at most ``_MAX_CHAIN``) that rebuild ``tensor`` as it is now from
+        saved groups, or None."""
+        recipe, calls = _Recipe(), step.calls
         # An in-place module (ReLU(inplace=True)) saves its output, the tensor it was given, while
-        # it runs: it ends the chain, and what made its input (batch norm) comes before it.
-        running = calls[-1] if calls and not calls[-1].done else None
-        if running is not None and getattr(running.module, "inplace", False) and \
-                running.source is not None and running.source() is tensor:
-            if type(running.module) not in CHEAP:
-                return None, None
-            chain.append(running)
-            index -= 1
-            expected = running.source_version
-        while len(chain) < _MAX_CHAIN:
-            index = next((i for i in range(index - 1, -1, -1)
-                          if calls[i].output is not None and calls[i].output() is target), None)
-            if index is None or type(calls[index].module) not in CHEAP or \
-                    calls[index].source is None or calls[index].output_version != expected:
-                return None, None
-            chain.insert(0, calls[index])
-            call = calls[index]
-            source = call.source()
-            expected = call.source_version
-            if source is not None and source is target:
-                continue           # an in-place module: its input is gone; look further back
-            if source is not None:
-                group = self._find(step, source)
-                version = source._version
-            else:                  # freed: its group (if saved) by the key it had
-                group = step.by_key.get(call.source_key)
-                version = call.source_version
-                if group is not None and (group.ref() is not None or group.live_packs == 0):
-                    group = None   # that address now holds another tensor, or it was let go
+        # it runs: it ends the recipe, and what made its input (batch norm, an add) comes before.
+        index = next((i for i in range(len(calls) - 1, -1, -1) if calls[i].module is not None),
+                     None)
+        running = calls[index] if index is not None else None
+        if running is not None and not running.done and running.in_place and running.reads \
+                and running.reads[0].ref() is tensor:
+            if not running.cheap:
+                return None
+            slot = self._rebuild(step, recipe, tensor, running.reads[0], index, own=True, depth=1)
+            if slot is None:
+                return None
+            recipe.calls.append(running)
+            recipe.inputs.append((slot,))
+            return recipe
+        now = self._read(tensor)
+        if self._rebuild(step, recipe, tensor, now, len(calls), own=True) is None:
+            return None
+        return recipe
+
+    def _rebuild(self, step: _Step, recipe: _Recipe, tensor, read: _Read, before: int,
+                 own: bool = False, depth: int = 0):
+        """Where ``recipe`` gets ``tensor`` (None once freed) at the version of ``read``: a saved
+        group of it at that version that is not itself recomputed (a source), else the cheap
+        call before ``calls[before]`` that made it so, appended after what rebuilds its own
+        reads (that call's index in the recipe); None where neither exists. ``own``: the tensor
+        being saved, or an in-place call's input (the tensor it changed): not a source, since
+        the group of that tensor holds its later version. ``depth``: calls waiting for this one
+        (each counts against ``_MAX_CHAIN``)."""
+        if not own:
+            if tensor is not None:
+                group = self._find(step, tensor)
+            else:                  # freed: its group (if saved), by its weak reference
+                group = step.by_ref.get(id(read.ref))
+                if group is not None and (group.ref is not read.ref or group.live_packs == 0):
+                    group = None   # let go (a graph dropped during the forward)
             if group is not None and group.mode != RECOMPUTE:
-                if group.version != version:
-                    return None, None
-                return chain, group
-            if source is None:
-                return None, None
-            target = source
-        return None, None
+                # a group of it at another version holds another value (a change by no call,
+                # ``identity.mul_(2)``, or after the read)
+                return group if group.version == read.version else None
+            if tensor is None:
+                return None
+        calls = step.calls
+        # the last call before ``before`` that output ``tensor``: it must have left it at the
+        # version read (an op or module that changed it since, recorded or not, made another
+        # value)
+        index = next((i for i in range(before - 1, -1, -1)
+                      if calls[i].output is not None and calls[i].output() is tensor), None)
+        if index is None:
+            return None
+        call = calls[index]
+        if not call.cheap or not call.reads or call.output_version != read.version or \
+                call in recipe.calls or len(recipe.calls) + depth >= _MAX_CHAIN:
+            return None
+        slots = []
+        for input_read in call.reads:
+            source = input_read.ref()
+            slot = self._rebuild(step, recipe, source, input_read, index,
+                                 own=source is not None and source is tensor, depth=depth + 1)
+            if slot is None:
+                return None
+            slots.append(slot)
+        if len(recipe.calls) + depth >= _MAX_CHAIN:
+            return None
+        recipe.calls.append(call)
+        recipe.inputs.append(tuple(slots))
+        return len(recipe.calls) - 1
 
     # --- pack and unpack ------------------------------------------------------------------
     @staticmethod
@@ -649,17 +800,18 @@ class OffloadSession:
         gid = len(step.groups)
         if step.ooms is None:
             step.ooms = link.ooms()
-        recipe, source = self._recipe(tensor, step) if self.recompute else (None, None)
-        producer = recipe[-1].name if recipe else next(
+        recipe = self._recipe(tensor, step) if self.recompute else None
+        producer = recipe.calls[-1].name if recipe else next(
             (c.name for c in reversed(step.calls) if c.output is not None and c.output() is tensor),
             "op")
         group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
                        weakref.ref(tensor), tensor._version, producer, dense(tensor),
-                       recipe=recipe, source=source)
+                       recipe=recipe)
         group.wanted = self._wanted(group)
         group.mode = self._mode_for(group)
         step.groups.append(group)
         step.by_key[self._key(tensor)] = group
+        step.by_ref[id(group.ref)] = group
         if step.profiling:
             if gid == 0:
                 link.timing, link.stalls = True, []
@@ -682,7 +834,8 @@ class OffloadSession:
             # break, and a graph dropped without a backward would keep its memory for good
             group.tensor = tensor.detach()
         else:
-            source.readers += 1
+            for source in recipe.sources:
+                source.readers += 1
         return group
 
     def _mode_for(self, group: _Group) -> str:
@@ -690,7 +843,8 @@ class OffloadSession:
         wanted = group.wanted
         if wanted == OFFLOAD and not group.offloadable:
             return KEEP
-        if wanted == RECOMPUTE and (group.recipe is None or group.source.mode != KEEP):
+        if wanted == RECOMPUTE and (group.recipe is None or any(
+                source.mode != KEEP for source in group.recipe.sources)):
             return KEEP
         return wanted
 
@@ -796,22 +950,34 @@ class OffloadSession:
         return group.tensor
 
     def _replay(self, group: _Group, link) -> torch.Tensor:
-        source = group.source
-        if source.tensor is None or source.tensor._version != source.version:
-            raise RuntimeError(f"mucudnn.torch: the source of saved tensor {group.gid} changed "
-                               "after it was saved; cannot recompute it")
-        value = source.tensor
+        recipe = group.recipe
+        sources = recipe.sources
+        for source in sources:
+            if source.tensor is None or source.tensor._version != source.version:
+                raise RuntimeError(f"mucudnn.torch: source {source.gid} of saved tensor "
+                                   f"{group.gid} changed after it was saved; cannot recompute it")
+        kept = [source.tensor for source in sources]
+        values: list[torch.Tensor | None] = []
         self._replaying = True
         try:
             with torch.no_grad():
-                for call in group.recipe:
-                    if getattr(call.module, "inplace", False) and value is source.tensor:
-                        value = value.clone()
-                    value = replay(call.module, value)
+                for call, slots in zip(recipe.calls, recipe.inputs):
+                    inputs = []
+                    for slot in slots:
+                        if isinstance(slot, _Group):
+                            inputs.append(slot.tensor)
+                        else:      # read once: the recipe lets go of it (or changes it) here
+                            inputs.append(values[slot])
+                            values[slot] = None
+                    # an in-place call changes its first input: never a kept tensor (an
+                    # Identity passes one on)
+                    if call.in_place and any(inputs[0] is tensor for tensor in kept):
+                        inputs[0] = inputs[0].clone()
+                    values.append(call.run(inputs))
         finally:
             self._replaying = False
-        self._event("recompute", group.gid)
-        return value
+        self._event("recompute", group.gid, tuple(source.gid for source in sources))
+        return values[-1]
 
     def _event(self, *event):
         if self.trace is not None:
@@ -1012,14 +1178,15 @@ class OffloadSession:
         for group in step.groups:
             first = group.first_unpack if group.first_unpack is not None else unpacks - 1
             last = group.last_unpack if group.last_unpack is not None else unpacks - 1
-            recompute_ms = None
-            if group.recipe is not None and all(c.end is not None for c in group.recipe):
+            recompute_ms, sources = None, None
+            if group.recipe is not None and all(c.end is not None for c in group.recipe.calls):
                 recompute_ms = sum(max(0.0, link.compute_ms(c.start, c.end)
-                                       - planner.transfer_ms(c.moved, d2h)) for c in group.recipe)
+                                       - planner.transfer_ms(c.moved, d2h))
+                                   for c in group.recipe.calls)
+                sources = tuple(source.gid for source in group.recipe.sources)
             groups.append(planner.SavedGroup(
                 group.nbytes, first, last, group.producer, group.offloadable, recompute_ms,
-                group.source.gid if group.source is not None and recompute_ms is not None
-                else None))
+                sources))
         packs = [m for m in step.marks if m[0] == "pack"]
         unpack_marks = [m for m in step.marks if m[0] == "unpack"]
         # compute only: the host's waits for copies and for pinned memory are left out

@@ -7,16 +7,17 @@ import pytest
 from mucudnn.errors import InfeasibleError
 from mucudnn.torch import planner
 from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force,
-                                   least_peak, peak_memory, plan_offload, plan_with_prefetch,
-                                   step_time, valid)
+                                   least_peak, memory_at_points, peak_memory, plan_offload,
+                                   plan_with_prefetch, step_time, valid)
 
 MiB = 2**20
 
 
-def chain_profile(sizes, recompute_every=0, seed=0, baseline=0):
+def chain_profile(sizes, recompute_every=0, seed=0, baseline=0, sources=1):
     """A CNN-like step: group g saved at forward point g, unpacked in reverse order (one unpack
     each), forward time proportional to bytes; every ``recompute_every``-th group has a recipe
-    reading the group before it."""
+    reading the group before it (and, with ``sources`` 2, the one before that where there is
+    one: a residual add)."""
     rng = random.Random(seed)
     n = len(sizes)
     groups = []
@@ -25,7 +26,8 @@ def chain_profile(sizes, recompute_every=0, seed=0, baseline=0):
         groups.append(SavedGroup(size, first_unpack=n - 1 - g, last_unpack=n - 1 - g,
                                  producer=f"m{g}",
                                  recompute_ms=rng.uniform(0.05, 0.5) if recipe else None,
-                                 recompute_source=g - 1 if recipe else None))
+                                 recompute_source=tuple(range(max(0, g - sources), g))
+                                 if recipe else None))
     return StepProfile(groups, forward_ms=sum(sizes) / MiB * 0.05, backward_ms=sum(sizes) / MiB * 0.1,
                        d2h_gbps=0.02, h2d_gbps=0.025, unpacks=n,
                        baseline_forward=[baseline] * n, baseline_backward=[baseline] * n)
@@ -84,6 +86,64 @@ def test_recompute_needs_its_source_kept():
     profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=2)
     assert not valid(profile, [OFFLOAD, RECOMPUTE])
     assert valid(profile, [KEEP, RECOMPUTE])
+
+
+def test_a_recipe_reading_two_groups_needs_both_kept():
+    # a residual block's output (group 2), rebuilt from its last convolution's output and its
+    # shortcut (groups 0 and 1), both unpacked after it; groups 3 and 4 come later
+    groups = [SavedGroup(8 * MiB, 4, 4), SavedGroup(8 * MiB, 4, 4),
+              SavedGroup(8 * MiB, 3, 3, recompute_ms=0.01, recompute_source=(0, 1)),
+              SavedGroup(8 * MiB, 0, 0), SavedGroup(8 * MiB, 1, 2)]
+    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=5)
+    recomputed = [KEEP, KEEP, RECOMPUTE, KEEP, KEEP]
+    assert valid(profile, recomputed)
+    assert not valid(profile, [KEEP, OFFLOAD, RECOMPUTE, KEEP, KEEP])
+    assert not valid(profile, [OFFLOAD, KEEP, RECOMPUTE, KEEP, KEEP])
+    assert peak_memory(profile, [KEEP] * 5, 2) == 40 * MiB
+    assert peak_memory(profile, recomputed, 2) == 32 * MiB
+    # over this link recomputing is far faster than moving any group
+    plan = plan_offload(profile, budget=32 * MiB)
+    assert plan.modes == tuple(recomputed)
+    assert plan == brute_force(profile, 32 * MiB)
+    # tighter: recomputing with the shortcut offloaded would be cheapest, and is no plan
+    tighter = plan_offload(profile, budget=24 * MiB, lookahead=0)
+    assert valid(profile, tighter.modes) and tighter == brute_force(profile, 24 * MiB, 0)
+
+
+def test_a_recipe_holds_each_source_until_its_last_unpack():
+    # group 2 reads groups 0 and 1 and is unpacked last: both stay on the device until then
+    groups = [SavedGroup(4 * MiB, 0, 0), SavedGroup(2 * MiB, 1, 1),
+              SavedGroup(1 * MiB, 0, 3, recompute_ms=0.01, recompute_source=[0, 1])]
+    profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=4)
+    assert groups[2].recompute_source == (0, 1)
+    _, backward = memory_at_points(profile, [KEEP, KEEP, RECOMPUTE], 0)
+    assert backward == [4 * MiB + 2 * MiB + 2 * MiB, 4 * MiB + 2 * MiB + 1 * MiB,
+                        4 * MiB + 2 * MiB + 1 * MiB, 4 * MiB + 2 * MiB + 1 * MiB]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_optimal_with_recipes_of_two_sources(seed):
+    rng = random.Random(50 + seed)
+    sizes = [rng.randint(1, 16) * MiB for _ in range(rng.randint(4, 6))]
+    profile = chain_profile(sizes, recompute_every=2, seed=seed, baseline=rng.randint(0, 8) * MiB,
+                            sources=2)
+    assert any(len(g.recompute_source or ()) == 2 for g in profile.groups)
+    budget = int(peak_memory(profile, [KEEP] * len(sizes), 2) * rng.uniform(0.4, 0.9))
+    best = brute_force(profile, budget)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            plan_offload(profile, budget)
+        return
+    plan = plan_offload(profile, budget)
+    assert plan.peak <= budget and valid(profile, plan.modes)
+    assert plan.step_ms == pytest.approx(best.step_ms, rel=1e-6, abs=1e-9)
+
+
+def test_a_recompute_source_outside_the_step_is_refused():
+    with pytest.raises(ValueError, match="recompute sources"):
+        StepProfile([SavedGroup(1, 0, 0), SavedGroup(1, 0, 0, recompute_ms=0.1,
+                                                     recompute_source=(0, 2))],
+                    1.0, 1.0, 1.0, 1.0, unpacks=1)
 
 
 def test_infeasible_budget_is_one_clear_error():

@@ -168,10 +168,9 @@ def test_recompute_gives_the_same_gradients(dtype):
     # an in-place ReLU's output is rebuilt from the batch norm's input (batch norm, then ReLU):
     # its own input is gone, so it is never its own source
     groups = session._step.groups
-    inplace = [g for g in groups if g.recipe is not None
-               and getattr(g.recipe[-1].module, "inplace", False)]
-    assert len(inplace) == 2 and all(g.source is not g for g in inplace)
-    assert all([c.name for c in g.recipe] == ["BatchNorm2d", "ReLU"] for g in inplace)
+    inplace = [g for g in groups if g.recipe is not None and g.recipe.calls[-1].in_place]
+    assert len(inplace) == 2 and all(g not in g.recipe.sources for g in inplace)
+    assert all([c.name for c in g.recipe.calls] == ["BatchNorm2d", "ReLU"] for g in inplace)
     assert all(g.mode == RECOMPUTE for g in inplace)
 
 
@@ -190,7 +189,7 @@ def test_an_in_place_relu_feeding_a_convolution_is_recomputed_exactly(dtype):
     assert_bitwise(reference, train(model, data, session))
     relus = [g for g in session._step.groups if g.mode == RECOMPUTE]
     assert len(relus) == 2
-    assert all([c.name for c in g.recipe] == ["BatchNorm2d", "ReLU"] for g in relus)
+    assert all([c.name for c in g.recipe.calls] == ["BatchNorm2d", "ReLU"] for g in relus)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -787,36 +786,269 @@ def test_a_tensor_saved_again_after_its_first_saver_was_freed(mode):
     assert_bitwise(reference, train(model, data, session))
 
 
-class ResidualBlock(nn.Module):
-    """ResNet's basic block: the batch norm's output takes the shortcut in place (``+=``, no
-    module) before the in-place ReLU saves it."""
+def conv3x3(inplanes, planes, stride=1):
+    return nn.Conv2d(inplanes, planes, 3, stride, padding=1, bias=False)
 
-    def __init__(self, channels):
+
+def conv1x1(inplanes, planes, stride=1):
+    return nn.Conv2d(inplanes, planes, 1, stride, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """torchvision.models.resnet.BasicBlock's forward: the batch norm's output takes the shortcut
+    in place (``out += identity``, no module) before the in-place ReLU saves it. ``shortcut``
+    (tests) runs on the shortcut tensor before or after that add."""
+
+    expansion = 1
+
+    def __init__(self, inplanes, planes, stride=1, downsample=None):
         super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(channels)
+        self.conv1, self.bn1 = conv3x3(inplanes, planes, stride), nn.BatchNorm2d(planes)
         self.relu = nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = conv3x3(planes, planes), nn.BatchNorm2d(planes)
+        self.downsample = downsample
+        self.shortcut = {}
 
     def forward(self, x):
+        identity = x
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        out += x
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        return self.add_and_relu(out, identity)
+
+    def add_and_relu(self, out, identity):
+        if "before" in self.shortcut:
+            self.shortcut["before"](identity)
+        out += identity
+        if "after" in self.shortcut:
+            self.shortcut["after"](identity)
         return self.relu(out)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_tensor_changed_in_place_outside_any_module_is_not_recomputed_without_the_change(dtype):
+class Bottleneck(BasicBlock):
+    """torchvision.models.resnet.Bottleneck's forward (1x1, 3x3, 1x1 convolutions)."""
+
+    expansion = 4
+
+    def __init__(self, inplanes, planes, stride=1, downsample=None):
+        super().__init__(inplanes, planes, stride, downsample)
+        self.conv1, self.bn1 = conv1x1(inplanes, planes), nn.BatchNorm2d(planes)
+        self.conv2, self.bn2 = conv3x3(planes, planes, stride), nn.BatchNorm2d(planes)
+        self.conv3 = conv1x1(planes, planes * self.expansion)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        return self.add_and_relu(out, identity)
+
+
+def resnet(block, layers, widths, dtype, stem=8):
+    """torchvision.models.resnet.ResNet's structure (its ``_make_layer``) with ``block``:
+    ``resnet(BasicBlock, [2, 2, 2, 2], [64, 128, 256, 512], ...)`` is ResNet-18."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), ResidualBlock(8), ResidualBlock(8),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to(dtype)
-    data = batches(dtype, 3)
+    modules = [nn.Conv2d(3, stem, 7, 2, padding=3, bias=False), nn.BatchNorm2d(stem),
+               nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, padding=1)]
+    inplanes = stem
+    for index, (blocks, planes) in enumerate(zip(layers, widths)):
+        stride = 1 if index == 0 else 2
+        downsample = None
+        if stride != 1 or inplanes != planes * block.expansion:
+            downsample = nn.Sequential(conv1x1(inplanes, planes * block.expansion, stride),
+                                       nn.BatchNorm2d(planes * block.expansion))
+        modules.append(block(inplanes, planes, stride, downsample))
+        inplanes = planes * block.expansion
+        modules += [block(inplanes, planes) for _ in range(1, blocks)]
+    modules += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inplanes, 10)]
+    return nn.Sequential(*modules).to(dtype)
+
+
+RESNETS = {"basic": (BasicBlock, [3, 2], [8, 16]), "bottleneck": (Bottleneck, [3, 2], [4, 8]),
+           "resnet18": (BasicBlock, [2, 2, 2, 2], [64, 128, 256, 512])}
+
+
+def through_adds(groups):
+    """The groups whose recipe includes a recorded add (ResNet blocks' outputs)."""
+    return [g for g in groups if g.recipe is not None
+            and any(c.op is not None for c in g.recipe.calls)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", sorted(RESNETS))
+def test_a_residual_blocks_output_is_recomputed_through_its_add(kind, dtype):
+    block, layers, widths = RESNETS[kind]
+    model = resnet(block, layers, widths, dtype)
+    steps = 2 if kind == "resnet18" else 3
+    data = batches(dtype, steps)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    # A block's output is rebuilt from its last convolution's output (its batch norm's input)
+    # and its shortcut: the block's input, or the downsampling convolution's output through its
+    # batch norm. A block whose input is itself recomputed keeps its output (its recipe would
+    # be longer than _MAX_CHAIN), so at least every other block is recomputed.
+    blocks = sum(layers)
+    added = through_adds(session._step.groups)
+    assert len(added) >= blocks // 2 and all(g.mode == RECOMPUTE for g in added)
+    for group in added:
+        names = [c.name for c in group.recipe.calls]
+        assert names in (["BatchNorm2d", "add_", "ReLU"],
+                         ["BatchNorm2d", "BatchNorm2d", "add_", "ReLU"])
+        assert len(group.recipe.sources) == 2
+        assert all(source.mode == KEEP for source in group.recipe.sources)
+    for step in split_steps(trace):
+        recomputed = {e[1] for e in step if e[0] == "recompute" and len(e[2]) == 2}
+        assert recomputed == {g.gid for g in added}
+
+
+def shortcut_model(where, dtype):
+    """A stem, one downsampling basic block whose shortcut (the downsampling batch norm's
+    output, saved by nothing) is halved in place by no module ``where`` (before or after the
+    add, or nowhere), and the head."""
+    torch.manual_seed(0)
+    block = BasicBlock(8, 16, 2, nn.Sequential(conv1x1(8, 16, 2), nn.BatchNorm2d(16)))
+    if where is not None:
+        block.shortcut[where] = lambda identity: identity.mul_(0.5)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), block, nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(16, 10)).to(dtype)
+
+
+@pytest.mark.parametrize("where", [None, "before", "after"])
+def test_a_shortcut_changed_in_place_by_no_op_recorded_is_not_recomputed_without_the_change(
+        where):
+    # before the add: the add read the shortcut at a version no recorded call made, so the
+    # block's output is kept; after it: the recipe rebuilds the shortcut as the add read it
+    dtype = torch.float64
+    model, data = shortcut_model(where, dtype), batches(dtype, 3)
     reference = train(copy.deepcopy(model), data)
     session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
     assert_bitwise(reference, train(model, data, session))
+    added = through_adds(session._step.groups)
+    assert len(added) == (0 if where == "before" else 1)
+    assert all(g.mode == RECOMPUTE for g in added)
     assert any(g.mode == RECOMPUTE for g in session._step.groups)   # bn1's ReLU still is
 
+
+def test_a_source_changed_after_it_was_saved_is_never_recomputed_from():
+    # the block's input, kept as its output's source, changed after the forward: the recipe
+    # refuses (plain PyTorch's backward refuses it too), never a wrong tensor
+    torch.manual_seed(0)
+    stem = nn.Conv2d(3, 8, 3, padding=1)
+    model = nn.Sequential(stem, BasicBlock(8, 8), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 10)).to(torch.float64)
+    x, y = batches(torch.float64, 1)[0]
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    stem_outputs = []
+    handle = stem.register_forward_hook(lambda module, args, output: stem_outputs.append(output))
+    with session:
+        loss = nn.functional.cross_entropy(model(x), y)
+    handle.remove()
+    added = through_adds(session._step.groups)
+    assert len(added) == 1 and added[0].mode == RECOMPUTE
+    assert any(source.ref() is stem_outputs[0] for source in added[0].recipe.sources)
+    with torch.no_grad():
+        stem_outputs[0].add_(1.0)
+    with pytest.raises(RuntimeError, match="changed after it was saved"):
+        loss.backward()
+
+
+def test_a_freed_inputs_group_is_that_tensors_not_one_at_its_address(monkeypatch):
+    # The caching allocator gives a freed block to the next tensor of its size: the output of a
+    # block's last convolution, freed once its batch norm ran, and the downsampling
+    # convolution's output then share an address. Here every two tensors of one layout do.
+    monkeypatch.setattr(OffloadSession, "_key", staticmethod(
+        lambda tensor: (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)))
+    dtype = torch.float64
+    model, data = resnet(Bottleneck, [1, 1], [4, 8], dtype), batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    added = through_adds(session._step.groups)
+    assert len(added) == 2 and all(g.mode == RECOMPUTE for g in added)
+    assert all(len(g.recipe.sources) == 2 for g in added)
+
+
+def test_offloaded_and_recomputed_through_adds_in_one_step():
+    # the blocks' outputs recomputed, their sources kept, every other group offloaded
+    dtype = torch.float64
+    model, data = resnet(Bottleneck, [3, 2], [4, 8], dtype), batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    probe = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    added = through_adds(probe._step.groups)
+    modes = [OFFLOAD] * len(probe._step.groups)
+    for group in added:
+        modes[group.gid] = RECOMPUTE
+        for source in group.recipe.sources:
+            modes[source.gid] = KEEP
+    trace = []
+    session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    carried_out = [KEEP if mode == OFFLOAD and not g.offloadable else mode
+                   for mode, g in zip(modes, probe._step.groups)]
+    assert [g.mode for g in session._step.groups] == carried_out
+    assert carried_out.count(OFFLOAD) > len(modes) // 2
+    for step in split_steps(trace):
+        assert {e[1] for e in step if e[0] == "recompute"} == {g.gid for g in added}
+        assert sum(e[0] == "offload" for e in step) == carried_out.count(OFFLOAD)
+
+
+def test_a_plan_recomputes_blocks_outputs_through_their_adds():
+    # over a slow link the planner recomputes what it can: the blocks' outputs among them, with
+    # both their sources kept; the session holds no more than the plan models
+    dtype = torch.float64
+    model, data = resnet(BasicBlock, [3, 2], [8, 16], dtype), batches(dtype, 4)
+    reference = train(copy.deepcopy(model), data)
+    trace = HeldBytes()
+    session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, trace=trace,
+                             headroom=0.0)
+    trace.session = session
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    assert_bitwise(reference, train(model, data, session))
+    groups = session.profile.groups
+    chosen = [gid for gid, mode in enumerate(session.plan.modes)
+              if mode == RECOMPUTE and len(groups[gid].recompute_source) == 2]
+    assert chosen and all(session.plan.modes[s] == KEEP
+                          for gid in chosen for s in groups[gid].recompute_source)
+    assert [g.mode for g in session._step.groups] == list(session.plan.modes)
+    assert trace.checked > 0
+
+
+def test_a_function_that_cannot_be_hashed_passes_the_op_recorder():
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, tensor):
+            return tensor + 1
+
+    x = torch.zeros(2)
+    with OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0):
+        assert torch.overrides.handle_torch_function(Unhashable(), (x,), x).tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("force", [KEEP, RECOMPUTE])
+def test_adds_are_recorded_only_in_a_forward_whose_recipes_may_be_used(force):
+    # not under no_grad, not in the backward or a recipe's replay, not after the session: only
+    # the blocks' adds of the forward, and none where nothing is recomputed
+    dtype = torch.float64
+    model, data = resnet(BasicBlock, [2], [8], dtype), batches(dtype, 1)
+    session = OffloadSession(force=force, link=RecordingLink(), min_bytes=0)
+    x, y = data[0]
+    with session:
+        loss = nn.functional.cross_entropy(model(x), y)
+        with torch.no_grad():
+            x + x.clone()
+        loss.backward()         # on CPU, in this thread: recipes replay their adds here
+        ops = [c for c in session._step.calls if c.op is not None]
+    x.clone() + x.clone()
+    assert len(ops) == (2 if force == RECOMPUTE else 0)
+    assert [c for c in session._step.calls if c.op is not None] == ops
 
 
 def test_a_graph_dropped_without_a_backward_frees_its_saved_outputs():
