@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -233,13 +234,10 @@ def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
             time_limit_s: float | None) -> OffloadPlan:
     problem, picks, _ = _program(profile, lookahead, limit)
     status = _solve(problem, time_limit_s)
-    if status == "Infeasible" and limit == budget:
-        least = least_peak(profile, lookahead)
-        raise InfeasibleError(
-            f"memory budget {describe_size(budget)} is too small for this step: keeping, "
-            f"offloading or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
-            f"{describe_size(least)} at least (of which {describe_size(_baseline_peak(profile))} "
-            "is not saved tensors: parameters, gradients, the largest op)")
+    if status == "Infeasible":
+        # also below ``budget`` (a limit lowered after CBC's tolerance let a plan over): no
+        # plan within the budget
+        raise _infeasible(profile, budget, lookahead)
     if status != "Optimal":
         raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
     modes = _picked(picks)
@@ -253,26 +251,65 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     """:func:`plan_offload` at ``lookahead``, else at the largest smaller prefetch distance that
     fits (down to 0: fetched when first unpacked, as the recording step did): a prefetch puts a
     group on the device ``lookahead`` unpacks early, which the largest backward ops may not have
-    room for. The :class:`InfeasibleError` of ``lookahead`` when none fits."""
-    first_error = None
-    for distance in range(lookahead, -1, -1):
+    room for. When none fits, the :class:`InfeasibleError` of distance 0, whose least peak is the
+    least of any distance (a longer prefetch only lengthens what is on the device)."""
+    for distance in range(lookahead, 0, -1):
         try:
             return plan_offload(profile, budget, distance, time_limit_s)
-        except InfeasibleError as exc:
-            first_error = first_error or exc
-    raise first_error
+        except InfeasibleError:
+            pass
+    return plan_offload(profile, budget, 0, time_limit_s)
 
 
 def least_peak(profile: StepProfile, lookahead: int = 2) -> int:
     """The smallest modelled peak any valid choice reaches."""
-    problem, picks, peak = _program(profile, lookahead, None)
+    return peak_memory(profile, _least_peak_modes(profile, lookahead), lookahead)
+
+
+def _least_peak_modes(profile: StepProfile, lookahead: int) -> list[str]:
+    problem, picks, _ = _program(profile, lookahead, None)
     if _solve(problem, 60) != "Optimal":
         raise SolverError("CBC did not find the least peak of this step")
-    return peak_memory(profile, _picked(picks), lookahead)
+    return _picked(picks)
 
 
-def _baseline_peak(profile: StepProfile) -> int:
-    return max(profile.baseline_forward + profile.baseline_backward, default=0)
+def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int
+               ) -> tuple[str, int, int, list[tuple[int, int]]]:
+    """Where ``modes`` reach their modelled peak (the first such point, forward before backward):
+    (``"forward"`` or ``"backward"``, the point, its baseline bytes, and (bytes, group) of every
+    saved group on the device there, largest first)."""
+    forward, backward = memory_at_points(profile, modes, lookahead)
+    peak = max(forward + backward)
+    clock = "forward" if peak in forward else "backward"
+    point = (forward if clock == "forward" else backward).index(peak)
+    baseline = (profile.baseline_forward if clock == "forward"
+                else profile.baseline_backward)[point]
+    there = defaultdict(int)
+    for index, mode in enumerate(modes):
+        for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead):
+            if point in (f_points if clock == "forward" else b_points):
+                there[index] += nbytes
+    return clock, point, baseline, sorted(((b, g) for g, b in there.items()), reverse=True)
+
+
+def _infeasible(profile: StepProfile, budget: int, lookahead: int) -> InfeasibleError:
+    """The error of a budget no choice meets at ``lookahead``: the least peak any choice
+    reaches, where, and what is there: the baseline (what the recorded step allocated beside its
+    saved groups) and the largest saved groups."""
+    modes = _least_peak_modes(profile, lookahead)
+    least = peak_memory(profile, modes, lookahead)
+    clock, point, baseline, saved = peak_point(profile, modes, lookahead)
+    largest = ", ".join(f"group {g} ({profile.groups[g].producer or 'op'}, {modes[g]}, "
+                        f"{describe_size(b)})" for b, g in saved[:3])
+    return InfeasibleError(
+        f"memory budget {describe_size(budget)} is too small for this step: keeping, offloading "
+        f"or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
+        f"{describe_size(least)} at least"
+        + (f" (prefetching {lookahead} unpacks ahead)" if lookahead else "")
+        + f", at {clock} point {point}: {describe_size(baseline)} not saved tensors "
+        "(parameters, gradients, optimizer state, the op's inputs, outputs and workspace, as the "
+        f"recorded step allocated them) and {describe_size(least - baseline)} saved"
+        + (f" ({largest})" if largest else ""))
 
 
 def _program(profile: StepProfile, lookahead: int, budget: int | None):
