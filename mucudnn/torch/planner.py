@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -277,13 +278,10 @@ def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
             time_limit_s: float | None, margin: float = PREFETCH_MARGIN) -> OffloadPlan:
     problem, picks, _ = _program(profile, lookahead, limit, margin)
     status = _solve(problem, time_limit_s)
-    if status == "Infeasible" and limit == budget:
-        least = least_peak(profile, lookahead, margin)
-        raise InfeasibleError(
-            f"memory budget {describe_size(budget)} is too small for this step: keeping, "
-            f"offloading or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
-            f"{describe_size(least)} at least (of which {describe_size(_baseline_peak(profile))} "
-            "is not saved tensors: parameters, gradients, the largest op)")
+    if status == "Infeasible":
+        # also below ``budget`` (a limit lowered after CBC's tolerance let a plan over): no
+        # plan within the budget
+        raise _infeasible(profile, budget, lookahead, margin)
     if status != "Optimal":
         raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
     modes = _picked(picks)
@@ -313,14 +311,55 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
 
 def least_peak(profile: StepProfile, lookahead: int = 2, margin: float = PREFETCH_MARGIN) -> int:
     """The smallest modelled peak any valid choice reaches."""
-    problem, picks, peak = _program(profile, lookahead, None, margin)
+    return peak_memory(profile, _least_peak_modes(profile, lookahead, margin), lookahead, margin)
+
+
+def _least_peak_modes(profile: StepProfile, lookahead: int,
+                      margin: float = PREFETCH_MARGIN) -> list[str]:
+    problem, picks, _ = _program(profile, lookahead, None, margin)
     if _solve(problem, 60) != "Optimal":
         raise SolverError("CBC did not find the least peak of this step")
-    return peak_memory(profile, _picked(picks), lookahead, margin)
+    return _picked(picks)
 
 
-def _baseline_peak(profile: StepProfile) -> int:
-    return max(profile.baseline_forward + profile.baseline_backward, default=0)
+def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
+               margin: float = PREFETCH_MARGIN) -> tuple[str, int, int, list[tuple[int, int]]]:
+    """Where ``modes`` reach their modelled peak (the first such point, forward before backward):
+    (``"forward"`` or ``"backward"``, the point, its baseline bytes, and (bytes, group) of every
+    saved group on the device there, largest first)."""
+    forward, backward = memory_at_points(profile, modes, lookahead, margin)
+    peak = max(forward + backward)
+    clock = "forward" if peak in forward else "backward"
+    point = (forward if clock == "forward" else backward).index(peak)
+    baseline = (profile.baseline_forward if clock == "forward"
+                else profile.baseline_backward)[point]
+    there = defaultdict(int)
+    for index, mode in enumerate(modes):
+        for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead, margin):
+            if point in (f_points if clock == "forward" else b_points):
+                there[index] += nbytes
+    return clock, point, baseline, sorted(((b, g) for g, b in there.items()), reverse=True)
+
+
+def _infeasible(profile: StepProfile, budget: int, lookahead: int,
+                margin: float = PREFETCH_MARGIN) -> InfeasibleError:
+    """The error of a budget no choice meets at ``lookahead``: the least peak any choice
+    reaches, where, and what is there: the baseline (what the recorded step allocated beside its
+    saved groups) and the largest saved groups."""
+    modes = _least_peak_modes(profile, lookahead, margin)
+    least = peak_memory(profile, modes, lookahead, margin)
+    clock, point, baseline, saved = peak_point(profile, modes, lookahead, margin)
+    largest = ", ".join(f"group {g} ({profile.groups[g].producer or 'op'}, {modes[g]}, "
+                        f"{describe_size(b)})" for b, g in saved[:3])
+    return InfeasibleError(
+        f"memory budget {describe_size(budget)} is too small for this step: keeping, offloading "
+        f"or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
+        f"{describe_size(least)} at least"
+        + (f" (prefetching {lookahead} unpacks ahead)" if lookahead else "")
+        + f", at {clock} point {point}: {describe_size(baseline)} not saved tensors "
+        "(parameters, gradients, optimizer state, the op's inputs, outputs and workspace, as the "
+        f"recorded step allocated them) and {describe_size(least - baseline)} saved"
+        + (f" ({largest})" if largest else ""))
 
 
 def _program(profile: StepProfile, lookahead: int, budget: int | None,

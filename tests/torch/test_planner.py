@@ -1,11 +1,13 @@
 """mucudnn.torch.planner: pure Python (no torch needed)."""
 
 import random
+import re
 
 import pytest
 
 from mucudnn.errors import InfeasibleError
 from mucudnn.torch import planner
+from mucudnn.sizes import describe_size
 from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force,
                                    least_peak, memory_at_points, peak_memory, plan_offload,
                                    plan_with_prefetch, step_time, valid)
@@ -229,3 +231,43 @@ def test_a_prefetch_starts_early_enough_for_its_copy():
 def test_a_backward_clock_must_name_every_point_in_order(clock):
     with pytest.raises(ValueError, match="backward clock"):
         StepProfile([SavedGroup(10, 0, 2)], 1.0, 1.0, 1.0, 1.0, 3, backward_clock=clock)
+def test_infeasible_with_prefetch_says_the_least_peak_of_any_prefetch_distance():
+    # prefetching two unpacks ahead puts more on the device than fetching on demand: when no
+    # distance fits, the least peak quoted is the on-demand one (VGG-16 at 12 GiB quoted 14.7 GiB,
+    # the peak with a two-unpack prefetch, where fetching on demand reached about 12 GiB)
+    profile = chain_profile([8 * MiB] * 6, baseline=0)
+    on_demand, prefetched = least_peak(profile, lookahead=0), least_peak(profile, lookahead=2)
+    assert prefetched > on_demand
+    with pytest.raises(InfeasibleError) as info:
+        plan_with_prefetch(profile, on_demand - MiB, lookahead=2)
+    assert f"reaches a peak of {describe_size(on_demand)} at least," in str(info.value)
+    assert "prefetching" not in str(info.value)
+    with pytest.raises(InfeasibleError, match=r"at least \(prefetching 2 unpacks ahead\)"):
+        plan_offload(profile, on_demand - MiB, lookahead=2)
+
+
+def test_infeasible_names_the_point_of_the_least_peak_and_its_baseline():
+    # the largest baseline (40 MiB, forward point 0) is not where the least peak is: backward
+    # point 1, a 30 MiB baseline beside a 16 MiB group that cannot be moved
+    groups = [SavedGroup(4 * MiB, 0, 0, producer="conv"),
+              SavedGroup(16 * MiB, 1, 1, producer="view", offloadable=False)]
+    profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=2,
+                          baseline_forward=[40 * MiB, 0], baseline_backward=[0, 30 * MiB])
+    assert least_peak(profile) == 46 * MiB
+    with pytest.raises(InfeasibleError) as info:
+        plan_offload(profile, 45 * MiB)
+    message = str(info.value)
+    assert f"{describe_size(46 * MiB)} at least" in message
+    assert f"at backward point 1: {describe_size(30 * MiB)} not saved tensors" in message
+    assert f"{describe_size(16 * MiB)} saved (group 1 (view, keep" in message
+    assert describe_size(40 * MiB) not in message
+
+
+def test_a_budget_a_byte_below_the_least_peak_is_infeasible_not_a_solver_failure():
+    # CBC's tolerance accepts a plan one byte over; the limit lowered below the budget is then
+    # infeasible, which is the budget's infeasibility, not CBC's failure
+    profile = chain_profile([8 * MiB] * 6, baseline=0)
+    least = least_peak(profile, lookahead=0)
+    quoted = re.escape(f"reaches a peak of {describe_size(least)}")
+    with pytest.raises(InfeasibleError, match=quoted):
+        plan_offload(profile, least - 1, lookahead=0)
