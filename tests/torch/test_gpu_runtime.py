@@ -1,0 +1,98 @@
+"""mucudnn.torch on the GPU (skipped without one): the CUDA link's copy streams, events, pinned host
+pool and prefetch schedule change no result. Bitwise against plain PyTorch, with cuDNN
+deterministic (both runs pick the same algorithms), on a ResNet with bottleneck blocks (residual
+adds: two-source recipes)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+torchvision = pytest.importorskip("torchvision")
+
+from mucudnn.torch.planner import OFFLOAD, RECOMPUTE  # noqa: E402
+from mucudnn.torch.runtime import CudaLink, OffloadSession  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+DTYPES = [torch.float64, torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
+def resnet(dtype):
+    torch.manual_seed(0)
+    from torchvision.models.resnet import Bottleneck, ResNet
+    return ResNet(Bottleneck, [2, 1, 1, 1], num_classes=10).to("cuda", dtype)
+
+
+def batches(dtype, steps):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 64, 64, generator=generator, dtype=dtype).cuda(),
+             torch.randint(0, 10, (8,), generator=generator).cuda()) for _ in range(steps)]
+
+
+def train(model, data, session=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    for x, y in data:
+        optimizer.zero_grad()
+        with session if session is not None else torch.enable_grad():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    torch.cuda.synchronize()
+    return results
+
+
+def assert_bitwise(expected, actual):
+    assert len(expected) == len(actual)
+    for step, (a, b) in enumerate(zip(expected, actual)):
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert torch.equal(u, v), f"step {step} tensor {i} differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_tensor_offloaded_on_the_gpu_gives_the_same_gradients(dtype):
+    model, data = resnet(dtype), batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=OFFLOAD, trace=trace, min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    assert isinstance(session.link_for_group(next(iter(session._step.groups))), CudaLink)
+    assert sum(1 for e in trace if e[0] == "offload") > 3 * 20
+    assert any(e[0] == "prefetch" for e in trace)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_planned_step_on_the_gpu_gives_the_same_gradients(dtype):
+    # a budget of 0.6 of the saved bytes above what the step needs anyway: the plan offloads
+    # (prefetched on the fetch stream) and recomputes (residual adds included)
+    model, data = resnet(dtype), batches(dtype, 5)
+    reference = train(copy.deepcopy(model), data)
+    probe = OffloadSession(force=OFFLOAD, min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    saved = sum(g.nbytes for g in probe._step.groups)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    trace = []
+    session = OffloadSession(budget=base + saved * 6 // 10 + 128 * 2**20, trace=trace, min_bytes=0,
+                             headroom=0.0, strict=False)
+    assert_bitwise(reference, train(model, data, session))
+    assert session.plan is not None and not session.fell_back
+    modes = session.plan.modes
+    assert OFFLOAD in modes and RECOMPUTE in modes, session.plan.describe()
+    planned = trace[max(i for i, e in enumerate(trace) if e[0] == "pack" and e[1] == 0):]
+    assert any(e[0] == "prefetch" for e in planned)
+    assert any(e[0] == "recompute" for e in planned)
