@@ -78,9 +78,9 @@ def test_every_tensor_offloaded_on_the_gpu_gives_the_same_gradients(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_planned_step_on_the_gpu_gives_the_same_gradients(dtype):
-    # the budget halfway between the least modelled peak and keeping everything, both from a
-    # recorded profile: the plan offloads (prefetched on the fetch stream) and recomputes
-    # (residual adds included)
+    # the plan for a budget halfway between the least modelled peak and keeping everything, both
+    # from a recorded profile, carried out: it offloads (prefetched on the fetch stream) and
+    # recomputes (residual adds included)
     model, data = resnet(dtype), batches(dtype, 5)
     reference = train(copy.deepcopy(model), data)
     recorder = OffloadSession(budget=2**50, min_bytes=0)
@@ -89,13 +89,11 @@ def test_a_planned_step_on_the_gpu_gives_the_same_gradients(dtype):
     kept = planner.peak_memory(profile, [KEEP] * len(profile.groups), 2)
     least = planner.least_peak(profile, 0)
     assert least < kept
+    plan = planner.plan_with_prefetch(profile, (least + kept) // 2)
+    assert OFFLOAD in plan.modes and RECOMPUTE in plan.modes, plan.describe()
     trace = []
-    session = OffloadSession(budget=(least + kept) // 2, trace=trace, min_bytes=0,
-                             headroom=0.0, strict=False)
+    session = OffloadSession(modes=list(plan.modes), trace=trace, min_bytes=0)
     assert_bitwise(reference, train(model, data, session))
-    assert session.plan is not None and not session.fell_back
-    modes = session.plan.modes
-    assert OFFLOAD in modes and RECOMPUTE in modes, session.plan.describe()
     planned = trace[max(i for i, e in enumerate(trace) if e[0] == "pack" and e[1] == 0):]
     assert any(e[0] == "prefetch" for e in planned)
     assert any(e[0] == "recompute" for e in planned)
