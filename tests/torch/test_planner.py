@@ -41,11 +41,16 @@ def test_everything_kept_when_it_fits():
     assert plan.modes == (KEEP,) * 5 and plan.moved_bytes == 0
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_optimal_on_small_profiles(seed):
+@pytest.mark.parametrize("sources,seed", [(1, seed) for seed in range(6)]
+                         + [(2, 50 + seed) for seed in range(4)])
+def test_optimal_on_small_profiles(sources, seed):
+    # recipes of one source, then of two (both to be kept): the ILP against enumeration
     rng = random.Random(seed)
-    sizes = [rng.randint(1, 16) * MiB for _ in range(rng.randint(3, 6))]
-    profile = chain_profile(sizes, recompute_every=2, seed=seed, baseline=rng.randint(0, 8) * MiB)
+    sizes = [rng.randint(1, 16) * MiB for _ in range(rng.randint(3 + (sources > 1), 6))]
+    profile = chain_profile(sizes, recompute_every=2, seed=seed if sources == 1 else seed - 50,
+                            baseline=rng.randint(0, 8) * MiB, sources=sources)
+    if sources > 1:
+        assert any(len(g.recompute_source or ()) == 2 for g in profile.groups)
     budget = int(peak_memory(profile, [KEEP] * len(sizes), 2) * rng.uniform(0.4, 0.9))
     best = brute_force(profile, budget)
     if best is None:
@@ -121,24 +126,6 @@ def test_a_recipe_holds_each_source_until_its_last_unpack():
     _, backward = memory_at_points(profile, [KEEP, KEEP, RECOMPUTE], 0)
     assert backward == [4 * MiB + 2 * MiB + 2 * MiB, 4 * MiB + 2 * MiB + 1 * MiB,
                         4 * MiB + 2 * MiB + 1 * MiB, 4 * MiB + 2 * MiB + 1 * MiB]
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_optimal_with_recipes_of_two_sources(seed):
-    rng = random.Random(50 + seed)
-    sizes = [rng.randint(1, 16) * MiB for _ in range(rng.randint(4, 6))]
-    profile = chain_profile(sizes, recompute_every=2, seed=seed, baseline=rng.randint(0, 8) * MiB,
-                            sources=2)
-    assert any(len(g.recompute_source or ()) == 2 for g in profile.groups)
-    budget = int(peak_memory(profile, [KEEP] * len(sizes), 2) * rng.uniform(0.4, 0.9))
-    best = brute_force(profile, budget)
-    if best is None:
-        with pytest.raises(InfeasibleError):
-            plan_offload(profile, budget)
-        return
-    plan = plan_offload(profile, budget)
-    assert plan.peak <= budget and valid(profile, plan.modes)
-    assert plan.step_ms == pytest.approx(best.step_ms, rel=1e-6, abs=1e-9)
 
 
 def test_a_recompute_source_outside_the_step_is_refused():
