@@ -1149,20 +1149,20 @@ class OffloadSession:
         return link.bandwidth_gbps()
 
     @staticmethod
-    def _backward_clock(step: _Step, link: CopyLink, unpacks: int) -> list[float]:
-        """Compute ms from the backward's first unpack to each unpack of a recording step: its
-        marks' times less its own on-demand fetches in between (inline, each between two marks),
-        non-decreasing; [] without unpacks."""
-        marks = [m for m in step.marks if m[0] == "unpack"]
-        if not marks:
+    def _backward_clock(step: _Step, link: CopyLink, unpack_marks: list, unpacks: int
+                        ) -> list[float]:
+        """Compute ms from the backward's first unpack to each unpack of a recording step (its
+        ``unpack_marks``): their times less its own on-demand fetches before each (inline, each
+        between two marks, in issue order), non-decreasing; [] without unpacks."""
+        if not unpack_marks:
             return []
-        start = marks[0][2]
-        fetches = [(before, after) for direction, _, before, after in step.copies
-                   if direction == "h2d" and before.seq > start.seq]
-        clock, now = [0.0] * unpacks, 0.0
-        for _, index, mark, *_ in marks:
-            copying = sum(link.compute_ms(before, after) for before, after in fetches
-                          if after.seq <= mark.seq)
+        start = unpack_marks[0][2]
+        fetches = deque((before, after) for direction, _, before, after in step.copies
+                        if direction == "h2d" and before.seq > start.seq)
+        clock, now, copying = [0.0] * unpacks, 0.0, 0.0
+        for _, index, mark, *_ in unpack_marks:
+            while fetches and fetches[0][1].seq <= mark.seq:
+                copying += link.compute_ms(*fetches.popleft())
             now = max(now, link.compute_ms(start, mark) - copying)
             clock[index] = now
         for index in range(1, unpacks):     # points no mark names keep the time before them
@@ -1200,8 +1200,9 @@ class OffloadSession:
         # the forward's time remains in the backward).
         forward_ms = max(forward_ms - planner.transfer_ms(moved, d2h), 0.0)
         backward_ms = max(backward_ms - planner.transfer_ms(moved, h2d), forward_ms)
+        clock = self._backward_clock(step, link, unpack_marks, unpacks)
         profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks,
-                                      backward_clock=self._backward_clock(step, link, unpacks))
+                                      backward_clock=clock)
         recorded = offload_everything(groups)
         live_f, live_b = [0] * len(groups), [0] * unpacks
         for gid, mode in enumerate(recorded):
