@@ -16,11 +16,13 @@ A group is one tensor saved for backward, however many ops save it. Its bytes ar
   runtime lets the caching allocator reuse the memory once the copy is done), then again from
   its prefetch point (:func:`prefetch_point`: ``lookahead`` unpacks before its first unpack, or
   earlier where the recorded backward clock says the copy needs longer) to its last unpack;
-- recomputed: at its forward point and the next one (the forward's own use), then from its first
-  to its last unpack, twice its bytes at its first unpack (the recipe's intermediate or the copy of
-  an in-place module's input). Its recipe reads its source groups (a residual add reads two),
-  which must then be kept, and each stays on the device through the recomputed group's last
-  unpack.
+- recomputed: at its forward point and the next one (the forward's own use), then from the point
+  it is rebuilt to its last unpack, twice its bytes at that point (the recipe's intermediate or the
+  copy of an in-place module's input). Its recipe reads its source groups (a residual add reads
+  two), each kept or itself recomputed, and each stays on the device through the recomputed
+  group's last unpack. A group is rebuilt at its first unpack, or earlier when a recomputed
+  reader is rebuilt first (:func:`rebuild_points`: rebuilding a reader rebuilds its recomputed
+  sources first, as ``torch.utils.checkpoint`` reruns a whole segment from its kept input).
 
 Peak memory at a point is the measured baseline there (everything that is not a saved group:
 parameters, gradients, the op's own inputs, outputs and workspace, as the recorded step's peak
@@ -50,6 +52,11 @@ MODES = (KEEP, OFFLOAD, RECOMPUTE)
 #: a prefetch is issued this many copy times before its first unpack (the recorded clock is the
 #: recording step's; other fetches may share the link)
 PREFETCH_MARGIN = 1.5
+#: the most recipes one rebuild may chain in a plan (a recomputed group whose recipe reads a
+#: recomputed group rebuilds that one first, and so on): a ResNet bottleneck's output rebuilds
+#: its block back to the first convolution's output in 5. Longer chains made ResNet-50's program
+#: too hard for CBC within its time limit.
+MAX_CHAIN = 5
 
 
 @dataclass(frozen=True)
@@ -106,9 +113,9 @@ class StepProfile:
             if not 0 <= group.first_unpack <= group.last_unpack < max(self.unpacks, 1):
                 raise ValueError(f"group {index}: unpacks {group.first_unpack}.."
                                  f"{group.last_unpack} outside 0..{self.unpacks - 1}")
-            if any(not 0 <= source < g for source in group.recompute_source or ()):
+            if any(not 0 <= source < index for source in group.recompute_source or ()):
                 raise ValueError(f"group {index}: recompute sources {group.recompute_source} "
-                                 "are not all groups")
+                                 "are not all earlier groups")
 
 
 @dataclass(frozen=True)
@@ -154,28 +161,73 @@ def prefetch_point(profile: StepProfile, index: int, lookahead: int,
     return max(0, min(group.first_unpack - lookahead, timed))
 
 
+def readers(profile: StepProfile) -> list[list[int]]:
+    """Per group, the groups whose recipe reads it (all later groups)."""
+    found: list[list[int]] = [[] for _ in profile.groups]
+    for index, group in enumerate(profile.groups):
+        for source in group.recompute_source or ():
+            found[source].append(index)
+    return found
+
+
+def rebuild_points(profile: StepProfile, modes: Sequence[str]) -> list[int | None]:
+    """Per group, the backward point at which the runtime rebuilds it (None: not recomputed): its
+    first unpack, or the point of a recomputed reader's rebuild where that comes first."""
+    points: list[int | None] = [None] * len(profile.groups)
+    reading = readers(profile)
+    for index in reversed(range(len(profile.groups))):   # readers come after their sources
+        if modes[index] == RECOMPUTE:
+            points[index] = min([profile.groups[index].first_unpack] + [
+                points[r] for r in reading[index] if modes[r] == RECOMPUTE])
+    return points
+
+
+def rebuild_candidates(profile: StepProfile) -> list[list[int]]:
+    """Per group that may be recomputed, the points at which a plan may rebuild it (ascending):
+    its first unpack, and each earlier point at which a recomputed reader at most
+    :data:`MAX_CHAIN` recipes away may be rebuilt; [] for the others."""
+    depths: list[dict[int, int]] = [{} for _ in profile.groups]
+    reading = readers(profile)
+    for index in reversed(range(len(profile.groups))):
+        group = profile.groups[index]
+        if RECOMPUTE not in allowed_modes(group):
+            continue
+        points = {group.first_unpack: 0}
+        for reader in reading[index]:
+            for point, depth in depths[reader].items():
+                if point < group.first_unpack and depth < MAX_CHAIN:
+                    points[point] = min(points.get(point, MAX_CHAIN), depth + 1)
+        depths[index] = points
+    return [sorted(points) for points in depths]
+
+
 def live_points(profile: StepProfile, index: int, mode: str, lookahead: int,
-                margin: float = PREFETCH_MARGIN) -> tuple[range, range]:
-    """(forward points, backward points) at which group ``index`` is on the device in ``mode``."""
+                margin: float = PREFETCH_MARGIN, rebuilt: int | None = None
+                ) -> tuple[range, range]:
+    """(forward points, backward points) at which group ``index`` is on the device in ``mode``;
+    ``rebuilt``: where a recomputed one is rebuilt (default its first unpack)."""
     group, g = profile.groups[index], len(profile.groups)
     if mode == KEEP:
         return range(index, g), range(0, group.last_unpack + 1)
     forward = range(index, min(index + 2, g))
-    start = (prefetch_point(profile, index, lookahead, margin) if mode == OFFLOAD
-             else group.first_unpack)
+    if mode == OFFLOAD:
+        start = prefetch_point(profile, index, lookahead, margin)
+    else:
+        start = group.first_unpack if rebuilt is None else rebuilt
     return forward, range(start, group.last_unpack + 1)
 
 
 def contributions(profile: StepProfile, index: int, mode: str, lookahead: int,
-                  margin: float = PREFETCH_MARGIN) -> list[tuple[int, range, range]]:
+                  margin: float = PREFETCH_MARGIN, rebuilt: int | None = None
+                  ) -> list[tuple[int, range, range]]:
     """(bytes, forward points, backward points) that choosing ``mode`` for group ``index`` puts on
-    the device: its own liveness and, when recomputed, the transient at its first unpack and each
-    source held past that source's own last unpack."""
+    the device: its own liveness and, when recomputed (``rebuilt`` as :func:`live_points`), each
+    source held past that source's own last unpack. Rebuilding also needs a transient
+    (:func:`transients`)."""
     group = profile.groups[index]
-    f_points, b_points = live_points(profile, index, mode, lookahead, margin)
+    f_points, b_points = live_points(profile, index, mode, lookahead, margin, rebuilt)
     added = [(group.nbytes, f_points, b_points)]
     if mode == RECOMPUTE:
-        added.append((group.nbytes, range(0), range(group.first_unpack, group.first_unpack + 1)))
         for source in (profile.groups[s] for s in group.recompute_source):
             if group.last_unpack > source.last_unpack:
                 added.append((source.nbytes, range(0),
@@ -183,13 +235,36 @@ def contributions(profile: StepProfile, index: int, mode: str, lookahead: int,
     return added
 
 
+def plan_contributions(profile: StepProfile, modes: Sequence[str], lookahead: int,
+                       margin: float = PREFETCH_MARGIN
+                       ) -> list[list[tuple[int, range, range]]]:
+    """Per group, :func:`contributions` of its mode in ``modes``, rebuilt where the runtime
+    rebuilds it (:func:`rebuild_points`)."""
+    rebuilt = rebuild_points(profile, modes)
+    return [contributions(profile, index, mode, lookahead, margin, rebuilt[index])
+            for index, mode in enumerate(modes)]
+
+
+def transients(profile: StepProfile, modes: Sequence[str]) -> dict[int, tuple[int, int]]:
+    """Backward point -> (bytes, group): the most a rebuild there needs beside the groups it
+    rebuilds, the bytes of the largest group rebuilt there (a recipe's intermediate, or the copy
+    of an in-place module's input). Recipes run one after another, so only the largest counts."""
+    found: dict[int, tuple[int, int]] = {}
+    for index, point in enumerate(rebuild_points(profile, modes)):
+        if point is not None:
+            found[point] = max(found.get(point, (0, -1)), (profile.groups[index].nbytes, index))
+    return found
+
+
 def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int,
                      margin: float = PREFETCH_MARGIN) -> tuple[list[int], list[int]]:
     """The modelled bytes at each (forward point, backward point) under ``modes``."""
     forward = list(profile.baseline_forward)
     backward = list(profile.baseline_backward)
-    for index, mode in enumerate(modes):
-        for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead, margin):
+    for point, (nbytes, _) in transients(profile, modes).items():
+        backward[point] += nbytes
+    for added in plan_contributions(profile, modes, lookahead, margin):
+        for nbytes, f_points, b_points in added:
             for t in f_points:
                 forward[t] += nbytes
             for t in b_points:
@@ -222,11 +297,11 @@ def transfer_ms(nbytes: int, gbps: float) -> float:
 
 
 def valid(profile: StepProfile, modes: Sequence[str]) -> bool:
-    """Each mode allowed for its group, and every recomputed group's sources kept."""
+    """Each mode allowed for its group, and every recomputed group's sources kept or recomputed."""
     for group, mode in zip(profile.groups, modes, strict=True):
         if mode not in allowed_modes(group):
             return False
-        if mode == RECOMPUTE and any(modes[s] != KEEP for s in group.recompute_source):
+        if mode == RECOMPUTE and any(modes[s] == OFFLOAD for s in group.recompute_source):
             return False
     return True
 
@@ -276,15 +351,13 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
 
 def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
             time_limit_s: float | None, margin: float = PREFETCH_MARGIN) -> OffloadPlan:
-    problem, picks, _ = _program(profile, lookahead, limit, margin)
-    status = _solve(problem, time_limit_s)
+    status, modes = _chained_solve(profile, lookahead, limit, margin, time_limit_s)
     if status == "Infeasible":
         # also below ``budget`` (a limit lowered after CBC's tolerance let a plan over): no
         # plan within the budget
         raise _infeasible(profile, budget, lookahead, margin)
     if status != "Optimal":
         raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
-    modes = _picked(picks)
     if not valid(profile, modes):
         raise SolverError("the solver chose an invalid offload plan")
     return _result(profile, modes, lookahead, margin)
@@ -316,10 +389,29 @@ def least_peak(profile: StepProfile, lookahead: int = 2, margin: float = PREFETC
 
 def _least_peak_modes(profile: StepProfile, lookahead: int,
                       margin: float = PREFETCH_MARGIN) -> list[str]:
-    problem, picks, _ = _program(profile, lookahead, None, margin)
-    if _solve(problem, 60) != "Optimal":
+    status, modes = _chained_solve(profile, lookahead, None, margin, 60)
+    if status != "Optimal":
         raise SolverError("CBC did not find the least peak of this step")
-    return _picked(picks)
+    return modes
+
+
+def _chained_solve(profile: StepProfile, lookahead: int, budget: int | None, margin: float,
+                   time_limit_s: float | None) -> tuple[str, list[str] | None]:
+    """(status, modes) of :func:`_program`. Chains (a group rebuilt before its first unpack) make
+    the program harder for CBC, which can reach its time limit with no plan at all: then the
+    program without them (each group rebuilt at its first unpack; a subset of the plans) is
+    solved instead. (A start from that program's plan made CBC overrun its time limit by
+    minutes, with worse plans.)"""
+    problem, picks, _ = _program(profile, lookahead, budget, margin)
+    status = _solve(problem, time_limit_s)
+    if status in ("Optimal", "Infeasible") or not any(
+            len(points) > 1 for points in rebuild_candidates(profile)):
+        return status, (_picked(picks) if status == "Optimal" else None)
+    problem, picks, _ = _program(profile, lookahead, budget, margin, chains=False)
+    fallback = _solve(problem, time_limit_s)
+    if fallback == "Optimal":
+        return fallback, _picked(picks)
+    return status, None
 
 
 def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
@@ -334,10 +426,13 @@ def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
     baseline = (profile.baseline_forward if clock == "forward"
                 else profile.baseline_backward)[point]
     there = defaultdict(int)
-    for index, mode in enumerate(modes):
-        for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead, margin):
+    for index, added in enumerate(plan_contributions(profile, modes, lookahead, margin)):
+        for nbytes, f_points, b_points in added:
             if point in (f_points if clock == "forward" else b_points):
                 there[index] += nbytes
+    if clock == "backward" and point in transients(profile, modes):
+        nbytes, index = transients(profile, modes)[point]
+        there[index] += nbytes
     return clock, point, baseline, sorted(((b, g) for g, b in there.items()), reverse=True)
 
 
@@ -363,8 +458,9 @@ def _infeasible(profile: StepProfile, budget: int, lookahead: int,
 
 
 def _program(profile: StepProfile, lookahead: int, budget: int | None,
-             margin: float = PREFETCH_MARGIN):
-    """The ILP. With ``budget`` None it minimises the peak instead of the time."""
+             margin: float = PREFETCH_MARGIN, chains: bool = True):
+    """The ILP. With ``budget`` None it minimises the peak instead of the time. ``chains``
+    False: every recomputed group rebuilt at its first unpack (a smaller program)."""
     import pulp
 
     problem = pulp.LpProblem("offload", pulp.LpMinimize)
@@ -374,16 +470,52 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
         x = {mode: problem.add_variable(f"x_{index}_{mode}", cat=pulp.LpBinary) for mode in modes}
         problem += pulp.lpSum(x.values()) == 1
         picks.append(x)
+    # Where each recomputed group is rebuilt: one binary per candidate point, their sum its
+    # recompute binary. A recomputed source is rebuilt no later than its reader (the runtime
+    # rebuilds it then at the latest); the model may rebuild it earlier than the runtime does,
+    # which only overstates the memory.
+    candidates = rebuild_candidates(profile) if chains else [
+        [group.first_unpack] if RECOMPUTE in allowed_modes(group) else []
+        for group in profile.groups]
+    rebuilds: list[dict[int, pulp.LpVariable]] = []
+    for index, x in enumerate(picks):
+        at = {}
+        if RECOMPUTE in x:
+            at = {point: problem.add_variable(f"r_{index}_{point}", cat=pulp.LpBinary)
+                  for point in candidates[index]}
+            problem += pulp.lpSum(at.values()) == x[RECOMPUTE]
+        rebuilds.append(at)
     for index, group in enumerate(profile.groups):
-        if RECOMPUTE in picks[index]:
-            for source in group.recompute_source:
+        if RECOMPUTE not in picks[index]:
+            continue
+        for source in group.recompute_source:
+            if RECOMPUTE not in picks[source]:
                 problem += picks[index][RECOMPUTE] <= picks[source][KEEP]
+                continue
+            for point, r in rebuilds[index].items():
+                problem += r <= picks[source][KEEP] + pulp.lpSum(
+                    v for p, v in rebuilds[source].items() if p <= point)
     forward = [pulp.LpAffineExpression() + base for base in profile.baseline_forward]
     backward = [pulp.LpAffineExpression() + base for base in profile.baseline_backward]
+    # the transient of the rebuilds at each point: the largest group rebuilt there
+    largest: dict[int, list] = defaultdict(list)
+    for index, at in enumerate(rebuilds):
+        for point, r in at.items():
+            largest[point].append(profile.groups[index].nbytes * r)
+    for point, terms in largest.items():
+        if len(terms) == 1:
+            backward[point] += terms[0]
+            continue
+        transient = problem.add_variable(f"transient_{point}", lowBound=0)
+        for term in terms:
+            problem += transient >= term
+        backward[point] += transient
     for index, group in enumerate(profile.groups):
-        for mode, x in picks[index].items():
+        chosen = [(mode, x, None) for mode, x in picks[index].items() if mode != RECOMPUTE]
+        chosen += [(RECOMPUTE, r, point) for point, r in rebuilds[index].items()]
+        for mode, x, point in chosen:
             for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead,
-                                                            margin):
+                                                            margin, point):
                 for t in f_points:
                     forward[t] += nbytes * x
                 for t in b_points:

@@ -4,10 +4,16 @@ each tensor autograd saves, as a plan says, after a first step that records a pr
 Invariants:
 - A tensor is restored bit for bit: an offloaded one is copied to a host tensor of the same dtype,
   shape and strides and back (dense tensors only; others are kept); a recomputed one re-runs its
-  recipe, deterministic cheap modules (:data:`CHEAP`) and tensor adds (:data:`ADDS`, ResNet's
-  ``out += identity``) on kept tensors (its sources) under ``no_grad``, with batch norm replayed
-  on copies of its running statistics (its output in training mode does not read them, and the
-  model's statistics are not updated twice).
+  recipe, deterministic modules (:data:`CHEAP`, and :data:`CONVOLUTIONS` unless told not to)
+  and tensor adds (:data:`ADDS`, ResNet's ``out += identity``) on its sources under ``no_grad``,
+  with batch norm replayed on copies of its running statistics (its output in training mode does
+  not read them, and the model's statistics are not updated twice). A source is a saved group,
+  kept or itself recomputed: rebuilding a group first rebuilds its recomputed sources that are
+  not on the device (a chain, as ``torch.utils.checkpoint`` reruns a segment), each once.
+  A convolution reruns the kernel its forward ran where the framework picks kernels per shape
+  (PyTorch's cuDNN plan cache, ``cudnn.benchmark`` or not); a workspace allocation that fails
+  during a rerun can make it pick another, whose result may differ in the last bits
+  (``recompute_convolutions=False`` rules convolutions out).
 - Nothing is recomputed from a source that changed since it was saved (its version counter), and
   every call of a recipe read each of its inputs at the version the recipe rebuilds or reads.
 - Groups: every pack of the same tensor object (same version) is one group, moved or recomputed
@@ -47,6 +53,9 @@ CHEAP = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hards
          nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
          nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool2d, nn.Identity)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: Modules that may also be recomputed, at their measured cost (the planner weighs it against
+#: moving their output; per-block checkpointing shows recomputing them can beat the host link).
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 #: the smallest copy whose time measures the host link (smaller ones measure its latency)
 LINK_PROBE_BYTES = 32 << 20
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
@@ -54,7 +63,7 @@ LINK_PROBE_BYTES = 32 << 20
 #: as ``add_``); True where the op changes its first operand.
 ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: False,
          torch.Tensor.__add__: False, torch.add: False}
-#: the most calls (modules and ops) one recipe replays
+#: the most calls (modules and ops) one recipe replays from its sources
 _MAX_CHAIN = 4
 
 
@@ -360,12 +369,9 @@ class _Call:
     in_place: bool = False    # its output is its first input, changed
     op: object = None         # an op's function, called again with ``keywords`` to replay it
     keywords: dict = field(default_factory=dict)
-
-    @property
-    def cheap(self) -> bool:
-        """Deterministic and cheap to run again: a module of an exact type in :data:`CHEAP`, or
-        a recorded op (only deterministic elementwise ones are recorded)."""
-        return self.op is not None or type(self.module) in CHEAP
+    #: a recipe may run it again: a module of an exact type the session recomputes
+    #: (:meth:`OffloadSession._recomputable`), or a recorded op (deterministic, elementwise)
+    recomputable: bool = False
 
     def run(self, values: list[torch.Tensor]) -> torch.Tensor:
         """Its forward again on ``values`` (one per read), without side effects (:func:`replay`)."""
@@ -376,7 +382,7 @@ class _Call:
 
 @dataclass(eq=False)
 class _Recipe:
-    """Cheap calls that rebuild a saved tensor from kept groups: ``calls`` run in order, the last
+    """Calls that rebuild a saved tensor from saved groups: ``calls`` run in order, the last
     makes the tensor; ``inputs[i]`` says where each read of ``calls[i]`` comes from: a source
     group or the index of an earlier call (each call's output is read once)."""
 
@@ -385,8 +391,9 @@ class _Recipe:
 
     @property
     def sources(self) -> list[_Group]:
-        """The groups it reads, each once, in the order it first reads them: each must be kept,
-        at the version it read, until the rebuilt tensor can no longer be unpacked."""
+        """The groups it reads, each once, in the order it first reads them: each must be kept
+        (at the version it read) or recomputed, and on the device until the rebuilt tensor can no
+        longer be unpacked."""
         found = []
         for slots in self.inputs:
             for slot in slots:
@@ -499,6 +506,8 @@ class OffloadSession:
     most ``plan_time_limit_s`` per solve) and applied from the next step. ``modes``: a fixed plan
     instead (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
+    ``recompute``: recipes at all; ``recompute_convolutions``: recipes may rerun convolutions
+    (:data:`CONVOLUTIONS`; see the module docstring).
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
     no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
     ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
@@ -513,7 +522,8 @@ class OffloadSession:
                  link: CopyLink | None = None, lookahead: int = 2, recompute: bool = True,
                  min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
                  say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
-                 record_steps: int = 2, plan_time_limit_s: float = 20):
+                 record_steps: int = 2, plan_time_limit_s: float = 20,
+                 recompute_convolutions: bool = True):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
@@ -522,6 +532,7 @@ class OffloadSession:
         self.plan_time_limit_s = plan_time_limit_s
         self._lowered_target: int | None = None
         self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
+        self.recompute_convolutions = recompute_convolutions
         self._link, self._links = link, {}
         self.trace = trace
         self.strict = strict
@@ -620,7 +631,12 @@ class OffloadSession:
         self._step.calls.append(_Call(
             module, type(module).__name__, (self._read(source),) if source is not None else (),
             None, self._any_link().mark() if self._step.profiling else None,
-            in_place=bool(getattr(module, "inplace", False))))
+            in_place=bool(getattr(module, "inplace", False)),
+            recomputable=self._recomputable(module)))
+
+    def _recomputable(self, module) -> bool:
+        kinds = CHEAP + CONVOLUTIONS if self.recompute_convolutions else CHEAP
+        return type(module) in kinds
 
     def _after_module(self, module, args, output):
         if not self._records(module):
@@ -659,7 +675,7 @@ class OffloadSession:
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, (self._read(first), self._read(second)), None,
                      self._any_link().mark() if self._step.profiling else None,
-                     in_place=ADDS[func], op=func, keywords=dict(kwargs))
+                     in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True)
         self._step.calls.append(call)
         output = None
         try:
@@ -687,8 +703,8 @@ class OffloadSession:
             self._event("mode", group.gid, RECOMPUTE)
 
     def _recipe(self, tensor: torch.Tensor, step: _Step) -> _Recipe | None:
-        """The cheap calls (at most ``_MAX_CHAIN``) that rebuild ``tensor`` as it is now from
-        saved groups, or None."""
+        """The recomputable calls (at most ``_MAX_CHAIN``) that rebuild ``tensor`` as it is now
+        from saved groups, or None."""
         recipe, calls = _Recipe(), step.calls
         # An in-place module (ReLU(inplace=True)) saves its output, the tensor it was given, while
         # it runs: it ends the recipe, and what made its input (batch norm, an add) comes before.
@@ -697,7 +713,7 @@ class OffloadSession:
         running = calls[index] if index is not None else None
         if running is not None and not running.done and running.in_place and running.reads \
                 and running.reads[0].ref() is tensor:
-            if not running.cheap:
+            if not running.recomputable:
                 return None
             slot = self._rebuild(step, recipe, tensor, running.reads[0], index, own=True, depth=1)
             if slot is None:
@@ -713,7 +729,7 @@ class OffloadSession:
     def _rebuild(self, step: _Step, recipe: _Recipe, tensor, read: _Read, before: int,
                  own: bool = False, depth: int = 0):
         """Where ``recipe`` gets ``tensor`` (None once freed) at the version of ``read``: a saved
-        group of it at that version that is not itself recomputed (a source), else the cheap
+        group of it at that version (a source), else the recomputable
         call before ``calls[before]`` that made it so, appended after what rebuilds its own
         reads (that call's index in the recipe); None where neither exists. ``own``: the tensor
         being saved, or an in-place call's input (the tensor it changed): not a source, since
@@ -726,7 +742,7 @@ class OffloadSession:
                 group = step.by_ref.get(id(read.ref))
                 if group is not None and (group.ref is not read.ref or group.live_packs == 0):
                     group = None   # let go (a graph dropped during the forward)
-            if group is not None and group.mode != RECOMPUTE:
+            if group is not None:
                 # a group of it at another version holds another value (a change by no call,
                 # ``identity.mul_(2)``, or after the read)
                 return group if group.version == read.version else None
@@ -741,7 +757,7 @@ class OffloadSession:
         if index is None:
             return None
         call = calls[index]
-        if not call.cheap or not call.reads or call.output_version != read.version or \
+        if not call.recomputable or not call.reads or call.output_version != read.version or \
                 call in recipe.calls or len(recipe.calls) + depth >= _MAX_CHAIN:
             return None
         slots = []
@@ -844,7 +860,7 @@ class OffloadSession:
         if wanted == OFFLOAD and not group.offloadable:
             return KEEP
         if wanted == RECOMPUTE and (group.recipe is None or any(
-                source.mode != KEEP for source in group.recipe.sources)):
+                source.mode == OFFLOAD for source in group.recipe.sources)):
             return KEEP
         return wanted
 
@@ -946,6 +962,15 @@ class OffloadSession:
         if group.mode == OFFLOAD:
             group.tensor, group.fetch = link.wait(group.fetch), None
         elif group.mode == RECOMPUTE:
+            original = group.ref()   # as autograd refuses a saved tensor changed in place
+            if original is not None and original._version != group.version:
+                raise RuntimeError(f"mucudnn.torch: saved tensor {group.gid} changed after it "
+                                   "was saved; cannot recompute it")
+            # its recomputed sources first (each rebuilt once, then held until its own last
+            # unpack and while this group may read it: ``readers``)
+            for source in group.recipe.sources:
+                if source.mode == RECOMPUTE:
+                    self._materialize(source, link)
             group.tensor = self._replay(group, link)
         return group.tensor
 
@@ -953,7 +978,9 @@ class OffloadSession:
         recipe = group.recipe
         sources = recipe.sources
         for source in sources:
-            if source.tensor is None or source.tensor._version != source.version:
+            # a recomputed source is a new tensor holding the value at the version saved
+            if source.tensor is None or (source.mode == KEEP
+                                         and source.tensor._version != source.version):
                 raise RuntimeError(f"mucudnn.torch: source {source.gid} of saved tensor "
                                    f"{group.gid} changed after it was saved; cannot recompute it")
         kept = [source.tensor for source in sources]

@@ -41,13 +41,16 @@ def test_everything_kept_when_it_fits():
     assert plan.modes == (KEEP,) * 5 and plan.moved_bytes == 0
 
 
-@pytest.mark.parametrize("sources,seed", [(1, seed) for seed in range(6)]
-                         + [(2, 50 + seed) for seed in range(4)])
-def test_optimal_on_small_profiles(sources, seed):
-    # recipes of one source, then of two (both to be kept): the ILP against enumeration
+@pytest.mark.parametrize("sources,every,seed", [(1, 2, seed) for seed in range(6)]
+                         + [(2, 2, 50 + seed) for seed in range(4)]
+                         + [(1, 1, 70 + seed) for seed in range(4)]
+                         + [(2, 1, 90 + seed) for seed in range(3)])
+def test_optimal_on_small_profiles(sources, every, seed):
+    # recipes of one source, then of two; with ``every`` 1 each group but the first has a recipe,
+    # so recomputed groups read recomputed ones (chains): the ILP against enumeration
     rng = random.Random(seed)
     sizes = [rng.randint(1, 16) * MiB for _ in range(rng.randint(3 + (sources > 1), 6))]
-    profile = chain_profile(sizes, recompute_every=2, seed=seed if sources == 1 else seed - 50,
+    profile = chain_profile(sizes, recompute_every=every, seed=seed,
                             baseline=rng.randint(0, 8) * MiB, sources=sources)
     if sources > 1:
         assert any(len(g.recompute_source or ()) == 2 for g in profile.groups)
@@ -87,7 +90,7 @@ def test_recompute_preferred_when_the_link_is_slow():
     assert plan.modes == (KEEP, RECOMPUTE, KEEP, KEEP) and plan.peak == 24 * MiB
 
 
-def test_recompute_needs_its_source_kept():
+def test_recompute_needs_its_source_kept_or_recomputed():
     groups = [SavedGroup(8 * MiB, 1, 1), SavedGroup(8 * MiB, 0, 0, recompute_ms=0.01,
                                                     recompute_source=0)]
     profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=2)
@@ -126,6 +129,52 @@ def test_a_recipe_holds_each_source_until_its_last_unpack():
     _, backward = memory_at_points(profile, [KEEP, KEEP, RECOMPUTE], 0)
     assert backward == [4 * MiB + 2 * MiB + 2 * MiB, 4 * MiB + 2 * MiB + 1 * MiB,
                         4 * MiB + 2 * MiB + 1 * MiB, 4 * MiB + 2 * MiB + 1 * MiB]
+
+
+def test_a_chain_is_rebuilt_at_its_first_readers_unpack_as_a_checkpoint_reruns_a_segment():
+    # groups 1..3 each rebuilt from the one before (a block: conv, batch norm, ReLU), group 0
+    # its kept input; unpacked in reverse, so rebuilding group 3 at point 0 rebuilds 2 and 1
+    groups = [SavedGroup(8 * MiB, 3, 3)] + [
+        SavedGroup(4 * MiB, 3 - g, 3 - g, recompute_ms=1.0, recompute_source=g - 1)
+        for g in range(1, 4)]
+    profile = StepProfile(groups, 4.0, 8.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=4)
+    chain = [KEEP, RECOMPUTE, RECOMPUTE, RECOMPUTE]
+    assert valid(profile, chain) and not valid(profile, [OFFLOAD, RECOMPUTE, KEEP, KEEP])
+    assert planner.rebuild_points(profile, chain) == [None, 0, 0, 0]
+    assert planner.rebuild_points(profile, [KEEP, RECOMPUTE, KEEP, RECOMPUTE]) == [None, 2, None, 0]
+    _, backward = memory_at_points(profile, chain, 0)
+    # point 0: the input, the three rebuilt groups and group 3's transient; then each goes
+    assert backward == [8 * MiB + 16 * MiB, 8 * MiB + 8 * MiB, 8 * MiB + 4 * MiB, 8 * MiB]
+    # every recipe once: the chain costs what its three recipes cost, not 1 + 2 + 3 of them
+    assert step_time(profile, chain) == pytest.approx(4.0 + 8.0 + 3.0)
+
+    # two such blocks: only a rebuilt chain lowers the backward's first point enough
+    blocks = [SavedGroup(8 * MiB, 7, 7)] + [
+        SavedGroup(4 * MiB, 7 - g, 7 - g, recompute_ms=1.0, recompute_source=g - 1)
+        for g in range(1, 4)] + [SavedGroup(8 * MiB, 3, 3)] + [
+        SavedGroup(4 * MiB, 7 - g, 7 - g, recompute_ms=1.0, recompute_source=g - 1)
+        for g in range(5, 8)]
+    profile = StepProfile(blocks, 4.0, 8.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=8)
+    assert peak_memory(profile, [KEEP] * 8, 2) == 40 * MiB
+    plan = plan_offload(profile, budget=24 * MiB)
+    assert plan == brute_force(profile, 24 * MiB) and plan.peak <= 24 * MiB
+    assert planner.rebuild_points(profile, plan.modes)[1:4] == [4, 4, 4]   # group 3's unpack
+    assert brute_force(profile, 22 * MiB) is None
+
+
+def test_a_chain_longer_than_the_planners_limit_is_not_planned():
+    n = planner.MAX_CHAIN + 3
+    groups = [SavedGroup(MiB, n - 1, n - 1)] + [
+        SavedGroup(MiB, n - 1 - g, n - 1 - g, recompute_ms=0.01, recompute_source=g - 1)
+        for g in range(1, n)]
+    profile = StepProfile(groups, 1.0, 1.0, d2h_gbps=1e-6, h2d_gbps=1e-6, unpacks=n)
+    assert max(len(c) for c in planner.rebuild_candidates(profile)) == planner.MAX_CHAIN + 1
+    plan = plan_offload(profile, budget=peak_memory(profile, [KEEP] * n, 2) - 1)
+    rebuilt = planner.rebuild_points(profile, plan.modes)
+    assert any(mode == KEEP for mode in plan.modes[1:]) and valid(profile, plan.modes)
+    # no group rebuilt more than MAX_CHAIN recipes before its own first unpack
+    assert all(point is None or groups[g].first_unpack - point <= planner.MAX_CHAIN
+               for g, point in enumerate(rebuilt))
 
 
 def test_a_recompute_source_outside_the_step_is_refused():
@@ -258,3 +307,23 @@ def test_a_budget_a_byte_below_the_least_peak_is_infeasible_not_a_solver_failure
     quoted = re.escape(f"reaches a peak of {describe_size(least)}")
     with pytest.raises(InfeasibleError, match=quoted):
         plan_offload(profile, least - 1, lookahead=0)
+
+
+def test_a_chained_program_with_no_plan_in_time_falls_back_to_rebuilds_at_first_unpacks(
+        monkeypatch):
+    # CBC can reach its time limit on the program with chains without any plan: the program
+    # without them (every group rebuilt at its first unpack) then gives the plan
+    profile = chain_profile([8 * MiB] * 6, recompute_every=1, seed=3)
+    assert any(len(points) > 1 for points in planner.rebuild_candidates(profile))
+    solve, calls = planner._solve, []
+
+    def first_finds_nothing(problem, time_limit_s):
+        calls.append(problem)
+        return "Not Solved / No Solution Found" if len(calls) == 1 else solve(problem, time_limit_s)
+
+    monkeypatch.setattr(planner, "_solve", first_finds_nothing)
+    budget = int(peak_memory(profile, [KEEP] * 6, 2) * 0.7)
+    plan = plan_offload(profile, budget)
+    assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
+    assert all(point is None or point == profile.groups[g].first_unpack
+               for g, point in enumerate(planner.rebuild_points(profile, plan.modes)))

@@ -185,11 +185,45 @@ def test_an_in_place_relu_feeding_a_convolution_is_recomputed_exactly(dtype):
                           nn.Linear(8, 10)).to(dtype)
     data = batches(dtype, 3)
     reference = train(copy.deepcopy(model), data)
-    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0,
+                             recompute_convolutions=False)
     assert_bitwise(reference, train(model, data, session))
     relus = [g for g in session._step.groups if g.mode == RECOMPUTE]
     assert len(relus) == 2
     assert all([c.name for c in g.recipe.calls] == ["BatchNorm2d", "ReLU"] for g in relus)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_recomputed_convolutions_rebuild_a_chain_from_the_input_each_once(dtype):
+    # conv-bn-relu twice: with convolutions recomputable, everything but the input is rebuilt
+    # from it at the backward's first unpack of the chain, each recipe run once per step
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 10)).to(dtype)
+    data = batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    groups = session._step.groups
+    activations = [g for g in groups if g.nbytes >= groups[0].nbytes]   # not batch statistics
+    # the input (no recipe) kept; two convolution outputs and two ReLU outputs recomputed
+    assert [(g.gid, g.mode) for g in activations if g.mode == KEEP] == [(0, KEEP)]
+    chain = [g for g in activations if g.mode == RECOMPUTE]
+    assert [c.name for g in chain for c in g.recipe.calls] == [
+        "Conv2d", "BatchNorm2d", "ReLU", "Conv2d", "BatchNorm2d", "ReLU"]
+    # each reads the one before it (one level: a saved group is a source, recomputed or not)
+    assert [[s.gid for s in g.recipe.sources] for g in chain] == [
+        [0]] + [[g.gid] for g in chain[:-1]]
+    last_step = trace[max(i for i, e in enumerate(trace) if e[0] == "pack" and e[1] == 0):]
+    events = [e[:2] for e in last_step if e[0] in ("recompute", "unpack")]
+    # rebuilt, each once, sources first, right before the last one's first unpack
+    start = events.index(("recompute", chain[0].gid))
+    assert events[start:start + 5] == [("recompute", g.gid) for g in chain] + [
+        ("unpack", chain[-1].gid)]
+    assert sum(e[0] == "recompute" for e in events) == len(chain)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -322,10 +356,10 @@ class HeldBytes(list):
                    if g.tensor is not None or g.fetch is not None)
         backward = event[0] == "unpack"
         index = event[2] if backward else event[1]
-        modelled = sum(nbytes for gid, mode in enumerate(session.plan.modes)
-                       for nbytes, forward_points, backward_points in planner.contributions(
-                           session.profile, gid, mode, session.prefetch_distance,
+        modelled = sum(nbytes for added in planner.plan_contributions(
+                           session.profile, session.plan.modes, session.prefetch_distance,
                            session.prefetch_margin)
+                       for nbytes, forward_points, backward_points in added
                        if index in (backward_points if backward else forward_points))
         assert held <= modelled, f"{event}: session holds {held} B, plan models {modelled}"
         self.checked += 1
@@ -447,9 +481,11 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
 
     wrapped = nn.Sequential(model, Fail())
     trace = []
+    # (convolutions not recomputed: on the CPU they cost next to nothing, and the plan must
+    # offload for the fall-back to differ from it)
     session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
                              headroom=0.0, say=said.append, trace=trace, replans=0,
-                             record_steps=1)
+                             record_steps=1, recompute_convolutions=False)
     failures = train_through_failures(model, data, session, wrapped,
                                       lambda: steps.append(None))
     if where == "caught":
@@ -887,21 +923,23 @@ def test_a_residual_blocks_output_is_recomputed_through_its_add(kind, dtype):
     data = batches(dtype, steps)
     reference = train(copy.deepcopy(model), data)
     trace = []
-    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace,
+                             recompute_convolutions=False)
     assert_bitwise(reference, train(model, data, session))
-    # A block's output is rebuilt from its last convolution's output (its batch norm's input)
-    # and its shortcut: the block's input, or the downsampling convolution's output through its
-    # batch norm. A block whose input is itself recomputed keeps its output (its recipe would
-    # be longer than _MAX_CHAIN), so at least every other block is recomputed.
+    # A block's output is rebuilt from its last convolution's output (its batch norm's input,
+    # kept: convolutions are not recomputed here) and its shortcut: the block's input (the
+    # previous block's output, itself recomputed, or the stem's kept output), or the
+    # downsampling convolution's output through its batch norm.
     blocks = sum(layers)
     added = through_adds(session._step.groups)
-    assert len(added) >= blocks // 2 and all(g.mode == RECOMPUTE for g in added)
+    assert len(added) == blocks and all(g.mode == RECOMPUTE for g in added)
     for group in added:
         names = [c.name for c in group.recipe.calls]
         assert names in (["BatchNorm2d", "add_", "ReLU"],
                          ["BatchNorm2d", "BatchNorm2d", "add_", "ReLU"])
         assert len(group.recipe.sources) == 2
-        assert all(source.mode == KEEP for source in group.recipe.sources)
+        assert group.recipe.sources[0].mode == KEEP        # the convolution's output
+        assert group.recipe.sources[1].mode in (KEEP, RECOMPUTE)
     for step in split_steps(trace):
         recomputed = {e[1] for e in step if e[0] == "recompute" and len(e[2]) == 2}
         assert recomputed == {g.gid for g in added}
@@ -981,7 +1019,10 @@ def test_offloaded_and_recomputed_through_adds_in_one_step():
     reference = train(copy.deepcopy(model), data)
     probe = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
     train(copy.deepcopy(model), data[:1], probe)
-    added = through_adds(probe._step.groups)
+    added = []     # blocks' outputs, none another one's source
+    for group in through_adds(probe._step.groups):
+        if not any(source in added for source in group.recipe.sources):
+            added.append(group)
     modes = [OFFLOAD] * len(probe._step.groups)
     for group in added:
         modes[group.gid] = RECOMPUTE
@@ -1001,7 +1042,7 @@ def test_offloaded_and_recomputed_through_adds_in_one_step():
 
 def test_a_plan_recomputes_blocks_outputs_through_their_adds():
     # over a slow link the planner recomputes what it can: the blocks' outputs among them, with
-    # both their sources kept; the session holds no more than the plan models
+    # both their sources kept or recomputed; the session holds no more than the plan models
     dtype = torch.float64
     model, data = resnet(BasicBlock, [3, 2], [8, 16], dtype), batches(dtype, 4)
     reference = train(copy.deepcopy(model), data)
@@ -1014,8 +1055,9 @@ def test_a_plan_recomputes_blocks_outputs_through_their_adds():
     groups = session.profile.groups
     chosen = [gid for gid, mode in enumerate(session.plan.modes)
               if mode == RECOMPUTE and len(groups[gid].recompute_source) == 2]
-    assert chosen and all(session.plan.modes[s] == KEEP
+    assert chosen and all(session.plan.modes[s] in (KEEP, RECOMPUTE)
                           for gid in chosen for s in groups[gid].recompute_source)
+    assert planner.valid(session.profile, session.plan.modes)
     assert [g.mode for g in session._step.groups] == list(session.plan.modes)
     assert trace.checked > 0
 
