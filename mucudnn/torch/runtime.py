@@ -507,7 +507,8 @@ class OffloadSession:
     instead (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
     ``recompute``: recipes at all; ``recompute_convolutions``: recipes may rerun convolutions
-    (:data:`CONVOLUTIONS`; see the module docstring).
+    (:data:`CONVOLUTIONS`; see the module docstring). ``copy_exposure``: the planner's
+    :data:`~mucudnn.torch.planner.COPY_EXPOSURE`.
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
     no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
     ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
@@ -523,7 +524,8 @@ class OffloadSession:
                  min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
                  say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
                  record_steps: int = 2, plan_time_limit_s: float = 20,
-                 recompute_convolutions: bool = True):
+                 recompute_convolutions: bool = True,
+                 copy_exposure: float = planner.COPY_EXPOSURE):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
@@ -533,6 +535,7 @@ class OffloadSession:
         self._lowered_target: int | None = None
         self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
         self.recompute_convolutions = recompute_convolutions
+        self.copy_exposure = copy_exposure
         self._link, self._links = link, {}
         self.trace = trace
         self.strict = strict
@@ -1229,7 +1232,7 @@ class OffloadSession:
         backward_ms = max(backward_ms - planner.transfer_ms(moved, h2d), forward_ms)
         clock = self._backward_clock(step, link, unpack_marks, unpacks)
         profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks,
-                                      backward_clock=clock)
+                                      backward_clock=clock, copy_exposure=self.copy_exposure)
         recorded = offload_everything(groups)
         live_f, live_b = [0] * len(groups), [0] * unpacks
         for gid, mode in enumerate(recorded):

@@ -82,7 +82,8 @@ def test_a_planned_step_on_the_gpu_gives_the_same_gradients(dtype):
     # adds included), the rest offloaded (prefetched on the fetch stream) unless a recipe reads it
     model, data = resnet(dtype), batches(dtype, 5)
     reference = train(copy.deepcopy(model), data)
-    recorder = OffloadSession(budget=2**50, min_bytes=0)
+    # (convolutions not recomputed: otherwise nearly every group is some recipe's source)
+    recorder = OffloadSession(budget=2**50, min_bytes=0, recompute_convolutions=False)
     train(copy.deepcopy(model), data[:3], recorder)
     profile = recorder.profile
     sources = {s for g in profile.groups if g.recompute_ms is not None
@@ -92,8 +93,50 @@ def test_a_planned_step_on_the_gpu_gives_the_same_gradients(dtype):
              for i, g in enumerate(profile.groups)]
     assert planner.valid(profile, modes) and OFFLOAD in modes and RECOMPUTE in modes
     trace = []
-    session = OffloadSession(modes=modes, trace=trace, min_bytes=0)
+    session = OffloadSession(modes=modes, trace=trace, min_bytes=0, recompute_convolutions=False)
     assert_bitwise(reference, train(model, data, session))
     planned = trace[max(i for i, e in enumerate(trace) if e[0] == "pack" and e[1] == 0):]
     assert any(e[0] == "prefetch" for e in planned)
     assert any(e[0] == "recompute" for e in planned)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_convolutions_recomputed_in_chains_on_the_gpu_give_the_same_gradients(dtype):
+    # everything with a recipe recomputed, convolutions included: each block rebuilt from the
+    # stem's kept input at the backward's first unpack of the chain, on cuDNN's kernels
+    model, data = resnet(dtype), batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=RECOMPUTE, trace=trace, min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    groups = session._step.groups
+    convolutions = [g for g in groups if g.mode == RECOMPUTE
+                    and any(c.name == "Conv2d" for c in g.recipe.calls)]
+    assert len(convolutions) >= 3 * 5       # three per bottleneck block
+    planned = trace[max(i for i, e in enumerate(trace) if e[0] == "pack" and e[1] == 0):]
+    rebuilt = [e[1] for e in planned if e[0] == "recompute"]
+    assert len(rebuilt) == len(set(rebuilt)) == sum(g.mode == RECOMPUTE for g in groups)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_plan_under_a_budget_on_the_gpu_gives_the_same_gradients(dtype):
+    # the planner's own choice (offload, recompute, chains) for a target 40 % of the way from the
+    # recorded step's floor to its peak (both of the session's own profile: what else the process
+    # holds, the reference's gradients here, is in its baselines)
+    model, data = resnet(dtype), batches(dtype, 5)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = OffloadSession(budget=2**50, min_bytes=0, say=said.append)
+    plan_for, targets = session._plan_for, []
+
+    def between(target):
+        profile = session.profile
+        full = planner.peak_memory(profile, [KEEP] * len(profile.groups), 2)
+        least = planner.least_peak(profile)
+        targets.append(int(least + (full - least) * 0.4))
+        return plan_for(targets[-1])
+
+    session._plan_for = between
+    assert_bitwise(reference, train(model, data, session))
+    assert session.plan is not None and not session.fell_back, said
+    assert session.plan.peak <= targets[0] and session.plan.count(KEEP) < len(session.plan.modes)

@@ -327,3 +327,20 @@ def test_a_chained_program_with_no_plan_in_time_falls_back_to_rebuilds_at_first_
     assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
     assert all(point is None or point == profile.groups[g].first_unpack
                for g, point in enumerate(planner.rebuild_points(profile, plan.modes)))
+
+
+def test_copy_exposure_charges_copies_beyond_the_bound_and_shifts_plans_to_recompute():
+    import dataclasses
+    rng = random.Random(7)
+    sizes = [rng.randint(1, 16) * MiB for _ in range(6)]
+    free = chain_profile(sizes, recompute_every=2, seed=7, baseline=2 * MiB)
+    exposed = dataclasses.replace(free, copy_exposure=0.6)
+    modes = [OFFLOAD, RECOMPUTE, OFFLOAD, KEEP, KEEP, KEEP]
+    both_ways = (planner.transfer_ms(sizes[0] + sizes[2], free.d2h_gbps)
+                 + planner.transfer_ms(sizes[0] + sizes[2], free.h2d_gbps))
+    assert step_time(exposed, modes) == pytest.approx(step_time(free, modes) + 0.6 * both_ways)
+    full, least = peak_memory(free, [KEEP] * 6, 2), least_peak(free)
+    budget = (full + least) // 2
+    cheap, dear = plan_offload(free, budget), plan_offload(exposed, budget)
+    assert dear.step_ms == pytest.approx(brute_force(exposed, budget).step_ms)
+    assert dear.moved_bytes <= cheap.moved_bytes
