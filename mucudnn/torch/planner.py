@@ -482,9 +482,9 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
         problem += pulp.lpSum(x.values()) == 1
         picks.append(x)
     # Where each recomputed group is rebuilt: one binary per candidate point, their sum its
-    # recompute binary. A recomputed source is rebuilt no later than its reader (the runtime
-    # rebuilds it then at the latest); the model may rebuild it earlier than the runtime does,
-    # which only overstates the memory.
+    # recompute binary. A recomputed source is rebuilt no later than its recomputed readers, and
+    # before its first unpack only where one of them is rebuilt at that very point: so exactly
+    # where the runtime rebuilds it (:func:`rebuild_points`), its transient included.
     candidates = rebuild_candidates(profile) if chains else [
         [group.first_unpack] if RECOMPUTE in allowed_modes(group) else []
         for group in profile.groups]
@@ -506,6 +506,12 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
             for point, r in rebuilds[index].items():
                 problem += r <= picks[source][KEEP] + pulp.lpSum(
                     v for p, v in rebuilds[source].items() if p <= point)
+    reading = readers(profile)
+    for index, group in enumerate(profile.groups):
+        for point, r in rebuilds[index].items():
+            if point != group.first_unpack:
+                problem += r <= pulp.lpSum(rebuilds[reader][point] for reader in reading[index]
+                                           if point in rebuilds[reader])
     forward = [pulp.LpAffineExpression() + base for base in profile.baseline_forward]
     backward = [pulp.LpAffineExpression() + base for base in profile.baseline_backward]
     # the transient of the rebuilds at each point: the largest group rebuilt there

@@ -344,3 +344,21 @@ def test_copy_exposure_charges_copies_beyond_the_bound_and_shifts_plans_to_recom
     cheap, dear = plan_offload(free, budget), plan_offload(exposed, budget)
     assert dear.step_ms == pytest.approx(brute_force(exposed, budget).step_ms)
     assert dear.moved_bytes <= cheap.moved_bytes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_programs_rebuild_points_are_the_runtimes(seed):
+    # the program rebuilds each recomputed group where the runtime does, given the plan's modes
+    # (rebuild_points): a source rebuilt earlier in the program than in the runtime missed the
+    # runtime's transient there, and a plan went over its budget (VGG-16 at 16 GiB)
+    rng = random.Random(200 + seed)
+    sizes = [rng.randint(1, 16) * MiB for _ in range(8)]
+    profile = chain_profile(sizes, recompute_every=1, seed=seed, baseline=MiB, sources=2)
+    budget = (peak_memory(profile, [KEEP] * 8, 2) + least_peak(profile)) // 2
+    problem, picks, _ = planner._program(profile, 2, budget)
+    assert planner._solve(problem, 60) == "Optimal"
+    modes = planner._picked(picks)
+    rebuilt = planner.rebuild_points(profile, modes)
+    chosen = {int(v.name.split("_")[1]): int(v.name.split("_")[2]) for v in problem.variables()
+              if v.name.startswith("r_") and (v.varValue or 0) > 0.5}
+    assert chosen == {g: point for g, point in enumerate(rebuilt) if point is not None}
