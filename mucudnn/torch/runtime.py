@@ -53,6 +53,9 @@ CHEAP = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hards
          nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
          nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool2d, nn.Identity)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: Instance norms: cheap too, where they keep no running statistics (their default; a replay
+#: would update those a second time)
+_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: Modules that may also be recomputed, at their measured cost (the planner weighs it against
 #: moving their output; per-block checkpointing shows recomputing them can beat the host link).
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -639,6 +642,8 @@ class OffloadSession:
 
     def _recomputable(self, module) -> bool:
         kinds = CHEAP + CONVOLUTIONS if self.recompute_convolutions else CHEAP
+        if type(module) in _INSTANCE_NORMS:
+            return getattr(module, "running_mean", None) is None
         return type(module) in kinds
 
     def _after_module(self, module, args, output):
@@ -749,14 +754,14 @@ class OffloadSession:
                 # a group of it at another version holds another value (a change by no call,
                 # ``identity.mul_(2)``, or after the read)
                 return group if group.version == read.version else None
-            if tensor is None:
-                return None
         calls = step.calls
         # the last call before ``before`` that output ``tensor``: it must have left it at the
         # version read (an op or module that changed it since, recorded or not, made another
-        # value)
-        index = next((i for i in range(before - 1, -1, -1)
-                      if calls[i].output is not None and calls[i].output() is tensor), None)
+        # value). A freed tensor is that call's output by its weak reference (one per object:
+        # an instance norm saves a reshaped view of its input, whose own object is gone).
+        index = next((i for i in range(before - 1, -1, -1) if calls[i].output is not None and (
+            calls[i].output() is tensor if tensor is not None else calls[i].output is read.ref)),
+            None)
         if index is None:
             return None
         call = calls[index]
