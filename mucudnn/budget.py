@@ -122,11 +122,13 @@ ALLOCATOR_CONF = "expandable_segments:True"
 
 
 @contextlib.contextmanager
-def launch_env(env: dict, budget: int, command: tuple[str, ...], warn, offload: bool = False):
+def launch_env(env: dict, budget: int, command: tuple[str, ...], warn,
+               offload: bool | str = False):
     """``env`` for running ``command`` under ``budget``; after the command, ``warn(text)`` once if
     no Python process of it imported torch (so only the shim had the budget). ``offload``: its
-    Python processes also run mucudnn.torch's activation offload (``MUCUDNN_OFFLOAD=1``, and this
-    mucudnn on PYTHONPATH after the site directory, for interpreters that lack it)."""
+    Python processes also run mucudnn.torch's activation offload (``MUCUDNN_OFFLOAD=1``, or
+    ``"cheap"``: convolutions never recomputed; and this mucudnn on PYTHONPATH after the site
+    directory, for interpreters that lack it)."""
     handle, report = tempfile.mkstemp(prefix="mucudnn-budget-", suffix=".log")
     os.close(handle)
     try:
@@ -135,7 +137,7 @@ def launch_env(env: dict, budget: int, command: tuple[str, ...], warn, offload: 
         env[ENV_REPORT] = report
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF)
         if offload:
-            env[ENV_OFFLOAD] = "1"
+            env[ENV_OFFLOAD] = "cheap" if offload == "cheap" else "1"
             env["PYTHONPATH"] = _prepend_path(env.get("PYTHONPATH"), str(SITE_DIR.parent.parent))
         env["PYTHONPATH"] = _prepend_path(env.get("PYTHONPATH"), str(SITE_DIR))
         yield env

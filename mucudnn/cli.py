@@ -404,7 +404,7 @@ def _check_memory_budget(budget: int | None) -> None:
 
 
 def _exec_within(budget: int | None, command: tuple[str, ...], env: dict,
-                 offload: bool = False) -> int:
+                 offload: bool | str = False) -> int:
     """:func:`_exec`, under the memory budget when there is one (and activation offload)."""
     if budget is None:
         return _exec(command, env)
@@ -481,9 +481,12 @@ def _plan_files(given: tuple[str, ...]) -> list[Path]:
               help="with --memory-budget: keep, offload to host memory or recompute the tensors "
                    "PyTorch saves for backward, as a plan for the budget says (mucudnn.torch; "
                    "docs/torch.md)")
+@click.option("--no-recompute-convolutions", is_flag=True,
+              help="with --offload: recompute only cheap modules and adds, never a convolution "
+                   "(a rerun convolution whose kernel differs can change the last bits)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, memory_budget,
-        offload, command):
+        offload, no_recompute_convolutions, command):
     """Run COMMAND (after --) with the shim executing PLAN's micro-batches.
 
     With no --plan the shim tunes online (MUCUDNN_ONLINE=1): each convolution is measured on its
@@ -496,6 +499,10 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
     _require_command(command)
     if offload and memory_budget is None:
         raise click.UsageError("--offload needs --memory-budget (the budget it plans for)")
+    if no_recompute_convolutions and not offload:
+        raise click.UsageError("--no-recompute-convolutions needs --offload")
+    if offload and no_recompute_convolutions:
+        offload = "cheap"
     plans = _plan_files(plan_paths) if plan_paths else None
     _check_memory_budget(memory_budget)
     env = _shim_env(plan=plans, limit=workspace_limit, log_level=log_level, summary=summary)

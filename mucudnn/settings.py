@@ -50,7 +50,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_ONLINE_BUDGET_MS", "milliseconds a process may spend measuring", "20000",
             (SHIM,)),
     Setting("MUCUDNN_OFFLOAD", "1: keep, offload or recompute saved tensors within the memory "
-            "budget (mucudnn.torch)", "0", (PYTHON,)),
+            "budget (mucudnn.torch); cheap: recompute no convolution", "0", (PYTHON,)),
     Setting("MUCUDNN_BUDGET_REPORT", "file the budget launcher's processes report to", "(none)",
             (PYTHON,)),
     Setting("MUCUDNN_STORE", "benchmark store", "$XDG_CACHE_HOME/mucudnn/benchmarks.sqlite",

@@ -212,8 +212,9 @@ def install_from_environment() -> None:
         except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`
             say("warning", f"memory budget not queued: {exc}; PyTorch's memory is not limited")
             report("failed", str(exc).replace("\n", " "))
-        if os.environ.get(ENV_OFFLOAD, "").strip() in ("1", "true", "yes", "on"):
-            start_offload(budget)
+        recompute = offload_recompute(os.environ.get(ENV_OFFLOAD))
+        if recompute is not None:
+            start_offload(budget, recompute_convolutions=recompute == "all")
         if os.environ.get(ENV_REPORT):
             import atexit
             atexit.register(report_peak, torch)
@@ -233,14 +234,33 @@ def report_peak(torch) -> None:
         pass
 
 
-def start_offload(budget: int) -> None:
+#: MUCUDNN_OFFLOAD's values that start offload: what may be recomputed
+OFFLOAD_VALUES = {"1": "all", "true": "all", "yes": "all", "on": "all", "cheap": "cheap"}
+
+
+def offload_recompute(value: str | None) -> str | None:
+    """What ``MUCUDNN_OFFLOAD`` asks: None (no offload: unset, empty, 0), ``"all"`` (convolutions
+    may be recomputed too) or ``"cheap"`` (only cheap modules and adds). Another value: one
+    warning line naming it, and no offload."""
+    text = (value or "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return None
+    if text not in OFFLOAD_VALUES:
+        say("warning", f"{ENV_OFFLOAD}={value!r} is not one of 0, 1 or cheap; activation "
+                       "offload not started")
+        return None
+    return OFFLOAD_VALUES[text]
+
+
+def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     """Enters one :class:`mucudnn.torch.runtime.OffloadSession` for the whole process (never
     left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
     Needs mucudnn importable here (the launcher puts it on PYTHONPATH); without it, one warning
     line and the program runs without offload."""
     try:
         from mucudnn.torch.runtime import OffloadSession
-        session = OffloadSession(budget, say=lambda text: say("info", text), strict=False)
+        session = OffloadSession(budget, say=lambda text: say("info", text), strict=False,
+                                 recompute_convolutions=recompute_convolutions)
         session.__enter__()
     except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`
         say("warning", f"activation offload not started: {exc}")

@@ -47,3 +47,46 @@ def test_without_offload_no_session(tmp_path, monkeypatch):
 def test_offload_needs_a_budget(tmp_path):
     result, _ = run(tmp_path, "--offload")
     assert result.exit_code != 0 and "--offload needs --memory-budget" in result.output
+
+
+RECOMPUTING = textwrap.dedent("""
+    import gc, torch
+    from mucudnn.torch.runtime import OffloadSession
+    sessions = [o for o in gc.get_objects() if isinstance(o, OffloadSession)]
+    print("convolutions", [s.recompute_convolutions for s in sessions])
+""")
+
+
+@pytest.mark.parametrize("options,expected", [((), "[True]"),
+                                              (("--no-recompute-convolutions",), "[False]")])
+def test_offload_recomputes_convolutions_unless_told_not_to(tmp_path, monkeypatch, options,
+                                                            expected):
+    monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
+    script = tmp_path / "train.py"
+    script.write_text(RECOMPUTING)
+    out = tmp_path / "out.txt"
+    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", *options,
+                                       "--", "sh", "-c", f"{sys.executable} {script} > {out}"])
+    assert result.exit_code == 0, result.output
+    assert f"convolutions {expected}" in out.read_text()
+
+
+def test_no_recompute_convolutions_needs_offload(tmp_path):
+    result, _ = run(tmp_path, "--memory-budget", "1GiB", "--no-recompute-convolutions")
+    assert result.exit_code != 0 and "--no-recompute-convolutions needs --offload" in result.output
+
+
+def test_a_bad_offload_value_is_one_line_and_no_offload(tmp_path, monkeypatch):
+    # the launcher's environment without the CLI: a value it does not know
+    monkeypatch.setenv("MUCUDNN_OFFLOAD", "sometimes")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    from mucudnn.budget import SITE_DIR
+    env = {**__import__("os").environ, "MUCUDNN_MEMORY_BUDGET": str(2**30),
+           "PYTHONPATH": f"{SITE_DIR}:{SITE_DIR.parent.parent}"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "hooks 0" in done.stdout
+    said = [line for line in done.stderr.splitlines() if "MUCUDNN_OFFLOAD" in line]
+    assert len(said) == 1 and "'sometimes'" in said[0] and "Traceback" not in done.stderr
