@@ -17,8 +17,9 @@ A group is one tensor saved for backward, however many ops save it. Its bytes ar
   its prefetch point (:func:`prefetch_point`: ``lookahead`` unpacks before its first unpack, or
   earlier where the recorded backward clock says the copy needs longer) to its last unpack;
 - recomputed: at its forward point and the next one (the forward's own use), then from the point
-  it is rebuilt to its last unpack, twice its bytes at that point (the recipe's intermediate or the
-  copy of an in-place module's input). Its recipe reads its source groups (a residual add reads
+  it is rebuilt to its last unpack, plus there what its rebuild allocates (its recipe's outputs
+  that are not in place, as recorded: :attr:`SavedGroup.transient`; the largest of those rebuilt
+  at one point). Its recipe reads its source groups (a residual add reads
   two), each kept or itself recomputed, and each stays on the device through the recomputed
   group's last unpack. A group is rebuilt at its first unpack, or earlier when a recomputed
   reader is rebuilt first (:func:`rebuild_points`: rebuilding a reader rebuilds its recomputed
@@ -79,6 +80,12 @@ class SavedGroup:
     recompute_ms: float | None = None  # None: no recipe (not produced by a cheap chain)
     #: the groups the recipe reads, each to be kept (a tuple; an int, one group, is read as such)
     recompute_source: tuple[int, ...] | int | None = None
+    #: what a rebuild allocates besides what is live (its recipe's outputs; None: ``nbytes``)
+    rebuild_bytes: int | None = None
+
+    @property
+    def transient(self) -> int:
+        return self.nbytes if self.rebuild_bytes is None else self.rebuild_bytes
 
     def __post_init__(self):
         source = self.recompute_source
@@ -256,12 +263,13 @@ def plan_contributions(profile: StepProfile, modes: Sequence[str], lookahead: in
 
 def transients(profile: StepProfile, modes: Sequence[str]) -> dict[int, tuple[int, int]]:
     """Backward point -> (bytes, group): the most a rebuild there needs beside the groups it
-    rebuilds, the bytes of the largest group rebuilt there (a recipe's intermediate, or the copy
-    of an in-place module's input). Recipes run one after another, so only the largest counts."""
+    rebuilds: the largest :attr:`SavedGroup.transient` of those rebuilt there (a recipe's
+    outputs, or the copy of an in-place module's input). Recipes run one after another, so only
+    the largest counts."""
     found: dict[int, tuple[int, int]] = {}
     for index, point in enumerate(rebuild_points(profile, modes)):
         if point is not None:
-            found[point] = max(found.get(point, (0, -1)), (profile.groups[index].nbytes, index))
+            found[point] = max(found.get(point, (0, -1)), (profile.groups[index].transient, index))
     return found
 
 
@@ -518,7 +526,7 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
     largest: dict[int, list] = defaultdict(list)
     for index, at in enumerate(rebuilds):
         for point, r in at.items():
-            largest[point].append(profile.groups[index].nbytes * r)
+            largest[point].append(profile.groups[index].transient * r)
     for point, terms in largest.items():
         if len(terms) == 1:
             backward[point] += terms[0]

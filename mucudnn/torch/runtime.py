@@ -68,6 +68,15 @@ ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: 
          torch.Tensor.__add__: False, torch.add: False}
 #: the most calls (modules and ops) one recipe replays from its sources
 _MAX_CHAIN = 4
+#: device types whose autocast state a call records and its replay restores (a convolution
+#: recorded under bf16 autocast reads bf16 tensors and fp32 weights)
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """(device type, dtype) of each device type whose autocast is on now."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(device))
 
 
 def dense(tensor: torch.Tensor) -> bool:
@@ -375,12 +384,23 @@ class _Call:
     #: a recipe may run it again: a module of an exact type the session recomputes
     #: (:meth:`OffloadSession._recomputable`), or a recorded op (deterministic, elementwise)
     recomputable: bool = False
+    autocast: tuple = ()      # _autocast_state() when it ran: its replay runs under the same
+    output_bytes: int = 0     # its output's bytes (what its replay allocates)
 
     def run(self, values: list[torch.Tensor]) -> torch.Tensor:
-        """Its forward again on ``values`` (one per read), without side effects (:func:`replay`)."""
-        if self.op is not None:
-            return self.op(*values, **self.keywords)
-        return replay(self.module, values[0])
+        """Its forward again on ``values`` (one per read), without side effects (:func:`replay`),
+        under the autocast state it ran under."""
+        with contextlib.ExitStack() as stack:
+            recorded = dict(self.autocast)
+            for device in _AUTOCAST_DEVICES:
+                enabled = device in recorded
+                if enabled != torch.is_autocast_enabled(device) or (
+                        enabled and recorded[device] != torch.get_autocast_dtype(device)):
+                    stack.enter_context(torch.autocast(device, dtype=recorded.get(device),
+                                                       enabled=enabled))
+            if self.op is not None:
+                return self.op(*values, **self.keywords)
+            return replay(self.module, values[0])
 
 
 @dataclass(eq=False)
@@ -638,9 +658,13 @@ class OffloadSession:
             module, type(module).__name__, (self._read(source),) if source is not None else (),
             None, self._any_link().mark() if self._step.profiling else None,
             in_place=bool(getattr(module, "inplace", False)),
-            recomputable=self._recomputable(module)))
+            recomputable=self._recomputable(module), autocast=_autocast_state()))
 
     def _recomputable(self, module) -> bool:
+        """Of a recomputable type, and without hooks of its own: a replay would run them again
+        (``spectral_norm``'s power iteration changes the weight and its buffers)."""
+        if module._forward_pre_hooks or module._forward_hooks:
+            return False
         kinds = CHEAP + CONVOLUTIONS if self.recompute_convolutions else CHEAP
         if type(module) in _INSTANCE_NORMS:
             return getattr(module, "running_mean", None) is None
@@ -661,6 +685,7 @@ class OffloadSession:
         if isinstance(output, torch.Tensor):
             call.output = weakref.ref(output)
             call.output_version = output._version
+            call.output_bytes = output.numel() * output.element_size()
         if self._step.profiling:
             call.end = self._any_link().mark()
 
@@ -683,7 +708,8 @@ class OffloadSession:
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, (self._read(first), self._read(second)), None,
                      self._any_link().mark() if self._step.profiling else None,
-                     in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True)
+                     in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
+                     autocast=_autocast_state())
         self._step.calls.append(call)
         output = None
         try:
@@ -970,16 +996,14 @@ class OffloadSession:
         if group.mode == OFFLOAD:
             group.tensor, group.fetch = link.wait(group.fetch), None
         elif group.mode == RECOMPUTE:
-            original = group.ref()   # as autograd refuses a saved tensor changed in place
-            if original is not None and original._version != group.version:
-                raise RuntimeError(f"mucudnn.torch: saved tensor {group.gid} changed after it "
-                                   "was saved; cannot recompute it")
-            # its recomputed sources first (each rebuilt once, then held until its own last
-            # unpack and while this group may read it: ``readers``)
-            for source in group.recipe.sources:
-                if source.mode == RECOMPUTE:
-                    self._materialize(source, link)
-            group.tensor = self._replay(group, link)
+            # its recomputed sources not on the device first, each once (then held until its
+            # own last unpack and while a recomputed group may read it: ``readers``)
+            for rebuilt in _rebuild_order(group):
+                original = rebuilt.ref()   # as autograd refuses a saved tensor changed in place
+                if original is not None and original._version != rebuilt.version:
+                    raise RuntimeError(f"mucudnn.torch: saved tensor {rebuilt.gid} changed after "
+                                       "it was saved; cannot recompute it")
+                rebuilt.tensor = self._replay(rebuilt, link)
         return group.tensor
 
     def _replay(self, group: _Group, link) -> torch.Tensor:
@@ -1219,9 +1243,12 @@ class OffloadSession:
                                        - planner.transfer_ms(c.moved, d2h))
                                    for c in group.recipe.calls)
                 sources = tuple(source.gid for source in group.recipe.sources)
+            # what a rebuild allocates: every call's output but an in-place one's (its input)
+            rebuild_bytes = sum(c.output_bytes for c in group.recipe.calls if not c.in_place) \
+                if recompute_ms is not None else None
             groups.append(planner.SavedGroup(
                 group.nbytes, first, last, group.producer, group.offloadable, recompute_ms,
-                sources))
+                sources, rebuild_bytes or None))
         packs = [m for m in step.marks if m[0] == "pack"]
         unpack_marks = [m for m in step.marks if m[0] == "unpack"]
         # compute only: the host's waits for copies and for pinned memory are left out
@@ -1263,6 +1290,23 @@ class OffloadSession:
         profile.baseline_forward = [b + grown for b in forward]
         profile.baseline_backward = [b + grown for b in backward]
         return profile
+
+
+def _rebuild_order(group: _Group) -> list[_Group]:
+    """``group`` and its recomputed sources without a device tensor, transitively, each once,
+    every source before its readers (iterative: a chain may be longer than Python's stack)."""
+    order, seen, stack = [], {id(group)}, [(group, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if expanded:
+            order.append(current)
+            continue
+        stack.append((current, True))
+        for source in current.recipe.sources:
+            if source.mode == RECOMPUTE and source.tensor is None and id(source) not in seen:
+                seen.add(id(source))
+                stack.append((source, False))
+    return order
 
 
 def offload_everything(groups) -> list[str]:

@@ -1,8 +1,10 @@
 """mucudnn.torch's runtime on CPU torch: the CPU stands in for both device and host (CopyLink),
 a recording link checks the order of copies; gradients must be bitwise equal to a plain run."""
 
+import contextlib
 import copy
 import gc
+import sys
 import time
 import weakref
 
@@ -1175,3 +1177,81 @@ def test_the_prefetch_schedule_leads_a_long_copy_by_its_time():
     assert session._prefetch_schedule(session.plan.modes) == {6: [0], 4: [1]}
     session.plan = planner.OffloadPlan((OFFLOAD, OFFLOAD), 2, 0, 0.0, 3_001_000, 0.0)
     assert session._prefetch_schedule(session.plan.modes) == {6: [0], 7: [1]}
+
+
+def test_a_convolution_recorded_under_autocast_is_replayed_under_it():
+    # bf16 autocast on the CPU: the rerun convolution must cast as its forward did (outside
+    # autocast, a bf16 input meets float32 weights and the backward fails)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    data = batches(torch.float32, 2)
+
+    def steps(model, session=None):
+        optimizer, grads = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for x, y in data:
+            optimizer.zero_grad()
+            with session or contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+        return grads
+
+    reference = steps(copy.deepcopy(model))
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, steps(model, session))
+    assert any(g.mode == RECOMPUTE and g.recipe.calls[0].name == "Conv2d"
+               for g in session._step.groups)
+
+
+def test_a_module_with_hooks_of_its_own_is_never_recomputed():
+    # spectral_norm's pre-hook runs a power iteration per forward: a replay would change the
+    # weight it uses and its buffers
+    torch.manual_seed(0)
+    conv = nn.utils.spectral_norm(nn.Conv2d(3, 8, 3, padding=1))
+    model = nn.Sequential(conv, nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).double()
+    data = batches(torch.float64, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    names = [[c.module for c in g.recipe.calls] for g in session._step.groups
+             if g.mode == RECOMPUTE]
+    assert names and not any(model[0] in calls for calls in names)
+
+
+def test_a_chain_longer_than_pythons_stack_is_rebuilt():
+    # force recomputes a chain as long as the model: rebuilt without recursion
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(300) for m in (nn.Conv1d(2, 2, 1), nn.ReLU())])
+    x = torch.randn(2, 2, 8, dtype=torch.float64)
+    model = model.double()
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(250)
+    try:
+        for _ in range(2):
+            with session:
+                loss = model(x).sum()
+            loss.backward()
+    finally:
+        sys.setrecursionlimit(limit)
+    assert sum(g.mode == RECOMPUTE for g in session._step.groups) == 300   # each ReLU output
+
+
+def test_a_profile_counts_what_a_rebuild_allocates():
+    # a convolution feeding a global average pool: rebuilding the pool's output allocates the
+    # convolution's output first, 32 times larger
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.AdaptiveAvgPool2d(1),
+                          nn.Conv2d(32, 8, 1), nn.Flatten(), nn.Linear(8, 10)).double()
+    data = batches(torch.float64, 3)
+    session = OffloadSession(budget=2**50, link=RecordingLink(), min_bytes=0)
+    train(model, data, session)
+    pooled = [g for g in session.profile.groups if g.producer == "AdaptiveAvgPool2d"]
+    assert len(pooled) == 1 and pooled[0].recompute_source is not None
+    convolution_output = 4 * 32 * 16 * 16 * 8
+    assert pooled[0].rebuild_bytes == convolution_output + pooled[0].nbytes
+    assert pooled[0].transient == convolution_output + pooled[0].nbytes
