@@ -64,13 +64,20 @@ def assert_bitwise(expected, actual):
             assert torch.equal(u, v), f"step {step} tensor {i} differs"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_every_tensor_offloaded_on_the_gpu_gives_the_same_gradients(dtype):
+def forced(mode, dtype):
+    """(session, trace) of 3 steps with every group in ``mode`` where it can be, their gradients
+    bitwise those of plain PyTorch."""
     model, data = resnet(dtype), batches(dtype, 3)
     reference = train(copy.deepcopy(model), data)
     trace = []
-    session = OffloadSession(force=OFFLOAD, trace=trace, min_bytes=0)
+    session = OffloadSession(force=mode, trace=trace, min_bytes=0)
     assert_bitwise(reference, train(model, data, session))
+    return session, trace
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_tensor_offloaded_on_the_gpu_gives_the_same_gradients(dtype):
+    session, trace = forced(OFFLOAD, dtype)
     assert isinstance(session.link_for_group(next(iter(session._step.groups))), CudaLink)
     assert sum(1 for e in trace if e[0] == "offload") > 3 * 20
     assert any(e[0] == "prefetch" for e in trace)
@@ -104,11 +111,7 @@ def test_a_planned_step_on_the_gpu_gives_the_same_gradients(dtype):
 def test_convolutions_recomputed_in_chains_on_the_gpu_give_the_same_gradients(dtype):
     # everything with a recipe recomputed, convolutions included: each block rebuilt from the
     # stem's kept input at the backward's first unpack of the chain, on cuDNN's kernels
-    model, data = resnet(dtype), batches(dtype, 3)
-    reference = train(copy.deepcopy(model), data)
-    trace = []
-    session = OffloadSession(force=RECOMPUTE, trace=trace, min_bytes=0)
-    assert_bitwise(reference, train(model, data, session))
+    session, trace = forced(RECOMPUTE, dtype)
     groups = session._step.groups
     convolutions = [g for g in groups if g.mode == RECOMPUTE
                     and any(c.name == "Conv2d" for c in g.recipe.calls)]

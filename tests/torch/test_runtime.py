@@ -176,15 +176,20 @@ def test_recompute_gives_the_same_gradients(dtype):
     assert all(g.mode == RECOMPUTE for g in inplace)
 
 
+def conv_bn_relu_twice(dtype, seed):
+    """ResNet's conv-bn-relu(inplace) twice, then a convolution and a classifier."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 10)).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_an_in_place_relu_feeding_a_convolution_is_recomputed_exactly(dtype):
     # ResNet's conv-bn-relu(inplace)-conv: the next convolution's weight gradient reads the ReLU's
     # output, so a recipe that stopped at the batch norm would change gradients
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                          nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(8, 10)).to(dtype)
+    model = conv_bn_relu_twice(dtype, seed=0)
     data = batches(dtype, 3)
     reference = train(copy.deepcopy(model), data)
     session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0,
@@ -223,11 +228,7 @@ def test_an_instance_norm_without_running_statistics_is_recomputed(dtype, runnin
 def test_recomputed_convolutions_rebuild_a_chain_from_the_input_each_once(dtype):
     # conv-bn-relu twice: with convolutions recomputable, everything but the input is rebuilt
     # from it at the backward's first unpack of the chain, each recipe run once per step
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                          nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(8, 10)).to(dtype)
+    model = conv_bn_relu_twice(dtype, seed=1)
     data = batches(dtype, 3)
     reference = train(copy.deepcopy(model), data)
     trace = []
