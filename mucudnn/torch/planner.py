@@ -346,11 +346,11 @@ def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
 
 
 def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
-                 time_limit_s: float | None = 60, margin: float = PREFETCH_MARGIN
-                 ) -> OffloadPlan:
+                 time_limit_s: float | None = 60, margin: float = PREFETCH_MARGIN,
+                 explain: bool = True) -> OffloadPlan:
     """The fastest valid choice whose modelled peak is within ``budget`` bytes (an ILP; ties go
     to fewer bytes moved or recomputed). :class:`InfeasibleError` says the least peak any choice
-    reaches when none fits."""
+    reaches when none fits (``explain`` False: only that none fits, without solving for it)."""
     if budget <= 0:
         raise ValueError(f"budget must be more than 0 bytes, got {budget}")
     everything_kept = [KEEP] * len(profile.groups)
@@ -358,7 +358,7 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
         return _result(profile, everything_kept, lookahead, margin)
     limit = budget
     for _ in range(3):
-        plan = _solved(profile, lookahead, budget, limit, time_limit_s, margin)
+        plan = _solved(profile, lookahead, budget, limit, time_limit_s, margin, explain)
         if plan.peak <= budget:
             return plan
         # CBC's feasibility tolerance (1e-7 of the limit) let the peak over by a few bytes:
@@ -369,11 +369,15 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
 
 
 def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
-            time_limit_s: float | None, margin: float = PREFETCH_MARGIN) -> OffloadPlan:
+            time_limit_s: float | None, margin: float = PREFETCH_MARGIN,
+            explain: bool = True) -> OffloadPlan:
     status, modes = _chained_solve(profile, lookahead, limit, margin, time_limit_s)
     if status == "Infeasible":
         # also below ``budget`` (a limit lowered after CBC's tolerance let a plan over): no
         # plan within the budget
+        if not explain:
+            raise InfeasibleError(f"no plan within {describe_size(budget)} prefetching "
+                                  f"{lookahead} unpacks ahead")
         raise _infeasible(profile, budget, lookahead, margin)
     if status != "Optimal":
         raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
@@ -389,16 +393,18 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
     prefetch hides more of its copy but holds its group on the device longer, which the largest
     backward ops may not have room for. Distance 0's :class:`InfeasibleError` (the least peak of
-    all) when none fits."""
+    all) when none fits; only that one solves for the least peak (a second program per rung,
+    which with chains can take its whole time limit)."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
-    error = None
-    for distance, margin in ladder:
+    for rung, (distance, margin) in enumerate(ladder):
         try:
-            return plan_offload(profile, budget, distance, time_limit_s, margin)
-        except InfeasibleError as exc:
-            error = exc
-    raise error
+            return plan_offload(profile, budget, distance, time_limit_s, margin,
+                                explain=rung == len(ladder) - 1)
+        except InfeasibleError:
+            if rung == len(ladder) - 1:
+                raise
+    raise AssertionError("unreachable: the ladder ends with distance 0")
 
 
 def least_peak(profile: StepProfile, lookahead: int = 2, margin: float = PREFETCH_MARGIN) -> int:

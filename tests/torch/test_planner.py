@@ -362,3 +362,16 @@ def test_the_programs_rebuild_points_are_the_runtimes(seed):
     chosen = {int(v.name.split("_")[1]): int(v.name.split("_")[2]) for v in problem.variables()
               if v.name.startswith("r_") and (v.varValue or 0) > 0.5}
     assert chosen == {g: point for g, point in enumerate(rebuilt) if point is not None}
+
+
+def test_an_infeasible_budget_solves_for_the_least_peak_once(monkeypatch):
+    # each rung of the prefetch ladder fails; only the last one explains (its least peak), since
+    # that program can take its whole time limit
+    profile = chain_profile([8 * MiB] * 5, recompute_every=2, baseline=4 * MiB)
+    least, calls = planner._least_peak_modes, []
+    monkeypatch.setattr(planner, "_least_peak_modes",
+                        lambda *args: calls.append(args) or least(*args))
+    with pytest.raises(InfeasibleError, match="at least"):
+        plan_with_prefetch(profile, budget=least_peak(profile, 0, 0.0) - 1)
+    assert len(calls) == 2        # least_peak here and the last rung's explanation
+    assert calls[-1][1] == 0      # at distance 0
