@@ -394,14 +394,16 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     prefetch hides more of its copy but holds its group on the device longer, which the largest
     backward ops may not have room for. Distance 0's :class:`InfeasibleError` (the least peak of
     all) when none fits; only that one solves for the least peak (a second program per rung,
-    which with chains can take its whole time limit)."""
+    which with chains can take its whole time limit). A rung where CBC found no plan within its
+    time limit (:class:`SolverError`) also goes on to the next: near the least peak, prefetching
+    less leaves more room, and a plan is easier to find (ResNet-50 at 6.25 GiB)."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
     for rung, (distance, margin) in enumerate(ladder):
         try:
             return plan_offload(profile, budget, distance, time_limit_s, margin,
                                 explain=rung == len(ladder) - 1)
-        except InfeasibleError:
+        except (InfeasibleError, SolverError):
             if rung == len(ladder) - 1:
                 raise
     raise AssertionError("unreachable: the ladder ends with distance 0")

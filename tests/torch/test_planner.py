@@ -375,3 +375,21 @@ def test_an_infeasible_budget_solves_for_the_least_peak_once(monkeypatch):
         plan_with_prefetch(profile, budget=least_peak(profile, 0, 0.0) - 1)
     assert len(calls) == 2        # least_peak here and the last rung's explanation
     assert calls[-1][1] == 0      # at distance 0
+
+
+def test_a_rung_where_cbc_finds_no_plan_in_time_goes_on_to_prefetch_less(monkeypatch):
+    profile = chain_profile([8 * MiB] * 6, recompute_every=2, baseline=2 * MiB)
+    budget = (peak_memory(profile, [KEEP] * 6, 2) + least_peak(profile, 0, 0.0)) // 2
+    solve, calls = planner._solve, []
+
+    def nothing_at_first(problem, time_limit_s):
+        calls.append(problem)
+        if len(calls) == 1:          # the first rung's program (no chains in this profile)
+            return "Not Solved / No Solution Found"
+        return solve(problem, time_limit_s)
+
+    monkeypatch.setattr(planner, "_solve", nothing_at_first)
+    plan = plan_with_prefetch(profile, budget)
+    assert not any(len(p) > 1 for p in planner.rebuild_candidates(profile))
+    assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
+    assert plan.margin == planner.PREFETCH_MARGIN / 2      # the second rung's
