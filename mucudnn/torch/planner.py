@@ -457,8 +457,9 @@ def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
         for nbytes, f_points, b_points in added:
             if point in (f_points if clock == "forward" else b_points):
                 there[index] += nbytes
-    if clock == "backward" and point in transients(profile, modes):
-        nbytes, index = transients(profile, modes)[point]
+    rebuilding = transients(profile, modes) if clock == "backward" else {}
+    if point in rebuilding:
+        nbytes, index = rebuilding[point]
         there[index] += nbytes
     return clock, point, baseline, sorted(((b, g) for g, b in there.items()), reverse=True)
 
@@ -571,7 +572,8 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
                            if RECOMPUTE in x)
     forward_ms = problem.add_variable("forward_ms", lowBound=profile.forward_ms)
     backward_ms = problem.add_variable("backward_ms", lowBound=0)
-    problem += forward_ms >= moved * (1e3 / (profile.d2h_gbps * 1e9))
+    offload_ms = moved * (1e3 / (profile.d2h_gbps * 1e9))
+    problem += forward_ms >= offload_ms
     fetch_ms = moved * (1e3 / (profile.h2d_gbps * 1e9))
     if lookahead == 0:   # fetched when needed: the backward waits for each copy
         problem += backward_ms >= profile.backward_ms + recompute + fetch_ms
@@ -582,7 +584,7 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
     # moved or recomputed, far below any real time difference.
     tie = pulp.lpSum(g.nbytes * (x.get(OFFLOAD, 0) + x.get(RECOMPUTE, 0)) * 2.0 ** -40
                      for g, x in zip(profile.groups, picks))
-    exposed = profile.copy_exposure * (moved * (1e3 / (profile.d2h_gbps * 1e9)) + fetch_ms)
+    exposed = profile.copy_exposure * (offload_ms + fetch_ms)
     problem += forward_ms + backward_ms + exposed + tie
     return problem, picks, peak
 

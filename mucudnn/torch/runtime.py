@@ -654,21 +654,22 @@ class OffloadSession:
         if self._step.profiling and self._step.start_allocated is None:
             self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        recomputable = self._recomputable(module)
         self._step.calls.append(_Call(
             module, type(module).__name__, (self._read(source),) if source is not None else (),
             None, self._any_link().mark() if self._step.profiling else None,
-            in_place=bool(getattr(module, "inplace", False)),
-            recomputable=self._recomputable(module), autocast=_autocast_state()))
+            in_place=bool(getattr(module, "inplace", False)), recomputable=recomputable,
+            autocast=_autocast_state() if recomputable else ()))
 
     def _recomputable(self, module) -> bool:
         """Of a recomputable type, and without hooks of its own: a replay would run them again
         (``spectral_norm``'s power iteration changes the weight and its buffers)."""
         if module._forward_pre_hooks or module._forward_hooks:
             return False
-        kinds = CHEAP + CONVOLUTIONS if self.recompute_convolutions else CHEAP
         if type(module) in _INSTANCE_NORMS:
             return getattr(module, "running_mean", None) is None
-        return type(module) in kinds
+        return type(module) in CHEAP or (self.recompute_convolutions
+                                         and type(module) in CONVOLUTIONS)
 
     def _after_module(self, module, args, output):
         if not self._records(module):
@@ -1295,7 +1296,7 @@ class OffloadSession:
 def _rebuild_order(group: _Group) -> list[_Group]:
     """``group`` and its recomputed sources without a device tensor, transitively, each once,
     every source before its readers (iterative: a chain may be longer than Python's stack)."""
-    order, seen, stack = [], {id(group)}, [(group, False)]
+    order, seen, stack = [], {group}, [(group, False)]   # groups hash by identity
     while stack:
         current, expanded = stack.pop()
         if expanded:
@@ -1303,8 +1304,8 @@ def _rebuild_order(group: _Group) -> list[_Group]:
             continue
         stack.append((current, True))
         for source in current.recipe.sources:
-            if source.mode == RECOMPUTE and source.tensor is None and id(source) not in seen:
-                seen.add(id(source))
+            if source.mode == RECOMPUTE and source.tensor is None and source not in seen:
+                seen.add(source)
                 stack.append((source, False))
     return order
 

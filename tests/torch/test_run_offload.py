@@ -1,6 +1,7 @@
 """`mucudnn run --memory-budget SIZE --offload`: an unmodified script's Python process runs one
 OffloadSession (real CPU PyTorch in a child process)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -82,7 +83,7 @@ def test_a_bad_offload_value_is_one_line_and_no_offload(tmp_path, monkeypatch):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     from mucudnn.budget import SITE_DIR
-    env = {**__import__("os").environ, "MUCUDNN_MEMORY_BUDGET": str(2**30),
+    env = {**os.environ, "MUCUDNN_MEMORY_BUDGET": str(2**30),
            "PYTHONPATH": f"{SITE_DIR}:{SITE_DIR.parent.parent}"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=120)

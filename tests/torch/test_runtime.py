@@ -1226,9 +1226,9 @@ def test_a_module_with_hooks_of_its_own_is_never_recomputed():
 def test_a_chain_longer_than_pythons_stack_is_rebuilt():
     # force recomputes a chain as long as the model: rebuilt without recursion
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(300) for m in (nn.Conv1d(2, 2, 1), nn.ReLU())])
+    layers = [m for _ in range(300) for m in (nn.Conv1d(2, 2, 1), nn.ReLU())]
+    model = nn.Sequential(*layers).double()
     x = torch.randn(2, 2, 8, dtype=torch.float64)
-    model = model.double()
     session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(250)
