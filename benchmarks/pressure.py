@@ -34,7 +34,11 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   probes warm up --offload-warmup steps (>= 4: mucudnn.torch records 2 before its plan applies),
   and keep mucudnn.torch's plan line (``offload_lines``; MUCUDNN_LOG_LEVEL=info, the shim's lines
   in OUT/logs). Its allocator is the part's (the CLI's expandable_segments default does not
-  apply; set PYTORCH_CUDA_ALLOC_CONF for every run). Each searched shim side gets
+  apply; set PYTORCH_CUDA_ALLOC_CONF for every run). With it, a fourth search, "fast", runs
+  first: the smallest cap at which shim + offload trains with a step <= 1.10x PyTorch's
+  unconstrained step (both of the issue's 3-D targets at one cap; a slower run fails), between
+  --fast-low-fraction of the smaller minimum and that minimum; the two offload searches share
+  their runs. --no-shim-search leaves the shim alone out. Each searched shim side gets
   ``vs_pytorch_min``, ``vs_pytorch_uncapped_step`` and ``target_met`` in the JSON.
 - ``maxbatch`` (c): per model and side, the largest batch that trains under a --cap GiB cap (24):
   from N doubling until it fails (halving if N fails), then bisection to --resolution (5 %); the
@@ -126,7 +130,7 @@ def passed(outcome: dict) -> bool:
 
 
 def crashed(outcome: dict, where: str) -> None:
-    if outcome.get("status") not in ("ok", "oom", "timeout"):
+    if outcome.get("status") not in ("ok", "oom", "timeout", SLOW):
         raise RunFailed(f"{outcome.get('status')} at {where}: "
                         + (outcome.get("stderr_tail") or "").strip()[-300:])
 
@@ -250,7 +254,7 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
 def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
-            "reused_from", "returncode", "offload_lines")
+            "reused_from", "returncode", "offload_lines", "limit_ms")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]
@@ -432,7 +436,7 @@ def settings_of(args) -> dict:
     keep = ("shim_mode", "dtypes", "benchmark", "rounds", "steps", "warmup", "probe_steps",
             "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
             "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s", "offload",
-            "offload_warmup", "offload_low_fraction")
+            "offload_warmup", "offload_low_fraction", "fast_low_fraction", "shim_search")
     settings = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     # every run of the part inherits it, PyTorch's and the shim's alike
     settings["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -492,7 +496,11 @@ def ratio_line(model, batch, dtype, bench, row) -> str:
             + (f" ({row['incomplete']})" if "incomplete" in row else ""))
 
 
-SIDES = {"pytorch": "PyTorch", "shim": "shim", "offload": "shim + offload"}  # minmem's searches
+# minmem's searches; "fast": shim + offload where its step is at most STEP_RATIO_3D x PyTorch's
+# uncapped step (a slower run does not pass), the issue's two targets met at one cap
+SIDES = {"pytorch": "PyTorch", "shim": "shim", "offload": "shim + offload",
+         "fast": "shim + offload, fast"}
+SLOW = "slow"   # a fast search's run that trained, but over the step limit
 
 
 def minmem_part(args, runner: Runner, report: Report) -> None:
@@ -503,16 +511,22 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
                                                 "cudnn_benchmark": bench}
         label = f"{model}:{batch} {dtype} benchmark {on_off(bench)}"
 
+        offload_runs: dict[float, dict] = {}  # cap -> outcome, shared by "offload" and "fast"
+
         def probe(side: str):
-            offload = side == "offload"
+            offload = side in ("offload", "fast")
 
             def at(cap_gib: float) -> dict:
+                if offload and cap_gib in offload_runs:
+                    return offload_runs[cap_gib]
                 outcome = runner.run(f"{label} {SIDES[side]} cap {cap_gib:g} GiB", model, batch,
                                      shim=side != "pytorch", offload=offload, dtype=dtype,
                                      cudnn_benchmark=bench, cap_gib=cap_gib,
                                      steps=args.probe_steps,
                                      warmup=args.offload_warmup if offload else 1)
                 report.note_device(outcome)
+                if offload:
+                    offload_runs[cap_gib] = outcome
                 return outcome
             return at
 
@@ -536,21 +550,29 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
                 entry["shim_first_use"] = first
             reference = entry["pytorch"].get("min_cap_gib") or entry["pytorch"].get("at_most_gib")
             high = reference or reserved
-            entry["shim"] = min_cap_search(probe("shim"), high * args.shim_low_fraction, high,
-                                           step_gib=args.cap_step)
-            report.save()
+            if args.shim_search:
+                entry["shim"] = min_cap_search(probe("shim"), high * args.shim_low_fraction, high,
+                                               step_gib=args.cap_step)
+                report.save()
             if args.offload:
                 # offload trains wherever the shim does (its plan keeps what fits): below the
-                # smaller minimum, down to --offload-low-fraction of it
+                # smaller minimum; first where it is also fast (down to --fast-low-fraction of
+                # that minimum), then at any speed (down to --offload-low-fraction)
                 found = [s.get("min_cap_gib") or s.get("at_most_gib")
-                         for s in (entry["pytorch"], entry["shim"])]
+                         for s in (entry["pytorch"], entry.get("shim") or {})]
                 high = min((x for x in found if x), default=reserved)
-                entry["offload"] = min_cap_search(probe("offload"), high * args.offload_low_fraction,
-                                                  high, step_gib=args.cap_step)
+                entry["fast"] = min_cap_search(
+                    fast_probe(probe("fast"), STEP_RATIO_3D * base["step_ms"]),
+                    high * args.fast_low_fraction, high, step_gib=args.cap_step,
+                    ceiling_gib=high)  # slow at the smaller minimum: the target is not met
+                report.save()
+                entry["offload"] = min_cap_search(
+                    probe("offload"), high * args.offload_low_fraction,
+                    entry["fast"].get("min_cap_gib") or high, step_gib=args.cap_step)
         except OutOfTime:
             entry.setdefault("incomplete", "time budget spent")
         finally:
-            for side in ("shim", "offload"):
+            for side in ("shim", "offload", "fast"):
                 if entry.get(side) is not None:
                     entry[side].update(minmem_targets(model, entry, side))
             report.save()
@@ -560,6 +582,18 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
 # issue 12 (b) on the 3-D models: a minimum at most this fraction of PyTorch's, with a step there
 # at most this multiple of PyTorch's unconstrained step; elsewhere: at most PyTorch's minimum
 MIN_FRACTION_3D, STEP_RATIO_3D = 0.8, 1.10
+
+
+def fast_probe(probe, limit_ms: float):
+    """``probe``, where a run that trains with a step over ``limit_ms`` does not pass (status
+    SLOW, the outcome otherwise kept): min_cap_search on it finds the smallest cap at which the
+    run trains that fast, assuming a larger cap is never slower by more than noise."""
+    def at(cap_gib: float) -> dict:
+        outcome = probe(cap_gib)
+        if passed(outcome) and outcome.get("step_ms", math.inf) > limit_ms:
+            return {**outcome, "status": SLOW, "limit_ms": round(limit_ms, 2)}
+        return outcome
+    return at
 
 
 def is_3d(model: str) -> bool:
@@ -615,7 +649,7 @@ def minmem_line(model, batch, entry) -> str:
         return text + (f" {at['step_ms']:.1f} ms" if "step_ms" in at else "") + \
             f" [{len(s['probes'])} probes]" + (f" ({', '.join(ratios)})" if ratios else "")
     return f"[minmem {model}:{batch}] " + ", ".join(
-        side(n) for n in SIDES if n != "offload" or n in entry) + \
+        side(n) for n in SIDES if n in entry) + \
         (f" ({entry['incomplete']})" if "incomplete" in entry else "") + \
         (f" ({entry['error']})" if "error" in entry else "")
 
@@ -788,25 +822,33 @@ def offload_table(report: dict) -> list[str]:
              f"after {s.get('offload_warmup')} warm-up train (the first {OFFLOAD_RECORD_STEPS} "
              "record, then the plan applies). Target on 3-D models: min <= "
              f"{MIN_FRACTION_3D}x PyTorch's, at <= {STEP_RATIO_3D:.2f}x its uncapped step; "
-             "elsewhere <= PyTorch's min.", "",
-             "| model, N | setting | PyTorch uncapped ms | PyTorch min GiB | offload min GiB | "
+             "elsewhere <= PyTorch's min. Two searches: the smallest cap that trains at any "
+             f"speed (*any*), and the smallest where the step is also <= {STEP_RATIO_3D:.2f}x "
+             "PyTorch's uncapped step (*fast*; a slower run counts as a failure), both targets "
+             "at one cap. They share their runs.", "",
+             "| model, N | setting | search | PyTorch uncapped ms | PyTorch min GiB | offload min GiB | "
              "ms there | offload / PyTorch min | offload ms / PyTorch uncapped | target met | "
              "probes | plan at the min | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, e in models.items():
-        off, pt = e["offload"], e.get("pytorch") or {}
-        at = off.get("at_min") or {}
-        ratios = minmem_targets(model, e, "offload")
-        met = ratios["target_met"]
-        plan = "; ".join(at.get("offload_lines") or []).replace("|", "/") or "-"
-        note = "; ".join(x for x in (off.get("error"), e.get("incomplete")) if x)
-        lines.append(
-            f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | "
-            f"{fmt((e.get('pytorch_uncapped') or {}).get('step_ms'))} | {min_text(pt)} | "
-            f"{min_text(off)} | {fmt(at.get('step_ms'))} | {fmt(ratios.get('vs_pytorch_min'), '.3f')} | "
-            f"{fmt(ratios.get('vs_pytorch_uncapped_step'), '.3f')} | "
-            f"{'-' if met is None else 'yes' if met else '**no**'} | {len(off.get('probes', []))} | "
-            f"{plan[:300]} | {note.replace('|', '/')[:200]} |")
+        pt = e.get("pytorch") or {}
+        for side, search in (("fast", "fast"), ("offload", "any")):
+            if side not in e:
+                continue
+            off = e[side]
+            at = off.get("at_min") or {}
+            ratios = minmem_targets(model, e, side)
+            met = ratios["target_met"]
+            plan = "; ".join(at.get("offload_lines") or []).replace("|", "/") or "-"
+            note = "; ".join(x for x in (off.get("error"), e.get("incomplete")) if x)
+            lines.append(
+                f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | "
+                f"{search} | {fmt((e.get('pytorch_uncapped') or {}).get('step_ms'))} | "
+                f"{min_text(pt)} | {min_text(off)} | {fmt(at.get('step_ms'))} | "
+                f"{fmt(ratios.get('vs_pytorch_min'), '.3f')} | "
+                f"{fmt(ratios.get('vs_pytorch_uncapped_step'), '.3f')} | "
+                f"{'-' if met is None else 'yes' if met else '**no**'} | {len(off.get('probes', []))} | "
+                f"{plan[:300]} | {note.replace('|', '/')[:200]} |")
     return lines + [""]
 
 
@@ -972,6 +1014,12 @@ def parser() -> argparse.ArgumentParser:
                          f"{OFFLOAD_MIN_WARMUP}: mucudnn.torch records {OFFLOAD_RECORD_STEPS} first)")
     ap.add_argument("--offload-low-fraction", type=float, default=0.25,
                     help="minmem --offload: its lower bracket, this times the smaller minimum")
+    ap.add_argument("--fast-low-fraction", type=float, default=0.5,
+                    help="minmem --offload: the lower bracket of its search for the smallest cap "
+                         f"with a step <= {STEP_RATIO_3D}x PyTorch's uncapped, this times the "
+                         "smaller minimum")
+    ap.add_argument("--no-shim-search", dest="shim_search", action="store_false",
+                    help="minmem: search PyTorch (and --offload's sides) only, not the shim alone")
     ap.add_argument("--cap", type=float, default=24.0, help="maxbatch: the cap, GiB")
     ap.add_argument("--resolution", type=float, default=0.05, help="maxbatch: relative bracket")
     ap.add_argument("--seeded-growth", type=float, default=1.25,

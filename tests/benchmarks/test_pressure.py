@@ -235,7 +235,9 @@ def _zombie(pid: int) -> bool:
 
 # GiB each side needs to train (PyTorch, shim, shim + offload) at the table's N, and its step ms
 NEEDS = {"resnet50": (20.3, 19.6, 12.1), "unet3d": (9.1, 6.8, 4.4)}
-STEP_MS = {"resnet50": (116.0, 116.3, 150.0), "unet3d": (600.0, 590.0, 630.0)}
+STEP_MS = {"resnet50": (116.0, 116.3, 125.0), "unet3d": (600.0, 590.0, 630.0)}
+# shim + offload below this cap (GiB, at the table's N) recomputes and moves more: 3x its step
+FAST_ABOVE = {"resnet50": 15.0, "unet3d": 6.0}
 OFFLOAD_LINE = "mucudnn: info: offload plan for {cap:.2f} GiB: 40 kept, 12 offloaded, 3 recomputed"
 
 
@@ -272,6 +274,8 @@ class FakeGpu:
         if cap and need > cap:
             return 0, json.dumps({"oom": True, "error": "CUDA out of memory"}) + "\n", stderr, 5.0, False
         step = STEP_MS[model][side] * batch / spec_of(model).batch
+        if offload and cap < FAST_ABOVE[model] * batch / spec_of(model).batch:
+            step *= 3
         out = {"step_ms": step, "step_ms_all": [step * 3, step] if "--warmup" in cmd else [step],
                "steps": 2, "peak_bytes": int(need * 2**30), "peak_reserved_bytes": int(need * 1.3 * 2**30),
                "loss": 1.0, "memory_fraction": None, "device": "NVIDIA H200", "batch": batch}
@@ -344,10 +348,17 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     unet, resnet = data["models"]["unet3d"], data["models"]["resnet50"]
     assert unet["shim"]["min_cap_gib"] == 7.0 and unet["offload"]["min_cap_gib"] == 4.5
     assert resnet["offload"]["min_cap_gib"] == 12.25
+    # fast: the smallest cap whose step is <= 1.10x PyTorch's uncapped; a slower run fails there
+    assert unet["fast"]["min_cap_gib"] == 6.0 and resnet["fast"]["min_cap_gib"] == 15.0
+    assert any(p["status"] == "slow" and p["limit_ms"] == pytest.approx(660.0)
+               for p in unet["fast"]["probes"])
     # the conditions, per side: unet3d is 3-D (<= 0.8x at <= 1.10x), resnet50 is not
     assert unet["offload"]["vs_pytorch_min"] == pytest.approx(4.5 / 9.25)
-    assert unet["offload"]["vs_pytorch_uncapped_step"] == pytest.approx(630.0 / 600.0)
-    assert unet["offload"]["target_met"] is True
+    assert unet["offload"]["vs_pytorch_uncapped_step"] == pytest.approx(3 * 630.0 / 600.0)
+    assert unet["offload"]["target_met"] is False  # trains there, but too slowly
+    assert unet["fast"]["vs_pytorch_min"] == pytest.approx(6.0 / 9.25)
+    assert unet["fast"]["vs_pytorch_uncapped_step"] == pytest.approx(630.0 / 600.0)
+    assert unet["fast"]["target_met"] is True
     assert unet["shim"]["vs_pytorch_min"] == pytest.approx(7.0 / 9.25)
     assert unet["shim"]["target_met"] is True and resnet["shim"]["target_met"] is True
     assert resnet["offload"]["target_met"] is True  # 2-D: at most PyTorch's minimum
@@ -355,6 +366,9 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     offload = [r for r in gpu.runs if r["offload"]]
     # bracketed below the shim's minimum: that minimum first, down to 0.25x of it
     assert offload[0]["cap"] == 7.0 and min(r["cap"] for r in offload if r["model"] == "unet3d") >= 1.75
+    # the two searches share their runs: no cap runs twice
+    caps = [(r["model"], r["cap"]) for r in offload]
+    assert len(caps) == len(set(caps))
     for run in offload:  # the CLI's path: `mucudnn run --memory-budget CAP --offload`
         assert run["cli"][-4:] == ["run", "--memory-budget", str(int(run["cap"] * 2**30)), "--offload"]
         assert run["warmup"] == 4 and run["steps"] == 3 and run["online"] == "1"
@@ -364,12 +378,33 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert all(r["offload_env"] is None and "--memory-budget" not in r["cli"]
                for r in gpu.runs if not r["offload"])
     assert all(r["warmup"] == 1 for r in gpu.runs if r["cap"] and not r["offload"])
-    assert "offload 4.5 GiB 630.0 ms [" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "offload 4.5 GiB 1890.0 ms [" in printed and "fast 6 GiB 630.0 ms [" in printed
     page = (tmp_path / "pressure-h200.md").read_text()
     assert "### Shim + activation offload (`mucudnn run --memory-budget CAP --offload`)" in page
     assert "after 4 warm-up train (the first 2 record" in page
-    assert (f"| unet3d, 2 | fp32/benchmark-off | 600.00 | 9.25 | 4.5 | 630.00 | 0.486 | 1.050 | yes | "
-            f"{len(unet['offload']['probes'])} | {OFFLOAD_LINE.format(cap=4.5)} |  |") in page
+    assert (f"| unet3d, 2 | fp32/benchmark-off | any | 600.00 | 9.25 | 4.5 | 1890.00 | 0.486 | 3.150 | "
+            f"**no** | {len(unet['offload']['probes'])} | {OFFLOAD_LINE.format(cap=4.5)} |  |") in page
+    assert (f"| unet3d, 2 | fp32/benchmark-off | fast | 600.00 | 9.25 | 6 | 630.00 | 0.649 | 1.050 | "
+            f"yes | {len(unet['fast']['probes'])} | {OFFLOAD_LINE.format(cap=6.0)} |  |") in page
+
+
+def test_a_fast_search_slow_at_its_upper_end_fails_there_without_widening():
+    calls = []
+    probe = pressure.fast_probe(lambda c: calls.append(c) or {"status": "ok", "step_ms": 200.0}, 110.0)
+    result = min_cap_search(probe, 3.0, 6.0, ceiling_gib=6.0)
+    assert calls == [6.0] and result["min_cap_gib"] is None and result["complete"]
+    assert result["probes"][0]["status"] == "slow" and result["probes"][0]["limit_ms"] == 110.0
+
+
+def test_minmem_can_leave_the_shim_alone_out(gpu, tmp_path):
+    assert pressure.main(["minmem", "--models", "unet3d", "--dtypes", "fp32", "--benchmark", "off",
+                          "--offload", "--no-shim-search", "--out", str(tmp_path)]) == 0
+    unet = json.loads((tmp_path / "pressure-minmem.json").read_text())["models"]["unet3d"]
+    assert "shim" not in unet and unet["fast"]["min_cap_gib"] == 6.0
+    assert not any(r["shim"] and r["cap"] and not r["offload"] for r in gpu.runs)
+    # bracketed below PyTorch's minimum, the only one searched
+    assert [r["cap"] for r in gpu.runs if r["offload"]][0] == unet["pytorch"]["min_cap_gib"]
 
 
 def test_minmem_without_offload_runs_no_offload(gpu, tmp_path):
