@@ -368,3 +368,68 @@ def test_the_shim_reads_the_budget_as_a_size_option(shim_env):
     assert bad.shim_lines("warning") == [
         "mucudnn: warning: MUCUDNN_MEMORY_BUDGET='lots' is not valid (expected bytes, or a number "
         "with B, KiB, MiB, GiB, TiB, KB, MB, GB or TB); using the default"]
+
+
+# -- the shim's room sees PyTorch's cached free memory -----------------------------------------------
+
+class _Cuda:
+    def __init__(self, reserved, allocated, initialized=True):
+        self.stats = {"reserved_bytes": {"all": {"current": reserved}},
+                      "allocated_bytes": {"all": {"current": allocated}}}
+        self.initialized, self.devices = initialized, []
+
+    def is_initialized(self):
+        return self.initialized
+
+    def current_device(self):
+        return 1
+
+    def memory_stats_as_nested_dict(self, device):
+        self.devices.append(device)
+        if self.stats is None:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return self.stats
+
+
+class _Setter:
+    """Stands in for the preloaded shim's mucudnn_set_cached_free (a ctypes function: it takes
+    argtypes): keeps the function it is given, as the C side does."""
+
+    def __init__(self):
+        self.fn = None
+
+    def __call__(self, fn):
+        self.fn = fn
+
+
+class _Shim:
+    def __init__(self):
+        self.mucudnn_set_cached_free = _Setter()
+
+    @property
+    def fn(self):
+        return self.mucudnn_set_cached_free.fn
+
+
+def test_the_shim_is_told_what_pytorchs_cache_holds_free(monkeypatch):
+    from types import SimpleNamespace
+    import ctypes
+    hook = budget_mod._hook()
+    exits = []
+    monkeypatch.setattr("atexit.register", lambda fn, *args: exits.append((fn, args)))
+    cuda, shim = _Cuda(reserved=10 * GIB, allocated=7 * GIB), _Shim()
+    assert hook.tell_shim_cached_free(SimpleNamespace(cuda=cuda), library=shim)
+    assert shim.fn() == 3 * GIB and cuda.devices == [1]  # the calling thread's current device
+    cuda.stats = None  # a failing query is 0 (nothing counted free), never an exception into C
+    assert shim.fn() == 0
+    cuda.initialized = False
+    assert shim.fn() == 0
+    # unregistered at exit: a NULL function pointer
+    (fn, (null,)), = exits
+    assert fn is shim.mucudnn_set_cached_free and not ctypes.cast(null, ctypes.c_void_p).value
+
+
+def test_without_a_shim_nothing_is_registered():
+    from types import SimpleNamespace
+    hook = budget_mod._hook()
+    assert not hook.tell_shim_cached_free(SimpleNamespace(cuda=_Cuda(1, 0)), library=object())

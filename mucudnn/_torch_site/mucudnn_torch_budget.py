@@ -212,6 +212,10 @@ def install_from_environment() -> None:
         except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`
             say("warning", f"memory budget not queued: {exc}; PyTorch's memory is not limited")
             report("failed", str(exc).replace("\n", " "))
+        try:
+            tell_shim_cached_free(torch)
+        except Exception as exc:  # noqa: BLE001 - the room then errs on the small side, as before
+            say("warning", f"the shim is not told PyTorch's cached free memory: {exc}")
         recompute = offload_recompute(os.environ.get(ENV_OFFLOAD))
         if recompute is not None:
             start_offload(budget, recompute_convolutions=recompute == "all")
@@ -220,6 +224,45 @@ def install_from_environment() -> None:
             atexit.register(report_peak, torch)
 
     after_import("torch", on_torch)
+
+
+_CACHED_FREE_FN = None  # the function the shim holds: alive as long as the process
+
+
+def tell_shim_cached_free(torch, library=None) -> bool:
+    """Registers with the shim, where it is preloaded (``library``: this process's symbols by
+    default), a function saying how much PyTorch's caching allocator holds free on the current
+    device (reserved less allocated): the shim's room counts it as free, since PyTorch hands it
+    out first and releases it to retry a failed allocation (docs/shim.md, "The room"). Without
+    it, under a budget the room saw PyTorch's cache as used and refused engines that fit. False
+    where there is no shim. Unregistered at exit, before the interpreter goes."""
+    global _CACHED_FREE_FN
+    import ctypes
+    try:
+        setter = getattr(library if library is not None else ctypes.CDLL(None),
+                         "mucudnn_set_cached_free")
+    except (OSError, AttributeError):
+        return False
+    cuda = torch.cuda
+
+    def cached_free() -> int:  # called by the shim from any thread: never raises
+        try:
+            if not cuda.is_initialized():
+                return 0
+            stats = cuda.memory_stats_as_nested_dict(cuda.current_device())
+            return max(0, int(stats["reserved_bytes"]["all"]["current"])
+                       - int(stats["allocated_bytes"]["all"]["current"]))
+        except BaseException:  # noqa: BLE001 - an exception cannot cross into C
+            return 0
+
+    kind = ctypes.CFUNCTYPE(ctypes.c_size_t)
+    _CACHED_FREE_FN = kind(cached_free)
+    setter.argtypes, setter.restype = [kind], None
+    setter(_CACHED_FREE_FN)
+    import atexit
+    atexit.register(setter, kind())  # NULL: no call into Python once it is shutting down
+    say("info", "the shim's room counts PyTorch's cached free memory as free")
+    return True
 
 
 def report_peak(torch) -> None:

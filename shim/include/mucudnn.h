@@ -38,6 +38,15 @@ int mucudnn_kernel_key(mucudnn_direction direction, cudnnTensorDescriptor_t x,
 /* The shim's version string, e.g. "0.1.0". */
 const char *mucudnn_version(void);
 
+/*
+ * How many bytes of device memory the framework's caching allocator holds free now, on the
+ * calling thread's current device: memory the framework hands out before asking the driver.
+ * Called whenever the shim reads the room (docs/shim.md, "The room"), from any thread; it must
+ * not call cuDNN. NULL (the default) unregisters: the room then counts that memory as in use.
+ */
+typedef size_t (*mucudnn_cached_free_fn)(void);
+void mucudnn_set_cached_free(mucudnn_cached_free_fn fn);
+
 #ifdef __cplusplus
 }
 #endif

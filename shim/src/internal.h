@@ -560,14 +560,17 @@ int mu_plan_algo(cudnnHandle_t handle, const mu_conv_descs *descs, const mu_plan
 
 typedef struct {
     size_t bytes;       /* what one workspace may take now */
-    size_t free_bytes;  /* the device's free memory (cuMemGetInfo) */
+    size_t free_bytes;  /* the device's free memory (cuMemGetInfo), plus cached_bytes */
+    size_t cached_bytes;/* free in the framework's caching allocator (mucudnn_set_cached_free) */
+    bool cache_known;   /* a cached-free function is registered */
     size_t budget_left; /* MUCUDNN_MEMORY_BUDGET less what is in use; SIZE_MAX without a budget */
     size_t margin;      /* MUCUDNN_ROOM_MARGIN, kept back from both */
 } mu_room_info;
 
 /* The room: the device's free memory and, with MUCUDNN_MEMORY_BUDGET, the budget less what is in
- * use (total - free), whichever is less, less the margin. False (no room limit) when it cannot be
- * known (no driver, no current context) or with MUCUDNN_ROOM=0. */
+ * use (total - free), whichever is less, less the margin; memory the framework's caching allocator
+ * holds free (the registered cached-free function) counts as free, not in use. False (no room
+ * limit) when it cannot be known (no driver, no current context) or with MUCUDNN_ROOM=0. */
 bool mu_room(mu_room_info *room);
 /* The point of head's kernel to choose instead of `chosen` (the fastest the framework's workspace
  * and the hard limit allow, deterministic when asked): chosen when it fits the room or the room is

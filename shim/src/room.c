@@ -13,8 +13,11 @@
  *
  * The room is read when a choice is made: at cudnnBackendFinalize of an execution plan (a
  * framework allocates the workspace the plan reports right after, and reuses the plan), and at
- * each algorithm query. It cannot see inside a framework's caching allocator: blocks it holds
- * free count as used, so the room errs on the small side.
+ * each algorithm query. The device's free memory does not see inside a framework's caching
+ * allocator: blocks it holds free count as used, yet the framework hands them out first (and
+ * releases them to retry an allocation that failed). A framework can say how much that is through
+ * mucudnn_set_cached_free (mucudnn's PyTorch site registers PyTorch's reserved less allocated
+ * bytes under a memory budget): it counts as free. Without it the room errs on the small side.
  *
  * Where no point is chosen (no plan for the kernel, or one the framework's engine cannot use), an
  * execution plan whose engine needs more workspace than the room is refused at finalize, as the hard
@@ -27,19 +30,26 @@
 #include "internal.h"
 
 static atomic_size_t degraded_kernels, refused_kernels;
+static _Atomic(mucudnn_cached_free_fn) cached_free;
+
+MU_EXPORT void mucudnn_set_cached_free(mucudnn_cached_free_fn fn) { atomic_store(&cached_free, fn); }
 
 bool mu_room(mu_room_info *room) {
     size_t free_bytes = 0, total_bytes = 0;
     if (mu_option_int(MU_OPT_ROOM) == 0 || !mu_device_memory(&free_bytes, &total_bytes)) return false;
-    room->free_bytes = free_bytes;
+    /* In use: everything the device does not have free (this process's context and memory, and
+     * other processes' on a shared GPU), less what the caching allocator holds free. */
+    size_t used = total_bytes > free_bytes ? total_bytes - free_bytes : 0;
+    mucudnn_cached_free_fn fn = atomic_load(&cached_free);
+    size_t cached = fn != NULL ? fn() : 0;
+    if (cached > used) cached = used;  /* a cache can hold no more than is in use */
+    room->cache_known = fn != NULL;
+    room->cached_bytes = cached;
+    room->free_bytes = free_bytes + cached;
+    used -= cached;
     room->budget_left = SIZE_MAX;
     long long budget = mu_option_int(MU_OPT_MEMORY_BUDGET);
-    if (budget >= 0) {
-        /* In use: everything the device does not have free (this process's context and memory,
-         * and other processes' on a shared GPU). */
-        size_t used = total_bytes > free_bytes ? total_bytes - free_bytes : 0;
-        room->budget_left = (size_t)budget > used ? (size_t)budget - used : 0;
-    }
+    if (budget >= 0) room->budget_left = (size_t)budget > used ? (size_t)budget - used : 0;
     room->margin = (size_t)mu_option_int(MU_OPT_ROOM_MARGIN);
     size_t available = free_bytes < room->budget_left ? free_bytes : room->budget_left;
     room->bytes = available > room->margin ? available - room->margin : 0;
@@ -47,14 +57,16 @@ bool mu_room(mu_room_info *room) {
 }
 
 static void describe_budget(const mu_room_info *room, char *buf, size_t size) {
-    if (room->budget_left == SIZE_MAX) snprintf(buf, size, "none");
-    else snprintf(buf, size, "%zu left", room->budget_left);
+    int n = room->budget_left == SIZE_MAX ? snprintf(buf, size, "none")
+                                          : snprintf(buf, size, "%zu left", room->budget_left);
+    if (room->cache_known && n > 0 && (size_t)n < size)
+        snprintf(buf + n, size - (size_t)n, ", of it %zu free in the allocator's cache", room->cached_bytes);
 }
 
 void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_t to, const mu_room_info *room) {
     bool first = seen == NULL || !atomic_exchange(&seen->degraded, true);
     if (first) atomic_fetch_add(&degraded_kernels, 1);
-    char budget[48];
+    char budget[112];
     describe_budget(room, budget, sizeof budget);
     mu_log(first ? MU_LOG_INFO : MU_LOG_DEBUG, "%s N=%d: degraded for lack of memory: a point of %zu bytes of "
            "workspace instead of %zu (room %zu: free %zu, budget %s, margin %zu)", k->key, k->n, to, from,
@@ -86,7 +98,7 @@ bool mu_room_refuses(size_t workspace, const mu_kernel *k, mu_seen *seen, const 
     /* Counted per kernel; a convolution without a key has no kernel to count it under. */
     bool first = seen != NULL && !atomic_exchange(&seen->room_refused, true);
     if (first) atomic_fetch_add(&refused_kernels, 1);
-    char budget[48], kernel[MU_KEY_MAX + 32];
+    char budget[112], kernel[MU_KEY_MAX + 32];
     describe_budget(&room, budget, sizeof budget);
     if (k != NULL) snprintf(kernel, sizeof kernel, "%s N=%d", k->key, k->n);
     else snprintf(kernel, sizeof kernel, "graph plan %p", plan);

@@ -101,6 +101,30 @@ def test_with_plenty_of_memory_or_no_room_the_choice_is_as_before(shim_env, env)
     assert "kernels got a front point" not in run.stderr
 
 
+@pytest.mark.parametrize("cached, expected", [
+    (0, SMALLER_RUN),                # nothing cached: the room as without the function
+    (FAST[0] - 20000, FAST_RUN),     # the allocator's free cache makes room for the fastest point
+    (4 * GIB, FAST_RUN),             # more than is in use: counted as what is in use, at most
+])
+def test_what_the_allocator_holds_free_counts_as_room(shim_env, cached, expected):
+    """A 1 GiB device, half of it in use, under a budget that leaves 20000 bytes: the framework
+    says `cached` bytes of what is in use are free in its cache (mucudnn_set_cached_free)."""
+    run = run_graph(shim_env, {**budget_left(20000), "DRIVER_CACHED_FREE_BYTES": str(cached)})
+    assert chosen(run) == expected
+    if expected == SMALLER_RUN:
+        assert degraded_lines(run)[0].endswith(
+            f"(room 20000: free {GIB // 2}, budget 20000 left, of it 0 free in the allocator's cache, "
+            "margin 0)")
+    else:
+        assert not degraded_lines(run)
+
+
+def test_the_allocators_cache_also_lets_an_engine_through(shim_env):
+    run = shim_env.run_graph([HEUR_CASE], plan=other_kernels_plan(shim_env),
+                             env={**budget_left(100), "DRIVER_CACHED_FREE_BYTES": str(3 * 8 * WS)})
+    assert landed(run) == ("3", 3 * 8 * WS) and not refused_lines(run)
+
+
 def test_a_budget_below_use_leaves_the_room_the_budget_has_left(shim_env):
     """80 GiB free on the device, but the budget is 10 GiB and 10 GiB - 20000 bytes are in use."""
     used = 10 * GIB - 20000

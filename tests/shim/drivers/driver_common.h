@@ -283,9 +283,23 @@ static void *worker(void *arg) {
  * stdin line but blank ones and '#' comments is case 0, 1, ... through parse(line, index); then
  * the cases run on T threads through run(handle, index, out, size) and their lines are printed
  * in case order. */
+/* $DRIVER_CACHED_FREE_BYTES: what a framework's caching allocator would say it holds free, told
+ * to the shim (when preloaded) through mucudnn_set_cached_free, as mucudnn's PyTorch site does. */
+static size_t cached_free_bytes;
+static size_t cached_free(void) { return cached_free_bytes; }
+
+static void register_cached_free(void) {
+    const char *text = getenv("DRIVER_CACHED_FREE_BYTES");
+    void (*set)(size_t (*)(void)) = (void (*)(size_t (*)(void)))dlsym(RTLD_DEFAULT, "mucudnn_set_cached_free");
+    if (text == NULL || set == NULL) return;
+    cached_free_bytes = (size_t)strtoull(text, NULL, 10);
+    set(cached_free);
+}
+
 static int run_driver(int argc, char **argv, void (*parse)(char *line, int index), run_case_fn run) {
     if (argc == 3 && !strcmp(argv[1], "--threads")) thread_count = atoi(argv[2]);
     if (thread_count < 1 || thread_count > 64) die("--threads must be 1..64");
+    register_cached_free();
     void *library = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
     if (!library) die("libcudnn.so.9 is not loaded");
     direct.forward = (__typeof__(direct.forward))dlsym(library, "cudnnConvolutionForward");
