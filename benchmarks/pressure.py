@@ -45,9 +45,10 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   shim starts from PyTorch's largest, growing by --seeded-growth. images/s at the largest. Target:
   the shim's >= PyTorch's.
 
-Under a cap the shim is told it (MUCUDNN_MEMORY_BUDGET, as `mucudnn run --memory-budget` does;
---no-shim-budget: not; offload runs always, the CLI tells it), so that its room chooses workspaces within what the cap leaves, as it would
-on a GPU of that size. Running out of memory is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its
+Under a cap the shim runs as a user runs it there, `mucudnn run --memory-budget CAP` (its room
+then chooses workspaces within what the cap leaves, as on a GPU of that size, counting what
+PyTorch's cache holds free; the part's allocator stays PYTORCH_CUDA_ALLOC_CONF, not the CLI's
+default; --no-shim-budget: not told, except offload runs, which need it). Running out of memory is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its
 process group killed). --time-budget-s: no new run starts once that many seconds have passed;
 what was not run is listed under "skipped". --gpus 0,1,...: models spread over those GPUs (one
 child process per model, CUDA_VISIBLE_DEVICES), results merged. The page OUT/pressure-GPU.md
@@ -302,14 +303,16 @@ class Runner:
                 error = self.front_errors[(model, batch, dtype)]
                 print(f"    {what}: failed (no front plan: {error[-200:]})", flush=True)
                 return {"status": "failed", "stderr_tail": f"no front plan: {error}"}
-        if shim and cap_gib and self.args.shim_budget and not offload:
-            # the cap is the allocator's, invisible in the device's free memory: tell the shim, as
-            # a GPU of that size would, so that its room (docs/shim.md) sees it
-            env_extra["MUCUDNN_MEMORY_BUDGET"] = str(int(cap_gib * 2**30))
-        if offload and log is None:
+        # The cap is the allocator's, invisible in the device's free memory. The shim is told it
+        # as a user tells it, `mucudnn run --memory-budget CAP` (so that its room, docs/shim.md,
+        # sees it, as on a GPU of that size, and sees what PyTorch's cache holds free through the
+        # CLI's PyTorch site); --no-shim-budget: not at all (offload runs always: it needs it)
+        cli_budget = shim and cap_gib and (self.args.shim_budget or offload)
+        if (offload or cli_budget) and log is None:
             # mucudnn.torch says its plan (or its fall-back) at info level, on stderr; the shim's
             # own info lines go to this file
-            log = self.out / "logs" / f"{model}-{batch}-{dtype}-offload-{cap_gib:g}GiB.log"
+            what = "offload" if offload else "shim"
+            log = self.out / "logs" / f"{model}-{batch}-{dtype}-{what}-{cap_gib:g}GiB.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             log.unlink(missing_ok=True)
         cmd, env = worker_command(model, env_extra, tf32=True, shim=shim, steps=steps,
@@ -317,13 +320,13 @@ class Runner:
                                   log=str(log) if log else None, batch=batch, path="default",
                                   dtype=dtype, memory_cap_gib=cap_gib,
                                   online=shim and self.args.shim_mode == "online",
-                                  memory_budget=int(cap_gib * 2**30) if offload else None,
+                                  memory_budget=int(cap_gib * 2**30) if cli_budget else None,
                                   offload=offload)
         # only where this run asks for it (an offload run's budget and offload: the CLI sets them)
         for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET", ENV_OFFLOAD):
             if name not in env_extra:
                 env.pop(name, None)
-        if offload:
+        if cli_budget:
             # `mucudnn run --memory-budget` turns on expandable segments unless the allocator is
             # configured: configured here as the part's, so that every run has the same allocator
             env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -1025,7 +1028,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeded-growth", type=float, default=1.25,
                     help="maxbatch: the shim's growth factor from PyTorch's largest batch")
     ap.add_argument("--no-shim-budget", dest="shim_budget", action="store_false",
-                    help="under a cap, do not tell the shim the cap (MUCUDNN_MEMORY_BUDGET)")
+                    help="under a cap, run the shim without `mucudnn run --memory-budget CAP`")
     ap.add_argument("--time-budget-s", type=float, help="start no run after this many seconds")
     ap.add_argument("--probe-timeout-s", type=float, default=240.0, help="kill a run after this")
     ap.add_argument("--gpus", default="", help="comma-separated GPU indices: models in parallel")

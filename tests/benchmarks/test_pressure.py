@@ -332,9 +332,13 @@ def test_minmem_finds_each_sides_smallest_cap_and_reuses_the_ratio_runs(gpu, tmp
     new = gpu.runs[before:]
     assert not any(r["cap"] == 0 for r in new if r["model"] == "unet3d")  # no uncapped rerun
     assert all(r["steps"] == 3 for r in new if r["cap"])
-    # the shim is told the cap, PyTorch is not
-    assert all(r["budget"] == str(int(r["cap"] * 2**30)) for r in new if r["shim"] and r["cap"])
-    assert all(r["budget"] is None for r in gpu.runs if not r["shim"] or not r["cap"])
+    # the shim is told the cap as a user tells it, `mucudnn run --memory-budget CAP` (the CLI
+    # sets the variable); PyTorch is not
+    assert all(r["cli"][-3:] == ["run", "--memory-budget", str(int(r["cap"] * 2**30))]
+               for r in new if r["shim"] and r["cap"])
+    assert all(r["allocator"] == "" for r in new if r["shim"] and r["cap"])  # the part's allocator
+    assert all(r["budget"] is None for r in gpu.runs)
+    assert all("--memory-budget" not in r["cli"] for r in gpu.runs if not r["cap"])
     page = (tmp_path / "pressure-h200.md").read_text()
     assert "| unet3d, 2 | fp32/benchmark-off |" in page and "| 9.25 |" in page and "| 0.757 |" in page
 
@@ -375,7 +379,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
         # the CLI sets the budget and offload; the allocator stays the part's (none: the default)
         assert run["budget"] is None and run["offload_env"] is None and run["allocator"] == ""
         assert run["log_level"] == "info"
-    assert all(r["offload_env"] is None and "--memory-budget" not in r["cli"]
+    assert all(r["offload_env"] is None and "--offload" not in r["cli"]
                for r in gpu.runs if not r["offload"])
     assert all(r["warmup"] == 1 for r in gpu.runs if r["cap"] and not r["offload"])
     printed = capsys.readouterr().out
@@ -625,3 +629,10 @@ def test_the_allocator_every_run_inherits_is_recorded_and_shown(gpu, tmp_path, m
     shown = f"`{allocator}`" if allocator else "the default"
     assert f"PyTorch's allocator (`PYTORCH_CUDA_ALLOC_CONF`, every run alike): {shown}." in \
         (tmp_path / "pressure-h200.md").read_text()
+
+
+def test_without_the_shim_budget_the_shim_runs_capped_but_untold(gpu, tmp_path):
+    assert pressure.main(["minmem", "--models", "unet3d", "--dtypes", "fp32", "--benchmark", "off",
+                          "--no-shim-budget", "--out", str(tmp_path)]) == 0
+    capped = [r for r in gpu.runs if r["shim"] and r["cap"]]
+    assert capped and all("--memory-budget" not in r["cli"] and r["budget"] is None for r in capped)
