@@ -392,7 +392,7 @@ class _Cuda:
 
 
 class _Setter:
-    """Stands in for the preloaded shim's mucudnn_set_cached_free (a ctypes function: it takes
+    """Stands in for the preloaded shim's mucudnn_set_allocator (a ctypes function: it takes
     argtypes): keeps the function it is given, as the C side does."""
 
     def __init__(self):
@@ -404,32 +404,35 @@ class _Setter:
 
 class _Shim:
     def __init__(self):
-        self.mucudnn_set_cached_free = _Setter()
+        self.mucudnn_set_allocator = _Setter()
 
-    @property
-    def fn(self):
-        return self.mucudnn_set_cached_free.fn
+    def ask(self):
+        """What the registered function answers, as the C side reads it."""
+        import ctypes
+        reserved, allocated = ctypes.c_size_t(7), ctypes.c_size_t(7)
+        status = self.mucudnn_set_allocator.fn(ctypes.byref(reserved), ctypes.byref(allocated))
+        return status, reserved.value, allocated.value
 
 
-def test_the_shim_is_told_what_pytorchs_cache_holds_free(monkeypatch):
+def test_the_shim_is_told_what_pytorchs_allocator_holds_and_uses(monkeypatch):
     from types import SimpleNamespace
     import ctypes
     hook = budget_mod._hook()
     exits = []
     monkeypatch.setattr("atexit.register", lambda fn, *args: exits.append((fn, args)))
     cuda, shim = _Cuda(reserved=10 * GIB, allocated=7 * GIB), _Shim()
-    assert hook.tell_shim_cached_free(SimpleNamespace(cuda=cuda), library=shim)
-    assert shim.fn() == 3 * GIB and cuda.devices == [1]  # the calling thread's current device
-    cuda.stats = None  # a failing query is 0 (nothing counted free), never an exception into C
-    assert shim.fn() == 0
+    assert hook.tell_shim_allocator(SimpleNamespace(cuda=cuda), library=shim)
+    assert shim.ask() == (0, 10 * GIB, 7 * GIB) and cuda.devices == [1]  # the current device
+    cuda.stats = None  # a failing query says so (nonzero), never an exception into C
+    assert shim.ask()[0] != 0
     cuda.initialized = False
-    assert shim.fn() == 0
+    assert shim.ask()[0] != 0
     # unregistered at exit: a NULL function pointer
     (fn, (null,)), = exits
-    assert fn is shim.mucudnn_set_cached_free and not ctypes.cast(null, ctypes.c_void_p).value
+    assert fn is shim.mucudnn_set_allocator and not ctypes.cast(null, ctypes.c_void_p).value
 
 
 def test_without_a_shim_nothing_is_registered():
     from types import SimpleNamespace
     hook = budget_mod._hook()
-    assert not hook.tell_shim_cached_free(SimpleNamespace(cuda=_Cuda(1, 0)), library=object())
+    assert not hook.tell_shim_allocator(SimpleNamespace(cuda=_Cuda(1, 0)), library=object())

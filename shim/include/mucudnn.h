@@ -39,13 +39,14 @@ int mucudnn_kernel_key(mucudnn_direction direction, cudnnTensorDescriptor_t x,
 const char *mucudnn_version(void);
 
 /*
- * How many bytes of device memory the framework's caching allocator holds free now, on the
- * calling thread's current device: memory the framework hands out before asking the driver.
+ * The framework's caching allocator on the calling thread's current device: the bytes it holds
+ * from the driver (*reserved) and of them the bytes in use (*allocated); returns 0, or nonzero
+ * when it cannot say. The rest of what it holds is free to the framework's next allocations.
  * Called whenever the shim reads the room (docs/shim.md, "The room"), from any thread; it must
- * not call cuDNN. NULL (the default) unregisters: the room then counts that memory as in use.
+ * not call cuDNN. NULL (the default) unregisters: the room then sees the device alone.
  */
-typedef size_t (*mucudnn_cached_free_fn)(void);
-void mucudnn_set_cached_free(mucudnn_cached_free_fn fn);
+typedef int (*mucudnn_allocator_fn)(size_t *reserved, size_t *allocated);
+void mucudnn_set_allocator(mucudnn_allocator_fn fn);
 
 #ifdef __cplusplus
 }

@@ -561,16 +561,18 @@ int mu_plan_algo(cudnnHandle_t handle, const mu_conv_descs *descs, const mu_plan
 typedef struct {
     size_t bytes;       /* what one workspace may take now */
     size_t free_bytes;  /* the device's free memory (cuMemGetInfo), plus cached_bytes */
-    size_t cached_bytes;/* free in the framework's caching allocator (mucudnn_set_cached_free) */
-    bool cache_known;   /* a cached-free function is registered */
+    size_t cached_bytes;/* held free by the framework's caching allocator (mucudnn_set_allocator) */
+    bool allocator_known; /* the framework's allocator said what it holds and uses */
     size_t budget_left; /* MUCUDNN_MEMORY_BUDGET less what is in use; SIZE_MAX without a budget */
     size_t margin;      /* MUCUDNN_ROOM_MARGIN, kept back from both */
 } mu_room_info;
 
 /* The room: the device's free memory and, with MUCUDNN_MEMORY_BUDGET, the budget less what is in
- * use (total - free), whichever is less, less the margin; memory the framework's caching allocator
- * holds free (the registered cached-free function) counts as free, not in use. False (no room
- * limit) when it cannot be known (no driver, no current context) or with MUCUDNN_ROOM=0. */
+ * use, whichever is less, less the margin. Where the framework's allocator is registered
+ * (mucudnn_set_allocator), what it holds free counts as free, and the budget is its own (what
+ * `mucudnn run --memory-budget` limits it to): in use is what it has allocated. Otherwise in use is
+ * all the device does not have free (total - free). False (no room limit) when it cannot be known
+ * (no driver, no current context) or with MUCUDNN_ROOM=0. */
 bool mu_room(mu_room_info *room);
 /* The point of head's kernel to choose instead of `chosen` (the fastest the framework's workspace
  * and the hard limit allow, deterministic when asked): chosen when it fits the room or the room is

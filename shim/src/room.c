@@ -15,9 +15,12 @@
  * framework allocates the workspace the plan reports right after, and reuses the plan), and at
  * each algorithm query. The device's free memory does not see inside a framework's caching
  * allocator: blocks it holds free count as used, yet the framework hands them out first (and
- * releases them to retry an allocation that failed). A framework can say how much that is through
- * mucudnn_set_cached_free (mucudnn's PyTorch site registers PyTorch's reserved less allocated
- * bytes under a memory budget): it counts as free. Without it the room errs on the small side.
+ * releases them to retry an allocation that failed); and a budget given to the framework's
+ * allocator (`mucudnn run --memory-budget` sets PyTorch's memory fraction) limits what it holds,
+ * not the CUDA context and libraries beside it. A framework can say what its allocator holds and
+ * uses through mucudnn_set_allocator (mucudnn's PyTorch site registers PyTorch's under a budget):
+ * what it holds free counts as free, and the budget left is the budget less what it uses. Without
+ * it the room errs on the small side, by the cache and the context.
  *
  * Where no point is chosen (no plan for the kernel, or one the framework's engine cannot use), an
  * execution plan whose engine needs more workspace than the room is refused at finalize, as the hard
@@ -30,28 +33,32 @@
 #include "internal.h"
 
 static atomic_size_t degraded_kernels, refused_kernels;
-static _Atomic(mucudnn_cached_free_fn) cached_free;
+static _Atomic(mucudnn_allocator_fn) framework_allocator;
 
-MU_EXPORT void mucudnn_set_cached_free(mucudnn_cached_free_fn fn) { atomic_store(&cached_free, fn); }
+MU_EXPORT void mucudnn_set_allocator(mucudnn_allocator_fn fn) { atomic_store(&framework_allocator, fn); }
 
 bool mu_room(mu_room_info *room) {
     size_t free_bytes = 0, total_bytes = 0;
     if (mu_option_int(MU_OPT_ROOM) == 0 || !mu_device_memory(&free_bytes, &total_bytes)) return false;
     /* In use: everything the device does not have free (this process's context and memory, and
-     * other processes' on a shared GPU), less what the caching allocator holds free. */
+     * other processes' on a shared GPU); with the framework's allocator known, what it has
+     * allocated, its budget being the allocator's. */
     size_t used = total_bytes > free_bytes ? total_bytes - free_bytes : 0;
-    mucudnn_cached_free_fn fn = atomic_load(&cached_free);
-    size_t cached = fn != NULL ? fn() : 0;
-    if (cached > used) cached = used;  /* a cache can hold no more than is in use */
-    room->cache_known = fn != NULL;
-    room->cached_bytes = cached;
-    room->free_bytes = free_bytes + cached;
-    used -= cached;
+    size_t reserved = 0, allocated = 0;
+    mucudnn_allocator_fn fn = atomic_load(&framework_allocator);
+    room->allocator_known = fn != NULL && fn(&reserved, &allocated) == 0 && allocated <= reserved;
+    room->cached_bytes = 0;
+    if (room->allocator_known) {
+        room->cached_bytes = reserved - allocated;
+        if (room->cached_bytes > used) room->cached_bytes = used;  /* it holds no more than is used */
+        used = allocated;
+    }
+    room->free_bytes = free_bytes + room->cached_bytes;
     room->budget_left = SIZE_MAX;
     long long budget = mu_option_int(MU_OPT_MEMORY_BUDGET);
     if (budget >= 0) room->budget_left = (size_t)budget > used ? (size_t)budget - used : 0;
     room->margin = (size_t)mu_option_int(MU_OPT_ROOM_MARGIN);
-    size_t available = free_bytes < room->budget_left ? free_bytes : room->budget_left;
+    size_t available = room->free_bytes < room->budget_left ? room->free_bytes : room->budget_left;
     room->bytes = available > room->margin ? available - room->margin : 0;
     return true;
 }
@@ -59,8 +66,8 @@ bool mu_room(mu_room_info *room) {
 static void describe_budget(const mu_room_info *room, char *buf, size_t size) {
     int n = room->budget_left == SIZE_MAX ? snprintf(buf, size, "none")
                                           : snprintf(buf, size, "%zu left", room->budget_left);
-    if (room->cache_known && n > 0 && (size_t)n < size)
-        snprintf(buf + n, size - (size_t)n, ", of it %zu free in the allocator's cache", room->cached_bytes);
+    if (room->allocator_known && n > 0 && (size_t)n < size)
+        snprintf(buf + n, size - (size_t)n, " of the allocator's, %zu free in its cache", room->cached_bytes);
 }
 
 void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_t to, const mu_room_info *room) {

@@ -101,27 +101,35 @@ def test_with_plenty_of_memory_or_no_room_the_choice_is_as_before(shim_env, env)
     assert "kernels got a front point" not in run.stderr
 
 
-@pytest.mark.parametrize("cached, expected", [
-    (0, SMALLER_RUN),                # nothing cached: the room as without the function
-    (FAST[0] - 20000, FAST_RUN),     # the allocator's free cache makes room for the fastest point
-    (4 * GIB, FAST_RUN),             # more than is in use: counted as what is in use, at most
-])
-def test_what_the_allocator_holds_free_counts_as_room(shim_env, cached, expected):
-    """A 1 GiB device, half of it in use, under a budget that leaves 20000 bytes: the framework
-    says `cached` bytes of what is in use are free in its cache (mucudnn_set_cached_free)."""
-    run = run_graph(shim_env, {**budget_left(20000), "DRIVER_CACHED_FREE_BYTES": str(cached)})
+@pytest.mark.parametrize("allocator, expected", [
+    (f"{GIB // 2} {GIB // 2}", SMALLER_RUN),            # all it holds in use: 20000 bytes left
+    (f"{GIB // 4} {GIB // 4}", FAST_RUN),               # it uses a quarter: the budget left grows
+    (f"{GIB // 2} {GIB // 2 - 2 * FAST[0]}", FAST_RUN),  # what its cache holds free is its to use
+    ("fail", SMALLER_RUN),                              # it cannot say: the device's view
+    (f"{GIB // 4} {GIB // 2}", SMALLER_RUN),            # more allocated than held: not believed
+], ids=["all-used", "quarter-used", "cached", "fails", "inconsistent"])
+def test_the_allocators_own_view_sets_the_room_under_its_budget(shim_env, allocator, expected):
+    """A 1 GiB device, half of it in use, under a budget that leaves 20000 bytes of the device's
+    view; the framework's allocator says what it holds and uses (mucudnn_set_allocator)."""
+    run = run_graph(shim_env, {**budget_left(20000), "DRIVER_ALLOCATOR": allocator})
     assert chosen(run) == expected
-    if expected == SMALLER_RUN:
+    if allocator == f"{GIB // 2} {GIB // 2}":
         assert degraded_lines(run)[0].endswith(
-            f"(room 20000: free {GIB // 2}, budget 20000 left, of it 0 free in the allocator's cache, "
-            "margin 0)")
-    else:
-        assert not degraded_lines(run)
+            f"(room 20000: free {GIB // 2}, budget 20000 left of the allocator's, 0 free in its "
+            "cache, margin 0)")
+    if allocator == "fail":
+        assert degraded_lines(run)[0].endswith("(room 20000: free 536870912, budget 20000 left, margin 0)")
 
 
-def test_the_allocators_cache_also_lets_an_engine_through(shim_env):
+def test_the_allocators_cache_counts_as_free_memory_without_a_budget(shim_env):
+    # 100 bytes free on the device, but the allocator holds 2 FAST points' worth free
+    run = run_graph(shim_env, {**free_memory(100), "DRIVER_ALLOCATOR": f"{GIB // 2} {GIB // 2 - FAST[0]}"})
+    assert chosen(run) == FAST_RUN and not degraded_lines(run)
+
+
+def test_the_allocators_view_also_lets_an_engine_through(shim_env):
     run = shim_env.run_graph([HEUR_CASE], plan=other_kernels_plan(shim_env),
-                             env={**budget_left(100), "DRIVER_CACHED_FREE_BYTES": str(3 * 8 * WS)})
+                             env={**budget_left(100), "DRIVER_ALLOCATOR": f"{GIB // 4} {GIB // 4}"})
     assert landed(run) == ("3", 3 * 8 * WS) and not refused_lines(run)
 
 

@@ -283,23 +283,36 @@ static void *worker(void *arg) {
  * stdin line but blank ones and '#' comments is case 0, 1, ... through parse(line, index); then
  * the cases run on T threads through run(handle, index, out, size) and their lines are printed
  * in case order. */
-/* $DRIVER_CACHED_FREE_BYTES: what a framework's caching allocator would say it holds free, told
- * to the shim (when preloaded) through mucudnn_set_cached_free, as mucudnn's PyTorch site does. */
-static size_t cached_free_bytes;
-static size_t cached_free(void) { return cached_free_bytes; }
+/* $DRIVER_ALLOCATOR="RESERVED ALLOCATED" (or "fail"): what a framework's caching allocator would
+ * say it holds and uses, told to the shim (when preloaded) through mucudnn_set_allocator, as
+ * mucudnn's PyTorch site does. */
+static size_t allocator_reserved, allocator_allocated;
+static int allocator_fails;
 
-static void register_cached_free(void) {
-    const char *text = getenv("DRIVER_CACHED_FREE_BYTES");
-    void (*set)(size_t (*)(void)) = (void (*)(size_t (*)(void)))dlsym(RTLD_DEFAULT, "mucudnn_set_cached_free");
+static int allocator_stats(size_t *reserved, size_t *allocated) {
+    *reserved = allocator_reserved;
+    *allocated = allocator_allocated;
+    return allocator_fails;
+}
+
+static void register_allocator(void) {
+    const char *text = getenv("DRIVER_ALLOCATOR");
+    void (*set)(int (*)(size_t *, size_t *)) =
+        (void (*)(int (*)(size_t *, size_t *)))dlsym(RTLD_DEFAULT, "mucudnn_set_allocator");
     if (text == NULL || set == NULL) return;
-    cached_free_bytes = (size_t)strtoull(text, NULL, 10);
-    set(cached_free);
+    unsigned long long reserved = 0, allocated = 0;
+    allocator_fails = strcmp(text, "fail") == 0 ? -1 : 0;
+    if (!allocator_fails && sscanf(text, "%llu %llu", &reserved, &allocated) != 2)
+        die("DRIVER_ALLOCATOR: RESERVED ALLOCATED or fail");
+    allocator_reserved = (size_t)reserved;
+    allocator_allocated = (size_t)allocated;
+    set(allocator_stats);
 }
 
 static int run_driver(int argc, char **argv, void (*parse)(char *line, int index), run_case_fn run) {
     if (argc == 3 && !strcmp(argv[1], "--threads")) thread_count = atoi(argv[2]);
     if (thread_count < 1 || thread_count > 64) die("--threads must be 1..64");
-    register_cached_free();
+    register_allocator();
     void *library = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
     if (!library) die("libcudnn.so.9 is not loaded");
     direct.forward = (__typeof__(direct.forward))dlsym(library, "cudnnConvolutionForward");
