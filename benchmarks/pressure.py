@@ -617,7 +617,9 @@ def minmem_targets(model: str, entry: dict, side: str) -> dict:
     if own_ms and base_ms:
         ratios["vs_pytorch_uncapped_step"] = own_ms / base_ms
     met = None
-    if "vs_pytorch_min" in ratios and not is_3d(model):
+    if side == "fast" and own.get("complete") and own.get("min_cap_gib") is None and not own.get("error"):
+        met = False  # slow (or failing) even at the smaller minimum, its ceiling: not met there
+    elif "vs_pytorch_min" in ratios and not is_3d(model):
         met = ratios["vs_pytorch_min"] <= 1.0
     elif len(ratios) == 2:
         met = (ratios["vs_pytorch_min"] <= MIN_FRACTION_3D

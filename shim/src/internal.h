@@ -572,8 +572,9 @@ typedef struct {
  * (mucudnn_set_allocator), what it holds free counts as free, and the budget is its own (what
  * `mucudnn run --memory-budget` limits it to): in use is what it has allocated. Otherwise in use is
  * all the device does not have free (total - free). False (no room limit) when it cannot be known
- * (no driver, no current context) or with MUCUDNN_ROOM=0. */
-bool mu_room(mu_room_info *room);
+ * (no driver, no current context) or with MUCUDNN_ROOM=0. The framework's allocator is asked
+ * only where the device's view leaves less than `need` bytes (its view is never smaller). */
+bool mu_room(mu_room_info *room, size_t need);
 /* The point of head's kernel to choose instead of `chosen` (the fastest the framework's workspace
  * and the hard limit allow, deterministic when asked): chosen when it fits the room or the room is
  * unknown, else the fastest point within the room, else the smallest point. Never more workspace

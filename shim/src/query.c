@@ -132,7 +132,7 @@ static int offered_points(mu_plan_entry *head, const mu_state *state, mu_plan_en
  * first: a framework that falls back on an allocation failure then lands on a fitting point. */
 static void room_first(const mu_kernel *k, mu_seen *seen, mu_plan_entry *points[], int count) {
     mu_room_info room;
-    if (count < 2 || points[0]->workspace == 0 || !mu_room(&room) || points[0]->workspace <= room.bytes) return;
+    if (count < 2 || points[0]->workspace == 0 || !mu_room(&room, points[0]->workspace) || points[0]->workspace <= room.bytes) return;
     mu_plan_entry *fitting[MU_MAX_POINTS], *over[MU_MAX_POINTS];
     int fitting_count = 0, over_count = 0;
     for (int i = 0; i < count; i++) {

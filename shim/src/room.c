@@ -37,18 +37,13 @@ static _Atomic(mucudnn_allocator_fn) framework_allocator;
 
 MU_EXPORT void mucudnn_set_allocator(mucudnn_allocator_fn fn) { atomic_store(&framework_allocator, fn); }
 
-bool mu_room(mu_room_info *room) {
-    size_t free_bytes = 0, total_bytes = 0;
-    if (mu_option_int(MU_OPT_ROOM) == 0 || !mu_device_memory(&free_bytes, &total_bytes)) return false;
-    /* In use: everything the device does not have free (this process's context and memory, and
-     * other processes' on a shared GPU); with the framework's allocator known, what it has
-     * allocated, its budget being the allocator's. */
-    size_t used = total_bytes > free_bytes ? total_bytes - free_bytes : 0;
-    size_t reserved = 0, allocated = 0;
-    mucudnn_allocator_fn fn = atomic_load(&framework_allocator);
-    room->allocator_known = fn != NULL && fn(&reserved, &allocated) == 0 && allocated <= reserved;
+/* The room from the device's view (allocator unknown) or, with `allocated` and `reserved`, the
+ * framework allocator's. */
+static void settle(mu_room_info *room, size_t free_bytes, size_t used, bool allocator_known, size_t reserved,
+                   size_t allocated) {
+    room->allocator_known = allocator_known;
     room->cached_bytes = 0;
-    if (room->allocator_known) {
+    if (allocator_known) {
         room->cached_bytes = reserved - allocated;
         if (room->cached_bytes > used) room->cached_bytes = used;  /* it holds no more than is used */
         used = allocated;
@@ -60,6 +55,23 @@ bool mu_room(mu_room_info *room) {
     room->margin = (size_t)mu_option_int(MU_OPT_ROOM_MARGIN);
     size_t available = room->free_bytes < room->budget_left ? room->free_bytes : room->budget_left;
     room->bytes = available > room->margin ? available - room->margin : 0;
+}
+
+bool mu_room(mu_room_info *room, size_t need) {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (mu_option_int(MU_OPT_ROOM) == 0 || !mu_device_memory(&free_bytes, &total_bytes)) return false;
+    /* In use: everything the device does not have free (this process's context and memory, and
+     * other processes' on a shared GPU); with the framework's allocator known, what it has
+     * allocated, its budget being the allocator's. */
+    size_t used = total_bytes > free_bytes ? total_bytes - free_bytes : 0;
+    settle(room, free_bytes, used, false, 0, 0);
+    /* The allocator's view is never smaller (what it holds is in use on the device): asked only
+     * where the device's view is too small for `need`, so that a workspace that fits anyway
+     * costs no call into the framework (a Python callback takes the GIL). */
+    mucudnn_allocator_fn fn = atomic_load(&framework_allocator);
+    size_t reserved = 0, allocated = 0;
+    if (room->bytes < need && fn != NULL && fn(&reserved, &allocated) == 0 && allocated <= reserved)
+        settle(room, free_bytes, used, true, reserved, allocated);
     return true;
 }
 
@@ -83,7 +95,7 @@ void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_
 mu_plan_entry *mu_room_point(mu_plan_entry *head, mu_plan_entry *chosen, bool deterministic,
                              const mu_kernel *k, mu_seen *seen) {
     mu_room_info room;
-    if (chosen == NULL || !mu_room(&room) || chosen->workspace <= room.bytes) return chosen;
+    if (chosen == NULL || !mu_room(&room, chosen->workspace) || chosen->workspace <= room.bytes) return chosen;
     mu_plan_entry *within = mu_plan_point(head, room.bytes, deterministic);
     if (within == NULL) /* the smallest usable point: the one of least workspace (head first) */
         for (mu_plan_entry *point = head; point != NULL && within == NULL; point = point->next_point)
@@ -100,7 +112,7 @@ bool mu_room_refuses(size_t workspace, const mu_kernel *k, mu_seen *seen, const 
      * needs a budget: without one the room is the device's free memory, where the blocks PyTorch's
      * cache holds free count as used, so a full cache would turn away engines that PyTorch would
      * have fed from it (and where it cannot, its own fallback takes the next engine). */
-    if (workspace == 0 || !mu_room(&room) || room.budget_left == SIZE_MAX || workspace <= room.bytes)
+    if (workspace == 0 || !mu_room(&room, workspace) || room.budget_left == SIZE_MAX || workspace <= room.bytes)
         return false;
     /* Counted per kernel; a convolution without a key has no kernel to count it under. */
     bool first = seen != NULL && !atomic_exchange(&seen->room_refused, true);

@@ -401,6 +401,12 @@ def test_a_fast_search_slow_at_its_upper_end_fails_there_without_widening():
     assert result["probes"][0]["status"] == "slow" and result["probes"][0]["limit_ms"] == 110.0
 
 
+def test_a_fast_search_slow_at_its_ceiling_does_not_meet_the_target():
+    entry = {"pytorch": {"min_cap_gib": 9.25}, "pytorch_uncapped": {"step_ms": 600.0},
+             "fast": {"min_cap_gib": None, "complete": True, "note": "fails even at 9.25 GiB"}}
+    assert pressure.minmem_targets("unet3d", entry, "fast")["target_met"] is False
+
+
 def test_minmem_can_leave_the_shim_alone_out(gpu, tmp_path):
     assert pressure.main(["minmem", "--models", "unet3d", "--dtypes", "fp32", "--benchmark", "off",
                           "--offload", "--no-shim-search", "--out", str(tmp_path)]) == 0

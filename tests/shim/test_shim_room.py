@@ -127,6 +127,15 @@ def test_the_allocators_cache_counts_as_free_memory_without_a_budget(shim_env):
     assert chosen(run) == FAST_RUN and not degraded_lines(run)
 
 
+def test_the_allocator_is_asked_only_where_the_devices_view_is_too_small(shim_env):
+    """Its view is never smaller, and asking it costs a call into the framework (PyTorch's takes
+    the GIL): a workspace that fits the device's view does not ask."""
+    fits = run_graph(shim_env, {**budget_left(FAST[0]), "DRIVER_ALLOCATOR": f"{GIB // 4} {GIB // 4}"})
+    assert chosen(fits) == FAST_RUN and "driver: allocator asked 0 times" in fits.stderr
+    short = run_graph(shim_env, {**budget_left(FAST[0] - 1), "DRIVER_ALLOCATOR": f"{GIB // 4} {GIB // 4}"})
+    assert chosen(short) == FAST_RUN and "driver: allocator asked 0 times" not in short.stderr
+
+
 def test_the_allocators_view_also_lets_an_engine_through(shim_env):
     run = shim_env.run_graph([HEUR_CASE], plan=other_kernels_plan(shim_env),
                              env={**budget_left(100), "DRIVER_ALLOCATOR": f"{GIB // 4} {GIB // 4}"})

@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -289,7 +290,12 @@ static void *worker(void *arg) {
 static size_t allocator_reserved, allocator_allocated;
 static int allocator_fails;
 
+static atomic_int allocator_asked;
+
+static void say_allocator_asked(void) { fprintf(stderr, "driver: allocator asked %d times\n", atomic_load(&allocator_asked)); }
+
 static int allocator_stats(size_t *reserved, size_t *allocated) {
+    atomic_fetch_add(&allocator_asked, 1);
     *reserved = allocator_reserved;
     *allocated = allocator_allocated;
     return allocator_fails;
@@ -307,6 +313,7 @@ static void register_allocator(void) {
     allocator_reserved = (size_t)reserved;
     allocator_allocated = (size_t)allocated;
     set(allocator_stats);
+    atexit(say_allocator_asked);
 }
 
 static int run_driver(int argc, char **argv, void (*parse)(char *line, int index), run_case_fn run) {
