@@ -895,7 +895,8 @@ def read_part(out: Path, part: str) -> dict:
 
 
 def write_page(out: Path, to: Path | None = None) -> Path | None:
-    """Read every part's JSON in ``out``, write the page (``to``, or OUT/pressure-GPU.md)."""
+    """Read every part's JSON in ``out``, write the page (``to``, or OUT/pressure-GPU.md) and,
+    where minmem ran, its plot beside it (same name, ``-minmem.png``)."""
     from mucudnn.outputs import write_text_atomically
     reports = {part: data for part in PARTS if (data := read_part(out, part))}
     if not reports:
@@ -903,7 +904,44 @@ def write_page(out: Path, to: Path | None = None) -> Path | None:
     device = next((r["device"] for r in reports.values() if r.get("device")), None)
     target = to or out / f"pressure-{gpu_slug(device)}.md"
     write_text_atomically(target, markdown(reports) + "\n")
+    if "minmem" in reports:
+        from benchmarks.offload import plot
+        plot(minmem_rows(reports["minmem"]), target.with_name(target.stem + "-minmem.png"))
     return target
+
+
+# minmem's sides as benchmarks/offload.py's methods, so that its plot draws them: step time
+# against the cap, shim + offload as mucudnn's curve, PyTorch capped as the other (the shim alone
+# trains only where PyTorch does: its points are the page's)
+PLOT_METHODS = {"pytorch": "pytorch", "offload": "mucudnn", "fast": "mucudnn"}
+
+
+def minmem_rows(report: dict) -> list[dict]:
+    """minmem's probes and minima as benchmarks/offload.py's result rows (its ``plot`` input):
+    every probe that trained is a point at its cap (a fast search's slow run too: it trained),
+    PyTorch's uncapped run an anchor at its peak reserved, each side's minimum a vertical line and
+    each cap where a run did not train a dotted one."""
+    rows = []
+    for model, entry in report.get("models", {}).items():
+        base = entry.get("pytorch_uncapped") or {}
+        if passed(base) and base.get("peak_reserved_bytes"):
+            rows.append({"model": model, "method": "pytorch", "budget_bytes": None, "status": "ok",
+                         "step_ms": base["step_ms"], "peak_reserved": base["peak_reserved_bytes"]})
+        for side, method in PLOT_METHODS.items():
+            search = entry.get(side) or {}
+            for probe in search.get("probes", []):
+                if probe.get("cap_gib") is None:  # a report of an older layout: nothing to draw
+                    continue
+                trained = probe.get("status") in ("ok", SLOW)
+                rows.append({"model": model, "method": method, "part": "probe",
+                             "budget_bytes": int(probe["cap_gib"] * 2**30),
+                             "status": "ok" if trained else probe.get("status"),
+                             "step_ms": probe.get("step_ms"),
+                             "peak_reserved": probe.get("peak_reserved_bytes") or 0})
+            if search.get("min_cap_gib") and side != "fast":
+                rows.append({"model": model, "method": method, "part": "min",
+                             "min_budget_gib": search["min_cap_gib"]})
+    return rows
 
 
 # -- several GPUs ----------------------------------------------------------------------------------

@@ -642,3 +642,33 @@ def test_without_the_shim_budget_the_shim_runs_capped_but_untold(gpu, tmp_path):
                           "--no-shim-budget", "--out", str(tmp_path)]) == 0
     capped = [r for r in gpu.runs if r["shim"] and r["cap"]]
     assert capped and all("--memory-budget" not in r["cli"] and r["budget"] is None for r in capped)
+
+
+def test_minmem_probes_become_the_offload_plots_rows(gpu, tmp_path):
+    assert pressure.main(["minmem", "--models", "unet3d", "--dtypes", "fp32", "--benchmark", "off",
+                          "--offload", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "pressure-minmem.json").read_text())
+    rows = pressure.minmem_rows(report)
+    from benchmarks.offload import plot_series
+    series = plot_series(rows, "unet3d")
+    entry = report["models"]["unet3d"]
+    # every offload run that trained, slow ones included, once per cap; PyTorch's capped runs
+    offload_caps = {p["cap_gib"] for side in ("offload", "fast") for p in entry[side]["probes"]
+                    if p["status"] in ("ok", "slow")}
+    assert [x for x, _ in series["mucudnn"]] == sorted(offload_caps)
+    assert (6.0, 630.0) in series["mucudnn"] and (4.5, 1890.0) in series["mucudnn"]
+    assert [x for x, _ in series["pytorch"]] == sorted(
+        p["cap_gib"] for p in entry["pytorch"]["probes"] if p["status"] == "ok")
+    (label, x, y), = series["anchors"]  # PyTorch unconstrained, at its peak reserved
+    assert label.startswith("pytorch unconstrained") and y == 600.0
+    assert x == pytest.approx(entry["pytorch_uncapped"]["peak_reserved_bytes"] / 2**30)
+    assert sorted(series["minima"]) == [("mucudnn min 4.5 GiB", 4.5), ("pytorch min 9.25 GiB", 9.25)]
+    assert 7.0 in series["failures"] or any(p["status"] == "oom" for p in entry["pytorch"]["probes"])
+
+
+def test_the_page_has_its_minmem_plot_beside_it(gpu, tmp_path):
+    pytest.importorskip("matplotlib")
+    pressure.main(["minmem", "--models", "unet3d", "--dtypes", "fp32", "--benchmark", "off",
+                   "--offload", "--out", str(tmp_path)])
+    png = tmp_path / "pressure-h200-minmem.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
