@@ -520,8 +520,8 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
             offload = side in ("offload", "fast")
 
             def at(cap_gib: float) -> dict:
-                if offload and cap_gib in offload_runs:
-                    return offload_runs[cap_gib]
+                if offload and cap_gib in offload_runs:  # run by the other offload search
+                    return {**offload_runs[cap_gib], "reused_from": "the other offload search"}
                 outcome = runner.run(f"{label} {SIDES[side]} cap {cap_gib:g} GiB", model, batch,
                                      shim=side != "pytorch", offload=offload, dtype=dtype,
                                      cudnn_benchmark=bench, cap_gib=cap_gib,
@@ -779,6 +779,8 @@ def markdown(reports: dict) -> str:
         for model, e in r["models"].items():
             base = e.get("pytorch_uncapped", {})
             pt, sh = e.get("pytorch") or {}, e.get("shim") or {}
+            if "shim" not in e and "pytorch" in e:  # --no-shim-search
+                sh = {"note": "not searched"}
             sh_ms = (sh.get("at_min") or {}).get("step_ms")
             ratios = minmem_targets(model, e, "shim")
             ratio_min, slow = ratios.get("vs_pytorch_min"), ratios.get("vs_pytorch_uncapped_step")

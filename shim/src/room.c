@@ -79,7 +79,9 @@ static void describe_budget(const mu_room_info *room, char *buf, size_t size) {
     int n = room->budget_left == SIZE_MAX ? snprintf(buf, size, "none")
                                           : snprintf(buf, size, "%zu left", room->budget_left);
     if (room->allocator_known && n > 0 && (size_t)n < size)
-        snprintf(buf + n, size - (size_t)n, " of the allocator's, %zu free in its cache", room->cached_bytes);
+        snprintf(buf + n, size - (size_t)n, room->budget_left == SIZE_MAX ? "; the allocator's cache %zu free"
+                                                                        : " of the allocator's, %zu free in its cache",
+                 room->cached_bytes);
 }
 
 void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_t to, const mu_room_info *room) {

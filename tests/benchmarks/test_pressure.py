@@ -370,9 +370,12 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     offload = [r for r in gpu.runs if r["offload"]]
     # bracketed below the shim's minimum: that minimum first, down to 0.25x of it
     assert offload[0]["cap"] == 7.0 and min(r["cap"] for r in offload if r["model"] == "unet3d") >= 1.75
-    # the two searches share their runs: no cap runs twice
+    # the two searches share their runs: no cap runs twice, and a shared one is marked reused
     caps = [(r["model"], r["cap"]) for r in offload]
     assert len(caps) == len(set(caps))
+    reused = [p for p in unet["offload"]["probes"] if "reused_from" in p]
+    assert reused and {p["cap_gib"] for p in reused} <= {p["cap_gib"] for p in unet["fast"]["probes"]}
+    assert not any("reused_from" in p for p in unet["fast"]["probes"])
     for run in offload:  # the CLI's path: `mucudnn run --memory-budget CAP --offload`
         assert run["cli"][-4:] == ["run", "--memory-budget", str(int(run["cap"] * 2**30)), "--offload"]
         assert run["warmup"] == 4 and run["steps"] == 3 and run["online"] == "1"
@@ -412,6 +415,7 @@ def test_minmem_can_leave_the_shim_alone_out(gpu, tmp_path):
                           "--offload", "--no-shim-search", "--out", str(tmp_path)]) == 0
     unet = json.loads((tmp_path / "pressure-minmem.json").read_text())["models"]["unet3d"]
     assert "shim" not in unet and unet["fast"]["min_cap_gib"] == 6.0
+    assert "| not searched |" in (tmp_path / "pressure-h200.md").read_text()
     assert not any(r["shim"] and r["cap"] and not r["offload"] for r in gpu.runs)
     # bracketed below PyTorch's minimum, the only one searched
     assert [r["cap"] for r in gpu.runs if r["offload"]][0] == unet["pytorch"]["min_cap_gib"]

@@ -125,6 +125,12 @@ def test_the_allocators_cache_counts_as_free_memory_without_a_budget(shim_env):
     # 100 bytes free on the device, but the allocator holds 2 FAST points' worth free
     run = run_graph(shim_env, {**free_memory(100), "DRIVER_ALLOCATOR": f"{GIB // 2} {GIB // 2 - FAST[0]}"})
     assert chosen(run) == FAST_RUN and not degraded_lines(run)
+    # holding less free than the fastest point needs: degraded within it, and said so
+    run = run_graph(shim_env, {**free_memory(100), "DRIVER_ALLOCATOR": f"{GIB // 2} {GIB // 2 - SMALLER[0]}"})
+    assert chosen(run) == SMALLER_RUN
+    room = 100 + SMALLER[0]
+    assert degraded_lines(run)[0].endswith(
+        f"(room {room}: free {room}, budget none; the allocator's cache {SMALLER[0]} free, margin 0)")
 
 
 def test_the_allocator_is_asked_only_where_the_devices_view_is_too_small(shim_env):
