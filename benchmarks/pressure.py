@@ -79,6 +79,7 @@ from pathlib import Path
 
 from benchmarks.models import parse_model, spec_of
 from mucudnn.budget import ENV_OFFLOAD  # set by `mucudnn run --offload` only
+ENV_OFFLOAD_PROFILE = "MUCUDNN_OFFLOAD_PROFILE"  # where mucudnn.torch writes its recorded profile
 from benchmarks.shim_pytorch import worker_command, worker_outcome
 
 PARTS = ("ratio", "minmem", "maxbatch")
@@ -255,7 +256,7 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
 def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
-            "reused_from", "returncode", "offload_lines", "limit_ms")
+            "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]
@@ -323,9 +324,15 @@ class Runner:
                                   memory_budget=int(cap_gib * 2**30) if cli_budget else None,
                                   offload=offload)
         # only where this run asks for it (an offload run's budget and offload: the CLI sets them)
-        for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET", ENV_OFFLOAD):
+        for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET", ENV_OFFLOAD,
+                     ENV_OFFLOAD_PROFILE):
             if name not in env_extra:
                 env.pop(name, None)
+        profile = None
+        if offload:  # the recorded profile and plan, for the planner to be replayed off the GPU
+            profile = log.with_name(log.stem + "-profile.json")
+            profile.unlink(missing_ok=True)
+            env[ENV_OFFLOAD_PROFILE] = str(profile)
         if cli_budget:
             # `mucudnn run --memory-budget` turns on expandable segments unless the allocator is
             # configured: configured here as the part's, so that every run has the same allocator
@@ -342,6 +349,8 @@ class Runner:
         if offload:  # the plan the probe ran (or that it fell back to offloading everything)
             outcome["offload_lines"] = [line.strip()[:300] for line in stderr.splitlines()
                                         if OFFLOAD_PATTERN.search(line)][-2:]
+            if profile.exists():
+                outcome["offload_profile"] = str(profile.relative_to(self.out))
         print(f"    {what}: {outcome['status']}" + (f" {outcome['step_ms']:.2f} ms"
               if "step_ms" in outcome else "") + f" ({wall_s:.1f} s)", flush=True)
         return outcome

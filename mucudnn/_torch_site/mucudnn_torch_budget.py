@@ -23,6 +23,7 @@ ENV_BUDGET = "MUCUDNN_MEMORY_BUDGET"  # also read by the shim (shim/src/options.
 ENV_REPORT = "MUCUDNN_BUDGET_REPORT"  # the launcher's file: one line per event of each process
 ENV_LOG_LEVEL = "MUCUDNN_LOG_LEVEL"   # the shim's level: info shows what was limited
 ENV_OFFLOAD = "MUCUDNN_OFFLOAD"       # 1: mucudnn.torch keeps/offloads/recomputes saved tensors
+ENV_OFFLOAD_PROFILE = "MUCUDNN_OFFLOAD_PROFILE"  # a file: the recorded profile and plan, as JSON
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
 
 
@@ -308,7 +309,8 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     try:
         from mucudnn.torch.runtime import OffloadSession
         session = OffloadSession(budget, say=lambda text: say("info", text), strict=False,
-                                 recompute_convolutions=recompute_convolutions)
+                                 recompute_convolutions=recompute_convolutions,
+                                 profile_to=os.environ.get(ENV_OFFLOAD_PROFILE) or None)
         session.__enter__()
     except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`
         say("warning", f"activation offload not started: {exc}")

@@ -532,7 +532,10 @@ class OffloadSession:
     ``recompute``: recipes at all; ``recompute_convolutions``: recipes may rerun convolutions
     (:data:`CONVOLUTIONS`; see the module docstring). ``copy_exposure``: the planner's
     :data:`~mucudnn.torch.planner.COPY_EXPOSURE`.
-    ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``strict``: a budget
+    ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``profile_to``: a
+    path where each plan made (or the fall-back when none meets the budget) writes the recorded
+    profile, the target and the modes as JSON (:meth:`write_profile`), so that the planner can be
+    replayed on it off the GPU. ``strict``: a budget
     no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
     ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
     A planned step that runs out of device memory (the link's ``ooms()`` grew; its exception
@@ -548,7 +551,7 @@ class OffloadSession:
                  say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
                  record_steps: int = 2, plan_time_limit_s: float = 20,
                  recompute_convolutions: bool = True,
-                 copy_exposure: float = planner.COPY_EXPOSURE):
+                 copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
@@ -561,6 +564,7 @@ class OffloadSession:
         self.copy_exposure = copy_exposure
         self._link, self._links = link, {}
         self.trace = trace
+        self.profile_to = profile_to
         self.strict = strict
         self.say = say or (lambda text: None)
         self.profile: planner.StepProfile | None = None
@@ -1138,6 +1142,7 @@ class OffloadSession:
             return False
         self._lowered_target, self.plan, self.modes = target, plan, list(plan.modes)
         self._schedule = self._prefetch_schedule(self.modes)
+        self.write_profile()
         self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran out of "
                  f"device memory (modelled peak {modelled / 2**30:.2f} GiB); planning for "
                  f"{target / 2**30:.2f} GiB: {plan.describe()}")
@@ -1157,9 +1162,31 @@ class OffloadSession:
             # an unmodified script: go on as the recorded step ran (everything offloaded)
             self.say(f"{exc}; offloading every saved tensor")
             self.modes = offload_everything(self.profile.groups)
+            self.write_profile()
             return
         self.modes = list(self.plan.modes)
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
+        self.write_profile()
+
+    def write_profile(self) -> bool:
+        """``profile_to``: the budget, the target, the recorded profile (its dataclass's fields),
+        the plan's description (None: no plan met the target) and the modes in force, as one JSON
+        document written atomically; each plan made rewrites it. Never raises: a path that cannot
+        be written is one line (the step goes on)."""
+        if not self.profile_to or self.profile is None:
+            return False
+        import dataclasses
+        import json
+        from ..outputs import write_text_atomically
+        document = {"budget": self.budget, "target": self.target,
+                    "plan": self.plan.describe() if self.plan is not None else None,
+                    "modes": self.modes, "profile": dataclasses.asdict(self.profile)}
+        try:
+            write_text_atomically(self.profile_to, json.dumps(document) + "\n")
+        except (OSError, ValueError) as exc:
+            self.say(f"the offload profile was not written to {self.profile_to}: {exc}")
+            return False
+        return True
 
     @property
     def prefetch_margin(self) -> float:

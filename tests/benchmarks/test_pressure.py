@@ -263,6 +263,7 @@ class FakeGpu:
                           "benchmark": "--cudnn-benchmark" in cmd, "offload": offload,
                           "cli": cli, "warmup": int(arg("--warmup")),
                           "offload_env": env.get("MUCUDNN_OFFLOAD"),
+                          "profile_to": env.get("MUCUDNN_OFFLOAD_PROFILE"),
                           "allocator": env.get("PYTORCH_CUDA_ALLOC_CONF"),
                           "log_level": env.get("MUCUDNN_LOG_LEVEL")})
         from benchmarks.models import spec_of
@@ -271,6 +272,7 @@ class FakeGpu:
         stderr = "mucudnn: online tuning: 12 kernels measured in 3.0 s\n" if shim and int(arg("--warmup")) == 0 else ""
         if offload:
             stderr += OFFLOAD_LINE.format(cap=cap) + "\n"
+            Path(env["MUCUDNN_OFFLOAD_PROFILE"]).write_text('{"profile": {}}\n')  # as the session
         if cap and need > cap:
             return 0, json.dumps({"oom": True, "error": "CUDA out of memory"}) + "\n", stderr, 5.0, False
         step = STEP_MS[model][side] * batch / spec_of(model).batch
@@ -290,6 +292,7 @@ def gpu(monkeypatch):
     monkeypatch.setenv("MUCUDNN_ONLINE_DIR", "/somewhere/else")
     monkeypatch.setenv("MUCUDNN_MEMORY_BUDGET", "1GiB")  # nor a budget the run did not ask for
     monkeypatch.setenv("MUCUDNN_OFFLOAD", "1")  # nor offload
+    monkeypatch.setenv("MUCUDNN_OFFLOAD_PROFILE", "/somewhere/profile.json")  # nor its profile
     return fake
 
 
@@ -370,6 +373,10 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     offload = [r for r in gpu.runs if r["offload"]]
     # bracketed below the shim's minimum: that minimum first, down to 0.25x of it
     assert offload[0]["cap"] == 7.0 and min(r["cap"] for r in offload if r["model"] == "unet3d") >= 1.75
+    # each offload run writes its recorded profile beside its log, named in its probe
+    for probe in unet["offload"]["probes"] + unet["fast"]["probes"]:
+        assert (tmp_path / probe["offload_profile"]).read_text() == '{"profile": {}}\n'
+    assert all(r["profile_to"] is None for r in gpu.runs if not r["offload"])
     # the two searches share their runs: no cap runs twice, and a shared one is marked reused
     caps = [(r["model"], r["cap"]) for r in offload]
     assert len(caps) == len(set(caps))

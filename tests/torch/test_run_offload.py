@@ -91,3 +91,25 @@ def test_a_bad_offload_value_is_one_line_and_no_offload(tmp_path, monkeypatch):
     assert "hooks 0" in done.stdout
     said = [line for line in done.stderr.splitlines() if "MUCUDNN_OFFLOAD" in line]
     assert len(said) == 1 and "'sometimes'" in said[0] and "Traceback" not in done.stderr
+
+
+PROFILE_TO = textwrap.dedent("""
+    import gc, torch
+    from mucudnn.torch.runtime import OffloadSession
+    sessions = [o for o in gc.get_objects() if isinstance(o, OffloadSession)]
+    print("profile_to", [str(s.profile_to) for s in sessions])
+""")
+
+
+@pytest.mark.parametrize("value", ["", "PATH"])
+def test_the_session_writes_its_profile_where_the_environment_says(tmp_path, monkeypatch, value):
+    path = str(tmp_path / "profile.json") if value == "PATH" else ""
+    monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
+    monkeypatch.setenv("MUCUDNN_OFFLOAD_PROFILE", path)
+    script = tmp_path / "train.py"
+    script.write_text(PROFILE_TO)
+    out = tmp_path / "out.txt"
+    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", "--", "sh",
+                                       "-c", f"{sys.executable} {script} > {out}"])
+    assert result.exit_code == 0, result.output
+    assert f"profile_to {[path or 'None']}" in out.read_text()

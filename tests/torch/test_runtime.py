@@ -313,6 +313,38 @@ def test_an_impossible_budget_in_an_unmodified_script_offloads_everything():
     assert any("too small for this step" in text for text in said)
 
 
+def test_each_plan_writes_the_profile_it_was_made_from(tmp_path):
+    import json
+    from mucudnn.torch import planner
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    path = tmp_path / "profile.json"
+    session = OffloadSession(budget=4 * GiB, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             profile_to=path)
+    train(model, data, session)
+    document = json.loads(path.read_text())
+    assert document["budget"] == 4 * GiB and document["target"] == session.target
+    assert document["modes"] == session.modes and document["plan"] == session.plan.describe()
+    # the planner replays on it off the GPU: the same plan
+    fields = document["profile"]
+    profile = planner.StepProfile(**{**fields, "groups": [planner.SavedGroup(**g) for g in fields["groups"]]})
+    assert planner.plan_with_prefetch(profile, document["target"], session.lookahead).modes == session.plan.modes
+
+
+def test_no_plan_writes_the_profile_too_and_an_unwritable_path_is_one_line(tmp_path):
+    import json
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    said, path = [], tmp_path / "profile.json"
+    session = OffloadSession(budget=1000, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             strict=False, say=said.append, profile_to=path)
+    train(model, data, session)
+    document = json.loads(path.read_text())
+    assert document["plan"] is None and document["modes"] == session.modes
+    said.clear()
+    session.profile_to = tmp_path / "no such directory" / "profile.json"
+    assert not session.write_profile()
+    assert len(said) == 1 and said[0].startswith("the offload profile was not written to ")
+
+
 def test_every_step_finds_the_same_recipes_when_the_model_starts_with_cheap_modules():
     torch.manual_seed(0)
     model = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 8, 3), nn.ReLU(),
