@@ -78,8 +78,8 @@ import time
 from pathlib import Path
 
 from benchmarks.models import parse_model, spec_of
-from mucudnn.budget import ENV_OFFLOAD  # set by `mucudnn run --offload` only
-ENV_OFFLOAD_PROFILE = "MUCUDNN_OFFLOAD_PROFILE"  # where mucudnn.torch writes its recorded profile
+# set by `mucudnn run --offload` only; where mucudnn.torch writes its recorded profile
+from mucudnn.budget import ENV_OFFLOAD, ENV_OFFLOAD_PROFILE
 from benchmarks.shim_pytorch import worker_command, worker_outcome
 
 PARTS = ("ratio", "minmem", "maxbatch")

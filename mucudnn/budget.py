@@ -61,6 +61,7 @@ def _hook():
 ENV_BUDGET = _hook().ENV_BUDGET
 ENV_REPORT = _hook().ENV_REPORT
 ENV_OFFLOAD = _hook().ENV_OFFLOAD
+ENV_OFFLOAD_PROFILE = _hook().ENV_OFFLOAD_PROFILE
 
 
 def parse_budget(value: str | int) -> int:
