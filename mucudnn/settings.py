@@ -51,6 +51,8 @@ SETTINGS: tuple[Setting, ...] = (
             (SHIM,)),
     Setting("MUCUDNN_OFFLOAD", "1: keep, offload or recompute saved tensors within the memory "
             "budget (mucudnn.torch); cheap: recompute no convolution", "0", (PYTHON,)),
+    Setting("MUCUDNN_OFFLOAD_PROFILE", "file where each offload plan writes its recorded step's "
+            "profile as JSON (for the planner to be replayed off the GPU)", "(none)", (PYTHON,)),
     Setting("MUCUDNN_BUDGET_REPORT", "file the budget launcher's processes report to", "(none)",
             (PYTHON,)),
     Setting("MUCUDNN_STORE", "benchmark store", "$XDG_CACHE_HOME/mucudnn/benchmarks.sqlite",
