@@ -788,7 +788,7 @@ def markdown(reports: dict) -> str:
         for model, e in r["models"].items():
             base = e.get("pytorch_uncapped", {})
             pt, sh = e.get("pytorch") or {}, e.get("shim") or {}
-            if "shim" not in e and "pytorch" in e:  # --no-shim-search
+            if "shim" not in e and s.get("shim_search") is False:  # --no-shim-search
                 sh = {"note": "not searched"}
             sh_ms = (sh.get("at_min") or {}).get("step_ms")
             ratios = minmem_targets(model, e, "shim")

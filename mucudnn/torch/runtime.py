@@ -1091,6 +1091,7 @@ class OffloadSession:
                 recorded = self.profile.groups if self.profile is not None else finished.groups
                 self.modes = offload_everything(recorded)
                 self._schedule = {}
+                self.write_profile()
                 self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran "
                          "out of device memory; offloading every saved tensor from now on")
             return
@@ -1170,7 +1171,9 @@ class OffloadSession:
 
     def write_profile(self) -> bool:
         """``profile_to``: the budget, the target, the recorded profile (its dataclass's fields),
-        the plan's description (None: no plan met the target) and the modes in force, as one JSON
+        the plan's description (None: no plan met the target), whether the session fell back to
+        offloading everything after planned steps ran out of memory (``fell_back``: the plan is
+        then the last one tried) and the modes in force, as one JSON
         document written atomically; each plan made rewrites it. Never raises: a path that cannot
         be written is one line (the step goes on)."""
         if not self.profile_to or self.profile is None:
@@ -1178,12 +1181,18 @@ class OffloadSession:
         import dataclasses
         import json
         from ..outputs import write_text_atomically
-        document = {"budget": self.budget, "target": self.target,
-                    "plan": self.plan.describe() if self.plan is not None else None,
-                    "modes": self.modes, "profile": dataclasses.asdict(self.profile)}
+        def plain(value):  # a NumPy or torch scalar given as the budget, a link's speeds, ...
+            if hasattr(value, "item"):
+                return value.item()
+            raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
         try:
-            write_text_atomically(self.profile_to, json.dumps(document) + "\n")
-        except (OSError, ValueError) as exc:
+            document = {"budget": self.budget, "target": self.target,
+                        "plan": self.plan.describe() if self.plan is not None else None,
+                        "fell_back": self.fell_back, "modes": self.modes,
+                        "profile": dataclasses.asdict(self.profile)}
+            write_text_atomically(self.profile_to, json.dumps(document, default=plain) + "\n")
+        except (OSError, ValueError, TypeError) as exc:
             self.say(f"the offload profile was not written to {self.profile_to}: {exc}")
             return False
         return True

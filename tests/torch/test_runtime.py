@@ -4,6 +4,7 @@ a recording link checks the order of copies; gradients must be bitwise equal to 
 import contextlib
 import copy
 import gc
+import json
 import sys
 import time
 import weakref
@@ -339,10 +340,25 @@ def test_no_plan_writes_the_profile_too_and_an_unwritable_path_is_one_line(tmp_p
     train(model, data, session)
     document = json.loads(path.read_text())
     assert document["plan"] is None and document["modes"] == session.modes
+    assert document["fell_back"] is False
     said.clear()
     session.profile_to = tmp_path / "no such directory" / "profile.json"
     assert not session.write_profile()
     assert len(said) == 1 and said[0].startswith("the offload profile was not written to ")
+
+
+def test_a_numpy_budget_writes_its_profile_and_what_json_cannot_write_is_one_line(tmp_path):
+    import json
+    import numpy as np
+    said, path = [], tmp_path / "profile.json"
+    session = OffloadSession(budget=np.int64(4 * GiB), link=RecordingLink(), min_bytes=0,
+                             headroom=0.0, say=said.append, profile_to=path)
+    train(small_cnn(torch.float32), batches(torch.float32, 3), session)  # the step goes on
+    assert json.loads(path.read_text())["budget"] == 4 * GiB
+    said.clear()
+    session.profile.forward_ms = object()  # nothing JSON writes: one line, never an exception
+    assert not session.write_profile()
+    assert len(said) == 1 and "not JSON serializable" in said[0]
 
 
 def test_every_step_finds_the_same_recipes_when_the_model_starts_with_cheap_modules():
@@ -562,7 +578,8 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
 
 
 @pytest.mark.parametrize("failing_steps", [1, 99])
-def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(failing_steps):
+def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(failing_steps,
+                                                                           tmp_path):
     # the peak model fell short: the next plan aims lower (replan_step of the budget below the
     # failed plan's modelled peak); when every planned step fails, after `replans` plans it falls
     # back to offloading everything
@@ -580,7 +597,7 @@ def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(faili
     budget = saved_bytes(model, data) * 2
     session = OffloadSession(budget=budget, link=link, min_bytes=0, headroom=0.0,
                              say=said.append, replans=2, replan_step=0.1,
-                             record_steps=1)
+                             record_steps=1, profile_to=tmp_path / "profile.json")
     peaks = []
 
     def before_step():
@@ -597,12 +614,16 @@ def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(faili
         assert session.target == min(first_target, first_peak) - int(0.1 * budget)
         assert session.plan.peak <= session.target < first_peak
         assert [g.mode for g in session._step.groups] == list(session.plan.modes)
+        written = json.loads((tmp_path / "profile.json").read_text())
+        assert written["target"] == session.target and written["modes"] == list(session.plan.modes)
     else:
         # two replans (each lower), then the third failure falls back
         assert len(replanned) == 2 and session.fell_back and failures == len(data) - 1
         assert sum("offloading every saved tensor from now on" in line for line in said) == 1
         targets = [t for t, _ in peaks]
         assert targets[0] > targets[1] > targets[2]
+        written = json.loads((tmp_path / "profile.json").read_text())  # the modes in force
+        assert written["fell_back"] and written["modes"] == session.modes != list(session.plan.modes)
 
 
 def test_what_the_recorded_step_leaves_behind_is_in_every_baseline():
