@@ -692,7 +692,10 @@ def test_two_steps_record_and_the_second_is_profiled():
     allocations = link.host_allocations
     train(model, data[2:], session)
     assert session.plan is not None and link.host_allocations == allocations
-    assert session.profile.forward_ms < 30     # no pinning waited for in the profiled step
+    # no pinning waited for in the profiled step: that would be 30 ms per group (the bound
+    # leaves a loaded CI machine's slow forward room)
+    assert session.profile.forward_ms < 15 * len(session.profile.groups)
+    assert len(session.profile.groups) >= 4
 
 
 def test_a_failed_step_s_reference_cycles_are_collected_before_the_next_step():
