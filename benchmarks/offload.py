@@ -43,9 +43,15 @@ Writes ``OUT/offload.json`` (every row), ``OUT/offload.md`` and ``OUT/offload.pn
 against the budget, with PyTorch unconstrained, the other methods and the minima marked;
 matplotlib, if installed) after every configuration.
 
+``replay PROFILE --budgets B...`` (no GPU): the planner on a recorded step, at other budgets: what
+it would keep, offload and recompute, its predicted peak and step. PROFILE is what
+``MUCUDNN_OFFLOAD_PROFILE`` (``OffloadSession(profile_to=...)``) writes, benchmarks/pressure.py
+keeps one per offload probe; or ``OUT/offload.json`` (``--row K``: its K-th row with a profile).
+
     python -m benchmarks.offload --models vgg16 resnet50 --budget 12GiB --sweep 16GiB 8GiB --out DIR
     python -m benchmarks.offload --models unet3d --methods --sweep auto \\
         --min-search pytorch mucudnn --time-budget-s 500 --out DIR
+    python -m benchmarks.offload replay r3d_18-32-fp32-offload-4.5GiB-profile.json --budgets 4.5GiB 5GiB
 """
 
 from __future__ import annotations
@@ -754,11 +760,74 @@ def driver(args) -> None:
     print(markdown(rows, args))
 
 
+def load_profile(path: Path, row: int | None = None) -> dict:
+    """PROFILE of ``replay``: a session's document (``profile``, ``target``, ``budget``, ...) or,
+    from offload.json's rows, the ``row``-th that has a profile (the first without ``row``).
+    MucudnnError naming the file for anything else."""
+    from mucudnn.torch.planner import profile_from_dict
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MucudnnError(f"{path}: cannot be read as JSON ({exc})") from None
+    if isinstance(data, list):
+        rows = [r for r in data if isinstance(r, dict) and r.get("profile")]
+        index = row or 0
+        if not 0 <= index < len(rows):
+            raise MucudnnError(f"{path}: {len(rows)} rows with a profile, no row {index}")
+        data = {**rows[index], "budget": rows[index].get("budget_bytes")}
+    if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
+        raise MucudnnError(f"{path}: no recorded profile in it (MUCUDNN_OFFLOAD_PROFILE's file, "
+                           "or offload.json)")
+    try:
+        return {**data, "profile": profile_from_dict(data["profile"])}
+    except ValueError as exc:
+        raise MucudnnError(f"{path}: {exc}") from None
+
+
+def replay(args) -> int:
+    """The planner on a recorded profile at each budget: one line per budget (and with
+    ``--groups`` a table of the modes); one line and status 2 for a bad file or budget."""
+    from mucudnn.torch import planner
+    try:
+        budgets = [parse_budget(text) for text in args.budgets]
+        recorded = load_profile(Path(args.profile), args.row)
+    except MucudnnError as exc:
+        print(f"offload replay: {exc}", file=sys.stderr)
+        return 2
+    profile = recorded["profile"]
+    print(f"{args.profile}: {len(profile.groups)} saved groups, {profile.unpacks} backward points; "
+          f"recorded plan: {recorded.get('plan') or '-'}")
+    for budget in budgets:
+        target = int(budget * (1 - args.headroom))
+        try:
+            plan = planner.plan_with_prefetch(profile, target, args.lookahead, args.time_limit_s)
+        except MucudnnError as exc:
+            print(f"{budget / GiB:g} GiB: {exc}")
+            continue
+        print(f"{budget / GiB:g} GiB (target {target / GiB:.2f}): {plan.describe()}")
+        if args.groups:
+            for index, (group, mode) in enumerate(zip(profile.groups, plan.modes)):
+                recompute = "-" if group.recompute_ms is None else f"{group.recompute_ms:.2f}"
+                print(f"    {index:4d} {mode:9s} {group.nbytes / 2**20:9.1f} MiB  recompute "
+                      f"{recompute:>7s} ms  unpacks {group.first_unpack}-{group.last_unpack}  "
+                      f"{group.producer}")
+    return 0
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="role")
     drive = sub.add_parser("driver", help="every configuration (the default)")
     work = sub.add_parser("worker", help="one configuration (internal)")
+    again = sub.add_parser("replay", help="the planner on a recorded profile, at other budgets "
+                                          "(no GPU)")
+    again.add_argument("profile", help="MUCUDNN_OFFLOAD_PROFILE's file, or OUT/offload.json")
+    again.add_argument("--budgets", nargs="+", required=True, help="sizes, e.g. 4.5GiB 5GiB")
+    again.add_argument("--row", type=int, help="offload.json: the K-th row with a profile (0: first)")
+    again.add_argument("--headroom", type=float, default=0.1, help="as OffloadSession's")
+    again.add_argument("--lookahead", type=int, default=2, help="as OffloadSession's")
+    again.add_argument("--time-limit-s", type=float, default=20, help="CBC's, per solve")
+    again.add_argument("--groups", action="store_true", help="each saved group's mode")
     for p in (parser, drive):
         p.add_argument("--models", nargs="+", default=["vgg16", "resnet50"],
                        help="MODEL or MODEL:BATCH of benchmarks/models.py")
@@ -803,6 +872,8 @@ def main(argv=None) -> None:
     if args.role == "worker":
         worker(args)
         return
+    if args.role == "replay":
+        sys.exit(replay(args))
     try:   # the budgets, before any run: one clear line for a bad one
         for text in [args.budget] * bool(args.methods) + [b for b in args.sweep if b != "auto"]:
             parse_budget(text)

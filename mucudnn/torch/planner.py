@@ -156,6 +156,19 @@ class OffloadPlan:
                 + (f" or {self.margin:g} copy times" if self.count(OFFLOAD) and self.margin else ""))
 
 
+def profile_from_dict(fields: Mapping) -> StepProfile:
+    """The :class:`StepProfile` whose ``dataclasses.asdict`` is ``fields`` (what
+    ``OffloadSession(profile_to=...)`` and benchmarks/offload.py's rows keep): the planner replayed
+    on a recorded step off the GPU. ValueError (naming the field) for fields that are not one."""
+    try:
+        groups = [SavedGroup(**group) for group in fields["groups"]]
+        return StepProfile(**{**fields, "groups": groups})
+    except KeyError as exc:
+        raise ValueError(f"not a recorded profile: no {exc.args[0]!r}") from None
+    except TypeError as exc:  # an unknown or missing field
+        raise ValueError(f"not a recorded profile: {exc}") from None
+
+
 def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
     return (KEEP,) + ((OFFLOAD,) if group.offloadable else ()) + \
         ((RECOMPUTE,) if group.recompute_ms is not None and group.recompute_source else ())

@@ -446,3 +446,69 @@ def test_markdown_shows_the_profiled_step(monkeypatch):
                      "largest_gaps_ms_at_ms": [], "runtime_calls_ms": {"cudaEventSynchronize": [30.0, 4]}}}
     text = markdown([row], argparse.Namespace(budget="12GiB"))
     assert "| resnet50 N=256 | mucudnn@20GiB | 170.0 | 120.0 | 50.0 (12) | 40.0 | cudaEventSynchronize 30.0 (4) |" in text
+
+
+# -- replay: the planner on a recorded profile, off the GPU -------------------------------------------
+
+def recorded_profile(tmp_path, *, as_rows=False):
+    """A session's profile document (or offload.json's rows): 6 groups of 1 GiB in a chain, every
+    second one rebuilt from the one before it, 1 GiB of baseline."""
+    import dataclasses
+    from mucudnn.torch.planner import SavedGroup, StepProfile
+    n = 6
+    groups = [SavedGroup(GiB, first_unpack=n - 1 - g, last_unpack=n - 1 - g, producer=f"m{g}",
+                         recompute_ms=0.5 if g % 2 else None,
+                         recompute_source=(g - 1,) if g % 2 else None) for g in range(n)]
+    profile = StepProfile(groups, forward_ms=30.0, backward_ms=60.0, d2h_gbps=50.0, h2d_gbps=50.0,
+                          unpacks=n, baseline_forward=[GiB] * n, baseline_backward=[GiB] * n)
+    document = {"budget": 8 * GiB, "target": 7 * GiB, "plan": "6 kept", "modes": ["keep"] * n,
+                "profile": dataclasses.asdict(profile)}
+    path = tmp_path / ("offload.json" if as_rows else "profile.json")
+    data = [{"model": "x", "method": "pytorch"}, {**document, "budget_bytes": 8 * GiB}] if as_rows \
+        else document
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_replay_plans_a_recorded_profile_at_other_budgets(tmp_path, capsys):
+    path = recorded_profile(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        offload.main(["replay", str(path), "--budgets", "8GiB", "5GiB", "--headroom", "0",
+                      "--groups"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{path}: 6 saved groups, 6 backward points; recorded plan: 6 kept"
+    assert out[1].startswith("8 GiB (target 8.00): 6 kept, 0 offloaded")
+    five = next(i for i, line in enumerate(out) if line.startswith("5 GiB (target 5.00): "))
+    assert "4 kept, 0 offloaded" in out[five] and "2 recomputed" in out[five]  # cheaper than copies
+    modes = [line.split()[1] for line in out[five + 1:five + 7]]
+    assert modes.count("recompute") == 2 and modes.count("keep") == 4
+    assert all(mode == "keep" for mode in modes[0::2])  # only the groups with a recipe
+
+
+def test_replay_reads_offload_json_rows(tmp_path, capsys):
+    path = recorded_profile(tmp_path, as_rows=True)
+    with pytest.raises(SystemExit) as done:
+        offload.main(["replay", str(path), "--budgets", "8GiB", "--row", "0"])
+    assert done.value.code == 0 and "6 saved groups" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, budgets, said", [
+    (None, ["8GiB"], "cannot be read as JSON"),
+    ("not json", ["8GiB"], "cannot be read as JSON"),
+    ('{"profile": {"groups": []}}', ["8GiB"], "not a recorded profile"),
+    ('{"modes": []}', ["8GiB"], "no recorded profile in it"),
+    ("[]", ["8GiB"], "0 rows with a profile, no row 0"),
+    ("VALID", ["eight"], "eight"),
+])
+def test_replay_of_a_bad_file_or_budget_is_one_line(tmp_path, capsys, content, budgets, said):
+    path = tmp_path / "profile.json"
+    if content == "VALID":
+        path = recorded_profile(tmp_path)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as done:
+        offload.main(["replay", str(path), "--budgets", *budgets])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(err) == 1 and said in err[0]
+    assert err[0].startswith("offload replay: ") and "Traceback" not in err[0]

@@ -326,8 +326,7 @@ def test_each_plan_writes_the_profile_it_was_made_from(tmp_path):
     assert document["budget"] == 4 * GiB and document["target"] == session.target
     assert document["modes"] == session.modes and document["plan"] == session.plan.describe()
     # the planner replays on it off the GPU: the same plan
-    fields = document["profile"]
-    profile = planner.StepProfile(**{**fields, "groups": [planner.SavedGroup(**g) for g in fields["groups"]]})
+    profile = planner.profile_from_dict(document["profile"])
     assert planner.plan_with_prefetch(profile, document["target"], session.lookahead).modes == session.plan.modes
 
 
