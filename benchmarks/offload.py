@@ -774,7 +774,7 @@ def load_profile(path: Path, row: int | None = None) -> dict:
         index = row or 0
         if not 0 <= index < len(rows):
             raise MucudnnError(f"{path}: {len(rows)} rows with a profile, no row {index}")
-        data = {**rows[index], "budget": rows[index].get("budget_bytes")}
+        data = rows[index]
     if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
         raise MucudnnError(f"{path}: no recorded profile in it (MUCUDNN_OFFLOAD_PROFILE's file, "
                            "or offload.json)")
@@ -798,7 +798,7 @@ def replay(args) -> int:
     print(f"{args.profile}: {len(profile.groups)} saved groups, {profile.unpacks} backward points; "
           f"recorded plan: {recorded.get('plan') or '-'}")
     for budget in budgets:
-        target = int(budget * (1 - args.headroom))
+        target = planner.planning_target(budget, args.headroom)
         try:
             plan = planner.plan_with_prefetch(profile, target, args.lookahead, args.time_limit_s)
         except MucudnnError as exc:

@@ -48,8 +48,8 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
 Under a cap the shim runs as a user runs it there, `mucudnn run --memory-budget CAP` (its room
 then chooses workspaces within what the cap leaves, as on a GPU of that size, counting what
 PyTorch's cache holds free; the part's allocator stays PYTORCH_CUDA_ALLOC_CONF, not the CLI's
-default; --no-shim-budget: not told, except offload runs, which need it). Running out of memory is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its
-process group killed). --time-budget-s: no new run starts once that many seconds have passed;
+default; --no-shim-budget: not told, except offload runs, which need it). Running out of memory
+is a result ("oom"), as is a run past --probe-timeout-s ("timeout", its process group killed). --time-budget-s: no new run starts once that many seconds have passed;
 what was not run is listed under "skipped". --gpus 0,1,...: models spread over those GPUs (one
 child process per model, CUDA_VISIBLE_DEVICES), results merged. The page OUT/pressure-GPU.md
 (tables of every part found in OUT) is written after each part; commit it under
@@ -309,7 +309,7 @@ class Runner:
         # sees it, as on a GPU of that size, and sees what PyTorch's cache holds free through the
         # CLI's PyTorch site); --no-shim-budget: not at all (offload runs always: it needs it)
         cli_budget = shim and cap_gib and (self.args.shim_budget or offload)
-        if (offload or cli_budget) and log is None:
+        if cli_budget and log is None:  # offload runs among them
             # mucudnn.torch says its plan (or its fall-back) at info level, on stderr; the shim's
             # own info lines go to this file
             what = "offload" if offload else "shim"

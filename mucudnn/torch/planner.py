@@ -156,6 +156,12 @@ class OffloadPlan:
                 + (f" or {self.margin:g} copy times" if self.count(OFFLOAD) and self.margin else ""))
 
 
+def planning_target(budget: int, headroom: float) -> int:
+    """What a plan is made for under ``budget``: less ``headroom`` of it, room for the caching
+    allocator's fragmentation (the runtime's and an off-GPU replay's alike)."""
+    return int(budget * (1 - headroom))
+
+
 def profile_from_dict(fields: Mapping) -> StepProfile:
     """The :class:`StepProfile` whose ``dataclasses.asdict`` is ``fields`` (what
     ``OffloadSession(profile_to=...)`` and benchmarks/offload.py's rows keep): the planner replayed

@@ -1126,7 +1126,8 @@ class OffloadSession:
         ran out of memory."""
         if self._lowered_target is not None:
             return self._lowered_target
-        return int(self.budget * (1 - self.headroom)) if self.budget is not None else None
+        return (planner.planning_target(self.budget, self.headroom) if self.budget is not None
+                else None)
 
     def _plan_again(self) -> bool:
         """After a planned step ran out of memory: a plan for a lower target, if replans are left

@@ -43,7 +43,8 @@ const char *mucudnn_version(void);
  * from the driver (*reserved) and of them the bytes in use (*allocated); returns 0, or nonzero
  * when it cannot say. The rest of what it holds is free to the framework's next allocations.
  * Called when the shim reads the room (docs/shim.md, "The room") and the device's view is too
- * small for the workspace at hand, from any thread inside a cuDNN call; it must not call cuDNN. NULL (the default) unregisters: the room then sees the device alone.
+ * small for the workspace at hand, from any thread inside a cuDNN call; it must not call cuDNN.
+ * NULL (the default) unregisters: the room then sees the device alone.
  */
 typedef int (*mucudnn_allocator_fn)(size_t *reserved, size_t *allocated);
 void mucudnn_set_allocator(mucudnn_allocator_fn fn);

@@ -33,6 +33,8 @@
 #include "internal.h"
 
 static atomic_size_t degraded_kernels, refused_kernels;
+/* describe_budget's text: "N left of the allocator's, M free in its cache" at most */
+#define BUDGET_TEXT_MAX 112
 static _Atomic(mucudnn_allocator_fn) framework_allocator;
 
 MU_EXPORT void mucudnn_set_allocator(mucudnn_allocator_fn fn) { atomic_store(&framework_allocator, fn); }
@@ -87,7 +89,7 @@ static void describe_budget(const mu_room_info *room, char *buf, size_t size) {
 void mu_room_note_degraded(mu_seen *seen, const mu_kernel *k, size_t from, size_t to, const mu_room_info *room) {
     bool first = seen == NULL || !atomic_exchange(&seen->degraded, true);
     if (first) atomic_fetch_add(&degraded_kernels, 1);
-    char budget[112];
+    char budget[BUDGET_TEXT_MAX];
     describe_budget(room, budget, sizeof budget);
     mu_log(first ? MU_LOG_INFO : MU_LOG_DEBUG, "%s N=%d: degraded for lack of memory: a point of %zu bytes of "
            "workspace instead of %zu (room %zu: free %zu, budget %s, margin %zu)", k->key, k->n, to, from,
@@ -119,7 +121,7 @@ bool mu_room_refuses(size_t workspace, const mu_kernel *k, mu_seen *seen, const 
     /* Counted per kernel; a convolution without a key has no kernel to count it under. */
     bool first = seen != NULL && !atomic_exchange(&seen->room_refused, true);
     if (first) atomic_fetch_add(&refused_kernels, 1);
-    char budget[112], kernel[MU_KEY_MAX + 32];
+    char budget[BUDGET_TEXT_MAX], kernel[MU_KEY_MAX + 32];
     describe_budget(&room, budget, sizeof budget);
     if (k != NULL) snprintf(kernel, sizeof kernel, "%s N=%d", k->key, k->n);
     else snprintf(kernel, sizeof kernel, "graph plan %p", plan);
