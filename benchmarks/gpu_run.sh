@@ -160,6 +160,11 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     stage "batchsize-$model" "$limit" python3 -m benchmarks.batch_size driver --model "$model" \
       --memory-budget ${BS_BUDGET:-24GiB} --long-steps ${BS_LONG_STEPS:-500} \
       --time-budget-s $((limit - 30)) ${BS_ARGS:-} --out "$LOGS/batchsize-$model" ;;
+  exposure-*)  # benchmarks/exposure.py: exposure-MODEL@BUDGET, where offloading's time goes at a
+    # cap (the allocator's flushes, copies in flight); JSON + page in the logs
+    spec=${s#exposure-}; model=${spec%@*}; budget=${spec#*@}
+    stage "exposure-${model//:/_}" ${EXPOSURE_TIMEOUT:-300} python3 -m benchmarks.exposure \
+      --model "$model" --budget "$budget" --out "$LOGS/exposure-${model//:/_}" ;;
   shim-*) models=${s#shim-}; stage "shim-$models" ${SHIM_TIMEOUT:-500} python3 -m benchmarks.shim_pytorch driver \
       ${SHIM_ARGS:-} --models ${models//+/ } --out "$LOGS/shim-$models" ;;
   *) echo "unknown stage $s" ;;

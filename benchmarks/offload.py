@@ -168,7 +168,7 @@ def worker(args) -> None:
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda", torch.cuda.current_device())  # an index: the memory-fraction API needs one
     total = torch.cuda.get_device_properties(device).total_memory
-    if args.budget_bytes:
+    if args.budget_bytes and not args.no_cap:
         torch.cuda.set_per_process_memory_fraction(args.budget_bytes / total, device)
     torch.manual_seed(0)
     # network, input, labels and loss: benchmarks/models.py's, fp32
@@ -188,6 +188,7 @@ def worker(args) -> None:
         # not strict: a budget no plan meets offloads everything (as an unmodified script does)
         # and the row still has the recorded profile
         model = mt.fit(model, budget=args.budget_bytes, headroom=args.headroom, strict=False,
+                       max_pending=args.max_pending_mib << 20,
                        say=lambda text: print("mucudnn:", text, file=sys.stderr, flush=True))
     elif args.method == "save_on_cpu":
         context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
@@ -196,7 +197,9 @@ def worker(args) -> None:
         context = lambda: hooks  # noqa: E731
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     times, failed_steps, retries_before = [], [], 0
+    allocator_steps = []   # per timed step: the caching allocator's counters that grew in it
     for step in range(args.warmup + args.steps):
+        counters = allocator_counters(torch, device)
         if step == args.warmup:
             # peaks of the timed steps only (mucudnn's recording step resets the statistics)
             torch.cuda.reset_peak_memory_stats(device)
@@ -225,6 +228,8 @@ def worker(args) -> None:
         end.synchronize()
         if step >= args.warmup:
             times.append(start.elapsed_time(end))
+            allocator_steps.append({name: value - counters[name] for name, value
+                                    in allocator_counters(torch, device).items()})
         print(f"step {step}: {start.elapsed_time(end):.1f} ms", file=sys.stderr, flush=True)
     if not times:
         raise torch.OutOfMemoryError(f"every timed step ran out of memory ({failed_steps})")
@@ -248,7 +253,7 @@ def worker(args) -> None:
     # during the timed steps: a configuration that runs at the cap pays them in its step time
     result.update(failed_steps=failed_steps, alloc_retries=torch.cuda.memory_stats(device).get(
         "num_alloc_retries", 0) - retries_before)
-    result.update(step_ms=statistics.median(times), steps_ms=times,
+    result.update(step_ms=statistics.median(times), steps_ms=times, allocator_steps=allocator_steps,
                   peak_reserved=torch.cuda.max_memory_reserved(device),
                   peak_allocated=torch.cuda.max_memory_allocated(device))
     if args.method == "mucudnn":
@@ -280,6 +285,17 @@ def worker(args) -> None:
                           profile_backward_ms=profile.backward_ms,
                           saved_bytes=sum(g.nbytes for g in profile.groups))
     print("RESULT " + json.dumps(result), flush=True)
+
+
+#: the caching allocator's counters of what costs a step time at a memory cap: flushes (free every
+#: cached block after synchronising, then allocate again), device allocations and frees
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                      "num_device_free")
+
+
+def allocator_counters(torch, device) -> dict:
+    stats = torch.cuda.memory_stats(device)
+    return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTERS}
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -349,11 +365,12 @@ def trains(row: dict) -> bool:
 
 
 def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
-               part: str = "table", steps: int | None = None, clock: Budget | None = None) -> dict:
+               part: str = "table", steps: int | None = None, clock: Budget | None = None,
+               extra: tuple[str, ...] = (), label: str = "") -> dict:
     """One configuration in its own process (its process group killed past its timeout or on
     SIGTERM); ``skipped`` without a run once ``clock``'s time budget is spent, and never run past
-    it (``out_of_time``)."""
-    name = config_name(method, budget)
+    it (``out_of_time``). ``extra``: more worker options, ``label`` their name in the row's."""
+    name = config_name(method, budget) + (f" {label}" if label else "")
     row = {"model": model, "batch": batch, "config": name, "method": method,
            "budget_bytes": budget, "part": part}
     timeout, cut = args.timeout, False
@@ -369,7 +386,8 @@ def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
     cmd = [sys.executable, "-m", "benchmarks.offload", "worker", "--model", model,
            "--method", method, "--batch", str(batch), "--steps", str(steps or args.steps),
            "--warmup", str(args.warmup), "--budget-bytes", str(budget or 0),
-           "--headroom", str(args.headroom)] + ["--trace"] * bool(getattr(args, "trace", False))
+           "--headroom", str(args.headroom)] + ["--trace"] * bool(getattr(args, "trace", False)) \
+        + list(extra)
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     print(f"[{time.strftime('%H:%M:%S')}] {model} N={batch} {name} ({part})", flush=True)
@@ -868,6 +886,10 @@ def main(argv=None) -> None:
     work.add_argument("--budget-bytes", type=int, default=0)
     work.add_argument("--headroom", type=float, default=0.1)
     work.add_argument("--trace", action="store_true")
+    work.add_argument("--no-cap", action="store_true",
+                      help="plan for --budget-bytes without holding the allocator to it")
+    work.add_argument("--max-pending-mib", type=int, default=1024,
+                      help="copies to the host in flight before the host waits (CudaLink's)")
     args = parser.parse_args(argv)
     if args.role == "worker":
         worker(args)

@@ -122,8 +122,10 @@ def _worker_steps(args, torch) -> dict:
         opt.zero_grad(set_to_none=True)
         return step_loss
 
-    times = []
+    times, retries_before = [], 0
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:  # the caching allocator's flushes in the timed steps (at a cap)
+            retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         loss = step()
@@ -135,6 +137,7 @@ def _worker_steps(args, torch) -> dict:
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
+              "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before,
               "memory_fraction": fraction(0) if fraction else None,
               "device": torch.cuda.get_device_name(0), "batch": args.batch}
     if args.profile:  # after the timed steps, so profiling never touches the timing

@@ -531,7 +531,8 @@ class OffloadSession:
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
     ``recompute``: recipes at all; ``recompute_convolutions``: recipes may rerun convolutions
     (:data:`CONVOLUTIONS`; see the module docstring). ``copy_exposure``: the planner's
-    :data:`~mucudnn.torch.planner.COPY_EXPOSURE`.
+    :data:`~mucudnn.torch.planner.COPY_EXPOSURE`. ``max_pending``: :class:`CudaLink`'s, the bytes
+    of copies to the host in flight before the host thread waits for the oldest.
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``profile_to``: a
     path where each plan made (or the fall-back when none meets the budget) writes the recorded
     profile, the target and the modes as JSON (:meth:`write_profile`), so that the planner can be
@@ -551,7 +552,8 @@ class OffloadSession:
                  say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
                  record_steps: int = 2, plan_time_limit_s: float = 20,
                  recompute_convolutions: bool = True,
-                 copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None):
+                 copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
+                 max_pending: int = 1 << 30):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
@@ -563,6 +565,7 @@ class OffloadSession:
         self.recompute_convolutions = recompute_convolutions
         self.copy_exposure = copy_exposure
         self._link, self._links = link, {}
+        self.max_pending = max_pending
         self.trace = trace
         self.profile_to = profile_to
         self.strict = strict
@@ -634,7 +637,7 @@ class OffloadSession:
             return None
         key = tensor.device.index
         if key not in self._links:
-            self._links[key] = CudaLink(tensor.device)
+            self._links[key] = CudaLink(tensor.device, self.max_pending)
         return self._links[key]
 
     def _any_link(self) -> CopyLink:
