@@ -9,7 +9,9 @@ Invariants:
   with batch norm replayed on copies of its running statistics (its output in training mode does
   not read them, and the model's statistics are not updated twice). A source is a saved group,
   kept or itself recomputed: rebuilding a group first rebuilds its recomputed sources that are
-  not on the device (a chain, as ``torch.utils.checkpoint`` reruns a segment), each once.
+  not on the device (a chain, as ``torch.utils.checkpoint`` reruns a segment), each once; a
+  group saved as a view over exactly a tensor's elements (an instance norm's reshaped input) is
+  a source of that tensor, viewed back to its shape (:class:`_ViewOf`).
   A convolution reruns the kernel its forward ran where the framework picks kernels per shape
   (PyTorch's cuDNN plan cache, ``cudnn.benchmark`` or not); a workspace allocation that fails
   during a rerun can make it pick another, whose result may differ in the last bits
@@ -403,11 +405,40 @@ class _Call:
             return replay(self.module, values[0])
 
 
+@dataclass(frozen=True, eq=False)
+class _ViewOf:
+    """A recipe's input read through a saved group of another shape over the same elements: an
+    instance norm saves its input ``C`` (a convolution's output, contiguous) reshaped to
+    ``(1, N*C, ...)``, a view sharing C's storage and version counter, and C's own object is freed
+    once the norm returns. ``group``'s tensor (its values; kept, fetched or recomputed, contiguous
+    or made so) viewed with ``shape`` and ``stride`` is C."""
+
+    group: _Group
+    shape: tuple
+    stride: tuple
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """C from ``tensor``, the group's tensor: the group and C are contiguous over the same
+        elements, so C's elements are the group's in order (a fetched tensor has the group's
+        layout, not its storage: the view is taken from it, never from a storage pointer)."""
+        return tensor.contiguous().view(self.shape).as_strided(self.shape, self.stride)
+
+
+@dataclass(frozen=True, eq=False)
+class _Alias:
+    """``group`` holds the values of the tensor whose weak reference is ``ref`` (the first read of
+    the call that saved the group) as a :class:`_ViewOf` slot would read them."""
+
+    ref: weakref.ref
+    view: _ViewOf
+
+
 @dataclass(eq=False)
 class _Recipe:
     """Calls that rebuild a saved tensor from saved groups: ``calls`` run in order, the last
     makes the tensor; ``inputs[i]`` says where each read of ``calls[i]`` comes from: a source
-    group or the index of an earlier call (each call's output is read once)."""
+    group, a source group viewed back to the shape read (:class:`_ViewOf`) or the index of an
+    earlier call (each call's output is read once)."""
 
     calls: list[_Call] = field(default_factory=list)
     inputs: list[tuple] = field(default_factory=list)
@@ -420,6 +451,8 @@ class _Recipe:
         found = []
         for slots in self.inputs:
             for slot in slots:
+                if isinstance(slot, _ViewOf):
+                    slot = slot.group
                 if isinstance(slot, _Group) and slot not in found:
                     found.append(slot)
         return found
@@ -506,6 +539,10 @@ class _Step:
     groups: list = field(default_factory=list)
     by_key: dict = field(default_factory=dict)
     by_ref: dict = field(default_factory=dict)   # id(group.ref) -> group (the group holds it)
+    #: id of a read's weak reference -> _Alias: a group saved as a view of that tensor covering
+    #: its elements (an instance norm's reshaped input), which holds its values while that
+    #: group is live and at the read's version (the view shares its version counter)
+    by_view: dict = field(default_factory=dict)
     unpacks: int = 0
     calls: list = field(default_factory=list)
     marks: list = field(default_factory=list)  # (kind, index, mark, allocated, peak before)
@@ -750,10 +787,8 @@ class OffloadSession:
         recipe, calls = _Recipe(), step.calls
         # An in-place module (ReLU(inplace=True)) saves its output, the tensor it was given, while
         # it runs: it ends the recipe, and what made its input (batch norm, an add) comes before.
-        index = next((i for i in range(len(calls) - 1, -1, -1) if calls[i].module is not None),
-                     None)
-        running = calls[index] if index is not None else None
-        if running is not None and not running.done and running.in_place and running.reads \
+        index, running = self._running_module(step)
+        if running is not None and running.in_place and running.reads \
                 and running.reads[0].ref() is tensor:
             if not running.recomputable:
                 return None
@@ -768,12 +803,55 @@ class OffloadSession:
             return None
         return recipe
 
+    @staticmethod
+    def _running_module(step: _Step) -> tuple[int | None, _Call | None]:
+        """The leaf module call whose forward is running now (its index and itself), or
+        (None, None)."""
+        calls = step.calls
+        index = next((i for i in range(len(calls) - 1, -1, -1) if calls[i].module is not None),
+                     None)
+        if index is None or calls[index].done:
+            return None, None
+        return index, calls[index]
+
+    def _alias(self, step: _Step, group: _Group, tensor: torch.Tensor) -> None:
+        """When ``tensor``, saved as ``group``, is a view of the running module's first input
+        ``C`` over exactly C's elements, both contiguous (an instance norm's ``(1, N*C, ...)``
+        view of the convolution's output): ``group`` holds C's values, for recipes that read C
+        once its own object is gone (:attr:`_Step.by_view`)."""
+        _, running = self._running_module(step)
+        if running is None or not running.reads:
+            return
+        read = running.reads[0]
+        source = read.ref()
+        if source is None or source is tensor or not source.is_contiguous() or \
+                not tensor.is_contiguous() or source.dtype != tensor.dtype or \
+                source.device != tensor.device or source.numel() != tensor.numel() or \
+                source.storage_offset() != tensor.storage_offset() or \
+                source.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+            return
+        step.by_view[id(read.ref)] = _Alias(
+            read.ref, _ViewOf(group, tuple(source.shape), tuple(source.stride())))
+
+    @staticmethod
+    def _view_source(step: _Step, read: _Read) -> _ViewOf | None:
+        """The :class:`_ViewOf` slot that reads ``read``'s tensor from a group saved as a view of
+        it (:meth:`_alias`), where that group is live and at the read's version, else None."""
+        alias = step.by_view.get(id(read.ref))
+        if alias is None or alias.ref is not read.ref:
+            return None
+        group = alias.view.group
+        if group.live_packs == 0 or group.version != read.version:
+            return None
+        return alias.view
+
     def _rebuild(self, step: _Step, recipe: _Recipe, tensor, read: _Read, before: int,
                  own: bool = False, depth: int = 0):
         """Where ``recipe`` gets ``tensor`` (None once freed) at the version of ``read``: a saved
-        group of it at that version (a source), else the recomputable
+        group of it at that version (a source), else a saved view over its elements at that
+        version (a :class:`_ViewOf` of its source group), else the recomputable
         call before ``calls[before]`` that made it so, appended after what rebuilds its own
-        reads (that call's index in the recipe); None where neither exists. ``own``: the tensor
+        reads (that call's index in the recipe); None where none exists. ``own``: the tensor
         being saved, or an in-place call's input (the tensor it changed): not a source, since
         the group of that tensor holds its later version. ``depth``: calls waiting for this one
         (each counts against ``_MAX_CHAIN``)."""
@@ -788,6 +866,11 @@ class OffloadSession:
                 # a group of it at another version holds another value (a change by no call,
                 # ``identity.mul_(2)``, or after the read)
                 return group if group.version == read.version else None
+            # none of its own: a group saved as a view of it (an instance norm's input), where
+            # the recipe starts instead of rerunning what made it (the convolution)
+            view = self._view_source(step, read)
+            if view is not None:
+                return view
         calls = step.calls
         # the last call before ``before`` that output ``tensor``: it must have left it at the
         # version read (an op or module that changed it since, recorded or not, made another
@@ -870,6 +953,8 @@ class OffloadSession:
         step.groups.append(group)
         step.by_key[self._key(tensor)] = group
         step.by_ref[id(group.ref)] = group
+        if self.recompute:
+            self._alias(step, group, tensor)
         if step.profiling:
             if gid == 0:
                 link.timing, link.stalls = True, []
@@ -1023,6 +1108,7 @@ class OffloadSession:
                                          and source.tensor._version != source.version):
                 raise RuntimeError(f"mucudnn.torch: source {source.gid} of saved tensor "
                                    f"{group.gid} changed after it was saved; cannot recompute it")
+        # the sources' tensors and the views of them the recipe reads
         kept = [source.tensor for source in sources]
         values: list[torch.Tensor | None] = []
         self._replaying = True
@@ -1033,6 +1119,9 @@ class OffloadSession:
                     for slot in slots:
                         if isinstance(slot, _Group):
                             inputs.append(slot.tensor)
+                        elif isinstance(slot, _ViewOf):
+                            inputs.append(slot.of(slot.group.tensor))
+                            kept.append(inputs[-1])
                         else:      # read once: the recipe lets go of it (or changes it) here
                             inputs.append(values[slot])
                             values[slot] = None

@@ -221,8 +221,145 @@ def test_an_instance_norm_without_running_statistics_is_recomputed(dtype, runnin
     rebuilt = [[c.name for c in g.recipe.calls] for g in session._step.groups
                if g.mode == RECOMPUTE]
     # the norm saves a reshaped view of the convolution's output, whose own tensor is then
-    # freed: the recipe rebuilds it through the convolution from the kept input
-    assert rebuilt == ([] if running else [["Conv3d", "InstanceNorm3d", "LeakyReLU"]])
+    # freed: the recipe rebuilds the norm's input from that view (test_unet_stage... below)
+    assert rebuilt == ([] if running else [["InstanceNorm3d", "LeakyReLU"]])
+
+
+class PerSampleNorm(nn.Module):
+    """InstanceNorm3d without affine, ``F.instance_norm`` on the whole batch (``cover``) or on
+    each sample apart, whose reshaped inputs (saved by batch norm) are slices of the input: the
+    first at its address and offset, over fewer elements."""
+
+    def __init__(self, cover):
+        super().__init__()
+        self.cover = cover
+
+    def forward(self, x):
+        if self.cover:
+            return nn.functional.instance_norm(x)
+        return torch.cat([nn.functional.instance_norm(x[i:i + 1]) for i in range(len(x))])
+
+
+def unet_stages(dtype, seed, norm=None):
+    """nnU-Net's stage twice: Conv3d, InstanceNorm3d(affine), LeakyReLU(inplace); then a
+    convolution and a classifier. ``norm()`` makes the norms instead (:class:`PerSampleNorm`)."""
+    torch.manual_seed(seed)
+    norm = norm or (lambda: nn.InstanceNorm3d(4, affine=True))
+    return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), norm(), nn.LeakyReLU(0.01, inplace=True),
+                         nn.Conv3d(4, 4, 3, padding=1), norm(), nn.LeakyReLU(0.01, inplace=True),
+                         nn.Conv3d(4, 4, 3, padding=1), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                         nn.Linear(4, 10)).to(dtype)
+
+
+def volumes(dtype, steps):
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(2, 2, 6, 6, 6, generator=generator, dtype=dtype),
+             torch.randint(0, 10, (2,), generator=generator)) for _ in range(steps)]
+
+
+def test_unet_stage_s_activation_is_recomputed_from_the_norm_s_saved_view():
+    # F.instance_norm saves its input reshaped to (1, N*C, ...), a view of the convolution's
+    # output, whose own object is freed when the norm returns: that view holds the
+    # convolution's output, so the LeakyReLU's output is rebuilt from it by the norm and the
+    # LeakyReLU, not through the convolution from the previous stage
+    dtype = torch.float64
+    model, data = unet_stages(dtype, seed=0), volumes(dtype, 3)
+    session = OffloadSession(budget=2**50, link=RecordingLink(), min_bytes=0)
+    train(model, data, session)
+    groups = session.profile.groups
+    relus = [gid for gid, g in enumerate(groups) if g.producer == "LeakyReLU"]
+    assert len(relus) == 2
+    for gid in relus:
+        (source,) = groups[gid].recompute_source
+        assert groups[source].producer == "op" and groups[source].nbytes == groups[gid].nbytes
+    trace = []
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    train(model, data, session)
+    recomputed = [g for g in session._step.groups if g.mode == RECOMPUTE]
+    assert [[c.name for c in g.recipe.calls] for g in recomputed] == [
+        ["InstanceNorm3d", "LeakyReLU"]] * 2
+    for group in recomputed:
+        (view,) = group.recipe.sources
+        assert view.mode == KEEP and view.gid < group.gid
+        assert view.nbytes == group.nbytes and view.producer == "op"
+    steps = split_steps(trace)
+    assert len(steps) == 3
+    for step in steps:
+        assert {e[1:] for e in step if e[0] == "recompute"} == {
+            (g.gid, (g.recipe.sources[0].gid,)) for g in recomputed}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plan", ["force", "modes"])
+def test_unet_stages_recomputed_from_the_norm_s_view_give_the_same_gradients(dtype, plan):
+    model, data = unet_stages(dtype, seed=1), volumes(dtype, 4)
+    reference = train(copy.deepcopy(model), data)
+    probe = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    relus = [g for g in probe._step.groups if g.mode == RECOMPUTE]
+    assert len(relus) == 2
+    if plan == "force":
+        session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+        expected = [g.mode for g in probe._step.groups]
+    else:   # the activations recomputed from their views, kept; every other group offloaded
+        modes = [OFFLOAD] * len(probe._step.groups)
+        for group in relus:
+            modes[group.gid] = RECOMPUTE
+            modes[group.recipe.sources[0].gid] = KEEP
+        session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0)
+        expected = [KEEP if mode == OFFLOAD and not g.offloadable else mode
+                    for mode, g in zip(modes, probe._step.groups)]
+        assert expected.count(OFFLOAD) >= 3
+    assert_bitwise(reference, train(model, data, session))
+    groups = session._step.groups
+    assert [g.mode for g in groups] == expected
+    assert all([c.name for c in g.recipe.calls] == ["InstanceNorm3d", "LeakyReLU"]
+               for g in groups if g.mode == RECOMPUTE)
+
+
+@pytest.mark.parametrize("cover", [True, False])
+def test_a_saved_view_over_part_of_a_norm_s_input_is_no_source(monkeypatch, cover):
+    # per sample, the norm saves slices of the convolution's output, which hold part of it
+    # only: the recipe goes back through the convolution, as without a view
+    from mucudnn.torch import runtime
+    monkeypatch.setattr(runtime, "CHEAP", runtime.CHEAP + (PerSampleNorm,))
+    dtype = torch.float64
+    model = unet_stages(dtype, seed=2, norm=lambda: PerSampleNorm(cover))
+    data = volumes(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    groups = session._step.groups
+    recomputed = [g for g in groups if g.producer == "LeakyReLU"]
+    assert len(recomputed) == 2 and all(g.mode == RECOMPUTE for g in recomputed)
+    if cover:
+        assert all([c.name for c in g.recipe.calls] == ["PerSampleNorm", "LeakyReLU"]
+                   for g in recomputed)
+    else:    # from the kept input, then from the first stage's (recomputed) activation
+        assert [[c.name for c in g.recipe.calls] for g in recomputed] == [
+            ["Conv3d", "PerSampleNorm", "LeakyReLU"]] * 2
+        assert recomputed[1].recipe.sources == [recomputed[0]]
+        assert recomputed[0].recipe.sources == [groups[0]]
+
+
+def test_an_in_place_call_on_a_view_of_a_kept_group_changes_a_copy():
+    # a recipe whose in-place call reads a kept group through a view: the group's tensor (which
+    # autograd and other recipes read) stays as saved
+    from mucudnn.torch.runtime import _Call, _Group, _Recipe, _ViewOf
+    saved = torch.randn(1, 6, 4, dtype=torch.float64)
+    kept = saved.detach()
+    source = _Group(0, KEEP, saved.numel() * 8, saved.device, weakref.ref(saved),
+                    saved._version, "op", True, tensor=kept)
+    relu = nn.LeakyReLU(0.5, inplace=True)
+    call = _Call(relu, "LeakyReLU", (), None, None, in_place=True, recomputable=True)
+    recipe = _Recipe([call], [(_ViewOf(source, (2, 3, 4), (12, 4, 1)),)])
+    target = _Group(1, RECOMPUTE, source.nbytes, saved.device, weakref.ref(saved), 0, "LeakyReLU",
+                    True, recipe=recipe)
+    before = kept.clone()
+    rebuilt = OffloadSession(link=CopyLink())._replay(target, CopyLink())
+    assert torch.equal(kept, before) and kept._version == source.version
+    assert rebuilt.shape == (2, 3, 4)
+    assert torch.equal(rebuilt, nn.functional.leaky_relu(before.view(2, 3, 4), 0.5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
