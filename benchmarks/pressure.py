@@ -80,18 +80,20 @@ from pathlib import Path
 from benchmarks.models import parse_model, spec_of
 # set by `mucudnn run --offload` only; where mucudnn.torch writes its recorded profile
 from mucudnn.budget import ENV_OFFLOAD, ENV_OFFLOAD_PROFILE
+from mucudnn.torch.planner import CALIBRATION_STEP
 from benchmarks.shim_pytorch import worker_command, worker_outcome
 
 PARTS = ("ratio", "minmem", "maxbatch")
 DTYPES = {"fp32": "fp32 (TF32 on)", "bf16": "bf16 autocast, channels-last"}
 ONLINE_PATTERN = re.compile(r"online tuning", re.IGNORECASE)
-OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor)", re.IGNORECASE)
+OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor|calibrated)", re.IGNORECASE)
 # mucudnn.torch's OffloadSession records this many steps (its record_steps; every saved tensor
 # offloaded, the first pinning the host pool) before its plan applies: an offload probe's warm-up
 # covers them and two planned steps (the first grows the pinned pool and the caching allocator to
-# the plan's pattern), so that its timed steps are the plan's steady state
+# the plan's pattern; the second is timed by the exposure calibration), then two more for the
+# plan the calibration may make, so that its timed steps are the last plan's steady state
 OFFLOAD_RECORD_STEPS = 2
-OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + 2
+OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + 2 * CALIBRATION_STEP
 DEVICE_MEMORY_GIB = 140.0   # where a cap search gives up widening its bracket upwards (H200)
 
 
@@ -256,7 +258,8 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
 def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
-            "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile")
+            "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile",
+            "alloc_retries")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]
@@ -348,7 +351,7 @@ class Runner:
                                        if ONLINE_PATTERN.search(line)][-5:]
         if offload:  # the plan the probe ran (or that it fell back to offloading everything)
             outcome["offload_lines"] = [line.strip()[:300] for line in stderr.splitlines()
-                                        if OFFLOAD_PATTERN.search(line)][-2:]
+                                        if OFFLOAD_PATTERN.search(line)][-3:]
             if profile.exists():
                 outcome["offload_profile"] = str(profile.relative_to(self.out))
         print(f"    {what}: {outcome['status']}" + (f" {outcome['step_ms']:.2f} ms"
@@ -448,7 +451,8 @@ def settings_of(args) -> dict:
     keep = ("shim_mode", "dtypes", "benchmark", "rounds", "steps", "warmup", "probe_steps",
             "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
             "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s", "offload",
-            "offload_warmup", "offload_low_fraction", "fast_low_fraction", "shim_search")
+            "offload_warmup", "offload_low_fraction", "fast_low_fraction", "shim_search",
+            "offload_searches")
     settings = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     # every run of the part inherits it, PyTorch's and the shim's alike
     settings["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -562,6 +566,12 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
                 entry["shim_first_use"] = first
             reference = entry["pytorch"].get("min_cap_gib") or entry["pytorch"].get("at_most_gib")
             high = reference or reserved
+            if args.offload and "target" in args.offload_searches and is_3d(model) and reference:
+                # the target itself, probed at its cap: a capped step need not grow as the cap
+                # shrinks (PyTorch and the shim take slower engines near their own minimum)
+                entry["target"] = target_probe(probe("fast"), reference, base["step_ms"],
+                                               args.cap_step)
+                report.save()
             if args.shim_search:
                 entry["shim"] = min_cap_search(probe("shim"), high * args.shim_low_fraction, high,
                                                step_gib=args.cap_step)
@@ -573,14 +583,17 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
                 found = [s.get("min_cap_gib") or s.get("at_most_gib")
                          for s in (entry["pytorch"], entry.get("shim") or {})]
                 high = min((x for x in found if x), default=reserved)
-                entry["fast"] = min_cap_search(
-                    fast_probe(probe("fast"), STEP_RATIO_3D * base["step_ms"]),
-                    high * args.fast_low_fraction, high, step_gib=args.cap_step,
-                    ceiling_gib=high)  # slow at the smaller minimum: the target is not met
-                report.save()
-                entry["offload"] = min_cap_search(
-                    probe("offload"), high * args.offload_low_fraction,
-                    entry["fast"].get("min_cap_gib") or high, step_gib=args.cap_step)
+                if "fast" in args.offload_searches:
+                    entry["fast"] = min_cap_search(
+                        fast_probe(probe("fast"), STEP_RATIO_3D * base["step_ms"]),
+                        high * args.fast_low_fraction, high, step_gib=args.cap_step,
+                        ceiling_gib=high)  # slow at the smaller minimum: the target is not met
+                    report.save()
+                if "any" in args.offload_searches:
+                    entry["offload"] = min_cap_search(
+                        probe("offload"), high * args.offload_low_fraction,
+                        (entry.get("fast") or {}).get("min_cap_gib") or high,
+                        step_gib=args.cap_step)
         except OutOfTime:
             entry.setdefault("incomplete", "time budget spent")
         finally:
@@ -606,6 +619,19 @@ def fast_probe(probe, limit_ms: float):
             return {**outcome, "status": SLOW, "limit_ms": round(limit_ms, 2)}
         return outcome
     return at
+
+
+def target_probe(probe, pytorch_min_gib: float, base_ms: float, step_gib: float) -> dict:
+    """Shim + offload at the 3-D target's cap (:data:`MIN_FRACTION_3D` of PyTorch's minimum, down
+    to the grid): its outcome, its step against PyTorch's uncapped ``base_ms`` and whether both
+    targets are met there."""
+    cap = math.floor(MIN_FRACTION_3D * pytorch_min_gib / step_gib + 1e-9) * step_gib
+    outcome = probe(cap)
+    result = {"cap_gib": cap, **brief(outcome), "vs_pytorch_min": cap / pytorch_min_gib}
+    if passed(outcome):
+        result["vs_pytorch_uncapped_step"] = outcome["step_ms"] / base_ms
+    result["target_met"] = passed(outcome) and result["vs_pytorch_uncapped_step"] <= STEP_RATIO_3D
+    return result
 
 
 def is_3d(model: str) -> bool:
@@ -828,7 +854,8 @@ def markdown(reports: dict) -> str:
 
 def offload_table(report: dict) -> list[str]:
     """minmem's shim + offload rows (--offload), where any model has them."""
-    models = {m: e for m, e in report["models"].items() if "offload" in e}
+    models = {m: e for m, e in report["models"].items()
+              if any(k in e for k in ("offload", "fast", "target"))}
     if not models:
         return []
     s = report["settings"]
@@ -848,6 +875,17 @@ def offload_table(report: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, e in models.items():
         pt = e.get("pytorch") or {}
+        if "target" in e:
+            t = e["target"]
+            met = t.get("target_met")
+            plan = "; ".join(t.get("offload_lines") or []).replace("|", "/") or "-"
+            lines.append(
+                f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | "
+                f"target (one probe) | {fmt((e.get('pytorch_uncapped') or {}).get('step_ms'))} | "
+                f"{min_text(pt)} | {t['cap_gib']:g} ({t.get('status')}) | {fmt(t.get('step_ms'))} | "
+                f"{fmt(t.get('vs_pytorch_min'), '.3f')} | "
+                f"{fmt(t.get('vs_pytorch_uncapped_step'), '.3f')} | "
+                f"{'yes' if met else '**no**'} | 1 | {plan[:300]} | |")
         for side, search in (("fast", "fast"), ("offload", "any")):
             if side not in e:
                 continue
@@ -1072,6 +1110,10 @@ def parser() -> argparse.ArgumentParser:
                     help="minmem --offload: the lower bracket of its search for the smallest cap "
                          f"with a step <= {STEP_RATIO_3D}x PyTorch's uncapped, this times the "
                          "smaller minimum")
+    ap.add_argument("--offload-searches", nargs="+", choices=["target", "fast", "any"],
+                    default=["target", "fast", "any"],
+                    help="minmem --offload: the 3-D target's cap probed alone, the fast and the "
+                         "any-speed searches")
     ap.add_argument("--no-shim-search", dest="shim_search", action="store_false",
                     help="minmem: search PyTorch (and --offload's sides) only, not the shim alone")
     ap.add_argument("--cap", type=float, default=24.0, help="maxbatch: the cap, GiB")

@@ -61,6 +61,11 @@ PREFETCH_MARGIN = 1.5
 #: benchmarks/results/offload). Without it the planner takes overlapped copies as free and picks
 #: them over recomputation that costs less.
 COPY_EXPOSURE = 0.6
+#: The exposure calibration (OffloadSession's ``calibrate``) times this step under a plan (the
+#: first may still grow the caching allocator's pool) and plans again where the exposure it
+#: shows (:func:`implied_exposure`) differs from the profile's by more than EXPOSURE_TOLERANCE.
+CALIBRATION_STEP = 2
+EXPOSURE_TOLERANCE = 0.1
 #: A plan whose copies take less than this (ms, both ways) tells too little of the exposure to
 #: calibrate it (:func:`implied_exposure`): the step's own jitter would dominate.
 CALIBRATION_MIN_COPY_MS = 5.0

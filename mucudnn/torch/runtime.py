@@ -68,11 +68,6 @@ LINK_PROBE_BYTES = 32 << 20
 #: as ``add_``); True where the op changes its first operand.
 ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: False,
          torch.Tensor.__add__: False, torch.add: False}
-#: The exposure calibration (OffloadSession.calibrate) times this step under a plan (the first
-#: may still grow the caching allocator's pool), and plans again where the exposure it shows
-#: differs from the profile's by more than EXPOSURE_TOLERANCE.
-CALIBRATION_STEP = 2
-EXPOSURE_TOLERANCE = 0.1
 #: the most calls (modules and ops) one recipe replays from its sources
 _MAX_CHAIN = 4
 #: device types whose autocast state a call records and its replay restores (a convolution
@@ -584,7 +579,7 @@ class OffloadSession:
     of copies to the host in flight before the host thread waits for the oldest.
     ``calibrate``: time the second step under a plan that moves tensors, and plan once more with
     the copy exposure that step showed where it differs from the profile's by more than
-    :data:`EXPOSURE_TOLERANCE`; the faster of the two plans, as timed, stays
+    :data:`planner.EXPOSURE_TOLERANCE`; the faster of the two plans, as timed, stays
     (:meth:`_calibrated`). None: where the link is a :class:`CudaLink` (a link of given speeds
     times nothing the planner's model describes).
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``profile_to``: a
@@ -977,7 +972,7 @@ class OffloadSession:
         if self.recompute:
             self._alias(step, group, tensor)
         if gid == 0 and not step.profiling and self._calibration is not None and \
-                self._calibration["steps"] == CALIBRATION_STEP - 1:
+                self._calibration["steps"] == planner.CALIBRATION_STEP - 1:
             step.timed, step.start_mark = True, link.mark()
         if step.profiling:
             if gid == 0:
@@ -1292,7 +1287,7 @@ class OffloadSession:
     def _calibrated(self, measured_ms: float) -> None:
         """A timed step under the plan took ``measured_ms``. Under the first plan: where the
         copy exposure it shows (:func:`planner.implied_exposure`) differs from the profile's by
-        more than :data:`EXPOSURE_TOLERANCE`, plan again with it (one line) and time that plan
+        more than :data:`planner.EXPOSURE_TOLERANCE`, plan again with it (one line) and time that plan
         too; under that plan: the faster of the two stays (one line). Copies overlap compute
         better or worse by model (measured, H200: about 0.2 of their time on r3d_18 and the 3-D
         U-Net, 0.5-0.7 on ResNet-50), and one constant makes the planner recompute where
@@ -1307,7 +1302,7 @@ class OffloadSession:
                      + ("first stays" if measured_ms > first_ms else "calibrated one stays"))
             return
         exposure = planner.implied_exposure(self.profile, self.plan, measured_ms)
-        if exposure is None or abs(exposure - self.profile.copy_exposure) <= EXPOSURE_TOLERANCE:
+        if exposure is None or abs(exposure - self.profile.copy_exposure) <= planner.EXPOSURE_TOLERANCE:
             return
         before = self.profile.copy_exposure
         profile = replace(self.profile, copy_exposure=exposure)

@@ -351,8 +351,12 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert pressure.main(["minmem", "--models", "unet3d", "resnet50", "--dtypes", "fp32",
                           "--benchmark", "off", "--offload", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "pressure-minmem.json").read_text())
-    assert data["settings"]["offload"] and data["settings"]["offload_warmup"] == 4
+    assert data["settings"]["offload"] and data["settings"]["offload_warmup"] == 6
     unet, resnet = data["models"]["unet3d"], data["models"]["resnet50"]
+    # the 3-D target's cap probed first, alone: 0.8x PyTorch's 9.25 GiB, down to the grid
+    assert unet["target"]["cap_gib"] == 7.25 and unet["target"]["target_met"] is True
+    assert unet["target"]["vs_pytorch_uncapped_step"] == pytest.approx(630.0 / 600.0)
+    assert "target" not in resnet
     assert unet["shim"]["min_cap_gib"] == 7.0 and unet["offload"]["min_cap_gib"] == 4.5
     assert resnet["offload"]["min_cap_gib"] == 12.25
     # fast: the smallest cap whose step is <= 1.10x PyTorch's uncapped; a slower run fails there
@@ -371,10 +375,10 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert resnet["offload"]["target_met"] is True  # 2-D: at most PyTorch's minimum
     assert unet["offload"]["at_min"]["offload_lines"] == [OFFLOAD_LINE.format(cap=4.5)]
     offload = [r for r in gpu.runs if r["offload"]]
-    # bracketed below the shim's minimum: that minimum first, down to 0.25x of it
-    assert offload[0]["cap"] == 7.0 and min(r["cap"] for r in offload if r["model"] == "unet3d") >= 1.75
+    # the target's probe, then bracketed below the shim's minimum, down to 0.25x of it
+    assert [r["cap"] for r in offload[:2]] == [7.25, 7.0] and min(r["cap"] for r in offload if r["model"] == "unet3d") >= 1.75
     # each offload run writes its recorded profile beside its log, named in its probe
-    for probe in unet["offload"]["probes"] + unet["fast"]["probes"]:
+    for probe in unet["offload"]["probes"] + unet["fast"]["probes"] + [unet["target"]]:
         assert (tmp_path / probe["offload_profile"]).read_text() == '{"profile": {}}\n'
     assert all(r["profile_to"] is None for r in gpu.runs if not r["offload"])
     # the two searches share their runs: no cap runs twice, and a shared one is marked reused
@@ -385,7 +389,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert not any("reused_from" in p for p in unet["fast"]["probes"])
     for run in offload:  # the CLI's path: `mucudnn run --memory-budget CAP --offload`
         assert run["cli"][-4:] == ["run", "--memory-budget", str(int(run["cap"] * 2**30)), "--offload"]
-        assert run["warmup"] == 4 and run["steps"] == 3 and run["online"] == "1"
+        assert run["warmup"] == 6 and run["steps"] == 3 and run["online"] == "1"
         # the CLI sets the budget and offload; the allocator stays the part's (none: the default)
         assert run["budget"] is None and run["offload_env"] is None and run["allocator"] == ""
         assert run["log_level"] == "info"
@@ -396,7 +400,9 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert "offload 4.5 GiB 1890.0 ms [" in printed and "fast 6 GiB 630.0 ms [" in printed
     page = (tmp_path / "pressure-h200.md").read_text()
     assert "### Shim + activation offload (`mucudnn run --memory-budget CAP --offload`)" in page
-    assert "after 4 warm-up train (the first 2 record" in page
+    assert "after 6 warm-up train (the first 2 record" in page
+    assert (f"| unet3d, 2 | fp32/benchmark-off | target (one probe) | 600.00 | 9.25 | 7.25 (ok) | "
+            f"630.00 | 0.784 | 1.050 | yes | 1 | {OFFLOAD_LINE.format(cap=7.25)} | |") in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | any | 600.00 | 9.25 | 4.5 | 1890.00 | 0.486 | 3.150 | "
             f"**no** | {len(unet['offload']['probes'])} | {OFFLOAD_LINE.format(cap=4.5)} |  |") in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | fast | 600.00 | 9.25 | 6 | 630.00 | 0.649 | 1.050 | "
@@ -424,8 +430,18 @@ def test_minmem_can_leave_the_shim_alone_out(gpu, tmp_path):
     assert "shim" not in unet and unet["fast"]["min_cap_gib"] == 6.0
     assert "| not searched |" in (tmp_path / "pressure-h200.md").read_text()
     assert not any(r["shim"] and r["cap"] and not r["offload"] for r in gpu.runs)
-    # bracketed below PyTorch's minimum, the only one searched
-    assert [r["cap"] for r in gpu.runs if r["offload"]][0] == unet["pytorch"]["min_cap_gib"]
+    # the target's probe, then bracketed below PyTorch's minimum, the only one searched
+    assert [r["cap"] for r in gpu.runs if r["offload"]][:2] == [7.25, unet["pytorch"]["min_cap_gib"]]
+
+
+def test_minmem_can_probe_the_3d_target_alone(gpu, tmp_path):
+    assert pressure.main(["minmem", "--models", "unet3d", "--dtypes", "fp32", "--benchmark", "off",
+                          "--offload", "--no-shim-search", "--offload-searches", "target",
+                          "--out", str(tmp_path)]) == 0
+    unet = json.loads((tmp_path / "pressure-minmem.json").read_text())["models"]["unet3d"]
+    assert "fast" not in unet and "offload" not in unet and unet["target"]["cap_gib"] == 7.25
+    assert [r["cap"] for r in gpu.runs if r["offload"]] == [7.25]
+    assert "target (one probe)" in (tmp_path / "pressure-h200.md").read_text()
 
 
 def test_minmem_without_offload_runs_no_offload(gpu, tmp_path):

@@ -21,7 +21,6 @@ from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import fit  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
-from mucudnn.torch import runtime  # noqa: E402
 from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
 from profiles import exposure_profile  # noqa: E402
 
@@ -1461,7 +1460,7 @@ def calibrating_session(said):
                              say=said.append, calibrate=True)
     profile = exposure_profile(copy_exposure=0.0)
     session._use_plan(planner.plan_with_prefetch(profile, session.target), profile)
-    session._calibration = {"steps": runtime.CALIBRATION_STEP, "first": None}
+    session._calibration = {"steps": planner.CALIBRATION_STEP, "first": None}
     assert session.plan.modes[1] == OFFLOAD
     return session
 
