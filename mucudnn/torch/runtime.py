@@ -205,11 +205,6 @@ class CopyLink:
         """Allocations the device refused so far (a counter that only grows)."""
         return 0
 
-    def flushes(self) -> int:
-        """Times the caching allocator freed its cache to retry an allocation so far (a counter
-        that only grows): each synchronises the device and maps memory again."""
-        return 0
-
     def bandwidth_gbps(self) -> tuple[float, float]:
         return self.gbps or measure_bandwidth(self, torch.device("cpu"))
 
@@ -324,9 +319,6 @@ class CudaLink(CopyLink):
 
     def ooms(self):
         return torch.cuda.memory_stats(self.device).get("num_ooms", 0)
-
-    def flushes(self):
-        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
 
     def bandwidth_gbps(self):
         if self.gbps is None:
@@ -568,7 +560,6 @@ class _Step:
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps, timed steps)
     start_mark: object = None      # its first saved tensor (a timed step: exposure calibration)
-    start_flushes: int = 0         # the link's flushes() then
     timed: bool = False            # timed for the exposure calibration (OffloadSession.calibrate)
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
 
@@ -586,10 +577,10 @@ class OffloadSession:
     (:data:`CONVOLUTIONS`; see the module docstring). ``copy_exposure``: the planner's
     :data:`~mucudnn.torch.planner.COPY_EXPOSURE`. ``max_pending``: :class:`CudaLink`'s, the bytes
     of copies to the host in flight before the host thread waits for the oldest.
-    ``calibrate``: time the second step under the plan, and plan once more with the copy exposure
-    that step showed where it differs from the profile's by more than
-    :data:`planner.EXPOSURE_TOLERANCE`, and for a lower target where the caching allocator
-    flushed its cache in it; the faster of the two plans, as timed, stays (:meth:`_calibrated`). None: where the link is a :class:`CudaLink` (a link of given speeds
+    ``calibrate``: time the second step under a plan that moves tensors, and plan once more with
+    the copy exposure that step showed where it differs from the profile's by more than
+    :data:`planner.EXPOSURE_TOLERANCE`; the faster of the two plans, as timed, stays
+    (:meth:`_calibrated`). None: where the link is a :class:`CudaLink` (a link of given speeds
     times nothing the planner's model describes).
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``profile_to``: a
     path where each plan made (or the fall-back when none meets the budget) writes the recorded
@@ -982,7 +973,7 @@ class OffloadSession:
             self._alias(step, group, tensor)
         if gid == 0 and not step.profiling and self._calibration is not None and \
                 self._calibration["steps"] == planner.CALIBRATION_STEP - 1:
-            step.timed, step.start_mark, step.start_flushes = True, link.mark(), link.flushes()
+            step.timed, step.start_mark = True, link.mark()
         if step.profiling:
             if gid == 0:
                 link.timing, link.stalls = True, []
@@ -1205,9 +1196,9 @@ class OffloadSession:
             # its unpacks are partial: the prefetch schedule stays that of the last whole step
             if out_of_memory and self._calibration is not None and self._calibration["first"]:
                 # the calibrated plan ran out of memory where the first did not: back to that one
-                first_ms, plan, profile, target = self._calibration["first"]
+                first_ms, plan, profile = self._calibration["first"]
                 self._calibration = None
-                self._use_plan(plan, profile, target)
+                self._use_plan(plan, profile)
                 self.say("a step under the plan for the calibrated exposure ran out of device "
                          "memory; back to the first plan")
                 return
@@ -1229,8 +1220,7 @@ class OffloadSession:
         if self._calibration is not None and not finished.profiling:
             self._calibration["steps"] += 1
             if finished.timed and finished.end_mark is not None:
-                self._calibrated(link.step_ms(finished.start_mark, finished.end_mark),
-                                 link.flushes() - finished.start_flushes)
+                self._calibrated(link.step_ms(finished.start_mark, finished.end_mark))
         if finished.profiling and finished.groups and not more_recording:
             # what the recorded step left that every later step carries (the optimizer's state,
             # made by its first step): each point of the profile has it too
@@ -1289,63 +1279,46 @@ class OffloadSession:
         return planner.plan_with_prefetch(profile or self.profile, target, self.lookahead,
                                           self.plan_time_limit_s)
 
-    def _use_plan(self, plan: planner.OffloadPlan, profile: planner.StepProfile,
-                  target: int | None = None) -> None:
-        """``plan`` (made on ``profile`` for ``target``, None: the budget's) from the next step."""
+    def _use_plan(self, plan: planner.OffloadPlan, profile: planner.StepProfile) -> None:
         self.profile, self.plan, self.modes = profile, plan, list(plan.modes)
-        self._lowered_target = target
         self._schedule = self._prefetch_schedule(self.modes)
         self.write_profile()
 
-    def _calibrated(self, measured_ms: float, flushes: int = 0) -> None:
-        """A timed step under the plan took ``measured_ms`` and made the caching allocator flush
-        its cache ``flushes`` times. Under the first plan: where the copy exposure it shows
-        (:func:`planner.implied_exposure`) differs from the profile's by more than
-        :data:`planner.EXPOSURE_TOLERANCE`, or where it flushed, plan again, with that exposure
-        and for a target ``replan_step`` of the budget lower (one line), and time that plan too;
-        under that plan: the faster of the two stays (one line). Copies overlap compute better
-        or worse by model (measured, H200: about 0.2 of their time on r3d_18 and the 3-D U-Net,
-        0.5-0.7 on ResNet-50), and one constant makes the planner recompute where offloading
-        costs less, or the reverse. A flush synchronises the device and maps memory again
-        (r3d_18 at N=32 under PyTorch's own minimum cap, 5.75 GiB: 16 a step, 94.7 ms against
-        81.1 uncapped): a plan that leaves the allocator more room may be faster though it
-        moves more."""
+    def _calibrated(self, measured_ms: float) -> None:
+        """A timed step under the plan took ``measured_ms``. Under the first plan: where the
+        copy exposure it shows (:func:`planner.implied_exposure`) differs from the profile's by
+        more than :data:`planner.EXPOSURE_TOLERANCE`, plan again with it (one line) and time that plan
+        too; under that plan: the faster of the two stays (one line). Copies overlap compute
+        better or worse by model (measured, H200: about 0.2 of their time on r3d_18 and the 3-D
+        U-Net, 0.5-0.7 on ResNet-50), and one constant makes the planner recompute where
+        offloading costs less, or the reverse."""
         state, self._calibration = self._calibration, None
         if state["first"] is not None:
-            first_ms, plan, profile, target = state["first"]
+            first_ms, plan, profile = state["first"]
             if measured_ms > first_ms:
-                self._use_plan(plan, profile, target)
-            self.say(f"the calibrated plan took {measured_ms:.1f} ms a step, the first "
-                     f"{first_ms:.1f} ms: the "
+                self._use_plan(plan, profile)
+            self.say(f"the plan for the calibrated exposure took {measured_ms:.1f} ms a step, the "
+                     f"first {first_ms:.1f} ms: the "
                      + ("first stays" if measured_ms > first_ms else "calibrated one stays"))
             return
-        before = self.profile.copy_exposure
         exposure = planner.implied_exposure(self.profile, self.plan, measured_ms)
-        if exposure is None or abs(exposure - before) <= planner.EXPOSURE_TOLERANCE:
-            exposure = before
-        if exposure == before and not flushes:
+        if exposure is None or abs(exposure - self.profile.copy_exposure) <= planner.EXPOSURE_TOLERANCE:
             return
-        target = self.target - (int(self.replan_step * self.budget) if flushes else 0)
+        before = self.profile.copy_exposure
         profile = replace(self.profile, copy_exposure=exposure)
         try:
-            plan = self._plan_for(target, profile)
+            plan = self._plan_for(self.target, profile)
         except MucudnnError:
             return
         if plan.modes == self.plan.modes:
             return
         first = self.plan
-        self._calibration = {"steps": 0,
-                             "first": (measured_ms, first, self.profile, self._lowered_target)}
-        self._use_plan(plan, profile, target if flushes else self._lowered_target)
-        seen = []
-        if exposure != before:
-            seen.append(f"its copies showed {exposure:.2f} of their time beyond the host link's "
-                        f"bound, not {before:.2f}")
-        if flushes:
-            seen.append(f"the caching allocator flushed its cache {flushes} times")
+        self._calibration = {"steps": 0, "first": (measured_ms, first, self.profile)}
+        self._use_plan(plan, profile)
         self.say(f"a step under the offload plan took {measured_ms:.1f} ms, {first.step_ms:.1f} "
-                 f"predicted; {' and '.join(seen)}: planning with that exposure for "
-                 f"{target / 2**30:.2f} GiB: {plan.describe()}")
+                 f"predicted: its copies showed {exposure:.2f} of their time beyond the host "
+                 f"link's bound, not {before:.2f}; planning with that: "
+                 f"{plan.describe()}")
 
     def _make_plan(self) -> None:
         target = self.target
@@ -1364,7 +1337,7 @@ class OffloadSession:
         self.write_profile()
         calibrate = (self.calibrate if self.calibrate is not None
                      else isinstance(self._any_link(), CudaLink))
-        if calibrate:
+        if calibrate and self.plan.moved_bytes:
             self._calibration = {"steps": 0, "first": None}
 
     def write_profile(self) -> bool:
