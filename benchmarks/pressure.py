@@ -80,20 +80,18 @@ from pathlib import Path
 from benchmarks.models import parse_model, spec_of
 # set by `mucudnn run --offload` only; where mucudnn.torch writes its recorded profile
 from mucudnn.budget import ENV_OFFLOAD, ENV_OFFLOAD_PROFILE
-from mucudnn.torch.planner import CALIBRATION_STEP
 from benchmarks.shim_pytorch import worker_command, worker_outcome
 
 PARTS = ("ratio", "minmem", "maxbatch")
 DTYPES = {"fp32": "fp32 (TF32 on)", "bf16": "bf16 autocast, channels-last"}
 ONLINE_PATTERN = re.compile(r"online tuning", re.IGNORECASE)
-OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor|calibrated)", re.IGNORECASE)
+OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor)", re.IGNORECASE)
 # mucudnn.torch's OffloadSession records this many steps (its record_steps; every saved tensor
 # offloaded, the first pinning the host pool) before its plan applies: an offload probe's warm-up
 # covers them and two planned steps (the first grows the pinned pool and the caching allocator to
-# the plan's pattern; the second is timed by the exposure calibration), then two more for the
-# plan the calibration may make, so that its timed steps are the last plan's steady state
+# the plan's pattern), so that its timed steps are the plan's steady state
 OFFLOAD_RECORD_STEPS = 2
-OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + 2 * CALIBRATION_STEP
+OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + 2
 DEVICE_MEMORY_GIB = 140.0   # where a cap search gives up widening its bracket upwards (H200)
 
 

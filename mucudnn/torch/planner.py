@@ -44,7 +44,7 @@ import bisect
 import itertools
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..errors import InfeasibleError, SolverError
@@ -61,17 +61,6 @@ PREFETCH_MARGIN = 1.5
 #: benchmarks/results/offload). Without it the planner takes overlapped copies as free and picks
 #: them over recomputation that costs less.
 COPY_EXPOSURE = 0.6
-#: The exposure calibration (OffloadSession's ``calibrate``) times this step under a plan (the
-#: first may still grow the caching allocator's pool) and plans again where the exposure it
-#: shows (:func:`implied_exposure`) differs from the profile's by more than EXPOSURE_TOLERANCE.
-CALIBRATION_STEP = 2
-EXPOSURE_TOLERANCE = 0.1
-#: A plan whose copies take less than this (ms, both ways) tells too little of the exposure to
-#: calibrate it (:func:`implied_exposure`): the step's own jitter would dominate.
-CALIBRATION_MIN_COPY_MS = 5.0
-#: the most exposure a step is taken to show (a step far slower than its bound for another
-#: reason, a late workspace allocation, says nothing about its copies beyond this)
-MAX_EXPOSURE = 1.5
 #: the most recipes one rebuild may chain in a plan (a recomputed group whose recipe reads a
 #: recomputed group rebuilds that one first, and so on): a ResNet bottleneck's output rebuilds
 #: its block back to the first convolution's output in 5. Longer chains made ResNet-50's program
@@ -338,21 +327,6 @@ def step_time(profile: StepProfile, modes: Sequence[str], lookahead: int = 2) ->
     return (max(profile.forward_ms, offload)
             + (backward + fetch if lookahead == 0 else max(backward, fetch))
             + profile.copy_exposure * (offload + fetch))
-
-
-def implied_exposure(profile: StepProfile, plan: OffloadPlan, measured_ms: float) -> float | None:
-    """The copy exposure a step of ``plan`` that took ``measured_ms`` shows: its time beyond the
-    plan's host-link bound (:func:`step_time` without exposure) over its copies' time both ways,
-    within 0..:data:`MAX_EXPOSURE`; None when its copies take less than
-    :data:`CALIBRATION_MIN_COPY_MS`. The measured span is the profile's: from the forward's
-    first saved tensor to the backward's end. What the model misses besides the copies (a
-    recompute's real time) lands here too: it is the exposure that makes the model fit."""
-    copies = (transfer_ms(plan.moved_bytes, profile.d2h_gbps)
-              + transfer_ms(plan.moved_bytes, profile.h2d_gbps))
-    if copies < CALIBRATION_MIN_COPY_MS:
-        return None
-    bound = step_time(replace(profile, copy_exposure=0.0), plan.modes, plan.lookahead)
-    return min(max((measured_ms - bound) / copies, 0.0), MAX_EXPOSURE)
 
 
 def transfer_ms(nbytes: int, gbps: float) -> float:

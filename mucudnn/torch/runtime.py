@@ -38,7 +38,7 @@ import gc
 import time
 import weakref
 from collections import defaultdict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -178,11 +178,6 @@ class CopyLink:
 
     def elapsed_ms(self, start: Mark, end: Mark) -> float:
         return self._interval_ms(start.stamp, end.stamp)
-
-    def step_ms(self, start: Mark, end: Mark) -> float:
-        """A planned step's span, from its first saved tensor to its backward's end (the
-        exposure calibration's measurement)."""
-        return self.elapsed_ms(start, end)
 
     def compute_ms(self, start: Mark, end: Mark) -> float:
         """The time from ``start`` to ``end`` less the host stalls between them (0 for marks of
@@ -558,9 +553,7 @@ class _Step:
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
     watching: bool = False         # that callback is queued
     start_allocated: int | None = None   # the link's allocated bytes at its first module
-    end_mark: object = None        # its backward's end (recording steps, timed steps)
-    start_mark: object = None      # its first saved tensor (a timed step: exposure calibration)
-    timed: bool = False            # timed for the exposure calibration (OffloadSession.calibrate)
+    end_mark: object = None        # its backward's end (recording steps)
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
 
 
@@ -577,11 +570,6 @@ class OffloadSession:
     (:data:`CONVOLUTIONS`; see the module docstring). ``copy_exposure``: the planner's
     :data:`~mucudnn.torch.planner.COPY_EXPOSURE`. ``max_pending``: :class:`CudaLink`'s, the bytes
     of copies to the host in flight before the host thread waits for the oldest.
-    ``calibrate``: time the second step under a plan that moves tensors, and plan once more with
-    the copy exposure that step showed where it differs from the profile's by more than
-    :data:`planner.EXPOSURE_TOLERANCE`; the faster of the two plans, as timed, stays
-    (:meth:`_calibrated`). None: where the link is a :class:`CudaLink` (a link of given speeds
-    times nothing the planner's model describes).
     ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``profile_to``: a
     path where each plan made (or the fall-back when none meets the budget) writes the recorded
     profile, the target and the modes as JSON (:meth:`write_profile`), so that the planner can be
@@ -602,7 +590,7 @@ class OffloadSession:
                  record_steps: int = 2, plan_time_limit_s: float = 20,
                  recompute_convolutions: bool = True,
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
-                 max_pending: int = 1 << 30, calibrate: bool | None = None):
+                 max_pending: int = 1 << 30):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
@@ -615,10 +603,6 @@ class OffloadSession:
         self.copy_exposure = copy_exposure
         self._link, self._links = link, {}
         self.max_pending = max_pending
-        self.calibrate = calibrate
-        #: the exposure calibration: None (not begun or done), else the plan being timed, its
-        #: steps so far and, while a calibrated plan is timed, the first plan's (ms, plan, profile)
-        self._calibration: dict | None = None
         self.trace = trace
         self.profile_to = profile_to
         self.strict = strict
@@ -971,9 +955,6 @@ class OffloadSession:
         step.by_ref[id(group.ref)] = group
         if self.recompute:
             self._alias(step, group, tensor)
-        if gid == 0 and not step.profiling and self._calibration is not None and \
-                self._calibration["steps"] == planner.CALIBRATION_STEP - 1:
-            step.timed, step.start_mark = True, link.mark()
         if step.profiling:
             if gid == 0:
                 link.timing, link.stalls = True, []
@@ -1043,7 +1024,7 @@ class OffloadSession:
 
             def backward_done(step=step, link=link):
                 step.backward_done = True
-                if step.profiling or step.timed:   # its last ops follow its last unpack
+                if step.profiling:      # the backward's last ops follow its last unpack
                     step.end_mark = link.mark()
             _at_end_of_backward(backward_done)
         if group.first_unpack is None:
@@ -1194,15 +1175,6 @@ class OffloadSession:
             return
         if failed:
             # its unpacks are partial: the prefetch schedule stays that of the last whole step
-            if out_of_memory and self._calibration is not None and self._calibration["first"]:
-                # the calibrated plan ran out of memory where the first did not: back to that one
-                first_ms, plan, profile = self._calibration["first"]
-                self._calibration = None
-                self._use_plan(plan, profile)
-                self.say("a step under the plan for the calibrated exposure ran out of device "
-                         "memory; back to the first plan")
-                return
-            self._calibration = None
             if out_of_memory and not self.fell_back and self.budget is not None:
                 if self._plan_again():
                     return
@@ -1217,10 +1189,6 @@ class OffloadSession:
             return
         self._first_unpacks = [g.first_unpack for g in finished.groups]
         self._say_unmoved(finished)
-        if self._calibration is not None and not finished.profiling:
-            self._calibration["steps"] += 1
-            if finished.timed and finished.end_mark is not None:
-                self._calibrated(link.step_ms(finished.start_mark, finished.end_mark))
         if finished.profiling and finished.groups and not more_recording:
             # what the recorded step left that every later step carries (the optimizer's state,
             # made by its first step): each point of the profile has it too
@@ -1274,51 +1242,9 @@ class OffloadSession:
                  f"{target / 2**30:.2f} GiB: {plan.describe()}")
         return True
 
-    def _plan_for(self, target: int, profile: planner.StepProfile | None = None
-                  ) -> planner.OffloadPlan:
-        return planner.plan_with_prefetch(profile or self.profile, target, self.lookahead,
+    def _plan_for(self, target: int) -> planner.OffloadPlan:
+        return planner.plan_with_prefetch(self.profile, target, self.lookahead,
                                           self.plan_time_limit_s)
-
-    def _use_plan(self, plan: planner.OffloadPlan, profile: planner.StepProfile) -> None:
-        self.profile, self.plan, self.modes = profile, plan, list(plan.modes)
-        self._schedule = self._prefetch_schedule(self.modes)
-        self.write_profile()
-
-    def _calibrated(self, measured_ms: float) -> None:
-        """A timed step under the plan took ``measured_ms``. Under the first plan: where the
-        copy exposure it shows (:func:`planner.implied_exposure`) differs from the profile's by
-        more than :data:`planner.EXPOSURE_TOLERANCE`, plan again with it (one line) and time that plan
-        too; under that plan: the faster of the two stays (one line). Copies overlap compute
-        better or worse by model (measured, H200: about 0.2 of their time on r3d_18 and the 3-D
-        U-Net, 0.5-0.7 on ResNet-50), and one constant makes the planner recompute where
-        offloading costs less, or the reverse."""
-        state, self._calibration = self._calibration, None
-        if state["first"] is not None:
-            first_ms, plan, profile = state["first"]
-            if measured_ms > first_ms:
-                self._use_plan(plan, profile)
-            self.say(f"the plan for the calibrated exposure took {measured_ms:.1f} ms a step, the "
-                     f"first {first_ms:.1f} ms: the "
-                     + ("first stays" if measured_ms > first_ms else "calibrated one stays"))
-            return
-        exposure = planner.implied_exposure(self.profile, self.plan, measured_ms)
-        if exposure is None or abs(exposure - self.profile.copy_exposure) <= planner.EXPOSURE_TOLERANCE:
-            return
-        before = self.profile.copy_exposure
-        profile = replace(self.profile, copy_exposure=exposure)
-        try:
-            plan = self._plan_for(self.target, profile)
-        except MucudnnError:
-            return
-        if plan.modes == self.plan.modes:
-            return
-        first = self.plan
-        self._calibration = {"steps": 0, "first": (measured_ms, first, self.profile)}
-        self._use_plan(plan, profile)
-        self.say(f"a step under the offload plan took {measured_ms:.1f} ms, {first.step_ms:.1f} "
-                 f"predicted: its copies showed {exposure:.2f} of their time beyond the host "
-                 f"link's bound, not {before:.2f}; planning with that: "
-                 f"{plan.describe()}")
 
     def _make_plan(self) -> None:
         target = self.target
@@ -1335,10 +1261,6 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
         self.write_profile()
-        calibrate = (self.calibrate if self.calibrate is not None
-                     else isinstance(self._any_link(), CudaLink))
-        if calibrate and self.plan.moved_bytes:
-            self._calibration = {"steps": 0, "first": None}
 
     def write_profile(self) -> bool:
         """``profile_to``: the budget, the target, the recorded profile (its dataclass's fields),

@@ -11,7 +11,6 @@ from mucudnn.sizes import describe_size
 from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force,
                                    least_peak, memory_at_points, peak_memory, plan_offload,
                                    plan_with_prefetch, step_time, valid)
-from profiles import exposure_profile
 
 MiB = 2**20
 
@@ -394,22 +393,3 @@ def test_a_rung_where_cbc_finds_no_plan_in_time_goes_on_to_prefetch_less(monkeyp
     assert not any(len(p) > 1 for p in planner.rebuild_candidates(profile))
     assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
     assert plan.margin == planner.PREFETCH_MARGIN / 2      # the second rung's
-
-
-def test_the_exposure_a_step_shows_is_its_time_beyond_the_bound_over_its_copies():
-    profile = exposure_profile(copy_exposure=0.0)
-    plan = plan_with_prefetch(profile, budget=150 * 10**6)
-    assert plan.modes[1] == OFFLOAD and plan.step_ms == pytest.approx(150.0)
-    assert plan_with_prefetch(exposure_profile(), budget=150 * 10**6).modes[1] == RECOMPUTE
-    copies = 2 * planner.transfer_ms(plan.moved_bytes, 10.0)
-    assert planner.implied_exposure(profile, plan, 150.0 + 0.25 * copies) == pytest.approx(0.25)
-    assert planner.implied_exposure(profile, plan, 120.0) == 0.0          # faster than the bound
-    assert planner.implied_exposure(profile, plan, 10**4) == planner.MAX_EXPOSURE
-    # the profile's own exposure does not enter: the bound is the model without it
-    assert planner.implied_exposure(exposure_profile(), plan, 155.0) == pytest.approx(0.25)
-
-
-def test_a_plan_moving_next_to_nothing_tells_no_exposure():
-    profile = exposure_profile()
-    plan = plan_offload(profile, budget=10**12)       # everything kept
-    assert plan.moved_bytes == 0 and planner.implied_exposure(profile, plan, 500.0) is None

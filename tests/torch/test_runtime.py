@@ -22,7 +22,6 @@ from mucudnn.torch import fit  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
 from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
-from profiles import exposure_profile  # noqa: E402
 
 
 class RecordingLink(CopyLink):
@@ -1449,92 +1448,3 @@ def test_a_profile_counts_what_a_rebuild_allocates():
     convolution_output = 4 * 32 * 16 * 16 * 8
     assert pooled[0].rebuild_bytes == convolution_output + pooled[0].nbytes
     assert pooled[0].transient == convolution_output + pooled[0].nbytes
-
-
-# -- the exposure calibration ----------------------------------------------------------------
-
-def calibrating_session(said):
-    """A session under the plan of profiles.exposure_profile at exposure 0 (group 1 offloaded,
-    150 ms predicted), as the first planned steps run it."""
-    session = OffloadSession(budget=150 * 10**6, link=CopyLink(gbps=(10.0, 10.0)), headroom=0.0,
-                             say=said.append, calibrate=True)
-    profile = exposure_profile(copy_exposure=0.0)
-    session._use_plan(planner.plan_with_prefetch(profile, session.target), profile)
-    session._calibration = {"steps": planner.CALIBRATION_STEP, "first": None}
-    assert session.plan.modes[1] == OFFLOAD
-    return session
-
-
-@pytest.mark.parametrize("second_ms", [158.0, 170.0])
-def test_a_step_slower_than_its_plan_plans_again_with_the_exposure_it_showed(second_ms):
-    # 162 ms: the copies showed 0.6 of their time beyond the bound, where the plan took 0; with
-    # 0.6 recomputing costs less. The recomputing plan is timed too, and the faster one stays.
-    said = []
-    session = calibrating_session(said)
-    first = session.plan
-    session._calibrated(162.0)
-    assert session.profile.copy_exposure == pytest.approx(0.6)
-    assert session.plan.modes[1] == RECOMPUTE and session.modes == list(session.plan.modes)
-    assert "showed 0.60 of their time" in said[-1]
-    session._calibrated(second_ms)
-    assert session._calibration is None
-    if second_ms < 162.0:
-        assert session.plan.modes[1] == RECOMPUTE and "calibrated one stays" in said[-1]
-    else:
-        assert session.plan is first and session.profile.copy_exposure == 0.0
-        assert session.modes == list(first.modes) and "first stays" in said[-1]
-
-
-def test_a_step_as_fast_as_its_plan_keeps_it():
-    said = []
-    session = calibrating_session(said)
-    first = session.plan
-    session._calibrated(150.0 + 0.05 * 20)    # within EXPOSURE_TOLERANCE of the profile's 0
-    assert session.plan is first and session._calibration is None and not said
-
-
-def test_the_calibrated_plan_out_of_memory_goes_back_to_the_first():
-    said = []
-    session = calibrating_session(said)
-    first = session.plan
-    session._calibrated(162.0)
-    # a planned step whose backward failed...
-    session._step.profiling, session._step.unpacks, session._step.ooms = False, 1, 0
-    session._any_link().ooms = lambda: 1                 # ...out of memory
-    session._end_step()
-    assert session.plan is first and not session.fell_back and session._calibration is None
-    assert "back to the first plan" in said[-1]
-
-
-class TimedLink(MeteredLink):
-    """Its step timing says ``step_ms`` and records each call."""
-
-    def __init__(self, step_ms):
-        super().__init__()
-        self.step_ms_value, self.timed = step_ms, []
-
-    def step_ms(self, start, end):
-        self.timed.append((start, end))
-        return self.step_ms_value
-
-
-def test_the_second_planned_step_is_timed_and_calibrates_the_plan(monkeypatch):
-    # only where the plan moves tensors; one timing, then none (a plan that stays)
-    model, data = small_cnn(torch.float32), batches(torch.float32, 6)
-    link = TimedLink(step_ms=1.0)
-    calibrated = []
-    monkeypatch.setattr(OffloadSession, "_calibrated",
-                        lambda self, ms: (calibrated.append((self.steps, ms)),
-                                          setattr(self, "_calibration", None)))
-    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
-                             headroom=0.0, record_steps=1, recompute_convolutions=False,
-                             calibrate=True)
-    train(model, data, session)
-    assert session.plan.moved_bytes > 0
-    # step 1 records, 2 and 3 run the plan: the third (the second planned) is timed
-    assert calibrated == [(3, 1.0)] and len(link.timed) == 1
-    uncalibrated = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=TimedLink(1.0),
-                                  min_bytes=0, headroom=0.0, record_steps=1,
-                                  recompute_convolutions=False)
-    train(small_cnn(torch.float32), data, uncalibrated)
-    assert uncalibrated._calibration is None and not uncalibrated._links
