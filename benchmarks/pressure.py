@@ -566,7 +566,8 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
             high = reference or reserved
             if args.offload and "target" in args.offload_searches and is_3d(model) and reference:
                 # the target itself, probed at its cap: a capped step need not grow as the cap
-                # shrinks (PyTorch and the shim take slower engines near their own minimum)
+                # shrinks (near a run's own minimum the caching allocator flushes its cache
+                # often: PyTorch on r3d_18 at 5.75 GiB, 16 times a step)
                 entry["target"] = target_probe(probe("fast"), reference, base["step_ms"],
                                                args.cap_step)
                 report.save()
