@@ -85,6 +85,8 @@ from benchmarks.shim_pytorch import worker_command, worker_outcome
 PARTS = ("ratio", "minmem", "maxbatch")
 DTYPES = {"fp32": "fp32 (TF32 on)", "bf16": "bf16 autocast, channels-last"}
 ONLINE_PATTERN = re.compile(r"online tuning", re.IGNORECASE)
+# the shim's exit summary: how many kernels this run measured online (docs/shim.md, "Online tuning")
+ONLINE_MEASURED = re.compile(r"online tuning: measured (\d+) kernels")
 OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor)", re.IGNORECASE)
 # mucudnn.torch's OffloadSession records this many steps (its record_steps; every saved tensor
 # offloaded, the first pinning the host pool) before its plan applies: an offload probe's warm-up
@@ -257,7 +259,7 @@ def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
             "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile",
-            "alloc_retries")
+            "alloc_retries", "tuned_kernels")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]
@@ -347,6 +349,9 @@ class Runner:
             # the shim's exit report comes last: keep the last lines that mention online tuning
             outcome["online_lines"] = [line.strip() for line in (logged + "\n" + stderr).splitlines()
                                        if ONLINE_PATTERN.search(line)][-5:]
+            tuned = tuned_kernels(outcome["online_lines"])
+            if tuned is not None:
+                outcome["tuned_kernels"] = tuned
         if offload:  # the plan the probe ran (or that it fell back to offloading everything)
             outcome["offload_lines"] = [line.strip()[:300] for line in stderr.splitlines()
                                         if OFFLOAD_PATTERN.search(line)][-3:]
@@ -633,6 +638,21 @@ def target_probe(probe, pytorch_min_gib: float, base_ms: float, step_gib: float)
     return result
 
 
+def tuned_kernels(online_lines: list[str]) -> int | None:
+    """The kernels a shim run measured online, from its exit summary (None: no summary)."""
+    found = [int(m.group(1)) for m in map(ONLINE_MEASURED.search, online_lines) if m]
+    return found[-1] if found else None
+
+
+def tuning_note(at_min: dict) -> str:
+    """A capped run that tuned kernels online (kernels first seen under the cap: an engine of other
+    numerics after a refusal) may have spent its timed steps measuring them: said beside its step
+    time, which then is not the steady state."""
+    tuned = (at_min or {}).get("tuned_kernels")
+    return (f"the shim's run at its minimum tuned {tuned} kernels online, which may be in its "
+            "timed steps") if tuned else ""
+
+
 def is_3d(model: str) -> bool:
     """A model of volumes or clips: (C, D, H, W) samples."""
     return len(spec_of(model).sample) == 4
@@ -825,7 +845,8 @@ def markdown(reports: dict) -> str:
                 f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | {base_text} | "
                 f"{min_text(pt)} | {fmt((pt.get('at_min') or {}).get('step_ms'))} | {min_text(sh)} | "
                 f"{fmt(sh_ms)} | {fmt(ratio_min, '.3f')} | {fmt(slow, '.3f')} | "
-                f"{len(pt.get('probes', []))} / {len(sh.get('probes', []))} | {note_of(e)} |")
+                f"{len(pt.get('probes', []))} / {len(sh.get('probes', []))} | "
+                f"{'; '.join(x for x in (note_of(e), tuning_note(sh.get('at_min'))) if x)} |")
         lines += [""]
         lines += offload_table(r)
     if "maxbatch" in reports:

@@ -699,3 +699,13 @@ def test_the_page_has_its_minmem_plot_beside_it(gpu, tmp_path):
                    "--offload", "--out", str(tmp_path)])
     png = tmp_path / "pressure-h200-minmem.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_capped_shim_run_that_tuned_online_says_so_beside_its_step():
+    lines = ["mucudnn: info: KEY N=16: online tuning measured 6 points in 376.3 ms; fastest 0.2 ms",
+             "mucudnn: summary: online tuning: measured 38 kernels (212 candidates timed) in 9 s; "
+             "2 kernels from DIR"]
+    assert pressure.tuned_kernels(lines) == 38
+    assert pressure.tuned_kernels(lines[:1]) is None
+    assert "tuned 38 kernels online" in pressure.tuning_note({"tuned_kernels": 38})
+    assert pressure.tuning_note({"tuned_kernels": 0}) == pressure.tuning_note({}) == ""
