@@ -630,6 +630,8 @@ def target_probe(probe, pytorch_min_gib: float, base_ms: float, step_gib: float)
     to the grid): its outcome, its step against PyTorch's uncapped ``base_ms`` and whether both
     targets are met there."""
     cap = math.floor(MIN_FRACTION_3D * pytorch_min_gib / step_gib + 1e-9) * step_gib
+    if cap <= 0:   # below one grid step: a cap of 0 would be no cap (min_cap_search's rule)
+        return {"cap_gib": cap, "status": "not probed", "vs_pytorch_min": 0.0, "target_met": False}
     outcome = probe(cap)
     result = {"cap_gib": cap, **brief(outcome), "vs_pytorch_min": cap / pytorch_min_gib}
     if passed(outcome):

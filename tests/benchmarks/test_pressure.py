@@ -709,3 +709,10 @@ def test_a_capped_shim_run_that_tuned_online_says_so_beside_its_step():
     assert pressure.tuned_kernels(lines[:1]) is None
     assert "tuned 38 kernels online" in pressure.tuning_note({"tuned_kernels": 38})
     assert pressure.tuning_note({"tuned_kernels": 0}) == pressure.tuning_note({}) == ""
+
+
+def test_a_target_cap_below_one_grid_step_is_not_probed():
+    probed = []
+    result = pressure.target_probe(lambda cap: probed.append(cap) or {"status": "ok", "step_ms": 1.0},
+                                   1.0, 1.0, 1.0)
+    assert not probed and result["status"] == "not probed" and result["target_met"] is False
