@@ -34,11 +34,13 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   probes warm up --offload-warmup steps (>= 4: mucudnn.torch records 2 before its plan applies),
   and keep mucudnn.torch's plan line (``offload_lines``; MUCUDNN_LOG_LEVEL=info, the shim's lines
   in OUT/logs). Its allocator is the part's (the CLI's expandable_segments default does not
-  apply; set PYTORCH_CUDA_ALLOC_CONF for every run). With it, a fourth search, "fast", runs
-  first: the smallest cap at which shim + offload trains with a step <= 1.10x PyTorch's
-  unconstrained step (both of the issue's 3-D targets at one cap; a slower run fails), between
-  --fast-low-fraction of the smaller minimum and that minimum; the two offload searches share
-  their runs. --no-shim-search leaves the shim alone out. Each searched shim side gets
+  apply; set PYTORCH_CUDA_ALLOC_CONF for every run). On a 3-D model it first probes the target's
+  own cap once ("target": 0.8x PyTorch's minimum, down to the grid; a capped step need not grow as
+  the cap shrinks). Then a fourth search, "fast": the smallest cap at which shim + offload trains
+  with a step <= 1.10x PyTorch's unconstrained step (both of the issue's 3-D targets at one cap; a
+  slower run fails), between --fast-low-fraction of the smaller minimum and that minimum; the
+  offload probes share their runs. --offload-searches picks among target, fast and any;
+  --no-shim-search leaves the shim alone out. Each searched shim side gets
   ``vs_pytorch_min``, ``vs_pytorch_uncapped_step`` and ``target_met`` in the JSON.
 - ``maxbatch`` (c): per model and side, the largest batch that trains under a --cap GiB cap (24):
   from N doubling until it fails (halving if N fails), then bisection to --resolution (5 %); the
@@ -887,7 +889,9 @@ def offload_table(report: dict) -> list[str]:
              f"after {s.get('offload_warmup')} warm-up train (the first {OFFLOAD_RECORD_STEPS} "
              "record, then the plan applies). Target on 3-D models: min <= "
              f"{MIN_FRACTION_3D}x PyTorch's, at <= {STEP_RATIO_3D:.2f}x its uncapped step; "
-             "elsewhere <= PyTorch's min. Two searches: the smallest cap that trains at any "
+             "elsewhere <= PyTorch's min. On 3-D models, first one probe at the target's cap "
+             f"(*target*: {MIN_FRACTION_3D}x PyTorch's min, down to the grid). Two searches: the "
+             "smallest cap that trains at any "
              f"speed (*any*), and the smallest where the step is also <= {STEP_RATIO_3D:.2f}x "
              "PyTorch's uncapped step (*fast*; a slower run counts as a failure), both targets "
              "at one cap. They share their runs.", "",
@@ -897,34 +901,29 @@ def offload_table(report: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, e in models.items():
         pt = e.get("pytorch") or {}
-        if "target" in e:
-            t = e["target"]
-            met = t.get("target_met")
-            plan = "; ".join(t.get("offload_lines") or []).replace("|", "/") or "-"
-            lines.append(
-                f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | "
-                f"target (one probe) | {fmt((e.get('pytorch_uncapped') or {}).get('step_ms'))} | "
-                f"{min_text(pt)} | {t['cap_gib']:g} ({t.get('status')}) | {fmt(t.get('step_ms'))} | "
-                f"{fmt(t.get('vs_pytorch_min'), '.3f')} | "
-                f"{fmt(t.get('vs_pytorch_uncapped_step'), '.3f')} | "
-                f"{'yes' if met else '**no**'} | 1 | {plan[:300]} | |")
-        for side, search in (("fast", "fast"), ("offload", "any")):
-            if side not in e:
-                continue
-            off = e[side]
-            at = off.get("at_min") or {}
-            ratios = minmem_targets(model, e, side)
-            met = ratios["target_met"]
-            plan = "; ".join(at.get("offload_lines") or []).replace("|", "/") or "-"
-            note = "; ".join(x for x in (off.get("error"), e.get("incomplete")) if x)
+
+        def row(search, minimum, run, ratios, probes, note=""):
+            """One row: ``run`` the outcome at ``minimum`` (its step and plan lines)."""
+            met = ratios.get("target_met")
+            plan = "; ".join(run.get("offload_lines") or []).replace("|", "/") or "-"
             lines.append(
                 f"| {model}, {e['batch']} | {setting_key(e['dtype'], e['cudnn_benchmark'])} | "
                 f"{search} | {fmt((e.get('pytorch_uncapped') or {}).get('step_ms'))} | "
-                f"{min_text(pt)} | {min_text(off)} | {fmt(at.get('step_ms'))} | "
+                f"{min_text(pt)} | {minimum} | {fmt(run.get('step_ms'))} | "
                 f"{fmt(ratios.get('vs_pytorch_min'), '.3f')} | "
                 f"{fmt(ratios.get('vs_pytorch_uncapped_step'), '.3f')} | "
-                f"{'-' if met is None else 'yes' if met else '**no**'} | {len(off.get('probes', []))} | "
+                f"{'-' if met is None else 'yes' if met else '**no**'} | {probes} | "
                 f"{plan[:300]} | {note.replace('|', '/')[:200]} |")
+
+        if "target" in e:
+            t = e["target"]
+            row("target (one probe)", f"{t['cap_gib']:g} ({t.get('status')})", t, t, 1)
+        for side, search in (("fast", "fast"), ("offload", "any")):
+            if side in e:
+                off = e[side]
+                row(search, min_text(off), off.get("at_min") or {},
+                    minmem_targets(model, e, side), len(off.get("probes", [])),
+                    "; ".join(x for x in (off.get("error"), e.get("incomplete")) if x))
     return lines + [""]
 
 

@@ -402,7 +402,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert "### Shim + activation offload (`mucudnn run --memory-budget CAP --offload`)" in page
     assert "after 4 warm-up train (the first 2 record" in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | target (one probe) | 600.00 | 9.25 | 7.25 (ok) | "
-            f"630.00 | 0.784 | 1.050 | yes | 1 | {OFFLOAD_LINE.format(cap=7.25)} | |") in page
+            f"630.00 | 0.784 | 1.050 | yes | 1 | {OFFLOAD_LINE.format(cap=7.25)} |  |") in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | any | 600.00 | 9.25 | 4.5 | 1890.00 | 0.486 | 3.150 | "
             f"**no** | {len(unet['offload']['probes'])} | {OFFLOAD_LINE.format(cap=4.5)} |  |") in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | fast | 600.00 | 9.25 | 6 | 630.00 | 0.649 | 1.050 | "
