@@ -203,7 +203,7 @@ def worker(args) -> None:
         if step == args.warmup:
             # peaks of the timed steps only (mucudnn's recording step resets the statistics)
             torch.cuda.reset_peak_memory_stats(device)
-            retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            retries_before = counters["num_alloc_retries"]
         if args.method == "mucudnn":   # what a step leaves behind shows here (a leak, state)
             print(f"step {step}: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated "
                   "at its start", file=sys.stderr, flush=True)
@@ -251,8 +251,8 @@ def worker(args) -> None:
                 result["trace"] = trace_summary(json.load(file))
     # the caching allocator's flushes (free every cached block, synchronise, allocate again)
     # during the timed steps: a configuration that runs at the cap pays them in its step time
-    result.update(failed_steps=failed_steps, alloc_retries=torch.cuda.memory_stats(device).get(
-        "num_alloc_retries", 0) - retries_before)
+    result.update(failed_steps=failed_steps, alloc_retries=allocator_counters(
+        torch, device)["num_alloc_retries"] - retries_before)
     result.update(step_ms=statistics.median(times), steps_ms=times, allocator_steps=allocator_steps,
                   peak_reserved=torch.cuda.max_memory_reserved(device),
                   peak_allocated=torch.cuda.max_memory_allocated(device))
