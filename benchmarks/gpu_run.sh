@@ -160,6 +160,13 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     stage "batchsize-$model" "$limit" python3 -m benchmarks.batch_size driver --model "$model" \
       --memory-budget ${BS_BUDGET:-24GiB} --long-steps ${BS_LONG_STEPS:-500} \
       --time-budget-s $((limit - 30)) ${BS_ARGS:-} --out "$LOGS/batchsize-$model" ;;
+  wslimit-*)  # benchmarks/workspace_limit.py: wslimit-MODEL+MODEL, the shim's workspace limit under a cap
+    # (uncapped cost, offload at WSLIMIT_CAPS); WSLIMIT_ARGS: more options (e.g. --limits none 64MiB)
+    models=${s#wslimit-}
+    PYTORCH_CUDA_ALLOC_CONF=${PRESSURE_ALLOC_CONF:-expandable_segments:True} \
+    stage "$s" ${WSLIMIT_TIMEOUT:-560} python3 -m benchmarks.workspace_limit --models ${models//+/ } \
+      --caps ${WSLIMIT_CAPS:-unet3d=7.0 r3d_18=4.5} --time-budget-s $((${WSLIMIT_TIMEOUT:-560} - 40)) \
+      ${WSLIMIT_ARGS:-} --out "$LOGS/wslimit" ;;
   exposure-*)  # benchmarks/exposure.py: exposure-MODEL@BUDGET, where offloading's time goes at a
     # cap (the allocator's flushes, copies in flight); JSON + page in the logs
     spec=${s#exposure-}; model=${spec%@*}; budget=${spec#*@}

@@ -121,6 +121,26 @@ def _prepend_path(value: str | None, entry: str) -> str:
 #: What a budgeted command's PyTorch allocator is configured with, unless the user configured it.
 ALLOCATOR_CONF = "expandable_segments:True"
 
+ENV_WORKSPACE_SLACK = "MUCUDNN_WORKSPACE_SLACK"
+#: Percent: under --offload each convolution of a front plan takes its point of least workspace
+#: within this much of its fastest (docs/shim.md, "The room"). A byte of workspace at the step's
+#: peak is a byte of saved tensors offloaded or recomputed, and the fronts are flat near their
+#: fastest point: the U-Net's 128^3 decoder convolutions run within 1.4 % of their fastest at
+#: half the workspace (768 MiB against 1.5 GiB), and under a 4.5 GiB cap r3d_18 trained at
+#: 87.0 ms with every kernel within 256 MiB against 124.5 ms without (benchmarks/results/pressure).
+OFFLOAD_WORKSPACE_SLACK = 5
+
+
+def set_workspace_slack(env: dict, slack: int | str | None, offload: bool | str) -> None:
+    """``MUCUDNN_WORKSPACE_SLACK`` in ``env``: ``slack`` percent when given, unset for ``"off"``;
+    with neither, under ``offload``, :data:`OFFLOAD_WORKSPACE_SLACK` unless ``env`` has one."""
+    if slack == "off":
+        env.pop(ENV_WORKSPACE_SLACK, None)
+    elif slack is not None:
+        env[ENV_WORKSPACE_SLACK] = str(slack)
+    elif offload:
+        env.setdefault(ENV_WORKSPACE_SLACK, str(OFFLOAD_WORKSPACE_SLACK))
+
 
 @contextlib.contextmanager
 def launch_env(env: dict, budget: int, command: tuple[str, ...], warn,

@@ -464,6 +464,15 @@ def _plan_files(given: tuple[str, ...]) -> list[Path]:
     return files
 
 
+def _slack_option(ctx, param, value):
+    """``--workspace-slack``: a whole percent, ``off`` or not given (None)."""
+    if value is None or value == "off":
+        return value
+    if not value.isdigit():
+        raise click.BadParameter(f"{value!r}: a whole number of percent (e.g. 5), or off")
+    return int(value)
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--plan", "plan_paths", multiple=True, type=click.Path(exists=True),
               help="plan file to execute; repeat it, or give a directory of *.plan files, for "
@@ -484,9 +493,12 @@ def _plan_files(given: tuple[str, ...]) -> list[Path]:
 @click.option("--no-recompute-convolutions", is_flag=True,
               help="with --offload: recompute only cheap modules and adds, never a convolution "
                    "(a rerun convolution whose kernel differs can change the last bits)")
+@click.option("--workspace-slack", callback=_slack_option, metavar="PERCENT|off",
+              help="each convolution of a --plan front takes its point of least workspace within "
+                   "PERCENT of its fastest (default with --offload: 5; off: the fastest)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, memory_budget,
-        offload, no_recompute_convolutions, command):
+        offload, no_recompute_convolutions, workspace_slack, command):
     """Run COMMAND (after --) with the shim executing PLAN's micro-batches.
 
     With no --plan the shim tunes online (MUCUDNN_ONLINE=1): each convolution is measured on its
@@ -512,6 +524,8 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
             env["MUCUDNN_ONLINE_DIR"] = str(Path(online_dir).resolve())
     else:
         env.pop("MUCUDNN_ONLINE", None)
+    from .budget import set_workspace_slack
+    set_workspace_slack(env, workspace_slack, offload)
     sys.exit(_exec_within(memory_budget, command, env, offload=offload))
 
 
@@ -639,11 +653,12 @@ def batch_size(memory_budget, offload, start, largest, multiple, command):
 def _batch_trial(command, batch, budget, offload):
     """One run of the training command at ``batch``: its exit status, throughput and peak."""
     from .batchsize import Trial, command_for, parse_throughput
-    from .budget import ENV_REPORT, launch_env
+    from .budget import ENV_REPORT, launch_env, set_workspace_slack
 
     argv = command_for(command, batch)
-    with launch_env(_shim_env(), budget, tuple(argv), lambda text: None,
-                    offload=offload) as env:
+    shim = _shim_env()
+    set_workspace_slack(shim, None, offload)
+    with launch_env(shim, budget, tuple(argv), lambda text: None, offload=offload) as env:
         try:
             done = subprocess.run(argv, env=env, capture_output=True, text=True, errors="replace")
         except OSError as exc:

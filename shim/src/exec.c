@@ -337,6 +337,24 @@ mu_plan_entry *mu_plan_point(mu_plan_entry *head, size_t available, bool determi
     return best;
 }
 
+/* Under MUCUDNN_WORKSPACE_SLACK (percent): the point of least workspace whose time is within that
+ * much of `fastest`, the fastest point the call may take; `fastest` itself without the option.
+ * Under a memory budget every byte of workspace at a step's peak is a byte that a saved tensor
+ * must leave the device for (offloaded or recomputed), so a point a few percent slower with half
+ * the workspace is the cheaper one (mucudnn run --offload sets it). Points are in order of
+ * workspace, least first. */
+mu_plan_entry *mu_plan_lean_point(mu_plan_entry *head, mu_plan_entry *fastest, bool deterministic) {
+    long long slack = mu_option_int(MU_OPT_WORKSPACE_SLACK);
+    if (fastest == NULL || slack < 0) return fastest;
+    double within = fastest->time_ms * (1.0 + (double)slack / 100.0);
+    for (mu_plan_entry *point = head; point != NULL && point->workspace < fastest->workspace;
+         point = point->next_point) {
+        if (atomic_load(&point->disabled) || (deterministic && !mu_plan_legacy_deterministic(point))) continue;
+        if (point->time_ms <= within) return point;
+    }
+    return fastest;
+}
+
 bool mu_plan_legacy_deterministic(const mu_plan_entry *entry) {
     for (int i = 0; i < entry->piece_count; i++)
         if (entry->pieces[i].engine == NULL && !mu_algo_deterministic(entry->dir, entry->pieces[i].algo))

@@ -250,14 +250,21 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
      * memory than the framework chose, never slower than its engine where the front holds it; and
      * where the framework's fallback (an allocation failure, cudnn.benchmark's largest free
      * block) chose an engine of little workspace, a micro-batched point rather than a slow engine.
-     * Where that point needs more than the memory free now, a point within it (room.c). */
+     * Under MUCUDNN_WORKSPACE_SLACK, the point of least workspace within that many percent of it
+     * (mu_plan_lean_point). Where that point needs more than the memory free now, a point within
+     * it (room.c). */
     mu_plan_entry *entry = NULL;
     if (head != NULL) {
         size_t available = front ? real_workspace : SIZE_MAX;
         if (front && state->has_limit && available > state->workspace_limit)
             available = state->workspace_limit;
         entry = mu_plan_point(head, available, engine.deterministic);
-        entry = mu_room_point(head, entry, engine.deterministic, &k, seen);
+        mu_plan_entry *lean = front ? mu_plan_lean_point(head, entry, engine.deterministic) : entry;
+        if (lean != entry)
+            mu_log(MU_LOG_INFO, "%s N=%d: a point of %zu bytes of workspace (%.4f ms) rather than the fastest's %zu "
+                   "(%.4f ms): within MUCUDNN_WORKSPACE_SLACK's %lld %%", k.key, k.n, lean->workspace,
+                   lean->time_ms, entry->workspace, entry->time_ms, mu_option_int(MU_OPT_WORKSPACE_SLACK));
+        entry = mu_room_point(head, lean, engine.deterministic, &k, seen);
         if (entry == NULL)
             mu_log(MU_LOG_INFO, "%s N=%d: no %spoint of the plan within %zu bytes of workspace; not using the "
                    "plan", k.key, k.n, engine.deterministic ? "deterministic " : "", available);

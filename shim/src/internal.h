@@ -46,6 +46,7 @@ typedef enum {
     MU_OPT_ONLINE,
     MU_OPT_ONLINE_DIR,
     MU_OPT_ONLINE_BUDGET_MS,
+    MU_OPT_WORKSPACE_SLACK,
     MU_OPT_COUNT
 } mu_option;
 
@@ -432,6 +433,7 @@ typedef struct {
 /* The fastest point of the kernel whose entry is head that needs at most `available` bytes of
  * workspace, is not disabled, and (when asked) has deterministic legacy pieces; NULL if none. */
 mu_plan_entry *mu_plan_point(mu_plan_entry *head, size_t available, bool deterministic);
+mu_plan_entry *mu_plan_lean_point(mu_plan_entry *head, mu_plan_entry *fastest, bool deterministic);
 /* Whether every legacy piece's algorithm is deterministic (graph-API pieces are judged by their
  * engines once built: mu_g_plan_deterministic). */
 bool mu_plan_legacy_deterministic(const mu_plan_entry *entry);

@@ -59,6 +59,9 @@ static option_entry options[MU_OPT_COUNT] = {
                            "where online tuning keeps its plan file and locks", false, 0, NULL},
     [MU_OPT_ONLINE_BUDGET_MS] = {"MUCUDNN_ONLINE_BUDGET_MS", KIND_COUNT, 20000,
                                  "milliseconds a process may spend measuring", false, 0, NULL},
+    [MU_OPT_WORKSPACE_SLACK] = {"MUCUDNN_WORKSPACE_SLACK", KIND_COUNT, -1,
+                                "percent: a front plan's call takes its point of least workspace "
+                                "within this much of the fastest (unset: the fastest)", false, 0, NULL},
 };
 
 static bool parse_bool(const char *text, long long *value) {

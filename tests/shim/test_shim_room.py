@@ -288,3 +288,26 @@ def test_a_plan_the_engine_cannot_use_leaves_the_engine_to_the_room(shim_env):
     # with a point attached (the smallest, over the room), nothing is refused
     run = run_graph(shim_env, budget_left(100), points=[FAST, SMALLER])
     assert not refused_lines(run)
+
+
+@pytest.mark.parametrize("slack, point, expected", [
+    (None, FAST, FAST_RUN),          # unset: the fastest point, as before
+    ("49", FAST, FAST_RUN),          # SMALLER's 0.9 ms is 50 % over FAST's 0.6
+    ("51", SMALLER, SMALLER_RUN),    # within 51 %: the point of less workspace
+    ("240", FREE, FREE_RUN),         # FREE's 2.0 ms is 233 % over: within, and the least workspace
+    ("0", FAST, FAST_RUN),           # no point of less workspace is as fast
+])
+def test_workspace_slack_takes_the_point_of_least_workspace_within_it(shim_env, slack, point, expected):
+    env = free_memory(GIB)
+    if slack is not None:
+        env["MUCUDNN_WORKSPACE_SLACK"] = slack
+    run = run_graph(shim_env, env)
+    assert chosen(run) == expected
+    lean = [line for line in run.shim_lines("info") if "MUCUDNN_WORKSPACE_SLACK" in line]
+    if point is FAST:
+        assert not lean
+        return
+    key = key_of(GRAPH_CASE + " math=fma")
+    assert lean == [f"mucudnn: info: {key} N=8: a point of {point[0]} bytes of workspace ({point[1]:.4f} ms) "
+                    f"rather than the fastest's {FAST[0]} (0.6000 ms): within MUCUDNN_WORKSPACE_SLACK's "
+                    f"{slack} %"]

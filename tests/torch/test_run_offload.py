@@ -113,3 +113,31 @@ def test_the_session_writes_its_profile_where_the_environment_says(tmp_path, mon
                                        "-c", f"{sys.executable} {script} > {out}"])
     assert result.exit_code == 0, result.output
     assert f"profile_to {[path or 'None']}" in out.read_text()
+
+
+@pytest.mark.parametrize("options, preset, expected", [
+    (("--memory-budget", "1GiB", "--offload"), None, "5"),           # offload's default
+    (("--memory-budget", "1GiB", "--offload"), "12", "12"),          # the user's environment kept
+    (("--memory-budget", "1GiB", "--offload", "--workspace-slack", "2"), "12", "2"),
+    (("--memory-budget", "1GiB", "--offload", "--workspace-slack", "off"), "12", "unset"),
+    (("--memory-budget", "1GiB"), None, "unset"),                    # no offload: no slack
+    (("--workspace-slack", "3",), None, "3"),
+])
+def test_workspace_slack_reaches_the_shim(tmp_path, monkeypatch, options, preset, expected):
+    monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
+    if preset is None:
+        monkeypatch.delenv("MUCUDNN_WORKSPACE_SLACK", raising=False)
+    else:
+        monkeypatch.setenv("MUCUDNN_WORKSPACE_SLACK", preset)
+    out = tmp_path / "out.txt"
+    result = CliRunner().invoke(main, ["run", *options, "--", "sh", "-c",
+                                       f"echo ${{MUCUDNN_WORKSPACE_SLACK:-unset}} > {out}"])
+    assert result.exit_code == 0, result.output
+    assert out.read_text().strip() == expected
+
+
+def test_a_bad_workspace_slack_is_one_line(tmp_path):
+    result, _ = run(tmp_path, "--workspace-slack", "5%")
+    assert result.exit_code == 2
+    assert "'5%': a whole number of percent (e.g. 5), or off" in result.output
+    assert "Traceback" not in result.output
