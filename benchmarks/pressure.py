@@ -461,7 +461,15 @@ def settings_of(args) -> dict:
     settings = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     # every run of the part inherits it, PyTorch's and the shim's alike
     settings["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    # the shim's runs inherit these where the stage's environment sets them
+    shim_env = {name: os.environ[name] for name in SHIM_CHOICES if name in os.environ}
+    if shim_env:
+        settings["shim_environment"] = shim_env
     return settings
+
+
+#: the shim's settings that change which point a convolution runs (docs/shim.md)
+SHIM_CHOICES = ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK")
 
 
 def ratio_part(args, runner: Runner, report: Report) -> None:

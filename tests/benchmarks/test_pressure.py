@@ -664,6 +664,18 @@ def test_the_allocator_every_run_inherits_is_recorded_and_shown(gpu, tmp_path, m
         (tmp_path / "pressure-h200.md").read_text()
 
 
+@pytest.mark.parametrize("environment", [{}, {"MUCUDNN_WORKSPACE_LIMIT": "256MiB"},
+                                         {"MUCUDNN_WORKSPACE_SLACK": "5"}])
+def test_the_shims_point_settings_are_recorded_where_set(tmp_path, monkeypatch, environment):
+    for name in pressure.SHIM_CHOICES:
+        monkeypatch.setenv(name, "x")   # recorded, so restored after the test
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    args = pressure.parser().parse_args(["minmem", "--out", str(tmp_path)])
+    assert pressure.settings_of(args).get("shim_environment") == (environment or None)
+
+
 def test_without_the_shim_budget_the_shim_runs_capped_but_untold(gpu, tmp_path):
     assert pressure.main(["minmem", "--models", "unet3d", "--dtypes", "fp32", "--benchmark", "off",
                           "--no-shim-budget", "--out", str(tmp_path)]) == 0
