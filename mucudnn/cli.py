@@ -546,14 +546,19 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
               help="a shorter command that runs the same convolutions (e.g. 2 steps); default: "
                    "COMMAND itself")
 @memory_budget_option
+@click.option("--offload", is_flag=True,
+              help="with --memory-budget: both runs of COMMAND as `run --offload` (saved tensors "
+                   "kept, offloaded or recomputed within the budget)")
+@click.option("--workspace-slack", callback=_slack_option, metavar="PERCENT|off",
+              help="as `run --workspace-slack` (default with --offload: 5)")
 @store_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def autotune(workspace_limit, front, policy, precise, deterministic, borrow_output, api, plan_path,
-             record_command, memory_budget, store_path, command):
+             record_command, memory_budget, offload, workspace_slack, store_path, command):
     """Record what COMMAND (after --) runs, benchmark and tune it on this GPU, then run COMMAND
     with the plan: `record`, `bench --recording`, `tune --recording` and `run` in one go.
-    With no --workspace-limit the plan is a front plan (see tune --help). --memory-budget applies
-    to both runs of COMMAND, not to benchmarking.
+    With no --workspace-limit the plan is a front plan (see tune --help). --memory-budget (and
+    --offload) applies to both runs of COMMAND, not to benchmarking.
 
     COMMAND may start several processes (`torchrun --nproc-per-node N train.py`): every rank
     appends to the one recording (whole lines; each kernel is tuned once), benchmarking is
@@ -567,6 +572,8 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
     if policy == "fit" and workspace_limit is None:
         raise click.UsageError("--policy fit needs --workspace-limit (the sizes that fit it)")
     _check_output(plan_path)
+    if offload and memory_budget is None:
+        raise click.UsageError("--offload needs --memory-budget (the budget it plans for)")
     _check_memory_budget(memory_budget)
     recording = Path(plan_path).with_suffix(".record")
     refuse_inputs_as_output(plan_path, [("recording", recording)] + _inputs(None, (), store_path))
@@ -577,7 +584,8 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
     try:
         recorder = tuple(shlex.split(record_command)) if record_command else command
         click.echo(f"mucudnn: 1/4 recording: {shlex.join(recorder)}", err=True)
-        code = _exec_within(memory_budget, recorder, _shim_env(limit=workspace_limit, record=fresh))
+        code = _exec_within(memory_budget, recorder, _shim_env(limit=workspace_limit, record=fresh),
+                            offload=offload)
         kernels = read_recording_weights([fresh]) if fresh.exists() else []
         if code != 0 or not kernels:
             raise MucudnnError(f"the recording run exited with {code} and recorded "
@@ -603,8 +611,10 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
         click.echo(f"mucudnn: wrote {path}: {_plan_summary(plan)}"
                    + (f" (for {plan.gpu})" if len(plans) > 1 else ""), err=True)
     click.echo(f"mucudnn: 4/4 running: {shlex.join(command)}", err=True)
-    sys.exit(_exec_within(memory_budget, command,
-                          _shim_env(plan=[path for path, _ in plans], limit=workspace_limit)))
+    from .budget import set_workspace_slack
+    env = _shim_env(plan=[path for path, _ in plans], limit=workspace_limit)
+    set_workspace_slack(env, workspace_slack, offload)
+    sys.exit(_exec_within(memory_budget, command, env, offload=offload))
 
 
 def _plans_per_gpu_model(plan_path) -> list[tuple[object, Path]]:

@@ -282,6 +282,27 @@ def test_autotune_runs_both_commands_under_the_budget(no_gpu, recording_exec, tm
         assert env["PYTHONPATH"].split(":")[0] == str(budget_mod.SITE_DIR)
 
 
+def test_autotune_offloads_in_both_runs_and_gives_the_planned_run_the_slack(
+        no_gpu, recording_exec, tmp_path, monkeypatch):
+    monkeypatch.delenv("MUCUDNN_WORKSPACE_SLACK", raising=False)
+    kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
+    _, calls = recording_exec(kernels=kernels)
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
+    result = invoke("autotune", "--memory-budget", "6GiB", "--offload", "-o",
+                    tmp_path / "auto.plan", "--", "python", "train.py")
+    assert result.exit_code == 0, result.output
+    (_, record_env), (_, run_env) = calls
+    assert record_env["MUCUDNN_OFFLOAD"] == run_env["MUCUDNN_OFFLOAD"] == "1"
+    assert "MUCUDNN_WORKSPACE_SLACK" not in record_env   # recording runs no plan
+    assert run_env["MUCUDNN_WORKSPACE_SLACK"] == "5"
+
+
+def test_autotune_offload_needs_a_budget(tmp_path):
+    result = invoke("autotune", "--offload", "-o", tmp_path / "auto.plan", "--", "python", "t.py")
+    assert result.exit_code == 2 and "--offload needs --memory-budget" in result.output
+
+
 # -- in-process: mucudnn.memory_budget ------------------------------------------------------------
 
 @pytest.fixture
