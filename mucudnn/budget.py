@@ -123,11 +123,12 @@ ALLOCATOR_CONF = "expandable_segments:True"
 
 ENV_WORKSPACE_SLACK = "MUCUDNN_WORKSPACE_SLACK"
 #: Percent: under --offload each convolution of a front plan takes its point of least workspace
-#: within this much of its fastest (docs/shim.md, "The room"). A byte of workspace at the step's
-#: peak is a byte of saved tensors offloaded or recomputed, and the fronts are flat near their
-#: fastest point: the U-Net's 128^3 decoder convolutions run within 1.4 % of their fastest at
-#: half the workspace (768 MiB against 1.5 GiB), and under a 4.5 GiB cap r3d_18 trained at
-#: 87.0 ms with every kernel within 256 MiB against 124.5 ms without (benchmarks/results/pressure).
+#: within this much of its fastest (docs/shim.md, "The slack"). A byte of workspace at the step's
+#: peak is a byte of saved tensors offloaded or recomputed, and fronts are flat near their fastest
+#: point (the U-Net's 128^3 decoder convolutions: within 1.4 % at half of 1.5 GiB). Measured on an
+#: H200 with front plans (benchmarks/results/pressure, session 13): 5 took the U-Net under a 7 GiB
+#: cap from 139.0 to 114.4 ms and r3d_18 under 4.5 GiB from 112.6 to 90.3 ms; 2 did less for
+#: r3d_18 (104.2), 10 was slower on both (122.4, 97.1).
 OFFLOAD_WORKSPACE_SLACK = 5
 
 

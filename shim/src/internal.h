@@ -433,6 +433,8 @@ typedef struct {
 /* The fastest point of the kernel whose entry is head that needs at most `available` bytes of
  * workspace, is not disabled, and (when asked) has deterministic legacy pieces; NULL if none. */
 mu_plan_entry *mu_plan_point(mu_plan_entry *head, size_t available, bool deterministic);
+/* `fastest`, or under MUCUDNN_WORKSPACE_SLACK the kernel's point of least workspace within that many
+ * percent of its time (same rules of use as mu_plan_point). */
 mu_plan_entry *mu_plan_lean_point(mu_plan_entry *head, mu_plan_entry *fastest, bool deterministic);
 /* Whether every legacy piece's algorithm is deterministic (graph-API pieces are judged by their
  * engines once built: mu_g_plan_deterministic). */
