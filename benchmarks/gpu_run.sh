@@ -166,7 +166,7 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     PYTORCH_CUDA_ALLOC_CONF=${PRESSURE_ALLOC_CONF:-expandable_segments:True} \
     stage "$s" ${WSLIMIT_TIMEOUT:-560} python3 -m benchmarks.workspace_limit --models ${models//+/ } \
       --caps ${WSLIMIT_CAPS:-unet3d=7.0 r3d_18=4.5} --time-budget-s $((${WSLIMIT_TIMEOUT:-560} - 40)) \
-      ${WSLIMIT_ARGS:-} --out "$LOGS/wslimit" ;;
+      ${WSLIMIT_ARGS:-} --out "$LOGS/$s" ;;
   exposure-*)  # benchmarks/exposure.py: exposure-MODEL@BUDGET, where offloading's time goes at a
     # cap (the allocator's flushes, copies in flight); JSON + page in the logs
     spec=${s#exposure-}; model=${spec%@*}; budget=${spec#*@}

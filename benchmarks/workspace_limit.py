@@ -46,7 +46,11 @@ def study(args) -> dict:
     for spec in args.caps:
         model, _, values = spec.partition("=")
         caps[model] = [float(v) for v in values.split(",")]
-    result = {"limits": args.limits, "caps": caps, "models": {}}
+    result = {"limits": args.limits, "caps": caps, "models": {},
+              "settings": {"shim_mode": args.shim_mode, "steps": args.steps,
+                           "probe_steps": args.probe_steps,
+                           "offload_warmup": pressure_args.offload_warmup,
+                           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}}
     path = out / "workspace-limit.json"
     for model, batch in (parse_model(m) for m in args.models):
         entry = result["models"][model] = {"batch": batch, "rows": []}
@@ -67,11 +71,14 @@ def study(args) -> dict:
                     f"{model} offload at {cap:g} GiB, limit {limit}", model, batch, shim=True,
                     offload=True, dtype="fp32", cudnn_benchmark=False, cap_gib=cap,
                     steps=args.probe_steps, warmup=pressure_args.offload_warmup))
-                if run.get("offload_profile"):  # one file per cap: keep each limit's
+                if run.get("offload_profile"):  # one file per cap: keep each setting's
                     kept = Path(run["offload_profile"])
                     kept = kept.with_name(f"{kept.stem}-limit-{limit}.json")
                     (out / run["offload_profile"]).replace(out / kept)
                     run["offload_profile"] = str(kept)
+                    log = (out / kept).parent / f"{model}-{batch}-fp32-offload-{cap:g}GiB.log"
+                    if log.exists():  # the shim's lines (the points it chose), also per setting
+                        log.replace(log.with_name(f"{log.stem}-limit-{limit}.log"))
                 row["offload"][f"{cap:g}"] = run
             entry["rows"].append(row)
             write_text_atomically(path, json.dumps(result, indent=1))

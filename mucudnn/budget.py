@@ -125,10 +125,11 @@ ENV_WORKSPACE_SLACK = "MUCUDNN_WORKSPACE_SLACK"
 #: Percent: under --offload each convolution of a front plan takes its point of least workspace
 #: within this much of its fastest (docs/shim.md, "The slack"). A byte of workspace at the step's
 #: peak is a byte of saved tensors offloaded or recomputed, and fronts are flat near their fastest
-#: point (the U-Net's 128^3 decoder convolutions: within 1.4 % at half of 1.5 GiB). Measured on an
-#: H200 with front plans (benchmarks/results/pressure, session 13): 5 took the U-Net under a 7 GiB
-#: cap from 139.0 to 114.4 ms and r3d_18 under 4.5 GiB from 112.6 to 90.3 ms; 2 did less for
-#: r3d_18 (104.2), 10 was slower on both (122.4, 97.1).
+#: point: the U-Net's 128^3 convolutions with 3^3 filters run within 0.5-1.5 % of it at half the
+#: workspace (805 MB against 1.61 GB). Measured on an H200 with front plans (benchmarks/results/
+#: pressure, session 13): under a 7 GiB cap the U-Net's step went from 139.0 to 114.4 ms, its plan
+#: from 1.4 to 1.0 GiB offloaded each way; r3d_18's under 4.5 GiB from 112.6 to 90-109 ms (one
+#: plan, several runs). 2 and 10 made the same plans as 5; the runs do not rank them.
 OFFLOAD_WORKSPACE_SLACK = 5
 
 

@@ -464,12 +464,20 @@ def _plan_files(given: tuple[str, ...]) -> list[Path]:
     return files
 
 
+#: the largest --workspace-slack: 10x the fastest point's time is no slack a budget wants
+MAX_WORKSPACE_SLACK = 1000
+
+
 def _slack_option(ctx, param, value):
-    """``--workspace-slack``: a whole percent, ``off`` or not given (None)."""
-    if value is None or value == "off":
-        return value
-    if not value.isdigit():
-        raise click.BadParameter(f"{value!r}: a whole number of percent (e.g. 5), or off")
+    """``--workspace-slack``: a whole percent (ASCII digits, at most :data:`MAX_WORKSPACE_SLACK`),
+    ``off`` (any case) or not given (None)."""
+    if value is None:
+        return None
+    if value.lower() == "off":
+        return "off"
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_WORKSPACE_SLACK:
+        raise click.BadParameter(f"{value!r}: a whole number of percent from 0 to "
+                                 f"{MAX_WORKSPACE_SLACK} (e.g. 5), or off")
     return int(value)
 
 
@@ -663,12 +671,11 @@ def batch_size(memory_budget, offload, start, largest, multiple, command):
 def _batch_trial(command, batch, budget, offload):
     """One run of the training command at ``batch``: its exit status, throughput and peak."""
     from .batchsize import Trial, command_for, parse_throughput
-    from .budget import ENV_REPORT, launch_env, set_workspace_slack
+    from .budget import ENV_REPORT, launch_env
 
     argv = command_for(command, batch)
-    shim = _shim_env()
-    set_workspace_slack(shim, None, offload)
-    with launch_env(shim, budget, tuple(argv), lambda text: None, offload=offload) as env:
+    with launch_env(_shim_env(), budget, tuple(argv), lambda text: None,
+                    offload=offload) as env:
         try:
             done = subprocess.run(argv, env=env, capture_output=True, text=True, errors="replace")
         except OSError as exc:

@@ -50,7 +50,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_ONLINE_BUDGET_MS", "milliseconds a process may spend measuring", "20000",
             (SHIM,)),
     Setting("MUCUDNN_WORKSPACE_SLACK", "percent: a front plan's call takes its point of least "
-            "workspace within this much of the fastest (mucudnn run --offload: 5)", "unset", (SHIM,)),
+            "workspace within this much of the fastest (run and autotune --offload: 5)", "unset", (SHIM,)),
     Setting("MUCUDNN_OFFLOAD", "1: keep, offload or recompute saved tensors within the memory "
             "budget (mucudnn.torch); cheap: recompute no convolution", "0", (PYTHON,)),
     Setting("MUCUDNN_OFFLOAD_PROFILE", "file where each offload plan writes its recorded step's "

@@ -282,20 +282,23 @@ def test_autotune_runs_both_commands_under_the_budget(no_gpu, recording_exec, tm
         assert env["PYTHONPATH"].split(":")[0] == str(budget_mod.SITE_DIR)
 
 
+@pytest.mark.parametrize("options, expected", [((), "5"), (("--workspace-slack", "2"), "2"),
+                                               (("--workspace-slack", "off"), None)])
 def test_autotune_offloads_in_both_runs_and_gives_the_planned_run_the_slack(
-        no_gpu, recording_exec, tmp_path, monkeypatch):
-    monkeypatch.delenv("MUCUDNN_WORKSPACE_SLACK", raising=False)
+        no_gpu, recording_exec, tmp_path, monkeypatch, options, expected):
+    monkeypatch.setenv("MUCUDNN_WORKSPACE_SLACK", "x")   # recorded, so restored after the test
+    monkeypatch.delenv("MUCUDNN_WORKSPACE_SLACK")
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
     _, calls = recording_exec(kernels=kernels)
     monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
-    result = invoke("autotune", "--memory-budget", "6GiB", "--offload", "-o",
+    result = invoke("autotune", "--memory-budget", "6GiB", "--offload", *options, "-o",
                     tmp_path / "auto.plan", "--", "python", "train.py")
     assert result.exit_code == 0, result.output
     (_, record_env), (_, run_env) = calls
     assert record_env["MUCUDNN_OFFLOAD"] == run_env["MUCUDNN_OFFLOAD"] == "1"
     assert "MUCUDNN_WORKSPACE_SLACK" not in record_env   # recording runs no plan
-    assert run_env["MUCUDNN_WORKSPACE_SLACK"] == "5"
+    assert run_env.get("MUCUDNN_WORKSPACE_SLACK") == expected
 
 
 def test_autotune_offload_needs_a_budget(tmp_path):

@@ -260,8 +260,9 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
             available = state->workspace_limit;
         entry = mu_plan_point(head, available, engine.deterministic);
         mu_plan_entry *lean = front ? mu_plan_lean_point(head, entry, engine.deterministic) : entry;
-        if (lean != entry)
-            mu_log(MU_LOG_INFO, "%s N=%d: a point of %zu bytes of workspace (%.4f ms) rather than the fastest's %zu "
+        if (lean != entry) /* a framework may finalize many plans of one kernel: info once, then debug */
+            mu_log(seen == NULL || !atomic_exchange(&seen->lean, true) ? MU_LOG_INFO : MU_LOG_DEBUG,
+                   "%s N=%d: a point of %zu bytes of workspace (%.4f ms) rather than the fastest's %zu "
                    "(%.4f ms): within MUCUDNN_WORKSPACE_SLACK's %lld %%", k.key, k.n, lean->workspace,
                    lean->time_ms, entry->workspace, entry->time_ms, mu_option_int(MU_OPT_WORKSPACE_SLACK));
         entry = mu_room_point(head, lean, engine.deterministic, &k, seen);
@@ -270,7 +271,7 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
                    "plan", k.key, k.n, engine.deterministic ? "deterministic " : "", available);
         else if (front && entry->piece_count == 1 && entry->pieces[0].engine != NULL &&
                  entry->pieces[0].engine->global_index == engine.index && engine.index >= 0) {
-            mu_log(MU_LOG_DEBUG, "%s N=%d: the fastest point is the framework's own engine %lld, undivided",
+            mu_log(MU_LOG_DEBUG, "%s N=%d: the chosen point is the framework's own engine %lld, undivided",
                    k.key, k.n, (long long)engine.index);
             entry = NULL;
         }

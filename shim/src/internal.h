@@ -393,6 +393,7 @@ typedef struct mu_seen {
     atomic_bool first_call_logged;
     atomic_bool degraded; /* room.c: given a point of less workspace for lack of memory */
     atomic_bool room_refused; /* room.c: an engine of its refused at finalize for lack of memory */
+    atomic_bool lean;         /* given a point of less workspace under MUCUDNN_WORKSPACE_SLACK */
     struct mu_seen *_Atomic next_in_bucket;
     /* Online tuning (online.c): the kernel's measured front, published once complete. */
     _Atomic(struct mu_plan_entry *) online_head;

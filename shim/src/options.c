@@ -265,7 +265,7 @@ void mu_options_log(void) {
             mu_log(MU_LOG_DEBUG, "option %s = %s (%s; %s)", option->name,
                    option->path ? mu_log_escape(option->path, shown, sizeof shown) : "(unset)",
                    origin, option->description);
-        else if (option->kind == KIND_SIZE && option->value < 0)
+        else if ((option->kind == KIND_SIZE || option->kind == KIND_COUNT) && option->value < 0)
             mu_log(MU_LOG_DEBUG, "option %s = none (%s; %s)", option->name, origin,
                    option->description);
         else

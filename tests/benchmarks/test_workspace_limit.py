@@ -43,6 +43,7 @@ class FakeRunner:
             profile = self.out / "logs" / f"{model}-offload-{cap_gib:g}GiB-profile.json"
             profile.parent.mkdir(parents=True, exist_ok=True)
             profile.write_text("{}")
+            (profile.parent / f"{model}-{batch}-fp32-offload-{cap_gib:g}GiB.log").write_text(what)
             outcome["offload_profile"] = str(profile.relative_to(self.out))
         return outcome
 
@@ -66,6 +67,10 @@ def test_the_study_runs_each_setting_and_keeps_each_offload_profile(tmp_path, mo
     assert profiles == ["logs/unet3d-offload-7GiB-profile-limit-none.json",
                         "logs/unet3d-offload-7GiB-profile-limit-slack=5.json"]
     assert all((tmp_path / p).exists() for p in profiles)
+    logs = sorted(p.name for p in (tmp_path / "logs").glob("*.log"))
+    assert logs == ["unet3d-2-fp32-offload-7GiB-limit-none.log",
+                    "unet3d-2-fp32-offload-7GiB-limit-slack=5.log"]
+    assert result["settings"]["shim_mode"] == "online" and result["settings"]["probe_steps"] == 3
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("unet3d limit")]
     assert lines[1] == ("unet3d limit slack=5: uncapped 110.0 ms (1.100x), 2 flushes, peak 1.00 GiB "
                         "(PyTorch 100.0 ms, peak 1.00 GiB); offload 7 GiB: 110.0 ms (1.100x), 2 flushes")

@@ -62,6 +62,7 @@ def test_the_gpu_name_comes_from_the_driver(shim_env):
     ("MUCUDNN_WORKSPACE_LIMIT", "lots"), ("MUCUDNN_WORKSPACE_LIMIT", "64XB"),
     ("MUCUDNN_WORKSPACE_LIMIT", "-5"), ("MUCUDNN_LOG_LEVEL", "loud"), ("MUCUDNN_DISABLE", "maybe"),
     ("MUCUDNN_SUMMARY", "2"), ("MUCUDNN_CUDA_GRAPHS", "sometimes"),
+    ("MUCUDNN_WORKSPACE_SLACK", "5%"), ("MUCUDNN_WORKSPACE_SLACK", "-3"),
 ])
 def test_a_malformed_value_gives_one_warning_and_the_default(shim_env, variable, value):
     plan = shim_env.write_plan([plan_line(CASE, [(4, "gemm", "fma")] * 2)])

@@ -311,3 +311,11 @@ def test_workspace_slack_takes_the_point_of_least_workspace_within_it(shim_env, 
     assert lean == [f"mucudnn: info: {key} N=8: a point of {point[0]} bytes of workspace ({point[1]:.4f} ms) "
                     f"rather than the fastest's {FAST[0]} (0.6000 ms): within MUCUDNN_WORKSPACE_SLACK's "
                     f"{slack} %"]
+
+
+def test_workspace_slack_says_so_once_per_kernel(shim_env):
+    env = {**free_memory(GIB), "MUCUDNN_WORKSPACE_SLACK": "51"}
+    run = shim_env.run_graph([GRAPH_CASE, GRAPH_CASE],
+                             plan=graph_front(shim_env, GRAPH_CASE, GRAPH_POINTS), env=env)
+    assert [(c["status"], c["ws"]) for c in run.cases] == [("0", str(SMALLER[0]))] * 2, run.stderr
+    assert len([line for line in run.shim_lines("info") if "MUCUDNN_WORKSPACE_SLACK" in line]) == 1

@@ -136,8 +136,19 @@ def test_workspace_slack_reaches_the_shim(tmp_path, monkeypatch, options, preset
     assert out.read_text().strip() == expected
 
 
-def test_a_bad_workspace_slack_is_one_line(tmp_path):
-    result, _ = run(tmp_path, "--workspace-slack", "5%")
-    assert result.exit_code == 2
-    assert "'5%': a whole number of percent (e.g. 5), or off" in result.output
-    assert "Traceback" not in result.output
+@pytest.mark.parametrize("value", ["5%", "\u00b2", "\uff15", "1001", "-1"])
+def test_a_bad_workspace_slack_is_one_line(tmp_path, value):
+    result, _ = run(tmp_path, "--workspace-slack", value)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    said = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert said == [f"Error: Invalid value for '--workspace-slack': {value!r}: a whole number of "
+                    "percent from 0 to 1000 (e.g. 5), or off"]
+
+
+def test_workspace_slack_off_in_any_case(tmp_path, monkeypatch):
+    monkeypatch.setenv("MUCUDNN_WORKSPACE_SLACK", "12")
+    out = tmp_path / "out.txt"
+    result = CliRunner().invoke(main, ["run", "--workspace-slack", "OFF", "--", "sh", "-c",
+                                       f"echo ${{MUCUDNN_WORKSPACE_SLACK:-unset}} > {out}"])
+    assert result.exit_code == 0, result.output
+    assert out.read_text().strip() == "unset"
