@@ -139,10 +139,26 @@ def _worker_steps(args, torch) -> dict:
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
               "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before,
               "memory_fraction": fraction(0) if fraction else None,
-              "device": torch.cuda.get_device_name(0), "batch": args.batch}
+              "device": torch.cuda.get_device_name(0), "batch": args.batch,
+              "segments": segment_summary(torch.cuda.memory_snapshot())}
     if args.profile:  # after the timed steps, so profiling never touches the timing
         result["profile"] = profile_steps(step, args.profile)
     return result
+
+
+def segment_summary(snapshot: list[dict]) -> list[dict]:
+    """The caching allocator's segments after the timed steps (``torch.cuda.memory_snapshot()``):
+    per segment its stream, pool, bytes mapped and allocated, and its free blocks (count, largest).
+    Blocks of one stream's segment serve no other stream, so several segments of one pool are
+    memory a cap counts that one stream cannot use."""
+    summary = []
+    for segment in snapshot:
+        free = [b["size"] for b in segment.get("blocks", []) if b.get("state") == "inactive"]
+        summary.append({"stream": segment.get("stream"), "pool": segment.get("segment_type"),
+                        "total": segment.get("total_size"),
+                        "allocated": segment.get("allocated_size"),
+                        "free_blocks": len(free), "largest_free": max(free, default=0)})
+    return summary
 
 
 def profile_steps(step, steps: int) -> dict:

@@ -35,3 +35,17 @@ def test_an_offload_run_goes_through_the_clis_memory_budget_and_offload():
 def test_plain_pytorch_runs_without_mucudnn():
     cmd, _ = worker_command("resnet50", {}, tf32=True, shim=False)
     assert "mucudnn" not in cmd and "--" not in cmd
+
+
+def test_segment_summary_counts_each_segments_free_blocks():
+    from benchmarks.shim_pytorch import segment_summary
+    snapshot = [{"stream": 0, "segment_type": "large", "total_size": 100, "allocated_size": 60,
+                 "blocks": [{"size": 60, "state": "active_allocated"}, {"size": 30, "state": "inactive"},
+                            {"size": 10, "state": "inactive"}]},
+                {"stream": 7, "segment_type": "large", "total_size": 20, "allocated_size": 0,
+                 "blocks": [{"size": 20, "state": "inactive"}]}]
+    assert segment_summary(snapshot) == [
+        {"stream": 0, "pool": "large", "total": 100, "allocated": 60, "free_blocks": 2,
+         "largest_free": 30},
+        {"stream": 7, "pool": "large", "total": 20, "allocated": 0, "free_blocks": 1,
+         "largest_free": 20}]
