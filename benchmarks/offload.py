@@ -70,7 +70,7 @@ from pathlib import Path
 from benchmarks.models import parse_model
 from benchmarks.pressure import (DEVICE_MEMORY_GIB, Budget, OutOfTime, Terminated, execute,
                                  min_cap_search, min_text)
-from benchmarks.shim_pytorch import is_out_of_memory
+from benchmarks.shim_pytorch import allocator_counters, is_out_of_memory
 from mucudnn.budget import parse_budget
 from mucudnn.errors import MucudnnError
 from mucudnn.outputs import write_text_atomically
@@ -285,17 +285,6 @@ def worker(args) -> None:
                           profile_backward_ms=profile.backward_ms,
                           saved_bytes=sum(g.nbytes for g in profile.groups))
     print("RESULT " + json.dumps(result), flush=True)
-
-
-#: the caching allocator's counters of what costs a step time at a memory cap: flushes (free every
-#: cached block after synchronising, then allocate again), device allocations and frees
-ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
-                      "num_device_free")
-
-
-def allocator_counters(torch, device) -> dict:
-    stats = torch.cuda.memory_stats(device)
-    return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTERS}
 
 
 # -- driver ---------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def _worker_steps(args, torch) -> dict:
     times, retries_before = [], 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:  # the caching allocator's flushes in the timed steps (at a cap)
-            retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            retries_before = allocator_counters(torch)["num_alloc_retries"]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         loss = step()
@@ -137,7 +137,7 @@ def _worker_steps(args, torch) -> dict:
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
-              "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before,
+              "alloc_retries": allocator_counters(torch)["num_alloc_retries"] - retries_before,
               "memory_fraction": fraction(0) if fraction else None,
               "device": torch.cuda.get_device_name(0), "batch": args.batch,
               "segments": segment_summary(torch.cuda.memory_snapshot())}
@@ -146,11 +146,22 @@ def _worker_steps(args, torch) -> dict:
     return result
 
 
+#: the caching allocator's counters of what costs a step time at a memory cap: flushes (free every
+#: cached block after synchronising, then allocate again), device allocations and frees
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                      "num_device_free")
+
+
+def allocator_counters(torch, device=None) -> dict:
+    """:data:`ALLOCATOR_COUNTERS` of ``device`` (the current one by default), 0 where absent."""
+    stats = torch.cuda.memory_stats(device)
+    return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTERS}
+
+
 def segment_summary(snapshot: list[dict]) -> list[dict]:
     """The caching allocator's segments after the timed steps (``torch.cuda.memory_snapshot()``):
     per segment its stream, pool, bytes mapped and allocated, and its free blocks (count, largest).
-    Blocks of one stream's segment serve no other stream, so several segments of one pool are
-    memory a cap counts that one stream cannot use."""
+    With expandable segments one segment shows as one entry per contiguous mapped range."""
     summary = []
     for segment in snapshot:
         free = [b["size"] for b in segment.get("blocks", []) if b.get("state") == "inactive"]

@@ -393,6 +393,12 @@ memory_budget_option = click.option(
          "and give the shim MUCUDNN_MEMORY_BUDGET")
 
 
+def _check_offload(offload: bool, budget: int | None) -> None:
+    """``--offload`` plans for a budget: without ``--memory-budget`` it is a usage error."""
+    if offload and budget is None:
+        raise click.UsageError("--offload needs --memory-budget (the budget it plans for)")
+
+
 def _check_memory_budget(budget: int | None) -> None:
     """Before anything runs: a budget of 0 or over a visible GPU is an error, no GPU a warning."""
     if budget is None:
@@ -517,8 +523,7 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
     the shim, and with several plans takes the one made for its GPU model and cuDNN version;
     online tuning measures each kernel once for all the processes of the node."""
     _require_command(command)
-    if offload and memory_budget is None:
-        raise click.UsageError("--offload needs --memory-budget (the budget it plans for)")
+    _check_offload(offload, memory_budget)
     if no_recompute_convolutions and not offload:
         raise click.UsageError("--no-recompute-convolutions needs --offload")
     if offload and no_recompute_convolutions:
@@ -580,8 +585,7 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
     if policy == "fit" and workspace_limit is None:
         raise click.UsageError("--policy fit needs --workspace-limit (the sizes that fit it)")
     _check_output(plan_path)
-    if offload and memory_budget is None:
-        raise click.UsageError("--offload needs --memory-budget (the budget it plans for)")
+    _check_offload(offload, memory_budget)
     _check_memory_budget(memory_budget)
     recording = Path(plan_path).with_suffix(".record")
     refuse_inputs_as_output(plan_path, [("recording", recording)] + _inputs(None, (), store_path))
