@@ -261,7 +261,7 @@ def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
             "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile",
-            "alloc_retries", "tuned_kernels", "segments")
+            "alloc_retries", "tuned_kernels", "segments", "offload_log")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]
@@ -359,6 +359,8 @@ class Runner:
                                         if OFFLOAD_PATTERN.search(line)][-3:]
             if profile.exists():
                 outcome["offload_profile"] = str(profile.relative_to(self.out))
+            if log.exists():   # the shim's lines: the points its kernels took
+                outcome["offload_log"] = str(log.relative_to(self.out))
         print(f"    {what}: {outcome['status']}" + (f" {outcome['step_ms']:.2f} ms"
               if "step_ms" in outcome else "") + f" ({wall_s:.1f} s)", flush=True)
         return outcome
@@ -452,6 +454,10 @@ class Report:
         write_text_atomically(self.path, json.dumps(self.data, indent=1) + "\n")
 
 
+#: the shim's settings that change which point a convolution runs (docs/shim.md)
+SHIM_CHOICES = ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK")
+
+
 def settings_of(args) -> dict:
     keep = ("shim_mode", "dtypes", "benchmark", "rounds", "steps", "warmup", "probe_steps",
             "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
@@ -467,9 +473,6 @@ def settings_of(args) -> dict:
         settings["shim_environment"] = shim_env
     return settings
 
-
-#: the shim's settings that change which point a convolution runs (docs/shim.md)
-SHIM_CHOICES = ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK")
 
 
 def ratio_part(args, runner: Runner, report: Report) -> None:

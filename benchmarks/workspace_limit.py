@@ -71,14 +71,12 @@ def study(args) -> dict:
                     f"{model} offload at {cap:g} GiB, limit {limit}", model, batch, shim=True,
                     offload=True, dtype="fp32", cudnn_benchmark=False, cap_gib=cap,
                     steps=args.probe_steps, warmup=pressure_args.offload_warmup))
-                if run.get("offload_profile"):  # one file per cap: keep each setting's
-                    kept = Path(run["offload_profile"])
-                    kept = kept.with_name(f"{kept.stem}-limit-{limit}.json")
-                    (out / run["offload_profile"]).replace(out / kept)
-                    run["offload_profile"] = str(kept)
-                    log = (out / kept).parent / f"{model}-{batch}-fp32-offload-{cap:g}GiB.log"
-                    if log.exists():  # the shim's lines (the points it chose), also per setting
-                        log.replace(log.with_name(f"{log.stem}-limit-{limit}.log"))
+                for name in ("offload_profile", "offload_log"):  # one file per cap: keep each
+                    if run.get(name):                              # setting's
+                        kept = Path(run[name])
+                        kept = kept.with_name(f"{kept.stem}-limit-{limit}{kept.suffix}")
+                        (out / run[name]).replace(out / kept)
+                        run[name] = str(kept)
                 row["offload"][f"{cap:g}"] = run
             entry["rows"].append(row)
             write_text_atomically(path, json.dumps(result, indent=1))

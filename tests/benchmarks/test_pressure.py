@@ -273,6 +273,7 @@ class FakeGpu:
         if offload:
             stderr += OFFLOAD_LINE.format(cap=cap) + "\n"
             Path(env["MUCUDNN_OFFLOAD_PROFILE"]).write_text('{"profile": {}}\n')  # as the session
+            Path(env["MUCUDNN_LOG_FILE"]).write_text(f"shim of {model} at {cap:g}\n")  # as the shim
         if cap and need > cap:
             return 0, json.dumps({"oom": True, "error": "CUDA out of memory"}) + "\n", stderr, 5.0, False
         step = STEP_MS[model][side] * batch / spec_of(model).batch
@@ -380,6 +381,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     # each offload run writes its recorded profile beside its log, named in its probe
     for probe in unet["offload"]["probes"] + unet["fast"]["probes"] + [unet["target"]]:
         assert (tmp_path / probe["offload_profile"]).read_text() == '{"profile": {}}\n'
+        assert (tmp_path / probe["offload_log"]).read_text() == f"shim of unet3d at {probe['cap_gib']:g}\n"
     assert all(r["profile_to"] is None for r in gpu.runs if not r["offload"])
     # the two searches share their runs: no cap runs twice, and a shared one is marked reused
     caps = [(r["model"], r["cap"]) for r in offload]

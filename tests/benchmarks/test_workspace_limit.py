@@ -43,7 +43,9 @@ class FakeRunner:
             profile = self.out / "logs" / f"{model}-offload-{cap_gib:g}GiB-profile.json"
             profile.parent.mkdir(parents=True, exist_ok=True)
             profile.write_text("{}")
-            (profile.parent / f"{model}-{batch}-fp32-offload-{cap_gib:g}GiB.log").write_text(what)
+            log = profile.parent / f"{model}-{batch}-fp32-offload-{cap_gib:g}GiB.log"
+            log.write_text(what)
+            outcome["offload_log"] = str(log.relative_to(self.out))
             outcome["offload_profile"] = str(profile.relative_to(self.out))
         return outcome
 
