@@ -261,7 +261,7 @@ def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
             "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile",
-            "alloc_retries", "tuned_kernels", "segments", "offload_log")
+            "alloc_retries", "tuned_kernels", "segments", "offload_log", "memory_trace")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]
@@ -327,7 +327,8 @@ class Runner:
                                   dtype=dtype, memory_cap_gib=cap_gib,
                                   online=shim and self.args.shim_mode == "online",
                                   memory_budget=int(cap_gib * 2**30) if cli_budget else None,
-                                  offload=offload)
+                                  offload=offload,
+                                  memory_trace=bool(cap_gib) and self.args.memory_trace)
         # only where this run asks for it (an offload run's budget and offload: the CLI sets them)
         for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET", ENV_OFFLOAD,
                      ENV_OFFLOAD_PROFILE):
@@ -463,7 +464,7 @@ def settings_of(args) -> dict:
             "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
             "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s", "offload",
             "offload_warmup", "offload_low_fraction", "fast_low_fraction", "shim_search",
-            "offload_searches")
+            "offload_searches", "memory_trace")
     settings = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     # every run of the part inherits it, PyTorch's and the shim's alike
     settings["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -1156,6 +1157,10 @@ def parser() -> argparse.ArgumentParser:
                     help="under a cap, run the shim without `mucudnn run --memory-budget CAP`")
     ap.add_argument("--time-budget-s", type=float, help="start no run after this many seconds")
     ap.add_argument("--probe-timeout-s", type=float, default=240.0, help="kill a run after this")
+    ap.add_argument("--memory-trace", action="store_true",
+                    help="each capped run also records one step's allocator history after its "
+                         "timed steps: what it held at its most mapped (allocated, freed but not "
+                         "yet reusable, cached), its growths and flushes")
     ap.add_argument("--gpus", default="", help="comma-separated GPU indices: models in parallel")
     ap.add_argument("--to", help="report: the page to write (default OUT/pressure-GPU.md)")
     return ap

@@ -141,6 +141,8 @@ def _worker_steps(args, torch) -> dict:
               "memory_fraction": fraction(0) if fraction else None,
               "device": torch.cuda.get_device_name(0), "batch": args.batch,
               "segments": segment_summary(torch.cuda.memory_snapshot())}
+    if args.memory_trace:  # after the timed steps: recording allocations slows the host
+        result["memory_trace"] = memory_trace_step(step)
     if args.profile:  # after the timed steps, so profiling never touches the timing
         result["profile"] = profile_steps(step, args.profile)
     return result
@@ -170,6 +172,93 @@ def segment_summary(snapshot: list[dict]) -> list[dict]:
                         "allocated": segment.get("allocated_size"),
                         "free_blocks": len(free), "largest_free": max(free, default=0)})
     return summary
+
+
+def memory_trace_step(step) -> dict:
+    """One training step under the caching allocator's history
+    (``torch.cuda.memory._record_memory_history``), summarised by :func:`memory_trace_summary`."""
+    import torch
+
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    start = {"allocated": stats.get("allocated_bytes.all.current", 0),
+             "mapped": stats.get("reserved_bytes.all.current", 0)}
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc",
+                                             stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    device = torch.cuda.current_device()
+    traces = snapshot.get("device_traces") or [[]]
+    return memory_trace_summary(traces[device] if device < len(traces) else [], **start)
+
+
+#: trace actions that map (+) or unmap (-) device memory: whole segments, or the ranges of an
+#: expandable segment
+_MAPS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0) -> dict:
+    """What the allocator held at the step's most mapped moment, from its trace (a device's
+    ``device_traces`` entry: ``action``, ``addr``, ``size``, ``frames``) and its levels when the
+    trace began (``allocated``, ``mapped``: reserved): bytes allocated, bytes freed but not yet
+    reusable (``free_requested`` without its ``free_completed``: a block with stream uses,
+    ``record_stream``, waits for their events), and the rest, cached free blocks; the counts of
+    mappings (growth) and unmappings (a flush frees cached blocks), and per growth the request
+    that caused it. Blocks freed before the trace and completed in it are ignored (their
+    requests are not in it)."""
+    pending = 0
+    waiting: dict[int, int] = {}       # addr -> size of a free requested, not completed
+
+    def level() -> dict:
+        return {"mapped": mapped, "allocated": allocated, "pending": pending,
+                "cached_free": mapped - allocated - pending}
+
+    peak = level()
+    most_pending = 0
+    growths, unmaps, ooms = [], 0, 0
+    last_map = None
+    for entry in trace:
+        action, size, addr = entry.get("action"), entry.get("size", 0), entry.get("addr", 0)
+        if action == "alloc":
+            allocated += size
+            if last_map is not None:     # the request the mapping just before it served
+                growths.append({**last_map, "request": size,
+                                "where": _frame_names(entry.get("frames", []))})
+                last_map = None
+        elif action == "free_requested":
+            allocated -= size
+            waiting[addr] = size
+            pending += size
+        elif action == "free_completed":
+            pending -= waiting.pop(addr, 0)
+        elif action in _MAPS:
+            mapped += _MAPS[action] * size
+            if _MAPS[action] > 0:
+                last_map = {"grown": size, **level()}
+            else:
+                unmaps += 1
+        elif action == "oom":
+            ooms += 1
+        most_pending = max(most_pending, pending)
+        if mapped > peak["mapped"]:
+            peak = level()
+    return {"entries": len(trace), "at_most_mapped": peak, "most_pending": most_pending,
+            "growths": len(growths), "grown_bytes": sum(g["grown"] for g in growths),
+            "largest_growths": sorted(growths, key=lambda g: -g["grown"])[:8],
+            "unmaps": unmaps, "ooms": ooms}
+
+
+def _frame_names(frames: list[dict], keep: int = 3) -> list[str]:
+    """The innermost ``keep`` Python frames of a trace entry outside PyTorch's own package, as
+    ``file:line function``: where in the model or in mucudnn the allocation came from."""
+    def outside(name: str) -> bool:
+        return bool(name) and not name.startswith("??") and "-packages/torch/" not in name
+    return [f"{Path(f['filename']).name}:{f.get('line', 0)} {f.get('name', '?')}"
+            for f in frames if outside(str(f.get("filename", "")))][:keep]
 
 
 def profile_steps(step, steps: int) -> dict:
@@ -237,7 +326,7 @@ def worker_command(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps
                    limit=None, log=None, batch=256, double=False, path="legacy",
                    dtype="fp32", profile=0, memory_cap_gib=0.0,
                    online=False, memory_budget: int | None = None,
-                   offload=False) -> tuple[list[str], dict]:
+                   offload=False, memory_trace=False) -> tuple[list[str], dict]:
     """The command and environment of one worker run: plain PyTorch, or under `mucudnn run`
     (``--plan`` and ``--workspace-limit`` if given) or `mucudnn record` (``record``). Without a
     plan, `mucudnn run` tunes online only with ``online`` (else the shim passes through).
@@ -252,6 +341,7 @@ def worker_command(model: str, env_extra: dict, *, tf32: bool, shim: bool, steps
     cmd += ["--cudnn-benchmark"] if cudnn_benchmark else []
     cmd += ["--grads", grads] if grads else []
     cmd += ["--double"] if double else []
+    cmd += ["--memory-trace"] if memory_trace else []
     env = dict(os.environ, **env_extra)
     env.pop("TORCH_CUDNN_V8_API_DISABLED", None)
     if path == "legacy":
@@ -640,6 +730,9 @@ def add_worker_arguments(w: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch.cuda.set_per_process_memory_fraction to this many GiB (0: none)")
     w.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, profile this many steps (GPU busy and idle time)")
+    w.add_argument("--memory-trace", action="store_true",
+                   help="after timing, one step under the allocator's history: what it held "
+                        "at its most mapped (allocated, freed but not reusable, cached)")
     return w
 
 

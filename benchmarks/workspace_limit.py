@@ -40,7 +40,8 @@ def study(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     pressure_args = pressure_parser().parse_args(
         ["minmem", "--out", str(out), "--dtypes", "fp32", "--benchmark", "off",
-         "--probe-steps", str(args.probe_steps), "--offload", "--shim-mode", args.shim_mode])
+         "--probe-steps", str(args.probe_steps), "--offload", "--shim-mode", args.shim_mode]
+        + (["--memory-trace"] if args.memory_trace else []))
     runner = Runner(pressure_args, Budget(args.time_budget_s), out)
     caps = {}
     for spec in args.caps:
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--probe-steps", type=int, default=3)
     ap.add_argument("--time-budget-s", type=float)
+    ap.add_argument("--memory-trace", action="store_true",
+                    help="capped runs also record one step's allocator history (pressure's)")
     ap.add_argument("--out", required=True)
     study(ap.parse_args(argv))
     return 0

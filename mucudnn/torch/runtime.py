@@ -24,8 +24,10 @@ Invariants:
   than the planner's liveness says (planner.py): autograd holds one :class:`_Packed` per pack,
   and the device tensor goes when the last of them is freed (autograd frees a node's saved
   tensors once it ran), at the last unpack of a moved or recomputed group, and never while a
-  recomputed group that reads it may still be unpacked. Nothing else (steps, recipes, calls,
-  transfers) refers to a device tensor strongly.
+  recomputed group that reads it may still be unpacked. Nothing else (steps, recipes, calls)
+  refers to a device tensor strongly, except a link while a copy reads or writes it: an
+  offloaded tensor until its copy to the host is done (``CudaLink.poll``), a fetch's until the
+  compute stream is ordered after its copy.
 - Steps: a pack after an unpack starts a new step; group ``g`` is the ``g``-th tensor the step
   saves, unpack ``i`` its ``i``-th unpack (planner.py's clocks). A planned step whose groups differ
   from the profile's (another size) keeps those groups.
@@ -148,6 +150,12 @@ class CopyLink:
     def _new_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return _same_layout(tensor, tensor.device)
 
+    def poll(self) -> None:
+        """Let go of what finished copies no longer need (here: nothing is ever in flight)."""
+
+    def settle(self) -> None:
+        """Wait for every copy in flight; afterwards the link holds no device tensor."""
+
     def release(self, transfer: Transfer) -> None:
         """``transfer``'s host tensor goes back to the pool: no group reads it again. A copy that
         still uses it is ordered before any later copy into it: a copy on a copy stream first
@@ -206,12 +214,19 @@ class CopyLink:
 
 class CudaLink(CopyLink):
     """Pinned host memory and two copy streams per device, one per direction. Offload: the
-    offload stream waits for the compute stream (the producer), copies, and the caching allocator
-    may reuse the device memory once that copy is done (``record_stream``). Fetch: allocated from
-    the compute stream's pool, copied on the fetch stream after the compute work queued so far
-    and after the offload it reads; the compute stream waits for its event before use. Inline copies
-    (recording steps, a fall-back) run on the compute stream. Pinned buffers come from the link's
-    host pool (:meth:`CopyLink.host_buffer`).
+    offload stream waits for the compute stream (the producer) and copies; the link holds the
+    device tensor until that copy is done (:meth:`poll`), after which the compute stream may
+    reuse its memory at once. Fetch: allocated from the compute stream's pool, copied on the
+    fetch stream after the compute work queued so far and after the offload it reads; the
+    compute stream waits for its event before use, and before the memory can be freed even where
+    it never uses it (a transfer dropped unwaited). Inline copies (recording steps, a fall-back)
+    run on the compute stream. Pinned buffers come from the link's host pool
+    (:meth:`CopyLink.host_buffer`).
+
+    No ``record_stream``: it keeps a freed block from reuse until the side stream passes the
+    point where the block was freed, that is behind every copy queued by then (up to
+    ``max_pending`` bytes, or the prefetches ahead). The allocator counts such a block as neither
+    allocated nor free, maps more memory meanwhile, and under a cap flushes its cache.
 
     The forward can produce activations faster than the link drains them; the device memory of an
     offloaded tensor returns only when its copy is done. So at most ``max_pending`` bytes of
@@ -261,19 +276,30 @@ class CudaLink(CopyLink):
         if inline:
             return self._copy_inline(host, tensor)
         transfer = self._copy_on_side(host, tensor, self.stream)
-        tensor.record_stream(self.stream)
         nbytes = tensor.numel() * tensor.element_size()
-        self._pending.append((transfer.event, nbytes))
+        self._pending.append((transfer.event, nbytes, tensor))
         self._pending_bytes += nbytes
-        while self._pending and self._pending[0][0].query():
-            self._pending_bytes -= self._pending.popleft()[1]
+        self.poll()
         if self._pending_bytes > self.max_pending:
             with self.stalling():
                 while self._pending and self._pending_bytes > self.max_pending:
-                    oldest, size = self._pending.popleft()
-                    oldest.synchronize()
-                    self._pending_bytes -= size
+                    self._pending[0][0].synchronize()
+                    self._let_go_oldest()
         return transfer
+
+    def poll(self) -> None:
+        """Let go of the offloaded tensors whose copies are done (in issue order: one stream)."""
+        while self._pending and self._pending[0][0].query():
+            self._let_go_oldest()
+
+    def settle(self) -> None:
+        """Wait for every copy to the host in flight and let go of its tensor."""
+        while self._pending:
+            self._pending[0][0].synchronize()
+            self._let_go_oldest()
+
+    def _let_go_oldest(self) -> None:
+        self._pending_bytes -= self._pending.popleft()[1]
 
     def fetch(self, host, device, inline=False):
         # Allocated from the compute stream's pool, where the memory the backward frees returns:
@@ -283,10 +309,14 @@ class CudaLink(CopyLink):
         tensor = _same_layout(host.tensor, self.device)
         if inline:
             return self._copy_inline(tensor, host.tensor)
+        self.poll()
         if host.event is not None:   # its offload may still be draining on the other stream
             self.fetch_stream.wait_event(host.event)
+        compute = torch.cuda.current_stream(self.device)
         transfer = self._copy_on_side(tensor, host.tensor, self.fetch_stream)
-        tensor.record_stream(self.fetch_stream)   # for a fetch that is never waited for
+        # whenever the transfer goes (waited for or not), the compute stream, where ``tensor``
+        # was allocated and is freed, is ordered after the copy before the memory can return
+        weakref.finalize(transfer, _free_after, compute, transfer.event, tensor).atexit = False
         return transfer
 
     def wait(self, transfer):
@@ -319,6 +349,11 @@ class CudaLink(CopyLink):
         if self.gbps is None:
             self.gbps = measure_bandwidth(self, self.device)
         return self.gbps
+
+
+def _free_after(stream, event, tensor: torch.Tensor) -> None:
+    """``stream`` waits for ``event``; ``tensor``, held until now, may then be freed on it."""
+    stream.wait_event(event)
 
 
 def _layout(tensor: torch.Tensor) -> tuple:
@@ -1016,6 +1051,7 @@ class OffloadSession:
         index = step.unpacks
         step.unpacks += 1
         link = self.link_for_group(group)
+        link.poll()   # the forward's last offloads end during the backward
         peak_before = link.peak_allocated() if step.profiling else 0
         # autograd's final callback can only be queued from inside a backward (an unpack can also
         # come from Python reading ``grad_fn._saved_*``): at the first unpack inside one
@@ -1145,6 +1181,8 @@ class OffloadSession:
         forward raised (``failed``; ``out_of_memory`` when it ran out of device memory)."""
         finished = self._step
         link = self._any_link()
+        for used in ([self._link] if self._link is not None else self._links.values()):
+            used.settle()   # a step's copies to the host are over (one whose forward failed too)
         # the rest of the backward, the optimizer and the next forward up to here
         tail_peak = link.peak_allocated() if finished.profiling else 0
         if not failed and finished.unpacks and not finished.backward_done:

@@ -49,3 +49,29 @@ def test_segment_summary_counts_each_segments_free_blocks():
          "largest_free": 30},
         {"stream": 7, "pool": "large", "total": 20, "allocated": 0, "free_blocks": 1,
          "largest_free": 20}]
+
+
+def test_memory_trace_summary_tells_pending_frees_from_cached_ones():
+    from benchmarks.shim_pytorch import memory_trace_summary
+    frames = [{"filename": "/x/site-packages/torch/nn/modules/conv.py", "line": 1, "name": "f"},
+              {"filename": "/w/mucudnn/torch/runtime.py", "line": 290, "name": "fetch"}]
+    trace = [
+        {"action": "alloc", "addr": 0, "size": 100},
+        {"action": "free_completed", "addr": 999, "size": 7},   # freed before the trace: ignored
+        {"action": "free_requested", "addr": 0, "size": 100},   # stream uses: not reusable yet
+        {"action": "segment_map", "addr": 500, "size": 300},
+        {"action": "alloc", "addr": 500, "size": 250, "frames": frames},
+        {"action": "free_requested", "addr": 500, "size": 250},
+        {"action": "free_completed", "addr": 500, "size": 250},  # no stream uses: at once
+        {"action": "free_completed", "addr": 0, "size": 100},
+        {"action": "segment_unmap", "addr": 500, "size": 300},
+    ]
+    summary = memory_trace_summary(trace, allocated=1000, mapped=2000)
+    # most mapped: after the map, before the unmap; 100 bytes then still awaited their events
+    assert summary["at_most_mapped"] == {"mapped": 2300, "allocated": 1000, "pending": 100,
+                                         "cached_free": 1200}
+    assert summary["most_pending"] == 350
+    assert summary["growths"] == 1 and summary["grown_bytes"] == 300 and summary["unmaps"] == 1
+    growth = summary["largest_growths"][0]
+    assert growth["request"] == 250 and growth["pending"] == 100
+    assert growth["where"] == ["runtime.py:290 fetch"]

@@ -14,7 +14,7 @@ torchvision = pytest.importorskip("torchvision")
 
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import CudaLink, OffloadSession  # noqa: E402
+from mucudnn.torch.runtime import CudaLink, OffloadSession, Transfer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -143,3 +143,46 @@ def test_a_plan_under_a_budget_on_the_gpu_gives_the_same_gradients(dtype):
     assert_bitwise(reference, train(model, data, session))
     assert session.plan is not None and not session.fell_back, said
     assert session.plan.peak <= targets[0] and session.plan.count(KEEP) < len(session.plan.modes)
+
+
+# The CUDA link uses no record_stream: it holds an offloaded tensor until its copy is done, and
+# orders the compute stream after a fetch's copy before the fetched memory can be freed. Each
+# test delays the side stream (a spin kernel) so that, were the order missing, the compute
+# stream would reuse the very block the copy still reads or writes.
+SPIN_CYCLES = 200_000_000   # about 0.1 s on the H200
+
+
+def test_an_offloaded_tensor_is_not_reused_before_its_copy_reads_it():
+    link = CudaLink("cuda")
+    tensor = torch.ones(64 * 2**20 // 4, device="cuda")   # 64 MiB
+    address = tensor.data_ptr()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(link.stream):
+        torch.cuda._sleep(SPIN_CYCLES)
+    transfer = link.offload(tensor)
+    del tensor                                  # the forward lets go of it: the link holds it
+    other = torch.empty(64 * 2**20 // 4, device="cuda")
+    assert other.data_ptr() != address          # not handed out while the copy may read it
+    other.fill_(2.0)
+    link.settle()
+    assert not link._pending
+    reused = torch.empty(64 * 2**20 // 4, device="cuda")
+    assert reused.data_ptr() == address         # once the copy is done, at once
+    torch.cuda.synchronize()
+    assert bool((transfer.tensor == 1).all())
+
+
+def test_a_fetched_tensor_dropped_unwaited_is_freed_after_its_copy():
+    link = CudaLink("cuda")
+    host = Transfer(torch.full((64 * 2**20 // 4,), 3.0).pin_memory())
+    torch.cuda.synchronize()
+    with torch.cuda.stream(link.fetch_stream):
+        torch.cuda._sleep(SPIN_CYCLES)
+    transfer = link.fetch(host, torch.device("cuda"))
+    address = transfer.tensor.data_ptr()
+    del transfer                                # never waited for (a backward that failed)
+    reused = torch.empty(64 * 2**20 // 4, device="cuda")
+    assert reused.data_ptr() == address         # the same block: this test checks the order
+    reused.fill_(5.0)                           # queued after the copy into the block
+    torch.cuda.synchronize()
+    assert bool((reused == 5).all())
