@@ -82,21 +82,30 @@ def study(args) -> dict:
             entry["rows"].append(row)
             write_text_atomically(path, json.dumps(result, indent=1))
             print(line(model, entry, row), flush=True)
-    for name in ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK"):
+    for name in SETTING_ENV:
         os.environ.pop(name, None)
     return result
 
 
+#: what a setting sets, each run's environment, cleared before each setting
+SETTING_ENV = ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK", "MUCUDNN_OFFLOAD_HEADROOM")
+
+
 def apply_setting(setting: str) -> None:
-    """This process's environment (the runs inherit it) for one setting: ``none`` (the fastest
-    point, slack 0, where `mucudnn run --offload` would give 5), a workspace limit (a size, slack
-    0) or ``slack=PERCENT`` (no limit)."""
-    os.environ.pop("MUCUDNN_WORKSPACE_LIMIT", None)
+    """This process's environment (the runs inherit it) for one setting, comma-separated items:
+    ``none`` (the fastest point, slack 0, where `mucudnn run --offload` would give 5), a
+    workspace limit (a size, slack 0), ``slack=PERCENT`` (no limit), ``headroom=PERCENT``
+    (mucudnn.torch's plans leave that much of the cap, ``MUCUDNN_OFFLOAD_HEADROOM``)."""
+    for name in SETTING_ENV:
+        os.environ.pop(name, None)
     os.environ["MUCUDNN_WORKSPACE_SLACK"] = "0"
-    if setting.startswith("slack="):
-        os.environ["MUCUDNN_WORKSPACE_SLACK"] = setting.partition("=")[2]
-    elif setting != "none":
-        os.environ["MUCUDNN_WORKSPACE_LIMIT"] = setting
+    for item in setting.split(","):
+        if item.startswith("slack="):
+            os.environ["MUCUDNN_WORKSPACE_SLACK"] = item.partition("=")[2]
+        elif item.startswith("headroom="):
+            os.environ["MUCUDNN_OFFLOAD_HEADROOM"] = item.partition("=")[2]
+        elif item != "none":
+            os.environ["MUCUDNN_WORKSPACE_LIMIT"] = item
 
 
 def line(model: str, entry: dict, row: dict) -> str:
@@ -121,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--caps", nargs="*", default=["unet3d=7.0", "r3d_18=4.5"],
                     help="MODEL=GiB[,GiB...]: the caps of the offload runs")
     ap.add_argument("--limits", nargs="+", default=["none", "slack=5", "256MiB"],
-                    help="settings: none, a workspace limit (SIZE) or slack=PERCENT")
+                    help="settings: none, a workspace limit (SIZE) or slack=PERCENT, and "
+                         "headroom=PERCENT, comma-separated (e.g. slack=5,headroom=5)")
     ap.add_argument("--shim-mode", choices=["online", "front"], default="online",
                     help="online tuning, or a front plan (record, bench both APIs, tune) made first")
     ap.add_argument("--steps", type=int, default=10)

@@ -24,6 +24,9 @@ ENV_REPORT = "MUCUDNN_BUDGET_REPORT"  # the launcher's file: one line per event 
 ENV_LOG_LEVEL = "MUCUDNN_LOG_LEVEL"   # the shim's level: info shows what was limited
 ENV_OFFLOAD = "MUCUDNN_OFFLOAD"       # 1: mucudnn.torch keeps/offloads/recomputes saved tensors
 ENV_OFFLOAD_PROFILE = "MUCUDNN_OFFLOAD_PROFILE"  # a file: the recorded profile and plan, as JSON
+ENV_OFFLOAD_HEADROOM = "MUCUDNN_OFFLOAD_HEADROOM"  # percent of the budget plans leave unplanned
+#: the largest MUCUDNN_OFFLOAD_HEADROOM: a plan for less than half the budget is no plan for it
+MAX_OFFLOAD_HEADROOM = 50
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
 
 
@@ -301,6 +304,20 @@ def offload_recompute(value: str | None) -> str | None:
     return OFFLOAD_VALUES[text]
 
 
+def offload_headroom(value: str | None) -> float | None:
+    """``MUCUDNN_OFFLOAD_HEADROOM``, a whole percent from 0 to :data:`MAX_OFFLOAD_HEADROOM`, as a
+    fraction: what plans leave of the budget for the caching allocator's fragmentation. None
+    where unset or empty (the session's default); another value: one warning line, and None."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    if text.isascii() and text.isdigit() and int(text) <= MAX_OFFLOAD_HEADROOM:
+        return int(text) / 100
+    say("warning", f"{ENV_OFFLOAD_HEADROOM}={value!r} is not a whole percent from 0 to "
+                   f"{MAX_OFFLOAD_HEADROOM}; plans keep the default headroom")
+    return None
+
+
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     """Enters one :class:`mucudnn.torch.runtime.OffloadSession` for the whole process (never
     left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
@@ -308,9 +325,11 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     line and the program runs without offload."""
     try:
         from mucudnn.torch.runtime import OffloadSession
+        headroom = offload_headroom(os.environ.get(ENV_OFFLOAD_HEADROOM))
         session = OffloadSession(budget, say=lambda text: say("info", text), strict=False,
                                  recompute_convolutions=recompute_convolutions,
-                                 profile_to=os.environ.get(ENV_OFFLOAD_PROFILE) or None)
+                                 profile_to=os.environ.get(ENV_OFFLOAD_PROFILE) or None,
+                                 **({} if headroom is None else {"headroom": headroom}))
         session.__enter__()
     except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`
         say("warning", f"activation offload not started: {exc}")

@@ -8,17 +8,20 @@ import pytest
 from benchmarks import workspace_limit
 
 
-@pytest.mark.parametrize("setting, limit, slack", [
-    ("none", None, "0"),               # the fastest point (where `run --offload` would give 5)
-    ("256MiB", "256MiB", "0"),
-    ("slack=5", None, "5"),
+@pytest.mark.parametrize("setting, limit, slack, headroom", [
+    ("none", None, "0", None),         # the fastest point (where `run --offload` would give 5)
+    ("256MiB", "256MiB", "0", None),
+    ("slack=5", None, "5", None),
+    ("slack=5,headroom=7", None, "5", "7"),
 ])
-def test_a_setting_is_a_limit_or_a_slack_never_both(monkeypatch, setting, limit, slack):
+def test_a_setting_is_a_limit_or_a_slack_never_both(monkeypatch, setting, limit, slack, headroom):
     monkeypatch.setenv("MUCUDNN_WORKSPACE_LIMIT", "1GiB")  # a previous setting's (and restored after)
     monkeypatch.setenv("MUCUDNN_WORKSPACE_SLACK", "7")
+    monkeypatch.setenv("MUCUDNN_OFFLOAD_HEADROOM", "3")
     workspace_limit.apply_setting(setting)
     assert os.environ.get("MUCUDNN_WORKSPACE_LIMIT") == limit
     assert os.environ.get("MUCUDNN_WORKSPACE_SLACK") == slack
+    assert os.environ.get("MUCUDNN_OFFLOAD_HEADROOM") == headroom
 
 
 class FakeRunner:
@@ -51,7 +54,7 @@ class FakeRunner:
 
 
 def test_the_study_runs_each_setting_and_keeps_each_offload_profile(tmp_path, monkeypatch, capsys):
-    for name in ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK"):
+    for name in workspace_limit.SETTING_ENV:
         monkeypatch.setenv(name, "x")   # recorded, so restored after the test
         monkeypatch.delenv(name)
     monkeypatch.setattr(workspace_limit, "Runner", FakeRunner)

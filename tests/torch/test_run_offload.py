@@ -152,3 +152,38 @@ def test_workspace_slack_off_in_any_case(tmp_path, monkeypatch):
                                        f"echo ${{MUCUDNN_WORKSPACE_SLACK:-unset}} > {out}"])
     assert result.exit_code == 0, result.output
     assert out.read_text().strip() == "unset"
+
+
+HEADROOM = textwrap.dedent("""
+    import gc, torch
+    from mucudnn.torch.runtime import OffloadSession
+    sessions = [o for o in gc.get_objects() if isinstance(o, OffloadSession)]
+    print("headroom", [s.headroom for s in sessions])
+""")
+
+
+@pytest.mark.parametrize("value, expected, warned", [
+    (None, "[0.1]", False),      # the session's default
+    ("5", "[0.05]", False),
+    ("0", "[0.0]", False),
+    ("51", "[0.1]", True),       # over the most: the default, and one line naming it
+    ("0.05", "[0.1]", True),     # a fraction, not a percent
+    ("５", "[0.1]", True),       # a digit, but not an ASCII one
+])
+def test_the_plans_headroom_comes_from_the_environment(tmp_path, monkeypatch, capfd, value,
+                                                       expected, warned):
+    monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
+    if value is None:
+        monkeypatch.delenv("MUCUDNN_OFFLOAD_HEADROOM", raising=False)
+    else:
+        monkeypatch.setenv("MUCUDNN_OFFLOAD_HEADROOM", value)
+    script = tmp_path / "train.py"
+    script.write_text(HEADROOM)
+    out = tmp_path / "out.txt"
+    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", "--", "sh",
+                                       "-c", f"{sys.executable} {script} > {out}"])
+    assert result.exit_code == 0, result.output
+    assert f"headroom {expected}" in out.read_text()
+    stderr = capfd.readouterr().err      # the script's process writes it, not the CLI
+    said = [line for line in stderr.splitlines() if "MUCUDNN_OFFLOAD_HEADROOM" in line]
+    assert len(said) == (1 if warned else 0) and "Traceback" not in stderr, stderr
