@@ -144,6 +144,71 @@ def set_workspace_slack(env: dict, slack: int | str | None, offload: bool | str)
         env.setdefault(ENV_WORKSPACE_SLACK, str(OFFLOAD_WORKSPACE_SLACK))
 
 
+def _point_within(front, limit: int, slack: int):
+    """The shim's point of ``front`` (entries by workspace ascending) under a workspace limit:
+    the fastest within ``limit``, then its point of least workspace within ``slack`` percent of
+    it (``mu_plan_lean_point``); None where no point fits."""
+    under = [entry for entry in front if entry.workspace <= limit]
+    if not under:
+        return None
+    fastest = min(under, key=lambda entry: entry.time_ms)
+    within = fastest.time_ms * (1 + slack / 100)
+    return next((entry for entry in under if entry.workspace < fastest.workspace
+                 and entry.time_ms <= within), fastest)
+
+
+def plan_workspace_limit(plans, slack: int) -> int | None:
+    """The step's share of the slack: the least workspace limit at which the front plans'
+    kernels, each at its point under the limit (:func:`_point_within`), take at most ``slack``
+    percent more time in total than with no limit; None where no limit binds (none lowers the
+    largest point) or a plan is no front.
+
+    Why: the slack alone picks per kernel, and a kernel whose leaner points are more than slack
+    percent slower keeps its large workspace, although the step could pay for it elsewhere.
+    Under a memory cap the largest workspace requests are what the caching allocator cannot
+    place in the holes it has, so it maps more and, at the cap, flushes its cache. Measured on
+    an H200 (benchmarks/results/pressure, session 14): r3d_18 (N=32) under a 4.5 GiB cap ran its
+    offload plan at 97-105 ms with 10-20 flushes in 7 steps at slack 5 alone, 87.75 ms with a hand-set
+    256 MiB limit; this rule gives it 246 MiB, and none for the 3-D U-Net, whose 128^3
+    convolutions have no fast point under 770 MiB. Each kernel of a plan counts once (a plan
+    does not say how often a step calls it), and its fastest point stands for the framework's
+    engine (the shim's point is the fastest within that engine's workspace)."""
+    limits = []
+    for plan in plans:
+        fronts = [plan.front(key, n) for key, n in plan.kernels()]
+        if not plan.is_front or not fronts:
+            return None
+        sizes = sorted({entry.workspace for front in fronts for entry in front})
+
+        def total(limit):
+            points = [_point_within(front, limit, slack) for front in fronts]
+            return None if None in points else sum(point.time_ms for point in points)
+
+        unlimited = total(sizes[-1])
+        largest = max(_point_within(front, sizes[-1], slack).workspace for front in fronts)
+        limit = next(size for size in sizes
+                     if (t := total(size)) is not None and t <= unlimited * (1 + slack / 100))
+        if limit >= largest:
+            return None
+        limits.append(limit)
+    return max(limits) if limits else None
+
+
+def set_plan_workspace_limit(env: dict, plan_paths, offload, say) -> None:
+    """Under ``offload`` with front plans and a slack (``env``'s, after :func:`set_workspace_slack`)
+    and no workspace limit given: ``MUCUDNN_WORKSPACE_LIMIT`` from :func:`plan_workspace_limit`,
+    said in one line through ``say``."""
+    slack = env.get(ENV_WORKSPACE_SLACK, "")
+    if not (offload and plan_paths and slack.isdigit()) or env.get("MUCUDNN_WORKSPACE_LIMIT"):
+        return
+    from .plan import read_plan
+    limit = plan_workspace_limit([read_plan(path) for path in plan_paths], int(slack))
+    if limit is not None:
+        env["MUCUDNN_WORKSPACE_LIMIT"] = str(limit)
+        say(f"mucudnn: workspace limit {describe_size(limit)} from the plan's fronts: its kernels "
+            f"take at most {slack} % more time under it (--workspace-limit sets another)")
+
+
 @contextlib.contextmanager
 def launch_env(env: dict, budget: int, command: tuple[str, ...], warn,
                offload: bool | str = False):

@@ -537,8 +537,9 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
             env["MUCUDNN_ONLINE_DIR"] = str(Path(online_dir).resolve())
     else:
         env.pop("MUCUDNN_ONLINE", None)
-    from .budget import set_workspace_slack
+    from .budget import set_plan_workspace_limit, set_workspace_slack
     set_workspace_slack(env, workspace_slack, offload)
+    set_plan_workspace_limit(env, plans, offload, lambda text: click.echo(text, err=True))
     sys.exit(_exec_within(memory_budget, command, env, offload=offload))
 
 
@@ -623,9 +624,11 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
         click.echo(f"mucudnn: wrote {path}: {_plan_summary(plan)}"
                    + (f" (for {plan.gpu})" if len(plans) > 1 else ""), err=True)
     click.echo(f"mucudnn: 4/4 running: {shlex.join(command)}", err=True)
-    from .budget import set_workspace_slack
+    from .budget import set_plan_workspace_limit, set_workspace_slack
     env = _shim_env(plan=[path for path, _ in plans], limit=workspace_limit)
     set_workspace_slack(env, workspace_slack, offload)
+    set_plan_workspace_limit(env, [path for path, _ in plans], offload,
+                             lambda text: click.echo(text, err=True))
     sys.exit(_exec_within(memory_budget, command, env, offload=offload))
 
 

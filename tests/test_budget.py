@@ -299,6 +299,12 @@ def test_autotune_offloads_in_both_runs_and_gives_the_planned_run_the_slack(
     assert record_env["MUCUDNN_OFFLOAD"] == run_env["MUCUDNN_OFFLOAD"] == "1"
     assert "MUCUDNN_WORKSPACE_SLACK" not in record_env   # recording runs no plan
     assert run_env.get("MUCUDNN_WORKSPACE_SLACK") == expected
+    # and the step's share of the slack: the limit the written front plan gives, if any
+    from mucudnn.plan import read_plan
+    limit = expected and budget_mod.plan_workspace_limit([read_plan(tmp_path / "auto.plan")],
+                                                         int(expected))
+    assert run_env.get("MUCUDNN_WORKSPACE_LIMIT") == (str(limit) if limit else None)
+    assert "MUCUDNN_WORKSPACE_LIMIT" not in record_env
 
 
 def test_autotune_offload_needs_a_budget(tmp_path):
@@ -460,3 +466,62 @@ def test_without_a_shim_nothing_is_registered():
     from types import SimpleNamespace
     hook = budget_mod._hook()
     assert not hook.tell_shim_allocator(SimpleNamespace(cuda=_Cuda(1, 0)), library=object())
+
+
+# -- the step's share of the workspace slack (plan_workspace_limit) -------------------------------
+
+KEY_A = "dir=fwd,dt=f32,ct=f32,math=default,layout=nchw,c=8,in=16x16,k=8,f=3x3,pad=1x1," \
+        "stride=1x1,dil=1x1,g=1,mode=xcorr"
+KEY_B = KEY_A.replace("c=8", "c=16")
+
+
+def front_plan(points: dict[str, list[tuple[int, float]]], strategy="front"):
+    """A plan of ``points`` per key (workspace MiB, ms), each point one undivided piece."""
+    from mucudnn.plan import read_plan_text
+    lines = ["mucudnn-plan 1", "gpu G", "cudnn 91900", f"strategy {strategy}",
+             f"limit {2**62}", "policy powerOfTwo"]
+    for key, front in points.items():
+        for mib, ms in front:
+            lines.append(f"kernel {key} 32 {mib * 2**20} {ms} 32:implicit_gemm:default")
+    return read_plan_text("\n".join(lines) + "\n")
+
+
+def test_the_plans_limit_is_the_least_whose_kernels_stay_within_the_slack():
+    # A: 10 ms at 512 MiB, 10.8 at 256 (8 % slower: the per-kernel slack of 5 keeps 512);
+    # B: 30 ms at 128 MiB. No limit: 40 ms. At 256 MiB: 40.8 ms (2 % more), at 128: A has no
+    # point (so 128 is no limit here).
+    plan = front_plan({KEY_A: [(512, 10.0), (256, 10.8)], KEY_B: [(128, 30.0)]})
+    assert budget_mod.plan_workspace_limit([plan], 5) == 256 * 2**20
+    assert budget_mod.plan_workspace_limit([plan], 1) is None      # 2 % more is over 1 %
+
+
+def test_no_limit_where_none_lowers_the_largest_point():
+    # every kernel already at its least workspace within the slack, or no plan of fronts
+    plan = front_plan({KEY_A: [(512, 10.0), (256, 10.2)], KEY_B: [(128, 30.0)]})
+    assert budget_mod.plan_workspace_limit([plan], 5) is None
+    assert budget_mod.plan_workspace_limit([plan], 0) is None
+
+
+def test_of_several_plans_the_limit_is_the_largest():
+    loose = front_plan({KEY_A: [(512, 10.0), (256, 10.8)], KEY_B: [(128, 30.0)]})
+    tight = front_plan({KEY_A: [(512, 10.0), (64, 10.1)], KEY_B: [(32, 30.0), (16, 30.2)]})
+    assert budget_mod.plan_workspace_limit([tight], 5) is None      # the slack alone gets there
+    assert budget_mod.plan_workspace_limit([loose, loose], 5) == 256 * 2**20
+
+
+@pytest.mark.parametrize("env, offload, expected", [
+    ({"MUCUDNN_WORKSPACE_SLACK": "5"}, True, str(256 * 2**20)),
+    ({"MUCUDNN_WORKSPACE_SLACK": "5"}, False, None),                 # no offload: no limit
+    ({}, True, None),                                                # slack off
+    ({"MUCUDNN_WORKSPACE_SLACK": "5", "MUCUDNN_WORKSPACE_LIMIT": "1GiB"}, True, "1GiB"),  # given
+])
+def test_run_sets_the_plans_limit_under_offload_only(tmp_path, env, offload, expected):
+    from mucudnn.plan import format_plan
+    path = tmp_path / "front.plan"
+    path.write_text(format_plan(front_plan({KEY_A: [(512, 10.0), (256, 10.8)],
+                                            KEY_B: [(128, 30.0)]})))
+    said = []
+    budget_mod.set_plan_workspace_limit(env, [path], offload, said.append)
+    assert env.get("MUCUDNN_WORKSPACE_LIMIT") == expected
+    assert len(said) == (1 if expected == str(256 * 2**20) else 0)
+    assert all("256.0 MiB" in line or "256 MiB" in line for line in said), said
