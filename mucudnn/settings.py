@@ -55,6 +55,8 @@ SETTINGS: tuple[Setting, ...] = (
             "budget (mucudnn.torch); cheap: recompute no convolution", "0", (PYTHON,)),
     Setting("MUCUDNN_OFFLOAD_PROFILE", "file where each offload plan writes its recorded step's "
             "profile as JSON (for the planner to be replayed off the GPU)", "(none)", (PYTHON,)),
+    Setting("MUCUDNN_OFFLOAD_HEADROOM", "percent (0 to 50) of the memory budget offload plans "
+            "leave for the caching allocator's fragmentation", "10", (PYTHON,)),
     Setting("MUCUDNN_BUDGET_REPORT", "file the budget launcher's processes report to", "(none)",
             (PYTHON,)),
     Setting("MUCUDNN_STORE", "benchmark store", "$XDG_CACHE_HOME/mucudnn/benchmarks.sqlite",
