@@ -50,12 +50,20 @@ def test_offload_needs_a_budget(tmp_path):
     assert result.exit_code != 0 and "--offload needs --memory-budget" in result.output
 
 
-RECOMPUTING = textwrap.dedent("""
-    import gc, torch
-    from mucudnn.torch.runtime import OffloadSession
-    sessions = [o for o in gc.get_objects() if isinstance(o, OffloadSession)]
-    print("convolutions", [s.recompute_convolutions for s in sessions])
-""")
+def sessions_attribute(tmp_path, attribute: str, *options) -> tuple[object, str]:
+    """`mucudnn run --memory-budget 1GiB --offload OPTIONS` of a script that prints
+    ``ATTRIBUTE [value of each OffloadSession in its process]``: (the CLI's result, the output)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import gc, torch
+        from mucudnn.torch.runtime import OffloadSession
+        sessions = [o for o in gc.get_objects() if isinstance(o, OffloadSession)]
+        print("{attribute}", [s.{attribute} for s in sessions])
+    """))
+    out = tmp_path / "out.txt"
+    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", *options,
+                                       "--", "sh", "-c", f"{sys.executable} {script} > {out}"])
+    return result, out.read_text() if out.exists() else ""
 
 
 @pytest.mark.parametrize("options,expected", [((), "[True]"),
@@ -63,13 +71,9 @@ RECOMPUTING = textwrap.dedent("""
 def test_offload_recomputes_convolutions_unless_told_not_to(tmp_path, monkeypatch, options,
                                                             expected):
     monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
-    script = tmp_path / "train.py"
-    script.write_text(RECOMPUTING)
-    out = tmp_path / "out.txt"
-    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", *options,
-                                       "--", "sh", "-c", f"{sys.executable} {script} > {out}"])
+    result, out = sessions_attribute(tmp_path, "recompute_convolutions", *options)
     assert result.exit_code == 0, result.output
-    assert f"convolutions {expected}" in out.read_text()
+    assert f"recompute_convolutions {expected}" in out
 
 
 def test_no_recompute_convolutions_needs_offload(tmp_path):
@@ -93,26 +97,14 @@ def test_a_bad_offload_value_is_one_line_and_no_offload(tmp_path, monkeypatch):
     assert len(said) == 1 and "'sometimes'" in said[0] and "Traceback" not in done.stderr
 
 
-PROFILE_TO = textwrap.dedent("""
-    import gc, torch
-    from mucudnn.torch.runtime import OffloadSession
-    sessions = [o for o in gc.get_objects() if isinstance(o, OffloadSession)]
-    print("profile_to", [str(s.profile_to) for s in sessions])
-""")
-
-
 @pytest.mark.parametrize("value", ["", "PATH"])
 def test_the_session_writes_its_profile_where_the_environment_says(tmp_path, monkeypatch, value):
     path = str(tmp_path / "profile.json") if value == "PATH" else ""
     monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
     monkeypatch.setenv("MUCUDNN_OFFLOAD_PROFILE", path)
-    script = tmp_path / "train.py"
-    script.write_text(PROFILE_TO)
-    out = tmp_path / "out.txt"
-    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", "--", "sh",
-                                       "-c", f"{sys.executable} {script} > {out}"])
+    result, out = sessions_attribute(tmp_path, "profile_to")
     assert result.exit_code == 0, result.output
-    assert f"profile_to {[path or 'None']}" in out.read_text()
+    assert f"profile_to {[path or None]}" in out
 
 
 @pytest.mark.parametrize("options, preset, expected", [
@@ -154,14 +146,6 @@ def test_workspace_slack_off_in_any_case(tmp_path, monkeypatch):
     assert out.read_text().strip() == "unset"
 
 
-HEADROOM = textwrap.dedent("""
-    import gc, torch
-    from mucudnn.torch.runtime import OffloadSession
-    sessions = [o for o in gc.get_objects() if isinstance(o, OffloadSession)]
-    print("headroom", [s.headroom for s in sessions])
-""")
-
-
 @pytest.mark.parametrize("value, expected, warned", [
     (None, "[0.1]", False),      # the session's default
     ("5", "[0.05]", False),
@@ -177,13 +161,9 @@ def test_the_plans_headroom_comes_from_the_environment(tmp_path, monkeypatch, ca
         monkeypatch.delenv("MUCUDNN_OFFLOAD_HEADROOM", raising=False)
     else:
         monkeypatch.setenv("MUCUDNN_OFFLOAD_HEADROOM", value)
-    script = tmp_path / "train.py"
-    script.write_text(HEADROOM)
-    out = tmp_path / "out.txt"
-    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", "--", "sh",
-                                       "-c", f"{sys.executable} {script} > {out}"])
+    result, out = sessions_attribute(tmp_path, "headroom")
     assert result.exit_code == 0, result.output
-    assert f"headroom {expected}" in out.read_text()
+    assert f"headroom {expected}" in out
     stderr = capfd.readouterr().err      # the script's process writes it, not the CLI
     said = [line for line in stderr.splitlines() if "MUCUDNN_OFFLOAD_HEADROOM" in line]
     assert len(said) == (1 if warned else 0) and "Traceback" not in stderr, stderr
