@@ -202,7 +202,8 @@ _MAPS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unma
 
 
 def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0) -> dict:
-    """What the allocator held at the step's most mapped moment, from its trace (a device's
+    """What the allocator held at the step's most mapped moment (None where it mapped nothing
+    beyond its levels at the start), from its trace (a device's
     ``device_traces`` entry: ``action``, ``addr``, ``size``, ``frames``) and its levels when the
     trace began (``allocated``, ``mapped``: reserved): bytes allocated, bytes freed but not yet
     reusable (``free_requested`` without its ``free_completed``: a block with stream uses,
@@ -217,7 +218,7 @@ def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0)
         return {"mapped": mapped, "allocated": allocated, "pending": pending,
                 "cached_free": mapped - allocated - pending}
 
-    peak = level()
+    peak, most_mapped = None, mapped    # None: the step mapped nothing beyond what it began with
     most_pending = 0
     growths, unmaps, ooms = [], 0, 0
     last_map = None
@@ -244,8 +245,8 @@ def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0)
         elif action == "oom":
             ooms += 1
         most_pending = max(most_pending, pending)
-        if mapped > peak["mapped"]:
-            peak = level()
+        if mapped > most_mapped:
+            peak, most_mapped = level(), mapped
     return {"entries": len(trace), "at_most_mapped": peak, "most_pending": most_pending,
             "growths": len(growths), "grown_bytes": sum(g["grown"] for g in growths),
             "largest_growths": sorted(growths, key=lambda g: -g["grown"])[:8],

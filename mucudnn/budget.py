@@ -200,14 +200,17 @@ def set_plan_workspace_limit(env: dict, plan_paths, offload, say) -> None:
     and no workspace limit given: ``MUCUDNN_WORKSPACE_LIMIT`` from :func:`plan_workspace_limit`,
     said in one line through ``say``."""
     slack = env.get(ENV_WORKSPACE_SLACK, "")
-    if not (offload and plan_paths and slack.isdigit()) or env.get("MUCUDNN_WORKSPACE_LIMIT"):
+    # ASCII digits only, as the shim reads it: another value is the shim's to warn about
+    if not (offload and plan_paths and slack.isascii() and slack.isdigit()) \
+            or env.get("MUCUDNN_WORKSPACE_LIMIT"):
         return
     from .plan import read_plan
     limit = plan_workspace_limit([read_plan(path) for path in plan_paths], int(slack))
     if limit is not None:
         env["MUCUDNN_WORKSPACE_LIMIT"] = str(limit)
         say(f"mucudnn: workspace limit {describe_size(limit)} from the plan's fronts: its kernels "
-            f"take at most {slack} % more time under it (--workspace-limit sets another)")
+            f"take at most {slack} % more time under it; it holds every convolution, planned or "
+            "not (--workspace-limit sets another)")
 
 
 @contextlib.contextmanager

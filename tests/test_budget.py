@@ -514,6 +514,8 @@ def test_of_several_plans_the_limit_is_the_largest():
     ({"MUCUDNN_WORKSPACE_SLACK": "5"}, False, None),                 # no offload: no limit
     ({}, True, None),                                                # slack off
     ({"MUCUDNN_WORKSPACE_SLACK": "5", "MUCUDNN_WORKSPACE_LIMIT": "1GiB"}, True, "1GiB"),  # given
+    ({"MUCUDNN_WORKSPACE_SLACK": "²"}, True, None),    # no ASCII digit: the shim's to refuse
+    ({"MUCUDNN_WORKSPACE_SLACK": "５"}, True, None),
 ])
 def test_run_sets_the_plans_limit_under_offload_only(tmp_path, env, offload, expected):
     from mucudnn.plan import format_plan
@@ -525,3 +527,18 @@ def test_run_sets_the_plans_limit_under_offload_only(tmp_path, env, offload, exp
     assert env.get("MUCUDNN_WORKSPACE_LIMIT") == expected
     assert len(said) == (1 if expected == str(256 * 2**20) else 0)
     assert all("256.0 MiB" in line or "256 MiB" in line for line in said), said
+
+
+def test_run_plan_offload_gives_the_command_the_plans_limit(tmp_path, monkeypatch, capfd):
+    from mucudnn.plan import format_plan
+    for name in ("MUCUDNN_WORKSPACE_SLACK", "MUCUDNN_WORKSPACE_LIMIT"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "front.plan"
+    path.write_text(format_plan(front_plan({KEY_A: [(512, 10.0), (256, 10.8)],
+                                            KEY_B: [(128, 30.0)]})))
+    out = tmp_path / "out.txt"
+    result = invoke("run", "--plan", path, "--memory-budget", "1GiB", "--offload", "--", "sh",
+                    "-c", f"echo ${{MUCUDNN_WORKSPACE_LIMIT:-unset}} > {out}")
+    assert result.exit_code == 0, result.output
+    assert out.read_text().strip() == str(256 * 2**20)
+    assert "workspace limit 268435456 bytes (256.0 MiB) from the plan" in result.stderr

@@ -712,6 +712,13 @@ class OffloadSession:
             self._links[key] = CudaLink(tensor.device, self.max_pending)
         return self._links[key]
 
+    def _links_in_use(self) -> list[CopyLink]:
+        return [self._link] if self._link is not None else list(self._links.values())
+
+    def _poll_links(self) -> None:
+        for link in self._links_in_use():
+            link.poll()
+
     def _any_link(self) -> CopyLink:
         return self._link or next(iter(self._links.values()), None) or CopyLink()
 
@@ -728,6 +735,7 @@ class OffloadSession:
     def _before_module(self, module, args):
         if not self._records(module):
             return
+        self._poll_links()   # between packs too: a module that saves nothing of ours
         if self._step.unpacks:   # the first module of the next step: its calls belong there
             self._end_step()
         if self._step.profiling and self._step.start_allocated is None:
@@ -963,6 +971,7 @@ class OffloadSession:
         link = self.link_for(tensor)
         if link is None:
             return None
+        link.poll()   # offloaded tensors whose copies are done go back now, not at the next offload
         if self._step.unpacks:
             self._end_step()
         step = self._step
@@ -1181,7 +1190,7 @@ class OffloadSession:
         forward raised (``failed``; ``out_of_memory`` when it ran out of device memory)."""
         finished = self._step
         link = self._any_link()
-        for used in ([self._link] if self._link is not None else self._links.values()):
+        for used in self._links_in_use():
             used.settle()   # a step's copies to the host are over (one whose forward failed too)
         # the rest of the backward, the optimizer and the next forward up to here
         tail_peak = link.peak_allocated() if finished.profiling else 0

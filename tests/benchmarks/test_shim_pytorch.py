@@ -75,3 +75,12 @@ def test_memory_trace_summary_tells_pending_frees_from_cached_ones():
     growth = summary["largest_growths"][0]
     assert growth["request"] == 250 and growth["pending"] == 100
     assert growth["where"] == ["runtime.py:290 fetch"]
+
+
+def test_memory_trace_summary_has_no_most_mapped_moment_where_nothing_was_mapped():
+    from benchmarks.shim_pytorch import memory_trace_summary
+    trace = [{"action": "alloc", "addr": 0, "size": 100},
+             {"action": "free_requested", "addr": 0, "size": 100},
+             {"action": "free_completed", "addr": 0, "size": 100}]
+    summary = memory_trace_summary(trace, allocated=10, mapped=1000)
+    assert summary["at_most_mapped"] is None and summary["growths"] == 0

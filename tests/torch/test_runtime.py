@@ -1448,3 +1448,31 @@ def test_a_profile_counts_what_a_rebuild_allocates():
     convolution_output = 4 * 32 * 16 * 16 * 8
     assert pooled[0].rebuild_bytes == convolution_output + pooled[0].nbytes
     assert pooled[0].transient == convolution_output + pooled[0].nbytes
+
+
+class PollingLink(RecordingLink):
+    """Logs the session's calls that let a link release what finished copies held."""
+
+    def poll(self):
+        self.log.append(("poll",))
+
+    def settle(self):
+        self.log.append(("settle",))
+
+
+def test_the_session_lets_the_link_release_at_every_pack_module_and_unpack_and_settles_each_step():
+    # a CUDA link holds an offloaded tensor until its copy is done: the session must give it the
+    # chance to let go all through the step (not only at the next offload), and all at step end
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    trace, link = [], PollingLink()
+    session = OffloadSession(force=OFFLOAD, link=link, min_bytes=0, trace=trace)
+    train(model, data, session)
+    packs = sum(1 for e in trace if e[0] == "pack")
+    unpacks = sum(1 for e in trace if e[0] == "unpack")
+    modules = sum(1 for m in model.modules() if not any(True for _ in m.children()))
+    polls = sum(1 for e in link.log if e[0] == "poll")
+    assert polls >= packs + unpacks + modules * len(data)
+    # between two offloads of a step there is always a poll (the first pack after it at least)
+    kinds = [e[0] for e in link.log if e[0] in ("offload", "poll")]
+    assert all(not (a == b == "offload") for a, b in zip(kinds, kinds[1:]))
+    assert sum(1 for e in link.log if e[0] == "settle") >= len(data) - 1   # each step that ended
