@@ -170,11 +170,10 @@ def plan_workspace_limit(plans, slack: int) -> int | None:
     an H200 (benchmarks/results/pressure, session 14), r3d_18 (N=32) under a 4.5 GiB cap, 7
     steps a probe: 100.9-109.3 ms in three runs at slack 5 alone (1.25-1.35x PyTorch's uncapped
     step), 90.7, 92.1 and 88.1 ms in three runs with this rule's 246 MiB (1.12x, 1.14x, 1.08x).
-    The 3-D U-Net
-    gets no limit: its 128^3 convolutions have no fast point under 770 MiB. Each kernel of a
-    plan counts once (a plan does not say how often a step calls it), and its fastest point
-    stands for the framework's engine (the shim's point is the fastest within that engine's
-    workspace)."""
+    The 3-D U-Net gets no limit: its 128^3 convolutions have no fast point under 770 MiB. Each
+    kernel of a plan counts once (a plan does not say how often a step calls it), and its
+    fastest point stands for the framework's engine (the shim's point is the fastest within that
+    engine's workspace). The limit is the shim's hard one: it holds every convolution."""
     limits = []
     for plan in plans:
         fronts = [plan.front(key, n) for key, n in plan.kernels()]
