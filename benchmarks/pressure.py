@@ -455,8 +455,9 @@ class Report:
         write_text_atomically(self.path, json.dumps(self.data, indent=1) + "\n")
 
 
-#: the shim's settings that change which point a convolution runs (docs/shim.md)
-SHIM_CHOICES = ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK")
+#: the settings that change which point a convolution runs (docs/shim.md) and what mucudnn.torch
+#: plans for (docs/torch.md); a part records those its stage set (``shim_environment``)
+RUN_CHOICES = ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK", "MUCUDNN_OFFLOAD_HEADROOM")
 
 
 def settings_of(args) -> dict:
@@ -469,11 +470,10 @@ def settings_of(args) -> dict:
     # every run of the part inherits it, PyTorch's and the shim's alike
     settings["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     # the shim's runs inherit these where the stage's environment sets them
-    shim_env = {name: os.environ[name] for name in SHIM_CHOICES if name in os.environ}
+    shim_env = {name: os.environ[name] for name in RUN_CHOICES if name in os.environ}
     if shim_env:
         settings["shim_environment"] = shim_env
     return settings
-
 
 
 def ratio_part(args, runner: Runner, report: Report) -> None:

@@ -203,9 +203,9 @@ _MAPS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unma
 
 def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0) -> dict:
     """What the allocator held at the step's most mapped moment (None where it mapped nothing
-    beyond its levels at the start), from its trace (a device's
-    ``device_traces`` entry: ``action``, ``addr``, ``size``, ``frames``) and its levels when the
-    trace began (``allocated``, ``mapped``: reserved): bytes allocated, bytes freed but not yet
+    beyond its levels at the start), from its trace (a device's ``device_traces`` entry:
+    ``action``, ``addr``, ``size``, ``frames``) and its levels when the trace began
+    (``allocated``, ``mapped``: reserved): bytes allocated, bytes freed but not yet
     reusable (``free_requested`` without its ``free_completed``: a block with stream uses,
     ``record_stream``, waits for their events), and the rest, cached free blocks; the counts of
     mappings (growth) and unmappings (a flush frees cached blocks), and per growth the request

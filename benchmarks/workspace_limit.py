@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.models import parse_model
-from benchmarks.pressure import Budget, Runner, brief, parser as pressure_parser
+from benchmarks.pressure import RUN_CHOICES, Budget, Runner, brief, parser as pressure_parser
 from mucudnn.outputs import write_text_atomically
 
 GiB = 2**30
@@ -88,7 +88,7 @@ def study(args) -> dict:
 
 
 #: what a setting sets, each run's environment, cleared before each setting
-SETTING_ENV = ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_SLACK", "MUCUDNN_OFFLOAD_HEADROOM")
+SETTING_ENV = RUN_CHOICES
 
 
 def apply_setting(setting: str) -> None:

@@ -185,8 +185,9 @@ def plan_workspace_limit(plans, slack: int) -> int | None:
             points = [_point_within(front, limit, slack) for front in fronts]
             return None if None in points else sum(point.time_ms for point in points)
 
-        unlimited = total(sizes[-1])
-        largest = max(_point_within(front, sizes[-1], slack).workspace for front in fronts)
+        unlimited_points = [_point_within(front, sizes[-1], slack) for front in fronts]
+        unlimited = sum(point.time_ms for point in unlimited_points)
+        largest = max(point.workspace for point in unlimited_points)
         limit = next(size for size in sizes
                      if (t := total(size)) is not None and t <= unlimited * (1 + slack / 100))
         if limit >= largest:

@@ -487,6 +487,14 @@ def _slack_option(ctx, param, value):
     return int(value)
 
 
+def _set_workspace_choice(env: dict, plan_paths, workspace_slack, offload) -> None:
+    """The planned run's slack (``--workspace-slack``, or offload's default) in ``env``, then,
+    under offload, the workspace limit its front plans give (one line says it)."""
+    from .budget import set_plan_workspace_limit, set_workspace_slack
+    set_workspace_slack(env, workspace_slack, offload)
+    set_plan_workspace_limit(env, plan_paths, offload, lambda text: click.echo(text, err=True))
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--plan", "plan_paths", multiple=True, type=click.Path(exists=True),
               help="plan file to execute; repeat it, or give a directory of *.plan files, for "
@@ -537,9 +545,7 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
             env["MUCUDNN_ONLINE_DIR"] = str(Path(online_dir).resolve())
     else:
         env.pop("MUCUDNN_ONLINE", None)
-    from .budget import set_plan_workspace_limit, set_workspace_slack
-    set_workspace_slack(env, workspace_slack, offload)
-    set_plan_workspace_limit(env, plans, offload, lambda text: click.echo(text, err=True))
+    _set_workspace_choice(env, plans, workspace_slack, offload)
     sys.exit(_exec_within(memory_budget, command, env, offload=offload))
 
 
@@ -624,11 +630,9 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
         click.echo(f"mucudnn: wrote {path}: {_plan_summary(plan)}"
                    + (f" (for {plan.gpu})" if len(plans) > 1 else ""), err=True)
     click.echo(f"mucudnn: 4/4 running: {shlex.join(command)}", err=True)
-    from .budget import set_plan_workspace_limit, set_workspace_slack
-    env = _shim_env(plan=[path for path, _ in plans], limit=workspace_limit)
-    set_workspace_slack(env, workspace_slack, offload)
-    set_plan_workspace_limit(env, [path for path, _ in plans], offload,
-                             lambda text: click.echo(text, err=True))
+    plan_paths = [path for path, _ in plans]
+    env = _shim_env(plan=plan_paths, limit=workspace_limit)
+    _set_workspace_choice(env, plan_paths, workspace_slack, offload)
     sys.exit(_exec_within(memory_budget, command, env, offload=offload))
 
 

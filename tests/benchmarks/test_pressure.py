@@ -667,9 +667,10 @@ def test_the_allocator_every_run_inherits_is_recorded_and_shown(gpu, tmp_path, m
 
 
 @pytest.mark.parametrize("environment", [{}, {"MUCUDNN_WORKSPACE_LIMIT": "256MiB"},
-                                         {"MUCUDNN_WORKSPACE_SLACK": "5"}])
+                                         {"MUCUDNN_WORKSPACE_SLACK": "5"},
+                                         {"MUCUDNN_OFFLOAD_HEADROOM": "5"}])
 def test_the_shims_point_settings_are_recorded_where_set(tmp_path, monkeypatch, environment):
-    for name in pressure.SHIM_CHOICES:
+    for name in pressure.RUN_CHOICES:
         monkeypatch.setenv(name, "x")   # recorded, so restored after the test
         monkeypatch.delenv(name)
     for name, value in environment.items():
