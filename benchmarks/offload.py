@@ -70,7 +70,7 @@ from pathlib import Path
 from benchmarks.models import parse_model
 from benchmarks.pressure import (DEVICE_MEMORY_GIB, Budget, OutOfTime, Terminated, execute,
                                  min_cap_search, min_text)
-from benchmarks.shim_pytorch import allocator_counters, is_out_of_memory
+from benchmarks.shim_pytorch import allocator_counters, is_out_of_memory, trace_summary
 from mucudnn.budget import parse_budget
 from mucudnn.errors import MucudnnError
 from mucudnn.outputs import write_text_atomically
@@ -291,57 +291,6 @@ def worker(args) -> None:
 
 GiB = 2**30
 MIN_PARTS = ("min", "min-probe")   # the searches' rows: their own table, not the main one
-
-
-def trace_summary(trace: dict, top: int = 8) -> dict:
-    """Where a step's time went, from a profiler's Chrome trace (``export_chrome_trace``): per
-    CUDA stream its busy ms (kernels, copies, memsets; overlaps merged) and, for the busiest
-    (the compute stream), its idle gaps; the CUDA runtime calls that took the host's time (a
-    host waiting on the device shows as ``cudaEventSynchronize`` and its kin)."""
-    device = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
-              and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not device:
-        return {}
-    streams: dict = {}
-    for event in device:
-        stream = (event.get("args") or {}).get("stream", event.get("tid"))
-        streams.setdefault(stream, []).append((float(event["ts"]), float(event["ts"]) + float(event["dur"]),
-                                               event["cat"]))
-    begin = min(start for spans in streams.values() for start, _, _ in spans)
-    end = max(stop for spans in streams.values() for _, stop, _ in spans)
-
-    def merged(spans):
-        out = []
-        for start, stop, _ in sorted(spans):
-            if out and start <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], stop)
-            else:
-                out.append([start, stop])
-        return out
-
-    busy = {stream: merged(spans) for stream, spans in streams.items()}
-    compute = max(busy, key=lambda s: sum(b - a for a, b, c in streams[s] if c == "kernel"))
-    intervals = busy[compute]
-    gaps = sorted(((b[0] - a[1]) / 1e3, (a[1] - begin) / 1e3)
-                  for a, b in zip(intervals, intervals[1:]))
-    runtime: dict = {}
-    for event in trace["traceEvents"]:
-        if event.get("ph") == "X" and event.get("cat") == "cuda_runtime":
-            total, count = runtime.get(event["name"], (0.0, 0))
-            runtime[event["name"]] = (total + float(event["dur"]) / 1e3, count + 1)
-    return {
-        "span_ms": round((end - begin) / 1e3, 3),
-        "streams": {str(stream): {"busy_ms": round(sum(b - a for a, b in spans) / 1e3, 3),
-                                  "events": len(streams[stream]),
-                                  "kinds": sorted({c for _, _, c in streams[stream]})}
-                    for stream, spans in busy.items()},
-        "compute_stream": str(compute),
-        "compute_idle_ms": round(sum(g for g, _ in gaps), 3),
-        "compute_gaps_over_50us": sum(1 for g, _ in gaps if g > 0.05),
-        "largest_gaps_ms_at_ms": [[round(g, 3), round(at, 3)] for g, at in gaps[::-1][:top]],
-        "runtime_calls_ms": {name: [round(total, 3), count] for name, (total, count) in
-                             sorted(runtime.items(), key=lambda kv: -kv[1][0])[:top]},
-    }
 
 
 def config_name(method: str, budget: int | None) -> str:

@@ -261,7 +261,7 @@ def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
             "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile",
-            "alloc_retries", "tuned_kernels", "segments", "offload_log", "memory_trace")
+            "alloc_retries", "tuned_kernels", "segments", "offload_log", "memory_trace", "profile")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]
@@ -292,10 +292,12 @@ class Runner:
 
     def run(self, what: str, model: str, batch: int, *, shim: bool, dtype: str,
             cudnn_benchmark: bool, cap_gib: float = 0.0, steps: int, warmup: int,
-            log: Path | None = None, offload: bool = False) -> dict:
+            log: Path | None = None, offload: bool = False, profile_steps: int = 0) -> dict:
         """One worker run. ``offload`` (with ``shim`` and a cap): through `mucudnn run
         --memory-budget CAP --offload`, the CLI's own path (the budget hook limits the allocator
-        and tells the shim; mucudnn.torch keeps, offloads or recomputes saved tensors)."""
+        and tells the shim; mucudnn.torch keeps, offloads or recomputes saved tensors).
+        ``profile_steps``: after the timed steps, that many more under the profiler (the
+        worker's ``--profile``: where the step's time went)."""
         if offload and not (shim and cap_gib):
             raise ValueError("an offload run is a shim run under a cap")
         self.budget.check(what)
@@ -327,7 +329,7 @@ class Runner:
                                   dtype=dtype, memory_cap_gib=cap_gib,
                                   online=shim and self.args.shim_mode == "online",
                                   memory_budget=int(cap_gib * 2**30) if cli_budget else None,
-                                  offload=offload,
+                                  offload=offload, profile=profile_steps,
                                   memory_trace=bool(cap_gib) and self.args.memory_trace)
         # only where this run asks for it (an offload run's budget and offload: the CLI sets them)
         for name in ("MUCUDNN_ONLINE", "MUCUDNN_ONLINE_DIR", "MUCUDNN_MEMORY_BUDGET", ENV_OFFLOAD,

@@ -265,7 +265,8 @@ def _frame_names(frames: list[dict], keep: int = 3) -> list[str]:
 def profile_steps(step, steps: int) -> dict:
     """GPU activity of ``steps`` training steps (torch.profiler, CUPTI): per step, the span from
     the first GPU activity to the last, the time some kernel, copy or fill ran (busy), the rest
-    (idle: the GPU waited for the host), and the kernels' total times by name."""
+    (idle: the GPU waited for the host), the kernels' total times by name, and
+    :func:`trace_summary` of them all (the compute stream apart from the copy streams)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -312,12 +313,67 @@ def profile_steps(step, steps: int) -> dict:
             entry[0] += 1
             entry[1] += e.get("dur", 0) / 1000 / steps
     return {"steps": steps, "span_ms": span / 1000 / steps, "busy_ms": busy / 1000 / steps,
+            # per stream, over all ``steps``: the compute stream's busy time and what it waited for
+            "trace": trace_summary({"traceEvents": events}, top=12),
             "idle_ms": (span - busy) / 1000 / steps, "activities": len(gpu) // steps,
             "kernels_ms": {name: {"calls": c // steps, "ms": ms} for name, (c, ms) in top},
             "gaps_before": {name: {"gaps": c // steps, "ms": ms} for name, (c, ms)
                             in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:25]},
             "host_calls": {name: {"calls": c // steps, "ms": ms} for name, (c, ms)
                            in sorted(host.items(), key=lambda kv: -kv[1][1])}}
+
+
+def trace_summary(trace: dict, top: int = 8) -> dict:
+    """Where a step's time went, from a profiler's Chrome trace (``export_chrome_trace``): per
+    CUDA stream its busy ms (kernels, copies, memsets; overlaps merged) and, for the busiest
+    (the compute stream), its idle gaps; the CUDA runtime calls that took the host's time (a
+    host waiting on the device shows as ``cudaEventSynchronize`` and its kin)."""
+    device = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+              and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not device:
+        return {}
+    streams: dict = {}
+    for event in device:
+        stream = (event.get("args") or {}).get("stream", event.get("tid"))
+        streams.setdefault(stream, []).append((float(event["ts"]), float(event["ts"]) + float(event["dur"]),
+                                               event["cat"], event.get("name", "")))
+    begin = min(span[0] for spans in streams.values() for span in spans)
+    end = max(span[1] for spans in streams.values() for span in spans)
+
+    def merged(spans):
+        out = []
+        for start, stop, _, name in sorted(spans):
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], stop)
+            else:
+                out.append([start, stop, name])
+        return out
+
+    busy = {stream: merged(spans) for stream, spans in streams.items()}
+    compute = max(busy, key=lambda s: sum(b - a for a, b, c, _ in streams[s] if c == "kernel"))
+    intervals = busy[compute]
+    gaps = sorted(((b[0] - a[1]) / 1e3, (a[1] - begin) / 1e3, b[2])
+                  for a, b in zip(intervals, intervals[1:]))
+    runtime: dict = {}
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and event.get("cat") == "cuda_runtime":
+            total, count = runtime.get(event["name"], (0.0, 0))
+            runtime[event["name"]] = (total + float(event["dur"]) / 1e3, count + 1)
+    return {
+        "span_ms": round((end - begin) / 1e3, 3),
+        "streams": {str(stream): {"busy_ms": round(sum(b - a for a, b, _ in spans) / 1e3, 3),
+                                  "events": len(streams[stream]),
+                                  "kinds": sorted({span[2] for span in streams[stream]})}
+                    for stream, spans in busy.items()},
+        "compute_stream": str(compute),
+        "compute_idle_ms": round(sum(g for g, _, _ in gaps), 3),
+        "compute_gaps_over_50us": sum(1 for g, _, _ in gaps if g > 0.05),
+        # each with the activity that ended it: what the compute stream waited to run
+        "largest_gaps_ms_at_ms": [[round(g, 3), round(at, 3), name[:80]]
+                                  for g, at, name in gaps[::-1][:top]],
+        "runtime_calls_ms": {name: [round(total, 3), count] for name, (total, count) in
+                             sorted(runtime.items(), key=lambda kv: -kv[1][0])[:top]},
+    }
 
 
 # -- driver ----------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def study(args) -> dict:
         caps[model] = [float(v) for v in values.split(",")]
     result = {"limits": args.limits, "caps": caps, "models": {},
               "settings": {"shim_mode": args.shim_mode, "steps": args.steps,
-                           "probe_steps": args.probe_steps,
+                           "probe_steps": args.probe_steps, "profile_steps": args.profile,
                            "offload_warmup": pressure_args.offload_warmup,
                            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}}
     path = out / "workspace-limit.json"
@@ -57,7 +57,7 @@ def study(args) -> dict:
         entry = result["models"][model] = {"batch": batch, "rows": []}
         entry["pytorch_uncapped"] = brief(runner.run(
             f"{model} PyTorch uncapped", model, batch, shim=False, dtype="fp32",
-            cudnn_benchmark=False, steps=args.steps, warmup=3))
+            cudnn_benchmark=False, steps=args.steps, warmup=3, profile_steps=args.profile))
         for limit in args.limits:
             apply_setting(limit)
             runner.tuned.clear()  # a limit makes PyTorch pick other engines: tune them first
@@ -71,7 +71,8 @@ def study(args) -> dict:
                 run = brief(runner.run(
                     f"{model} offload at {cap:g} GiB, limit {limit}", model, batch, shim=True,
                     offload=True, dtype="fp32", cudnn_benchmark=False, cap_gib=cap,
-                    steps=args.probe_steps, warmup=pressure_args.offload_warmup))
+                    steps=args.probe_steps, warmup=pressure_args.offload_warmup,
+                    profile_steps=args.profile))
                 for name in ("offload_profile", "offload_log"):  # one file per cap: keep each
                     if run.get(name):                              # setting's
                         kept = Path(run[name])
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget-s", type=float)
     ap.add_argument("--memory-trace", action="store_true",
                     help="capped runs also record one step's allocator history (pressure's)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="PyTorch's uncapped runs and the capped ones profile STEPS more steps "
+                         "(the worker's --profile: compute stream busy and waiting, copies)")
     ap.add_argument("--out", required=True)
     study(ap.parse_args(argv))
     return 0

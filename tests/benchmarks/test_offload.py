@@ -407,37 +407,6 @@ def test_a_bad_budget_is_one_error_before_any_run(monkeypatch, tmp_path, capsys)
     assert "cannot read '8GB2' as a size" in capsys.readouterr().err
 
 
-def _event(cat, ts, dur, stream=None, name="k"):
-    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
-    if stream is not None:
-        event["args"] = {"stream": stream}
-    return event
-
-
-def test_trace_summary_splits_busy_and_idle_time_per_stream():
-    trace = {"traceEvents": [
-        _event("kernel", 0, 100, 7), _event("kernel", 50, 100, 7),   # overlap: busy 0..150
-        _event("kernel", 400, 100, 7),                                # a 250 µs gap
-        _event("kernel", 520, 30, 7),                                 # a 20 µs gap
-        _event("gpu_memcpy", 0, 450, 13),
-        _event("cuda_runtime", 10, 2000, name="cudaEventSynchronize"),
-        _event("cuda_runtime", 10, 5, name="cudaLaunchKernel"),
-        _event("cuda_runtime", 20, 5, name="cudaLaunchKernel"),
-        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0},
-    ]}
-    summary = offload.trace_summary(trace)
-    assert summary["span_ms"] == 0.55
-    assert summary["compute_stream"] == "7"
-    assert summary["streams"]["7"]["busy_ms"] == 0.28
-    assert summary["streams"]["13"] == {"busy_ms": 0.45, "events": 1, "kinds": ["gpu_memcpy"]}
-    assert summary["compute_idle_ms"] == 0.27
-    assert summary["compute_gaps_over_50us"] == 1
-    assert summary["largest_gaps_ms_at_ms"][0] == [0.25, 0.15]
-    assert list(summary["runtime_calls_ms"]) == ["cudaEventSynchronize", "cudaLaunchKernel"]
-    assert summary["runtime_calls_ms"]["cudaLaunchKernel"] == [0.01, 2]
-    assert offload.trace_summary({"traceEvents": []}) == {}
-
-
 def test_markdown_shows_the_profiled_step(monkeypatch):
     row = {"model": "resnet50", "batch": 256, "config": "mucudnn@20GiB", "method": "mucudnn",
            "part": "sweep", "status": "ok", "step_ms": 169.0, "peak_reserved": 19 * GiB,

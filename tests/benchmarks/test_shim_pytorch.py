@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.shim_pytorch import worker_command
+from benchmarks.shim_pytorch import trace_summary, worker_command
 
 
 def _shim_arguments(cmd: list[str]) -> list[str]:
@@ -84,3 +84,34 @@ def test_memory_trace_summary_has_no_most_mapped_moment_where_nothing_was_mapped
              {"action": "free_completed", "addr": 0, "size": 100}]
     summary = memory_trace_summary(trace, allocated=10, mapped=1000)
     assert summary["at_most_mapped"] is None and summary["growths"] == 0
+
+
+def _event(cat, ts, dur, stream=None, name="k"):
+    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    if stream is not None:
+        event["args"] = {"stream": stream}
+    return event
+
+
+def test_trace_summary_splits_busy_and_idle_time_per_stream():
+    trace = {"traceEvents": [
+        _event("kernel", 0, 100, 7), _event("kernel", 50, 100, 7),   # overlap: busy 0..150
+        _event("kernel", 400, 100, 7, name="conv"),                   # a 250 µs gap
+        _event("kernel", 520, 30, 7),                                 # a 20 µs gap
+        _event("gpu_memcpy", 0, 450, 13),
+        _event("cuda_runtime", 10, 2000, name="cudaEventSynchronize"),
+        _event("cuda_runtime", 10, 5, name="cudaLaunchKernel"),
+        _event("cuda_runtime", 20, 5, name="cudaLaunchKernel"),
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0},
+    ]}
+    summary = trace_summary(trace)
+    assert summary["span_ms"] == 0.55
+    assert summary["compute_stream"] == "7"
+    assert summary["streams"]["7"]["busy_ms"] == 0.28
+    assert summary["streams"]["13"] == {"busy_ms": 0.45, "events": 1, "kinds": ["gpu_memcpy"]}
+    assert summary["compute_idle_ms"] == 0.27
+    assert summary["compute_gaps_over_50us"] == 1
+    assert summary["largest_gaps_ms_at_ms"][0] == [0.25, 0.15, "conv"]   # what it waited to run
+    assert list(summary["runtime_calls_ms"]) == ["cudaEventSynchronize", "cudaLaunchKernel"]
+    assert summary["runtime_calls_ms"]["cudaLaunchKernel"] == [0.01, 2]
+    assert trace_summary({"traceEvents": []}) == {}

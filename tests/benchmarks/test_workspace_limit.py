@@ -30,16 +30,17 @@ class FakeRunner:
     made: list = []
 
     def __init__(self, args, budget, out):
-        self.tuned, self.out, self.calls = set(), out, []
+        self.tuned, self.out, self.calls, self.profiled = set(), out, [], []
         FakeRunner.made.append(self)
 
     def first_use(self, model, batch, dtype, cudnn_benchmark):
         return {"status": "ok", "wall_s": 1.0}
 
     def run(self, what, model, batch, *, shim, dtype, cudnn_benchmark, cap_gib=0.0, steps,
-            warmup, offload=False):
+            warmup, offload=False, profile_steps=0):
         env = (os.environ.get("MUCUDNN_WORKSPACE_LIMIT"), os.environ.get("MUCUDNN_WORKSPACE_SLACK"))
         self.calls.append((what, shim, offload, cap_gib, env))
+        self.profiled.append(profile_steps)
         outcome = {"status": "ok", "step_ms": 100.0 if not shim else 110.0, "peak_bytes": 2**30,
                    "alloc_retries": 2}
         if offload:
@@ -60,8 +61,10 @@ def test_the_study_runs_each_setting_and_keeps_each_offload_profile(tmp_path, mo
     monkeypatch.setattr(workspace_limit, "Runner", FakeRunner)
     monkeypatch.setattr(FakeRunner, "made", [])
     workspace_limit.main(["--models", "unet3d", "--caps", "unet3d=7.0", "--limits", "none",
-                          "slack=5", "--out", str(tmp_path)])
+                          "slack=5", "--profile", "2", "--out", str(tmp_path)])
     calls = FakeRunner.made[0].calls
+    # profiled: PyTorch uncapped, the reference, and each capped run, not the shim uncapped
+    assert FakeRunner.made[0].profiled == [2, 0, 2, 0, 2]
     assert [(c[1], c[2], c[3], c[4]) for c in calls] == [
         (False, False, 0.0, (None, None)),                 # PyTorch, before any setting
         (True, False, 0.0, (None, "0")), (True, True, 7.0, (None, "0")),
