@@ -259,7 +259,7 @@ def max_batch_search(probe, start: int, *, growth: float = 2.0, resolution: floa
 
 def brief(outcome: dict) -> dict:
     """The fields of a worker outcome worth keeping per probe."""
-    keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error",
+    keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error", "oom_at",
             "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile",
             "alloc_retries", "tuned_kernels", "segments", "offload_log", "memory_trace", "profile")
     kept = {k: outcome[k] for k in keep if k in outcome}

@@ -74,12 +74,17 @@ def worker_result(args) -> dict:
     if args.memory_cap_gib:  # a smaller GPU, emulated: the caching allocator's own limit
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+    where = {"phase": "set-up"}   # where memory ran out, if it does: set-up, a step, or after
     try:
-        return _worker_steps(args, torch)
+        return _worker_steps(args, torch, where)
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # a too small cap is a result
-        if not (isinstance(exc, torch.cuda.OutOfMemoryError) or is_out_of_memory(str(exc))):
+        if not out_of_memory(torch, exc):
             raise
-        return {"oom": True, "error": str(exc).splitlines()[0][:300]}
+        return {"oom": True, "error": str(exc).splitlines()[0][:300], "oom_at": where["phase"]}
+
+
+def out_of_memory(torch, exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or is_out_of_memory(str(exc))
 
 
 # What PyTorch, cuDNN and cuBLAS say when memory runs out. PyTorch's cuDNN path tries engines in
@@ -93,7 +98,7 @@ def is_out_of_memory(text: str) -> bool:
     return any(marker.lower() in text.lower() for marker in OOM_MARKERS)
 
 
-def _worker_steps(args, torch) -> dict:
+def _worker_steps(args, torch, where: dict) -> dict:
     from benchmarks.models import prepare
     training = prepare(args.model, args.batch, dtype=args.dtype, double=args.double,
                        generator=torch.Generator().manual_seed(1))
@@ -124,6 +129,7 @@ def _worker_steps(args, torch) -> dict:
 
     times, retries_before = [], 0
     for i in range(args.warmup + args.steps):
+        where["phase"] = f"warm-up step {i + 1}" if i < args.warmup else f"timed step {i + 1 - args.warmup}"
         if i == args.warmup:  # the caching allocator's flushes in the timed steps (at a cap)
             retries_before = allocator_counters(torch)["num_alloc_retries"]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -141,11 +147,27 @@ def _worker_steps(args, torch) -> dict:
               "memory_fraction": fraction(0) if fraction else None,
               "device": torch.cuda.get_device_name(0), "batch": args.batch,
               "segments": segment_summary(torch.cuda.memory_snapshot())}
-    if args.memory_trace:  # after the timed steps: recording allocations slows the host
-        result["memory_trace"] = memory_trace_step(step)
-    if args.profile:  # after the timed steps, so profiling never touches the timing
-        result["profile"] = profile_steps(step, args.profile)
+    # after the timed steps, so neither touches the timing; memory running out there (one more
+    # step) leaves the timed result standing and says so in place of the extra
+    extras = []
+    if args.memory_trace:  # recording allocations slows the host
+        extras.append(("memory_trace", lambda: memory_trace_step(step)))
+    if args.profile:
+        extras.append(("profile", lambda: profile_steps(step, args.profile)))
+    add_extras(torch, result, extras)
     return result
+
+
+def add_extras(torch, result: dict, extras: list) -> None:
+    """``result[name] = run()`` for each ``(name, run)`` of ``extras``, in turn; one that runs out
+    of memory gives ``{"oom": message}`` instead, and the next still runs."""
+    for name, extra in extras:
+        try:
+            result[name] = extra()
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+            if not out_of_memory(torch, exc):
+                raise
+            result[name] = {"oom": str(exc).splitlines()[0][:300]}
 
 
 #: the caching allocator's counters of what costs a step time at a memory cap: flushes (free every
@@ -442,7 +464,8 @@ def worker_outcome(returncode: int, stdout: str, stderr: str) -> dict:
         except json.JSONDecodeError:
             continue
         if isinstance(result, dict) and result.get("oom"):
-            return {"status": "oom", "error": result.get("error")}
+            return {"status": "oom", "error": result.get("error"),
+                    **({"oom_at": result["oom_at"]} if result.get("oom_at") else {})}
         if isinstance(result, dict) and "step_ms" in result and returncode == 0:
             return {"status": "ok", **result}
         break

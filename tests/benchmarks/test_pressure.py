@@ -193,6 +193,8 @@ def test_worker_outcomes():
     ok = worker_outcome(0, 'noise\n{"step_ms": 12.5, "peak_bytes": 1}\n', "")
     assert ok["status"] == "ok" and ok["step_ms"] == 12.5
     assert worker_outcome(0, '{"oom": true, "error": "CUDA out of memory"}', "")["status"] == "oom"
+    late = worker_outcome(0, '{"oom": true, "error": "CUDA out of memory", "oom_at": "timed step 3"}', "")
+    assert late == {"status": "oom", "error": "CUDA out of memory", "oom_at": "timed step 3"}
     # died of it outside the training loop, with a traceback
     died = worker_outcome(1, "", "Traceback...\nRuntimeError: GET was unable to find an engine to "
                                  "execute this computation\n")

@@ -115,3 +115,30 @@ def test_trace_summary_splits_busy_and_idle_time_per_stream():
     assert list(summary["runtime_calls_ms"]) == ["cudaEventSynchronize", "cudaLaunchKernel"]
     assert summary["runtime_calls_ms"]["cudaLaunchKernel"] == [0.01, 2]
     assert trace_summary({"traceEvents": []}) == {}
+
+
+def test_an_extra_after_the_timed_steps_that_runs_out_of_memory_leaves_the_result_standing():
+    import types
+    from benchmarks.shim_pytorch import add_extras
+
+    class OutOfMemory(RuntimeError):
+        pass
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(OutOfMemoryError=OutOfMemory))
+
+    def oom():
+        raise OutOfMemory("CUDA out of memory. Tried to allocate 512.00 MiB\nmore")
+
+    def cudnn_oom():   # cuDNN's own words for it count too
+        raise RuntimeError("GET was unable to find an engine to execute this computation")
+    result = {"step_ms": 100.0}
+    add_extras(torch, result, [("memory_trace", oom), ("profile", lambda: {"span_ms": 1.0}),
+                               ("third", cudnn_oom)])
+    assert result == {"step_ms": 100.0,
+                      "memory_trace": {"oom": "CUDA out of memory. Tried to allocate 512.00 MiB"},
+                      "profile": {"span_ms": 1.0},
+                      "third": {"oom": "GET was unable to find an engine to execute this computation"}}
+
+    def broken():
+        raise RuntimeError("an illegal memory access")
+    with pytest.raises(RuntimeError, match="illegal"):   # anything else is not a result
+        add_extras(torch, {}, [("profile", broken)])
