@@ -12,8 +12,11 @@ A group is one tensor saved for backward, however many ops save it. Its bytes ar
 
 - kept: from its forward point through the end of the forward and the backward up to its last
   unpack;
-- offloaded: at its forward point and the next one (the copy to the host runs meanwhile; the
-  runtime lets the caching allocator reuse the memory once the copy is done), then again from
+- offloaded: from its forward point through its release point (:func:`release_point`: the
+  first later forward point by whose recorded time its copy to the host is done, ``margin`` copy
+  times after it was made, or the end of the forward; there the runtime has the compute stream
+  wait for the copy and lets the memory go, so the caching allocator sees the same frees in the
+  same order at every step, however far the host runs ahead of the device), then again from
   its prefetch point (:func:`prefetch_point`: ``lookahead`` unpacks before its first unpack, or
   earlier where the recorded backward clock says the copy needs longer) to its last unpack;
 - recomputed: at its forward point and the next one (the forward's own use), then from the point
@@ -55,6 +58,9 @@ MODES = (KEEP, OFFLOAD, RECOMPUTE)
 #: a prefetch is issued this many copy times before its first unpack (the recorded clock is the
 #: recording step's; other fetches may share the link)
 PREFETCH_MARGIN = 1.5
+#: an offloaded group's device memory goes this many copy times after its forward point (the
+#: copies to the host queue on one stream, so a copy can start after its tensor is made)
+RELEASE_MARGIN = 1.5
 #: The share of its copies' time (both ways) that offloading adds beyond the host-link bound, as
 #: measured on an H200 (55 GB/s each way; ResNet-50 N=256, fp32, plans moving 2.18 GiB each way
 #: at budgets of 8, 12 and 16 GiB ran 0.53, 0.59 and 0.74 of it over their bound;
@@ -110,6 +116,9 @@ class StepProfile:
     # ``backward_ms`` spread evenly over the points
     backward_clock: list[float] = field(default_factory=list)
     copy_exposure: float = 0.0      # see the module docstring (the runtime: COPY_EXPOSURE)
+    # compute ms from the forward's first pack to each forward point (non-decreasing); empty:
+    # untimed (an offloaded group leaves the device at the next point: :func:`release_point`)
+    forward_clock: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         g = len(self.groups)
@@ -117,10 +126,12 @@ class StepProfile:
         self.baseline_backward = list(self.baseline_backward) or [0] * self.unpacks
         self.backward_clock = list(self.backward_clock) or [
             self.backward_ms * t / max(self.unpacks, 1) for t in range(self.unpacks)]
-        if len(self.backward_clock) != self.unpacks or any(
-                b < a for a, b in zip(self.backward_clock, self.backward_clock[1:])):
-            raise ValueError(f"backward clock: {len(self.backward_clock)} non-decreasing times "
-                             f"for {self.unpacks} backward points expected")
+        self.forward_clock = list(self.forward_clock)
+        for name, clock, points in (("backward", self.backward_clock, self.unpacks),
+                                    ("forward", self.forward_clock or [0.0] * g, g)):
+            if len(clock) != points or any(b < a for a, b in zip(clock, clock[1:])):
+                raise ValueError(f"{name} clock: {len(clock)} non-decreasing times "
+                                 f"for {points} {name} points expected")
         if len(self.baseline_forward) != g or len(self.baseline_backward) != self.unpacks:
             raise ValueError(f"baselines: {len(self.baseline_forward)} forward points for {g} "
                              f"groups, {len(self.baseline_backward)} backward points for "
@@ -196,6 +207,19 @@ def prefetch_point(profile: StepProfile, index: int, lookahead: int,
     return max(0, min(group.first_unpack - lookahead, timed))
 
 
+def release_point(profile: StepProfile, index: int, margin: float = RELEASE_MARGIN) -> int:
+    """The forward point at which offloaded group ``index`` leaves the device: the first later
+    one whose recorded time is at least ``margin`` copy times (``nbytes / d2h``) after the
+    group's own, else the number of groups (the end of the forward: the first unpack). It is on
+    the device through that point (the op that made that point's group ran while it was there).
+    ``margin`` 0, or a profile without a forward clock: the next point."""
+    clock = profile.forward_clock
+    if not clock:
+        return index + 1
+    due = clock[index] + margin * transfer_ms(profile.groups[index].nbytes, profile.d2h_gbps)
+    return max(index + 1, bisect.bisect_left(clock, due, lo=index + 1))
+
+
 def readers(profile: StepProfile) -> list[list[int]]:
     """Per group, the groups whose recipe reads it (all later groups)."""
     found: list[list[int]] = [[] for _ in profile.groups]
@@ -237,15 +261,17 @@ def rebuild_candidates(profile: StepProfile) -> list[list[int]]:
 
 
 def live_points(profile: StepProfile, index: int, mode: str, lookahead: int,
-                margin: float = PREFETCH_MARGIN, rebuilt: int | None = None
-                ) -> tuple[range, range]:
+                margin: float = PREFETCH_MARGIN, rebuilt: int | None = None,
+                release_margin: float = RELEASE_MARGIN) -> tuple[range, range]:
     """(forward points, backward points) at which group ``index`` is on the device in ``mode``;
-    ``rebuilt``: where a recomputed one is rebuilt (default its first unpack)."""
+    ``rebuilt``: where a recomputed one is rebuilt (default its first unpack); ``margin`` the
+    prefetch's, ``release_margin`` :func:`release_point`'s."""
     group, g = profile.groups[index], len(profile.groups)
     if mode == KEEP:
         return range(index, g), range(0, group.last_unpack + 1)
     forward = range(index, min(index + 2, g))
     if mode == OFFLOAD:
+        forward = range(index, min(release_point(profile, index, release_margin) + 1, g))
         start = prefetch_point(profile, index, lookahead, margin)
     else:
         start = group.first_unpack if rebuilt is None else rebuilt

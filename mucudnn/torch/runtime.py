@@ -162,11 +162,17 @@ class CopyLink:
         waits for the compute stream, and an inline one for both copy streams."""
         self._free_host[_layout(transfer.tensor)].append(transfer.tensor)
 
-    def offload(self, tensor: torch.Tensor, inline: bool = False) -> Transfer:
+    def offload(self, tensor: torch.Tensor, inline: bool = False, held: bool = False
+                ) -> Transfer:
         """A host copy of ``tensor``. ``inline``: on the compute stream, in its order (as
         ``save_on_cpu``): no overlap, but the device memory is reusable at once, and the copy's
-        time is in the compute stream's (the recording step subtracts it)."""
+        time is in the compute stream's (the recording step subtracts it). ``held``: the link
+        keeps ``tensor`` until :meth:`let_go` (or :meth:`settle`), whenever its copy is done."""
         return Transfer(self.host_buffer(tensor).copy_(tensor))
+
+    def let_go(self, transfer: Transfer) -> None:
+        """The device tensor of ``transfer`` (an offload ``held``) goes: the compute stream waits
+        for its copy, then may reuse the memory."""
 
     def fetch(self, host: Transfer, device, inline: bool = False) -> Transfer:
         return Transfer(_same_layout(host.tensor, device).copy_(host.tensor))
@@ -231,7 +237,13 @@ class CudaLink(CopyLink):
     The forward can produce activations faster than the link drains them; the device memory of an
     offloaded tensor returns only when its copy is done. So at most ``max_pending`` bytes of
     copies to the host are in flight: beyond that the host thread waits for the oldest (vDNN's
-    layer-wise wait; the GPU keeps running what is already queued)."""
+    layer-wise wait; the GPU keeps running what is already queued).
+
+    A planned step holds each offloaded tensor instead (``held``) until its release point
+    (:func:`~mucudnn.torch.planner.release_point`): :meth:`let_go` has the compute stream wait
+    for the copy there and frees it. When the host sees a copy done depends on how far it runs
+    ahead of the device; the release point does not, so the caching allocator gets the same
+    frees in the same order at every step, and the plan's peak model holds."""
 
     def __init__(self, device, max_pending: int = 1 << 30):
         super().__init__()
@@ -243,6 +255,7 @@ class CudaLink(CopyLink):
         self.max_pending = max_pending
         self._pending: deque = deque()
         self._pending_bytes = 0
+        self._held: dict[int, tuple[Transfer, torch.Tensor]] = {}   # id(transfer) -> it, tensor
 
     def _new_host(self, tensor):
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
@@ -271,11 +284,14 @@ class CudaLink(CopyLink):
             event.record(stream)
         return Transfer(destination, event)
 
-    def offload(self, tensor, inline=False):
+    def offload(self, tensor, inline=False, held=False):
         host = self.host_buffer(tensor)
         if inline:
             return self._copy_inline(host, tensor)
         transfer = self._copy_on_side(host, tensor, self.stream)
+        if held:
+            self._held[id(transfer)] = (transfer, tensor)
+            return transfer
         nbytes = tensor.numel() * tensor.element_size()
         self._pending.append((transfer.event, nbytes, tensor))
         self._pending_bytes += nbytes
@@ -293,10 +309,20 @@ class CudaLink(CopyLink):
             self._let_go_oldest()
 
     def settle(self) -> None:
-        """Wait for every copy to the host in flight and let go of its tensor."""
+        """Wait for every copy to the host in flight and let go of its tensor (a held one's
+        memory: once the compute stream has waited for its copy)."""
         while self._pending:
             self._pending[0][0].synchronize()
             self._let_go_oldest()
+        for transfer, _ in list(self._held.values()):
+            self.let_go(transfer)
+
+    def let_go(self, transfer):
+        held = self._held.pop(id(transfer), None)
+        if held is not None:
+            # then the tensor goes: its block returns to the compute stream's pool, whose later
+            # work is ordered after the copy that reads it
+            torch.cuda.current_stream(self.device).wait_event(transfer.event)
 
     def _let_go_oldest(self) -> None:
         self._pending_bytes -= self._pending.popleft()[1]
@@ -590,6 +616,8 @@ class _Step:
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
+    #: forward point -> the offloaded groups whose device tensors go there (planned steps)
+    releases: dict = field(default_factory=dict)
 
 
 class OffloadSession:
@@ -983,6 +1011,7 @@ class OffloadSession:
 
     def _new_group(self, step, tensor, link) -> _Group:
         gid = len(step.groups)
+        self._let_go_due(step, gid)
         if step.ooms is None:
             step.ooms = link.ooms()
         recipe = self._recipe(tensor, step) if self.recompute else None
@@ -1007,9 +1036,12 @@ class OffloadSession:
                                link.peak_allocated()))
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
-            group.host = self._copy(step, link, "d2h", group.nbytes,
-                                    lambda: link.offload(tensor, self._inline(step)))
+            due = self._release_point(step, group)
+            group.host = self._copy(step, link, "d2h", group.nbytes, lambda: link.offload(
+                tensor, self._inline(step), held=due is not None))
             group.release = link.release
+            if due is not None:
+                step.releases.setdefault(due, []).append(group)
             if step.profiling:             # recording: copies inline
                 for call in step.calls:    # the calls running now: the copy is in their time
                     if call.end is None and call.start is not None:
@@ -1024,6 +1056,26 @@ class OffloadSession:
             for source in recipe.sources:
                 source.readers += 1
         return group
+
+    def _release_point(self, step: _Step, group: _Group) -> int | None:
+        """The forward point at which a planned step lets go of offloaded ``group``'s device
+        tensor (:func:`planner.release_point` on the profile, as the plan's peak model has it);
+        None where nothing is planned for it (a recording step or a fall-back, whose copies are
+        inline; a group the profile does not have): the link then lets go once its copy is
+        done."""
+        profile = self.profile
+        if self._inline(step) or profile is None or group.gid >= len(profile.groups) \
+                or profile.groups[group.gid].nbytes != group.nbytes:
+            return None
+        return planner.release_point(profile, group.gid)
+
+    def _let_go_due(self, step: _Step, point: int | None) -> None:
+        """The offloaded groups due at forward ``point`` (None: all, the forward is over) go."""
+        due = step.releases.pop(point, ()) if point is not None else [
+            group for point in sorted(step.releases) for group in step.releases.pop(point)]
+        for group in due:
+            self.link_for_group(group).let_go(group.host)
+            self._event("release", group.gid)
 
     def _mode_for(self, group: _Group) -> str:
         """The wanted mode where it can be carried out (else kept)."""
@@ -1061,6 +1113,8 @@ class OffloadSession:
         step.unpacks += 1
         link = self.link_for_group(group)
         link.poll()   # the forward's last offloads end during the backward
+        if step.releases:   # the first unpack: the forward is over
+            self._let_go_due(step, None)
         peak_before = link.peak_allocated() if step.profiling else 0
         # autograd's final callback can only be queued from inside a backward (an unpack can also
         # come from Python reading ``grad_fn._saved_*``): at the first unpack inside one
@@ -1385,23 +1439,24 @@ class OffloadSession:
         return link.bandwidth_gbps()
 
     @staticmethod
-    def _backward_clock(step: _Step, link: CopyLink, unpack_marks: list, unpacks: int
-                        ) -> list[float]:
-        """Compute ms from the backward's first unpack to each unpack of a recording step (its
-        ``unpack_marks``): their times less its own on-demand fetches before each (inline, each
-        between two marks, in issue order), non-decreasing; [] without unpacks."""
-        if not unpack_marks:
+    def _clock(step: _Step, link: CopyLink, marks: list, points: int, direction: str
+               ) -> list[float]:
+        """Compute ms from the first of a recording step's ``marks`` (its packs, or its unpacks)
+        to each: their times less its own inline copies ``direction`` before each (the forward's
+        offloads, the backward's on-demand fetches; each between two marks, in issue order),
+        non-decreasing; [] without marks."""
+        if not marks:
             return []
-        start = unpack_marks[0][2]
-        fetches = deque((before, after) for direction, _, before, after in step.copies
-                        if direction == "h2d" and before.seq > start.seq)
-        clock, now, copying = [0.0] * unpacks, 0.0, 0.0
-        for _, index, mark, *_ in unpack_marks:
-            while fetches and fetches[0][1].seq <= mark.seq:
-                copying += link.compute_ms(*fetches.popleft())
+        start = marks[0][2]
+        copies = deque((before, after) for way, _, before, after in step.copies
+                       if way == direction and before.seq > start.seq)
+        clock, now, copying = [0.0] * points, 0.0, 0.0
+        for _, index, mark, *_ in marks:
+            while copies and copies[0][1].seq <= mark.seq:
+                copying += link.compute_ms(*copies.popleft())
             now = max(now, link.compute_ms(start, mark) - copying)
             clock[index] = now
-        for index in range(1, unpacks):     # points no mark names keep the time before them
+        for index in range(1, points):     # points no mark names keep the time before them
             clock[index] = max(clock[index], clock[index - 1])
         return clock
 
@@ -1439,13 +1494,16 @@ class OffloadSession:
         # the forward's time remains in the backward).
         forward_ms = max(forward_ms - planner.transfer_ms(moved, d2h), 0.0)
         backward_ms = max(backward_ms - planner.transfer_ms(moved, h2d), forward_ms)
-        clock = self._backward_clock(step, link, unpack_marks, unpacks)
-        profile = planner.StepProfile(groups, forward_ms, backward_ms, d2h, h2d, unpacks,
-                                      backward_clock=clock, copy_exposure=self.copy_exposure)
+        profile = planner.StepProfile(
+            groups, forward_ms, backward_ms, d2h, h2d, unpacks,
+            backward_clock=self._clock(step, link, unpack_marks, unpacks, "h2d"),
+            forward_clock=self._clock(step, link, packs, len(groups), "d2h"),
+            copy_exposure=self.copy_exposure)
         recorded = offload_everything(groups)
         live_f, live_b = [0] * len(groups), [0] * unpacks
         for gid, mode in enumerate(recorded):
-            f_points, b_points = planner.live_points(profile, gid, mode, 0)
+            # inline copies: the device memory goes with the next point, as the recording ran
+            f_points, b_points = planner.live_points(profile, gid, mode, 0, release_margin=0)
             for t in f_points:
                 live_f[t] += groups[gid].nbytes
             for t in b_points:

@@ -186,3 +186,34 @@ def test_a_fetched_tensor_dropped_unwaited_is_freed_after_its_copy():
     reused.fill_(5.0)                           # queued after the copy into the block
     torch.cuda.synchronize()
     assert bool((reused == 5).all())
+
+
+def test_a_held_offload_is_reused_at_its_release_point_only_after_its_copy():
+    # a planned step's offload: held by the link whatever the copy's progress, until let_go; then
+    # its block is handed out at once, and the compute stream's work on it waits for the copy
+    link = CudaLink("cuda")
+    tensor = torch.ones(64 * 2**20 // 4, device="cuda")   # 64 MiB
+    address = tensor.data_ptr()
+    torch.cuda.synchronize()
+    transfer = link.offload(tensor, held=True)
+    del tensor
+    torch.cuda.synchronize()
+    link.poll()                                 # the copy is done: still held
+    other = torch.empty(64 * 2**20 // 4, device="cuda")
+    assert other.data_ptr() != address
+    del other
+    with torch.cuda.stream(link.stream):
+        torch.cuda._sleep(SPIN_CYCLES)
+    again = torch.full((64 * 2**20 // 4,), 4.0, device="cuda")
+    address = again.data_ptr()
+    late = link.offload(again, held=True)       # its copy queued behind the spin
+    del again
+    link.let_go(late)                           # before the copy ran
+    assert list(link._held) == [id(transfer)]   # the first one is still held
+    reused = torch.empty(64 * 2**20 // 4, device="cuda")
+    assert reused.data_ptr() == address         # the same block: this test checks the order
+    reused.fill_(6.0)                           # queued after the copy reads the block
+    link.settle()
+    assert not link._held
+    torch.cuda.synchronize()
+    assert bool((late.tensor == 4).all()) and bool((transfer.tensor == 1).all())

@@ -267,6 +267,39 @@ def test_a_prefetch_starts_early_enough_for_its_copy():
 def test_a_backward_clock_must_name_every_point_in_order(clock):
     with pytest.raises(ValueError, match="backward clock"):
         StepProfile([SavedGroup(10, 0, 2)], 1.0, 1.0, 1.0, 1.0, 3, backward_clock=clock)
+
+
+@pytest.mark.parametrize("clock", [[0.0, 2.0, 1.0], [0.0, 1.0]])
+def test_a_forward_clock_must_name_every_point_in_order(clock):
+    with pytest.raises(ValueError, match="forward clock"):
+        StepProfile([SavedGroup(10, 0, 0)] * 3, 1.0, 1.0, 1.0, 1.0, 1, forward_clock=clock)
+
+
+def test_an_offloaded_group_leaves_the_device_once_its_copy_is_due():
+    # forward points 1 ms apart; 3 MB over 1 GB/s is 3 ms, 4.5 with the margin: due at point 5
+    # (the group is on the device through it); a copy longer than the rest of the forward keeps
+    # it to the end (the first unpack); margin 0 and an untimed profile: the next point
+    groups = [SavedGroup(3_000_000, 9, 9), SavedGroup(1_000, 8, 8)] + [SavedGroup(1_000, 7, 7)] * 6
+    profile = StepProfile(groups, 8.0, 10.0, 1.0, 1.0, 10,
+                          forward_clock=[float(t) for t in range(8)])
+    assert planner.release_point(profile, 0) == 5
+    assert planner.live_points(profile, 0, OFFLOAD, 2)[0] == range(0, 6)
+    assert planner.release_point(profile, 0, margin=0) == 1
+    assert planner.live_points(profile, 0, OFFLOAD, 2, release_margin=0)[0] == range(0, 2)
+    assert planner.release_point(profile, 1) == 2            # 1.5 µs: the next point
+    late = StepProfile([SavedGroup(3_000_000, 9, 9)] * 4, 4.0, 10.0, 1.0, 1.0, 10,
+                       forward_clock=[0.0, 1.0, 2.0, 3.0])
+    assert planner.release_point(late, 1) == 4
+    assert planner.live_points(late, 1, OFFLOAD, 2)[0] == range(1, 4)   # to the forward's end
+    untimed = StepProfile(groups, 8.0, 10.0, 1.0, 1.0, 10)
+    assert untimed.forward_clock == [] and planner.release_point(untimed, 0) == 1
+    # a group held longer weighs on the points until its release
+    keep_rest = [OFFLOAD] + [KEEP] * 7
+    assert planner.memory_at_points(profile, keep_rest, 2)[0][:6] == [
+        3_000_000 + 1_000 * t for t in range(6)]
+    assert planner.memory_at_points(untimed, keep_rest, 2)[0][:3] == [3_000_000, 3_001_000, 2_000]
+
+
 def test_infeasible_with_prefetch_says_the_least_peak_of_any_prefetch_distance():
     # prefetching two unpacks ahead puts more on the device than fetching on demand: when no
     # distance fits, the least peak quoted is the on-demand one (VGG-16 at 12 GiB quoted 14.7 GiB,

@@ -27,14 +27,20 @@ from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
 class RecordingLink(CopyLink):
     """Copies as CopyLink; logs each call; a fetched tensor may be used only after wait()."""
 
-    def __init__(self):
-        super().__init__(gbps=(0.001, 0.001))   # 1 MB/s: a slow link makes the planner choose
+    def __init__(self, gbps=(1000.0, 0.001)):
+        # 1 MB/s back: a slow link makes the planner choose; a fast one out, so that an
+        # offloaded group leaves the device at the next forward point (planner.release_point)
+        super().__init__(gbps=gbps)
         self.log = []
         self.waited = set()
 
-    def offload(self, tensor, inline=False):
-        self.log.append(("offload", tensor.shape))
-        return super().offload(tensor, inline)
+    def offload(self, tensor, inline=False, held=False):
+        self.log.append(("offload", tensor.shape) + (("held",) if held else ()))
+        return super().offload(tensor, inline, held)
+
+    def let_go(self, transfer):
+        self.log.append(("let_go", id(transfer)))
+        super().let_go(transfer)
 
     def fetch(self, host, device, inline=False):
         transfer = super().fetch(host, device, inline)
@@ -1260,14 +1266,15 @@ def test_offloaded_and_recomputed_through_adds_in_one_step():
 
 
 def test_a_plan_recomputes_blocks_outputs_through_their_adds():
-    # over a slow link the planner recomputes what it can: the blocks' outputs among them, with
-    # both their sources kept or recomputed; the session holds no more than the plan models
+    # over a slow link (both ways: an offloaded group holds its memory to the end of the
+    # forward) the planner recomputes what it can: the blocks' outputs among them, with both
+    # their sources kept or recomputed; the session holds no more than the plan models
     dtype = torch.float64
     model, data = resnet(BasicBlock, [3, 2], [8, 16], dtype), batches(dtype, 4)
     reference = train(copy.deepcopy(model), data)
     trace = HeldBytes()
-    session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, trace=trace,
-                             headroom=0.0)
+    session = OffloadSession(budget=1, link=RecordingLink(gbps=(0.001, 0.001)), min_bytes=0,
+                             trace=trace, headroom=0.0)
     trace.session = session
     session.budget = int(saved_bytes(model, data) * 0.6)
     assert_bitwise(reference, train(model, data, session))
@@ -1476,3 +1483,64 @@ def test_the_session_lets_the_link_release_at_every_pack_module_and_unpack_and_s
     kinds = [e[0] for e in link.log if e[0] in ("offload", "poll")]
     assert all(not (a == b == "offload") for a, b in zip(kinds, kinds[1:]))
     assert sum(1 for e in link.log if e[0] == "settle") >= len(data) - 1   # each step that ended
+
+
+def released_at(trace, groups: int) -> list[dict[int, int]]:
+    """Per step of ``trace``: offloaded group -> the forward point at which it was let go (the
+    number of groups: at the first unpack)."""
+    steps = []
+    for step in split_steps(trace):
+        released, point = {}, 0
+        for event in step:
+            if event[0] == "pack" and event[1] == point:
+                point += 1
+            elif event[0] == "unpack":
+                point = groups
+            elif event[0] == "release":
+                released[event[1]] = point
+        steps.append(released)
+    return steps
+
+
+def test_a_planned_step_lets_go_of_each_offloaded_tensor_at_the_next_point_over_a_fast_link():
+    # the recording step's forward clock is in the profile, and each planned offload's device
+    # tensor goes at planner.release_point: over a fast link, before the next group's pack
+    model, data = small_cnn(torch.float32), batches(torch.float32, 4)
+    reference = train(copy.deepcopy(model), data)
+    trace, link = [], RecordingLink()
+    session = OffloadSession(budget=int(saved_bytes(model, data) * 0.7), link=link,
+                             min_bytes=0, trace=trace, headroom=0.0, recompute=False)
+    assert_bitwise(reference, train(model, data, session))
+    profile = session.profile
+    clock = profile.forward_clock
+    assert len(clock) == len(profile.groups) and clock[0] == 0.0
+    assert all(a <= b for a, b in zip(clock, clock[1:])) and clock[-1] > 0.0
+    offloaded = [g for g, m in enumerate(session.plan.modes) if m == OFFLOAD]
+    assert offloaded
+    for released in released_at(trace, len(profile.groups))[2:]:     # the planned steps
+        assert released == {g: g + 1 for g in offloaded}
+    assert sum(entry[0] == "let_go" for entry in link.log) == len(offloaded) * 2
+
+
+def test_a_planned_step_lets_go_of_each_offloaded_tensor_where_its_copy_is_due():
+    # in program order, not when the host sees the copy done: on a profile whose forward points
+    # are 1 ms apart, over a link on which a 32 KiB copy takes 1.7 ms (2.5 with the margin), a
+    # group goes 3 points after its own, or at the first unpack where the forward ends first
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    groups = [planner.SavedGroup(g.nbytes, 0, 0) for g in probe._step.groups]
+    profile = planner.StepProfile(groups, float(len(groups)), 10.0, 1.5 * 32768 / 2.5e6, 1.0, 1,
+                                  forward_clock=[float(t) for t in range(len(groups))])
+    modes = [OFFLOAD if g.offloadable else KEEP for g in probe._step.groups]
+    reference = train(copy.deepcopy(model), data)
+    trace, link = [], RecordingLink()
+    session = OffloadSession(modes=modes, link=link, min_bytes=0, trace=trace)
+    session.profile = profile
+    assert_bitwise(reference, train(model, data, session))
+    due = {g: planner.release_point(profile, g) for g, m in enumerate(modes) if m == OFFLOAD}
+    assert {g: at for g, at in due.items() if groups[g].nbytes == 32768} == {
+        g: min(g + 3, len(groups)) for g in due if groups[g].nbytes == 32768}
+    assert len(groups) in due.values()          # some at the end of the forward
+    for released in released_at(trace, len(groups)):
+        assert released == due
