@@ -68,8 +68,8 @@ import time
 from pathlib import Path
 
 from benchmarks.models import parse_model
-from benchmarks.pressure import (DEVICE_MEMORY_GIB, Budget, OutOfTime, Terminated, execute,
-                                 min_cap_search, min_text)
+from benchmarks.pressure import (DEVICE_MEMORY_GIB, OFFLOAD_MIN_WARMUP, Budget, OutOfTime,
+                                 Terminated, execute, min_cap_search, min_text)
 from benchmarks.shim_pytorch import allocator_counters, is_out_of_memory, trace_summary
 from mucudnn.budget import parse_budget
 from mucudnn.errors import MucudnnError
@@ -805,9 +805,9 @@ def main(argv=None) -> None:
                             "fraction of PyTorch's minimum (else peak reserved) is assumed to fail")
         p.add_argument("--probe-steps", type=int, default=2, help="timed steps of a search probe")
         p.add_argument("--steps", type=int, default=5)
-        p.add_argument("--warmup", type=int, default=4,
-                       help="steps not timed (mucudnn records the first; a planned step that "
-                            "runs out of memory plans again)")
+        p.add_argument("--warmup", type=int, default=OFFLOAD_MIN_WARMUP,
+                       help="steps not timed (mucudnn records the first, may try two plans; a "
+                            "planned step that runs out of memory plans again)")
         p.add_argument("--headroom", type=float, default=0.1)
         p.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
         p.add_argument("--time-budget-s", type=float,
@@ -820,7 +820,7 @@ def main(argv=None) -> None:
     work.add_argument("--method", choices=("pytorch",) + METHODS, required=True)
     work.add_argument("--batch", type=int, required=True)
     work.add_argument("--steps", type=int, default=5)
-    work.add_argument("--warmup", type=int, default=4)
+    work.add_argument("--warmup", type=int, default=OFFLOAD_MIN_WARMUP)
     work.add_argument("--budget-bytes", type=int, default=0)
     work.add_argument("--headroom", type=float, default=0.1)
     work.add_argument("--trace", action="store_true")

@@ -47,7 +47,7 @@ import bisect
 import itertools
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from ..errors import InfeasibleError, SolverError
@@ -67,6 +67,9 @@ RELEASE_MARGIN = 1.5
 #: benchmarks/results/offload). Without it the planner takes overlapped copies as free and picks
 #: them over recomputation that costs less.
 COPY_EXPOSURE = 0.6
+#: planned steps each plan runs where the session tries more than one (:func:`hidden_copies_plan`):
+#: the first settles the caching allocator, the others are timed
+TRIAL_STEPS = 3
 #: the most recipes one rebuild may chain in a plan (a recomputed group whose recipe reads a
 #: recomputed group rebuilds that one first, and so on): a ResNet bottleneck's output rebuilds
 #: its block back to the first convolution's output in 5. Longer chains made ResNet-50's program
@@ -452,6 +455,27 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
             if rung == len(ladder) - 1:
                 raise
     raise AssertionError("unreachable: the ladder ends with distance 0")
+
+
+def hidden_copies_plan(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead: int = 2,
+                       time_limit_s: float | None = 60) -> OffloadPlan | None:
+    """The plan for ``budget`` were every copy hidden behind compute (the host-link bound alone,
+    copy exposure 0), where it differs from ``plan`` (made with the profile's exposure), else
+    None. The exposure was measured on ResNet-50 (:data:`COPY_EXPOSURE`); on the 3-D U-Net
+    (N = 2) a plan moving 1009 MiB each way ran 115 ms against 142.5 predicted with it and 120
+    without (benchmarks/results/pressure, session 15): how much of the copies' time a step
+    shows is the model's, so the runtime runs both plans :data:`TRIAL_STEPS` steps each and
+    keeps the faster."""
+    if not plan.moved_bytes or profile.copy_exposure == 0:
+        return None
+    try:
+        hidden = plan_with_prefetch(replace(profile, copy_exposure=0.0), budget, lookahead,
+                                    time_limit_s)
+    except (InfeasibleError, SolverError):
+        return None
+    if (hidden.modes, hidden.lookahead, hidden.margin) == (plan.modes, plan.lookahead, plan.margin):
+        return None
+    return hidden
 
 
 def least_peak(profile: StepProfile, lookahead: int = 2, margin: float = PREFETCH_MARGIN) -> int:

@@ -620,6 +620,25 @@ class _Step:
     releases: dict = field(default_factory=dict)
 
 
+@dataclass
+class _Trial:
+    """Plans run in turn, :data:`planner.TRIAL_STEPS` planned steps each; the marks at their
+    steps' ends time them."""
+
+    plans: list
+    current: int = 0
+    marks: list = field(default_factory=list)    # per plan: the end marks of its steps
+
+    def __post_init__(self):
+        self.marks = [[] for _ in self.plans]
+
+    def step_ms(self, index: int) -> float:
+        """The mean of plan ``index``'s timed steps (each after its first)."""
+        marks = self.marks[index]
+        times = [a.link.elapsed_ms(a, b) for a, b in zip(marks, marks[1:])]
+        return sum(times) / len(times)
+
+
 class OffloadSession:
     """Saved-tensor hooks and leaf-module hooks (while entered) carrying out a plan.
 
@@ -643,7 +662,9 @@ class OffloadSession:
     propagates as ever) shows the peak model fell short: the plan is made again for a lower target
     (``min(target, modelled peak) - replan_step * budget``), at most ``replans`` times, each with
     one line; after that, or when no plan meets the lower target, every later step offloads every
-    saved tensor, with one line (``fell_back``).
+    saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and the
+    plan made as if every copy were hidden differs (:func:`planner.hidden_copies_plan`), run
+    each :data:`planner.TRIAL_STEPS` steps and keep the faster, with one line.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -653,7 +674,7 @@ class OffloadSession:
                  record_steps: int = 2, plan_time_limit_s: float = 20,
                  recompute_convolutions: bool = True,
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
-                 max_pending: int = 1 << 30):
+                 max_pending: int = 1 << 30, trials: bool = True):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
@@ -666,6 +687,8 @@ class OffloadSession:
         self.copy_exposure = copy_exposure
         self._link, self._links = link, {}
         self.max_pending = max_pending
+        self.trials = trials
+        self._trial: _Trial | None = None
         self.trace = trace
         self.profile_to = profile_to
         self.strict = strict
@@ -1275,6 +1298,7 @@ class OffloadSession:
                                                     else "") + "; recording the next one")
             return
         if failed:
+            self._trial = None   # what follows starts from the plan in force
             # its unpacks are partial: the prefetch schedule stays that of the last whole step
             if out_of_memory and not self.fell_back and self.budget is not None:
                 if self._plan_again():
@@ -1298,6 +1322,8 @@ class OffloadSession:
                 grown = max(0, link.allocated() - finished.start_allocated)
             self.profile = self._profile_of(finished, tail_peak, grown)
             self._make_plan()
+        elif self._trial is not None and not finished.profiling:
+            self._advance_trial(link)
         # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines
         # count no group before its first unpack); so does a fall-back
         self._schedule = {} if self.fell_back or self._step.profiling else self._prefetch_schedule(
@@ -1362,6 +1388,35 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
         self.write_profile()
+        hidden = planner.hidden_copies_plan(self.profile, target, self.plan, self.lookahead,
+                                            self.plan_time_limit_s) if self.trials else None
+        if hidden is not None:
+            self._trial = _Trial([self.plan, hidden])
+            self.say(f"trying it against the plan were copies hidden ({hidden.describe()}), "
+                     f"{planner.TRIAL_STEPS} steps each")
+
+    def _advance_trial(self, link: CopyLink) -> None:
+        """A planned step of the trial ended: the next plan's turn after
+        :data:`planner.TRIAL_STEPS` steps, and after the last plan's, the fastest stays."""
+        trial = self._trial
+        trial.marks[trial.current].append(link.mark())
+        if len(trial.marks[trial.current]) < planner.TRIAL_STEPS:
+            return
+        if trial.current + 1 < len(trial.plans):
+            trial.current += 1
+            self.plan = trial.plans[trial.current]
+            self.modes = list(self.plan.modes)
+            return
+        times = [trial.step_ms(index) for index in range(len(trial.plans))]
+        best = min(range(len(times)), key=times.__getitem__)
+        self._trial = None
+        self.plan = trial.plans[best]
+        self.modes = list(self.plan.modes)
+        self.write_profile()
+        self.say("offload plans tried: " + ", ".join(
+            f"{'as made' if index == 0 else 'copies hidden'} {ms:.1f} ms a step"
+            for index, ms in enumerate(times))
+            + f"; keeping {'the plan as made' if best == 0 else 'the plan were copies hidden'}")
 
     def write_profile(self) -> bool:
         """``profile_to``: the budget, the target, the recorded profile (its dataclass's fields),

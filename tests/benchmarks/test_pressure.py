@@ -354,7 +354,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert pressure.main(["minmem", "--models", "unet3d", "resnet50", "--dtypes", "fp32",
                           "--benchmark", "off", "--offload", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "pressure-minmem.json").read_text())
-    assert data["settings"]["offload"] and data["settings"]["offload_warmup"] == 4
+    assert data["settings"]["offload"] and data["settings"]["offload_warmup"] == pressure.OFFLOAD_MIN_WARMUP
     unet, resnet = data["models"]["unet3d"], data["models"]["resnet50"]
     # the 3-D target's cap probed first, alone: 0.8x PyTorch's 9.25 GiB, down to the grid
     assert unet["target"]["cap_gib"] == 7.25 and unet["target"]["target_met"] is True
@@ -393,7 +393,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert not any("reused_from" in p for p in unet["fast"]["probes"])
     for run in offload:  # the CLI's path: `mucudnn run --memory-budget CAP --offload`
         assert run["cli"][-4:] == ["run", "--memory-budget", str(int(run["cap"] * 2**30)), "--offload"]
-        assert run["warmup"] == 4 and run["steps"] == 3 and run["online"] == "1"
+        assert run["warmup"] == pressure.OFFLOAD_MIN_WARMUP and run["steps"] == 3 and run["online"] == "1"
         # the CLI sets the budget and offload; the allocator stays the part's (none: the default)
         assert run["budget"] is None and run["offload_env"] is None and run["allocator"] == ""
         assert run["log_level"] == "info"
@@ -404,7 +404,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert "offload 4.5 GiB 1890.0 ms [" in printed and "fast 6 GiB 630.0 ms [" in printed
     page = (tmp_path / "pressure-h200.md").read_text()
     assert "### Shim + activation offload (`mucudnn run --memory-budget CAP --offload`)" in page
-    assert "after 4 warm-up train (the first 2 record" in page
+    assert f"after {pressure.OFFLOAD_MIN_WARMUP} warm-up train (the first 2 record" in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | target (one probe) | 600.00 | 9.25 | 7.25 (ok) | "
             f"630.00 | 0.784 | 1.050 | yes | 1 | {OFFLOAD_LINE.format(cap=7.25)} |  |") in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | any | 600.00 | 9.25 | 4.5 | 1890.00 | 0.486 | 3.150 | "
@@ -462,10 +462,10 @@ def test_offload_is_minmems_and_warms_up_past_the_recording_steps(gpu, tmp_path,
             pressure.main([*argv, "--out", str(tmp_path)])
         assert "error: --offload" in capsys.readouterr().err
     assert gpu.runs == []
-    pressure.main(["minmem", "--models", "unet3d", "--offload", "--offload-warmup", "6",
+    pressure.main(["minmem", "--models", "unet3d", "--offload", "--offload-warmup", "12",
                    "--offload-low-fraction", "0.5", "--out", str(tmp_path)])
     offload = [r for r in gpu.runs if r["offload"]]
-    assert offload and all(r["warmup"] == 6 for r in offload)
+    assert offload and all(r["warmup"] == 12 for r in offload)
     assert min(r["cap"] for r in offload) >= 3.5  # 0.5 x the shim's 7 GiB
 
 
@@ -475,7 +475,8 @@ def test_the_offload_warmup_covers_mucudnn_torchs_recording_steps():
     from mucudnn.torch.runtime import OffloadSession
     recorded = inspect.signature(OffloadSession).parameters["record_steps"].default
     assert pressure.OFFLOAD_RECORD_STEPS == recorded
-    assert pressure.OFFLOAD_MIN_WARMUP >= recorded + 2
+    # and the trial of two plans (mucudnn.torch.planner.hidden_copies_plan), each TRIAL_STEPS
+    assert pressure.OFFLOAD_MIN_WARMUP >= recorded + 2 * pressure.TRIAL_STEPS + 2
 
 
 @pytest.mark.parametrize("model, ratios, met", [

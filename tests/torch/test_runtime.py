@@ -3,6 +3,7 @@ a recording link checks the order of copies; gradients must be bitwise equal to 
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import sys
@@ -1544,3 +1545,53 @@ def test_a_planned_step_lets_go_of_each_offloaded_tensor_where_its_copy_is_due()
     assert len(groups) in due.values()          # some at the end of the forward
     for released in released_at(trace, len(groups)):
         assert released == due
+
+
+@pytest.mark.parametrize("made_ms, hidden_ms, kept", [(10.0, 5.0, 1), (5.0, 10.0, 0)])
+def test_a_session_tries_the_plan_were_copies_hidden_and_keeps_the_faster(
+        monkeypatch, made_ms, hidden_ms, kept):
+    # the plan made runs TRIAL_STEPS steps, then the one were copies hidden as many; the faster
+    # by the link's clock (here one whose ticks each plan sets) stays, said in one line
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 2)
+    reference = train(copy.deepcopy(model), data)
+    plans = []
+
+    def hidden(profile, budget, plan, lookahead, time_limit_s):
+        modes = list(plan.modes)
+        flip = next(i for i, m in enumerate(modes) if m != KEEP)
+        modes[flip] = KEEP
+        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
+        return plans[1]
+    monkeypatch.setattr(planner, "hidden_copies_plan", hidden)
+
+    class Ticking(RecordingLink):
+        now = 0.0
+
+        def _stamp(self):    # seconds, as CopyLink's clock
+            plan = session.plan
+            self.now += 1e-3 * (1.0 if plan is None else hidden_ms if plan is plans[1] else made_ms)
+            return self.now
+    said, trace = [], []
+    session = OffloadSession(budget=1, link=Ticking(), min_bytes=0, trace=trace,
+                             headroom=0.0, say=said.append)
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    assert_bitwise(reference, train(model, data, session))
+    assert session.plan is plans[kept] and session._trial is None
+    assert said[-1] == (f"offload plans tried: as made {made_ms:.1f} ms a step, copies hidden "
+                        f"{hidden_ms:.1f} ms a step; keeping "
+                        + ("the plan were copies hidden" if kept else "the plan as made"))
+    steps = split_steps(trace)
+    assert len(steps) == len(data)
+    ran = [tuple(e[2] for e in step if e[0] == "pack") for step in steps[2:]]
+    expected = [p.modes for p in [plans[0]] * trial + [plans[1]] * trial + [plans[kept]] * 2]
+    # each step's groups in the modes of the plan then in force (groups saved once each here)
+    assert [r[:len(m)] for r, m in zip(ran, expected)] == expected
+
+
+def test_no_trial_where_the_plan_were_copies_hidden_is_the_same():
+    profile = planner.StepProfile([planner.SavedGroup(1000, 0, 0)] * 2, 1.0, 1.0, 1.0, 1.0, 1,
+                                  baseline_forward=[0, 0], baseline_backward=[0],
+                                  copy_exposure=0.6)
+    plan = planner.plan_with_prefetch(profile, 10**9)
+    assert plan.moved_bytes == 0 and planner.hidden_copies_plan(profile, 10**9, plan) is None
