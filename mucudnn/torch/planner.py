@@ -122,6 +122,9 @@ class StepProfile:
     # compute ms from the forward's first pack to each forward point (non-decreasing); empty:
     # untimed (an offloaded group leaves the device at the next point: :func:`release_point`)
     forward_clock: list[float] = field(default_factory=list)
+    #: :func:`release_point`'s margin for plans made on this profile (a planning choice, not
+    #: recorded: :func:`plan_with_prefetch` lowers it to 0 where no plan fits otherwise)
+    release_margin: float = RELEASE_MARGIN
 
     def __post_init__(self):
         g = len(self.groups)
@@ -158,6 +161,9 @@ class OffloadPlan:
     step_ms: float
     moved_bytes: int               # each way
     margin: float = 0.0            # prefetch_point's: copy times of its prefetches' lead
+    #: per group, the forward point where an offloaded one leaves the device (-1: not offloaded)
+    releases: tuple[int, ...] = ()
+    release_margin: float = RELEASE_MARGIN   # the profile's it was made with
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)
@@ -167,7 +173,9 @@ class OffloadPlan:
                 f"({describe_size(self.moved_bytes)} each way), {self.count(RECOMPUTE)} "
                 f"recomputed; predicted peak {describe_size(self.peak)}, step {self.step_ms:.1f} ms"
                 + (f"; prefetch {self.lookahead} unpacks ahead" if self.count(OFFLOAD) else "")
-                + (f" or {self.margin:g} copy times" if self.count(OFFLOAD) and self.margin else ""))
+                + (f" or {self.margin:g} copy times" if self.count(OFFLOAD) and self.margin else "")
+                + ("; each offload released at the next point" if self.count(OFFLOAD)
+                   and self.release_margin == 0 else ""))
 
 
 def planning_target(budget: int, headroom: float) -> int:
@@ -210,12 +218,14 @@ def prefetch_point(profile: StepProfile, index: int, lookahead: int,
     return max(0, min(group.first_unpack - lookahead, timed))
 
 
-def release_point(profile: StepProfile, index: int, margin: float = RELEASE_MARGIN) -> int:
+def release_point(profile: StepProfile, index: int, margin: float | None = None) -> int:
     """The forward point at which offloaded group ``index`` leaves the device: the first later
-    one whose recorded time is at least ``margin`` copy times (``nbytes / d2h``) after the
-    group's own, else the number of groups (the end of the forward: the first unpack). It is on
-    the device through that point (the op that made that point's group ran while it was there).
-    ``margin`` 0, or a profile without a forward clock: the next point."""
+    one whose recorded time is at least ``margin`` (default the profile's ``release_margin``)
+    copy times (``nbytes / d2h``) after the group's own, else the number of groups (the end of
+    the forward: the first unpack). It is on the device through that point (the op that made
+    that point's group ran while it was there). ``margin`` 0, or a profile without a forward
+    clock: the next point (the compute stream then waits there for what is left of the copy)."""
+    margin = profile.release_margin if margin is None else margin
     clock = profile.forward_clock
     if not clock:
         return index + 1
@@ -265,7 +275,7 @@ def rebuild_candidates(profile: StepProfile) -> list[list[int]]:
 
 def live_points(profile: StepProfile, index: int, mode: str, lookahead: int,
                 margin: float = PREFETCH_MARGIN, rebuilt: int | None = None,
-                release_margin: float = RELEASE_MARGIN) -> tuple[range, range]:
+                release_margin: float | None = None) -> tuple[range, range]:
     """(forward points, backward points) at which group ``index`` is on the device in ``mode``;
     ``rebuilt``: where a recomputed one is rebuilt (default its first unpack); ``margin`` the
     prefetch's, ``release_margin`` :func:`release_point`'s."""
@@ -376,8 +386,11 @@ def valid(profile: StepProfile, modes: Sequence[str]) -> bool:
 def _result(profile: StepProfile, modes: Sequence[str], lookahead: int,
             margin: float = PREFETCH_MARGIN) -> OffloadPlan:
     moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
+    releases = tuple(release_point(profile, index) if mode == OFFLOAD else -1
+                     for index, mode in enumerate(modes))
     return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead, margin),
-                       step_time(profile, modes, lookahead), moved, margin)
+                       step_time(profile, modes, lookahead), moved, margin, releases,
+                       profile.release_margin)
 
 
 def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
@@ -444,15 +457,24 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     all) when none fits; only that one solves for the least peak (a second program per rung,
     which with chains can take its whole time limit). A rung where CBC found no plan within its
     time limit (:class:`SolverError`) also goes on to the next: near the least peak, prefetching
-    less leaves more room, and a plan is easier to find (ResNet-50 at 6.25 GiB)."""
+    less leaves more room, and a plan is easier to find (ResNet-50 at 6.25 GiB). Where no rung
+    fits with offloaded tensors released when their copies are due (the profile's
+    ``release_margin``), the ladder runs again with each released at the next forward point
+    (margin 0): the compute stream then waits there for the copy, the forward bound by the link
+    as vDNN's layer-wise wait (the 3-D U-Net at 4 GiB: every plan of the first ladder peaked at
+    5.2 GiB or more, session 15)."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
-    for rung, (distance, margin) in enumerate(ladder):
+    releases = [profile.release_margin] + [0.0] * (profile.release_margin > 0)
+    rungs = [(release, distance, margin) for release in releases for distance, margin in ladder]
+    for rung, (release, distance, margin) in enumerate(rungs):
+        planned = profile if release == profile.release_margin else replace(
+            profile, release_margin=release)
         try:
-            return plan_offload(profile, budget, distance, time_limit_s, margin,
-                                explain=rung == len(ladder) - 1)
+            return plan_offload(planned, budget, distance, time_limit_s, margin,
+                                explain=rung == len(rungs) - 1)
         except (InfeasibleError, SolverError):
-            if rung == len(ladder) - 1:
+            if rung == len(rungs) - 1:
                 raise
     raise AssertionError("unreachable: the ladder ends with distance 0")
 
@@ -473,7 +495,8 @@ def hidden_copies_plan(profile: StepProfile, budget: int, plan: OffloadPlan, loo
                                     time_limit_s)
     except (InfeasibleError, SolverError):
         return None
-    if (hidden.modes, hidden.lookahead, hidden.margin) == (plan.modes, plan.lookahead, plan.margin):
+    if (hidden.modes, hidden.lookahead, hidden.margin, hidden.releases) == (
+            plan.modes, plan.lookahead, plan.margin, plan.releases):
         return None
     return hidden
 

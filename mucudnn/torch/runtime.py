@@ -1086,11 +1086,14 @@ class OffloadSession:
         None where nothing is planned for it (a recording step or a fall-back, whose copies are
         inline; a group the profile does not have): the link then lets go once its copy is
         done."""
-        profile = self.profile
-        if self._inline(step) or profile is None or group.gid >= len(profile.groups) \
-                or profile.groups[group.gid].nbytes != group.nbytes:
+        profile, gid = self.profile, group.gid
+        if self._inline(step) or profile is None or gid >= len(profile.groups) \
+                or profile.groups[gid].nbytes != group.nbytes:
             return None
-        return planner.release_point(profile, group.gid)
+        releases = self.plan.releases if self.plan is not None else ()
+        if gid < len(releases) and releases[gid] >= 0:   # the plan's (its release margin's)
+            return releases[gid]
+        return planner.release_point(profile, gid)
 
     def _let_go_due(self, step: _Step, point: int | None) -> None:
         """The offloaded groups due at forward ``point`` (None: all, the forward is over) go."""

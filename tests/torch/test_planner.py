@@ -300,6 +300,24 @@ def test_an_offloaded_group_leaves_the_device_once_its_copy_is_due():
     assert planner.memory_at_points(untimed, keep_rest, 2)[0][:3] == [3_000_000, 3_001_000, 2_000]
 
 
+def test_where_no_plan_fits_with_offloads_released_when_due_they_go_at_the_next_point():
+    # three 3 MB groups 1 ms apart over 1 GB/s: a copy is due 4.5 ms on, past the forward's end,
+    # so offloading lowers no forward point; released at the next point (the compute stream
+    # waiting for the copy there) two offloads bring the forward's peak to 6 MB
+    groups = [SavedGroup(3_000_000, 2, 2), SavedGroup(3_000_000, 1, 1), SavedGroup(3_000_000, 0, 0)]
+    profile = StepProfile(groups, 3.0, 3.0, 1.0, 1.0, 3, forward_clock=[0.0, 1.0, 2.0])
+    for distance in (2, 1, 0):
+        with pytest.raises(InfeasibleError):
+            plan_offload(profile, 7_000_000, lookahead=distance)
+    plan = plan_with_prefetch(profile, 7_000_000)
+    assert plan.peak <= 7_000_000 and plan.release_margin == 0
+    assert [r for r in plan.releases if r >= 0] and all(
+        r == index + 1 for index, r in enumerate(plan.releases) if r >= 0)
+    assert "each offload released at the next point" in plan.describe()
+    timed = plan_with_prefetch(profile, 9_000_000)        # fits as is: released when due
+    assert timed.release_margin == planner.RELEASE_MARGIN
+
+
 def test_infeasible_with_prefetch_says_the_least_peak_of_any_prefetch_distance():
     # prefetching two unpacks ahead puts more on the device than fetching on demand: when no
     # distance fits, the least peak quoted is the on-demand one (VGG-16 at 12 GiB quoted 14.7 GiB,
