@@ -465,7 +465,12 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     5.2 GiB or more, session 15)."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
-    releases = [profile.release_margin] + [0.0] * (profile.release_margin > 0)
+    # the next point only where it releases some offload earlier (not: no forward clock, or
+    # every copy due by the next point already)
+    earlier = profile.release_margin > 0 and any(
+        release_point(profile, index, 0.0) < release_point(profile, index)
+        for index in range(len(profile.groups)))
+    releases = [profile.release_margin] + [0.0] * earlier
     rungs = [(release, distance, margin) for release in releases for distance, margin in ladder]
     for rung, (release, distance, margin) in enumerate(rungs):
         planned = profile if release == profile.release_margin else replace(

@@ -255,7 +255,7 @@ class CudaLink(CopyLink):
         self.max_pending = max_pending
         self._pending: deque = deque()
         self._pending_bytes = 0
-        self._held: dict[int, tuple[Transfer, torch.Tensor]] = {}   # id(transfer) -> it, tensor
+        self._held: dict[int, tuple] = {}   # id(transfer) -> it, its tensor, the compute stream
 
     def _new_host(self, tensor):
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
@@ -290,7 +290,9 @@ class CudaLink(CopyLink):
             return self._copy_inline(host, tensor)
         transfer = self._copy_on_side(host, tensor, self.stream)
         if held:
-            self._held[id(transfer)] = (transfer, tensor)
+            # the data only (not its autograd graph), and the stream it is freed on
+            self._held[id(transfer)] = (transfer, tensor.detach(),
+                                        torch.cuda.current_stream(self.device))
             return transfer
         nbytes = tensor.numel() * tensor.element_size()
         self._pending.append((transfer.event, nbytes, tensor))
@@ -314,15 +316,15 @@ class CudaLink(CopyLink):
         while self._pending:
             self._pending[0][0].synchronize()
             self._let_go_oldest()
-        for transfer, _ in list(self._held.values()):
+        for transfer, *_ in list(self._held.values()):
             self.let_go(transfer)
 
     def let_go(self, transfer):
         held = self._held.pop(id(transfer), None)
         if held is not None:
-            # then the tensor goes: its block returns to the compute stream's pool, whose later
-            # work is ordered after the copy that reads it
-            torch.cuda.current_stream(self.device).wait_event(transfer.event)
+            # then the tensor goes: its block returns to the pool of the stream it was made on,
+            # whose later work is ordered after the copy that reads it
+            held[2].wait_event(transfer.event)
 
     def _let_go_oldest(self) -> None:
         self._pending_bytes -= self._pending.popleft()[1]
@@ -616,7 +618,7 @@ class _Step:
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
-    #: forward point -> the offloaded groups whose device tensors go there (planned steps)
+    #: forward point -> (group, its offload's transfer) whose device tensors go there
     releases: dict = field(default_factory=dict)
 
 
@@ -633,10 +635,10 @@ class _Trial:
         self.marks = [[] for _ in self.plans]
 
     def step_ms(self, index: int) -> float:
-        """The mean of plan ``index``'s timed steps (each after its first)."""
+        """The fastest of plan ``index``'s timed steps (each after its first): a step slowed by
+        what the script does between steps (a checkpoint, a log) says nothing of the plan."""
         marks = self.marks[index]
-        times = [a.link.elapsed_ms(a, b) for a, b in zip(marks, marks[1:])]
-        return sum(times) / len(times)
+        return min(a.link.elapsed_ms(a, b) for a, b in zip(marks, marks[1:]))
 
 
 class OffloadSession:
@@ -1064,7 +1066,9 @@ class OffloadSession:
                 tensor, self._inline(step), held=due is not None))
             group.release = link.release
             if due is not None:
-                step.releases.setdefault(due, []).append(group)
+                # the transfer itself: a group whose packs are all freed meanwhile (its graph
+                # dropped in the forward) gives back its host copy and forgets it
+                step.releases.setdefault(due, []).append((group, group.host))
             if step.profiling:             # recording: copies inline
                 for call in step.calls:    # the calls running now: the copy is in their time
                     if call.end is None and call.start is not None:
@@ -1090,7 +1094,10 @@ class OffloadSession:
         if self._inline(step) or profile is None or gid >= len(profile.groups) \
                 or profile.groups[gid].nbytes != group.nbytes:
             return None
-        releases = self.plan.releases if self.plan is not None else ()
+        if self.plan is None:
+            # fixed modes: as the profile has it; under a budget no plan met: the least memory
+            return planner.release_point(profile, gid, 0 if self.budget is not None else None)
+        releases = self.plan.releases
         if gid < len(releases) and releases[gid] >= 0:   # the plan's (its release margin's)
             return releases[gid]
         return planner.release_point(profile, gid)
@@ -1098,9 +1105,9 @@ class OffloadSession:
     def _let_go_due(self, step: _Step, point: int | None) -> None:
         """The offloaded groups due at forward ``point`` (None: all, the forward is over) go."""
         due = step.releases.pop(point, ()) if point is not None else [
-            group for point in sorted(step.releases) for group in step.releases.pop(point)]
-        for group in due:
-            self.link_for_group(group).let_go(group.host)
+            entry for point in sorted(step.releases) for entry in step.releases.pop(point)]
+        for group, transfer in due:
+            self.link_for_group(group).let_go(transfer)
             self._event("release", group.gid)
 
     def _mode_for(self, group: _Group) -> str:
@@ -1301,7 +1308,16 @@ class OffloadSession:
                                                     else "") + "; recording the next one")
             return
         if failed:
-            self._trial = None   # what follows starts from the plan in force
+            trial, self._trial = self._trial, None
+            if trial is not None and trial.current > 0 and out_of_memory:
+                # the plan tried second ran out of memory: the first, which ran, stays
+                self.plan = trial.plans[0]
+                self.modes = list(self.plan.modes)
+                self._schedule = self._prefetch_schedule(self.modes)
+                self.write_profile()
+                self.say("the plan were copies hidden ran out of device memory in its trial; "
+                         "keeping the plan as made")
+                return
             # its unpacks are partial: the prefetch schedule stays that of the last whole step
             if out_of_memory and not self.fell_back and self.budget is not None:
                 if self._plan_again():

@@ -1521,6 +1521,9 @@ def test_a_planned_step_lets_go_of_each_offloaded_tensor_at_the_next_point_over_
     for released in released_at(trace, len(profile.groups))[2:]:     # the planned steps
         assert released == {g: g + 1 for g in offloaded}
     assert sum(entry[0] == "let_go" for entry in link.log) == len(offloaded) * 2
+    # held by the link until then (the recording steps' copies are inline, never held)
+    assert sum(entry[0] == "offload" and entry[-1] == "held" for entry in link.log) == \
+        len(offloaded) * 2
 
 
 def test_a_planned_step_lets_go_of_each_offloaded_tensor_where_its_copy_is_due():
@@ -1589,9 +1592,88 @@ def test_a_session_tries_the_plan_were_copies_hidden_and_keeps_the_faster(
     assert [r[:len(m)] for r, m in zip(ran, expected)] == expected
 
 
-def test_no_trial_where_the_plan_were_copies_hidden_is_the_same():
+def test_no_trial_where_the_plan_moves_nothing():
     profile = planner.StepProfile([planner.SavedGroup(1000, 0, 0)] * 2, 1.0, 1.0, 1.0, 1.0, 1,
                                   baseline_forward=[0, 0], baseline_backward=[0],
                                   copy_exposure=0.6)
     plan = planner.plan_with_prefetch(profile, 10**9)
     assert plan.moved_bytes == 0 and planner.hidden_copies_plan(profile, 10**9, plan) is None
+
+
+class HoldingLink(RecordingLink):
+    """RecordingLink that keeps CudaLink's books of held offloads: what is held until let_go."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = {}
+
+    def offload(self, tensor, inline=False, held=False):
+        transfer = super().offload(tensor, inline, held)
+        if held:
+            self.held[id(transfer)] = transfer
+        return transfer
+
+    def let_go(self, transfer):
+        self.held.pop(id(transfer), None)
+        super().let_go(transfer)
+
+
+def test_a_held_offload_whose_graph_is_dropped_in_the_forward_still_goes_at_its_release_point():
+    # the side branch's saved tensor loses every pack in the forward (its graph dropped): its
+    # host copy goes back to the pool, and its device tensor still goes at its release point,
+    # not at the next step
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 10)
+
+    def forward(x):
+        h = torch.tanh(a(x))
+        side = torch.exp(b(h))     # exp saves its output: a group only this branch holds
+        del side
+        return c(torch.sigmoid(h))
+    x = torch.randn(8, 16)
+    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    with probe:
+        forward(x).sum().backward()
+    groups = [planner.SavedGroup(g.nbytes, 0, 0) for g in probe._step.groups]
+    link = HoldingLink()
+    session = OffloadSession(modes=[OFFLOAD] * len(groups), link=link, min_bytes=0)
+    session.profile = planner.StepProfile(groups, 1.0, 1.0, 1000.0, 1.0, 1,
+                                          forward_clock=[float(i) for i in range(len(groups))])
+    for _ in range(2):
+        with session:
+            loss = forward(x).sum()
+        loss.backward()
+        assert sum(e[0] == "offload" and e[-1] == "held" for e in link.log) > 0
+        assert not link.held             # every held offload let go by the backward's end
+        link.log.clear()
+
+
+def test_a_trial_plan_out_of_memory_goes_back_to_the_first_plan_without_a_replan(monkeypatch):
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float32), batches(torch.float32, 2 + trial + 4)
+    link, said, steps, plans = MeteredLink(), [], [], []
+
+    def hidden(profile, budget, plan, lookahead, time_limit_s):
+        modes = list(plan.modes)
+        modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
+        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
+        return plans[1]
+    monkeypatch.setattr(planner, "hidden_copies_plan", hidden)
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            def out_of_memory():
+                if plans and session.plan is plans[1]:
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+            return Spike.apply(x, out_of_memory)
+
+    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
+                             headroom=0.0, say=said.append, recompute_convolutions=False)
+    failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                                      lambda: steps.append(None))
+    assert failures == 1 and session.plan is plans[0] and session._trial is None
+    assert session.replans_used == 0 and not session.fell_back
+    assert said[-1] == ("the plan were copies hidden ran out of device memory in its trial; "
+                        "keeping the plan as made")
+    assert [g.mode for g in session._step.groups] == list(plans[0].modes)
