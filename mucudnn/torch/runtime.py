@@ -1086,10 +1086,11 @@ class OffloadSession:
 
     def _release_point(self, step: _Step, group: _Group) -> int | None:
         """The forward point at which a planned step lets go of offloaded ``group``'s device
-        tensor (:func:`planner.release_point` on the profile, as the plan's peak model has it);
-        None where nothing is planned for it (a recording step or a fall-back, whose copies are
-        inline; a group the profile does not have): the link then lets go once its copy is
-        done."""
+        tensor, as the plan's peak model has it (its ``releases``); with fixed ``modes``,
+        :func:`planner.release_point` on the profile; under a budget no plan met, the next
+        point. None where nothing is planned for it (a recording step or a fall-back, whose
+        copies are inline; a group the profile does not have): the link then lets go once its
+        copy is done."""
         profile, gid = self.profile, group.gid
         if self._inline(step) or profile is None or gid >= len(profile.groups) \
                 or profile.groups[gid].nbytes != group.nbytes:
