@@ -43,7 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.pressure import Budget, OutOfTime, Terminated, execute, fmt, gpu_slug
+from benchmarks.pressure import (OFFLOAD_MIN_WARMUP, Budget, OutOfTime, Terminated, execute,
+                                 fmt, gpu_slug)
 from benchmarks.shim_pytorch import MU, add_worker_arguments, worker_outcome, worker_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -392,6 +393,9 @@ class Benchmark:
 
 
 def driver(args) -> int:
+    if args.offload:   # mucudnn.torch's recording steps and its trial of two plans come first
+        args.warmup = max(args.warmup, OFFLOAD_MIN_WARMUP)
+        args.tuner_warmup = max(args.tuner_warmup, OFFLOAD_MIN_WARMUP)
     bench = Benchmark(args)
 
     def terminate(signum, frame):

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import batch_size
 from benchmarks.batch_size import (long_run_estimate_s, neighbours, next_grid_batch,
                                    parse_tuner_output, summarize)
-from benchmarks.pressure import Budget, OutOfTime
+from benchmarks.pressure import OFFLOAD_MIN_WARMUP, Budget, OutOfTime
 from mucudnn.batchsize import Trial, explain, tune
 
 GiB = 2**30
@@ -259,3 +259,10 @@ def test_worker_lines_follow_the_tuners_protocol(monkeypatch, capsys):
     assert batch_size.main(["worker", "--batch-size", "64"]) == batch_size.OUT_OF_MEMORY_EXIT
     captured = capsys.readouterr()
     assert "out of memory" in captured.err and parse_throughput(captured.out) is None
+
+
+def test_under_offload_every_run_warms_up_past_the_recording_and_the_trial(tmp_path, monkeypatch):
+    report, gpu = run_driver(tmp_path, monkeypatch, "--offload", "--time-budget-s", "300")
+    warmups = [int(cmd[cmd.index("--warmup") + 1]) for cmd in gpu.commands]
+    assert warmups and min(warmups) >= OFFLOAD_MIN_WARMUP
+    assert report["settings"]["warmup"] == OFFLOAD_MIN_WARMUP
