@@ -1440,11 +1440,12 @@ class OffloadSession:
 
     def write_profile(self) -> bool:
         """``profile_to``: the budget, the target, the recorded profile (its dataclass's fields),
-        the plan's description (None: no plan met the target), whether the session fell back to
-        offloading everything after planned steps ran out of memory (``fell_back``: the plan is
-        then the last one tried) and the modes in force, as one JSON
-        document written atomically; each plan made rewrites it. Never raises: a path that cannot
-        be written is one line (the step goes on)."""
+        the plan's description (None: no plan met the target) and its release points with their
+        margin, whether the session fell back to offloading everything after planned steps ran
+        out of memory (``fell_back``: the plan is then the last one tried) and the modes in
+        force, as one JSON document written atomically; each plan made (or kept after a trial)
+        rewrites it. Never raises: a path that cannot be written is one line (the step goes
+        on)."""
         if not self.profile_to or self.profile is None:
             return False
         import dataclasses
@@ -1456,8 +1457,12 @@ class OffloadSession:
             raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
         try:
+            plan = self.plan
             document = {"budget": self.budget, "target": self.target,
-                        "plan": self.plan.describe() if self.plan is not None else None,
+                        "plan": plan.describe() if plan is not None else None,
+                        # where its offloads leave the device, and the margin that put them there
+                        "releases": list(plan.releases) if plan is not None else None,
+                        "release_margin": plan.release_margin if plan is not None else None,
                         "fell_back": self.fell_back, "modes": self.modes,
                         "profile": dataclasses.asdict(self.profile)}
             write_text_atomically(self.profile_to, json.dumps(document, default=plain) + "\n")

@@ -469,9 +469,12 @@ def test_each_plan_writes_the_profile_it_was_made_from(tmp_path):
     document = json.loads(path.read_text())
     assert document["budget"] == 4 * GiB and document["target"] == session.target
     assert document["modes"] == session.modes and document["plan"] == session.plan.describe()
-    # the planner replays on it off the GPU: the same plan
+    assert document["releases"] == list(session.plan.releases)
+    assert document["release_margin"] == session.plan.release_margin
+    # the planner replays on it off the GPU: the same plan, released at the same points
     profile = planner.profile_from_dict(document["profile"])
-    assert planner.plan_with_prefetch(profile, document["target"], session.lookahead).modes == session.plan.modes
+    replayed = planner.plan_with_prefetch(profile, document["target"], session.lookahead)
+    assert (replayed.modes, list(replayed.releases)) == (session.plan.modes, document["releases"])
 
 
 def test_no_plan_writes_the_profile_too_and_an_unwritable_path_is_one_line(tmp_path):
