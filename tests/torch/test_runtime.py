@@ -1680,3 +1680,52 @@ def test_a_trial_plan_out_of_memory_goes_back_to_the_first_plan_without_a_replan
     assert said[-1] == ("the plan were copies hidden ran out of device memory in its trial; "
                         "keeping the plan as made")
     assert [g.mode for g in session._step.groups] == list(plans[0].modes)
+
+
+def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
+    # one slow step (the script's own work between steps) does not make the plan lose: the plan
+    # made runs 10 then 30 ms a step (mean 20), the other 15 and 15: the plan made stays
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    plans = []
+
+    def hidden(profile, budget, plan, lookahead, time_limit_s):
+        modes = list(plan.modes)
+        modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
+        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
+        return plans[1]
+    monkeypatch.setattr(planner, "hidden_copies_plan", hidden)
+    ticks = {0: iter([1.0, 10.0, 30.0]), 1: iter([1.0, 15.0, 15.0])}
+
+    class Ticking(RecordingLink):
+        now = 0.0
+
+        def _stamp(self):    # seconds; a step's end mark advances by that plan's next tick
+            if session._trial is not None and session.plan in plans:
+                self.now += 1e-3 * next(ticks[plans.index(session.plan)])
+            else:
+                self.now += 1e-3
+            return self.now
+    said = []
+    session = OffloadSession(budget=1, link=Ticking(), min_bytes=0, headroom=0.0,
+                             say=said.append)
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    train(model, data, session)
+    assert said[-1] == ("offload plans tried: as made 10.0 ms a step, copies hidden 15.0 ms a "
+                        "step; keeping the plan as made")
+    assert session.plan is plans[0]
+
+
+def test_with_no_plan_under_a_budget_each_offload_goes_at_the_next_point():
+    # every tensor offloaded (no plan met the budget): the least memory, each offload released
+    # at the next forward point however slow the link (its copies due far later)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 4)
+    trace, said = [], []
+    session = OffloadSession(budget=1000, link=RecordingLink(gbps=(0.001, 0.001)), min_bytes=0,
+                             headroom=0.0, strict=False, say=said.append, trace=trace)
+    train(model, data, session)
+    assert session.plan is None and not session.fell_back
+    offloaded = [g for g, m in enumerate(session.modes) if m == OFFLOAD]
+    assert any(planner.release_point(session.profile, g) > g + 1 for g in offloaded)
+    for released in released_at(trace, len(session.profile.groups))[2:]:
+        assert released == {g: g + 1 for g in offloaded}
