@@ -1553,6 +1553,20 @@ def test_a_planned_step_lets_go_of_each_offloaded_tensor_where_its_copy_is_due()
         assert released == due
 
 
+def fake_hidden_copies_plan(monkeypatch) -> list:
+    """planner.hidden_copies_plan replaced: the plan made with its first moved group kept
+    instead. The list it returns receives [the plan made, that one] once the session plans."""
+    plans = []
+
+    def hidden(profile, budget, plan, lookahead, time_limit_s):
+        modes = list(plan.modes)
+        modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
+        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
+        return plans[1]
+    monkeypatch.setattr(planner, "hidden_copies_plan", hidden)
+    return plans
+
+
 @pytest.mark.parametrize("made_ms, hidden_ms, kept", [(10.0, 5.0, 1), (5.0, 10.0, 0)])
 def test_a_session_tries_the_plan_were_copies_hidden_and_keeps_the_faster(
         monkeypatch, made_ms, hidden_ms, kept):
@@ -1561,15 +1575,7 @@ def test_a_session_tries_the_plan_were_copies_hidden_and_keeps_the_faster(
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 2)
     reference = train(copy.deepcopy(model), data)
-    plans = []
-
-    def hidden(profile, budget, plan, lookahead, time_limit_s):
-        modes = list(plan.modes)
-        flip = next(i for i, m in enumerate(modes) if m != KEEP)
-        modes[flip] = KEEP
-        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
-        return plans[1]
-    monkeypatch.setattr(planner, "hidden_copies_plan", hidden)
+    plans = fake_hidden_copies_plan(monkeypatch)
 
     class Ticking(RecordingLink):
         now = 0.0
@@ -1654,14 +1660,8 @@ def test_a_held_offload_whose_graph_is_dropped_in_the_forward_still_goes_at_its_
 def test_a_trial_plan_out_of_memory_goes_back_to_the_first_plan_without_a_replan(monkeypatch):
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float32), batches(torch.float32, 2 + trial + 4)
-    link, said, steps, plans = MeteredLink(), [], [], []
-
-    def hidden(profile, budget, plan, lookahead, time_limit_s):
-        modes = list(plan.modes)
-        modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
-        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
-        return plans[1]
-    monkeypatch.setattr(planner, "hidden_copies_plan", hidden)
+    link, said, steps = MeteredLink(), [], []
+    plans = fake_hidden_copies_plan(monkeypatch)
 
     class Fail(nn.Module):
         def forward(self, x):
@@ -1687,14 +1687,7 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
     # made runs 10 then 30 ms a step (mean 20), the other 15 and 15: the plan made stays
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
-    plans = []
-
-    def hidden(profile, budget, plan, lookahead, time_limit_s):
-        modes = list(plan.modes)
-        modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
-        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
-        return plans[1]
-    monkeypatch.setattr(planner, "hidden_copies_plan", hidden)
+    plans = fake_hidden_copies_plan(monkeypatch)
     ticks = {0: iter([1.0, 10.0, 30.0]), 1: iter([1.0, 15.0, 15.0])}
 
     class Ticking(RecordingLink):
