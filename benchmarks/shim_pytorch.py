@@ -129,7 +129,8 @@ def _worker_steps(args, torch, where: dict) -> dict:
 
     times, retries_before = [], 0
     for i in range(args.warmup + args.steps):
-        where["phase"] = f"warm-up step {i + 1}" if i < args.warmup else f"timed step {i + 1 - args.warmup}"
+        where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
+                          else f"timed step {i + 1 - args.warmup}")
         if i == args.warmup:  # the caching allocator's flushes in the timed steps (at a cap)
             retries_before = allocator_counters(torch)["num_alloc_retries"]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -357,8 +358,9 @@ def trace_summary(trace: dict, top: int = 8) -> dict:
     streams: dict = {}
     for event in device:
         stream = (event.get("args") or {}).get("stream", event.get("tid"))
-        streams.setdefault(stream, []).append((float(event["ts"]), float(event["ts"]) + float(event["dur"]),
-                                               event["cat"], event.get("name", "")))
+        start = float(event["ts"])
+        streams.setdefault(stream, []).append((start, start + float(event["dur"]), event["cat"],
+                                               event.get("name", "")))
     begin = min(span[0] for spans in streams.values() for span in spans)
     end = max(span[1] for spans in streams.values() for span in spans)
 
