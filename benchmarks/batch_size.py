@@ -393,7 +393,7 @@ class Benchmark:
 
 
 def driver(args) -> int:
-    if args.offload:   # mucudnn.torch's recording steps and its trial of two plans come first
+    if args.offload:   # mucudnn.torch's recording steps and its trial of plans come first
         args.warmup = max(args.warmup, OFFLOAD_MIN_WARMUP)
         args.tuner_warmup = max(args.tuner_warmup, OFFLOAD_MIN_WARMUP)
     bench = Benchmark(args)

@@ -31,8 +31,8 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   through `mucudnn run --memory-budget CAP --offload` (the CLI's own path: its budget hook limits
   the allocator and tells the shim; mucudnn.torch keeps, offloads or recomputes saved tensors,
   docs/torch.md), bracketed by the smaller minimum found and --offload-low-fraction of it; its
-  probes warm up --offload-warmup steps (>= 10: mucudnn.torch records 2 before its plan applies,
-  and may try two plans 3 steps each),
+  probes warm up --offload-warmup steps (>= 13: mucudnn.torch records 2 before its plan applies,
+  and may try three plans 3 steps each),
   and keep mucudnn.torch's plan line (``offload_lines``; MUCUDNN_LOG_LEVEL=info, the shim's lines
   in OUT/logs). Its allocator is the part's (the CLI's expandable_segments default does not
   apply; set PYTORCH_CUDA_ALLOC_CONF for every run). On a 3-D model it first probes the target's
@@ -83,7 +83,7 @@ from pathlib import Path
 from benchmarks.models import parse_model, spec_of
 # set by `mucudnn run --offload` only; where mucudnn.torch writes its recorded profile
 from mucudnn.budget import ENV_OFFLOAD, ENV_OFFLOAD_PROFILE
-from mucudnn.torch.planner import TRIAL_STEPS
+from mucudnn.torch.planner import TRIAL_PLANS, TRIAL_STEPS
 from benchmarks.shim_pytorch import worker_command, worker_outcome
 
 PARTS = ("ratio", "minmem", "maxbatch")
@@ -93,12 +93,12 @@ ONLINE_PATTERN = re.compile(r"online tuning", re.IGNORECASE)
 ONLINE_MEASURED = re.compile(r"online tuning: measured (\d+) kernels")
 OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor)", re.IGNORECASE)
 # mucudnn.torch's OffloadSession records this many steps (its record_steps; every saved tensor
-# offloaded, the first pinning the host pool) before its plan applies, and may then try two plans
-# TRIAL_STEPS steps each: an offload probe's warm-up covers them and two planned steps (the first
-# grows the pinned pool and the caching allocator to the plan's pattern), so that its timed steps
-# are the kept plan's steady state
+# offloaded, the first pinning the host pool) before its plan applies, and may then try up to
+# TRIAL_PLANS plans TRIAL_STEPS steps each: an offload probe's warm-up covers them and two
+# planned steps (the first grows the pinned pool and the caching allocator to the plan's
+# pattern), so that its timed steps are the kept plan's steady state
 OFFLOAD_RECORD_STEPS = 2
-OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + 2 * TRIAL_STEPS + 2
+OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + TRIAL_PLANS * TRIAL_STEPS + 2
 DEVICE_MEMORY_GIB = 140.0   # where a cap search gives up widening its bracket upwards (H200)
 
 
@@ -1143,7 +1143,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--offload-warmup", type=int, default=OFFLOAD_MIN_WARMUP,
                     help=f"minmem --offload: warm-up steps of its probes (at least "
                          f"{OFFLOAD_MIN_WARMUP}: mucudnn.torch records {OFFLOAD_RECORD_STEPS} "
-                         f"first, then may try two plans {TRIAL_STEPS} steps each)")
+                         f"first, then may try {TRIAL_PLANS} plans {TRIAL_STEPS} steps each)")
     ap.add_argument("--offload-low-fraction", type=float, default=0.25,
                     help="minmem --offload: its lower bracket, this times the smaller minimum")
     ap.add_argument("--fast-low-fraction", type=float, default=0.5,

@@ -39,6 +39,13 @@ the profile's ``copy_exposure`` times the copies' time both ways: the share of c
 shows beyond that bound (measured: see :data:`COPY_EXPOSURE`). Without
 prefetch (lookahead 0: :func:`plan_with_prefetch` when prefetching does not fit) the backward
 term is ``B + recompute time + offloaded bytes / h2d``.
+
+That time is the program's objective, linear in the choices. A plan's copies also queue: one
+stream per direction, in the order their tensors were made, so a copy can end long after its
+tensor, and the compute stream then waits for it at a release point or a first unpack.
+:func:`simulate` plays a plan on the recorded clocks with those queues (its
+:attr:`OffloadPlan.simulated_ms`), and :func:`trial_plans` uses it to choose which other plans
+the runtime tries against the one made.
 """
 
 from __future__ import annotations
@@ -67,9 +74,19 @@ RELEASE_MARGIN = 1.5
 #: benchmarks/results/offload). Without it the planner takes overlapped copies as free and picks
 #: them over recomputation that costs less.
 COPY_EXPOSURE = 0.6
-#: planned steps each plan runs where the session tries more than one (:func:`hidden_copies_plan`):
+#: planned steps each plan runs where the session tries more than one (:func:`trial_plans`):
 #: the first settles the caching allocator, the others are timed
 TRIAL_STEPS = 3
+#: the most plans one trial runs: the plan made and :func:`trial_plans`'s (at most two)
+TRIAL_PLANS = 3
+#: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans: on
+#: the recorded 3-D U-Net (N = 2) the simulated best was made at 0.1-0.2 under 6.65 GiB and at
+#: 0.6-1.0 under 6.3 GiB, on r3d_18 (N = 32) at 0-0.05 (benchmarks/results/pressure, session 16)
+TRIAL_EXPOSURES = (0.0, 0.2)
+#: CBC's limit per solve for :func:`trial_plans`' plans (at exposure 0 many plans tie, and the
+#: U-Net's program under 6.65 GiB ran into any limit; the plan it had by then is good enough to
+#: be tried)
+TRIAL_SOLVE_S = 5.0
 #: the most recipes one rebuild may chain in a plan (a recomputed group whose recipe reads a
 #: recomputed group rebuilds that one first, and so on): a ResNet bottleneck's output rebuilds
 #: its block back to the first convolution's output in 5. Longer chains made ResNet-50's program
@@ -164,6 +181,8 @@ class OffloadPlan:
     #: per group, the forward point where an offloaded one leaves the device (-1: not offloaded)
     releases: tuple[int, ...] = ()
     release_margin: float = RELEASE_MARGIN   # the profile's it was made with
+    #: :func:`simulate`'s step time (None: not simulated)
+    simulated_ms: float | None = None
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)
@@ -172,6 +191,8 @@ class OffloadPlan:
         return (f"{self.count(KEEP)} kept, {self.count(OFFLOAD)} offloaded "
                 f"({describe_size(self.moved_bytes)} each way), {self.count(RECOMPUTE)} "
                 f"recomputed; predicted peak {describe_size(self.peak)}, step {self.step_ms:.1f} ms"
+                + (f" ({self.simulated_ms:.1f} ms with its copies queued)"
+                   if self.count(OFFLOAD) and self.simulated_ms is not None else "")
                 + (f"; prefetch {self.lookahead} unpacks ahead" if self.count(OFFLOAD) else "")
                 + (f" or {self.margin:g} copy times" if self.count(OFFLOAD) and self.margin else "")
                 + ("; each offload released at the next point" if self.count(OFFLOAD)
@@ -368,6 +389,79 @@ def step_time(profile: StepProfile, modes: Sequence[str], lookahead: int = 2) ->
             + profile.copy_exposure * (offload + fetch))
 
 
+@dataclass(frozen=True)
+class SimulatedStep:
+    """:func:`simulate`'s account of one step (ms)."""
+
+    step_ms: float
+    forward_wait_ms: float     # the compute stream waiting for copies to the host
+    backward_wait_ms: float    # waiting for fetches
+    recompute_ms: float
+
+
+def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
+             margin: float = PREFETCH_MARGIN) -> SimulatedStep:
+    """The step ``modes`` run as the runtime carries them out, on the recorded clocks: the
+    compute stream runs the forward and the backward as recorded, plus each recomputed group's
+    recipe where it is rebuilt (:func:`rebuild_points`). Copies to the host queue on one stream
+    in the order their groups were made, each starting at its forward point at the earliest; at
+    a group's release point (:func:`release_point`; the end of the forward: the first unpack)
+    the compute stream waits for its copy. Fetches queue on the other stream, each issued when
+    the compute stream reaches its prefetch point (:func:`prefetch_point`; the one needed first
+    first) and not before its own copy to the host ended; at a group's first unpack the compute
+    stream waits for its fetch. Every wait delays all later compute. Exact for copies at the
+    measured link speeds and compute as recorded; the recorded step's host time is not in it
+    (on the 3-D U-Net the measured step was 0.92 of the recorded one, with or without offloads,
+    session 16)."""
+    groups, g = profile.groups, len(profile.groups)
+    forward_clock = profile.forward_clock or [0.0] * g
+    due = defaultdict(list)        # forward point -> offloaded groups released there
+    for index, mode in enumerate(modes):
+        if mode == OFFLOAD:
+            due[release_point(profile, index)].append(index)
+    copied: dict[int, float] = {}  # group -> when its copy to the host ends
+    shift = forward_wait = queue = 0.0
+
+    def wait_for(index: int, now: float) -> float:
+        return max(0.0, copied[index] - now)
+    for point in range(g):
+        now = forward_clock[point] + shift
+        waited = max((wait_for(index, now) for index in due[point]), default=0.0)
+        shift, forward_wait, now = shift + waited, forward_wait + waited, now + waited
+        if modes[point] == OFFLOAD:
+            queue = max(now, queue) + transfer_ms(groups[point].nbytes, profile.d2h_gbps)
+            copied[point] = queue
+    forward_end = profile.forward_ms + shift
+    waited = max((wait_for(index, forward_end) for index in due[g]), default=0.0)
+    forward_end, forward_wait = forward_end + waited, forward_wait + waited
+
+    fetches, rebuilds = defaultdict(list), defaultdict(list)
+    for index, mode in enumerate(modes):
+        if mode == OFFLOAD:
+            fetches[prefetch_point(profile, index, lookahead, margin)].append(index)
+    for index, point in enumerate(rebuild_points(profile, modes)):
+        if point is not None:
+            rebuilds[point].append(index)
+    fetched: dict[int, float] = {}
+    shift = backward_wait = recompute = 0.0
+    queue = forward_end
+    for point in range(profile.unpacks):
+        now = forward_end + profile.backward_clock[point] + shift
+        for index in sorted(fetches[point], key=lambda i: groups[i].first_unpack):
+            queue = max(now, queue, copied[index]) + transfer_ms(groups[index].nbytes,
+                                                                 profile.h2d_gbps)
+            fetched[index] = queue
+        waited = max((fetched[index] - now for index in fetched
+                      if groups[index].first_unpack == point), default=0.0)
+        waited = max(0.0, waited)
+        rebuilt = math.fsum(groups[index].recompute_ms for index in rebuilds[point])
+        shift += waited + rebuilt
+        backward_wait += waited
+        recompute += rebuilt
+    return SimulatedStep(forward_end + profile.backward_ms + shift, forward_wait, backward_wait,
+                         recompute)
+
+
 def transfer_ms(nbytes: int, gbps: float) -> float:
     """Milliseconds to move ``nbytes`` at ``gbps`` GB/s."""
     return nbytes / (gbps * 1e9) * 1e3 if nbytes else 0.0
@@ -390,7 +484,8 @@ def _result(profile: StepProfile, modes: Sequence[str], lookahead: int,
                      for index, mode in enumerate(modes))
     return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead, margin),
                        step_time(profile, modes, lookahead), moved, margin, releases,
-                       profile.release_margin)
+                       profile.release_margin,
+                       simulate(profile, modes, lookahead, margin).step_ms)
 
 
 def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
@@ -484,26 +579,54 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     raise AssertionError("unreachable: the ladder ends with distance 0")
 
 
-def hidden_copies_plan(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead: int = 2,
-                       time_limit_s: float | None = 60) -> OffloadPlan | None:
-    """The plan for ``budget`` were every copy hidden behind compute (the host-link bound alone,
-    copy exposure 0), where it differs from ``plan`` (made with the profile's exposure), else
-    None. The exposure was measured on ResNet-50 (:data:`COPY_EXPOSURE`); on the 3-D U-Net
-    (N = 2) a plan moving 1009 MiB each way ran 115 ms against 142.5 predicted with it and 120
-    without (benchmarks/results/pressure, session 15): how much of the copies' time a step
-    shows is the model's, so the runtime runs both plans :data:`TRIAL_STEPS` steps each and
-    keeps the faster."""
-    if not plan.moved_bytes or profile.copy_exposure == 0:
-        return None
-    try:
-        hidden = plan_with_prefetch(replace(profile, copy_exposure=0.0), budget, lookahead,
-                                    time_limit_s)
-    except (InfeasibleError, SolverError):
-        return None
-    if (hidden.modes, hidden.lookahead, hidden.margin, hidden.releases) == (
-            plan.modes, plan.lookahead, plan.margin, plan.releases):
-        return None
-    return hidden
+def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead: int = 2,
+                time_limit_s: float | None = 60, larger_budget: int | None = None
+                ) -> list[tuple[str, OffloadPlan]]:
+    """(how it was made, plan) for the plans worth running against ``plan`` (made for ``budget``
+    with the profile's copy exposure), at most ``TRIAL_PLANS - 1``, in the order to run them.
+    The exposure is a measured share of the copies' time (:data:`COPY_EXPOSURE`, ResNet-50), the
+    same for every copy, where in truth a copy costs the compute stream what it waits for it in
+    its queue: little where copies are few and the compute long, much where they queue behind
+    each other (:func:`simulate`). So plans are also made at :data:`TRIAL_EXPOSURES`, and for
+    ``larger_budget`` (a smaller headroom: a cheaper plan the caching allocator may not have room
+    for) at those and the profile's; of each budget's, the one :func:`simulate` finds fastest is
+    tried if it is faster than every plan before it. None where ``plan`` moves nothing (its
+    exposure then changes nothing). CBC gets at most :data:`TRIAL_SOLVE_S` a solve here. The
+    runtime runs each :data:`TRIAL_STEPS` steps and keeps the
+    fastest, as the model's times are a model's (the 3-D U-Net's plan moving 1009 MiB each way ran
+    0.92 of its simulated step, session 16)."""
+    if not plan.moved_bytes:
+        return []
+    tried, best, chosen = [plan], plan.simulated_ms, []
+    solve_s = TRIAL_SOLVE_S if time_limit_s is None else min(time_limit_s, TRIAL_SOLVE_S)
+    rounds = [(budget, "", TRIAL_EXPOSURES)]
+    if larger_budget is not None and larger_budget > budget:
+        rounds.append((larger_budget, f" for {larger_budget / 2**30:.2f} GiB",
+                       (profile.copy_exposure,) + TRIAL_EXPOSURES))
+    for target, where, exposures in rounds:
+        made = []
+        for exposure in exposures:
+            if target == budget and exposure == profile.copy_exposure:
+                continue
+            try:
+                other = plan_with_prefetch(replace(profile, copy_exposure=exposure), target,
+                                           lookahead, solve_s)
+            except (InfeasibleError, SolverError):
+                continue
+            if not any(_same_plan(other, seen) for seen in tried + [p for _, p in made]):
+                made.append((f"made at copy exposure {exposure:g}{where}", other))
+        tried += [p for _, p in made]
+        if made:
+            label, fastest = min(made, key=lambda entry: entry[1].simulated_ms)
+            if fastest.simulated_ms < best:
+                chosen.append((label, fastest))
+                best = fastest.simulated_ms
+    return chosen
+
+
+def _same_plan(a: OffloadPlan, b: OffloadPlan) -> bool:
+    return (a.modes, a.lookahead, a.margin, a.releases) == (b.modes, b.lookahead, b.margin,
+                                                           b.releases)
 
 
 def least_peak(profile: StepProfile, lookahead: int = 2, margin: float = PREFETCH_MARGIN) -> int:

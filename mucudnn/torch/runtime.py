@@ -628,6 +628,7 @@ class _Trial:
     steps' ends time them."""
 
     plans: list
+    labels: list                                 # per plan: what it is, for the lines said
     current: int = 0
     marks: list = field(default_factory=list)    # per plan: the end marks of its steps
 
@@ -664,9 +665,10 @@ class OffloadSession:
     propagates as ever) shows the peak model fell short: the plan is made again for a lower target
     (``min(target, modelled peak) - replan_step * budget``), at most ``replans`` times, each with
     one line; after that, or when no plan meets the lower target, every later step offloads every
-    saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and the
-    plan made as if every copy were hidden differs (:func:`planner.hidden_copies_plan`), run
-    each :data:`planner.TRIAL_STEPS` steps and keep the faster, with one line.
+    saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and
+    :func:`planner.trial_plans` finds others its simulation says are faster (made at other copy
+    exposures, and for half the headroom), run each :data:`planner.TRIAL_STEPS` steps and keep
+    the fastest, with one line.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -1311,13 +1313,11 @@ class OffloadSession:
         if failed:
             trial, self._trial = self._trial, None
             if trial is not None and trial.current > 0 and out_of_memory:
-                # the plan tried second ran out of memory: the first, which ran, stays
-                self.plan = trial.plans[0]
-                self.modes = list(self.plan.modes)
+                # a plan after the first ran out of memory: the fastest of those that ran stays
+                self._end_trial(trial, trial.current,
+                                f"the plan {trial.labels[trial.current]} ran out of device "
+                                "memory in its trial")
                 self._schedule = self._prefetch_schedule(self.modes)
-                self.write_profile()
-                self.say("the plan were copies hidden ran out of device memory in its trial; "
-                         "keeping the plan as made")
                 return
             # its unpacks are partial: the prefetch schedule stays that of the last whole step
             if out_of_memory and not self.fell_back and self.budget is not None:
@@ -1408,12 +1408,17 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB: {self.plan.describe()}")
         self.write_profile()
-        hidden = planner.hidden_copies_plan(self.profile, target, self.plan, self.lookahead,
-                                            self.plan_time_limit_s) if self.trials else None
-        if hidden is not None:
-            self._trial = _Trial([self.plan, hidden])
-            self.say(f"trying it against the plan were copies hidden ({hidden.describe()}), "
-                     f"{planner.TRIAL_STEPS} steps each")
+        if not self.trials:
+            return
+        others = planner.trial_plans(
+            self.profile, target, self.plan, self.lookahead, self.plan_time_limit_s,
+            planner.planning_target(self.budget, self.headroom / 2) if self.headroom else None)
+        if others:
+            self._trial = _Trial([self.plan] + [plan for _, plan in others],
+                                 ["as made"] + [label for label, _ in others])
+            self.say("trying it against " + "; ".join(
+                f"the plan {label} ({plan.describe()})" for label, plan in others)
+                + f", {planner.TRIAL_STEPS} steps each")
 
     def _advance_trial(self, link: CopyLink) -> None:
         """A planned step of the trial ended: the next plan's turn after
@@ -1427,16 +1432,20 @@ class OffloadSession:
             self.plan = trial.plans[trial.current]
             self.modes = list(self.plan.modes)
             return
-        times = [trial.step_ms(index) for index in range(len(trial.plans))]
-        best = min(range(len(times)), key=times.__getitem__)
+        self._end_trial(trial, len(trial.plans), "offload plans tried")
+
+    def _end_trial(self, trial: _Trial, ran: int, why: str) -> None:
+        """The fastest of the trial's first ``ran`` plans (each timed) stays, said in one line
+        that starts with ``why``."""
+        times = [trial.step_ms(index) for index in range(ran)]
+        best = min(range(ran), key=times.__getitem__)
         self._trial = None
         self.plan = trial.plans[best]
         self.modes = list(self.plan.modes)
         self.write_profile()
-        self.say("offload plans tried: " + ", ".join(
-            f"{'as made' if index == 0 else 'copies hidden'} {ms:.1f} ms a step"
-            for index, ms in enumerate(times))
-            + f"; keeping {'the plan as made' if best == 0 else 'the plan were copies hidden'}")
+        timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step"
+                          for index, ms in enumerate(times))
+        self.say(f"{why}: {timed}; keeping the plan {trial.labels[best]}")
 
     def write_profile(self) -> bool:
         """``profile_to``: the budget, the target, the recorded profile (its dataclass's fields),

@@ -462,10 +462,11 @@ def test_offload_is_minmems_and_warms_up_past_the_recording_steps(gpu, tmp_path,
             pressure.main([*argv, "--out", str(tmp_path)])
         assert "error: --offload" in capsys.readouterr().err
     assert gpu.runs == []
-    pressure.main(["minmem", "--models", "unet3d", "--offload", "--offload-warmup", "12",
+    warmup = pressure.OFFLOAD_MIN_WARMUP + 1
+    pressure.main(["minmem", "--models", "unet3d", "--offload", "--offload-warmup", str(warmup),
                    "--offload-low-fraction", "0.5", "--out", str(tmp_path)])
     offload = [r for r in gpu.runs if r["offload"]]
-    assert offload and all(r["warmup"] == 12 for r in offload)
+    assert offload and all(r["warmup"] == warmup for r in offload)
     assert min(r["cap"] for r in offload) >= 3.5  # 0.5 x the shim's 7 GiB
 
 
@@ -475,8 +476,9 @@ def test_the_offload_warmup_covers_mucudnn_torchs_recording_steps():
     from mucudnn.torch.runtime import OffloadSession
     recorded = inspect.signature(OffloadSession).parameters["record_steps"].default
     assert pressure.OFFLOAD_RECORD_STEPS == recorded
-    # and the trial of two plans (mucudnn.torch.planner.hidden_copies_plan), each TRIAL_STEPS
-    assert pressure.OFFLOAD_MIN_WARMUP >= recorded + 2 * pressure.TRIAL_STEPS + 2
+    # and the trial of up to TRIAL_PLANS plans (mucudnn.torch.planner.trial_plans), each
+    # TRIAL_STEPS
+    assert pressure.OFFLOAD_MIN_WARMUP >= recorded + pressure.TRIAL_PLANS * pressure.TRIAL_STEPS + 2
 
 
 @pytest.mark.parametrize("model, ratios, met", [

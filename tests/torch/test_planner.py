@@ -1,5 +1,6 @@
 """mucudnn.torch.planner: pure Python (no torch needed)."""
 
+import dataclasses
 import random
 import re
 
@@ -444,3 +445,99 @@ def test_a_rung_where_cbc_finds_no_plan_in_time_goes_on_to_prefetch_less(monkeyp
     assert not any(len(p) > 1 for p in planner.rebuild_candidates(profile))
     assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
     assert plan.margin == planner.PREFETCH_MARGIN / 2      # the second rung's
+
+
+def test_simulate_queues_copies_and_the_compute_stream_waits_where_they_are_due():
+    # three 3 MB groups 1 ms apart, 3 ms a copy each way (1 GB/s), unpacked in reverse order
+    # 1 ms apart. Released at the next point (margin 0): group 0's copy runs 0-3 ms, so the
+    # compute waits 2 ms at point 1; group 1's then runs 3-6 and the compute, at 4, waits 2 more:
+    # the forward ends at 7. Both fetches are issued at the backward's start (the backward is
+    # shorter than a copy), needed first first: 7-10 and 10-13, waited for at 8 and 11 (2 ms
+    # each). The step: 7 + 3 + 4 = 14 ms.
+    groups = [SavedGroup(3_000_000, 2 - g, 2 - g) for g in range(3)]
+    clocks = dict(forward_clock=[0.0, 1.0, 2.0], backward_clock=[0.0, 1.0, 2.0])
+    profile = StepProfile(groups, 3.0, 3.0, 1.0, 1.0, 3, release_margin=0.0, **clocks)
+    run = planner.simulate(profile, [OFFLOAD, OFFLOAD, KEEP], lookahead=2)
+    assert (run.step_ms, run.forward_wait_ms, run.backward_wait_ms, run.recompute_ms) == (
+        pytest.approx(14.0), pytest.approx(4.0), pytest.approx(4.0), 0.0)
+    # released when due (1.5 copy times on: past the forward's end), both wait at its end, where
+    # group 1's copy has 3 ms to go
+    timed = StepProfile(groups, 3.0, 3.0, 1.0, 1.0, 3, **clocks)
+    run = planner.simulate(timed, [OFFLOAD, OFFLOAD, KEEP], lookahead=2)
+    assert run.forward_wait_ms == pytest.approx(3.0) and run.step_ms == pytest.approx(6.0 + 3 + 4)
+    # alone, group 0's copy ends with the forward, and its fetch (3-6 ms) ends 1 ms after the compute
+    # reaches its unpack (at 5)
+    assert planner.simulate(timed, [OFFLOAD, KEEP, KEEP], 2).step_ms == pytest.approx(6.0 + 1)
+    assert planner.simulate(timed, [KEEP] * 3, 2).step_ms == pytest.approx(6.0)
+    # a rebuild runs its recipe on the compute stream at the group's first unpack
+    recipe = groups[:2] + [SavedGroup(3_000_000, 0, 0, recompute_ms=0.5, recompute_source=1)]
+    rebuilt = planner.simulate(StepProfile(recipe, 3.0, 3.0, 1.0, 1.0, 3, **clocks),
+                               [KEEP, KEEP, RECOMPUTE], 2)
+    assert (rebuilt.step_ms, rebuilt.recompute_ms) == (pytest.approx(6.5), 0.5)
+
+
+def test_a_plan_carries_its_simulated_step():
+    rng = random.Random(11)
+    profile = chain_profile([rng.randint(1, 16) * MiB for _ in range(6)], recompute_every=2,
+                            baseline=2 * MiB)
+    budget = (peak_memory(profile, [KEEP] * 6, 2) + least_peak(profile)) // 2
+    plan = plan_with_prefetch(profile, budget)
+    assert plan.simulated_ms == pytest.approx(
+        planner.simulate(profile, plan.modes, plan.lookahead, plan.margin).step_ms)
+    assert plan.simulated_ms >= profile.forward_ms + profile.backward_ms
+
+
+def _fake_plan(name, simulated_ms, moved=MiB):
+    return planner.OffloadPlan((name,), 2, 0, simulated_ms, moved, simulated_ms=simulated_ms)
+
+
+def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_before(monkeypatch):
+    profile = dataclasses.replace(chain_profile([MiB] * 3), copy_exposure=0.6)
+    made = _fake_plan("made", 100.0)
+    assert planner.TRIAL_EXPOSURES == (0.0, 0.2)
+    times = {(0.0, 10): 95.0, (0.2, 10): 97.0,                 # the same budget: 95 is tried
+             (0.6, 20): 99.0, (0.0, 20): 90.0, (0.2, 20): 92.0}  # the larger one: 90
+    monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, lookahead, limit: (
+        _fake_plan(f"{p.copy_exposure}@{budget}", times[(p.copy_exposure, budget)])))
+    tried = planner.trial_plans(profile, 10, made, larger_budget=20)
+    assert [(label, plan.simulated_ms) for label, plan in tried] == [
+        ("made at copy exposure 0", 95.0), (f"made at copy exposure 0 for {20 / 2**30:.2f} GiB",
+                                            90.0)]
+    # none faster than the plan made: none tried; one already made: not again
+    times.update({(0.0, 10): 101.0, (0.2, 10): 102.0, (0.0, 20): 103.0, (0.2, 20): 104.0,
+                  (0.6, 20): 105.0})
+    assert planner.trial_plans(profile, 10, made, larger_budget=20) == []
+    monkeypatch.setattr(planner, "plan_with_prefetch",
+                        lambda p, budget, lookahead, limit: _fake_plan("made", 50.0))
+    assert planner.trial_plans(profile, 10, made, larger_budget=20) == []
+    # a plan that moves nothing is tried against nothing; a budget the solver cannot meet is
+    # skipped
+    assert planner.trial_plans(profile, 10, _fake_plan("kept", 100.0, moved=0)) == []
+
+    def infeasible_at_zero(p, budget, lookahead, limit):
+        if p.copy_exposure == 0.0:
+            raise InfeasibleError("no plan")
+        return _fake_plan("at 0.2", 80.0)
+    monkeypatch.setattr(planner, "plan_with_prefetch", infeasible_at_zero)
+    assert [label for label, _ in planner.trial_plans(profile, 10, made)] == [
+        "made at copy exposure 0.2"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_trial_plans_meet_their_budgets_and_are_faster_in_simulation(seed):
+    rng = random.Random(300 + seed)
+    sizes = [rng.randint(1, 16) * MiB for _ in range(7)]
+    profile = dataclasses.replace(
+        chain_profile(sizes, recompute_every=2, seed=seed, baseline=MiB),
+        copy_exposure=planner.COPY_EXPOSURE, d2h_gbps=0.01, h2d_gbps=0.01,
+        forward_clock=[sum(sizes[:g]) / MiB * 0.05 for g in range(7)])
+    full, least = peak_memory(profile, [KEEP] * 7, 2), least_peak(profile)
+    budget, larger = least + (full - least) // 3, least + (full - least) // 2
+    made = plan_with_prefetch(profile, budget)
+    tried = planner.trial_plans(profile, budget, made, larger_budget=larger)
+    assert len(tried) <= planner.TRIAL_PLANS - 1
+    best = made.simulated_ms
+    for label, plan in tried:
+        assert plan.peak <= (larger if "GiB" in label else budget)
+        assert plan.simulated_ms < best and valid(profile, plan.modes)
+        best = plan.simulated_ms

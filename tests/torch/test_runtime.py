@@ -1553,36 +1553,40 @@ def test_a_planned_step_lets_go_of_each_offloaded_tensor_where_its_copy_is_due()
         assert released == due
 
 
-def fake_hidden_copies_plan(monkeypatch) -> list:
-    """planner.hidden_copies_plan replaced: the plan made with its first moved group kept
-    instead. The list it returns receives [the plan made, that one] once the session plans."""
+def fake_trial_plans(monkeypatch, others: int = 1) -> list:
+    """planner.trial_plans replaced: ``others`` plans, the ``k``-th the plan made with its
+    ``k``-th moved or recomputed group kept instead. The list it returns receives [the plan
+    made, those] once the session plans."""
     plans = []
 
-    def hidden(profile, budget, plan, lookahead, time_limit_s):
-        modes = list(plan.modes)
-        modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
-        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
-        return plans[1]
-    monkeypatch.setattr(planner, "hidden_copies_plan", hidden)
+    def made(profile, budget, plan, lookahead, time_limit_s, larger_budget):
+        changed = [i for i, m in enumerate(plan.modes) if m != KEEP]
+        plans.append(plan)
+        for k in range(others):
+            modes = list(plan.modes)
+            modes[changed[k]] = KEEP
+            plans.append(dataclasses.replace(plan, modes=tuple(modes)))
+        return [(f"other {k + 1}", other) for k, other in enumerate(plans[1:])]
+    monkeypatch.setattr(planner, "trial_plans", made)
     return plans
 
 
-@pytest.mark.parametrize("made_ms, hidden_ms, kept", [(10.0, 5.0, 1), (5.0, 10.0, 0)])
-def test_a_session_tries_the_plan_were_copies_hidden_and_keeps_the_faster(
-        monkeypatch, made_ms, hidden_ms, kept):
-    # the plan made runs TRIAL_STEPS steps, then the one were copies hidden as many; the faster
-    # by the link's clock (here one whose ticks each plan sets) stays, said in one line
+@pytest.mark.parametrize("plan_ms, kept", [((10.0, 5.0, 7.0), 1), ((5.0, 10.0, 7.0), 0),
+                                           ((10.0, 7.0, 5.0), 2)])
+def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan_ms, kept):
+    # the plan made runs TRIAL_STEPS steps, then each other as many; the fastest by the link's
+    # clock (here one whose ticks each plan sets) stays, said in one line
     trial = planner.TRIAL_STEPS
-    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 2)
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 3 * trial + 2)
     reference = train(copy.deepcopy(model), data)
-    plans = fake_hidden_copies_plan(monkeypatch)
+    plans = fake_trial_plans(monkeypatch, others=2)
 
     class Ticking(RecordingLink):
         now = 0.0
 
         def _stamp(self):    # seconds, as CopyLink's clock
             plan = session.plan
-            self.now += 1e-3 * (1.0 if plan is None else hidden_ms if plan is plans[1] else made_ms)
+            self.now += 1e-3 * (1.0 if plan is None else plan_ms[plans.index(plan)])
             return self.now
     said, trace = [], []
     session = OffloadSession(budget=1, link=Ticking(), min_bytes=0, trace=trace,
@@ -1590,13 +1594,17 @@ def test_a_session_tries_the_plan_were_copies_hidden_and_keeps_the_faster(
     session.budget = int(saved_bytes(model, data) * 0.6)
     assert_bitwise(reference, train(model, data, session))
     assert session.plan is plans[kept] and session._trial is None
-    assert said[-1] == (f"offload plans tried: as made {made_ms:.1f} ms a step, copies hidden "
-                        f"{hidden_ms:.1f} ms a step; keeping "
-                        + ("the plan were copies hidden" if kept else "the plan as made"))
+    labels = ["as made", "other 1", "other 2"]
+    assert said[-1] == ("offload plans tried: " + ", ".join(
+        f"{label} {ms:.1f} ms a step" for label, ms in zip(labels, plan_ms))
+        + f"; keeping the plan {labels[kept]}")
+    assert said[-2].startswith("trying it against the plan other 1 (") and "the plan other 2 (" \
+        in said[-2]
     steps = split_steps(trace)
     assert len(steps) == len(data)
     ran = [tuple(e[2] for e in step if e[0] == "pack") for step in steps[2:]]
-    expected = [p.modes for p in [plans[0]] * trial + [plans[1]] * trial + [plans[kept]] * 2]
+    expected = [p.modes for p in [plans[0]] * trial + [plans[1]] * trial + [plans[2]] * trial
+                + [plans[kept]] * 2]
     # each step's groups in the modes of the plan then in force (groups saved once each here)
     assert [r[:len(m)] for r, m in zip(ran, expected)] == expected
 
@@ -1606,7 +1614,8 @@ def test_no_trial_where_the_plan_moves_nothing():
                                   baseline_forward=[0, 0], baseline_backward=[0],
                                   copy_exposure=0.6)
     plan = planner.plan_with_prefetch(profile, 10**9)
-    assert plan.moved_bytes == 0 and planner.hidden_copies_plan(profile, 10**9, plan) is None
+    assert plan.moved_bytes == 0
+    assert planner.trial_plans(profile, 10**9, plan, larger_budget=2 * 10**9) == []
 
 
 class HoldingLink(RecordingLink):
@@ -1657,16 +1666,29 @@ def test_a_held_offload_whose_graph_is_dropped_in_the_forward_still_goes_at_its_
         link.log.clear()
 
 
-def test_a_trial_plan_out_of_memory_goes_back_to_the_first_plan_without_a_replan(monkeypatch):
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_trial_plan_out_of_memory_leaves_the_fastest_that_ran_without_a_replan(
+        monkeypatch, failing):
+    # the plan tried second (or third) runs out of memory: the trial ends there, and the fastest
+    # of the plans before it stays (the plan made runs 5 ms a step, the other 4), no replan
     trial = planner.TRIAL_STEPS
-    model, data = small_cnn(torch.float32), batches(torch.float32, 2 + trial + 4)
-    link, said, steps = MeteredLink(), [], []
-    plans = fake_hidden_copies_plan(monkeypatch)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 2 + 3 * trial + 3)
+    said, steps = [], []
+    plans = fake_trial_plans(monkeypatch, others=2)
+
+    class Ticking(MeteredLink):
+        now = 0.0
+
+        def _stamp(self):
+            plan = session.plan
+            self.now += 1e-3 * (4.0 if plans and plan is plans[1] else 5.0)
+            return self.now
+    link = Ticking()
 
     class Fail(nn.Module):
         def forward(self, x):
             def out_of_memory():
-                if plans and session.plan is plans[1]:
+                if plans and session.plan is plans[failing]:
                     link.oom()
                     raise torch.OutOfMemoryError("out of memory (test)")
             return Spike.apply(x, out_of_memory)
@@ -1675,11 +1697,13 @@ def test_a_trial_plan_out_of_memory_goes_back_to_the_first_plan_without_a_replan
                              headroom=0.0, say=said.append, recompute_convolutions=False)
     failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
                                       lambda: steps.append(None))
-    assert failures == 1 and session.plan is plans[0] and session._trial is None
+    kept = 1 if failing == 2 else 0
+    assert failures == 1 and session.plan is plans[kept] and session._trial is None
     assert session.replans_used == 0 and not session.fell_back
-    assert said[-1] == ("the plan were copies hidden ran out of device memory in its trial; "
-                        "keeping the plan as made")
-    assert [g.mode for g in session._step.groups] == list(plans[0].modes)
+    timed = "as made 5.0 ms a step" + (", other 1 4.0 ms a step" if failing == 2 else "")
+    assert said[-1] == (f"the plan other {failing} ran out of device memory in its trial: "
+                        f"{timed}; keeping the plan {['as made', 'other 1'][kept]}")
+    assert [g.mode for g in session._step.groups] == list(plans[kept].modes)
 
 
 def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
@@ -1687,7 +1711,7 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
     # made runs 10 then 30 ms a step (mean 20), the other 15 and 15: the plan made stays
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
-    plans = fake_hidden_copies_plan(monkeypatch)
+    plans = fake_trial_plans(monkeypatch)
     ticks = {0: iter([1.0, 10.0, 30.0]), 1: iter([1.0, 15.0, 15.0])}
 
     class Ticking(RecordingLink):
@@ -1704,7 +1728,7 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
                              say=said.append)
     session.budget = int(saved_bytes(model, data) * 0.6)
     train(model, data, session)
-    assert said[-1] == ("offload plans tried: as made 10.0 ms a step, copies hidden 15.0 ms a "
+    assert said[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 15.0 ms a "
                         "step; keeping the plan as made")
     assert session.plan is plans[0]
 
