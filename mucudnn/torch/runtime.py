@@ -667,7 +667,7 @@ class OffloadSession:
     one line; after that, or when no plan meets the lower target, every later step offloads every
     saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and
     :func:`planner.trial_plans` finds others its simulation says are faster (made at other copy
-    exposures, and for half the headroom), run each :data:`planner.TRIAL_STEPS` steps and keep
+    exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run each :data:`planner.TRIAL_STEPS` steps and keep
     the fastest, with one line.
     """
 
@@ -1412,7 +1412,8 @@ class OffloadSession:
             return
         others = planner.trial_plans(
             self.profile, target, self.plan, self.lookahead, self.plan_time_limit_s,
-            planner.planning_target(self.budget, self.headroom / 2) if self.headroom else None)
+            [planner.planning_target(self.budget, self.headroom * share)
+             for share in planner.TRIAL_HEADROOM_SHARES] if self.headroom else ())
         if others:
             self._trial = _Trial([self.plan] + [plan for _, plan in others],
                                  ["as made"] + [label for label, _ in others])

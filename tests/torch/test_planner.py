@@ -494,22 +494,28 @@ def _fake_plan(name, simulated_ms, moved=MiB):
 def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_before(monkeypatch):
     profile = dataclasses.replace(chain_profile([MiB] * 3), copy_exposure=0.6)
     made = _fake_plan("made", 100.0)
-    assert planner.TRIAL_EXPOSURES == (0.0, 0.2)
-    times = {(0.0, 10): 95.0, (0.2, 10): 97.0,                 # the same budget: 95 is tried
-             (0.6, 20): 99.0, (0.0, 20): 90.0, (0.2, 20): 92.0}  # the larger one: 90
+    assert planner.TRIAL_EXPOSURES == (0.0, 0.2) and planner.TRIAL_MIN_GAIN == 0.005
+    times = {(0.0, 10): 95.0, (0.2, 10): 97.0,                   # the same budget: 95 is tried
+             (0.6, 20): 99.0, (0.0, 20): 94.7, (0.2, 20): 96.0,  # 0.3 % faster: not tried
+             (0.6, 30): 91.0, (0.0, 30): 90.0, (0.2, 30): 92.0}  # the largest: 90
     monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, lookahead, limit: (
         _fake_plan(f"{p.copy_exposure}@{budget}", times[(p.copy_exposure, budget)])))
-    tried = planner.trial_plans(profile, 10, made, larger_budget=20)
+    tried = planner.trial_plans(profile, 10, made, larger_budgets=[30, 20, 5])
     assert [(label, plan.simulated_ms) for label, plan in tried] == [
-        ("made at copy exposure 0", 95.0), (f"made at copy exposure 0 for {20 / 2**30:.2f} GiB",
-                                            90.0)]
+        ("made at copy exposure 0", 95.0),
+        (f"made at copy exposure 0 for {30 / 2**30:.2f} GiB", 90.0)]
+    # at most TRIAL_PLANS - 1, one a budget, in the order of the budgets
+    times.update({(0.0, 20): 93.0, (0.6, 40): 80.0, (0.0, 40): 85.0, (0.2, 40): 85.0})
+    tried = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40])
+    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0]
+    assert planner.TRIAL_PLANS == 4
     # none faster than the plan made: none tried; one already made: not again
-    times.update({(0.0, 10): 101.0, (0.2, 10): 102.0, (0.0, 20): 103.0, (0.2, 20): 104.0,
-                  (0.6, 20): 105.0})
-    assert planner.trial_plans(profile, 10, made, larger_budget=20) == []
+    for key in times:
+        times[key] += 20
+    assert planner.trial_plans(profile, 10, made, larger_budgets=[20]) == []
     monkeypatch.setattr(planner, "plan_with_prefetch",
                         lambda p, budget, lookahead, limit: _fake_plan("made", 50.0))
-    assert planner.trial_plans(profile, 10, made, larger_budget=20) == []
+    assert planner.trial_plans(profile, 10, made, larger_budgets=[20]) == []
     # a plan that moves nothing is tried against nothing; a budget the solver cannot meet is
     # skipped
     assert planner.trial_plans(profile, 10, _fake_plan("kept", 100.0, moved=0)) == []
@@ -532,12 +538,16 @@ def test_trial_plans_meet_their_budgets_and_are_faster_in_simulation(seed):
         copy_exposure=planner.COPY_EXPOSURE, d2h_gbps=0.01, h2d_gbps=0.01,
         forward_clock=[sum(sizes[:g]) / MiB * 0.05 for g in range(7)])
     full, least = peak_memory(profile, [KEEP] * 7, 2), least_peak(profile)
-    budget, larger = least + (full - least) // 3, least + (full - least) // 2
+    budget = least + (full - least) // 3
+    larger = [least + (full - least) // 2, least + 2 * (full - least) // 3]
     made = plan_with_prefetch(profile, budget)
-    tried = planner.trial_plans(profile, budget, made, larger_budget=larger)
+    tried = planner.trial_plans(profile, budget, made, larger_budgets=larger)
     assert len(tried) <= planner.TRIAL_PLANS - 1
     best = made.simulated_ms
     for label, plan in tried:
-        assert plan.peak <= (larger if "GiB" in label else budget)
-        assert plan.simulated_ms < best and valid(profile, plan.modes)
+        target = {f" for {b / 2**30:.2f} GiB": b for b in larger}.get(
+            label[label.find(" for "):] if " for " in label else "", budget)
+        assert plan.peak <= target
+        assert plan.simulated_ms < best * (1 - planner.TRIAL_MIN_GAIN)
+        assert valid(profile, plan.modes)
         best = plan.simulated_ms

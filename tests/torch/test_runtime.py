@@ -1559,7 +1559,7 @@ def fake_trial_plans(monkeypatch, others: int = 1) -> list:
     made, those] once the session plans."""
     plans = []
 
-    def made(profile, budget, plan, lookahead, time_limit_s, larger_budget):
+    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets):
         changed = [i for i, m in enumerate(plan.modes) if m != KEEP]
         plans.append(plan)
         for k in range(others):
@@ -1615,7 +1615,7 @@ def test_no_trial_where_the_plan_moves_nothing():
                                   copy_exposure=0.6)
     plan = planner.plan_with_prefetch(profile, 10**9)
     assert plan.moved_bytes == 0
-    assert planner.trial_plans(profile, 10**9, plan, larger_budget=2 * 10**9) == []
+    assert planner.trial_plans(profile, 10**9, plan, larger_budgets=[2 * 10**9]) == []
 
 
 class HoldingLink(RecordingLink):
