@@ -806,7 +806,7 @@ def main(argv=None) -> None:
         p.add_argument("--probe-steps", type=int, default=2, help="timed steps of a search probe")
         p.add_argument("--steps", type=int, default=5)
         p.add_argument("--warmup", type=int, default=OFFLOAD_MIN_WARMUP,
-                       help="steps not timed (mucudnn records the first, may try four plans; a "
+                       help="steps not timed (mucudnn records the first, may try three plans; a "
                             "planned step that runs out of memory plans again)")
         p.add_argument("--headroom", type=float, default=0.1)
         p.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
