@@ -417,12 +417,13 @@ def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
     in the order their groups were made, each starting at its forward point at the earliest; at
     a group's release point (:func:`release_point`; the end of the forward: the first unpack)
     the compute stream waits for its copy. Fetches queue on the other stream, each issued when
-    the compute stream reaches its prefetch point (:func:`prefetch_point`; the one needed first
-    first) and not before its own copy to the host ended; at a group's first unpack the compute
-    stream waits for its fetch. Every wait delays all later compute. Exact for copies at the
-    measured link speeds and compute as recorded; the recorded step's host time is not in it
-    (on the 3-D U-Net the measured step was 0.92 of the recorded one, with or without offloads,
-    session 16)."""
+    the compute stream reaches its prefetch point (:func:`prefetch_point`; of those issued at
+    one point the one needed first first, as the runtime's schedule has them) and not before
+    its own copy to the host ended; at a group's first unpack the compute stream waits for its
+    fetch. Every wait delays all later compute. Its assumptions: copies at the measured link
+    speeds whatever else runs, compute as recorded (no host time, no slower kernels for less
+    workspace, no allocator flushes). Measured steps on the 3-D U-Net came within 2 % of it
+    where the allocator had room, and up to 7 % above it near the cap (session 17)."""
     groups, g = profile.groups, len(profile.groups)
     forward_clock = profile.forward_clock or [0.0] * g
     due = defaultdict(list)        # forward point -> offloaded groups released there
@@ -594,16 +595,16 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
                 ) -> list[tuple[str, OffloadPlan]]:
     """(how it was made, plan) for the plans worth running against ``plan`` (made for ``budget``
     with the profile's copy exposure), at most one a budget (``budget``, then each of
-    ``larger_budgets`` above it, in order) and ``TRIAL_PLANS - 1`` in all, in the order to run
-    them. The exposure is a measured share of the copies' time (:data:`COPY_EXPOSURE`,
+    ``larger_budgets`` above it, smallest first) and ``TRIAL_PLANS - 1`` in all, in the order to
+    run them. The exposure is a measured share of the copies' time (:data:`COPY_EXPOSURE`,
     ResNet-50), the same for every copy, where in truth a copy costs the compute stream what it
     waits for it in its queue: little where copies are few and the compute long, much where they
     queue behind each other (:func:`simulate`). So plans are also made at
     :data:`TRIAL_EXPOSURES`, and for each larger budget (a smaller headroom: a cheaper plan the
     caching allocator may not have room for, or only by flushing its cache) at those and the
     profile's; of each budget's, the one :func:`simulate` finds fastest is tried if it beats
-    every plan before it by :data:`TRIAL_MIN_GAIN`. None where ``plan`` moves nothing (its
-    exposure then changes nothing). CBC gets at most :data:`TRIAL_SOLVE_S` a solve here. The
+    every plan before it by :data:`TRIAL_MIN_GAIN`. None (``[]``) where ``plan`` moves nothing
+    (its exposure then changes nothing). CBC gets at most :data:`TRIAL_SOLVE_S` a solve here. The
     runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest: what the allocator does
     near its cap is no part of the model (on the 3-D U-Net under 7.0 GiB a plan for 6.65 GiB
     simulated at 110.3 ms ran 117.6, the plan for 6.3 GiB 116.2 against 116.6; session 17)."""
@@ -612,7 +613,8 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     tried, best, chosen = [plan], plan.simulated_ms, []
     solve_s = TRIAL_SOLVE_S if time_limit_s is None else min(time_limit_s, TRIAL_SOLVE_S)
     rounds = [(budget, "", TRIAL_EXPOSURES)] + [
-        (larger, f" for {larger / 2**30:.2f} GiB", (profile.copy_exposure,) + TRIAL_EXPOSURES)
+        (larger, f" for {larger / 2**30:.2f} GiB",
+         tuple(dict.fromkeys((profile.copy_exposure,) + TRIAL_EXPOSURES)))
         for larger in sorted(set(larger_budgets)) if larger > budget]
     for target, where, exposures in rounds:
         if len(chosen) == TRIAL_PLANS - 1:

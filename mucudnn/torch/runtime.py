@@ -666,8 +666,8 @@ class OffloadSession:
     (``min(target, modelled peak) - replan_step * budget``), at most ``replans`` times, each with
     one line; after that, or when no plan meets the lower target, every later step offloads every
     saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and
-    :func:`planner.trial_plans` finds others its simulation says are faster (made at other copy
-    exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run each :data:`planner.TRIAL_STEPS` steps and keep
+    :func:`planner.trial_plans` finds others its simulation says are faster (made at other
+    copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run each :data:`planner.TRIAL_STEPS` steps and keep
     the fastest, with one line.
     """
 
@@ -693,6 +693,9 @@ class OffloadSession:
         self.max_pending = max_pending
         self.trials = trials
         self._trial: _Trial | None = None
+        #: how the plan in force was made, after a trial kept another than the one made
+        #: (:func:`planner.trial_plans`' label; None: as made)
+        self.kept_after_trial: str | None = None
         self.trace = trace
         self.profile_to = profile_to
         self.strict = strict
@@ -1312,11 +1315,13 @@ class OffloadSession:
             return
         if failed:
             trial, self._trial = self._trial, None
-            if trial is not None and trial.current > 0 and out_of_memory:
-                # a plan after the first ran out of memory: the fastest of those that ran stays
+            if trial is not None and trial.current > 0:
+                # a step of a plan after the first failed: the fastest of those that ran stays
+                label = trial.labels[trial.current]
                 self._end_trial(trial, trial.current,
-                                f"the plan {trial.labels[trial.current]} ran out of device "
-                                "memory in its trial")
+                                f"the plan {label} ran out of device memory in its trial"
+                                if out_of_memory else f"a step of the plan {label} failed in "
+                                "its trial")
                 self._schedule = self._prefetch_schedule(self.modes)
                 return
             # its unpacks are partial: the prefetch schedule stays that of the last whole step
@@ -1382,6 +1387,7 @@ class OffloadSession:
         except MucudnnError:
             return False
         self._lowered_target, self.plan, self.modes = target, plan, list(plan.modes)
+        self.kept_after_trial = None
         self._schedule = self._prefetch_schedule(self.modes)
         self.write_profile()
         self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran out of "
@@ -1441,6 +1447,7 @@ class OffloadSession:
         times = [trial.step_ms(index) for index in range(ran)]
         best = min(range(ran), key=times.__getitem__)
         self._trial = None
+        self.kept_after_trial = trial.labels[best] if best else None
         self.plan = trial.plans[best]
         self.modes = list(self.plan.modes)
         self.write_profile()
@@ -1452,9 +1459,9 @@ class OffloadSession:
         """``profile_to``: the budget, the target, the recorded profile (its dataclass's fields),
         the plan's description (None: no plan met the target) and its release points with their
         margin, whether the session fell back to offloading everything after planned steps ran
-        out of memory (``fell_back``: the plan is then the last one tried) and the modes in
-        force, as one JSON document written atomically; each plan made (or kept after a trial)
-        rewrites it. Never raises: a path that cannot be written is one line (the step goes
+        out of memory (``fell_back``: the plan is then the last one tried), how a plan kept after
+        a trial was made (``kept_after_trial``) and the modes in force, as one JSON document
+        written atomically; each plan made (or kept after a trial) rewrites it. Never raises: a path that cannot be written is one line (the step goes
         on)."""
         if not self.profile_to or self.profile is None:
             return False
@@ -1474,6 +1481,8 @@ class OffloadSession:
                         "releases": list(plan.releases) if plan is not None else None,
                         "release_margin": plan.release_margin if plan is not None else None,
                         "fell_back": self.fell_back, "modes": self.modes,
+                        # a plan kept after a trial is made from this profile as its label says
+                        "kept_after_trial": self.kept_after_trial,
                         "profile": dataclasses.asdict(self.profile)}
             write_text_atomically(self.profile_to, json.dumps(document, default=plain) + "\n")
         except (OSError, ValueError, TypeError) as exc:
@@ -1507,7 +1516,11 @@ class OffloadSession:
                 distance = profile.groups[gid].first_unpack - planner.prefetch_point(
                     profile, gid, self.prefetch_distance, self.prefetch_margin)
             schedule[max(0, first - distance)].append(gid)
-        return dict(schedule)
+        # at each point the one needed first first: the fetch stream is a queue
+        # (planner.simulate plays it so)
+        first_unpacks = self._first_unpacks
+        return {point: sorted(gids, key=lambda gid: (first_unpacks[gid], gid))
+                for point, gids in schedule.items()}
 
     @staticmethod
     def _link_speeds(step: _Step, link: CopyLink) -> tuple[float, float]:

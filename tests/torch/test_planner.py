@@ -476,15 +476,43 @@ def test_simulate_queues_copies_and_the_compute_stream_waits_where_they_are_due(
     assert (rebuilt.step_ms, rebuilt.recompute_ms) == (pytest.approx(6.5), 0.5)
 
 
+def queued_copies_profile():
+    """Four 100 MB groups 1 ms apart in a 4 ms forward, unpacked in reverse 2 ms apart, over a
+    10 GB/s link (10 ms a copy each way): nothing offloaded can leave before the forward's end
+    unless the compute waits for its copy."""
+    groups = [SavedGroup(100 * 10**6, 3 - g, 3 - g) for g in range(4)]
+    return StepProfile(groups, 4.0, 8.0, 10.0, 10.0, 4, forward_clock=[0.0, 1.0, 2.0, 3.0],
+                       copy_exposure=planner.COPY_EXPOSURE)
+
+
 def test_a_plan_carries_its_simulated_step():
-    rng = random.Random(11)
-    profile = chain_profile([rng.randint(1, 16) * MiB for _ in range(6)], recompute_every=2,
-                            baseline=2 * MiB)
-    budget = (peak_memory(profile, [KEEP] * 6, 2) + least_peak(profile)) // 2
-    plan = plan_with_prefetch(profile, budget)
-    assert plan.simulated_ms == pytest.approx(
-        planner.simulate(profile, plan.modes, plan.lookahead, plan.margin).step_ms)
-    assert plan.simulated_ms >= profile.forward_ms + profile.backward_ms
+    # under 250 MB two groups go, each at the next point (release margin 0): the forward waits
+    # 9 ms at points 1 and 2 (ends at 22); with prefetch 1 unpack ahead the fetches run 24-34
+    # and 34-44, waited for at 26 (8 ms) and 36 (8 ms): 22 + 8 + 16 = 46 ms
+    profile = queued_copies_profile()
+    plan = plan_with_prefetch(profile, 250 * 10**6)
+    assert (plan.modes, plan.lookahead, plan.margin, plan.release_margin) == (
+        (OFFLOAD, OFFLOAD, KEEP, KEEP), 1, 0.0, 0.0)
+    assert plan.simulated_ms == pytest.approx(46.0)
+    assert plan.simulated_ms == pytest.approx(planner.simulate(
+        dataclasses.replace(profile, release_margin=0.0), plan.modes, 1, 0.0).step_ms)
+
+
+def test_trial_plans_offer_a_larger_budgets_plan_where_copies_queue():
+    # the plan for 250 MB (46 ms simulated, above) against the one for 300 MB: one group
+    # offloaded, the forward waiting 9 ms, its fetch (15-25) waited for at 19: 13 + 8 + 6 =
+    # 27 ms; 350 MB gives the same plan, tried once
+    profile = queued_copies_profile()
+    made = plan_with_prefetch(profile, 250 * 10**6)
+    tried = planner.trial_plans(profile, 250 * 10**6, made,
+                                larger_budgets=[350 * 10**6, 300 * 10**6])
+    assert [label for label, _ in tried] == [
+        f"made at copy exposure 0.6 for {300 * 10**6 / 2**30:.2f} GiB"]
+    plan = tried[0][1]
+    assert plan.modes == (OFFLOAD, KEEP, KEEP, KEEP) and plan.peak <= 300 * 10**6
+    assert plan.simulated_ms == pytest.approx(27.0)
+    # without a larger budget nothing beats it: at exposures 0 and 0.2 the same two groups go
+    assert planner.trial_plans(profile, 250 * 10**6, made) == []
 
 
 def _fake_plan(name, simulated_ms, moved=MiB):
@@ -526,27 +554,3 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     monkeypatch.setattr(planner, "plan_with_prefetch", infeasible_at_zero)
     assert [label for label, _ in planner.trial_plans(profile, 10, made)] == [
         "made at copy exposure 0.2"]
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_trial_plans_meet_their_budgets_and_are_faster_in_simulation(seed):
-    rng = random.Random(300 + seed)
-    sizes = [rng.randint(1, 16) * MiB for _ in range(7)]
-    profile = dataclasses.replace(
-        chain_profile(sizes, recompute_every=2, seed=seed, baseline=MiB),
-        copy_exposure=planner.COPY_EXPOSURE, d2h_gbps=0.01, h2d_gbps=0.01,
-        forward_clock=[sum(sizes[:g]) / MiB * 0.05 for g in range(7)])
-    full, least = peak_memory(profile, [KEEP] * 7, 2), least_peak(profile)
-    budget = least + (full - least) // 3
-    larger = [least + (full - least) // 2, least + 2 * (full - least) // 3]
-    made = plan_with_prefetch(profile, budget)
-    tried = planner.trial_plans(profile, budget, made, larger_budgets=larger)
-    assert len(tried) <= planner.TRIAL_PLANS - 1
-    best = made.simulated_ms
-    for label, plan in tried:
-        target = {f" for {b / 2**30:.2f} GiB": b for b in larger}.get(
-            label[label.find(" for "):] if " for " in label else "", budget)
-        assert plan.peak <= target
-        assert plan.simulated_ms < best * (1 - planner.TRIAL_MIN_GAIN)
-        assert valid(profile, plan.modes)
-        best = plan.simulated_ms

@@ -87,10 +87,11 @@ def train(model, data, session=None):
     return results
 
 
-def train_through_failures(model, data, session, forward=None, before_step=None) -> int:
+def train_through_failures(model, data, session, forward=None, before_step=None,
+                           errors=(torch.OutOfMemoryError,)) -> int:
     """SGD steps of ``forward`` (default ``model``) under ``session``, as a script that catches
-    out-of-memory errors runs them: a step that raises one is skipped and its graph let go.
-    ``before_step()`` runs first in each step. The number of steps that failed."""
+    ``errors`` (out of memory) runs them: a step that raises one is skipped and its graph let
+    go. ``before_step()`` runs first in each step. The number of steps that failed."""
     forward = forward or model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     failures = 0
@@ -102,7 +103,7 @@ def train_through_failures(model, data, session, forward=None, before_step=None)
             with session:
                 loss = nn.functional.cross_entropy(forward(x), y)
             loss.backward()
-        except torch.OutOfMemoryError:
+        except errors:
             loss = None
             failures += 1
             continue
@@ -1553,13 +1554,15 @@ def test_a_planned_step_lets_go_of_each_offloaded_tensor_where_its_copy_is_due()
         assert released == due
 
 
-def fake_trial_plans(monkeypatch, others: int = 1) -> list:
+def fake_trial_plans(monkeypatch, others: int = 1, larger: list | None = None) -> list:
     """planner.trial_plans replaced: ``others`` plans, the ``k``-th the plan made with its
     ``k``-th moved or recomputed group kept instead. The list it returns receives [the plan
-    made, those] once the session plans."""
+    made, those] once the session plans; ``larger``, the larger budgets it was given."""
     plans = []
 
     def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets):
+        if larger is not None:
+            larger.append(list(larger_budgets))
         changed = [i for i, m in enumerate(plan.modes) if m != KEEP]
         plans.append(plan)
         for k in range(others):
@@ -1595,6 +1598,7 @@ def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan
     assert_bitwise(reference, train(model, data, session))
     assert session.plan is plans[kept] and session._trial is None
     labels = ["as made", "other 1", "other 2"]
+    assert session.kept_after_trial == (labels[kept] if kept else None)
     assert said[-1] == ("offload plans tried: " + ", ".join(
         f"{label} {ms:.1f} ms a step" for label, ms in zip(labels, plan_ms))
         + f"; keeping the plan {labels[kept]}")
@@ -1607,6 +1611,33 @@ def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan
                 + [plans[kept]] * 2]
     # each step's groups in the modes of the plan then in force (groups saved once each here)
     assert [r[:len(m)] for r, m in zip(ran, expected)] == expected
+
+
+@pytest.mark.parametrize("headroom", [0.1, 0.0])
+def test_the_trial_plans_for_the_headroom_shares_too(monkeypatch, headroom):
+    # besides the plan made for budget x (1 - headroom), plans for each share of the headroom
+    # (planner.TRIAL_HEADROOM_SHARES); with no headroom, none
+    model, data = small_cnn(torch.float64), batches(torch.float64, 3)
+    larger = []
+    fake_trial_plans(monkeypatch, larger=larger)
+    budget = int(saved_bytes(model, data) * 0.8)
+    session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, headroom=headroom,
+                             say=lambda line: None)
+    train(model, data, session)
+    assert session.target == planner.planning_target(budget, headroom)
+    assert larger == [[planner.planning_target(budget, headroom * share)
+                       for share in planner.TRIAL_HEADROOM_SHARES] if headroom else []]
+
+
+def test_fetches_issued_at_one_unpack_go_in_the_order_they_are_needed():
+    # the fetch stream is a queue: of the groups fetched at one unpack the one needed first
+    # goes first (as planner.simulate plays it), whatever the order they were saved in
+    groups = [planner.SavedGroup(1000, 3 - g, 3 - g) for g in range(4)]
+    modes = [KEEP, OFFLOAD, OFFLOAD, OFFLOAD]
+    session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0)
+    session.profile = planner.StepProfile(groups, 1.0, 1.0, 1.0, 1.0, 4)
+    session._first_unpacks = [g.first_unpack for g in groups]
+    assert session._prefetch_schedule(modes) == {0: [3, 2, 1]}
 
 
 def test_no_trial_where_the_plan_moves_nothing():
@@ -1667,10 +1698,12 @@ def test_a_held_offload_whose_graph_is_dropped_in_the_forward_still_goes_at_its_
 
 
 @pytest.mark.parametrize("failing", [1, 2])
-def test_a_trial_plan_out_of_memory_leaves_the_fastest_that_ran_without_a_replan(
-        monkeypatch, failing):
-    # the plan tried second (or third) runs out of memory: the trial ends there, and the fastest
-    # of the plans before it stays (the plan made runs 5 ms a step, the other 4), no replan
+@pytest.mark.parametrize("out_of_memory", [True, False])
+def test_a_trial_plan_that_fails_leaves_the_fastest_that_ran_without_a_replan(
+        monkeypatch, failing, out_of_memory):
+    # the plan tried second (or third) runs out of memory, or its step fails otherwise: the
+    # trial ends there, and the fastest of the plans before it stays (the plan made runs 5 ms a
+    # step, the other 4), no replan
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float32), batches(torch.float32, 2 + 3 * trial + 3)
     said, steps = [], []
@@ -1687,22 +1720,26 @@ def test_a_trial_plan_out_of_memory_leaves_the_fastest_that_ran_without_a_replan
 
     class Fail(nn.Module):
         def forward(self, x):
-            def out_of_memory():
+            def fail():
                 if plans and session.plan is plans[failing]:
+                    if not out_of_memory:
+                        raise ValueError("a bad batch (test)")
                     link.oom()
                     raise torch.OutOfMemoryError("out of memory (test)")
-            return Spike.apply(x, out_of_memory)
+            return Spike.apply(x, fail)
 
     session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
                              headroom=0.0, say=said.append, recompute_convolutions=False)
     failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
-                                      lambda: steps.append(None))
+                                      lambda: steps.append(None),
+                                      (torch.OutOfMemoryError, ValueError))
     kept = 1 if failing == 2 else 0
     assert failures == 1 and session.plan is plans[kept] and session._trial is None
     assert session.replans_used == 0 and not session.fell_back
     timed = "as made 5.0 ms a step" + (", other 1 4.0 ms a step" if failing == 2 else "")
-    assert said[-1] == (f"the plan other {failing} ran out of device memory in its trial: "
-                        f"{timed}; keeping the plan {['as made', 'other 1'][kept]}")
+    why = (f"the plan other {failing} ran out of device memory in its trial" if out_of_memory
+           else f"a step of the plan other {failing} failed in its trial")
+    assert said[-1] == f"{why}: {timed}; keeping the plan {['as made', 'other 1'][kept]}"
     assert [g.mode for g in session._step.groups] == list(plans[kept].modes)
 
 
