@@ -667,8 +667,8 @@ class OffloadSession:
     one line; after that, or when no plan meets the lower target, every later step offloads every
     saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and
     :func:`planner.trial_plans` finds others its simulation says are faster (made at other
-    copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run each :data:`planner.TRIAL_STEPS` steps and keep
-    the fastest, with one line.
+    copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
+    each :data:`planner.TRIAL_STEPS` steps and keep the fastest, with one line.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -1461,8 +1461,8 @@ class OffloadSession:
         margin, whether the session fell back to offloading everything after planned steps ran
         out of memory (``fell_back``: the plan is then the last one tried), how a plan kept after
         a trial was made (``kept_after_trial``) and the modes in force, as one JSON document
-        written atomically; each plan made (or kept after a trial) rewrites it. Never raises: a path that cannot be written is one line (the step goes
-        on)."""
+        written atomically; each plan made (or kept after a trial) rewrites it. Never raises: a
+        path that cannot be written is one line (the step goes on)."""
         if not self.profile_to or self.profile is None:
             return False
         import dataclasses

@@ -465,8 +465,8 @@ def test_simulate_queues_copies_and_the_compute_stream_waits_where_they_are_due(
     timed = StepProfile(groups, 3.0, 3.0, 1.0, 1.0, 3, **clocks)
     run = planner.simulate(timed, [OFFLOAD, OFFLOAD, KEEP], lookahead=2)
     assert run.forward_wait_ms == pytest.approx(3.0) and run.step_ms == pytest.approx(6.0 + 3 + 4)
-    # alone, group 0's copy ends with the forward, and its fetch (3-6 ms) ends 1 ms after the compute
-    # reaches its unpack (at 5)
+    # alone, group 0's copy ends with the forward, and its fetch (3-6 ms) ends 1 ms after the
+    # compute reaches its unpack (at 5)
     assert planner.simulate(timed, [OFFLOAD, KEEP, KEEP], 2).step_ms == pytest.approx(6.0 + 1)
     assert planner.simulate(timed, [KEEP] * 3, 2).step_ms == pytest.approx(6.0)
     # a rebuild runs its recipe on the compute stream at the group's first unpack
