@@ -418,7 +418,8 @@ def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
     a group's release point (:func:`release_point`; the end of the forward: the first unpack)
     the compute stream waits for its copy. Fetches queue on the other stream, each issued when
     the compute stream reaches its prefetch point (:func:`prefetch_point`; of those issued at
-    one point the one needed first first, as the runtime's schedule has them) and not before
+    one point the one needed there first, then in the order they were saved, as the runtime
+    issues them) and not before
     its own copy to the host ended; at a group's first unpack the compute stream waits for its
     fetch. Every wait delays all later compute. Its assumptions: copies at the measured link
     speeds whatever else runs, compute as recorded (no host time, no slower kernels for less
@@ -458,7 +459,8 @@ def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
     queue = forward_end
     for point in range(profile.unpacks):
         now = forward_end + profile.backward_clock[point] + shift
-        for index in sorted(fetches[point], key=lambda i: groups[i].first_unpack):
+        # the runtime's order: the one needed at this point, then in the order they were saved
+        for index in sorted(fetches[point], key=lambda i: (groups[i].first_unpack != point, i)):
             queue = max(now, queue, copied[index]) + transfer_ms(groups[index].nbytes,
                                                                  profile.h2d_gbps)
             fetched[index] = queue

@@ -452,19 +452,26 @@ def test_simulate_queues_copies_and_the_compute_stream_waits_where_they_are_due(
     # 1 ms apart. Released at the next point (margin 0): group 0's copy runs 0-3 ms, so the
     # compute waits 2 ms at point 1; group 1's then runs 3-6 and the compute, at 4, waits 2 more:
     # the forward ends at 7. Both fetches are issued at the backward's start (the backward is
-    # shorter than a copy), needed first first: 7-10 and 10-13, waited for at 8 and 11 (2 ms
-    # each). The step: 7 + 3 + 4 = 14 ms.
+    # shorter than a copy) in the order the groups were saved, as the runtime issues them:
+    # group 0's 7-10, group 1's 10-13, waited for at 8 (5 ms); group 0's is done by 14. The
+    # step: 7 + 3 + 5 = 15 ms.
     groups = [SavedGroup(3_000_000, 2 - g, 2 - g) for g in range(3)]
     clocks = dict(forward_clock=[0.0, 1.0, 2.0], backward_clock=[0.0, 1.0, 2.0])
     profile = StepProfile(groups, 3.0, 3.0, 1.0, 1.0, 3, release_margin=0.0, **clocks)
     run = planner.simulate(profile, [OFFLOAD, OFFLOAD, KEEP], lookahead=2)
     assert (run.step_ms, run.forward_wait_ms, run.backward_wait_ms, run.recompute_ms) == (
-        pytest.approx(14.0), pytest.approx(4.0), pytest.approx(4.0), 0.0)
+        pytest.approx(15.0), pytest.approx(4.0), pytest.approx(5.0), 0.0)
     # released when due (1.5 copy times on: past the forward's end), both wait at its end, where
     # group 1's copy has 3 ms to go
     timed = StepProfile(groups, 3.0, 3.0, 1.0, 1.0, 3, **clocks)
     run = planner.simulate(timed, [OFFLOAD, OFFLOAD, KEEP], lookahead=2)
-    assert run.forward_wait_ms == pytest.approx(3.0) and run.step_ms == pytest.approx(6.0 + 3 + 4)
+    assert run.forward_wait_ms == pytest.approx(3.0) and run.step_ms == pytest.approx(6.0 + 3 + 5)
+    # a fetch issued at the point of its own unpack (on demand) goes before the others there:
+    # all three offloaded (group 2's copy, 6-9, waited for at the forward's end: 9), fetched at
+    # the backward's start: group 2's 9-12 waited for at once (3 ms), then group 0's 12-15 and
+    # group 1's 15-18, waited for at 13 (5 ms); group 0's is done by 19
+    demand = planner.simulate(profile, [OFFLOAD, OFFLOAD, OFFLOAD], lookahead=2)
+    assert demand.backward_wait_ms == pytest.approx(3.0 + 5.0)
     # alone, group 0's copy ends with the forward, and its fetch (3-6 ms) ends 1 ms after the
     # compute reaches its unpack (at 5)
     assert planner.simulate(timed, [OFFLOAD, KEEP, KEEP], 2).step_ms == pytest.approx(6.0 + 1)

@@ -1629,15 +1629,15 @@ def test_the_trial_plans_for_the_headroom_shares_too(monkeypatch, headroom):
                        for share in planner.TRIAL_HEADROOM_SHARES] if headroom else []]
 
 
-def test_fetches_issued_at_one_unpack_go_in_the_order_they_are_needed():
-    # the fetch stream is a queue: of the groups fetched at one unpack the one needed first
-    # goes first (as planner.simulate plays it), whatever the order they were saved in
+def test_fetches_issued_at_one_unpack_go_in_the_order_the_groups_were_saved():
+    # the one needed last is allocated first and freed last (stack order for the caching
+    # allocator), as planner.simulate plays it (the one needed at that unpack goes first: _unpack)
     groups = [planner.SavedGroup(1000, 3 - g, 3 - g) for g in range(4)]
     modes = [KEEP, OFFLOAD, OFFLOAD, OFFLOAD]
     session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0)
     session.profile = planner.StepProfile(groups, 1.0, 1.0, 1.0, 1.0, 4)
     session._first_unpacks = [g.first_unpack for g in groups]
-    assert session._prefetch_schedule(modes) == {0: [3, 2, 1]}
+    assert session._prefetch_schedule(modes) == {0: [1, 2, 3]}
 
 
 def test_no_trial_where_the_plan_moves_nothing():
