@@ -42,7 +42,10 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   slower run fails), between --fast-low-fraction of the smaller minimum and that minimum; the
   offload probes share their runs. --offload-searches picks among target, fast and any;
   --no-shim-search leaves the shim alone out. Each searched shim side gets
-  ``vs_pytorch_min``, ``vs_pytorch_uncapped_step`` and ``target_met`` in the JSON.
+  ``vs_pytorch_min``, ``vs_pytorch_uncapped_step`` and ``target_met`` in the JSON; the fast
+  search also ``slower_above_gib``, the larger caps below PyTorch's minimum probed (by it or the
+  target) at which the run was slower than that, where the target is then not met (its
+  bisection assumes a larger cap is never slower).
 - ``maxbatch`` (c): per model and side, the largest batch that trains under a --cap GiB cap (24):
   from N doubling until it fails (halving if N fails), then bisection to --resolution (5 %); the
   shim starts from PyTorch's largest, growing by --seeded-growth. images/s at the largest. Target:
@@ -682,7 +685,11 @@ def is_3d(model: str) -> bool:
 def minmem_targets(model: str, entry: dict, side: str) -> dict:
     """A side's minimum against PyTorch's (``vs_pytorch_min``), its step there against PyTorch's
     uncapped step (``vs_pytorch_uncapped_step``), and whether they meet the issue's target
-    (``target_met``; None while a ratio it needs is missing)."""
+    (``target_met``; None while a ratio it needs is missing). The fast search's minimum also
+    needs every larger cap probed below PyTorch's minimum (its own and the target's probe) to
+    have trained that fast: its bisection assumes a larger cap is never slower, and near the
+    cap the 3-D U-Net's step is not monotone (session 17: 113.2 ms at 6.75 GiB, 121.6 at 7.0).
+    Those that did not are ``slower_above_gib``, and the target is then not met."""
     own, pytorch = entry.get(side) or {}, entry.get("pytorch") or {}
     base_ms = (entry.get("pytorch_uncapped") or {}).get("step_ms")
     own_ms = (own.get("at_min") or {}).get("step_ms")
@@ -691,12 +698,16 @@ def minmem_targets(model: str, entry: dict, side: str) -> dict:
         ratios["vs_pytorch_min"] = own["min_cap_gib"] / pytorch["min_cap_gib"]
     if own_ms and base_ms:
         ratios["vs_pytorch_uncapped_step"] = own_ms / base_ms
+    if side == "fast" and own.get("min_cap_gib"):
+        ratios["slower_above_gib"] = slower_above(entry, own["min_cap_gib"])
     met = None
     if side == "fast" and own.get("complete") and own.get("min_cap_gib") is None and not own.get("error"):
         met = False  # slow (or failing) even at the smaller minimum, its ceiling: not met there
+    elif ratios.get("slower_above_gib"):
+        met = False
     elif "vs_pytorch_min" in ratios and not is_3d(model):
         met = ratios["vs_pytorch_min"] <= 1.0
-    elif len(ratios) == 2:
+    elif "vs_pytorch_min" in ratios and "vs_pytorch_uncapped_step" in ratios:
         met = (ratios["vs_pytorch_min"] <= MIN_FRACTION_3D
                and ratios["vs_pytorch_uncapped_step"] <= STEP_RATIO_3D)
     return {**ratios, "target_met": met}
@@ -715,6 +726,19 @@ def previous_uncapped(out: Path, dtype: str, bench: bool) -> dict:
     return found
 
 
+def slower_above(entry: dict, min_cap_gib: float) -> list[float]:
+    """The caps above ``min_cap_gib`` and below PyTorch's minimum at which an offload probe of
+    ``entry`` (the fast search's, the target's) did not train within :data:`STEP_RATIO_3D` of
+    PyTorch's uncapped step."""
+    base_ms = (entry.get("pytorch_uncapped") or {}).get("step_ms")
+    ceiling = (entry.get("pytorch") or {}).get("min_cap_gib") or math.inf
+    probes = list((entry.get("fast") or {}).get("probes", [])) + (
+        [entry["target"]] if entry.get("target") else [])
+    return sorted({p["cap_gib"] for p in probes
+                   if min_cap_gib < p.get("cap_gib", 0) < ceiling and base_ms
+                   and not (passed(p) and p.get("step_ms", math.inf) <= STEP_RATIO_3D * base_ms)})
+
+
 def minmem_line(model, batch, entry) -> str:
     def side(name):
         s = entry.get(name)
@@ -726,6 +750,8 @@ def minmem_line(model, batch, entry) -> str:
             f"{name} <= {s['at_most_gib']:g} GiB (incomplete)" if s.get("at_most_gib") else f"{name} -")
         ratios = [f"{s[k]:.3f}x {what}" for k, what in (("vs_pytorch_min", "PyTorch's min"),
                   ("vs_pytorch_uncapped_step", "its uncapped step")) if s.get(k) is not None]
+        ratios += [f"slower at {', '.join(f'{c:g}' for c in s['slower_above_gib'])} GiB"] \
+            if s.get("slower_above_gib") else []
         return text + (f" {at['step_ms']:.1f} ms" if "step_ms" in at else "") + \
             f" [{len(s['probes'])} probes]" + (f" ({', '.join(ratios)})" if ratios else "")
     return f"[minmem {model}:{batch}] " + ", ".join(
@@ -938,10 +964,12 @@ def offload_table(report: dict) -> list[str]:
             row("target (one probe)", f"{t['cap_gib']:g} ({t.get('status')})", t, t, 1)
         for side, search in (("fast", "fast"), ("offload", "any")):
             if side in e:
-                off = e[side]
-                row(search, min_text(off), off.get("at_min") or {},
-                    minmem_targets(model, e, side), len(off.get("probes", [])),
-                    "; ".join(x for x in (off.get("error"), e.get("incomplete")) if x))
+                off, targets = e[side], minmem_targets(model, e, side)
+                slower = targets.get("slower_above_gib")
+                row(search, min_text(off), off.get("at_min") or {}, targets,
+                    len(off.get("probes", [])),
+                    "; ".join(x for x in (off.get("error"), e.get("incomplete"), slower and (
+                        f"slower at {', '.join(f'{c:g}' for c in slower)} GiB")) if x))
     return lines + [""]
 
 

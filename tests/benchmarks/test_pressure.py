@@ -427,6 +427,24 @@ def test_a_fast_search_slow_at_its_ceiling_does_not_meet_the_target():
     assert pressure.minmem_targets("unet3d", entry, "fast")["target_met"] is False
 
 
+@pytest.mark.parametrize("target_ms, slower", [(121.6, [7.0]), (112.0, [])])
+def test_a_fast_minimum_with_a_slower_cap_above_it_does_not_meet_the_target(target_ms, slower):
+    # session 17's U-Net: 113.2 ms at 6.75 GiB (the fast search's minimum), 121.6 ms at the
+    # target's 7.0 GiB probe, over 1.10x PyTorch's 103.3: the bisection's assumption failed
+    probes = [{"cap_gib": 9.0, "status": "ok", "step_ms": 105.1},
+              {"cap_gib": 6.5, "status": "slow", "step_ms": 140.5},
+              {"cap_gib": 6.75, "status": "ok", "step_ms": 113.2}]
+    entry = {"pytorch_uncapped": {"step_ms": 103.3}, "pytorch": {"min_cap_gib": 9.0, "probes": []},
+             "target": {"cap_gib": 7.0, "status": "ok", "step_ms": target_ms},
+             "fast": {"min_cap_gib": 6.75, "complete": True, "probes": probes,
+                      "at_min": {"step_ms": 113.2}}}
+    result = pressure.minmem_targets("unet3d", entry, "fast")
+    assert result["slower_above_gib"] == slower and result["target_met"] is (not slower)
+    assert result["vs_pytorch_min"] == pytest.approx(0.75)
+    line = pressure.minmem_line("unet3d", 2, {**entry, "fast": {**entry["fast"], **result}})
+    assert ("slower at 7 GiB" in line) is bool(slower)
+
+
 def test_minmem_can_leave_the_shim_alone_out(gpu, tmp_path):
     assert pressure.main(["minmem", "--models", "unet3d", "--dtypes", "fp32", "--benchmark", "off",
                           "--offload", "--no-shim-search", "--out", str(tmp_path)]) == 0
