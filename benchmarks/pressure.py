@@ -739,6 +739,11 @@ def slower_above(entry: dict, min_cap_gib: float) -> list[float]:
                    and not (passed(p) and p.get("step_ms", math.inf) <= STEP_RATIO_3D * base_ms)})
 
 
+def slower_text(caps: list[float]) -> str:
+    """:func:`slower_above`'s caps, as the line and the page say them."""
+    return f"slower at {', '.join(f'{c:g}' for c in caps)} GiB"
+
+
 def minmem_line(model, batch, entry) -> str:
     def side(name):
         s = entry.get(name)
@@ -750,8 +755,7 @@ def minmem_line(model, batch, entry) -> str:
             f"{name} <= {s['at_most_gib']:g} GiB (incomplete)" if s.get("at_most_gib") else f"{name} -")
         ratios = [f"{s[k]:.3f}x {what}" for k, what in (("vs_pytorch_min", "PyTorch's min"),
                   ("vs_pytorch_uncapped_step", "its uncapped step")) if s.get(k) is not None]
-        ratios += [f"slower at {', '.join(f'{c:g}' for c in s['slower_above_gib'])} GiB"] \
-            if s.get("slower_above_gib") else []
+        ratios += [slower_text(s["slower_above_gib"])] if s.get("slower_above_gib") else []
         return text + (f" {at['step_ms']:.1f} ms" if "step_ms" in at else "") + \
             f" [{len(s['probes'])} probes]" + (f" ({', '.join(ratios)})" if ratios else "")
     return f"[minmem {model}:{batch}] " + ", ".join(
@@ -968,8 +972,8 @@ def offload_table(report: dict) -> list[str]:
                 slower = targets.get("slower_above_gib")
                 row(search, min_text(off), off.get("at_min") or {}, targets,
                     len(off.get("probes", [])),
-                    "; ".join(x for x in (off.get("error"), e.get("incomplete"), slower and (
-                        f"slower at {', '.join(f'{c:g}' for c in slower)} GiB")) if x))
+                    "; ".join(x for x in (off.get("error"), e.get("incomplete"),
+                                          slower and slower_text(slower)) if x))
     return lines + [""]
 
 

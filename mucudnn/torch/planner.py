@@ -419,9 +419,8 @@ def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
     the compute stream waits for its copy. Fetches queue on the other stream, each issued when
     the compute stream reaches its prefetch point (:func:`prefetch_point`; of those issued at
     one point the one needed there first, then in the order they were saved, as the runtime
-    issues them) and not before
-    its own copy to the host ended; at a group's first unpack the compute stream waits for its
-    fetch. Every wait delays all later compute. Its assumptions: copies at the measured link
+    issues them) and not before its own copy to the host ended; at a group's first unpack the
+    compute stream waits for its fetch. Every wait delays all later compute. Its assumptions: copies at the measured link
     speeds whatever else runs, compute as recorded (no host time, no slower kernels for less
     workspace, no allocator flushes). Measured steps on the 3-D U-Net came within 2 % of it
     where the allocator had room, and up to 7 % above it near the cap (session 17)."""
