@@ -1611,6 +1611,19 @@ def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan
                 + [plans[kept]] * 2]
     # each step's groups in the modes of the plan then in force (groups saved once each here)
     assert [r[:len(m)] for r, m in zip(ran, expected)] == expected
+    # the cache is emptied before each plan's first step: after the recording, at each switch,
+    # and after the trial unless the plan kept is the one that ran last
+    emptied = [e[1] for e in trace if e[0] == "empty_cache"]
+    assert emptied == [2, 2 + trial, 2 + 2 * trial] + ([2 + 3 * trial] if kept != 2 else [])
+
+
+def test_steps_in_the_same_modes_leave_the_cache_alone():
+    model, data = small_cnn(torch.float64), batches(torch.float64, 4)
+    trace = []
+    session = OffloadSession(modes=[OFFLOAD] * 64, link=RecordingLink(), min_bytes=0,
+                             trace=trace)
+    train(model, data, session)
+    assert not [e for e in trace if e[0] == "empty_cache"]
 
 
 @pytest.mark.parametrize("headroom", [0.1, 0.0])
