@@ -127,7 +127,10 @@ def _worker_steps(args, torch, where: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return step_loss
 
-    times, retries_before = [], 0
+    # the caching allocator's flushes in each step, warm-up included (an offload plan's trial
+    # is in the warm-up): when flushes start, and whether they stop
+    times, retries_before, retries_per_step = [], 0, []
+    retries_seen = allocator_counters(torch)["num_alloc_retries"]
     for i in range(args.warmup + args.steps):
         where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
                           else f"timed step {i + 1 - args.warmup}")
@@ -140,11 +143,15 @@ def _worker_steps(args, torch, where: dict) -> dict:
         end.synchronize()
         if i >= args.warmup:
             times.append(start.elapsed_time(end))
+        retries = allocator_counters(torch)["num_alloc_retries"]
+        retries_per_step.append(retries - retries_seen)
+        retries_seen = retries
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer PyTorch only
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
               "alloc_retries": allocator_counters(torch)["num_alloc_retries"] - retries_before,
+              "alloc_retries_per_step": retries_per_step,
               "memory_fraction": fraction(0) if fraction else None,
               "device": torch.cuda.get_device_name(0), "batch": args.batch,
               "segments": segment_summary(torch.cuda.memory_snapshot())}
