@@ -238,8 +238,9 @@ def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0)
     (``allocated``, ``mapped``: reserved): bytes allocated, bytes freed but not yet
     reusable (``free_requested`` without its ``free_completed``: a block with stream uses,
     ``record_stream``, waits for their events), and the rest, cached free blocks; the counts of
-    mappings (growth) and unmappings (a flush frees cached blocks), and per growth the request
-    that caused it. Blocks freed before the trace and completed in it are ignored (their
+    mappings (growth) and unmappings (a flush frees cached blocks), per growth the request
+    that caused it, and per run of unmappings (a flush; the first 16) the levels before it, the
+    bytes unmapped and the request that followed (``failed``: it ran out of memory even so). Blocks freed before the trace and completed in it are ignored (their
     requests are not in it)."""
     pending = 0
     waiting: dict[int, int] = {}       # addr -> size of a free requested, not completed
@@ -251,6 +252,8 @@ def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0)
     peak, most_mapped = None, mapped    # None: the step mapped nothing beyond what it began with
     most_pending = 0
     growths, unmaps, ooms = [], 0, 0
+    flushes: list[dict] = []            # per run of unmappings: its levels, the request after it
+    flush = None                        # the last run, until a request (or an oom) follows it
     last_map = None
     for entry in trace:
         action, size, addr = entry.get("action"), entry.get("size", 0), entry.get("addr", 0)
@@ -260,6 +263,9 @@ def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0)
                 growths.append({**last_map, "request": size,
                                 "where": _frame_names(entry.get("frames", []))})
                 last_map = None
+            if flush is not None:        # the request the unmapping made room for
+                flush.update(request=size, where=_frame_names(entry.get("frames", [])))
+                flush = None
         elif action == "free_requested":
             allocated -= size
             waiting[addr] = size
@@ -267,20 +273,29 @@ def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0)
         elif action == "free_completed":
             pending -= waiting.pop(addr, 0)
         elif action in _MAPS:
+            before = level()
             mapped += _MAPS[action] * size
             if _MAPS[action] > 0:
                 last_map = {"grown": size, **level()}
             else:
                 unmaps += 1
+                if flush is None:
+                    flush = {"unmapped": 0, **before}
+                    flushes.append(flush)
+                flush["unmapped"] += size
         elif action == "oom":
             ooms += 1
+            if flush is not None:        # the request failed even after the unmapping
+                flush.update(request=size, failed=True,
+                             where=_frame_names(entry.get("frames", [])))
+                flush = None
         most_pending = max(most_pending, pending)
         if mapped > most_mapped:
             peak, most_mapped = level(), mapped
     return {"entries": len(trace), "at_most_mapped": peak, "most_pending": most_pending,
             "growths": len(growths), "grown_bytes": sum(g["grown"] for g in growths),
             "largest_growths": sorted(growths, key=lambda g: -g["grown"])[:8],
-            "unmaps": unmaps, "ooms": ooms}
+            "unmaps": unmaps, "ooms": ooms, "flushes": flushes[:16]}
 
 
 def _frame_names(frames: list[dict], keep: int = 3) -> list[str]:

@@ -77,6 +77,29 @@ def test_memory_trace_summary_tells_pending_frees_from_cached_ones():
     assert growth["where"] == ["runtime.py:290 fetch"]
 
 
+def test_memory_trace_summary_names_the_request_after_each_run_of_unmappings():
+    from benchmarks.shim_pytorch import memory_trace_summary
+    frames = [{"filename": "/w/benchmarks/models.py", "line": 129, "name": "forward"}]
+    trace = [
+        {"action": "alloc", "addr": 0, "size": 100},
+        {"action": "free_requested", "addr": 0, "size": 100},
+        {"action": "free_completed", "addr": 0, "size": 100},
+        {"action": "segment_unmap", "addr": 0, "size": 300},     # a flush: two ranges
+        {"action": "segment_unmap", "addr": 600, "size": 200},
+        {"action": "segment_map", "addr": 0, "size": 400},
+        {"action": "alloc", "addr": 0, "size": 400, "frames": frames},
+        {"action": "segment_unmap", "addr": 900, "size": 100},   # another, and it fails
+        {"action": "oom", "size": 5000},
+    ]
+    summary = memory_trace_summary(trace, allocated=50, mapped=1000)
+    assert summary["unmaps"] == 3 and summary["ooms"] == 1
+    assert summary["flushes"] == [
+        {"unmapped": 500, "mapped": 1000, "allocated": 50, "pending": 0, "cached_free": 950,
+         "request": 400, "where": ["models.py:129 forward"]},
+        {"unmapped": 100, "mapped": 900, "allocated": 450, "pending": 0, "cached_free": 450,
+         "request": 5000, "failed": True, "where": []}]
+
+
 def test_memory_trace_summary_has_no_most_mapped_moment_where_nothing_was_mapped():
     from benchmarks.shim_pytorch import memory_trace_summary
     trace = [{"action": "alloc", "addr": 0, "size": 100},
