@@ -1291,11 +1291,10 @@ class OffloadSession:
 
         When the next step runs other modes (the plan made, each plan of a trial, the one kept
         after it, a plan made again, the fall-back), the links' caching allocators start it
-        empty. Between steps little is allocated (parameters, the optimizer's state), so the new
-        plan's tensors are laid out from scratch and, from its second step on, as every later
-        step lays them out; left in the holes of the last plan's layout (the recording step's,
-        another plan's), they fragmented the cache under a cap: the U-Net's plans at 7.25 GiB
-        ran 118-120 ms a step in their trial and 107.9 ms afterwards."""
+        empty: between steps little is allocated (parameters, the optimizer's state), so each
+        plan lays its tensors out from the same state rather than in the holes the last plan's
+        layout left, and a trial compares plans, not the order it ran them in.
+        """
         modes = self.modes
         self._close_step(failed, out_of_memory)
         if self.modes is not None and self.modes != modes:
