@@ -606,7 +606,8 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     profile's; of each budget's, the one :func:`simulate` finds fastest is tried if it beats
     every plan before it by :data:`TRIAL_MIN_GAIN`. None (``[]``) where ``plan`` moves nothing
     (its exposure then changes nothing). CBC gets at most :data:`TRIAL_SOLVE_S` a solve here. The
-    runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest: what the allocator does
+    runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest (of those that did not
+    flush the allocator's cache where any did not): what the allocator does
     near its cap is no part of the model (on the 3-D U-Net under 7.0 GiB a plan for 6.65 GiB
     simulated at 110.3 ms ran 117.6, the plan for 6.3 GiB 116.2 against 116.6; session 17)."""
     if not plan.moved_bytes:

@@ -217,6 +217,11 @@ class CopyLink:
         """Allocations the device refused so far (a counter that only grows)."""
         return 0
 
+    def flushes(self) -> int:
+        """Times so far the device's caching allocator freed its cache to retry an allocation
+        (a counter that only grows)."""
+        return 0
+
     def bandwidth_gbps(self) -> tuple[float, float]:
         return self.gbps or measure_bandwidth(self, torch.device("cpu"))
 
@@ -379,6 +384,9 @@ class CudaLink(CopyLink):
 
     def ooms(self):
         return torch.cuda.memory_stats(self.device).get("num_ooms", 0)
+
+    def flushes(self):
+        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
 
     def bandwidth_gbps(self):
         if self.gbps is None:
@@ -638,9 +646,26 @@ class _Trial:
     labels: list                                 # per plan: what it is, for the lines said
     current: int = 0
     marks: list = field(default_factory=list)    # per plan: the end marks of its steps
+    flushes: list = field(default_factory=list)  # per plan: the link's flush count at each mark
 
     def __post_init__(self):
         self.marks = [[] for _ in self.plans]
+        self.flushes = [[] for _ in self.plans]
+
+    def flushes_in(self, index: int) -> int:
+        """The caching allocator's flushes in plan ``index``'s timed steps."""
+        counts = self.flushes[index]
+        return counts[-1] - counts[0] if counts else 0
+
+    def kept(self, ran: int) -> int:
+        """Of the first ``ran`` plans, the fastest of those whose timed steps did not flush the
+        caching allocator's cache (of all where each did). A plan that flushes in its trial
+        flushes more after it: on the 3-D U-Net under 7.0 GiB the plan for 6.65 GiB that
+        recomputes 15 groups flushed once a step in its trial (111.5-118.1 ms a step) and twice
+        a step after it (121.9-128.6 ms) in five runs of five, where the plan as made, with no
+        flush, ran 118.8-124.0 in its trial (benchmarks/results/pressure, session 18)."""
+        calm = [index for index in range(ran) if not self.flushes_in(index)]
+        return min(calm or range(ran), key=self.step_ms)
 
     def step_ms(self, index: int) -> float:
         """The fastest of plan ``index``'s timed steps (each after its first): a step slowed by
@@ -675,7 +700,8 @@ class OffloadSession:
     saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and
     :func:`planner.trial_plans` finds others its simulation says are faster (made at other
     copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
-    each :data:`planner.TRIAL_STEPS` steps and keep the fastest, with one line.
+    each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
+    allocator's cache (:meth:`_Trial.kept`), with one line.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -1451,9 +1477,10 @@ class OffloadSession:
 
     def _advance_trial(self, link: CopyLink) -> None:
         """A planned step of the trial ended: the next plan's turn after
-        :data:`planner.TRIAL_STEPS` steps, and after the last plan's, the fastest stays."""
+        :data:`planner.TRIAL_STEPS` steps, and after the last plan's, :meth:`_Trial.kept` stays."""
         trial = self._trial
         trial.marks[trial.current].append(link.mark())
+        trial.flushes[trial.current].append(link.flushes())
         if len(trial.marks[trial.current]) < planner.TRIAL_STEPS:
             return
         if trial.current + 1 < len(trial.plans):
@@ -1464,16 +1491,19 @@ class OffloadSession:
         self._end_trial(trial, len(trial.plans), "offload plans tried")
 
     def _end_trial(self, trial: _Trial, ran: int, why: str) -> None:
-        """The fastest of the trial's first ``ran`` plans (each timed) stays, said in one line
-        that starts with ``why``."""
+        """:meth:`_Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one
+        line that starts with ``why``."""
         times = [trial.step_ms(index) for index in range(ran)]
-        best = min(range(ran), key=times.__getitem__)
+        best = trial.kept(ran)
         self._trial = None
         self.kept_after_trial = trial.labels[best] if best else None
         self.plan = trial.plans[best]
         self.modes = list(self.plan.modes)
         self.write_profile()
-        timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step"
+        def flushes(index):
+            count = trial.flushes_in(index)
+            return f" ({count} flush{'es' if count > 1 else ''})" if count else ""
+        timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{flushes(index)}"
                           for index, ms in enumerate(times))
         self.say(f"{why}: {timed}; keeping the plan {trial.labels[best]}")
 

@@ -1783,6 +1783,38 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
     assert session.plan is plans[0]
 
 
+@pytest.mark.parametrize("flushing, kept", [((False, True), 0), ((True, True), 1),
+                                            ((False, False), 1), ((True, False), 1)])
+def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch, flushing, kept):
+    # the other plan runs 5 ms a step against 10 as made; a plan whose timed steps flushed the
+    # caching allocator's cache (the link's counter grew) loses to one whose did not
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    plans = fake_trial_plans(monkeypatch)
+
+    class Flushing(RecordingLink):
+        now, count = 0.0, 0
+
+        def _stamp(self):
+            index = plans.index(session.plan) if session.plan in plans else 0
+            self.now += 1e-3 * (10.0, 5.0)[index]
+            return self.now
+
+        def flushes(self):   # read once per step of a trial: one flush a step for a flushing plan
+            if session._trial is not None and flushing[plans.index(session.plan)]:
+                self.count += 1
+            return self.count
+    said = []
+    session = OffloadSession(budget=1, link=Flushing(), min_bytes=0, headroom=0.0,
+                             say=said.append)
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    train(model, data, session)
+    flushed = [" (2 flushes)" if f else "" for f in flushing]
+    assert said[-1] == (f"offload plans tried: as made 10.0 ms a step{flushed[0]}, other 1 5.0 ms "
+                        f"a step{flushed[1]}; keeping the plan {['as made', 'other 1'][kept]}")
+    assert session.plan is plans[kept]
+
+
 def test_with_no_plan_under_a_budget_each_offload_goes_at_the_next_point():
     # every tensor offloaded (no plan met the budget): the least memory, each offload released
     # at the next forward point however slow the link (its copies due far later)
