@@ -662,8 +662,9 @@ class _Trial:
         caching allocator's cache (of all where each did). A plan that flushes in its trial
         flushes more after it: on the 3-D U-Net under 7.0 GiB the plan for 6.65 GiB that
         recomputes 15 groups flushed once a step in its trial (111.5-118.1 ms a step) and twice
-        a step after it (121.9-128.6 ms) in five runs of five, where the plan as made, with no
-        flush, ran 118.8-124.0 in its trial (benchmarks/results/pressure, session 18)."""
+        a step after it (121.9-128.6 ms) in four runs of four, where the plan as made, with no
+        flush, ran 118.8-124.0 in its trial; kept by this rule, it ran 122.7 with none
+        (benchmarks/results/pressure, session 18)."""
         calm = [index for index in range(ran) if not self.flushes_in(index)]
         return min(calm or range(ran), key=self.step_ms)
 
