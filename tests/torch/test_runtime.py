@@ -1756,6 +1756,17 @@ def test_a_trial_plan_that_fails_leaves_the_fastest_that_ran_without_a_replan(
     assert [g.mode for g in session._step.groups] == list(plans[kept].modes)
 
 
+def run_trial(model, data, link):
+    """(session, lines said) after training ``model`` on ``data`` with a session under 0.6 of its
+    saved bytes and no headroom (so a trial), ``link`` its link (``link.session``: the session)."""
+    said = []
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.0, say=said.append)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    train(model, data, session)
+    return session, said
+
+
 def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
     # one slow step (the script's own work between steps) does not make the plan lose: the plan
     # made runs 10 then 30 ms a step (mean 20), the other 15 and 15: the plan made stays
@@ -1768,16 +1779,13 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
         now = 0.0
 
         def _stamp(self):    # seconds; a step's end mark advances by that plan's next tick
+            session = self.session
             if session._trial is not None and session.plan in plans:
                 self.now += 1e-3 * next(ticks[plans.index(session.plan)])
             else:
                 self.now += 1e-3
             return self.now
-    said = []
-    session = OffloadSession(budget=1, link=Ticking(), min_bytes=0, headroom=0.0,
-                             say=said.append)
-    session.budget = int(saved_bytes(model, data) * 0.6)
-    train(model, data, session)
+    session, said = run_trial(model, data, Ticking())
     assert said[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 15.0 ms a "
                         "step; keeping the plan as made")
     assert session.plan is plans[0]
@@ -1796,19 +1804,15 @@ def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch
         now, count = 0.0, 0
 
         def _stamp(self):
-            index = plans.index(session.plan) if session.plan in plans else 0
-            self.now += 1e-3 * (10.0, 5.0)[index]
+            plan = self.session.plan
+            self.now += 1e-3 * (10.0, 5.0)[plans.index(plan) if plan in plans else 0]
             return self.now
 
         def flushes(self):   # read once per step of a trial: one flush a step for a flushing plan
-            if session._trial is not None and flushing[plans.index(session.plan)]:
+            if self.session._trial is not None and flushing[plans.index(self.session.plan)]:
                 self.count += 1
             return self.count
-    said = []
-    session = OffloadSession(budget=1, link=Flushing(), min_bytes=0, headroom=0.0,
-                             say=said.append)
-    session.budget = int(saved_bytes(model, data) * 0.6)
-    train(model, data, session)
+    session, said = run_trial(model, data, Flushing())
     flushed = [" (2 flushes)" if f else "" for f in flushing]
     assert said[-1] == (f"offload plans tried: as made 10.0 ms a step{flushed[0]}, other 1 5.0 ms "
                         f"a step{flushed[1]}; keeping the plan {['as made', 'other 1'][kept]}")
