@@ -744,6 +744,7 @@ class OffloadSession:
         self._replaying = False
         self._mismatch_said = False
         self._unmoved_said = False
+        self._empty_cache_due = False   # after a failed step: at the next step's start
         self.fell_back = False
         self._handles = []
         self._hooks = None
@@ -830,6 +831,8 @@ class OffloadSession:
         self._poll_links()   # between packs too: a module that saves nothing of ours
         if self._step.unpacks:   # the first module of the next step: its calls belong there
             self._end_step()
+        if self._empty_cache_due:
+            self._empty_caches()
         if self._step.profiling and self._step.start_allocated is None:
             self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -1066,6 +1069,8 @@ class OffloadSession:
         link.poll()   # offloaded tensors whose copies are done go back now, not at the next offload
         if self._step.unpacks:
             self._end_step()
+        if self._empty_cache_due:
+            self._empty_caches()
         step = self._step
         group = self._find(step, tensor)
         if group is None:
@@ -1320,14 +1325,23 @@ class OffloadSession:
         after it, a plan made again, the fall-back), the links' caching allocators start it
         empty: between steps little is allocated (parameters, the optimizer's state), so each
         plan lays its tensors out from the same state rather than in the holes the last plan's
-        layout left, and a trial compares plans, not the order it ran them in.
+        layout left, and a trial compares plans, not the order it ran them in. After a failed
+        step that waits for the next step's start: until the script lets go of the error, its
+        traceback holds the failed forward's tensors.
         """
-        modes = self.modes
+        plan, modes = self.plan, self.modes
         self._close_step(failed, out_of_memory)
-        if self.modes is not None and self.modes != modes:
-            for link in self._links_in_use():
-                link.empty_cache()
-            self._event("empty_cache", self.steps)
+        if self.modes is not None and (self.modes != modes or self.plan is not plan):
+            if failed:
+                self._empty_cache_due = True
+            else:
+                self._empty_caches()
+
+    def _empty_caches(self) -> None:
+        self._empty_cache_due = False
+        for link in self._links_in_use():
+            link.empty_cache()
+        self._event("empty_cache", self.steps)
 
     def _close_step(self, failed: bool, out_of_memory: bool) -> None:
         finished = self._step

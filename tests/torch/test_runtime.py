@@ -1273,12 +1273,14 @@ def test_offloaded_and_recomputed_through_adds_in_one_step():
 def test_a_plan_recomputes_blocks_outputs_through_their_adds():
     # over a slow link (both ways: an offloaded group holds its memory to the end of the
     # forward) the planner recomputes what it can: the blocks' outputs among them, with both
-    # their sources kept or recomputed; the session holds no more than the plan models
+    # their sources kept or recomputed; the session holds no more than the plan models. The
+    # link (10 kB/s: seconds a copy) is far slower than any module's recorded time can be on a
+    # loaded machine (at 1 MB/s, one CI run under load planned no such recompute)
     dtype = torch.float64
     model, data = resnet(BasicBlock, [3, 2], [8, 16], dtype), batches(dtype, 4)
     reference = train(copy.deepcopy(model), data)
     trace = HeldBytes()
-    session = OffloadSession(budget=1, link=RecordingLink(gbps=(0.001, 0.001)), min_bytes=0,
+    session = OffloadSession(budget=1, link=RecordingLink(gbps=(1e-5, 1e-5)), min_bytes=0,
                              trace=trace, headroom=0.0)
     trace.session = session
     session.budget = int(saved_bytes(model, data) * 0.6)
@@ -1617,6 +1619,20 @@ def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan
     assert emptied == [2, 2 + trial, 2 + 2 * trial] + ([2 + 3 * trial] if kept != 2 else [])
 
 
+def test_a_plan_of_the_same_modes_still_starts_with_the_cache_emptied(monkeypatch):
+    # the trial's other plan differs from the plan made only in how far ahead it fetches
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    monkeypatch.setattr(planner, "trial_plans", lambda profile, budget, plan, *rest: [
+        ("further ahead", dataclasses.replace(plan, lookahead=plan.lookahead + 1))])
+    trace = []
+    session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             trace=trace, say=lambda line: None)
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    train(model, data, session)
+    assert [e[1] for e in trace if e[0] == "empty_cache"][:2] == [2, 2 + trial]
+
+
 def test_steps_in_the_same_modes_leave_the_cache_alone():
     model, data = small_cnn(torch.float64), batches(torch.float64, 4)
     trace = []
@@ -1754,6 +1770,40 @@ def test_a_trial_plan_that_fails_leaves_the_fastest_that_ran_without_a_replan(
            else f"a step of the plan other {failing} failed in its trial")
     assert said[-1] == f"{why}: {timed}; keeping the plan {['as made', 'other 1'][kept]}"
     assert [g.mode for g in session._step.groups] == list(plans[kept].modes)
+
+
+def test_after_a_forward_that_failed_the_cache_is_emptied_as_the_next_step_starts(monkeypatch):
+    # the trial's other plan runs out of memory in its forward: the plan made stays, and the
+    # cache is emptied for it once the next step starts (until the script lets go of the error,
+    # its traceback holds the failed forward's tensors), not as the error leaves the session
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float32), batches(torch.float32, 2 + 2 * trial + 2)
+    plans = fake_trial_plans(monkeypatch)
+
+    class Counting(MeteredLink):
+        empties = 0
+
+        def empty_cache(self):
+            self.empties += 1
+    link, empties_at_start = Counting(), []
+
+    class FailForward(nn.Module):
+        def forward(self, x):
+            if plans and session.plan is plans[1]:
+                link.oom()
+                raise torch.OutOfMemoryError("out of memory (test)")
+            return x
+    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
+                             headroom=0.0, say=lambda line: None, recompute_convolutions=False)
+    failures = train_through_failures(model, data, session, nn.Sequential(model, FailForward()),
+                                      lambda: empties_at_start.append(link.empties))
+    failed = 2 + trial      # the step (0-based) of the other plan's first, which fails
+    assert failures == 1 and session.plan is plans[0]
+    # per step: emptied at its start (the plan made, the other plan), then for the plan kept at
+    # the start of the step after the failure
+    during = [b - a for a, b in zip(empties_at_start, empties_at_start[1:])]
+    assert during[2] == 1 and during[failed] == 1 and during[failed + 1] == 1
+    assert sum(during) == 3
 
 
 def run_trial(model, data, link):
