@@ -128,14 +128,12 @@ def _worker_steps(args, torch, where: dict) -> dict:
         return step_loss
 
     # the caching allocator's flushes in each step, warm-up included (an offload plan's trial
-    # is in the warm-up): when flushes start, and whether they stop
-    times, retries_before, retries_per_step = [], 0, []
+    # is in the warm-up): when flushes start, and whether they stop; the timed steps' at a cap
+    times, retries_per_step = [], []
     retries_seen = allocator_counters(torch)["num_alloc_retries"]
     for i in range(args.warmup + args.steps):
         where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
                           else f"timed step {i + 1 - args.warmup}")
-        if i == args.warmup:  # the caching allocator's flushes in the timed steps (at a cap)
-            retries_before = allocator_counters(torch)["num_alloc_retries"]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         loss = step()
@@ -150,7 +148,7 @@ def _worker_steps(args, torch, where: dict) -> dict:
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
-              "alloc_retries": allocator_counters(torch)["num_alloc_retries"] - retries_before,
+              "alloc_retries": sum(retries_per_step[args.warmup:]),
               "alloc_retries_per_step": retries_per_step,
               "memory_fraction": fraction(0) if fraction else None,
               "device": torch.cuda.get_device_name(0), "batch": args.batch,
@@ -240,8 +238,9 @@ def memory_trace_summary(trace: list[dict], allocated: int = 0, mapped: int = 0)
     ``record_stream``, waits for their events), and the rest, cached free blocks; the counts of
     mappings (growth) and unmappings (a flush frees cached blocks), per growth the request
     that caused it, and per run of unmappings (a flush; the first 16) the levels before it, the
-    bytes unmapped and the request that followed (``failed``: it ran out of memory even so). Blocks freed before the trace and completed in it are ignored (their
-    requests are not in it)."""
+    bytes unmapped and the request that followed (``failed``: it ran out of memory even so).
+    Blocks freed before the trace and completed in it are ignored (their requests are not in
+    it)."""
     pending = 0
     waiting: dict[int, int] = {}       # addr -> size of a free requested, not completed
 

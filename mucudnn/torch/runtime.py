@@ -657,16 +657,16 @@ class _Trial:
         counts = self.flushes[index]
         return counts[-1] - counts[0] if counts else 0
 
-    def kept(self, ran: int) -> int:
-        """Of the first ``ran`` plans, the fastest of those whose timed steps did not flush the
-        caching allocator's cache (of all where each did). A plan that flushes in its trial
+    def kept(self, times: list[float]) -> int:
+        """Of the first plans, timed ``times`` (:meth:`step_ms`), the fastest of those whose
+        timed steps did not flush the caching allocator's cache (of all where each did). A plan that flushes in its trial
         flushes more after it: on the 3-D U-Net under 7.0 GiB the plan for 6.65 GiB that
         recomputes 15 groups flushed once a step in its trial (111.5-118.1 ms a step) and twice
         a step after it (121.9-128.6 ms) in four runs of four, where the plan as made, with no
         flush, ran 118.8-124.0 in its trial; kept by this rule, it ran 122.7 with none
         (benchmarks/results/pressure, session 18)."""
-        calm = [index for index in range(ran) if not self.flushes_in(index)]
-        return min(calm or range(ran), key=self.step_ms)
+        calm = [index for index in range(len(times)) if not self.flushes_in(index)]
+        return min(calm or range(len(times)), key=times.__getitem__)
 
     def step_ms(self, index: int) -> float:
         """The fastest of plan ``index``'s timed steps (each after its first): a step slowed by
@@ -829,10 +829,7 @@ class OffloadSession:
         if not self._records(module):
             return
         self._poll_links()   # between packs too: a module that saves nothing of ours
-        if self._step.unpacks:   # the first module of the next step: its calls belong there
-            self._end_step()
-        if self._empty_cache_due:
-            self._empty_caches()
+        self._at_step_start()   # the first module of the next step: its calls belong there
         if self._step.profiling and self._step.start_allocated is None:
             self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -1067,10 +1064,7 @@ class OffloadSession:
         if link is None:
             return None
         link.poll()   # offloaded tensors whose copies are done go back now, not at the next offload
-        if self._step.unpacks:
-            self._end_step()
-        if self._empty_cache_due:
-            self._empty_caches()
+        self._at_step_start()
         step = self._step
         group = self._find(step, tensor)
         if group is None:
@@ -1337,6 +1331,15 @@ class OffloadSession:
             else:
                 self._empty_caches()
 
+    def _at_step_start(self) -> None:
+        """A module runs or a tensor is saved: if the step before has unpacked (its backward
+        ran), this one is the next step's first, and that step ends here; a cache emptying
+        left due by a failed step happens here too."""
+        if self._step.unpacks:
+            self._end_step()
+        if self._empty_cache_due:
+            self._empty_caches()
+
     def _empty_caches(self) -> None:
         self._empty_cache_due = False
         for link in self._links_in_use():
@@ -1509,7 +1512,7 @@ class OffloadSession:
         """:meth:`_Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one
         line that starts with ``why``."""
         times = [trial.step_ms(index) for index in range(ran)]
-        best = trial.kept(ran)
+        best = trial.kept(times)
         self._trial = None
         self.kept_after_trial = trial.labels[best] if best else None
         self.plan = trial.plans[best]
