@@ -647,10 +647,29 @@ class _Trial:
     current: int = 0
     marks: list = field(default_factory=list)    # per plan: the end marks of its steps
     flushes: list = field(default_factory=list)  # per plan: the link's flush count at each mark
+    #: per plan: the backward points after whose op the link's flush count grew
+    flush_points: list = field(default_factory=list)
+    seen: int = 0                 # the link's flush count when last read
+    calmed: bool = False          # a :func:`planner.calmed_plan` was added
 
     def __post_init__(self):
         self.marks = [[] for _ in self.plans]
         self.flushes = [[] for _ in self.plans]
+        self.flush_points = [set() for _ in self.plans]
+
+    def add(self, plan, label: str) -> None:
+        self.plans.append(plan)
+        self.labels.append(label)
+        self.marks.append([])
+        self.flushes.append([])
+        self.flush_points.append(set())
+
+    def saw_flushes(self, count: int, point: int) -> None:
+        """The link's flush count read at backward point ``point``: if it grew, the current plan
+        flushed there."""
+        if count > self.seen:
+            self.flush_points[self.current].add(max(point, 0))
+        self.seen = count
 
     def flushes_in(self, index: int) -> int:
         """The caching allocator's flushes in plan ``index``'s timed steps."""
@@ -1219,6 +1238,9 @@ class OffloadSession:
             self._event("fetch", group.gid, index)
         for other in scheduled:
             self._prefetch(other, index)
+        if self._trial is not None and not step.profiling:
+            # a flush in the op after the last unpack (the forward's: before the first)
+            self._trial.saw_flushes(link.flushes(), index - 1)
         tensor = self._materialize(group, link)
         self._event("unpack", group.gid, index)
         if step.profiling:
@@ -1414,7 +1436,7 @@ class OffloadSession:
             self.profile = self._profile_of(finished, tail_peak, grown)
             self._make_plan()
         elif self._trial is not None and not finished.profiling:
-            self._advance_trial(link)
+            self._advance_trial(link, finished.unpacks)
         # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines
         # count no group before its first unpack); so does a fall-back
         self._schedule = {} if self.fell_back or self._step.profiling else self._prefetch_schedule(
@@ -1488,25 +1510,52 @@ class OffloadSession:
              for share in planner.TRIAL_HEADROOM_SHARES] if self.headroom else ())
         if others:
             self._trial = _Trial([self.plan] + [plan for _, plan in others],
-                                 ["as made"] + [label for label, _ in others])
+                                 ["as made"] + [label for label, _ in others],
+                                 seen=self._any_link().flushes())
             self.say("trying it against " + "; ".join(
                 f"the plan {label} ({plan.describe()})" for label, plan in others)
                 + f", {planner.TRIAL_STEPS} steps each")
 
-    def _advance_trial(self, link: CopyLink) -> None:
-        """A planned step of the trial ended: the next plan's turn after
+    def _advance_trial(self, link: CopyLink, unpacks: int) -> None:
+        """A planned step of the trial ended (its backward ``unpacks`` points; a flush since the
+        last unpack came after the last point's op): the next plan's turn after
         :data:`planner.TRIAL_STEPS` steps, and after the last plan's, :meth:`_Trial.kept` stays."""
         trial = self._trial
         trial.marks[trial.current].append(link.mark())
-        trial.flushes[trial.current].append(link.flushes())
+        count = link.flushes()
+        trial.flushes[trial.current].append(count)
+        trial.saw_flushes(count, unpacks - 1)
         if len(trial.marks[trial.current]) < planner.TRIAL_STEPS:
             return
+        if trial.current + 1 == len(trial.plans) and not trial.calmed:
+            self._add_calmed(trial)
         if trial.current + 1 < len(trial.plans):
             trial.current += 1
             self.plan = trial.plans[trial.current]
             self.modes = list(self.plan.modes)
             return
         self._end_trial(trial, len(trial.plans), "offload plans tried")
+
+    def _add_calmed(self, trial: _Trial) -> None:
+        """The trial's plans all ran: where the fastest flushed the caching allocator's cache,
+        :func:`planner.calmed_plan` of it (at the points where it flushed) runs next, with one
+        line."""
+        trial.calmed = True
+        times = [trial.step_ms(index) for index in range(len(trial.plans))]
+        fastest = min(range(len(times)), key=times.__getitem__)
+        if not trial.flushes_in(fastest) or not trial.flush_points[fastest]:
+            return
+        points = sorted(trial.flush_points[fastest])
+        calmed = planner.calmed_plan(self.profile, trial.plans[fastest], points, trial.plans,
+                                     min(self.plan_time_limit_s, planner.TRIAL_SOLVE_S))
+        if calmed is None:
+            return
+        label = f"{trial.labels[fastest]}, calmed"
+        trial.add(calmed, label)
+        where = ", ".join(map(str, points))
+        self.say(f"the plan {trial.labels[fastest]} flushed the caching allocator's cache after "
+                 f"backward point{'s' if len(points) > 1 else ''} {where}; trying it with what it "
+                 f"brings back there kept ({calmed.describe()}), {planner.TRIAL_STEPS} steps")
 
     def _end_trial(self, trial: _Trial, ran: int, why: str) -> None:
         """:meth:`_Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one

@@ -539,10 +539,10 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     assert [(label, plan.simulated_ms) for label, plan in tried] == [
         ("made at copy exposure 0", 95.0),
         (f"made at copy exposure 0 for {30 / 2**30:.2f} GiB", 90.0)]
-    # at most TRIAL_PLANS - 1, one a budget, in the order of the budgets
+    # at most TRIAL_MADE - 1, one a budget, in the order of the budgets
     times.update({(0.0, 20): 93.0, (0.6, 40): 80.0, (0.0, 40): 85.0, (0.2, 40): 85.0})
     tried = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40])
-    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_PLANS - 1]
+    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_MADE - 1]
     # none faster than the plan made: none tried; one already made: not again
     for key in times:
         times[key] += 20
@@ -561,3 +561,36 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     monkeypatch.setattr(planner, "plan_with_prefetch", infeasible_at_zero)
     assert [label for label, _ in planner.trial_plans(profile, 10, made)] == [
         "made at copy exposure 0.2"]
+
+
+def test_a_calmed_plan_keeps_what_its_plan_brings_back_near_a_flush():
+    # six 8 MiB groups unpacked in reverse, two recomputable (group 3, rebuilt at backward point
+    # 2, and group 1, at point 4); room for five: the plan made recomputes the cheaper, group 3
+    groups = [SavedGroup(8 * MiB, 5, 5),
+              SavedGroup(8 * MiB, 4, 4, recompute_ms=0.02, recompute_source=0),
+              SavedGroup(8 * MiB, 3, 3),
+              SavedGroup(8 * MiB, 2, 2, recompute_ms=0.01, recompute_source=2),
+              SavedGroup(8 * MiB, 1, 1), SavedGroup(8 * MiB, 0, 0)]
+    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=6,
+                          copy_exposure=0.3)
+    plan = plan_offload(profile, budget=40 * MiB, lookahead=1)
+    assert plan.modes == (KEEP, KEEP, KEEP, RECOMPUTE, KEEP, KEEP)
+    assert (plan.target, plan.copy_exposure) == (40 * MiB, 0.3)
+    # the allocator flushed after a point within the plan's lookahead (1) of group 3's rebuild:
+    # group 3 is kept, and group 1 recomputed instead
+    for flushed in (1, 2, 3):
+        calmed = planner.calmed_plan(profile, plan, [flushed])
+        assert calmed.modes == (KEEP, RECOMPUTE, KEEP, KEEP, KEEP, KEEP)
+        assert calmed.peak <= 40 * MiB
+        assert (calmed.target, calmed.copy_exposure) == (40 * MiB, 0.3)
+    # a flush far from every rebuild: nothing to keep; a calmed plan already tried: not again
+    assert planner.calmed_plan(profile, plan, [0, 4, 5]) is None
+    assert planner.calmed_plan(profile, plan, [2], tried=[calmed]) is None
+    # no plan fits with group 3 kept where nothing moves and group 1 has no recipe
+    stuck = dataclasses.replace(profile, groups=[
+        dataclasses.replace(group, offloadable=False) for group in
+        groups[:1] + [SavedGroup(8 * MiB, 4, 4)] + groups[2:]])
+    plan = plan_offload(stuck, budget=40 * MiB, lookahead=1)
+    assert plan.modes[3] == RECOMPUTE and planner.calmed_plan(stuck, plan, [2]) is None
+    # a plan whose target is unknown is not made again
+    assert planner.calmed_plan(profile, dataclasses.replace(plan, target=0), [2]) is None

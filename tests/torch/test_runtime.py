@@ -1841,6 +1841,30 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
     assert session.plan is plans[0]
 
 
+def flushing_link(plans, step_ms, flushing, flush_after: int = 2):
+    """A RecordingLink (``link.session``: the session) whose clock runs ``step_ms[k]`` a step
+    under ``plans[k]`` and whose caching allocator flushes once a step, in the op after backward
+    point ``flush_after``, under each plan ``k`` with ``flushing[k]`` (the plans a trial may add
+    after ``plans``: ``step_ms[-1]``, ``flushing[-1]``)."""
+    def index(plan):
+        return plans.index(plan) if plan in plans else len(step_ms) - 1 if plan else 0
+
+    class Flushing(RecordingLink):
+        now, count, step = 0.0, 0, None
+
+        def _stamp(self):
+            self.now += 1e-3 * step_ms[index(self.session.plan)]
+            return self.now
+
+        def flushes(self):
+            session = self.session
+            if (flushing[index(session.plan)] and session._step.unpacks > flush_after + 1
+                    and self.step != session.steps):
+                self.step, self.count = session.steps, self.count + 1
+            return self.count
+    return Flushing()
+
+
 @pytest.mark.parametrize("flushing, kept", [((False, True), 0), ((True, True), 1),
                                             ((False, False), 1), ((True, False), 1)])
 def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch, flushing, kept):
@@ -1849,24 +1873,51 @@ def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
     plans = fake_trial_plans(monkeypatch)
-
-    class Flushing(RecordingLink):
-        now, count = 0.0, 0
-
-        def _stamp(self):
-            plan = self.session.plan
-            self.now += 1e-3 * (10.0, 5.0)[plans.index(plan) if plan in plans else 0]
-            return self.now
-
-        def flushes(self):   # read once per step of a trial: one flush a step for a flushing plan
-            if self.session._trial is not None and flushing[plans.index(self.session.plan)]:
-                self.count += 1
-            return self.count
-    session, said = run_trial(model, data, Flushing())
+    monkeypatch.setattr(planner, "calmed_plan", lambda *args: None)
+    session, said = run_trial(model, data, flushing_link(plans, (10.0, 5.0), flushing))
     flushed = [" (2 flushes)" if f else "" for f in flushing]
     assert said[-1] == (f"offload plans tried: as made 10.0 ms a step{flushed[0]}, other 1 5.0 ms "
                         f"a step{flushed[1]}; keeping the plan {['as made', 'other 1'][kept]}")
     assert session.plan is plans[kept]
+
+
+@pytest.mark.parametrize("calm_flushes", [False, True])
+def test_where_the_fastest_plan_flushed_the_trial_runs_it_calmed(monkeypatch, calm_flushes):
+    # the other plan runs 5 ms a step against 10 as made but flushes the cache in the op after
+    # backward point 2: planner.calmed_plan of it at that point runs next (7 ms a step), and
+    # stays where it does not flush; where it flushes too, the plan as made stays
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 3 * trial + 2)
+    plans = fake_trial_plans(monkeypatch)
+    asked = []
+
+    def calmed(profile, plan, points, tried, time_limit_s):
+        asked.append((plan, points, list(tried)))
+        modes = [KEEP if m == OFFLOAD else m for m in plan.modes]
+        return dataclasses.replace(plan, modes=tuple(modes))
+    monkeypatch.setattr(planner, "calmed_plan", calmed)
+    link = flushing_link(plans, (10.0, 5.0, 7.0), (False, True, calm_flushes))
+    session, said = run_trial(model, data, link)
+    assert [(plan, points) for plan, points, _ in asked] == [(plans[1], [2])]
+    assert asked[0][2][:2] == plans
+    assert said[-2].startswith("the plan other 1 flushed the caching allocator's cache after "
+                               "backward point 2; trying it with what it brings back there kept (")
+    kept = "as made" if calm_flushes else "other 1, calmed"
+    assert said[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 5.0 ms a step "
+                        "(2 flushes), other 1, calmed 7.0 ms a step"
+                        + (" (2 flushes)" if calm_flushes else "") + f"; keeping the plan {kept}")
+    assert (session.plan is plans[0]) == calm_flushes
+    assert session.kept_after_trial == (None if calm_flushes else "other 1, calmed")
+
+
+def test_a_trial_whose_fastest_plan_did_not_flush_is_not_calmed(monkeypatch):
+    # the plan made flushed, but the other (faster) did not: nothing more to try
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    plans = fake_trial_plans(monkeypatch)
+    monkeypatch.setattr(planner, "calmed_plan", lambda *args: pytest.fail("calmed"))
+    session, said = run_trial(model, data, flushing_link(plans, (10.0, 5.0), (True, False)))
+    assert session.plan is plans[1] and said[-1].endswith("keeping the plan other 1")
 
 
 def test_with_no_plan_under_a_budget_each_offload_goes_at_the_next_point():
