@@ -85,8 +85,10 @@ TRIAL_STEPS = 3
 TRIAL_HEADROOM_SHARES = (0.5,)
 #: the most plans one trial makes up front: the plan made and :func:`trial_plans`'s (one a budget)
 TRIAL_MADE = 1 + 1 + len(TRIAL_HEADROOM_SHARES)
-#: the most plans one trial runs: those and one :func:`calmed_plan` (where the fastest flushed)
-TRIAL_PLANS = TRIAL_MADE + 1
+#: the most :func:`calmed_plan` one trial runs after those (each where the fastest flushed)
+TRIAL_CALMINGS = 2
+#: the most plans one trial runs
+TRIAL_PLANS = TRIAL_MADE + TRIAL_CALMINGS
 #: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans: on
 #: the recorded 3-D U-Net (N = 2) the simulated best was made at 0.1-0.2 under 6.65 GiB and at
 #: 0.6-1.0 under 6.3 GiB, on r3d_18 (N = 32) at 0-0.05 (benchmarks/results/pressure, session 16)
@@ -199,6 +201,8 @@ class OffloadPlan:
     #: and the profile's copy exposure
     target: int = field(default=0, compare=False)
     copy_exposure: float = field(default=0.0, compare=False)
+    #: the groups :func:`calmed_plan` kept (each it and the plans it was made from)
+    held: tuple[int, ...] = field(default=(), compare=False)
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)
@@ -653,7 +657,7 @@ def calmed_plan(profile: StepProfile, plan: OffloadPlan, flush_points: Sequence[
                 ) -> OffloadPlan | None:
     """``plan`` made again (for its target at its copy exposure) with every group it brings back
     to the device in the backward (rebuilds or fetches) within ``plan.lookahead`` unpacks of a
-    point of ``flush_points`` kept: the backward points after whose op the caching allocator
+    point of ``flush_points`` kept, and those ``plan`` kept so (:attr:`OffloadPlan.held`): the backward points after whose op the caching allocator
     flushed its cache in the plan's steps (it found no free block for a request and unmapped its
     free memory to map it; the forward's counts as point 0). A kept tensor was allocated in the
     forward, and its block freed in the backward is there for the backward's own tensors of its
@@ -661,18 +665,19 @@ def calmed_plan(profile: StepProfile, plan: OffloadPlan, flush_points: Sequence[
     the 3-D U-Net under 7.0 GiB the plan for 6.65 GiB that rebuilt two 512 MiB activations at the
     backward's start flushed the cache once or twice a step, one that kept them none (sessions
     17-18). Which layout flushes is no part of the model, so the trial measures it. None where
-    the plan brings nothing back there, no plan meets its target with those kept, or the plan
-    made is ``plan`` or one of ``tried``."""
+    the plan brings nothing new back there, no plan meets its target with those kept, or the
+    plan made is ``plan`` or one of ``tried``."""
     if not plan.target:
         return None
     back = {index: point for index, point in enumerate(rebuild_points(profile, plan.modes))
             if point is not None}
     back.update({index: prefetch_point(profile, index, plan.lookahead, plan.margin)
                  for index, mode in enumerate(plan.modes) if mode == OFFLOAD})
-    held = {index for index, point in back.items()
+    near = {index for index, point in back.items()
             if any(abs(point - flushed) <= plan.lookahead for flushed in flush_points)}
-    if not held:
+    if not near - set(plan.held):
         return None
+    held = near | set(plan.held)
     groups = [replace(group, offloadable=False, recompute_ms=None, recompute_source=None)
               if index in held else group for index, group in enumerate(profile.groups)]
     try:
@@ -681,7 +686,9 @@ def calmed_plan(profile: StepProfile, plan: OffloadPlan, flush_points: Sequence[
                                     plan.target, plan.lookahead, time_limit_s)
     except (InfeasibleError, SolverError):
         return None
-    return None if any(_same_plan(calmed, seen) for seen in (plan, *tried)) else calmed
+    if any(_same_plan(calmed, seen) for seen in (plan, *tried)):
+        return None
+    return replace(calmed, held=tuple(sorted(held)))
 
 
 def _same_plan(a: OffloadPlan, b: OffloadPlan) -> bool:

@@ -637,6 +637,10 @@ class _Step:
     releases: dict = field(default_factory=dict)
 
 
+def _listed(numbers) -> str:
+    return ", ".join(map(str, numbers))
+
+
 @dataclass
 class _Trial:
     """Plans run in turn, :data:`planner.TRIAL_STEPS` planned steps each; the marks at their
@@ -650,7 +654,7 @@ class _Trial:
     #: per plan: the backward points after whose op the link's flush count grew
     flush_points: list = field(default_factory=list)
     seen: int = 0                 # the link's flush count when last read
-    calmed: bool = False          # a :func:`planner.calmed_plan` was added
+    calmed: list = field(default_factory=list)   # the plans a calmed plan was made of
 
     def __post_init__(self):
         self.marks = [[] for _ in self.plans]
@@ -1527,7 +1531,7 @@ class OffloadSession:
         trial.saw_flushes(count, unpacks - 1)
         if len(trial.marks[trial.current]) < planner.TRIAL_STEPS:
             return
-        if trial.current + 1 == len(trial.plans) and not trial.calmed:
+        if trial.current + 1 == len(trial.plans):
             self._add_calmed(trial)
         if trial.current + 1 < len(trial.plans):
             trial.current += 1
@@ -1537,25 +1541,28 @@ class OffloadSession:
         self._end_trial(trial, len(trial.plans), "offload plans tried")
 
     def _add_calmed(self, trial: _Trial) -> None:
-        """The trial's plans all ran: where the fastest flushed the caching allocator's cache,
-        :func:`planner.calmed_plan` of it (at the points where it flushed) runs next, with one
-        line."""
-        trial.calmed = True
+        """The trial's plans all ran: where the fastest of those not yet calmed flushed the
+        caching allocator's cache and beats every plan that did not, its
+        :func:`planner.calmed_plan` (at the points where it flushed) runs next, with one line; at
+        most :data:`planner.TRIAL_CALMINGS` a trial."""
+        if len(trial.calmed) == planner.TRIAL_CALMINGS:
+            return
         times = [trial.step_ms(index) for index in range(len(trial.plans))]
-        fastest = min(range(len(times)), key=times.__getitem__)
+        fastest = min((index for index in range(len(times)) if index not in trial.calmed),
+                      key=times.__getitem__)
         if not trial.flushes_in(fastest) or not trial.flush_points[fastest]:
             return
+        trial.calmed.append(fastest)
         points = sorted(trial.flush_points[fastest])
         calmed = planner.calmed_plan(self.profile, trial.plans[fastest], points, trial.plans,
                                      min(self.plan_time_limit_s, planner.TRIAL_SOLVE_S))
         if calmed is None:
             return
-        label = f"{trial.labels[fastest]}, calmed"
-        trial.add(calmed, label)
-        where = ", ".join(map(str, points))
+        trial.add(calmed, f"{trial.labels[fastest]}, calmed")
         self.say(f"the plan {trial.labels[fastest]} flushed the caching allocator's cache after "
-                 f"backward point{'s' if len(points) > 1 else ''} {where}; trying it with what it "
-                 f"brings back there kept ({calmed.describe()}), {planner.TRIAL_STEPS} steps")
+                 f"backward point{'s' if len(points) > 1 else ''} {_listed(points)}; trying it "
+                 f"with what it brings back there kept ({calmed.describe()}), "
+                 f"{planner.TRIAL_STEPS} steps")
 
     def _end_trial(self, trial: _Trial, ran: int, why: str) -> None:
         """:meth:`_Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one
@@ -1568,8 +1575,10 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.write_profile()
         def flushes(index):
-            count = trial.flushes_in(index)
-            return f" ({count} flush{'es' if count > 1 else ''})" if count else ""
+            count, points = trial.flushes_in(index), sorted(trial.flush_points[index])
+            where = f" after backward point{'s' if len(points) > 1 else ''} {_listed(points)}"
+            return (f" ({count} flush{'es' if count > 1 else ''}{where if points else ''})"
+                    if count else "")
         timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{flushes(index)}"
                           for index, ms in enumerate(times))
         self.say(f"{why}: {timed}; keeping the plan {trial.labels[best]}")

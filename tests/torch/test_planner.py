@@ -583,8 +583,14 @@ def test_a_calmed_plan_keeps_what_its_plan_brings_back_near_a_flush():
         assert calmed.modes == (KEEP, RECOMPUTE, KEEP, KEEP, KEEP, KEEP)
         assert calmed.peak <= 40 * MiB
         assert (calmed.target, calmed.copy_exposure) == (40 * MiB, 0.3)
+    assert calmed.held == (3,)
+    # calmed again where it flushed near group 1's rebuild: both kept (group 4 moves instead)
+    again = planner.calmed_plan(profile, calmed, [4])
+    assert again.held == (1, 3) and again.modes[1] == again.modes[3] == KEEP
+    assert again.peak <= 40 * MiB
     # a flush far from every rebuild: nothing to keep; a calmed plan already tried: not again
     assert planner.calmed_plan(profile, plan, [0, 4, 5]) is None
+    assert planner.calmed_plan(profile, calmed, [2]) is None
     assert planner.calmed_plan(profile, plan, [2], tried=[calmed]) is None
     # no plan fits with group 3 kept where nothing moves and group 1 has no recipe
     stuck = dataclasses.replace(profile, groups=[

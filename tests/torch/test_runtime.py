@@ -1875,39 +1875,49 @@ def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch
     plans = fake_trial_plans(monkeypatch)
     monkeypatch.setattr(planner, "calmed_plan", lambda *args: None)
     session, said = run_trial(model, data, flushing_link(plans, (10.0, 5.0), flushing))
-    flushed = [" (2 flushes)" if f else "" for f in flushing]
+    flushed = [" (2 flushes after backward point 2)" if f else "" for f in flushing]
     assert said[-1] == (f"offload plans tried: as made 10.0 ms a step{flushed[0]}, other 1 5.0 ms "
                         f"a step{flushed[1]}; keeping the plan {['as made', 'other 1'][kept]}")
     assert session.plan is plans[kept]
 
 
-@pytest.mark.parametrize("calm_flushes", [False, True])
+@pytest.mark.parametrize("calm_flushes", [(False,), (True, False), (True, True)])
 def test_where_the_fastest_plan_flushed_the_trial_runs_it_calmed(monkeypatch, calm_flushes):
     # the other plan runs 5 ms a step against 10 as made but flushes the cache in the op after
     # backward point 2: planner.calmed_plan of it at that point runs next (7 ms a step), and
-    # stays where it does not flush; where it flushes too, the plan as made stays
+    # stays where it does not flush; where it flushes too, it is calmed in turn (8 ms a step),
+    # and where that one flushes as well, the plan as made stays
     trial = planner.TRIAL_STEPS
-    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 3 * trial + 2)
+    runs = 2 + len(calm_flushes)
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + (runs + 1) * trial)
     plans = fake_trial_plans(monkeypatch)
-    asked = []
+    asked, step_ms = [], [10.0, 5.0, 7.0, 8.0]
 
     def calmed(profile, plan, points, tried, time_limit_s):
         asked.append((plan, points, list(tried)))
-        modes = [KEEP if m == OFFLOAD else m for m in plan.modes]
-        return dataclasses.replace(plan, modes=tuple(modes))
+        made = dataclasses.replace(plan, margin=plan.margin + 1)   # another plan
+        plans.append(made)
+        return made
     monkeypatch.setattr(planner, "calmed_plan", calmed)
-    link = flushing_link(plans, (10.0, 5.0, 7.0), (False, True, calm_flushes))
+    link = flushing_link(plans, step_ms, (False, True) + calm_flushes)
     session, said = run_trial(model, data, link)
-    assert [(plan, points) for plan, points, _ in asked] == [(plans[1], [2])]
-    assert asked[0][2][:2] == plans
-    assert said[-2].startswith("the plan other 1 flushed the caching allocator's cache after "
-                               "backward point 2; trying it with what it brings back there kept (")
-    kept = "as made" if calm_flushes else "other 1, calmed"
-    assert said[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 5.0 ms a step "
-                        "(2 flushes), other 1, calmed 7.0 ms a step"
-                        + (" (2 flushes)" if calm_flushes else "") + f"; keeping the plan {kept}")
-    assert (session.plan is plans[0]) == calm_flushes
-    assert session.kept_after_trial == (None if calm_flushes else "other 1, calmed")
+    assert [(plan, points) for plan, points, _ in asked] == [
+        (plans[1 + k], [2]) for k in range(len(calm_flushes))]
+    assert asked[0][2][:2] == plans[:2]
+    calming = [line for line in said if " flushed the caching allocator's cache " in line]
+    assert calming[0].startswith("the plan other 1 flushed the caching allocator's cache after "
+                                 "backward point 2; trying it with what it brings back there "
+                                 "kept (")
+    assert len(calming) == len(calm_flushes)
+    labels = ["as made", "other 1", "other 1, calmed", "other 1, calmed, calmed"][:runs]
+    flushed = [False, True, *calm_flushes]
+    timed = ", ".join(f"{label} {ms:.1f} ms a step"
+                      + (" (2 flushes after backward point 2)" if flush else "")
+                      for label, ms, flush in zip(labels, step_ms, flushed))
+    kept = 0 if all(calm_flushes) else runs - 1
+    assert said[-1] == f"offload plans tried: {timed}; keeping the plan {labels[kept]}"
+    assert session.plan is plans[kept]
+    assert session.kept_after_trial == (None if kept == 0 else labels[kept])
 
 
 def test_a_trial_whose_fastest_plan_did_not_flush_is_not_calmed(monkeypatch):
