@@ -53,6 +53,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
@@ -686,9 +687,54 @@ def calmed_plan(profile: StepProfile, plan: OffloadPlan, flush_points: Sequence[
                                     plan.target, plan.lookahead, time_limit_s)
     except (InfeasibleError, SolverError):
         return None
+    calmed = polished(replace(profile, groups=groups), calmed, time_limit_s)
     if any(_same_plan(calmed, seen) for seen in (plan, *tried)):
         return None
     return replace(calmed, held=tuple(sorted(held)))
+
+
+def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None = TRIAL_SOLVE_S
+             ) -> OffloadPlan:
+    """``plan`` improved by :func:`simulate`: the first change of one group's mode, else of two,
+    that keeps the plan valid and its modelled peak within its target and shortens its simulated
+    step, taken, until none does (or ``time_limit_s`` has passed). The program minimises the
+    time model, linear in the choices, where copies cost their exposure share each; the
+    simulation queues them. Where :func:`calmed_plan` holds groups the two part: on the 3-D
+    U-Net's profiles under 6.65 GiB, with its two 512 MiB decoder activations held, the
+    program's plan simulated 120.3 ms and this made it 115.4 (session 19)."""
+    profile = replace(profile, release_margin=plan.release_margin)
+    lookahead, margin = plan.lookahead, plan.margin
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+
+    def simulated(modes) -> float | None:
+        if not valid(profile, modes) or \
+                peak_memory(profile, modes, lookahead, margin) > plan.target:
+            return None
+        return simulate(profile, modes, lookahead, margin).step_ms
+
+    modes, best = list(plan.modes), simulate(profile, plan.modes, lookahead, margin).step_ms
+    improved = bool(plan.target)
+    while improved and (deadline is None or time.monotonic() < deadline):
+        improved = False
+        changes = [(index, mode) for index, group in enumerate(profile.groups)
+                   for mode in allowed_modes(group) if mode != modes[index]]
+        moves = itertools.chain(((change,) for change in changes),
+                                ((a, b) for a, b in itertools.combinations(changes, 2)
+                                 if a[0] != b[0]))
+        for move in moves:
+            candidate = list(modes)
+            for index, mode in move:
+                candidate[index] = mode
+            step = simulated(candidate)
+            if step is not None and step < best - 1e-6:
+                modes, best, improved = candidate, step, True
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+    if modes == list(plan.modes):
+        return plan
+    return replace(_result(profile, modes, lookahead, margin), target=plan.target,
+                   copy_exposure=plan.copy_exposure, held=plan.held)
 
 
 def _same_plan(a: OffloadPlan, b: OffloadPlan) -> bool:

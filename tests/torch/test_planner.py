@@ -600,3 +600,43 @@ def test_a_calmed_plan_keeps_what_its_plan_brings_back_near_a_flush():
     assert plan.modes[3] == RECOMPUTE and planner.calmed_plan(stuck, plan, [2]) is None
     # a plan whose target is unknown is not made again
     assert planner.calmed_plan(profile, dataclasses.replace(plan, target=0), [2]) is None
+
+
+def test_polished_takes_changes_the_simulation_finds_faster_within_the_target():
+    # the profile of test_recompute_preferred_when_the_link_is_slow: a plan that offloads
+    # group 1 over the slow link (fetched on demand) is valid and within 24 MiB; polishing
+    # recomputes it instead
+    groups = [SavedGroup(8 * MiB, 3, 3), SavedGroup(8 * MiB, 2, 2, recompute_ms=0.01,
+                                                    recompute_source=0),
+              SavedGroup(8 * MiB, 1, 1), SavedGroup(8 * MiB, 0, 0)]
+    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=4,
+                          copy_exposure=0.2, release_margin=0.0)   # released at the next point
+    slow = dataclasses.replace(planner._result(profile, (KEEP, OFFLOAD, KEEP, KEEP), 0),
+                               target=24 * MiB, held=(3,))
+    assert slow.peak <= 24 * MiB
+    better = planner.polished(profile, slow)
+    assert better.modes == (KEEP, RECOMPUTE, KEEP, KEEP)
+    assert better.simulated_ms < slow.simulated_ms and better.peak <= 24 * MiB
+    assert (better.target, better.copy_exposure, better.held) == (24 * MiB, 0.2, (3,))
+    # the program's own plan is already the best of its neighbours here; a plan of unknown
+    # target is left as it is
+    made = plan_offload(profile, budget=24 * MiB)
+    assert planner.polished(profile, made) is made
+    assert planner.polished(profile, dataclasses.replace(slow, target=0)).modes == slow.modes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_polished_plans_stay_valid_within_target_and_no_one_change_beats_them(seed):
+    profile = dataclasses.replace(chain_profile([MiB * (1 + seed % 3 + g % 4) for g in range(9)],
+                                                recompute_every=2, seed=seed), copy_exposure=0.6)
+    total = sum(g.nbytes for g in profile.groups)
+    made = plan_offload(profile, budget=total * 2 // 3)
+    better = planner.polished(profile, made, time_limit_s=None)
+    assert valid(profile, better.modes) and better.peak <= made.target
+    assert better.simulated_ms <= made.simulated_ms
+    for index, group in enumerate(profile.groups):
+        for mode in planner.allowed_modes(group):
+            modes = list(better.modes)
+            modes[index] = mode
+            if valid(profile, modes) and planner.peak_memory(profile, modes, 2) <= made.target:
+                assert planner.simulate(profile, modes, 2).step_ms >= better.simulated_ms - 1e-6
