@@ -53,7 +53,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
@@ -84,12 +83,8 @@ TRIAL_STEPS = 3
 #: for 3/4 of the headroom (6.47 GiB) ran 125.0 ms against 114.7 for 1/2 and 122.0 as made
 #: (session 17): one share, as many plans as it is worth
 TRIAL_HEADROOM_SHARES = (0.5,)
-#: the most plans one trial makes up front: the plan made and :func:`trial_plans`'s (one a budget)
-TRIAL_MADE = 1 + 1 + len(TRIAL_HEADROOM_SHARES)
-#: the most :func:`calmed_plan` one trial runs after those (each where the fastest flushed)
-TRIAL_CALMINGS = 2
-#: the most plans one trial runs
-TRIAL_PLANS = TRIAL_MADE + TRIAL_CALMINGS
+#: the most plans one trial runs: the plan made and :func:`trial_plans`'s (one a budget)
+TRIAL_PLANS = 1 + 1 + len(TRIAL_HEADROOM_SHARES)
 #: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans: on
 #: the recorded 3-D U-Net (N = 2) the simulated best was made at 0.1-0.2 under 6.65 GiB and at
 #: 0.6-1.0 under 6.3 GiB, on r3d_18 (N = 32) at 0-0.05 (benchmarks/results/pressure, session 16)
@@ -198,12 +193,6 @@ class OffloadPlan:
     release_margin: float = RELEASE_MARGIN   # the profile's it was made with
     #: :func:`simulate`'s step time (None: not simulated)
     simulated_ms: float | None = None
-    #: what it was made for (not what it is, so no part of equality): the budget (0: unknown)
-    #: and the profile's copy exposure
-    target: int = field(default=0, compare=False)
-    copy_exposure: float = field(default=0.0, compare=False)
-    #: the groups :func:`calmed_plan` kept (each it and the plans it was made from)
-    held: tuple[int, ...] = field(default=(), compare=False)
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)
@@ -508,8 +497,7 @@ def _result(profile: StepProfile, modes: Sequence[str], lookahead: int,
     return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead, margin),
                        step_time(profile, modes, lookahead), moved, margin, releases,
                        profile.release_margin,
-                       simulate(profile, modes, lookahead, margin).step_ms,
-                       copy_exposure=profile.copy_exposure)
+                       simulate(profile, modes, lookahead, margin).step_ms)
 
 
 def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
@@ -535,12 +523,12 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
         raise ValueError(f"budget must be more than 0 bytes, got {budget}")
     everything_kept = [KEEP] * len(profile.groups)
     if peak_memory(profile, everything_kept, lookahead, margin) <= budget:
-        return replace(_result(profile, everything_kept, lookahead, margin), target=budget)
+        return _result(profile, everything_kept, lookahead, margin)
     limit = budget
     for _ in range(3):
         plan = _solved(profile, lookahead, budget, limit, time_limit_s, margin, explain)
         if plan.peak <= budget:
-            return replace(plan, target=budget)
+            return plan
         # CBC's feasibility tolerance (1e-7 of the limit) let the peak over by a few bytes:
         # never over budget
         limit -= plan.peak - budget + int(2e-7 * limit) + 1
@@ -608,7 +596,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
                 ) -> list[tuple[str, OffloadPlan]]:
     """(how it was made, plan) for the plans worth running against ``plan`` (made for ``budget``
     with the profile's copy exposure), at most one a budget (``budget``, then each of
-    ``larger_budgets`` above it, smallest first) and ``TRIAL_MADE - 1`` in all, in the order to
+    ``larger_budgets`` above it, smallest first) and ``TRIAL_PLANS - 1`` in all, in the order to
     run them. The exposure is a measured share of the copies' time (:data:`COPY_EXPOSURE`,
     ResNet-50), the same for every copy, where in truth a copy costs the compute stream what it
     waits for it in its queue: little where copies are few and the compute long, much where they
@@ -631,7 +619,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
          tuple(dict.fromkeys((profile.copy_exposure,) + TRIAL_EXPOSURES)))
         for larger in sorted(set(larger_budgets)) if larger > budget]
     for target, where, exposures in rounds:
-        if len(chosen) == TRIAL_MADE - 1:
+        if len(chosen) == TRIAL_PLANS - 1:
             break
         made = []
         for exposure in exposures:
@@ -651,90 +639,6 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
                 chosen.append((label, fastest))
                 best = fastest.simulated_ms
     return chosen
-
-
-def calmed_plan(profile: StepProfile, plan: OffloadPlan, flush_points: Sequence[int],
-                tried: Sequence[OffloadPlan] = (), time_limit_s: float | None = TRIAL_SOLVE_S
-                ) -> OffloadPlan | None:
-    """``plan`` made again (for its target at its copy exposure) with every group it brings back
-    to the device in the backward (rebuilds or fetches) within ``plan.lookahead`` unpacks of a
-    point of ``flush_points`` kept, and those ``plan`` kept so (:attr:`OffloadPlan.held`): the backward points after whose op the caching allocator
-    flushed its cache in the plan's steps (it found no free block for a request and unmapped its
-    free memory to map it; the forward's counts as point 0). A kept tensor was allocated in the
-    forward, and its block freed in the backward is there for the backward's own tensors of its
-    size; one rebuilt or fetched is a new allocation where the backward's largest are made. On
-    the 3-D U-Net under 7.0 GiB the plan for 6.65 GiB that rebuilt two 512 MiB activations at the
-    backward's start flushed the cache once or twice a step, one that kept them none (sessions
-    17-18). Which layout flushes is no part of the model, so the trial measures it. None where
-    the plan brings nothing new back there, no plan meets its target with those kept, or the
-    plan made is ``plan`` or one of ``tried``."""
-    if not plan.target:
-        return None
-    back = {index: point for index, point in enumerate(rebuild_points(profile, plan.modes))
-            if point is not None}
-    back.update({index: prefetch_point(profile, index, plan.lookahead, plan.margin)
-                 for index, mode in enumerate(plan.modes) if mode == OFFLOAD})
-    near = {index for index, point in back.items()
-            if any(abs(point - flushed) <= plan.lookahead for flushed in flush_points)}
-    if not near - set(plan.held):
-        return None
-    held = near | set(plan.held)
-    groups = [replace(group, offloadable=False, recompute_ms=None, recompute_source=None)
-              if index in held else group for index, group in enumerate(profile.groups)]
-    try:
-        calmed = plan_with_prefetch(replace(profile, groups=groups,
-                                            copy_exposure=plan.copy_exposure),
-                                    plan.target, plan.lookahead, time_limit_s)
-    except (InfeasibleError, SolverError):
-        return None
-    calmed = polished(replace(profile, groups=groups), calmed, time_limit_s)
-    if any(_same_plan(calmed, seen) for seen in (plan, *tried)):
-        return None
-    return replace(calmed, held=tuple(sorted(held)))
-
-
-def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None = TRIAL_SOLVE_S
-             ) -> OffloadPlan:
-    """``plan`` improved by :func:`simulate`: the first change of one group's mode, else of two,
-    that keeps the plan valid and its modelled peak within its target and shortens its simulated
-    step, taken, until none does (or ``time_limit_s`` has passed). The program minimises the
-    time model, linear in the choices, where copies cost their exposure share each; the
-    simulation queues them. Where :func:`calmed_plan` holds groups the two part: on the 3-D
-    U-Net's profiles under 6.65 GiB, with its two 512 MiB decoder activations held, the
-    program's plan simulated 120.3 ms and this made it 115.4 (session 19)."""
-    profile = replace(profile, release_margin=plan.release_margin)
-    lookahead, margin = plan.lookahead, plan.margin
-    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
-
-    def simulated(modes) -> float | None:
-        if not valid(profile, modes) or \
-                peak_memory(profile, modes, lookahead, margin) > plan.target:
-            return None
-        return simulate(profile, modes, lookahead, margin).step_ms
-
-    modes, best = list(plan.modes), simulate(profile, plan.modes, lookahead, margin).step_ms
-    improved = bool(plan.target)
-    while improved and (deadline is None or time.monotonic() < deadline):
-        improved = False
-        changes = [(index, mode) for index, group in enumerate(profile.groups)
-                   for mode in allowed_modes(group) if mode != modes[index]]
-        moves = itertools.chain(((change,) for change in changes),
-                                ((a, b) for a, b in itertools.combinations(changes, 2)
-                                 if a[0] != b[0]))
-        for move in moves:
-            candidate = list(modes)
-            for index, mode in move:
-                candidate[index] = mode
-            step = simulated(candidate)
-            if step is not None and step < best - 1e-6:
-                modes, best, improved = candidate, step, True
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-    if modes == list(plan.modes):
-        return plan
-    return replace(_result(profile, modes, lookahead, margin), target=plan.target,
-                   copy_exposure=plan.copy_exposure, held=plan.held)
 
 
 def _same_plan(a: OffloadPlan, b: OffloadPlan) -> bool:

@@ -386,7 +386,10 @@ class CudaLink(CopyLink):
         return torch.cuda.memory_stats(self.device).get("num_ooms", 0)
 
     def flushes(self):
-        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+        # read at every unpack of a trial's steps: the nested statistics, not memory_stats'
+        # flattened copy of them
+        return torch.cuda.memory.memory_stats_as_nested_dict(self.device).get(
+            "num_alloc_retries", 0)
 
     def bandwidth_gbps(self):
         if self.gbps is None:
@@ -637,43 +640,46 @@ class _Step:
     releases: dict = field(default_factory=dict)
 
 
-def _listed(numbers) -> str:
-    return ", ".join(map(str, numbers))
-
-
 @dataclass
 class _Trial:
     """Plans run in turn, :data:`planner.TRIAL_STEPS` planned steps each; the marks at their
-    steps' ends time them."""
+    steps' ends time them, and the link's flush count read at every unpack of their steps says
+    after which op the caching allocator flushed its cache."""
 
     plans: list
     labels: list                                 # per plan: what it is, for the lines said
     current: int = 0
     marks: list = field(default_factory=list)    # per plan: the end marks of its steps
     flushes: list = field(default_factory=list)  # per plan: the link's flush count at each mark
-    #: per plan: the backward points after whose op the link's flush count grew
+    #: per plan: the backward points (-1: the forward) after whose op a link's flush count grew
+    #: in a timed step
     flush_points: list = field(default_factory=list)
-    seen: int = 0                 # the link's flush count when last read
-    calmed: list = field(default_factory=list)   # the plans a calmed plan was made of
+    seen: dict = field(default_factory=dict)   # link -> its flush count when last read
 
     def __post_init__(self):
         self.marks = [[] for _ in self.plans]
         self.flushes = [[] for _ in self.plans]
         self.flush_points = [set() for _ in self.plans]
 
-    def add(self, plan, label: str) -> None:
-        self.plans.append(plan)
-        self.labels.append(label)
-        self.marks.append([])
-        self.flushes.append([])
-        self.flush_points.append(set())
+    def saw_flushes(self, link, point: int) -> None:
+        """``link``'s flush count read after backward point ``point``'s op (-1: after the
+        forward): if it grew since the last read (the first read of a link is its start), the
+        current plan flushed there; a timed step's point is kept (as :meth:`flushes_in`
+        counts)."""
+        count = link.flushes()
+        if count > self.seen.get(link, count) and self.marks[self.current]:
+            self.flush_points[self.current].add(point)
+        self.seen[link] = count
 
-    def saw_flushes(self, count: int, point: int) -> None:
-        """The link's flush count read at backward point ``point``: if it grew, the current plan
-        flushed there."""
-        if count > self.seen:
-            self.flush_points[self.current].add(max(point, 0))
-        self.seen = count
+    def where_flushed(self, index: int) -> str:
+        """Where plan ``index`` flushed, said: "after the forward and after backward point 6"."""
+        points = sorted(self.flush_points[index])
+        said = ["after the forward"] * (points[:1] == [-1])
+        backward = [point for point in points if point >= 0]
+        if backward:
+            said.append(f"after backward point{'s' if len(backward) > 1 else ''} "
+                        + ", ".join(map(str, backward)))
+        return " and ".join(said)
 
     def flushes_in(self, index: int) -> int:
         """The caching allocator's flushes in plan ``index``'s timed steps."""
@@ -1231,6 +1237,10 @@ class OffloadSession:
         step.node_groups.append(group)
         for unpacked in step.node_groups:
             unpacked.last_unpack = index
+        if self._trial is not None and not step.profiling:
+            # a flush since the last read came in the op after the last unpack (the forward:
+            # before the first), or in what that unpack fetched or rebuilt
+            self._trial.saw_flushes(link, index - 1)
         scheduled = [step.groups[gid] for gid in self._schedule.get(index, ())
                      if gid < len(step.groups)]
         if group in scheduled:   # the one needed now goes first on the copy stream
@@ -1242,9 +1252,6 @@ class OffloadSession:
             self._event("fetch", group.gid, index)
         for other in scheduled:
             self._prefetch(other, index)
-        if self._trial is not None and not step.profiling:
-            # a flush in the op after the last unpack (the forward's: before the first)
-            self._trial.saw_flushes(link.flushes(), index - 1)
         tensor = self._materialize(group, link)
         self._event("unpack", group.gid, index)
         if step.profiling:
@@ -1515,7 +1522,7 @@ class OffloadSession:
         if others:
             self._trial = _Trial([self.plan] + [plan for _, plan in others],
                                  ["as made"] + [label for label, _ in others],
-                                 seen=self._any_link().flushes())
+                                 seen={link: link.flushes() for link in self._links_in_use()})
             self.say("trying it against " + "; ".join(
                 f"the plan {label} ({plan.describe()})" for label, plan in others)
                 + f", {planner.TRIAL_STEPS} steps each")
@@ -1525,44 +1532,18 @@ class OffloadSession:
         last unpack came after the last point's op): the next plan's turn after
         :data:`planner.TRIAL_STEPS` steps, and after the last plan's, :meth:`_Trial.kept` stays."""
         trial = self._trial
+        for used in self._links_in_use():   # after the last unpack: its op, the optimizer's
+            trial.saw_flushes(used, unpacks - 1)
         trial.marks[trial.current].append(link.mark())
-        count = link.flushes()
-        trial.flushes[trial.current].append(count)
-        trial.saw_flushes(count, unpacks - 1)
+        trial.flushes[trial.current].append(link.flushes())
         if len(trial.marks[trial.current]) < planner.TRIAL_STEPS:
             return
-        if trial.current + 1 == len(trial.plans):
-            self._add_calmed(trial)
         if trial.current + 1 < len(trial.plans):
             trial.current += 1
             self.plan = trial.plans[trial.current]
             self.modes = list(self.plan.modes)
             return
         self._end_trial(trial, len(trial.plans), "offload plans tried")
-
-    def _add_calmed(self, trial: _Trial) -> None:
-        """The trial's plans all ran: where the fastest of those not yet calmed flushed the
-        caching allocator's cache and beats every plan that did not, its
-        :func:`planner.calmed_plan` (at the points where it flushed) runs next, with one line; at
-        most :data:`planner.TRIAL_CALMINGS` a trial."""
-        if len(trial.calmed) == planner.TRIAL_CALMINGS:
-            return
-        times = [trial.step_ms(index) for index in range(len(trial.plans))]
-        fastest = min((index for index in range(len(times)) if index not in trial.calmed),
-                      key=times.__getitem__)
-        if not trial.flushes_in(fastest) or not trial.flush_points[fastest]:
-            return
-        trial.calmed.append(fastest)
-        points = sorted(trial.flush_points[fastest])
-        calmed = planner.calmed_plan(self.profile, trial.plans[fastest], points, trial.plans,
-                                     min(self.plan_time_limit_s, planner.TRIAL_SOLVE_S))
-        if calmed is None:
-            return
-        trial.add(calmed, f"{trial.labels[fastest]}, calmed")
-        self.say(f"the plan {trial.labels[fastest]} flushed the caching allocator's cache after "
-                 f"backward point{'s' if len(points) > 1 else ''} {_listed(points)}; trying it "
-                 f"with what it brings back there kept ({calmed.describe()}), "
-                 f"{planner.TRIAL_STEPS} steps")
 
     def _end_trial(self, trial: _Trial, ran: int, why: str) -> None:
         """:meth:`_Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one
@@ -1575,9 +1556,8 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.write_profile()
         def flushes(index):
-            count, points = trial.flushes_in(index), sorted(trial.flush_points[index])
-            where = f" after backward point{'s' if len(points) > 1 else ''} {_listed(points)}"
-            return (f" ({count} flush{'es' if count > 1 else ''}{where if points else ''})"
+            count, where = trial.flushes_in(index), trial.where_flushed(index)
+            return (f" ({count} flush{'es' if count > 1 else ''}{' ' + where if where else ''})"
                     if count else "")
         timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{flushes(index)}"
                           for index, ms in enumerate(times))

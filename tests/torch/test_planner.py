@@ -539,10 +539,10 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     assert [(label, plan.simulated_ms) for label, plan in tried] == [
         ("made at copy exposure 0", 95.0),
         (f"made at copy exposure 0 for {30 / 2**30:.2f} GiB", 90.0)]
-    # at most TRIAL_MADE - 1, one a budget, in the order of the budgets
+    # at most TRIAL_PLANS - 1, one a budget, in the order of the budgets
     times.update({(0.0, 20): 93.0, (0.6, 40): 80.0, (0.0, 40): 85.0, (0.2, 40): 85.0})
     tried = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40])
-    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_MADE - 1]
+    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_PLANS - 1]
     # none faster than the plan made: none tried; one already made: not again
     for key in times:
         times[key] += 20
@@ -561,82 +561,3 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     monkeypatch.setattr(planner, "plan_with_prefetch", infeasible_at_zero)
     assert [label for label, _ in planner.trial_plans(profile, 10, made)] == [
         "made at copy exposure 0.2"]
-
-
-def test_a_calmed_plan_keeps_what_its_plan_brings_back_near_a_flush():
-    # six 8 MiB groups unpacked in reverse, two recomputable (group 3, rebuilt at backward point
-    # 2, and group 1, at point 4); room for five: the plan made recomputes the cheaper, group 3
-    groups = [SavedGroup(8 * MiB, 5, 5),
-              SavedGroup(8 * MiB, 4, 4, recompute_ms=0.02, recompute_source=0),
-              SavedGroup(8 * MiB, 3, 3),
-              SavedGroup(8 * MiB, 2, 2, recompute_ms=0.01, recompute_source=2),
-              SavedGroup(8 * MiB, 1, 1), SavedGroup(8 * MiB, 0, 0)]
-    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=6,
-                          copy_exposure=0.3)
-    plan = plan_offload(profile, budget=40 * MiB, lookahead=1)
-    assert plan.modes == (KEEP, KEEP, KEEP, RECOMPUTE, KEEP, KEEP)
-    assert (plan.target, plan.copy_exposure) == (40 * MiB, 0.3)
-    # the allocator flushed after a point within the plan's lookahead (1) of group 3's rebuild:
-    # group 3 is kept, and group 1 recomputed instead
-    for flushed in (1, 2, 3):
-        calmed = planner.calmed_plan(profile, plan, [flushed])
-        assert calmed.modes == (KEEP, RECOMPUTE, KEEP, KEEP, KEEP, KEEP)
-        assert calmed.peak <= 40 * MiB
-        assert (calmed.target, calmed.copy_exposure) == (40 * MiB, 0.3)
-    assert calmed.held == (3,)
-    # calmed again where it flushed near group 1's rebuild: both kept (group 4 moves instead)
-    again = planner.calmed_plan(profile, calmed, [4])
-    assert again.held == (1, 3) and again.modes[1] == again.modes[3] == KEEP
-    assert again.peak <= 40 * MiB
-    # a flush far from every rebuild: nothing to keep; a calmed plan already tried: not again
-    assert planner.calmed_plan(profile, plan, [0, 4, 5]) is None
-    assert planner.calmed_plan(profile, calmed, [2]) is None
-    assert planner.calmed_plan(profile, plan, [2], tried=[calmed]) is None
-    # no plan fits with group 3 kept where nothing moves and group 1 has no recipe
-    stuck = dataclasses.replace(profile, groups=[
-        dataclasses.replace(group, offloadable=False) for group in
-        groups[:1] + [SavedGroup(8 * MiB, 4, 4)] + groups[2:]])
-    plan = plan_offload(stuck, budget=40 * MiB, lookahead=1)
-    assert plan.modes[3] == RECOMPUTE and planner.calmed_plan(stuck, plan, [2]) is None
-    # a plan whose target is unknown is not made again
-    assert planner.calmed_plan(profile, dataclasses.replace(plan, target=0), [2]) is None
-
-
-def test_polished_takes_changes_the_simulation_finds_faster_within_the_target():
-    # the profile of test_recompute_preferred_when_the_link_is_slow: a plan that offloads
-    # group 1 over the slow link (fetched on demand) is valid and within 24 MiB; polishing
-    # recomputes it instead
-    groups = [SavedGroup(8 * MiB, 3, 3), SavedGroup(8 * MiB, 2, 2, recompute_ms=0.01,
-                                                    recompute_source=0),
-              SavedGroup(8 * MiB, 1, 1), SavedGroup(8 * MiB, 0, 0)]
-    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=4,
-                          copy_exposure=0.2, release_margin=0.0)   # released at the next point
-    slow = dataclasses.replace(planner._result(profile, (KEEP, OFFLOAD, KEEP, KEEP), 0),
-                               target=24 * MiB, held=(3,))
-    assert slow.peak <= 24 * MiB
-    better = planner.polished(profile, slow)
-    assert better.modes == (KEEP, RECOMPUTE, KEEP, KEEP)
-    assert better.simulated_ms < slow.simulated_ms and better.peak <= 24 * MiB
-    assert (better.target, better.copy_exposure, better.held) == (24 * MiB, 0.2, (3,))
-    # the program's own plan is already the best of its neighbours here; a plan of unknown
-    # target is left as it is
-    made = plan_offload(profile, budget=24 * MiB)
-    assert planner.polished(profile, made) is made
-    assert planner.polished(profile, dataclasses.replace(slow, target=0)).modes == slow.modes
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_polished_plans_stay_valid_within_target_and_no_one_change_beats_them(seed):
-    profile = dataclasses.replace(chain_profile([MiB * (1 + seed % 3 + g % 4) for g in range(9)],
-                                                recompute_every=2, seed=seed), copy_exposure=0.6)
-    total = sum(g.nbytes for g in profile.groups)
-    made = plan_offload(profile, budget=total * 2 // 3)
-    better = planner.polished(profile, made, time_limit_s=None)
-    assert valid(profile, better.modes) and better.peak <= made.target
-    assert better.simulated_ms <= made.simulated_ms
-    for index, group in enumerate(profile.groups):
-        for mode in planner.allowed_modes(group):
-            modes = list(better.modes)
-            modes[index] = mode
-            if valid(profile, modes) and planner.peak_memory(profile, modes, 2) <= made.target:
-                assert planner.simulate(profile, modes, 2).step_ms >= better.simulated_ms - 1e-6

@@ -1844,10 +1844,10 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
 def flushing_link(plans, step_ms, flushing, flush_after: int = 2):
     """A RecordingLink (``link.session``: the session) whose clock runs ``step_ms[k]`` a step
     under ``plans[k]`` and whose caching allocator flushes once a step, in the op after backward
-    point ``flush_after``, under each plan ``k`` with ``flushing[k]`` (the plans a trial may add
-    after ``plans``: ``step_ms[-1]``, ``flushing[-1]``)."""
+    point ``flush_after`` (-1: in the forward; None: after the backward, in the optimizer's
+    step), under each plan ``k`` with ``flushing[k]``."""
     def index(plan):
-        return plans.index(plan) if plan in plans else len(step_ms) - 1 if plan else 0
+        return plans.index(plan) if plan in plans else 0
 
     class Flushing(RecordingLink):
         now, count, step = 0.0, 0, None
@@ -1858,8 +1858,9 @@ def flushing_link(plans, step_ms, flushing, flush_after: int = 2):
 
         def flushes(self):
             session = self.session
-            if (flushing[index(session.plan)] and session._step.unpacks > flush_after + 1
-                    and self.step != session.steps):
+            unpacks = session._step.unpacks   # 0 after a backward (a new step begins)
+            due = unpacks == 0 if flush_after is None else unpacks > flush_after + 1
+            if flushing[index(session.plan)] and due and self.step != session.steps:
                 self.step, self.count = session.steps, self.count + 1
             return self.count
     return Flushing()
@@ -1873,7 +1874,6 @@ def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
     plans = fake_trial_plans(monkeypatch)
-    monkeypatch.setattr(planner, "calmed_plan", lambda *args: None)
     session, said = run_trial(model, data, flushing_link(plans, (10.0, 5.0), flushing))
     flushed = [" (2 flushes after backward point 2)" if f else "" for f in flushing]
     assert said[-1] == (f"offload plans tried: as made 10.0 ms a step{flushed[0]}, other 1 5.0 ms "
@@ -1881,53 +1881,49 @@ def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch
     assert session.plan is plans[kept]
 
 
-@pytest.mark.parametrize("calm_flushes", [(False,), (True, False), (True, True)])
-def test_where_the_fastest_plan_flushed_the_trial_runs_it_calmed(monkeypatch, calm_flushes):
-    # the other plan runs 5 ms a step against 10 as made but flushes the cache in the op after
-    # backward point 2: planner.calmed_plan of it at that point runs next (7 ms a step), and
-    # stays where it does not flush; where it flushes too, it is calmed in turn (8 ms a step),
-    # and where that one flushes as well, the plan as made stays
-    trial = planner.TRIAL_STEPS
-    runs = 2 + len(calm_flushes)
-    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + (runs + 1) * trial)
-    plans = fake_trial_plans(monkeypatch)
-    asked, step_ms = [], [10.0, 5.0, 7.0, 8.0]
-
-    def calmed(profile, plan, points, tried, time_limit_s):
-        asked.append((plan, points, list(tried)))
-        made = dataclasses.replace(plan, margin=plan.margin + 1)   # another plan
-        plans.append(made)
-        return made
-    monkeypatch.setattr(planner, "calmed_plan", calmed)
-    link = flushing_link(plans, step_ms, (False, True) + calm_flushes)
-    session, said = run_trial(model, data, link)
-    assert [(plan, points) for plan, points, _ in asked] == [
-        (plans[1 + k], [2]) for k in range(len(calm_flushes))]
-    assert asked[0][2][:2] == plans[:2]
-    calming = [line for line in said if " flushed the caching allocator's cache " in line]
-    assert calming[0].startswith("the plan other 1 flushed the caching allocator's cache after "
-                                 "backward point 2; trying it with what it brings back there "
-                                 "kept (")
-    assert len(calming) == len(calm_flushes)
-    labels = ["as made", "other 1", "other 1, calmed", "other 1, calmed, calmed"][:runs]
-    flushed = [False, True, *calm_flushes]
-    timed = ", ".join(f"{label} {ms:.1f} ms a step"
-                      + (" (2 flushes after backward point 2)" if flush else "")
-                      for label, ms, flush in zip(labels, step_ms, flushed))
-    kept = 0 if all(calm_flushes) else runs - 1
-    assert said[-1] == f"offload plans tried: {timed}; keeping the plan {labels[kept]}"
-    assert session.plan is plans[kept]
-    assert session.kept_after_trial == (None if kept == 0 else labels[kept])
-
-
-def test_a_trial_whose_fastest_plan_did_not_flush_is_not_calmed(monkeypatch):
-    # the plan made flushed, but the other (faster) did not: nothing more to try
+@pytest.mark.parametrize("flush_after", [-1, 0, 3, None])
+def test_a_trial_says_after_which_op_a_plan_flushed(monkeypatch, flush_after):
+    # the link's flush count, read at each unpack of a trial's steps and after its backward,
+    # grows once a step in the op after backward point flush_after (-1: in the forward; None:
+    # after the backward) under the other plan
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
     plans = fake_trial_plans(monkeypatch)
-    monkeypatch.setattr(planner, "calmed_plan", lambda *args: pytest.fail("calmed"))
-    session, said = run_trial(model, data, flushing_link(plans, (10.0, 5.0), (True, False)))
-    assert session.plan is plans[1] and said[-1].endswith("keeping the plan other 1")
+    session, lines = run_trial(model, data, flushing_link(plans, (10.0, 5.0), (False, True),
+                                                          flush_after=flush_after))
+    said = ("after the forward" if flush_after == -1 else
+            f"after backward point {session.profile.unpacks - 1 if flush_after is None else flush_after}")
+    assert lines[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 5.0 ms a step "
+                         f"(2 flushes {said}); keeping the plan as made")
+
+
+def test_a_flush_in_a_fetch_is_said_after_the_point_that_fetched(monkeypatch):
+    # under the other plan each fetch (prefetched or on demand) flushes the cache: the trial's
+    # line names the backward points whose unpack issued them
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    plans = fake_trial_plans(monkeypatch)
+    fetched_at = set()
+
+    class FetchFlushes(RecordingLink):
+        count = 0
+
+        def fetch(self, host, device, inline=False):
+            session = self.session
+            if session._trial is not None and session.plan is plans[1]:
+                self.count += 1
+                if session._trial.marks[1]:    # a timed step
+                    fetched_at.add(session._step.unpacks - 1)
+            return super().fetch(host, device, inline)
+
+        def flushes(self):
+            return self.count
+    session, lines = run_trial(model, data, FetchFlushes())
+    assert plans[1].count(OFFLOAD) and fetched_at
+    points = sorted(fetched_at)
+    where = (f"after backward point{'s' if len(points) > 1 else ''} "
+             + ", ".join(map(str, points)))
+    assert f"other 1 " in lines[-1] and f"flushes {where})" in lines[-1]
 
 
 def test_with_no_plan_under_a_budget_each_offload_goes_at_the_next_point():
