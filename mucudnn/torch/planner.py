@@ -83,8 +83,10 @@ TRIAL_STEPS = 3
 #: for 3/4 of the headroom (6.47 GiB) ran 125.0 ms against 114.7 for 1/2 and 122.0 as made
 #: (session 17): one share, as many plans as it is worth
 TRIAL_HEADROOM_SHARES = (0.5,)
-#: the most plans one trial runs: the plan made and :func:`trial_plans`'s (one a budget)
-TRIAL_PLANS = 1 + 1 + len(TRIAL_HEADROOM_SHARES)
+#: the most plans one trial makes up front: the plan made and :func:`trial_plans`'s (one a budget)
+TRIAL_MADE = 1 + 1 + len(TRIAL_HEADROOM_SHARES)
+#: the most plans one trial runs: those and one :func:`roomier_plan` (where the fastest flushed)
+TRIAL_PLANS = TRIAL_MADE + 1
 #: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans: on
 #: the recorded 3-D U-Net (N = 2) the simulated best was made at 0.1-0.2 under 6.65 GiB and at
 #: 0.6-1.0 under 6.3 GiB, on r3d_18 (N = 32) at 0-0.05 (benchmarks/results/pressure, session 16)
@@ -193,6 +195,10 @@ class OffloadPlan:
     release_margin: float = RELEASE_MARGIN   # the profile's it was made with
     #: :func:`simulate`'s step time (None: not simulated)
     simulated_ms: float | None = None
+    #: what it was made for (not what it is, so no part of equality): the budget (0: unknown)
+    #: and the profile's copy exposure
+    target: int = field(default=0, compare=False)
+    copy_exposure: float = field(default=0.0, compare=False)
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)
@@ -497,7 +503,8 @@ def _result(profile: StepProfile, modes: Sequence[str], lookahead: int,
     return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead, margin),
                        step_time(profile, modes, lookahead), moved, margin, releases,
                        profile.release_margin,
-                       simulate(profile, modes, lookahead, margin).step_ms)
+                       simulate(profile, modes, lookahead, margin).step_ms,
+                       copy_exposure=profile.copy_exposure)
 
 
 def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
@@ -523,12 +530,12 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
         raise ValueError(f"budget must be more than 0 bytes, got {budget}")
     everything_kept = [KEEP] * len(profile.groups)
     if peak_memory(profile, everything_kept, lookahead, margin) <= budget:
-        return _result(profile, everything_kept, lookahead, margin)
+        return replace(_result(profile, everything_kept, lookahead, margin), target=budget)
     limit = budget
     for _ in range(3):
         plan = _solved(profile, lookahead, budget, limit, time_limit_s, margin, explain)
         if plan.peak <= budget:
-            return plan
+            return replace(plan, target=budget)
         # CBC's feasibility tolerance (1e-7 of the limit) let the peak over by a few bytes:
         # never over budget
         limit -= plan.peak - budget + int(2e-7 * limit) + 1
@@ -596,7 +603,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
                 ) -> list[tuple[str, OffloadPlan]]:
     """(how it was made, plan) for the plans worth running against ``plan`` (made for ``budget``
     with the profile's copy exposure), at most one a budget (``budget``, then each of
-    ``larger_budgets`` above it, smallest first) and ``TRIAL_PLANS - 1`` in all, in the order to
+    ``larger_budgets`` above it, smallest first) and ``TRIAL_MADE - 1`` in all, in the order to
     run them. The exposure is a measured share of the copies' time (:data:`COPY_EXPOSURE`,
     ResNet-50), the same for every copy, where in truth a copy costs the compute stream what it
     waits for it in its queue: little where copies are few and the compute long, much where they
@@ -619,7 +626,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
          tuple(dict.fromkeys((profile.copy_exposure,) + TRIAL_EXPOSURES)))
         for larger in sorted(set(larger_budgets)) if larger > budget]
     for target, where, exposures in rounds:
-        if len(chosen) == TRIAL_PLANS - 1:
+        if len(chosen) == TRIAL_MADE - 1:
             break
         made = []
         for exposure in exposures:
@@ -639,6 +646,38 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
                 chosen.append((label, fastest))
                 best = fastest.simulated_ms
     return chosen
+
+
+def roomier_plan(profile: StepProfile, plan: OffloadPlan, flush_points: Sequence[int],
+                 room: int, tried: Sequence[OffloadPlan] = (),
+                 time_limit_s: float | None = TRIAL_SOLVE_S) -> OffloadPlan | None:
+    """``plan`` made again (for its target, at its copy exposure) with at most ``room`` bytes
+    modelled at each backward point of ``flush_points`` (those after whose op the caching
+    allocator flushed its cache in the plan's steps; -1, the forward, is not one): the layout
+    at such a point needs more than the headroom the plan left, and ``room`` (the target made
+    for the session's whole headroom) leaves it the whole headroom there. On the 3-D U-Net under
+    7.0 GiB every plan for 6.65 GiB flushed after backward point 6 (five runs, session 19); the
+    plan with 6.3 GiB there simulated within 0.5 ms of it. None where no point is in the
+    backward, ``room`` is no less than the target, no plan fits, or the plan made is ``plan`` or
+    one of ``tried``."""
+    points = sorted({point for point in flush_points if 0 <= point < profile.unpacks})
+    if not points or not plan.target or room >= plan.target:
+        return None
+    backward = list(profile.baseline_backward)
+    for point in points:
+        backward[point] += plan.target - room
+    try:
+        roomier = plan_with_prefetch(replace(profile, baseline_backward=backward,
+                                             copy_exposure=plan.copy_exposure),
+                                     plan.target, plan.lookahead, time_limit_s)
+    except (InfeasibleError, SolverError):
+        return None
+    if any(_same_plan(roomier, seen) for seen in (plan, *tried)):
+        return None
+    # its peak and step as the recorded profile models them
+    return replace(_result(replace(profile, release_margin=roomier.release_margin),
+                           roomier.modes, roomier.lookahead, roomier.margin),
+                   target=plan.target, copy_exposure=plan.copy_exposure)
 
 
 def _same_plan(a: OffloadPlan, b: OffloadPlan) -> bool:

@@ -539,10 +539,10 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     assert [(label, plan.simulated_ms) for label, plan in tried] == [
         ("made at copy exposure 0", 95.0),
         (f"made at copy exposure 0 for {30 / 2**30:.2f} GiB", 90.0)]
-    # at most TRIAL_PLANS - 1, one a budget, in the order of the budgets
+    # at most TRIAL_MADE - 1, one a budget, in the order of the budgets
     times.update({(0.0, 20): 93.0, (0.6, 40): 80.0, (0.0, 40): 85.0, (0.2, 40): 85.0})
     tried = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40])
-    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_PLANS - 1]
+    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_MADE - 1]
     # none faster than the plan made: none tried; one already made: not again
     for key in times:
         times[key] += 20
@@ -561,3 +561,29 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     monkeypatch.setattr(planner, "plan_with_prefetch", infeasible_at_zero)
     assert [label for label, _ in planner.trial_plans(profile, 10, made)] == [
         "made at copy exposure 0.2"]
+
+
+def test_a_roomier_plan_leaves_the_whole_headroom_where_its_plan_flushed():
+    # six 8 MiB groups unpacked in reverse, two recomputable (group 3, rebuilt at backward point
+    # 2; group 1, at point 4). For 40 MiB the plan recomputes the cheaper, group 3, which puts
+    # 40 MiB at point 2; with at most 32 MiB there, group 1 is recomputed instead
+    groups = [SavedGroup(8 * MiB, 5 - g, 5 - g) for g in range(6)]
+    groups[3] = SavedGroup(8 * MiB, 2, 2, recompute_ms=0.01, recompute_source=2)
+    groups[1] = SavedGroup(8 * MiB, 4, 4, recompute_ms=0.02, recompute_source=0)
+    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=6,
+                          copy_exposure=0.3)
+    plan = plan_offload(profile, budget=40 * MiB, lookahead=1)
+    assert plan.modes == (KEEP, KEEP, KEEP, RECOMPUTE, KEEP, KEEP)
+    assert (plan.target, plan.copy_exposure) == (40 * MiB, 0.3)
+    assert planner.memory_at_points(profile, plan.modes, 1)[1][2] == 40 * MiB
+    roomier = planner.roomier_plan(profile, plan, [2], room=32 * MiB)
+    assert roomier.modes == (KEEP, RECOMPUTE, KEEP, KEEP, KEEP, KEEP)
+    assert planner.memory_at_points(profile, roomier.modes, 1)[1][2] <= 32 * MiB
+    assert roomier.peak == planner.peak_memory(profile, roomier.modes, 1) <= 40 * MiB
+    assert (roomier.target, roomier.copy_exposure) == (40 * MiB, 0.3)
+    # nothing to do: the forward, no room to give, the plan already tried, no target known
+    assert planner.roomier_plan(profile, plan, [-1], room=32 * MiB) is None
+    assert planner.roomier_plan(profile, plan, [2], room=40 * MiB) is None
+    assert planner.roomier_plan(profile, plan, [2], room=32 * MiB, tried=[roomier]) is None
+    assert planner.roomier_plan(profile, dataclasses.replace(plan, target=0), [2],
+                                room=32 * MiB) is None
