@@ -31,8 +31,8 @@ Parts (each writes OUT/pressure-PART.json after every configuration and prints o
   through `mucudnn run --memory-budget CAP --offload` (the CLI's own path: its budget hook limits
   the allocator and tells the shim; mucudnn.torch keeps, offloads or recomputes saved tensors,
   docs/torch.md), bracketed by the smaller minimum found and --offload-low-fraction of it; its
-  probes warm up --offload-warmup steps (>= 16: mucudnn.torch records 2 before its plan applies,
-  and may try four plans 3 steps each),
+  probes warm up --offload-warmup steps (>= 13: mucudnn.torch records 2 before its plan applies,
+  and may try three plans 3 steps each),
   and keep mucudnn.torch's plan line (``offload_lines``; MUCUDNN_LOG_LEVEL=info, the shim's lines
   in OUT/logs). Its allocator is the part's (the CLI's expandable_segments default does not
   apply; set PYTORCH_CUDA_ALLOC_CONF for every run). On a 3-D model it first probes the target's

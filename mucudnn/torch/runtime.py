@@ -655,19 +655,11 @@ class _Trial:
     #: in a timed step
     flush_points: list = field(default_factory=list)
     seen: dict = field(default_factory=dict)   # link -> its flush count when last read
-    roomier: bool = False        # a :func:`planner.roomier_plan` was looked for
 
     def __post_init__(self):
         self.marks = [[] for _ in self.plans]
         self.flushes = [[] for _ in self.plans]
         self.flush_points = [set() for _ in self.plans]
-
-    def add(self, plan, label: str) -> None:
-        self.plans.append(plan)
-        self.labels.append(label)
-        self.marks.append([])
-        self.flushes.append([])
-        self.flush_points.append(set())
 
     def saw_flushes(self, link, point: int) -> None:
         """``link``'s flush count read after backward point ``point``'s op (-1: after the
@@ -1546,37 +1538,12 @@ class OffloadSession:
         trial.flushes[trial.current].append(link.flushes())
         if len(trial.marks[trial.current]) < planner.TRIAL_STEPS:
             return
-        if trial.current + 1 == len(trial.plans) and not trial.roomier:
-            self._add_roomier(trial)
         if trial.current + 1 < len(trial.plans):
             trial.current += 1
             self.plan = trial.plans[trial.current]
             self.modes = list(self.plan.modes)
             return
         self._end_trial(trial, len(trial.plans), "offload plans tried")
-
-    def _add_roomier(self, trial: _Trial) -> None:
-        """The trial's plans all ran: where the fastest flushed the caching allocator's cache in
-        the backward, :func:`planner.roomier_plan` of it (the session's whole headroom left at
-        the points where it flushed) runs next, with one line."""
-        trial.roomier = True
-        times = [trial.step_ms(index) for index in range(len(trial.plans))]
-        fastest = min(range(len(times)), key=times.__getitem__)
-        points = sorted(point for point in trial.flush_points[fastest] if point >= 0)
-        if not trial.flushes_in(fastest) or not points:
-            return
-        limit = planner.TRIAL_SOLVE_S if self.plan_time_limit_s is None else min(
-            self.plan_time_limit_s, planner.TRIAL_SOLVE_S)
-        roomier = planner.roomier_plan(self.profile, trial.plans[fastest], points, self.target,
-                                       trial.plans, limit)
-        if roomier is None:
-            return
-        label = f"{trial.labels[fastest]} with room after its flushes"
-        trial.add(roomier, label)
-        self.say(f"the plan {trial.labels[fastest]} flushed the caching allocator's cache "
-                 f"{trial.where_flushed(fastest)}; trying it with at most "
-                 f"{self.target / 2**30:.2f} GiB there ({roomier.describe()}), "
-                 f"{planner.TRIAL_STEPS} steps")
 
     def _end_trial(self, trial: _Trial, ran: int, why: str) -> None:
         """:meth:`_Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one

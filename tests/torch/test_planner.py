@@ -539,10 +539,10 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     assert [(label, plan.simulated_ms) for label, plan in tried] == [
         ("made at copy exposure 0", 95.0),
         (f"made at copy exposure 0 for {30 / 2**30:.2f} GiB", 90.0)]
-    # at most TRIAL_MADE - 1, one a budget, in the order of the budgets
+    # at most TRIAL_PLANS - 1, one a budget, in the order of the budgets
     times.update({(0.0, 20): 93.0, (0.6, 40): 80.0, (0.0, 40): 85.0, (0.2, 40): 85.0})
     tried = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40])
-    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_MADE - 1]
+    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_PLANS - 1]
     # none faster than the plan made: none tried; one already made: not again
     for key in times:
         times[key] += 20
@@ -563,27 +563,59 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
         "made at copy exposure 0.2"]
 
 
-def test_a_roomier_plan_leaves_the_whole_headroom_where_its_plan_flushed():
-    # six 8 MiB groups unpacked in reverse, two recomputable (group 3, rebuilt at backward point
-    # 2; group 1, at point 4). For 40 MiB the plan recomputes the cheaper, group 3, which puts
-    # 40 MiB at point 2; with at most 32 MiB there, group 1 is recomputed instead
-    groups = [SavedGroup(8 * MiB, 5 - g, 5 - g) for g in range(6)]
-    groups[3] = SavedGroup(8 * MiB, 2, 2, recompute_ms=0.01, recompute_source=2)
-    groups[1] = SavedGroup(8 * MiB, 4, 4, recompute_ms=0.02, recompute_source=0)
-    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=6,
-                          copy_exposure=0.3)
-    plan = plan_offload(profile, budget=40 * MiB, lookahead=1)
-    assert plan.modes == (KEEP, KEEP, KEEP, RECOMPUTE, KEEP, KEEP)
-    assert (plan.target, plan.copy_exposure) == (40 * MiB, 0.3)
-    assert planner.memory_at_points(profile, plan.modes, 1)[1][2] == 40 * MiB
-    roomier = planner.roomier_plan(profile, plan, [2], room=32 * MiB)
-    assert roomier.modes == (KEEP, RECOMPUTE, KEEP, KEEP, KEEP, KEEP)
-    assert planner.memory_at_points(profile, roomier.modes, 1)[1][2] <= 32 * MiB
-    assert roomier.peak == planner.peak_memory(profile, roomier.modes, 1) <= 40 * MiB
-    assert (roomier.target, roomier.copy_exposure) == (40 * MiB, 0.3)
-    # nothing to do: the forward, no room to give, the plan already tried, no target known
-    assert planner.roomier_plan(profile, plan, [-1], room=32 * MiB) is None
-    assert planner.roomier_plan(profile, plan, [2], room=40 * MiB) is None
-    assert planner.roomier_plan(profile, plan, [2], room=32 * MiB, tried=[roomier]) is None
-    assert planner.roomier_plan(profile, dataclasses.replace(plan, target=0), [2],
-                                room=32 * MiB) is None
+def slow_offload_plan():
+    """(profile, plan): test_recompute_preferred_when_the_link_is_slow's profile and a plan for
+    24 MiB that offloads group 1 over its slow link (fetched on demand) where recomputing it is
+    far faster."""
+    groups = [SavedGroup(8 * MiB, 3, 3), SavedGroup(8 * MiB, 2, 2, recompute_ms=0.01,
+                                                    recompute_source=0),
+              SavedGroup(8 * MiB, 1, 1), SavedGroup(8 * MiB, 0, 0)]
+    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=4,
+                          copy_exposure=0.2, release_margin=0.0)   # released at the next point
+    plan = dataclasses.replace(planner._result(profile, (KEEP, OFFLOAD, KEEP, KEEP), 0),
+                               target=24 * MiB)
+    assert plan.peak <= 24 * MiB
+    return profile, plan
+
+
+def test_polished_takes_changes_the_simulation_finds_faster_within_the_target():
+    profile, slow = slow_offload_plan()
+    better = planner.polished(profile, slow)
+    assert better.modes == (KEEP, RECOMPUTE, KEEP, KEEP)
+    assert better.simulated_ms < slow.simulated_ms and better.peak <= 24 * MiB
+    assert (better.target, better.copy_exposure) == (24 * MiB, 0.2)
+    # the program's own plan is already the best of its neighbours here; a plan of unknown
+    # target is left as it is
+    made = plan_offload(profile, budget=24 * MiB)
+    assert planner.polished(profile, made) is made
+    unknown = dataclasses.replace(slow, target=0)
+    assert planner.polished(profile, unknown) is unknown
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_polished_plans_stay_valid_within_target_and_no_one_change_beats_them(seed):
+    profile = dataclasses.replace(chain_profile([MiB * (1 + seed % 3 + g % 4) for g in range(9)],
+                                                recompute_every=2, seed=seed), copy_exposure=0.6)
+    total = sum(g.nbytes for g in profile.groups)
+    made = plan_offload(profile, budget=total * 2 // 3)
+    better = planner.polished(profile, made, time_limit_s=None)
+    assert valid(profile, better.modes) and better.peak <= made.target
+    assert better.simulated_ms <= made.simulated_ms
+    for index, group in enumerate(profile.groups):
+        for mode in planner.allowed_modes(group):
+            modes = list(better.modes)
+            modes[index] = mode
+            if valid(profile, modes) and planner.peak_memory(profile, modes, 2) <= made.target:
+                assert planner.simulate(profile, modes, 2).step_ms >= better.simulated_ms - 1e-6
+
+
+def test_trial_plans_try_the_plan_made_polished_on_its_simulation(monkeypatch):
+    # no plan at the other exposures: the plan made, polished, is the one tried
+    profile, slow = slow_offload_plan()
+
+    def infeasible(*args):
+        raise InfeasibleError("no plan")
+    monkeypatch.setattr(planner, "plan_with_prefetch", infeasible)
+    tried = planner.trial_plans(profile, 24 * MiB, slow)
+    assert [(label, plan.modes) for label, plan in tried] == [
+        ("as made, polished on its simulation", (KEEP, RECOMPUTE, KEEP, KEEP))]

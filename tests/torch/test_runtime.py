@@ -1897,53 +1897,6 @@ def test_a_trial_says_after_which_op_a_plan_flushed(monkeypatch, flush_after):
                          f"(2 flushes {said}); keeping the plan as made")
 
 
-@pytest.mark.parametrize("roomier_flushes", [False, True])
-def test_where_the_fastest_plan_flushed_the_trial_runs_it_with_room_there(monkeypatch,
-                                                                        roomier_flushes):
-    # with 10 % headroom: the other plan runs 5 ms a step against 10 as made but flushes the
-    # cache after backward point 2; planner.roomier_plan of it (the session's target at that
-    # point) runs next at 7 ms a step, and stays where it does not flush
-    trial = planner.TRIAL_STEPS
-    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 3 * trial + 2)
-    plans = fake_trial_plans(monkeypatch)
-    asked = []
-
-    def roomier(profile, plan, points, room, tried, time_limit_s):
-        asked.append((plan, points, room, list(tried)))
-        plans.append(dataclasses.replace(plan, margin=plan.margin + 1))   # another plan
-        return plans[-1]
-    monkeypatch.setattr(planner, "roomier_plan", roomier)
-    said = []
-    link = flushing_link(plans, (10.0, 5.0, 7.0), (False, True, roomier_flushes))
-    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
-    link.session = session
-    session.budget = int(saved_bytes(model, data) * 0.6)
-    train(model, data, session)
-    assert [(plan, points, room) for plan, points, room, _ in asked] == [
-        (plans[1], [2], session.target)]
-    assert asked[0][3] == plans[:2]
-    assert said[-2].startswith("the plan other 1 flushed the caching allocator's cache after "
-                               f"backward point 2; trying it with at most "
-                               f"{session.target / 2**30:.2f} GiB there (")
-    label = "other 1 with room after its flushes"
-    kept = "as made" if roomier_flushes else label
-    assert said[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 5.0 ms a step "
-                        f"(2 flushes after backward point 2), {label} 7.0 ms a step"
-                        + (" (2 flushes after backward point 2)" if roomier_flushes else "")
-                        + f"; keeping the plan {kept}")
-    assert (session.plan is plans[0]) == roomier_flushes
-    assert session.kept_after_trial == (None if roomier_flushes else label)
-
-
-def test_a_trial_whose_fastest_plan_did_not_flush_tries_no_other(monkeypatch):
-    trial = planner.TRIAL_STEPS
-    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
-    plans = fake_trial_plans(monkeypatch)
-    monkeypatch.setattr(planner, "roomier_plan", lambda *args: pytest.fail("roomier"))
-    session, said = run_trial(model, data, flushing_link(plans, (10.0, 5.0), (True, False)))
-    assert session.plan is plans[1] and said[-1].endswith("keeping the plan other 1")
-
-
 def test_a_flush_in_a_fetch_is_said_after_the_point_that_fetched(monkeypatch):
     # under the other plan each fetch (prefetched or on demand) flushes the cache: the trial's
     # line names the backward points whose unpack issued them
