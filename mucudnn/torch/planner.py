@@ -194,10 +194,8 @@ class OffloadPlan:
     release_margin: float = RELEASE_MARGIN   # the profile's it was made with
     #: :func:`simulate`'s step time (None: not simulated)
     simulated_ms: float | None = None
-    #: what it was made for (not what it is, so no part of equality): the budget (0: unknown)
-    #: and the profile's copy exposure
+    #: the budget it was made for (0: unknown; not what it is, so no part of equality)
     target: int = field(default=0, compare=False)
-    copy_exposure: float = field(default=0.0, compare=False)
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)
@@ -502,8 +500,7 @@ def _result(profile: StepProfile, modes: Sequence[str], lookahead: int,
     return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead, margin),
                        step_time(profile, modes, lookahead), moved, margin, releases,
                        profile.release_margin,
-                       simulate(profile, modes, lookahead, margin).step_ms,
-                       copy_exposure=profile.copy_exposure)
+                       simulate(profile, modes, lookahead, margin).step_ms)
 
 
 def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
@@ -698,8 +695,7 @@ def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None
                 break
     if modes == list(plan.modes):
         return plan
-    return replace(_result(profile, modes, lookahead, margin), target=plan.target,
-                   copy_exposure=plan.copy_exposure)
+    return replace(_result(profile, modes, lookahead, margin), target=plan.target)
 
 
 def _same_plan(a: OffloadPlan, b: OffloadPlan) -> bool:

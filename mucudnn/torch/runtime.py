@@ -671,15 +671,20 @@ class _Trial:
             self.flush_points[self.current].add(point)
         self.seen[link] = count
 
-    def where_flushed(self, index: int) -> str:
-        """Where plan ``index`` flushed, said: "after the forward and after backward point 6"."""
+    def flush_note(self, index: int) -> str:
+        """Plan ``index``'s flushes in its timed steps and where, as its trial line says them
+        (" (2 flushes after the forward and after backward point 6)"; none: "")."""
+        count = self.flushes_in(index)
+        if not count:
+            return ""
         points = sorted(self.flush_points[index])
         said = ["after the forward"] * (points[:1] == [-1])
         backward = [point for point in points if point >= 0]
         if backward:
             said.append(f"after backward point{'s' if len(backward) > 1 else ''} "
                         + ", ".join(map(str, backward)))
-        return " and ".join(said)
+        where = " " + " and ".join(said) if said else ""
+        return f" ({count} flush{'es' if count > 1 else ''}{where})"
 
     def flushes_in(self, index: int) -> int:
         """The caching allocator's flushes in plan ``index``'s timed steps."""
@@ -1555,11 +1560,7 @@ class OffloadSession:
         self.plan = trial.plans[best]
         self.modes = list(self.plan.modes)
         self.write_profile()
-        def flushes(index):
-            count, where = trial.flushes_in(index), trial.where_flushed(index)
-            return (f" ({count} flush{'es' if count > 1 else ''}{' ' + where if where else ''})"
-                    if count else "")
-        timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{flushes(index)}"
+        timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{trial.flush_note(index)}"
                           for index, ms in enumerate(times))
         self.say(f"{why}: {timed}; keeping the plan {trial.labels[best]}")
 
