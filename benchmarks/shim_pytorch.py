@@ -127,6 +127,10 @@ def _worker_steps(args, torch, where: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         return step_loss
 
+    if os.environ.get(ENV_NO_TRIAL) == "1":   # the plan made runs, whatever the trial says
+        session = offload_session()
+        if session is not None:
+            session.trials = False
     # the caching allocator's flushes in each step, warm-up included (an offload plan's trial
     # is in the warm-up): when flushes start, and whether they stop; the timed steps' at a cap
     times, retries_per_step = [], []
@@ -202,15 +206,39 @@ def segment_summary(snapshot: list[dict]) -> list[dict]:
     return summary
 
 
+#: ``SHIM_PYTORCH_MEMORY_HISTORY=DIR``: the memory trace's step is also written whole to
+#: ``DIR/history-<pid>.json`` (:func:`write_history`), with the offload session's points marked
+#: in it, for analysing the caching allocator's layout off the GPU
+ENV_HISTORY = "SHIM_PYTORCH_MEMORY_HISTORY"
+#: ``SHIM_PYTORCH_NO_OFFLOAD_TRIAL=1``: the offload session runs the plan it made, with no trial
+#: of others (to study one plan's layout)
+ENV_NO_TRIAL = "SHIM_PYTORCH_NO_OFFLOAD_TRIAL"
+#: a marker's size in the trace: ``MARK_BASE + 512 * point`` bytes (the small pool: below 1 MiB,
+#: so the large pool's layout is untouched); backward points from 0, forward points (groups)
+#: from :data:`MARK_FORWARD`
+MARK_BASE, MARK_FORWARD = 512 * 1024, 512
+
+
+def offload_session():
+    """The process's mucudnn.torch session (``mucudnn run --offload``), or None."""
+    import gc
+    return next((o for o in gc.get_objects() if type(o).__name__ == "OffloadSession"), None)
+
+
 def memory_trace_step(step) -> dict:
     """One training step under the caching allocator's history
-    (``torch.cuda.memory._record_memory_history``), summarised by :func:`memory_trace_summary`."""
+    (``torch.cuda.memory._record_memory_history``), summarised by :func:`memory_trace_summary`
+    (and written whole under :data:`ENV_HISTORY`)."""
     import torch
 
     torch.cuda.synchronize()
     stats = torch.cuda.memory_stats()
     start = {"allocated": stats.get("allocated_bytes.all.current", 0),
              "mapped": stats.get("reserved_bytes.all.current", 0)}
+    session = offload_session() if os.environ.get(ENV_HISTORY) else None
+    history = os.environ.get(ENV_HISTORY) if session is not None else None
+    before = torch.cuda.memory._snapshot()["segments"] if history else None
+    marked = _mark_points(torch, session) if session is not None else None
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc",
                                              stacks="python")
     try:
@@ -219,9 +247,50 @@ def memory_trace_step(step) -> dict:
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+        if marked is not None:
+            session._event = marked
     device = torch.cuda.current_device()
     traces = snapshot.get("device_traces") or [[]]
-    return memory_trace_summary(traces[device] if device < len(traces) else [], **start)
+    trace = traces[device] if device < len(traces) else []
+    if history:
+        write_history(Path(history), before, trace, start, session)
+    return memory_trace_summary(trace, **start)
+
+
+def _mark_points(torch, session):
+    """Has ``session`` allocate and free a marker (:data:`MARK_BASE`) at every pack of a new
+    group and every unpack; returns its own ``_event`` to put back."""
+    own = session._event
+
+    def event(*what):
+        own(*what)
+        if what[0] in ("pack", "unpack"):
+            point = what[1] + MARK_FORWARD if what[0] == "pack" else what[2]
+            torch.empty(MARK_BASE + 512 * point, dtype=torch.uint8, device="cuda")
+    session._event = event
+    return own
+
+
+def write_history(directory: Path, segments, trace: list[dict], start: dict, session) -> None:
+    """The step's allocator history as JSON: the segments and blocks before it, every trace
+    entry (action, address, size, stream, Python frames outside torch), the levels it started
+    at, and the session's plan (modes, target) where there is one."""
+    keep = ("address", "total_size", "stream", "segment_type", "allocated_size")
+    plan = getattr(session, "plan", None)
+    document = {
+        "start": start,
+        "segments": [{**{k: s.get(k) for k in keep},
+                      "blocks": [{"size": b.get("size"), "state": b.get("state")}
+                                 for b in s.get("blocks", [])]} for s in segments],
+        "trace": [{"action": e.get("action"), "addr": e.get("addr", 0), "size": e.get("size", 0),
+                   "stream": e.get("stream", 0), "where": _frame_names(e.get("frames", []), 4)}
+                  for e in trace],
+        "plan": None if plan is None else {"modes": list(plan.modes), "target": plan.target,
+                                           "describe": plan.describe()},
+        "kept_after_trial": getattr(session, "kept_after_trial", None),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"history-{os.getpid()}.json").write_text(json.dumps(document))
 
 
 #: trace actions that map (+) or unmap (-) device memory: whole segments, or the ranges of an
