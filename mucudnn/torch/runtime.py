@@ -63,6 +63,10 @@ _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: Modules that may also be recomputed, at their measured cost (the planner weighs it against
 #: moving their output; per-block checkpointing shows recomputing them can beat the host link).
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: a kept group of at most this share of the profile's largest group is copied apart from the
+#: step's large short-lived tensors (:meth:`OffloadSession._keeps_apart`): the 3-D U-Net's 512 MiB
+#: activations and gradients against its kept 8-128 MiB tensors
+KEEP_APART_SHARE = 0.5
 #: the smallest copy whose time measures the host link (smaller ones measure its latency)
 LINK_PROBE_BYTES = 32 << 20
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
@@ -180,6 +184,12 @@ class CopyLink:
     def fetch(self, host: Transfer, device, inline: bool = False) -> Transfer:
         return Transfer(_same_layout(host.tensor, device).copy_(host.tensor))
 
+    def keep_apart(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` (dense) in memory apart from the step's short-lived tensors
+        (here: anywhere), made in the compute stream's order; the caller lets go of
+        ``tensor``."""
+        return _same_layout(tensor, tensor.device).copy_(tensor)
+
     def wait(self, transfer: Transfer) -> torch.Tensor:
         return transfer.tensor
 
@@ -260,6 +270,8 @@ class CudaLink(CopyLink):
         # offloads still draining (the two directions run at once on their own copy engines)
         self.stream = torch.cuda.Stream(self.device)
         self.fetch_stream = torch.cuda.Stream(self.device)
+        # allocates, never runs: its blocks are a pool of their own (keep_apart)
+        self.keep_stream = torch.cuda.Stream(self.device)
         self.max_pending = max_pending
         self._pending: deque = deque()
         self._pending_bytes = 0
@@ -358,6 +370,17 @@ class CudaLink(CopyLink):
     def wait(self, transfer):
         torch.cuda.current_stream(self.device).wait_event(transfer.event)
         return transfer.tensor
+
+    def keep_apart(self, tensor):
+        # Allocated as if for the keep stream: the caching allocator gives each stream blocks of
+        # its own (with expandable segments, its own address range), so kept tensors no longer
+        # sit between the large short-lived tensors of the compute stream and split the holes
+        # those leave. Every use, the copy here and the unpacks, is on the compute stream, and
+        # so is every later write into a reused block (the next step's copies): ordered, with
+        # no record_stream.
+        with torch.cuda.stream(self.keep_stream):
+            copy = _same_layout(tensor, self.device)
+        return copy.copy_(tensor)
 
     def empty_cache(self):
         with torch.cuda.device(self.device):
@@ -550,6 +573,9 @@ class _Group:
     producer: str
     offloadable: bool
     tensor: torch.Tensor | None = None      # on the device: kept, fetched or recomputed
+    #: ``tensor``'s version while it holds the saved value where it is a copy
+    #: (:meth:`OffloadSession._kept`); None: ``version`` (an alias sharing the version counter)
+    kept_version: int | None = None
     host: Transfer | None = None
     release: object = None                  # gives ``host`` back to the link's pool
     fetch: Transfer | None = None
@@ -736,7 +762,9 @@ class OffloadSession:
     :func:`planner.trial_plans` finds others its simulation says are faster (made at other
     copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
-    allocator's cache (:meth:`_Trial.kept`), with one line.
+    allocator's cache (:meth:`_Trial.kept`), with one line. ``keep_apart``: where a plan
+    offloads or recomputes, kept groups up to half the size of the largest are copied apart
+    from the step's large tensors (:meth:`_keeps_apart`).
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -746,7 +774,7 @@ class OffloadSession:
                  record_steps: int = 2, plan_time_limit_s: float = 20,
                  recompute_convolutions: bool = True,
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
-                 max_pending: int = 1 << 30, trials: bool = True):
+                 max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
@@ -760,6 +788,8 @@ class OffloadSession:
         self._link, self._links = link, {}
         self.max_pending = max_pending
         self.trials = trials
+        self.keep_apart = keep_apart
+        self._apart_limit: tuple = (None, 0)   # (plan, bytes): _keeps_apart's, per plan
         self._trial: _Trial | None = None
         #: how the plan in force was made, after a trial kept another than the one made
         #: (:func:`planner.trial_plans`' label; None: as made)
@@ -1147,14 +1177,44 @@ class OffloadSession:
                         call.moved += group.nbytes
             self._event("offload", gid)
         elif group.mode == KEEP:
-            # an alias without the autograd history: a node saving its own output (ReLU) would
-            # otherwise hold itself through it, a cycle through C++ that the collector cannot
-            # break, and a graph dropped without a backward would keep its memory for good
-            group.tensor = tensor.detach()
+            group.tensor = self._kept(step, link, group, tensor)
+            if group.tensor._version != group.version:
+                group.kept_version = group.tensor._version
         else:
             for source in recipe.sources:
                 source.readers += 1
         return group
+
+    def _kept(self, step: _Step, link: CopyLink, group: _Group,
+              tensor: torch.Tensor) -> torch.Tensor:
+        """What a kept group holds: an alias of ``tensor`` without its autograd history (a node
+        saving its own output, ReLU, would otherwise hold itself through it, a cycle through C++
+        that the collector cannot break, and a graph dropped without a backward would keep its
+        memory for good), or, where :meth:`_keeps_apart`, a copy the link keeps apart."""
+        if not self._keeps_apart(step, group):
+            return tensor.detach()
+        with torch.no_grad():
+            return link.keep_apart(tensor)
+
+    def _keeps_apart(self, step: _Step, group: _Group) -> bool:
+        """Whether kept ``group`` is copied apart (:meth:`CopyLink.keep_apart`): in a planned
+        step of a plan that offloads or recomputes (memory is short), a dense group of at most
+        :data:`KEEP_APART_SHARE` of the profile's largest group. The caching allocator places a
+        tensor in the smallest free block that holds it: kept tensors made in the forward fill
+        the holes large activations leave, live through the backward, and split the space the
+        backward's large tensors need into pieces too small for them. Under a cap it then frees
+        its whole cache, after a synchronisation, and maps memory again. On the 3-D U-Net
+        (N = 2) under 7.0 GiB, at the flush after backward point 6, 0.69 GB of kept tensors of
+        8-128 MiB lay between 512 MiB blocks and 0.67 GB of holes, none of 512 MiB
+        (benchmarks/results/pressure, session 20)."""
+        if not self.keep_apart or step.profiling or self.fell_back or self.plan is None \
+                or self.profile is None or not group.offloadable:
+            return False
+        if self._apart_limit[0] is not self.plan:
+            moves = self.plan.count(OFFLOAD) + self.plan.count(RECOMPUTE)
+            largest = max((g.nbytes for g in self.profile.groups), default=0)
+            self._apart_limit = (self.plan, int(largest * KEEP_APART_SHARE) if moves else 0)
+        return group.nbytes <= self._apart_limit[1]
 
     def _release_point(self, step: _Step, group: _Group) -> int | None:
         """The forward point at which a planned step lets go of offloaded ``group``'s device
@@ -1313,8 +1373,8 @@ class OffloadSession:
         sources = recipe.sources
         for source in sources:
             # a recomputed source is a new tensor holding the value at the version saved
-            if source.tensor is None or (source.mode == KEEP
-                                         and source.tensor._version != source.version):
+            held = source.version if source.kept_version is None else source.kept_version
+            if source.tensor is None or (source.mode == KEEP and source.tensor._version != held):
                 raise RuntimeError(f"mucudnn.torch: source {source.gid} of saved tensor "
                                    f"{group.gid} changed after it was saved; cannot recompute it")
         # the sources' tensors and the views of them the recipe reads

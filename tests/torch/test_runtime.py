@@ -1939,3 +1939,68 @@ def test_with_no_plan_under_a_budget_each_offload_goes_at_the_next_point():
     assert any(planner.release_point(session.profile, g) > g + 1 for g in offloaded)
     for released in released_at(trace, len(session.profile.groups))[2:]:
         assert released == {g: g + 1 for g in offloaded}
+
+
+class ApartLink(RecordingLink):
+    """RecordingLink that notes the bytes of every tensor it is asked to keep apart, and the
+    copies it made."""
+
+    def __init__(self):
+        super().__init__()
+        self.apart: list[int] = []
+        self.copies: list[torch.Tensor] = []
+
+    def keep_apart(self, tensor):
+        copied = super().keep_apart(tensor)
+        self.apart.append(tensor.numel() * tensor.element_size())
+        self.copies.append(copied)
+        return copied
+
+
+@pytest.mark.parametrize("keep_apart", [True, False])
+def test_small_kept_groups_are_copied_apart_in_planned_steps_only(keep_apart):
+    # small_cnn's first activations are 4x its last: under a plan that offloads, kept groups of
+    # at most half the largest are copies the link keeps apart, the others aliases; the
+    # recording step and sessions told not to copy nothing; gradients bitwise equal
+    model, data = small_cnn(torch.float64), batches(torch.float64, 5)
+    reference = train(copy.deepcopy(model), data)
+    link = ApartLink()
+    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
+                             headroom=0.0, record_steps=1, recompute_convolutions=False,
+                             trials=False, keep_apart=keep_apart)
+    assert_bitwise(reference, train(model, data, session))
+    plan, profile = session.plan, session.profile
+    assert plan.count(OFFLOAD) + plan.count(RECOMPUTE) > 0
+    largest = max(g.nbytes for g in profile.groups)
+    expected = [g.nbytes for g, mode in zip(profile.groups, plan.modes)
+                if mode == KEEP and g.offloadable and g.nbytes * 2 <= largest]
+    if not keep_apart:
+        assert link.apart == []
+        return
+    # a kept group over half the largest stays an alias
+    assert any(mode == KEEP and 2 * g.nbytes > largest
+               for g, mode in zip(profile.groups, plan.modes))
+    # the recording step copied nothing; every planned step exactly the expected groups
+    assert expected and link.apart == expected * (len(data) - 1)
+    assert all(c._version == 1 for c in link.copies)
+
+
+def test_a_kept_copy_changed_in_place_is_refused_as_a_recipe_source():
+    # a recipe reads a kept group's copy; if the copy was changed after it was saved, the
+    # rebuild refuses as it does for a changed alias
+    from mucudnn.torch.runtime import _Call, _Group, _Recipe
+    saved = torch.randn(2, 3, dtype=torch.float64)
+    link = CopyLink()
+    with torch.no_grad():
+        copied = link.keep_apart(saved)
+    source = _Group(0, KEEP, saved.numel() * 8, saved.device, weakref.ref(saved),
+                    saved._version, "op", True, tensor=copied, kept_version=copied._version)
+    relu = nn.ReLU()
+    recipe = _Recipe([_Call(relu, "ReLU", (), None, None, recomputable=True)], [(source,)])
+    target = _Group(1, RECOMPUTE, source.nbytes, saved.device, weakref.ref(saved), 0, "ReLU",
+                    True, recipe=recipe)
+    session = OffloadSession(link=link)
+    assert torch.equal(session._replay(target, link), torch.relu(saved))
+    copied.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed after it was saved"):
+        session._replay(target, link)
