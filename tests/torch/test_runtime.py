@@ -1960,7 +1960,7 @@ class ApartLink(RecordingLink):
 @pytest.mark.parametrize("keep_apart", [True, False])
 def test_small_kept_groups_are_copied_apart_in_planned_steps_only(keep_apart):
     # small_cnn's first activations are 4x its last: under a plan that offloads, kept groups of
-    # at most half the largest are copies the link keeps apart, the others aliases; the
+    # at most a quarter of the largest are copies the link keeps apart, the others aliases; the
     # recording step and sessions told not to copy nothing; gradients bitwise equal
     model, data = small_cnn(torch.float64), batches(torch.float64, 5)
     reference = train(copy.deepcopy(model), data)
@@ -1973,12 +1973,12 @@ def test_small_kept_groups_are_copied_apart_in_planned_steps_only(keep_apart):
     assert plan.count(OFFLOAD) + plan.count(RECOMPUTE) > 0
     largest = max(g.nbytes for g in profile.groups)
     expected = [g.nbytes for g, mode in zip(profile.groups, plan.modes)
-                if mode == KEEP and g.offloadable and g.nbytes * 2 <= largest]
+                if mode == KEEP and g.offloadable and g.nbytes * 4 <= largest]
     if not keep_apart:
         assert link.apart == []
         return
-    # a kept group over half the largest stays an alias
-    assert any(mode == KEEP and 2 * g.nbytes > largest
+    # a kept group over a quarter of the largest stays an alias
+    assert any(mode == KEEP and 4 * g.nbytes > largest
                for g, mode in zip(profile.groups, plan.modes))
     # the recording step copied nothing; every planned step exactly the expected groups
     assert expected and link.apart == expected * (len(data) - 1)
