@@ -84,8 +84,18 @@ TRIAL_STEPS = 3
 #: for 3/4 of the headroom (6.47 GiB) ran 125.0 ms against 114.7 for 1/2 and 122.0 as made
 #: (session 17): one share, as many plans as it is worth
 TRIAL_HEADROOM_SHARES = (0.5,)
-#: the most plans one trial runs: the plan made and :func:`trial_plans`'s (one a budget)
-TRIAL_PLANS = 1 + 1 + len(TRIAL_HEADROOM_SHARES)
+#: a kept group of at most this share of the profile's largest group is copied apart from the
+#: step's large short-lived tensors under a plan run with :attr:`OffloadPlan.keep_apart`
+#: (:func:`kept_apart`, ``OffloadSession._keeps_apart``): the 3-D U-Net's (N = 2) largest group is
+#: a 1 GiB concatenation, its activations and gradients 512 MiB, and its kept tensors that split
+#: their holes 8-128 MiB; at half, its 512 MiB groups were copied too, and their copies, made
+#: while the originals lived on in the forward, flushed the cache there (session 20)
+KEEP_APART_SHARE = 0.25
+#: the most plans :func:`trial_plans` makes to run against the plan made (one a budget)
+TRIAL_MADE = 1 + len(TRIAL_HEADROOM_SHARES)
+#: the most plans one trial runs: the plan made, :func:`trial_plans`' and the fastest of them with
+#: its small kept groups apart
+TRIAL_PLANS = 1 + TRIAL_MADE + 1
 #: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans: on
 #: the recorded 3-D U-Net (N = 2) the simulated best was made at 0.1-0.2 under 6.65 GiB and at
 #: 0.6-1.0 under 6.3 GiB, on r3d_18 (N = 32) at 0-0.05 (benchmarks/results/pressure, session 16)
@@ -196,6 +206,9 @@ class OffloadPlan:
     simulated_ms: float | None = None
     #: the budget it was made for (0: unknown; not what it is, so no part of equality)
     target: int = field(default=0, compare=False)
+    #: the runtime copies its small kept groups apart from the step's large tensors
+    #: (``OffloadSession._keeps_apart``; how it is run, so no part of equality)
+    keep_apart: bool = field(default=False, compare=False)
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)
@@ -209,7 +222,8 @@ class OffloadPlan:
                 + (f"; prefetch {self.lookahead} unpacks ahead" if self.count(OFFLOAD) else "")
                 + (f" or {self.margin:g} copy times" if self.count(OFFLOAD) and self.margin else "")
                 + ("; each offload released at the next point" if self.count(OFFLOAD)
-                   and self.release_margin == 0 else ""))
+                   and self.release_margin == 0 else "")
+                + ("; small kept groups apart" if self.keep_apart else ""))
 
 
 def planning_target(budget: int, headroom: float) -> int:
@@ -595,12 +609,14 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
 
 
 def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead: int = 2,
-                time_limit_s: float | None = 60, larger_budgets: Sequence[int] = ()
-                ) -> list[tuple[str, OffloadPlan]]:
+                time_limit_s: float | None = 60, larger_budgets: Sequence[int] = (),
+                keep_apart: bool = False) -> list[tuple[str, OffloadPlan]]:
     """(how it was made, plan) for the plans worth running against ``plan`` (made for ``budget``
     with the profile's copy exposure), at most one a budget (``budget``, then each of
-    ``larger_budgets`` above it, smallest first) and ``TRIAL_PLANS - 1`` in all, in the order to
-    run them. The exposure is a measured share of the copies' time (:data:`COPY_EXPOSURE`,
+    ``larger_budgets`` above it, smallest first) and :data:`TRIAL_MADE` in all, in the order to
+    run them; with ``keep_apart``, last, the simulated fastest of them all again with its small
+    kept groups apart (:attr:`OffloadPlan.keep_apart`: the caching allocator's layout, which the
+    model does not see, decides whether that flushes less or more). The exposure is a measured share of the copies' time (:data:`COPY_EXPOSURE`,
     ResNet-50), the same for every copy, where in truth a copy costs the compute stream what it
     waits for it in its queue: little where copies are few and the compute long, much where they
     queue behind each other (:func:`simulate`). So plans are also made at
@@ -623,7 +639,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
          tuple(dict.fromkeys((profile.copy_exposure,) + TRIAL_EXPOSURES)))
         for larger in sorted(set(larger_budgets)) if larger > budget]
     for target, where, exposures in rounds:
-        if len(chosen) == TRIAL_PLANS - 1:
+        if len(chosen) == TRIAL_MADE:
             break
         made = []
         for exposure in exposures:
@@ -649,7 +665,18 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
             if fastest.simulated_ms < best * (1 - TRIAL_MIN_GAIN):
                 chosen.append((label, fastest))
                 best = fastest.simulated_ms
+    label, fastest = chosen[-1] if chosen else ("as made", plan)
+    if keep_apart and kept_apart(profile, fastest.modes):
+        chosen.append((f"{label}, its small kept groups apart", replace(fastest, keep_apart=True)))
     return chosen
+
+
+def kept_apart(profile: StepProfile, modes: Sequence[str]) -> list[int]:
+    """The groups a plan of ``modes`` run with :attr:`OffloadPlan.keep_apart` copies apart: kept,
+    dense (offloadable) and at most :data:`KEEP_APART_SHARE` of the largest group's bytes."""
+    largest = max((g.nbytes for g in profile.groups), default=0)
+    return [index for index, (group, mode) in enumerate(zip(profile.groups, modes))
+            if mode == KEEP and group.offloadable and group.nbytes <= largest * KEEP_APART_SHARE]
 
 
 def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None = TRIAL_SOLVE_S

@@ -63,13 +63,6 @@ _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: Modules that may also be recomputed, at their measured cost (the planner weighs it against
 #: moving their output; per-block checkpointing shows recomputing them can beat the host link).
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: a kept group of at most this share of the profile's largest group is copied apart from the
-#: step's large short-lived tensors (:meth:`OffloadSession._keeps_apart`): the 3-D U-Net's
-#: (N = 2) largest group is a 1 GiB concatenation, its activations and gradients 512 MiB, and
-#: its kept tensors that split their holes 8-128 MiB; at half, its 512 MiB groups were copied
-#: too, and their copies, made while the originals lived on in the forward, flushed the cache
-#: there
-KEEP_APART_SHARE = 0.25
 #: the smallest copy whose time measures the host link (smaller ones measure its latency)
 LINK_PROBE_BYTES = 32 << 20
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
@@ -768,9 +761,10 @@ class OffloadSession:
     :func:`planner.trial_plans` finds others its simulation says are faster (made at other
     copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
-    allocator's cache (:meth:`_Trial.kept`), with one line. ``keep_apart``: where a plan
-    offloads or recomputes, kept groups up to a quarter of the largest are copied apart
-    from the step's large tensors (:meth:`_keeps_apart`).
+    allocator's cache (:meth:`_Trial.kept`), with one line. ``keep_apart``: kept groups up to
+    a quarter of the largest are copied apart
+    from the step's large tensors (:meth:`_keeps_apart`) where the trial keeps that plan:
+    with ``keep_apart`` it also runs its simulated fastest plan that way.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -795,7 +789,7 @@ class OffloadSession:
         self.max_pending = max_pending
         self.trials = trials
         self.keep_apart = keep_apart
-        self._apart_limit: tuple = (None, 0)   # (plan, bytes): _keeps_apart's, per plan
+        self._apart: tuple = (None, set())   # (plan, its planner.kept_apart groups)
         self._trial: _Trial | None = None
         #: how the plan in force was made, after a trial kept another than the one made
         #: (:func:`planner.trial_plans`' label; None: as made)
@@ -1204,23 +1198,23 @@ class OffloadSession:
 
     def _keeps_apart(self, step: _Step, group: _Group) -> bool:
         """Whether kept ``group`` is copied apart (:meth:`CopyLink.keep_apart`): in a planned
-        step of a plan that offloads or recomputes (memory is short), a dense group of at most
-        :data:`KEEP_APART_SHARE` of the profile's largest group. The caching allocator places a
-        tensor in the smallest free block that holds it: kept tensors made in the forward fill
-        the holes large activations leave, live through the backward, and split the space the
+        step of a plan run with :attr:`~planner.OffloadPlan.keep_apart`, one of
+        :func:`planner.kept_apart` (a dense group of at most :data:`~planner.KEEP_APART_SHARE`
+        of the profile's largest group). The caching allocator places a tensor in the smallest
+        free block that holds it: kept tensors made in the forward fill the holes large
+        activations leave, live through the backward, and split the space the
         backward's large tensors need into pieces too small for them. Under a cap it then frees
         its whole cache, after a synchronisation, and maps memory again. On the 3-D U-Net
         (N = 2) under 7.0 GiB, at the flush after backward point 6, 0.69 GB of kept tensors of
         8-128 MiB lay between 512 MiB blocks and 0.67 GB of holes, none of 512 MiB
         (benchmarks/results/pressure, session 20)."""
-        if not self.keep_apart or step.profiling or self.fell_back or self.plan is None \
+        if step.profiling or self.fell_back or self.plan is None or not self.plan.keep_apart \
                 or self.profile is None or not group.offloadable:
             return False
-        if self._apart_limit[0] is not self.plan:
-            moves = self.plan.count(OFFLOAD) + self.plan.count(RECOMPUTE)
-            largest = max((g.nbytes for g in self.profile.groups), default=0)
-            self._apart_limit = (self.plan, int(largest * KEEP_APART_SHARE) if moves else 0)
-        return group.nbytes <= self._apart_limit[1]
+        if self._apart[0] is not self.plan:
+            self._apart = (self.plan, set(planner.kept_apart(self.profile, self.plan.modes)))
+        return group.gid in self._apart[1] and \
+            self.profile.groups[group.gid].nbytes == group.nbytes
 
     def _release_point(self, step: _Step, group: _Group) -> int | None:
         """The forward point at which a planned step lets go of offloaded ``group``'s device
@@ -1589,7 +1583,8 @@ class OffloadSession:
         others = planner.trial_plans(
             self.profile, target, self.plan, self.lookahead, self.plan_time_limit_s,
             [planner.planning_target(self.budget, self.headroom * share)
-             for share in planner.TRIAL_HEADROOM_SHARES] if self.headroom else ())
+             for share in planner.TRIAL_HEADROOM_SHARES] if self.headroom else (),
+            keep_apart=self.keep_apart)
         if others:
             self._trial = _Trial([self.plan] + [plan for _, plan in others],
                                  ["as made"] + [label for label, _ in others],

@@ -539,10 +539,25 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     assert [(label, plan.simulated_ms) for label, plan in tried] == [
         ("made at copy exposure 0", 95.0),
         (f"made at copy exposure 0 for {30 / 2**30:.2f} GiB", 90.0)]
-    # at most TRIAL_PLANS - 1, one a budget, in the order of the budgets
+    # at most TRIAL_MADE, one a budget, in the order of the budgets
     times.update({(0.0, 20): 93.0, (0.6, 40): 80.0, (0.0, 40): 85.0, (0.2, 40): 85.0})
     tried = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40])
-    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_PLANS - 1]
+    assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_MADE]
+    # keep_apart: last, the simulated fastest of them again, run with its small kept groups
+    # apart (the same choices, told apart only by how the runtime runs them), where it has any
+    assert planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40],
+                               keep_apart=True) == tried    # these fake plans keep nothing
+    monkeypatch.setattr(planner, "kept_apart", lambda profile, modes: [0])
+    apart = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40], keep_apart=True)
+    monkeypatch.undo()
+    monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, lookahead, limit: (
+        _fake_plan(f"{p.copy_exposure}@{budget}", times[(p.copy_exposure, budget)])))
+    assert [p for _, p in apart[:-1]] == [p for _, p in tried]
+    assert not any(p.keep_apart for _, p in apart[:-1])
+    label, last = apart[-1]
+    assert last.keep_apart and last == tried[-1][1] and last is not tried[-1][1]
+    assert label == tried[-1][0] + ", its small kept groups apart"
+    assert len(apart) <= planner.TRIAL_PLANS - 1
     # none faster than the plan made: none tried; one already made: not again
     for key in times:
         times[key] += 20
@@ -619,3 +634,12 @@ def test_trial_plans_try_the_plan_made_polished_on_its_simulation(monkeypatch):
     tried = planner.trial_plans(profile, 24 * MiB, slow)
     assert [(label, plan.modes) for label, plan in tried] == [
         ("as made, polished on its simulation", (KEEP, RECOMPUTE, KEEP, KEEP))]
+
+
+def test_kept_apart_are_the_kept_dense_groups_of_at_most_a_quarter_of_the_largest():
+    groups = [SavedGroup(4 * MiB, 3, 3), SavedGroup(MiB, 2, 2), SavedGroup(MiB + 1, 1, 1),
+              SavedGroup(MiB // 2, 0, 0, offloadable=False), SavedGroup(MiB // 4, 0, 0)]
+    profile = StepProfile(groups, 1.0, 1.0, 10.0, 10.0, 4)
+    assert planner.KEEP_APART_SHARE == 0.25
+    assert planner.kept_apart(profile, [KEEP] * 5) == [1, 4]
+    assert planner.kept_apart(profile, [KEEP, OFFLOAD, KEEP, KEEP, RECOMPUTE]) == []

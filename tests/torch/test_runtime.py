@@ -707,7 +707,7 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
     # offload for the fall-back to differ from it)
     session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
                              headroom=0.0, say=said.append, trace=trace, replans=0,
-                             record_steps=1, recompute_convolutions=False)
+                             record_steps=1, recompute_convolutions=False, trials=False)
     failures = train_through_failures(model, data, session, wrapped,
                                       lambda: steps.append(None))
     if where == "caught":
@@ -1562,7 +1562,7 @@ def fake_trial_plans(monkeypatch, others: int = 1, larger: list | None = None) -
     made, those] once the session plans; ``larger``, the larger budgets it was given."""
     plans = []
 
-    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets):
+    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False):
         if larger is not None:
             larger.append(list(larger_budgets))
         changed = [i for i, m in enumerate(plan.modes) if m != KEEP]
@@ -1623,7 +1623,7 @@ def test_a_plan_of_the_same_modes_still_starts_with_the_cache_emptied(monkeypatc
     # the trial's other plan differs from the plan made only in how far ahead it fetches
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
-    monkeypatch.setattr(planner, "trial_plans", lambda profile, budget, plan, *rest: [
+    monkeypatch.setattr(planner, "trial_plans", lambda profile, budget, plan, *rest, **named: [
         ("further ahead", dataclasses.replace(plan, lookahead=plan.lookahead + 1))])
     trace = []
     session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, headroom=0.0,
@@ -1967,13 +1967,20 @@ def test_small_kept_groups_are_copied_apart_in_planned_steps_only(keep_apart):
     link = ApartLink()
     session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
                              headroom=0.0, record_steps=1, recompute_convolutions=False,
-                             trials=False, keep_apart=keep_apart)
+                             trials=False)
+    made = session._make_plan
+
+    def make_plan():   # as if the trial had kept the plan run with its small kept groups apart
+        made()
+        session.plan = dataclasses.replace(session.plan, keep_apart=keep_apart)
+    session._make_plan = make_plan
     assert_bitwise(reference, train(model, data, session))
     plan, profile = session.plan, session.profile
     assert plan.count(OFFLOAD) + plan.count(RECOMPUTE) > 0
     largest = max(g.nbytes for g in profile.groups)
     expected = [g.nbytes for g, mode in zip(profile.groups, plan.modes)
                 if mode == KEEP and g.offloadable and g.nbytes * 4 <= largest]
+    assert expected == [profile.groups[i].nbytes for i in planner.kept_apart(profile, plan.modes)]
     if not keep_apart:
         assert link.apart == []
         return
