@@ -235,9 +235,9 @@ def memory_trace_step(step) -> dict:
     stats = torch.cuda.memory_stats()
     start = {"allocated": stats.get("allocated_bytes.all.current", 0),
              "mapped": stats.get("reserved_bytes.all.current", 0)}
-    session = offload_session() if os.environ.get(ENV_HISTORY) else None
-    history = os.environ.get(ENV_HISTORY) if session is not None else None
-    before = torch.cuda.memory._snapshot()["segments"] if history else None
+    history = os.environ.get(ENV_HISTORY)
+    session = offload_session() if history else None   # written only for an offload session
+    before = torch.cuda.memory._snapshot()["segments"] if session is not None else None
     marked = _mark_points(torch, session) if session is not None else None
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc",
                                              stacks="python")
@@ -252,7 +252,7 @@ def memory_trace_step(step) -> dict:
     device = torch.cuda.current_device()
     traces = snapshot.get("device_traces") or [[]]
     trace = traces[device] if device < len(traces) else []
-    if history:
+    if session is not None:
         write_history(Path(history), before, trace, start, session)
     return memory_trace_summary(trace, **start)
 

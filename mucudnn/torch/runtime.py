@@ -572,8 +572,9 @@ class _Group:
     producer: str
     offloadable: bool
     tensor: torch.Tensor | None = None      # on the device: kept, fetched or recomputed
-    #: ``tensor``'s version while it holds the saved value where it is a copy
-    #: (:meth:`OffloadSession._kept`); None: ``version`` (an alias sharing the version counter)
+    #: a kept ``tensor``'s version while it holds the saved value (an alias shares the saved
+    #: tensor's version counter, a copy has its own: :meth:`OffloadSession._kept`); None:
+    #: ``version``
     kept_version: int | None = None
     host: Transfer | None = None
     release: object = None                  # gives ``host`` back to the link's pool
@@ -761,10 +762,9 @@ class OffloadSession:
     :func:`planner.trial_plans` finds others its simulation says are faster (made at other
     copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
-    allocator's cache (:meth:`_Trial.kept`), with one line. ``keep_apart``: kept groups up to
-    a quarter of the largest are copied apart
-    from the step's large tensors (:meth:`_keeps_apart`) where the trial keeps that plan:
-    with ``keep_apart`` it also runs its simulated fastest plan that way.
+    allocator's cache (:meth:`_Trial.kept`), with one line. ``keep_apart``: the trial also runs
+    its simulated fastest plan with the small kept groups copied apart from the step's large
+    tensors (:meth:`_keeps_apart`), and keeps it that way where it wins.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -1178,8 +1178,7 @@ class OffloadSession:
             self._event("offload", gid)
         elif group.mode == KEEP:
             group.tensor = self._kept(step, link, group, tensor)
-            if group.tensor._version != group.version:
-                group.kept_version = group.tensor._version
+            group.kept_version = group.tensor._version
         else:
             for source in recipe.sources:
                 source.readers += 1
