@@ -490,7 +490,11 @@ class _Call:
     #: (:meth:`OffloadSession._recomputable`), or a recorded op (deterministic, elementwise)
     recomputable: bool = False
     autocast: tuple = ()      # _autocast_state() when it ran: its replay runs under the same
-    output_bytes: int = 0     # its output's bytes (what its replay allocates)
+    output_bytes: int = 0     # its output's bytes
+    #: recording step, recomputable: bytes allocated when it started, and the most it allocated
+    #: above them while it ran (its output and its workspace: what its replay allocates)
+    allocated_before: int = 0
+    rise: int = 0
 
     def run(self, values: list[torch.Tensor]) -> torch.Tensor:
         """Its forward again on ``values`` (one per read), without side effects (:func:`replay`),
@@ -524,7 +528,23 @@ class _ViewOf:
         """C from ``tensor``, the group's tensor: the group and C are contiguous over the same
         elements, so C's elements are the group's in order (a fetched tensor has the group's
         layout, not its storage: the view is taken from it, never from a storage pointer)."""
-        return tensor.contiguous().view(self.shape).as_strided(self.shape, self.stride)
+        return _viewed(tensor, self.shape, self.stride)
+
+
+def _viewed(tensor: torch.Tensor, shape: tuple, stride: tuple) -> torch.Tensor:
+    """``tensor``'s elements in order, viewed with ``shape`` and ``stride`` (a contiguous layout
+    over the same elements: an instance norm's ``(1, N*C, ...)`` view and its input ``C``)."""
+    return tensor.contiguous().view(shape).as_strided(shape, stride)
+
+
+def _same_elements(source: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """``tensor`` is another view of exactly ``source``'s elements, both contiguous (an instance
+    norm's reshaped input saved for its backward, and that input)."""
+    return source is not None and source is not tensor and source.is_contiguous() and \
+        tensor.is_contiguous() and source.dtype == tensor.dtype and \
+        source.device == tensor.device and source.numel() == tensor.numel() and \
+        source.storage_offset() == tensor.storage_offset() and \
+        source.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
 
 
 @dataclass(frozen=True, eq=False)
@@ -541,10 +561,13 @@ class _Recipe:
     """Calls that rebuild a saved tensor from saved groups: ``calls`` run in order, the last
     makes the tensor; ``inputs[i]`` says where each read of ``calls[i]`` comes from: a source
     group, a source group viewed back to the shape read (:class:`_ViewOf`) or the index of an
-    earlier call (each call's output is read once)."""
+    earlier call (each call's output is read once). ``view``: (shape, stride) the last call's
+    output is viewed with to be the saved tensor (an instance norm saves its input, a
+    convolution's output, reshaped), else None."""
 
     calls: list[_Call] = field(default_factory=list)
     inputs: list[tuple] = field(default_factory=list)
+    view: tuple | None = None
 
     @property
     def sources(self) -> list[_Group]:
@@ -786,6 +809,10 @@ class OffloadSession:
         self.recompute_convolutions = recompute_convolutions
         self.copy_exposure = copy_exposure
         self._link, self._links = link, {}
+        #: link -> the most allocated in the current interval of its ``peak_allocated`` before
+        #: a call's own measure (:meth:`_measure_call`) started one of its own
+        self._carried_peak: dict = {}
+        self._measuring: tuple = (None, None)   # (call, link): the call measured now
         self.max_pending = max_pending
         self.trials = trials
         self.keep_apart = keep_apart
@@ -898,11 +925,33 @@ class OffloadSession:
             self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         recomputable = self._recomputable(module)
-        self._step.calls.append(_Call(
+        call = _Call(
             module, type(module).__name__, (self._read(source),) if source is not None else (),
             None, self._any_link().mark() if self._step.profiling else None,
             in_place=bool(getattr(module, "inplace", False)), recomputable=recomputable,
-            autocast=_autocast_state() if recomputable else ()))
+            autocast=_autocast_state() if recomputable else ())
+        self._measure_call(call)
+        self._step.calls.append(call)
+
+    def _measure_call(self, call: _Call) -> None:
+        """A recording step's recomputable call is measured from here to its return: the most
+        the link allocates meanwhile above what it held here is what its replay allocates at
+        most (:attr:`_Call.rise`). The interval of :meth:`_peak` it falls in carries on."""
+        if self._step.profiling and call.recomputable:
+            link = self._any_link()
+            self._carried_peak[link] = self._peak(link)
+            call.allocated_before = link.allocated()
+            self._measuring = (call, link)
+
+    def _peak(self, link: CopyLink) -> int:
+        """``link.peak_allocated()``: the most allocated since the previous read, including what
+        the call measured meanwhile read of it (and counting this interval in that call's
+        rise)."""
+        device = link.peak_allocated()
+        call, measured = self._measuring
+        if measured is link:
+            call.rise = max(call.rise, device - call.allocated_before)
+        return max(device, self._carried_peak.pop(link, 0))
 
     def _recomputable(self, module) -> bool:
         """Of a recomputable type, and without hooks of its own: a replay would run them again
@@ -932,6 +981,10 @@ class OffloadSession:
             call.output_bytes = output.numel() * output.element_size()
         if self._step.profiling:
             call.end = self._any_link().mark()
+            if self._measuring[0] is call:
+                link = self._measuring[1]
+                self._carried_peak[link] = self._peak(link)
+                self._measuring = (None, None)
 
     def _records_op(self) -> bool:
         """Ops are recorded in a step's forward as modules are, and only before its backward
@@ -954,6 +1007,7 @@ class OffloadSession:
                      self._any_link().mark() if self._step.profiling else None,
                      in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
                      autocast=_autocast_state())
+        self._measure_call(call)
         self._step.calls.append(call)
         output = None
         try:
@@ -998,7 +1052,16 @@ class OffloadSession:
             recipe.inputs.append((slot,))
             return recipe
         now = self._read(tensor)
-        if self._rebuild(step, recipe, tensor, now, len(calls), own=True) is None:
+        if self._rebuild(step, recipe, tensor, now, len(calls), own=True) is not None:
+            return recipe
+        # An instance norm saves its input C reshaped, a view made inside it: no call output that
+        # view, but C's maker (the convolution) rebuilds C, viewed back as saved.
+        if running is None or not running.reads or \
+                not _same_elements(running.reads[0].ref(), tensor):
+            return None
+        recipe = _Recipe(view=(tuple(tensor.shape), tuple(tensor.stride())))
+        if self._rebuild(step, recipe, running.reads[0].ref(), running.reads[0], index,
+                         own=True) is None:
             return None
         return recipe
 
@@ -1023,11 +1086,7 @@ class OffloadSession:
             return
         read = running.reads[0]
         source = read.ref()
-        if source is None or source is tensor or not source.is_contiguous() or \
-                not tensor.is_contiguous() or source.dtype != tensor.dtype or \
-                source.device != tensor.device or source.numel() != tensor.numel() or \
-                source.storage_offset() != tensor.storage_offset() or \
-                source.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        if not _same_elements(source, tensor):
             return
         step.by_view[id(read.ref)] = _Alias(
             read.ref, _ViewOf(group, tuple(source.shape), tuple(source.stride())))
@@ -1160,7 +1219,7 @@ class OffloadSession:
                 link.timing, link.stalls = True, []
             group.pack_mark = link.mark()
             step.marks.append(("pack", gid, group.pack_mark, link.allocated(),
-                               link.peak_allocated()))
+                               self._peak(link)))
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
             due = self._release_point(step, group)
@@ -1280,7 +1339,7 @@ class OffloadSession:
         link.poll()   # the forward's last offloads end during the backward
         if step.releases:   # the first unpack: the forward is over
             self._let_go_due(step, None)
-        peak_before = link.peak_allocated() if step.profiling else 0
+        peak_before = self._peak(link) if step.profiling else 0
         # autograd's final callback can only be queued from inside a backward (an unpack can also
         # come from Python reading ``grad_fn._saved_*``): at the first unpack inside one
         if not step.watching and _in_backward():
@@ -1319,7 +1378,7 @@ class OffloadSession:
         tensor = self._materialize(group, link)
         self._event("unpack", group.gid, index)
         if step.profiling:
-            at = max(link.allocated(), link.peak_allocated())   # with this group fetched
+            at = max(link.allocated(), self._peak(link))   # with this group fetched
             step.marks.append(("unpack", index, link.mark(), at, peak_before))
         group.unpacks += 1
         group.drop_device()    # a moved group's last unpack: autograd holds the rest of its use
@@ -1401,7 +1460,7 @@ class OffloadSession:
         finally:
             self._replaying = False
         self._event("recompute", group.gid, tuple(source.gid for source in sources))
-        return values[-1]
+        return values[-1] if recipe.view is None else _viewed(values[-1], *recipe.view)
 
     def _event(self, *event):
         if self.trace is not None:
@@ -1449,7 +1508,7 @@ class OffloadSession:
         for used in self._links_in_use():
             used.settle()   # a step's copies to the host are over (one whose forward failed too)
         # the rest of the backward, the optimizer and the next forward up to here
-        tail_peak = link.peak_allocated() if finished.profiling else 0
+        tail_peak = self._peak(link) if finished.profiling else 0
         if not failed and finished.unpacks and not finished.backward_done:
             # its backward raised; out of memory if the allocator refused something meanwhile
             # (a refusal that an op caught, cuDNN trying a workspace, does not end a backward)
@@ -1748,9 +1807,10 @@ class OffloadSession:
                                        - planner.transfer_ms(c.moved, d2h))
                                    for c in group.recipe.calls)
                 sources = tuple(source.gid for source in group.recipe.sources)
-            # what a rebuild allocates: every call's output but an in-place one's (its input)
-            rebuild_bytes = sum(c.output_bytes for c in group.recipe.calls if not c.in_place) \
-                if recompute_ms is not None else None
+            # what a rebuild allocates: every call's output but an in-place one's (its input),
+            # or the most it allocated while it ran, where more (a convolution's workspace)
+            rebuild_bytes = sum(max(c.rise, 0 if c.in_place else c.output_bytes)
+                                for c in group.recipe.calls) if recompute_ms is not None else None
             groups.append(planner.SavedGroup(
                 group.nbytes, first, last, group.producer, group.offloadable, recompute_ms,
                 sources, rebuild_bytes or None))

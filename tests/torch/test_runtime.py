@@ -211,7 +211,8 @@ def test_an_in_place_relu_feeding_a_convolution_is_recomputed_exactly(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("running", [False, True])
-def test_an_instance_norm_without_running_statistics_is_recomputed(dtype, running):
+@pytest.mark.parametrize("convolutions", [True, False])
+def test_an_instance_norm_without_running_statistics_is_recomputed(dtype, running, convolutions):
     # nnU-Net's stage: Conv3d, InstanceNorm3d(affine), LeakyReLU(inplace); an instance norm that
     # tracks running statistics would update them again in a replay: never recomputed
     torch.manual_seed(2)
@@ -224,13 +225,16 @@ def test_an_instance_norm_without_running_statistics_is_recomputed(dtype, runnin
     data = [(torch.randn(2, 2, 6, 6, 6, generator=generator, dtype=dtype),
              torch.randint(0, 10, (2,), generator=generator)) for _ in range(3)]
     reference = train(copy.deepcopy(model), data)
-    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0,
+                             recompute_convolutions=convolutions)
     assert_bitwise(reference, train(model, data, session))
     rebuilt = [[c.name for c in g.recipe.calls] for g in session._step.groups
                if g.mode == RECOMPUTE]
     # the norm saves a reshaped view of the convolution's output, whose own tensor is then
-    # freed: the recipe rebuilds the norm's input from that view (test_unet_stage... below)
-    assert rebuilt == ([] if running else [["InstanceNorm3d", "LeakyReLU"]])
+    # freed: the view is rebuilt by the convolution, viewed back (where convolutions are
+    # recomputed), and the norm's output from that view (test_unet_stage... below)
+    assert rebuilt == [["Conv3d"]] * convolutions + [["InstanceNorm3d", "LeakyReLU"]] * (
+        not running)
 
 
 class PerSampleNorm(nn.Module):
@@ -269,7 +273,8 @@ def test_unet_stage_s_activation_is_recomputed_from_the_norm_s_saved_view():
     # F.instance_norm saves its input reshaped to (1, N*C, ...), a view of the convolution's
     # output, whose own object is freed when the norm returns: that view holds the
     # convolution's output, so the LeakyReLU's output is rebuilt from it by the norm and the
-    # LeakyReLU, not through the convolution from the previous stage
+    # LeakyReLU, not through the convolution from the previous stage (convolutions not
+    # recomputed here: test_unet_stages_convolution_outputs_... below)
     dtype = torch.float64
     model, data = unet_stages(dtype, seed=0), volumes(dtype, 3)
     session = OffloadSession(budget=2**50, link=RecordingLink(), min_bytes=0)
@@ -279,9 +284,11 @@ def test_unet_stage_s_activation_is_recomputed_from_the_norm_s_saved_view():
     assert len(relus) == 2
     for gid in relus:
         (source,) = groups[gid].recompute_source
-        assert groups[source].producer == "op" and groups[source].nbytes == groups[gid].nbytes
+        # the convolution rebuilds the view (and names it)
+        assert groups[source].producer == "Conv3d" and groups[source].nbytes == groups[gid].nbytes
     trace = []
-    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace,
+                             recompute_convolutions=False)
     train(model, data, session)
     recomputed = [g for g in session._step.groups if g.mode == RECOMPUTE]
     assert [[c.name for c in g.recipe.calls] for g in recomputed] == [
@@ -302,19 +309,22 @@ def test_unet_stage_s_activation_is_recomputed_from_the_norm_s_saved_view():
 def test_unet_stages_recomputed_from_the_norm_s_view_give_the_same_gradients(dtype, plan):
     model, data = unet_stages(dtype, seed=1), volumes(dtype, 4)
     reference = train(copy.deepcopy(model), data)
-    probe = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    probe = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0,
+                           recompute_convolutions=False)
     train(copy.deepcopy(model), data[:1], probe)
     relus = [g for g in probe._step.groups if g.mode == RECOMPUTE]
     assert len(relus) == 2
     if plan == "force":
-        session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+        session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0,
+                                 recompute_convolutions=False)
         expected = [g.mode for g in probe._step.groups]
     else:   # the activations recomputed from their views, kept; every other group offloaded
         modes = [OFFLOAD] * len(probe._step.groups)
         for group in relus:
             modes[group.gid] = RECOMPUTE
             modes[group.recipe.sources[0].gid] = KEEP
-        session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0)
+        session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0,
+                                 recompute_convolutions=False)
         expected = [KEEP if mode == OFFLOAD and not g.offloadable else mode
                     for mode, g in zip(modes, probe._step.groups)]
         assert expected.count(OFFLOAD) >= 3
@@ -323,6 +333,69 @@ def test_unet_stages_recomputed_from_the_norm_s_view_give_the_same_gradients(dty
     assert [g.mode for g in groups] == expected
     assert all([c.name for c in g.recipe.calls] == ["InstanceNorm3d", "LeakyReLU"]
                for g in groups if g.mode == RECOMPUTE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activations", [RECOMPUTE, KEEP])
+def test_unet_stages_convolution_outputs_are_rebuilt_by_the_convolution_viewed_back(
+        dtype, activations):
+    # the norm's saved view of a convolution's output has no call of its own: the convolution
+    # rebuilds its input (the output), viewed back as the norm saved it; a LeakyReLU output read
+    # by the next convolution rebuilt from the view (recomputed too) or kept
+    model, data = unet_stages(dtype, seed=4), volumes(dtype, 4)
+    reference = train(copy.deepcopy(model), data)
+    probe = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    views = [g for g in probe._step.groups if g.mode == RECOMPUTE and g.recipe.view]
+    relus = [g for g in probe._step.groups if g.producer == "LeakyReLU"]
+    assert [[c.name for c in g.recipe.calls] for g in views] == [["Conv3d"]] * 2
+    assert len(relus) == 2
+    modes = [KEEP] * len(probe._step.groups)
+    for group in views:
+        modes[group.gid] = RECOMPUTE
+    for group in relus:
+        modes[group.gid] = activations
+    trace = []
+    session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    groups = session._step.groups
+    assert [g.mode for g in groups] == modes
+    for view in views:
+        rebuilt = groups[view.gid]
+        # the convolution's input: the batch (kept, no recipe) or the first LeakyReLU's output
+        (source,) = rebuilt.recipe.sources
+        assert source.gid < rebuilt.gid and source.nbytes * 2 == rebuilt.nbytes \
+            or source.producer == "LeakyReLU"
+        assert rebuilt.recipe.view[0][0] == 1   # (1, N*C, D, H, W)
+    rebuilt = {e[1] for step in split_steps(trace) for e in step if e[0] == "recompute"}
+    assert {g.gid for g in views} <= rebuilt
+
+
+def test_a_recorded_convolution_s_workspace_is_in_what_its_rebuild_allocates(monkeypatch):
+    # a convolution whose forward allocates 1 GiB beyond its output (its workspace): a rebuild
+    # through it allocates that too, as the recording step measured
+    model, data = unet_stages(torch.float64, seed=5), volumes(torch.float64, 3)
+    link = MeteredLink()
+    convolve = nn.Conv3d._conv_forward
+
+    def with_workspace(self, *args):
+        link.spike(GiB)
+        return convolve(self, *args)
+
+    monkeypatch.setattr(nn.Conv3d, "_conv_forward", with_workspace)
+    session = OffloadSession(budget=2**50, link=link, min_bytes=0)
+    train(model, data, session)
+    groups = session.profile.groups
+    rebuilt = [g for g in groups if g.producer == "Conv3d"]   # the two the norms save
+    assert len(rebuilt) == 2
+    assert all(g.rebuild_bytes == GiB for g in rebuilt)   # the meter's peak: its spike alone
+    relus = [g for g in groups if g.producer == "LeakyReLU"]
+    # the norm and the LeakyReLU allocate no workspace: the norm's output
+    assert relus and all(g.rebuild_bytes == g.nbytes for g in relus), relus
+    # the baselines still see every spike (one a convolution): the peak between two points
+    # carries across the convolutions' own measures
+    saved = sum(g.nbytes for g in groups)
+    assert sum(b >= GiB - saved for b in session.profile.baseline_forward) == 3
 
 
 @pytest.mark.parametrize("cover", [True, False])
