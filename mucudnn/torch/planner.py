@@ -245,6 +245,38 @@ def profile_from_dict(fields: Mapping) -> StepProfile:
         raise ValueError(f"not a recorded profile: {exc}") from None
 
 
+def least_times(profiles: Sequence[StepProfile]) -> StepProfile:
+    """The last of ``profiles`` (recordings of the same step, in order) with each of its times
+    the least any of them recorded: a host that falls behind the device (pinning memory, the
+    interpreter) leaves the device idle between a recording's marks, which stretches that
+    recording's times there and never shortens them. A clock takes the least time between each
+    two points. Its memory stays the last recording's; a recording of other tensors (by count,
+    size or recipe) is left out."""
+    last = profiles[-1]
+    alike = [p for p in profiles if p.unpacks == last.unpacks and len(p.groups) == len(
+        last.groups) and all((a.nbytes, a.recompute_source) == (b.nbytes, b.recompute_source)
+                             for a, b in zip(p.groups, last.groups))]
+
+    def least_clock(clocks: list[list[float]]) -> list[float]:
+        clocks = [clock for clock in clocks if clock]
+        if len(clocks) < 2:
+            return list(clocks[-1]) if clocks else []
+        gaps = [min(clock[i] - clock[i - 1] for clock in clocks)
+                for i in range(1, len(clocks[0]))]
+        return list(itertools.accumulate(gaps, initial=min(clock[0] for clock in clocks)))
+
+    groups = []
+    for index, group in enumerate(last.groups):
+        times = [p.groups[index].recompute_ms for p in alike]
+        groups.append(group if None in times else replace(group, recompute_ms=min(times)))
+    return replace(
+        last, groups=groups, forward_ms=min(p.forward_ms for p in alike),
+        backward_ms=min(p.backward_ms for p in alike),
+        d2h_gbps=max(p.d2h_gbps for p in alike), h2d_gbps=max(p.h2d_gbps for p in alike),
+        forward_clock=least_clock([p.forward_clock for p in alike]),
+        backward_clock=least_clock([p.backward_clock for p in alike]))
+
+
 def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
     return (KEEP,) + ((OFFLOAD,) if group.offloadable else ()) + \
         ((RECOMPUTE,) if group.recompute_ms is not None and group.recompute_source else ())

@@ -762,9 +762,10 @@ class OffloadSession:
     """Saved-tensor hooks and leaf-module hooks (while entered) carrying out a plan.
 
     ``budget`` (bytes): the first ``record_steps`` steps record (every dense saved tensor
-    offloaded on the compute stream, fetched on demand; the last is the profile), then a plan is
-    made for ``budget * (1 - headroom)`` (room for the caching allocator's fragmentation; CBC at
-    most ``plan_time_limit_s`` per solve) and applied from the next step. ``modes``: a fixed plan
+    offloaded on the compute stream, fetched on demand; the last is the profile, with each time
+    the least any recorded), then a plan is made for ``budget * (1 - headroom)`` (room for the
+    caching allocator's fragmentation; CBC at most ``plan_time_limit_s`` per solve) and applied
+    from the next step. ``modes``: a fixed plan
     instead (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
     ``recompute``: recipes at all; ``recompute_convolutions``: recipes may rerun convolutions
@@ -802,6 +803,7 @@ class OffloadSession:
         self.replans_left, self.replan_step = replans, replan_step
         self.replans_used = 0
         self._recordings_left = max(1, record_steps)
+        self._recorded: list[planner.StepProfile] = []   # this recording's profiles so far
         #: CBC's limit per solve: ResNet-50's plans reached 60 s and were no better than at 20 s
         self.plan_time_limit_s = plan_time_limit_s
         self._lowered_target: int | None = None
@@ -1515,7 +1517,8 @@ class OffloadSession:
             failed = True
             out_of_memory = finished.ooms is not None and link.ooms() > finished.ooms
         # the first recording pins the host pool (seconds of the host waiting, which leave the
-        # copies' own time uncertain); the profile is that of the last of ``record_steps``
+        # copies' own time uncertain); the profile is the last of ``record_steps``, with each time
+        # the least of them all (planner.least_times)
         more_recording = finished.profiling and not failed and self._recordings_left > 1
         if finished.profiling and not failed:
             self._recordings_left -= 1
@@ -1561,14 +1564,19 @@ class OffloadSession:
             return
         self._first_unpacks = [g.first_unpack for g in finished.groups]
         self._say_unmoved(finished)
-        if finished.profiling and finished.groups and not more_recording:
+        if finished.profiling and finished.groups:
             # what the recorded step left that every later step carries (the optimizer's state,
             # made by its first step): each point of the profile has it too
             grown = 0
             if finished.start_allocated is not None:
                 grown = max(0, link.allocated() - finished.start_allocated)
-            self.profile = self._profile_of(finished, tail_peak, grown)
-            self._make_plan()
+            self._recorded.append(self._profile_of(finished, tail_peak, grown))
+            if not more_recording:
+                # each time the least recorded: a host that fell behind in one recording (the
+                # 3-D U-Net's decoder, 2 ms of 0.2 ms convolutions) stretched its times there
+                self.profile = planner.least_times(self._recorded)
+                self._recorded = []
+                self._make_plan()
         elif self._trial is not None and not finished.profiling:
             self._advance_trial(link, finished.unpacks)
         # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines

@@ -643,3 +643,37 @@ def test_kept_apart_are_the_kept_dense_groups_of_at_most_a_quarter_of_the_larges
     assert planner.KEEP_APART_SHARE == 0.25
     assert planner.kept_apart(profile, [KEEP] * 5) == [1, 4]
     assert planner.kept_apart(profile, [KEEP, OFFLOAD, KEEP, KEEP, RECOMPUTE]) == []
+
+
+def test_least_times_takes_each_time_the_least_recorded_and_the_last_recordings_memory():
+    # the second recording's host fell behind between points 1 and 2 (its clocks stretched
+    # there, and the recipe timed there), the first's between 2 and 3
+    first = chain_profile([4 * MiB] * 4, recompute_every=2, seed=1)
+    first = dataclasses.replace(
+        first, forward_clock=[0.0, 1.0, 2.0, 9.0], backward_clock=[0.0, 2.0, 3.0, 4.0],
+        forward_ms=9.5, backward_ms=6.0, d2h_gbps=20.0, h2d_gbps=25.0)
+    second = dataclasses.replace(
+        first, forward_clock=[0.0, 1.0, 7.0, 8.0], backward_clock=[0.0, 5.0, 6.0, 7.0],
+        forward_ms=8.5, backward_ms=9.0, d2h_gbps=22.0, h2d_gbps=24.0,
+        baseline_forward=[5 * MiB] * 4, baseline_backward=[6 * MiB] * 4,
+        groups=[dataclasses.replace(g, recompute_ms=g.recompute_ms + 3.0)
+                if g.recompute_ms is not None else g for g in first.groups])
+    least = planner.least_times([first, second])
+    assert least.forward_clock == [0.0, 1.0, 2.0, 3.0]
+    assert least.backward_clock == [0.0, 2.0, 3.0, 4.0]
+    assert (least.forward_ms, least.backward_ms) == (8.5, 6.0)
+    assert (least.d2h_gbps, least.h2d_gbps) == (22.0, 25.0)
+    assert [g.recompute_ms for g in least.groups] == [g.recompute_ms for g in first.groups]
+    assert any(g.recompute_ms is not None for g in least.groups)
+    # memory: the last recording's
+    assert least.baseline_forward == second.baseline_forward
+    assert least.baseline_backward == second.baseline_backward
+    assert planner.least_times([second]) == second
+
+
+def test_least_times_leaves_out_a_recording_of_other_tensors():
+    last = chain_profile([4 * MiB] * 4, recompute_every=2)
+    last = dataclasses.replace(last, forward_ms=9.0)
+    other_sizes = dataclasses.replace(chain_profile([4 * MiB] * 3 + [2 * MiB]), forward_ms=1.0)
+    other_recipes = dataclasses.replace(chain_profile([4 * MiB] * 4), forward_ms=1.0)
+    assert planner.least_times([other_sizes, other_recipes, last]).forward_ms == 9.0

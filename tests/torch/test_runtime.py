@@ -2084,3 +2084,39 @@ def test_a_kept_copy_changed_in_place_is_refused_as_a_recipe_source():
     copied.add_(1.0)
     with pytest.raises(RuntimeError, match="changed after it was saved"):
         session._replay(target, link)
+
+
+class LaggingHostLink(RecordingLink):
+    """The host falls 50 ms behind (the device idle meanwhile, as its clock shows) at every pack
+    of ``lagging`` recording steps (counted from 1)."""
+
+    def __init__(self, lagging):
+        super().__init__()
+        self.lagging, self.packs, self.lag = lagging, 0, 0.0
+
+    def _stamp(self):
+        return time.perf_counter() + self.lag
+
+    def offload(self, tensor, inline=False, held=False):
+        if inline and self.packs // self.groups + 1 in self.lagging:
+            self.lag += 0.05
+        self.packs += 1
+        return super().offload(tensor, inline, held)
+
+
+@pytest.mark.parametrize("lagging", [{1}, {2}])
+def test_a_host_lagging_in_one_recording_step_stretches_no_time_of_the_profile(lagging):
+    # whichever recording lagged, the profile's times are those of the one that did not
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    probe = OffloadSession(budget=GiB, link=RecordingLink(), min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    link = LaggingHostLink(lagging)
+    link.groups = len([g for g in probe._step.groups if g.offloadable])
+    session = OffloadSession(budget=GiB, link=link, min_bytes=0, record_steps=2)
+    train(model, data, session)
+    profile = session.profile
+    assert link.lag >= 0.05 * 5
+    assert profile.forward_ms < 40
+    assert profile.forward_clock[-1] < 40
+    recipes = [g.recompute_ms for g in profile.groups if g.recompute_ms is not None]
+    assert recipes and max(recipes) < 40
