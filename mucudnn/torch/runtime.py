@@ -1571,6 +1571,7 @@ class OffloadSession:
             if finished.start_allocated is not None:
                 grown = max(0, link.allocated() - finished.start_allocated)
             self._recorded.append(self._profile_of(finished, tail_peak, grown))
+            self._peak(link)   # what a probe of the link allocated there is no step's
             if not more_recording:
                 # each time the least recorded: a host that fell behind in one recording (the
                 # 3-D U-Net's decoder, 2 ms of 0.2 ms convolutions) stretched its times there

@@ -2120,3 +2120,29 @@ def test_a_host_lagging_in_one_recording_step_stretches_no_time_of_the_profile(l
     assert profile.forward_clock[-1] < 40
     recipes = [g.recompute_ms for g in profile.groups if g.recompute_ms is not None]
     assert recipes and max(recipes) < 40
+
+
+class ProbingLink(MeteredLink):
+    """A link whose speed is unknown until probed; the probe allocates 1 GiB (its buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gbps, self.probes = None, 0
+
+    def bandwidth_gbps(self):
+        self.probes += 1
+        self.spike(GiB)
+        self.gbps = (1000.0, 0.001)
+        return self.gbps
+
+
+def test_a_probe_of_the_link_between_recording_steps_is_in_no_baseline():
+    # the first recording's profile probes the link (no copy there was long enough to time it)
+    # as the next recording starts: what the probe allocated is not that step's
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    link = ProbingLink()
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, record_steps=2)
+    train(model, data, session)
+    assert link.probes == 1
+    profile = session.profile
+    assert max(profile.baseline_forward + profile.baseline_backward) < GiB // 2
