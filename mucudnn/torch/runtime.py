@@ -812,7 +812,7 @@ class OffloadSession:
         self.copy_exposure = copy_exposure
         self._link, self._links = link, {}
         #: link -> the most allocated in the current interval of its ``peak_allocated`` before
-        #: a call's own measure (:meth:`_measure_call`) started one of its own
+        #: a call's own measure (:meth:`_start_call`) started one of its own
         self._carried_peak: dict = {}
         self._measuring: tuple = (None, None)   # (call, link): the call measured now
         self.max_pending = max_pending
@@ -929,21 +929,25 @@ class OffloadSession:
         recomputable = self._recomputable(module)
         call = _Call(
             module, type(module).__name__, (self._read(source),) if source is not None else (),
-            None, self._any_link().mark() if self._step.profiling else None,
-            in_place=bool(getattr(module, "inplace", False)), recomputable=recomputable,
-            autocast=_autocast_state() if recomputable else ())
-        self._measure_call(call)
-        self._step.calls.append(call)
+            None, None, in_place=bool(getattr(module, "inplace", False)),
+            recomputable=recomputable, autocast=_autocast_state() if recomputable else ())
+        self._start_call(call)
 
-    def _measure_call(self, call: _Call) -> None:
-        """A recording step's recomputable call is measured from here to its return: the most
-        the link allocates meanwhile above what it held here is what its replay allocates at
-        most (:attr:`_Call.rise`). The interval of :meth:`_peak` it falls in carries on."""
-        if self._step.profiling and call.recomputable:
-            link = self._any_link()
-            self._carried_peak[link] = self._peak(link)
-            call.allocated_before = link.allocated()
-            self._measuring = (call, link)
+    def _start_call(self, call: _Call) -> None:
+        """``call`` is the step's next; in a recording step it starts now on the link's clock.
+        A recomputable one is also measured from here to its return: the most the link allocates
+        meanwhile above what it held here is what its replay allocates at most
+        (:attr:`_Call.rise`), and the interval of :meth:`_peak` it falls in carries on. Not
+        measured on its own: a call inside a measured one (its allocations are that call's), or
+        one before the step's first pack (no link yet to read)."""
+        if self._step.profiling:
+            link = self._link or next(iter(self._links.values()), None)
+            if call.recomputable and link is not None and self._measuring[0] is None:
+                self._carried_peak[link] = self._peak(link)
+                call.allocated_before = link.allocated()
+                self._measuring = (call, link)
+            call.start = self._any_link().mark()   # after the measure's own host work
+        self._step.calls.append(call)
 
     def _peak(self, link: CopyLink) -> int:
         """``link.peak_allocated()``: the most allocated since the previous read, including what
@@ -1005,12 +1009,10 @@ class OffloadSession:
         if type(first) is not torch.Tensor or type(second) is not torch.Tensor or \
                 first is second or first.device != second.device:
             return func(*args, **kwargs)
-        call = _Call(None, func.__name__, (self._read(first), self._read(second)), None,
-                     self._any_link().mark() if self._step.profiling else None,
+        call = _Call(None, func.__name__, (self._read(first), self._read(second)), None, None,
                      in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
                      autocast=_autocast_state())
-        self._measure_call(call)
-        self._step.calls.append(call)
+        self._start_call(call)
         output = None
         try:
             output = func(*args, **kwargs)
@@ -1057,9 +1059,12 @@ class OffloadSession:
         if self._rebuild(step, recipe, tensor, now, len(calls), own=True) is not None:
             return recipe
         # An instance norm saves its input C reshaped, a view made inside it: no call output that
-        # view, but C's maker (the convolution) rebuilds C, viewed back as saved.
+        # view, but C's maker (the convolution) rebuilds C, viewed back as saved; only where the
+        # view holds C as the module was given it (the view shares C's version counter: a
+        # module changing it in place before saving it, ``sigmoid_``, saves another value)
         if running is None or not running.reads or \
-                not _same_elements(running.reads[0].ref(), tensor):
+                not _same_elements(running.reads[0].ref(), tensor) or \
+                tensor._version != running.reads[0].version:
             return None
         recipe = _Recipe(view=(tuple(tensor.shape), tuple(tensor.stride())))
         if self._rebuild(step, recipe, running.reads[0].ref(), running.reads[0], index,

@@ -371,6 +371,28 @@ def test_unet_stages_convolution_outputs_are_rebuilt_by_the_convolution_viewed_b
     assert {g.gid for g in views} <= rebuilt
 
 
+class ViewSigmoid(nn.Module):
+    """Changes a flattened view of its input in place (``sigmoid_`` saves its result: a view over
+    exactly the input's elements, at a later version than the module was given)."""
+
+    def forward(self, x):
+        return torch.sigmoid_(x.view(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_saved_view_changed_in_place_is_not_rebuilt_by_its_input_s_maker(dtype):
+    # the view's values are the convolution's output changed: rerunning the convolution would
+    # rebuild the values before the change
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), ViewSigmoid(),
+                          nn.Linear(4 * 16 * 16, 10)).to(dtype)
+    data = batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    assert not any(g.recipe is not None and g.recipe.view for g in session._step.groups)
+
+
 def test_a_recorded_convolution_s_workspace_is_in_what_its_rebuild_allocates(monkeypatch):
     # a convolution whose forward allocates 1 GiB beyond its output (its workspace): a rebuild
     # through it allocates that too, as the recording step measured
