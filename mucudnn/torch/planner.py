@@ -250,12 +250,12 @@ def least_times(profiles: Sequence[StepProfile]) -> StepProfile:
     the least any of them recorded: a host that falls behind the device (pinning memory, the
     interpreter) leaves the device idle between a recording's marks, which stretches that
     recording's times there and never shortens them. A clock takes the least time between each
-    two points. Its memory stays the last recording's; a recording of other tensors (by count,
-    size or recipe) is left out."""
+    two points; a recipe's time, the least of the recordings that timed the same recipe. Its
+    memory stays the last recording's; a recording of other tensors (by count or size) is left
+    out."""
     last = profiles[-1]
     alike = [p for p in profiles if p.unpacks == last.unpacks and len(p.groups) == len(
-        last.groups) and all((a.nbytes, a.recompute_source) == (b.nbytes, b.recompute_source)
-                             for a, b in zip(p.groups, last.groups))]
+        last.groups) and all(a.nbytes == b.nbytes for a, b in zip(p.groups, last.groups))]
 
     def least_clock(clocks: list[list[float]]) -> list[float]:
         clocks = [clock for clock in clocks if clock]
@@ -267,8 +267,11 @@ def least_times(profiles: Sequence[StepProfile]) -> StepProfile:
 
     groups = []
     for index, group in enumerate(last.groups):
-        times = [p.groups[index].recompute_ms for p in alike]
-        groups.append(group if None in times else replace(group, recompute_ms=min(times)))
+        times = [p.groups[index].recompute_ms for p in alike
+                 if p.groups[index].recompute_source == group.recompute_source
+                 and p.groups[index].recompute_ms is not None]
+        groups.append(group if group.recompute_ms is None else
+                      replace(group, recompute_ms=min(times)))
     return replace(
         last, groups=groups, forward_ms=min(p.forward_ms for p in alike),
         backward_ms=min(p.backward_ms for p in alike),

@@ -1816,7 +1816,11 @@ class OffloadSession:
             first = group.first_unpack if group.first_unpack is not None else unpacks - 1
             last = group.last_unpack if group.last_unpack is not None else unpacks - 1
             recompute_ms, sources = None, None
-            if group.recipe is not None and all(c.end is not None for c in group.recipe.calls):
+            # timed: every call's marks on one link's clock (not a first recording's calls
+            # before its first pack, marked on no link yet)
+            if group.recipe is not None and all(
+                    c.end is not None and c.start is not None and c.start.link is c.end.link
+                    for c in group.recipe.calls):
                 recompute_ms = sum(max(0.0, link.compute_ms(c.start, c.end)
                                        - planner.transfer_ms(c.moved, d2h))
                                    for c in group.recipe.calls)

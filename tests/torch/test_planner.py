@@ -671,9 +671,20 @@ def test_least_times_takes_each_time_the_least_recorded_and_the_last_recordings_
     assert planner.least_times([second]) == second
 
 
-def test_least_times_leaves_out_a_recording_of_other_tensors():
+def test_least_times_leaves_out_a_recording_of_other_tensors_and_recipes_of_other_sources():
     last = chain_profile([4 * MiB] * 4, recompute_every=2)
     last = dataclasses.replace(last, forward_ms=9.0)
     other_sizes = dataclasses.replace(chain_profile([4 * MiB] * 3 + [2 * MiB]), forward_ms=1.0)
-    other_recipes = dataclasses.replace(chain_profile([4 * MiB] * 4), forward_ms=1.0)
-    assert planner.least_times([other_sizes, other_recipes, last]).forward_ms == 9.0
+    assert planner.least_times([other_sizes, last]).forward_ms == 9.0
+    # the same tensors: its times count, but a recipe's only where it has the same sources;
+    # a group it did not time (no recipe there) takes the others' time
+    timed = [g for g in last.groups if g.recompute_ms is not None]
+    assert timed
+    untimed = dataclasses.replace(last, forward_ms=2.0, groups=[
+        dataclasses.replace(g, recompute_ms=None, recompute_source=None) for g in last.groups])
+    other_source = dataclasses.replace(last, groups=[
+        dataclasses.replace(g, recompute_ms=0.001, recompute_source=())
+        if g.recompute_ms is not None else g for g in last.groups])
+    least = planner.least_times([untimed, other_source, last])
+    assert least.forward_ms == 2.0
+    assert [g.recompute_ms for g in least.groups] == [g.recompute_ms for g in last.groups]
