@@ -133,7 +133,7 @@ def _worker_steps(args, torch, where: dict) -> dict:
             session.trials = False
     # the caching allocator's flushes in each step, warm-up included (an offload plan's trial
     # is in the warm-up): when flushes start, and whether they stop; the timed steps' at a cap
-    times, retries_per_step = [], []
+    times, warm_times, retries_per_step = [], [], []
     retries_seen = allocator_counters(torch)["num_alloc_retries"]
     for i in range(args.warmup + args.steps):
         where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
@@ -143,14 +143,14 @@ def _worker_steps(args, torch, where: dict) -> dict:
         loss = step()
         end.record()
         end.synchronize()
-        if i >= args.warmup:
-            times.append(start.elapsed_time(end))
+        (times if i >= args.warmup else warm_times).append(start.elapsed_time(end))
         retries = allocator_counters(torch)["num_alloc_retries"]
         retries_per_step.append(retries - retries_seen)
         retries_seen = retries
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer PyTorch only
     result = {"step_ms": statistics.median(times), "steps": len(times),
-              "step_ms_all": times, "peak_bytes": torch.cuda.max_memory_allocated(),
+              "step_ms_all": times, "warmup_ms_all": warm_times,
+              "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
               "alloc_retries": sum(retries_per_step[args.warmup:]),
               "alloc_retries_per_step": retries_per_step,
