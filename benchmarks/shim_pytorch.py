@@ -133,15 +133,19 @@ def _worker_steps(args, torch, where: dict) -> dict:
             session.trials = False
     # the caching allocator's flushes in each step, warm-up included (an offload plan's trial
     # is in the warm-up): when flushes start, and whether they stop; the timed steps' at a cap
-    times, warm_times, retries_per_step = [], [], []
+    # host_times: from a step's start until the host has queued it (its Python, the session's
+    # hooks, any wait of the host's): close to the step's time where the host bounds the step
+    times, warm_times, host_times, retries_per_step = [], [], [], []
     retries_seen = allocator_counters(torch)["num_alloc_retries"]
     for i in range(args.warmup + args.steps):
         where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
                           else f"timed step {i + 1 - args.warmup}")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        queued = time.perf_counter()
         start.record()
         loss = step()
         end.record()
+        host_times.append((time.perf_counter() - queued) * 1e3)
         end.synchronize()
         (times if i >= args.warmup else warm_times).append(start.elapsed_time(end))
         retries = allocator_counters(torch)["num_alloc_retries"]
@@ -149,7 +153,7 @@ def _worker_steps(args, torch, where: dict) -> dict:
         retries_seen = retries
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer PyTorch only
     result = {"step_ms": statistics.median(times), "steps": len(times),
-              "step_ms_all": times, "warmup_ms_all": warm_times,
+              "step_ms_all": times, "warmup_ms_all": warm_times, "host_ms_all": host_times,
               "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
               "alloc_retries": sum(retries_per_step[args.warmup:]),
