@@ -652,9 +652,10 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     run them; with ``keep_apart``, last, the simulated fastest of them all again with its small
     kept groups apart (:attr:`OffloadPlan.keep_apart`: the caching allocator's layout, which the
     model does not see, decides whether that flushes less or more). The exposure is a measured
-    share of the copies' time (:data:`COPY_EXPOSURE`, ResNet-50), the same for every copy, where in truth a copy costs the compute stream what it
-    waits for it in its queue: little where copies are few and the compute long, much where they
-    queue behind each other (:func:`simulate`). So plans are also made at
+    share of the copies' time (:data:`COPY_EXPOSURE`, ResNet-50), the same for every copy, where
+    in truth a copy costs the compute stream what it waits for it in its queue: little where
+    copies are few and the compute long, much where they queue behind each other
+    (:func:`simulate`). So plans are also made at
     :data:`TRIAL_EXPOSURES`, and for each larger budget (a smaller headroom: a cheaper plan the
     caching allocator may not have room for, or only by flushing its cache) at those and the
     profile's; of each budget's, the one :func:`simulate` finds fastest is tried if it beats

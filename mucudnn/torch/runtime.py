@@ -765,8 +765,8 @@ class OffloadSession:
     offloaded on the compute stream, fetched on demand; the last is the profile, with each time
     the least any recorded), then a plan is made for ``budget * (1 - headroom)`` (room for the
     caching allocator's fragmentation; CBC at most ``plan_time_limit_s`` per solve) and applied
-    from the next step. ``modes``: a fixed plan
-    instead (one mode per group; tests, benchmarks). ``force``: every group in that mode where allowed.
+    from the next step. ``modes``: a fixed plan instead (one mode per group; tests,
+    benchmarks). ``force``: every group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
     ``recompute``: recipes at all; ``recompute_convolutions``: recipes may rerun convolutions
     (:data:`CONVOLUTIONS`; see the module docstring). ``copy_exposure``: the planner's
@@ -905,8 +905,12 @@ class OffloadSession:
         for link in self._links_in_use():
             link.poll()
 
+    def _known_link(self) -> CopyLink | None:
+        """The session's link, or the first it made for a device; None before any."""
+        return self._link or next(iter(self._links.values()), None)
+
     def _any_link(self) -> CopyLink:
-        return self._link or next(iter(self._links.values()), None) or CopyLink()
+        return self._known_link() or CopyLink()
 
     # --- module and op records (producers, recipes, times) --------------------------------
     def _records(self, module) -> bool:
@@ -941,9 +945,9 @@ class OffloadSession:
         measured on its own: a call inside a measured one (its allocations are that call's), or
         one before the step's first pack (no link yet to read)."""
         if self._step.profiling:
-            link = self._link or next(iter(self._links.values()), None)
+            link = self._known_link()
             if call.recomputable and link is not None and self._measuring[0] is None:
-                self._carried_peak[link] = self._peak(link)
+                self._carry_peak(link)
                 call.allocated_before = link.allocated()
                 self._measuring = (call, link)
             call.start = self._any_link().mark()   # after the measure's own host work
@@ -958,6 +962,11 @@ class OffloadSession:
         if measured is link:
             call.rise = max(call.rise, device - call.allocated_before)
         return max(device, self._carried_peak.pop(link, 0))
+
+    def _carry_peak(self, link: CopyLink) -> None:
+        """Starts a measured call's interval of ``link``'s peak (or ends it), the most allocated
+        in :meth:`_peak`'s interval so far carried on to its next read."""
+        self._carried_peak[link] = self._peak(link)
 
     def _recomputable(self, module) -> bool:
         """Of a recomputable type, and without hooks of its own: a replay would run them again
@@ -988,8 +997,7 @@ class OffloadSession:
         if self._step.profiling:
             call.end = self._any_link().mark()
             if self._measuring[0] is call:
-                link = self._measuring[1]
-                self._carried_peak[link] = self._peak(link)
+                self._carry_peak(self._measuring[1])
                 self._measuring = (None, None)
 
     def _records_op(self) -> bool:
@@ -1062,13 +1070,11 @@ class OffloadSession:
         # view, but C's maker (the convolution) rebuilds C, viewed back as saved; only where the
         # view holds C as the module was given it (the view shares C's version counter: a
         # module changing it in place before saving it, ``sigmoid_``, saves another value)
-        if running is None or not running.reads or \
-                not _same_elements(running.reads[0].ref(), tensor) or \
-                tensor._version != running.reads[0].version:
+        read = self._viewed_input(running, tensor)
+        if read is None or tensor._version != read.version:
             return None
         recipe = _Recipe(view=(tuple(tensor.shape), tuple(tensor.stride())))
-        if self._rebuild(step, recipe, running.reads[0].ref(), running.reads[0], index,
-                         own=True) is None:
+        if self._rebuild(step, recipe, read.ref(), read, index, own=True) is None:
             return None
         return recipe
 
@@ -1088,15 +1094,21 @@ class OffloadSession:
         ``C`` over exactly C's elements, both contiguous (an instance norm's ``(1, N*C, ...)``
         view of the convolution's output): ``group`` holds C's values, for recipes that read C
         once its own object is gone (:attr:`_Step.by_view`)."""
-        _, running = self._running_module(step)
-        if running is None or not running.reads:
+        read = self._viewed_input(self._running_module(step)[1], tensor)
+        if read is None:
             return
-        read = running.reads[0]
         source = read.ref()
-        if not _same_elements(source, tensor):
-            return
         step.by_view[id(read.ref)] = _Alias(
             read.ref, _ViewOf(group, tuple(source.shape), tuple(source.stride())))
+
+    @staticmethod
+    def _viewed_input(running: _Call | None, tensor: torch.Tensor) -> _Read | None:
+        """The read of ``running``'s first input ``C`` where ``tensor`` is another view of
+        exactly C's elements, both contiguous (:func:`_same_elements`), else None."""
+        if running is None or not running.reads:
+            return None
+        read = running.reads[0]
+        return read if _same_elements(read.ref(), tensor) else None
 
     @staticmethod
     def _view_source(step: _Step, read: _Read) -> _ViewOf | None:
