@@ -62,7 +62,10 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: Modules that may also be recomputed, at their measured cost (the planner weighs it against
 #: moving their output; per-block checkpointing shows recomputing them can beat the host link).
-CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: A transposed one replays at the output size it made (``output_size`` may have chosen it).
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 #: the smallest copy whose time measures the host link (smaller ones measure its latency)
 LINK_PROBE_BYTES = 32 << 20
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
@@ -70,6 +73,9 @@ LINK_PROBE_BYTES = 32 << 20
 #: as ``add_``); True where the op changes its first operand.
 ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: False,
          torch.Tensor.__add__: False, torch.add: False}
+#: Concatenations a recipe may include too (a U-Net's skip joined to its upsampled input, which
+#: the next convolution saves): a copy of their operands, deterministic.
+CONCATS = (torch.cat, torch.concat)
 #: the most calls (modules and ops) one recipe replays from its sources
 _MAX_CHAIN = 4
 #: device types whose autocast state a call records and its replay restores (a convolution
@@ -495,6 +501,7 @@ class _Call:
     #: above them while it ran (its output and its workspace: what its replay allocates)
     allocated_before: int = 0
     rise: int = 0
+    output_shape: tuple = ()  # its output's shape (a transposed convolution replays to it)
 
     def run(self, values: list[torch.Tensor]) -> torch.Tensor:
         """Its forward again on ``values`` (one per read), without side effects (:func:`replay`),
@@ -509,6 +516,8 @@ class _Call:
                                                        enabled=enabled))
             if self.op is not None:
                 return self.op(*values, **self.keywords)
+            if type(self.module) in _TRANSPOSED:
+                return self.module(values[0], output_size=list(self.output_shape))
             return replay(self.module, values[0])
 
 
@@ -633,9 +642,9 @@ class _Group:
 
 
 class _OpRecorder(TorchFunctionMode):
-    """Hands the ops of :data:`ADDS` to the session, which records them while a step's forward
-    records; every other function, and tensor attribute reads, pass straight through (a dict
-    look-up each)."""
+    """Hands the ops of :data:`ADDS` and :data:`CONCATS` to the session, which records them while
+    a step's forward records; every other function, and tensor attribute reads, pass straight
+    through (a dict look-up each)."""
 
     def __init__(self, session: OffloadSession):
         super().__init__()
@@ -648,6 +657,8 @@ class _OpRecorder(TorchFunctionMode):
             recorded = False
         if recorded:
             return self.session._op(func, args, kwargs or {})
+        if func in CONCATS:
+            return self.session._concat(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 
@@ -994,6 +1005,7 @@ class OffloadSession:
             call.output = weakref.ref(output)
             call.output_version = output._version
             call.output_bytes = output.numel() * output.element_size()
+            call.output_shape = tuple(output.shape)
         if self._step.profiling:
             call.end = self._any_link().mark()
             if self._measuring[0] is call:
@@ -1003,9 +1015,11 @@ class OffloadSession:
     def _records_op(self) -> bool:
         """Ops are recorded in a step's forward as modules are, and only before its backward
         began: an op after it (``total += loss.detach()``) neither is the next step's nor
-        ends this one."""
+        ends this one; nor inside a leaf module's forward, whose call they are part of (a
+        recipe finding an op there would skip the rest of the module)."""
         return (self.recompute and not self._replaying and not self._step.unpacks
-                and torch.is_grad_enabled() and not _in_backward())
+                and torch.is_grad_enabled() and not _in_backward()
+                and self._running_module(self._step)[1] is None)
 
     def _op(self, func, args, kwargs):
         """``func(*args, **kwargs)``, recorded as a call when it is an op of :data:`ADDS` on two
@@ -1019,6 +1033,30 @@ class OffloadSession:
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, (self._read(first), self._read(second)), None, None,
                      in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
+                     autocast=_autocast_state())
+        self._start_call(call)
+        output = None
+        try:
+            output = func(*args, **kwargs)
+        finally:
+            self._returned(call, output)
+        return output
+
+    def _concat(self, func, args, kwargs):
+        """``func(*args, **kwargs)``, recorded as a call when it joins two or more distinct plain
+        tensors of one device (a list or tuple; ``dim`` positional or a keyword, nothing else) in
+        a recording forward: a recipe may then include it (a U-Net's ``torch.cat((up, skip))``)."""
+        tensors = args[0] if args else kwargs.get("tensors")
+        dims = args[1:] + tuple(kwargs[k] for k in ("dim",) if k in kwargs)
+        if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or len(dims) > 1 or \
+                not set(kwargs) <= {"tensors", "dim"} or len(args) > 2 or \
+                not isinstance(dims[0] if dims else 0, int) or not self._records_op():
+            return func(*args, **kwargs)
+        if any(type(t) is not torch.Tensor or t.device != tensors[0].device for t in tensors) or \
+                len({id(t) for t in tensors}) != len(tensors):
+            return func(*args, **kwargs)
+        call = _Call(None, func.__name__, tuple(self._read(t) for t in tensors), None, None,
+                     op=_joined, keywords={"dim": dims[0] if dims else 0}, recomputable=True,
                      autocast=_autocast_state())
         self._start_call(call)
         output = None
@@ -1930,6 +1968,11 @@ def _current_node():
 def _in_backward() -> bool:
     """Inside an autograd node's backward (where a step's forward never runs)."""
     return _current_node() is not None
+
+
+def _joined(*values: torch.Tensor, dim: int) -> torch.Tensor:
+    """A recorded concatenation's replay: its operands, one value each, joined again."""
+    return torch.cat(values, dim=dim)
 
 
 def replay(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
