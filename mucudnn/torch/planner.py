@@ -127,12 +127,16 @@ class SavedGroup:
     recompute_ms: float | None = None  # None: no recipe (not produced by a cheap chain)
     #: the groups the recipe reads, each to be kept (a tuple; an int, one group, is read as such)
     recompute_source: tuple[int, ...] | int | None = None
-    #: what a rebuild allocates besides what is live (its recipe's outputs; None: ``nbytes``)
+    #: the most a rebuild allocates, the group itself included (its recipe's outputs and
+    #: workspace; None: ``nbytes``, the group alone)
     rebuild_bytes: int | None = None
 
     @property
     def transient(self) -> int:
-        return self.nbytes if self.rebuild_bytes is None else self.rebuild_bytes
+        """What a rebuild allocates beyond the group, which then stays (and is counted live
+        from its rebuild point): a convolution's workspace, a chain's intermediate outputs."""
+        return max(0, (self.nbytes if self.rebuild_bytes is None else self.rebuild_bytes)
+                   - self.nbytes)
 
     def __post_init__(self):
         source = self.recompute_source
@@ -163,6 +167,14 @@ class StepProfile:
     #: :func:`release_point`'s margin for plans made on this profile (a planning choice, not
     #: recorded: :func:`plan_with_prefetch` lowers it to 0 where no plan fits otherwise)
     release_margin: float = RELEASE_MARGIN
+    #: bytes at each backward point when its unpack runs, before the node that unpacked runs
+    #: (its outputs and workspace are not there yet; saved groups left out, as in the
+    #: baselines): what a rebuild there allocates on top of. Empty: the baseline (a bound)
+    floor_backward: list[int] = field(default_factory=list)
+
+    def floor(self, point: int) -> int:
+        """:attr:`floor_backward` at backward ``point``, or its baseline where not recorded."""
+        return (self.floor_backward or self.baseline_backward)[point]
 
     def __post_init__(self):
         g = len(self.groups)
@@ -176,10 +188,12 @@ class StepProfile:
             if len(clock) != points or any(b < a for a, b in zip(clock, clock[1:])):
                 raise ValueError(f"{name} clock: {len(clock)} non-decreasing times "
                                  f"for {points} {name} points expected")
-        if len(self.baseline_forward) != g or len(self.baseline_backward) != self.unpacks:
+        self.floor_backward = list(self.floor_backward)
+        if len(self.baseline_forward) != g or len(self.baseline_backward) != self.unpacks or \
+                len(self.floor_backward) not in (0, self.unpacks):
             raise ValueError(f"baselines: {len(self.baseline_forward)} forward points for {g} "
-                             f"groups, {len(self.baseline_backward)} backward points for "
-                             f"{self.unpacks} unpacks")
+                             f"groups, {len(self.baseline_backward)} backward points and "
+                             f"{len(self.floor_backward)} floors for {self.unpacks} unpacks")
         for index, group in enumerate(self.groups):
             if not 0 <= group.first_unpack <= group.last_unpack < max(self.unpacks, 1):
                 raise ValueError(f"group {index}: unpacks {group.first_unpack}.."
@@ -416,11 +430,13 @@ def transients(profile: StepProfile, modes: Sequence[str]) -> dict[int, tuple[in
 
 def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int,
                      margin: float = PREFETCH_MARGIN) -> tuple[list[int], list[int]]:
-    """The modelled bytes at each (forward point, backward point) under ``modes``."""
+    """The modelled bytes at each (forward point, backward point) under ``modes``: at a backward
+    point the live groups and the more of its baseline (the node's own peak) and of its floor
+    with what the rebuilds there allocate (they run at the unpack, before the node)."""
     forward = list(profile.baseline_forward)
     backward = list(profile.baseline_backward)
     for point, (nbytes, _) in transients(profile, modes).items():
-        backward[point] += nbytes
+        backward[point] = max(backward[point], profile.floor(point) + nbytes)
     for added in plan_contributions(profile, modes, lookahead, margin):
         for nbytes, f_points, b_points in added:
             for t in f_points:
@@ -815,8 +831,9 @@ def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
             if point in (f_points if clock == "forward" else b_points):
                 there[index] += nbytes
     rebuilding = transients(profile, modes) if clock == "backward" else {}
-    if point in rebuilding:
-        nbytes, index = rebuilding[point]
+    if point in rebuilding and profile.floor(point) + rebuilding[point][0] > baseline:
+        nbytes, index = rebuilding[point]   # the peak is the rebuild's, before the node runs
+        baseline = profile.floor(point)
         there[index] += nbytes
     return clock, point, baseline, sorted(((b, g) for g, b in there.items()), reverse=True)
 
@@ -887,20 +904,22 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
                 problem += r <= pulp.lpSum(rebuilds[reader][point] for reader in reading[index]
                                            if point in rebuilds[reader])
     forward = [pulp.LpAffineExpression() + base for base in profile.baseline_forward]
-    backward = [pulp.LpAffineExpression() + base for base in profile.baseline_backward]
+    live = [pulp.LpAffineExpression() for _ in range(profile.unpacks)]   # backward, saved groups
     # the transient of the rebuilds at each point: the largest group rebuilt there
     largest: dict[int, list] = defaultdict(list)
     for index, at in enumerate(rebuilds):
         for point, r in at.items():
-            largest[point].append(profile.groups[index].transient * r)
+            if profile.groups[index].transient:
+                largest[point].append(profile.groups[index].transient * r)
+    rebuilding = {}   # backward point -> the transient there (on the floor, with the live groups)
     for point, terms in largest.items():
         if len(terms) == 1:
-            backward[point] += terms[0]
+            rebuilding[point] = terms[0]
             continue
         transient = problem.add_variable(f"transient_{point}", lowBound=0)
         for term in terms:
             problem += transient >= term
-        backward[point] += transient
+        rebuilding[point] = transient
     for index, group in enumerate(profile.groups):
         chosen = [(mode, x, None) for mode, x in picks[index].items() if mode != RECOMPUTE]
         chosen += [(RECOMPUTE, r, point) for point, r in rebuilds[index].items()]
@@ -910,7 +929,10 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
                 for t in f_points:
                     forward[t] += nbytes * x
                 for t in b_points:
-                    backward[t] += nbytes * x
+                    live[t] += nbytes * x
+    backward = [base + saved for base, saved in zip(profile.baseline_backward, live)]
+    backward += [profile.floor(point) + transient + live[point]
+                 for point, transient in sorted(rebuilding.items())]
     peak = problem.add_variable("peak", lowBound=0)
     # Bytes in GiB (or in budgets) inside the program: CBC's tolerances are relative to
     # coefficients near 1 (the caller checks the peak in bytes).

@@ -1919,12 +1919,16 @@ class OffloadSession:
         forward = [max(0, max(m[3], m[4]) - live_f[m[1]]) for m in packs]
         if packs and unpack_marks:      # the loss and the start of the backward
             forward[-1] = max(forward[-1], unpack_marks[0][4] - live_f[packs[-1][1]])
-        backward = [0] * unpacks
+        # A backward point's floor: what was allocated at its unpack, the group fetched, before
+        # the node ran (a rebuild there runs then; its transient is gone when the node runs).
+        backward, floor = [0] * unpacks, [0] * unpacks
         peaks_after = [m[4] for m in unpack_marks[1:]] + [tail_peak]
         for m, after in zip(unpack_marks, peaks_after):
             backward[m[1]] = max(backward[m[1]], 0, max(m[3], after) - live_b[m[1]])
+            floor[m[1]] = max(floor[m[1]], 0, m[3] - live_b[m[1]])
         profile.baseline_forward = [b + grown for b in forward]
         profile.baseline_backward = [b + grown for b in backward]
+        profile.floor_backward = [f + grown for f in floor]
         return profile
 
 

@@ -421,14 +421,15 @@ def test_markdown_shows_the_profiled_step(monkeypatch):
 
 def recorded_profile(tmp_path, *, as_rows=False):
     """A session's profile document (or offload.json's rows): 6 groups of 1 GiB in a chain, every
-    second one rebuilt from the one before it, 1 GiB of baseline."""
+    second one rebuilt from the one before it, 1 GiB of baseline; a slow link (5 GB/s: 215 ms a
+    copy)."""
     import dataclasses
     from mucudnn.torch.planner import SavedGroup, StepProfile
     n = 6
     groups = [SavedGroup(GiB, first_unpack=n - 1 - g, last_unpack=n - 1 - g, producer=f"m{g}",
                          recompute_ms=0.5 if g % 2 else None,
                          recompute_source=(g - 1,) if g % 2 else None) for g in range(n)]
-    profile = StepProfile(groups, forward_ms=30.0, backward_ms=60.0, d2h_gbps=50.0, h2d_gbps=50.0,
+    profile = StepProfile(groups, forward_ms=30.0, backward_ms=60.0, d2h_gbps=5.0, h2d_gbps=5.0,
                           unpacks=n, baseline_forward=[GiB] * n, baseline_backward=[GiB] * n)
     document = {"budget": 8 * GiB, "target": 7 * GiB, "plan": "6 kept", "modes": ["keep"] * n,
                 "profile": dataclasses.asdict(profile)}

@@ -122,9 +122,11 @@ def test_a_recipe_reading_two_groups_needs_both_kept():
 
 
 def test_a_recipe_holds_each_source_until_its_last_unpack():
-    # group 2 reads groups 0 and 1 and is unpacked last: both stay on the device until then
+    # group 2 reads groups 0 and 1 and is unpacked last: both stay on the device until then;
+    # its rebuild allocates an intermediate of its size too
     groups = [SavedGroup(4 * MiB, 0, 0), SavedGroup(2 * MiB, 1, 1),
-              SavedGroup(1 * MiB, 0, 3, recompute_ms=0.01, recompute_source=[0, 1])]
+              SavedGroup(1 * MiB, 0, 3, recompute_ms=0.01, recompute_source=[0, 1],
+                         rebuild_bytes=2 * MiB)]
     profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=4)
     assert groups[2].recompute_source == (0, 1)
     _, backward = memory_at_points(profile, [KEEP, KEEP, RECOMPUTE], 0)
@@ -134,10 +136,11 @@ def test_a_recipe_holds_each_source_until_its_last_unpack():
 
 def test_a_chain_is_rebuilt_at_its_first_readers_unpack_as_a_checkpoint_reruns_a_segment():
     # groups 1..3 each rebuilt from the one before (a block: conv, batch norm, ReLU), group 0
-    # its kept input; unpacked in reverse, so rebuilding group 3 at point 0 rebuilds 2 and 1
+    # its kept input; unpacked in reverse, so rebuilding group 3 at point 0 rebuilds 2 and 1;
+    # each rebuild allocates a workspace of its group's size beside it
     groups = [SavedGroup(8 * MiB, 3, 3)] + [
-        SavedGroup(4 * MiB, 3 - g, 3 - g, recompute_ms=1.0, recompute_source=g - 1)
-        for g in range(1, 4)]
+        SavedGroup(4 * MiB, 3 - g, 3 - g, recompute_ms=1.0, recompute_source=g - 1,
+                   rebuild_bytes=8 * MiB) for g in range(1, 4)]
     profile = StepProfile(groups, 4.0, 8.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=4)
     chain = [KEEP, RECOMPUTE, RECOMPUTE, RECOMPUTE]
     assert valid(profile, chain) and not valid(profile, [OFFLOAD, RECOMPUTE, KEEP, KEEP])
@@ -151,10 +154,10 @@ def test_a_chain_is_rebuilt_at_its_first_readers_unpack_as_a_checkpoint_reruns_a
 
     # two such blocks: only a rebuilt chain lowers the backward's first point enough
     blocks = [SavedGroup(8 * MiB, 7, 7)] + [
-        SavedGroup(4 * MiB, 7 - g, 7 - g, recompute_ms=1.0, recompute_source=g - 1)
-        for g in range(1, 4)] + [SavedGroup(8 * MiB, 3, 3)] + [
-        SavedGroup(4 * MiB, 7 - g, 7 - g, recompute_ms=1.0, recompute_source=g - 1)
-        for g in range(5, 8)]
+        SavedGroup(4 * MiB, 7 - g, 7 - g, recompute_ms=1.0, recompute_source=g - 1,
+                   rebuild_bytes=8 * MiB) for g in range(1, 4)] + [SavedGroup(8 * MiB, 3, 3)] + [
+        SavedGroup(4 * MiB, 7 - g, 7 - g, recompute_ms=1.0, recompute_source=g - 1,
+                   rebuild_bytes=8 * MiB) for g in range(5, 8)]
     profile = StepProfile(blocks, 4.0, 8.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=8)
     assert peak_memory(profile, [KEEP] * 8, 2) == 40 * MiB
     plan = plan_offload(profile, budget=24 * MiB)
@@ -209,13 +212,62 @@ def test_recompute_counts_its_transient_and_holds_its_source_until_its_last_unpa
     # group 1 is recomputed from group 0, and unpacked after group 0's last unpack: group 0 stays
     # on the device through point 2; at its first unpack the recipe's intermediate doubles it
     groups = [SavedGroup(8 * MiB, 0, 0), SavedGroup(4 * MiB, 1, 2, recompute_ms=0.01,
-                                                    recompute_source=0)]
+                                                    recompute_source=0, rebuild_bytes=8 * MiB)]
     profile = StepProfile(groups, 1.0, 2.0, 10.0, 10.0, unpacks=3)
     kept = peak_memory(profile, [KEEP, KEEP], 2)
     assert kept == 12 * MiB
     assert peak_memory(profile, [KEEP, RECOMPUTE], 2) == 8 * MiB + 2 * 4 * MiB
     plan = plan_offload(profile, budget=12 * MiB)
     assert plan.modes != (KEEP, RECOMPUTE) and plan.peak <= 12 * MiB
+
+
+def test_a_rebuild_that_allocates_only_its_group_adds_nothing_beside_it():
+    # an in-place recipe (a copy of its kept source, changed in place: the copy is the group)
+    # or a convolution with no workspace: the group, live from its rebuild, is all it needs.
+    # The forward's last op peaks (4 MiB): keeping group 1 through it is what costs
+    groups = [SavedGroup(8 * MiB, 2, 2), SavedGroup(4 * MiB, 0, 0, recompute_ms=0.01,
+                                                    recompute_source=0),
+              SavedGroup(MiB, 1, 1), SavedGroup(MiB, 1, 1)]
+    profile = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=3,
+                          baseline_forward=[0, 0, 0, 4 * MiB])
+    assert groups[1].transient == 0
+    recomputed = [KEEP, RECOMPUTE, KEEP, KEEP]
+    assert peak_memory(profile, [KEEP] * 4, 2) == 18 * MiB
+    forward, backward = memory_at_points(profile, recomputed, 2)
+    assert (forward, backward) == ([8 * MiB, 12 * MiB, 13 * MiB, 14 * MiB],
+                                   [14 * MiB, 10 * MiB, 8 * MiB])
+    assert plan_offload(profile, budget=14 * MiB).modes == tuple(recomputed)
+
+
+def test_a_rebuild_s_transient_sits_on_the_floor_at_its_unpack_not_on_the_node_s_peak():
+    # backward point 1's node allocates 10 MiB once it runs (its baseline), after the unpack
+    # that rebuilt group 1 with 8 MiB of workspace, freed before the node runs: the rebuild
+    # peaks on the floor there (1 MiB), the node on its baseline, never both at once. The
+    # forward's last op (14 MiB) is where keeping group 1 costs
+    groups = [SavedGroup(8 * MiB, 0, 2), SavedGroup(4 * MiB, 1, 2, recompute_ms=0.01,
+                                                    recompute_source=0, rebuild_bytes=12 * MiB),
+              SavedGroup(MiB, 0, 0), SavedGroup(MiB, 0, 0)]
+    recomputed = [KEEP, RECOMPUTE, KEEP, KEEP]
+    bound = StepProfile(groups, 1.0, 2.0, d2h_gbps=0.001, h2d_gbps=0.001, unpacks=3,
+                        baseline_forward=[0, 0, 0, 14 * MiB],
+                        baseline_backward=[MiB, 10 * MiB, MiB])
+    floored = dataclasses.replace(bound, floor_backward=[MiB, MiB, MiB])
+    assert bound.floor(1) == 10 * MiB and floored.floor(1) == MiB
+    assert peak_memory(bound, [KEEP] * 4, 2) == 28 * MiB    # the forward's last op
+    # live at point 1: groups 0 and 1 (12 MiB)
+    assert memory_at_points(bound, recomputed, 2)[1][1] == 10 * MiB + 8 * MiB + 12 * MiB
+    assert memory_at_points(floored, recomputed, 2)[1][1] == 10 * MiB + 12 * MiB
+    assert peak_memory(floored, recomputed, 2) == 24 * MiB  # the forward's last op again
+    budget = 24 * MiB
+    assert plan_offload(floored, budget).modes == tuple(recomputed)
+    assert plan_offload(floored, budget) == brute_force(floored, budget)
+    assert RECOMPUTE not in plan_offload(bound, budget).modes
+    # a floor with the rebuild above the node's peak: the rebuild's is the point's peak
+    high = dataclasses.replace(bound, floor_backward=[MiB, 12 * MiB, MiB])
+    assert memory_at_points(high, recomputed, 2)[1][1] == 12 * MiB + 8 * MiB + 12 * MiB
+    assert planner.peak_point(high, recomputed, 2)[:3] == ("backward", 1, 12 * MiB)
+    with pytest.raises(ValueError, match="2 floors for 3 unpacks"):
+        dataclasses.replace(bound, floor_backward=[MiB, MiB])
 
 
 def test_never_over_budget_by_the_solvers_tolerance():

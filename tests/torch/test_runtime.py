@@ -881,7 +881,7 @@ def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where)
     trace = []
     # (convolutions not recomputed: on the CPU they cost next to nothing, and the plan must
     # offload for the fall-back to differ from it)
-    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
+    session = OffloadSession(budget=saved_bytes(model, data) * 2 // 3, link=link, min_bytes=0,
                              headroom=0.0, say=said.append, trace=trace, replans=0,
                              record_steps=1, recompute_convolutions=False, trials=False)
     failures = train_through_failures(model, data, session, wrapped,
@@ -1459,7 +1459,7 @@ def test_a_plan_recomputes_blocks_outputs_through_their_adds():
     session = OffloadSession(budget=1, link=RecordingLink(gbps=(1e-5, 1e-5)), min_bytes=0,
                              trace=trace, headroom=0.0)
     trace.session = session
-    session.budget = int(saved_bytes(model, data) * 0.6)
+    session.budget = int(saved_bytes(model, data) * 0.5)
     assert_bitwise(reference, train(model, data, session))
     groups = session.profile.groups
     chosen = [gid for gid, mode in enumerate(session.plan.modes)
@@ -1637,7 +1637,8 @@ def test_a_profile_counts_what_a_rebuild_allocates():
     assert len(pooled) == 1 and pooled[0].recompute_source is not None
     convolution_output = 4 * 32 * 16 * 16 * 8
     assert pooled[0].rebuild_bytes == convolution_output + pooled[0].nbytes
-    assert pooled[0].transient == convolution_output + pooled[0].nbytes
+    # beside the pooled output itself, which stays (live from its rebuild)
+    assert pooled[0].transient == convolution_output
 
 
 class PollingLink(RecordingLink):
@@ -1983,12 +1984,12 @@ def test_after_a_forward_that_failed_the_cache_is_emptied_as_the_next_step_start
 
 
 def run_trial(model, data, link):
-    """(session, lines said) after training ``model`` on ``data`` with a session under 0.6 of its
+    """(session, lines said) after training ``model`` on ``data`` with a session under half of its
     saved bytes and no headroom (so a trial), ``link`` its link (``link.session``: the session)."""
     said = []
     session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.0, say=said.append)
     link.session = session
-    session.budget = int(saved_bytes(model, data) * 0.6)
+    session.budget = int(saved_bytes(model, data) * 0.5)
     train(model, data, session)
     return session, said
 
