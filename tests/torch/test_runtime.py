@@ -2058,6 +2058,45 @@ def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch
     assert session.plan is plans[kept]
 
 
+@pytest.mark.parametrize("replans", [3, 0])
+def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeypatch, replans):
+    # both plans flush: the next plans are made for half the headroom less (a replan) and tried
+    # in turn; of those, the one that does not flush stays, slower as it is. Without replans
+    # left, the fastest of the flushing plans stays
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 4 * trial + 2)
+    plans = []   # each trial's: the plan made, the other (its first moved group kept)
+
+    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False):
+        modes = list(plan.modes)
+        modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
+        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
+        return [("other 1", plans[-1])]
+    monkeypatch.setattr(planner, "trial_plans", made)
+    link = flushing_link(plans, (10.0, 5.0, 12.0, 11.0), (True, True, False, True))
+    said = []
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append,
+                             replans=replans)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.5)
+    first = session.target
+    train(model, data, session)
+    tried = [line for line in said if line.startswith("offload plans tried")]
+    if not replans:
+        assert session.target == first and len(plans) == 2 and session.plan is plans[1]
+        assert len(tried) == 1 and tried[0].endswith("keeping the plan other 1")
+        return
+    lowered = first - int(0.05 * session.budget)
+    assert session.target == lowered and session.replans_used == 1 and len(plans) == 4
+    assert tried[0].endswith(f"each flushed the caching allocator's cache, so planning for "
+                             f"{lowered / 2**30:.2f} GiB")
+    assert any(line.startswith("offload plan for") and
+               f"(planned for {lowered / 2**30:.2f} GiB)" in line for line in said)
+    assert tried[1] == ("offload plans tried: as made 12.0 ms a step, other 1 11.0 ms a step "
+                        "(2 flushes after backward point 2); keeping the plan as made")
+    assert session.plan is plans[2] and session.plan.target == lowered
+
+
 @pytest.mark.parametrize("flush_after", [-1, 0, 3, None])
 def test_a_trial_says_after_which_op_a_plan_flushed(monkeypatch, flush_after):
     # the link's flush count, read at each unpack of a trial's steps and after its backward,
