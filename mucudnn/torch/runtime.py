@@ -1714,10 +1714,13 @@ class OffloadSession:
              for share in planner.TRIAL_HEADROOM_SHARES]
             if self.headroom and self._lowered_target is None else (),
             keep_apart=self.keep_apart)
-        if others:
+        # alone, the plan is still run as a trial where a lower target can follow: whether it
+        # flushes the caching allocator's cache (:meth:`_plan_below_flushes`)
+        if others or (self.headroom and self.replans_left > 0):
             self._trial = _Trial([self.plan] + [plan for _, plan in others],
                                  ["as made"] + [label for label, _ in others],
                                  seen={link: link.flushes() for link in self._links_in_use()})
+        if others:
             self.say("trying it against " + "; ".join(
                 f"the plan {label} ({plan.describe()})" for label, plan in others)
                 + f", {planner.TRIAL_STEPS} steps each")
@@ -1748,13 +1751,18 @@ class OffloadSession:
         self._trial = None
         timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{trial.flush_note(index)}"
                           for index, ms in enumerate(times))
+        alone = len(trial.plans) == 1
         if ran == len(trial.plans) and all(trial.flushes_in(index) for index in range(ran)):
             lower = self._plan_below_flushes()
             if lower is not None:
-                self.say(f"{why}: {timed}; each flushed the caching allocator's cache, so "
-                         f"planning for {self.target / 2**30:.2f} GiB")
+                self.say((f"the offload plan ran {times[0]:.1f} ms a step{trial.flush_note(0)}; "
+                          "it flushed" if alone else f"{why}: {timed}; each flushed")
+                         + " the caching allocator's cache, so planning for "
+                         f"{self.target / 2**30:.2f} GiB")
                 self._make_plan(lower)
                 return
+        if alone:   # it stays, flushing or not (no lower target): nothing to say
+            return
         self.kept_after_trial = trial.labels[best] if best else None
         self.plan = trial.plans[best]
         self.modes = list(self.plan.modes)

@@ -2097,6 +2097,33 @@ def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeyp
     assert session.plan is plans[2] and session.plan.target == lowered
 
 
+@pytest.mark.parametrize("flushing", [True, False])
+def test_a_plan_with_no_other_to_try_is_watched_for_flushes_alone(monkeypatch, flushing):
+    # no other plan worth trying: the plan still runs TRIAL_STEPS steps as a trial of one; if it
+    # flushes the caching allocator's cache, the next is made for half the headroom less, as
+    # long as replans are left (3); if not, it stays, with nothing said
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 4 * trial + 1)
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    link = flushing_link([], (10.0,), (flushing,))
+    said = []
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.5)
+    first = session.target
+    train(model, data, session)
+    lowered = [line for line in said if "it flushed the caching allocator's cache" in line]
+    assert session._trial is None
+    if not flushing:
+        assert session.target == first and session.replans_used == 0 and not lowered
+        assert [line for line in said if line.startswith("offload plan")] == said[:1]
+        return
+    assert session.replans_used == 3 and len(lowered) == 3
+    assert session.target == first - 3 * int(0.05 * session.budget)
+    assert lowered[0].startswith("the offload plan ran 10.0 ms a step (2 flushes after backward "
+                                 "point 2); it flushed")
+
+
 @pytest.mark.parametrize("flush_after", [-1, 0, 3, None])
 def test_a_trial_says_after_which_op_a_plan_flushed(monkeypatch, flush_after):
     # the link's flush count, read at each unpack of a trial's steps and after its backward,
