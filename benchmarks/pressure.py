@@ -102,6 +102,9 @@ OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor)", re.IGNORECAS
 # pattern), so that its timed steps are the kept plan's steady state
 OFFLOAD_RECORD_STEPS = 2
 OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + TRIAL_PLANS * TRIAL_STEPS + 2
+# the default covers more: a trial whose every plan flushed is followed by the plans for a lower
+# target (the 3-D U-Net under 7.0 GiB: three plans, then one alone, session 22)
+OFFLOAD_WARMUP = OFFLOAD_MIN_WARMUP + 10
 DEVICE_MEMORY_GIB = 140.0   # where a cap search gives up widening its bracket upwards (H200)
 
 
@@ -1173,10 +1176,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--offload", action="store_true",
                     help="minmem: also search the shim + activation offload (`mucudnn run "
                          "--memory-budget CAP --offload`), below the smaller minimum found")
-    ap.add_argument("--offload-warmup", type=int, default=OFFLOAD_MIN_WARMUP,
+    ap.add_argument("--offload-warmup", type=int, default=OFFLOAD_WARMUP,
                     help=f"minmem --offload: warm-up steps of its probes (at least "
                          f"{OFFLOAD_MIN_WARMUP}: mucudnn.torch records {OFFLOAD_RECORD_STEPS} "
-                         f"first, then may try {TRIAL_PLANS} plans {TRIAL_STEPS} steps each)")
+                         f"first, then may try {TRIAL_PLANS} plans {TRIAL_STEPS} steps each, and "
+                         "more for a lower target where each flushed the allocator's cache)")
     ap.add_argument("--offload-low-fraction", type=float, default=0.25,
                     help="minmem --offload: its lower bracket, this times the smaller minimum")
     ap.add_argument("--fast-low-fraction", type=float, default=0.5,
