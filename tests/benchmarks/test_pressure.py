@@ -354,7 +354,8 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert pressure.main(["minmem", "--models", "unet3d", "resnet50", "--dtypes", "fp32",
                           "--benchmark", "off", "--offload", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "pressure-minmem.json").read_text())
-    assert data["settings"]["offload"] and data["settings"]["offload_warmup"] == pressure.OFFLOAD_MIN_WARMUP
+    assert data["settings"]["offload"]
+    assert data["settings"]["offload_warmup"] == pressure.OFFLOAD_WARMUP
     unet, resnet = data["models"]["unet3d"], data["models"]["resnet50"]
     # the 3-D target's cap probed first, alone: 0.8x PyTorch's 9.25 GiB, down to the grid
     assert unet["target"]["cap_gib"] == 7.25 and unet["target"]["target_met"] is True
@@ -393,7 +394,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert not any("reused_from" in p for p in unet["fast"]["probes"])
     for run in offload:  # the CLI's path: `mucudnn run --memory-budget CAP --offload`
         assert run["cli"][-4:] == ["run", "--memory-budget", str(int(run["cap"] * 2**30)), "--offload"]
-        assert run["warmup"] == pressure.OFFLOAD_MIN_WARMUP and run["steps"] == 3 and run["online"] == "1"
+        assert run["warmup"] == pressure.OFFLOAD_WARMUP and run["steps"] == 3 and run["online"] == "1"
         # the CLI sets the budget and offload; the allocator stays the part's (none: the default)
         assert run["budget"] is None and run["offload_env"] is None and run["allocator"] == ""
         assert run["log_level"] == "info"
@@ -404,7 +405,7 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert "offload 4.5 GiB 1890.0 ms [" in printed and "fast 6 GiB 630.0 ms [" in printed
     page = (tmp_path / "pressure-h200.md").read_text()
     assert "### Shim + activation offload (`mucudnn run --memory-budget CAP --offload`)" in page
-    assert f"after {pressure.OFFLOAD_MIN_WARMUP} warm-up train (the first 2 record" in page
+    assert f"after {pressure.OFFLOAD_WARMUP} warm-up train (the first 2 record" in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | target (one probe) | 600.00 | 9.25 | 7.25 (ok) | "
             f"630.00 | 0.784 | 1.050 | yes | 1 | {OFFLOAD_LINE.format(cap=7.25)} |  |") in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | any | 600.00 | 9.25 | 4.5 | 1890.00 | 0.486 | 3.150 | "
