@@ -1034,13 +1034,7 @@ class OffloadSession:
         call = _Call(None, func.__name__, (self._read(first), self._read(second)), None, None,
                      in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
                      autocast=_autocast_state())
-        self._start_call(call)
-        output = None
-        try:
-            output = func(*args, **kwargs)
-        finally:
-            self._returned(call, output)
-        return output
+        return self._run_op(call, func, args, kwargs)
 
     def _concat(self, func, args, kwargs):
         """``func(*args, **kwargs)``, recorded as a call when it joins two or more distinct plain
@@ -1058,6 +1052,10 @@ class OffloadSession:
         call = _Call(None, func.__name__, tuple(self._read(t) for t in tensors), None, None,
                      op=_joined, keywords={"dim": dims[0] if dims else 0}, recomputable=True,
                      autocast=_autocast_state())
+        return self._run_op(call, func, args, kwargs)
+
+    def _run_op(self, call: _Call, func, args, kwargs):
+        """``func(*args, **kwargs)`` as the recorded ``call``: started, run, returned."""
         self._start_call(call)
         output = None
         try:
