@@ -517,7 +517,10 @@ class _Call:
             if self.op is not None:
                 return self.op(*values, **self.keywords)
             if type(self.module) in _TRANSPOSED:
-                return self.module(values[0], output_size=list(self.output_shape))
+                made = self.output_shape[-len(self.module.kernel_size):]
+                if _transposed_size(self.module, values[0]) != made:
+                    # it was given output_size (its own output_padding makes another size)
+                    return self.module(values[0], output_size=list(made))
             return replay(self.module, values[0])
 
 
@@ -2011,6 +2014,16 @@ def _current_node():
 def _in_backward() -> bool:
     """Inside an autograd node's backward (where a step's forward never runs)."""
     return _current_node() is not None
+
+
+def _transposed_size(module: nn.Module, value: torch.Tensor) -> tuple[int, ...]:
+    """The spatial size a transposed convolution makes of ``value`` with its own output padding
+    (what it makes unless called with ``output_size``)."""
+    n = len(module.kernel_size)
+    return tuple((size - 1) * stride - 2 * pad + dilation * (kernel - 1) + extra + 1
+                 for size, stride, pad, dilation, kernel, extra in zip(
+                     value.shape[-n:], module.stride, module.padding, module.dilation,
+                     module.kernel_size, module.output_padding))
 
 
 def _joined(*values: torch.Tensor, dim: int) -> torch.Tensor:

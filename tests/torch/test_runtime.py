@@ -434,6 +434,23 @@ def test_a_u_net_s_concatenation_is_rebuilt_by_the_transposed_convolution_and_th
     assert joined(forced._step.groups)[0].mode == RECOMPUTE
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_transposed_convolution_whose_output_padding_passes_its_stride_is_rebuilt(dtype):
+    # dilation 2, stride 1, output_padding 1: a size no output_size could ask for, so its
+    # replay runs as it was called, with its own output padding (a helper's reproducer)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
+                          nn.ConvTranspose2d(4, 4, 3, stride=1, dilation=2, output_padding=1),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 10)).to(dtype)
+    data = batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    assert any([c.name for c in g.recipe.calls] == ["ConvTranspose2d", "ReLU"]
+               for g in session._step.groups if g.mode == RECOMPUTE)
+
+
 @pytest.mark.parametrize("join", [
     lambda up, skip: torch.cat((up, up), dim=1),                  # one tensor twice
     lambda up, skip: torch.cat([up, skip.clone().mul_(2.0)], dim=1),  # made by no call
