@@ -476,8 +476,8 @@ def settings_of(args) -> dict:
     keep = ("shim_mode", "dtypes", "benchmark", "rounds", "steps", "warmup", "probe_steps",
             "cap_step", "low_fraction", "shim_low_fraction", "cap", "resolution",
             "seeded_growth", "shim_budget", "time_budget_s", "probe_timeout_s", "offload",
-            "offload_warmup", "offload_low_fraction", "fast_low_fraction", "shim_search",
-            "offload_searches", "memory_trace")
+            "offload_warmup", "offload_profile_steps", "offload_low_fraction",
+            "fast_low_fraction", "shim_search", "offload_searches", "memory_trace")
     settings = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     # every run of the part inherits it, PyTorch's and the shim's alike
     settings["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -568,7 +568,8 @@ def minmem_part(args, runner: Runner, report: Report) -> None:
                                      shim=side != "pytorch", offload=offload, dtype=dtype,
                                      cudnn_benchmark=bench, cap_gib=cap_gib,
                                      steps=args.probe_steps,
-                                     warmup=args.offload_warmup if offload else 1)
+                                     warmup=args.offload_warmup if offload else 1,
+                                     profile_steps=args.offload_profile_steps if offload else 0)
                 report.note_device(outcome)
                 if offload:
                     offload_runs[cap_gib] = outcome
@@ -1181,6 +1182,10 @@ def parser() -> argparse.ArgumentParser:
                          f"{OFFLOAD_MIN_WARMUP}: mucudnn.torch records {OFFLOAD_RECORD_STEPS} "
                          f"first, then may try {TRIAL_PLANS} plans {TRIAL_STEPS} steps each, and "
                          "more for a lower target where each flushed the allocator's cache)")
+    ap.add_argument("--offload-profile-steps", type=int, default=0, metavar="STEPS",
+                    help="minmem --offload: after a probe's timed steps, that many more under "
+                         "torch.profiler (where the GPU waited, the host's CUDA calls: the "
+                         "probe's 'profile')")
     ap.add_argument("--offload-low-fraction", type=float, default=0.25,
                     help="minmem --offload: its lower bracket, this times the smaller minimum")
     ap.add_argument("--fast-low-fraction", type=float, default=0.5,
