@@ -135,8 +135,10 @@ def _worker_steps(args, torch, where: dict) -> dict:
     # is in the warm-up): when flushes start, and whether they stop; the timed steps' at a cap
     # host_times: from a step's start until the host has queued it (its Python, the session's
     # hooks, any wait of the host's): close to the step's time where the host bounds the step
-    times, warm_times, host_times, retries_per_step = [], [], [], []
-    retries_seen = allocator_counters(torch)["num_alloc_retries"]
+    # frees_per_step: the blocks the allocator gave back to the device (freed or unmapped, each
+    # waiting for the stream), with or without a retry
+    times, warm_times, host_times, retries_per_step, frees_per_step = [], [], [], [], []
+    seen = allocator_counters(torch)
     for i in range(args.warmup + args.steps):
         where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
                           else f"timed step {i + 1 - args.warmup}")
@@ -148,9 +150,10 @@ def _worker_steps(args, torch, where: dict) -> dict:
         host_times.append((time.perf_counter() - queued) * 1e3)
         end.synchronize()
         (times if i >= args.warmup else warm_times).append(start.elapsed_time(end))
-        retries = allocator_counters(torch)["num_alloc_retries"]
-        retries_per_step.append(retries - retries_seen)
-        retries_seen = retries
+        counters = allocator_counters(torch)
+        retries_per_step.append(counters["num_alloc_retries"] - seen["num_alloc_retries"])
+        frees_per_step.append(counters["num_device_free"] - seen["num_device_free"])
+        seen = counters
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer PyTorch only
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "warmup_ms_all": warm_times, "host_ms_all": host_times,
@@ -158,6 +161,7 @@ def _worker_steps(args, torch, where: dict) -> dict:
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
               "alloc_retries": sum(retries_per_step[args.warmup:]),
               "alloc_retries_per_step": retries_per_step,
+              "device_frees_per_step": frees_per_step,
               "memory_fraction": fraction(0) if fraction else None,
               "device": torch.cuda.get_device_name(0), "batch": args.batch,
               "segments": segment_summary(torch.cuda.memory_snapshot())}
