@@ -414,15 +414,10 @@ class CudaLink(CopyLink):
         return torch.cuda.memory_stats(self.device).get("num_ooms", 0)
 
     def flushes(self):
-        # Each time the caching allocator gave memory back to the device: the blocks a retry
-        # frees (its whole cache), and those it frees or unmaps to make room under the cap
-        # without one (num_alloc_retries does not count those). Each waits for the stream (an
-        # expandable segment's unmap synchronizes it), so the device runs dry there (on the 3-D
-        # U-Net under 7.0 GiB the profiler saw 10 stream synchronizations a step in steps with
-        # no retry, session 22). Read at every unpack of a trial's steps: the nested
-        # statistics, not memory_stats' flattened copy of them.
+        # read at every unpack of a trial's steps: the nested statistics, not memory_stats'
+        # flattened copy of them
         return torch.cuda.memory.memory_stats_as_nested_dict(self.device).get(
-            "num_device_free", 0)
+            "num_alloc_retries", 0)
 
     def bandwidth_gbps(self):
         if self.gbps is None:
