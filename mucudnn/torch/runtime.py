@@ -815,6 +815,9 @@ class OffloadSession:
                  max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
+        # lower targets after flushing trials: as many, apart, so that a step that later runs
+        # out of memory still has its replans
+        self.lowerings_left = replans
         self.replans_used = 0
         self._recordings_left = max(1, record_steps)
         self._recorded: list[planner.StepProfile] = []   # this recording's profiles so far
@@ -1717,7 +1720,7 @@ class OffloadSession:
             keep_apart=self.keep_apart)
         # alone, the plan is still run as a trial where a lower target can follow: whether it
         # flushes the caching allocator's cache (:meth:`_plan_below_flushes`)
-        if others or (self.headroom and self.replans_left > 0):
+        if others or (self.headroom and self.lowerings_left > 0):
             self._trial = _Trial([self.plan] + [plan for _, plan in others],
                                  ["as made"] + [label for label, _ in others],
                                  seen={link: link.flushes() for link in self._links_in_use()})
@@ -1773,18 +1776,20 @@ class OffloadSession:
     def _plan_below_flushes(self) -> planner.OffloadPlan | None:
         """After a trial whose every plan flushed the caching allocator's cache (fragmentation
         the model does not see needs more room than its headroom): the plan for a target half
-        the headroom lower (a replan: None, the target unchanged, where none is left, or no plan
-        meets that target). A flush costs a step more than the room costs it: on the 3-D U-Net
-        at 7.0 GiB, plans flushing once to three times a step ran 119-135 ms, where the plan for
-        0.3 GiB less ran about 113 with none (session 22)."""
-        if self.replans_left <= 0 or not self.headroom:
+        the headroom lower (at most ``replans`` such lowerings, apart from the replans after
+        running out of memory; None, the target unchanged, where none is left or no plan meets
+        that target). A flush costs a step more than the room does: on the 3-D U-Net under
+        7.0 GiB every plan for 6.3 GiB flushed 1-4 times a step (112.8-135.2 ms in its trial),
+        and the plan for 5.95 GiB then ran 108.6-112.9 ms without one in one run of two
+        (session 22)."""
+        if self.lowerings_left <= 0 or not self.headroom:
             return None
         target = self.target - int(self.headroom / 2 * self.budget)
         try:
             plan = self._plan_for(target)
         except MucudnnError:
             return None
-        self.replans_left -= 1
+        self.lowerings_left -= 1
         self.replans_used += 1
         self._lowered_target = target
         return plan
