@@ -1780,9 +1780,8 @@ class OffloadSession:
         running out of memory; None, the target unchanged, where none is left or no plan meets
         that target). A flush costs a step more than the room does: on the 3-D U-Net under
         7.0 GiB every plan for 6.3 GiB flushed (1-4 times in its two timed steps; 112.8-135.2
-        ms a step),
-        and the plan for 5.95 GiB then ran 108.6-112.9 ms without one in one run of two
-        (session 22)."""
+        ms a step), and the plan for 5.95 GiB then ran 108.6-112.9 ms without one in one run
+        of two (session 22)."""
         if self.lowerings_left <= 0 or not self.headroom:
             return None
         target = self.target - int(self.headroom / 2 * self.budget)
