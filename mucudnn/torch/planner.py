@@ -905,7 +905,7 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
                                            if point in rebuilds[reader])
     forward = [pulp.LpAffineExpression() + base for base in profile.baseline_forward]
     live = [pulp.LpAffineExpression() for _ in range(profile.unpacks)]   # backward, saved groups
-    # the transient of the rebuilds at each point: the largest group rebuilt there
+    # the transient of the rebuilds at each point: the largest of the groups rebuilt there
     largest: dict[int, list] = defaultdict(list)
     for index, at in enumerate(rebuilds):
         for point, r in at.items():
@@ -930,14 +930,16 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
                     forward[t] += nbytes * x
                 for t in b_points:
                     live[t] += nbytes * x
+    # each backward point twice where something is rebuilt there: the node's own peak, and the
+    # rebuild's on the floor before the node runs
     backward = [base + saved for base, saved in zip(profile.baseline_backward, live)]
-    backward += [profile.floor(point) + transient + live[point]
-                 for point, transient in sorted(rebuilding.items())]
+    rebuild_peaks = [profile.floor(point) + transient + live[point]
+                     for point, transient in sorted(rebuilding.items())]
     peak = problem.add_variable("peak", lowBound=0)
     # Bytes in GiB (or in budgets) inside the program: CBC's tolerances are relative to
     # coefficients near 1 (the caller checks the peak in bytes).
     scale = 2.0 ** -30 if budget is None else 1.0 / budget
-    for expression in forward + backward:
+    for expression in forward + backward + rebuild_peaks:
         if budget is None:
             problem += scale * expression <= peak
         else:

@@ -63,9 +63,8 @@ _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: Modules that may also be recomputed, at their measured cost (the planner weighs it against
 #: moving their output; per-block checkpointing shows recomputing them can beat the host link).
 #: A transposed one replays at the output size it made (``output_size`` may have chosen it).
-CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d,
-                nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d) + _TRANSPOSED
 #: the smallest copy whose time measures the host link (smaller ones measure its latency)
 LINK_PROBE_BYTES = 32 << 20
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
@@ -1047,16 +1046,17 @@ class OffloadSession:
         tensors of one device (a list or tuple; ``dim`` positional or a keyword, nothing else) in
         a recording forward: a recipe may then include it (a U-Net's ``torch.cat((up, skip))``)."""
         tensors = args[0] if args else kwargs.get("tensors")
-        dims = args[1:] + tuple(kwargs[k] for k in ("dim",) if k in kwargs)
-        if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or len(dims) > 1 or \
-                not set(kwargs) <= {"tensors", "dim"} or len(args) > 2 or \
-                not isinstance(dims[0] if dims else 0, int) or not self._records_op():
+        dims = args[1:] + ((kwargs["dim"],) if "dim" in kwargs else ())   # given once at most
+        dim = dims[0] if dims else 0
+        if len(args) > 2 or len(dims) > 1 or not set(kwargs) <= {"tensors", "dim"} or \
+                not isinstance(dim, int) or not isinstance(tensors, (list, tuple)) or \
+                len(tensors) < 2 or not self._records_op():
             return func(*args, **kwargs)
         if any(type(t) is not torch.Tensor or t.device != tensors[0].device for t in tensors) or \
                 len({id(t) for t in tensors}) != len(tensors):
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, tuple(self._read(t) for t in tensors), None, None,
-                     op=_joined, keywords={"dim": dims[0] if dims else 0}, recomputable=True,
+                     op=_joined, keywords={"dim": dim}, recomputable=True,
                      autocast=_autocast_state())
         return self._run_op(call, func, args, kwargs)
 
