@@ -392,7 +392,10 @@ def profile_steps(step, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # the host too (its ops and Python frames): who waited on the device, and what the device
+    # waited for (host_waits)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -441,7 +444,72 @@ def profile_steps(step, steps: int) -> dict:
             "gaps_before": {name: {"gaps": c // steps, "ms": ms} for name, (c, ms)
                             in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:25]},
             "host_calls": {name: {"calls": c // steps, "ms": ms} for name, (c, ms)
-                           in sorted(host.items(), key=lambda kv: -kv[1][1])}}
+                           in sorted(host.items(), key=lambda kv: -kv[1][1])},
+            "host_waits": host_waits(events, steps)}
+
+
+#: the CUDA calls that block the host until the device catches up: after one, the device idles
+#: while the host queues the next work
+SYNCHRONIZING_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+                       "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize")
+
+
+def host_waits(events: list, steps: int = 1, keep: int = 4) -> dict:
+    """Where the host waited for the device, from a profiler's Chrome trace events recorded with
+    the CPU activity and Python stacks: each synchronising call (:data:`SYNCHRONIZING_CALLS`)
+    by the host context it ran in (the innermost ``keep`` operators and Python frames around it,
+    on its thread), with its count and ms per step; and the compute stream's largest gaps, each
+    with the host context of the launch that ended it (what the host was queueing while the
+    device waited)."""
+    spans: dict = {}    # (pid, tid) -> [(start, end, name)] of operators and Python frames
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function"):
+            start = float(e["ts"])
+            spans.setdefault((e.get("pid"), e.get("tid")), []).append(
+                (start, start + float(e.get("dur", 0)), str(e.get("name", ""))[:100]))
+
+    def context(event) -> tuple:
+        at = float(event["ts"])
+        around = sorted((s for s in spans.get((event.get("pid"), event.get("tid")), ())
+                         if s[0] <= at <= s[1]), key=lambda s: s[0])
+        return tuple(name for _, _, name in around[-keep:])
+
+    waits: dict = {}
+    launches: dict = {}   # correlation id -> its runtime call
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("cuda_runtime", "cuda_driver"):
+            continue
+        correlation = (e.get("args") or {}).get("correlation")
+        if correlation is not None:
+            launches[correlation] = e
+        if e.get("name") in SYNCHRONIZING_CALLS:
+            entry = waits.setdefault((e["name"],) + context(e), [0, 0.0])
+            entry[0] += 1
+            entry[1] += float(e.get("dur", 0)) / 1e3
+    device = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e) for e in events
+                    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    by_stream: dict = {}
+    for start, end, e in device:
+        by_stream.setdefault((e.get("args") or {}).get("stream", e.get("tid")), []).append(
+            (start, end, e))
+    gaps = []
+    if by_stream:
+        compute = max(by_stream.values(), key=lambda spans_: sum(
+            b - a for a, b, e in spans_ if e.get("cat") == "kernel"))
+        latest = None
+        for start, end, e in compute:
+            if latest is not None and start - latest > 50:
+                launch = launches.get((e.get("args") or {}).get("correlation"))
+                gaps.append((start - latest, e.get("name", "")[:80],
+                             context(launch) if launch is not None else ()))
+            latest = end if latest is None else max(latest, end)
+    gaps.sort(key=lambda g: -g[0])
+    return {
+        "syncs": [{"call": key[0], "calls_per_step": count / steps, "ms_per_step": ms / steps,
+                   "context": list(key[1:])}
+                  for key, (count, ms) in sorted(waits.items(), key=lambda kv: -kv[1][1])],
+        "largest_gaps": [{"ms": round(gap / 1e3, 3), "before": name, "launched_in": list(where)}
+                         for gap, name, where in gaps[:12]]}
 
 
 def trace_summary(trace: dict, top: int = 8) -> dict:

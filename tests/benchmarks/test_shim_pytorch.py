@@ -165,3 +165,29 @@ def test_an_extra_after_the_timed_steps_that_runs_out_of_memory_leaves_the_resul
         raise RuntimeError("an illegal memory access")
     with pytest.raises(RuntimeError, match="illegal"):   # anything else is not a result
         add_extras(torch, {}, [("profile", broken)])
+
+
+def test_host_waits_names_the_host_context_of_each_sync_and_of_each_gaps_launch():
+    from benchmarks.shim_pytorch import host_waits
+
+    def span(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid,
+                "args": args}
+    events = [
+        span("python_function", "runtime.py(325): offload", 0, 100),
+        span("cpu_op", "aten::empty_strided", 10, 50),
+        span("cuda_runtime", "cudaStreamSynchronize", 20, 30),
+        span("cpu_op", "aten::copy_", 200, 20, tid=2),                 # another thread
+        span("cuda_runtime", "cudaLaunchKernel", 205, 5, tid=2, correlation=7),
+        span("cuda_runtime", "cudaStreamSynchronize", 300, 10, tid=3),   # no context
+        span("kernel", "k1", 0, 100, tid=9, stream=7),
+        span("kernel", "k2", 400, 10, tid=9, stream=7, correlation=7),   # after a 300 µs gap
+        span("gpu_memcpy", "copy", 110, 500, tid=10, stream=13),         # another stream
+    ]
+    waits = host_waits(events, steps=2)
+    assert waits["syncs"] == [
+        {"call": "cudaStreamSynchronize", "calls_per_step": 0.5, "ms_per_step": 0.015,
+         "context": ["runtime.py(325): offload", "aten::empty_strided"]},
+        {"call": "cudaStreamSynchronize", "calls_per_step": 0.5, "ms_per_step": 0.005,
+         "context": []}]
+    assert waits["largest_gaps"] == [{"ms": 0.3, "before": "k2", "launched_in": ["aten::copy_"]}]
