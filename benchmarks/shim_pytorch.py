@@ -120,8 +120,14 @@ def _worker_steps(args, torch, where: dict) -> dict:
         return {"loss": loss.item()}
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
+    forward_marks: list = []   # per step while timing: (host ms, device event) at the forward's end
+
     def step():
         step_loss = training.forward_loss()
+        if forward_marks is not None and timing:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            forward_marks.append(((time.perf_counter() - timing[0]) * 1e3, event))
         step_loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -137,19 +143,28 @@ def _worker_steps(args, torch, where: dict) -> dict:
     # hooks, any wait of the host's): close to the step's time where the host bounds the step
     # frees_per_step: the blocks the allocator gave back to the device (freed or unmapped, each
     # waiting for the stream), with or without a retry
+    # forward_*: the timed steps' forward alone, on the host and on the device: a forward whose
+    # host time reaches its device time keeps the device waiting for the host
     times, warm_times, host_times, retries_per_step, frees_per_step = [], [], [], [], []
+    forward_host, forward_device = [], []
     seen = allocator_counters(torch)
+    timing: list = []
     for i in range(args.warmup + args.steps):
         where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
                           else f"timed step {i + 1 - args.warmup}")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         queued = time.perf_counter()
+        timing[:] = [queued] if i >= args.warmup else []
+        forward_marks.clear()
         start.record()
         loss = step()
         end.record()
         host_times.append((time.perf_counter() - queued) * 1e3)
         end.synchronize()
         (times if i >= args.warmup else warm_times).append(start.elapsed_time(end))
+        if forward_marks:
+            forward_host.append(forward_marks[0][0])
+            forward_device.append(start.elapsed_time(forward_marks[0][1]))
         counters = allocator_counters(torch)
         retries_per_step.append(counters["num_alloc_retries"] - seen["num_alloc_retries"])
         frees_per_step.append(counters["num_device_free"] - seen["num_device_free"])
@@ -157,6 +172,7 @@ def _worker_steps(args, torch, where: dict) -> dict:
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer PyTorch only
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "warmup_ms_all": warm_times, "host_ms_all": host_times,
+              "forward_host_ms_all": forward_host, "forward_ms_all": forward_device,
               "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
               "alloc_retries": sum(retries_per_step[args.warmup:]),
@@ -170,7 +186,9 @@ def _worker_steps(args, torch, where: dict) -> dict:
     extras = []
     if args.memory_trace:  # recording allocations slows the host
         extras.append(("memory_trace", lambda: memory_trace_step(step)))
+    timing.clear()
     if args.profile:
+        extras.append(("host_profile", lambda: host_profile_steps(step, args.profile)))
         extras.append(("profile", lambda: profile_steps(step, args.profile)))
     add_extras(torch, result, extras)
     return result
@@ -381,6 +399,29 @@ def _frame_names(frames: list[dict], keep: int = 3) -> list[str]:
         return bool(name) and not name.startswith("??") and "-packages/torch/" not in name
     return [f"{Path(f['filename']).name}:{f.get('line', 0)} {f.get('name', '?')}"
             for f in frames if outside(str(f.get("filename", "")))][:keep]
+
+
+def host_profile_steps(step, steps: int, top: int = 30) -> list:
+    """The host's Python in ``steps`` training steps (cProfile, the calling thread: the forward,
+    the optimizer, not autograd's own threads): the ``top`` functions by their own time, each
+    ``[function, calls, own ms, cumulative ms]`` per step."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{Path(file).name}:{line} {name}", calls / steps, own * 1e3 / steps,
+             cumulative * 1e3 / steps]
+            for (file, line, name), (_, calls, own, cumulative, _) in rows]
 
 
 def profile_steps(step, steps: int) -> dict:
