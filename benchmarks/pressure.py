@@ -86,7 +86,7 @@ from pathlib import Path
 from benchmarks.models import parse_model, spec_of
 # set by `mucudnn run --offload` only; where mucudnn.torch writes its recorded profile
 from mucudnn.budget import ENV_OFFLOAD, ENV_OFFLOAD_PROFILE
-from mucudnn.torch.planner import TRIAL_PLANS, TRIAL_STEPS
+from mucudnn.torch.planner import RECORD_STEPS, TRIAL_PLANS, TRIAL_STEPS
 from benchmarks.shim_pytorch import worker_command, worker_outcome
 
 PARTS = ("ratio", "minmem", "maxbatch")
@@ -100,7 +100,7 @@ OFFLOAD_PATTERN = re.compile(r"^mucudnn: .*(offload|saved tensor)", re.IGNORECAS
 # TRIAL_PLANS plans TRIAL_STEPS steps each: an offload probe's warm-up covers them and two
 # planned steps (the first grows the pinned pool and the caching allocator to the plan's
 # pattern), so that its timed steps are the kept plan's steady state
-OFFLOAD_RECORD_STEPS = 2
+OFFLOAD_RECORD_STEPS = RECORD_STEPS
 OFFLOAD_MIN_WARMUP = OFFLOAD_RECORD_STEPS + TRIAL_PLANS * TRIAL_STEPS + 2
 # the default covers more: a trial whose every plan flushed is followed by the plans for a lower
 # target (the 3-D U-Net under 7.0 GiB: three plans, then one alone, session 22)

@@ -75,9 +75,23 @@ RELEASE_MARGIN = 1.5
 #: benchmarks/results/offload). Without it the planner takes overlapped copies as free and picks
 #: them over recomputation that costs less.
 COPY_EXPOSURE = 0.6
+#: steps an ``OffloadSession`` records before it plans; the profile takes each time as the
+#: least of them (:func:`least_times`). The first pins the host pool (seconds of waiting), so the
+#: others are its samples: a recording whose host fell behind stretches its times (an event
+#: pair times the device's wait for the host too). On the 3-D U-Net (N = 2) one run of two
+#: with two recording steps recorded a 37.8 ms forward, the other 28.1 (27.4 on the device in
+#: planned steps), and their plans recomputed 18 and 9 groups (session 23)
+RECORD_STEPS = 4
 #: planned steps each plan runs where the session tries more than one (:func:`trial_plans`):
 #: the first settles the caching allocator, the others are timed
 TRIAL_STEPS = 3
+#: after its trial, the plan in force is watched: once WATCH_FLUSHING of its last WATCH_STEPS
+#: planned steps flushed the caching allocator's cache, the session plans for less
+#: (``OffloadSession._plan_below_flushes``). A trial's steps do not see every flush to come: on
+#: the 3-D U-Net under 7.0 GiB a plan calm in its trial flushed about once a step after it
+#: (124.1 ms a step against 108.8 in a run where it did not; session 22)
+WATCH_STEPS = 4
+WATCH_FLUSHING = 2
 #: the shares of the session's headroom (room for the allocator's fragmentation) for which the
 #: runtime has :func:`trial_plans` make plans besides the plan made for the whole one. On the 3-D
 #: U-Net under 7.0 GiB the allocator held 0.63-0.69 GB beyond the 6.3 GiB plan's peak; a plan

@@ -774,7 +774,8 @@ class _Trial:
 class OffloadSession:
     """Saved-tensor hooks and leaf-module hooks (while entered) carrying out a plan.
 
-    ``budget`` (bytes): the first ``record_steps`` steps record (every dense saved tensor
+    ``budget`` (bytes): the first ``record_steps`` (default
+    :data:`~mucudnn.torch.planner.RECORD_STEPS`) steps record (every dense saved tensor
     offloaded on the compute stream, fetched on demand; the last is the profile, with each time
     the least any recorded), then a plan is made for ``budget * (1 - headroom)`` (room for the
     caching allocator's fragmentation; CBC at most ``plan_time_limit_s`` per solve) and applied
@@ -808,7 +809,7 @@ class OffloadSession:
                  link: CopyLink | None = None, lookahead: int = 2, recompute: bool = True,
                  min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
                  say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
-                 record_steps: int = 2, plan_time_limit_s: float = 20,
+                 record_steps: int | None = None, plan_time_limit_s: float = 20,
                  recompute_convolutions: bool = True,
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
                  max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True):
@@ -818,7 +819,8 @@ class OffloadSession:
         # out of memory still has its replans
         self.lowerings_left = replans
         self.replans_used = 0
-        self._recordings_left = max(1, record_steps)
+        self._recordings_left = max(1, planner.RECORD_STEPS if record_steps is None
+                                    else record_steps)
         self._recorded: list[planner.StepProfile] = []   # this recording's profiles so far
         #: CBC's limit per solve: ResNet-50's plans reached 60 s and were no better than at 20 s
         self.plan_time_limit_s = plan_time_limit_s
@@ -836,6 +838,10 @@ class OffloadSession:
         self.keep_apart = keep_apart
         self._apart: tuple = (None, set())   # (plan, its planner.kept_apart groups)
         self._trial: _Trial | None = None
+        #: the plan in force after its trial: per planned step (the last WATCH_STEPS), whether
+        #: it flushed the caching allocator's cache, and each link's flush count at its end
+        self._flushing: deque = deque(maxlen=planner.WATCH_STEPS)
+        self._flush_counts: dict = {}
         #: how the plan in force was made, after a trial kept another than the one made
         #: (:func:`planner.trial_plans`' label; None: as made)
         self.kept_after_trial: str | None = None
@@ -1639,6 +1645,8 @@ class OffloadSession:
                 self._make_plan()
         elif self._trial is not None and not finished.profiling:
             self._advance_trial(link, finished.unpacks)
+        elif not finished.profiling and self.plan is not None and self.trials:
+            self._watch_flushes()
         # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines
         # count no group before its first unpack); so does a fall-back
         self._schedule = {} if self.fell_back or self._step.profiling else self._prefetch_schedule(
@@ -1705,6 +1713,8 @@ class OffloadSession:
             self.write_profile()
             return
         self.modes = list(self.plan.modes)
+        self._flushing.clear()
+        self._flush_counts = {link: link.flushes() for link in self._links_in_use()}
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB"
                  + (f" (planned for {target / 2**30:.2f} GiB)"
                     if self._lowered_target is not None else "")
@@ -1753,6 +1763,8 @@ class OffloadSession:
         times = [trial.step_ms(index) for index in range(ran)]
         best = trial.kept(times)
         self._trial = None
+        self._flushing.clear()
+        self._flush_counts = dict(trial.seen)   # the watch of the plan kept starts here
         timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{trial.flush_note(index)}"
                           for index, ms in enumerate(times))
         alone = len(trial.plans) == 1
@@ -1772,6 +1784,27 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.write_profile()
         self.say(f"{why}: {timed}; keeping the plan {trial.labels[best]}")
+
+    def _watch_flushes(self) -> None:
+        """A planned step of the plan in force ended after its trial: once
+        :data:`planner.WATCH_FLUSHING` of its last :data:`planner.WATCH_STEPS` steps flushed the
+        caching allocator's cache, the plan for less (:meth:`_plan_below_flushes`) is made and
+        tried, with one line; where none is left, the plan stays and nothing more is said."""
+        counts = {link: link.flushes() for link in self._links_in_use()}
+        self._flushing.append(any(count > self._flush_counts.get(link, count)
+                                  for link, count in counts.items()))
+        self._flush_counts = counts
+        flushed = sum(self._flushing)
+        if flushed < planner.WATCH_FLUSHING:
+            return
+        steps = len(self._flushing)
+        self._flushing.clear()
+        lower = self._plan_below_flushes()
+        if lower is None:
+            return
+        self.say(f"the offload plan flushed the caching allocator's cache in {flushed} of its "
+                 f"last {steps} steps, so planning for {self.target / 2**30:.2f} GiB")
+        self._make_plan(lower)
 
     def _plan_below_flushes(self) -> planner.OffloadPlan | None:
         """After a trial whose every plan flushed the caching allocator's cache (fragmentation

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from benchmarks import pressure
 from benchmarks.pressure import Budget, OutOfTime, max_batch_search, min_cap_search
 from benchmarks.shim_pytorch import worker_outcome
+from mucudnn.torch import planner
 
 OK, OOM = {"status": "ok", "step_ms": 10.0}, {"status": "oom"}
 
@@ -406,7 +407,8 @@ def test_minmem_offload_searches_a_third_side_through_the_cli_below_the_smaller_
     assert "offload 4.5 GiB 1890.0 ms [" in printed and "fast 6 GiB 630.0 ms [" in printed
     page = (tmp_path / "pressure-h200.md").read_text()
     assert "### Shim + activation offload (`mucudnn run --memory-budget CAP --offload`)" in page
-    assert f"after {pressure.OFFLOAD_WARMUP} warm-up train (the first 2 record" in page
+    assert (f"after {pressure.OFFLOAD_WARMUP} warm-up train (the first "
+            f"{planner.RECORD_STEPS} record") in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | target (one probe) | 600.00 | 9.25 | 7.25 (ok) | "
             f"630.00 | 0.784 | 1.050 | yes | 1 | {OFFLOAD_LINE.format(cap=7.25)} |  |") in page
     assert (f"| unet3d, 2 | fp32/benchmark-off | any | 600.00 | 9.25 | 4.5 | 1890.00 | 0.486 | 3.150 | "
@@ -492,9 +494,8 @@ def test_offload_is_minmems_and_warms_up_past_the_recording_steps(gpu, tmp_path,
 
 def test_the_offload_warmup_covers_mucudnn_torchs_recording_steps():
     pytest.importorskip("torch")
-    import inspect
     from mucudnn.torch.runtime import OffloadSession
-    recorded = inspect.signature(OffloadSession).parameters["record_steps"].default
+    recorded = OffloadSession(budget=1)._recordings_left   # a session's by default
     assert pressure.OFFLOAD_RECORD_STEPS == recorded
     # and the trial of up to TRIAL_PLANS plans (mucudnn.torch.planner.trial_plans), each
     # TRIAL_STEPS

@@ -1038,6 +1038,17 @@ def test_two_steps_record_and_the_second_is_profiled():
     assert len(session.profile.groups) >= 4
 
 
+def test_a_session_records_planner_record_steps_by_default(monkeypatch):
+    # the default is read when a session is made (conftest.py sets two for the other tests)
+    monkeypatch.setattr(planner, "RECORD_STEPS", 3)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 4)
+    session = OffloadSession(budget=GiB, link=SlowHostLink(), min_bytes=0)
+    train(model, data[:3], session)
+    assert session.plan is None and session.profile is None
+    train(model, data[3:], session)
+    assert session.plan is not None
+
+
 def test_a_failed_step_s_reference_cycles_are_collected_before_the_next_step():
     # an error's frames in a reference cycle hold a tensor until the collector runs, which may be
     # after the next step needed that memory
@@ -2140,6 +2151,47 @@ def test_a_plan_with_no_other_to_try_is_watched_for_flushes_alone(monkeypatch, f
     assert session.target == first - 3 * int(0.05 * session.budget)
     assert lowered[0].startswith("the offload plan ran 10.0 ms a step (2 flushes after backward "
                                  "point 2); it flushed")
+
+
+@pytest.mark.parametrize("flushing_steps", [2, 1])
+def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeypatch,
+                                                                        flushing_steps):
+    # calm in its trial (a trial of one), the plan as made flushes the caching allocator's cache
+    # in the steps after it, from the second on: after WATCH_FLUSHING such steps of its last
+    # WATCH_STEPS, the plan for half the headroom less is made and tried, and (calm) stays; a
+    # plan that flushed in fewer steps stays
+    assert planner.WATCH_FLUSHING == 2
+    trial = planner.TRIAL_STEPS
+    first_watched = 2 + trial            # the steps before: recording, the trial
+    model, data = small_cnn(torch.float64), batches(torch.float64, first_watched + 4 + trial + 1)
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+
+    class LateFlushing(RecordingLink):
+        count = 0
+
+        def flushes(self):   # read once at each watched step's end (steps: those ended)
+            session = self.session
+            step = session.steps - 1
+            if (session._lowered_target is None and session._trial is None
+                    and first_watched < step <= first_watched + flushing_steps
+                    and step != getattr(self, "last", None)):
+                self.last, self.count = step, self.count + 1
+            return self.count
+    link, said = LateFlushing(), []
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.5)
+    first = session.target
+    train(model, data, session)
+    lowered = [line for line in said if line.startswith("the offload plan flushed")]
+    if flushing_steps < planner.WATCH_FLUSHING:
+        assert not lowered and session.target == first and session.replans_used == 0
+        return
+    assert lowered == [f"the offload plan flushed the caching allocator's cache in 2 of its last "
+                       f"3 steps, so planning for {session.target / 2**30:.2f} GiB"]
+    assert session.target == first - int(0.05 * session.budget) and session.replans_used == 1
+    assert said[-1].startswith("offload plan for") and "(planned for" in said[-1]
+    assert session._trial is None and session.plan.target == session.target
 
 
 @pytest.mark.parametrize("flush_after", [-1, 0, 3, None])
