@@ -271,8 +271,10 @@ def brief(outcome: dict) -> dict:
     keep = ("status", "step_ms", "peak_bytes", "peak_reserved_bytes", "wall_s", "error", "oom_at",
             "reused_from", "returncode", "offload_lines", "limit_ms", "offload_profile",
             "alloc_retries", "alloc_retries_per_step", "device_frees_per_step", "step_ms_all",
+            "device_allocs_per_step",
             "warmup_ms_all", "host_ms_all", "tuned_kernels", "segments", "offload_log",
-            "forward_host_ms_all", "forward_ms_all", "memory_trace", "host_profile", "profile")
+            "forward_host_ms_all", "forward_ms_all", "host_cpu_ms_all", "gc_ms_all",
+            "memory_trace", "host_profile", "profile")
     kept = {k: outcome[k] for k in keep if k in outcome}
     if outcome.get("stderr_tail") and outcome.get("status") != "ok":  # why it failed
         kept["stderr_tail"] = outcome["stderr_tail"][-600:]

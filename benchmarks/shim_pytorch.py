@@ -34,6 +34,7 @@ alpha/beta, order of pieces) is wrong: this check fails only on a real bug.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -145,10 +146,20 @@ def _worker_steps(args, torch, where: dict) -> dict:
     # waiting for the stream), with or without a retry
     # forward_*: the timed steps' forward alone, on the host and on the device: a forward whose
     # host time reaches its device time keeps the device waiting for the host
+    # host_cpu: the main thread's CPU time while it queued each step (less than its host time
+    # where it waited, on the device or a lock); gc: the collector's time in each step
     times, warm_times, host_times, retries_per_step, frees_per_step = [], [], [], [], []
-    forward_host, forward_device = [], []
+    forward_host, forward_device, host_cpu, gc_times, allocs_per_step = [], [], [], [], []
     seen = allocator_counters(torch)
     timing: list = []
+    collecting = [0.0, 0.0]   # the running collection's start, the step's total (s)
+
+    def collector(phase, info):
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        else:
+            collecting[1] += time.perf_counter() - collecting[0]
+    gc.callbacks.append(collector)
     for i in range(args.warmup + args.steps):
         where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
                           else f"timed step {i + 1 - args.warmup}")
@@ -156,10 +167,14 @@ def _worker_steps(args, torch, where: dict) -> dict:
         queued = time.perf_counter()
         timing[:] = [queued] if i >= args.warmup else []
         forward_marks.clear()
+        collecting[1] = 0.0
+        cpu = time.thread_time()
         start.record()
         loss = step()
         end.record()
         host_times.append((time.perf_counter() - queued) * 1e3)
+        host_cpu.append((time.thread_time() - cpu) * 1e3)
+        gc_times.append(collecting[1] * 1e3)
         end.synchronize()
         (times if i >= args.warmup else warm_times).append(start.elapsed_time(end))
         if forward_marks:
@@ -168,16 +183,19 @@ def _worker_steps(args, torch, where: dict) -> dict:
         counters = allocator_counters(torch)
         retries_per_step.append(counters["num_alloc_retries"] - seen["num_alloc_retries"])
         frees_per_step.append(counters["num_device_free"] - seen["num_device_free"])
+        allocs_per_step.append(counters["num_device_alloc"] - seen["num_device_alloc"])
         seen = counters
+    gc.callbacks.remove(collector)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer PyTorch only
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "warmup_ms_all": warm_times, "host_ms_all": host_times,
               "forward_host_ms_all": forward_host, "forward_ms_all": forward_device,
+              "host_cpu_ms_all": host_cpu, "gc_ms_all": gc_times,
               "peak_bytes": torch.cuda.max_memory_allocated(),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "loss": loss.item(),
               "alloc_retries": sum(retries_per_step[args.warmup:]),
               "alloc_retries_per_step": retries_per_step,
-              "device_frees_per_step": frees_per_step,
+              "device_frees_per_step": frees_per_step, "device_allocs_per_step": allocs_per_step,
               "memory_fraction": fraction(0) if fraction else None,
               "device": torch.cuda.get_device_name(0), "batch": args.batch,
               "segments": segment_summary(torch.cuda.memory_snapshot())}
