@@ -35,7 +35,9 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import gc
 import time
 import weakref
@@ -501,6 +503,7 @@ class _Call:
     allocated_before: int = 0
     rise: int = 0
     output_shape: tuple = ()  # its output's shape (a transposed convolution replays to it)
+    index: int = -1           # its place in its step's calls
 
     def run(self, values: list[torch.Tensor]) -> torch.Tensor:
         """Its forward again on ``values`` (one per read), without side effects (:func:`replay`),
@@ -664,6 +667,20 @@ class _OpRecorder(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _past_the_op_recorder(hook):
+    """A session's forward hook (a module's, the pack hook) run with torch function handling
+    off while the session's :class:`_OpRecorder` is entered: its own reads of tensors (shapes,
+    strides, storages) and copies are none of the recorder's, and each would be a Python call
+    through it (about 680 of the 800 a forward of the 3-D U-Net's stages made; session 23)."""
+    @functools.wraps(hook)
+    def run(session, *args):
+        if session._ops is None:
+            return hook(session, *args)
+        with torch._C.DisableTorchFunction():
+            return hook(session, *args)
+    return run
+
+
 class _Packed:
     """What autograd holds for one pack of a group: its lifetime is the saved tensor's."""
 
@@ -688,6 +705,9 @@ class _Step:
     by_view: dict = field(default_factory=dict)
     unpacks: int = 0
     calls: list = field(default_factory=list)
+    #: id of a call's output's weak reference (CPython's one per live tensor without a callback)
+    #: -> the indices in ``calls`` of the calls that returned it, ascending
+    outputs: dict = field(default_factory=dict)
     marks: list = field(default_factory=list)  # (kind, index, mark, allocated, peak before)
     profiling: bool = False
     ooms: int | None = None                          # the link's ``ooms()`` at its first pack
@@ -944,6 +964,7 @@ class OffloadSession:
     def _read(self, tensor: torch.Tensor) -> _Read:
         return _Read(weakref.ref(tensor), tensor._version)
 
+    @_past_the_op_recorder
     def _before_module(self, module, args):
         if not self._records(module):
             return
@@ -973,6 +994,7 @@ class OffloadSession:
                 call.allocated_before = link.allocated()
                 self._measuring = (call, link)
             call.start = self._any_link().mark()   # after the measure's own host work
+        call.index = len(self._step.calls)
         self._step.calls.append(call)
 
     def _peak(self, link: CopyLink) -> int:
@@ -1000,6 +1022,7 @@ class OffloadSession:
         return type(module) in CHEAP or (self.recompute_convolutions
                                          and type(module) in CONVOLUTIONS)
 
+    @_past_the_op_recorder
     def _after_module(self, module, args, output):
         if not self._records(module):
             return
@@ -1014,6 +1037,7 @@ class OffloadSession:
         call.done = True
         if isinstance(output, torch.Tensor):
             call.output = weakref.ref(output)
+            self._step.outputs.setdefault(id(call.output), []).append(call.index)
             call.output_version = output._version
             call.output_bytes = output.numel() * output.element_size()
             call.output_shape = tuple(output.shape)
@@ -1076,13 +1100,34 @@ class OffloadSession:
             self._returned(call, output)
         return output
 
+    def _producer(self, step: _Step, tensor: torch.Tensor) -> str:
+        """The name of what made ``tensor`` as it is saved: an in-place module running now on
+        it (ReLU(inplace=True) saves its output), else the last call that returned it, else
+        "op"."""
+        _, running = self._running_module(step)
+        if running is not None and running.in_place and running.reads \
+                and running.reads[0].ref() is tensor:
+            return running.name
+        made_by = self._made_by(step, tensor, len(step.calls))
+        return step.calls[made_by].name if made_by is not None else "op"
+
+    def _may_recompute(self, step: _Step, gid: int) -> bool:
+        """Whether group ``gid`` of ``step`` needs a recipe: in a recording step (the profile's),
+        or where its step's plan or ``force`` recomputes it. Finding one is most of what a
+        kept group costs the host in the forward."""
+        if not self.recompute:
+            return False
+        if step.profiling or self.modes is None:
+            return self.force in (None, RECOMPUTE)
+        return gid < len(self.modes) and self.modes[gid] == RECOMPUTE
+
     def _late_recipe(self, output: torch.Tensor) -> None:
         """A module that saves its own output (ReLU) packs it before its forward hook names the
         output: its recipe is found here, and a group meant to be recomputed, kept until now
         (nothing unpacks during the forward), drops its tensor."""
         step = self._step
         group = self._find(step, output)
-        if group is None or group.recipe is not None:
+        if group is None or group.recipe is not None or not self._may_recompute(step, group.gid):
             return
         recipe = self._recipe(output, step)
         if recipe is None:
@@ -1159,6 +1204,15 @@ class OffloadSession:
         return read if _same_elements(read.ref(), tensor) else None
 
     @staticmethod
+    def _made_by(step: _Step, made, before: int) -> int | None:
+        """The index of the last call before ``calls[before]`` that returned ``made``: a tensor,
+        or the weak reference of a freed one (None: no such call)."""
+        ref = made if isinstance(made, weakref.ref) else weakref.ref(made)
+        indices = step.outputs.get(id(ref), ())
+        at = bisect.bisect_left(indices, before)
+        return indices[at - 1] if at else None
+
+    @staticmethod
     def _view_source(step: _Step, read: _Read) -> _ViewOf | None:
         """The :class:`_ViewOf` slot that reads ``read``'s tensor from a group saved as a view of
         it (:meth:`_alias`), where that group is live and at the read's version, else None."""
@@ -1201,9 +1255,7 @@ class OffloadSession:
         # version read (an op or module that changed it since, recorded or not, made another
         # value). A freed tensor is that call's output by its weak reference (one per object:
         # an instance norm saves a reshaped view of its input, whose own object is gone).
-        index = next((i for i in range(before - 1, -1, -1) if calls[i].output is not None and (
-            calls[i].output() is tensor if tensor is not None else calls[i].output is read.ref)),
-            None)
+        index = self._made_by(step, tensor if tensor is not None else read.ref, before)
         if index is None:
             return None
         call = calls[index]
@@ -1240,6 +1292,7 @@ class OffloadSession:
             return group
         return None
 
+    @_past_the_op_recorder
     def _pack(self, tensor: torch.Tensor):
         group = self._group_for(tensor)
         return tensor if group is None else _Packed(group)
@@ -1267,10 +1320,8 @@ class OffloadSession:
         self._let_go_due(step, gid)
         if step.ooms is None:
             step.ooms = link.ooms()
-        recipe = self._recipe(tensor, step) if self.recompute else None
-        producer = recipe.calls[-1].name if recipe else next(
-            (c.name for c in reversed(step.calls) if c.output is not None and c.output() is tensor),
-            "op")
+        recipe = self._recipe(tensor, step) if self._may_recompute(step, gid) else None
+        producer = recipe.calls[-1].name if recipe else self._producer(step, tensor)
         group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
                        weakref.ref(tensor), tensor._version, producer, dense(tensor),
                        recipe=recipe)

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 import weakref
@@ -2386,3 +2387,27 @@ def test_a_probe_of_the_link_between_recording_steps_is_in_no_baseline():
     assert link.probes == 1
     profile = session.profile
     assert max(profile.baseline_forward + profile.baseline_backward) < GiB // 2
+
+
+def test_the_sessions_own_hooks_go_past_its_op_recorder(monkeypatch):
+    # while the op recorder (a torch function mode) is entered, every torch function called in
+    # the forward is a Python call through it: the session's own hooks' reads of tensors are not
+    # (the model's ops still are, and a cat is still recorded)
+    from mucudnn.torch import runtime
+    callers = []
+    passed = runtime._OpRecorder.__torch_function__
+    torch_files = os.path.dirname(torch.__file__) + os.sep
+
+    def counting(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)   # the first caller outside torch
+        while frame is not None and frame.f_code.co_filename.startswith(torch_files):
+            frame = frame.f_back
+        callers.append(frame.f_code.co_filename if frame is not None else "")
+        return passed(self, func, types, args, kwargs)
+    monkeypatch.setattr(runtime._OpRecorder, "__torch_function__", counting)
+    dtype = torch.float64
+    model, data = TinyUNet(dtype, seed=0), volumes(dtype, 2)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    train(model, data, session)
+    assert callers and not [c for c in callers if c.endswith("mucudnn/torch/runtime.py")]
+    assert joined(session._step.groups)   # the cat was recorded, and rebuilds its group
