@@ -78,10 +78,12 @@ COPY_EXPOSURE = 0.6
 #: steps an ``OffloadSession`` records before it plans; the profile takes each time as the
 #: least of them (:func:`least_times`). The first pins the host pool (seconds of waiting), so the
 #: others are its samples: a recording whose host fell behind stretches its times (an event
-#: pair times the device's wait for the host too). On the 3-D U-Net (N = 2) one run of two
-#: with two recording steps recorded a 37.8 ms forward, the other 28.1 (27.4 on the device in
-#: planned steps), and their plans recomputed 18 and 9 groups (session 23)
-RECORD_STEPS = 4
+#: pair times the device's wait for the host too; the 3-D U-Net's forward was once recorded at
+#: 37.8 ms against 27.4 on the device). Four were tried (session 23): r3d_18 (N = 32) under
+#: 4.5 GiB then made a first plan that flushed the caching allocator's cache, and the plan for
+#: less that replaced it ran 97.9 ms a step, 1.215x PyTorch's, where with two it ran 86.7-87.0
+#: without a flush in every run of sessions 21-22
+RECORD_STEPS = 2
 #: planned steps each plan runs where the session tries more than one (:func:`trial_plans`):
 #: the first settles the caching allocator, the others are timed
 TRIAL_STEPS = 3
