@@ -79,10 +79,13 @@ COPY_EXPOSURE = 0.6
 #: least of them (:func:`least_times`). The first pins the host pool (seconds of waiting), so the
 #: others are its samples: a recording whose host fell behind stretches its times (an event
 #: pair times the device's wait for the host too; the 3-D U-Net's forward was once recorded at
-#: 37.8 ms against 27.4 on the device). Four were tried (session 23): r3d_18 (N = 32) under
-#: 4.5 GiB then made a first plan that flushed the caching allocator's cache, and the plan for
-#: less that replaced it ran 97.9 ms a step, 1.215x PyTorch's, where with two it ran 86.7-87.0
-#: without a flush in every run of sessions 21-22
+#: 37.8 ms against 27.4 on the device, and its plan recomputed 18 groups where another run's
+#: recomputed 9). Four were tried (session 23): the U-Net's plans were then the same in four
+#: runs of four, but r3d_18's (N = 32) first plan under 4.5 GiB flushed the caching allocator's
+#: cache in its trial, and the plan for less that replaced it ran 97.9 ms a step, 1.215x
+#: PyTorch's. Replayed off the GPU, that first plan is the one made from two recordings, which
+#: ran 86.7-87.0 ms without a flush in every run of sessions 21-22: the flush came with the
+#: allocator's history, not with the profile, by a cause not yet measured; two stay until it is
 RECORD_STEPS = 2
 #: planned steps each plan runs where the session tries more than one (:func:`trial_plans`):
 #: the first settles the caching allocator, the others are timed
