@@ -1187,8 +1187,9 @@ def parser() -> argparse.ArgumentParser:
                          "more for a lower target where each flushed the allocator's cache)")
     ap.add_argument("--offload-profile-steps", type=int, default=0, metavar="STEPS",
                     help="minmem --offload: after a probe's timed steps, that many more under "
-                         "torch.profiler (where the GPU waited, the host's CUDA calls: the "
-                         "probe's 'profile')")
+                         "cProfile (the host's Python: 'host_profile') and that many under "
+                         "torch.profiler (where the GPU waited and what the host ran then, the "
+                         "host's CUDA calls and where it synchronized: 'profile')")
     ap.add_argument("--offload-low-fraction", type=float, default=0.25,
                     help="minmem --offload: its lower bracket, this times the smaller minimum")
     ap.add_argument("--fast-low-fraction", type=float, default=0.5,

@@ -1036,7 +1036,8 @@ def add_worker_arguments(w: argparse.ArgumentParser) -> argparse.ArgumentParser:
     w.add_argument("--memory-cap-gib", type=float, default=0.0,
                    help="torch.cuda.set_per_process_memory_fraction to this many GiB (0: none)")
     w.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="after timing, profile this many steps (GPU busy and idle time)")
+                   help="after timing, profile this many steps on the host (cProfile) and "
+                        "this many under torch.profiler (GPU busy and idle time, host waits)")
     w.add_argument("--memory-trace", action="store_true",
                    help="after timing, one step under the allocator's history: what it held "
                         "at its most mapped (allocated, freed but not reusable, cached)")
