@@ -1696,7 +1696,8 @@ class OffloadSession:
                 self._make_plan()
         elif self._trial is not None and not finished.profiling:
             self._advance_trial(link, finished.unpacks)
-        elif not finished.profiling and self.plan is not None and self.trials:
+        elif not finished.profiling and self.plan is not None and self.trials \
+                and not self.fell_back:
             self._watch_flushes()
         # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines
         # count no group before its first unpack); so does a fall-back

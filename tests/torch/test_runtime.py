@@ -967,6 +967,40 @@ def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(faili
         assert written["fell_back"] and written["modes"] == session.modes != list(session.plan.modes)
 
 
+def test_after_the_fall_back_flushes_bring_no_plan_back(monkeypatch):
+    # every planned step runs out of memory: two replans, then the fall-back (everything
+    # offloaded); the caching allocator then flushes in every step, and the watch of a plan kept
+    # after its trial does not make a plan for less in place of the fall-back
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    model, data = small_cnn(torch.float32), batches(torch.float32, 5 + 2 * planner.WATCH_STEPS)
+    said, steps = [], []
+
+    class Flushing(MeteredLink):
+        count = 0
+
+        def flushes(self):
+            self.count += session.fell_back
+            return self.count
+    link = Flushing()
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            def out_of_memory():
+                if len(steps) >= 2 and not session.fell_back:     # planned steps
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+            return Spike.apply(x, out_of_memory)
+
+    session = OffloadSession(budget=saved_bytes(model, data) * 2, link=link, min_bytes=0,
+                             headroom=0.1, say=said.append, replans=2, record_steps=1)
+    failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                                      lambda: steps.append(None))
+    assert failures == 3 and session.fell_back
+    assert not [line for line in said if line.startswith("the offload plan flushed")]
+    assert [g.mode for g in session._step.groups] == \
+        [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
+
+
 def test_what_the_recorded_step_leaves_behind_is_in_every_baseline():
     # the optimizer's state, made by the first step, is on the device in every later step
     model, data = small_cnn(torch.float32), batches(torch.float32, 3)
