@@ -1037,7 +1037,9 @@ class OffloadSession:
         call.done = True
         if isinstance(output, torch.Tensor):
             call.output = weakref.ref(output)
-            self._step.outputs.setdefault(id(call.output), []).append(call.index)
+            # ascending, though calls may return out of order (a leaf module running one it
+            # does not register returns after it)
+            bisect.insort(self._step.outputs.setdefault(id(call.output), []), call.index)
             call.output_version = output._version
             call.output_bytes = output.numel() * output.element_size()
             call.output_shape = tuple(output.shape)
@@ -1738,6 +1740,7 @@ class OffloadSession:
             return False
         self._lowered_target, self.plan, self.modes = target, plan, list(plan.modes)
         self.kept_after_trial = None
+        self._watch_from_now()   # not the flush of the step that failed (a retry before it)
         self._schedule = self._prefetch_schedule(self.modes)
         self.write_profile()
         self.say(f"a step under the offload plan for {self.budget / 2**30:.2f} GiB ran out of "
@@ -1765,8 +1768,7 @@ class OffloadSession:
             self.write_profile()
             return
         self.modes = list(self.plan.modes)
-        self._flushing.clear()
-        self._flush_counts = {link: link.flushes() for link in self._links_in_use()}
+        self._watch_from_now()
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB"
                  + (f" (planned for {target / 2**30:.2f} GiB)"
                     if self._lowered_target is not None else "")
@@ -1815,8 +1817,7 @@ class OffloadSession:
         times = [trial.step_ms(index) for index in range(ran)]
         best = trial.kept(times)
         self._trial = None
-        self._flushing.clear()
-        self._flush_counts = dict(trial.seen)   # the watch of the plan kept starts here
+        self._watch_from_now()   # the plan kept, or made for less below
         timed = ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{trial.flush_note(index)}"
                           for index, ms in enumerate(times))
         alone = len(trial.plans) == 1
@@ -1836,6 +1837,12 @@ class OffloadSession:
         self.modes = list(self.plan.modes)
         self.write_profile()
         self.say(f"{why}: {timed}; keeping the plan {trial.labels[best]}")
+
+    def _watch_from_now(self) -> None:
+        """The watch (:meth:`_watch_flushes`) of the plan that comes into force: no step of it
+        yet, and flushes counted from here."""
+        self._flushing.clear()
+        self._flush_counts = {link: link.flushes() for link in self._links_in_use()}
 
     def _watch_flushes(self) -> None:
         """A planned step of the plan in force ended after its trial: once
@@ -1859,11 +1866,13 @@ class OffloadSession:
         self._make_plan(lower)
 
     def _plan_below_flushes(self) -> planner.OffloadPlan | None:
-        """After a trial whose every plan flushed the caching allocator's cache (fragmentation
-        the model does not see needs more room than its headroom): the plan for a target half
+        """After a trial whose every plan flushed the caching allocator's cache, or a plan kept
+        after its trial that flushes (:meth:`_watch_flushes`; fragmentation the model does not
+        see needs more room than its headroom): the plan for a target half
         the headroom lower (at most ``replans`` such lowerings, apart from the replans after
         running out of memory; None, the target unchanged, where none is left or no plan meets
-        that target). A flush costs a step more than the room does: on the 3-D U-Net under
+        that target; after such a target, none is tried again: a lower one has no plan either).
+        A flush costs a step more than the room does: on the 3-D U-Net under
         7.0 GiB every plan for 6.3 GiB flushed (1-4 times in its two timed steps; 112.8-135.2
         ms a step), and the plan for 5.95 GiB then ran 108.6-112.9 ms without one in one run
         of two (session 22)."""
@@ -1873,6 +1882,8 @@ class OffloadSession:
         try:
             plan = self._plan_for(target)
         except MucudnnError:
+            # no plan meets it, nor any lower one (or CBC failed): not solved again
+            self.lowerings_left = 0
             return None
         self.lowerings_left -= 1
         self.replans_used += 1

@@ -2445,3 +2445,107 @@ def test_the_sessions_own_hooks_go_past_its_op_recorder(monkeypatch):
     train(model, data, session)
     assert callers and not [c for c in callers if c.endswith("mucudnn/torch/runtime.py")]
     assert joined(session._step.groups)   # the cat was recorded, and rebuilds its group
+
+
+def test_a_replan_after_running_out_of_memory_is_not_blamed_for_the_old_plans_flushes(
+        monkeypatch):
+    # the plan kept after its trial (of one) flushes in one watched step (4); step 5 runs out of
+    # memory (the caching allocator flushes before it refuses: num_alloc_retries grows), and the
+    # plan is made again for less. That new plan never flushes: neither the failed step's flush
+    # nor the old plan's step 4 counts in its watch
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 9)
+    said, steps = [], []
+
+    class Flushing(MeteredLink):
+        count = 0
+
+        def flushes(self):
+            return self.count
+    link = Flushing()
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            step = len(steps) - 1
+            if step == 4:
+                link.count += 1                      # the old plan flushes once
+            if step == 5:
+                link.count += 1                      # the allocator's retry before the refusal
+                link.oom()
+                raise torch.OutOfMemoryError("out of memory (test)")
+            return x
+
+    session = OffloadSession(budget=saved_bytes(model, data) * 2, link=link, min_bytes=0,
+                             headroom=0.1, say=said.append, replans=2, record_steps=1)
+    failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                                      lambda: steps.append(None))
+    assert failures == 1
+    assert any("ran out of device memory" in line and "planning for" in line for line in said)
+    assert not [line for line in said if line.startswith("the offload plan flushed")]
+
+
+def test_an_infeasible_lower_target_is_not_solved_again_at_every_watch(monkeypatch):
+    # the plan kept after its trial flushes in every step; the plan for less is infeasible:
+    # it is solved once (a whole plan_with_prefetch ladder, up to plan_time_limit_s a rung),
+    # not again at every WATCH_FLUSHING flushing steps
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2 + planner.TRIAL_STEPS + 12)
+    said, solves = [], []
+
+    class Flushing(RecordingLink):
+        count = 0
+
+        def flushes(self):
+            session = self.session
+            if session.plan is not None and session._trial is None \
+                    and session._step.unpacks == 0:
+                self.count += 1
+            return self.count
+    link = Flushing()
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.5)
+    real = session._plan_for
+    first = session.target
+
+    def plan_for(target):
+        if target < first:
+            solves.append(target)
+            raise InfeasibleError("no plan (test)")
+        return real(target)
+    session._plan_for = plan_for
+    train(model, data, session)
+    assert len(solves) == 1 and session.lowerings_left == 0
+
+
+class UnregisteredPool(nn.Module):
+    """A leaf module (no children) that runs a module it does not register: its call starts
+    before the pool's and returns after it, with the pool's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.__dict__["pool"] = nn.AvgPool2d(2)   # not a child
+
+    def forward(self, x):
+        return self.pool(x)
+
+
+def test_the_last_call_that_returned_a_tensor_is_found_where_calls_nest():
+    # calls: conv (0), UnregisteredPool (1), AvgPool2d (2); AvgPool2d returns first, the
+    # leaf then returns the same tensor: the last call before the pack that returned it is
+    # AvgPool2d (recomputable, from the conv's output, saved), not the leaf (not recomputable)
+    dtype = torch.float64
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), UnregisteredPool(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 10)).to(dtype)
+    data = batches(dtype, 2)
+    expected = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0,
+                             recompute_convolutions=False)
+    assert_bitwise(expected, train(model, data, session))
+    pooled = next(g for g in session._step.groups if g.nbytes == 4 * 8 * 8 * 8 * 8 and g.gid > 0)
+    assert pooled.recipe is not None and pooled.mode == RECOMPUTE
+    assert [c.name for c in pooled.recipe.calls] == ["AvgPool2d"]
