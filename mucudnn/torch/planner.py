@@ -87,6 +87,10 @@ COPY_EXPOSURE = 0.6
 #: ran 86.7-87.0 ms without a flush in every run of sessions 21-22: the flush came with the
 #: allocator's history, not with the profile, by a cause not yet measured; two stay until it is
 RECORD_STEPS = 2
+#: the least headroom (share of the budget) a session plans with where no plan meets its own
+#: (``OffloadSession._plan_with_less_headroom``, halving it): VGG-16 (N = 256) at 12 GiB has no
+#: plan within 10.8 GiB and, replayed off the GPU, one within 11.4 (session 23)
+LEAST_HEADROOM = 0.025
 #: planned steps each plan runs where the session tries more than one (:func:`trial_plans`):
 #: the first settles the caching allocator, the others are timed
 TRIAL_STEPS = 3

@@ -1719,7 +1719,8 @@ class OffloadSession:
     @property
     def target(self) -> int | None:
         """What plans are made for: ``budget * (1 - headroom)``, lower after a planned step that
-        ran out of memory."""
+        ran out of memory or a plan that flushed, higher where no plan met it
+        (:meth:`_plan_with_less_headroom`)."""
         if self._lowered_target is not None:
             return self._lowered_target
         return (planner.planning_target(self.budget, self.headroom) if self.budget is not None
@@ -1760,13 +1761,19 @@ class OffloadSession:
         try:
             self.plan = plan or self._plan_for(target)
         except MucudnnError as exc:   # infeasible, or CBC failed
-            if self.strict:
-                raise
-            # an unmodified script: go on as the recorded step ran (everything offloaded)
-            self.say(f"{exc}; offloading every saved tensor")
-            self.modes = offload_everything(self.profile.groups)
-            self.write_profile()
-            return
+            self.plan = self._plan_with_less_headroom()
+            if self.plan is None:
+                if self.strict:
+                    raise
+                # an unmodified script: go on as the recorded step ran (everything offloaded)
+                self.say(f"{exc}; offloading every saved tensor")
+                self.modes = offload_everything(self.profile.groups)
+                self.write_profile()
+                return
+            target = self.target
+            self.say(f"no offload plan for {self.budget / 2**30:.2f} GiB less its headroom "
+                     f"({self.headroom:.0%}); planning for {target / 2**30:.2f} GiB, "
+                     f"{1 - target / self.budget:.1%} less")
         self.modes = list(self.plan.modes)
         self._watch_from_now()
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB"
@@ -1864,6 +1871,26 @@ class OffloadSession:
         self.say(f"the offload plan flushed the caching allocator's cache in {flushed} of its "
                  f"last {steps} steps, so planning for {self.target / 2**30:.2f} GiB")
         self._make_plan(lower)
+
+    def _plan_with_less_headroom(self) -> planner.OffloadPlan | None:
+        """Where no plan meets the target the headroom leaves: the plan for the budget less
+        half the headroom, else a quarter, ..., down to :data:`planner.LEAST_HEADROOM` (the
+        target then that one; None where none meets even that, or the target is not the
+        headroom's). The headroom is a guess at the caching allocator's fragmentation; near the
+        step's least peak the flushes and the replans after running out of memory measure it."""
+        if self.budget is None or self._lowered_target is not None:
+            return None
+        share = self.headroom / 2
+        while share >= planner.LEAST_HEADROOM:
+            target = planner.planning_target(self.budget, share)
+            try:
+                plan = self._plan_for(target)
+            except MucudnnError:
+                share /= 2
+                continue
+            self._lowered_target = target
+            return plan
+        return None
 
     def _plan_below_flushes(self) -> planner.OffloadPlan | None:
         """After a trial whose every plan flushed the caching allocator's cache, or a plan kept

@@ -2549,3 +2549,37 @@ def test_the_last_call_that_returned_a_tensor_is_found_where_calls_nest():
     pooled = next(g for g in session._step.groups if g.nbytes == 4 * 8 * 8 * 8 * 8 and g.gid > 0)
     assert pooled.recipe is not None and pooled.mode == RECOMPUTE
     assert [c.name for c in pooled.recipe.calls] == ["AvgPool2d"]
+
+
+@pytest.mark.parametrize("feasible_headroom", [0.05, 0.025, 0.0])
+def test_where_no_plan_meets_the_headroom_a_session_plans_with_less(monkeypatch,
+                                                                   feasible_headroom):
+    # plans meet only targets of at least the budget less feasible_headroom: the session's 10 %
+    # leaves none, so it plans with half of it, then a quarter, down to planner.LEAST_HEADROOM;
+    # below that, the budget is too small as before (the error of the target the headroom left)
+    model, data = small_cnn(torch.float64), batches(torch.float64, 3)
+    said, solved = [], []
+    session = OffloadSession(budget=4 * GiB, link=RecordingLink(), min_bytes=0, headroom=0.1,
+                             say=said.append, trials=False)
+    real = session._plan_for
+
+    def plan_for(target):
+        solved.append(target)
+        if target < planner.planning_target(session.budget, feasible_headroom):
+            raise InfeasibleError(f"no plan within {target} (test)")
+        return real(target)
+    monkeypatch.setattr(session, "_plan_for", plan_for)
+    least_headroom = max(feasible_headroom, planner.LEAST_HEADROOM)
+    if feasible_headroom < planner.LEAST_HEADROOM:
+        with pytest.raises(InfeasibleError) as raised:
+            train(model, data, session)
+        assert str(raised.value) == f"no plan within {solved[0]} (test)"
+        assert solved == [planner.planning_target(4 * GiB, h) for h in (0.1, 0.05, 0.025)]
+        return
+    train(model, data, session)
+    target = planner.planning_target(4 * GiB, least_headroom)
+    assert session.target == target and session.plan.target == target
+    assert solved[-1] == target and len(solved) == {0.05: 2, 0.025: 3}[feasible_headroom]
+    assert said[0] == (f"no offload plan for 4.00 GiB less its headroom (10%); planning for "
+                       f"{target / 2**30:.2f} GiB, {least_headroom:.1%} less")
+    assert said[1].startswith(f"offload plan for 4.00 GiB (planned for {target / 2**30:.2f} GiB)")
