@@ -281,8 +281,9 @@ class CudaLink(CopyLink):
         self._held: dict[int, tuple] = {}   # id(transfer) -> it, its tensor, the compute stream
 
     def _new_host(self, tensor):
+        # on the host whatever the default device (a script's torch.set_default_device("cuda"))
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
-                                   pin_memory=True)
+                                   device="cpu", pin_memory=True)
 
     def _copy_inline(self, destination, source) -> Transfer:
         """``source`` into ``destination`` on the compute stream, after what the copy stream

@@ -2583,3 +2583,17 @@ def test_where_no_plan_meets_the_headroom_a_session_plans_with_less(monkeypatch,
     assert said[0] == (f"no offload plan for 4.00 GiB less its headroom (10%); planning for "
                        f"{target / 2**30:.2f} GiB, {least_headroom:.1%} less")
     assert said[1].startswith(f"offload plan for 4.00 GiB (planned for {target / 2**30:.2f} GiB)")
+
+
+def test_a_pinned_host_buffer_is_on_the_host_whatever_the_default_device(monkeypatch):
+    # a script may set another default device (torch.set_default_device("cuda")): the link's
+    # pinned buffers still go to the host (pinning needs CUDA, so the factory is only watched)
+    from mucudnn.torch.runtime import CudaLink
+    made = []
+
+    def empty_strided(*args, **kwargs):
+        made.append(kwargs)
+        return torch.empty(0)
+    monkeypatch.setattr(torch, "empty_strided", empty_strided)
+    CudaLink._new_host(None, torch.ones(2, 3).t())
+    assert made == [{"dtype": torch.float32, "device": "cpu", "pin_memory": True}]
