@@ -269,6 +269,21 @@ def planning_target(budget: int, headroom: float) -> int:
     return int(budget * (1 - headroom))
 
 
+def smaller_headrooms(budget: int, headroom: float,
+                      least_peak: int | None = None) -> list[tuple[float, int]]:
+    """(headroom, target) to plan for where no plan meets :func:`planning_target` at
+    ``headroom``: half of it, a quarter, ... down to :data:`LEAST_HEADROOM`, leaving out the
+    targets below ``least_peak`` (the least peak any plan reaches, where known: no plan meets
+    them), for the runtime and an off-GPU replay alike."""
+    ladder, share = [], headroom / 2
+    while share >= LEAST_HEADROOM:
+        target = planning_target(budget, share)
+        if least_peak is None or target >= least_peak:
+            ladder.append((share, target))
+        share /= 2
+    return ladder
+
+
 def profile_from_dict(fields: Mapping) -> StepProfile:
     """The :class:`StepProfile` whose ``dataclasses.asdict`` is ``fields`` (what
     ``OffloadSession(profile_to=...)`` and benchmarks/offload.py's rows keep): the planner replayed
@@ -646,7 +661,7 @@ def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
 
 
 def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
-                       time_limit_s: float | None = 60) -> OffloadPlan:
+                       time_limit_s: float | None = 60, explain: bool = True) -> OffloadPlan:
     """:func:`plan_offload` with the earliest prefetches that fit: at ``lookahead`` timed by
     :data:`PREFETCH_MARGIN`, then by half of it, then untimed at ``lookahead`` and each smaller
     distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
@@ -654,7 +669,8 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     backward ops may not have room for. Distance 0's :class:`InfeasibleError` (the least peak of
     all) when none fits; only that one solves for the least peak (a second program per rung,
     which with chains can take its whole time limit). A rung where CBC found no plan within its
-    time limit (:class:`SolverError`) also goes on to the next: near the least peak, prefetching
+    time limit (:class:`SolverError`) also goes on to the next (``explain`` False: the last
+    says only that none fits, without that solve): near the least peak, prefetching
     less leaves more room, and a plan is easier to find (ResNet-50 at 6.25 GiB). Where no rung
     fits with offloaded tensors released when their copies are due (the profile's
     ``release_margin``), the ladder runs again with each released at the next forward point
@@ -675,7 +691,7 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
             profile, release_margin=release)
         try:
             return plan_offload(planned, budget, distance, time_limit_s, margin,
-                                explain=rung == len(rungs) - 1)
+                                explain=explain and rung == len(rungs) - 1)
         except (InfeasibleError, SolverError):
             if rung == len(rungs) - 1:
                 raise
@@ -871,7 +887,7 @@ def _infeasible(profile: StepProfile, budget: int, lookahead: int,
     clock, point, baseline, saved = peak_point(profile, modes, lookahead, margin)
     largest = ", ".join(f"group {g} ({profile.groups[g].producer or 'op'}, {modes[g]}, "
                         f"{describe_size(b)})" for b, g in saved[:3])
-    return InfeasibleError(
+    error = InfeasibleError(
         f"memory budget {describe_size(budget)} is too small for this step: keeping, offloading "
         f"or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
         f"{describe_size(least)} at least"
@@ -880,6 +896,8 @@ def _infeasible(profile: StepProfile, budget: int, lookahead: int,
         "(parameters, gradients, optimizer state, the op's inputs, outputs and workspace, as the "
         f"recorded step allocated them) and {describe_size(least - baseline)} saved"
         + (f" ({largest})" if largest else ""))
+    error.least_peak = least
+    return error
 
 
 def _program(profile: StepProfile, lookahead: int, budget: int | None,

@@ -49,7 +49,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import MucudnnError
+from ..errors import InfeasibleError, MucudnnError
+from ..sizes import describe_size
 from . import planner
 from .planner import KEEP, OFFLOAD, RECOMPUTE
 
@@ -846,6 +847,8 @@ class OffloadSession:
         #: CBC's limit per solve: ResNet-50's plans reached 60 s and were no better than at 20 s
         self.plan_time_limit_s = plan_time_limit_s
         self._lowered_target: int | None = None
+        #: the highest target found to have no plan: no target at or below it has one
+        self._no_plan_at: int | None = None
         self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
         self.recompute_convolutions = recompute_convolutions
         self.copy_exposure = copy_exposure
@@ -1750,9 +1753,19 @@ class OffloadSession:
                  f"{target / 2**30:.2f} GiB: {plan.describe()}")
         return True
 
-    def _plan_for(self, target: int) -> planner.OffloadPlan:
-        return planner.plan_with_prefetch(self.profile, target, self.lookahead,
-                                          self.plan_time_limit_s)
+    def _plan_for(self, target: int, explain: bool = True) -> planner.OffloadPlan:
+        """The plan for ``target``. Where none meets it, :class:`InfeasibleError` (with
+        ``explain``: saying the least peak, solved for) and :attr:`_no_plan_at` raised to it:
+        no lower target is solved again."""
+        if self._no_plan_at is not None and target <= self._no_plan_at:
+            raise InfeasibleError(f"no plan within {describe_size(target)}: none within "
+                                  f"{describe_size(self._no_plan_at)} either")
+        try:
+            return planner.plan_with_prefetch(self.profile, target, self.lookahead,
+                                              self.plan_time_limit_s, explain=explain)
+        except InfeasibleError:
+            self._no_plan_at = max(target, self._no_plan_at or 0)
+            raise
 
     def _make_plan(self, plan: planner.OffloadPlan | None = None) -> None:
         """The plan for :attr:`target` (``plan``: made for it already) in force, said in one
@@ -1762,7 +1775,7 @@ class OffloadSession:
         try:
             self.plan = plan or self._plan_for(target)
         except MucudnnError as exc:   # infeasible, or CBC failed
-            self.plan = self._plan_with_less_headroom()
+            self.plan = self._plan_with_less_headroom(exc)
             if self.plan is None:
                 if self.strict:
                     raise
@@ -1873,23 +1886,27 @@ class OffloadSession:
                  f"last {steps} steps, so planning for {self.target / 2**30:.2f} GiB")
         self._make_plan(lower)
 
-    def _plan_with_less_headroom(self) -> planner.OffloadPlan | None:
-        """Where no plan meets the target the headroom leaves: the plan for the budget less
-        half the headroom, else a quarter, ..., down to :data:`planner.LEAST_HEADROOM` (the
-        target then that one; None where none meets even that, or the target is not the
-        headroom's). The headroom is a guess at the caching allocator's fragmentation; near the
-        step's least peak the flushes and the replans after running out of memory measure it."""
-        if self.budget is None or self._lowered_target is not None:
+    def _plan_with_less_headroom(self, error: MucudnnError) -> planner.OffloadPlan | None:
+        """Where no plan meets the target the headroom leaves (``error``, an
+        :class:`InfeasibleError`): the plan for the budget less half the headroom, else a
+        quarter, ..., down to :data:`planner.LEAST_HEADROOM`
+        (:func:`planner.smaller_headrooms`, none below the least peak ``error`` found); the
+        target then that one, and no lowering after a flush (a lower target has no plan).
+        None where none meets even that, where CBC failed (a plan may exist), or where the
+        target is not the headroom's. The headroom is a guess at the caching allocator's
+        fragmentation; near the step's least peak the flushes and the replans after running
+        out of memory measure it."""
+        if not isinstance(error, InfeasibleError) or self.budget is None \
+                or self._lowered_target is not None:
             return None
-        share = self.headroom / 2
-        while share >= planner.LEAST_HEADROOM:
-            target = planner.planning_target(self.budget, share)
+        for _, target in planner.smaller_headrooms(self.budget, self.headroom,
+                                                   getattr(error, "least_peak", None)):
             try:
-                plan = self._plan_for(target)
+                plan = self._plan_for(target, explain=False)
             except MucudnnError:
-                share /= 2
                 continue
             self._lowered_target = target
+            self.lowerings_left = 0
             return plan
         return None
 

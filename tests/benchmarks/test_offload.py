@@ -482,3 +482,19 @@ def test_replay_of_a_bad_file_or_budget_is_one_line(tmp_path, capsys, content, b
     err = capsys.readouterr().err.strip().splitlines()
     assert done.value.code == 2 and len(err) == 1 and said in err[0]
     assert err[0].startswith("offload replay: ") and "Traceback" not in err[0]
+
+
+def test_replay_plans_with_less_headroom_where_the_session_would(tmp_path, capsys):
+    # a budget whose 10 % headroom leaves no plan, and 5 % does: the error, then the plan the
+    # session would make (planner.smaller_headrooms)
+    from mucudnn.torch import planner
+    path = recorded_profile(tmp_path)
+    profile = planner.profile_from_dict(json.loads(path.read_text())["profile"])
+    budget = int(planner.least_peak(profile, 0, 0.0) / 0.93)   # the ladder's last rung
+    with pytest.raises(SystemExit) as done:
+        offload.main(["replay", str(path), "--budgets", str(budget), "--headroom", "0.1"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "too small for this step" in out[1]
+    target = planner.planning_target(budget, 0.05)
+    assert out[2].startswith(f"{budget / GiB:g} GiB (target {target / GiB:.2f}): ")

@@ -740,3 +740,15 @@ def test_least_times_leaves_out_a_recording_of_other_tensors_and_recipes_of_othe
     least = planner.least_times([untimed, other_source, last])
     assert least.forward_ms == 2.0
     assert [g.recompute_ms for g in least.groups] == [g.recompute_ms for g in last.groups]
+
+
+def test_smaller_headrooms_halve_down_to_the_least_and_leave_out_targets_below_the_least_peak():
+    budget = 1000 * 2**20
+    assert planner.LEAST_HEADROOM == 0.025
+    assert planner.smaller_headrooms(budget, 0.1) == [
+        (0.05, planner.planning_target(budget, 0.05)),
+        (0.025, planner.planning_target(budget, 0.025))]
+    assert planner.smaller_headrooms(budget, 0.04) == []       # half of it is under the least
+    least = planner.planning_target(budget, 0.04)
+    assert planner.smaller_headrooms(budget, 0.1, least_peak=least) == [
+        (0.025, planner.planning_target(budget, 0.025))]

@@ -2551,6 +2551,19 @@ def test_the_last_call_that_returned_a_tensor_is_found_where_calls_nest():
     assert [c.name for c in pooled.recipe.calls] == ["AvgPool2d"]
 
 
+def plans_from(monkeypatch, budget: int, least_headroom: float, solved: list) -> None:
+    """The planner makes plans only for targets of at least ``budget`` less ``least_headroom``
+    of it (InfeasibleError below, with no least peak); ``solved`` receives every target asked."""
+    real = planner.plan_with_prefetch
+
+    def plan_with_prefetch(profile, target, *args, **kwargs):
+        solved.append(target)
+        if target < planner.planning_target(budget, least_headroom):
+            raise InfeasibleError(f"no plan within {target} (test)")
+        return real(profile, target, *args, **kwargs)
+    monkeypatch.setattr(planner, "plan_with_prefetch", plan_with_prefetch)
+
+
 @pytest.mark.parametrize("feasible_headroom", [0.05, 0.025, 0.0])
 def test_where_no_plan_meets_the_headroom_a_session_plans_with_less(monkeypatch,
                                                                    feasible_headroom):
@@ -2559,30 +2572,87 @@ def test_where_no_plan_meets_the_headroom_a_session_plans_with_less(monkeypatch,
     # below that, the budget is too small as before (the error of the target the headroom left)
     model, data = small_cnn(torch.float64), batches(torch.float64, 3)
     said, solved = [], []
+    plans_from(monkeypatch, 4 * GiB, feasible_headroom, solved)
     session = OffloadSession(budget=4 * GiB, link=RecordingLink(), min_bytes=0, headroom=0.1,
                              say=said.append, trials=False)
-    real = session._plan_for
-
-    def plan_for(target):
-        solved.append(target)
-        if target < planner.planning_target(session.budget, feasible_headroom):
-            raise InfeasibleError(f"no plan within {target} (test)")
-        return real(target)
-    monkeypatch.setattr(session, "_plan_for", plan_for)
-    least_headroom = max(feasible_headroom, planner.LEAST_HEADROOM)
+    tried = [planner.planning_target(4 * GiB, h) for h in (0.1, 0.05, 0.025)]
     if feasible_headroom < planner.LEAST_HEADROOM:
         with pytest.raises(InfeasibleError) as raised:
             train(model, data, session)
-        assert str(raised.value) == f"no plan within {solved[0]} (test)"
-        assert solved == [planner.planning_target(4 * GiB, h) for h in (0.1, 0.05, 0.025)]
+        assert str(raised.value) == f"no plan within {tried[0]} (test)" and solved == tried
         return
     train(model, data, session)
-    target = planner.planning_target(4 * GiB, least_headroom)
+    target = planner.planning_target(4 * GiB, feasible_headroom)
     assert session.target == target and session.plan.target == target
-    assert solved[-1] == target and len(solved) == {0.05: 2, 0.025: 3}[feasible_headroom]
+    assert solved == tried[:{0.05: 2, 0.025: 3}[feasible_headroom]]
     assert said[0] == (f"no offload plan for 4.00 GiB less its headroom (10%); planning for "
-                       f"{target / 2**30:.2f} GiB, {least_headroom:.1%} less")
+                       f"{target / 2**30:.2f} GiB, {feasible_headroom:.1%} less")
     assert said[1].startswith(f"offload plan for 4.00 GiB (planned for {target / 2**30:.2f} GiB)")
+
+
+def test_no_target_below_one_without_a_plan_is_solved_after_less_headroom(monkeypatch):
+    # planned with 5 % (10 % had no plan); the plan, alone, flushes in every step: the plan for
+    # less would be at or below the 10 % target, so none is solved (and no trial looks for
+    # flushes that could lead nowhere); nor after running out of memory: the fall-back at once
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * planner.TRIAL_STEPS)
+    said, solved = [], []
+
+    class Flushing(RecordingLink):
+        count = 0
+
+        def flushes(self):
+            self.count += self.session.plan is not None and self.session._step.unpacks == 0
+            return self.count
+    link = Flushing()
+    plans_from(monkeypatch, 4 * GiB, 0.05, solved)
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.1,
+                             say=said.append)
+    link.session = session
+    train(model, data, session)
+    assert solved == [planner.planning_target(4 * GiB, h) for h in (0.1, 0.05)]
+    assert session._trial is None and session.lowerings_left == 0
+    assert not [line for line in said if "flushed" in line]
+
+
+def test_out_of_memory_after_less_headroom_falls_back_without_a_solve(monkeypatch):
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    model, data = small_cnn(torch.float32), batches(torch.float32, 5)
+    said, solved, steps = [], [], []
+    link = MeteredLink()
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            def out_of_memory():
+                if len(steps) == 3:   # the first planned step
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+            return Spike.apply(x, out_of_memory)
+    budget = saved_bytes(model, data) * 2
+    plans_from(monkeypatch, budget, 0.05, solved)
+    session = OffloadSession(budget=budget, link=link, min_bytes=0, headroom=0.1,
+                             say=said.append, replans=2, record_steps=1, trials=False,
+                             strict=False)
+    train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                           lambda: steps.append(None))
+    assert session.fell_back
+    assert solved == [planner.planning_target(budget, h) for h in (0.1, 0.05)]
+
+
+def test_an_unmeetable_budget_solves_its_least_peak_once(monkeypatch):
+    # the least peak is solved for the error of the headroom's target, and no smaller headroom
+    # whose target is below it is tried
+    calls = []
+    real = planner._least_peak_modes
+    monkeypatch.setattr(planner, "_least_peak_modes",
+                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    model, data = small_cnn(torch.float64), batches(torch.float64, 3)
+    said = []
+    session = OffloadSession(budget=4096, link=RecordingLink(), min_bytes=0, strict=False,
+                             trials=False, say=said.append)
+    train(model, data, session)
+    assert session.plan is None and len(calls) == 1
+    assert any("too small for this step" in line for line in said)
 
 
 def test_a_pinned_host_buffer_is_on_the_host_whatever_the_default_device(monkeypatch):
