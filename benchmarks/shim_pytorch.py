@@ -121,14 +121,13 @@ def _worker_steps(args, torch, where: dict) -> dict:
         return {"loss": loss.item()}
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    forward_marks: list = []   # per step while timing: (host ms, device event) at the forward's end
+    forward_end: list = []   # the last step's forward end: (host clock, device event)
 
     def step():
         step_loss = training.forward_loss()
-        if forward_marks is not None and timing:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            forward_marks.append(((time.perf_counter() - timing[0]) * 1e3, event))
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        forward_end[:] = [(time.perf_counter(), event)]
         step_loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -151,7 +150,6 @@ def _worker_steps(args, torch, where: dict) -> dict:
     times, warm_times, host_times, retries_per_step, frees_per_step = [], [], [], [], []
     forward_host, forward_device, host_cpu, gc_times, allocs_per_step = [], [], [], [], []
     seen = allocator_counters(torch)
-    timing: list = []
     collecting = [0.0, 0.0]   # the running collection's start, the step's total (s)
 
     def collector(phase, info):
@@ -160,32 +158,32 @@ def _worker_steps(args, torch, where: dict) -> dict:
         else:
             collecting[1] += time.perf_counter() - collecting[0]
     gc.callbacks.append(collector)
-    for i in range(args.warmup + args.steps):
-        where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
-                          else f"timed step {i + 1 - args.warmup}")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        queued = time.perf_counter()
-        timing[:] = [queued] if i >= args.warmup else []
-        forward_marks.clear()
-        collecting[1] = 0.0
-        cpu = time.thread_time()
-        start.record()
-        loss = step()
-        end.record()
-        host_times.append((time.perf_counter() - queued) * 1e3)
-        host_cpu.append((time.thread_time() - cpu) * 1e3)
-        gc_times.append(collecting[1] * 1e3)
-        end.synchronize()
-        (times if i >= args.warmup else warm_times).append(start.elapsed_time(end))
-        if forward_marks:
-            forward_host.append(forward_marks[0][0])
-            forward_device.append(start.elapsed_time(forward_marks[0][1]))
-        counters = allocator_counters(torch)
-        retries_per_step.append(counters["num_alloc_retries"] - seen["num_alloc_retries"])
-        frees_per_step.append(counters["num_device_free"] - seen["num_device_free"])
-        allocs_per_step.append(counters["num_device_alloc"] - seen["num_device_alloc"])
-        seen = counters
-    gc.callbacks.remove(collector)
+    try:
+        for i in range(args.warmup + args.steps):
+            where["phase"] = (f"warm-up step {i + 1}" if i < args.warmup
+                              else f"timed step {i + 1 - args.warmup}")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            queued = time.perf_counter()
+            collecting[1] = 0.0
+            cpu = time.thread_time()
+            start.record()
+            loss = step()
+            end.record()
+            host_times.append((time.perf_counter() - queued) * 1e3)
+            host_cpu.append((time.thread_time() - cpu) * 1e3)
+            gc_times.append(collecting[1] * 1e3)
+            end.synchronize()
+            (times if i >= args.warmup else warm_times).append(start.elapsed_time(end))
+            if i >= args.warmup:
+                forward_host.append((forward_end[0][0] - queued) * 1e3)
+                forward_device.append(start.elapsed_time(forward_end[0][1]))
+            counters = allocator_counters(torch)
+            retries_per_step.append(counters["num_alloc_retries"] - seen["num_alloc_retries"])
+            frees_per_step.append(counters["num_device_free"] - seen["num_device_free"])
+            allocs_per_step.append(counters["num_device_alloc"] - seen["num_device_alloc"])
+            seen = counters
+    finally:
+        gc.callbacks.remove(collector)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer PyTorch only
     result = {"step_ms": statistics.median(times), "steps": len(times),
               "step_ms_all": times, "warmup_ms_all": warm_times, "host_ms_all": host_times,
@@ -204,7 +202,6 @@ def _worker_steps(args, torch, where: dict) -> dict:
     extras = []
     if args.memory_trace:  # recording allocations slows the host
         extras.append(("memory_trace", lambda: memory_trace_step(step)))
-    timing.clear()
     if args.profile:
         extras.append(("host_profile", lambda: host_profile_steps(step, args.profile)))
         extras.append(("profile", lambda: profile_steps(step, args.profile)))
@@ -545,21 +542,15 @@ def host_waits(events: list, steps: int = 1, keep: int = 4) -> dict:
             entry = waits.setdefault((e["name"],) + context(e), [0, 0.0])
             entry[0] += 1
             entry[1] += float(e.get("dur", 0)) / 1e3
-    device = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e) for e in events
-                    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    by_stream: dict = {}
-    for start, end, e in device:
-        by_stream.setdefault((e.get("args") or {}).get("stream", e.get("tid")), []).append(
-            (start, end, e))
+    streams = device_streams(events)
     gaps = []
-    if by_stream:
-        compute = max(by_stream.values(), key=lambda spans_: sum(
-            b - a for a, b, e in spans_ if e.get("cat") == "kernel"))
+    if streams:
         latest = None
-        for start, end, e in compute:
+        for start, end, _, name, e in sorted(streams[compute_stream(streams)],
+                                             key=lambda span: span[:4]):
             if latest is not None and start - latest > 50:
                 launch = launches.get((e.get("args") or {}).get("correlation"))
-                gaps.append((start - latest, e.get("name", "")[:80],
+                gaps.append((start - latest, name[:80],
                              context(launch) if launch is not None else ()))
             latest = end if latest is None else max(latest, end)
     gaps.sort(key=lambda g: -g[0])
@@ -571,21 +562,34 @@ def host_waits(events: list, steps: int = 1, keep: int = 4) -> dict:
                          for gap, name, where in gaps[:12]]}
 
 
+def device_streams(events: list) -> dict:
+    """Per CUDA stream, its kernels, copies and fills among a profiler's Chrome trace events, as
+    ``(start µs, end µs, category, name, event)`` in the trace's order."""
+    streams: dict = {}
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            stream = (event.get("args") or {}).get("stream", event.get("tid"))
+            start = float(event["ts"])
+            streams.setdefault(stream, []).append((start, start + float(event.get("dur", 0)),
+                                                   event["cat"], event.get("name", ""), event))
+    return streams
+
+
+def compute_stream(streams: dict):
+    """The stream of :func:`device_streams` whose kernels ran longest (the others copy)."""
+    return max(streams, key=lambda stream: sum(
+        end - start for start, end, category, *_ in streams[stream] if category == "kernel"))
+
+
 def trace_summary(trace: dict, top: int = 8) -> dict:
     """Where a step's time went, from a profiler's Chrome trace (``export_chrome_trace``): per
     CUDA stream its busy ms (kernels, copies, memsets; overlaps merged) and, for the busiest
     (the compute stream), its idle gaps; the CUDA runtime calls that took the host's time (a
     host waiting on the device shows as ``cudaEventSynchronize`` and its kin)."""
-    device = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
-              and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not device:
+    streams = {stream: [span[:4] for span in spans]
+               for stream, spans in device_streams(trace.get("traceEvents", [])).items()}
+    if not streams:
         return {}
-    streams: dict = {}
-    for event in device:
-        stream = (event.get("args") or {}).get("stream", event.get("tid"))
-        start = float(event["ts"])
-        streams.setdefault(stream, []).append((start, start + float(event["dur"]), event["cat"],
-                                               event.get("name", "")))
     begin = min(span[0] for spans in streams.values() for span in spans)
     end = max(span[1] for spans in streams.values() for span in spans)
 
@@ -599,7 +603,7 @@ def trace_summary(trace: dict, top: int = 8) -> dict:
         return out
 
     busy = {stream: merged(spans) for stream, spans in streams.items()}
-    compute = max(busy, key=lambda s: sum(b - a for a, b, c, _ in streams[s] if c == "kernel"))
+    compute = compute_stream(streams)
     intervals = busy[compute]
     gaps = sorted(((b[0] - a[1]) / 1e3, (a[1] - begin) / 1e3, b[2])
                   for a, b in zip(intervals, intervals[1:]))
