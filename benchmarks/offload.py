@@ -72,7 +72,7 @@ from benchmarks.pressure import (DEVICE_MEMORY_GIB, OFFLOAD_MIN_WARMUP, Budget, 
                                  Terminated, execute, min_cap_search, min_text)
 from benchmarks.shim_pytorch import allocator_counters, is_out_of_memory, trace_summary
 from mucudnn.budget import parse_budget
-from mucudnn.errors import InfeasibleError, MucudnnError
+from mucudnn.errors import MucudnnError
 from mucudnn.outputs import write_text_atomically
 from mucudnn.torch.planner import transfer_ms
 
@@ -760,19 +760,12 @@ def replay(args) -> int:
         except MucudnnError as exc:
             print(f"{budget / GiB:g} GiB: {exc}")
             # as the session does then (OffloadSession._plan_with_less_headroom)
-            plan = None
-            ladder = (planner.smaller_headrooms(budget, args.headroom,
-                                                getattr(exc, "least_peak", None))
-                      if isinstance(exc, InfeasibleError) else [])
-            for _, target in ladder:
-                try:
-                    plan = planner.plan_with_prefetch(profile, target, args.lookahead,
-                                                      args.time_limit_s, explain=False)
-                    break
-                except MucudnnError:
-                    continue
+            plan = planner.plan_with_less_headroom(
+                exc, budget, args.headroom, lambda target: planner.plan_with_prefetch(
+                    profile, target, args.lookahead, args.time_limit_s, explain=False))
             if plan is None:
                 continue
+            target = plan.target
         print(f"{budget / GiB:g} GiB (target {target / GiB:.2f}): {plan.describe()}")
         if args.groups:
             for index, (group, mode) in enumerate(zip(profile.groups, plan.modes)):

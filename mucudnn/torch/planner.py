@@ -58,7 +58,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from ..errors import InfeasibleError, SolverError
+from ..errors import InfeasibleError, MucudnnError, SolverError
 from ..sizes import describe_size
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
@@ -282,6 +282,23 @@ def smaller_headrooms(budget: int, headroom: float,
             ladder.append((share, target))
         share /= 2
     return ladder
+
+
+def plan_with_less_headroom(error: Exception, budget: int, headroom: float,
+                            plan_for) -> OffloadPlan | None:
+    """After ``error`` for :func:`planning_target` at ``headroom``: where it is an
+    :class:`InfeasibleError` (no plan fits; not a solver's failure, where a plan may exist), the
+    first plan ``plan_for(target)`` makes for the targets of :func:`smaller_headrooms` (none
+    below the least peak ``error`` found), its ``target`` the one it met; None where none meets
+    any (the runtime and an off-GPU replay alike)."""
+    if not isinstance(error, InfeasibleError):
+        return None
+    for _, target in smaller_headrooms(budget, headroom, getattr(error, "least_peak", None)):
+        try:
+            return plan_for(target)
+        except MucudnnError:
+            continue
+    return None
 
 
 def profile_from_dict(fields: Mapping) -> StepProfile:

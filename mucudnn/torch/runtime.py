@@ -1808,7 +1808,7 @@ class OffloadSession:
         if others or (self.headroom and self.lowerings_left > 0):
             self._trial = _Trial([self.plan] + [plan for _, plan in others],
                                  ["as made"] + [label for label, _ in others],
-                                 seen={link: link.flushes() for link in self._links_in_use()})
+                                 seen=self._flush_counts_now())
         if others:
             self.say("trying it against " + "; ".join(
                 f"the plan {label} ({plan.describe()})" for label, plan in others)
@@ -1859,18 +1859,22 @@ class OffloadSession:
         self.write_profile()
         self.say(f"{why}: {timed}; keeping the plan {trial.labels[best]}")
 
+    def _flush_counts_now(self) -> dict:
+        """Each link in use and its caching allocator's flush count now."""
+        return {link: link.flushes() for link in self._links_in_use()}
+
     def _watch_from_now(self) -> None:
         """The watch (:meth:`_watch_flushes`) of the plan that comes into force: no step of it
         yet, and flushes counted from here."""
         self._flushing.clear()
-        self._flush_counts = {link: link.flushes() for link in self._links_in_use()}
+        self._flush_counts = self._flush_counts_now()
 
     def _watch_flushes(self) -> None:
         """A planned step of the plan in force ended after its trial: once
         :data:`planner.WATCH_FLUSHING` of its last :data:`planner.WATCH_STEPS` steps flushed the
         caching allocator's cache, the plan for less (:meth:`_plan_below_flushes`) is made and
         tried, with one line; where none is left, the plan stays and nothing more is said."""
-        counts = {link: link.flushes() for link in self._links_in_use()}
+        counts = self._flush_counts_now()
         self._flushing.append(any(count > self._flush_counts.get(link, count)
                                   for link, count in counts.items()))
         self._flush_counts = counts
@@ -1896,19 +1900,14 @@ class OffloadSession:
         target is not the headroom's. The headroom is a guess at the caching allocator's
         fragmentation; near the step's least peak the flushes and the replans after running
         out of memory measure it."""
-        if not isinstance(error, InfeasibleError) or self.budget is None \
-                or self._lowered_target is not None:
+        if self.budget is None or self._lowered_target is not None:
             return None
-        for _, target in planner.smaller_headrooms(self.budget, self.headroom,
-                                                   getattr(error, "least_peak", None)):
-            try:
-                plan = self._plan_for(target, explain=False)
-            except MucudnnError:
-                continue
-            self._lowered_target = target
+        plan = planner.plan_with_less_headroom(
+            error, self.budget, self.headroom, lambda target: self._plan_for(target, explain=False))
+        if plan is not None:
+            self._lowered_target = plan.target
             self.lowerings_left = 0
-            return plan
-        return None
+        return plan
 
     def _plan_below_flushes(self) -> planner.OffloadPlan | None:
         """After a trial whose every plan flushed the caching allocator's cache, or a plan kept
