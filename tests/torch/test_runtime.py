@@ -974,14 +974,7 @@ def test_after_the_fall_back_flushes_bring_no_plan_back(monkeypatch):
     monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
     model, data = small_cnn(torch.float32), batches(torch.float32, 5 + 2 * planner.WATCH_STEPS)
     said, steps = [], []
-
-    class Flushing(MeteredLink):
-        count = 0
-
-        def flushes(self):
-            self.count += session.fell_back
-            return self.count
-    link = Flushing()
+    link = flushing_while(MeteredLink, lambda link: session.fell_back)
 
     class Fail(nn.Module):
         def forward(self, x):
@@ -2081,6 +2074,18 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
     assert session.plan is plans[0]
 
 
+def flushing_while(link_type, due):
+    """A ``link_type`` whose caching allocator's flush count grows by one at each read where
+    ``due(link)``."""
+    class Flushing(link_type):
+        count = 0
+
+        def flushes(self):
+            self.count += bool(due(self))
+            return self.count
+    return Flushing()
+
+
 def flushing_link(plans, step_ms, flushing, flush_after: int = 2):
     """A RecordingLink (``link.session``: the session) whose clock runs ``step_ms[k]`` a step
     under ``plans[k]`` and whose caching allocator flushes once a step, in the op after backward
@@ -2597,14 +2602,8 @@ def test_no_target_below_one_without_a_plan_is_solved_after_less_headroom(monkey
     monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * planner.TRIAL_STEPS)
     said, solved = [], []
-
-    class Flushing(RecordingLink):
-        count = 0
-
-        def flushes(self):
-            self.count += self.session.plan is not None and self.session._step.unpacks == 0
-            return self.count
-    link = Flushing()
+    link = flushing_while(RecordingLink, lambda link: link.session.plan is not None
+                          and link.session._step.unpacks == 0)
     plans_from(monkeypatch, 4 * GiB, 0.05, solved)
     session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.1,
                              say=said.append)
