@@ -465,7 +465,7 @@ def _synchronize(transfer: Transfer) -> None:
         transfer.event.synchronize()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Read:
     """A tensor a call read, weakly, and its version then. An offloaded input is gone (autograd
     holds only what the pack hook returned) when a later recipe looks for it: its group is the
@@ -478,7 +478,7 @@ class _Read:
     version: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Call:
     """One leaf module's forward, or one recorded op (:data:`ADDS`; ``module`` None): what it
     read and wrote (weakly) and how long it took."""
@@ -600,7 +600,7 @@ class _Recipe:
         return found
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Group:
     gid: int
     mode: str
@@ -717,6 +717,7 @@ class _Step:
     node_groups: list = field(default_factory=list)  # the groups that node unpacked
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
     watching: bool = False         # that callback is queued
+    finds_recipes: bool | None = None   # OffloadSession._finds_recipes, once decided
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
@@ -963,7 +964,7 @@ class OffloadSession:
         """A leaf module's forward in a step's forward (not a recipe's replay, not in a
         backward, not under ``no_grad``)."""
         return not (self._replaying or not torch.is_grad_enabled() or _in_backward()
-                    or any(True for _ in module.children()))
+                    or _has_children(module))
 
     def _read(self, tensor: torch.Tensor) -> _Read:
         return _Read(weakref.ref(tensor), tensor._version)
@@ -974,6 +975,8 @@ class OffloadSession:
             return
         self._poll_links()   # between packs too: a module that saves nothing of ours
         self._at_step_start()   # the first module of the next step: its calls belong there
+        if not self._records_calls(self._step):
+            return
         if self._step.profiling and self._step.start_allocated is None:
             self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -1028,7 +1031,7 @@ class OffloadSession:
 
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
-        if not self._records(module):
+        if not self._records(module) or not self._records_calls(self._step):
             return
         for call in reversed(self._step.calls):
             if call.module is module and not call.done:
@@ -1059,7 +1062,8 @@ class OffloadSession:
         ends this one; nor inside a leaf module's forward, whose call they are part of (a
         recipe finding an op there would skip the rest of the module)."""
         return (self.recompute and not self._replaying and not self._step.unpacks
-                and torch.is_grad_enabled() and not _in_backward()
+                and self._records_calls(self._step) and torch.is_grad_enabled()
+                and not _in_backward()
                 and self._running_module(self._step)[1] is None)
 
     def _op(self, func, args, kwargs):
@@ -1121,17 +1125,37 @@ class OffloadSession:
         """Whether group ``gid`` of ``step`` needs a recipe: in a recording step (the profile's),
         or where its step's plan or ``force`` recomputes it. Finding one is most of what a
         kept group costs the host in the forward."""
-        if not self.recompute:
+        if not self._finds_recipes(step):
             return False
-        if step.profiling or self.modes is None:
-            return self.force in (None, RECOMPUTE)
-        return gid < len(self.modes) and self.modes[gid] == RECOMPUTE
+        return step.profiling or self.modes is None or \
+            gid < len(self.modes) and self.modes[gid] == RECOMPUTE
+
+    def _records_calls(self, step: _Step) -> bool:
+        """Whether ``step`` records its calls (modules and ops): for its times and its profile
+        (recording), or for recipes (:meth:`_finds_recipes`). A step that needs neither spends
+        its forward's host time on its packs alone."""
+        return step.profiling or self._finds_recipes(step)
+
+    def _finds_recipes(self, step: _Step) -> bool:
+        """Whether :meth:`_may_recompute` may hold for any group of ``step``: where not, its
+        groups need neither recipes nor the aliases recipes start from (:meth:`_alias`). Decided
+        at its first module or group, once the step before has ended (modes change only there)."""
+        if step.finds_recipes is None:
+            if not self.recompute:
+                step.finds_recipes = False
+            elif step.profiling or self.modes is None:
+                step.finds_recipes = self.force in (None, RECOMPUTE)
+            else:
+                step.finds_recipes = RECOMPUTE in self.modes
+        return step.finds_recipes
 
     def _late_recipe(self, output: torch.Tensor) -> None:
         """A module that saves its own output (ReLU) packs it before its forward hook names the
         output: its recipe is found here, and a group meant to be recomputed, kept until now
         (nothing unpacks during the forward), drops its tensor."""
         step = self._step
+        if not self._finds_recipes(step):
+            return
         group = self._find(step, output)
         if group is None or group.recipe is not None or not self._may_recompute(step, group.gid):
             return
@@ -1288,11 +1312,11 @@ class OffloadSession:
         return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                 tuple(tensor.stride()), tensor.dtype, tensor.device)
 
-    def _find(self, step, tensor):
-        """The live group of ``tensor``: one whose packs were all freed (a graph dropped during
-        the forward) gave its device and host tensors up, so saving the tensor again starts a
-        new group."""
-        group = step.by_key.get(self._key(tensor))
+    def _find(self, step, tensor, key=None):
+        """The live group of ``tensor`` (``key``: its :meth:`_key`, where known): one whose packs
+        were all freed (a graph dropped during the forward) gave its device and host tensors up,
+        so saving the tensor again starts a new group."""
+        group = step.by_key.get(self._key(tensor) if key is None else key)
         if group is not None and group.ref() is tensor and group.version == tensor._version \
                 and group.live_packs > 0:
             return group
@@ -1315,28 +1339,30 @@ class OffloadSession:
         link.poll()   # offloaded tensors whose copies are done go back now, not at the next offload
         self._at_step_start()
         step = self._step
-        group = self._find(step, tensor)
+        key = self._key(tensor)
+        group = self._find(step, tensor, key)
         if group is None:
-            group = self._new_group(step, tensor, link)
+            group = self._new_group(step, tensor, link, key)
         group.packs += 1
         return group
 
-    def _new_group(self, step, tensor, link) -> _Group:
+    def _new_group(self, step, tensor, link, key) -> _Group:
         gid = len(step.groups)
         self._let_go_due(step, gid)
         if step.ooms is None:
             step.ooms = link.ooms()
         recipe = self._recipe(tensor, step) if self._may_recompute(step, gid) else None
-        producer = recipe.calls[-1].name if recipe else self._producer(step, tensor)
         group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
-                       weakref.ref(tensor), tensor._version, producer, dense(tensor),
+                       weakref.ref(tensor), tensor._version, "", dense(tensor),
                        recipe=recipe)
         group.wanted = self._wanted(group)
         group.mode = self._mode_for(group)
+        if self._records_calls(step):   # named from its calls (a step without them: unnamed)
+            group.producer = recipe.calls[-1].name if recipe else self._producer(step, tensor)
         step.groups.append(group)
-        step.by_key[self._key(tensor)] = group
+        step.by_key[key] = group
         step.by_ref[id(group.ref)] = group
-        if self.recompute:
+        if self._finds_recipes(step):
             self._alias(step, group, tensor)
         if step.profiling:
             if gid == 0:
@@ -1716,9 +1742,14 @@ class OffloadSession:
         unmoved = [g for g in step.groups if g.wanted != KEEP and g.mode == KEEP]
         if unmoved and not step.profiling and not self._unmoved_said:
             self._unmoved_said = True
+            first = unmoved[0]
+            # a planned step names no group: the profile's name for it, where there is one
+            profiled = self.profile.groups if self.profile is not None else ()
+            name = first.producer or (profiled[first.gid].producer if first.gid < len(profiled)
+                                      else "unnamed")
             self.say(f"{len(unmoved)} saved tensors the plan offloads or recomputes were kept "
                      f"({sum(g.nbytes for g in unmoved) / 2**20:.1f} MiB; first: group "
-                     f"{unmoved[0].gid}, {unmoved[0].producer}, wanted {unmoved[0].wanted})")
+                     f"{first.gid}, {name}, wanted {first.wanted})")
 
     @property
     def target(self) -> int | None:
@@ -2150,10 +2181,20 @@ def _at_end_of_backward(callback) -> None:
         callback()
 
 
+#: torch's reader of the autograd node whose backward runs now (resolved once: it is read at every
+#: pack, unpack and module of a step)
+_CURRENT_AUTOGRAD_NODE = getattr(torch._C, "_current_autograd_node", None)
+
+
+def _has_children(module: nn.Module) -> bool:
+    """``module.children()`` is not empty: read from the dict it iterates, without a generator
+    (this runs at every module call of a step's forward)."""
+    return any(child is not None for child in module._modules.values())
+
+
 def _current_node():
     """The autograd node whose backward runs now, or None."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return current() if current is not None else None
+    return _CURRENT_AUTOGRAD_NODE() if _CURRENT_AUTOGRAD_NODE is not None else None
 
 
 def _in_backward() -> bool:

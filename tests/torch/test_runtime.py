@@ -2428,6 +2428,26 @@ def test_a_probe_of_the_link_between_recording_steps_is_in_no_baseline():
     assert max(profile.baseline_forward + profile.baseline_backward) < GiB // 2
 
 
+@pytest.mark.parametrize("force", [KEEP, OFFLOAD, RECOMPUTE])
+def test_a_step_records_its_calls_only_where_its_groups_may_find_recipes(force):
+    # a module's hooks in a step that recomputes nothing (no recipe, no alias to start one
+    # from) do no more than the host must: no call recorded, no group named; gradients alike
+    dtype = torch.float64
+    model, data = TinyUNet(dtype, seed=0), volumes(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=force, link=RecordingLink(), min_bytes=0)
+    x, y = data[0]
+    with session:
+        loss = nn.functional.cross_entropy(model(x), y)
+    step = session._step
+    assert bool(step.calls) == (force == RECOMPUTE)
+    assert bool(step.by_view) == (force == RECOMPUTE)   # the instance norms' aliases
+    assert all(bool(g.producer) == (force == RECOMPUTE) for g in step.groups)
+    loss.backward()
+    session = OffloadSession(force=force, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+
+
 def test_the_sessions_own_hooks_go_past_its_op_recorder(monkeypatch):
     # while the op recorder (a torch function mode) is entered, every torch function called in
     # the forward is a Python call through it: the session's own hooks' reads of tensors are not
