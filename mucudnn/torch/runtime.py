@@ -889,6 +889,9 @@ class OffloadSession:
         self._handles = []
         self._hooks = None
         self._ops: _OpRecorder | None = None
+        #: the leaf modules running now whose forward took the op recorder off the stack of
+        #: torch function modes (:meth:`_set_recorder_aside`), innermost last
+        self._ops_set_aside: list = []
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -896,7 +899,7 @@ class OffloadSession:
         self._hooks.__enter__()
         hooks = torch.nn.modules.module
         self._handles = [hooks.register_module_forward_pre_hook(self._before_module),
-                         hooks.register_module_forward_hook(self._after_module)]
+                         hooks.register_module_forward_hook(self._after_module, always_call=True)]
         if self._recipes_used():  # the ops a recipe may include (the residual add)
             self._ops = _OpRecorder(self)
             self._ops.__enter__()
@@ -916,8 +919,9 @@ class OffloadSession:
 
     def __exit__(self, *exc_info):
         if self._ops is not None:
-            self._ops.__exit__(*exc_info)
-            self._ops = None
+            if not self._ops_set_aside:   # else a leaf module's forward left without its hook
+                self._ops.__exit__(*exc_info)
+            self._ops, self._ops_set_aside = None, []
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -977,6 +981,7 @@ class OffloadSession:
         self._at_step_start()   # the first module of the next step: its calls belong there
         if not self._records_calls(self._step):
             return
+        self._set_recorder_aside(module)
         if self._step.profiling and self._step.start_allocated is None:
             self._step.start_allocated = self._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -1029,8 +1034,22 @@ class OffloadSession:
         return type(module) in CHEAP or (self.recompute_convolutions
                                          and type(module) in CONVOLUTIONS)
 
+    def _set_recorder_aside(self, module) -> None:
+        """Takes the op recorder off the stack of torch function modes while leaf ``module``'s
+        forward runs, where it is on top: no op inside a leaf module is recorded (it is part of
+        the module's call), and each torch function it calls would be a Python call through
+        the recorder. :meth:`_after_module` (called even where the forward raises) puts it back."""
+        ops = self._ops
+        depth = torch._C._len_torch_function_stack()
+        if ops is not None and depth and torch._C._get_function_stack_at(depth - 1) is ops:
+            torch._C._pop_torch_function_stack()
+            self._ops_set_aside.append(module)
+
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
+        if self._ops_set_aside and self._ops_set_aside[-1] is module:
+            self._ops_set_aside.pop()
+            torch._C._push_on_torch_function_stack(self._ops)
         if not self._records(module) or not self._records_calls(self._step):
             return
         for call in reversed(self._step.calls):
@@ -1330,7 +1349,8 @@ class OffloadSession:
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         if self._replaying or _in_backward():   # e.g. a checkpoint's recomputation: not ours
             return None
-        if (tensor.requires_grad and tensor.is_leaf) or isinstance(tensor, nn.Parameter) or \
+        # a leaf first: nn.Parameter's isinstance is a Python metaclass call, at every save
+        if tensor.is_leaf and (tensor.requires_grad or isinstance(tensor, nn.Parameter)) or \
                 tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse:
             return None
         link = self.link_for(tensor)

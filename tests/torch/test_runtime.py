@@ -2472,6 +2472,46 @@ def test_the_sessions_own_hooks_go_past_its_op_recorder(monkeypatch):
     assert joined(session._step.groups)   # the cat was recorded, and rebuilds its group
 
 
+def test_a_leaf_modules_forward_runs_without_the_op_recorder_even_after_one_raised(monkeypatch):
+    # no op inside a leaf module is recorded, so none goes through the recorder (a Python call
+    # each); a leaf whose forward raises puts it back all the same, and the next step's
+    # concatenation is still recorded
+    from mucudnn.torch import runtime
+    passed, through = runtime._OpRecorder.__torch_function__, []
+
+    def counting(self, func, types, args=(), kwargs=None):
+        through.append(getattr(func, "__name__", ""))
+        return passed(self, func, types, args, kwargs)
+    monkeypatch.setattr(runtime._OpRecorder, "__torch_function__", counting)
+    dtype = torch.float64
+    model, data = TinyUNet(dtype, seed=0), volumes(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+
+    class Raising(nn.Module):
+        def forward(self, x):
+            raise ValueError("a leaf that fails")
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    for x, y in data:
+        optimizer.zero_grad()
+        with session:
+            with pytest.raises(ValueError):
+                Raising()(x)
+            recorder = session._ops
+            top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+            assert recorder is not None and top is recorder
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    assert_bitwise(reference, results)
+    assert "cat" in through and not {"conv3d", "instance_norm", "leaky_relu_"} & set(through)
+    assert joined(session._step.groups)   # the cat was recorded, and rebuilds its group
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_a_replan_after_running_out_of_memory_is_not_blamed_for_the_old_plans_flushes(
         monkeypatch):
     # the plan kept after its trial (of one) flushes in one watched step (4); step 5 runs out of
