@@ -1038,12 +1038,28 @@ class OffloadSession:
         """Takes the op recorder off the stack of torch function modes while leaf ``module``'s
         forward runs, where it is on top: no op inside a leaf module is recorded (it is part of
         the module's call), and each torch function it calls would be a Python call through
-        the recorder. :meth:`_after_module` (called even where the forward raises) puts it back."""
+        the recorder. :meth:`_after_module` (called even where the forward raises an Exception)
+        puts it back. Only where no hook runs after the session's pre-hook (the module's own, a
+        global one registered later): one entering a mode there and leaving it in a forward hook
+        would find the recorder put back on top of it, and pop the recorder. (A forward left by
+        a BaseException leaves the recorder aside until that module runs again: until then no
+        op is recorded, and no recipe through one is found.)"""
         ops = self._ops
+        if ops is None or module._forward_pre_hooks or module._forward_hooks or \
+                not self._hooks_last():
+            return
         depth = torch._C._len_torch_function_stack()
-        if ops is not None and depth and torch._C._get_function_stack_at(depth - 1) is ops:
+        if depth and torch._C._get_function_stack_at(depth - 1) is ops:
             torch._C._pop_torch_function_stack()
             self._ops_set_aside.append(module)
+
+    def _hooks_last(self) -> bool:
+        """The session's global module hooks are the last registered: each runs after the other
+        global ones (a module's own hooks run after all of them)."""
+        hooks = torch.nn.modules.module
+        before, after = self._handles
+        return next(reversed(hooks._global_forward_pre_hooks), None) == before.id and \
+            next(reversed(hooks._global_forward_hooks), None) == after.id
 
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
@@ -1349,8 +1365,9 @@ class OffloadSession:
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         if self._replaying or _in_backward():   # e.g. a checkpoint's recomputation: not ours
             return None
-        # a leaf first: nn.Parameter's isinstance is a Python metaclass call, at every save
-        if tensor.is_leaf and (tensor.requires_grad or isinstance(tensor, nn.Parameter)) or \
+        # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none
+        if (tensor.requires_grad and tensor.is_leaf) or (
+                type(tensor) is not torch.Tensor and isinstance(tensor, nn.Parameter)) or \
                 tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse:
             return None
         link = self.link_for(tensor)

@@ -2512,6 +2512,55 @@ def test_a_leaf_modules_forward_runs_without_the_op_recorder_even_after_one_rais
     assert torch._C._len_torch_function_stack() == 0
 
 
+@pytest.mark.parametrize("where", ["own hooks", "a global hook registered later"])
+def test_a_mode_entered_and_left_by_hooks_around_a_leaf_leaves_the_op_recorder_on_top(where):
+    # hooks that run after the session's pre-hook enter a mode and leave it after the forward:
+    # the recorder is then not set aside for that module (put back on top of the mode, the
+    # mode's exit would pop it)
+    from torch.nn.modules import module as modules
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def stack():
+        return [torch._C._get_function_stack_at(i)
+                for i in range(torch._C._len_torch_function_stack())]
+    mode, leaf = Mode(), nn.Linear(8, 8).double()
+
+    def enter(*args):
+        mode.__enter__()
+
+    def leave(*args):
+        mode.__exit__(None, None, None)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    with session:
+        handles = ([leaf.register_forward_pre_hook(enter), leaf.register_forward_hook(leave)]
+                   if where == "own hooks" else
+                   [modules.register_module_forward_pre_hook(enter),
+                    modules.register_module_forward_hook(leave)])
+        try:
+            before = stack()
+            leaf(torch.randn(4, 8, dtype=torch.float64, requires_grad=True)).sum().backward()
+            assert stack() == before == [session._ops]
+        finally:
+            for handle in handles:
+                handle.remove()
+    assert stack() == []
+
+
+def test_a_parameter_changed_in_place_is_never_a_group():
+    # a frozen parameter changed in place by an op of a tensor that requires grad is no leaf;
+    # it is still a parameter, which a session never saves as its own
+    parameter = nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    parameter.mul_(torch.randn(64, 64, requires_grad=True))
+    assert not parameter.is_leaf
+    session = OffloadSession(force=KEEP, link=RecordingLink(), min_bytes=0)
+    with session:
+        (torch.randn(2, 64, 64, requires_grad=True).exp() * parameter).sum()
+    assert [g.nbytes for g in session._step.groups] == [2 * 64 * 64 * 4]   # the exp's only
+
+
 def test_a_replan_after_running_out_of_memory_is_not_blamed_for_the_old_plans_flushes(
         monkeypatch):
     # the plan kept after its trial (of one) flushes in one watched step (4); step 5 runs out of
