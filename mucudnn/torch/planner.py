@@ -127,6 +127,11 @@ TRIAL_EXPOSURES = (0.0, 0.2)
 #: where the allocator had room the simulation came within 2 % of the measured step (3-D
 #: U-Net, session 17), and a trial of plans that differ by less measures noise
 TRIAL_MIN_GAIN = 0.005
+#: the least predicted gain (a share of the lower plan's step) for which a lowering after flushes
+#: stops a quarter of the headroom short (``OffloadSession._nearer_lowering``): less room than
+#: asked for, so only for a step in the plans' time (r3d_18 at 4.5 GiB: 15 %, session 24), not
+#: for the noise between neighbouring plans
+LOWERING_MIN_GAIN = 0.05
 #: CBC's limit per solve for :func:`trial_plans`' plans (at exposure 0 many plans tie, and the
 #: U-Net's program under 6.65 GiB ran into any limit; the plan it had by then is good enough to
 #: be tried)
@@ -246,6 +251,11 @@ class OffloadPlan:
     #: the runtime copies its small kept groups apart from the step's large tensors
     #: (``OffloadSession._keeps_apart``; how it is run, so no part of equality)
     keep_apart: bool = field(default=False, compare=False)
+
+    @property
+    def predicted_ms(self) -> float:
+        """Its step as predicted: :func:`simulate`'s where simulated, else the model's."""
+        return self.step_ms if self.simulated_ms is None else self.simulated_ms
 
     def count(self, mode: str) -> int:
         return sum(1 for m in self.modes if m == mode)

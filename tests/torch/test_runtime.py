@@ -2775,3 +2775,33 @@ def test_a_pinned_host_buffer_is_on_the_host_whatever_the_default_device(monkeyp
     monkeypatch.setattr(torch, "empty_strided", empty_strided)
     CudaLink._new_host(None, torch.ones(2, 3).t())
     assert made == [{"dtype": torch.float32, "device": "cpu", "pin_memory": True}]
+
+
+@pytest.mark.parametrize("case", ["cliff", "no gain", "no room"])
+def test_a_lowering_after_flushes_stops_short_of_a_step_in_the_plans_time(monkeypatch, case):
+    # the plan for half the headroom lower (0.85 of the budget) moves much more than the one
+    # for a quarter lower (0.875), which still peaks below the plan that flushed: that one
+    # is made, unless it is not faster by LOWERING_MIN_GAIN or gives no room
+    budget = 1000 << 20
+    flushing = planner.OffloadPlan((KEEP,), 2, int(0.89 * budget), 85.0, 0)
+    quarter_peak = {"cliff": 0.87, "no gain": 0.87, "no room": 0.89}[case]
+    quarter_ms = {"cliff": 85.5, "no gain": 95.5, "no room": 85.5}[case]
+    solved = []
+
+    def plan_for(target, explain=True):
+        solved.append(target)
+        if target >= int(0.875 * budget):
+            return planner.OffloadPlan((KEEP,), 2, int(quarter_peak * budget), quarter_ms, 0)
+        return planner.OffloadPlan((OFFLOAD,), 2, int(0.84 * budget), 103.6, 800 << 20,
+                                   simulated_ms=100.0)
+    session = OffloadSession(budget, headroom=0.1)
+    session.plan, lowerings = flushing, session.lowerings_left
+    monkeypatch.setattr(session, "_plan_for", plan_for)
+    lower = session._plan_below_flushes()
+    assert solved == [int(0.9 * budget) - int(0.05 * budget),
+                      int(0.9 * budget) - int(0.05 * budget) + int(0.05 * budget) // 2]
+    if case == "cliff":
+        assert session.target == solved[1] and lower.step_ms == 85.5
+    else:
+        assert session.target == solved[0] and lower.moved_bytes == 800 << 20
+    assert session.lowerings_left == lowerings - 1
