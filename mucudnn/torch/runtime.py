@@ -1911,7 +1911,7 @@ class OffloadSession:
                           for index, ms in enumerate(times))
         alone = len(trial.plans) == 1
         if ran == len(trial.plans) and all(trial.flushes_in(index) for index in range(ran)):
-            lower = self._plan_below_flushes()
+            lower = self._plan_below_flushes(min(plan.peak for plan in trial.plans))
             if lower is not None:
                 self.say((f"the offload plan ran {times[0]:.1f} ms a step{trial.flush_note(0)}; "
                           "it flushed" if alone else f"{why}: {timed}; each flushed")
@@ -1951,7 +1951,7 @@ class OffloadSession:
             return
         steps = len(self._flushing)
         self._flushing.clear()
-        lower = self._plan_below_flushes()
+        lower = self._plan_below_flushes(self.plan.peak)
         if lower is None:
             return
         self.say(f"the offload plan flushed the caching allocator's cache in {flushed} of its "
@@ -1977,7 +1977,7 @@ class OffloadSession:
             self.lowerings_left = 0
         return plan
 
-    def _plan_below_flushes(self) -> planner.OffloadPlan | None:
+    def _plan_below_flushes(self, flushed_peak: int) -> planner.OffloadPlan | None:
         """After a trial whose every plan flushed the caching allocator's cache, or a plan kept
         after its trial that flushes (:meth:`_watch_flushes`; fragmentation the model does not
         see needs more room than its headroom): the plan for a target half
@@ -1990,8 +1990,9 @@ class OffloadSession:
         of two (session 22).
 
         A plan's time steps up at some peaks: where the plan for a quarter of the headroom lower
-        is faster by :data:`planner.LOWERING_MIN_GAIN` and still peaks below the plan that flushed,
-        it is made instead (:meth:`_nearer_lowering`)."""
+        is faster by :data:`planner.LOWERING_MIN_GAIN` and still peaks below ``flushed_peak``
+        (the least predicted peak of the plans that flushed), it is made instead
+        (:meth:`_nearer_lowering`)."""
         if self.lowerings_left <= 0 or not self.headroom:
             return None
         step = int(self.headroom / 2 * self.budget)
@@ -2002,28 +2003,25 @@ class OffloadSession:
             # no plan meets it, nor any lower one (or CBC failed): not solved again
             self.lowerings_left = 0
             return None
-        target, plan = self._nearer_lowering(target + step // 2, target, plan)
+        target, plan = self._nearer_lowering(target + step // 2, target, plan, flushed_peak)
         self.lowerings_left -= 1
         self.replans_used += 1
         self._lowered_target = target
         return plan
 
-    def _nearer_lowering(self, nearer: int, target: int,
-                         plan: planner.OffloadPlan) -> tuple[int, planner.OffloadPlan]:
-        """``(nearer, its plan)`` where that plan peaks below the plan in force (the one that
-        flushed: it gives room all the same) and is predicted faster than ``plan`` (for
-        ``target``) by :data:`planner.LOWERING_MIN_GAIN`; else ``(target, plan)``. r3d_18 (N = 32)
-        at 4.5 GiB, its profile replayed: the plan for 4.05 GiB (peak 4.01 GiB, 84.8 ms)
-        flushed in one run of seven; the plan for 3.83 GiB moves 784 MiB each way (97.7 ms,
-        ran 98.3 ms) where the one for 3.94 GiB moves none (peak 3.91 GiB, 85.2 ms; session
-        24)."""
-        if self.plan is None:
-            return target, plan
+    def _nearer_lowering(self, nearer: int, target: int, plan: planner.OffloadPlan,
+                         flushed_peak: int) -> tuple[int, planner.OffloadPlan]:
+        """``(nearer, its plan)`` where that plan peaks below ``flushed_peak`` (so it gives room
+        all the same) and is predicted faster than ``plan`` (for ``target``) by
+        :data:`planner.LOWERING_MIN_GAIN`; else ``(target, plan)``. r3d_18 (N = 32) at 4.5 GiB,
+        its profile replayed: the plan for 4.05 GiB (peak 4.01 GiB, 84.8 ms) flushed in one run
+        of seven; the plan for 3.83 GiB moves 784 MiB each way (97.7 ms, ran 98.3 ms) where the
+        one for 3.94 GiB moves none (peak 3.91 GiB, 85.2 ms; session 24)."""
         try:
             near = self._plan_for(nearer, explain=False)
         except MucudnnError:   # CBC failed (a lower target has a plan)
             return target, plan
-        if near.peak < self.plan.peak and \
+        if near.peak < flushed_peak and \
                 near.predicted_ms < plan.predicted_ms * (1 - planner.LOWERING_MIN_GAIN):
             return nearer, near
         return target, plan

@@ -2795,9 +2795,9 @@ def test_a_lowering_after_flushes_stops_short_of_a_step_in_the_plans_time(monkey
         return planner.OffloadPlan((OFFLOAD,), 2, int(0.84 * budget), 103.6, 800 << 20,
                                    simulated_ms=100.0)
     session = OffloadSession(budget, headroom=0.1)
-    session.plan, lowerings = flushing, session.lowerings_left
+    lowerings = session.lowerings_left
     monkeypatch.setattr(session, "_plan_for", plan_for)
-    lower = session._plan_below_flushes()
+    lower = session._plan_below_flushes(flushing.peak)
     assert solved == [int(0.9 * budget) - int(0.05 * budget),
                       int(0.9 * budget) - int(0.05 * budget) + int(0.05 * budget) // 2]
     if case == "cliff":
