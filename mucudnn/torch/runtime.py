@@ -1150,8 +1150,7 @@ class OffloadSession:
         it (ReLU(inplace=True) saves its output), else the last call that returned it, else
         "op"."""
         _, running = self._running_module(step)
-        if running is not None and running.in_place and running.reads \
-                and running.reads[0].ref() is tensor:
+        if _changes_in_place(running, tensor):
             return running.name
         made_by = self._made_by(step, tensor, len(step.calls))
         return step.calls[made_by].name if made_by is not None else "op"
@@ -1211,8 +1210,7 @@ class OffloadSession:
         # An in-place module (ReLU(inplace=True)) saves its output, the tensor it was given, while
         # it runs: it ends the recipe, and what made its input (batch norm, an add) comes before.
         index, running = self._running_module(step)
-        if running is not None and running.in_place and running.reads \
-                and running.reads[0].ref() is tensor:
+        if _changes_in_place(running, tensor):
             if not running.recomputable:
                 return None
             slot = self._rebuild(step, recipe, tensor, running.reads[0], index, own=True, depth=1)
@@ -2242,15 +2240,22 @@ def _at_end_of_backward(callback) -> None:
         callback()
 
 
-#: torch's reader of the autograd node whose backward runs now (resolved once: it is read at every
-#: pack, unpack and module of a step)
-_CURRENT_AUTOGRAD_NODE = getattr(torch._C, "_current_autograd_node", None)
+def _changes_in_place(call: _Call | None, tensor: torch.Tensor) -> bool:
+    """``call`` (a running module's) changes ``tensor``, its first input, in place:
+    ReLU(inplace=True) saves its output, the tensor it was given."""
+    return call is not None and call.in_place and bool(call.reads) \
+        and call.reads[0].ref() is tensor
 
 
 def _has_children(module: nn.Module) -> bool:
     """``module.children()`` is not empty: read from the dict it iterates, without a generator
     (this runs at every module call of a step's forward)."""
     return any(child is not None for child in module._modules.values())
+
+
+#: torch's reader of the autograd node whose backward runs now (resolved once: it is read at every
+#: pack, unpack and module of a step)
+_CURRENT_AUTOGRAD_NODE = getattr(torch._C, "_current_autograd_node", None)
 
 
 def _current_node():
