@@ -269,6 +269,9 @@ def worker(args) -> None:
             # the whole recorded profile: the planner can be replayed on it off the GPU
             result.update(profile=dataclasses.asdict(profile),
                           modes=list(plan.modes) if plan is not None else None)
+        if session.stage is not None:   # the profile above is then the staged one
+            result.update(stage=dataclasses.asdict(session.stage.stage),
+                          recorded_profile=dataclasses.asdict(session.recorded_profile))
         if plan is not None:
             result.update(moved_bytes=plan.moved_bytes, predicted_ms=plan.step_ms,
                           predicted_peak=plan.peak, prefetch_lookahead=plan.lookahead,

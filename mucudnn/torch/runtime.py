@@ -42,7 +42,7 @@ import gc
 import time
 import weakref
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,7 @@ from ..errors import InfeasibleError, MucudnnError
 from ..sizes import describe_size
 from . import planner
 from .planner import KEEP, OFFLOAD, RECOMPUTE
+from .stage import ChainRecorder, StagedForward, StagePlan, autocast_as, autocast_state
 
 #: Modules whose recomputation is deterministic and cheap (SuperNeurons' choice: no convolution,
 #: no dropout). Exact types: a subclass may override forward.
@@ -80,15 +81,6 @@ ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: 
 CONCATS = (torch.cat, torch.concat)
 #: the most calls (modules and ops) one recipe replays from its sources
 _MAX_CHAIN = 4
-#: device types whose autocast state a call records and its replay restores (a convolution
-#: recorded under bf16 autocast reads bf16 tensors and fp32 weights)
-_AUTOCAST_DEVICES = ("cuda", "cpu")
-
-
-def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    """(device type, dtype) of each device type whose autocast is on now."""
-    return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
-                 if torch.is_autocast_enabled(device))
 
 
 def dense(tensor: torch.Tensor) -> bool:
@@ -498,7 +490,7 @@ class _Call:
     #: a recipe may run it again: a module of an exact type the session recomputes
     #: (:meth:`OffloadSession._recomputable`), or a recorded op (deterministic, elementwise)
     recomputable: bool = False
-    autocast: tuple = ()      # _autocast_state() when it ran: its replay runs under the same
+    autocast: tuple = ()      # autocast_state() when it ran: its replay runs under the same
     output_bytes: int = 0     # its output's bytes
     #: recording step, recomputable: bytes allocated when it started, and the most it allocated
     #: above them while it ran (its output and its workspace: what its replay allocates)
@@ -511,13 +503,7 @@ class _Call:
         """Its forward again on ``values`` (one per read), without side effects (:func:`replay`),
         under the autocast state it ran under."""
         with contextlib.ExitStack() as stack:
-            recorded = dict(self.autocast)
-            for device in _AUTOCAST_DEVICES:
-                enabled = device in recorded
-                if enabled != torch.is_autocast_enabled(device) or (
-                        enabled and recorded[device] != torch.get_autocast_dtype(device)):
-                    stack.enter_context(torch.autocast(device, dtype=recorded.get(device),
-                                                       enabled=enabled))
+            autocast_as(self.autocast, stack)
             if self.op is not None:
                 return self.op(*values, **self.keywords)
             if type(self.module) in _TRANSPOSED:
@@ -723,6 +709,7 @@ class _Step:
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
     #: forward point -> (group, its offload's transfer) whose device tensors go there
     releases: dict = field(default_factory=dict)
+    chain: ChainRecorder | None = None   # recording steps: its leading chain (stage.py)
 
 
 @dataclass
@@ -835,7 +822,8 @@ class OffloadSession:
                  record_steps: int | None = None, plan_time_limit_s: float = 20,
                  recompute_convolutions: bool = True,
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
-                 max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True):
+                 max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True,
+                 stage: bool | str = True):
         self.budget, self.force, self.lookahead = budget, force, lookahead
         self.replans_left, self.replan_step = replans, replan_step
         # lower targets after flushing trials: as many, apart, so that a step that later runs
@@ -892,6 +880,15 @@ class OffloadSession:
         #: the leaf modules running now whose forward took the op recorder off the stack of
         #: torch function modes (:meth:`_set_recorder_aside`), innermost last
         self._ops_set_aside: list = []
+        #: stage.py: whether plans may stage the leading chain; the stage in force (its profile
+        #: is :attr:`profile`, the recorded one :attr:`recorded_profile`); the staged forward
+        #: running; the recording's candidates; the containers running now, innermost last
+        self.staging = stage
+        self.stage: StagePlan | None = None
+        self.recorded_profile: planner.StepProfile | None = None
+        self._staged: StagedForward | None = None
+        self._stage_candidates: list = []
+        self._containers: list = []
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -975,11 +972,20 @@ class OffloadSession:
 
     @_past_the_op_recorder
     def _before_module(self, module, args):
-        if not self._records(module):
+        if self._replaying or not torch.is_grad_enabled() or _in_backward():
+            return
+        if _has_children(module):
+            self._containers.append(module)   # the parent of the leaves it runs
             return
         self._poll_links()   # between packs too: a module that saves nothing of ours
         self._at_step_start()   # the first module of the next step: its calls belong there
-        if not self._records_calls(self._step):
+        step = self._step
+        parent = self._containers[-1] if self._containers else None
+        if self.stage is not None and not step.profiling and self._staged is None and \
+                self.stage.runs(module, args, parent):
+            self._staged = StagedForward(self.stage, args[0])   # grad mode off till its end
+            return
+        if not self._records_calls(step):
             return
         self._set_recorder_aside(module)
         if self._step.profiling and self._step.start_allocated is None:
@@ -989,8 +995,12 @@ class OffloadSession:
         call = _Call(
             module, type(module).__name__, (self._read(source),) if source is not None else (),
             None, None, in_place=bool(getattr(module, "inplace", False)),
-            recomputable=recomputable, autocast=_autocast_state() if recomputable else ())
+            recomputable=recomputable, autocast=autocast_state() if recomputable else ())
         self._start_call(call)
+        if step.profiling and self.staging:
+            if step.chain is None:
+                step.chain = ChainRecorder()
+            step.chain.enter(module, args, parent, len(step.groups), call, self._key)
 
     def _start_call(self, call: _Call) -> None:
         """``call`` is the step's next; in a recording step it starts now on the link's clock.
@@ -1066,8 +1076,22 @@ class OffloadSession:
         if self._ops_set_aside and self._ops_set_aside[-1] is module:
             self._ops_set_aside.pop()
             torch._C._push_on_torch_function_stack(self._ops)
+        staged = self._staged
+        if staged is not None and module in staged.modules:
+            if not isinstance(output, torch.Tensor):   # it raised (this hook is always called)
+                self._staged = None
+                staged.abort()
+            elif staged.ends_at(module):
+                self._staged = None
+                return staged.finish(output)
+            return None
+        if self._containers and self._containers[-1] is module:
+            self._containers.pop()
+            return None
         if not self._records(module) or not self._records_calls(self._step):
-            return
+            return None
+        if self._step.chain is not None:
+            self._step.chain.leave(module, output, len(self._step.groups))
         for call in reversed(self._step.calls):
             if call.module is module and not call.done:
                 self._returned(call, output)
@@ -1113,7 +1137,7 @@ class OffloadSession:
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, (self._read(first), self._read(second)), None, None,
                      in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
-                     autocast=_autocast_state())
+                     autocast=autocast_state())
         return self._run_op(call, func, args, kwargs)
 
     def _concat(self, func, args, kwargs):
@@ -1132,7 +1156,7 @@ class OffloadSession:
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, tuple(self._read(t) for t in tensors), None, None,
                      op=_joined, keywords={"dim": dim}, recomputable=True,
-                     autocast=_autocast_state())
+                     autocast=autocast_state())
         return self._run_op(call, func, args, kwargs)
 
     def _run_op(self, call: _Call, func, args, kwargs):
@@ -1754,6 +1778,7 @@ class OffloadSession:
             if finished.start_allocated is not None:
                 grown = max(0, link.allocated() - finished.start_allocated)
             self._recorded.append(self._profile_of(finished, tail_peak, grown))
+            self._stage_candidates = self._stage_candidates_of(finished)
             self._peak(link)   # what a probe of the link allocated there is no step's
             if not more_recording:
                 # each time the least recorded: a host that fell behind in one recording (the
@@ -1838,6 +1863,8 @@ class OffloadSession:
         line, and a trial of the others worth running against it (:func:`planner.trial_plans`;
         for smaller headrooms too, unless the target was lowered)."""
         target = self.target
+        if plan is None and self._stage_candidates:
+            plan = self._choose_stage(target)
         try:
             self.plan = plan or self._plan_for(target)
         except MucudnnError as exc:   # infeasible, or CBC failed
@@ -1859,7 +1886,8 @@ class OffloadSession:
         self.say(f"offload plan for {self.budget / 2**30:.2f} GiB"
                  + (f" (planned for {target / 2**30:.2f} GiB)"
                     if self._lowered_target is not None else "")
-                 + f": {self.plan.describe()}")
+                 + f": {self.plan.describe()}"
+                 + (f"; {self.stage.stage.describe()}" if self.stage is not None else ""))
         self.write_profile()
         if not self.trials:
             return
@@ -1879,6 +1907,70 @@ class OffloadSession:
             self.say("trying it against " + "; ".join(
                 f"the plan {label} ({plan.describe()})" for label, plan in others)
                 + f", {planner.TRIAL_STEPS} steps each")
+
+    def _stage_candidates_of(self, step: _Step) -> list:
+        """The stages recording ``step``'s leading chain allows (stage.py): (planner.Stage,
+        its modules, their container, the batch)."""
+        chain = step.chain
+        if chain is None or not chain.links:
+            return []
+        link = self._any_link()
+        d2h, _ = self._link_speeds(step, link)
+        group = step.by_key.get(chain.input_key)
+        input_group = group.gid if group is not None else None
+
+        def time_ms(call) -> float:
+            if call.start is None or call.end is None or call.start.link is not call.end.link:
+                return 0.0
+            return max(0.0, link.compute_ms(call.start, call.end)
+                       - planner.transfer_ms(call.moved, d2h))
+        return [(stage, modules, chain.parent, chain.batch)
+                for stage, modules in chain.candidates(input_group, time_ms)]
+
+    def _choose_stage(self, target: int) -> planner.OffloadPlan | None:
+        """Whether a plan stages the leading chain (stage.py), weighed once on the recorded
+        profile: the plain plan for ``target`` against each candidate's plan on its
+        :func:`planner.staged_profile` (its micro-batches :func:`planner.stage_chunks`). A staged
+        plan is taken where it is predicted faster by :data:`planner.STAGE_MIN_GAIN` or the
+        plain one has none; where none has a plan, the candidate of the least peak, if lower
+        than the plain profile's (its headroom is then lowered as ever). Taken, its profile
+        becomes :attr:`profile`. Returns the plan taken (None: none meets ``target``)."""
+        candidates, self._stage_candidates = self._stage_candidates, []
+
+        def plan_on(profile):
+            try:
+                return planner.plan_with_prefetch(profile, target, self.lookahead,
+                                                  self.plan_time_limit_s, explain=False)
+            except MucudnnError:
+                return None
+        plain = plan_on(self.profile)
+        options = []
+        for stage, modules, parent, batch in candidates:
+            chunks = planner.stage_chunks(self.profile, stage)
+            if chunks is None or min(chunks, batch) < 2:
+                continue
+            stage = replace(stage, chunks=min(chunks, batch))
+            staged = planner.staged_profile(self.profile, stage)
+            options.append((plan_on(staged), staged, StagePlan(stage, modules, parent)))
+        planned = [option for option in options if option[0] is not None]
+        if planned:
+            best = min(planned, key=lambda option: option[0].predicted_ms)
+            if plain is not None and self.staging != "always" and \
+                    best[0].predicted_ms >= plain.predicted_ms * (1 - planner.STAGE_MIN_GAIN):
+                return plain
+        elif plain is None and options:
+            least = planner.least_peak(self.profile, self.lookahead)
+            best = min(options, key=lambda option: planner.least_peak(option[1], self.lookahead))
+            if planner.least_peak(best[1], self.lookahead) >= least and \
+                    self.staging != "always":
+                return None
+        else:
+            return plain
+        plan, staged, self.stage = best
+        self.recorded_profile, self.profile = self.profile, staged
+        self._no_plan_at = None
+        self._first_unpacks = [group.first_unpack for group in staged.groups]
+        return plan
 
     def _advance_trial(self, link: CopyLink, unpacks: int) -> None:
         """A planned step of the trial ended (its backward ``unpacks`` points; a flush since the
@@ -2053,6 +2145,9 @@ class OffloadSession:
                         # a plan kept after a trial is made from this profile as its label says
                         "kept_after_trial": self.kept_after_trial,
                         "profile": dataclasses.asdict(self.profile)}
+            if self.stage is not None:   # the profile is the staged one, made from the recorded
+                document.update(stage=dataclasses.asdict(self.stage.stage),
+                                recorded_profile=dataclasses.asdict(self.recorded_profile))
             write_text_atomically(self.profile_to, json.dumps(document, default=plain) + "\n")
         except (OSError, ValueError, TypeError) as exc:
             self.say(f"the offload profile was not written to {self.profile_to}: {exc}")

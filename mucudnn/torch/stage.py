@@ -1,0 +1,266 @@
+"""Staging (docs/torch.md, "Staging"): the step's leading chain of per-sample layers run without
+saving anything, and in the backward again in micro-batches, each rerun and differentiated at once.
+
+A CNN's first layers hold its largest activations, and their backward its largest gradients: VGG-16
+(N = 256) saves 7.7 GiB in its first block, and the backward of its second convolution holds
+three 3.06 GiB tensors at once (its output's gradient, its input, its input's gradient), a floor
+no choice of keep, offload or recompute per saved tensor lowers. Staged, that block's backward
+holds a micro-batch's share of them.
+
+Invariants:
+- A chain is the children of one ``nn.Sequential`` run by its own forward (each child's input is
+  the one before's output, and nothing else reads them), from the step's first leaf module, each
+  of :data:`STAGEABLE` without hooks of its own: every sample's output reads that sample alone,
+  and a rerun on a slice of the batch gives that slice of the output.
+- Its first layer does not change its input in place (the input is saved for the backward).
+- The chunked backward's gradients equal the whole batch's up to the order of the sums over the
+  batch (each chunk's parameter gradient is added to the others'; micro-batched convolutions
+  the same): equal in float64 to rounding, not bit for bit.
+- A staged forward that cannot be finished as planned (its output a view, another chain than
+  recorded) is run again with autograd: the step is then as unstaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from . import planner
+
+#: per-sample, deterministic, no state changed by a forward: a slice of the batch in, that slice
+#: of the output out
+STAGEABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU,
+             nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.GELU, nn.MaxPool1d, nn.MaxPool2d,
+             nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.Identity)
+#: where a chain may end: its activations shrink there
+POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+#: device types whose autocast state a call records and its replay restores (a convolution
+#: recorded under bf16 autocast reads bf16 tensors and fp32 weights)
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """(device, dtype) of each device with autocast on: a replay runs under the same."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(device))
+
+
+def autocast_as(recorded: tuple, stack: contextlib.ExitStack) -> None:
+    """Enters on ``stack`` the autocast state ``recorded`` (:func:`autocast_state`) where the
+    current one differs."""
+    recorded = dict(recorded)
+    for device in _AUTOCAST_DEVICES:
+        enabled = device in recorded
+        if enabled != torch.is_autocast_enabled(device) or (
+                enabled and recorded[device] != torch.get_autocast_dtype(device)):
+            stack.enter_context(torch.autocast(device, dtype=recorded.get(device),
+                                               enabled=enabled))
+
+
+def _plain_sequential(module: nn.Module | None) -> bool:
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def stageable(module: nn.Module) -> bool:
+    return type(module) in STAGEABLE and not module._forward_pre_hooks \
+        and not module._forward_hooks
+
+
+@dataclass(eq=False)
+class _Link:
+    module: nn.Module
+    groups_before: int
+    call: object              # its _Call in the recording (its times)
+    groups_after: int = -1
+
+
+@dataclass(eq=False)
+class ChainRecorder:
+    """A recording step's leading chain (module docstring), as its leaf modules run: fed each
+    leaf module's start and return, with the running containers (innermost last) and the
+    groups saved so far."""
+
+    links: list = field(default_factory=list)
+    parent: nn.Module | None = None
+    open: bool = True
+    input_key: tuple | None = None
+    input_bytes: int = 0
+    batch: int = 0
+
+    def enter(self, module: nn.Module, args, parent: nn.Module | None, groups: int,
+              call, key) -> None:
+        """Leaf ``module`` starts (``call``, its record); ``key(tensor)``: a tensor's group key."""
+        if not self.open:
+            return
+        links = self.links
+        if not stageable(module) or not _plain_sequential(parent) or (
+                links and (parent is not self.parent or links[-1].groups_after != groups
+                           or not _follows(parent, links[-1].module, module))):
+            self.open = False
+            return
+        if not links:
+            source = args[0] if args else None
+            if not isinstance(source, torch.Tensor) or source.dim() < 2 or \
+                    getattr(module, "inplace", False):
+                self.open = False
+                return
+            self.parent, self.input_key = parent, key(source)
+            self.input_bytes = source.numel() * source.element_size()
+            self.batch = source.shape[0]
+        links.append(_Link(module, groups, call))
+
+    def leave(self, module: nn.Module, output, groups: int) -> None:
+        if not self.open or not self.links or self.links[-1].module is not module:
+            return
+        if isinstance(output, torch.Tensor) and output.dim() >= 2 and \
+                output.shape[0] == self.batch:
+            self.links[-1].groups_after = groups
+        else:   # a tuple (pooling's indices), or another batch: the chain ends before it
+            self.links.pop()
+            self.open = False
+
+    def candidates(self, input_group: int | None, time_ms) -> list[tuple[planner.Stage, list]]:
+        """Stages ending at the chain's first :data:`planner.STAGE_ENDS` pooling layers that
+        saved groups: (planner.Stage with chunks to be chosen, its modules). ``input_group``:
+        the group the chain's input was saved as (None: none); ``time_ms(call)``: a call's
+        compute time."""
+        found = []
+        for end, link in enumerate(self.links):
+            if link.groups_after < 0 or not isinstance(link.module, POOLS):
+                continue
+            first, after = self.links[0].groups_before, link.groups_after
+            if after - first <= (input_group is not None and first <= input_group < after):
+                continue
+            found.append((planner.Stage(
+                end + 1, first, after, input_group, self.input_bytes, 1,
+                sum(time_ms(each.call) for each in self.links[:end + 1])),
+                [each.module for each in self.links[:end + 1]]))
+            if len(found) == planner.STAGE_ENDS:
+                break
+        return found
+
+
+def _follows(parent: nn.Module, before: nn.Module, module: nn.Module) -> bool:
+    children = list(parent._modules.values())
+    return any(a is before and b is module for a, b in zip(children, children[1:]))
+
+
+class StagePlan:
+    """A stage in force: its modules (weakly), the container that runs them, its micro-batches."""
+
+    def __init__(self, stage: planner.Stage, modules: list[nn.Module], parent: nn.Module):
+        self.stage = stage
+        self._modules = [weakref.ref(module) for module in modules]
+        self._parent = weakref.ref(parent)
+        self.first = modules[0]
+
+    @property
+    def modules(self) -> list[nn.Module] | None:
+        modules = [ref() for ref in self._modules]
+        return None if any(module is None for module in modules) else modules
+
+    def runs(self, module: nn.Module, args, parent: nn.Module | None) -> bool:
+        """Whether ``module``'s call (``parent`` running it) starts the stage now."""
+        if module is not self.first or parent is None or parent is not self._parent() \
+                or not torch.is_grad_enabled() or not args \
+                or not isinstance(args[0], torch.Tensor) \
+                or args[0].shape[0] < self.stage.chunks:
+            return False
+        modules = self.modules
+        return modules is not None and all(stageable(m) for m in modules) and all(
+            _follows(parent, a, b) for a, b in zip(modules, modules[1:]))
+
+
+class StagedForward:
+    """A staged forward running: grad mode off from its first module to its last's return."""
+
+    def __init__(self, plan: StagePlan, source: torch.Tensor):
+        self.plan, self.source = plan, source
+        self.modules = plan.modules
+        self.autocast = autocast_state()
+        self.grad_mode = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+
+    def ends_at(self, module: nn.Module) -> bool:
+        return module is self.modules[-1]
+
+    def abort(self) -> None:
+        """A module of it raised: grad mode back as it was."""
+        torch.set_grad_enabled(self.grad_mode)
+
+    def finish(self, output: torch.Tensor) -> torch.Tensor:
+        """The stage's output, in the graph: through :class:`_StagedChain`, or, where it cannot
+        stand for the chain (a view, or not a tensor of the batch), the chain run again with
+        autograd."""
+        torch.set_grad_enabled(self.grad_mode)
+        params = _parameters(self.modules)
+        if not (self.source.requires_grad or any(p.requires_grad for p in params)):
+            return output
+        if not isinstance(output, torch.Tensor) or output._base is not None or \
+                output.shape[0] != self.source.shape[0]:
+            return run_chain(self.modules, self.source, self.autocast)
+        self.output = output
+        staged = _StagedChain.apply(self, self.source, *params)
+        self.source = None   # the saved group holds it now (kept, offloaded or dropped)
+        return staged
+
+
+def _parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    seen, params = set(), []
+    for module in modules:
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+def run_chain(modules: list[nn.Module], value: torch.Tensor, autocast: tuple) -> torch.Tensor:
+    with contextlib.ExitStack() as stack:
+        autocast_as(autocast, stack)
+        for module in modules:
+            value = module(value)
+    return value
+
+
+class _StagedChain(torch.autograd.Function):
+    """The stage's output (made under ``no_grad``) with the stage's backward: per micro-batch of
+    its input, the chain rerun and differentiated; parameter gradients summed over them."""
+
+    @staticmethod
+    def forward(ctx, run: StagedForward, source, *params):
+        ctx.run = run
+        ctx.save_for_backward(source)
+        output, run.output = run.output, None
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        source, = ctx.saved_tensors
+        run: StagedForward = ctx.run
+        params = _parameters(run.modules)
+        wants_source = ctx.needs_input_grad[1]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
+        sums: list[torch.Tensor | None] = [None] * len(wanted)
+        pieces = []
+        size = -(-source.shape[0] // run.plan.stage.chunks)
+        for part, part_grad in zip(source.split(size), grad.split(size)):
+            with torch.enable_grad():
+                value = part.detach().requires_grad_(wants_source)
+                out = run_chain(run.modules, value, run.autocast)
+                got = torch.autograd.grad(out, ([value] if wants_source else []) + wanted,
+                                          part_grad, allow_unused=True)
+            if wants_source:
+                pieces.append(got[0] if got[0] is not None else torch.zeros_like(part))
+                got = got[1:]
+            for index, each in enumerate(got):
+                if each is not None:
+                    sums[index] = each if sums[index] is None else sums[index].add_(each)
+            del out, got
+        by_param = dict(zip(map(id, wanted), sums))
+        source_grad = torch.cat(pieces) if wants_source else None
+        return (None, source_grad) + tuple(by_param.get(id(p)) for p in params)
