@@ -1912,7 +1912,9 @@ class OffloadSession:
         """The stages recording ``step``'s leading chain allows (stage.py): (planner.Stage,
         its modules, their container, the batch)."""
         chain = step.chain
-        if chain is None or not chain.links:
+        # a staged chain reruns its convolutions, and sums its parameters' gradients over
+        # micro-batches: not where convolutions may not rerun (MUCUDNN_OFFLOAD=cheap)
+        if chain is None or not chain.links or not self.recompute_convolutions:
             return []
         link = self._any_link()
         d2h, _ = self._link_speeds(step, link)

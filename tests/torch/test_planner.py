@@ -752,3 +752,78 @@ def test_smaller_headrooms_halve_down_to_the_least_and_leave_out_targets_below_t
     least = planner.planning_target(budget, 0.04)
     assert planner.smaller_headrooms(budget, 0.1, least_peak=least) == [
         (0.025, planner.planning_target(budget, 0.025))]
+
+
+def staged_chain_profile(late_reader: bool = False):
+    """A first block, then a pool and one more layer: x (group 0, read last by the first
+    convolution), two 8 MiB activations (1, 2) of the block, the pool's 2 MiB output (3, with a
+    recipe from 2) and one 2 MiB activation after it (4, with a recipe from 3). ``late_reader``:
+    group 4 is also read at the block's first backward point."""
+    groups = [SavedGroup(1 * MiB, 5, 5, "Conv2d"),
+              SavedGroup(8 * MiB, 3, 4, "ReLU"),
+              SavedGroup(8 * MiB, 2, 3, "ReLU"),
+              SavedGroup(2 * MiB, 1, 1, "MaxPool2d", recompute_ms=0.1, recompute_source=2),
+              SavedGroup(2 * MiB, 0, 2 if late_reader else 0, "ReLU", recompute_ms=0.2,
+                         recompute_source=3)]
+    return StepProfile(groups, forward_ms=10.0, backward_ms=20.0, d2h_gbps=1.0, h2d_gbps=1.0,
+                       unpacks=6, baseline_forward=[1 * MiB, 9 * MiB, 9 * MiB, 3 * MiB, 3 * MiB],
+                       baseline_backward=[3 * MiB, 4 * MiB, 12 * MiB, 20 * MiB, 12 * MiB,
+                                          10 * MiB],
+                       backward_clock=[0.0, 2.0, 4.0, 8.0, 12.0, 16.0],
+                       forward_clock=[0.0, 1.0, 2.0, 3.0, 4.0],
+                       floor_backward=[2 * MiB, 3 * MiB, 4 * MiB, 10 * MiB, 8 * MiB, 8 * MiB])
+
+
+def test_a_staged_profile_drops_the_chains_groups_and_backward_points():
+    profile = staged_chain_profile()
+    stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
+    staged = planner.staged_profile(profile, stage)
+    assert [g.nbytes for g in staged.groups] == [1 * MiB, 2 * MiB, 2 * MiB]
+    inputs, pooled, after = staged.groups
+    # the input is read once, at the staged backward's one point, the last
+    assert (inputs.first_unpack, inputs.last_unpack, inputs.recompute_ms) == (2, 2, None)
+    # the pool's recipe read a staged group: gone; the next one's source is renumbered
+    assert pooled.recompute_ms is None and pooled.recompute_source is None
+    assert after.recompute_source == (1,)
+    assert staged.unpacks == 3 and staged.backward_clock == [0.0, 2.0, 4.0]
+    assert staged.backward_ms == 23.0      # the chain's forward runs again
+    # at its point: the floor there and a quarter of the most above it (point 3: 20 MiB
+    # besides groups 1 and 2, both live, 36 MiB in all)
+    assert staged.baseline_backward == [3 * MiB, 4 * MiB, 4 * MiB + (36 * MiB - 4 * MiB) // 4]
+    assert staged.floor_backward == [2 * MiB, 3 * MiB, 4 * MiB]
+    # its forward saves nothing but holds one of its tensors besides what its points held
+    assert staged.baseline_forward == [9 * MiB + 8 * MiB, 3 * MiB, 3 * MiB]
+    assert staged.forward_clock == [0.0, 3.0, 4.0]
+    # a plan on it never sees the block's 16 MiB
+    assert peak_memory(staged, [KEEP] * 3, 0) < peak_memory(profile, [KEEP] * 5, 0)
+
+
+def test_a_chain_whose_backward_is_not_the_last_is_not_staged():
+    profile = staged_chain_profile(late_reader=True)
+    stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
+    assert planner.staged_profile(profile, stage) is None
+    assert planner.stage_chunks(profile, stage) is None
+
+
+def test_an_input_the_chain_did_not_save_is_a_new_group():
+    recorded = staged_chain_profile()
+    # the chain's first layer saved nothing of its input (group 0 left out, as a ReLU first)
+    profile = dataclasses.replace(
+        recorded, groups=[dataclasses.replace(g, recompute_source=tuple(
+            s - 1 for s in g.recompute_source) if g.recompute_source else None)
+            for g in recorded.groups[1:]],
+        baseline_forward=recorded.baseline_forward[1:], forward_clock=recorded.forward_clock[1:])
+    staged = planner.staged_profile(profile, planner.Stage(4, 0, 2, None, 3 * MiB, 2, 3.0))
+    assert [g.nbytes for g in staged.groups] == [3 * MiB, 2 * MiB, 2 * MiB]
+    assert (staged.groups[0].first_unpack, staged.groups[0].last_unpack) == (2, 2)
+    assert staged.groups[2].recompute_source == (1,)
+
+
+def test_the_fewest_chunks_that_leave_the_stage_below_the_rest_of_the_backward():
+    profile = staged_chain_profile()
+    stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
+    # floor 4 MiB, 36 MiB at most: a chunk of 2 holds 20 MiB, of 4 12 MiB, of 8 8 MiB; the rest
+    # of the backward holds 4 MiB at most: none fits, so the most
+    assert planner.stage_chunks(profile, stage) == planner.STAGE_CHUNKS[-1]
+    roomy = dataclasses.replace(profile, baseline_backward=[13 * MiB] + profile.baseline_backward[1:])
+    assert planner.stage_chunks(roomy, stage) == 4

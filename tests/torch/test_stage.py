@@ -1,0 +1,152 @@
+"""mucudnn.torch.stage on CPU torch: a staged chain's gradients equal the plain step's in float64 to
+rounding (its parameter gradients are sums over micro-batches), only chains of per-sample layers in
+a plain nn.Sequential are staged, and a staged forward that raises leaves grad mode as it was."""
+
+import copy
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
+    pytest.skip("needs a real PyTorch", allow_module_level=True)
+
+from torch import nn  # noqa: E402
+
+from mucudnn.errors import InfeasibleError  # noqa: E402
+from mucudnn.torch import planner  # noqa: E402
+from mucudnn.torch.planner import KEEP  # noqa: E402
+from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+from test_runtime import RecordingLink, train  # noqa: E402
+
+STEPS = 5   # two recording steps, three staged ones
+
+
+def vgg_like(dtype=torch.float64, features=None):
+    torch.manual_seed(0)
+    features = features or nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(inplace=True), nn.MaxPool2d(2))
+    return nn.Sequential(features, nn.Flatten(), nn.Linear(16 * 4 * 4, 10)).to(dtype)
+
+
+def batches(dtype=torch.float64, batch=8, steps=STEPS, input_grad=False):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 3, 16, 16, generator=generator, dtype=dtype)
+             .requires_grad_(input_grad), torch.randint(0, 10, (batch,), generator=generator))
+            for _ in range(steps)]
+
+
+def staged_session(**options):
+    return OffloadSession(budget=2**50, link=RecordingLink(), min_bytes=0,
+                          **{"stage": "always", **options})
+
+
+def assert_close(expected, actual, rtol=1e-13):
+    for step, (a, b) in enumerate(zip(expected, actual, strict=True)):
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            scale = max(u.abs().max().item(), 1e-300)
+            assert (u - v).abs().max().item() <= rtol * scale, f"step {step} tensor {i}"
+
+
+def test_a_staged_chain_trains_as_the_plain_step_in_float64():
+    model, data = vgg_like(), batches()
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = staged_session(say=said.append)
+    staged = train(copy.deepcopy(model), data, session)
+    assert_close(reference, staged)
+    # the first block (conv, relu, conv, relu, pool) staged, in 2 or more micro-batches
+    stage = session.stage.stage
+    assert (stage.modules, stage.first_group, stage.input_group) == (5, 0, 0)
+    assert stage.chunks >= 2 and "staged" in said[-1]
+    # its steps saved what the staged profile has: the input, then what follows the block
+    recorded, profile = session.recorded_profile, session.profile
+    assert [g.nbytes for g in session._step.groups] == [g.nbytes for g in profile.groups]
+    assert len(profile.groups) == len(recorded.groups) - (stage.end_group - 1)
+    assert profile.unpacks < recorded.unpacks
+
+
+def test_the_inputs_gradient_through_a_staged_chain():
+    model, data = vgg_like(), batches(input_grad=True)
+    reference = copy.deepcopy(model)
+    session = staged_session()
+    for x, y in data:
+        expected = x.detach().clone().requires_grad_()
+        nn.functional.cross_entropy(reference(expected), y).backward()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        assert torch.allclose(x.grad, expected.grad, rtol=1e-13, atol=0)
+    assert session.stage is not None
+
+
+@pytest.mark.parametrize("change", ["batch norm", "own hook", "in place first", "functional"])
+def test_only_a_plain_sequential_of_per_sample_layers_is_staged(change):
+    features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
+                             nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    if change == "batch norm":        # couples the batch's samples
+        features.insert(1, nn.BatchNorm2d(8))
+    elif change == "own hook":        # a rerun would run it again
+        features[2].register_forward_hook(lambda module, args, output: None)
+    elif change == "in place first":  # the input it changes is the one saved
+        features.insert(0, nn.ReLU(inplace=True))
+
+    class Functional(nn.Sequential):   # a forward of its own: its children's reads are unknown
+        def forward(self, x):
+            for module in self:
+                x = module(x)
+            return x
+    if change == "functional":
+        features = Functional(*features)
+    model, data = vgg_like(features=features), batches()
+    reference = train(copy.deepcopy(model), data)
+    session = staged_session()
+    assert_close(reference, train(model, data, session), rtol=0)   # bit for bit: not staged
+    assert session.stage is None
+
+
+def test_no_staging_where_convolutions_may_not_rerun_or_staging_is_off():
+    model, data = vgg_like(), batches()
+    for options in ({"recompute_convolutions": False}, {"stage": False}):
+        session = staged_session(**options)
+        train(copy.deepcopy(model), data, session)
+        assert session.stage is None
+
+
+def test_a_staged_forward_that_raises_leaves_grad_mode_on():
+    model, data = vgg_like(), batches()
+    session = staged_session()
+    train(model, data[:3], session)
+    assert session.stage is not None
+    wrong = torch.randn(8, 4, 16, 16, dtype=torch.float64)   # 4 channels: the first conv raises
+    with pytest.raises(RuntimeError):
+        with session:
+            model(wrong)
+    assert torch.is_grad_enabled() and session._staged is None
+    # the next steps are staged again, and train as the plain ones
+    reference = copy.deepcopy(model)
+    assert_close(train(reference, data[3:]), train(model, data[3:], session))
+    assert [g.nbytes for g in session._step.groups] == [g.nbytes for g in session.profile.groups]
+
+
+def test_a_staged_plan_is_taken_where_the_plain_one_does_not_fit():
+    """_choose_stage on a profile whose block sets the floor: the plain plan has no room, the
+    staged one does."""
+    from test_planner import staged_chain_profile
+    MiB = 2**20
+    profile = dataclasses.replace(staged_chain_profile(), d2h_gbps=1e-3, h2d_gbps=1e-3)
+    session = OffloadSession(budget=2**40, link=CopyLink(), say=lambda text: None)
+    session.profile = profile
+    modules = list(vgg_like()[0])[:5]
+    stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 1, 3.0)
+    session._stage_candidates = [(stage, modules, vgg_like()[0], 8)]
+    target = 30 * MiB
+    with pytest.raises(InfeasibleError):
+        planner.plan_with_prefetch(profile, target, 2, 5)
+    plan = session._choose_stage(target)
+    assert plan is not None and plan.peak <= target
+    assert session.stage is not None and session.recorded_profile is profile
+    assert session.profile is not profile and len(plan.modes) == 3 and KEEP in plan.modes
