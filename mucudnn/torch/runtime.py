@@ -982,7 +982,7 @@ class OffloadSession:
         step = self._step
         parent = self._containers[-1] if self._containers else None
         if self.stage is not None and not step.profiling and self._staged is None and \
-                self.stage.runs(module, args, parent):
+                self.stage.runs(module, args, parent, len(step.groups)):
             self._staged = StagedForward(self.stage, args[0])   # grad mode off till its end
             return
         if not self._records_calls(step):

@@ -163,12 +163,13 @@ class StagePlan:
         modules = [ref() for ref in self._modules]
         return None if any(module is None for module in modules) else modules
 
-    def runs(self, module: nn.Module, args, parent: nn.Module | None) -> bool:
-        """Whether ``module``'s call (``parent`` running it) starts the stage now."""
+    def runs(self, module: nn.Module, args, parent: nn.Module | None, saved: int) -> bool:
+        """Whether ``module``'s call (``parent`` running it, ``saved`` groups saved so far in the
+        step) starts the stage now: where the recording's chain started (a batch smaller than
+        ``chunks`` runs in one chunk a sample)."""
         if module is not self.first or parent is None or parent is not self._parent() \
-                or not torch.is_grad_enabled() or not args \
-                or not isinstance(args[0], torch.Tensor) \
-                or args[0].shape[0] < self.stage.chunks:
+                or saved != self.stage.first_group or not torch.is_grad_enabled() or not args \
+                or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
             return False
         modules = self.modules
         return modules is not None and all(stageable(m) for m in modules) and all(
