@@ -1920,14 +1920,9 @@ class OffloadSession:
         d2h, _ = self._link_speeds(step, link)
         group = step.by_key.get(chain.input_key)
         input_group = group.gid if group is not None else None
-
-        def time_ms(call) -> float:
-            if call.start is None or call.end is None or call.start.link is not call.end.link:
-                return 0.0
-            return max(0.0, link.compute_ms(call.start, call.end)
-                       - planner.transfer_ms(call.moved, d2h))
         return [(stage, modules, chain.parent, chain.batch)
-                for stage, modules in chain.candidates(input_group, time_ms)]
+                for stage, modules in chain.candidates(
+                    input_group, lambda call: _call_ms(link, call, d2h) or 0.0)]
 
     def _choose_stage(self, target: int) -> planner.OffloadPlan | None:
         """Whether a plan stages the leading chain (stage.py), weighed once on the recorded
@@ -1961,9 +1956,10 @@ class OffloadSession:
                     best[0].predicted_ms >= plain.predicted_ms * (1 - planner.STAGE_MIN_GAIN):
                 return plain
         elif plain is None and options:
-            least = planner.least_peak(self.profile, self.lookahead)
-            best = min(options, key=lambda option: planner.least_peak(option[1], self.lookahead))
-            if planner.least_peak(best[1], self.lookahead) >= least and \
+            peaks = [planner.least_peak(option[1], self.lookahead) for option in options]
+            lowest = min(peaks)
+            best = options[peaks.index(lowest)]
+            if lowest >= planner.least_peak(self.profile, self.lookahead) and \
                     self.staging != "always":
                 return None
         else:
@@ -2240,14 +2236,10 @@ class OffloadSession:
             first = group.first_unpack if group.first_unpack is not None else unpacks - 1
             last = group.last_unpack if group.last_unpack is not None else unpacks - 1
             recompute_ms, sources = None, None
-            # timed: every call's marks on one link's clock (not a first recording's calls
-            # before its first pack, marked on no link yet)
-            if group.recipe is not None and all(
-                    c.end is not None and c.start is not None and c.start.link is c.end.link
-                    for c in group.recipe.calls):
-                recompute_ms = sum(max(0.0, link.compute_ms(c.start, c.end)
-                                       - planner.transfer_ms(c.moved, d2h))
-                                   for c in group.recipe.calls)
+            times = [_call_ms(link, c, d2h) for c in group.recipe.calls] \
+                if group.recipe is not None else [None]
+            if None not in times:
+                recompute_ms = sum(times)
                 sources = tuple(source.gid for source in group.recipe.sources)
             # what a rebuild allocates: every call's output but an in-place one's (its input),
             # or the most it allocated while it ran, where more (a convolution's workspace)
@@ -2304,6 +2296,15 @@ class OffloadSession:
         profile.baseline_backward = [b + grown for b in backward]
         profile.floor_backward = [f + grown for f in floor]
         return profile
+
+
+def _call_ms(link: CopyLink, call: _Call, d2h: float) -> float | None:
+    """A recording step's ``call``: its compute ms, less what it copied to the host inline
+    (``d2h`` GB/s); None where untimed: its marks not on one link's clock (a first recording's
+    calls before its first pack, marked on no link yet)."""
+    if call.start is None or call.end is None or call.start.link is not call.end.link:
+        return None
+    return max(0.0, link.compute_ms(call.start, call.end) - planner.transfer_ms(call.moved, d2h))
 
 
 def _rebuild_order(group: _Group) -> list[_Group]:

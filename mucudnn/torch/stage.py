@@ -133,7 +133,8 @@ class ChainRecorder:
             if link.groups_after < 0 or not isinstance(link.module, POOLS):
                 continue
             first, after = self.links[0].groups_before, link.groups_after
-            if after - first <= (input_group is not None and first <= input_group < after):
+            saved_input = input_group is not None and first <= input_group < after
+            if after - first - saved_input <= 0:   # it saved nothing but its input
                 continue
             found.append((planner.Stage(
                 end + 1, first, after, input_group, self.input_bytes, 1,
@@ -198,7 +199,7 @@ class StagedForward:
         stand for the chain (a view, or not a tensor of the batch), the chain run again with
         autograd."""
         torch.set_grad_enabled(self.grad_mode)
-        params = _parameters(self.modules)
+        self.params = params = _parameters(self.modules)
         if not (self.source.requires_grad or any(p.requires_grad for p in params)):
             return output
         if not isinstance(output, torch.Tensor) or output._base is not None or \
@@ -243,7 +244,7 @@ class _StagedChain(torch.autograd.Function):
     def backward(ctx, grad):
         source, = ctx.saved_tensors
         run: StagedForward = ctx.run
-        params = _parameters(run.modules)
+        params = run.params
         wants_source = ctx.needs_input_grad[1]
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
         sums: list[torch.Tensor | None] = [None] * len(wanted)
