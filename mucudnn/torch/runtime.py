@@ -883,6 +883,8 @@ class OffloadSession:
         #: stage.py: whether plans may stage the leading chain; the stage in force (its profile
         #: is :attr:`profile`, the recorded one :attr:`recorded_profile`); the staged forward
         #: running; the recording's candidates; the containers running now, innermost last
+        if stage not in (True, False, "always"):
+            raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
         self.staging = stage
         self.stage: StagePlan | None = None
         self.recorded_profile: planner.StepProfile | None = None

@@ -154,3 +154,8 @@ def test_a_staged_plan_is_taken_where_the_plain_one_does_not_fit():
     assert plan is not None and plan.peak <= target
     assert session.stage is not None and session.recorded_profile is profile
     assert session.profile is not profile and len(plan.modes) == 3 and KEEP in plan.modes
+
+
+def test_an_unknown_stage_value_is_one_clear_error():
+    with pytest.raises(ValueError, match="stage='never' is not True, False or 'always'"):
+        OffloadSession(budget=2**30, stage="never")
