@@ -265,7 +265,12 @@ def tune(config, recordings, workspace_limit, total_workspace, front, policy, pr
     click.echo(f"wrote {output}: {_plan_summary(plan)}, predicted "
                f"{predicted_network_time(plan, kernels):.3f} ms {pass_name}, measurements of "
                f"{env.gpu} / cuDNN {env.cudnn}")
-    click.echo(f"{SUM_LABEL}: plan {sum_of_kernel_times(plan):.3f} ms (as `mucudnn show`)")
+    if plan.is_front:
+        click.echo(f"fastest points: {SUM_LABEL} {sum_of_kernel_times(plan):.3f} ms; smallest "
+                   f"points: {SUM_LABEL} {sum_of_kernel_times(plan, smallest=True):.3f} ms "
+                   "(as `mucudnn show`)")
+    else:
+        click.echo(f"{SUM_LABEL}: plan {sum_of_kernel_times(plan):.3f} ms (as `mucudnn show`)")
     click.echo(describe_math(plan))
     click.echo(f"{store.describe(used=True)} (used by the plan)")
 

@@ -57,9 +57,11 @@ def describe_pieces(entry: PlanEntry) -> str:
 
 
 def describe_math(plan: Plan) -> str:
-    """The math types of the plan's kernel keys, with how many kernels each and, for f32 data,
-    whether that is PyTorch's default: ``math: fma (TF32 off, ...) 26 kernels``."""
-    counts = Counter((entry.problem.dtype, entry.problem.math) for entry in plan)
+    """The math types of the plan's kernel keys, with how many kernels each (a front plan's
+    points of one kernel count once) and, for f32 data, whether that is PyTorch's default:
+    ``math: fma (TF32 off, ...) 26 kernels``."""
+    problems = (plan.get(key, n).problem for key, n in plan.kernels())
+    counts = Counter((problem.dtype, problem.math) for problem in problems)
     parts = []
     for (dtype, math), count in sorted(counts.items(), key=lambda item: -item[1]):
         meaning = _F32_MATH.get(math) if dtype is DataType.FLOAT else None
@@ -176,7 +178,9 @@ SUM_LABEL = "sum of kernel times (each kernel once)"
 
 
 def _faster(baseline_ms: float, plan_ms: float) -> str:
-    """``1.94x faster`` or ``1.49x slower``: the plan against a baseline, always a ratio >= 1."""
-    if baseline_ms >= plan_ms:
-        return f"{baseline_ms / plan_ms:.2f}x faster"
-    return f"{plan_ms / baseline_ms:.2f}x slower"
+    """``1.94x faster`` or ``1.49x slower``: the plan against a baseline, always a ratio >= 1;
+    ``same time`` where the ratio is 1.00 at the two decimals printed."""
+    ratio = f"{max(baseline_ms, plan_ms) / min(baseline_ms, plan_ms):.2f}"
+    if ratio == "1.00":
+        return "same time"
+    return f"{ratio}x {'faster' if baseline_ms > plan_ms else 'slower'}"

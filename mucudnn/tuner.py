@@ -613,10 +613,11 @@ def predicted_network_time(plan: Plan, kernels: Kernels) -> float:
     return sum(w * plan.get(p.key, p.n).time_ms for p, w in kernels if plan.get(p.key, p.n))
 
 
-def sum_of_kernel_times(plan: Plan) -> float:
+def sum_of_kernel_times(plan: Plan, smallest: bool = False) -> float:
     """Σ predicted time over the plan's kernels, each (key, N) once (ms): what a plan file alone
-    gives (it does not say how often each kernel runs); ``show`` prints it."""
-    return sum(entry.time_ms for entry in plan)
+    gives (it does not say how often each kernel runs); ``show`` prints it. A front plan's kernel
+    counts at its fastest point, or with ``smallest`` at its point of least workspace."""
+    return sum(plan.front(key, n)[0 if smallest else -1].time_ms for key, n in plan.kernels())
 
 
 def baselines(store, env: Environment, entry: PlanEntry, limit: int | None,

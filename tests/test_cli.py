@@ -728,6 +728,29 @@ def test_tune_and_show_print_the_same_total_under_the_same_label(no_gpu, tmp_pat
         sum(w * plan.get(p.key, p.n).time_ms for p, w in kernels), abs=1e-3)
 
 
+def test_tune_of_a_front_plan_prints_the_totals_show_prints(no_gpu, tmp_path):
+    """A front plan's total counts each kernel once, at its fastest point (and at its smallest),
+    as `show` prints them; the math line counts kernels, not points."""
+    plan_path = tmp_path / "alexnet.plan"
+    tuned = invoke("tune", "alexnet", "-o", plan_path)
+    shown = invoke("show", plan_path)
+    assert tuned.exit_code == shown.exit_code == 0, tuned.output + shown.output
+    plan = read_plan(plan_path)
+    assert plan.is_front and len(plan) > len(plan.kernels())  # points outnumber kernels
+    for which in ("fastest", "smallest"):
+        label = re.escape(f"{which} points: sum of kernel times (each kernel once) ") + r"([0-9.]+) ms"
+        [tune_total] = re.findall(label, tuned.stdout)
+        [show_total] = re.findall(label, shown.stdout)
+        assert tune_total == show_total, (which, tuned.stdout)
+    fastest = sum(plan.get(key, n).time_ms for key, n in plan.kernels())
+    assert f"fastest points: sum of kernel times (each kernel once) {fastest:.3f} ms" in tuned.stdout
+    math = f": {len(plan.kernels())} kernels"
+    assert [line for line in tuned.stdout.splitlines() if line.startswith("math: ")] == [
+        line for line in shown.stdout.splitlines() if line.startswith("math: ")]
+    assert next(line for line in tuned.stdout.splitlines()
+                if line.startswith("math: ")).endswith(math), tuned.stdout
+
+
 @pytest.mark.parametrize("restriction", [("--api", "legacy"),
                                          ("--exclude-algo", "eng7.k2=16.k11=-1")])
 def test_show_compares_a_restricted_plan_with_baselines_under_its_restrictions(
