@@ -1,5 +1,6 @@
 # Shared set-up of scripts/test.sh and scripts/quickstart.sh (sourced, run from the repository
-# root): a .venv of the Python asked for, and cuDNN headers where none are installed.
+# root): a .venv of the Python asked for, cuDNN headers where none are installed, and whether an
+# NVIDIA GPU is here.
 
 # $PYTHON (default python3) must be >= 3.11 (pyproject.toml's requires-python). A .venv made by
 # another Python (another version or installation) is replaced, not reused.
@@ -62,4 +63,10 @@ ensure_local_torch() {
   echo "setup: installing $wheel (for tests/torch)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check "$wheel" \
     || echo "setup: $wheel failed to install: tests/torch skip" >&2
+}
+
+# True where the NVIDIA driver lists a GPU (nvidia-smi -L). Asked before CuPy is installed, so it
+# does not import anything from .venv.
+has_nvidia_gpu() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
 }
