@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ._version import __version__
 from .environment import package_dirs
-from .errors import LibraryNotFoundError, MucudnnError
+from .errors import LibraryNotFoundError, MucudnnError, UnwritableError
 from .settings import user_cache_dir
 
 # mucudnn/shim_src links to the checkout's shim/ and is copied into wheels, so an installed
@@ -175,9 +175,18 @@ def build_shim(out_dir: str | os.PathLike | None = None, force: bool = False) ->
     library = target_dir / LIBRARY_NAME
     if library.is_file() and not force:
         return library
-    target_dir.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so concurrent builders never see a half-written file.
-    with tempfile.TemporaryDirectory(dir=target_dir, prefix=".build-") as scratch:
+    try:
+        target_dir.mkdir(parents=True, exist_ok=True)
+        scratch_dir = tempfile.TemporaryDirectory(dir=target_dir, prefix=".build-")
+    except OSError as exc:
+        where = ("" if out_dir is not None else
+                 f" (MUCUDNN_SHIM_DIR={os.environ['MUCUDNN_SHIM_DIR']}: set it to a writable "
+                 "directory)" if os.environ.get("MUCUDNN_SHIM_DIR") else
+                 " (set MUCUDNN_SHIM_DIR to a writable directory)")
+        raise UnwritableError(f"cannot build the shim in {target_dir}: {exc.strerror}{where}") \
+            from None
+    with scratch_dir as scratch:
         command = [make, "-s", "-C", str(SHIM_SOURCE_DIR), f"CUDNN_INCLUDE={cudnn_include}",
                    f"CUDA_INCLUDE={cuda_include}", f"CC={compiler}", f"VERSION={__version__}",
                    f"OUT={scratch}"]
