@@ -237,7 +237,7 @@ def tune(config, recordings, workspace_limit, total_workspace, front, policy, pr
     With no limit: a front plan, each kernel's fastest plans from any workspace down to the
     smallest (the shim runs, per call, the fastest that fits the workspace the call has)."""
     from .environment import Environment
-    from .outputs import refuse_inputs_as_output
+    from .outputs import PLAN, refuse_inputs_as_output, refuse_other_kind
     from .report import SUM_LABEL, describe_math
     from .tuner import (as_kernels, check_excluded_names, open_measurements,
                         predicted_network_time, sum_of_kernel_times)
@@ -249,6 +249,7 @@ def tune(config, recordings, workspace_limit, total_workspace, front, policy, pr
     _check_output(output)
     check_excluded_names(exclude)
     refuse_inputs_as_output(output, _inputs(config, recordings, store_path))
+    refuse_other_kind(output, PLAN)
     source = _kernels(config, recordings)
     env = Environment(gpu, cudnn_version) if gpu else None
     store, env = open_measurements(store_path, env)
@@ -433,7 +434,9 @@ def _exec_within(budget: int | None, command: tuple[str, ...], env: dict,
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def record(output, workspace_limit, command):
     """Run COMMAND (after --) with the shim recording every convolution kernel it runs."""
+    from .outputs import RECORDING, refuse_other_kind
     _require_command(command)
+    refuse_other_kind(output, RECORDING, appends=True)
     code = _exec(command, _shim_env(limit=workspace_limit, record=output))
     kernels = _recorded_kernels(output)
     if kernels:
@@ -589,7 +592,7 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
     appends to the one recording (whole lines; each kernel is tuned once), benchmarking is
     spread over the visible GPUs (see bench --help), and on GPUs of several models one plan per
     model is written beside -o (NAME.<model>.plan), each rank running the one for its GPU."""
-    from .outputs import refuse_inputs_as_output
+    from .outputs import PLAN, RECORDING, refuse_inputs_as_output, refuse_other_kind
     from .plan import read_recording_weights
     from .tuner import benchmark
     _require_command(command)
@@ -601,6 +604,8 @@ def autotune(workspace_limit, front, policy, precise, deterministic, borrow_outp
     _check_memory_budget(memory_budget)
     recording = Path(plan_path).with_suffix(".record")
     refuse_inputs_as_output(plan_path, [("recording", recording)] + _inputs(None, (), store_path))
+    refuse_other_kind(plan_path, PLAN)
+    refuse_other_kind(recording, RECORDING, option="its recording")
     # The run records into a fresh file beside the target; plan and recording replace the old ones
     # only once tuning succeeded, so a failing command leaves both as they were.
     fresh = recording.with_name(f".{recording.name}.{os.getpid()}.tmp")
@@ -741,10 +746,11 @@ def store_info_cmd(store_path):
 @store_option
 def store_export_cmd(output, gpu, cudnn_version, key, store_path):
     """Write the store's rows as CSV to OUTPUT (gzip-compressed when it ends in .gz)."""
-    from .outputs import refuse_inputs_as_output
+    from .outputs import EXPORT, refuse_inputs_as_output, refuse_other_kind
 
     with _open_store(store_path, readonly=True) as store:
         refuse_inputs_as_output(output, [("benchmark store", store.path)])
+        refuse_other_kind(output, EXPORT, option="store export")
         count = store.export_csv(output, gpu=gpu, cudnn_version=cudnn_version, key=key)
     click.echo(f"mucudnn: wrote {count} rows to {output}", err=True)
 

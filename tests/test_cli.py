@@ -688,14 +688,14 @@ def test_autotune_that_fails_keeps_the_previous_recording_and_plan(no_gpu, fake_
                                                                   monkeypatch):
     plan_path, recording = tmp_path / "train.plan", tmp_path / "train.record"
     recording.write_text("kernel from-an-earlier-run 1\n")
-    plan_path.write_text("an earlier plan\n")
+    plan_path.write_text(VALID_PLAN.read_text())
     monkeypatch.setattr(subprocess, "call", lambda args, env=None: 1)
     result = invoke("autotune", "--workspace-limit", "64MiB", "-o", plan_path, "--", "python", "t.py")
     assert result.exit_code == 2, result.output
     [error] = [line for line in result.stderr.splitlines() if line.startswith("mucudnn: error: ")]
     assert "recording run exited with 1" in error and "left as they were" in error
     assert recording.read_text() == "kernel from-an-earlier-run 1\n"
-    assert plan_path.read_text() == "an earlier plan\n"
+    assert plan_path.read_text() == VALID_PLAN.read_text()
     assert not list(tmp_path.glob(".train.record*"))  # no temporary left behind
 
 

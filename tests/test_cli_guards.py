@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import mucudnn
 from mucudnn import shimlib
-from test_cli import assert_one_error_line, invoke
+from mucudnn.plan import read_plan
+from test_cli import VALID_PLAN, assert_one_error_line, invoke
 from test_store import as_unprivileged
 
 
@@ -55,3 +57,79 @@ def test_a_read_only_shim_dir_is_one_error_line(buildable, shared_dir, monkeypat
     assert code == 2 and len(lines) == 1, stderr
     assert lines[0].startswith(f"mucudnn: error: cannot build the shim in {shim_dir}/"), stderr
     assert "MUCUDNN_SHIM_DIR" in lines[0]
+
+
+# -- outputs onto files of another kind -----------------------------------------------------------
+
+PLAN_TEXT = VALID_PLAN.read_text()
+CONFIG = mucudnn.find_config("alexnet")
+
+
+def _kinds(tmp_path: Path) -> dict[str, Path]:
+    """An existing file of each kind a command reads or writes."""
+    from test_cli import _filled_store
+    files = {"plan": tmp_path / "in.plan", "config": tmp_path / "net.yaml",
+             "recording": tmp_path / "run.record", "store": tmp_path / "other.sqlite",
+             "export": tmp_path / "rows.csv"}
+    files["plan"].write_text(PLAN_TEXT)
+    files["config"].write_text(CONFIG.read_text())
+    files["recording"].write_text("# mucudnn-record 1 pid=1\nkernel K 8\n")
+    _filled_store(files["store"])
+    assert invoke("store", "export", files["export"], "--store", files["store"]).exit_code == 0
+    return files
+
+
+@pytest.mark.parametrize("kind", ["plan", "config", "recording", "store"])
+def test_store_export_refuses_to_overwrite_a_file_of_another_kind(tmp_path, kind):
+    from test_cli import _filled_store
+    source = _filled_store(tmp_path / "s.sqlite")
+    target = _kinds(tmp_path)[kind]
+    before = target.read_bytes()
+    result = invoke("store", "export", target, "--store", source)
+    assert_one_error_line(result, f"{target} is a", "not a CSV export")
+    assert target.read_bytes() == before
+
+
+def test_store_export_overwrites_an_earlier_export(tmp_path):
+    from test_cli import _filled_store
+    target = _kinds(tmp_path)["export"]
+    source = _filled_store(tmp_path / "s.sqlite", batches=(1, 2, 4, 8))
+    result = invoke("store", "export", target, "--store", source)
+    assert result.exit_code == 0, result.output
+    assert len(target.read_text().splitlines()) == 1 + 4
+
+
+@pytest.mark.parametrize("kind", ["plan", "config", "store", "export"])
+def test_record_refuses_to_append_to_a_file_of_another_kind(fake_exec, tmp_path, kind):
+    target = _kinds(tmp_path)[kind]
+    before = target.read_bytes()
+    result = invoke("record", "-o", target, "--", "python", "train.py")
+    assert_one_error_line(result, f"-o {target} is a", "not a recording")
+    assert target.read_bytes() == before and fake_exec[1] == []  # nothing ran
+
+
+@pytest.mark.parametrize("kind", ["recording", "config", "export"])
+def test_tune_refuses_to_overwrite_a_file_of_another_kind(no_gpu, tmp_path, kind):
+    target = _kinds(tmp_path)[kind]
+    before = target.read_bytes()
+    result = invoke("tune", "alexnet", "--workspace-limit", "64MiB", "-o", target)
+    assert_one_error_line(result, f"-o {target} is a", "not a plan")
+    assert target.read_bytes() == before
+
+
+def test_tune_overwrites_an_earlier_plan_and_an_empty_file(no_gpu, tmp_path):
+    for target in (_kinds(tmp_path)["plan"], tmp_path / "empty.plan"):
+        target.touch()
+        result = invoke("tune", "alexnet", "--workspace-limit", "64MiB", "-o", target)
+        assert result.exit_code == 0, result.output
+        assert read_plan(target).gpu == "NVIDIA H200"
+
+
+@pytest.mark.parametrize("which", ["plan", "recording"])
+def test_autotune_refuses_to_overwrite_a_file_of_another_kind(no_gpu, fake_exec, tmp_path, which):
+    plan_path = tmp_path / "train.plan"
+    target = plan_path if which == "plan" else plan_path.with_suffix(".record")
+    target.write_text(CONFIG.read_text())
+    result = invoke("autotune", "--workspace-limit", "64MiB", "-o", plan_path, "--", "python", "t.py")
+    assert_one_error_line(result, f"{target} is a file of another kind, not a {which}")
+    assert target.read_text() == CONFIG.read_text() and fake_exec[1] == []  # nothing ran
