@@ -16,8 +16,18 @@ Invariants:
 - The chunked backward's gradients equal the whole batch's up to the order of the sums over the
   batch (each chunk's parameter gradient is added to the others'; micro-batched convolutions
   the same): equal in float64 to rounding, not bit for bit.
+- A chain holds no module twice (it ends before a module it holds): its stage ends where as many
+  of its modules returned as it has.
 - A staged forward that cannot be finished as planned (its output a view, another chain than
   recorded) is run again with autograd: the step is then as unstaged.
+- A rerun (the backward's, or the fallback's) reads the tensors the staged forward read (a
+  convolution's weight and bias as they were at its forward: ``torch.func.functional_call`` swaps
+  them for the parameters), returns their gradients to them (to second order where the backward
+  is differentiated again, ``create_graph``), and calls each module's forward without any hook:
+  a user's hooks see the user's forward only. One of these tensors changed in place since the
+  forward is PyTorch's error, as a convolution that saved it would raise.
+- A staged forward left before its end (a module raised, an interrupt) is aborted: grad mode as it
+  was at its start.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ STAGEABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ReLU, nn.ReLU6, nn.LeakyReLU, n
              nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.Identity)
 #: where a chain may end: its activations shrink there
 POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+#: the stageable modules whose forward reads tensors besides its input: the weight and the bias
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 #: device types whose autocast state a call records and its replay restores (a convolution
 #: recorded under bf16 autocast reads bf16 tensors and fp32 weights)
 _AUTOCAST_DEVICES = ("cuda", "cpu")
@@ -66,8 +78,9 @@ def _plain_sequential(module: nn.Module | None) -> bool:
 
 
 def stageable(module: nn.Module) -> bool:
+    """Of :data:`STAGEABLE`, with its class's forward and no hooks of its own."""
     return type(module) in STAGEABLE and not module._forward_pre_hooks \
-        and not module._forward_hooks
+        and not module._forward_hooks and "forward" not in vars(module)
 
 
 @dataclass(eq=False)
@@ -99,6 +112,7 @@ class ChainRecorder:
         links = self.links
         if not stageable(module) or not _plain_sequential(parent) or (
                 links and (parent is not self.parent or links[-1].groups_after != groups
+                           or any(link.module is module for link in links)
                            or not _follows(parent, links[-1].module, module))):
             self.open = False
             return
@@ -174,58 +188,100 @@ class StagePlan:
             return False
         modules = self.modules
         return modules is not None and all(stageable(m) for m in modules) and all(
-            _follows(parent, a, b) for a, b in zip(modules, modules[1:]))
+            _follows(parent, a, b) for a, b in zip(modules, modules[1:])) and \
+            len(set(map(id, modules))) == len(modules) and not _transformed()
+
+
+def _transformed() -> bool:
+    """Under a ``torch.func`` transform (``vmap``, ``grad``): an ``autograd.Function`` without a
+    vmap rule cannot run there, so nothing is staged."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return active is not None and active()
 
 
 class StagedForward:
-    """A staged forward running: grad mode off from its first module to its last's return."""
+    """A staged forward running: grad mode off from its first module to its last's return, or
+    to :meth:`abort`."""
 
     def __init__(self, plan: StagePlan, source: torch.Tensor):
         self.plan, self.source = plan, source
         self.modules = plan.modules
+        self.returned = 0   # how many of its modules returned
         self.autocast = autocast_state()
         self.grad_mode = torch.is_grad_enabled()
+        self.running = True
         torch.set_grad_enabled(False)
 
     def ends_at(self, module: nn.Module) -> bool:
-        return module is self.modules[-1]
+        """``module``, one of the chain's, returned: whether the chain has (as many returned as
+        it holds, in the order of the Sequential, which runs each once)."""
+        self.returned += 1
+        return self.returned == len(self.modules)
 
     def abort(self) -> None:
-        """A module of it raised: grad mode back as it was."""
-        torch.set_grad_enabled(self.grad_mode)
+        """The forward left the chain before its end (a module raised; any exception, an
+        interrupt): grad mode as it was at its start, nothing held. Once: a second call, or one
+        after :meth:`finish`, changes nothing."""
+        if self.running:
+            self.running = False
+            torch.set_grad_enabled(self.grad_mode)
+        self.source = self.output = None
 
     def finish(self, output: torch.Tensor) -> torch.Tensor:
         """The stage's output, in the graph: through :class:`_StagedChain`, or, where it cannot
         stand for the chain (a view, or not a tensor of the batch), the chain run again with
         autograd."""
+        self.running = False
         torch.set_grad_enabled(self.grad_mode)
-        self.params = params = _parameters(self.modules)
+        self.weights = [_weights(module) for module in self.modules]
+        self.params = params = _distinct(self.weights)
         if not (self.source.requires_grad or any(p.requires_grad for p in params)):
             return output
         if not isinstance(output, torch.Tensor) or output._base is not None or \
                 output.shape[0] != self.source.shape[0]:
-            return run_chain(self.modules, self.source, self.autocast)
+            return run_chain(self.modules, self.weights, self.source, self.autocast)
+        self.versions = [param._version for param in params]
         self.output = output
         staged = _StagedChain.apply(self, self.source, *params)
         self.source = None   # the saved group holds it now (kept, offloaded or dropped)
         return staged
 
+    def check_versions(self) -> None:
+        """PyTorch's error where a tensor the forward read changed in place since."""
+        for param, version in zip(self.params, self.versions):
+            if param._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{param.type()} {list(param.shape)}], read by a "
+                    f"staged chain, is at version {param._version}; expected version {version} "
+                    "instead.")
 
-def _parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+
+def _weights(module: nn.Module) -> tuple:
+    """The tensors ``module``'s forward reads now besides its input (a convolution's weight and
+    bias: the parameters, or what ``torch.func.functional_call`` put in their place)."""
+    return (module.weight, module.bias) if isinstance(module, CONVOLUTIONS) else ()
+
+
+def _distinct(weights: list[tuple]) -> list[torch.Tensor]:
     seen, params = set(), []
-    for module in modules:
-        for param in module.parameters(recurse=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
+    for each in weights:
+        for tensor in each:
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                params.append(tensor)
     return params
 
 
-def run_chain(modules: list[nn.Module], value: torch.Tensor, autocast: tuple) -> torch.Tensor:
+def run_chain(modules: list[nn.Module], weights: list[tuple], value: torch.Tensor,
+              autocast: tuple) -> torch.Tensor:
+    """The chain's forward on ``value``, each module reading ``weights`` (:func:`_weights`, at the
+    staged forward) and called without hooks (not ``module(value)``): no hook of the user's, no
+    global one, no session's sees a rerun."""
     with contextlib.ExitStack() as stack:
         autocast_as(autocast, stack)
-        for module in modules:
-            value = module(value)
+        for module, read in zip(modules, weights, strict=True):
+            value = module._conv_forward(value, *read) if read else module.forward(value)
     return value
 
 
@@ -242,9 +298,13 @@ class _StagedChain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """Grad mode on here: the backward runs with ``create_graph``, and its gradients are
+        made differentiable (the rerun reads the source's chunks and the weights themselves)."""
         source, = ctx.saved_tensors
         run: StagedForward = ctx.run
+        run.check_versions()
         params = run.params
+        higher = torch.is_grad_enabled()
         wants_source = ctx.needs_input_grad[1]
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
         sums: list[torch.Tensor | None] = [None] * len(wanted)
@@ -252,16 +312,18 @@ class _StagedChain(torch.autograd.Function):
         size = -(-source.shape[0] // run.plan.stage.chunks)
         for part, part_grad in zip(source.split(size), grad.split(size)):
             with torch.enable_grad():
-                value = part.detach().requires_grad_(wants_source)
-                out = run_chain(run.modules, value, run.autocast)
+                value = part if higher and wants_source else \
+                    part.detach().requires_grad_(wants_source)
+                out = run_chain(run.modules, run.weights, value, run.autocast)
                 got = torch.autograd.grad(out, ([value] if wants_source else []) + wanted,
-                                          part_grad, allow_unused=True)
+                                          part_grad, allow_unused=True, create_graph=higher)
             if wants_source:
                 pieces.append(got[0] if got[0] is not None else torch.zeros_like(part))
                 got = got[1:]
             for index, each in enumerate(got):
-                if each is not None:
-                    sums[index] = each if sums[index] is None else sums[index].add_(each)
+                if each is not None:   # in place only where no graph records the sum
+                    sums[index] = each if sums[index] is None else \
+                        sums[index] + each if higher else sums[index].add_(each)
             del out, got
         by_param = dict(zip(map(id, wanted), sums))
         source_grad = torch.cat(pieces) if wants_source else None
