@@ -345,11 +345,11 @@ def build_shim_cmd(force):
 
 def _shim_env(plan=None, limit=None, record=None, log_level=None, summary=False) -> dict:
     """The command's environment with the shim preloaded; ``plan`` one path or several (the shim
-    takes the one for its GPU and cuDNN)."""
+    takes the one for its GPU and cuDNN). A ``MUCUDNN_*`` value its setting does not accept is
+    refused (:func:`~mucudnn.settings.check_environment`) before the shim is built."""
+    from .settings import check_environment
     from .shimlib import shim_path
     env = dict(os.environ)
-    preload = str(shim_path())
-    env["LD_PRELOAD"] = preload + (" " + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
     if plan is not None:
         plans = [str(Path(p).resolve()) for p in
                  ([plan] if isinstance(plan, (str, os.PathLike)) else plan)]
@@ -365,6 +365,9 @@ def _shim_env(plan=None, limit=None, record=None, log_level=None, summary=False)
             env[name] = str(Path(value).resolve()) if name == "MUCUDNN_RECORD" else str(value)
     if summary:
         env["MUCUDNN_SUMMARY"] = "1"
+    check_environment(env)
+    preload = str(shim_path())
+    env["LD_PRELOAD"] = preload + (" " + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
     return env
 
 

@@ -32,6 +32,11 @@ class UnwritableError(MucudnnError):
     """An output file (a plan, a cache) cannot be written; the message names the path and why."""
 
 
+class SettingError(MucudnnError):
+    """A ``MUCUDNN_*`` environment variable holds a value its setting does not accept; the
+    message names the variable, the value and what it accepts."""
+
+
 class InfeasibleError(MucudnnError):
     """No plan satisfies the workspace limit or budget."""
 

@@ -160,7 +160,8 @@ class MeasurementSource(store_mod.BenchmarkStore):
 
     def describe(self, used: bool = False) -> str:
         """``measurements of GPU / cuDNN V: N rows from store PATH, M rows from the shipped
-        ones``: each layer's rows of the environment, or (``used``) those read so far."""
+        ones``: each layer's rows of the environment, or (``used``) those read so far; a layer
+        with none is left out."""
         parts = []
         for name, layer in self.layers:
             if used:
@@ -168,7 +169,8 @@ class MeasurementSource(store_mod.BenchmarkStore):
             else:
                 count = sum(n for g, c, n in layer.environments()
                             if (g, c) == (self.env.gpu, self.env.cudnn))
-            parts.append(f"{count:,} rows from {name}")
+            if count:
+                parts.append(f"{count:,} rows from {name}")
         return (f"measurements of {self.env.gpu} / cuDNN {self.env.cudnn}: "
                 + (", ".join(parts) if parts else "none"))
 
@@ -192,11 +194,14 @@ def open_measurements(path=None, env: Environment | None = None):
     shipped measurements' (no GPU and no measurements of one's own: tuning works anywhere).
     Its rows come from the user's store (``path``, ``$MUCUDNN_STORE`` or the default) first and
     from the shipped measurements of the same GPU and cuDNN for the rest. A ``path`` given that
-    does not exist is an error (a mistyped ``--store`` must not tune from other data); the
-    default store may be absent.
+    does not exist is an error (a mistyped ``--store`` must not tune from other data), and so is
+    a ``$MUCUDNN_STORE`` that does not exist; the default store may be absent.
     """
+    named = "" if path is not None else " (MUCUDNN_STORE)"
+    if path is None and os.environ.get("MUCUDNN_STORE"):
+        path = store_mod.default_store_path()
     if path is not None and not Path(path).expanduser().exists():
-        raise store_mod.StoreError(f"store {path} does not exist; create it with "
+        raise store_mod.StoreError(f"store {path}{named} does not exist; create it with "
                                    f"`mucudnn bench --store {path}`")
     user_path = Path(path).expanduser() if path is not None else store_mod.default_store_path()
     user = store_mod.SQLiteStore(user_path, readonly=True) if user_path.exists() else None

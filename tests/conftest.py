@@ -78,9 +78,12 @@ def stores_dir(tmp_path_factory):
 def no_gpu(monkeypatch, stores_dir, tmp_path, request):
     """No GPU, an empty user store and a private cache: the CLI tunes from the shipped data."""
     from mucudnn import tuner
+    from mucudnn.store import open_store
 
     name = re.sub(r"[^A-Za-z0-9]+", "_", request.node.name)
-    monkeypatch.setenv("MUCUDNN_STORE", str(stores_dir / f"{name}.sqlite"))
+    store = stores_dir / f"{name}.sqlite"
+    open_store(store).close()  # MUCUDNN_STORE names a store that exists, as --store must
+    monkeypatch.setenv("MUCUDNN_STORE", str(store))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(tuner, "gpu_available", lambda: False)
     monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)

@@ -130,6 +130,25 @@ def test_autotune_refuses_to_overwrite_a_file_of_another_kind(no_gpu, fake_exec,
     plan_path = tmp_path / "train.plan"
     target = plan_path if which == "plan" else plan_path.with_suffix(".record")
     target.write_text(CONFIG.read_text())
-    result = invoke("autotune", "--workspace-limit", "64MiB", "-o", plan_path, "--", "python", "t.py")
+    result = invoke("autotune", "--workspace-limit", "64MiB", "-o", plan_path, "--", "python",
+                    "t.py")
     assert_one_error_line(result, f"{target} is a file of another kind, not a {which}")
     assert target.read_text() == CONFIG.read_text() and fake_exec[1] == []  # nothing ran
+
+
+# -- a store named by MUCUDNN_STORE is a store named by --store --------------------------------------
+
+@pytest.mark.parametrize("command", ["tune", "show"])
+def test_a_missing_store_in_mucudnn_store_is_the_error_of_store(no_gpu, monkeypatch, tmp_path,
+                                                                  command):
+    missing = tmp_path / "nonexistent" / "x.sqlite"
+    args = (["tune", "alexnet", "--workspace-limit", "64MiB", "-o", tmp_path / "a.plan"]
+            if command == "tune" else ["show", VALID_PLAN])
+    by_option = invoke(*args, "--store", missing)
+    monkeypatch.setenv("MUCUDNN_STORE", str(missing))
+    by_setting = invoke(*args)
+    said = (f"store {missing}", "does not exist; create it with "
+            f"`mucudnn bench --store {missing}`")
+    assert_one_error_line(by_option, *said)
+    assert_one_error_line(by_setting, *said, "(MUCUDNN_STORE)")
+    assert not missing.parent.exists() and not (tmp_path / "a.plan").exists()

@@ -399,8 +399,10 @@ def shipped_cache_dir(tmp_path_factory):
 
 @pytest.fixture
 def no_gpu(monkeypatch, shipped_cache_dir, tmp_path, request):
-    """No GPU, and a fresh empty user store (``$MUCUDNN_STORE``) beside the shared shipped cache."""
+    """No GPU, and a fresh empty user store (``$MUCUDNN_STORE``) beside the shared shipped cache.
+    """
     user_store = shipped_cache_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', request.node.name)}.sqlite"
+    open_store(user_store).close()  # MUCUDNN_STORE names a store that exists
     monkeypatch.setenv("MUCUDNN_STORE", str(user_store))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(tuner, "gpu_available", lambda: False)
@@ -425,8 +427,9 @@ def test_empty_store_and_no_gpu_fall_back_to_the_shipped_measurements(no_gpu):
     with chosen_store:
         (gpu, cudnn), _ = shipped_environments().most_common(1)[0]
         assert env == Environment(gpu, cudnn)
-        [shipped] = layer_paths(chosen_store)  # the user's store does not exist: not created
-        assert not no_gpu.exists()
+        # the user's store first; empty, it is left out of the description
+        user, shipped = layer_paths(chosen_store)
+        assert user == no_gpu
         assert shipped.parent == no_gpu.parent  # cached beside the user's store
         assert sum(count for *_, count in chosen_store.environments()) == \
             sum(shipped_environments().values())
@@ -438,11 +441,11 @@ def test_empty_store_and_no_gpu_fall_back_to_the_shipped_measurements(no_gpu):
 def test_shipped_cache_is_built_once(no_gpu):
     first, _ = tuner.open_measurements()
     first.close()
-    [path] = layer_paths(first)
+    [_, path] = layer_paths(first)
     built = path.stat().st_mtime_ns
     second, _ = tuner.open_measurements()
     second.close()
-    assert layer_paths(second) == [path] and path.stat().st_mtime_ns == built
+    assert layer_paths(second) == [no_gpu, path] and path.stat().st_mtime_ns == built
 
 
 def test_tuning_a_shipped_config_works_without_a_gpu(no_gpu):
