@@ -4,6 +4,7 @@ a plain nn.Sequential are staged, and a staged forward that raises leaves grad m
 
 import copy
 import dataclasses
+import types
 
 import pytest
 
@@ -82,7 +83,8 @@ def test_the_inputs_gradient_through_a_staged_chain():
     assert session.stage is not None
 
 
-@pytest.mark.parametrize("change", ["batch norm", "own hook", "in place first", "functional"])
+@pytest.mark.parametrize("change", ["batch norm", "own hook", "own forward", "in place first",
+                                    "functional"])
 def test_only_a_plain_sequential_of_per_sample_layers_is_staged(change):
     features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
                              nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -91,6 +93,9 @@ def test_only_a_plain_sequential_of_per_sample_layers_is_staged(change):
         features.insert(1, nn.BatchNorm2d(8))
     elif change == "own hook":        # a rerun would run it again
         features[2].register_forward_hook(lambda module, args, output: None)
+    elif change == "own forward":     # a rerun calls the class's
+        features[2].forward = types.MethodType(lambda self, x: nn.Conv2d.forward(self, x) * 2,
+                                               features[2])
     elif change == "in place first":  # the input it changes is the one saved
         features.insert(0, nn.ReLU(inplace=True))
 

@@ -109,6 +109,31 @@ def test_maml_inner_and_outer_steps_through_a_stage():
     assert session.stage is not None
 
 
+def test_an_ensemble_under_vmap_is_not_staged():
+    """``torch.func.vmap`` over stacked members' weights (``functional_call``): an
+    ``autograd.Function`` without a vmap rule cannot stand for the chain there, so the forward
+    runs unstaged, bit for bit the plain one."""
+    model, data = vgg_like(), batches()
+    session = staged_session()
+    train(model, data[:3], session)
+    assert session.stage is not None
+    members = [copy.deepcopy(model) for _ in range(2)]
+    with torch.no_grad():
+        members[1][0][0].weight.mul_(1.1)
+
+    def step(session):
+        params, buffers = torch.func.stack_module_state(members)
+        params = {name: each.detach().requires_grad_() for name, each in params.items()}
+
+        def member(weights, buffers, x):
+            return functional_call(model, (weights, buffers), (x,))
+        with session if session is not None else contextlib.nullcontext():
+            out = torch.func.vmap(member, in_dims=(0, 0, None))(params, buffers, data[3][0])
+        cross_entropy(out.flatten(0, 1), data[3][1].repeat(2)).backward()
+        return [each.grad for each in params.values()]
+    assert_close([step(None)], [step(session)], rtol=0)
+
+
 def test_in_place_change_of_a_staged_weight_before_the_backward_is_pytorchs_error():
     """Plain PyTorch refuses a backward through a convolution whose weight changed since its
     forward; the staged chain, which reruns with that weight, refuses it too."""
