@@ -1,0 +1,129 @@
+"""The training-pattern differential (issue 37; training_patterns.py): seeded random small models
+and training loops, each trained a few SGD steps plainly and under one mucudnn.torch session
+(forced keep, offload or recompute; a stage; a budget forcing a mixed plan; ``fit``), must give
+the plain run's losses, gradients, buffers and parameters bit for bit (a run that staged: float64
+within 1e-12 of the largest tensor of its kind in its step), the same exceptions at the same
+steps, and leave no state behind; or stop with a one-line MucudnnError. A failure names the
+seed, the session, the dtype and the patterns, and the patterns left when minimized.
+
+CI runs 300 cases from seed 0. A long run::
+
+    MUCUDNN_PATTERN_CASES=5000 MUCUDNN_PATTERN_SEED=1000 \\
+        .venv/bin/python -m pytest -q tests/torch/test_training_patterns.py
+
+(``MUCUDNN_PATTERN_CASES``: how many cases; ``MUCUDNN_PATTERN_SEED``: the first seed), or
+``python tests/torch/training_patterns.py CASES SEED``, which prints each failure minimized.
+
+Below the differential: a regression test per defect it found that is not one of issue 37's
+items 1-14 (those have their own tests).
+"""
+
+import copy
+import dataclasses
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
+    pytest.skip("needs a real PyTorch", allow_module_level=True)
+
+from torch import nn  # noqa: E402
+
+import training_patterns as tp  # noqa: E402
+from mucudnn.torch.planner import RECOMPUTE  # noqa: E402
+from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+
+CASES = int(os.environ.get("MUCUDNN_PATTERN_CASES", "300"))
+SEED = int(os.environ.get("MUCUDNN_PATTERN_SEED", "0"))
+CI_CASES = [tp.make_case(seed) for seed in range(SEED, SEED + CASES)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is several times faster on a shared 2-core machine (both runs
+    of a case use the same number, so reductions sum in the same order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case", CI_CASES, ids=[case.label for case in CI_CASES])
+def test_a_training_pattern_trains_as_plain_pytorch(case):
+    outcome = tp.run_case(case)
+    if not outcome.ok:
+        smallest = tp.minimize(case)
+        pytest.fail(f"{case.label}: {outcome.detail}\n  minimal: {smallest.label}: "
+                    f"{tp.run_case(smallest).detail}")
+
+
+def test_the_ci_run_draws_every_session_and_pattern():
+    if CASES < 300:
+        pytest.skip("a run this small need not draw them all")
+    assert {case.session for case in CI_CASES} == set(tp.SESSIONS)
+    drawn = set().union(*(case.patterns for case in CI_CASES))
+    assert drawn == set(tp.STRUCTURE + tp.LOOP)
+
+
+def test_the_comparison_sees_one_bit_and_staged_rounding():
+    case = tp.make_case(0)
+    two = torch.tensor(2.0, dtype=torch.float64)
+    plain, ours = tp.Run(), tp.Run()
+    plain.add("step 0 grad w", torch.stack([two / 2, two]))
+    ours.add("step 0 grad w", torch.stack([two / 2, torch.nextafter(two, two + 1)]))
+    assert tp.compare(case, plain, ours).verdict == "failed"
+    ours.staged = True
+    assert tp.compare(case, plain, ours).verdict == "equal"
+    ours.tensors[0][1] += 1e-9
+    assert tp.compare(case, plain, ours).verdict == "failed"
+    # another exception, or one at another step
+    ours = dataclasses.replace(plain, error=RuntimeError("x"), error_step=1)
+    assert tp.compare(case, plain, ours).verdict == "failed"
+
+
+def test_a_one_line_mucudnn_error_is_a_refusal_and_a_longer_one_a_failure():
+    from mucudnn.errors import InfeasibleError
+    case = tp.make_case(0)
+    said = tp.compare(case, tp.Run(), tp.Run(error=InfeasibleError("budget too small")))
+    assert said.verdict == "refused"
+    said = tp.compare(case, tp.Run(), tp.Run(error=InfeasibleError("budget\ntoo small")))
+    assert said.verdict == "failed"
+
+
+# --- defects the differential found (not issue 37's items 1-14) -------------------------------
+class IdentityThenBranches(nn.Module):
+    """A DenseNet-like join after an activation that saves its input (LeakyReLU, SiLU): the
+    activation's output passes through ``nn.Identity`` (which returns the same tensor) into
+    ReLU and a convolution, and is concatenated with their result."""
+
+    def __init__(self, channels=4):
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, 3, padding=1)
+        self.act = nn.LeakyReLU()
+        self.identity, self.relu = nn.Identity(), nn.ReLU()
+        self.grow = nn.Conv2d(channels, channels, 3, padding=1)
+        self.reduce = nn.Conv2d(2 * channels, channels, 1)
+        self.head = nn.Linear(channels * 64, 5)
+
+    def forward(self, x):
+        x = self.act(self.conv(x))
+        x = self.reduce(torch.cat([x, self.grow(self.relu(self.identity(x)))], 1))
+        return self.head(x.flatten(1))
+
+
+def test_recompute_through_an_identity_whose_input_is_also_concatenated():
+    """Found by seed 299 (recompute, dense): the recipe of the ReLU's output (LeakyReLU,
+    Identity, ReLU from the first convolution's output) is refused mid-backward with
+    "source 1 of saved tensor 2 changed after it was saved; cannot recompute it", a
+    RuntimeError plain PyTorch does not raise; nothing was changed in place."""
+    torch.manual_seed(0)
+    model = IdentityThenBranches().double()
+    x, y = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1])
+    reference = copy.deepcopy(model)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    with OffloadSession(force=RECOMPUTE, link=CopyLink(), min_bytes=0):
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    for expected, got in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(expected.grad, got.grad)
