@@ -37,7 +37,8 @@ SIZE = SizeParam()
 
 
 class Group(click.Group):
-    """Turns mucudnn's own errors into one clear line and exit status 2."""
+    """Turns mucudnn's own errors into one clear line and exit status 2, and Ctrl-C into one line
+    and exit status 130 (128 + SIGINT, as shells report it)."""
 
     def invoke(self, ctx):
         try:
@@ -45,6 +46,9 @@ class Group(click.Group):
         except MucudnnError as exc:
             click.echo(f"mucudnn: error: {exc}", err=True)
             ctx.exit(2)
+        except KeyboardInterrupt:
+            click.echo("mucudnn: interrupted", err=True)
+            ctx.exit(130)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -226,9 +230,10 @@ def bench(config, recordings, policy, workspace_limit, borrow_output, quick, api
                    "or both (every stored row)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
               help="plan file to write")
-@click.option("--gpu", help="GPU name of the measurements to use (default: this GPU, or the "
-                            "store's only one)")
-@click.option("--cudnn", "cudnn_version", type=int, help="cuDNN version of the measurements")
+@click.option("--gpu", help="GPU name of the measurements to use, with --cudnn (default: this "
+                            "GPU, or the store's only one)")
+@click.option("--cudnn", "cudnn_version", type=int,
+              help="cuDNN version of the measurements, with --gpu (e.g. 91900)")
 @store_option
 def tune(config, recordings, workspace_limit, total_workspace, front, policy, precise,
          deterministic, borrow_output, exclude, api, output, gpu, cudnn_version, store_path):
@@ -733,9 +738,20 @@ def _open_store(store_path, readonly: bool):
 @store_group.command("info")
 @store_option
 def store_info_cmd(store_path):
-    """Print the store's path, schema version and environments (GPU, cuDNN) with row counts."""
-    from .store import describe
+    """Print the store's path, schema version and environments (GPU, cuDNN) with row counts;
+    with no store of one's own yet, the measurements shipped with mucudnn (what tune reads)."""
+    from .store import default_store_path, describe
+    from .tuner import SHIPPED_MEASUREMENTS, SHIPPED_NAME, shipped_store
 
+    path = default_store_path()
+    if store_path is None and not os.environ.get("MUCUDNN_STORE") and not path.exists():
+        click.echo(f"no store of your own yet at {path} (`mucudnn bench` on a GPU makes it)")
+        with shipped_store() as shipped:
+            lines = describe(shipped)
+        click.echo(f"{SHIPPED_NAME}: {SHIPPED_MEASUREMENTS} (what `mucudnn tune` reads)")
+        for line in lines[2:]:  # rows and environments; path and schema are the cache's
+            click.echo(line)
+        return
     with _open_store(store_path, readonly=True) as store:
         for line in describe(store):
             click.echo(line)
@@ -748,14 +764,16 @@ def store_info_cmd(store_path):
 @click.option("--key", help="only rows of this kernel key")
 @store_option
 def store_export_cmd(output, gpu, cudnn_version, key, store_path):
-    """Write the store's rows as CSV to OUTPUT (gzip-compressed when it ends in .gz)."""
+    """Write the store's rows as CSV to OUTPUT (gzip-compressed when it ends in .gz); the
+    measurements shipped with mucudnn are not among them (they ship with every install)."""
     from .outputs import EXPORT, refuse_inputs_as_output, refuse_other_kind
 
     with _open_store(store_path, readonly=True) as store:
         refuse_inputs_as_output(output, [("benchmark store", store.path)])
         refuse_other_kind(output, EXPORT, option="store export")
         count = store.export_csv(output, gpu=gpu, cudnn_version=cudnn_version, key=key)
-    click.echo(f"mucudnn: wrote {count} rows to {output}", err=True)
+    click.echo(f"mucudnn: wrote {count} rows of store {store.path} to {output} (not the "
+               "measurements shipped with mucudnn: every install has them)", err=True)
 
 
 @store_group.command("import")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import store as store_mod
-from .environment import Environment, current_environment, gpu_available
+from .environment import Environment, cupy_module, current_environment, gpu_available
 from .engines import api_of, parse_engine_name, select_apis
 from .errors import (EngineNameError, MissingMeasurementsError, MucudnnError, ReadOnlyStoreError,
                      UnwritableError)
@@ -314,6 +314,8 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
     pruning = Pruning(None if policy is Policy.FIT else limit, borrow_output, quick)
     apis = select_apis(api)
     own = store is None or isinstance(store, (str, os.PathLike))
+    if own:
+        cupy_module()  # without CuPy nothing can be measured: no store is created for nothing
     st = store_mod.open_store(store) if own else store
     try:
         st.check_writable()

@@ -11,7 +11,7 @@ import pytest
 import mucudnn
 from mucudnn import shimlib
 from mucudnn.plan import read_plan
-from test_cli import VALID_PLAN, assert_one_error_line, invoke
+from test_cli import VALID_PLAN, assert_one_error_line, assert_usage_error, invoke
 from test_store import as_unprivileged
 
 
@@ -152,3 +152,58 @@ def test_a_missing_store_in_mucudnn_store_is_the_error_of_store(no_gpu, monkeypa
     assert_one_error_line(by_option, *said)
     assert_one_error_line(by_setting, *said, "(MUCUDNN_STORE)")
     assert not missing.parent.exists() and not (tmp_path / "a.plan").exists()
+
+
+# -- the small ones -------------------------------------------------------------------------------
+
+def test_bench_without_cupy_creates_no_store(monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    store = tmp_path / "new.sqlite"
+    result = invoke("bench", "alexnet", "--store", store, "--no-progress")
+    assert_one_error_line(result, "CuPy is needed to benchmark on the GPU")
+    assert not store.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_command_exits_130(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the command works
+
+    monkeypatch.setattr("mucudnn.settings.format_settings", interrupted)
+    result = invoke("env")
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip().splitlines() == ["mucudnn: interrupted"]
+
+
+def test_tune_help_says_gpu_and_cudnn_go_together():
+    import re
+    text = " ".join(invoke("tune", "--help").stdout.split())
+    assert re.search(r"--gpu TEXT .*with --cudnn", text), text
+    assert re.search(r"--cudnn INTEGER .*with --gpu", text), text
+    assert_usage_error(invoke("tune", "alexnet", "--gpu", "NVIDIA H200", "-o", "x.plan"),
+                       "--gpu and --cudnn go together")
+
+
+def test_store_info_on_a_fresh_machine_says_what_is_shipped_and_where(monkeypatch, tmp_path):
+    from mucudnn.tuner import SHIPPED_MEASUREMENTS
+    monkeypatch.delenv("MUCUDNN_STORE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    result = invoke("store", "info")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    own = tmp_path / "mucudnn" / "benchmarks.sqlite"
+    assert lines[0] == f"no store of your own yet at {own} (`mucudnn bench` on a GPU makes it)"
+    assert lines[1] == (f"the measurements shipped with mucudnn: {SHIPPED_MEASUREMENTS} (what "
+                        "`mucudnn tune` reads)")
+    assert lines[2] == "rows: 74803" and lines[-1].split() == ["NVIDIA", "H200", "91900", "74803"]
+    assert not own.exists()
+
+
+def test_store_export_says_it_leaves_the_shipped_rows_out(tmp_path):
+    from test_cli import _filled_store
+    source = _filled_store(tmp_path / "s.sqlite")
+    result = invoke("store", "export", tmp_path / "rows.csv", "--store", source)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        f"mucudnn: wrote 3 rows of store {source} to {tmp_path / 'rows.csv'} (not the "
+        "measurements shipped with mucudnn: every install has them)"]
