@@ -136,7 +136,7 @@ def test_autotune_refuses_to_overwrite_a_file_of_another_kind(no_gpu, fake_exec,
     assert target.read_text() == CONFIG.read_text() and fake_exec[1] == []  # nothing ran
 
 
-# -- a store named by MUCUDNN_STORE is a store named by --store --------------------------------------
+# -- a store named by MUCUDNN_STORE is a store named by --store ----------------------------------
 
 @pytest.mark.parametrize("command", ["tune", "show"])
 def test_a_missing_store_in_mucudnn_store_is_the_error_of_store(no_gpu, monkeypatch, tmp_path,
