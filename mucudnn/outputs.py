@@ -2,9 +2,9 @@
 
 Every command that writes a file (``tune -o``, ``autotune -o``, ``record -o``, ``store export``)
 first refuses an output path that is one of its inputs (config, store, recording, plan) or that
-holds a file of another kind than it writes (:func:`refuse_other_kind`), then writes the output to a temporary file
-in the same directory and renames it over the target only at the end, so a failed command leaves
-the old file as it was and a reader never sees half a file.
+holds a file of another kind than it writes (:func:`refuse_other_kind`); a plan is then written
+to a temporary file in the same directory and renamed over the target only at the end, so a
+failed command leaves the old file as it was and a reader never sees half a file.
 """
 
 from __future__ import annotations
