@@ -193,8 +193,9 @@ class StagePlan:
 
 
 def _transformed() -> bool:
-    """Under a ``torch.func`` transform (``vmap``, ``grad``): an ``autograd.Function`` without a
-    vmap rule cannot run there, so nothing is staged."""
+    """Under a ``torch.func`` transform (``vmap``, ``grad``): the staged chain's
+    ``autograd.Function`` cannot stand for the chain there (under ``vmap`` the batched weights got
+    no gradient through it), so nothing is staged."""
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return active is not None and active()
 
