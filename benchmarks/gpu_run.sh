@@ -89,6 +89,13 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     # F64_LIMIT hard cap so points split), legacy and default paths, first run and loaded run
     models=${s#f64online-}; stage "f64online-$models" ${SHIM_TIMEOUT:-400} python3 -m benchmarks.f64_online \
       --models ${models//+/ } --limit ${F64_LIMIT:-1MiB} --batch ${F64_BATCH:-16} --out "$LOGS/f64online-$models" ;;
+  torchf64-*)  # benchmarks/torch_f64.py (issue 37): float64 gradients of mucudnn.torch sessions (forced
+    # offload, forced recompute, budgets until a plan mixes both, fit, VGG-16 staged) against plain
+    # PyTorch's, bitwise (staged: 1e-12); torchf64-resnet50+vgg16+r3d_18. TORCHF64_TIMEOUT (560 s;
+    # no budget fraction starts after 150 s less), TORCHF64_ARGS (more options, e.g. --fractions 0.8 0.5)
+    models=${s#torchf64-}; limit=${TORCHF64_TIMEOUT:-560}
+    stage "torchf64-$models" "$limit" python3 -m benchmarks.torch_f64 --models ${models//+/ } \
+      --time-budget-s $((limit - 150)) ${TORCHF64_ARGS:-} --out "$LOGS/torchf64-$models" ;;
   neverslower-*)  # benchmarks/never_slower.py: front plans against PyTorch, then under CAPS (GiB)
     specs=${s#neverslower-}; stage "neverslower-$specs" ${SHIM_TIMEOUT:-560} python3 -m benchmarks.never_slower \
       --models ${specs//+/ } --rounds ${ROUNDS:-3} --caps ${CAPS:-} --out "$LOGS/neverslower-${specs//:/_}" ;;
