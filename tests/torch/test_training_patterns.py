@@ -18,6 +18,7 @@ Below the differential: a regression test per defect it found that is not one of
 items 1-14 (those have their own tests).
 """
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -31,6 +32,7 @@ if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
 from torch import nn  # noqa: E402
 
 import training_patterns as tp  # noqa: E402
+from mucudnn.errors import MucudnnError  # noqa: E402
 from mucudnn.torch.planner import RECOMPUTE  # noqa: E402
 from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
 
@@ -125,5 +127,35 @@ def test_recompute_through_an_identity_whose_input_is_also_concatenated():
     with OffloadSession(force=RECOMPUTE, link=CopyLink(), min_bytes=0):
         loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
+    for expected, got in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(expected.grad, got.grad)
+
+
+def test_a_weight_changed_in_place_under_autocast_is_no_silent_difference():
+    """Found by seed 96 (recompute, autocast + version_error): under bf16 autocast a convolution
+    saves a bf16 cast of its weight, so plain PyTorch lets the fp32 weight change in place
+    between forward and backward (a GAN's D stepped before G's backward) and differentiates with
+    the cast it saved. A recompute replaying that convolution reads the changed weight: a
+    silently different gradient, or PyTorch's in-place RuntimeError, which plain PyTorch does not
+    raise here. Either the plain gradients bit for bit, or a one-line MucudnnError."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                          nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64, 5))
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+
+    def step(model, session):
+        with session, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        with torch.no_grad():
+            model[2].weight.mul_(2.0)
+        loss.backward()
+
+    reference = copy.deepcopy(model)
+    step(reference, contextlib.nullcontext())
+    try:
+        step(model, OffloadSession(force=RECOMPUTE, link=CopyLink(), min_bytes=0))
+    except MucudnnError as refusal:
+        assert "\n" not in str(refusal).strip()
+        return
     for expected, got in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(expected.grad, got.grad)
