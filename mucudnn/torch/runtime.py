@@ -19,7 +19,16 @@ Invariants:
 - Nothing is recomputed from a source that changed since it was saved (its version counter), and
   every call of a recipe read each of its inputs at the version the recipe rebuilds or reads.
 - Groups: every pack of the same tensor object (same version) is one group, moved or recomputed
-  once. Parameters and tensors under ``min_bytes`` pass through untouched.
+  once. Parameters, views of them, one-dimensional leaves (buffers) and tensors under
+  ``min_bytes`` pass through (:class:`_Passed`).
+- A recipe's module reruns as its forward ran (:class:`_ModuleState`): its mode, the tensors in
+  its ``_parameters`` then (``functional_call``'s), an eval-mode batch norm's statistics then;
+  without hooks (a user's global hooks see the user's forward only).
+- A copy of a saved tensor (an offload, a keep-apart copy) is made once the op that saved it
+  has run (:meth:`OffloadSession._copy_pending`): an op may write a tensor after saving it.
+- Autograd checks no saved tensor's version where saved-tensor hooks run: the session does, at
+  each unpack, and raises PyTorch's error for a tensor changed in place since its pack (seen
+  through the tensor, its view's base, its kept alias or a recipe's parameters while they live).
 - The session holds a group's device tensor (kept, fetched, prefetched or recomputed) no longer
   than the planner's liveness says (planner.py): autograd holds one :class:`_Packed` per pack,
   and the device tensor goes when the last of them is freed (autograd frees a node's saved
@@ -28,8 +37,13 @@ Invariants:
   refers to a device tensor strongly, except a link while a copy reads or writes it: an
   offloaded tensor until its copy to the host is done (``CudaLink.poll``), a fetch's until the
   compute stream is ordered after its copy.
-- Steps: a pack after an unpack starts a new step; group ``g`` is the ``g``-th tensor the step
-  saves, unpack ``i`` its ``i``-th unpack (planner.py's clocks). A planned step whose groups differ
+- Steps: a pack after an unpack starts a new step, and so does a module or pack after a forward
+  whose graph autograd dropped without a backward (:meth:`_Step.abandoned`); group ``g`` is the
+  ``g``-th tensor the step saves, unpack ``i`` its ``i``-th unpack (planner.py's clocks). A
+  group of an ended step unpacked later is restored on demand, outside any step's clock.
+- Entering a session inside itself (a forward calling the model again) is part of the outer
+  ``with``; leaving the outermost by any exception leaves grad mode, hooks and staging as they
+  were. A planned step whose groups differ
   from the profile's (another size) keeps those groups.
 """
 
@@ -498,20 +512,50 @@ class _Call:
     rise: int = 0
     output_shape: tuple = ()  # its output's shape (a transposed convolution replays to it)
     index: int = -1           # its place in its step's calls
+    #: a recomputable module's state as its forward read it (:class:`_ModuleState`)
+    state: _ModuleState | None = None
 
     def run(self, values: list[torch.Tensor]) -> torch.Tensor:
         """Its forward again on ``values`` (one per read), without side effects (:func:`replay`),
-        under the autocast state it ran under."""
+        under the autocast state it ran under and with the module's state as it read it."""
         with contextlib.ExitStack() as stack:
             autocast_as(self.autocast, stack)
             if self.op is not None:
                 return self.op(*values, **self.keywords)
-            if type(self.module) in _TRANSPOSED:
-                made = self.output_shape[-len(self.module.kernel_size):]
-                if _transposed_size(self.module, values[0]) != made:
-                    # it was given output_size (its own output_padding makes another size)
-                    return self.module(values[0], output_size=list(made))
-            return replay(self.module, values[0])
+            return replay(self.module, values[0], self.state, self.output_shape)
+
+
+@dataclass(eq=False, slots=True)
+class _ModuleState:
+    """What a recomputable module's forward read besides its input, recorded when it ran, so
+    that a replay in the backward computes what it computed, whatever changed since: its mode
+    (``model.eval()`` before the backward; a train- and an eval-mode forward in one step), the
+    tensors in its ``_parameters`` (``torch.func.functional_call`` puts plain tensors there for
+    the call; autograd holds them for the backward anyway) at their versions then, and an
+    eval-mode batch norm's running statistics, copied (a later train-mode forward changes them
+    in place)."""
+
+    training: bool
+    params: dict
+    versions: tuple
+    running: tuple | None = None     # (mean, var) copies: an eval-mode batch norm's
+
+    @classmethod
+    def of(cls, module: nn.Module) -> _ModuleState:
+        params = {name: value for name, value in module._parameters.items() if value is not None}
+        running = None
+        if isinstance(module, _BATCH_NORMS) and not module.training and \
+                module.running_mean is not None and module.running_var is not None:
+            running = (module.running_mean.clone(), module.running_var.clone())
+        return cls(module.training, params,
+                   tuple(value._version for value in params.values()), running)
+
+    def check(self) -> None:
+        """PyTorch's error where a parameter the forward read was changed in place since (an
+        optimizer step before the backward): a replay would compute another value."""
+        for (name, value), version in zip(self.params.items(), self.versions):
+            if value._version != version:
+                raise RuntimeError(_inplace_message(value, version, name))
 
 
 @dataclass(frozen=True, eq=False)
@@ -613,6 +657,10 @@ class _Group:
     wanted: str = KEEP                      # the plan's mode; ``mode`` is what runs
     live_packs: int = 0                     # _Packed objects autograd still holds
     readers: int = 0                        # recomputed groups that may still read this one
+    owner: _Step | None = None              # its step (which counts its live groups)
+    #: the base of a view saved (weakly): it shares the view's version counter, and outlives
+    #: the view object a forward made for the op (an in-place change through it is seen)
+    base: weakref.ref | None = None
 
     def drop_device(self) -> None:
         """Let go of the device tensor where nothing may need it from the session again."""
@@ -624,6 +672,7 @@ class _Group:
     def pack_freed(self) -> None:
         self.live_packs -= 1
         if self.live_packs == 0:
+            self.owner.live -= 1
             if self.host is not None and self.release is not None:
                 self.release(self.host)       # nothing can unpack this group again
                 self.host = None
@@ -677,9 +726,31 @@ class _Packed:
     def __init__(self, group: _Group):
         self.group = group
         group.live_packs += 1
+        if group.live_packs == 1:
+            group.owner.live += 1
 
     def __del__(self):
         self.group.pack_freed()
+
+
+class _Passed:
+    """What autograd holds for a saved tensor the session leaves alone (a parameter, a small
+    tensor, one saved in a backward): the tensor without its autograd history (a node saving its
+    own output, sigmoid, would otherwise hold itself through it: a cycle through C++ the
+    collector cannot break, memory a dropped graph never gives back; autograd puts the history
+    back at the unpack) and its version then: autograd checks no version where saved-tensor
+    hooks run, so the unpack does (:meth:`check`)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach() if tensor.grad_fn is not None else tensor
+        self.version = tensor._version
+
+    def check(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(_inplace_message(self.tensor, self.version))
+        return self.tensor
 
 
 @dataclass(eq=False)
@@ -710,6 +781,14 @@ class _Step:
     #: forward point -> (group, its offload's transfer) whose device tensors go there
     releases: dict = field(default_factory=dict)
     chain: ChainRecorder | None = None   # recording steps: its leading chain (stage.py)
+    #: (group, tensor, autograd sequence number at its pack): copies due once its op has run
+    pending: list = field(default_factory=list)
+    live: int = 0                  # its groups that autograd still holds (a pack not freed)
+
+    def abandoned(self) -> bool:
+        """Its forward saved groups, no backward unpacked any, and autograd holds none of them:
+        its graph was dropped (a skipped non-finite loss, a validation forward with grad)."""
+        return bool(self.groups) and not self.unpacks and not self.live
 
 
 @dataclass
@@ -876,6 +955,7 @@ class OffloadSession:
         self.fell_back = False
         self._handles = []
         self._hooks = None
+        self._depth = 0                 # ``with`` blocks entered and not left
         self._ops: _OpRecorder | None = None
         #: the leaf modules running now whose forward took the op recorder off the stack of
         #: torch function modes (:meth:`_set_recorder_aside`), innermost last
@@ -894,6 +974,13 @@ class OffloadSession:
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
+        # re-entrant: a forward under the session calling the model again (a siamese wrapper
+        # running itself) is part of the outer forward; only the outermost ``with`` installs
+        # and removes the hooks
+        self._depth += 1
+        if self._depth > 1:
+            return self
+        self._containers = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         hooks = torch.nn.modules.module
@@ -917,6 +1004,17 @@ class OffloadSession:
         return self.budget is not None
 
     def __exit__(self, *exc_info):
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        # Any exception (KeyboardInterrupt too, which skips the modules' ``always_call`` hooks)
+        # leaves grad mode, the hooks and the staged state as they were before the forward.
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.abort()
+        self._containers = []
+        if self._step.pending:   # the forward is over: every op saving a pending group has run
+            self._copy_pending()
         if self._ops is not None:
             if not self._ops_set_aside:   # else a leaf module's forward left without its hook
                 self._ops.__exit__(*exc_info)
@@ -974,6 +1072,8 @@ class OffloadSession:
 
     @_past_the_op_recorder
     def _before_module(self, module, args):
+        if self._step.pending:    # between ops: every op saving a pending group has run
+            self._copy_pending()
         if self._replaying or not torch.is_grad_enabled() or _in_backward():
             return
         if _has_children(module):
@@ -997,7 +1097,8 @@ class OffloadSession:
         call = _Call(
             module, type(module).__name__, (self._read(source),) if source is not None else (),
             None, None, in_place=bool(getattr(module, "inplace", False)),
-            recomputable=recomputable, autocast=autocast_state() if recomputable else ())
+            recomputable=recomputable, autocast=autocast_state() if recomputable else (),
+            state=_ModuleState.of(module) if recomputable else None)
         self._start_call(call)
         if step.profiling and self.staging:
             if step.chain is None:
@@ -1075,6 +1176,8 @@ class OffloadSession:
 
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
+        if self._step.pending:
+            self._copy_pending()
         if self._ops_set_aside and self._ops_set_aside[-1] is module:
             self._ops_set_aside.pop()
             torch._C._push_on_torch_function_stack(self._ops)
@@ -1384,15 +1487,23 @@ class OffloadSession:
     @_past_the_op_recorder
     def _pack(self, tensor: torch.Tensor):
         group = self._group_for(tensor)
-        return tensor if group is None else _Packed(group)
+        return _Passed(tensor) if group is None else _Packed(group)
 
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         if self._replaying or _in_backward():   # e.g. a checkpoint's recomputation: not ours
             return None
-        # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none
-        if (tensor.requires_grad and tensor.is_leaf) or (
+        self._copy_pending(_SEQUENCE_NR())
+        # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none.
+        # A leaf of one dimension without grad is a module's buffer (batch norm's running
+        # statistics, which a later train-mode forward changes in place without a version bump,
+        # and which an eval-mode backward reads as they are then): autograd keeps it, as ever.
+        # A view of a parameter (a linear layer saves its weight transposed) holds none of its
+        # own memory: moving it frees nothing.
+        base = tensor._base
+        if tensor.is_leaf and (tensor.requires_grad or tensor.dim() <= 1) or (
                 type(tensor) is not torch.Tensor and isinstance(tensor, nn.Parameter)) or \
-                tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse:
+                tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse or \
+                base is not None and base.is_leaf and base.requires_grad:
             return None
         link = self.link_for(tensor)
         if link is None:
@@ -1415,7 +1526,8 @@ class OffloadSession:
         recipe = self._recipe(tensor, step) if self._may_recompute(step, gid) else None
         group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
                        weakref.ref(tensor), tensor._version, "", dense(tensor),
-                       recipe=recipe)
+                       recipe=recipe, owner=step,
+                       base=weakref.ref(tensor._base) if tensor._base is not None else None)
         group.wanted = self._wanted(group)
         group.mode = self._mode_for(group)
         if self._records_calls(step):   # named from its calls (a step without them: unnamed)
@@ -1433,7 +1545,49 @@ class OffloadSession:
                                self._peak(link)))
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
+            # copied once the op saving it has run (:meth:`_copy_pending`)
+            step.pending.append((group, tensor, _SEQUENCE_NR()))
+        elif group.mode == KEEP:
+            if self._keeps_apart(step, group):   # a copy: once the op has run, as an offload
+                step.pending.append((group, tensor, _SEQUENCE_NR()))
+            else:
+                group.tensor = tensor.detach()
+                group.kept_version = group.tensor._version
+        else:
+            for source in recipe.sources:
+                source.readers += 1
+        return group
+
+    def _copy_pending(self, before: int | None = None) -> None:
+        """The offloads and keep-apart copies of the groups saved by ops that have run: those
+        saved before autograd node ``before`` was made (the op making it runs after its own
+        packs), or all (None: from Python between ops, a module hook, the first unpack, the
+        session's exit). An op may write a tensor it saved after saving it (``rrelu_with_noise``
+        fills its ``noise``, with no version bump): a copy at its pack would hold the values
+        before. A kept group holds an alias of the tensor without its autograd history (a node
+        saving its own output, ReLU, would otherwise hold itself through it, a cycle through C++
+        that the collector cannot break)."""
+        step = self._step
+        pending = step.pending
+        if not pending or before is not None and pending[0][2] >= before:
+            return
+        ready = [entry for entry in pending if before is None or entry[2] < before]
+        step.pending = [entry for entry in pending if before is not None and entry[2] >= before]
+        with torch.no_grad():   # copies with no autograd history (it would hold the graph)
+            self._copy_ready(step, ready)
+
+    def _copy_ready(self, step: _Step, ready: list) -> None:
+        for group, tensor, _ in ready:
+            if group.live_packs == 0:     # its graph was dropped meanwhile: nothing to copy
+                continue
+            link = self.link_for_group(group)
+            if group.mode == KEEP:
+                group.tensor = link.keep_apart(tensor)
+                group.kept_version = group.tensor._version
+                continue
             due = self._release_point(step, group)
+            if due is not None:    # not a point the forward has passed while the op ran
+                due = max(due, len(step.groups))
             group.host = self._copy(step, link, "d2h", group.nbytes, lambda: link.offload(
                 tensor, self._inline(step), held=due is not None))
             group.release = link.release
@@ -1445,25 +1599,7 @@ class OffloadSession:
                 for call in step.calls:    # the calls running now: the copy is in their time
                     if call.end is None and call.start is not None:
                         call.moved += group.nbytes
-            self._event("offload", gid)
-        elif group.mode == KEEP:
-            group.tensor = self._kept(step, link, group, tensor)
-            group.kept_version = group.tensor._version
-        else:
-            for source in recipe.sources:
-                source.readers += 1
-        return group
-
-    def _kept(self, step: _Step, link: CopyLink, group: _Group,
-              tensor: torch.Tensor) -> torch.Tensor:
-        """What a kept group holds: an alias of ``tensor`` without its autograd history (a node
-        saving its own output, ReLU, would otherwise hold itself through it, a cycle through C++
-        that the collector cannot break, and a graph dropped without a backward would keep its
-        memory for good), or, where :meth:`_keeps_apart`, a copy the link keeps apart."""
-        if not self._keeps_apart(step, group):
-            return tensor.detach()
-        with torch.no_grad():
-            return link.keep_apart(tensor)
+            self._event("offload", group.gid)
 
     def _keeps_apart(self, step: _Step, group: _Group) -> bool:
         """Whether kept ``group`` is copied apart (:meth:`CopyLink.keep_apart`): in a planned
@@ -1541,9 +1677,16 @@ class OffloadSession:
 
     def _unpack(self, packed):
         if not isinstance(packed, _Packed):
-            return packed
+            return packed.check() if isinstance(packed, _Passed) else packed
         group = packed.group
-        step = self._step
+        step = group.owner
+        if step is not self._step:
+            # a graph of a step that has ended (a forward kept for later, its backward after
+            # the next step's): its group is restored as ever, and is no part of this step
+            return self._restored(group)
+        if step.pending:   # the forward is over: every op saving a pending group has run
+            self._copy_pending()
+        self._check_version(group)
         index = step.unpacks
         step.unpacks += 1
         link = self.link_for_group(group)
@@ -1596,6 +1739,39 @@ class OffloadSession:
         return tensor
 
     @staticmethod
+    def _check_version(group: _Group) -> None:
+        """PyTorch's error where the saved tensor was changed in place since its pack (as autograd
+        raises without saved-tensor hooks): read through the tensor itself while it lives, or
+        the kept alias, which shares its version counter."""
+        original = group.ref()
+        if original is None and group.base is not None:
+            original = group.base()
+        if original is not None and original._version != group.version:
+            raise RuntimeError(_inplace_message(original, group.version))
+        kept = group.tensor if group.mode == KEEP else None
+        if kept is not None and group.kept_version is not None and \
+                kept._version != group.kept_version:
+            raise RuntimeError(_inplace_message(kept, group.kept_version))
+
+    def _restored(self, group: _Group) -> torch.Tensor:
+        """A group of an ended step, unpacked: its values, on demand (no schedule, no profile)."""
+        step = group.owner
+        if step.pending:
+            pending, self._step = self._step, step
+            try:
+                self._copy_pending()
+            finally:
+                self._step = pending
+        self._check_version(group)
+        link = self.link_for_group(group)
+        if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
+            group.fetch = link.fetch(group.host, group.device)
+        tensor = self._materialize(group, link)
+        group.unpacks += 1
+        group.drop_device()
+        return tensor
+
+    @staticmethod
     def _copy(step: _Step, link: CopyLink, direction: str, nbytes: int, copy) -> Transfer:
         """``copy()``; in a recording step (whose copies are inline, each alone on the compute
         stream) between two marks, which time the host link (:meth:`_link_speeds`)."""
@@ -1617,7 +1793,7 @@ class OffloadSession:
 
     def _prefetch(self, group: _Group, index: int) -> None:
         if group.mode == OFFLOAD and group.fetch is None and group.tensor is None \
-                and group.unpacks == 0:
+                and group.unpacks == 0 and group.host is not None:
             group.fetch = self.link_for_group(group).fetch(group.host, group.device)
             self._event("prefetch", group.gid, index)
 
@@ -1678,9 +1854,12 @@ class OffloadSession:
             self.trace.append(event)
 
     # --- steps, profile, plan -------------------------------------------------------------
-    def _end_step(self, failed: bool = False, out_of_memory: bool = False) -> None:
+    def _end_step(self, failed: bool = False, out_of_memory: bool = False,
+                  abandoned: bool = False) -> None:
         """The step is over: the next one saves its first tensor or runs its first module, or its
-        forward raised (``failed``; ``out_of_memory`` when it ran out of device memory).
+        forward raised (``failed``; ``out_of_memory`` when it ran out of device memory), or its
+        graph was dropped without a backward (``abandoned``: the next step runs as it would
+        have, recording or planned; nothing is learnt from this one).
 
         When the next step runs other modes (the plan made, each plan of a trial, the one kept
         after it, a plan made again, the fall-back), the links' caching allocators start it
@@ -1690,6 +1869,12 @@ class OffloadSession:
         step that waits for the next step's start: until the script lets go of the error, its
         traceback holds the failed forward's tensors.
         """
+        if abandoned:
+            for used in self._links_in_use():
+                used.settle()
+            self._step = _Step(profiling=self._step.profiling)
+            self._event("abandoned", self.steps)
+            return
         plan, modes = self.plan, self.modes
         self._close_step(failed, out_of_memory)
         if self.modes is not None and (self.modes != modes or self.plan is not plan):
@@ -1704,6 +1889,8 @@ class OffloadSession:
         left due by a failed step happens here too."""
         if self._step.unpacks:
             self._end_step()
+        elif self._step.abandoned():
+            self._end_step(failed=True, abandoned=True)
         if self._empty_cache_due:
             self._empty_caches()
 
@@ -1832,6 +2019,8 @@ class OffloadSession:
         self.replans_used += 1
         modelled = self.plan.peak
         target = min(self.target, modelled) - int(self.replan_step * self.budget)
+        if target <= 0:     # nothing left to plan for: the fall-back (everything offloaded)
+            return False
         try:
             plan = self._plan_for(target)
         except MucudnnError:
@@ -2353,6 +2542,11 @@ def _has_children(module: nn.Module) -> bool:
     return any(child is not None for child in module._modules.values())
 
 
+#: the sequence number the next autograd node will get (thread-local, one per node made): a pack
+#: reads it after its node was made and before the op ran, the packs of a later op read a larger
+#: one. Without it (an older PyTorch) pending copies wait for the next Python hook.
+_SEQUENCE_NR = getattr(torch._C._autograd, "_get_sequence_nr", None) or (lambda: 0)
+
 #: torch's reader of the autograd node whose backward runs now (resolved once: it is read at every
 #: pack, unpack and module of a step)
 _CURRENT_AUTOGRAD_NODE = getattr(torch._C, "_current_autograd_node", None)
@@ -2383,16 +2577,48 @@ def _joined(*values: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(values, dim=dim)
 
 
-def replay(module: nn.Module, value: torch.Tensor) -> torch.Tensor:
-    """``module(value)`` as its forward ran, without its side effects: a training-mode batch norm
-    runs on copies of its running statistics (same kernel, same output; the model's statistics
-    and batch counter untouched)."""
-    if isinstance(module, _BATCH_NORMS) and type(module) in CHEAP and (
-            module.training or module.running_mean is None):
-        tracked = module.running_mean is not None and module.running_var is not None
-        return F.batch_norm(value,
-                            module.running_mean.clone() if tracked else None,
-                            module.running_var.clone() if tracked else None,
-                            module.weight, module.bias, True,
-                            module.momentum if module.momentum is not None else 0.0, module.eps)
-    return module(value)
+def replay(module: nn.Module, value: torch.Tensor, state: _ModuleState | None = None,
+           output_shape: tuple = ()) -> torch.Tensor:
+    """``module(value)`` as its forward ran (``state``: what it read then; None: the module as it
+    is now), without its side effects and without hooks (a recomputable module has none of its
+    own; the global ones, a user's activation monitor, see only the user's forward): a
+    training-mode batch norm runs on copies of its running statistics (same kernel, same
+    output; the model's statistics and batch counter untouched), an eval-mode one on the
+    statistics its forward read; the parameters are the tensors the forward read."""
+    if state is None:
+        state = _ModuleState.of(module)
+    state.check()
+    saved = {name: module._parameters[name] for name in state.params}
+    try:
+        module._parameters.update(state.params)
+        if isinstance(module, _BATCH_NORMS) and type(module) in CHEAP:
+            training = state.training or module.running_mean is None
+            if state.running is not None and not training:
+                mean, var = state.running
+            elif module.running_mean is not None and module.running_var is not None:
+                mean, var = module.running_mean.clone(), module.running_var.clone()
+            else:
+                mean = var = None
+            return F.batch_norm(value, mean, var, state.params.get("weight"),
+                                state.params.get("bias"), training,
+                                module.momentum if module.momentum is not None else 0.0,
+                                module.eps)
+        forward = type(module).forward
+        if type(module) in _TRANSPOSED and output_shape:
+            made = output_shape[-len(module.kernel_size):]
+            if _transposed_size(module, value) != made:
+                # it was given output_size (its own output_padding makes another size)
+                return forward(module, value, output_size=list(made))
+        return forward(module, value)
+    finally:
+        module._parameters.update(saved)
+
+
+def _inplace_message(tensor: torch.Tensor, saved_version: int, what: str = "") -> str:
+    """PyTorch's own words for a saved tensor changed in place before its backward (autograd's
+    check is off where saved-tensor hooks run; the session checks instead)."""
+    kind = f"{tensor.device.type} {tensor.dtype}".replace("torch.", "")
+    name = f" ({what})" if what else ""
+    return ("one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{kind} {list(tensor.shape)}]{name} is at version "
+            f"{tensor._version}; expected version {saved_version} instead (mucudnn.torch)")

@@ -793,7 +793,8 @@ def test_the_session_holds_no_more_than_the_plan_models(dtype):
     train(copy.deepcopy(model), data[:2], probe)
     session.budget = int(sum(g.nbytes for g in probe._step.groups) * 0.55)
     assert_bitwise(reference, train(model, data, session))
-    assert KEEP in session.plan.modes and trace.checked >= 3 * 2 * 10
+    # every pack and unpack of the planned steps (each group packed and unpacked at least once)
+    assert KEEP in session.plan.modes and trace.checked >= 2 * 2 * len(session.profile.groups)
 
 
 def saved_bytes(model, data):
@@ -2146,7 +2147,7 @@ def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeyp
     session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append,
                              replans=replans)
     link.session = session
-    session.budget = int(saved_bytes(model, data) * 0.5)
+    session.budget = int(saved_bytes(model, data) * 0.6)
     first = session.target
     train(model, data, session)
     tried = [line for line in said if line.startswith("offload plans tried")]
@@ -2177,7 +2178,7 @@ def test_a_plan_with_no_other_to_try_is_watched_for_flushes_alone(monkeypatch, f
     said = []
     session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
     link.session = session
-    session.budget = int(saved_bytes(model, data) * 0.5)
+    session.budget = int(saved_bytes(model, data) * 0.7)
     first = session.target
     train(model, data, session)
     lowered = [line for line in said if "it flushed the caching allocator's cache" in line]
@@ -2220,7 +2221,7 @@ def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeyp
     link, said = LateFlushing(), []
     session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
     link.session = session
-    session.budget = int(saved_bytes(model, data) * 0.5)
+    session.budget = int(saved_bytes(model, data) * 0.6)
     first = session.target
     train(model, data, session)
     lowered = [line for line in said if line.startswith("the offload plan flushed")]
@@ -2367,15 +2368,20 @@ def test_a_kept_copy_changed_in_place_is_refused_as_a_recipe_source():
 
 
 class LaggingHostLink(RecordingLink):
-    """The host falls 50 ms behind (the device idle meanwhile, as its clock shows) at every pack
-    of ``lagging`` recording steps (counted from 1)."""
+    """A link on a fake clock: each stamp reads 1 µs after the one before (wall-clock time plays
+    no part: how busy the machine is cannot change a time), and the host falls 50 ms behind (the
+    device idle meanwhile, as its clock shows) at every pack of ``lagging`` recording steps
+    (counted from 1)."""
+
+    TICK = 1e-6
 
     def __init__(self, lagging):
         super().__init__()
-        self.lagging, self.packs, self.lag = lagging, 0, 0.0
+        self.lagging, self.packs, self.lag, self.ticks = lagging, 0, 0.0, 0
 
     def _stamp(self):
-        return time.perf_counter() + self.lag
+        self.ticks += 1
+        return self.ticks * self.TICK + self.lag
 
     def offload(self, tensor, inline=False, held=False):
         if inline and self.packs // self.groups + 1 in self.lagging:
@@ -2385,17 +2391,28 @@ class LaggingHostLink(RecordingLink):
 
 
 @pytest.mark.parametrize("lagging", [{1}, {2}])
-def test_a_host_lagging_in_one_recording_step_stretches_no_time_of_the_profile(lagging):
-    # whichever recording lagged, the profile's times are those of the one that did not
+def test_a_host_lagging_in_one_recording_step_stretches_no_time_of_the_profile(lagging,
+                                                                              monkeypatch):
+    # whichever recording lagged, the profile's times are those of the one that did not. On the
+    # fake clock an unlagged recording's times are its stamps, a µs each (about 0.1 ms here), and
+    # a lagged one's at least 50 ms: deterministic on any machine, however busy
     model, data = small_cnn(torch.float32), batches(torch.float32, 3)
     probe = OffloadSession(budget=GiB, link=RecordingLink(), min_bytes=0)
     train(copy.deepcopy(model), data[:1], probe)
     link = LaggingHostLink(lagging)
     link.groups = len([g for g in probe._step.groups if g.offloadable])
+    recordings = []
+    least_times = planner.least_times
+    monkeypatch.setattr(planner, "least_times",
+                        lambda profiles: recordings.extend(profiles) or least_times(profiles))
     session = OffloadSession(budget=GiB, link=link, min_bytes=0, record_steps=2)
     train(model, data, session)
     profile = session.profile
     assert link.lag >= 0.05 * 5
+    # the lagged recording's times show the lag; the profile's do not
+    assert len(recordings) == 2
+    (lagged,) = [recordings[step - 1] for step in lagging]
+    assert lagged.forward_ms >= 50
     assert profile.forward_ms < 40
     assert profile.forward_clock[-1] < 40
     recipes = [g.recompute_ms for g in profile.groups if g.recompute_ms is not None]
@@ -2620,7 +2637,7 @@ def test_an_infeasible_lower_target_is_not_solved_again_at_every_watch(monkeypat
     link = Flushing()
     session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
     link.session = session
-    session.budget = int(saved_bytes(model, data) * 0.5)
+    session.budget = int(saved_bytes(model, data) * 0.6)
     real = session._plan_for
     first = session.target
 
