@@ -1035,19 +1035,19 @@ def write_page(out: Path, to: Path | None = None) -> Path | None:
     target = to or out / f"pressure-{gpu_slug(device)}.md"
     write_text_atomically(target, markdown(reports) + "\n")
     if "minmem" in reports:
-        from benchmarks.offload import plot
+        from benchmarks.budget_plot import plot
         plot(minmem_rows(reports["minmem"]), target.with_name(target.stem + "-minmem.png"))
     return target
 
 
-# minmem's sides as benchmarks/offload.py's methods, so that its plot draws them: step time
-# against the cap, shim + offload as mucudnn's curve, PyTorch capped as the other (the shim alone
-# trains only where PyTorch does: its points are the page's)
+# minmem's sides as benchmarks/offload.py's methods, so that its plot (benchmarks/budget_plot.py)
+# draws them: step time against the cap, shim + offload as mucudnn's curve, PyTorch capped as the
+# other (the shim alone trains only where PyTorch does: its points are the page's)
 PLOT_METHODS = {"pytorch": "pytorch", "offload": "mucudnn", "fast": "mucudnn"}
 
 
 def minmem_rows(report: dict) -> list[dict]:
-    """minmem's probes and minima as benchmarks/offload.py's result rows (its ``plot`` input):
+    """minmem's probes and minima as benchmarks/offload.py's result rows (budget_plot's input):
     every probe that trained is a point at its cap (a fast search's slow run too: it trained),
     PyTorch's uncapped run an anchor at its peak reserved, each side's minimum a vertical line and
     each cap where a run did not train a dotted one."""

@@ -25,7 +25,6 @@ context, memory that other libraries (NCCL, CuPy's pool, ...) allocate themselve
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import os
 import re
@@ -35,6 +34,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from .environment import visible_gpus
 from .errors import MucudnnError
 from .sizes import describe_size, parse_size
 
@@ -73,31 +73,6 @@ def parse_budget(value: str | int) -> int:
     return budget
 
 
-def visible_gpus() -> list[tuple[str, int]] | None:
-    """(name, total bytes) of each GPU the CUDA driver shows this process (CUDA_VISIBLE_DEVICES
-    applies), from ``libcuda.so.1`` without creating a context; None without a driver."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    try:
-        count = ctypes.c_int()
-        if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)):
-            return []
-        gpus = []
-        for ordinal in range(count.value):
-            device, total = ctypes.c_int(), ctypes.c_size_t()
-            name = ctypes.create_string_buffer(256)
-            if cuda.cuDeviceGet(ctypes.byref(device), ordinal) or \
-                    cuda.cuDeviceGetName(name, len(name), device) or \
-                    cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device):
-                continue
-            gpus.append((name.value.decode(errors="replace"), total.value))
-        return gpus
-    except AttributeError:  # a driver library without these entry points
-        return None
-
-
 def check_budget(budget: int) -> str | None:
     """Refuses a budget over a visible GPU's memory (:class:`BudgetError`); returns a warning
     when no GPU is visible (the command runs anyway: its processes may still see one)."""
@@ -106,10 +81,10 @@ def check_budget(budget: int) -> str | None:
         return (f"memory budget {describe_size(budget)}: no GPU visible to this process "
                 f"({'no CUDA driver' if gpus is None else 'the driver lists none'}); running "
                 "the command anyway")
-    for ordinal, (name, total) in enumerate(gpus):
-        if budget > total:
+    for gpu in gpus:
+        if gpu.memory is not None and budget > gpu.memory:
             raise BudgetError(f"memory budget {describe_size(budget)} is more than GPU "
-                              f"{ordinal}'s memory ({name}, {describe_size(total)})")
+                              f"{gpu.index}'s memory ({gpu.name}, {describe_size(gpu.memory)})")
     return None
 
 

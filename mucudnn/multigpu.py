@@ -3,11 +3,14 @@ with one progress display (``mucudnn bench --gpus``, :func:`mucudnn.tuner.benchm
 
 GPUs are grouped by model: measurements hold for a GPU model (docs/store.md), so every model
 present measures every kernel, and within a model the kernels are split over its GPUs, each kernel
-to exactly one of them. A worker is this module run as ``python -m mucudnn.multigpu JOB`` with
-``CUDA_VISIBLE_DEVICES`` naming its one GPU; it measures its kernels with
-:func:`mucudnn.tuner.benchmark` (which commits each kernel's rows in one store write, so a worker
-that dies loses at most the kernel it was measuring) and tells the parent on its stdout, one line
-per event, what it has to do and what it has done (:class:`EventLines`).
+to exactly one of them. A worker is :mod:`mucudnn.bench_worker` run as ``python -m
+mucudnn.bench_worker JOB`` with ``CUDA_VISIBLE_DEVICES`` naming its one GPU; it measures its
+kernels with :func:`mucudnn.tuner.benchmark` (which commits each kernel's rows in one store write,
+so a worker that dies loses at most the kernel it was measuring) and tells the parent on its
+stdout, one line per event, what it has to do and what it has done (:class:`EventLines`).
+
+This module is the parent's side and the event lines both sides share; it imports neither the
+tuner nor the worker (the worker is started by its module name).
 """
 
 from __future__ import annotations
@@ -23,40 +26,13 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .environment import Gpu
 from .errors import MucudnnError
 from .problem import ConvProblem
 
 #: What a worker prints: ``todo COUNT`` (sizes it is about to measure), ``size`` (one done),
 #: ``kernel N KEY`` (a kernel's rows committed), ``timed COUNT`` (at the end: sizes timed).
 EVENT_PREFIX = "mucudnn-bench-event "
-
-
-@dataclasses.dataclass(frozen=True)
-class Gpu:
-    """One GPU of this process: CuPy's ordinal, what ``CUDA_VISIBLE_DEVICES`` calls it (for a
-    worker that is to see it alone) and its model name."""
-
-    index: int
-    visible_as: str
-    name: str
-
-
-def visible_gpus() -> list[Gpu]:
-    """The GPUs CuPy sees here ([] without CuPy or a driver), in CuPy's order."""
-    from .environment import cupy_module
-    try:
-        cupy = cupy_module()
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no CuPy, no driver, no device: no GPU to spread over
-        return []
-    listed = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-              if entry.strip()] if "CUDA_VISIBLE_DEVICES" in os.environ else []
-    gpus = []
-    for index in range(count):
-        name = cupy.cuda.runtime.getDeviceProperties(index)["name"]
-        gpus.append(Gpu(index, listed[index] if index < len(listed) else str(index),
-                        name.decode() if isinstance(name, bytes) else str(name)))
-    return gpus
 
 
 def select_gpus(spec: str | Sequence[int] | None, gpus: Sequence[Gpu]) -> list[Gpu]:
@@ -175,7 +151,7 @@ def benchmark_on_gpus(gpus: Sequence[Gpu],
                 path.write_text(json.dumps({**job, "kernels": kernels}))
                 env = {**os.environ, "CUDA_VISIBLE_DEVICES": worker.gpu.visible_as}
                 worker.process = subprocess.Popen(
-                    [sys.executable, "-m", "mucudnn.multigpu", str(path)], env=env,
+                    [sys.executable, "-m", "mucudnn.bench_worker", str(path)], env=env,
                     stdout=subprocess.PIPE, bufsize=0)
                 selector.register(worker.process.stdout, selectors.EVENT_READ, worker)
             # Raw reads of what is there, split into lines here: a buffered readline would wait
@@ -227,26 +203,3 @@ def _take_event(worker: Worker, line: str, bar) -> None:
         worker.stored.append((key, int(n)))
     elif event == "timed":
         worker.timed += int(value)
-
-
-def worker_main(argv: Sequence[str]) -> int:
-    """A worker: measure the job file's kernels on the one GPU this process sees."""
-    from . import tuner
-    from .timing import TimingMethod
-    job = json.loads(Path(argv[0]).read_text())
-    kernels = [ConvProblem.from_key(key, n) for key, n in job.pop("kernels")]
-    method = TimingMethod(**job.pop("method"))
-    events = EventLines(sys.stdout)
-    try:
-        timed = tuner.benchmark(kernels, method=method, progress=False, gpus=[0], events=events,
-                                **job)
-    except MucudnnError as exc:
-        print(f"mucudnn: error: GPU {os.environ.get('CUDA_VISIBLE_DEVICES', '?')}: {exc}",
-              file=sys.stderr)
-        return 2
-    events("timed", timed)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:]))

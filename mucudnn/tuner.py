@@ -17,7 +17,6 @@ and the predicted time per pass use to weigh time.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import difflib
 import gzip
@@ -30,7 +29,8 @@ from pathlib import Path
 from typing import Sequence
 
 from . import store as store_mod
-from .environment import Environment, cupy_module, current_environment, gpu_available
+from .environment import (Environment, cupy_module, current_environment, gpu_available,
+                          visible_gpus)
 from .engines import api_of, parse_engine_name, select_apis
 from .errors import (EngineNameError, MissingMeasurementsError, MucudnnError, ReadOnlyStoreError,
                      UnwritableError)
@@ -245,21 +245,12 @@ def open_measurements(path=None, env: Environment | None = None):
 
 
 def gpu_without_cupy() -> str | None:
-    """The name of this machine's first NVIDIA GPU when the CUDA driver has one but CuPy is not
-    installed (so ``bench`` cannot run), else None."""
+    """The name of this machine's first GPU when CuPy is not installed (so ``bench`` cannot run)
+    but the CUDA driver lists one, else None."""
     if importlib.util.find_spec("cupy") is not None:
         return None
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        count, device, name = ctypes.c_int(), ctypes.c_int(), ctypes.create_string_buffer(256)
-        if cuda.cuInit(0) or cuda.cuDeviceGetCount(ctypes.byref(count)) or count.value < 1:
-            return None
-        if cuda.cuDeviceGet(ctypes.byref(device), 0) or \
-                cuda.cuDeviceGetName(name, len(name), device):
-            return None
-        return name.value.decode(errors="replace")
-    except (OSError, AttributeError):  # no driver library: no GPU to speak of
-        return None
+    gpus = visible_gpus()
+    return gpus[0].name if gpus else None
 
 
 def _pick_environment(store) -> Environment | None:
@@ -314,8 +305,8 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
     pruning = Pruning(None if policy is Policy.FIT else limit, borrow_output, quick)
     apis = select_apis(api)
     own = store is None or isinstance(store, (str, os.PathLike))
-    if own:
-        cupy_module()  # without CuPy nothing can be measured: no store is created for nothing
+    # without CuPy nothing can be measured: no store is created, and no worker started, for nothing
+    cupy_module()
     st = store_mod.open_store(store) if own else store
     try:
         st.check_writable()
@@ -352,10 +343,10 @@ def benchmark(source, policy: Policy | str = Policy.POWER_OF_TWO, store=None,
 def _gpus_to_spread_over(gpus) -> list | None:
     """The GPUs :func:`benchmark` spreads over (:mod:`mucudnn.multigpu`), or None where this
     process measures alone on its current GPU: one GPU (or none: the benchmarker says why)."""
-    from .multigpu import select_gpus, visible_gpus
+    from .multigpu import select_gpus
     if gpus in ("0", [0], (0,)):
         return None  # the current GPU: this process (what a worker asks for)
-    visible = visible_gpus()
+    visible = visible_gpus() or []
     if gpus in (None, "all"):
         return visible if len(visible) > 1 else None
     chosen = select_gpus(gpus, visible)
@@ -363,10 +354,10 @@ def _gpus_to_spread_over(gpus) -> list | None:
 
 
 def gpu_models_here() -> list[Environment]:
-    """The distinct GPU models CuPy sees here, in device order, each with the loaded cuDNN's
-    version ([] without a GPU): what measurements and plans are made for on this node."""
-    from .multigpu import visible_gpus
-    names = list(dict.fromkeys(gpu.name for gpu in visible_gpus()))
+    """The distinct GPU models here (:func:`~mucudnn.environment.visible_gpus`), in device order,
+    each with the loaded cuDNN's version ([] without a GPU): what measurements and plans are made
+    for on this node."""
+    names = list(dict.fromkeys(gpu.name for gpu in visible_gpus() or []))
     if not names:
         return []
     from .cudnn import get

@@ -18,6 +18,7 @@ import mucudnn
 from mucudnn import budget as budget_mod
 from mucudnn import cli, shimlib, tuner
 from mucudnn.cli import main
+from mucudnn.environment import Gpu
 
 
 FAKE_TORCH = Path(__file__).resolve().parent / "faketorch"
@@ -63,7 +64,7 @@ def child(monkeypatch, tmp_path):
     monkeypatch.setattr(shimlib, "shim_path", lambda: tmp_path / "libmucudnn.so")  # never built
 
     class Child:
-        gpus = [("Fake GPU 0", 80 * GIB), ("Fake GPU 1", 40 * GIB)]
+        gpus = [Gpu(0, "0", "Fake GPU 0", 80 * GIB), Gpu(1, "1", "Fake GPU 1", 40 * GIB)]
 
         @staticmethod
         def events():
@@ -140,7 +141,7 @@ def test_an_existing_sitecustomize_still_runs(child, tmp_path, monkeypatch):
 
 def test_the_site_directory_is_put_on_pythonpath_once(fake_exec, monkeypatch):
     _, calls = fake_exec
-    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [Gpu(0, "0", "GPU", 80 * GIB)])
     site = str(budget_mod.SITE_DIR)
     monkeypatch.setenv("PYTHONPATH", f"/elsewhere:{site}")
     assert invoke("run", "--memory-budget", "6GiB", "--", "true").exit_code == 0
@@ -154,7 +155,7 @@ def test_the_site_directory_is_put_on_pythonpath_once(fake_exec, monkeypatch):
 def test_a_budget_avoids_fragmentation_unless_the_user_configured_the_allocator(fake_exec, monkeypatch,
                                                                                  users):
     _, calls = fake_exec
-    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [Gpu(0, "0", "GPU", 80 * GIB)])
     if users is None:
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     else:
@@ -201,14 +202,14 @@ def test_a_budget_is_rounded_down_to_whole_bytes(text, expected):
 
 def test_run_takes_a_decimal_budget(fake_exec, monkeypatch):
     _, calls = fake_exec
-    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [Gpu(0, "0", "GPU", 80 * GIB)])
     assert invoke("run", "--memory-budget", "5.6GiB", "--", "true").exit_code == 0
     [(_, env)] = calls
     assert env["MUCUDNN_MEMORY_BUDGET"] == str(int(5.6 * GIB))
 
 
 def test_a_budget_larger_than_a_gpu_is_one_error_line_and_runs_nothing(child):
-    child.gpus = [("Fake GPU 0", 80 * GIB), ("Fake GPU 1", 8 * GIB)]
+    child.gpus = [Gpu(0, "0", "Fake GPU 0", 80 * GIB), Gpu(1, "1", "Fake GPU 1", 8 * GIB)]
     result = invoke("run", "--memory-budget", "16GiB", *python())
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
@@ -271,7 +272,7 @@ def test_a_malformed_budget_variable_set_by_hand_is_one_warning_line(child, monk
 def test_autotune_runs_both_commands_under_the_budget(no_gpu, recording_exec, tmp_path, monkeypatch):
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
     _, calls = recording_exec(kernels=kernels)
-    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [Gpu(0, "0", "GPU", 80 * GIB)])
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
     result = invoke("autotune", "--workspace-limit", "64MiB", "--memory-budget", "6GiB", "-o",
                     tmp_path / "auto.plan", "--", "python", "train.py")
@@ -290,7 +291,7 @@ def test_autotune_offloads_in_both_runs_and_gives_the_planned_run_the_slack(
     monkeypatch.delenv("MUCUDNN_WORKSPACE_SLACK")
     kernels = [p for p, _ in mucudnn.load_config("alexnet").kernels()]
     _, calls = recording_exec(kernels=kernels)
-    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [("GPU", 80 * GIB)])
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [Gpu(0, "0", "GPU", 80 * GIB)])
     monkeypatch.setattr(tuner, "benchmark", lambda source, policy, **kw: 0)
     result = invoke("autotune", "--memory-budget", "6GiB", "--offload", *options, "-o",
                     tmp_path / "auto.plan", "--", "python", "train.py")

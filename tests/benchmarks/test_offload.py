@@ -12,8 +12,9 @@ import math
 import pytest
 
 from benchmarks import offload
+from benchmarks.budget_plot import plot_series
 from benchmarks.offload import (GiB, auto_sweep_budgets, markdown, measure_model,
-                                min_budget_search, plot_series, run_config)
+                                min_budget_search, run_config)
 from benchmarks.pressure import Budget
 
 BASE = {"model": "unet3d", "batch": 2, "method": "pytorch", "budget_bytes": None, "status": "ok",

@@ -719,7 +719,7 @@ def test_minmem_probes_become_the_offload_plots_rows(gpu, tmp_path):
                           "--offload", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "pressure-minmem.json").read_text())
     rows = pressure.minmem_rows(report)
-    from benchmarks.offload import plot_series
+    from benchmarks.budget_plot import plot_series
     series = plot_series(rows, "unet3d")
     entry = report["models"]["unet3d"]
     # every offload run that trained, slow ones included, once per cap; PyTorch's capped runs
