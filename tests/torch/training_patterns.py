@@ -278,7 +278,10 @@ def build_model(case: Case) -> tuple[Net, dict]:
     if case.has("shared"):
         shared = Shared(c, rng, inplace)
         blocks.append(shared)
-        if rng.random() < 0.5:   # and the same block twice in the model
+        twice = rng.random() < 0.5
+        # and the same block twice in the model (not under functional_call: PyTorch leaves a
+        # block reached by two paths with the call's tensors as its parameters)
+        if twice and not case.has("functional_call"):
             blocks.append(nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU()))
             blocks.append(shared)
     if case.has("checkpoint"):
