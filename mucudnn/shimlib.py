@@ -87,7 +87,8 @@ def find_cudnn_include() -> Path:
     candidates += _nvidia_wheel_dirs("cudnn", "include")
     candidates += [Path("/usr/include"), Path("/usr/local/cuda/include"), cudnn_headers_cache()]
     return _first_with(candidates, "cudnn.h", "set MUCUDNN_CUDNN_INCLUDE, install "
-                       "nvidia-cudnn-cu13, or run scripts/test.sh (it unpacks the headers)")
+                       "nvidia-cudnn-cu13, or run bash scripts/quickstart.sh (it fetches the "
+                       "headers)")
 
 
 def find_cuda_include() -> Path:

@@ -42,7 +42,7 @@ def test_unpacked_headers_land_in_the_user_cache_where_the_shim_build_finds_them
     monkeypatch.setattr(shimlib, "_nvidia_wheel_dirs", lambda *parts: [])
     if Path("/usr/include/cudnn.h").exists() or Path("/usr/local/cuda/include/cudnn.h").exists():
         pytest.skip("system cuDNN headers present (found before the cache)")
-    with pytest.raises(MucudnnError, match="run scripts/test.sh"):
+    with pytest.raises(MucudnnError, match=r"run bash scripts/quickstart\.sh \(it fetches the headers\)"):
         shimlib.find_cudnn_include()
     dest = shimlib.unpack_cudnn_headers(fake_wheel(tmp_path / "w.whl"))
     assert dest == tmp_path / "cache" / "mucudnn" / "cudnn-headers-9.19.0.56" / "include"
