@@ -94,7 +94,8 @@ def test_without_cupy_the_driver_lists_the_gpus_as_cuda_visible_devices_names_th
     from mucudnn import environment, tuner
     monkeypatch.setattr(environment.ctypes, "CDLL", lambda name: FakeDriver(["A100", "H100"]))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
-    assert environment.visible_gpus() == [Gpu(0, "3", "A100", 1 << 30), Gpu(1, "5", "H100", 2 << 30)]
+    assert environment.visible_gpus() == [Gpu(0, "3", "A100", 1 << 30),
+                                          Gpu(1, "5", "H100", 2 << 30)]
     assert not environment.gpu_available()  # nothing to benchmark with
     assert tuner.gpu_without_cupy() == "A100"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
