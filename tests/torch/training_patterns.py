@@ -40,7 +40,7 @@ SESSIONS = ("keep", "offload", "recompute", "stage", "budget", "fit")
 #: model patterns: each adds a block (or changes the stem) where drawn
 STRUCTURE = ("residual", "dense", "batchnorm", "groupnorm", "layernorm", "dropout", "inplace",
              "shared", "custom_function", "module_hook", "global_hook", "checkpoint", "rrelu",
-             "repeated_pool", "frozen")
+             "repeated_pool", "frozen", "reentrant")
 #: loop patterns
 LOOP = ("functional_call", "eval_train", "eval_backward", "skip_backward", "create_graph",
         "exception", "interrupt", "resize", "ema", "accumulate", "autocast", "channels_last",
@@ -238,8 +238,18 @@ class Net(nn.Module):
         self.stem = stem
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(channels, CLASSES)
+        #: a siamese forward: the model called on the input and its mirror image (through
+        #: ``self(...)``: a fitted model's forward entered again inside its own)
+        self.siamese = False
+        self._inside = False
 
     def forward(self, x):
+        if self.siamese and not self._inside:
+            self._inside = True
+            try:
+                return self(x) + self(x.flip(-1))
+            finally:
+                self._inside = False
         x = self.stem(x)
         for block in self.blocks:
             x = block(x)
@@ -293,6 +303,7 @@ def build_model(case: Case) -> tuple[Net, dict]:
     if case.has("module_hook"):
         parts["hooked"] = rng.choice([b for b in blocks if not isinstance(b, Raiser)])
     model = Net(nn.Sequential(*stem), blocks, c)
+    model.siamese = case.has("reentrant")
     if case.has("frozen"):   # fine-tuning: the first layer's parameters need no gradient
         model.stem[0].requires_grad_(False)
     model.to(getattr(torch, case.dtype))
