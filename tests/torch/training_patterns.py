@@ -40,11 +40,13 @@ SESSIONS = ("keep", "offload", "recompute", "stage", "budget", "fit")
 #: model patterns: each adds a block (or changes the stem) where drawn
 STRUCTURE = ("residual", "dense", "batchnorm", "groupnorm", "layernorm", "dropout", "inplace",
              "shared", "custom_function", "module_hook", "global_hook", "checkpoint", "rrelu",
-             "repeated_pool", "frozen", "reentrant")
+             "repeated_pool", "frozen", "reentrant", "spectral_norm", "tied_weight", "updown",
+             "instancenorm", "tensor_hook")
 #: loop patterns
 LOOP = ("functional_call", "eval_train", "eval_backward", "skip_backward", "create_graph",
         "exception", "interrupt", "resize", "ema", "accumulate", "autocast", "channels_last",
-        "backward_inside", "version_error", "retain_graph", "no_grad_eval")
+        "backward_inside", "version_error", "retain_graph", "no_grad_eval", "input_grad",
+        "transposed_input", "reload")
 #: a stage session's tolerance, relative to each tensor's largest magnitude (float64)
 STAGE_RTOL = 1e-12
 CLASSES = 5
@@ -169,9 +171,17 @@ def _act(rng: random.Random, inplace: bool, rrelu: bool = False) -> nn.Module:
     return nn.Tanh()
 
 
+#: batch and instance norms' variants (a case draws one of each)
+NORM_VARIANTS = {"batchnorm": ({}, {"momentum": None}, {"track_running_stats": False},
+                               {"affine": False}),
+                 "instancenorm": ({"affine": True}, {"track_running_stats": True})}
+
+
 def _norm(kind: str | None, channels: int) -> nn.Module:
-    if kind == "batchnorm":
-        return nn.BatchNorm2d(channels)
+    if kind and kind.startswith("batchnorm"):
+        return nn.BatchNorm2d(channels, **NORM_VARIANTS["batchnorm"][int(kind[-1])])
+    if kind and kind.startswith("instancenorm"):
+        return nn.InstanceNorm2d(channels, **NORM_VARIANTS["instancenorm"][int(kind[-1])])
     if kind == "groupnorm":
         return nn.GroupNorm(2, channels)
     if kind == "layernorm":
@@ -223,6 +233,22 @@ class Shared(nn.Module):
         return self.conv(self.act(self.conv(x)))
 
 
+class UpDown(nn.Module):
+    """A U-Net level: down by a strided convolution, up by a transposed one to the input's size
+    (odd sizes need ``output_size``), joined with the input."""
+
+    def __init__(self, channels, rng):
+        super().__init__()
+        self.down = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+        self.act = _act(rng, False)
+        self.up = nn.ConvTranspose2d(channels, channels, 3, stride=2, padding=1)
+        self.merge = nn.Conv2d(2 * channels, channels, 1)
+
+    def forward(self, x):
+        up = self.up(self.act(self.down(x)), output_size=x.shape[-2:])
+        return self.merge(torch.cat([x, up], 1))
+
+
 class Checkpointed(nn.Module):
     def __init__(self, inner):
         super().__init__()
@@ -242,6 +268,7 @@ class Net(nn.Module):
         #: ``self(...)``: a fitted model's forward entered again inside its own)
         self.siamese = False
         self._inside = False
+        self.tensor_hook = False   # the stem output's gradient halved by a tensor hook
 
     def forward(self, x):
         if self.siamese and not self._inside:
@@ -251,6 +278,8 @@ class Net(nn.Module):
             finally:
                 self._inside = False
         x = self.stem(x)
+        if self.tensor_hook and x.requires_grad:
+            x.register_hook(lambda grad: grad * 0.5)
         for block in self.blocks:
             x = block(x)
         return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
@@ -271,7 +300,10 @@ def build_model(case: Case) -> tuple[Net, dict]:
     if case.has("repeated_pool"):   # one pooling object listed twice
         stem += [nn.Conv2d(c, c, 3, padding=1), pool]
     blocks, parts = [], {}
-    norms = [n for n in ("batchnorm", "groupnorm", "layernorm") if case.has(n)] or [None]
+    norms = [n for n in ("batchnorm", "groupnorm", "layernorm", "instancenorm")
+             if case.has(n)] or [None]
+    norms = [f"{n}{_rng(case, n).randrange(len(NORM_VARIANTS[n]))}" if n in NORM_VARIANTS
+             else n for n in norms]
     blocks.append(nn.Sequential(nn.Conv2d(c, c, 3, padding=1), _norm(norms[0], c),
                                 _act(rng, inplace, case.has("rrelu"))))
     for norm in norms[1:]:
@@ -294,6 +326,14 @@ def build_model(case: Case) -> tuple[Net, dict]:
         if twice and not case.has("functional_call"):
             blocks.append(nn.Sequential(nn.Conv2d(c, c, 1), nn.ReLU()))
             blocks.append(shared)
+    if case.has("updown"):
+        blocks.append(UpDown(c, rng))
+    if case.has("tied_weight"):   # a convolution sharing the stem's weight (not its bias)
+        tied = nn.Conv2d(c, c, 3, padding=1)
+        tied.weight = stem[2].weight
+        blocks.append(nn.Sequential(tied, nn.ReLU()))
+    if case.has("spectral_norm"):   # a parametrized weight, its power iteration per forward
+        torch.nn.utils.parametrizations.spectral_norm(blocks[0][0])
     if case.has("checkpoint"):
         blocks.append(Checkpointed(nn.Sequential(nn.Conv2d(c, c, 3, padding=1),
                                                  _norm(rng.choice(norms), c), _act(rng, False))))
@@ -304,6 +344,7 @@ def build_model(case: Case) -> tuple[Net, dict]:
         parts["hooked"] = rng.choice([b for b in blocks if not isinstance(b, Raiser)])
     model = Net(nn.Sequential(*stem), blocks, c)
     model.siamese = case.has("reentrant")
+    model.tensor_hook = case.has("tensor_hook")
     if case.has("frozen"):   # fine-tuning: the first layer's parameters need no gradient
         model.stem[0].requires_grad_(False)
     model.to(getattr(torch, case.dtype))
@@ -322,12 +363,14 @@ def make_data(case: Case) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     for _ in range(case.steps):
         batch, size = 4, 8
         if case.has("resize"):
-            batch, size = rng.choice((2, 3, 4)), rng.choice((8, 12))
+            batch, size = rng.choice((2, 3, 4)), rng.choice((8, 10, 12))
         micro = []
         for _ in range(2 if case.has("accumulate") else 1):
             x = torch.randn(batch, 3, size, size, generator=generator, dtype=dtype)
             if case.has("channels_last"):
                 x = x.contiguous(memory_format=torch.channels_last)
+            if case.has("transposed_input"):   # a strided view, neither layout
+                x = x.transpose(-1, -2)
             micro.append((x, torch.randint(0, CLASSES, (batch,), generator=generator)))
         steps.append(micro)
     return steps
@@ -355,15 +398,18 @@ def train(case: Case, model: nn.Module, parts: dict, session=None) -> Run:
     run, data = Run(), make_data(case)
     rng = _rng(case, "loop")
     special = {p: rng.randrange(1, case.steps) for p in
-               ("skip_backward", "exception", "interrupt", "eval_backward", "ema")}
+               ("skip_backward", "exception", "interrupt", "eval_backward", "ema", "reload",
+                "unfreeze")}
     # a forward that raises at its stem's second convolution (inside a staged chain), else at
     # the Raiser block
     interrupt_in_stem = rng.random() < 0.5
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     handles, log = [], []
     if "hooked" in parts:
-        handles.append(parts["hooked"].register_forward_hook(
-            lambda module, args, out: log.append(out.detach().double().sum())))
+        def logs_and_scales(module, args, out):
+            log.append(out.detach().double().sum())
+            return out * 0.9
+        handles.append(parts["hooked"].register_forward_hook(logs_and_scales))
     calls = [0]
     if case.has("global_hook"):
         handles.append(module_hooks.register_module_forward_hook(
@@ -403,7 +449,7 @@ def train(case: Case, model: nn.Module, parts: dict, session=None) -> Run:
             optimizer.zero_grad()
             for index, (x, y) in enumerate(micro):
                 penalty = case.has("create_graph") and index == 0
-                if penalty:
+                if penalty or case.has("input_grad"):
                     x = x.clone().requires_grad_()
                 raiser = parts.get("raiser")
                 hook = None
@@ -440,6 +486,8 @@ def train(case: Case, model: nn.Module, parts: dict, session=None) -> Run:
                     continue
                 if not case.has("backward_inside"):
                     _backward(case, model, loss, step, special)
+                if x.requires_grad:
+                    run.add(f"step {step} micro {index} input grad", x.grad)
             watched = session or getattr(model, "mucudnn_session", None)
             run.staged |= getattr(watched, "stage", None) is not None
             for name, p in model.named_parameters():
@@ -454,6 +502,10 @@ def train(case: Case, model: nn.Module, parts: dict, session=None) -> Run:
                     model.train()
             for name, b in model.named_buffers():
                 run.add(f"step {step} buffer {name}", b)
+            if case.has("reload") and step == special["reload"]:   # a checkpoint restored
+                model.load_state_dict(copy.deepcopy(model.state_dict()))
+            if case.has("frozen") and step == special["unfreeze"]:   # fine-tuning unfreezes
+                model.stem[0].requires_grad_(True)
             if case.has("ema"):
                 if step == special["ema"]:
                     ema = copy.deepcopy(model)
