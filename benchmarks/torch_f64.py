@@ -510,16 +510,23 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
                   make_session=lambda trace, said: mt.budget(
                       int(4 * max(peak, saved) / (1 - HEADROOM)), trace=trace, say=said,
                       **options), sessions=probes, **common))
-    probe = probes[0] if probes else None
-    if probe is not None and probe.profile is not None and probe.plan is not None:
+
+    def plans_range(session):
+        """(least peak, peak with everything kept) of ``session``'s recorded profile: what its
+        recording measured (workspace choices, the allocator) moves both, so each budget is
+        taken from the last session that planned."""
         from mucudnn.torch import planner
-        low = planner.least_peak(probe.profile)
-        high = planner.peak_memory(probe.profile, [planner.KEEP] * len(probe.profile.groups),
-                                   probe.lookahead)
+        if session is None or session.profile is None or session.plan is None:
+            return 0, peak
+        profile = session.profile
+        low = planner.least_peak(profile, session.lookahead)
+        high = planner.peak_memory(profile, [planner.KEEP] * len(profile.groups),
+                                   session.lookahead)
         say(f"[{case.name}] the plans' range: least peak {low / 2**20:.1f} MiB, all kept "
             f"{high / 2**20:.1f} MiB")
-    else:
-        low, high = 0, peak
+        return low, high
+
+    low, high = plans_range(probes[0] if probes else None)
     chosen, mixing = None, None
     for fraction in fractions:
         if deadline is not None and time.monotonic() > deadline and chosen is not None:
@@ -527,14 +534,20 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
             break
         # the plan's target: the share ``fraction`` of the way down from all kept to the least
         budget = int((high - fraction * (high - low)) / (1 - HEADROOM))
+        tried: list = []
         row = check_run(case, reference, f"budget@{fraction:g}", "budget", budget=budget,
                         fraction=fraction, make_session=lambda trace, said, b=budget: mt.budget(
-                            b, trace=trace, say=said, **options), **common)
+                            b, trace=trace, say=said, **options), sessions=tried, **common)
         if row["status"] == "ERROR" and "InfeasibleError" in row.get("error", ""):
             row["status"] = "INFEASIBLE"
+        elif row["status"] == "FAIL" and row.get("requirement_met") is False and \
+                len(row["reasons"]) == 1:
+            row["status"] = "KEPT-ALL"   # equal, but its plan moved nothing: the next share
         log(row)
         if row["status"] != "INFEASIBLE":
             chosen = (budget, fraction)
+            if tried and tried[0].plan is not None:
+                low, high = plans_range(tried[0])
             if mixed(row["steps"]):
                 mixing = chosen
                 break
@@ -556,7 +569,7 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
         log(check_run(case, reference, "staged", "staged", budget=budget,
                       make_session=session_of(budget=budget, stage="always"), **common))
     for row in rows:
-        if row["status"] not in ("PASS", "INFEASIBLE"):
+        if row["status"] not in ("PASS", "INFEASIBLE", "KEPT-ALL"):
             checks.append({"check": f"{row['mode']}", "passed": False,
                            "detail": "; ".join(row.get("reasons", []))[:500]})
     return {"model": case.name, "size": case.description, "peak": peak, "saved": saved,

@@ -73,8 +73,9 @@ class Setting:
         return os.environ.get(self.name)
 
     def problem(self, value: str | None) -> str | None:
-        """Why ``value`` is not accepted (what is), None where it is or it is unset."""
-        if value is None or self.rule.test(value):
+        """Why ``value`` is not accepted (what is), None where it is or it is unset (an empty
+        path is none, as its readers take it)."""
+        if value is None or self.rule.test(value) or (value == "" and self.rule is PATH):
             return None
         return f"expected {self.rule.accepted}"
 
