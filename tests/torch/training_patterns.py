@@ -588,10 +588,30 @@ def make_session(case: Case, model: nn.Module):
     return mucudnn.torch.fit(model, budget=budget, **options), None
 
 
-def _global_state():
-    return (torch.is_grad_enabled(), torch._C._autograd._top_saved_tensors_default_hooks(False),
-            len(module_hooks._global_forward_hooks), len(module_hooks._global_forward_pre_hooks),
-            torch.is_autocast_enabled("cpu"))
+def _global_state() -> dict:
+    """What a session changes while entered and must put back at its end."""
+    return {"grad mode": torch.is_grad_enabled(),
+            "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False),
+            "global forward hooks": set(module_hooks._global_forward_hooks),
+            "global forward pre-hooks": set(module_hooks._global_forward_pre_hooks),
+            "torch function modes": torch._C._len_torch_function_stack(),
+            "cpu autocast": torch.is_autocast_enabled("cpu")}
+
+
+def _put_back(before: dict) -> None:
+    """Undoes what a session left behind, so that the next case (its plain run too) starts
+    clean: the case that left it fails, the next ones do not."""
+    torch.set_grad_enabled(before["grad mode"])
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) != \
+            before["saved-tensor hooks"]:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    for hooks, kind in ((module_hooks._global_forward_hooks, "global forward hooks"),
+                        (module_hooks._global_forward_pre_hooks, "global forward pre-hooks")):
+        for key in set(hooks) - before[kind]:
+            del hooks[key]
+    while torch._C._len_torch_function_stack() > before["torch function modes"]:
+        torch._C._pop_torch_function_stack()
+    torch.set_autocast_enabled("cpu", before["cpu autocast"])
 
 
 def run_case(case: Case) -> Outcome:
@@ -607,8 +627,9 @@ def run_case(case: Case) -> Outcome:
         ours = Run(error=error)
     after = _global_state()
     if after != before:
-        return Outcome(case, "failed", f"state left behind: {before} -> {after} "
-                                       "(grad mode, saved-tensor hooks, global hooks, autocast)")
+        _put_back(before)
+        left = ", ".join(kind for kind in before if before[kind] != after[kind])
+        return Outcome(case, "failed", f"state left behind: {left}")
     return compare(case, plain, ours)
 
 
