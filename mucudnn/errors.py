@@ -37,6 +37,12 @@ class SettingError(MucudnnError):
     message names the variable, the value and what it accepts."""
 
 
+class ChangedInPlaceError(MucudnnError, RuntimeError):
+    """A tensor that mucudnn.torch must read again in the backward (a recomputed module's
+    parameter) was changed in place since the forward: the backward cannot be carried out as
+    the forward ran. Worded as PyTorch's own in-place error, which it is a RuntimeError as."""
+
+
 class InfeasibleError(MucudnnError):
     """No plan satisfies the workspace limit or budget."""
 

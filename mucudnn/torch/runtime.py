@@ -63,7 +63,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import InfeasibleError, MucudnnError
+from ..errors import ChangedInPlaceError, InfeasibleError, MucudnnError
 from ..sizes import describe_size
 from . import planner
 from .planner import KEEP, OFFLOAD, RECOMPUTE
@@ -555,7 +555,10 @@ class _ModuleState:
         optimizer step before the backward): a replay would compute another value."""
         for (name, value), version in zip(self.params.items(), self.versions):
             if value._version != version:
-                raise RuntimeError(_inplace_message(value, version, name))
+                raise ChangedInPlaceError(
+                    _inplace_message(value, version, name) + "; a module recomputed in the "
+                    "backward reads it (under autocast PyTorch alone differentiates with the "
+                    "cast it saved: OffloadSession(recompute=False) does too)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -2500,17 +2503,21 @@ def _call_ms(link: CopyLink, call: _Call, d2h: float) -> float | None:
 
 def _rebuild_order(group: _Group) -> list[_Group]:
     """``group`` and its recomputed sources without a device tensor, transitively, each once,
-    every source before its readers (iterative: a chain may be longer than Python's stack)."""
-    order, seen, stack = [], {group}, [(group, False)]   # groups hash by identity
+    every source before its readers (iterative: a chain may be longer than Python's stack). A
+    source read by two of them (a dense block's input, concatenated and also rebuilt through)
+    comes before both: a group is placed when its expansion ends, never where first met."""
+    order, placed, stack = [], set(), [(group, False)]   # groups hash by identity
     while stack:
         current, expanded = stack.pop()
+        if current in placed:
+            continue
         if expanded:
+            placed.add(current)
             order.append(current)
             continue
         stack.append((current, True))
         for source in current.recipe.sources:
-            if source.mode == RECOMPUTE and source.tensor is None and source not in seen:
-                seen.add(source)
+            if source.mode == RECOMPUTE and source.tensor is None and source not in placed:
                 stack.append((source, False))
     return order
 
