@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..errors import ChangedInPlaceError
 from . import planner
 
 #: per-sample, deterministic, no state changed by a forward: a slice of the batch in, that slice
@@ -251,11 +252,12 @@ class StagedForward:
         """PyTorch's error where a tensor the forward read changed in place since."""
         for param, version in zip(self.params, self.versions):
             if param._version != version:
-                raise RuntimeError(
+                raise ChangedInPlaceError(
                     "one of the variables needed for gradient computation has been modified by "
                     f"an inplace operation: [{param.type()} {list(param.shape)}], read by a "
                     f"staged chain, is at version {param._version}; expected version {version} "
-                    "instead.")
+                    "instead (under autocast PyTorch alone differentiates with the cast it "
+                    "saved: OffloadSession(stage=False) does too)")
 
 
 def _weights(module: nn.Module) -> tuple:
