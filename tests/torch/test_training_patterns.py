@@ -13,6 +13,9 @@ CI runs 300 cases from seed 0. A long run::
 
 (``MUCUDNN_PATTERN_CASES``: how many cases; ``MUCUDNN_PATTERN_SEED``: the first seed), or
 ``python tests/torch/training_patterns.py CASES SEED``, which prints each failure minimized.
+Forced sessions are deterministic; budget and ``fit`` sessions plan from the recording steps'
+measured times, so the modes a case gets there (and so a failure that needs a recompute) may
+vary between runs.
 
 Below the differential: a regression test per defect it found that is not one of issue 37's
 items 1-14 (those have their own tests).
