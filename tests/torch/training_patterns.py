@@ -641,12 +641,17 @@ def _same_parts(model, other, parts):
 
 
 def compare(case: Case, plain: Run, ours: Run) -> Outcome:
-    if isinstance(ours.error, MucudnnError) and not isinstance(plain.error, MucudnnError):
+    # PyTorch's own error (its in-place check) is raised as an error of its type, which a
+    # MucudnnError may also be
+    same_error = plain.error_step == ours.error_step and (
+        isinstance(ours.error, type(plain.error)) if plain.error is not None
+        else ours.error is None)
+    if not same_error and isinstance(ours.error, MucudnnError):
         text = str(ours.error)
         if "\n" in text.strip():
             return Outcome(case, "failed", f"a refusal of more than one line: {text!r}")
         return Outcome(case, "refused", f"{type(ours.error).__name__}: {text}")
-    if type(plain.error) is not type(ours.error) or plain.error_step != ours.error_step:
+    if not same_error:
         return Outcome(case, "failed", f"plain raised {_said(plain.error)} at step "
                                        f"{plain.error_step}; the session {_said(ours.error)} "
                                        f"at step {ours.error_step}")
