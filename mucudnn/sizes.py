@@ -40,9 +40,20 @@ def parse_size(text: str | int) -> int:
         raise SizeError(f"cannot read {text!r} as a size: {_FORM}")
     factor = _UNITS[unit.lower()]
     # Exact integer arithmetic: through a float, 4.1GB would be 4099999999.9999995 bytes.
-    value = int(whole) * factor + int(fraction or "0") * factor // 10 ** len(fraction)
+    value = _int(whole) * factor + _int(fraction or "0") * factor // 10 ** len(fraction)
     if value > SIZE_MAX:
         raise SizeError(f"size {text!r} is out of range: more than 2^63-1 bytes")
+    return value
+
+
+def _int(digits: str) -> int:
+    """``int(digits)`` for any number of ASCII digits: Python refuses to convert more than 4300
+    at once (``sys.get_int_max_str_digits``), and a size may have more (leading zeros, a long
+    fraction)."""
+    value = 0
+    for start in range(0, len(digits), 4000):
+        chunk = digits[start:start + 4000]
+        value = value * 10 ** len(chunk) + int(chunk)
     return value
 
 

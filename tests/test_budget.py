@@ -262,8 +262,9 @@ def test_a_malformed_budget_variable_set_by_hand_is_one_warning_line(child, monk
     done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == ""
     assert done.stderr.splitlines() == [
-        "mucudnn: warning: MUCUDNN_MEMORY_BUDGET='lots' is not a positive number of bytes (use "
-        "`mucudnn run --memory-budget SIZE`); PyTorch's memory is not limited"]
+        "mucudnn: warning: MUCUDNN_MEMORY_BUDGET='lots' is not a size (expected bytes, or a "
+        "number with B, KiB, MiB, GiB, TiB, KB, MB, GB or TB, e.g. 6GiB); PyTorch's memory is not "
+        "limited"]
     assert [e["event"] for e in child.events()] == ["imported", "init"]
 
 

@@ -1,5 +1,6 @@
 """The memory budget inside one Python process: PyTorch's caching allocator on every visible GPU
-is limited to ``MUCUDNN_MEMORY_BUDGET`` bytes (docs/shim.md, "Environment": "Memory budget").
+is limited to ``MUCUDNN_MEMORY_BUDGET``, a size as docs/sizes.md writes them (docs/shim.md,
+"Environment": "Memory budget").
 
 Standard library only: this file runs in the program's own interpreter, through the
 ``sitecustomize.py`` beside it (the directory ``mucudnn run --memory-budget`` puts first on
@@ -189,16 +190,83 @@ def after_import(name: str, callback) -> None:
     sys.meta_path.insert(0, AfterImport(name, callback))
 
 
+# -- sizes: the grammar of docs/sizes.md --------------------------------------------------------
+# This file cannot import mucudnn (the program's interpreter need not have it, and start-up stays
+# cheap), so it reads sizes itself: the same grammar as mucudnn.sizes.parse_size and the shim's
+# mu_parse_size (shim/src/options.c), checked against the same vectors (tests/data/sizes.txt, by
+# tests/test_torch_site_sizes.py). ASCII only, exact integer arithmetic, no float anywhere.
+
+SIZE_MAX = (1 << 63) - 1
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_SIZE_BLANKS = " \t\n\r\f\v"
+SIZE_FORM = "bytes, or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB or TB, e.g. 6GiB"
+
+
+class SizeProblem(ValueError):
+    """Not a size: ``kind`` is ``syntax``, ``ambiguous`` (a bare K, M, G or T) or ``range``
+    (more than 2^63-1 bytes), as in tests/data/sizes.txt; the message says what is wrong."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _digits(text: str) -> bool:
+    return bool(text) and all("0" <= c <= "9" for c in text)
+
+
+def _int(digits: str) -> int:
+    """``int(digits)`` for any number of ASCII digits (Python converts at most 4300 at once)."""
+    value = 0
+    for start in range(0, len(digits), 4000):
+        chunk = digits[start:start + 4000]
+        value = value * 10 ** len(chunk) + int(chunk)
+    return value
+
+
+def parse_size(text: str) -> int:
+    """Bytes for ``text`` in the grammar of docs/sizes.md (``6GiB``, ``5.6GiB`` floored to whole
+    bytes, ``6442450944``); :class:`SizeProblem` otherwise."""
+    body = text.strip(_SIZE_BLANKS)
+    number = body.rstrip("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+    unit = body[len(number):]
+    number = number.rstrip(_SIZE_BLANKS)
+    whole, point, fraction = number.partition(".")
+    if not _digits(whole) or (point and not _digits(fraction)):
+        raise SizeProblem("syntax", "not a size")
+    if unit.lower() not in _SIZE_UNITS:
+        if unit.lower() in ("k", "m", "g", "t"):
+            upper = unit.upper()
+            raise SizeProblem("ambiguous", f"a bare {unit} is ambiguous: write {number}{upper}iB "
+                                           f"(powers of 2) or {number}{upper}B (powers of 10)")
+        raise SizeProblem("syntax", "not a size")
+    factor = _SIZE_UNITS[unit.lower()]
+    value = _int(whole) * factor + (_int(fraction) * factor // 10 ** len(fraction) if point else 0)
+    if value > SIZE_MAX:
+        raise SizeProblem("range", "more than 2^63-1 bytes")
+    return value
+
+
 def read_budget(text: str | None) -> int | None:
-    """The budget in ``MUCUDNN_MEMORY_BUDGET`` (decimal bytes, as the launcher writes it), None
-    when unset; one warning line and None when it is not a positive number of bytes."""
-    if text is None or not text.strip():
+    """The budget in ``MUCUDNN_MEMORY_BUDGET``: a size (docs/sizes.md) as the shim reads it, so
+    ``6GiB`` set by hand limits PyTorch as it limits the shim (the launcher writes bytes); None
+    when unset or blank. Not a size, or 0 bytes: one warning line naming the variable and what
+    it takes, and None (PyTorch is not limited; never an exception in the program)."""
+    if text is None or not text.strip(_SIZE_BLANKS):
         return None
-    value = text.strip()
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    say("warning", f"{ENV_BUDGET}={text!r} is not a positive number of bytes (use `mucudnn run "
-                   f"--memory-budget SIZE`); PyTorch's memory is not limited")
+    try:
+        budget = parse_size(text)
+    except SizeProblem as exc:
+        problem = f"is not a size ({f'expected {SIZE_FORM}' if exc.kind == 'syntax' else exc})"
+    else:
+        if budget > 0:
+            return budget
+        problem = "is not more than 0 bytes"
+    say("warning", f"{ENV_BUDGET}={text!r} {problem}; PyTorch's memory is not limited")
     report("failed", f"malformed {ENV_BUDGET}")
     return None
 

@@ -25,19 +25,20 @@ def budget(size: str | int, **options):
 
 def fit(model, budget: str | int, **options):
     """``model`` with its forward run inside one :class:`OffloadSession` for ``budget``; the
-    session is ``model.mucudnn_session`` (its ``plan``, ``profile``)."""
-    from .runtime import OffloadSession
+    session is ``model.mucudnn_session`` (its ``plan``, ``profile``).
 
-    session = OffloadSession(_bytes(budget), **options)
-    original = model.forward
+    The fitted model deep-copies, pickles (``torch.save(model)``) and round-trips its
+    ``state_dict`` as the plain module does; a copy runs its own weights under a fresh session
+    for the same budget and options (it records its own steps). Options are copied with it
+    (functions such as ``say`` shared); one that cannot be pickled (a ``say`` lambda) makes
+    pickling raise one ``FitPickleError`` naming it. Fitting a fitted model again replaces its
+    session (the new budget and options; its steps are recorded afresh). A compiled model
+    (``torch.compile``, ``model.compile()``, a compiled submodule) is refused with one
+    ``CompiledModelError``, and so is ``torch.compile`` of a fitted model when it runs: a
+    session offloads eager PyTorch only (mucudnn/torch/fitted.py, mucudnn/torch/compiled.py)."""
+    from .fitted import fit as fit_model
 
-    def forward(*args, **kwargs):
-        with session:
-            return original(*args, **kwargs)
-
-    model.forward = forward
-    model.mucudnn_session = session
-    return model
+    return fit_model(model, _bytes(budget), **options)
 
 
 def _bytes(size: str | int) -> int:
@@ -50,4 +51,10 @@ def __getattr__(name):
     if name == "OffloadSession":
         from .runtime import OffloadSession
         return OffloadSession
+    if name == "CompiledModelError":
+        from .compiled import CompiledModelError
+        return CompiledModelError
+    if name in ("FitPickleError", "FitCopyError"):
+        from . import fitted
+        return getattr(fitted, name)
     raise AttributeError(name)

@@ -66,6 +66,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ChangedInPlaceError, InfeasibleError, MucudnnError
 from ..sizes import describe_size
 from . import planner
+from .compiled import refuse_if_compiling
 from .planner import KEEP, OFFLOAD, RECOMPUTE
 from .stage import ChainRecorder, StagedForward, StagePlan, autocast_as, autocast_state
 
@@ -701,8 +702,10 @@ class _OpRecorder(TorchFunctionMode):
         except TypeError:         # an unhashable callable: no add
             recorded = False
         if recorded:
+            refuse_if_compiling("a mucudnn.torch session's op recorder")
             return self.session._op(func, args, kwargs or {})
         if func in CONCATS:
+            refuse_if_compiling("a mucudnn.torch session's op recorder")
             return self.session._concat(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
@@ -712,8 +715,16 @@ def _past_the_op_recorder(hook):
     off while the session's :class:`_OpRecorder` is entered: its own reads of tensors (shapes,
     strides, storages) and copies are none of the recorder's, and each would be a Python call
     through it (667 of the 803 a forward of a small 3-D U-Net made on CPU; session 23)."""
+    refusal = f"a mucudnn.torch session's {hook.__name__.strip('_').replace('_', ' ')} hook"
+    quiet = hook.__name__ == "_after_module"
+
     @functools.wraps(hook)
     def run(session, *args):
+        # spelled out here: dynamo recognises this call only by its own name
+        if torch.compiler.is_compiling():
+            if quiet:   # always_call runs it after the refused forward: said once
+                return None
+            refuse_if_compiling(refusal)
         if session._ops is None:
             return hook(session, *args)
         with torch._C.DisableTorchFunction():
@@ -977,6 +988,7 @@ class OffloadSession:
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
+        refuse_if_compiling("entering a mucudnn.torch session")
         # re-entrant: a forward under the session calling the model again (a siamese wrapper
         # running itself) is part of the outer forward; only the outermost ``with`` installs
         # and removes the hooks
