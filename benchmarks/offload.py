@@ -44,7 +44,8 @@ against the budget, with PyTorch unconstrained, the other methods and the minima
 matplotlib, if installed) after every configuration.
 
 ``replay PROFILE --budgets B...`` (no GPU): the planner on a recorded step, at other budgets: what
-it would keep, offload and recompute, its predicted peak and step. PROFILE is what
+it would keep, offload and recompute, its predicted peak and step (mucudnn.torch.profiles: the
+reader and the session's planning that ``mucudnn offload-plan`` runs for one budget). PROFILE is what
 ``MUCUDNN_OFFLOAD_PROFILE`` (``OffloadSession(profile_to=...)``) writes, benchmarks/pressure.py
 keeps one per offload probe; or ``OUT/offload.json`` (``--row K``: its K-th row with a profile).
 
@@ -646,63 +647,31 @@ def driver(args) -> None:
     print(markdown(rows, args))
 
 
-def load_profile(path: Path, row: int | None = None) -> dict:
-    """PROFILE of ``replay``: a session's document (``profile``, ``target``, ``budget``, ...) or,
-    from offload.json's rows, the ``row``-th that has a profile (the first without ``row``).
-    MucudnnError naming the file for anything else."""
-    from mucudnn.torch.planner import profile_from_dict
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise MucudnnError(f"{path}: cannot be read as JSON ({exc})") from None
-    if isinstance(data, list):
-        rows = [r for r in data if isinstance(r, dict) and r.get("profile")]
-        index = row or 0
-        if not 0 <= index < len(rows):
-            raise MucudnnError(f"{path}: {len(rows)} rows with a profile, no row {index}")
-        data = rows[index]
-    if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
-        raise MucudnnError(f"{path}: no recorded profile in it (MUCUDNN_OFFLOAD_PROFILE's file, "
-                           "or offload.json)")
-    try:
-        return {**data, "profile": profile_from_dict(data["profile"])}
-    except ValueError as exc:
-        raise MucudnnError(f"{path}: {exc}") from None
-
-
 def replay(args) -> int:
-    """The planner on a recorded profile at each budget: one line per budget (and with
-    ``--groups`` a table of the modes); one line and status 2 for a bad file or budget."""
-    from mucudnn.torch import planner
+    """The planner on a recorded profile at each budget, as the session plans
+    (mucudnn.torch.profiles, which ``mucudnn offload-plan`` runs too): one line per budget (and
+    with ``--groups`` a table of the modes); one line and status 2 for a bad file or budget."""
+    from mucudnn.torch.profiles import group_lines, load_profile, replay as replay_plan
     try:
         budgets = [parse_budget(text) for text in args.budgets]
         recorded = load_profile(Path(args.profile), args.row)
     except MucudnnError as exc:
         print(f"offload replay: {exc}", file=sys.stderr)
         return 2
-    profile = recorded["profile"]
+    profile = recorded.profile
     print(f"{args.profile}: {len(profile.groups)} saved groups, {profile.unpacks} backward points; "
-          f"recorded plan: {recorded.get('plan') or '-'}")
+          f"recorded plan: {recorded.plan or '-'}")
     for budget in budgets:
-        target = planner.planning_target(budget, args.headroom)
-        try:
-            plan = planner.plan_with_prefetch(profile, target, args.lookahead, args.time_limit_s)
-        except MucudnnError as exc:
-            print(f"{budget / GiB:g} GiB: {exc}")
-            # as the session does then (OffloadSession._plan_with_less_headroom)
-            plan = planner.plan_with_less_headroom(
-                exc, budget, args.headroom, lambda target: planner.plan_with_prefetch(
-                    profile, target, args.lookahead, args.time_limit_s, explain=False))
-            if plan is None:
-                continue
-            target = plan.target
-        print(f"{budget / GiB:g} GiB (target {target / GiB:.2f}): {plan.describe()}")
+        done = replay_plan(profile, budget, args.headroom, args.lookahead, args.time_limit_s)
+        if done.error is not None:
+            print(f"{budget / GiB:g} GiB: {done.error}")
+        plan = done.plan
+        if plan is None:
+            continue
+        print(f"{budget / GiB:g} GiB (target {done.target / GiB:.2f}): {plan.describe()}")
         if args.groups:
-            for index, (group, mode) in enumerate(zip(profile.groups, plan.modes)):
-                recompute = "-" if group.recompute_ms is None else f"{group.recompute_ms:.2f}"
-                print(f"    {index:4d} {mode:9s} {group.nbytes / 2**20:9.1f} MiB  recompute "
-                      f"{recompute:>7s} ms  unpacks {group.first_unpack}-{group.last_unpack}  "
-                      f"{group.producer}")
+            for line in group_lines(profile, plan.modes):
+                print("   " + line)
     return 0
 
 

@@ -2348,6 +2348,7 @@ class OffloadSession:
                         "fell_back": self.fell_back, "modes": self.modes,
                         # a plan kept after a trial is made from this profile as its label says
                         "kept_after_trial": self.kept_after_trial,
+                        "format": 2,   # profiles.FORMAT: what profiles.load_profile reads
                         "profile": dataclasses.asdict(self.profile)}
             if self.stage is not None:   # the profile is the staged one, made from the recorded
                 document.update(stage=dataclasses.asdict(self.stage.stage),
