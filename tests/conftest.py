@@ -87,6 +87,9 @@ def no_gpu(monkeypatch, stores_dir, tmp_path, request):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(tuner, "gpu_available", lambda: False)
     monkeypatch.setattr(tuner, "gpu_without_cupy", lambda: None)
+    # the one GPU enumeration: a test double of CuPy or the driver another test left loaded
+    # must not show a GPU here
+    monkeypatch.setattr(tuner, "visible_gpus", lambda: None)
 
 
 @pytest.fixture
