@@ -387,6 +387,15 @@ def session_summary(session) -> dict:
     return summary
 
 
+def _release_memory() -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def check_run(case: Case, reference: Run, mode: str, kind: str, *, make_session=None,
               wrap=None, context=None, rtol: float = RTOL, budget: int | None = None,
               fraction: float | None = None, names=None, buffer_names=None,
@@ -397,6 +406,7 @@ def check_run(case: Case, reference: Run, mode: str, kind: str, *, make_session=
     where it does not (an atomic-add kernel: VGG-16's adaptive pooling backward), every row is
     held to ``rtol`` as a staged one is. ``sessions``: receives the session used."""
     trace, said, fitted = [], [], []
+    _release_memory()   # what earlier rows left is no baseline of this row's recording
     session = make_session(trace, said.append) if make_session is not None else None
     if sessions is not None and session is not None:
         sessions.append(session)
@@ -527,6 +537,7 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
         return low, high
 
     low, high = plans_range(probes[0] if probes else None)
+    probes.clear()   # a session holds its last step's modules: none may outlive its row
     chosen, mixing = None, None
     for fraction in fractions:
         if deadline is not None and time.monotonic() > deadline and chosen is not None:
@@ -548,6 +559,7 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
             chosen = (budget, fraction)
             if tried and tried[0].plan is not None:
                 low, high = plans_range(tried[0])
+            tried.clear()
             if mixed(row["steps"]):
                 mixing = chosen
                 break
