@@ -37,22 +37,21 @@ def assert_equal(expected, actual):
         assert u.dtype == v.dtype and torch.equal(u, v), f"tensor {i} differs"
 
 
-def twice(step, model, force=None, **options):
-    """``step(model, session)`` on a deep copy of ``model`` plainly and under a session forcing
-    ``force`` (same seed): both results."""
-    results = []
-    for session in (None, session_for(force, **options) if force else None) if force else (None,):
-        torch.manual_seed(7)
-        results.append(step(copy.deepcopy(model), session))
-    return results
-
-
 def run_both(step, model, force, **options):
     torch.manual_seed(7)
     plain = step(copy.deepcopy(model), None)
     torch.manual_seed(7)
     session = session_for(force, **options)
     return plain, step(copy.deepcopy(model), session), session
+
+
+def assert_as_plain(step, model, force, **options):
+    """``step`` under a session forcing ``force`` equals it plainly, bit for bit; a forced
+    recompute recomputed something (the test reaches a replay)."""
+    plain, fitted, session = run_both(step, model, force, **options)
+    assert_equal(plain, fitted)
+    if force == RECOMPUTE:
+        assert any(g.mode == RECOMPUTE for g in session._step.groups)
 
 
 def within(session):
@@ -103,10 +102,7 @@ def test_train_and_eval_forwards_in_one_step(force):
         loss.backward()
         return grads(model) + [b.clone() for b in model.buffers()]
 
-    plain, fitted, session = run_both(step, model, force)
-    assert_equal(plain, fitted)
-    if force == RECOMPUTE:
-        assert any(g.mode == RECOMPUTE for g in session._step.groups)
+    assert_as_plain(step, model, force)
 
 
 # --- item 3: functional_call --------------------------------------------------------------------
@@ -123,10 +119,7 @@ def test_functional_call_recomputes_with_the_parameters_the_forward_used(force):
         loss.backward()
         return [fast[name].grad.clone() for name in params]
 
-    plain, fitted, session = run_both(step, model, force)
-    assert_equal(plain, fitted)
-    if force == RECOMPUTE:
-        assert any(g.mode == RECOMPUTE for g in session._step.groups)
+    assert_as_plain(step, model, force)
 
 
 # --- item 7: an op that writes a tensor it saved, after the pack ----------------------------------
