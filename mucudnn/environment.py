@@ -1,5 +1,5 @@
-"""Where measurements are valid (:class:`Environment`), which GPUs are here (:func:`visible_gpus`,
-the one enumeration), and where the installed wheels are (:func:`package_dirs`).
+"""Where measurements are valid (:class:`Environment`) and which GPUs are here (:func:`visible_gpus`,
+the one enumeration).
 
 Imported by CPU-only tuning, so CuPy and the benchmarker are imported only inside the functions
 that need a GPU, never at module import."""
@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.util
 import os
-from pathlib import Path
 
 from . import errors
 
@@ -124,14 +122,3 @@ def _driver_gpus() -> list[Gpu] | None:
     except AttributeError:  # a driver library without these entry points
         return None
 
-
-def package_dirs(name: str) -> list[Path]:
-    """Directories of an installed (possibly namespace) package, without importing it: the one
-    search of the wheel directories (``nvidia`` for the CUDA and cuDNN wheels, ``torch``)."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return []
-    if spec is None:
-        return []
-    return [Path(p) for p in (spec.submodule_search_locations or [])]

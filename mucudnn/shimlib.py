@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 from ._version import __version__
-from .environment import package_dirs
+from .wheels import package_dirs
 from .errors import LibraryNotFoundError, MucudnnError, UnwritableError
 from .settings import user_cache_dir
 

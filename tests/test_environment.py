@@ -28,13 +28,13 @@ def test_bench_keeps_the_names_it_had():
 
 def test_package_dirs_is_the_one_wheel_search(tmp_path, monkeypatch):
     """shimlib's header search and cudnn.library's library search both look in package_dirs."""
-    from mucudnn import environment, shimlib
+    from mucudnn import shimlib, wheels
     from mucudnn.cudnn import library
     wheel = tmp_path / "nvidia"
     (wheel / "cudnn" / "lib").mkdir(parents=True)
     (wheel / "cudnn" / "lib" / library.SONAME).write_bytes(b"")
     (wheel / "cudnn" / "include").mkdir()
-    monkeypatch.setattr(environment.importlib.util, "find_spec",
+    monkeypatch.setattr(wheels.importlib.util, "find_spec",
                         lambda name: type("Spec", (), {"submodule_search_locations": [str(wheel)]})()
                         if name == "nvidia" else None)
     assert shimlib._nvidia_wheel_dirs("cudnn", "include") == [wheel / "cudnn" / "include"]

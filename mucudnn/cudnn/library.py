@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..environment import package_dirs as _package_dirs
+from ..wheels import package_dirs as _package_dirs
 from ..errors import LibraryNotFoundError
 
 ENV_OVERRIDE = "MUCUDNN_CUDNN_LIBRARY"
