@@ -85,7 +85,7 @@ from pathlib import Path
 
 from benchmarks.models import parse_model, spec_of
 # set by `mucudnn run --offload` only; where mucudnn.torch writes its recorded profile
-from mucudnn.budget import ENV_OFFLOAD, ENV_OFFLOAD_PROFILE
+from mucudnn._torch_site.mucudnn_torch_env import ENV_OFFLOAD, ENV_OFFLOAD_PROFILE
 from mucudnn.torch.planner import RECORD_STEPS, TRIAL_PLANS, TRIAL_STEPS
 from benchmarks.shim_pytorch import worker_command, worker_outcome
 

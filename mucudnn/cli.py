@@ -428,7 +428,7 @@ def _exec_within(budget: int | None, command: tuple[str, ...], env: dict,
     """:func:`_exec`, under the memory budget when there is one (and activation offload)."""
     if budget is None:
         return _exec(command, env)
-    from .budget import launch_env
+    from .launch import launch_env
     with launch_env(env, budget, command,
                     lambda text: click.echo(f"mucudnn: warning: {text}", err=True),
                     offload=offload) as budgeted:
@@ -506,7 +506,7 @@ def _slack_option(ctx, param, value):
 def _set_workspace_choice(env: dict, plan_paths, workspace_slack, offload) -> None:
     """The planned run's slack (``--workspace-slack``, or offload's default) in ``env``, then,
     under offload, the workspace limit its front plans give (one line says it)."""
-    from .budget import set_plan_workspace_limit, set_workspace_slack
+    from .slack import set_plan_workspace_limit, set_workspace_slack
     set_workspace_slack(env, workspace_slack, offload)
     set_plan_workspace_limit(env, plan_paths, offload, lambda text: click.echo(text, err=True))
 
@@ -700,7 +700,8 @@ def batch_size(memory_budget, offload, start, largest, multiple, command):
 def _batch_trial(command, batch, budget, offload):
     """One run of the training command at ``batch``: its exit status, throughput and peak."""
     from .batchsize import Trial, command_for, parse_throughput
-    from .budget import ENV_REPORT, launch_env
+    from ._torch_site.mucudnn_torch_env import ENV_REPORT
+    from .launch import launch_env
 
     argv = command_for(command, batch)
     with launch_env(_shim_env(), budget, tuple(argv), lambda text: None,

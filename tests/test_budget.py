@@ -1,4 +1,4 @@
-"""The memory budget (mucudnn/budget.py, mucudnn/_torch_site/): ``mucudnn run --memory-budget``,
+"""The memory budget (mucudnn/budget.py, launch.py, slack.py, mucudnn/_torch_site/): ``mucudnn run --memory-budget``,
 ``autotune --memory-budget`` and ``mucudnn.memory_budget``, against a stand-in PyTorch
 (tests/faketorch: PyTorch's lazy CUDA initialisation, a log of every limit set) and no GPU."""
 
@@ -16,9 +16,10 @@ from click.testing import CliRunner
 
 import mucudnn
 from mucudnn import budget as budget_mod
-from mucudnn import cli, shimlib, tuner
+from mucudnn import cli, shimlib, slack, tuner
 from mucudnn.cli import main
 from mucudnn.environment import Gpu
+from mucudnn.launch import SITE_DIR
 
 
 FAKE_TORCH = Path(__file__).resolve().parent / "faketorch"
@@ -142,7 +143,7 @@ def test_an_existing_sitecustomize_still_runs(child, tmp_path, monkeypatch):
 def test_the_site_directory_is_put_on_pythonpath_once(fake_exec, monkeypatch):
     _, calls = fake_exec
     monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [Gpu(0, "0", "GPU", 80 * GIB)])
-    site = str(budget_mod.SITE_DIR)
+    site = str(SITE_DIR)
     monkeypatch.setenv("PYTHONPATH", f"/elsewhere:{site}")
     assert invoke("run", "--memory-budget", "6GiB", "--", "true").exit_code == 0
     [(_, env)] = calls
@@ -257,7 +258,7 @@ def test_no_torch_in_the_command_is_one_warning_line_after_it(child, capfd):
 
 
 def test_a_malformed_budget_variable_set_by_hand_is_one_warning_line(child, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", f"{budget_mod.SITE_DIR}:{FAKE_TORCH}")
+    monkeypatch.setenv("PYTHONPATH", f"{SITE_DIR}:{FAKE_TORCH}")
     monkeypatch.setenv("MUCUDNN_MEMORY_BUDGET", "lots")
     done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == ""
@@ -281,7 +282,7 @@ def test_autotune_runs_both_commands_under_the_budget(no_gpu, recording_exec, tm
     (_, record_env), (_, run_env) = calls
     for env in (record_env, run_env):
         assert env["MUCUDNN_MEMORY_BUDGET"] == str(6 * GIB)
-        assert env["PYTHONPATH"].split(":")[0] == str(budget_mod.SITE_DIR)
+        assert env["PYTHONPATH"].split(":")[0] == str(SITE_DIR)
 
 
 @pytest.mark.parametrize("options, expected", [((), "5"), (("--workspace-slack", "2"), "2"),
@@ -303,7 +304,7 @@ def test_autotune_offloads_in_both_runs_and_gives_the_planned_run_the_slack(
     assert run_env.get("MUCUDNN_WORKSPACE_SLACK") == expected
     # and the step's share of the slack: the limit the written front plan gives, if any
     from mucudnn.plan import read_plan
-    limit = expected and budget_mod.plan_workspace_limit([read_plan(tmp_path / "auto.plan")],
+    limit = expected and slack.plan_workspace_limit([read_plan(tmp_path / "auto.plan")],
                                                          int(expected))
     assert run_env.get("MUCUDNN_WORKSPACE_LIMIT") == (str(limit) if limit else None)
     assert "MUCUDNN_WORKSPACE_LIMIT" not in record_env
@@ -493,22 +494,22 @@ def test_the_plans_limit_is_the_least_whose_kernels_stay_within_the_slack():
     # B: 30 ms at 128 MiB. No limit: 40 ms. At 256 MiB: 40.8 ms (2 % more), at 128: A has no
     # point (so 128 is no limit here).
     plan = front_plan({KEY_A: [(512, 10.0), (256, 10.8)], KEY_B: [(128, 30.0)]})
-    assert budget_mod.plan_workspace_limit([plan], 5) == 256 * 2**20
-    assert budget_mod.plan_workspace_limit([plan], 1) is None      # 2 % more is over 1 %
+    assert slack.plan_workspace_limit([plan], 5) == 256 * 2**20
+    assert slack.plan_workspace_limit([plan], 1) is None      # 2 % more is over 1 %
 
 
 def test_no_limit_where_none_lowers_the_largest_point():
     # every kernel already at its least workspace within the slack, or no plan of fronts
     plan = front_plan({KEY_A: [(512, 10.0), (256, 10.2)], KEY_B: [(128, 30.0)]})
-    assert budget_mod.plan_workspace_limit([plan], 5) is None
-    assert budget_mod.plan_workspace_limit([plan], 0) is None
+    assert slack.plan_workspace_limit([plan], 5) is None
+    assert slack.plan_workspace_limit([plan], 0) is None
 
 
 def test_of_several_plans_the_limit_is_the_largest():
     loose = front_plan({KEY_A: [(512, 10.0), (256, 10.8)], KEY_B: [(128, 30.0)]})
     tight = front_plan({KEY_A: [(512, 10.0), (64, 10.1)], KEY_B: [(32, 30.0), (16, 30.2)]})
-    assert budget_mod.plan_workspace_limit([tight], 5) is None      # the slack alone gets there
-    assert budget_mod.plan_workspace_limit([loose, loose], 5) == 256 * 2**20
+    assert slack.plan_workspace_limit([tight], 5) is None      # the slack alone gets there
+    assert slack.plan_workspace_limit([loose, loose], 5) == 256 * 2**20
 
 
 @pytest.mark.parametrize("env, offload, expected", [
@@ -525,7 +526,7 @@ def test_run_sets_the_plans_limit_under_offload_only(tmp_path, env, offload, exp
     path.write_text(format_plan(front_plan({KEY_A: [(512, 10.0), (256, 10.8)],
                                             KEY_B: [(128, 30.0)]})))
     said = []
-    budget_mod.set_plan_workspace_limit(env, [path], offload, said.append)
+    slack.set_plan_workspace_limit(env, [path], offload, said.append)
     assert env.get("MUCUDNN_WORKSPACE_LIMIT") == expected
     assert len(said) == (1 if expected == str(256 * 2**20) else 0)
     assert all("256.0 MiB" in line or "256 MiB" in line for line in said), said

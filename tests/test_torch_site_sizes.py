@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from mucudnn import budget as budget_mod
 from mucudnn.errors import SizeError
+from mucudnn.launch import SITE_DIR
 from mucudnn.sizes import parse_size
 from size_vectors import read_size_vectors
 
@@ -98,7 +99,7 @@ PROGRAM = textwrap.dedent("""
 
 def run_with_budget(value, tmp_path, monkeypatch):
     log = tmp_path / "torch.log"
-    monkeypatch.setenv("PYTHONPATH", f"{budget_mod.SITE_DIR}:{FAKE_TORCH}")
+    monkeypatch.setenv("PYTHONPATH", f"{SITE_DIR}:{FAKE_TORCH}")
     monkeypatch.setenv("FAKE_TORCH_LOG", str(log))
     monkeypatch.setenv("FAKE_TORCH_DEVICES", f"{80 * GIB},{40 * GIB}")
     monkeypatch.setenv("MUCUDNN_MEMORY_BUDGET", value)

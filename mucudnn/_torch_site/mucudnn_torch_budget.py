@@ -5,7 +5,8 @@ is limited to ``MUCUDNN_MEMORY_BUDGET``, a size as docs/sizes.md writes them (do
 Standard library only: this file runs in the program's own interpreter, through the
 ``sitecustomize.py`` beside it (the directory ``mucudnn run --memory-budget`` puts first on
 PYTHONPATH), and that interpreter need not have mucudnn installed. :mod:`mucudnn.budget` loads the
-same file for in-process use, under the same module name, so a process holds one copy.
+same file for in-process use, under the same module name, so a process holds one copy. The
+variables' names are in ``mucudnn_torch_env.py`` beside it, which mucudnn imports too.
 
 Invariant: nothing here initialises CUDA. The budget is a call queued with
 ``torch.cuda._lazy_call``, which PyTorch runs inside its lazy initialisation (the first CUDA use),
@@ -20,12 +21,15 @@ from __future__ import annotations
 import os
 import sys
 
-ENV_BUDGET = "MUCUDNN_MEMORY_BUDGET"  # also read by the shim (shim/src/options.c)
-ENV_REPORT = "MUCUDNN_BUDGET_REPORT"  # the launcher's file: one line per event of each process
-ENV_LOG_LEVEL = "MUCUDNN_LOG_LEVEL"   # the shim's level: info shows what was limited
-ENV_OFFLOAD = "MUCUDNN_OFFLOAD"       # 1: mucudnn.torch keeps/offloads/recomputes saved tensors
-ENV_OFFLOAD_PROFILE = "MUCUDNN_OFFLOAD_PROFILE"  # a file: the recorded profile and plan, as JSON
-ENV_OFFLOAD_HEADROOM = "MUCUDNN_OFFLOAD_HEADROOM"  # percent of the budget plans leave unplanned
+# The variables' names, shared with mucudnn: this directory is on sys.path in a launched process;
+# loaded in-process by mucudnn.budget it is not, and the mucudnn package is importable instead.
+try:
+    from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_HEADROOM,
+                                   ENV_OFFLOAD_PROFILE, ENV_REPORT)
+except ImportError:
+    from mucudnn._torch_site.mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD,
+                                                       ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE,
+                                                       ENV_REPORT)
 #: the largest MUCUDNN_OFFLOAD_HEADROOM: a plan for less than half the budget is no plan for it
 MAX_OFFLOAD_HEADROOM = 50
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}

@@ -86,7 +86,7 @@ def test_a_bad_offload_value_is_one_line_and_no_offload(tmp_path, monkeypatch):
     monkeypatch.setenv("MUCUDNN_OFFLOAD", "sometimes")
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    from mucudnn.budget import SITE_DIR
+    from mucudnn.launch import SITE_DIR
     env = {**os.environ, "MUCUDNN_MEMORY_BUDGET": str(2**30),
            "PYTHONPATH": f"{SITE_DIR}:{SITE_DIR.parent.parent}"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,

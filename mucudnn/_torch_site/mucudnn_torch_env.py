@@ -1,0 +1,15 @@
+"""The environment variables through which a budgeted launch talks to its processes: set by
+mucudnn (:mod:`mucudnn.launch`, :mod:`mucudnn.budget`), read by the site hook
+(``mucudnn_torch_budget.py``, beside this file) in the program's own interpreter.
+
+Standard library only, and nothing but constants: the hook imports this file at interpreter
+start-up as a top-level module (this directory is first on PYTHONPATH), where mucudnn need not be
+installed; mucudnn imports it as ``mucudnn._torch_site.mucudnn_torch_env``.
+"""
+
+ENV_BUDGET = "MUCUDNN_MEMORY_BUDGET"  # also read by the shim (shim/src/options.c)
+ENV_REPORT = "MUCUDNN_BUDGET_REPORT"  # the launcher's file: one line per event of each process
+ENV_LOG_LEVEL = "MUCUDNN_LOG_LEVEL"   # the shim's level: info shows what was limited
+ENV_OFFLOAD = "MUCUDNN_OFFLOAD"       # 1: mucudnn.torch keeps/offloads/recomputes saved tensors
+ENV_OFFLOAD_PROFILE = "MUCUDNN_OFFLOAD_PROFILE"  # a file: the recorded profile and plan, as JSON
+ENV_OFFLOAD_HEADROOM = "MUCUDNN_OFFLOAD_HEADROOM"  # percent of the budget plans leave unplanned
