@@ -30,19 +30,20 @@ class LeanPointVector:
     line: str
 
 
+def _vector(number: int, line: str) -> LeanPointVector:
+    match = _LINE.fullmatch(line)
+    assert match, f"{LEAN_POINTS}:{number}: not 'slack P limit B: W:T ... -> W:T | none'"
+    slack, limit, points, answer = match.groups()
+    front = tuple(map(Point.parse, points.split()))
+    assert list(front) == sorted(front, key=lambda p: p.workspace), \
+        f"{LEAN_POINTS}:{number}: points not by workspace ascending"
+    expected = None if answer == "none" else Point.parse(answer)
+    assert expected is None or expected in front, f"{LEAN_POINTS}:{number}: not a point"
+    return LeanPointVector(int(slack), int(limit), front, expected, line)
+
+
 def read_lean_point_vectors() -> list[LeanPointVector]:
-    """Each vector of the file, in file order."""
-    vectors = []
-    for number, line in enumerate(LEAN_POINTS.read_text().splitlines(), 1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        match = _LINE.fullmatch(line)
-        assert match, f"{LEAN_POINTS}:{number}: not 'slack P limit B: W:T ... -> W:T | none'"
-        points = tuple(Point.parse(text) for text in match.group(3).split())
-        assert [p.workspace for p in points] == sorted(p.workspace for p in points), \
-            f"{LEAN_POINTS}:{number}: points not by workspace ascending"
-        expected = None if match.group(4) == "none" else Point.parse(match.group(4))
-        assert expected is None or expected in points, f"{LEAN_POINTS}:{number}: not a point"
-        vectors.append(LeanPointVector(int(match.group(1)), int(match.group(2)), points, expected,
-                                       line))
-    return vectors
+    """Each vector of the file, in file order (blank lines and # comments skipped)."""
+    lines = enumerate(LEAN_POINTS.read_text().splitlines(), 1)
+    return [_vector(number, line) for number, line in lines
+            if line.strip() and not line.startswith("#")]

@@ -17,24 +17,26 @@ DRIVERS = Path(__file__).resolve().parent / "drivers"
 VECTORS = read_lean_point_vectors()
 
 
+def build_command(compiler: str, output: Path) -> list[str]:
+    """The driver and every shim source, with the warnings and defines of the shim's own build
+    (its functions are hidden in libmucudnn.so, so the driver links the sources themselves)."""
+    includes = [REPO / "shim" / "include", REPO / "shim" / "src", fakebuild.find_cudnn_include(),
+                fakebuild.find_cuda_include()]
+    sources = [DRIVERS / "point_driver.c", *sorted((REPO / "shim" / "src").glob("*.c"))]
+    return [compiler, "-std=c11", "-D_GNU_SOURCE", '-DMUCUDNN_VERSION_STRING="test"', "-O1",
+            "-Wall", "-Wextra", "-Werror", *(f"-I{path}" for path in includes),
+            *map(str, sources), "-o", str(output), "-ldl", "-lpthread", "-lm"]
+
+
 @pytest.fixture(scope="module")
 def point_driver(tmp_path_factory) -> Path:
-    """point_driver built with every shim source, as the shim's own build compiles them."""
     from mucudnn.shimlib import find_compiler
 
-    reason = fakebuild.missing_prerequisite()
-    if reason:
+    if reason := fakebuild.missing_prerequisite():
         pytest.skip(reason)
     output = tmp_path_factory.mktemp("point_driver") / "point_driver"
-    sources = sorted(str(path) for path in (REPO / "shim" / "src").glob("*.c"))
-    command = [find_compiler(), "-std=c11", "-D_GNU_SOURCE", "-O1", "-Wall", "-Wextra", "-Werror",
-               "-DMUCUDNN_VERSION_STRING=\"test\"", f"-I{REPO / 'shim' / 'include'}",
-               f"-I{REPO / 'shim' / 'src'}", f"-I{fakebuild.find_cudnn_include()}",
-               f"-I{fakebuild.find_cuda_include()}", str(DRIVERS / "point_driver.c"), *sources,
-               "-o", str(output), "-ldl", "-lpthread", "-lm"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.fail(f"building point_driver failed:\n$ {' '.join(command)}\n{result.stderr}")
+    built = subprocess.run(build_command(find_compiler(), output), capture_output=True, text=True)
+    assert built.returncode == 0, f"building point_driver failed:\n{built.stderr}"
     return output
 
 
