@@ -8,10 +8,10 @@ initial weights, data and seed, as:
 - ``plain``: PyTorch alone, the reference; ``plain-again``: the same once more, the control (were
   it not bitwise equal, "bitwise" below would mean nothing on this machine);
 - ``offload`` / ``recompute``: ``OffloadSession(force="offload")`` / ``force="recompute"``;
-- ``budget@roomy``: ``mucudnn.torch.budget(B)`` with room for everything: its recorded profile
+- ``budget@roomy``: ``mucudnn.torch.session(B)`` with room for everything: its recorded profile
   gives the range plans choose in, from the least peak any plan reaches (``planner.least_peak``)
   to the peak of keeping everything;
-- ``budget@F``: ``mucudnn.torch.budget(B)``, B such that the plan's target, ``B * (1 - 0.1)`` (the
+- ``budget@F``: ``mucudnn.torch.session(B)``, B such that the plan's target, ``B * (1 - 0.1)`` (the
   session's default headroom), is the share F of the way down that range. ``--fractions``
   are tried in order until a plan runs offload and recompute in one step (a fraction whose plan
   does not exist, ``InfeasibleError``, is skipped); each fraction tried is a checked row;
@@ -517,7 +517,7 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
     probes: list = []
     log(check_run(case, reference, "budget@roomy", "budget-roomy",
                   budget=int(4 * max(peak, saved) / (1 - HEADROOM)),
-                  make_session=lambda trace, said: mt.budget(
+                  make_session=lambda trace, said: mt.session(
                       int(4 * max(peak, saved) / (1 - HEADROOM)), trace=trace, say=said,
                       **options), sessions=probes, **common))
 
@@ -547,7 +547,7 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
         budget = int((high - fraction * (high - low)) / (1 - HEADROOM))
         tried: list = []
         row = check_run(case, reference, f"budget@{fraction:g}", "budget", budget=budget,
-                        fraction=fraction, make_session=lambda trace, said, b=budget: mt.budget(
+                        fraction=fraction, make_session=lambda trace, said, b=budget: mt.session(
                             b, trace=trace, say=said, **options), sessions=tried, **common)
         if row["status"] == "ERROR" and "InfeasibleError" in row.get("error", ""):
             row["status"] = "INFEASIBLE"

@@ -1,6 +1,6 @@
 """mucudnn for PyTorch training steps under one memory budget (docs/torch.md).
 
-``with mucudnn.torch.budget("12GiB"): loss = model(x).loss(); loss.backward()`` or
+``with mucudnn.torch.session("12GiB"): loss = model(x).loss(); loss.backward()`` or
 ``model = mucudnn.torch.fit(model, budget="12GiB")``: every tensor autograd saves is kept, offloaded
 to pinned host memory (prefetched ahead of the backward op that needs it) or recomputed from a kept
 one, as a plan chosen after a first recorded step says. Unmodified scripts:
@@ -11,16 +11,22 @@ Importing this package does not import torch; :mod:`mucudnn.torch.planner` never
 
 from __future__ import annotations
 
-__all__ = ["budget", "fit", "OffloadSession"]
+__all__ = ["session", "budget", "fit", "OffloadSession"]
 
-def budget(size: str | int, **options):
-    """A context manager: the forward passes run inside it save their tensors under the plan
-    for ``size`` (their backward may run inside or after it). The same session object across
-    ``with`` blocks keeps its profile and plan: hold it (``session = budget(...)``) and enter it
-    each step; a fresh one records its first step again."""
+
+def session(size: str | int, **options):
+    """An offload session planned for ``size`` bytes of saved tensors (no allocator cap: that
+    is ``mucudnn run --memory-budget``). A context manager: the forward passes run inside it save
+    their tensors under the plan for ``size`` (their backward may run inside or after it). The
+    same session object across ``with`` blocks keeps its profile and plan: hold it
+    (``s = session(...)``) and enter it each step; a fresh one records its first step again."""
     from .runtime import OffloadSession
 
     return OffloadSession(_bytes(size), **options)
+
+
+#: the earlier name of :func:`session`, kept for scripts that use it
+budget = session
 
 
 def fit(model, budget: str | int, **options):

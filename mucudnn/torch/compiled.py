@@ -4,12 +4,12 @@ A session works on eager PyTorch: saved-tensor hooks, global module hooks and a 
 mode that record each leaf module's forward, its saved tensors, and rerun modules in the
 backward. Dynamo cannot trace those hooks (it failed with an ``AssertionError`` in
 ``_before_module``, or retraced the session up to its recompile limit), and inside a compiled
-graph there are no leaf-module calls left to record or replay. So a compiled model is refused:
+graph there are no leaf-module calls left to record or rerun. So a compiled model is refused:
 
 - :func:`refuse_compiled_model` (``fit``): the model, or a submodule of it, is compiled
   (``torch.compile(model)``'s ``OptimizedModule``, ``model.compile()``);
 - :func:`refuse_if_compiling` (the fitted forward, the session's hooks): the call is being traced
-  by dynamo (``torch.compile(fit(model))``, a compiled model run inside ``budget(...)``). Raising
+  by dynamo (``torch.compile(fit(model))``, a compiled model run inside ``session(...)``). Raising
   while dynamo traces would not reach the user (dynamo falls back to running the frame eagerly,
   where nothing is compiling); the raise is a function ``torch.compiler.disable`` keeps out of the
   graph, so the compiled code calls it, and it raises, when it runs. Under

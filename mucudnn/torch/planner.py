@@ -13,10 +13,11 @@ A group is one tensor saved for backward, however many ops save it. Its bytes ar
 - kept: from its forward point through the end of the forward and the backward up to its last
   unpack;
 - offloaded: from its forward point through its release point (:func:`release_point`: the
-  first later forward point by whose recorded time its copy to the host is done, ``margin`` copy
-  times after it was made, or the end of the forward; there the runtime has the compute stream
-  wait for the copy and lets the memory go, so the caching allocator sees the same frees in the
-  same order at every step, however far the host runs ahead of the device), then again from
+  first later forward point by whose recorded time its copy to the host is done,
+  ``release_margin`` copy times after it was made, or the end of the forward; there the runtime
+  has the compute stream wait for the copy and lets the memory go, so the caching allocator sees
+  the same frees in the same order at every step, however far the host runs ahead of the
+  device), then again from
   its prefetch point (:func:`prefetch_point`: ``lookahead`` unpacks before its first unpack, or
   earlier where the recorded backward clock says the copy needs longer) to its last unpack;
 - recomputed: at its forward point and the next one (the forward's own use), then from the point
@@ -69,72 +70,55 @@ PREFETCH_MARGIN = 1.5
 #: an offloaded group's device memory goes this many copy times after its forward point (the
 #: copies to the host queue on one stream, so a copy can start after its tensor is made)
 RELEASE_MARGIN = 1.5
-#: The share of its copies' time (both ways) that offloading adds beyond the host-link bound, as
-#: measured on an H200 (55 GB/s each way; ResNet-50 N=256, fp32, plans moving 2.18 GiB each way
-#: at budgets of 8, 12 and 16 GiB ran 0.53, 0.59 and 0.74 of it over their bound;
-#: benchmarks/results/offload). Without it the planner takes overlapped copies as free and picks
-#: them over recomputation that costs less.
+#: The share of its copies' time (both ways) that offloading adds beyond the host-link bound
+#: (measured: benchmarks/results/offload). Without it the planner takes overlapped copies as free
+#: and picks them over recomputation that costs less.
 COPY_EXPOSURE = 0.6
 #: steps an ``OffloadSession`` records before it plans; the profile takes each time as the
 #: least of them (:func:`least_times`). The first pins the host pool (seconds of waiting), so the
 #: others are its samples: a recording whose host fell behind stretches its times (an event
-#: pair times the device's wait for the host too; the 3-D U-Net's forward was once recorded at
-#: 37.8 ms against 27.4 on the device, and its plan recomputed 18 groups where another run's
-#: recomputed 9). Four were tried (session 23): the U-Net's plans were then the same in four
-#: runs of four, but r3d_18's (N = 32) first plan under 4.5 GiB flushed the caching allocator's
-#: cache in its trial, and the plan for less that replaced it ran 97.9 ms a step, 1.215x
-#: PyTorch's. Replayed off the GPU, that first plan is the one made from two recordings, which
-#: ran 86.7-87.0 ms without a flush in every run of sessions 21-22: the flush came with the
-#: allocator's history, not with the profile, by a cause not yet measured; two stay until it is
+#: pair times the device's wait for the host too), and a stretched profile makes another plan.
+#: More recordings did not make plans steadier (benchmarks/results/offload).
 RECORD_STEPS = 2
 #: the least headroom (share of the budget) a session plans with where no plan meets its own
-#: (``OffloadSession._plan_with_less_headroom``, halving it): VGG-16 (N = 256) at 12 GiB has no
-#: plan within 10.8 GiB and, replayed off the GPU, one within 11.4 (session 23)
+#: (``OffloadSession._plan_with_less_headroom``, halving it)
 LEAST_HEADROOM = 0.025
 #: planned steps each plan runs where the session tries more than one (:func:`trial_plans`):
 #: the first settles the caching allocator, the others are timed
 TRIAL_STEPS = 3
 #: after its trial, the plan in force is watched: once WATCH_FLUSHING of its last WATCH_STEPS
 #: planned steps flushed the caching allocator's cache, the session plans for less
-#: (``OffloadSession._plan_below_flushes``). A trial's steps do not see every flush to come: on
-#: the 3-D U-Net under 7.0 GiB a plan calm in its trial flushed about once a step after it
-#: (124.1 ms a step against 108.8 in a run where it did not; session 22)
+#: (``OffloadSession._plan_below_flushes``): a trial's steps do not see every flush to come
 WATCH_STEPS = 4
 WATCH_FLUSHING = 2
 #: the shares of the session's headroom (room for the allocator's fragmentation) for which the
-#: runtime has :func:`trial_plans` make plans besides the plan made for the whole one. On the 3-D
-#: U-Net under 7.0 GiB the allocator held 0.63-0.69 GB beyond the 6.3 GiB plan's peak; a plan
-#: for 3/4 of the headroom (6.47 GiB) ran 125.0 ms against 114.7 for 1/2 and 122.0 as made
-#: (session 17): one share, as many plans as it is worth
+#: runtime has :func:`trial_plans` make plans besides the plan made for the whole one: one
+#: share, as many plans as it is worth (benchmarks/results/pressure)
 TRIAL_HEADROOM_SHARES = (0.5,)
 #: a kept group of at most this share of the profile's largest group is copied apart from the
 #: step's large short-lived tensors under a plan run with :attr:`OffloadPlan.keep_apart`
-#: (:func:`kept_apart`, ``OffloadSession._keeps_apart``): the 3-D U-Net's (N = 2) largest group is
-#: a 1 GiB concatenation, its activations and gradients 512 MiB, and its kept tensors that split
-#: their holes 8-128 MiB; at half, its 512 MiB groups were copied too, and their copies, made
-#: while the originals lived on in the forward, flushed the cache there (session 20)
+#: (:func:`kept_apart`, ``OffloadSession._keeps_apart``): small kept tensors that would split
+#: the holes the large ones leave; at a larger share, copies of large groups, made while their
+#: originals still live in the forward, flush the cache themselves
 KEEP_APART_SHARE = 0.25
 #: the most plans :func:`trial_plans` makes to run against the plan made (one a budget)
 TRIAL_MADE = 1 + len(TRIAL_HEADROOM_SHARES)
 #: the most plans one trial runs: the plan made, :func:`trial_plans`' and the fastest of them with
 #: its small kept groups apart
 TRIAL_PLANS = 1 + TRIAL_MADE + 1
-#: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans: on
-#: the recorded 3-D U-Net (N = 2) the simulated best was made at 0.1-0.2 under 6.65 GiB and at
-#: 0.6-1.0 under 6.3 GiB, on r3d_18 (N = 32) at 0-0.05 (benchmarks/results/pressure, session 16)
+#: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans (the
+#: simulated best is made at different exposures on different models and budgets:
+#: benchmarks/results/pressure)
 TRIAL_EXPOSURES = (0.0, 0.2)
-#: the least simulated gain (a share of the best plan's simulated step) for which a plan is tried:
-#: where the allocator had room the simulation came within 2 % of the measured step (3-D
-#: U-Net, session 17), and a trial of plans that differ by less measures noise
+#: the least simulated gain (a share of the best plan's simulated step) for which a plan is
+#: tried: a trial of plans that differ by less measures noise
 TRIAL_MIN_GAIN = 0.005
 #: the least predicted gain (a share of the lower plan's step) for which a lowering after flushes
 #: stops a quarter of the headroom short (``OffloadSession._nearer_lowering``): less room than
-#: asked for, so only for a step in the plans' time (r3d_18 at 4.5 GiB: 15 %, session 24), not
-#: for the noise between neighbouring plans
+#: asked for, so only for a step in the plans' time, not for the noise between neighbouring plans
 LOWERING_MIN_GAIN = 0.05
-#: CBC's limit per solve for :func:`trial_plans`' plans (at exposure 0 many plans tie, and the
-#: U-Net's program under 6.65 GiB ran into any limit; the plan it had by then is good enough to
-#: be tried)
+#: CBC's limit per solve for :func:`trial_plans`' plans (at exposure 0 many plans tie, and a
+#: program may run into any limit; the plan it has by then is good enough to be tried)
 TRIAL_SOLVE_S = 5.0
 #: the most recipes one rebuild may chain in a plan (a recomputed group whose recipe reads a
 #: recomputed group rebuilds that one first, and so on): a ResNet bottleneck's output rebuilds
@@ -240,7 +224,7 @@ class OffloadPlan:
     peak: int
     step_ms: float
     moved_bytes: int               # each way
-    margin: float = 0.0            # prefetch_point's: copy times of its prefetches' lead
+    prefetch_margin: float = 0.0   # prefetch_point's: copy times of its prefetches' lead
     #: per group, the forward point where an offloaded one leaves the device (-1: not offloaded)
     releases: tuple[int, ...] = ()
     release_margin: float = RELEASE_MARGIN   # the profile's it was made with
@@ -267,7 +251,8 @@ class OffloadPlan:
                 + (f" ({self.simulated_ms:.1f} ms with its copies queued)"
                    if self.count(OFFLOAD) and self.simulated_ms is not None else "")
                 + (f"; prefetch {self.lookahead} unpacks ahead" if self.count(OFFLOAD) else "")
-                + (f" or {self.margin:g} copy times" if self.count(OFFLOAD) and self.margin else "")
+                + (f" or {self.prefetch_margin:g} copy times"
+                   if self.count(OFFLOAD) and self.prefetch_margin else "")
                 + ("; each offload released at the next point" if self.count(OFFLOAD)
                    and self.release_margin == 0 else "")
                 + ("; small kept groups apart" if self.keep_apart else ""))
@@ -502,33 +487,34 @@ def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
 
 
 def prefetch_point(profile: StepProfile, index: int, lookahead: int,
-                   margin: float = PREFETCH_MARGIN) -> int:
+                   prefetch_margin: float = PREFETCH_MARGIN) -> int:
     """The backward point at which offloaded group ``index`` is fetched: ``lookahead`` unpacks
     before its first unpack, or earlier where the recorded backward between them is shorter than
-    its copy (``margin`` times ``nbytes / h2d``; 0: untimed): the fetch starts once the compute
-    stream reaches that point, and must end before the first unpack. ``lookahead`` 0: at its first
-    unpack."""
+    its copy (``prefetch_margin`` times ``nbytes / h2d``; 0: untimed): the fetch starts once the
+    compute stream reaches that point, and must end before the first unpack. ``lookahead`` 0: at
+    its first unpack."""
     group = profile.groups[index]
     if lookahead <= 0:
         return group.first_unpack
     clock = profile.backward_clock
-    need = margin * transfer_ms(group.nbytes, profile.h2d_gbps)
+    need = prefetch_margin * transfer_ms(group.nbytes, profile.h2d_gbps)
     timed = bisect.bisect_right(clock, clock[group.first_unpack] - need) - 1
     return max(0, min(group.first_unpack - lookahead, timed))
 
 
-def release_point(profile: StepProfile, index: int, margin: float | None = None) -> int:
+def release_point(profile: StepProfile, index: int, release_margin: float | None = None) -> int:
     """The forward point at which offloaded group ``index`` leaves the device: the first later
-    one whose recorded time is at least ``margin`` (default the profile's ``release_margin``)
-    copy times (``nbytes / d2h``) after the group's own, else the number of groups (the end of
-    the forward: the first unpack). It is on the device through that point (the op that made
-    that point's group ran while it was there). ``margin`` 0, or a profile without a forward
-    clock: the next point (the compute stream then waits there for what is left of the copy)."""
-    margin = profile.release_margin if margin is None else margin
+    one whose recorded time is at least ``release_margin`` (default the profile's) copy times
+    (``nbytes / d2h``) after the group's own, else the number of groups (the end of the forward:
+    the first unpack). It is on the device through that point (the op that made that point's
+    group ran while it was there). ``release_margin`` 0, or a profile without a forward clock:
+    the next point (the compute stream then waits there for what is left of the copy)."""
+    release_margin = profile.release_margin if release_margin is None else release_margin
     clock = profile.forward_clock
     if not clock:
         return index + 1
-    due = clock[index] + margin * transfer_ms(profile.groups[index].nbytes, profile.d2h_gbps)
+    copy_ms = transfer_ms(profile.groups[index].nbytes, profile.d2h_gbps)
+    due = clock[index] + release_margin * copy_ms
     return max(index + 1, bisect.bisect_left(clock, due, lo=index + 1))
 
 
@@ -573,32 +559,32 @@ def rebuild_candidates(profile: StepProfile) -> list[list[int]]:
 
 
 def live_points(profile: StepProfile, index: int, mode: str, lookahead: int,
-                margin: float = PREFETCH_MARGIN, rebuilt: int | None = None,
+                prefetch_margin: float = PREFETCH_MARGIN, rebuilt: int | None = None,
                 release_margin: float | None = None) -> tuple[range, range]:
     """(forward points, backward points) at which group ``index`` is on the device in ``mode``;
-    ``rebuilt``: where a recomputed one is rebuilt (default its first unpack); ``margin`` the
-    prefetch's, ``release_margin`` :func:`release_point`'s."""
+    ``rebuilt``: where a recomputed one is rebuilt (default its first unpack);
+    ``prefetch_margin``: :func:`prefetch_point`'s, ``release_margin``: :func:`release_point`'s."""
     group, g = profile.groups[index], len(profile.groups)
     if mode == KEEP:
         return range(index, g), range(0, group.last_unpack + 1)
     forward = range(index, min(index + 2, g))
     if mode == OFFLOAD:
         forward = range(index, min(release_point(profile, index, release_margin) + 1, g))
-        start = prefetch_point(profile, index, lookahead, margin)
+        start = prefetch_point(profile, index, lookahead, prefetch_margin)
     else:
         start = group.first_unpack if rebuilt is None else rebuilt
     return forward, range(start, group.last_unpack + 1)
 
 
 def contributions(profile: StepProfile, index: int, mode: str, lookahead: int,
-                  margin: float = PREFETCH_MARGIN, rebuilt: int | None = None
+                  prefetch_margin: float = PREFETCH_MARGIN, rebuilt: int | None = None
                   ) -> list[tuple[int, range, range]]:
     """(bytes, forward points, backward points) that choosing ``mode`` for group ``index`` puts on
     the device: its own liveness and, when recomputed (``rebuilt`` as :func:`live_points`), each
     source held past that source's own last unpack. Rebuilding also needs a transient
     (:func:`transients`)."""
     group = profile.groups[index]
-    f_points, b_points = live_points(profile, index, mode, lookahead, margin, rebuilt)
+    f_points, b_points = live_points(profile, index, mode, lookahead, prefetch_margin, rebuilt)
     added = [(group.nbytes, f_points, b_points)]
     if mode == RECOMPUTE:
         for source in (profile.groups[s] for s in group.recompute_source):
@@ -609,12 +595,12 @@ def contributions(profile: StepProfile, index: int, mode: str, lookahead: int,
 
 
 def plan_contributions(profile: StepProfile, modes: Sequence[str], lookahead: int,
-                       margin: float = PREFETCH_MARGIN
+                       prefetch_margin: float = PREFETCH_MARGIN
                        ) -> list[list[tuple[int, range, range]]]:
     """Per group, :func:`contributions` of its mode in ``modes``, rebuilt where the runtime
     rebuilds it (:func:`rebuild_points`)."""
     rebuilt = rebuild_points(profile, modes)
-    return [contributions(profile, index, mode, lookahead, margin, rebuilt[index])
+    return [contributions(profile, index, mode, lookahead, prefetch_margin, rebuilt[index])
             for index, mode in enumerate(modes)]
 
 
@@ -631,7 +617,7 @@ def transients(profile: StepProfile, modes: Sequence[str]) -> dict[int, tuple[in
 
 
 def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int,
-                     margin: float = PREFETCH_MARGIN) -> tuple[list[int], list[int]]:
+                     prefetch_margin: float = PREFETCH_MARGIN) -> tuple[list[int], list[int]]:
     """The modelled bytes at each (forward point, backward point) under ``modes``: at a backward
     point the live groups and the more of its baseline (the node's own peak) and of its floor
     with what the rebuilds there allocate (they run at the unpack, before the node)."""
@@ -639,7 +625,7 @@ def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int,
     backward = list(profile.baseline_backward)
     for point, (nbytes, _) in transients(profile, modes).items():
         backward[point] = max(backward[point], profile.floor(point) + nbytes)
-    for added in plan_contributions(profile, modes, lookahead, margin):
+    for added in plan_contributions(profile, modes, lookahead, prefetch_margin):
         for nbytes, f_points, b_points in added:
             for t in f_points:
                 forward[t] += nbytes
@@ -649,9 +635,9 @@ def memory_at_points(profile: StepProfile, modes: Sequence[str], lookahead: int,
 
 
 def peak_memory(profile: StepProfile, modes: Sequence[str], lookahead: int,
-                margin: float = PREFETCH_MARGIN) -> int:
+                prefetch_margin: float = PREFETCH_MARGIN) -> int:
     """The modelled peak of ``modes`` (one per group)."""
-    forward, backward = memory_at_points(profile, modes, lookahead, margin)
+    forward, backward = memory_at_points(profile, modes, lookahead, prefetch_margin)
     return max(forward + backward, default=0)
 
 
@@ -680,7 +666,7 @@ class SimulatedStep:
 
 
 def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
-             margin: float = PREFETCH_MARGIN) -> SimulatedStep:
+             prefetch_margin: float = PREFETCH_MARGIN) -> SimulatedStep:
     """The step ``modes`` run as the runtime carries them out, on the recorded clocks: the
     compute stream runs the forward and the backward as recorded, plus each recomputed group's
     recipe where it is rebuilt (:func:`rebuild_points`). Copies to the host queue on one stream
@@ -690,10 +676,10 @@ def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
     the compute stream reaches its prefetch point (:func:`prefetch_point`; of those issued at
     one point the one needed there first, then in the order they were saved, as the runtime
     issues them) and not before its own copy to the host ended; at a group's first unpack the
-    compute stream waits for its fetch. Every wait delays all later compute. Its assumptions: copies at the measured link
-    speeds whatever else runs, compute as recorded (no host time, no slower kernels for less
-    workspace, no allocator flushes). Measured steps on the 3-D U-Net came within 2 % of it
-    where the allocator had room, and up to 7 % above it near the cap (session 17)."""
+    compute stream waits for its fetch. Every wait delays all later compute. Its assumptions:
+    copies at the measured link speeds whatever else runs, compute as recorded (no host time, no
+    slower kernels for less workspace, no allocator flushes); how near measured steps come is in
+    benchmarks/results/pressure."""
     groups, g = profile.groups, len(profile.groups)
     forward_clock = profile.forward_clock or [0.0] * g
     due = defaultdict(list)        # forward point -> offloaded groups released there
@@ -719,7 +705,7 @@ def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
     fetches, rebuilds = defaultdict(list), defaultdict(list)
     for index, mode in enumerate(modes):
         if mode == OFFLOAD:
-            fetches[prefetch_point(profile, index, lookahead, margin)].append(index)
+            fetches[prefetch_point(profile, index, lookahead, prefetch_margin)].append(index)
     for index, point in enumerate(rebuild_points(profile, modes)):
         if point is not None:
             rebuilds[point].append(index)
@@ -760,31 +746,33 @@ def valid(profile: StepProfile, modes: Sequence[str]) -> bool:
 
 
 def _result(profile: StepProfile, modes: Sequence[str], lookahead: int,
-            margin: float = PREFETCH_MARGIN) -> OffloadPlan:
+            prefetch_margin: float = PREFETCH_MARGIN) -> OffloadPlan:
     moved = sum(g.nbytes for g, m in zip(profile.groups, modes, strict=True) if m == OFFLOAD)
     releases = tuple(release_point(profile, index) if mode == OFFLOAD else -1
                      for index, mode in enumerate(modes))
-    return OffloadPlan(tuple(modes), lookahead, peak_memory(profile, modes, lookahead, margin),
-                       step_time(profile, modes, lookahead), moved, margin, releases,
+    peak = peak_memory(profile, modes, lookahead, prefetch_margin)
+    return OffloadPlan(tuple(modes), lookahead, peak,
+                       step_time(profile, modes, lookahead), moved, prefetch_margin, releases,
                        profile.release_margin,
-                       simulate(profile, modes, lookahead, margin).step_ms)
+                       simulate(profile, modes, lookahead, prefetch_margin).step_ms)
 
 
 def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
-                margin: float = PREFETCH_MARGIN) -> OffloadPlan | None:
+                prefetch_margin: float = PREFETCH_MARGIN) -> OffloadPlan | None:
     """The optimum by enumeration (small profiles: tests); None when nothing fits."""
     best = None
     for modes in itertools.product(*(allowed_modes(g) for g in profile.groups)):
-        if not valid(profile, modes) or peak_memory(profile, modes, lookahead, margin) > budget:
+        if (not valid(profile, modes)
+                or peak_memory(profile, modes, lookahead, prefetch_margin) > budget):
             continue
-        candidate = _result(profile, modes, lookahead, margin)
+        candidate = _result(profile, modes, lookahead, prefetch_margin)
         if best is None or candidate.step_ms < best.step_ms - 1e-9:
             best = candidate
     return best
 
 
 def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
-                 time_limit_s: float | None = 60, margin: float = PREFETCH_MARGIN,
+                 time_limit_s: float | None = 60, prefetch_margin: float = PREFETCH_MARGIN,
                  explain: bool = True) -> OffloadPlan:
     """The fastest valid choice whose modelled peak is within ``budget`` bytes (an ILP; ties go
     to fewer bytes moved or recomputed). :class:`InfeasibleError` says the least peak any choice
@@ -792,11 +780,11 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
     if budget <= 0:
         raise ValueError(f"budget must be more than 0 bytes, got {budget}")
     everything_kept = [KEEP] * len(profile.groups)
-    if peak_memory(profile, everything_kept, lookahead, margin) <= budget:
-        return replace(_result(profile, everything_kept, lookahead, margin), target=budget)
+    if peak_memory(profile, everything_kept, lookahead, prefetch_margin) <= budget:
+        return replace(_result(profile, everything_kept, lookahead, prefetch_margin), target=budget)
     limit = budget
     for _ in range(3):
-        plan = _solved(profile, lookahead, budget, limit, time_limit_s, margin, explain)
+        plan = _solved(profile, lookahead, budget, limit, time_limit_s, prefetch_margin, explain)
         if plan.peak <= budget:
             return replace(plan, target=budget)
         # CBC's feasibility tolerance (1e-7 of the limit) let the peak over by a few bytes:
@@ -807,21 +795,21 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
 
 
 def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
-            time_limit_s: float | None, margin: float = PREFETCH_MARGIN,
+            time_limit_s: float | None, prefetch_margin: float = PREFETCH_MARGIN,
             explain: bool = True) -> OffloadPlan:
-    status, modes = _chained_solve(profile, lookahead, limit, margin, time_limit_s)
+    status, modes = _chained_solve(profile, lookahead, limit, prefetch_margin, time_limit_s)
     if status == "Infeasible":
         # also below ``budget`` (a limit lowered after CBC's tolerance let a plan over): no
         # plan within the budget
         if not explain:
             raise InfeasibleError(f"no plan within {describe_size(budget)} prefetching "
                                   f"{lookahead} unpacks ahead")
-        raise _infeasible(profile, budget, lookahead, margin)
+        raise _infeasible(profile, budget, lookahead, prefetch_margin)
     if status != "Optimal":
         raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
     if not valid(profile, modes):
         raise SolverError("the solver chose an invalid offload plan")
-    return _result(profile, modes, lookahead, margin)
+    return _result(profile, modes, lookahead, prefetch_margin)
 
 
 def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
@@ -838,9 +826,9 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     less leaves more room, and a plan is easier to find (ResNet-50 at 6.25 GiB). Where no rung
     fits with offloaded tensors released when their copies are due (the profile's
     ``release_margin``), the ladder runs again with each released at the next forward point
-    (margin 0): the compute stream then waits there for the copy, the forward bound by the link
-    as vDNN's layer-wise wait (the 3-D U-Net at 4 GiB: every plan of the first ladder peaked at
-    5.2 GiB or more, session 15)."""
+    (release margin 0): the compute stream then waits there for the copy, the forward bound by
+    the link as vDNN's layer-wise wait (a model whose every plan of the first ladder peaks above
+    the budget, such as the 3-D U-Net at 4 GiB)."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
     # the next point only where it releases some offload earlier (not: no forward clock, or
@@ -849,12 +837,13 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
         release_point(profile, index, 0.0) < release_point(profile, index)
         for index in range(len(profile.groups)))
     releases = [profile.release_margin] + [0.0] * earlier
-    rungs = [(release, distance, margin) for release in releases for distance, margin in ladder]
-    for rung, (release, distance, margin) in enumerate(rungs):
+    rungs = [(release, distance, prefetch_margin) for release in releases
+             for distance, prefetch_margin in ladder]
+    for rung, (release, distance, prefetch_margin) in enumerate(rungs):
         planned = profile if release == profile.release_margin else replace(
             profile, release_margin=release)
         try:
-            return plan_offload(planned, budget, distance, time_limit_s, margin,
+            return plan_offload(planned, budget, distance, time_limit_s, prefetch_margin,
                                 explain=explain and rung == len(rungs) - 1)
         except (InfeasibleError, SolverError):
             if rung == len(rungs) - 1:
@@ -882,9 +871,8 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     of its plans (``plan`` too) :func:`polished`. None (``[]``) where ``plan`` moves nothing
     (its exposure then changes nothing). CBC gets at most :data:`TRIAL_SOLVE_S` a solve here. The
     runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest (of those that did not
-    flush the allocator's cache where any did not): what the allocator does
-    near its cap is no part of the model (on the 3-D U-Net under 7.0 GiB a plan for 6.65 GiB
-    simulated at 110.3 ms ran 117.6, the plan for 6.3 GiB 116.2 against 116.6; session 17)."""
+    flush the allocator's cache where any did not): what the allocator does near its cap is no
+    part of the model."""
     if not plan.moved_bytes:
         return []
     tried, best, chosen = [plan], plan.simulated_ms, []
@@ -940,23 +928,21 @@ def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None
     that keeps the plan valid and its modelled peak within its target and shortens its simulated
     step, taken, until none does (or ``time_limit_s`` has passed). The program minimises the
     time model, linear in the choices, where every copy costs the same exposure share; the
-    simulation queues them. On the 3-D U-Net's recorded profiles under 7.0 GiB (seven runs,
-    session 19) the plan made for 6.3 GiB simulated 117.5-130.2 ms and ran within 1 % of that
-    in five runs (2.5 and 5.5 % less in the others), with no flush; polished it simulated
-    117.3-125.4, up to 4.9 ms less."""
+    simulation queues them (what polishing gains: benchmarks/results/pressure)."""
     if not plan.target:
         return plan
     profile = replace(profile, release_margin=plan.release_margin)
-    lookahead, margin = plan.lookahead, plan.margin
+    lookahead, prefetch_margin = plan.lookahead, plan.prefetch_margin
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
 
     def simulated(modes) -> float | None:
         if not valid(profile, modes) or \
-                peak_memory(profile, modes, lookahead, margin) > plan.target:
+                peak_memory(profile, modes, lookahead, prefetch_margin) > plan.target:
             return None
-        return simulate(profile, modes, lookahead, margin).step_ms
+        return simulate(profile, modes, lookahead, prefetch_margin).step_ms
 
-    modes, best = list(plan.modes), simulate(profile, plan.modes, lookahead, margin).step_ms
+    modes = list(plan.modes)
+    best = simulate(profile, plan.modes, lookahead, prefetch_margin).step_ms
     improved = True
     while improved and (deadline is None or time.monotonic() < deadline):
         improved = False
@@ -977,40 +963,42 @@ def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None
                 break
     if modes == list(plan.modes):
         return plan
-    return replace(_result(profile, modes, lookahead, margin), target=plan.target)
+    return replace(_result(profile, modes, lookahead, prefetch_margin), target=plan.target)
 
 
 def _same_plan(a: OffloadPlan, b: OffloadPlan) -> bool:
-    return (a.modes, a.lookahead, a.margin, a.releases) == (b.modes, b.lookahead, b.margin,
-                                                           b.releases)
+    return ((a.modes, a.lookahead, a.prefetch_margin, a.releases)
+            == (b.modes, b.lookahead, b.prefetch_margin, b.releases))
 
 
-def least_peak(profile: StepProfile, lookahead: int = 2, margin: float = PREFETCH_MARGIN) -> int:
+def least_peak(profile: StepProfile, lookahead: int = 2,
+               prefetch_margin: float = PREFETCH_MARGIN) -> int:
     """The smallest modelled peak any valid choice reaches."""
-    return peak_memory(profile, _least_peak_modes(profile, lookahead, margin), lookahead, margin)
+    modes = _least_peak_modes(profile, lookahead, prefetch_margin)
+    return peak_memory(profile, modes, lookahead, prefetch_margin)
 
 
 def _least_peak_modes(profile: StepProfile, lookahead: int,
-                      margin: float = PREFETCH_MARGIN) -> list[str]:
-    status, modes = _chained_solve(profile, lookahead, None, margin, 60)
+                      prefetch_margin: float = PREFETCH_MARGIN) -> list[str]:
+    status, modes = _chained_solve(profile, lookahead, None, prefetch_margin, 60)
     if status != "Optimal":
         raise SolverError("CBC did not find the least peak of this step")
     return modes
 
 
-def _chained_solve(profile: StepProfile, lookahead: int, budget: int | None, margin: float,
+def _chained_solve(profile: StepProfile, lookahead: int, budget: int | None, prefetch_margin: float,
                    time_limit_s: float | None) -> tuple[str, list[str] | None]:
     """(status, modes) of :func:`_program`. Chains (a group rebuilt before its first unpack) make
     the program harder for CBC, which can reach its time limit with no plan at all: then the
     program without them (each group rebuilt at its first unpack; a subset of the plans) is
     solved instead. (A start from that program's plan made CBC overrun its time limit by
     minutes, with worse plans.)"""
-    problem, picks, _ = _program(profile, lookahead, budget, margin)
+    problem, picks, _ = _program(profile, lookahead, budget, prefetch_margin)
     status = _solve(problem, time_limit_s)
     if status in ("Optimal", "Infeasible") or not any(
             len(points) > 1 for points in rebuild_candidates(profile)):
         return status, (_picked(picks) if status == "Optimal" else None)
-    problem, picks, _ = _program(profile, lookahead, budget, margin, chains=False)
+    problem, picks, _ = _program(profile, lookahead, budget, prefetch_margin, chains=False)
     fallback = _solve(problem, time_limit_s)
     if fallback == "Optimal":
         return fallback, _picked(picks)
@@ -1018,18 +1006,19 @@ def _chained_solve(profile: StepProfile, lookahead: int, budget: int | None, mar
 
 
 def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
-               margin: float = PREFETCH_MARGIN) -> tuple[str, int, int, list[tuple[int, int]]]:
+               prefetch_margin: float = PREFETCH_MARGIN
+               ) -> tuple[str, int, int, list[tuple[int, int]]]:
     """Where ``modes`` reach their modelled peak (the first such point, forward before backward):
     (``"forward"`` or ``"backward"``, the point, its baseline bytes, and (bytes, group) of every
     saved group on the device there, largest first)."""
-    forward, backward = memory_at_points(profile, modes, lookahead, margin)
+    forward, backward = memory_at_points(profile, modes, lookahead, prefetch_margin)
     peak = max(forward + backward)
     clock = "forward" if peak in forward else "backward"
     point = (forward if clock == "forward" else backward).index(peak)
     baseline = (profile.baseline_forward if clock == "forward"
                 else profile.baseline_backward)[point]
     there = defaultdict(int)
-    for index, added in enumerate(plan_contributions(profile, modes, lookahead, margin)):
+    for index, added in enumerate(plan_contributions(profile, modes, lookahead, prefetch_margin)):
         for nbytes, f_points, b_points in added:
             if point in (f_points if clock == "forward" else b_points):
                 there[index] += nbytes
@@ -1042,13 +1031,13 @@ def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
 
 
 def _infeasible(profile: StepProfile, budget: int, lookahead: int,
-                margin: float = PREFETCH_MARGIN) -> InfeasibleError:
+                prefetch_margin: float = PREFETCH_MARGIN) -> InfeasibleError:
     """The error of a budget no choice meets at ``lookahead``: the least peak any choice
     reaches, where, and what is there: the baseline (what the recorded step allocated beside its
     saved groups) and the largest saved groups."""
-    modes = _least_peak_modes(profile, lookahead, margin)
-    least = peak_memory(profile, modes, lookahead, margin)
-    clock, point, baseline, saved = peak_point(profile, modes, lookahead, margin)
+    modes = _least_peak_modes(profile, lookahead, prefetch_margin)
+    least = peak_memory(profile, modes, lookahead, prefetch_margin)
+    clock, point, baseline, saved = peak_point(profile, modes, lookahead, prefetch_margin)
     largest = ", ".join(f"group {g} ({profile.groups[g].producer or 'op'}, {modes[g]}, "
                         f"{describe_size(b)})" for b, g in saved[:3])
     error = InfeasibleError(
@@ -1065,7 +1054,7 @@ def _infeasible(profile: StepProfile, budget: int, lookahead: int,
 
 
 def _program(profile: StepProfile, lookahead: int, budget: int | None,
-             margin: float = PREFETCH_MARGIN, chains: bool = True):
+             prefetch_margin: float = PREFETCH_MARGIN, chains: bool = True):
     """The ILP. With ``budget`` None it minimises the peak instead of the time. ``chains``
     False: every recomputed group rebuilt at its first unpack (a smaller program)."""
     import pulp
@@ -1130,7 +1119,7 @@ def _program(profile: StepProfile, lookahead: int, budget: int | None,
         chosen += [(RECOMPUTE, r, point) for point, r in rebuilds[index].items()]
         for mode, x, point in chosen:
             for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead,
-                                                            margin, point):
+                                                            prefetch_margin, point):
                 for t in f_points:
                     forward[t] += nbytes * x
                 for t in b_points:

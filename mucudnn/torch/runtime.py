@@ -6,7 +6,7 @@ Invariants:
   shape and strides and back (dense tensors only; others are kept); a recomputed one re-runs its
   recipe, deterministic modules (:data:`CHEAP`, and :data:`CONVOLUTIONS` unless told not to)
   and tensor adds (:data:`ADDS`, ResNet's ``out += identity``) on its sources under ``no_grad``,
-  with batch norm replayed on copies of its running statistics (its output in training mode does
+  with batch norm rerun on copies of its running statistics (its output in training mode does
   not read them, and the model's statistics are not updated twice). A source is a saved group,
   kept or itself recomputed: rebuilding a group first rebuilds its recomputed sources that are
   not on the device (a chain, as ``torch.utils.checkpoint`` reruns a segment), each once; a
@@ -76,12 +76,12 @@ CHEAP = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hards
          nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
          nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool2d, nn.Identity)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-#: Instance norms: cheap too, where they keep no running statistics (their default; a replay
+#: Instance norms: cheap too, where they keep no running statistics (their default; a rerun
 #: would update those a second time)
 _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: Modules that may also be recomputed, at their measured cost (the planner weighs it against
 #: moving their output; per-block checkpointing shows recomputing them can beat the host link).
-#: A transposed one replays at the output size it made (``output_size`` may have chosen it).
+#: A transposed one reruns at the output size it made (``output_size`` may have chosen it).
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d) + _TRANSPOSED
 #: the smallest copy whose time measures the host link (smaller ones measure its latency)
@@ -94,7 +94,7 @@ ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: 
 #: Concatenations a recipe may include too (a U-Net's skip joined to its upsampled input, which
 #: the next convolution saves): a copy of their operands, deterministic.
 CONCATS = (torch.cat, torch.concat)
-#: the most calls (modules and ops) one recipe replays from its sources
+#: the most calls (modules and ops) one recipe reruns from its sources
 _MAX_CHAIN = 4
 
 
@@ -125,10 +125,11 @@ class Transfer:
     event: object = None
 
 
-class CopyLink:
+class SameMemoryLink:
     """A host link where host and device are one memory (CPU tests): copies are exact clones and
-    every copy is complete when issued. Subclass it to observe the calls. ``gbps``: the
-    (device-to-host, host-to-device) bandwidth to plan with instead of measuring it."""
+    every copy is complete when issued. Subclass it to observe the calls; :class:`CudaLink`, the
+    link of a GPU session, builds on it. ``gbps``: the (device-to-host, host-to-device)
+    bandwidth to plan with instead of measuring it."""
 
     def __init__(self, gbps: tuple[float, float] | None = None):
         self.gbps = gbps
@@ -247,7 +248,7 @@ class CopyLink:
         return self.gbps or measure_bandwidth(self, torch.device("cpu"))
 
 
-class CudaLink(CopyLink):
+class CudaLink(SameMemoryLink):
     """Pinned host memory and two copy streams per device, one per direction. Offload: the
     offload stream waits for the compute stream (the producer) and copies; the link holds the
     device tensor until that copy is done (:meth:`poll`), after which the compute stream may
@@ -256,7 +257,7 @@ class CudaLink(CopyLink):
     compute stream waits for its event before use, and before the memory can be freed even where
     it never uses it (a transfer dropped unwaited). Inline copies (recording steps, a fall-back)
     run on the compute stream. Pinned buffers come from the link's host pool
-    (:meth:`CopyLink.host_buffer`).
+    (:meth:`SameMemoryLink.host_buffer`).
 
     No ``record_stream``: it keeps a freed block from reuse until the side stream passes the
     point where the block was freed, that is behind every copy queued by then (up to
@@ -389,8 +390,8 @@ class CudaLink(CopyLink):
         # sit between the large short-lived tensors of the compute stream and split the holes
         # those leave. Every use is on the compute stream: recorded there, so that a freed
         # block is reused, or unmapped by a flush (which waits only for the keep stream), only
-        # once the compute stream has passed its last use. Without it r3d_18 (N = 32) under
-        # 4.5 GiB read unmapped memory.
+        # once the compute stream has passed its last use. Without it a step can read unmapped
+        # memory.
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.keep_stream):
             copy = _same_layout(tensor, self.device)
@@ -448,7 +449,7 @@ def _same_layout(tensor: torch.Tensor, device) -> torch.Tensor:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
 
 
-def measure_bandwidth(link: CopyLink, device, nbytes: int = 256 * 2**20, repeats: int = 3
+def measure_bandwidth(link: SameMemoryLink, device, nbytes: int = 256 * 2**20, repeats: int = 3
                       ) -> tuple[float, float]:
     """(device-to-host, host-to-device) GB/s of ``link``, the best of ``repeats`` copies."""
     source = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -500,36 +501,37 @@ class _Call:
     done: bool = False        # its forward returned
     output_version: int = 0   # its output's version when it returned
     in_place: bool = False    # its output is its first input, changed
-    op: object = None         # an op's function, called again with ``keywords`` to replay it
+    op: object = None         # an op's function, called again with ``keywords`` to rerun it
     keywords: dict = field(default_factory=dict)
     #: a recipe may run it again: a module of an exact type the session recomputes
     #: (:meth:`OffloadSession._recomputable`), or a recorded op (deterministic, elementwise)
     recomputable: bool = False
-    autocast: tuple = ()      # autocast_state() when it ran: its replay runs under the same
+    autocast: tuple = ()      # autocast_state() when it ran: its rerun runs under the same
     output_bytes: int = 0     # its output's bytes
     #: recording step, recomputable: bytes allocated when it started, and the most it allocated
-    #: above them while it ran (its output and its workspace: what its replay allocates)
+    #: above them while it ran (its output and its workspace: what its rerun allocates)
     allocated_before: int = 0
     rise: int = 0
-    output_shape: tuple = ()  # its output's shape (a transposed convolution replays to it)
+    output_shape: tuple = ()  # its output's shape (a transposed convolution reruns to it)
     index: int = -1           # its place in its step's calls
     #: a recomputable module's state as its forward read it (:class:`_ModuleState`)
     state: _ModuleState | None = None
 
     def run(self, values: list[torch.Tensor]) -> torch.Tensor:
-        """Its forward again on ``values`` (one per read), without side effects (:func:`replay`),
-        under the autocast state it ran under and with the module's state as it read it."""
+        """Its forward again on ``values`` (one per read), without side effects
+        (:func:`rerun_as_recorded`), under the autocast state it ran under and with the module's
+        state as it read it."""
         with contextlib.ExitStack() as stack:
             autocast_as(self.autocast, stack)
             if self.op is not None:
                 return self.op(*values, **self.keywords)
-            return replay(self.module, values[0], self.state, self.output_shape)
+            return rerun_as_recorded(self.module, values[0], self.state, self.output_shape)
 
 
 @dataclass(eq=False, slots=True)
 class _ModuleState:
     """What a recomputable module's forward read besides its input, recorded when it ran, so
-    that a replay in the backward computes what it computed, whatever changed since: its mode
+    that a rerun in the backward computes what it computed, whatever changed since: its mode
     (``model.eval()`` before the backward; a train- and an eval-mode forward in one step), the
     tensors in its ``_parameters`` (``torch.func.functional_call`` puts plain tensors there for
     the call; autograd holds them for the backward anyway) at their versions then, and an
@@ -553,7 +555,7 @@ class _ModuleState:
 
     def check(self) -> None:
         """PyTorch's error where a parameter the forward read was changed in place since (an
-        optimizer step before the backward): a replay would compute another value."""
+        optimizer step before the backward): a rerun would compute another value."""
         for (name, value), version in zip(self.params.items(), self.versions):
             if value._version != version:
                 raise ChangedInPlaceError(
@@ -714,7 +716,7 @@ def _past_the_op_recorder(hook):
     """A session's forward hook (a module's, the pack hook) run with torch function handling
     off while the session's :class:`_OpRecorder` is entered: its own reads of tensors (shapes,
     strides, storages) and copies are none of the recorder's, and each would be a Python call
-    through it (667 of the 803 a forward of a small 3-D U-Net made on CPU; session 23)."""
+    through it (most of the calls a forward makes)."""
     refusal = f"a mucudnn.torch session's {hook.__name__.strip('_').replace('_', ' ')} hook"
     quiet = hook.__name__ == "_after_module"
 
@@ -858,12 +860,8 @@ class _Trial:
 
     def kept(self, times: list[float]) -> int:
         """Of the first plans, timed ``times`` (:meth:`step_ms`), the fastest of those whose
-        timed steps did not flush the caching allocator's cache (of all where each did). A plan that flushes in its trial
-        flushes more after it: on the 3-D U-Net under 7.0 GiB the plan for 6.65 GiB that
-        recomputes 15 groups flushed once a step in its trial (111.5-118.1 ms a step) and twice
-        a step after it (121.9-128.6 ms) in four runs of four, where the plan as made, with no
-        flush, ran 118.8-124.0 in its trial; kept by this rule, it ran 122.7 with none
-        (benchmarks/results/pressure, session 18)."""
+        timed steps did not flush the caching allocator's cache (of all where each did): a plan
+        that flushes in its trial flushes more after it (benchmarks/results/pressure)."""
         calm = [index for index in range(len(times)) if not self.flushes_in(index)]
         return min(calm or range(len(times)), key=times.__getitem__)
 
@@ -909,7 +907,7 @@ class OffloadSession:
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
-                 link: CopyLink | None = None, lookahead: int = 2, recompute: bool = True,
+                 link: SameMemoryLink | None = None, lookahead: int = 2, recompute: bool = True,
                  min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
                  say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
                  record_steps: int | None = None, plan_time_limit_s: float = 20,
@@ -962,7 +960,7 @@ class OffloadSession:
         self._first_unpacks: list[int | None] = []   # per group, of the last whole step
         self._schedule: dict[int, list[int]] = {}
         self._step = _Step(profiling=budget is not None and modes is None and force is None)
-        self._replaying = False
+        self._rerunning = False
         self._mismatch_said = False
         self._unmoved_said = False
         self._empty_cache_due = False   # after a failed step: at the next step's start
@@ -1051,7 +1049,7 @@ class OffloadSession:
                            out_of_memory=issubclass(exc_info[0], torch.OutOfMemoryError))
 
     # --- the host link per device ---------------------------------------------------------
-    def link_for(self, tensor: torch.Tensor) -> CopyLink | None:
+    def link_for(self, tensor: torch.Tensor) -> SameMemoryLink | None:
         if self._link is not None:
             return self._link
         if tensor.device.type != "cuda":
@@ -1061,25 +1059,25 @@ class OffloadSession:
             self._links[key] = CudaLink(tensor.device, self.max_pending)
         return self._links[key]
 
-    def _links_in_use(self) -> list[CopyLink]:
+    def _links_in_use(self) -> list[SameMemoryLink]:
         return [self._link] if self._link is not None else list(self._links.values())
 
     def _poll_links(self) -> None:
         for link in self._links_in_use():
             link.poll()
 
-    def _known_link(self) -> CopyLink | None:
+    def _known_link(self) -> SameMemoryLink | None:
         """The session's link, or the first it made for a device; None before any."""
         return self._link or next(iter(self._links.values()), None)
 
-    def _any_link(self) -> CopyLink:
-        return self._known_link() or CopyLink()
+    def _any_link(self) -> SameMemoryLink:
+        return self._known_link() or SameMemoryLink()
 
     # --- module and op records (producers, recipes, times) --------------------------------
     def _records(self, module) -> bool:
-        """A leaf module's forward in a step's forward (not a recipe's replay, not in a
+        """A leaf module's forward in a step's forward (not a recipe's rerun, not in a
         backward, not under ``no_grad``)."""
-        return not (self._replaying or not torch.is_grad_enabled() or _in_backward()
+        return not (self._rerunning or not torch.is_grad_enabled() or _in_backward()
                     or _has_children(module))
 
     def _read(self, tensor: torch.Tensor) -> _Read:
@@ -1089,7 +1087,7 @@ class OffloadSession:
     def _before_module(self, module, args):
         if self._step.pending:    # between ops: every op saving a pending group has run
             self._copy_pending()
-        if self._replaying or not torch.is_grad_enabled() or _in_backward():
+        if self._rerunning or not torch.is_grad_enabled() or _in_backward():
             return
         if _has_children(module):
             self._containers.append(module)   # the parent of the leaves it runs
@@ -1123,7 +1121,7 @@ class OffloadSession:
     def _start_call(self, call: _Call) -> None:
         """``call`` is the step's next; in a recording step it starts now on the link's clock.
         A recomputable one is also measured from here to its return: the most the link allocates
-        meanwhile above what it held here is what its replay allocates at most
+        meanwhile above what it held here is what its rerun allocates at most
         (:attr:`_Call.rise`), and the interval of :meth:`_peak` it falls in carries on. Not
         measured on its own: a call inside a measured one (its allocations are that call's), or
         one before the step's first pack (no link yet to read)."""
@@ -1137,7 +1135,7 @@ class OffloadSession:
         call.index = len(self._step.calls)
         self._step.calls.append(call)
 
-    def _peak(self, link: CopyLink) -> int:
+    def _peak(self, link: SameMemoryLink) -> int:
         """``link.peak_allocated()``: the most allocated since the previous read, including what
         the call measured meanwhile read of it (and counting this interval in that call's
         rise)."""
@@ -1147,13 +1145,13 @@ class OffloadSession:
             call.rise = max(call.rise, device - call.allocated_before)
         return max(device, self._carried_peak.pop(link, 0))
 
-    def _carry_peak(self, link: CopyLink) -> None:
+    def _carry_peak(self, link: SameMemoryLink) -> None:
         """Starts a measured call's interval of ``link``'s peak (or ends it), the most allocated
         in :meth:`_peak`'s interval so far carried on to its next read."""
         self._carried_peak[link] = self._peak(link)
 
     def _recomputable(self, module) -> bool:
-        """Of a recomputable type, and without hooks of its own: a replay would run them again
+        """Of a recomputable type, and without hooks of its own: a rerun would run them again
         (``spectral_norm``'s power iteration changes the weight and its buffers)."""
         if module._forward_pre_hooks or module._forward_hooks:
             return False
@@ -1240,7 +1238,7 @@ class OffloadSession:
         began: an op after it (``total += loss.detach()``) neither is the next step's nor
         ends this one; nor inside a leaf module's forward, whose call they are part of (a
         recipe finding an op there would skip the rest of the module)."""
-        return (self.recompute and not self._replaying and not self._step.unpacks
+        return (self.recompute and not self._rerunning and not self._step.unpacks
                 and self._records_calls(self._step) and torch.is_grad_enabled()
                 and not _in_backward()
                 and self._running_module(self._step)[1] is None)
@@ -1505,7 +1503,7 @@ class OffloadSession:
         return _Passed(tensor) if group is None else _Packed(group)
 
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
-        if self._replaying or _in_backward():   # e.g. a checkpoint's recomputation: not ours
+        if self._rerunning or _in_backward():   # e.g. a checkpoint's recomputation: not ours
             return None
         self._copy_pending(_SEQUENCE_NR())
         # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none.
@@ -1617,17 +1615,15 @@ class OffloadSession:
             self._event("offload", group.gid)
 
     def _keeps_apart(self, step: _Step, group: _Group) -> bool:
-        """Whether kept ``group`` is copied apart (:meth:`CopyLink.keep_apart`): in a planned
+        """Whether kept ``group`` is copied apart (:meth:`SameMemoryLink.keep_apart`): in a planned
         step of a plan run with :attr:`~planner.OffloadPlan.keep_apart`, one of
         :func:`planner.kept_apart` (a dense group of at most :data:`~planner.KEEP_APART_SHARE`
         of the profile's largest group). The caching allocator places a tensor in the smallest
         free block that holds it: kept tensors made in the forward fill the holes large
         activations leave, live through the backward, and split the space the
         backward's large tensors need into pieces too small for them. Under a cap it then frees
-        its whole cache, after a synchronisation, and maps memory again. On the 3-D U-Net
-        (N = 2) under 7.0 GiB, at the flush after backward point 6, 0.69 GB of kept tensors of
-        8-128 MiB lay between 512 MiB blocks and 0.67 GB of holes, none of 512 MiB
-        (benchmarks/results/pressure, session 20)."""
+        its whole cache, after a synchronisation, and maps memory again
+        (benchmarks/results/pressure)."""
         if step.profiling or self.fell_back or self.plan is None or not self.plan.keep_apart \
                 or self.profile is None or not group.offloadable:
             return False
@@ -1787,7 +1783,7 @@ class OffloadSession:
         return tensor
 
     @staticmethod
-    def _copy(step: _Step, link: CopyLink, direction: str, nbytes: int, copy) -> Transfer:
+    def _copy(step: _Step, link: SameMemoryLink, direction: str, nbytes: int, copy) -> Transfer:
         """``copy()``; in a recording step (whose copies are inline, each alone on the compute
         stream) between two marks, which time the host link (:meth:`_link_speeds`)."""
         if not step.profiling:
@@ -1804,7 +1800,7 @@ class OffloadSession:
         return step.profiling or self.fell_back
 
     def link_for_group(self, group):
-        return self._link or self._links.get(group.device.index) or CopyLink()
+        return self._link or self._links.get(group.device.index) or SameMemoryLink()
 
     def _prefetch(self, group: _Group, index: int) -> None:
         if group.mode == OFFLOAD and group.fetch is None and group.tensor is None \
@@ -1825,10 +1821,10 @@ class OffloadSession:
                 if original is not None and original._version != rebuilt.version:
                     raise RuntimeError(f"mucudnn.torch: saved tensor {rebuilt.gid} changed after "
                                        "it was saved; cannot recompute it")
-                rebuilt.tensor = self._replay(rebuilt, link)
+                rebuilt.tensor = self._recompute_group(rebuilt, link)
         return group.tensor
 
-    def _replay(self, group: _Group, link) -> torch.Tensor:
+    def _recompute_group(self, group: _Group, link) -> torch.Tensor:
         recipe = group.recipe
         sources = recipe.sources
         for source in sources:
@@ -1840,7 +1836,7 @@ class OffloadSession:
         # the sources' tensors and the views of them the recipe reads
         kept = [source.tensor for source in sources]
         values: list[torch.Tensor | None] = []
-        self._replaying = True
+        self._rerunning = True
         try:
             with torch.no_grad():
                 for call, slots in zip(recipe.calls, recipe.inputs):
@@ -1860,7 +1856,7 @@ class OffloadSession:
                         inputs[0] = inputs[0].clone()
                     values.append(call.run(inputs))
         finally:
-            self._replaying = False
+            self._rerunning = False
         self._event("recompute", group.gid, tuple(source.gid for source in sources))
         return values[-1] if recipe.view is None else _viewed(values[-1], *recipe.view)
 
@@ -1938,8 +1934,8 @@ class OffloadSession:
             # What the failed step's error still refers to (its traceback's frames, autograd's
             # unrun nodes) reaches its groups: they let go of their device tensors, and reference
             # cycles through those frames are collected now, before this step allocates. Without
-            # both, VGG-16 at 16 GiB began every later step with 15.77, then 10.99 GiB allocated
-            # (1.75 GiB after a step that succeeds), and each ran out of memory.
+            # both, every later step began with most of the failed step's memory still allocated,
+            # and each ran out of memory.
             for group in finished.groups:
                 group.tensor, group.fetch, group.readers = None, None, 0
             finished.node, finished.node_groups = None, []
@@ -1985,8 +1981,8 @@ class OffloadSession:
             self._stage_candidates = self._stage_candidates_of(finished)
             self._peak(link)   # what a probe of the link allocated there is no step's
             if not more_recording:
-                # each time the least recorded: a host that fell behind in one recording (the
-                # 3-D U-Net's decoder, 2 ms of 0.2 ms convolutions) stretched its times there
+                # each time the least recorded: a host that fell behind in one recording
+                # stretched its times there
                 self.profile = planner.least_times(self._recorded)
                 self._recorded = []
                 self._make_plan()
@@ -2176,7 +2172,7 @@ class OffloadSession:
         self._first_unpacks = [group.first_unpack for group in staged.groups]
         return plan
 
-    def _advance_trial(self, link: CopyLink, unpacks: int) -> None:
+    def _advance_trial(self, link: SameMemoryLink, unpacks: int) -> None:
         """A planned step of the trial ended (its backward ``unpacks`` points; a flush since the
         last unpack came after the last point's op): the next plan's turn after
         :data:`planner.TRIAL_STEPS` steps, and after the last plan's, :meth:`_Trial.kept` stays."""
@@ -2278,10 +2274,7 @@ class OffloadSession:
         the headroom lower (at most ``replans`` such lowerings, apart from the replans after
         running out of memory; None, the target unchanged, where none is left or no plan meets
         that target; after such a target, none is tried again: a lower one has no plan either).
-        A flush costs a step more than the room does: on the 3-D U-Net under
-        7.0 GiB every plan for 6.3 GiB flushed (1-4 times in its two timed steps; 112.8-135.2
-        ms a step), and the plan for 5.95 GiB then ran 108.6-112.9 ms without one in one run
-        of two (session 22).
+        A flush costs a step more than the room does (benchmarks/results/pressure).
 
         A plan's time steps up at some peaks: where the plan for a quarter of the headroom lower
         is faster by :data:`planner.LOWERING_MIN_GAIN` and still peaks below ``flushed_peak``
@@ -2307,10 +2300,8 @@ class OffloadSession:
                          flushed_peak: int) -> tuple[int, planner.OffloadPlan]:
         """``(nearer, its plan)`` where that plan peaks below ``flushed_peak`` (so it gives room
         all the same) and is predicted faster than ``plan`` (for ``target``) by
-        :data:`planner.LOWERING_MIN_GAIN`; else ``(target, plan)``. r3d_18 (N = 32) at 4.5 GiB,
-        its profile replayed: the plan for 4.05 GiB (peak 4.01 GiB, 84.8 ms) flushed in one run
-        of seven; the plan for 3.83 GiB moves 784 MiB each way (97.7 ms, ran 98.3 ms) where the
-        one for 3.94 GiB moves none (peak 3.91 GiB, 85.2 ms; session 24)."""
+        :data:`planner.LOWERING_MIN_GAIN`; else ``(target, plan)``: a plan's time steps up at some
+        peaks, and a lowering by half the headroom may pass a step that a quarter does not."""
         try:
             near = self._plan_for(nearer, explain=False)
         except MucudnnError:   # CBC failed (a lower target has a plan)
@@ -2362,7 +2353,7 @@ class OffloadSession:
     @property
     def prefetch_margin(self) -> float:
         """The plan's :func:`planner.prefetch_point` margin (0 without a plan: untimed)."""
-        return self.plan.margin if self.plan is not None else 0.0
+        return self.plan.prefetch_margin if self.plan is not None else 0.0
 
     @property
     def prefetch_distance(self) -> int:
@@ -2387,13 +2378,13 @@ class OffloadSession:
             schedule[max(0, first - distance)].append(gid)
         # at each point in the order the groups were saved, so the one needed last is allocated
         # first and freed last: stack order for the caching allocator. Needed-first order (the
-        # fetch queue's best) allocated them the other way round, and on the 3-D U-Net under
-        # 7.0 GiB the allocator flushed its cache twice a step (session 17). The one needed at
-        # that unpack goes first all the same (:meth:`_unpack`); planner.simulate plays this.
+        # fetch queue's best) allocated them the other way round, and the allocator flushed its
+        # cache where this order does not. The one needed at that unpack goes first all the same
+        # (:meth:`_unpack`); planner.simulate plays this.
         return dict(schedule)
 
     @staticmethod
-    def _link_speeds(step: _Step, link: CopyLink) -> tuple[float, float]:
+    def _link_speeds(step: _Step, link: SameMemoryLink) -> tuple[float, float]:
         """(device-to-host, host-to-device) GB/s: the link's own (given, or measured before), else
         the fastest of the recording step's inline copies of at least ``LINK_PROBE_BYTES`` (each
         alone on the compute stream between two marks: the link as this step used it, with no
@@ -2412,7 +2403,7 @@ class OffloadSession:
         return link.bandwidth_gbps()
 
     @staticmethod
-    def _clock(step: _Step, link: CopyLink, marks: list, points: int, direction: str
+    def _clock(step: _Step, link: SameMemoryLink, marks: list, points: int, direction: str
                ) -> list[float]:
         """Compute ms from the first of a recording step's ``marks`` (its packs, or its unpacks)
         to each: their times less its own inline copies ``direction`` before each (the forward's
@@ -2505,7 +2496,7 @@ class OffloadSession:
         return profile
 
 
-def _call_ms(link: CopyLink, call: _Call, d2h: float) -> float | None:
+def _call_ms(link: SameMemoryLink, call: _Call, d2h: float) -> float | None:
     """A recording step's ``call``: its compute ms, less what it copied to the host inline
     (``d2h`` GB/s); None where untimed: its marks not on one link's clock (a first recording's
     calls before its first pack, marked on no link yet)."""
@@ -2593,12 +2584,13 @@ def _transposed_size(module: nn.Module, value: torch.Tensor) -> tuple[int, ...]:
 
 
 def _joined(*values: torch.Tensor, dim: int) -> torch.Tensor:
-    """A recorded concatenation's replay: its operands, one value each, joined again."""
+    """A recorded concatenation's rerun: its operands, one value each, joined again."""
     return torch.cat(values, dim=dim)
 
 
-def replay(module: nn.Module, value: torch.Tensor, state: _ModuleState | None = None,
-           output_shape: tuple = ()) -> torch.Tensor:
+def rerun_as_recorded(module: nn.Module, value: torch.Tensor,
+                      state: _ModuleState | None = None,
+                      output_shape: tuple = ()) -> torch.Tensor:
     """``module(value)`` as its forward ran (``state``: what it read then; None: the module as it
     is now), without its side effects and without hooks (a recomputable module has none of its
     own; the global ones, a user's activation monitor, see only the user's forward): a

@@ -51,13 +51,13 @@ STAGEABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ReLU, nn.ReLU6, nn.LeakyReLU, n
 POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 #: the stageable modules whose forward reads tensors besides its input: the weight and the bias
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: device types whose autocast state a call records and its replay restores (a convolution
+#: device types whose autocast state a call records and its rerun restores (a convolution
 #: recorded under bf16 autocast reads bf16 tensors and fp32 weights)
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    """(device, dtype) of each device with autocast on: a replay runs under the same."""
+    """(device, dtype) of each device with autocast on: a rerun runs under the same."""
     return tuple((device, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES
                  if torch.is_autocast_enabled(device))
 

@@ -14,7 +14,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks import torch_f64  # noqa: E402
 from benchmarks.torch_f64 import Case, Run, check_model, check_run, compare, train  # noqa: E402
-from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
 
 STEPS = 4   # two recording steps, two planned ones
 
@@ -36,7 +36,7 @@ def tiny_case(steps=STEPS) -> Case:
 
 def options():
     # CPU tensors stay on a session without a link: one of one memory, with fixed speeds
-    return {"link": CopyLink(gbps=(1000.0, 1000.0)), "min_bytes": 0}
+    return {"link": SameMemoryLink(gbps=(1000.0, 1000.0)), "min_bytes": 0}
 
 
 def rows_by_mode(result):

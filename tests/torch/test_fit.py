@@ -21,7 +21,7 @@ from mucudnn.torch import fit  # noqa: E402
 from mucudnn.torch.compiled import CompiledModelError, compiled_parts  # noqa: E402
 from mucudnn.torch.fitted import FitPickleError, FittedForward, FittedSession  # noqa: E402
 from mucudnn.torch.planner import OFFLOAD, RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
 
 MiB = 1 << 20
 
@@ -61,7 +61,7 @@ def assert_bitwise(expected, got):
 
 
 def fitted_model(**options):
-    options = {"link": CopyLink(gbps=(1.0, 1.0)), "min_bytes": 0, "headroom": 0.0, **options}
+    options = {"link": SameMemoryLink(gbps=(1.0, 1.0)), "min_bytes": 0, "headroom": 0.0, **options}
     return fit(small_model(), budget="1MiB", **options)
 
 
@@ -239,14 +239,14 @@ def test_fitting_a_fitted_model_again_replaces_its_session():
     data = batches(3)
     train(model, data[:1])
     first = model.mucudnn_session
-    again = fit(model, budget="2MiB", link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    again = fit(model, budget="2MiB", link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     assert again is model
     assert model.mucudnn_session is not first and model.mucudnn_session.fit_budget == 2 * MiB
     assert model.forward.inner is None           # not a fitted forward inside a fitted forward
     steps = first.steps
     reference = train(copy.deepcopy(small_model()), data)
-    fresh = fit(small_model(), budget="1MiB", link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
-    fresh = fit(fresh, budget="2MiB", link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    fresh = fit(small_model(), budget="1MiB", link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
+    fresh = fit(fresh, budget="2MiB", link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     assert_bitwise(reference, train(fresh, data))
     train(model, data[1:])
     assert first.steps == steps and model.mucudnn_session.steps == 1   # ended: 1 of 2
@@ -267,7 +267,7 @@ def test_a_forward_set_on_the_instance_is_kept():
     model.forward = Counting(model)
     x = batches(1)[0][0]
     expected = model(x).detach()
-    fitted = fit(model, budget="1MiB", link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    fitted = fit(model, budget="1MiB", link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     assert torch.equal(fitted(x), expected) and len(calls) == 2
 
 
@@ -343,10 +343,14 @@ def test_a_fitted_model_compiled_in_place_is_refused_when_it_runs():
         model(batches(1)[0][0])
 
 
-# -- torch.compile inside a session (budget(...)): the session's hooks refuse when dynamo traces
+# -- torch.compile inside a session (session(...)): the session's hooks refuse when dynamo traces
 # them (OffloadSession.__enter__, the module and pack hooks, the op recorder)
 
-from mucudnn.torch import budget  # noqa: E402
+import mucudnn.torch as mt  # noqa: E402
+
+
+def test_budget_is_the_earlier_name_of_session():
+    assert mt.budget is mt.session
 
 
 def no_session_left():
@@ -373,7 +377,7 @@ def test_a_compiled_model_run_under_a_session_is_refused(backend, how):
             pytest.importorskip("torch._inductor")
         model = small_model()
         model.compile(backend=backend)
-    session = budget("1MiB", link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    session = mt.session("1MiB", link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     x = batches(1)[0][0]
     for _ in range(2):
         with pytest.raises(CompiledModelError, match="ran under torch.compile; mucudnn.torch "
@@ -389,7 +393,8 @@ def test_a_compiled_model_run_under_a_session_is_refused(backend, how):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_compiled_step_that_enters_a_session_is_refused(backend):
     torch._dynamo.reset()
-    model, session = small_model(), budget("1MiB", link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    model = small_model()
+    session = mt.session("1MiB", link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
 
     def step(x):
         with session:
@@ -427,10 +432,10 @@ def test_a_compiled_region_without_modules_offloads_its_saved_tensors_eagerly(ba
 
     trace = []
     if kind == "forced":
-        session = OffloadSession(force=OFFLOAD, recompute=False, link=CopyLink(gbps=(1.0, 1.0)),
-                                 min_bytes=0, trace=trace)
+        session = OffloadSession(force=OFFLOAD, recompute=False,
+                                 link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0, trace=trace)
     else:   # recording, then a plan that offloads one of the three saved tensors
-        session = budget(70000, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0, headroom=0.0,
+        session = mt.session(70000, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0, headroom=0.0,
                          trace=trace)
     expected = gradients(None)
     assert_bitwise(expected, gradients(session))
@@ -442,7 +447,7 @@ def test_an_add_in_a_compiled_region_under_a_recording_session_is_refused(backen
     torch._dynamo.reset()
     w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
     function = torch.compile(lambda a: ((a @ w).sigmoid() + a).sum(), backend=backend)
-    session = budget("1MiB", link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    session = mt.session("1MiB", link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     with pytest.raises(CompiledModelError, match="op recorder ran under torch.compile"):
         with session:
             function(torch.randn(8, 8, dtype=torch.float64))

@@ -337,7 +337,7 @@ def test_an_offloaded_group_leaves_the_device_once_its_copy_is_due():
                           forward_clock=[float(t) for t in range(8)])
     assert planner.release_point(profile, 0) == 5
     assert planner.live_points(profile, 0, OFFLOAD, 2)[0] == range(0, 6)
-    assert planner.release_point(profile, 0, margin=0) == 1
+    assert planner.release_point(profile, 0, release_margin=0) == 1
     assert planner.live_points(profile, 0, OFFLOAD, 2, release_margin=0)[0] == range(0, 2)
     assert planner.release_point(profile, 1) == 2            # 1.5 µs: the next point
     late = StepProfile([SavedGroup(3_000_000, 9, 9)] * 4, 4.0, 10.0, 1.0, 1.0, 10,
@@ -496,7 +496,7 @@ def test_a_rung_where_cbc_finds_no_plan_in_time_goes_on_to_prefetch_less(monkeyp
     plan = plan_with_prefetch(profile, budget)
     assert not any(len(p) > 1 for p in planner.rebuild_candidates(profile))
     assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
-    assert plan.margin == planner.PREFETCH_MARGIN / 2      # the second rung's
+    assert plan.prefetch_margin == planner.PREFETCH_MARGIN / 2      # the second rung's
 
 
 def test_simulate_queues_copies_and_the_compute_stream_waits_where_they_are_due():
@@ -550,7 +550,7 @@ def test_a_plan_carries_its_simulated_step():
     # and 34-44, waited for at 26 (8 ms) and 36 (8 ms): 22 + 8 + 16 = 46 ms
     profile = queued_copies_profile()
     plan = plan_with_prefetch(profile, 250 * 10**6)
-    assert (plan.modes, plan.lookahead, plan.margin, plan.release_margin) == (
+    assert (plan.modes, plan.lookahead, plan.prefetch_margin, plan.release_margin) == (
         (OFFLOAD, OFFLOAD, KEEP, KEEP), 1, 0.0, 0.0)
     assert plan.simulated_ms == pytest.approx(46.0)
     assert plan.simulated_ms == pytest.approx(planner.simulate(

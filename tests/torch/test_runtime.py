@@ -1,5 +1,6 @@
-"""mucudnn.torch's runtime on CPU torch: the CPU stands in for both device and host (CopyLink),
-a recording link checks the order of copies; gradients must be bitwise equal to a plain run."""
+"""mucudnn.torch's runtime on CPU torch: the CPU stands in for both device and host
+(SameMemoryLink), a recording link checks the order of copies; gradients must be bitwise equal to
+a plain run."""
 
 import contextlib
 import copy
@@ -23,11 +24,11 @@ from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import fit  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
 
 
-class RecordingLink(CopyLink):
-    """Copies as CopyLink; logs each call; a fetched tensor may be used only after wait()."""
+class RecordingLink(SameMemoryLink):
+    """Copies as SameMemoryLink; logs each call; a fetched tensor may be used only after wait()."""
 
     def __init__(self, gbps=(1000.0, 0.001)):
         # 1 MB/s back: a slow link makes the planner choose; a fast one out, so that an
@@ -558,7 +559,7 @@ def test_an_in_place_call_on_a_view_of_a_kept_group_changes_a_copy():
     target = _Group(1, RECOMPUTE, source.nbytes, saved.device, weakref.ref(saved), 0, "LeakyReLU",
                     True, recipe=recipe)
     before = kept.clone()
-    rebuilt = OffloadSession(link=CopyLink())._replay(target, CopyLink())
+    rebuilt = OffloadSession(link=SameMemoryLink())._recompute_group(target, SameMemoryLink())
     assert torch.equal(kept, before) and kept._version == source.version
     assert rebuilt.shape == (2, 3, 4)
     assert torch.equal(rebuilt, nn.functional.leaky_relu(before.view(2, 3, 4), 0.5))
@@ -602,7 +603,7 @@ def test_a_budget_forcing_a_mix(dtype):
     # saved tensors: about half of what keeping everything needs
     session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, trace=trace,
                              headroom=0.0)
-    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    probe = OffloadSession(force=KEEP, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     train(copy.deepcopy(model), data[:2], probe)
     saved = sum(g.nbytes for g in probe._step.groups)
     session.budget = int(saved * 0.55)
@@ -789,7 +790,7 @@ def test_the_session_holds_no_more_than_the_plan_models(dtype):
     session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, trace=trace,
                              headroom=0.0)
     trace.session = session
-    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    probe = OffloadSession(force=KEEP, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     train(copy.deepcopy(model), data[:2], probe)
     session.budget = int(sum(g.nbytes for g in probe._step.groups) * 0.55)
     assert_bitwise(reference, train(model, data, session))
@@ -799,13 +800,13 @@ def test_the_session_holds_no_more_than_the_plan_models(dtype):
 
 def saved_bytes(model, data):
     """The bytes a step of ``model`` saves (every group kept)."""
-    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    probe = OffloadSession(force=KEEP, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     train(copy.deepcopy(model), data[:2], probe)
     return sum(g.nbytes for g in probe._step.groups)
 
 
 class MeteredLink(RecordingLink):
-    """CopyLink with a device-memory meter that tests drive: ``spike(nbytes)`` is a transient
+    """SameMemoryLink with a device-memory meter that tests drive: ``spike(nbytes)`` is a transient
     allocation (a workspace), ``oom()`` a refused one."""
 
     def __init__(self):
@@ -1166,7 +1167,7 @@ def test_the_host_link_is_timed_on_the_recording_steps_own_copies(monkeypatch, p
     monkeypatch.setattr(runtime, "LINK_PROBE_BYTES", probe_bytes)
     monkeypatch.setattr(runtime, "measure_bandwidth", probe)
     model, data = small_cnn(torch.float32), batches(torch.float32, 3)
-    session = OffloadSession(budget=GiB, link=CopyLink(), min_bytes=0)
+    session = OffloadSession(budget=GiB, link=SameMemoryLink(), min_bytes=0)
     train(model, data, session)
     speeds = (session.profile.d2h_gbps, session.profile.h2d_gbps)
     if probe_bytes:
@@ -1200,7 +1201,7 @@ def test_the_recorded_backward_runs_to_its_end():
         def forward(self, x):
             return self.model(SlowBackward.apply(x.detach().requires_grad_()))
 
-    session = OffloadSession(budget=GiB, link=CopyLink(gbps=(1e3, 1e3)), min_bytes=0)
+    session = OffloadSession(budget=GiB, link=SameMemoryLink(gbps=(1e3, 1e3)), min_bytes=0)
     train(First(), data, session)
     assert session.profile.backward_ms >= 50
 
@@ -1610,7 +1611,7 @@ def test_the_prefetch_schedule_leads_a_long_copy_by_its_time():
     groups = [planner.SavedGroup(1_000, 8, 8), planner.SavedGroup(3_000_000, 9, 9)]
     profile = planner.StepProfile(groups, 5.0, 10.0, 1.0, 1.0, 10,
                                   backward_clock=[float(t) for t in range(10)])
-    session = OffloadSession(link=CopyLink(gbps=(1.0, 1.0)))
+    session = OffloadSession(link=SameMemoryLink(gbps=(1.0, 1.0)))
     session.profile = profile
     session.plan = planner.OffloadPlan((OFFLOAD, OFFLOAD), 2, 0, 0.0, 3_001_000, 1.5)
     session._first_unpacks = [8, 9]
@@ -1771,7 +1772,7 @@ def test_a_planned_step_lets_go_of_each_offloaded_tensor_where_its_copy_is_due()
     # are 1 ms apart, over a link on which a 32 KiB copy takes 1.7 ms (2.5 with the margin), a
     # group goes 3 points after its own, or at the first unpack where the forward ends first
     model, data = small_cnn(torch.float32), batches(torch.float32, 3)
-    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    probe = OffloadSession(force=KEEP, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     train(copy.deepcopy(model), data[:1], probe)
     groups = [planner.SavedGroup(g.nbytes, 0, 0) for g in probe._step.groups]
     profile = planner.StepProfile(groups, float(len(groups)), 10.0, 1.5 * 32768 / 2.5e6, 1.0, 1,
@@ -1823,7 +1824,7 @@ def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan
     class Ticking(RecordingLink):
         now = 0.0
 
-        def _stamp(self):    # seconds, as CopyLink's clock
+        def _stamp(self):    # seconds, as SameMemoryLink's clock
             plan = session.plan
             self.now += 1e-3 * (1.0 if plan is None else plan_ms[plans.index(plan)])
             return self.now
@@ -1943,7 +1944,7 @@ def test_a_held_offload_whose_graph_is_dropped_in_the_forward_still_goes_at_its_
         del side
         return c(torch.sigmoid(h))
     x = torch.randn(8, 16)
-    probe = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    probe = OffloadSession(force=KEEP, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     with probe:
         forward(x).sum().backward()
     groups = [planner.SavedGroup(g.nbytes, 0, 0) for g in probe._step.groups]
@@ -2351,7 +2352,7 @@ def test_a_kept_copy_changed_in_place_is_refused_as_a_recipe_source():
     # rebuild refuses as it does for a changed alias
     from mucudnn.torch.runtime import _Call, _Group, _Recipe
     saved = torch.randn(2, 3, dtype=torch.float64)
-    link = CopyLink()
+    link = SameMemoryLink()
     with torch.no_grad():
         copied = link.keep_apart(saved)
     source = _Group(0, KEEP, saved.numel() * 8, saved.device, weakref.ref(saved),
@@ -2361,10 +2362,10 @@ def test_a_kept_copy_changed_in_place_is_refused_as_a_recipe_source():
     target = _Group(1, RECOMPUTE, source.nbytes, saved.device, weakref.ref(saved), 0, "ReLU",
                     True, recipe=recipe)
     session = OffloadSession(link=link)
-    assert torch.equal(session._replay(target, link), torch.relu(saved))
+    assert torch.equal(session._recompute_group(target, link), torch.relu(saved))
     copied.add_(1.0)
     with pytest.raises(RuntimeError, match="changed after it was saved"):
-        session._replay(target, link)
+        session._recompute_group(target, link)
 
 
 class LaggingHostLink(RecordingLink):

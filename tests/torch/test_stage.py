@@ -17,7 +17,7 @@ from torch import nn  # noqa: E402
 from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP  # noqa: E402
-from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
 from test_runtime import RecordingLink, train  # noqa: E402
 
 STEPS = 5   # two recording steps, three staged ones
@@ -147,7 +147,7 @@ def test_a_staged_plan_is_taken_where_the_plain_one_does_not_fit():
     from test_planner import staged_chain_profile
     MiB = 2**20
     profile = dataclasses.replace(staged_chain_profile(), d2h_gbps=1e-3, h2d_gbps=1e-3)
-    session = OffloadSession(budget=2**40, link=CopyLink(), say=lambda text: None)
+    session = OffloadSession(budget=2**40, link=SameMemoryLink(), say=lambda text: None)
     session.profile = profile
     modules = list(vgg_like()[0])[:5]
     stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 1, 3.0)

@@ -16,7 +16,7 @@ if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
 from torch import nn  # noqa: E402
 
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
 
 from test_runtime import MeteredLink, Spike, batches, small_cnn  # noqa: E402
 
@@ -24,7 +24,7 @@ FORCED = [OFFLOAD, RECOMPUTE, KEEP]
 
 
 def session_for(force, **options):
-    return OffloadSession(force=force, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0, **options)
+    return OffloadSession(force=force, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0, **options)
 
 
 def grads(model):
@@ -158,7 +158,7 @@ def test_rrelu_under_a_budget_in_the_recording_steps():
         return results
 
     plain = run(None)
-    budget = OffloadSession(budget=2**36, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0)
+    budget = OffloadSession(budget=2**36, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0)
     assert_equal(plain, run(budget))
 
 
@@ -198,7 +198,7 @@ def test_a_saved_activation_changed_in_place_raises_as_pytorch_does(force):
 @pytest.mark.parametrize("budget", [True, False])
 def test_a_forward_without_backward_starts_no_unbounded_step(budget):
     model, data = small_cnn(torch.float32), batches(torch.float32, 6)
-    session = OffloadSession(budget=2**36, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=0,
+    session = OffloadSession(budget=2**36, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=0,
                              record_steps=1) if budget else session_for(OFFLOAD)
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -233,7 +233,7 @@ def test_a_dropped_graph_frees_its_small_saved_outputs(min_bytes):
             return out
 
     model = nn.Sequential(nn.Linear(8, 8), Remember(), nn.Linear(8, 2))
-    session = OffloadSession(force=KEEP, link=CopyLink(gbps=(1.0, 1.0)), min_bytes=min_bytes)
+    session = OffloadSession(force=KEEP, link=SameMemoryLink(gbps=(1.0, 1.0)), min_bytes=min_bytes)
     x = torch.randn(4, 8)
     with session:
         out = model(x)

@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 import training_patterns as tp  # noqa: E402
 from mucudnn.errors import MucudnnError  # noqa: E402
 from mucudnn.torch.planner import RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import CopyLink, OffloadSession  # noqa: E402
+from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
 
 CASES = int(os.environ.get("MUCUDNN_PATTERN_CASES", "300"))
 SEED = int(os.environ.get("MUCUDNN_PATTERN_SEED", "0"))
@@ -127,7 +127,7 @@ def test_recompute_through_an_identity_whose_input_is_also_concatenated():
     x, y = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.tensor([0, 1])
     reference = copy.deepcopy(model)
     nn.functional.cross_entropy(reference(x), y).backward()
-    with OffloadSession(force=RECOMPUTE, link=CopyLink(), min_bytes=0):
+    with OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0):
         loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
     for expected, got in zip(reference.parameters(), model.parameters(), strict=True):
@@ -156,7 +156,7 @@ def test_a_weight_changed_in_place_under_autocast_is_no_silent_difference():
     reference = copy.deepcopy(model)
     step(reference, contextlib.nullcontext())
     try:
-        step(model, OffloadSession(force=RECOMPUTE, link=CopyLink(), min_bytes=0))
+        step(model, OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0))
     except MucudnnError as refusal:
         assert "\n" not in str(refusal).strip()
         return

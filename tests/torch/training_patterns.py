@@ -33,7 +33,7 @@ import torch.utils.checkpoint
 import mucudnn.torch
 from mucudnn.errors import MucudnnError
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE
-from mucudnn.torch.runtime import CopyLink, OffloadSession
+from mucudnn.torch.runtime import SameMemoryLink, OffloadSession
 
 #: sessions a case runs under (``budget``: about half the step's saved bytes, a mixed plan)
 SESSIONS = ("keep", "offload", "recompute", "stage", "budget", "fit")
@@ -575,7 +575,7 @@ def make_session(case: Case, model: nn.Module):
     from test_runtime import RecordingLink   # a slow link back: the planner must choose
     if case.session in ("keep", "offload", "recompute"):
         force = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}[case.session]
-        return model, OffloadSession(force=force, link=CopyLink(), min_bytes=0)
+        return model, OffloadSession(force=force, link=SameMemoryLink(), min_bytes=0)
     if case.session == "stage":
         return model, OffloadSession(budget=2**50, link=RecordingLink(), min_bytes=0,
                                      stage="always")
