@@ -161,3 +161,61 @@ def test_torch_is_installed_only_from_a_local_wheel_file(tmp_path, wheel, instal
     calls = log.read_text() if log.exists() else ""
     assert (f"install -q --disable-pip-version-check {links / wheel}" in calls if wheel else False) == installs
     assert "torch==" not in calls
+
+
+def quickstart_with_doubles(tmp_path: Path, gpu: bool) -> tuple[subprocess.CompletedProcess, list]:
+    """scripts/quickstart.sh in a copy of the scripts, its .venv's python and mucudnn test doubles
+    that log each call (pip installs nothing, mucudnn tunes nothing), and an ``nvidia-smi`` that
+    lists a GPU (``gpu``) or fails: the calls it made, in order."""
+    repo, log = tmp_path / "repo", tmp_path / "calls.log"
+    wheel = fake_wheel(tmp_path / "nvidia_cudnn_cu13-9.19.0.56-py3-none-any.whl")
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("quickstart.sh", "setup.sh"):
+        (repo / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    bin_dir = repo / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    doubles = {
+        # the probe of ensure_venv and the module checks run the real Python; pip only logs; the
+        # GPU check answers as the GPU is
+        "python": f"""#!/bin/sh
+case "$*" in
+  *"-m pip download"*)
+    while [ $# -gt 1 ]; do [ "$1" = -d ] && cp {wheel} "$2/"; shift; done; exit 0 ;;
+  *"-m pip"*) echo "pip $*" >>{log}; exit 0 ;;
+  *gpu_available*) exit {0 if gpu else 1} ;;
+esac
+PYTHONPATH={ROOT} exec {sys.executable} "$@"
+""",
+        "mucudnn": f"""#!/bin/sh
+echo "mucudnn $*" >>{log}
+[ "$1" = build-shim ] && echo /cache/libmucudnn.so
+exit 0
+""",
+    }
+    for name, text in doubles.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text(f"#!/bin/sh\n{'echo GPU 0: NVIDIA H100' if gpu else 'exit 9'}\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tools}:{os.environ['PATH']}", "PYTHON": sys.executable,
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run(["bash", "scripts/quickstart.sh"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_the_quickstart_leaves_every_readme_command_working(tmp_path, gpu):
+    """After `bash scripts/quickstart.sh` the README's next steps work in a new shell: it says to
+    activate the venv, the shim is built (`mucudnn run` needs it), and on a GPU machine CuPy is
+    installed and the GPU benchmarked before tuning; without a GPU it tunes from the shipped data."""
+    done, calls = quickstart_with_doubles(tmp_path, gpu)
+    assert done.returncode == 0, done.stdout + done.stderr
+    installs = [call for call in calls if call.startswith("pip ")]
+    assert len(installs) == 1 and installs[0].endswith("-e .[gpu]" if gpu else "-e .")
+    mucudnn_calls = [call.split()[1] for call in calls if call.startswith("mucudnn ")]
+    expected = ["build-shim"] + (["bench"] if gpu else []) + ["tune", "show"]
+    assert mucudnn_calls == expected
+    assert "source .venv/bin/activate" in done.stdout.splitlines()[-1]
