@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping
 
+from ._torch_site.mucudnn_torch_env import MAX_OFFLOAD_HEADROOM
 from .errors import MucudnnError, SettingError
 
 SHIM = "shim"
@@ -55,8 +56,9 @@ BUDGET = Rule("a size over 0 bytes, e.g. 6GiB", lambda text: _is_size(text, leas
 OFFLOAD = Rule("0, 1 or cheap (1/0 also as true/false, yes/no, on/off)",
                lambda text: text.strip().lower() in {"", "0", "false", "no", "off", "1", "true",
                                                      "yes", "on", "cheap"})
-PERCENT_50 = Rule("a whole percent from 0 to 50",
-                  lambda text: not text.strip() or _is_count(text.strip(), most=50))
+PERCENT_50 = Rule(f"a whole percent from 0 to {MAX_OFFLOAD_HEADROOM}",
+                  lambda text: not text.strip()
+                  or _is_count(text.strip(), most=MAX_OFFLOAD_HEADROOM))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,13 +25,11 @@ import sys
 # loaded in-process by mucudnn.budget it is not, and the mucudnn package is importable instead.
 try:
     from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_HEADROOM,
-                                   ENV_OFFLOAD_PROFILE, ENV_REPORT)
+                                   ENV_OFFLOAD_PROFILE, ENV_REPORT, MAX_OFFLOAD_HEADROOM)
 except ImportError:
     from mucudnn._torch_site.mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD,
                                                        ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE,
-                                                       ENV_REPORT)
-#: the largest MUCUDNN_OFFLOAD_HEADROOM: a plan for less than half the budget is no plan for it
-MAX_OFFLOAD_HEADROOM = 50
+                                                       ENV_REPORT, MAX_OFFLOAD_HEADROOM)
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
 
 
