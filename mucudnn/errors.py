@@ -43,6 +43,17 @@ class ChangedInPlaceError(MucudnnError, RuntimeError):
     the forward ran. Worded as PyTorch's own in-place error, which it is a RuntimeError as."""
 
 
+def inplace_message(tensor, saved_version: int, what: str = "") -> str:
+    """PyTorch's own words for a tensor its backward needs that was changed in place since it was
+    saved (autograd checks no version where saved-tensor hooks run: mucudnn.torch checks, and
+    says it so); ``what`` names the tensor where that helps (a parameter's name)."""
+    kind = f"{tensor.device.type} {tensor.dtype}".replace("torch.", "")
+    name = f" ({what})" if what else ""
+    return ("one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{kind} {list(tensor.shape)}]{name} is at version "
+            f"{tensor._version}; expected version {saved_version} instead (mucudnn.torch)")
+
+
 class InfeasibleError(MucudnnError):
     """No plan satisfies the workspace limit or budget."""
 

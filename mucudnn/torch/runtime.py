@@ -63,7 +63,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..errors import ChangedInPlaceError, InfeasibleError, MucudnnError
+from ..errors import ChangedInPlaceError, InfeasibleError, MucudnnError, inplace_message
 from ..sizes import describe_size
 from . import planner
 from .compiled import refuse_if_compiling
@@ -559,7 +559,7 @@ class _ModuleState:
         for (name, value), version in zip(self.params.items(), self.versions):
             if value._version != version:
                 raise ChangedInPlaceError(
-                    _inplace_message(value, version, name) + "; a module recomputed in the "
+                    inplace_message(value, version, name) + "; a module recomputed in the "
                     "backward reads it (under autocast PyTorch alone differentiates with the "
                     "cast it saved: OffloadSession(recompute=False) does too)")
 
@@ -765,7 +765,7 @@ class _Passed:
 
     def check(self) -> torch.Tensor:
         if self.tensor._version != self.version:
-            raise RuntimeError(_inplace_message(self.tensor, self.version))
+            raise RuntimeError(inplace_message(self.tensor, self.version))
         return self.tensor
 
 
@@ -1027,7 +1027,7 @@ class OffloadSession:
             staged.abort()
         self._containers = []
         if self._step.pending:   # the forward is over: every op saving a pending group has run
-            self._copy_pending()
+            self._copy_pending(self._step)
         if self._ops is not None:
             if not self._ops_set_aside:   # else a leaf module's forward left without its hook
                 self._ops.__exit__(*exc_info)
@@ -1086,7 +1086,7 @@ class OffloadSession:
     @_past_the_op_recorder
     def _before_module(self, module, args):
         if self._step.pending:    # between ops: every op saving a pending group has run
-            self._copy_pending()
+            self._copy_pending(self._step)
         if self._rerunning or not torch.is_grad_enabled() or _in_backward():
             return
         if _has_children(module):
@@ -1190,7 +1190,7 @@ class OffloadSession:
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
         if self._step.pending:
-            self._copy_pending()
+            self._copy_pending(self._step)
         if self._ops_set_aside and self._ops_set_aside[-1] is module:
             self._ops_set_aside.pop()
             torch._C._push_on_torch_function_stack(self._ops)
@@ -1505,7 +1505,7 @@ class OffloadSession:
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         if self._rerunning or _in_backward():   # e.g. a checkpoint's recomputation: not ours
             return None
-        self._copy_pending(_SEQUENCE_NR())
+        self._copy_pending(self._step, _SEQUENCE_NR())
         # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none.
         # A leaf of one dimension without grad is a module's buffer (batch norm's running
         # statistics, which a later train-mode forward changes in place without a version bump,
@@ -1571,16 +1571,15 @@ class OffloadSession:
                 source.readers += 1
         return group
 
-    def _copy_pending(self, before: int | None = None) -> None:
-        """The offloads and keep-apart copies of the groups saved by ops that have run: those
-        saved before autograd node ``before`` was made (the op making it runs after its own
+    def _copy_pending(self, step: _Step, before: int | None = None) -> None:
+        """The offloads and keep-apart copies of ``step``'s groups saved by ops that have run:
+        those saved before autograd node ``before`` was made (the op making it runs after its own
         packs), or all (None: from Python between ops, a module hook, the first unpack, the
         session's exit). An op may write a tensor it saved after saving it (``rrelu_with_noise``
         fills its ``noise``, with no version bump): a copy at its pack would hold the values
         before. A kept group holds an alias of the tensor without its autograd history (a node
         saving its own output, ReLU, would otherwise hold itself through it, a cycle through C++
         that the collector cannot break)."""
-        step = self._step
         pending = step.pending
         if not pending or before is not None and pending[0][2] >= before:
             return
@@ -1691,13 +1690,13 @@ class OffloadSession:
             return packed.check() if isinstance(packed, _Passed) else packed
         group = packed.group
         step = group.owner
+        if step.pending:   # its forward is over: every op saving a pending group has run
+            self._copy_pending(step)
+        self._check_version(group)
         if step is not self._step:
             # a graph of a step that has ended (a forward kept for later, its backward after
             # the next step's): its group is restored as ever, and is no part of this step
             return self._restored(group)
-        if step.pending:   # the forward is over: every op saving a pending group has run
-            self._copy_pending()
-        self._check_version(group)
         index = step.unpacks
         step.unpacks += 1
         link = self.link_for_group(group)
@@ -1758,22 +1757,14 @@ class OffloadSession:
         if original is None and group.base is not None:
             original = group.base()
         if original is not None and original._version != group.version:
-            raise RuntimeError(_inplace_message(original, group.version))
+            raise RuntimeError(inplace_message(original, group.version))
         kept = group.tensor if group.mode == KEEP else None
         if kept is not None and group.kept_version is not None and \
                 kept._version != group.kept_version:
-            raise RuntimeError(_inplace_message(kept, group.kept_version))
+            raise RuntimeError(inplace_message(kept, group.kept_version))
 
     def _restored(self, group: _Group) -> torch.Tensor:
         """A group of an ended step, unpacked: its values, on demand (no schedule, no profile)."""
-        step = group.owner
-        if step.pending:
-            pending, self._step = self._step, step
-            try:
-                self._copy_pending()
-            finally:
-                self._step = pending
-        self._check_version(group)
         link = self.link_for_group(group)
         if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
             group.fetch = link.fetch(group.host, group.device)
@@ -2095,9 +2086,8 @@ class OffloadSession:
             return
         others = planner.trial_plans(
             self.profile, target, self.plan, self.lookahead, self.plan_time_limit_s,
-            [planner.planning_target(self.budget, self.headroom * share)
-             for share in planner.TRIAL_HEADROOM_SHARES]
-            if self.headroom and self._lowered_target is None else (),
+            planner.trial_budgets(self.budget, self.headroom)
+            if self._lowered_target is None else (),
             keep_apart=self.keep_apart)
         # alone, the plan is still run as a trial where a lower target can follow: whether it
         # flushes the caching allocator's cache (:meth:`_plan_below_flushes`)
@@ -2625,12 +2615,3 @@ def rerun_as_recorded(module: nn.Module, value: torch.Tensor,
     finally:
         module._parameters.update(saved)
 
-
-def _inplace_message(tensor: torch.Tensor, saved_version: int, what: str = "") -> str:
-    """PyTorch's own words for a saved tensor changed in place before its backward (autograd's
-    check is off where saved-tensor hooks run; the session checks instead)."""
-    kind = f"{tensor.device.type} {tensor.dtype}".replace("torch.", "")
-    name = f" ({what})" if what else ""
-    return ("one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{kind} {list(tensor.shape)}]{name} is at version "
-            f"{tensor._version}; expected version {saved_version} instead (mucudnn.torch)")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..errors import ChangedInPlaceError
+from ..errors import ChangedInPlaceError, inplace_message
 from . import planner
 
 #: per-sample, deterministic, no state changed by a forward: a slice of the batch in, that slice
@@ -253,11 +253,9 @@ class StagedForward:
         for param, version in zip(self.params, self.versions):
             if param._version != version:
                 raise ChangedInPlaceError(
-                    "one of the variables needed for gradient computation has been modified by "
-                    f"an inplace operation: [{param.type()} {list(param.shape)}], read by a "
-                    f"staged chain, is at version {param._version}; expected version {version} "
-                    "instead (under autocast PyTorch alone differentiates with the cast it "
-                    "saved: OffloadSession(stage=False) does too)")
+                    inplace_message(param, version, "read by a staged chain") + "; under "
+                    "autocast PyTorch alone differentiates with the cast it saved: "
+                    "OffloadSession(stage=False) does too")
 
 
 def _weights(module: nn.Module) -> tuple:
