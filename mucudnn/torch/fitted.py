@@ -23,7 +23,7 @@ import copy
 import pickle
 
 from ..errors import MucudnnError
-from .compiled import refuse_if_compiling
+from .compiled import refuse_compiled_model, refuse_if_compiling
 from .runtime import OffloadSession
 
 
@@ -44,7 +44,7 @@ class FittedSession(OffloadSession):
         self.fit_budget, self.fit_options = budget, dict(options)
 
     def __copy__(self):
-        return FittedSession(self.fit_budget, **self.fit_options)
+        return _fresh_session(self.fit_budget, self.fit_options)
 
     def __deepcopy__(self, memo):
         options = {}
@@ -56,7 +56,7 @@ class FittedSession(OffloadSession):
                     f"mucudnn.torch.fit: a copy of a fitted model gets a fresh session with "
                     f"copies of its options, and {name}={value!r} cannot be copied ({exc}); "
                     f"fit the model with options that can be") from None
-        return FittedSession(self.fit_budget, **options)
+        return _fresh_session(self.fit_budget, options)
 
     def __reduce__(self):
         for name, value in self.fit_options.items():
@@ -96,8 +96,6 @@ class FittedForward:
 
 def fit(model, budget: int, **options):
     """:func:`mucudnn.torch.fit` (``budget`` in bytes)."""
-    from .compiled import refuse_compiled_model
-
     refuse_compiled_model(model)
     inner = model.__dict__.get("forward")
     if isinstance(inner, FittedForward) and inner.module is model:

@@ -264,6 +264,14 @@ def planning_target(budget: int, headroom: float) -> int:
     return int(budget * (1 - headroom))
 
 
+def trial_budgets(budget: int, headroom: float) -> list[int]:
+    """The larger targets :func:`trial_plans` tries beside the plan for
+    :func:`planning_target`: ``budget`` less each :data:`TRIAL_HEADROOM_SHARES` of ``headroom``
+    (none without a headroom)."""
+    return [planning_target(budget, headroom * share) for share in TRIAL_HEADROOM_SHARES] \
+        if headroom else []
+
+
 def smaller_headrooms(budget: int, headroom: float,
                       least_peak: int | None = None) -> list[tuple[float, int]]:
     """(headroom, target) to plan for where no plan meets :func:`planning_target` at

@@ -168,9 +168,7 @@ def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
     if not trials or plan is None:
         return Replayed(budget, target, plan, error, plan_s)
     start = time.perf_counter()
-    larger = ([planner.planning_target(budget, headroom * share)
-               for share in planner.TRIAL_HEADROOM_SHARES]
-              if headroom and error is None else ())
+    larger = planner.trial_budgets(budget, headroom) if error is None else ()
     others = planner.trial_plans(profile, target, plan, lookahead, time_limit_s, larger,
                                  keep_apart=keep_apart)
     return Replayed(budget, target, plan, error, plan_s, others, time.perf_counter() - start)
