@@ -7,10 +7,9 @@ its environment for ``mucudnn run`` and ``mucudnn autotune``.
 - the shim reads ``MUCUDNN_MEMORY_BUDGET`` (bytes) in the same environment;
 - fragmentation: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set
   ``PYTORCH_CUDA_ALLOC_CONF`` (:data:`ALLOCATOR_CONF`). Under a tight budget the caching
-  allocator's fixed segments fail an allocation while GiBs are reserved but free in pieces (VGG-16
-  at N = 256 under 12 GiB: 3.06 GiB asked, 3.26 GiB reserved but unallocated, with every method;
-  r3d_18 at N = 32 under 6 GiB: 392 MiB asked, 838 MiB free in pieces; H200, PyTorch 2.11),
-  which is what PyTorch's own out-of-memory message advises.
+  allocator's fixed segments fail an allocation while GiBs are reserved but free in pieces
+  (measured: benchmarks/results/offload and pressure), which is what PyTorch's own out-of-memory message
+  advises.
 
 The budget itself (its grammar, the GPU check, the in-process :func:`~mucudnn.memory_budget`) is
 :mod:`mucudnn.budget`; the workspace slack set beside it under ``--offload``, :mod:`mucudnn.slack`.

@@ -13,13 +13,10 @@ from .sizes import describe_size
 
 ENV_WORKSPACE_SLACK = "MUCUDNN_WORKSPACE_SLACK"
 #: Percent: under --offload each convolution of a front plan takes its point of least workspace
-#: within this much of its fastest (docs/shim.md, "The slack"). A byte of workspace at the step's
-#: peak is a byte of saved tensors offloaded or recomputed, and fronts are flat near their fastest
-#: point: the U-Net's 128^3 convolutions with 3^3 filters run within 0.5-1.5 % of it at half the
-#: workspace (805 MB against 1.61 GB). Measured on an H200 with front plans (benchmarks/results/
-#: pressure, session 13): under a 7 GiB cap the U-Net's step went from 139.0 to 114.4 ms, its plan
-#: from 1.4 to 1.0 GiB offloaded each way; r3d_18's under 4.5 GiB from 112.6 to 90-109 ms (one
-#: plan, several runs). 2 and 10 made the same plans as 5; the runs do not rank them.
+#: within this much of its fastest (docs/shim.md, "The slack"). The rule: a byte of workspace at
+#: the step's peak is a byte of saved tensors offloaded or recomputed, and fronts are flat near
+#: their fastest point, so a few percent of a kernel's time buys a large share of its workspace.
+#: What it bought on the 3-D models, and the other values tried: benchmarks/results/pressure.
 OFFLOAD_WORKSPACE_SLACK = 5
 
 
@@ -56,11 +53,9 @@ def plan_workspace_limit(plans, slack: int) -> int | None:
     Why: the slack alone picks per kernel, and a kernel whose leaner points are more than slack
     percent slower keeps its large workspace, although the step could pay for it elsewhere.
     Under a memory cap the largest workspace requests are what the caching allocator cannot
-    place in the holes it has, so it maps more and, at the cap, flushes its cache. Measured on
-    an H200 (benchmarks/results/pressure, session 14), r3d_18 (N=32) under a 4.5 GiB cap, 7
-    steps a probe: 100.9-109.3 ms in three runs at slack 5 alone (1.25-1.35x PyTorch's uncapped
-    step), 90.7, 92.1 and 88.1 ms in three runs with this rule's 246 MiB (1.12x, 1.14x, 1.08x).
-    The 3-D U-Net gets no limit: its 128^3 convolutions have no fast point under 770 MiB. Each
+    place in the holes it has, so it maps more and, at the cap, flushes its cache (measured:
+    benchmarks/results/pressure).
+    A model whose kernels have no fast lean point gets no limit. Each
     kernel of a plan counts once (a plan does not say how often a step calls it), and its
     fastest point stands for the framework's engine (the shim's point is the fastest within that
     engine's workspace). The limit is the shim's hard one: it holds every convolution."""
