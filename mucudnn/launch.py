@@ -8,8 +8,8 @@ its environment for ``mucudnn run`` and ``mucudnn autotune``.
 - fragmentation: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set
   ``PYTORCH_CUDA_ALLOC_CONF`` (:data:`ALLOCATOR_CONF`). Under a tight budget the caching
   allocator's fixed segments fail an allocation while GiBs are reserved but free in pieces
-  (measured: benchmarks/results/offload and pressure), which is what PyTorch's own out-of-memory message
-  advises.
+  (measured: benchmarks/results/offload and pressure), which is what PyTorch's own
+  out-of-memory message advises.
 
 The budget itself (its grammar, the GPU check, the in-process :func:`~mucudnn.memory_budget`) is
 :mod:`mucudnn.budget`; the workspace slack set beside it under ``--offload``, :mod:`mucudnn.slack`.
