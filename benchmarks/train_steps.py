@@ -1,0 +1,147 @@
+"""A training script as a new user writes it, for plan_timeline.py to run under ``mucudnn run
+--memory-budget B --offload``: a network of benchmarks/models.py (any torchvision classification
+model, the 3-D U-Net, ...), SGD, random data, fp32 with TF32, ``--steps`` steps. After each step
+one line on stderr:
+
+    train_steps: step I start_s=S end_s=E step_ms=M session=STATE
+
+I counts from 1; S and E are seconds since this process started (Linux: its start time in
+/proc/self/stat against /proc/uptime, 10 ms ticks; elsewhere since this module ran), M the step's
+wall time with the device synchronised at both ends. STATE is what the activation-offload session
+that ``mucudnn run --offload`` installed (found once, after ``import torch``, among the live
+objects: the site hook keeps no name for it) was doing when the step started: ``recording``
+(no plan yet), ``planned``, ``fallback`` (everything offloaded after out-of-memory failures), the
+session's own ``state`` where it has one, or ``none`` (no session in this process). The script
+itself calls nothing of mucudnn: the lines it prints are what a plain loop would time.
+
+    python -m benchmarks.train_steps --model resnet152 --batch 128 --steps 40
+    python -m mucudnn run --memory-budget 8GiB --offload -- python -m benchmarks.train_steps ...
+    python -m benchmarks.train_steps --device cpu --model tiny --batch 2 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import time
+
+_MODULE_START = time.monotonic()
+
+
+def process_start_offset() -> float:
+    """Seconds between this process's start and ``time.monotonic()``'s zero: ``monotonic() -
+    offset`` is the process's age. Linux reads it from /proc (uptime and the process's start in
+    clock ticks, both since boot); elsewhere the age is counted from this module's import."""
+    try:
+        with open("/proc/self/stat") as stat:
+            # the command name (field 2) may hold spaces: fields after its ')' are plain
+            fields = stat.read().rsplit(")", 1)[1].split()
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")   # field 22, starttime
+        with open("/proc/uptime") as uptime:
+            age = float(uptime.read().split()[0]) - started_after_boot
+        return time.monotonic() - max(age, 0.0)
+    except (OSError, ValueError, IndexError):
+        return _MODULE_START
+
+
+def find_session():
+    """The offload session ``mucudnn run --offload`` entered in this process, or None. The site
+    hook imports mucudnn.torch when torch is imported and keeps the session in no name, so it is
+    looked up once among the live objects by its public class."""
+    package = sys.modules.get("mucudnn.torch")
+    if package is None:
+        return None
+    try:
+        session_class = getattr(package, "OffloadSession")
+    except (AttributeError, ImportError):
+        return None
+    return next((o for o in gc.get_objects() if isinstance(o, session_class)), None)
+
+
+def session_state(session) -> str:
+    """What ``session`` does in the step about to start (see the module docstring)."""
+    if session is None:
+        return "none"
+    state = getattr(session, "state", None)
+    if state is not None and not callable(state):
+        return str(getattr(state, "name", state)).lower()
+    if getattr(session, "fell_back", False):
+        return "fallback"
+    if getattr(session, "plan", None) is not None or getattr(session, "modes", None) is not None:
+        return "planned"
+    return "recording"
+
+
+#: ``--model tiny``: the 3-D U-Net of benchmarks/models.py at 4 base channels and 3 levels on 8^3
+#: patches, torch alone (no torchvision), a CPU step in milliseconds: the dry runs' network
+TINY = "tiny"
+TINY_SAMPLE = (1, 8, 8, 8)
+
+
+def parse_sample(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(part) for part in text.split(",")) if text else None
+
+
+def build_training(model: str, batch: int, device: str, sample: tuple[int, ...] | None = None):
+    """benchmarks.models.prepare's network, data and loss (fp32), or the tiny U-Net's."""
+    import torch
+
+    from benchmarks.models import Training, loss_function, make_batch, prepare, spec_of, unet3d
+    generator = torch.Generator().manual_seed(1)
+    if model != TINY:
+        return prepare(model, batch, device=device, generator=generator, sample=sample)
+    spec = spec_of("unet3d")
+    network = unet3d(in_channels=1, classes=spec.classes, base=4, levels=3, max_channels=16)
+    inputs, labels = make_batch(spec, batch, generator, sample or TINY_SAMPLE)
+    return Training(network.to(device), inputs.to(device), labels.to(device),
+                    loss_function(spec), contextlib.nullcontext())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="resnet152",
+                    help=f"a name of benchmarks/models.py, or {TINY} (a dry run's U-Net)")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run)")
+    ap.add_argument("--sample", help="one input's shape, e.g. 3,32,32 (default: the model's)")
+    ap.add_argument("--lr", type=float, default=0.01)
+    args = ap.parse_args(argv)
+    offset = process_start_offset()
+
+    import torch
+
+    session = find_session()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    training = build_training(args.model, args.batch, args.device, parse_sample(args.sample))
+    optimizer = torch.optim.SGD(training.model.parameters(), lr=args.lr, momentum=0.9)
+    cuda = args.device.startswith("cuda")
+
+    def synchronize() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    print(f"train_steps: ready at {time.monotonic() - offset:.3f} s (session: "
+          f"{'found' if session is not None else 'none'})", file=sys.stderr, flush=True)
+    for step in range(1, args.steps + 1):
+        state = session_state(session)
+        synchronize()
+        start = time.monotonic()
+        optimizer.zero_grad(set_to_none=True)
+        loss = training.forward_loss()
+        loss.backward()
+        optimizer.step()
+        synchronize()
+        end = time.monotonic()
+        print(f"train_steps: step {step} start_s={start - offset:.3f} end_s={end - offset:.3f} "
+              f"step_ms={(end - start) * 1e3:.2f} session={state}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
