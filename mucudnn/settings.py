@@ -56,6 +56,10 @@ BUDGET = Rule("a size over 0 bytes, e.g. 6GiB", lambda text: _is_size(text, leas
 OFFLOAD = Rule("0, 1 or cheap (1/0 also as true/false, yes/no, on/off)",
                lambda text: text.strip().lower() in {"", "0", "false", "no", "off", "1", "true",
                                                      "yes", "on", "cheap"})
+#: empty: the default directory (the user's cache's)
+PLAN_CACHE = Rule("an absolute directory (~ allowed), or off",
+                  lambda text: not text.strip() or text.strip().lower() == "off"
+                  or Path(text).expanduser().is_absolute())
 PERCENT_50 = Rule(f"a whole percent from 0 to {MAX_OFFLOAD_HEADROOM}",
                   lambda text: not text.strip()
                   or _is_count(text.strip(), most=MAX_OFFLOAD_HEADROOM))
@@ -118,6 +122,9 @@ SETTINGS: tuple[Setting, ...] = (
             PATH),
     Setting("MUCUDNN_OFFLOAD_HEADROOM", "percent (0 to 50) of the memory budget offload plans "
             "leave for the caching allocator's fragmentation", "10", (PYTHON,), PERCENT_50),
+    Setting("MUCUDNN_PLAN_CACHE", "directory of the offload plans kept between runs of a "
+            "script (mucudnn.torch.plancache), or off", "$XDG_CACHE_HOME/mucudnn/offload-plans",
+            (PYTHON,), PLAN_CACHE),
     Setting("MUCUDNN_BUDGET_REPORT", "file the budget launcher's processes report to", "(none)",
             (PYTHON,), PATH),
     Setting("MUCUDNN_STORE", "benchmark store", "$XDG_CACHE_HOME/mucudnn/benchmarks.sqlite",

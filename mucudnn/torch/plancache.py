@@ -1,0 +1,506 @@
+"""Offload plans kept between runs of a training script (torch-free): the second run of the same
+script under the same budget loads the plan the first run settled on, and its first step runs
+that plan, with no recording step and no solve.
+
+Where: ``$XDG_CACHE_HOME/mucudnn/offload-plans/`` (``~/.cache/mucudnn/offload-plans/``, beside
+online tuning's files), or the directory ``MUCUDNN_PLAN_CACHE`` names; ``MUCUDNN_PLAN_CACHE=off``
+keeps none. One JSON file per :class:`PlanKey`, named by the key's hash; the key is stored in the
+file too and compared on load, so a hash collision or an edited file is a miss, never a wrong
+plan. The file is also a profile document (``profiles.FORMAT``'s fields): ``mucudnn offload-plan
+FILE`` replays it.
+
+The contract with the session (``OffloadSession``, which holds the PyTorch side):
+
+1. **Look up**, once, before the first step saves anything, where a budget is planned for (no
+   ``modes``, no ``force``)::
+
+       cache = PlanCache.from_environment(say)
+       key = PlanKey.make(budget, options, gpu_name=torch.cuda.get_device_name(device),
+                          gpu_memory=torch.cuda.get_device_properties(device).total_memory,
+                          torch_version=torch.__version__,
+                          cudnn_version=torch.backends.cudnn.version())
+       entry = cache.load(key)
+
+   ``options``: every session option that changes which plan is made or how it runs (headroom,
+   lookahead, recompute, recompute_convolutions, staging, copy_exposure, trials, keep_apart,
+   min_bytes, plan_time_limit_s, ...), by name. The script and its arguments come from
+   ``sys.argv``, mucudnn's version from ``mucudnn._version``.
+2. **No entry** (None: no file, the cache off, or a file not used, which ``load`` said in one
+   line): record and plan as on any first run.
+3. **An entry**: the session takes ``entry.profile`` as its profile, ``entry.plan`` as the plan
+   in force (its modes, lookahead, prefetch and release margins, releases, target, keep_apart),
+   ``entry.kept_after_trial``, and where ``entry.stage`` is set the stage with
+   ``entry.recorded_profile`` as its recorded profile (the stage's modules are found as a
+   recording finds its chain: the stage's first ``modules`` leaf modules of the step). No trial
+   runs: the entry is the plan a trial kept. Its first step runs the plan, and the session checks
+   it against ``entry.signature`` as it goes:
+
+   - as group ``index`` is first saved: ``entry.signature.check_group(index, nbytes, producer,
+     offloadable, recompute_source)`` (what is not known yet is left out: not checked);
+   - at the step's end: ``entry.signature.check_step(groups, unpacks, first_unpacks,
+     last_unpacks)`` on the profile's clock (backward points; a group never unpacked at the last).
+
+   Each returns None where the step is as recorded, else a one-line reason (``group 12: 96.0 MiB
+   recorded, 48.0 MiB now (the batch changed?)``). On a reason the session drops the entry, says
+   ``the cached offload plan does not fit this step: <reason>; recording anew`` in one info line,
+   runs the rest of the step's groups as a recording step runs them (offloaded, fetched on
+   demand) and records from the next step as on a first run (the mixed step is no recording).
+   Offload and recompute are exact whatever the plan, so a mismatch risks memory, never a
+   gradient.
+4. **Store**: ``cache.store(key, CachedPlan.make(plan, profile, recorded_profile=...,
+   stage=..., kept_after_trial=...))`` when the plan in force settles: its trial is over (the
+   plan kept), or it was made where no trial runs; again whenever a later plan replaces it (a
+   lowering after flushes, a replan after a step ran out of memory). On falling back to
+   offloading everything: ``cache.forget(key)``, so the next run records anew instead of
+   repeating a plan that ran out of memory.
+
+Neither ``load``, ``store`` nor ``forget`` raises for what the file system or the file holds: a
+corrupt, unreadable or newer-format file is a miss with one line through ``say`` (the file is
+left as it is until this key's entry replaces it); a directory that cannot be made or written is
+one line, after which nothing more is stored in this process (the training goes on). Entries are
+written atomically (a temporary file in the same directory, then ``os.replace``), so processes
+storing the same key at once (torchrun's ranks) leave one whole entry, the last one's, and a
+reader sees a whole entry or none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from .._version import __version__
+from ..errors import MucudnnError
+from ..settings import setting, user_cache_dir
+from ..sizes import format_size
+from . import profiles
+from .planner import MODES, OffloadPlan, Stage, StepProfile, profile_from_dict
+
+#: the entry format this module writes and the only one it reads (a file's ``plan_cache_format``)
+FORMAT = 1
+#: the setting naming the directory, or ``off``
+SETTING = "MUCUDNN_PLAN_CACHE"
+OFF = "off"
+#: the cache's directory under :func:`mucudnn.settings.user_cache_dir`
+DIRECTORY_NAME = "offload-plans"
+
+
+class PlanCacheError(MucudnnError):
+    """A plan cache key made of values that are not plain (JSON) values."""
+
+
+def _plain(name: str, value):
+    """``value`` as the key holds it: JSON's scalars, sequences as tuples."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise PlanCacheError(f"plan cache key: {name} is {value}, not a finite number")
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(name, item) for item in value)
+    raise PlanCacheError(f"plan cache key: {name} is a {type(value).__name__}, not a plain "
+                         "value (a number, a string, a bool, None or a list of those)")
+
+
+def _jsonable(value):
+    return [_jsonable(item) for item in value] if isinstance(value, tuple) else value
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What must be equal for a cached plan to apply to this run."""
+
+    budget: int
+    #: the session's planning options, (name, value) sorted by name
+    options: tuple[tuple[str, object], ...]
+    gpu_name: str
+    gpu_memory: int
+    torch_version: str
+    cudnn_version: str | None
+    mucudnn_version: str
+    #: the script's resolved path (``sys.argv[0]``; as given where it names no file: ``-c``)
+    script: str
+    arguments: tuple[str, ...]
+
+    @classmethod
+    def make(cls, budget: int, options: Mapping[str, object], *, gpu_name: str,
+             gpu_memory: int, torch_version: str, cudnn_version, argv: Sequence[str] | None = None,
+             mucudnn_version: str = __version__) -> PlanKey:
+        """The key of a run: ``argv`` is ``sys.argv`` unless given; ``cudnn_version`` as
+        PyTorch says it (an int, or None without cuDNN). :class:`PlanCacheError` for an option
+        whose value is not plain."""
+        argv = list(sys.argv if argv is None else argv)
+        script = argv[0] if argv else ""
+        if script and os.path.isfile(script):
+            script = os.path.realpath(script)
+        return cls(budget=int(budget),
+                   options=tuple(sorted((str(name), _plain(f"option {name!r}", value))
+                                        for name, value in options.items())),
+                   gpu_name=str(gpu_name), gpu_memory=int(gpu_memory),
+                   torch_version=str(torch_version),
+                   cudnn_version=None if cudnn_version is None else str(cudnn_version),
+                   mucudnn_version=str(mucudnn_version), script=script,
+                   arguments=tuple(str(arg) for arg in argv[1:]))
+
+    def document(self) -> dict:
+        """The key as the file keeps it (JSON's types)."""
+        return {"budget": self.budget, "options": {n: _jsonable(v) for n, v in self.options},
+                "gpu": {"name": self.gpu_name, "memory": self.gpu_memory},
+                "torch": self.torch_version, "cudnn": self.cudnn_version,
+                "mucudnn": self.mucudnn_version, "script": self.script,
+                "arguments": list(self.arguments)}
+
+    def digest(self) -> str:
+        """The hash of :meth:`document` naming the entry's file."""
+        text = json.dumps(self.document(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+class _Unchecked:
+    def __repr__(self) -> str:
+        return "UNCHECKED"
+
+
+#: an argument of :meth:`StepSignature.check_group` the session does not know yet
+UNCHECKED = _Unchecked()
+
+
+def _sizes(recorded: int, now: int) -> tuple[str, str]:
+    """Two sizes as a person reads them, in bytes where the short forms are alike."""
+    a, b = format_size(recorded), format_size(now)
+    return (a, b) if a != b else (f"{recorded} bytes", f"{now} bytes")
+
+
+def _sources(value) -> str:
+    return "no recipe" if value is None else \
+        "a recipe reading group" + ("s " if len(value) != 1 else " ") + \
+        ", ".join(map(str, value))
+
+
+@dataclass(frozen=True)
+class GroupSignature:
+    """What the first step under a cached plan checks of one saved group."""
+
+    nbytes: int
+    producer: str
+    offloadable: bool
+    #: the groups its recipe reads (None: no timed recipe: the plan never recomputes it)
+    recompute_source: tuple[int, ...] | None
+    first_unpack: int
+    last_unpack: int
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """The saved groups of the step a plan was made for, as a step run under it shows them."""
+
+    groups: tuple[GroupSignature, ...]
+    #: backward points (every unpack counts)
+    unpacks: int
+
+    @classmethod
+    def of(cls, profile: StepProfile) -> StepSignature:
+        return cls(tuple(GroupSignature(
+            g.nbytes, g.producer, g.offloadable,
+            None if g.recompute_source is None else tuple(g.recompute_source),
+            g.first_unpack, g.last_unpack) for g in profile.groups), profile.unpacks)
+
+    def check_group(self, index: int, nbytes: int, producer: str | None = None,
+                    offloadable: bool | None = None, recompute_source=UNCHECKED) -> str | None:
+        """None where group ``index``, first saved now, is the recorded one, else why not in
+        one line. None (:data:`UNCHECKED` for ``recompute_source``, whose None means no recipe):
+        not known yet, not checked. A recipe is checked only where the recorded group had one:
+        the plan may recompute only those."""
+        if not 0 <= index < len(self.groups):
+            return (f"group {index}: the recorded step saved {len(self.groups)} groups, this one "
+                    "saves more (the model or its input changed?)")
+        group = self.groups[index]
+        if producer is not None and producer != group.producer:
+            return (f"group {index}: made by {group.producer or 'an unnamed op'} recorded, by "
+                    f"{producer or 'an unnamed op'} now (the model changed?)")
+        if nbytes != group.nbytes:
+            recorded, now = _sizes(group.nbytes, nbytes)
+            return f"group {index}: {recorded} recorded, {now} now (the batch changed?)"
+        if offloadable is not None and bool(offloadable) != group.offloadable:
+            said = ("offloadable", "not offloadable")
+            return (f"group {index}: {said[not group.offloadable]} recorded, "
+                    f"{said[not offloadable]} now (its layout changed?)")
+        if recompute_source is not UNCHECKED and group.recompute_source is not None:
+            now = None if recompute_source is None else tuple(recompute_source)
+            if now != group.recompute_source:
+                return (f"group {index}: {_sources(group.recompute_source)} recorded, "
+                        f"{_sources(now)} now (the model changed?)")
+        return None
+
+    def check_step(self, groups: int, unpacks: int | None = None,
+                   first_unpacks: Sequence[int | None] | None = None,
+                   last_unpacks: Sequence[int | None] | None = None) -> str | None:
+        """None where the step that ended (``groups`` saved, ``unpacks`` backward points; per
+        group its first and last backward point, None: never unpacked, the last point as the
+        profile has it) is the recorded one, else why not in one line. None: not checked."""
+        if groups != len(self.groups):
+            return (f"{len(self.groups)} saved groups recorded, {groups} now (the model or its "
+                    "input changed?)")
+        if unpacks is not None and unpacks != self.unpacks:
+            return (f"{self.unpacks} backward points recorded, {unpacks} now (the backward "
+                    "changed?)")
+        last_point = max((self.unpacks if unpacks is None else unpacks) - 1, 0)
+        for index, group in enumerate(self.groups):
+            first = _at(first_unpacks, index, last_point)
+            last = _at(last_unpacks, index, last_point)
+            if (first is not None and first != group.first_unpack) or \
+                    (last is not None and last != group.last_unpack):
+                now = f"{group.first_unpack if first is None else first}-" \
+                      f"{group.last_unpack if last is None else last}"
+                return (f"group {index}: unpacked at backward points {group.first_unpack}-"
+                        f"{group.last_unpack} recorded, {now} now (the backward changed?)")
+        return None
+
+    def document(self) -> dict:
+        return {"unpacks": self.unpacks,
+                "groups": [[g.nbytes, g.producer, g.offloadable,
+                            None if g.recompute_source is None else list(g.recompute_source),
+                            g.first_unpack, g.last_unpack] for g in self.groups]}
+
+    @classmethod
+    def from_document(cls, fields: Mapping) -> StepSignature:
+        """ValueError for fields that are not a signature."""
+        try:
+            groups = tuple(GroupSignature(int(n), str(p), bool(o),
+                                          None if s is None else tuple(int(i) for i in s),
+                                          int(f), int(last))
+                           for n, p, o, s, f, last in fields["groups"])
+            return cls(groups, int(fields["unpacks"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a step signature ({exc})") from None
+
+
+def _at(values: Sequence[int | None] | None, index: int, missing: int) -> int | None:
+    if values is None or index >= len(values):
+        return None
+    return missing if values[index] is None else values[index]
+
+
+@dataclass(frozen=True)
+class CachedPlan:
+    """A plan a session settled on, with all it needs to run it again without recording."""
+
+    plan: OffloadPlan
+    #: the profile the plan was made on (the staged one where ``stage`` is set)
+    profile: StepProfile
+    #: of ``profile``: what a step run under the plan is checked against
+    signature: StepSignature
+    #: the plan's one-line description (``OffloadPlan.describe``), for the session's line
+    description: str
+    #: the recorded profile, where the plan stages (``profile`` is then the staged one)
+    recorded_profile: StepProfile | None = None
+    stage: Stage | None = None
+    #: how a trial's kept plan was made (``planner.trial_plans``' label; None: as made)
+    kept_after_trial: str | None = None
+
+    @classmethod
+    def make(cls, plan: OffloadPlan, profile: StepProfile, *,
+             recorded_profile: StepProfile | None = None, stage: Stage | None = None,
+             kept_after_trial: str | None = None) -> CachedPlan:
+        """The entry for ``plan`` made on ``profile``; ValueError where they do not go
+        together (a mode per group, a stage with its recorded profile)."""
+        entry = cls(plan, profile, StepSignature.of(profile), plan.describe(),
+                    recorded_profile, stage, kept_after_trial)
+        problem = entry._problem()
+        if problem:
+            raise ValueError(f"not a plan to cache: {problem}")
+        return entry
+
+    def _problem(self) -> str | None:
+        groups = len(self.profile.groups)
+        if len(self.plan.modes) != groups or any(m not in MODES for m in self.plan.modes):
+            return f"{len(self.plan.modes)} modes (of {', '.join(MODES)}) for {groups} groups"
+        if len(self.plan.releases) not in (0, groups):
+            return f"{len(self.plan.releases)} release points for {groups} groups"
+        if (self.stage is None) != (self.recorded_profile is None):
+            return "a stage goes with the recorded profile it was made from, and only then"
+        return None
+
+    def document(self, key: PlanKey) -> dict:
+        """The file's JSON: a profile document (``profiles.load_profile`` reads it) with the key,
+        the signature and the whole plan."""
+        plan = self.plan
+        document = {"format": profiles.FORMAT, "plan_cache_format": FORMAT,
+                    "key": key.document(), "budget": key.budget, "target": plan.target,
+                    "plan": self.description, "modes": list(plan.modes),
+                    "releases": list(plan.releases), "release_margin": plan.release_margin,
+                    "fell_back": False, "kept_after_trial": self.kept_after_trial,
+                    "offload_plan": dataclasses.asdict(plan),
+                    "signature": self.signature.document(),
+                    "profile": dataclasses.asdict(self.profile)}
+        if self.stage is not None:
+            document.update(stage=dataclasses.asdict(self.stage),
+                            recorded_profile=dataclasses.asdict(self.recorded_profile))
+        return document
+
+    @classmethod
+    def from_document(cls, document: Mapping) -> CachedPlan:
+        """The entry in a file's JSON (its key and format checked by the caller); ValueError,
+        one line, for anything that is not one."""
+        try:
+            profile = profile_from_dict(document["profile"])
+            fields = dict(document["offload_plan"])
+            fields["modes"] = tuple(fields["modes"])
+            fields["releases"] = tuple(fields.get("releases", ()))
+            plan = OffloadPlan(**fields)
+            stage = recorded = None
+            if document.get("stage") is not None:
+                stage = Stage(**document["stage"])
+                recorded = profile_from_dict(document["recorded_profile"])
+            kept = document.get("kept_after_trial")
+            entry = cls(plan, profile, StepSignature.from_document(document["signature"]),
+                        str(document["plan"]), recorded, stage,
+                        kept if isinstance(kept, str) else None)
+        except KeyError as exc:
+            raise ValueError(f"no {exc.args[0]!r}") from None
+        except (TypeError, AttributeError) as exc:
+            raise ValueError(str(exc)) from None
+        problem = entry._problem()
+        if problem is None and entry.signature != StepSignature.of(profile):
+            problem = "its signature is not its profile's"
+        if problem:
+            raise ValueError(problem)
+        return entry
+
+
+def _plain_number(value):
+    """JSON for a NumPy or torch scalar handed in as a number."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+class PlanCache:
+    """The directory of cached plans (None: no cache), and the session's ``say`` for its
+    lines."""
+
+    def __init__(self, directory: str | os.PathLike | None,
+                 say: Callable[[str], None] | None = None):
+        self.directory = Path(directory) if directory is not None else None
+        self.say = say if say is not None else (lambda text: None)
+        #: why nothing more is stored in this process (None: entries are stored)
+        self.not_storing: str | None = None
+
+    @classmethod
+    def from_environment(cls, say: Callable[[str], None] | None = None,
+                         environ: Mapping[str, str] | None = None) -> PlanCache:
+        """The cache ``MUCUDNN_PLAN_CACHE`` asks for: unset or empty, the user's cache
+        directory's; ``off``, none; else that directory. A value the setting does not accept is
+        one line, and the default."""
+        environ = os.environ if environ is None else environ
+        value = environ.get(SETTING, "")
+        default = user_cache_dir() / DIRECTORY_NAME
+        problem = setting(SETTING).problem(value)
+        if problem:
+            made = cls(default, say)
+            made.say(f"{SETTING}={value!r} is not valid ({problem}); offload plans are cached "
+                     f"in {default}")
+            return made
+        if not value.strip():
+            return cls(default, say)
+        if value.strip().lower() == OFF:
+            return cls(None, say)
+        return cls(Path(value).expanduser(), say)
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+    def path_for(self, key: PlanKey) -> Path | None:
+        """The entry's file for ``key`` (None: no cache)."""
+        return None if self.directory is None else self.directory / f"{key.digest()}.json"
+
+    def load(self, key: PlanKey) -> CachedPlan | None:
+        """The entry stored for ``key``, else None: no file (silent), no cache, or a file not
+        used (one line: unreadable, corrupt, another format, another key)."""
+        path = self.path_for(key)
+        if path is None:
+            return None
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (FileNotFoundError, NotADirectoryError):   # no entry (no directory) there
+            return None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            return self._unused(path, f"it cannot be read ({reason})")
+        try:
+            document = json.loads(text)
+        except ValueError as exc:
+            return self._unused(path, f"it is not JSON ({exc})")
+        if not isinstance(document, dict):
+            return self._unused(path, "it is not a plan cache entry")
+        version = document.get("plan_cache_format")
+        profile_version = document.get("format")
+        for name, value, newest in (("plan_cache_format", version, FORMAT),
+                                    ("format", profile_version, profiles.FORMAT)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                return self._unused(path, f"it has no {name} (not a plan cache entry)")
+            if value > newest:
+                return self._unused(path, f"it was written by a newer mucudnn ({name} {value}, "
+                                          f"this one reads {newest})")
+        if version != FORMAT or profile_version != profiles.FORMAT:
+            return self._unused(path, f"it was written by an older mucudnn (plan_cache_format "
+                                      f"{version}, format {profile_version})")
+        if document.get("key") != key.document():
+            return self._unused(path, "it holds another run's key (an edited file, or another "
+                                      "key of the same hash)")
+        try:
+            return CachedPlan.from_document(document)
+        except ValueError as exc:
+            return self._unused(path, f"it is not a whole plan cache entry ({exc})")
+
+    def _unused(self, path: Path, reason: str) -> None:
+        self.say(f"the cached offload plan {path} is not used: {reason}; recording anew")
+        return None
+
+    def store(self, key: PlanKey, entry: CachedPlan) -> bool:
+        """Write ``entry`` as ``key``'s, replacing what was there, atomically; whether it was
+        written. A directory that cannot be made or written: one line, and nothing more is
+        stored in this process."""
+        path = self.path_for(key)
+        if path is None or self.not_storing is not None:
+            return False
+        try:
+            text = json.dumps(entry.document(key), default=_plain_number) + "\n"
+        except (TypeError, ValueError) as exc:   # a value handed in that JSON cannot hold
+            self.say(f"the offload plan was not cached: {exc}")
+            return False
+        from ..outputs import write_text_atomically
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, text)
+        except OSError as exc:
+            reason = exc.strerror if exc.strerror else exc
+            self.not_storing = f"{path.parent}: {reason}"
+            self.say(f"offload plans are not cached: {path} cannot be written ({reason}); "
+                     f"training goes on without a plan cache ({SETTING} names another "
+                     "directory, or off)")
+            return False
+        return True
+
+    def forget(self, key: PlanKey) -> bool:
+        """Remove ``key``'s entry (this cache's own file; nothing else); whether one was there.
+        A file that cannot be removed is one line."""
+        path = self.path_for(key)
+        if path is None:
+            return False
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self.say(f"the cached offload plan {path} was not removed "
+                     f"({exc.strerror or exc})")
+            return False
+        return True
