@@ -122,6 +122,7 @@ def test_each_shim_setting_accepts_what_the_shim_reads():
     (settings.LEVEL, ["error", "WARNING", "0", "3"], ["banana", "4", ""]),
     (settings.COUNT, ["0", "20000"], ["-1", "1e3", "", " 5", str(1 << 63)]),
     (settings.PATH, ["/tmp/x", "x.plan"], [""]),
+    (settings.PLAN_CACHE, ["/tmp/plans", "~/plans", "off", "OFF", ""], ["plans", "./x", "0"]),
 ])
 def test_rules_accept_and_refuse(rule, good, bad):
     assert [rule.test(value) for value in good] == [True] * len(good)
