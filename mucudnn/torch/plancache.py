@@ -11,8 +11,8 @@ FILE`` replays it.
 
 The contract with the session (``OffloadSession``, which holds the PyTorch side):
 
-1. **Look up**, once, before the first step saves anything, where a budget is planned for (no
-   ``modes``, no ``force``)::
+1. **Look up**, once, where a budget is planned for (no ``modes``, no ``force``): at the first
+   step's first save, before that group is packed (the device is known then)::
 
        cache = PlanCache.from_environment(say)
        key = PlanKey.make(budget, options, gpu_name=torch.cuda.get_device_name(device),
@@ -30,10 +30,9 @@ The contract with the session (``OffloadSession``, which holds the PyTorch side)
 3. **An entry**: the session takes ``entry.profile`` as its profile, ``entry.plan`` as the plan
    in force (its modes, lookahead, prefetch and release margins, releases, target, keep_apart),
    ``entry.kept_after_trial``, and where ``entry.stage`` is set the stage with
-   ``entry.recorded_profile`` as its recorded profile (the stage's modules are found as a
-   recording finds its chain: the stage's first ``modules`` leaf modules of the step). No trial
-   runs: the entry is the plan a trial kept. Its first step runs the plan, and the session checks
-   it against ``entry.signature`` as it goes:
+   ``entry.recorded_profile`` as its recorded profile. No trial runs: the entry is the plan a
+   trial kept. Its first step runs the plan, and the session checks it against
+   ``entry.signature`` as it goes:
 
    - as group ``index`` is first saved: ``entry.signature.check_group(index, nbytes, producer,
      offloadable, recompute_source)`` (what is not known yet is left out: not checked);
@@ -46,7 +45,10 @@ The contract with the session (``OffloadSession``, which holds the PyTorch side)
    runs the rest of the step's groups as a recording step runs them (offloaded, fetched on
    demand) and records from the next step as on a first run (the mixed step is no recording).
    Offload and recompute are exact whatever the plan, so a mismatch risks memory, never a
-   gradient.
+   gradient. A staged entry's profile and signature number the groups as a staged step saves
+   them; a step run before the stage's modules are known (a ``StagePlan`` holds them; a
+   recording's chain finds them) saves the recorded profile's groups, and is checked against
+   ``StepSignature.of(entry.recorded_profile)`` instead.
 4. **Store**: ``cache.store(key, CachedPlan.make(plan, profile, recorded_profile=...,
    stage=..., kept_after_trial=...))`` when the plan in force settles: its trial is over (the
    plan kept), or it was made where no trial runs; again whenever a later plan replaces it (a
