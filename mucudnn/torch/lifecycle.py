@@ -1,0 +1,650 @@
+"""The life of a session's plan: record, plan, trial, watch, lower, replan, fall back (torch-free).
+
+One controller, :class:`Lifecycle`, in one of these states (:attr:`Lifecycle.state`):
+
+- ``fixed``: modes given, every group forced, or no budget: nothing is planned;
+- ``recording``: the first :data:`planner.RECORD_STEPS` steps record (every saved tensor offloaded
+  inline, fetched on demand); the profile is the last, each time the least any recorded;
+- ``planning``: the first plan is being made; each step meanwhile runs as the recording did
+  (every saved tensor offloaded inline: it fits);
+- ``trial``: the plan made runs against the others :func:`planner.trial_plans` finds (each
+  :data:`planner.TRIAL_STEPS` steps; those others are made while the plan made runs), and the
+  fastest that did not flush the caching allocator's cache stays (:meth:`Trial.kept`);
+- ``watching``: a plan in force; once :data:`planner.WATCH_FLUSHING` of its last
+  :data:`planner.WATCH_STEPS` steps flushed the allocator's cache, the plan for a target half
+  the headroom lower is made (while this one runs) and tried;
+- ``planned``: a plan in force, trials off: nothing watched;
+- ``replanning``: a planned step ran out of memory; the plan for a lower target is being made,
+  each step meanwhile running as the recording did;
+- ``unplanned``: no plan met the budget (``strict`` off): every saved tensor offloaded;
+- ``fallback``: planned steps ran out of memory past the replans: every saved tensor offloaded
+  inline from now on.
+
+:meth:`Lifecycle.end_step` is the one transition: fed each step's :class:`StepOutcome` (ok,
+failed, out of memory or abandoned; its end on the link's clock, its links' flush counts; a
+recording step's profile), it asks for plans (:class:`~.plan_runner.PlanRequest`: a runner
+makes them, inline or in the background), takes those made since the last step as they come,
+and returns the :class:`Decision`: what the next step runs and the lines to say. No step waits
+for a plan: one being made leaves the step as it would run without it, and the plan takes over
+at the step boundary after it is ready. With an :class:`~.plan_runner.InlineRunner` every plan
+is ready at the boundary that asked for it, which is how the session planned when it planned in
+its step: the same lines, plans and targets, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from . import planner
+from .plan_runner import (FIRST, LOWER, REPLAN, TRIALS, InlineRunner, PlanMaker, PlanRequest,
+                          PlanResult)
+from .planner import KEEP, OFFLOAD, OffloadPlan, StepProfile
+
+# the states (module docstring)
+FIXED = "fixed"
+RECORDING = "recording"
+PLANNING = "planning"
+TRIAL = "trial"
+WATCHING = "watching"
+PLANNED = "planned"
+REPLANNING = "replanning"
+UNPLANNED = "unplanned"
+FALLBACK = "fallback"
+
+# how a step ended (StepOutcome.status)
+OK = "ok"
+FAILED = "failed"
+OUT_OF_MEMORY = "out of memory"
+ABANDONED = "abandoned"
+
+# what the next step runs (Decision.run)
+RECORD = "record"               # a recording step
+AS_RECORDED = "as recorded"     # every saved tensor offloaded inline, fetched on demand
+MODES = "modes"                 # Lifecycle.modes as a planned step runs them (None: each kept)
+
+
+def offload_everything(groups) -> list[str]:
+    """The recording steps' modes: every group offloaded where it can be (else kept); ``groups``
+    have ``offloadable`` (a profile's, or a step's)."""
+    return [OFFLOAD if g.offloadable else KEEP for g in groups]
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did, as the lifecycle needs it."""
+
+    status: str = OK
+    #: a recording step's profile (None: it saved nothing) and the stages its chain allows
+    profile: StepProfile | None = None
+    stage_candidates: tuple = ()
+    #: per saved group, whether it can be offloaded (a fall-back without a profile)
+    offloadable: tuple = ()
+    #: its backward's points (unpacks)
+    unpacks: int = 0
+    #: its end on the link's clock (timing a trial's steps: ``Lifecycle.elapsed_ms``)
+    mark: object = None
+    #: each link in use -> its caching allocator's flush count at the step's end (the session's
+    #: first link first)
+    flush_counts: Mapping = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the next step runs, and what to do before it."""
+
+    run: str                        # RECORD, AS_RECORDED or MODES
+    modes: list | None
+    plan: OffloadPlan | None
+    #: the lines to say, in order
+    lines: tuple = ()
+    #: the session's profile document is due (a plan made or kept, a fall-back)
+    write_profile: bool = False
+    #: the next step runs other modes than the last (its caching allocator may start empty)
+    changed: bool = False
+    #: a stage came into force (the profile is the staged one from now)
+    staged: bool = False
+    #: ``strict``: no plan met the budget; the session raises this
+    error: BaseException | None = None
+
+
+@dataclass
+class Trial:
+    """Plans run in turn, :data:`planner.TRIAL_STEPS` planned steps each; the marks at their
+    steps' ends time them, and the links' flush counts read at every unpack of their steps say
+    after which op the caching allocator flushed its cache. ``awaiting``: the plans to run
+    against the first are being made (it runs meanwhile; its timed steps done, it goes on
+    untimed)."""
+
+    plans: list
+    labels: list                                 # per plan: what it is, for the lines said
+    current: int = 0
+    marks: list = field(default_factory=list)    # per plan: the end marks of its steps
+    flushes: list = field(default_factory=list)  # per plan: the link's flush count at each mark
+    #: per plan: the backward points (-1: the forward) after whose op a link's flush count grew
+    #: in a timed step
+    flush_points: list = field(default_factory=list)
+    seen: dict = field(default_factory=dict)   # link -> its flush count when last read
+    awaiting: bool = False
+
+    def __post_init__(self):
+        self.marks = [[] for _ in self.plans]
+        self.flushes = [[] for _ in self.plans]
+        self.flush_points = [set() for _ in self.plans]
+
+    def add(self, others) -> None:
+        """(label, plan) to run after those already in it."""
+        for label, plan in others:
+            self.plans.append(plan)
+            self.labels.append(label)
+            self.marks.append([])
+            self.flushes.append([])
+            self.flush_points.append(set())
+
+    def timing(self) -> bool:
+        """Whether the current plan's steps are still timed (not its timed steps done while the
+        others are made)."""
+        return len(self.marks[self.current]) < planner.TRIAL_STEPS
+
+    def saw_flushes(self, link, count: int, point: int) -> None:
+        """``link``'s flush count ``count`` read after backward point ``point``'s op (-1: after
+        the forward): if it grew since the last read (the first read of a link is its start),
+        the current plan flushed there; a timed step's point is kept (as :meth:`flushes_in`
+        counts)."""
+        if count > self.seen.get(link, count) and self.marks[self.current]:
+            self.flush_points[self.current].add(point)
+        self.seen[link] = count
+
+    def flush_note(self, index: int) -> str:
+        """Plan ``index``'s flushes in its timed steps and where, as its trial line says them
+        (" (2 flushes after the forward and after backward point 6)"; none: "")."""
+        count = self.flushes_in(index)
+        if not count:
+            return ""
+        points = sorted(self.flush_points[index])
+        said = ["after the forward"] * (points[:1] == [-1])
+        backward = [point for point in points if point >= 0]
+        if backward:
+            said.append(f"after backward point{'s' if len(backward) > 1 else ''} "
+                        + ", ".join(map(str, backward)))
+        where = " " + " and ".join(said) if said else ""
+        return f" ({count} flush{'es' if count > 1 else ''}{where})"
+
+    def flushes_in(self, index: int) -> int:
+        """The caching allocator's flushes in plan ``index``'s timed steps."""
+        counts = self.flushes[index]
+        return counts[-1] - counts[0] if counts else 0
+
+    def kept(self, times: list[float]) -> int:
+        """Of the first plans, timed ``times`` (:meth:`step_ms`), the fastest of those whose
+        timed steps did not flush the caching allocator's cache (of all where each did): a plan
+        that flushes in its trial flushes more after it (benchmarks/results/pressure)."""
+        calm = [index for index in range(len(times)) if not self.flushes_in(index)]
+        return min(calm or range(len(times)), key=times.__getitem__)
+
+    def step_ms(self, index: int, elapsed_ms: Callable) -> float:
+        """The fastest of plan ``index``'s timed steps (each after its first): a step slowed by
+        what the script does between steps (a checkpoint, a log) says nothing of the plan."""
+        marks = self.marks[index]
+        return min(elapsed_ms(a, b) for a, b in zip(marks, marks[1:]))
+
+
+def _mark_ms(start, end) -> float:
+    """A mark's own clock: a link's :class:`Mark` (its link times it), else a number of ms."""
+    link = getattr(start, "link", None)
+    return link.elapsed_ms(start, end) if link is not None else end - start
+
+
+class Lifecycle:
+    """The plan's lifecycle of one session (module docstring). ``budget`` (bytes; None: nothing
+    planned), ``modes``/``force`` (a fixed plan), ``headroom``, ``replans``/``replan_step``,
+    ``record_steps``, ``trials``, ``keep_apart``, ``staging``, ``strict``: as
+    ``OffloadSession``'s. ``maker``: what makes the plans (default a :class:`PlanMaker` with
+    ``lookahead`` and ``plan_time_limit_s``); ``runner``: what runs it (default inline).
+    ``elapsed_ms(a, b)``: ms between two step-end marks (default: a link's mark times itself,
+    numbers are ms)."""
+
+    def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
+                 headroom: float = 0.1, lookahead: int = 2, replans: int = 3,
+                 replan_step: float = 0.1, record_steps: int | None = None, trials: bool = True,
+                 keep_apart: bool = True, staging: bool | str = True, strict: bool = True,
+                 plan_time_limit_s: float | None = 20, maker: PlanMaker | None = None,
+                 runner=None, elapsed_ms: Callable | None = None):
+        self.budget, self.headroom = budget, headroom
+        self.replans_left, self.replan_step = replans, replan_step
+        # lower targets after flushing trials: as many, apart, so that a step that later runs
+        # out of memory still has its replans
+        self.lowerings_left = replans
+        self.replans_used = 0
+        self.trials, self.keep_apart = trials, keep_apart
+        self.staging, self.strict = staging, strict
+        self.maker = maker or PlanMaker(lookahead, plan_time_limit_s)
+        self.runner = runner or InlineRunner()
+        self.elapsed_ms = elapsed_ms or _mark_ms
+        self._recordings_left = max(1, planner.RECORD_STEPS if record_steps is None
+                                    else record_steps)
+        self._recorded: list[StepProfile] = []   # this recording's profiles so far
+        self._stage_candidates: tuple = ()
+        self._lowered_target: int | None = None
+        #: the profile plans are made on (the staged one where a stage is in force), the
+        #: recorded one where a stage is, and the stage (plan_runner.StageCandidate)
+        self.profile: StepProfile | None = None
+        self.recorded_profile: StepProfile | None = None
+        self.stage = None
+        self.plan: OffloadPlan | None = None
+        self.modes = list(modes) if modes is not None else None
+        self.fell_back = False
+        #: how the plan in force was made, after a trial kept another than the one made
+        #: (:func:`planner.trial_plans`' label; None: as made)
+        self.kept_after_trial: str | None = None
+        self.trial: Trial | None = None
+        #: the plan in force after its trial: per planned step (the last WATCH_STEPS), whether
+        #: it flushed the caching allocator's cache, and each link's flush count at its end
+        self._flushing: deque = deque(maxlen=planner.WATCH_STEPS)
+        self._flush_counts: dict = {}
+        self._counts_now: dict = {}     # each link's flush count at the last step's end
+        #: the request whose plan is awaited (one at a time), and what its answer continues
+        self._awaiting: PlanRequest | None = None
+        self._after: tuple = ()
+        self._steps_waited = 0
+        #: per request answered: (kind, seconds its making took, steps run while it was made)
+        self.timings: list[tuple[str, float, int]] = []
+        self._lines: list[str] = []
+        self._write = False
+        self._staged = False
+        self.state = FIXED if budget is None or modes is not None or force is not None \
+            else RECORDING
+
+    # --- what the next step runs ----------------------------------------------------------
+    @property
+    def target(self) -> int | None:
+        """What plans are made for: ``budget * (1 - headroom)``, lower after a planned step that
+        ran out of memory or a plan that flushed, higher where no plan met it."""
+        if self._lowered_target is not None:
+            return self._lowered_target
+        return (planner.planning_target(self.budget, self.headroom) if self.budget is not None
+                else None)
+
+    @property
+    def recording(self) -> bool:
+        return self.state == RECORDING
+
+    @property
+    def inline(self) -> bool:
+        """The next step offloads every saved tensor inline, fetched on demand, as the recording
+        did: a plan is being made in its place, or the session fell back."""
+        return self.state in (PLANNING, REPLANNING, FALLBACK)
+
+    @property
+    def run(self) -> str:
+        """What the next step runs: RECORD, AS_RECORDED or MODES (:attr:`modes`)."""
+        return RECORD if self.recording else AS_RECORDED if self.inline else MODES
+
+    @property
+    def awaiting(self) -> str | None:
+        """The kind of request whose plan is being made (None: none)."""
+        return self._awaiting.kind if self._awaiting is not None else None
+
+    @property
+    def watches_flush_points(self) -> bool:
+        """Whether the session reads each link's flush count at each unpack
+        (:meth:`saw_flushes`): a trial's plan runs its timed steps."""
+        return self.trial is not None and self.trial.timing()
+
+    def saw_flushes(self, link, count: int, point: int) -> None:
+        """A planned step's unpack at backward ``point`` read ``link``'s flush count ``count``
+        (:meth:`Trial.saw_flushes`)."""
+        if self.watches_flush_points:
+            self.trial.saw_flushes(link, count, point)
+
+    # --- the transition -------------------------------------------------------------------
+    def end_step(self, outcome: StepOutcome) -> Decision:
+        """A step ended as ``outcome`` says; then the plans made since the last step take over.
+        Returns what the next step runs. An abandoned step (its graph dropped without a
+        backward) teaches nothing: the next runs as it would have."""
+        if outcome.status == ABANDONED:
+            return self._between(lambda: None)
+
+        def ended():
+            self._counts_now = dict(outcome.flush_counts)
+            if self._awaiting is not None:
+                self._steps_waited += 1
+            self._step_ended(outcome)
+            self._take_plans()
+        return self._between(ended)
+
+    def take_plans(self) -> Decision:
+        """Between steps without a step's outcome (a driver that waited for the runner): the
+        plans made since the last step take over."""
+        return self._between(self._take_plans)
+
+    def _between(self, transition: Callable) -> Decision:
+        """``transition()`` run, and what the next step runs after it. An error it raises (a
+        ``strict`` session's plan that none meets, a failure of the background planner) is
+        the decision's, raised by the session after the lines are said."""
+        before = (self.plan, list(self.modes) if self.modes is not None else None)
+        self._lines, self._write, self._staged = [], False, False
+        error = None
+        try:
+            transition()
+        except Exception as exc:
+            error = exc
+        changed = self.modes != before[1] or self.plan is not before[0]
+        return Decision(self.run, self.modes, self.plan, tuple(self._lines), self._write, changed,
+                        self._staged, error)
+
+    def _say(self, line: str) -> None:
+        self._lines.append(line)
+
+    def _step_ended(self, outcome: StepOutcome) -> None:
+        failed = outcome.status in (FAILED, OUT_OF_MEMORY)
+        out_of_memory = outcome.status == OUT_OF_MEMORY
+        if self.state == RECORDING:
+            self._recording_ended(outcome, failed, out_of_memory)
+            return
+        if failed:
+            self._failed(outcome, out_of_memory)
+        elif self.trial is not None:
+            self._advance_trial(outcome)
+        elif self.state == WATCHING and self._awaiting is None:
+            self._watch_flushes()
+
+    def _recording_ended(self, outcome: StepOutcome, failed: bool, out_of_memory: bool) -> None:
+        """The first recording pins the host pool (seconds of the host waiting, which leave the
+        copies' own time uncertain); the profile is the last of ``record_steps``, with each time
+        the least of them all (:func:`planner.least_times`: a host that fell behind in one
+        recording stretched its times there). A step that saved nothing is no recording."""
+        if failed:
+            self._say("the recording step failed" + (" (out of device memory)" if out_of_memory
+                                                    else "") + "; recording the next one")
+            return
+        if outcome.profile is None:
+            return
+        self._recorded.append(outcome.profile)
+        self._stage_candidates = tuple(outcome.stage_candidates)
+        self._recordings_left -= 1
+        if self._recordings_left > 0:
+            return
+        self.profile = planner.least_times(self._recorded)
+        self._recorded = []
+        self.state = PLANNING
+        self.modes = offload_everything(self.profile.groups)
+        self._ask(PlanRequest(FIRST, self.profile, self.target, self.budget, self.headroom,
+                              candidates=self._stage_candidates, staging=self.staging))
+        self._stage_candidates = ()
+
+    def _failed(self, outcome: StepOutcome, out_of_memory: bool) -> None:
+        """A planned step failed: in a trial after its first plan, the fastest of those that ran
+        stays; else, out of memory, a plan for a lower target (:meth:`_plan_again`) or, past the
+        replans, the fall-back. A step run as recorded while a plan is made changes nothing."""
+        trial, self.trial = self.trial, None
+        if trial is not None and trial.current > 0:
+            label = trial.labels[trial.current]
+            self._end_trial(trial, trial.current,
+                            f"the plan {label} ran out of device memory in its trial"
+                            if out_of_memory else f"a step of the plan {label} failed in its trial")
+            return
+        if trial is not None and self._awaiting is not None and self._awaiting.kind == TRIALS:
+            self._awaiting = None     # the trial is over before its other plans were made
+        if trial is not None:
+            self.state = WATCHING
+        if out_of_memory and not self.fell_back and self.budget is not None \
+                and self.state not in (PLANNING, REPLANNING):
+            if not self._plan_again():
+                self._fall_back(outcome)
+
+    def _plan_again(self) -> bool:
+        """After a planned step ran out of memory: the plan for a lower target is asked for
+        (``min(target, modelled peak) - replan_step * budget``) where replans are left and that
+        target is above zero (True); each step runs as recorded until it comes."""
+        if self.plan is None or self.profile is None or self.replans_left <= 0:
+            return False
+        self.replans_left -= 1
+        self.replans_used += 1
+        modelled = self.plan.peak
+        target = min(self.target, modelled) - int(self.replan_step * self.budget)
+        if target <= 0:     # nothing left to plan for: the fall-back (everything offloaded)
+            return False
+        self.state = REPLANNING
+        self.modes = offload_everything(self.profile.groups)
+        self._ask(PlanRequest(REPLAN, self.profile, target, self.budget, self.headroom,
+                              peak=modelled))
+        return True
+
+    def _fall_back(self, outcome: StepOutcome | None = None) -> None:
+        """Every later step offloads every saved tensor inline, as the recording step ran."""
+        self.state = FALLBACK
+        self.fell_back = True
+        self.trial, self._awaiting = None, None
+        self.modes = offload_everything(self.profile.groups) if self.profile is not None else [
+            OFFLOAD if offloadable else KEEP for offloadable in outcome.offloadable]
+        self._write = True
+        self._say(f"a step under the offload plan for {_gib(self.budget)} ran out of device "
+                  "memory; offloading every saved tensor from now on")
+
+    def _watch_from_now(self) -> None:
+        """The watch of the plan that comes into force: no step of it yet, and flushes counted
+        from here."""
+        self._flushing.clear()
+        self._flush_counts = dict(self._counts_now)
+
+    def _watch_flushes(self) -> None:
+        """A planned step of the plan in force ended after its trial: once
+        :data:`planner.WATCH_FLUSHING` of its last :data:`planner.WATCH_STEPS` steps flushed the
+        caching allocator's cache, the plan for less is asked for (:meth:`_lower`); it stays
+        in force until that plan comes, and stays where none is left or none is found."""
+        counts = self._counts_now
+        self._flushing.append(any(count > self._flush_counts.get(link, count)
+                                  for link, count in counts.items()))
+        self._flush_counts = counts
+        flushed = sum(self._flushing)
+        if flushed < planner.WATCH_FLUSHING:
+            return
+        steps = len(self._flushing)
+        self._flushing.clear()
+        self._lower(self.plan.peak, ("watch", flushed, steps))
+
+    def _lower(self, flushed_peak: int, after: tuple) -> bool:
+        """After a trial whose every plan flushed the caching allocator's cache, or a plan that
+        flushes after its trial (fragmentation the model does not see needs more room than its
+        headroom): the plan for a target half the headroom lower is asked for (True), at most
+        ``replans`` such lowerings apart from the replans after running out of memory; none
+        without a headroom. A flush costs a step more than the room does
+        (benchmarks/results/pressure)."""
+        if self.lowerings_left <= 0 or not self.headroom:
+            return False
+        self._ask(PlanRequest(LOWER, self.profile, self.target, self.budget, self.headroom,
+                              peak=flushed_peak), after)
+        return True
+
+    # --- trials -----------------------------------------------------------------------------
+    def _advance_trial(self, outcome: StepOutcome) -> None:
+        """A planned step of the trial ended (its backward ``unpacks`` points; a flush since the
+        last unpack came after the last point's op): the next plan's turn after
+        :data:`planner.TRIAL_STEPS` steps, and after the last plan's, :meth:`Trial.kept` stays."""
+        trial = self.trial
+        if not trial.timing():    # the plan made, timed, runs on while the others are made
+            return
+        for link, count in self._counts_now.items():   # after the last unpack: its op, the
+            trial.saw_flushes(link, count, outcome.unpacks - 1)   # optimizer's
+        trial.marks[trial.current].append(outcome.mark)
+        trial.flushes[trial.current].append(next(iter(self._counts_now.values()), 0))
+        if not trial.timing() and not trial.awaiting:
+            self._next_in_trial()
+
+    def _next_in_trial(self) -> None:
+        trial = self.trial
+        if trial.current + 1 < len(trial.plans):
+            trial.current += 1
+            self.plan = trial.plans[trial.current]
+            self.modes = list(self.plan.modes)
+            return
+        self._end_trial(trial, len(trial.plans), "offload plans tried")
+
+    def _end_trial(self, trial: Trial, ran: int, why: str) -> None:
+        """:meth:`Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one
+        line that starts with ``why``; where every plan of a whole trial flushed, the plan for
+        less is asked for first (the fastest runs meanwhile)."""
+        times = [trial.step_ms(index, self.elapsed_ms) for index in range(ran)]
+        best = trial.kept(times)
+        self.trial = None
+        self.state = WATCHING
+        self._watch_from_now()   # the plan kept, or made for less below
+        if ran == len(trial.plans) and all(trial.flushes_in(index) for index in range(ran)):
+            if self._lower(min(plan.peak for plan in trial.plans),
+                           ("trial", trial, times, best, why)):
+                self.plan = trial.plans[best]
+                self.modes = list(self.plan.modes)
+                return
+        self._keep(trial, times, best, why)
+
+    def _timed(self, trial: Trial, times: list[float]) -> str:
+        return ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{trial.flush_note(index)}"
+                         for index, ms in enumerate(times))
+
+    def _keep(self, trial: Trial, times: list[float], best: int, why: str) -> None:
+        if len(trial.plans) == 1:   # it stays, flushing or not (no lower target): nothing to say
+            return
+        self.kept_after_trial = trial.labels[best] if best else None
+        self.plan = trial.plans[best]
+        self.modes = list(self.plan.modes)
+        self._write = True
+        self._say(f"{why}: {self._timed(trial, times)}; keeping the plan {trial.labels[best]}")
+
+    # --- plans asked for and made ---------------------------------------------------------
+    def _ask(self, request: PlanRequest, after: tuple = ()) -> None:
+        """``request`` goes to the runner; its answer is awaited (an earlier one awaited no
+        longer counts)."""
+        self._awaiting, self._after, self._steps_waited = request, after, 0
+        self.runner.submit(request, self.maker)
+
+    def _take_plans(self) -> None:
+        """The answers made since the last step, in order; those no longer awaited are left."""
+        while True:
+            done = self.runner.ready()
+            if not done:
+                return
+            for request, made in done:
+                if request is not self._awaiting:
+                    continue
+                self._awaiting, after = None, self._after
+                if isinstance(made, BaseException):
+                    raise made
+                self.timings.append((request.kind, made.seconds, self._steps_waited))
+                {FIRST: self._first_made, TRIALS: self._trials_made, LOWER: self._lower_made,
+                 REPLAN: self._replan_made}[request.kind](made, after)
+
+    def _first_made(self, made: PlanResult, after: tuple) -> None:
+        """The first plan: in force, said in one line, and the trial of the others asked for;
+        where none met the headroom's target, a smaller headroom's (one line more); where none
+        met any, ``strict`` raises its error, else every saved tensor is offloaded."""
+        if made.stage is not None:
+            self.stage, self._staged = made.stage, True
+            self.recorded_profile, self.profile = self.profile, made.profile
+        plan = made.plan
+        if made.error is not None:
+            if plan is None:
+                # as the recorded step ran (everything offloaded): what goes on after an error
+                # a script catches, and an unmodified script's way without ``strict``
+                self.state = UNPLANNED
+                self.modes = offload_everything(self.profile.groups)
+                if self.strict:
+                    raise made.error
+                self._write = True
+                self._say(f"{made.error}; offloading every saved tensor")
+                return
+            self._lowered_target = plan.target
+            self.lowerings_left = 0
+            target = self.target
+            self._say(f"no offload plan for {_gib(self.budget)} less its headroom "
+                      f"({self.headroom:.0%}); planning for {_gib(target)}, "
+                      f"{1 - target / self.budget:.1%} less")
+        self._in_force(plan)
+
+    def _in_force(self, plan: OffloadPlan) -> None:
+        """``plan`` (made for :attr:`target`) in force, said in one line; with ``trials``, the
+        plans to try against it asked for (for smaller headrooms too, unless the target was
+        lowered), the plan running as the trial's first meanwhile."""
+        target = self.target
+        self.plan = plan
+        self.modes = list(plan.modes)
+        self._watch_from_now()
+        self._say(f"offload plan for {_gib(self.budget)}"
+                  + (f" (planned for {_gib(target)})" if self._lowered_target is not None else "")
+                  + f": {plan.describe()}"
+                  + (f"; {self.stage.stage.describe()}" if self.stage is not None else ""))
+        self._write = True
+        if not self.trials:
+            self.state = PLANNED
+            return
+        self.state = TRIAL
+        self.trial = Trial([plan], ["as made"], seen=dict(self._counts_now), awaiting=True)
+        self._ask(PlanRequest(
+            TRIALS, self.profile, target, self.budget, self.headroom, plan=plan,
+            larger_budgets=tuple(planner.trial_budgets(self.budget, self.headroom))
+            if self._lowered_target is None else (), keep_apart=self.keep_apart))
+
+    def _trials_made(self, made: PlanResult, after: tuple) -> None:
+        """The others to run against the plan in force: a trial where there are any, or where
+        a lower target can follow (alone, the plan is still run as a trial: whether it flushes
+        the caching allocator's cache); one line naming them."""
+        trial, others = self.trial, list(made.trials)
+        if not (others or (self.headroom and self.lowerings_left > 0)):
+            self.trial = None
+            self.state = WATCHING
+            return
+        trial.add(others)
+        trial.awaiting = False
+        if others:
+            self._say("trying it against " + "; ".join(
+                f"the plan {label} ({plan.describe()})" for label, plan in others)
+                + f", {planner.TRIAL_STEPS} steps each")
+        if not trial.timing():   # the plan made ran its timed steps meanwhile
+            self._next_in_trial()
+
+    def _lower_made(self, made: PlanResult, after: tuple) -> None:
+        """The plan for less after flushes: in force and tried, with one line; where none was
+        found, the plan stays (after a trial, the one it keeps, said)."""
+        if made.plan is None:
+            if made.lowerings_spent:   # nor any lower target: not solved again
+                self.lowerings_left = 0
+            if after[0] == "trial":
+                _, trial, times, best, why = after
+                self._keep(trial, times, best, why)
+            return
+        self.lowerings_left -= 1
+        self.replans_used += 1
+        self._lowered_target = made.target
+        if after[0] == "trial":
+            _, trial, times, _, why = after
+            self._say((f"the offload plan ran {times[0]:.1f} ms a step{trial.flush_note(0)}; "
+                       "it flushed" if len(trial.plans) == 1
+                       else f"{why}: {self._timed(trial, times)}; each flushed")
+                      + f" the caching allocator's cache, so planning for {_gib(self.target)}")
+        else:
+            _, flushed, steps = after
+            self._say(f"the offload plan flushed the caching allocator's cache in {flushed} of "
+                      f"its last {steps} steps, so planning for {_gib(self.target)}")
+        self._in_force(made.plan)
+
+    def _replan_made(self, made: PlanResult, after: tuple) -> None:
+        """The plan for less after running out of memory: in force (watched, not tried), with
+        one line; where none meets that target, the fall-back."""
+        if made.plan is None:
+            self._fall_back()
+            return
+        self._lowered_target = made.target
+        self.plan = made.plan
+        self.modes = list(made.plan.modes)
+        self.kept_after_trial = None
+        self.state = WATCHING if self.trials else PLANNED
+        self._watch_from_now()   # not the flush of the step that failed (a retry before it)
+        self._write = True
+        self._say(f"a step under the offload plan for {_gib(self.budget)} ran out of device "
+                  f"memory (modelled peak {_gib(made.request.peak)}); planning for "
+                  f"{_gib(made.target)}: {made.plan.describe()}")

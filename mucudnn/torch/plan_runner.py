@@ -1,0 +1,314 @@
+"""The plans a session's lifecycle asks for (:mod:`.lifecycle`), made inline or on a thread of
+their own (torch-free).
+
+A :class:`PlanRequest` says what to plan and for what; :class:`PlanMaker` makes it with
+:mod:`.planner`'s solves and hands back a :class:`PlanResult`; a runner runs the maker:
+
+- :class:`InlineRunner` at once, in the caller's thread (links without a GPU, tests, off-GPU
+  replays): the plan is ready at the step boundary that asked for it;
+- :class:`BackgroundRunner` on a daemon thread, so that no training step waits for a solver (the
+  planner is pure Python and CBC subprocesses): the plan is ready at a later boundary.
+
+Either hands back, from ``ready()``, each request with its result or the exception its making
+raised, in the order asked. One maker serves one session, one request at a time (a runner runs
+them in turn): it remembers the highest target found to have no plan.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+from ..errors import InfeasibleError, MucudnnError
+from ..sizes import describe_size
+from . import planner
+from .planner import OffloadPlan, StepProfile
+
+#: the kinds of request
+FIRST = "first plan"        # the recorded profile's plan (its stage weighed; smaller headrooms)
+TRIALS = "trial plans"      # planner.trial_plans: the plans a trial runs against the one in force
+LOWER = "lower target"      # after flushes: the plan for half the headroom less (or a quarter)
+REPLAN = "replan"           # after a planned step ran out of memory: the plan for a lower target
+
+
+@dataclass(frozen=True)
+class StageCandidate:
+    """A stage the recording's leading chain allows (stage.py): the planner's :class:`Stage`, the
+    chain's batch, and what the session needs to run it (``payload``: its modules and their
+    container; opaque here)."""
+
+    stage: planner.Stage
+    batch: int
+    payload: object = None
+
+
+@dataclass(frozen=True, eq=False)
+class PlanRequest:
+    """What to plan (``kind``) on ``profile`` for ``target`` bytes. Compared by identity: a
+    result answers the request it was made for, not an equal one asked later."""
+
+    kind: str
+    profile: StepProfile
+    target: int
+    budget: int | None = None
+    headroom: float = 0.0
+    #: TRIALS: the plan in force, and the larger targets to try (smaller headrooms)
+    plan: OffloadPlan | None = None
+    larger_budgets: tuple = ()
+    keep_apart: bool = False
+    #: LOWER: the least peak of the plans that flushed; REPLAN: the modelled peak of the plan
+    #: that ran out of memory (for its line)
+    peak: int | None = None
+    #: FIRST: the stages to weigh, and the session's ``stage`` setting (True, False, "always")
+    candidates: tuple = ()
+    staging: bool | str = True
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What a :class:`PlanRequest` found."""
+
+    request: PlanRequest
+    #: the plan made (None: none met the target)
+    plan: OffloadPlan | None = None
+    #: the target ``plan`` was made for
+    target: int | None = None
+    #: FIRST: why the request's target had no plan (then ``plan``, where any, is for a smaller
+    #: headroom: :func:`planner.plan_with_less_headroom`)
+    error: MucudnnError | None = None
+    #: FIRST: the stage taken (its ``chunks`` set) and the profile plans are made on from now
+    #: (the staged one; else the request's)
+    stage: StageCandidate | None = None
+    profile: StepProfile | None = None
+    #: TRIALS: (how it was made, plan), in the order to run them
+    trials: tuple = ()
+    #: LOWER: no plan met the lower target (nor will any lower one): no lowering again
+    lowerings_spent: bool = False
+    #: wall seconds the making took
+    seconds: float = 0.0
+
+
+class PlanMaker:
+    """Makes a :class:`PlanRequest`'s plan with the session's ``lookahead`` and CBC's
+    ``time_limit_s`` a solve. :meth:`solve` is the one call of the planner's ILP (tests replace
+    it); :attr:`no_plan_at` is the highest target found to have no plan on the current profile:
+    no target at or below it is solved again."""
+
+    def __init__(self, lookahead: int = 2, time_limit_s: float | None = 20):
+        self.lookahead = lookahead
+        self.time_limit_s = time_limit_s
+        self.no_plan_at: int | None = None
+        self._profile: StepProfile | None = None
+
+    def __call__(self, request: PlanRequest) -> PlanResult:
+        start = time.perf_counter()
+        make = {FIRST: self._first, TRIALS: self._trials, LOWER: self._lower,
+                REPLAN: self._replan}[request.kind]
+        result = make(request)
+        return replace(result, seconds=time.perf_counter() - start)
+
+    # --- the solves ------------------------------------------------------------------------
+    def solve(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
+        """:func:`planner.plan_with_prefetch` for ``target`` (its errors as it raises them)."""
+        return planner.plan_with_prefetch(profile, target, self.lookahead, self.time_limit_s,
+                                          explain=explain)
+
+    def plan_for(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
+        """The plan for ``target``. Where none meets it, :class:`InfeasibleError` (with
+        ``explain``: saying the least peak, solved for) and :attr:`no_plan_at` raised to it."""
+        if profile is not self._profile:   # another profile (a stage taken): nothing known yet
+            self._profile, self.no_plan_at = profile, None
+        if self.no_plan_at is not None and target <= self.no_plan_at:
+            raise InfeasibleError(f"no plan within {describe_size(target)}: none within "
+                                  f"{describe_size(self.no_plan_at)} either")
+        try:
+            return self.solve(profile, target, explain)
+        except InfeasibleError:
+            self.no_plan_at = max(target, self.no_plan_at or 0)
+            raise
+
+    # --- the kinds of request --------------------------------------------------------------
+    def _first(self, request: PlanRequest) -> PlanResult:
+        """The plan for the request's target (a stage weighed first where the recording allows
+        one: :meth:`choose_stage`); where none meets it, an :class:`InfeasibleError`'s smaller
+        headrooms (:func:`planner.plan_with_less_headroom`)."""
+        profile, target, plan, stage = request.profile, request.target, None, None
+        if request.candidates:
+            plan, chosen = self.choose_stage(profile, target, request.candidates, request.staging)
+            if chosen is not None:
+                stage, profile = chosen
+        try:
+            plan = plan or self.plan_for(profile, target)
+        except MucudnnError as exc:   # infeasible, or CBC failed
+            lower = None
+            if request.budget is not None:
+                lower = planner.plan_with_less_headroom(
+                    exc, request.budget, request.headroom,
+                    lambda smaller: self.plan_for(profile, smaller, explain=False))
+            return PlanResult(request, lower, lower.target if lower is not None else target,
+                              error=exc, stage=stage, profile=profile)
+        return PlanResult(request, plan, target, stage=stage, profile=profile)
+
+    def choose_stage(self, profile: StepProfile, target: int, candidates, staging
+                     ) -> tuple[OffloadPlan | None, tuple | None]:
+        """Whether a plan stages the leading chain (stage.py), weighed once on the recorded
+        profile: the plain plan for ``target`` against each candidate's plan on its
+        :func:`planner.staged_profile` (its micro-batches :func:`planner.stage_chunks`). A staged
+        plan is taken where it is predicted faster by :data:`planner.STAGE_MIN_GAIN` or the
+        plain one has none; where none has a plan, the candidate of the least peak, if lower
+        than the plain profile's (its headroom is then lowered as ever). Returns (the plan taken,
+        None: none meets ``target``; (the stage taken, its profile), None where none is)."""
+        def plan_on(on):
+            try:
+                return self.solve(on, target, explain=False)
+            except MucudnnError:
+                return None
+        plain = plan_on(profile)
+        options = []
+        for candidate in candidates:
+            chunks = planner.stage_chunks(profile, candidate.stage)
+            if chunks is None or min(chunks, candidate.batch) < 2:
+                continue
+            candidate = replace(candidate,
+                                stage=replace(candidate.stage, chunks=min(chunks, candidate.batch)))
+            staged = planner.staged_profile(profile, candidate.stage)
+            options.append((plan_on(staged), staged, candidate))
+        planned = [option for option in options if option[0] is not None]
+        if planned:
+            best = min(planned, key=lambda option: option[0].predicted_ms)
+            if plain is not None and staging != "always" and \
+                    best[0].predicted_ms >= plain.predicted_ms * (1 - planner.STAGE_MIN_GAIN):
+                return plain, None
+        elif plain is None and options:
+            peaks = [planner.least_peak(option[1], self.lookahead) for option in options]
+            lowest = min(peaks)
+            best = options[peaks.index(lowest)]
+            if lowest >= planner.least_peak(profile, self.lookahead) and staging != "always":
+                return None, None
+        else:
+            return plain, None
+        plan, staged, candidate = best
+        return plan, (candidate, staged)
+
+    def trial_plans(self, request: PlanRequest) -> list:
+        """:func:`planner.trial_plans` for the request's plan (tests replace it)."""
+        return planner.trial_plans(request.profile, request.target, request.plan,
+                                   self.lookahead, self.time_limit_s, request.larger_budgets,
+                                   keep_apart=request.keep_apart)
+
+    def _trials(self, request: PlanRequest) -> PlanResult:
+        return PlanResult(request, request.plan, request.target,
+                          trials=tuple(self.trial_plans(request)))
+
+    def _lower(self, request: PlanRequest) -> PlanResult:
+        """The plan for the request's target less half the headroom; where the plan for a
+        quarter less peaks below the request's ``peak`` (the least of the plans that flushed:
+        it gives room all the same) and is predicted faster by
+        :data:`planner.LOWERING_MIN_GAIN`, that one (a plan's time steps up at some peaks, and
+        a lowering by half the headroom may pass a step that a quarter does not). None where no
+        plan meets the lower target, nor then any lower one (``lowerings_spent``)."""
+        profile = request.profile
+        step = int(request.headroom / 2 * request.budget)
+        target = request.target - step
+        try:
+            plan = self.plan_for(profile, target)
+        except MucudnnError:
+            return PlanResult(request, lowerings_spent=True)
+        nearer = target + step // 2
+        try:
+            near = self.plan_for(profile, nearer, explain=False)
+        except MucudnnError:   # CBC failed (a lower target has a plan)
+            near = None
+        if near is not None and near.peak < request.peak and \
+                near.predicted_ms < plan.predicted_ms * (1 - planner.LOWERING_MIN_GAIN):
+            return PlanResult(request, near, nearer)
+        return PlanResult(request, plan, target)
+
+    def _replan(self, request: PlanRequest) -> PlanResult:
+        try:
+            return PlanResult(request, self.plan_for(request.profile, request.target),
+                              request.target)
+        except MucudnnError:
+            return PlanResult(request, None, request.target)
+
+
+def _made(request: PlanRequest, work) -> PlanResult | BaseException:
+    try:
+        return work(request)
+    except Exception as exc:   # handed to the training thread, raised there
+        return exc
+
+
+class InlineRunner:
+    """Makes each request as it is submitted, in the caller's thread."""
+
+    background = False
+
+    def __init__(self):
+        self._done: deque = deque()
+
+    def submit(self, request: PlanRequest, work) -> None:
+        self._done.append((request, _made(request, work)))
+
+    def ready(self) -> list:
+        """(request, its :class:`PlanResult` or the exception its making raised), each made
+        since the last call, in the order submitted."""
+        done, self._done = list(self._done), deque()
+        return done
+
+    def busy(self) -> bool:
+        return False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+class BackgroundRunner(InlineRunner):
+    """Makes the requests in turn on a daemon thread, which starts at a submit and ends when
+    nothing is left to make."""
+
+    background = True
+
+    def __init__(self, name: str = "mucudnn-planner"):
+        super().__init__()
+        self.name = name
+        self._queue: deque = deque()
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, request: PlanRequest, work) -> None:
+        with self._lock:
+            self._queue.append((request, work))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    self._lock.notify_all()
+                    return
+                request, work = self._queue.popleft()
+            made = _made(request, work)
+            with self._lock:
+                self._done.append((request, made))
+                self._lock.notify_all()
+
+    def ready(self) -> list:
+        with self._lock:
+            return super().ready()
+
+    def busy(self) -> bool:
+        """Whether a request is being made or waits to be."""
+        with self._lock:
+            return self._thread is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until every request submitted is made (True), or ``timeout`` seconds passed
+        (False): for benchmarks and tests, never for a training step."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._thread is None, timeout)

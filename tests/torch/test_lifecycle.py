@@ -1,0 +1,605 @@
+"""mucudnn.torch.lifecycle and plan_runner: the plan's lifecycle fed step outcomes, without torch.
+
+Plans come from a maker whose solve is a table (target -> plan) and whose trial plans are given;
+the runner is one the test completes by hand (:class:`ManualRunner`), so what a step runs while a
+plan is being made does not depend on how busy the machine is. One test runs the real planner
+(CBC) inline and holds its plans equal to the off-GPU replay's."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+
+import pytest
+
+from mucudnn.errors import InfeasibleError, SolverError
+from mucudnn.torch import planner, profiles
+from mucudnn.torch.lifecycle import (ABANDONED, AS_RECORDED, FAILED, FALLBACK, FIXED, MODES, OK,
+                                     OUT_OF_MEMORY, PLANNED, PLANNING, RECORD, RECORDING,
+                                     REPLANNING, TRIAL, UNPLANNED, WATCHING, Lifecycle,
+                                     StepOutcome)
+from mucudnn.torch.plan_runner import (FIRST, LOWER, REPLAN, TRIALS, BackgroundRunner,
+                                       InlineRunner, PlanMaker, StageCandidate)
+from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE, OffloadPlan, SavedGroup, StepProfile
+
+GiB = 2**30
+MiB = 2**20
+STEPS = planner.TRIAL_STEPS
+
+
+def profile(n: int = 4, forward_ms: float = 10.0) -> StepProfile:
+    """``n`` groups of 256 MiB, the last not offloadable."""
+    groups = [SavedGroup(256 * MiB, n - 1 - g, n - 1 - g, producer=f"m{g}",
+                         offloadable=g < n - 1) for g in range(n)]
+    return StepProfile(groups, forward_ms, 2 * forward_ms, 10.0, 10.0, n)
+
+
+def plan(peak: int, ms: float = 20.0, modes=(OFFLOAD, KEEP, RECOMPUTE, KEEP),
+         target: int | None = None) -> OffloadPlan:
+    return OffloadPlan(tuple(modes), 2, peak, ms, 256 * MiB, simulated_ms=ms,
+                       target=target or peak)
+
+
+class TableMaker(PlanMaker):
+    """Solves from a table: a target at or above ``least`` gets a plan peaking at the target
+    (its time ``ms(target)``), a lower one :class:`InfeasibleError`; ``others`` are the trial's
+    plans (a function of the request); ``solved`` receives each target solved."""
+
+    def __init__(self, least: int = 0, ms=lambda target: 20.0, others=lambda request: []):
+        super().__init__()
+        self.least, self.ms, self.others, self.solved = least, ms, others, []
+        self.trial_requests = []
+
+    def solve(self, profile, target, explain=True):
+        self.solved.append(target)
+        if target < self.least:
+            error = InfeasibleError(f"{target} is too small for this step (test)")
+            error.least_peak = self.least
+            raise error
+        return plan(target, self.ms(target))
+
+    def trial_plans(self, request):
+        self.trial_requests.append(request)
+        return self.others(request)
+
+
+class ManualRunner:
+    """A runner the test completes by hand: ``complete()`` makes the oldest request waiting."""
+
+    background = True
+
+    def __init__(self):
+        self.waiting, self.done, self.kinds = [], [], []
+
+    def submit(self, request, work):
+        self.waiting.append((request, work))
+        self.kinds.append(request.kind)
+
+    def complete(self, count: int = 1):
+        for _ in range(count):
+            request, work = self.waiting.pop(0)
+            try:
+                self.done.append((request, work(request)))
+            except Exception as exc:
+                self.done.append((request, exc))
+
+    def ready(self):
+        done, self.done = self.done, []
+        return done
+
+
+class Steps:
+    """Feeds a lifecycle step outcomes on a clock (ms) and one link's flush count."""
+
+    def __init__(self, lifecycle: Lifecycle, recorded: StepProfile | None = None):
+        self.lifecycle, self.recorded = lifecycle, recorded or profile()
+        self.now, self.flushes, self.lines, self.decisions = 0.0, 0, [], []
+
+    def step(self, ms: float = 10.0, status: str = OK, flushes: int = 0, **fields):
+        self.now += ms
+        self.flushes += flushes
+        if self.lifecycle.recording and status == OK:
+            fields.setdefault("profile", self.recorded)
+        decision = self.lifecycle.end_step(StepOutcome(
+            status, unpacks=4, mark=self.now, flush_counts={"link": self.flushes},
+            offloadable=(True, True, False), **fields))
+        self.lines += decision.lines
+        self.decisions.append(decision)
+        if decision.error is not None:
+            raise decision.error
+        return decision
+
+    def record(self):
+        for _ in range(planner.RECORD_STEPS):
+            decision = self.step()
+        return decision
+
+    def run(self, plan_ms, flushes=0):
+        """TRIAL_STEPS steps of the plan in force, each ``plan_ms`` (flushing ``flushes``)."""
+        for _ in range(STEPS):
+            decision = self.step(plan_ms, flushes=flushes)
+        return decision
+
+
+def others(*labelled):
+    return lambda request: [(label, dataclasses.replace(request.plan, step_ms=ms,
+                                                        simulated_ms=ms, moved_bytes=ms * MiB))
+                            for label, ms in labelled]
+
+
+def test_recording_then_the_plan_then_its_trial_keeps_the_fastest():
+    maker = TableMaker(others=others(("other 1", 18.0), ("other 2", 19.0)))
+    lifecycle = Lifecycle(8 * GiB, maker=maker)
+    steps = Steps(lifecycle)
+    assert lifecycle.state == RECORDING and lifecycle.run == RECORD
+    first = steps.step()
+    assert first.run == RECORD and not first.lines and lifecycle.state == RECORDING
+    made = steps.step()                   # the last recording: the plan is made inline
+    target = planner.planning_target(8 * GiB, 0.1)
+    assert maker.solved == [target] and lifecycle.target == target
+    assert made.run == MODES and made.plan is lifecycle.plan and made.plan.peak == target
+    assert made.modes == list(made.plan.modes) and made.changed and made.write_profile
+    trial = maker.trial_requests[0]
+    assert trial.plan is made.plan and trial.target == target and trial.keep_apart
+    assert trial.larger_budgets == tuple(planner.trial_budgets(8 * GiB, 0.1))
+    plans = lifecycle.trial.plans
+    assert made.lines == (
+        f"offload plan for 8.00 GiB: {made.plan.describe()}",
+        "trying it against " + "; ".join(f"the plan {label} ({p.describe()})" for label, p in
+                                          zip(["other 1", "other 2"], plans[1:]))
+        + f", {STEPS} steps each")
+    assert lifecycle.state == TRIAL
+    # each plan TRIAL_STEPS steps; its time the fastest of those after its first
+    steps.run(12.0)
+    assert lifecycle.plan is plans[1] and steps.decisions[-1].changed
+    steps.run(9.0)
+    assert lifecycle.plan is plans[2]
+    done = steps.run(11.0)
+    assert lifecycle.plan is plans[1] and lifecycle.kept_after_trial == "other 1"
+    assert done.write_profile and done.changed and lifecycle.state == WATCHING
+    assert done.lines == ("offload plans tried: as made 12.0 ms a step, other 1 9.0 ms a step, "
+                          "other 2 11.0 ms a step; keeping the plan other 1",)
+    quiet = steps.step(9.0)
+    assert not quiet.lines and not quiet.changed and quiet.plan is plans[1]
+
+
+def test_planning_never_stalls_a_step_the_recording_mode_runs_until_the_plan_comes():
+    runner = ManualRunner()
+    maker = TableMaker(others=others(("other 1", 15.0)))
+    lifecycle = Lifecycle(8 * GiB, maker=maker, runner=runner)
+    steps = Steps(lifecycle)
+    waiting = steps.record()
+    assert lifecycle.state == PLANNING and runner.kinds == [FIRST]
+    # as recorded: every saved tensor offloaded where it can be, inline, no plan
+    assert waiting.run == AS_RECORDED and lifecycle.inline and waiting.plan is None
+    assert waiting.modes == [OFFLOAD, OFFLOAD, OFFLOAD, KEEP] and waiting.changed
+    assert not waiting.lines and not waiting.write_profile
+    for _ in range(3):                    # steps go on while the plan is made
+        assert steps.step().run == AS_RECORDED and not steps.decisions[-1].changed
+    assert lifecycle.plan is None and not steps.lines
+    runner.complete()
+    taken = steps.step()                  # the plan takes over at the next step boundary
+    assert taken.run == MODES and taken.plan is lifecycle.plan is not None and taken.changed
+    assert taken.lines == (f"offload plan for 8.00 GiB: {taken.plan.describe()}",)
+    assert runner.kinds == [FIRST, TRIALS] and lifecycle.timings[0][::2] == (FIRST, 4)
+    # the plan made runs as its trial's first while the others are made; its timed steps
+    # done, it runs on untimed
+    steps.run(12.0)
+    steps.step(50.0)
+    steps.step(50.0)
+    assert lifecycle.plan is taken.plan and lifecycle.state == TRIAL
+    runner.complete()
+    switched = steps.step(50.0)
+    assert switched.lines[0].startswith("trying it against the plan other 1")
+    assert lifecycle.plan is lifecycle.trial.plans[1] and switched.changed
+    done = steps.run(10.0)
+    assert done.lines == ("offload plans tried: as made 12.0 ms a step, other 1 10.0 ms a step; "
+                          "keeping the plan other 1",)
+
+
+def test_a_plan_ready_at_once_is_in_force_before_the_next_step_inline():
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), trials=False)
+    made = Steps(lifecycle).record()
+    assert made.run == MODES and lifecycle.state == PLANNED and lifecycle.trial is None
+    assert lifecycle.timings == [(FIRST, lifecycle.timings[0][1], 0)]
+
+
+@pytest.mark.parametrize("flushing, kept", [((False, True), 0), ((True, False), 1),
+                                            ((False, False), 1)])
+def test_a_trial_keeps_a_plan_that_flushed_only_where_none_did_not(flushing, kept):
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(others=others(("other 1", 15.0))))
+    steps = Steps(lifecycle)
+    steps.record()
+    plans = lifecycle.trial.plans
+    for ms, flushes in zip((10.0, 5.0), flushing):
+        steps.step(ms)   # its first step, untimed
+        for _ in range(STEPS - 1):
+            steps.step(ms, flushes=int(flushes))
+    assert lifecycle.plan is plans[kept]
+    notes = ["" if not flushed else f" ({STEPS - 1} flushes after backward point 3)"
+             for flushed in flushing]
+    assert steps.lines[-1] == (f"offload plans tried: as made 10.0 ms a step{notes[0]}, "
+                               f"other 1 5.0 ms a step{notes[1]}; keeping the plan "
+                               + ("as made" if kept == 0 else "other 1"))
+
+
+def test_a_trial_says_after_which_op_a_plan_flushed():
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(others=others(("other 1", 15.0))))
+    steps = Steps(lifecycle)
+    steps.record()
+    steps.run(10.0)
+    steps.step(5.0)
+    count = steps.flushes
+    for point in (-1, 2):            # at unpacks of its timed steps: after the forward, point 2
+        assert lifecycle.watches_flush_points
+        count += 1
+        lifecycle.saw_flushes("link", count, point)
+        steps.flushes = count
+        steps.step(5.0)
+    assert steps.lines[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 5.0 ms a "
+                               "step (2 flushes after the forward and after backward point 2); "
+                               "keeping the plan as made")
+
+
+def test_a_trial_whose_every_plan_flushed_plans_for_less_while_the_fastest_runs():
+    runner = ManualRunner()
+    maker = TableMaker(others=others(("other 1", 15.0)))
+    lifecycle = Lifecycle(8 * GiB, maker=maker, runner=runner)
+    steps = Steps(lifecycle)
+    steps.record()
+    runner.complete()
+    steps.step(10.0)                     # the plan takes over; its trial's plans asked for
+    runner.complete()
+    first = lifecycle.target
+    plans = lifecycle.trial.plans        # the others join it at the next step's end
+    steps.run(10.0, flushes=1)
+    steps.run(5.0, flushes=1)
+    assert runner.kinds[-1] == LOWER and lifecycle.state == WATCHING
+    assert lifecycle.plan is plans[1]        # the fastest runs while the plan for less is made
+    steps.step(5.0)
+    runner.complete()
+    lowered = steps.step(5.0)
+    step = int(0.1 / 2 * 8 * GiB)
+    assert lifecycle.target == first - step == lifecycle.plan.target
+    assert lifecycle.replans_used == 1 and lifecycle.lowerings_left == 2
+    assert lowered.lines == (
+        f"offload plans tried: as made 10.0 ms a step ({STEPS - 1} flushes after backward point "
+        f"3), other 1 5.0 ms a step ({STEPS - 1} flushes after backward point 3); each flushed the "
+        f"caching allocator's cache, so planning for {(first - step) / GiB:.2f} GiB",
+        f"offload plan for 8.00 GiB (planned for {(first - step) / GiB:.2f} GiB): "
+        f"{lifecycle.plan.describe()}")
+    # the plan for less is tried as ever, without the larger targets (the target was lowered)
+    assert runner.kinds[-1] == TRIALS and lifecycle.state == TRIAL
+    runner.complete()
+    steps.step()
+    assert maker.trial_requests[-1].larger_budgets == ()
+
+
+def test_a_lowering_stops_a_quarter_short_where_that_plan_is_faster_and_gives_room():
+    step = int(0.1 / 2 * 8 * GiB)
+    first = planner.planning_target(8 * GiB, 0.1)
+    # the plan for a quarter of the headroom less is 10 % faster than the one for half
+    nearer = first - step + step // 2
+    maker = TableMaker(ms=lambda target: 18.0 if target == nearer else 20.0,
+                       others=others(("other 1", 15.0)))
+    lifecycle = Lifecycle(8 * GiB, maker=maker)
+    steps = Steps(lifecycle)
+    steps.record()
+    steps.run(10.0, flushes=1)
+    steps.run(5.0, flushes=1)
+    assert lifecycle.target == nearer and lifecycle.plan.step_ms == 18.0
+    assert maker.solved[-2:] == [first - step, nearer]
+
+
+def test_a_lone_plan_that_flushed_in_its_trial_says_so_and_plans_for_less():
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker())
+    steps = Steps(lifecycle)
+    steps.record()
+    assert lifecycle.state == TRIAL and len(lifecycle.trial.plans) == 1   # alone: lowerings left
+    steps.run(10.0, flushes=1)
+    lowered = lifecycle.target
+    assert steps.lines[-2] == (f"the offload plan ran 10.0 ms a step ({STEPS - 1} flushes "
+                               "after backward point 3); it flushed the caching allocator's "
+                               f"cache, so planning for {lowered / GiB:.2f} GiB")
+
+
+def test_a_lone_plan_without_a_lower_target_stays_and_nothing_is_said():
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(least=int(7.2 * GiB)))
+    steps = Steps(lifecycle)
+    steps.record()
+    steps.run(10.0, flushes=1)
+    assert len(steps.lines) == 1 and lifecycle.lowerings_left == 0
+    assert lifecycle.state == WATCHING and lifecycle.replans_used == 0
+
+
+def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less():
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(others=others(("other 1", 15.0))))
+    steps = Steps(lifecycle)
+    steps.record()
+    steps.run(10.0)
+    steps.run(5.0)
+    first = lifecycle.target
+    assert lifecycle.state == WATCHING
+    steps.step(5.0, flushes=1)
+    steps.step(5.0)
+    assert lifecycle.target == first
+    steps.step(5.0, flushes=1)         # the second flush in the last WATCH_STEPS steps
+    lowered = first - int(0.05 * 8 * GiB)
+    assert lifecycle.target == lowered == lifecycle.plan.target
+    assert steps.lines[-3:-1] == [
+        f"the offload plan flushed the caching allocator's cache in 2 of its last 3 steps, so "
+        f"planning for {lowered / GiB:.2f} GiB",
+        f"offload plan for 8.00 GiB (planned for {lowered / GiB:.2f} GiB): "
+        f"{lifecycle.plan.describe()}"]
+    assert steps.lines[-1].startswith("trying it against") and lifecycle.state == TRIAL
+
+
+def test_lowerings_end_where_no_plan_meets_the_lower_target():
+    first = planner.planning_target(8 * GiB, 0.1)
+    maker = TableMaker(least=first - 1)
+    lifecycle = Lifecycle(8 * GiB, maker=maker)
+    steps = Steps(lifecycle)
+    steps.record()
+    steps.run(10.0, flushes=1)
+    assert lifecycle.lowerings_left == 0 and lifecycle.target == first and len(steps.lines) == 1
+    for _ in range(planner.WATCH_STEPS):   # the watch asks for nothing more
+        steps.step(10.0, flushes=1)
+    assert lifecycle.awaiting is None and len(maker.solved) == 2
+
+
+def test_a_planned_step_out_of_memory_plans_for_less_then_falls_back():
+    maker = TableMaker()
+    lifecycle = Lifecycle(8 * GiB, maker=maker, trials=False, replans=2, replan_step=0.1)
+    steps = Steps(lifecycle)
+    steps.record()
+    first = lifecycle.plan
+    replanned = steps.step(status=OUT_OF_MEMORY)
+    target = min(lifecycle.profile and first.target, first.peak) - int(0.1 * 8 * GiB)
+    assert replanned.run == MODES and lifecycle.plan.target == target == lifecycle.target
+    assert replanned.lines == (
+        f"a step under the offload plan for 8.00 GiB ran out of device memory (modelled peak "
+        f"{first.peak / GiB:.2f} GiB); planning for {target / GiB:.2f} GiB: "
+        f"{lifecycle.plan.describe()}",)
+    assert replanned.write_profile and lifecycle.replans_used == 1
+    assert lifecycle.state == PLANNED
+    steps.step(status=OUT_OF_MEMORY)
+    last = lifecycle.plan
+    fell = steps.step(status=OUT_OF_MEMORY)
+    assert fell.lines == ("a step under the offload plan for 8.00 GiB ran out of device memory; "
+                          "offloading every saved tensor from now on",)
+    assert lifecycle.fell_back and lifecycle.state == FALLBACK and fell.run == AS_RECORDED
+    assert fell.modes == [OFFLOAD, OFFLOAD, OFFLOAD, KEEP] and fell.write_profile
+    assert lifecycle.plan is last        # the last plan tried, as the profile document says
+    assert not steps.step(status=OUT_OF_MEMORY).lines and not steps.step().lines
+
+
+def test_while_a_replan_is_made_the_steps_run_as_recorded():
+    runner = ManualRunner()
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), runner=runner, trials=False)
+    steps = Steps(lifecycle)
+    steps.record()
+    runner.complete()
+    steps.step()
+    waiting = steps.step(status=OUT_OF_MEMORY)
+    assert lifecycle.state == REPLANNING and waiting.run == AS_RECORDED and waiting.changed
+    assert runner.kinds[-1] == REPLAN and not waiting.lines
+    assert not steps.step(status=OUT_OF_MEMORY).lines   # as recorded: nothing lower to plan
+    runner.complete()
+    assert steps.step().lines[0].startswith("a step under the offload plan for 8.00 GiB ran out")
+    assert lifecycle.state == PLANNED and lifecycle.replans_left == 2
+
+
+def test_a_replan_that_finds_no_plan_falls_back():
+    first = planner.planning_target(8 * GiB, 0.1)
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(least=first), trials=False)
+    steps = Steps(lifecycle)
+    steps.record()
+    fell = steps.step(status=OUT_OF_MEMORY)
+    assert lifecycle.fell_back and fell.lines[0].endswith("offloading every saved tensor from "
+                                                          "now on")
+
+
+def test_a_trial_plan_out_of_memory_leaves_the_fastest_that_ran_without_a_replan():
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(others=others(("other 1", 15.0),
+                                                                  ("other 2", 14.0))))
+    steps = Steps(lifecycle)
+    steps.record()
+    plans = lifecycle.trial.plans
+    steps.run(10.0)
+    steps.run(8.0)
+    failed = steps.step(status=OUT_OF_MEMORY)
+    assert failed.lines == ("the plan other 2 ran out of device memory in its trial: as made "
+                            "10.0 ms a step, other 1 8.0 ms a step; keeping the plan other 1",)
+    assert lifecycle.plan is plans[1] and lifecycle.replans_used == 0 and lifecycle.trial is None
+    steps2 = Steps(Lifecycle(8 * GiB, maker=TableMaker(others=others(("other 1", 15.0)))))
+    steps2.record()
+    steps2.run(10.0)
+    assert steps2.step(status=FAILED).lines[0].startswith("a step of the plan other 1 failed in "
+                                                          "its trial: as made 10.0 ms a step; ")
+
+
+def test_a_step_of_the_plan_made_out_of_memory_in_its_trial_replans_and_drops_the_trial():
+    runner = ManualRunner()
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(others=others(("other 1", 15.0))),
+                          runner=runner)
+    steps = Steps(lifecycle)
+    steps.record()
+    runner.complete()
+    steps.step()
+    assert runner.kinds == [FIRST, TRIALS]
+    steps.step(status=OUT_OF_MEMORY)     # the trial's plans still being made
+    assert runner.kinds[-1] == REPLAN and lifecycle.trial is None
+    runner.complete(2)                   # the trial's answer comes first: no longer awaited
+    replanned = steps.step()
+    assert lifecycle.state == WATCHING and lifecycle.trial is None
+    assert len(replanned.lines) == 1 and "ran out of device memory (modelled" in replanned.lines[0]
+
+
+def test_no_plan_at_the_headrooms_target_plans_for_a_smaller_headroom():
+    first = planner.planning_target(8 * GiB, 0.1)
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(least=first + 1))
+    steps = Steps(lifecycle)
+    steps.record()
+    target = planner.planning_target(8 * GiB, 0.05)
+    assert lifecycle.target == target == lifecycle.plan.target and lifecycle.lowerings_left == 0
+    assert steps.lines[:2] == [
+        f"no offload plan for 8.00 GiB less its headroom (10%); planning for "
+        f"{target / GiB:.2f} GiB, 5.0% less",
+        f"offload plan for 8.00 GiB (planned for {target / GiB:.2f} GiB): "
+        f"{lifecycle.plan.describe()}"]
+
+
+def test_no_plan_at_all_raises_where_strict_else_offloads_everything():
+    maker = TableMaker(least=9 * GiB)
+    strict = Steps(Lifecycle(8 * GiB, maker=maker))
+    strict.step()
+    with pytest.raises(InfeasibleError, match="too small for this step"):
+        strict.step()
+    assert strict.lifecycle.state == UNPLANNED and not strict.decisions[-1].write_profile
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(least=9 * GiB), strict=False)
+    steps = Steps(lifecycle)
+    unplanned = steps.record()
+    assert unplanned.lines == (f"{planner.planning_target(8 * GiB, 0.1)} is too small for this "
+                               "step (test); offloading every saved tensor",)
+    assert unplanned.run == MODES and unplanned.plan is None and unplanned.write_profile
+    assert unplanned.modes == [OFFLOAD, OFFLOAD, OFFLOAD, KEEP] and not lifecycle.inline
+    fell = steps.step(status=OUT_OF_MEMORY)     # no plan to make again: the fall-back
+    assert lifecycle.fell_back and fell.run == AS_RECORDED and len(fell.lines) == 1
+
+
+def test_a_solver_failure_has_no_smaller_headroom():
+    class Failing(TableMaker):
+        def solve(self, profile, target, explain=True):
+            self.solved.append(target)
+            raise SolverError("CBC failed (test)")
+    maker = Failing()
+    steps = Steps(Lifecycle(8 * GiB, maker=maker, strict=False))
+    assert steps.record().lines == ("CBC failed (test); offloading every saved tensor",)
+    assert len(maker.solved) == 1
+
+
+def test_the_profile_is_the_least_of_the_recordings_and_a_failed_recording_records_again():
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), record_steps=2, trials=False)
+    steps = Steps(lifecycle)
+    steps.step(profile=profile(forward_ms=30.0))
+    failed = steps.step(status=OUT_OF_MEMORY)
+    assert failed.lines == ("the recording step failed (out of device memory); recording the "
+                            "next one",) and failed.run == RECORD
+    assert steps.step(status=FAILED).lines == ("the recording step failed; recording the next "
+                                               "one",)
+    steps.step(ms=5.0, status=ABANDONED)      # nothing learnt: still recording
+    assert lifecycle.state == RECORDING
+    steps.step(profile=profile(forward_ms=20.0))
+    assert lifecycle.profile.forward_ms == 20.0 and lifecycle.state == PLANNED
+    one = Lifecycle(8 * GiB, maker=TableMaker(), record_steps=1)
+    Steps(one).step()
+    assert one.plan is not None
+
+
+def test_a_fixed_plan_changes_nothing_until_a_budgeted_step_runs_out_of_memory():
+    for lifecycle in (Lifecycle(None), Lifecycle(8 * GiB, force=KEEP),
+                      Lifecycle(8 * GiB, modes=[KEEP, OFFLOAD, KEEP])):
+        steps = Steps(lifecycle)
+        assert lifecycle.state == FIXED and lifecycle.run == MODES
+        modes = lifecycle.modes
+        for status in (OK, FAILED, OK):
+            decision = steps.step(status=status)
+            assert decision.modes == modes and not decision.changed and not decision.lines
+        fell = steps.step(status=OUT_OF_MEMORY)
+        if lifecycle.budget is None:
+            assert not fell.lines and not lifecycle.fell_back
+        else:    # no profile: the step's own groups, offloaded where they can be
+            assert lifecycle.fell_back and fell.modes == [OFFLOAD, OFFLOAD, KEEP]
+
+
+def test_a_stage_taken_makes_the_staged_profile_the_one_planned_on():
+    staged = profile(3)
+    stage = planner.Stage(modules=2, first_group=0, end_group=2, input_group=0,
+                          input_bytes=MiB, chunks=4, forward_ms=1.0)
+
+    class Staging(TableMaker):
+        def choose_stage(self, profile, target, candidates, staging):
+            self.asked = (candidates, staging)
+            return plan(target, modes=(KEEP,) * 3), (candidates[0], staged)
+    maker = Staging()
+    lifecycle = Lifecycle(8 * GiB, maker=maker, trials=False, staging="always")
+    steps = Steps(lifecycle)
+    candidate = StageCandidate(stage, 8, payload="modules")
+    steps.step(stage_candidates=(candidate,))
+    made = steps.step(stage_candidates=(candidate,))
+    assert maker.asked == ((candidate,), "always") and made.staged
+    assert lifecycle.profile is staged and lifecycle.recorded_profile is not staged
+    assert lifecycle.stage is candidate and made.lines[0].endswith("; " + stage.describe())
+
+
+def test_an_error_in_the_planner_is_raised_at_the_next_step_boundary():
+    class Broken(TableMaker):
+        def trial_plans(self, request):
+            raise RuntimeError("a bug (test)")
+    runner = ManualRunner()
+    steps = Steps(Lifecycle(8 * GiB, maker=Broken(), runner=runner))
+    steps.record()
+    runner.complete()
+    steps.step()
+    runner.complete()
+    with pytest.raises(RuntimeError, match="a bug"):
+        steps.step()
+
+
+def test_the_background_runner_plans_on_its_own_thread_while_steps_go_on():
+    release, threads = threading.Event(), []
+
+    class Slow(TableMaker):
+        def solve(self, profile, target, explain=True):
+            threads.append(threading.current_thread())
+            assert release.wait(10)
+            return super().solve(profile, target, explain)
+    runner = BackgroundRunner()
+    lifecycle = Lifecycle(8 * GiB, maker=Slow(), runner=runner, trials=False)
+    steps = Steps(lifecycle)
+    waiting = steps.record()
+    assert waiting.run == AS_RECORDED and runner.busy()
+    assert steps.step().run == AS_RECORDED       # no step waits for the solver
+    release.set()
+    assert runner.wait(10) and not runner.busy()
+    taken = steps.step()
+    assert taken.run == MODES and lifecycle.plan is not None
+    assert threads and threads[0] is not threading.current_thread()
+    assert lifecycle.timings[0][2] == 2     # steps that ended while it was made
+
+
+def test_inline_runner_hands_back_what_it_made_and_what_failed():
+    runner = InlineRunner()
+    runner.submit("request", lambda request: 1 / 0)
+    [(request, made)] = runner.ready()
+    assert request == "request" and isinstance(made, ZeroDivisionError) and not runner.ready()
+
+
+def test_the_lifecycle_is_torch_free():
+    code = ("import sys, mucudnn.torch.lifecycle, mucudnn.torch.plan_runner; "
+            "print('torch' in sys.modules, 'pulp' in sys.modules)")
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_inline_with_the_real_planner_makes_the_replays_plan_and_trial_plans():
+    # a chain of 1 GiB groups, every second rebuilt from the one before, a slow link: its plan
+    # and trial plans as mucudnn.torch.profiles.replay makes them (CBC, a second or so)
+    n = 6
+    groups = [SavedGroup(GiB, first_unpack=n - 1 - g, last_unpack=n - 1 - g, producer=f"m{g}",
+                         recompute_ms=0.5 if g % 2 else None,
+                         recompute_source=(g - 1,) if g % 2 else None) for g in range(n)]
+    recorded = StepProfile(groups, forward_ms=30.0, backward_ms=60.0, d2h_gbps=5.0,
+                           h2d_gbps=5.0, unpacks=n, baseline_forward=[GiB] * n,
+                           baseline_backward=[GiB] * n)
+    budget = 6 * GiB
+    lifecycle = Lifecycle(budget, record_steps=1)
+    decision = lifecycle.end_step(StepOutcome(OK, profile=recorded, mark=0.0))
+    replayed = profiles.replay(recorded, budget, trials=True)
+    assert decision.plan == replayed.plan and lifecycle.target == replayed.target
+    assert decision.lines[0] == f"offload plan for 6.00 GiB: {replayed.plan.describe()}"
+    assert lifecycle.trial is not None or not replayed.trials
+    if lifecycle.trial is not None:
+        assert lifecycle.trial.plans[1:] == [p for _, p in replayed.trials]
