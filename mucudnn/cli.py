@@ -745,12 +745,16 @@ def _percent(text: str, what: str) -> float:
 @click.option("--lookahead", type=click.IntRange(min=0), default=2, show_default=True,
               help="prefetch an offloaded tensor this many backward points ahead (the session's)")
 @click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=20,
-              show_default=True, metavar="SECONDS", help="CBC's limit per solve (the session's)")
+              show_default=True, metavar="SECONDS",
+              help="CBC's limit per solve (--method ilp)")
+@click.option("--method", type=click.Choice(["fast", "ilp"]), default="fast", show_default=True,
+              help="the planner: fast (the session's) or ilp (CBC: the reference, slower)")
 @click.option("--groups", is_flag=True, help="also a table of each saved group's mode")
 @click.option("--trials", is_flag=True,
               help="also make the plans the session tries against it (planner.trial_plans), "
                    "timed apart")
-def offload_plan(profile_path, budget, row, headroom, lookahead, time_limit, groups, trials):
+def offload_plan(profile_path, budget, row, headroom, lookahead, time_limit, method, groups,
+                 trials):
     """Replay the offload planner on PROFILE, a recorded step (MUCUDNN_OFFLOAD_PROFILE's file,
     or benchmarks/offload.py's offload.json), off the GPU: print the plan an OffloadSession makes
     for --budget (kept, offloaded, recomputed, staged; predicted step and peak) and the wall
@@ -777,7 +781,8 @@ def offload_plan(profile_path, budget, row, headroom, lookahead, time_limit, gro
                + (gib(recorded.budget) if recorded.budget else "an unknown budget")
                + (f" (target {gib(recorded.target)})" if recorded.target else "")
                + f", plan: {recorded.plan or '-'}")
-    done = profiles.replay(profile, budget_bytes, share, lookahead, time_limit, trials=trials)
+    done = profiles.replay(profile, budget_bytes, share, lookahead, time_limit, trials=trials,
+                           method=method)
     if done.error is not None:
         click.echo(f"no plan for {gib(budget_bytes)} less its headroom ({share:.0%}): "
                    f"{done.error}")
@@ -795,7 +800,9 @@ def offload_plan(profile_path, budget, row, headroom, lookahead, time_limit, gro
     click.echo(f"  kept {plan.count('keep')}, offloaded {plan.count('offload')}, recomputed "
                f"{plan.count('recompute')}, staged: {staged}; predicted step "
                f"{plan.predicted_ms:.1f} ms, peak {gib(plan.peak)}")
-    click.echo(f"planning took {done.plan_s:.2f} s (wall; CBC at most {time_limit:g} s a solve)")
+    click.echo(f"planning took {done.plan_s:.2f} s (wall; "
+               + (f"CBC at most {time_limit:g} s a solve)" if method == "ilp"
+                  else "the fast planner)"))
     if trials:
         for label, other in done.trials:
             click.echo(f"  trial {label}: {other.describe()}")

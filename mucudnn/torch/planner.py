@@ -1,8 +1,12 @@
 """Keep, offload or recompute: one choice per saved tensor, minimising the predicted step time with
 the modelled peak memory within a budget (docs/torch.md, "The planner").
 
-Pure Python (PuLP's CBC, no torch): the runtime records a :class:`StepProfile`, this module
-chooses. Everything is indexed by two clocks of one training step:
+This module is the model (pure Python, no torch): the runtime records a :class:`StepProfile`;
+here are its liveness, memory, step time and simulation. The choosers live beside it and are
+importable from here: planning.py (:func:`plan_offload`, :func:`plan_with_prefetch`,
+:func:`trial_plans`, :func:`polished`, :func:`least_peak`), planner_fast.py (the default
+method), planner_ilp.py (the ILP, CBC: the reference), planner_stage.py (staged steps).
+Everything is indexed by two clocks of one training step:
 
 - *forward points* ``0..G-1``: the first pack of saved group ``g`` happens at forward point ``g``
   (groups are numbered in the order the forward first saves them);
@@ -54,34 +58,32 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
-from ..errors import InfeasibleError, MucudnnError, SolverError
 from ..sizes import describe_size
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 MODES = (KEEP, OFFLOAD, RECOMPUTE)
-#: a prefetch is issued this many copy times before its first unpack (the recorded clock is the
-#: recording step's; other fetches may share the link)
+#: a prefetch is issued this many copy times before its first unpack: the backward clock is the
+#: recording step's, and other fetches may share the link, so a copy is given more than its time
 PREFETCH_MARGIN = 1.5
-#: an offloaded group's device memory goes this many copy times after its forward point (the
-#: copies to the host queue on one stream, so a copy can start after its tensor is made)
+#: an offloaded group's device memory goes this many copy times after its forward point: the
+#: copies to the host queue on one stream, so a copy can start after its tensor is made
 RELEASE_MARGIN = 1.5
-#: The share of its copies' time (both ways) that offloading adds beyond the host-link bound
-#: (measured: benchmarks/results/offload). Without it the planner takes overlapped copies as free
-#: and picks them over recomputation that costs less.
+#: the share of its copies' time (both ways) that offloading adds beyond the host-link bound:
+#: without it the model takes overlapped copies as free and picks them over recomputation that
+#: costs less (its measurement: benchmarks/results/offload)
 COPY_EXPOSURE = 0.6
 #: steps an ``OffloadSession`` records before it plans; the profile takes each time as the
-#: least of them (:func:`least_times`). The first pins the host pool (seconds of waiting), so the
-#: others are its samples: a recording whose host fell behind stretches its times (an event
-#: pair times the device's wait for the host too), and a stretched profile makes another plan.
-#: More recordings did not make plans steadier (benchmarks/results/offload).
+#: least of them (:func:`least_times`): the first recording pins the host pool, and a recording
+#: whose host fell behind stretches its times, so the least of two is the device's time
+#: (benchmarks/results/offload)
 RECORD_STEPS = 2
 #: the least headroom (share of the budget) a session plans with where no plan meets its own
-#: (``OffloadSession._plan_with_less_headroom``, halving it)
+#: (``OffloadSession._plan_with_less_headroom``, halving it): below it the caching allocator's
+#: fragmentation has no room
 LEAST_HEADROOM = 0.025
 #: planned steps each plan runs where the session tries more than one (:func:`trial_plans`):
 #: the first settles the caching allocator, the others are timed
@@ -91,24 +93,23 @@ TRIAL_STEPS = 3
 #: (``OffloadSession._plan_below_flushes``): a trial's steps do not see every flush to come
 WATCH_STEPS = 4
 WATCH_FLUSHING = 2
-#: the shares of the session's headroom (room for the allocator's fragmentation) for which the
-#: runtime has :func:`trial_plans` make plans besides the plan made for the whole one: one
-#: share, as many plans as it is worth (benchmarks/results/pressure)
+#: the shares of the session's headroom (room for the allocator's fragmentation) for which
+#: :func:`trial_plans` makes plans besides the plan made for the whole one: a smaller headroom
+#: is a cheaper plan the allocator may have room for (benchmarks/results/pressure)
 TRIAL_HEADROOM_SHARES = (0.5,)
 #: a kept group of at most this share of the profile's largest group is copied apart from the
 #: step's large short-lived tensors under a plan run with :attr:`OffloadPlan.keep_apart`
-#: (:func:`kept_apart`, ``OffloadSession._keeps_apart``): small kept tensors that would split
-#: the holes the large ones leave; at a larger share, copies of large groups, made while their
-#: originals still live in the forward, flush the cache themselves
+#: (:func:`kept_apart`): small kept tensors would split the holes the large ones leave, while
+#: copies of larger groups, made while their originals still live, flush the cache themselves
 KEEP_APART_SHARE = 0.25
 #: the most plans :func:`trial_plans` makes to run against the plan made (one a budget)
 TRIAL_MADE = 1 + len(TRIAL_HEADROOM_SHARES)
 #: the most plans one trial runs: the plan made, :func:`trial_plans`' and the fastest of them with
 #: its small kept groups apart
 TRIAL_PLANS = 1 + TRIAL_MADE + 1
-#: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans (the
-#: simulated best is made at different exposures on different models and budgets:
-#: benchmarks/results/pressure)
+#: the copy exposures besides the profile's at which :func:`trial_plans` makes other plans: the
+#: exposure is one share for every copy, where a copy's true cost is its wait in its queue, so
+#: the simulated best plan is made at different exposures on different steps
 TRIAL_EXPOSURES = (0.0, 0.2)
 #: the least simulated gain (a share of the best plan's simulated step) for which a plan is
 #: tried: a trial of plans that differ by less measures noise
@@ -117,13 +118,13 @@ TRIAL_MIN_GAIN = 0.005
 #: stops a quarter of the headroom short (``OffloadSession._nearer_lowering``): less room than
 #: asked for, so only for a step in the plans' time, not for the noise between neighbouring plans
 LOWERING_MIN_GAIN = 0.05
-#: CBC's limit per solve for :func:`trial_plans`' plans (at exposure 0 many plans tie, and a
-#: program may run into any limit; the plan it has by then is good enough to be tried)
+#: CBC's limit per solve for :func:`trial_plans`' plans made by the ILP (``method="ilp"``): a
+#: trial's plan need not be proven optimal, only good enough to be tried
 TRIAL_SOLVE_S = 5.0
 #: the most recipes one rebuild may chain in a plan (a recomputed group whose recipe reads a
-#: recomputed group rebuilds that one first, and so on): a ResNet bottleneck's output rebuilds
-#: its block back to the first convolution's output in 5. Longer chains made ResNet-50's program
-#: too hard for CBC within its time limit.
+#: recomputed group rebuilds that one first, and so on): enough for a ResNet bottleneck's output
+#: to rebuild its block back to the first convolution's output (5), and a bound on the ILP's
+#: rebuild candidates, which grow with it
 MAX_CHAIN = 5
 
 
@@ -287,22 +288,6 @@ def smaller_headrooms(budget: int, headroom: float,
     return ladder
 
 
-def plan_with_less_headroom(error: Exception, budget: int, headroom: float,
-                            plan_for) -> OffloadPlan | None:
-    """After ``error`` for :func:`planning_target` at ``headroom``: where it is an
-    :class:`InfeasibleError` (no plan fits; not a solver's failure, where a plan may exist), the
-    first plan ``plan_for(target)`` makes for the targets of :func:`smaller_headrooms` (none
-    below the least peak ``error`` found), its ``target`` the one it met; None where none meets
-    any (the runtime and an off-GPU replay alike)."""
-    if not isinstance(error, InfeasibleError):
-        return None
-    for _, target in smaller_headrooms(budget, headroom, getattr(error, "least_peak", None)):
-        try:
-            return plan_for(target)
-        except MucudnnError:
-            continue
-    return None
-
 
 def profile_from_dict(fields: Mapping) -> StepProfile:
     """The :class:`StepProfile` whose ``dataclasses.asdict`` is ``fields`` (what
@@ -350,143 +335,6 @@ def least_times(profiles: Sequence[StepProfile]) -> StepProfile:
         d2h_gbps=max(p.d2h_gbps for p in alike), h2d_gbps=max(p.h2d_gbps for p in alike),
         forward_clock=least_clock([p.forward_clock for p in alike]),
         backward_clock=least_clock([p.backward_clock for p in alike]))
-
-
-#: micro-batches a staged chain's backward may run in (:func:`stage_chunks`): the fewest whose
-#: chunk is no larger than the rest of the backward's non-saved memory
-STAGE_CHUNKS = (2, 4, 8)
-#: the most ends of the leading chain the session weighs a staged plan at (its first pooling
-#: layers: where the activations shrink)
-STAGE_ENDS = 2
-#: the least predicted gain (a share of the plain plan's step) for which a staged plan is taken
-#: over a plain one: the staged step reruns the chain's forward and sums its gradients over
-#: chunks, so it is taken for a step in the plans' time, not for noise
-STAGE_MIN_GAIN = 0.02
-
-
-@dataclass(frozen=True)
-class Stage:
-    """The step's leading chain of per-sample layers (convolutions, activations, pooling) run
-    without saving anything (its forward under ``no_grad``) and, in the backward, again in
-    ``chunks`` micro-batches, each rerun and differentiated at once (docs/torch.md, "Staging").
-    In profile terms: the groups ``first_group..end_group - 1`` it saved, but its input, leave the
-    plan, its input is one group saved at ``first_group`` (``input_group``: the profile's group
-    that is that input, where it saved it), and its backward points (the last of the step) become
-    one, at which a chunk's share of their memory is live."""
-
-    modules: int          # leaf modules in it, from the step's first
-    first_group: int
-    end_group: int
-    input_group: int | None
-    input_bytes: int
-    chunks: int
-    forward_ms: float     # its forward's recorded time: what the backward runs again
-
-    def describe(self) -> str:
-        return (f"its first {self.modules} layers staged (rerun in {self.chunks} micro-batches "
-                f"in the backward, {self.forward_ms:.1f} ms)")
-
-
-def _stage_points(profile: StepProfile, stage: Stage) -> tuple[list[int], int] | None:
-    """(the stage's groups, its first backward point), or None where other groups are still
-    unpacked from that point on (its backward is not the step's last)."""
-    inside = [g for g in range(stage.first_group, stage.end_group) if g != stage.input_group]
-    if not inside or stage.end_group > len(profile.groups):
-        return None
-    start = min(profile.groups[g].first_unpack for g in inside)
-    members = set(inside) | {stage.input_group}
-    if any(group.last_unpack >= start for index, group in enumerate(profile.groups)
-           if index not in members):
-        return None
-    return inside, start
-
-
-def _stage_peak(profile: StepProfile, inside: Sequence[int], start: int) -> tuple[int, int]:
-    """(the floor at the stage's first backward point, the most any of its backward points held
-    with its groups kept: a kept group is live through its last unpack)."""
-    peak = max(profile.baseline_backward[point]
-               + sum(profile.groups[g].nbytes for g in inside
-                     if profile.groups[g].last_unpack >= point)
-               for point in range(start, profile.unpacks))
-    return profile.floor(start), peak
-
-
-def stage_chunks(profile: StepProfile, stage: Stage) -> int | None:
-    """The fewest of :data:`STAGE_CHUNKS` for which the staged backward's chunk holds no more
-    than the rest of the backward's non-saved memory at most (then the stage no longer sets the
-    backward's peak); the most of them where none does. None where ``stage`` cannot be staged."""
-    points = _stage_points(profile, stage)
-    if points is None:
-        return None
-    inside, start = points
-    floor, peak = _stage_peak(profile, inside, start)
-    rest = max(profile.baseline_backward[:start], default=0)
-    for chunks in STAGE_CHUNKS:
-        if floor + (peak - floor) / chunks <= rest:
-            return chunks
-    return STAGE_CHUNKS[-1]
-
-
-def staged_profile(profile: StepProfile, stage: Stage) -> StepProfile | None:
-    """The profile of a step run with ``stage`` (see :class:`Stage`), or None where it cannot be.
-
-    - Groups: those before the stage, its input (kept for its backward: no recipe), those after,
-      renumbered; a recipe reading a staged group is dropped (nothing saved it).
-    - Backward points: those before the stage's, then one: its backward, where the floor there
-      (its output's gradient, parameters and their gradients) and a chunk's share of the most
-      its points held above it are live. Its rerun forward adds to the backward's time.
-    - Forward: the stage's points become its input's, whose baseline is the most any of them held
-      besides their groups plus one of the chain's tensors (its forward keeps its current input
-      and output, saving none)."""
-    points = _stage_points(profile, stage)
-    if points is None:
-        return None
-    inside, start = points
-    staged = set(inside)
-    floor, peak = _stage_peak(profile, inside, start)
-    saved_before = stage.input_group is not None and stage.input_group < stage.first_group
-    renumbered: dict[int, int] = {}
-    groups: list[SavedGroup] = []
-    forward_base: list[int] = []
-    forward_clock: list[float] = []
-
-    def add(index: int | None, group: SavedGroup, base: int, at: int) -> None:
-        if index is not None:
-            renumbered[index] = len(groups)
-        groups.append(group)
-        forward_base.append(base)
-        if profile.forward_clock:
-            forward_clock.append(profile.forward_clock[at])
-
-    for index, group in enumerate(profile.groups):
-        if index == stage.first_group and not saved_before:   # the stage saves its input
-            recorded = profile.groups[stage.input_group] if stage.input_group is not None \
-                else None
-            chain = profile.baseline_forward[stage.first_group:stage.end_group]
-            add(stage.input_group, SavedGroup(
-                stage.input_bytes, min(start, recorded.first_unpack) if recorded else start,
-                start, "stage input", recorded.offloadable if recorded else True),
-                max(chain) + max(profile.groups[g].nbytes for g in inside), index)
-        if index in staged or (index == stage.input_group and not saved_before):
-            continue
-        if index == stage.input_group:        # saved before: the stage's backward reads it last
-            add(index, replace(group, last_unpack=start), profile.baseline_forward[index], index)
-            continue
-        sources = group.recompute_source
-        if sources is not None and any(source in staged for source in sources):
-            group = replace(group, recompute_ms=None, recompute_source=None, rebuild_bytes=None)
-        elif sources is not None:
-            group = replace(group, recompute_source=tuple(renumbered[s] for s in sources))
-        add(index, group, profile.baseline_forward[index], index)
-    chunked = floor + -(-(peak - floor) // stage.chunks)
-    return replace(
-        profile, groups=groups, unpacks=start + 1,
-        backward_ms=profile.backward_ms + stage.forward_ms,
-        baseline_forward=forward_base, forward_clock=forward_clock,
-        baseline_backward=profile.baseline_backward[:start] + [chunked],
-        backward_clock=profile.backward_clock[:start + 1],
-        floor_backward=(profile.floor_backward[:start] + [floor]) if profile.floor_backward
-        else [])
 
 
 def allowed_modes(group: SavedGroup) -> tuple[str, ...]:
@@ -779,148 +627,6 @@ def brute_force(profile: StepProfile, budget: int, lookahead: int = 2,
     return best
 
 
-def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
-                 time_limit_s: float | None = 60, prefetch_margin: float = PREFETCH_MARGIN,
-                 explain: bool = True) -> OffloadPlan:
-    """The fastest valid choice whose modelled peak is within ``budget`` bytes (an ILP; ties go
-    to fewer bytes moved or recomputed). :class:`InfeasibleError` says the least peak any choice
-    reaches when none fits (``explain`` False: only that none fits, without solving for it)."""
-    if budget <= 0:
-        raise ValueError(f"budget must be more than 0 bytes, got {budget}")
-    everything_kept = [KEEP] * len(profile.groups)
-    if peak_memory(profile, everything_kept, lookahead, prefetch_margin) <= budget:
-        return replace(_result(profile, everything_kept, lookahead, prefetch_margin), target=budget)
-    limit = budget
-    for _ in range(3):
-        plan = _solved(profile, lookahead, budget, limit, time_limit_s, prefetch_margin, explain)
-        if plan.peak <= budget:
-            return replace(plan, target=budget)
-        # CBC's feasibility tolerance (1e-7 of the limit) let the peak over by a few bytes:
-        # never over budget
-        limit -= plan.peak - budget + int(2e-7 * limit) + 1
-    raise SolverError(f"the solver chose a plan of peak {describe_size(plan.peak)}, over the "
-                      f"budget of {describe_size(budget)}")
-
-
-def _solved(profile: StepProfile, lookahead: int, budget: int, limit: int,
-            time_limit_s: float | None, prefetch_margin: float = PREFETCH_MARGIN,
-            explain: bool = True) -> OffloadPlan:
-    status, modes = _chained_solve(profile, lookahead, limit, prefetch_margin, time_limit_s)
-    if status == "Infeasible":
-        # also below ``budget`` (a limit lowered after CBC's tolerance let a plan over): no
-        # plan within the budget
-        if not explain:
-            raise InfeasibleError(f"no plan within {describe_size(budget)} prefetching "
-                                  f"{lookahead} unpacks ahead")
-        raise _infeasible(profile, budget, lookahead, prefetch_margin)
-    if status != "Optimal":
-        raise SolverError(f"CBC did not prove an optimal offload plan: {status}")
-    if not valid(profile, modes):
-        raise SolverError("the solver chose an invalid offload plan")
-    return _result(profile, modes, lookahead, prefetch_margin)
-
-
-def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
-                       time_limit_s: float | None = 60, explain: bool = True) -> OffloadPlan:
-    """:func:`plan_offload` with the earliest prefetches that fit: at ``lookahead`` timed by
-    :data:`PREFETCH_MARGIN`, then by half of it, then untimed at ``lookahead`` and each smaller
-    distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
-    prefetch hides more of its copy but holds its group on the device longer, which the largest
-    backward ops may not have room for. Distance 0's :class:`InfeasibleError` (the least peak of
-    all) when none fits; only that one solves for the least peak (a second program per rung,
-    which with chains can take its whole time limit). A rung where CBC found no plan within its
-    time limit (:class:`SolverError`) also goes on to the next (``explain`` False: the last
-    says only that none fits, without that solve): near the least peak, prefetching
-    less leaves more room, and a plan is easier to find (ResNet-50 at 6.25 GiB). Where no rung
-    fits with offloaded tensors released when their copies are due (the profile's
-    ``release_margin``), the ladder runs again with each released at the next forward point
-    (release margin 0): the compute stream then waits there for the copy, the forward bound by
-    the link as vDNN's layer-wise wait (a model whose every plan of the first ladder peaks above
-    the budget, such as the 3-D U-Net at 4 GiB)."""
-    ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
-    ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
-    # the next point only where it releases some offload earlier (not: no forward clock, or
-    # every copy due by the next point already)
-    earlier = profile.release_margin > 0 and any(
-        release_point(profile, index, 0.0) < release_point(profile, index)
-        for index in range(len(profile.groups)))
-    releases = [profile.release_margin] + [0.0] * earlier
-    rungs = [(release, distance, prefetch_margin) for release in releases
-             for distance, prefetch_margin in ladder]
-    for rung, (release, distance, prefetch_margin) in enumerate(rungs):
-        planned = profile if release == profile.release_margin else replace(
-            profile, release_margin=release)
-        try:
-            return plan_offload(planned, budget, distance, time_limit_s, prefetch_margin,
-                                explain=explain and rung == len(rungs) - 1)
-        except (InfeasibleError, SolverError):
-            if rung == len(rungs) - 1:
-                raise
-    raise AssertionError("unreachable: the ladder ends with distance 0")
-
-
-def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead: int = 2,
-                time_limit_s: float | None = 60, larger_budgets: Sequence[int] = (),
-                keep_apart: bool = False) -> list[tuple[str, OffloadPlan]]:
-    """(how it was made, plan) for the plans worth running against ``plan`` (made for ``budget``
-    with the profile's copy exposure), at most one a budget (``budget``, then each of
-    ``larger_budgets`` above it, smallest first) and :data:`TRIAL_MADE` in all, in the order to
-    run them; with ``keep_apart``, last, the simulated fastest of them all again with its small
-    kept groups apart (:attr:`OffloadPlan.keep_apart`: the caching allocator's layout, which the
-    model does not see, decides whether that flushes less or more). The exposure is a measured
-    share of the copies' time (:data:`COPY_EXPOSURE`, ResNet-50), the same for every copy, where
-    in truth a copy costs the compute stream what it waits for it in its queue: little where
-    copies are few and the compute long, much where they queue behind each other
-    (:func:`simulate`). So plans are also made at
-    :data:`TRIAL_EXPOSURES`, and for each larger budget (a smaller headroom: a cheaper plan the
-    caching allocator may not have room for, or only by flushing its cache) at those and the
-    profile's; of each budget's, the one :func:`simulate` finds fastest is tried if it beats
-    every plan before it by :data:`TRIAL_MIN_GAIN`; at ``budget`` that includes the fastest
-    of its plans (``plan`` too) :func:`polished`. None (``[]``) where ``plan`` moves nothing
-    (its exposure then changes nothing). CBC gets at most :data:`TRIAL_SOLVE_S` a solve here. The
-    runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest (of those that did not
-    flush the allocator's cache where any did not): what the allocator does near its cap is no
-    part of the model."""
-    if not plan.moved_bytes:
-        return []
-    tried, best, chosen = [plan], plan.simulated_ms, []
-    solve_s = TRIAL_SOLVE_S if time_limit_s is None else min(time_limit_s, TRIAL_SOLVE_S)
-    rounds = [(budget, "", TRIAL_EXPOSURES)] + [
-        (larger, f" for {larger / 2**30:.2f} GiB",
-         tuple(dict.fromkeys((profile.copy_exposure,) + TRIAL_EXPOSURES)))
-        for larger in sorted(set(larger_budgets)) if larger > budget]
-    for target, where, exposures in rounds:
-        if len(chosen) == TRIAL_MADE:
-            break
-        made = []
-        for exposure in exposures:
-            if target == budget and exposure == profile.copy_exposure:
-                continue
-            try:
-                other = plan_with_prefetch(replace(profile, copy_exposure=exposure), target,
-                                           lookahead, solve_s)
-            except (InfeasibleError, SolverError):
-                continue
-            if not any(_same_plan(other, seen) for seen in tried + [p for _, p in made]):
-                made.append((f"made at copy exposure {exposure:g}{where}", other))
-        if target == budget:
-            # the simulated fastest of the target's plans, polished on the simulation
-            label, fastest = min([("as made", plan)] + made,
-                                 key=lambda entry: entry[1].simulated_ms)
-            better = polished(profile, fastest, solve_s)
-            if better is not fastest and not any(_same_plan(better, seen) for seen in tried):
-                made.append((f"{label}, polished on its simulation", better))
-        tried += [p for _, p in made]
-        if made:
-            label, fastest = min(made, key=lambda entry: entry[1].simulated_ms)
-            if fastest.simulated_ms < best * (1 - TRIAL_MIN_GAIN):
-                chosen.append((label, fastest))
-                best = fastest.simulated_ms
-    label, fastest = chosen[-1] if chosen else ("as made", plan)
-    if keep_apart and kept_apart(profile, fastest.modes):
-        chosen.append((f"{label}, its small kept groups apart", replace(fastest, keep_apart=True)))
-    return chosen
-
 
 def kept_apart(profile: StepProfile, modes: Sequence[str]) -> list[int]:
     """The groups a plan of ``modes`` run with :attr:`OffloadPlan.keep_apart` copies apart: kept,
@@ -930,87 +636,11 @@ def kept_apart(profile: StepProfile, modes: Sequence[str]) -> list[int]:
             if mode == KEEP and group.offloadable and group.nbytes <= largest * KEEP_APART_SHARE]
 
 
-def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None = TRIAL_SOLVE_S
-             ) -> OffloadPlan:
-    """``plan`` improved by :func:`simulate`: the first change of one group's mode, else of two,
-    that keeps the plan valid and its modelled peak within its target and shortens its simulated
-    step, taken, until none does (or ``time_limit_s`` has passed). The program minimises the
-    time model, linear in the choices, where every copy costs the same exposure share; the
-    simulation queues them (what polishing gains: benchmarks/results/pressure)."""
-    if not plan.target:
-        return plan
-    profile = replace(profile, release_margin=plan.release_margin)
-    lookahead, prefetch_margin = plan.lookahead, plan.prefetch_margin
-    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
-
-    def simulated(modes) -> float | None:
-        if not valid(profile, modes) or \
-                peak_memory(profile, modes, lookahead, prefetch_margin) > plan.target:
-            return None
-        return simulate(profile, modes, lookahead, prefetch_margin).step_ms
-
-    modes = list(plan.modes)
-    best = simulate(profile, plan.modes, lookahead, prefetch_margin).step_ms
-    improved = True
-    while improved and (deadline is None or time.monotonic() < deadline):
-        improved = False
-        changes = [(index, mode) for index, group in enumerate(profile.groups)
-                   for mode in allowed_modes(group) if mode != modes[index]]
-        moves = itertools.chain(((change,) for change in changes),
-                                ((a, b) for a, b in itertools.combinations(changes, 2)
-                                 if a[0] != b[0]))
-        for move in moves:
-            candidate = list(modes)
-            for index, mode in move:
-                candidate[index] = mode
-            step = simulated(candidate)
-            if step is not None and step < best - 1e-6:
-                modes, best, improved = candidate, step, True
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-    if modes == list(plan.modes):
-        return plan
-    return replace(_result(profile, modes, lookahead, prefetch_margin), target=plan.target)
-
 
 def _same_plan(a: OffloadPlan, b: OffloadPlan) -> bool:
     return ((a.modes, a.lookahead, a.prefetch_margin, a.releases)
             == (b.modes, b.lookahead, b.prefetch_margin, b.releases))
 
-
-def least_peak(profile: StepProfile, lookahead: int = 2,
-               prefetch_margin: float = PREFETCH_MARGIN) -> int:
-    """The smallest modelled peak any valid choice reaches."""
-    modes = _least_peak_modes(profile, lookahead, prefetch_margin)
-    return peak_memory(profile, modes, lookahead, prefetch_margin)
-
-
-def _least_peak_modes(profile: StepProfile, lookahead: int,
-                      prefetch_margin: float = PREFETCH_MARGIN) -> list[str]:
-    status, modes = _chained_solve(profile, lookahead, None, prefetch_margin, 60)
-    if status != "Optimal":
-        raise SolverError("CBC did not find the least peak of this step")
-    return modes
-
-
-def _chained_solve(profile: StepProfile, lookahead: int, budget: int | None, prefetch_margin: float,
-                   time_limit_s: float | None) -> tuple[str, list[str] | None]:
-    """(status, modes) of :func:`_program`. Chains (a group rebuilt before its first unpack) make
-    the program harder for CBC, which can reach its time limit with no plan at all: then the
-    program without them (each group rebuilt at its first unpack; a subset of the plans) is
-    solved instead. (A start from that program's plan made CBC overrun its time limit by
-    minutes, with worse plans.)"""
-    problem, picks, _ = _program(profile, lookahead, budget, prefetch_margin)
-    status = _solve(problem, time_limit_s)
-    if status in ("Optimal", "Infeasible") or not any(
-            len(points) > 1 for points in rebuild_candidates(profile)):
-        return status, (_picked(picks) if status == "Optimal" else None)
-    problem, picks, _ = _program(profile, lookahead, budget, prefetch_margin, chains=False)
-    fallback = _solve(problem, time_limit_s)
-    if fallback == "Optimal":
-        return fallback, _picked(picks)
-    return status, None
 
 
 def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
@@ -1038,160 +668,15 @@ def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
     return clock, point, baseline, sorted(((b, g) for g, b in there.items()), reverse=True)
 
 
-def _infeasible(profile: StepProfile, budget: int, lookahead: int,
-                prefetch_margin: float = PREFETCH_MARGIN) -> InfeasibleError:
-    """The error of a budget no choice meets at ``lookahead``: the least peak any choice
-    reaches, where, and what is there: the baseline (what the recorded step allocated beside its
-    saved groups) and the largest saved groups."""
-    modes = _least_peak_modes(profile, lookahead, prefetch_margin)
-    least = peak_memory(profile, modes, lookahead, prefetch_margin)
-    clock, point, baseline, saved = peak_point(profile, modes, lookahead, prefetch_margin)
-    largest = ", ".join(f"group {g} ({profile.groups[g].producer or 'op'}, {modes[g]}, "
-                        f"{describe_size(b)})" for b, g in saved[:3])
-    error = InfeasibleError(
-        f"memory budget {describe_size(budget)} is too small for this step: keeping, offloading "
-        f"or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
-        f"{describe_size(least)} at least"
-        + (f" (prefetching {lookahead} unpacks ahead)" if lookahead else "")
-        + f", at {clock} point {point}: {describe_size(baseline)} not saved tensors "
-        "(parameters, gradients, optimizer state, the op's inputs, outputs and workspace, as the "
-        f"recorded step allocated them) and {describe_size(least - baseline)} saved"
-        + (f" ({largest})" if largest else ""))
-    error.least_peak = least
-    return error
 
 
-def _program(profile: StepProfile, lookahead: int, budget: int | None,
-             prefetch_margin: float = PREFETCH_MARGIN, chains: bool = True):
-    """The ILP. With ``budget`` None it minimises the peak instead of the time. ``chains``
-    False: every recomputed group rebuilt at its first unpack (a smaller program)."""
-    import pulp
+# The planning methods and staging live beside this model; every name the runtime, the
+# benchmarks and the tests use is importable from here (``planner.X``). Imported last: those
+# modules import the model above.
+from .planner_stage import (STAGE_CHUNKS, STAGE_ENDS, STAGE_MIN_GAIN, Stage,  # noqa: E402,F401
+                            _stage_peak, _stage_points, stage_chunks, staged_profile)
+from .planning import (FAST, ILP, METHODS, _infeasible, _least_peak_modes,  # noqa: E402,F401
+                       least_peak, plan_offload, plan_with_less_headroom, plan_with_prefetch,
+                       polished, trial_plans)
 
-    problem = pulp.LpProblem("offload", pulp.LpMinimize)
-    picks: list[dict[str, pulp.LpVariable]] = []
-    for index, group in enumerate(profile.groups):
-        modes = allowed_modes(group)
-        x = {mode: problem.add_variable(f"x_{index}_{mode}", cat=pulp.LpBinary) for mode in modes}
-        problem += pulp.lpSum(x.values()) == 1
-        picks.append(x)
-    # Where each recomputed group is rebuilt: one binary per candidate point, their sum its
-    # recompute binary. A recomputed source is rebuilt no later than its recomputed readers, and
-    # before its first unpack only where one of them is rebuilt at that very point: so exactly
-    # where the runtime rebuilds it (:func:`rebuild_points`), its transient included.
-    candidates = rebuild_candidates(profile) if chains else [
-        [group.first_unpack] if RECOMPUTE in allowed_modes(group) else []
-        for group in profile.groups]
-    rebuilds: list[dict[int, pulp.LpVariable]] = []
-    for index, x in enumerate(picks):
-        at = {}
-        if RECOMPUTE in x:
-            at = {point: problem.add_variable(f"r_{index}_{point}", cat=pulp.LpBinary)
-                  for point in candidates[index]}
-            problem += pulp.lpSum(at.values()) == x[RECOMPUTE]
-        rebuilds.append(at)
-    for index, group in enumerate(profile.groups):
-        if RECOMPUTE not in picks[index]:
-            continue
-        for source in group.recompute_source:
-            if RECOMPUTE not in picks[source]:
-                problem += picks[index][RECOMPUTE] <= picks[source][KEEP]
-                continue
-            for point, r in rebuilds[index].items():
-                problem += r <= picks[source][KEEP] + pulp.lpSum(
-                    v for p, v in rebuilds[source].items() if p <= point)
-    reading = readers(profile)
-    for index, group in enumerate(profile.groups):
-        for point, r in rebuilds[index].items():
-            if point != group.first_unpack:
-                problem += r <= pulp.lpSum(rebuilds[reader][point] for reader in reading[index]
-                                           if point in rebuilds[reader])
-    forward = [pulp.LpAffineExpression() + base for base in profile.baseline_forward]
-    live = [pulp.LpAffineExpression() for _ in range(profile.unpacks)]   # backward, saved groups
-    # the transient of the rebuilds at each point: the largest of the groups rebuilt there
-    largest: dict[int, list] = defaultdict(list)
-    for index, at in enumerate(rebuilds):
-        for point, r in at.items():
-            if profile.groups[index].transient:
-                largest[point].append(profile.groups[index].transient * r)
-    rebuilding = {}   # backward point -> the transient there (on the floor, with the live groups)
-    for point, terms in largest.items():
-        if len(terms) == 1:
-            rebuilding[point] = terms[0]
-            continue
-        transient = problem.add_variable(f"transient_{point}", lowBound=0)
-        for term in terms:
-            problem += transient >= term
-        rebuilding[point] = transient
-    for index, group in enumerate(profile.groups):
-        chosen = [(mode, x, None) for mode, x in picks[index].items() if mode != RECOMPUTE]
-        chosen += [(RECOMPUTE, r, point) for point, r in rebuilds[index].items()]
-        for mode, x, point in chosen:
-            for nbytes, f_points, b_points in contributions(profile, index, mode, lookahead,
-                                                            prefetch_margin, point):
-                for t in f_points:
-                    forward[t] += nbytes * x
-                for t in b_points:
-                    live[t] += nbytes * x
-    # each backward point twice where something is rebuilt there: the node's own peak, and the
-    # rebuild's on the floor before the node runs
-    backward = [base + saved for base, saved in zip(profile.baseline_backward, live)]
-    rebuild_peaks = [profile.floor(point) + transient + live[point]
-                     for point, transient in sorted(rebuilding.items())]
-    peak = problem.add_variable("peak", lowBound=0)
-    # Bytes in GiB (or in budgets) inside the program: CBC's tolerances are relative to
-    # coefficients near 1 (the caller checks the peak in bytes).
-    scale = 2.0 ** -30 if budget is None else 1.0 / budget
-    for expression in forward + backward + rebuild_peaks:
-        if budget is None:
-            problem += scale * expression <= peak
-        else:
-            problem += scale * expression <= 1.0
-    if budget is None:
-        problem += peak
-        return problem, picks, peak
-    moved = pulp.lpSum(g.nbytes * x[OFFLOAD] for g, x in zip(profile.groups, picks)
-                       if OFFLOAD in x)
-    recompute = pulp.lpSum(g.recompute_ms * x[RECOMPUTE] for g, x in zip(profile.groups, picks)
-                           if RECOMPUTE in x)
-    forward_ms = problem.add_variable("forward_ms", lowBound=profile.forward_ms)
-    backward_ms = problem.add_variable("backward_ms", lowBound=0)
-    offload_ms = moved * (1e3 / (profile.d2h_gbps * 1e9))
-    problem += forward_ms >= offload_ms
-    fetch_ms = moved * (1e3 / (profile.h2d_gbps * 1e9))
-    if lookahead == 0:   # fetched when needed: the backward waits for each copy
-        problem += backward_ms >= profile.backward_ms + recompute + fetch_ms
-    else:
-        problem += backward_ms >= profile.backward_ms + recompute
-        problem += backward_ms >= fetch_ms
-    # Ties (the copies hidden behind compute either way) go to less traffic: 1 ms per 2^40 bytes
-    # moved or recomputed, far below any real time difference.
-    tie = pulp.lpSum(g.nbytes * (x.get(OFFLOAD, 0) + x.get(RECOMPUTE, 0)) * 2.0 ** -40
-                     for g, x in zip(profile.groups, picks))
-    exposed = profile.copy_exposure * (offload_ms + fetch_ms)
-    problem += forward_ms + backward_ms + exposed + tie
-    return problem, picks, peak
-
-
-def _solve(problem, time_limit_s) -> str:
-    import pulp
-
-    from ..optimizer.ilp import run_cbc
-    status = run_cbc(problem, time_limit_s)
-    if status == pulp.LpStatusInfeasible:
-        return "Infeasible"
-    if status == pulp.LpStatusOptimal and problem.sol_status in (
-            pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        # integer feasible: CBC stopped at the time limit with a valid plan (its peak is checked
-        # by the caller); a good plan now is worth more than a proof of optimality later
-        return "Optimal"
-    return f"{pulp.LpStatus.get(status, status)} / {pulp.LpSolution.get(problem.sol_status)}"
-
-
-def _picked(picks: Sequence[Mapping]) -> list[str]:
-    modes = []
-    for index, x in enumerate(picks):
-        chosen = [mode for mode, var in x.items() if (var.varValue or 0) > 0.5]
-        if len(chosen) != 1:
-            raise SolverError(f"saved group {index}: the solver picked {len(chosen)} modes")
-        modes.append(chosen[0])
-    return modes
+from .planner_ilp import _chained_solve, _picked, _program, _solve  # noqa: E402,F401

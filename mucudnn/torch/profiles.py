@@ -143,7 +143,8 @@ class Replayed:
 
 def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
            lookahead: int = LOOKAHEAD, time_limit_s: float | None = PLAN_TIME_LIMIT_S,
-           trials: bool = False, keep_apart: bool = KEEP_APART) -> Replayed:
+           trials: bool = False, keep_apart: bool = KEEP_APART,
+           method: str = planner.FAST) -> Replayed:
     """The plan an :class:`OffloadSession` with these options makes for ``budget`` after
     recording ``profile`` (its first plan, before any step runs it): for
     :func:`planner.planning_target`, else, where no plan meets that (an
@@ -151,17 +152,18 @@ def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
     :func:`planner.plan_with_less_headroom`; with ``trials``, the others the session would run
     against it (:func:`planner.trial_plans`; for smaller headrooms too, unless the target was
     lowered). A solver's failure at the first target (a plan may exist) leaves no plan, as in
-    the session."""
+    the session. ``method``: the planner's (planning.py: the session's fast one, or the ILP)."""
     target = planner.planning_target(budget, headroom)
     error = None
     start = time.perf_counter()
     try:
-        plan = planner.plan_with_prefetch(profile, target, lookahead, time_limit_s)
+        plan = planner.plan_with_prefetch(profile, target, lookahead, time_limit_s,
+                                          method=method)
     except MucudnnError as exc:
         error = exc
         plan = planner.plan_with_less_headroom(
             exc, budget, headroom, lambda lower: planner.plan_with_prefetch(
-                profile, lower, lookahead, time_limit_s, explain=False))
+                profile, lower, lookahead, time_limit_s, explain=False, method=method))
         if plan is not None:
             target = plan.target
     plan_s = time.perf_counter() - start
@@ -170,7 +172,7 @@ def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
     start = time.perf_counter()
     larger = planner.trial_budgets(budget, headroom) if error is None else ()
     others = planner.trial_plans(profile, target, plan, lookahead, time_limit_s, larger,
-                                 keep_apart=keep_apart)
+                                 keep_apart=keep_apart, method=method)
     return Replayed(budget, target, plan, error, plan_s, others, time.perf_counter() - start)
 
 

@@ -427,7 +427,7 @@ def test_a_chained_program_with_no_plan_in_time_falls_back_to_rebuilds_at_first_
 
     monkeypatch.setattr(planner, "_solve", first_finds_nothing)
     budget = int(peak_memory(profile, [KEEP] * 6, 2) * 0.7)
-    plan = plan_offload(profile, budget)
+    plan = plan_offload(profile, budget, method="ilp")
     assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
     assert all(point is None or point == profile.groups[g].first_unpack
                for g, point in enumerate(planner.rebuild_points(profile, plan.modes)))
@@ -493,7 +493,7 @@ def test_a_rung_where_cbc_finds_no_plan_in_time_goes_on_to_prefetch_less(monkeyp
         return solve(problem, time_limit_s)
 
     monkeypatch.setattr(planner, "_solve", nothing_at_first)
-    plan = plan_with_prefetch(profile, budget)
+    plan = plan_with_prefetch(profile, budget, method="ilp")
     assert not any(len(p) > 1 for p in planner.rebuild_candidates(profile))
     assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
     assert plan.prefetch_margin == planner.PREFETCH_MARGIN / 2      # the second rung's
@@ -585,7 +585,7 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     times = {(0.0, 10): 95.0, (0.2, 10): 97.0,                   # the same budget: 95 is tried
              (0.6, 20): 99.0, (0.0, 20): 94.7, (0.2, 20): 96.0,  # 0.3 % faster: not tried
              (0.6, 30): 91.0, (0.0, 30): 90.0, (0.2, 30): 92.0}  # the largest: 90
-    monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, lookahead, limit: (
+    monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, *args, **kwargs: (
         _fake_plan(f"{p.copy_exposure}@{budget}", times[(p.copy_exposure, budget)])))
     tried = planner.trial_plans(profile, 10, made, larger_budgets=[30, 20, 5])
     assert [(label, plan.simulated_ms) for label, plan in tried] == [
@@ -602,7 +602,7 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     monkeypatch.setattr(planner, "kept_apart", lambda profile, modes: [0])
     apart = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40], keep_apart=True)
     monkeypatch.undo()
-    monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, lookahead, limit: (
+    monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, *args, **kwargs: (
         _fake_plan(f"{p.copy_exposure}@{budget}", times[(p.copy_exposure, budget)])))
     assert [p for _, p in apart[:-1]] == [p for _, p in tried]
     assert not any(p.keep_apart for _, p in apart[:-1])
@@ -615,13 +615,13 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
         times[key] += 20
     assert planner.trial_plans(profile, 10, made, larger_budgets=[20]) == []
     monkeypatch.setattr(planner, "plan_with_prefetch",
-                        lambda p, budget, lookahead, limit: _fake_plan("made", 50.0))
+                        lambda p, budget, *args, **kwargs: _fake_plan("made", 50.0))
     assert planner.trial_plans(profile, 10, made, larger_budgets=[20]) == []
     # a plan that moves nothing is tried against nothing; a budget the solver cannot meet is
     # skipped
     assert planner.trial_plans(profile, 10, _fake_plan("kept", 100.0, moved=0)) == []
 
-    def infeasible_at_zero(p, budget, lookahead, limit):
+    def infeasible_at_zero(p, budget, lookahead, limit, **kwargs):
         if p.copy_exposure == 0.0:
             raise InfeasibleError("no plan")
         return _fake_plan("at 0.2", 80.0)
@@ -680,7 +680,7 @@ def test_trial_plans_try_the_plan_made_polished_on_its_simulation(monkeypatch):
     # no plan at the other exposures: the plan made, polished, is the one tried
     profile, slow = slow_offload_plan()
 
-    def infeasible(*args):
+    def infeasible(*args, **kwargs):
         raise InfeasibleError("no plan")
     monkeypatch.setattr(planner, "plan_with_prefetch", infeasible)
     tried = planner.trial_plans(profile, 24 * MiB, slow)

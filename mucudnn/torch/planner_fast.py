@@ -1,0 +1,596 @@
+"""The fast planner: the ILP's plan (planner_ilp.py) found without a solver, in milliseconds.
+
+The program is the same: one mode per saved group, :func:`planner.valid`, the modelled peak
+(:func:`planner.peak_memory`, with rebuilds where :func:`planner.rebuild_points` puts them)
+within the target, the least :func:`planner.step_time` (plus the ILP's tie term: less traffic).
+The method:
+
+1. **Construction.** From everything kept, the change of one group's mode that frees the most
+   excess memory (bytes above the target, summed over the step's points) per millisecond it adds
+   to the step, taken until nothing is above the target (a lazy greedy: a change's ratio is
+   evaluated again only when it comes to the top).
+2. **Improvement.** On a plan within the target: each moved group's change to a cheaper mode
+   where the plan stays within the target, and each such change paired with the cheapest other
+   change that brings the plan back within it, taken while they shorten the step.
+3. **Where the construction finds nothing to change** with memory still above the target, the
+   plan of the least peak (:func:`least_peak_modes`, itself a descent on the peak) is the start
+   where it fits, else the target is taken as infeasible (:class:`InfeasibleError` then says the
+   least peak the descent found; how near that comes to the ILP's least peak:
+   benchmarks/results/planning-time.md).
+
+Memory is kept as one array over the step's points (forward points, then backward points) and
+changed by intervals: a group's liveness in a mode is at most three intervals of points (a kept
+group's is one), so a change is evaluated on the points it touches, not the whole step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Sequence
+
+import numpy as np
+
+from . import planner as model
+from .planner import KEEP, OFFLOAD, RECOMPUTE, PREFETCH_MARGIN, StepProfile
+
+#: the ILP's tie term (planner_ilp.py): ms per byte moved or recomputed, far below any real time
+#: difference, so that of two plans of one step the one moving fewer bytes is taken
+TIE_MS_PER_BYTE = 2.0 ** -40
+#: the most improvement rounds (each a pass over the moved groups); a round that changes nothing
+#: ends the search earlier
+IMPROVE_ROUNDS = 8
+
+
+class Layout:
+    """A profile's liveness at one prefetch distance and margin (its release margin the
+    profile's): per group and mode, the intervals of points at which it is on the device, on one
+    axis of ``G + U`` points (forward point ``t`` at ``t``, backward point ``p`` at ``G + p``)."""
+
+    def __init__(self, profile: StepProfile, lookahead: int,
+                 prefetch_margin: float = PREFETCH_MARGIN):
+        self.profile, self.lookahead, self.prefetch_margin = profile, lookahead, prefetch_margin
+        groups = profile.groups
+        g = self.g = len(groups)
+        self.size = g + profile.unpacks
+        self.base = np.array(list(profile.baseline_forward) + list(profile.baseline_backward),
+                             dtype=np.int64)
+        self.floor = [profile.floor(p) for p in range(profile.unpacks)]
+        self.nbytes = [group.nbytes for group in groups]
+        self.first = [group.first_unpack for group in groups]
+        self.last = [group.last_unpack for group in groups]
+        self.transient = [group.transient for group in groups]
+        self.sources = [tuple(group.recompute_source or ()) for group in groups]
+        self.readers = model.readers(profile)
+        self.allowed = [model.allowed_modes(group) for group in groups]
+        self.recompute_ms = [group.recompute_ms or 0.0 for group in groups]
+        #: per group, the points a plan may rebuild it at (the ILP's candidates: no chain longer
+        #: than planner.MAX_CHAIN recipes)
+        self.candidates = [set(points) for points in model.rebuild_candidates(profile)]
+        self.fixed: list[dict[str, list[tuple[int, int, int]]]] = []
+        for index, group in enumerate(groups):
+            n, last = group.nbytes, group.last_unpack
+            spans = {KEEP: [(n, index, g + last + 1)]}
+            if OFFLOAD in self.allowed[index]:
+                release = model.release_point(profile, index)
+                fetch = model.prefetch_point(profile, index, lookahead, prefetch_margin)
+                spans[OFFLOAD] = [(n, index, min(release + 1, g)), (n, g + fetch, g + last + 1)]
+            if RECOMPUTE in self.allowed[index]:
+                # without its backward interval, which starts where it is rebuilt
+                held = [(groups[s].nbytes, g + groups[s].last_unpack + 1, g + last + 1)
+                        for s in self.sources[index] if last > groups[s].last_unpack]
+                spans[RECOMPUTE] = [(n, index, min(index + 2, g))] + held
+            self.fixed.append(spans)
+        self.ms_per_byte_d2h = 1e3 / (profile.d2h_gbps * 1e9)
+        self.ms_per_byte_h2d = 1e3 / (profile.h2d_gbps * 1e9)
+
+    def spans(self, index: int, mode: str, rebuilt: int | None) -> list[tuple[int, int, int]]:
+        """(bytes, first point, end point) of group ``index`` in ``mode`` (rebuilt at backward
+        point ``rebuilt`` where recomputed)."""
+        found = self.fixed[index][mode]
+        if mode == RECOMPUTE:
+            found = found + [(self.nbytes[index], self.g + rebuilt, self.g + self.last[index] + 1)]
+        return found
+
+    def cost(self, moved: int, recompute_ms: float, traffic: int) -> float:
+        """:func:`planner.step_time` of ``moved`` bytes offloaded and ``recompute_ms`` of recipes,
+        plus the tie term for ``traffic`` bytes moved or recomputed."""
+        profile = self.profile
+        offload = moved * self.ms_per_byte_d2h
+        fetch = moved * self.ms_per_byte_h2d
+        backward = profile.backward_ms + recompute_ms
+        return (max(profile.forward_ms, offload)
+                + (backward + fetch if self.lookahead == 0 else max(backward, fetch))
+                + profile.copy_exposure * (offload + fetch) + traffic * TIE_MS_PER_BYTE)
+
+
+class State:
+    """One plan's modes with its memory at every point, changed group by group."""
+
+    def __init__(self, layout: Layout, modes: Sequence[str]):
+        self.layout = layout
+        self.modes = list(modes)
+        self.rebuilt = model.rebuild_points(layout.profile, self.modes)
+        self.moved = sum(n for n, m in zip(layout.nbytes, self.modes) if m == OFFLOAD)
+        self.recompute_ms = math.fsum(t for t, m in zip(layout.recompute_ms, self.modes)
+                                      if m == RECOMPUTE)
+        self.traffic = sum(n for n, m in zip(layout.nbytes, self.modes) if m != KEEP)
+        # backward point -> {group rebuilt there: its transient}
+        self.rebuilds: dict[int, dict[int, int]] = {}
+        for index, point in enumerate(self.rebuilt):
+            if point is not None:
+                self.rebuilds.setdefault(point, {})[index] = layout.transient[index]
+        diff = np.zeros(layout.size + 1, dtype=np.int64)
+        for index, mode in enumerate(self.modes):
+            for n, lo, hi in layout.spans(index, mode, self.rebuilt[index]):
+                if lo < hi:
+                    diff[lo] += n
+                    diff[hi] -= n
+        self.memory = layout.base + np.cumsum(diff[:-1])
+        for point in self.rebuilds:
+            self.memory[layout.g + point] += self._lift(point, self.rebuilds[point])
+
+    def _lift(self, point: int, rebuilt: dict[int, int]) -> int:
+        """What the rebuilds at backward ``point`` add above its baseline (the largest transient
+        on the floor there, where it is above the baseline)."""
+        if not rebuilt:
+            return 0
+        base = int(self.layout.base[self.layout.g + point])
+        return max(0, self.layout.floor[point] + max(rebuilt.values()) - base)
+
+    def cost(self) -> float:
+        return self.layout.cost(self.moved, self.recompute_ms, self.traffic)
+
+    def peak(self) -> int:
+        return int(self.memory.max()) if self.layout.size else 0
+
+    def cost_after(self, changes: dict[int, str]) -> float:
+        """:meth:`cost` after ``changes`` (group -> mode): it depends on the modes alone."""
+        layout = self.layout
+        moved, recompute_ms, traffic = self.moved, self.recompute_ms, self.traffic
+        for index, new_mode in changes.items():
+            old_mode, n = self.modes[index], layout.nbytes[index]
+            if old_mode == new_mode:
+                continue
+            moved += n * ((new_mode == OFFLOAD) - (old_mode == OFFLOAD))
+            recompute_ms += layout.recompute_ms[index] * (
+                (new_mode == RECOMPUTE) - (old_mode == RECOMPUTE))
+            traffic += n * ((new_mode != KEEP) - (old_mode != KEEP))
+        return layout.cost(moved, recompute_ms, traffic)
+
+    def valid_change(self, changes: dict[int, str]) -> bool:
+        """Whether ``changes`` (group -> mode) leave every recomputed group's sources not
+        offloaded (the changed groups and their readers)."""
+        layout, modes = self.layout, self.modes
+
+        def mode_of(index):
+            return changes.get(index, modes[index])
+        for index, mode in changes.items():
+            if mode not in layout.allowed[index]:
+                return False
+            if mode == RECOMPUTE and any(mode_of(s) == OFFLOAD for s in layout.sources[index]):
+                return False
+            if mode == OFFLOAD and any(mode_of(r) == RECOMPUTE for r in layout.readers[index]):
+                return False
+        return True
+
+    def change(self, changes: dict[int, str]):
+        """What ``changes`` (group -> mode; :meth:`valid_change`) do: (the memory delta as
+        (bytes, first, end) intervals, {backward point: its new lift}, {group: its new rebuild
+        point}, the cost's new terms (moved, recompute ms, traffic)); None where a group would
+        be rebuilt at a point no plan may rebuild it at (:attr:`Layout.candidates`)."""
+        layout, modes, rebuilt = self.layout, self.modes, self.rebuilt
+        new_points: dict[int, int | None] = {}
+        pending = [-index for index in changes]
+        heapq.heapify(pending)
+        seen = set(changes)
+        while pending:   # readers before sources: a source's point depends on its readers'
+            index = -heapq.heappop(pending)
+            mode = changes.get(index, modes[index])
+            point = None
+            if mode == RECOMPUTE:
+                point = layout.first[index]
+                for reader in layout.readers[index]:
+                    if changes.get(reader, modes[reader]) == RECOMPUTE:
+                        at = new_points.get(reader, rebuilt[reader]) if reader in new_points \
+                            else rebuilt[reader]
+                        if at is not None and at < point:
+                            point = at
+            if point is not None and point not in layout.candidates[index]:
+                return None        # a chain longer than planner.MAX_CHAIN recipes
+            if point != rebuilt[index] or index in changes:
+                new_points[index] = point
+                for source in layout.sources[index]:
+                    if source not in seen:
+                        seen.add(source)
+                        heapq.heappush(pending, -source)
+        intervals = []
+        moved, recompute_ms, traffic = self.moved, self.recompute_ms, self.traffic
+        touched: dict[int, dict[int, int]] = {}
+        for index, point in new_points.items():
+            old_mode, new_mode = modes[index], changes.get(index, modes[index])
+            old_point = rebuilt[index]
+            if old_mode == new_mode and old_point == point:
+                continue
+            for n, lo, hi in layout.spans(index, old_mode, old_point):
+                intervals.append((-n, lo, hi))
+            for n, lo, hi in layout.spans(index, new_mode, point):
+                intervals.append((n, lo, hi))
+            if old_point is not None:
+                touched.setdefault(old_point, dict(self.rebuilds.get(old_point, {}))).pop(index)
+            if point is not None:
+                touched.setdefault(point, dict(self.rebuilds.get(point, {})))[index] = \
+                    layout.transient[index]
+            if old_mode != new_mode:
+                n = layout.nbytes[index]
+                moved += n * ((new_mode == OFFLOAD) - (old_mode == OFFLOAD))
+                recompute_ms += layout.recompute_ms[index] * (
+                    (new_mode == RECOMPUTE) - (old_mode == RECOMPUTE))
+                traffic += n * ((new_mode != KEEP) - (old_mode != KEEP))
+        lifts = {}
+        for point, there in touched.items():
+            lift = self._lift(point, there) - self._lift(point, self.rebuilds.get(point, {}))
+            if lift:
+                intervals.append((lift, layout.g + point, layout.g + point + 1))
+            lifts[point] = there
+        return intervals, lifts, new_points, (moved, recompute_ms, traffic)
+
+    def window(self, intervals) -> tuple[int, np.ndarray]:
+        """(first point, the memory from there to the last point ``intervals`` touch, with
+        them applied)."""
+        lo = min((i[1] for i in intervals), default=0)
+        hi = max((i[2] for i in intervals), default=0)
+        memory = self.memory[lo:hi].copy()
+        for n, a, b in intervals:
+            if a < b:
+                memory[a - lo:b - lo] += n
+        return lo, memory
+
+    def apply(self, changes: dict[int, str], evaluated=None) -> None:
+        intervals, lifts, new_points, terms = evaluated or self.change(changes)
+        for n, a, b in intervals:
+            if a < b:
+                self.memory[a:b] += n
+        for index, mode in changes.items():
+            self.modes[index] = mode
+        for index, point in new_points.items():
+            self.rebuilt[index] = point
+        for point, there in lifts.items():
+            if there:
+                self.rebuilds[point] = there
+            else:
+                self.rebuilds.pop(point, None)
+        self.moved, self.recompute_ms, self.traffic = terms
+
+
+def _excess(memory: np.ndarray, target: int) -> int:
+    over = memory - target
+    return int(over[over > 0].sum())
+
+
+def _try(state: State, changes: dict[int, str], target: int):
+    """(cost after, excess change, evaluated) of ``changes``, or None where invalid."""
+    if not state.valid_change(changes):
+        return None
+    evaluated = state.change(changes)
+    if evaluated is None:
+        return None
+    intervals = evaluated[0]
+    if intervals:
+        lo, after = state.window(intervals)
+        hi = lo + len(after)
+        gained = _excess(after, target) - _excess(state.memory[lo:hi], target)
+    else:
+        gained = 0
+    return state.layout.cost(*evaluated[3]), gained, evaluated
+
+
+def _fits(state: State, evaluated, target: int) -> bool:
+    """Whether the state after ``evaluated`` (a change of a state within ``target``; None: an
+    invalid one) is within it: only the points the change adds bytes to can go over."""
+    if evaluated is None:
+        return False
+    rising = [i for i in evaluated[0] if i[0] > 0 and i[1] < i[2]]
+    if not rising:
+        return True
+    lo = min(i[1] for i in rising)
+    hi = max(i[2] for i in rising)
+    memory = state.memory[lo:hi].copy()
+    for n, a, b in evaluated[0]:
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            memory[a - lo:b - lo] += n
+    return int(memory.max()) <= target
+
+
+def construct(state: State, target: int) -> bool:
+    """Changes taken on ``state`` until its memory is within ``target`` (True) or no change
+    lowers its excess (False): each time the one of the least added cost per excess byte freed
+    (lazily re-evaluated)."""
+    layout = state.layout
+    excess = _excess(state.memory, target)
+    if not excess:
+        return True
+    version = 0
+    heap = []
+
+    def push(index, mode):
+        if mode == state.modes[index]:
+            return
+        tried = _try(state, {index: mode}, target)
+        if tried is None or tried[1] >= 0:
+            return
+        cost, gained, _ = tried
+        added = max(cost - state.cost(), 0.0)
+        heapq.heappush(heap, (added / -gained, gained, index, mode, version))
+
+    for index in range(layout.g):
+        for mode in layout.allowed[index]:
+            push(index, mode)
+    while excess and heap:
+        score, gained, index, mode, stamp = heapq.heappop(heap)
+        if stamp != version:
+            tried = _try(state, {index: mode}, target) if mode != state.modes[index] else None
+            if tried is None or tried[1] >= 0:
+                continue
+            cost, gained, evaluated = tried
+            fresh = max(cost - state.cost(), 0.0) / -gained
+            if heap and (fresh, gained) > heap[0][:2]:
+                heapq.heappush(heap, (fresh, gained, index, mode, version))
+                continue
+        else:
+            tried = _try(state, {index: mode}, target)
+            if tried is None or tried[1] >= 0:
+                continue
+            evaluated = tried[2]
+        old = state.modes[index]
+        state.apply({index: mode}, evaluated)
+        excess = _excess(state.memory, target)
+        version += 1
+        # the group's other modes, and its own way back, are changes from here too
+        for other in layout.allowed[index]:
+            if other != mode:
+                push(index, other)
+        for related in layout.sources[index] + tuple(layout.readers[index]):
+            for other in layout.allowed[related]:
+                push(related, other)
+        del old
+    return not excess
+
+
+def improve(state: State, target: int, rounds: int = IMPROVE_ROUNDS) -> None:
+    """On ``state`` within ``target``: changes of one group to a cheaper mode that stay within
+    it, and pairs of such a change with the change of another group that brings the state back
+    within it, taken while they lower the cost (first the one of the largest gain a group).
+    A change's cost depends on the modes alone (:meth:`State.cost_after`), so its memory is
+    evaluated only where it would lower the cost."""
+    layout = state.layout
+    for _ in range(rounds):
+        improved = False
+        now = state.cost()
+        # one-group changes
+        for index in range(layout.g):
+            best = None
+            for mode in layout.allowed[index]:
+                changes = {index: mode}
+                if mode == state.modes[index]:
+                    continue
+                cost = state.cost_after(changes)
+                if cost >= now - 1e-12 or (best is not None and cost >= best[0]) or \
+                        not state.valid_change(changes):
+                    continue
+                evaluated = state.change(changes)
+                if _fits(state, evaluated, target):
+                    best = (cost, changes, evaluated)
+            if best is not None:
+                state.apply(best[1], best[2])
+                now, improved = best[0], True
+        # pairs: a change that saves, over the target, repaired by one that frees
+        savers = []
+        for index in range(layout.g):
+            for mode in layout.allowed[index]:
+                if mode == state.modes[index]:
+                    continue
+                saved = now - state.cost_after({index: mode})
+                if saved > 1e-12 and state.valid_change({index: mode}):
+                    savers.append((saved, index, mode))
+        savers.sort(reverse=True)
+        freeing = _freeing_changes(state)
+        for saved, index, mode in savers:
+            changes = {index: mode}
+            if state.modes[index] == mode or state.cost_after(changes) >= now - 1e-12 or \
+                    not state.valid_change(changes):
+                continue
+            evaluated = state.change(changes)
+            if evaluated is None:
+                continue
+            worst = _worst_point(state, evaluated, target)
+            if worst is None:
+                state.apply(changes, evaluated)
+                now, improved = state.cost(), True
+                freeing = _freeing_changes(state)
+                continue
+            repaired = _cheapest_repair(state, changes, worst, freeing, now, target)
+            if repaired is not None:
+                state.apply(*repaired)
+                now, improved = state.cost(), True
+                freeing = _freeing_changes(state)
+        if not improved:
+            return
+
+
+def _worst_point(state: State, evaluated, target: int) -> int | None:
+    """The point most over ``target`` after ``evaluated`` (None: none is over it)."""
+    lo, after = state.window(evaluated[0])
+    over = np.nonzero(after > target)[0]
+    if not len(over):
+        return None
+    return lo + int(over[np.argmax(after[over])])
+
+
+def _cheapest_repair(state: State, changes: dict[int, str], worst: int, freeing, below: float,
+                     target: int):
+    """(changes with the change of another group, evaluated) of the least added cost by which
+    the state after ``changes`` (over ``target``, most at point ``worst``) is within the target
+    and costs less than ``below``; None where none does. ``freeing``: :func:`_freeing_changes`,
+    in the order of their own added cost, which bounds the search: a change that alone adds at
+    least what ``changes`` save is not tried."""
+    saved = below - state.cost_after(changes)
+    for added, other, other_mode, frees in freeing:
+        if added >= saved:
+            break
+        if other in changes or not frees(worst):
+            continue
+        pair = {**changes, other: other_mode}
+        if state.cost_after(pair) >= below - 1e-12 or not state.valid_change(pair):
+            continue
+        paired = state.change(pair)
+        if _fits(state, paired, target):
+            return pair, paired
+    return None
+
+
+def _freeing_changes(state: State):
+    """(its added cost, group, mode, whether it frees memory at a point) for each change of one
+    group from its mode to one whose own liveness is smaller somewhere, the cheapest first."""
+    layout = state.layout
+    now = state.cost()
+    found = []
+    for index in range(layout.g):
+        current = state.modes[index]
+        spans_now = [(lo, hi) for n, lo, hi in layout.spans(index, current, state.rebuilt[index])
+                     if n == layout.nbytes[index]]
+        for mode in layout.allowed[index]:
+            if mode == current:
+                continue
+            rebuilt = layout.first[index] if mode == RECOMPUTE else None
+            spans_then = [(lo, hi) for n, lo, hi in layout.spans(index, mode, rebuilt)
+                          if n == layout.nbytes[index]]
+
+            def frees(point, now=spans_now, then=spans_then):
+                return any(lo <= point < hi for lo, hi in now) and not any(
+                    lo <= point < hi for lo, hi in then)
+            found.append((state.cost_after({index: mode}) - now, index, mode, frees))
+    found.sort(key=lambda entry: entry[0])
+    return found
+
+
+def plan_modes(profile: StepProfile, target: int, lookahead: int,
+               prefetch_margin: float = PREFETCH_MARGIN) -> list[str] | None:
+    """The modes of the fast plan within ``target`` (None: none found). The construction starts
+    from everything kept; where it finds no change that lowers the excess, from each of
+    :func:`_moved_starts` (everything moved that may be: memory near the least peak), and the
+    improvement then brings back what the target has room for."""
+    layout = Layout(profile, lookahead, prefetch_margin)
+    for modes in [[KEEP] * layout.g] + _moved_starts(layout):
+        state = State(layout, modes)
+        if construct(state, target):
+            improve(state, target)
+            return state.modes
+    return None
+
+
+def _moved_starts(layout: Layout) -> list[list[str]]:
+    """Valid plans of every group moved that may be: offloaded where it may be, else
+    recomputed; and recomputed where it may be, else offloaded (a source of a recomputed group
+    not offloaded: kept; a group a chain would rebuild too early: kept, :func:`_chains_cut`)."""
+    starts = []
+    for prefer in ((OFFLOAD, RECOMPUTE), (RECOMPUTE, OFFLOAD)):
+        modes = [next((m for m in prefer if m in allowed), KEEP) for allowed in layout.allowed]
+        modes = [KEEP if m == OFFLOAD and any(modes[r] == RECOMPUTE for r in readers)
+                 else m for m, readers in zip(modes, layout.readers)]
+        starts.append(_chains_cut(layout, modes))
+    return starts
+
+
+def _chains_cut(layout: Layout, modes: list[str]) -> list[str]:
+    """``modes`` with each recomputed group that would be rebuilt where no plan may rebuild it
+    (a chain of more than planner.MAX_CHAIN recipes) kept: keeping it ends the chain there,
+    and its sources are rebuilt no earlier than before."""
+    modes = list(modes)
+    while True:
+        rebuilt = model.rebuild_points(layout.profile, modes)
+        early = [index for index, point in enumerate(rebuilt)
+                 if point is not None and point not in layout.candidates[index]]
+        if not early:
+            return modes
+        modes[early[-1]] = KEEP
+
+
+#: the least peak's descent stops once lowering the peak by this many bytes finds no plan
+LEAST_PEAK_RESOLUTION = 1
+
+
+def least_peak_modes(profile: StepProfile, lookahead: int,
+                     prefetch_margin: float = PREFETCH_MARGIN) -> list[str]:
+    """Modes of a least peak (an upper bound on the ILP's least peak): from everything kept and
+    from each of :func:`_moved_starts`, a descent on the peak (the construction for a target a
+    step below the peak, the step a quarter where it finds none, down to
+    :data:`LEAST_PEAK_RESOLUTION`); the lowest."""
+    layout = Layout(profile, lookahead, prefetch_margin)
+    best = None
+    for modes in [[KEEP] * layout.g] + _moved_starts(layout):
+        state = State(layout, modes)
+        step = max(state.peak() // 16, LEAST_PEAK_RESOLUTION)
+        while step >= LEAST_PEAK_RESOLUTION:
+            trial = State(layout, state.modes)
+            if construct(trial, state.peak() - step) and trial.peak() < state.peak():
+                state = trial
+            else:
+                step //= 4
+        if best is None or state.peak() < best.peak():
+            best = state
+    return best.modes
+
+
+def single_changes(state: State, target: int):
+    """(changes, evaluated) for each valid change of one group's mode that keeps ``state``
+    within ``target``, in group order."""
+    layout = state.layout
+    for index in range(layout.g):
+        for mode in layout.allowed[index]:
+            changes = {index: mode}
+            if mode == state.modes[index] or not state.valid_change(changes):
+                continue
+            evaluated = state.change(changes)
+            if _fits(state, evaluated, target):
+                yield changes, evaluated
+
+
+def repaired_pairs(state: State, target: int):
+    """(changes, evaluated) for each valid change of one group's mode that takes ``state``
+    over ``target``, paired with the change of another group of the least modelled cost that
+    frees memory where the first goes over most and brings the state back within the target."""
+    layout = state.layout
+    freeing = None
+    for index in range(layout.g):
+        for mode in layout.allowed[index]:
+            changes = {index: mode}
+            if mode == state.modes[index] or not state.valid_change(changes):
+                continue
+            evaluated = state.change(changes)
+            if evaluated is None:
+                continue
+            worst = _worst_point(state, evaluated, target)
+            if worst is None:
+                continue
+            freeing = freeing if freeing is not None else _freeing_changes(state)
+            repaired = _cheapest_repair(state, changes, worst, freeing, math.inf, target)
+            if repaired is not None:
+                yield repaired
+
+
+def all_pairs(state: State, target: int):
+    """(changes, evaluated) for every valid pair of changes of two groups' modes that keeps
+    ``state`` within ``target``."""
+    import itertools
+    layout = state.layout
+    changes = [(index, mode) for index in range(layout.g) for mode in layout.allowed[index]
+               if mode != state.modes[index]]
+    for (a, ma), (b, mb) in itertools.combinations(changes, 2):
+        pair = {a: ma, b: mb}
+        if a == b or not state.valid_change(pair):
+            continue
+        evaluated = state.change(pair)
+        if _fits(state, evaluated, target):
+            yield pair, evaluated

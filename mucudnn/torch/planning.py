@@ -1,0 +1,272 @@
+"""Plans as the session asks for them: the plan for a target (:func:`plan_offload`, by the fast
+method of planner_fast.py or the ILP of planner_ilp.py), its prefetch ladder
+(:func:`plan_with_prefetch`), the plans tried against it (:func:`trial_plans`, :func:`polished`),
+the least peak and the error of a budget no plan meets.
+
+``method``: :data:`FAST` (the default: milliseconds, within 2 % of the ILP's step on every
+committed profile: tests/torch/test_planner_fast.py) or :data:`ILP` (CBC, seconds to minutes;
+the reference). Functions that tests or callers replace are called through the planner module
+(``planner.plan_with_prefetch``, ``planner.polished``, ``planner.kept_apart``,
+``planner._least_peak_modes``), so a replacement there is seen here too."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+from typing import Sequence
+
+from ..errors import InfeasibleError, MucudnnError, SolverError
+from ..sizes import describe_size
+from . import planner as model
+from . import planner_fast
+from .planner import (KEEP, PREFETCH_MARGIN, TRIAL_EXPOSURES, TRIAL_MADE, TRIAL_MIN_GAIN,
+                      TRIAL_SOLVE_S, OffloadPlan, StepProfile, _result, _same_plan,
+                      peak_memory, peak_point, release_point, simulate,
+                      smaller_headrooms, valid)
+
+#: the planning methods: the fast planner (planner_fast.py) and the ILP (planner_ilp.py)
+FAST, ILP = "fast", "ilp"
+METHODS = (FAST, ILP)
+
+
+def _checked(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"planning method {method!r}: one of {', '.join(METHODS)} expected")
+    return method
+
+
+def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
+                 time_limit_s: float | None = 60, prefetch_margin: float = PREFETCH_MARGIN,
+                 explain: bool = True, method: str = FAST) -> OffloadPlan:
+    """The fastest valid choice whose modelled peak is within ``budget`` bytes (ties go to fewer
+    bytes moved or recomputed), by ``method`` (``time_limit_s``: CBC's, for the ILP).
+    :class:`InfeasibleError` says the least peak any choice reaches when none fits (``explain``
+    False: only that none fits, without solving for it)."""
+    _checked(method)
+    if budget <= 0:
+        raise ValueError(f"budget must be more than 0 bytes, got {budget}")
+    everything_kept = [KEEP] * len(profile.groups)
+    if peak_memory(profile, everything_kept, lookahead, prefetch_margin) <= budget:
+        return replace(_result(profile, everything_kept, lookahead, prefetch_margin), target=budget)
+    if method == ILP:
+        from . import planner_ilp
+        plan = planner_ilp.solve_plan(profile, budget, lookahead, time_limit_s, prefetch_margin)
+    else:
+        modes = planner_fast.plan_modes(profile, budget, lookahead, prefetch_margin)
+        plan = None if modes is None else _result(profile, modes, lookahead, prefetch_margin)
+    if plan is None:
+        if not explain:
+            raise InfeasibleError(f"no plan within {describe_size(budget)} prefetching "
+                                  f"{lookahead} unpacks ahead")
+        raise _infeasible(profile, budget, lookahead, prefetch_margin, method)
+    if plan.peak > budget or not valid(profile, plan.modes):
+        raise SolverError(f"the {method} planner chose a plan over the budget or invalid")
+    return replace(plan, target=budget)
+
+
+def plan_with_less_headroom(error: Exception, budget: int, headroom: float,
+                            plan_for) -> OffloadPlan | None:
+    """After ``error`` for :func:`planning_target` at ``headroom``: where it is an
+    :class:`InfeasibleError` (no plan fits; not a solver's failure, where a plan may exist), the
+    first plan ``plan_for(target)`` makes for the targets of :func:`smaller_headrooms` (none
+    below the least peak ``error`` found), its ``target`` the one it met; None where none meets
+    any (the runtime and an off-GPU replay alike)."""
+    if not isinstance(error, InfeasibleError):
+        return None
+    for _, target in smaller_headrooms(budget, headroom, getattr(error, "least_peak", None)):
+        try:
+            return plan_for(target)
+        except MucudnnError:
+            continue
+    return None
+
+
+def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
+                       time_limit_s: float | None = 60, explain: bool = True,
+                       method: str = FAST) -> OffloadPlan:
+    """:func:`plan_offload` with the earliest prefetches that fit: at ``lookahead`` timed by
+    :data:`PREFETCH_MARGIN`, then by half of it, then untimed at ``lookahead`` and each smaller
+    distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
+    prefetch hides more of its copy but holds its group on the device longer, which the largest
+    backward ops may not have room for. Distance 0's :class:`InfeasibleError` (the least peak of
+    all) when none fits; only that one solves for the least peak (a second program per rung,
+    which with chains can take its whole time limit). A rung where CBC found no plan within its
+    time limit (:class:`SolverError`) also goes on to the next (``explain`` False: the last
+    says only that none fits, without that solve): near the least peak, prefetching
+    less leaves more room, and a plan is easier to find (ResNet-50 at 6.25 GiB). Where no rung
+    fits with offloaded tensors released when their copies are due (the profile's
+    ``release_margin``), the ladder runs again with each released at the next forward point
+    (release margin 0): the compute stream then waits there for the copy, the forward bound by
+    the link as vDNN's layer-wise wait (a model whose every plan of the first ladder peaks above
+    the budget, such as the 3-D U-Net at 4 GiB)."""
+    ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
+    ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
+    # the next point only where it releases some offload earlier (not: no forward clock, or
+    # every copy due by the next point already)
+    earlier = profile.release_margin > 0 and any(
+        release_point(profile, index, 0.0) < release_point(profile, index)
+        for index in range(len(profile.groups)))
+    releases = [profile.release_margin] + [0.0] * earlier
+    rungs = [(release, distance, prefetch_margin) for release in releases
+             for distance, prefetch_margin in ladder]
+    for rung, (release, distance, prefetch_margin) in enumerate(rungs):
+        planned = profile if release == profile.release_margin else replace(
+            profile, release_margin=release)
+        try:
+            return plan_offload(planned, budget, distance, time_limit_s, prefetch_margin,
+                                explain=explain and rung == len(rungs) - 1, method=method)
+        except (InfeasibleError, SolverError):
+            if rung == len(rungs) - 1:
+                raise
+    raise AssertionError("unreachable: the ladder ends with distance 0")
+
+
+def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead: int = 2,
+                time_limit_s: float | None = 60, larger_budgets: Sequence[int] = (),
+                keep_apart: bool = False, method: str = FAST) -> list[tuple[str, OffloadPlan]]:
+    """(how it was made, plan) for the plans worth running against ``plan`` (made for ``budget``
+    with the profile's copy exposure), at most one a budget (``budget``, then each of
+    ``larger_budgets`` above it, smallest first) and :data:`TRIAL_MADE` in all, in the order to
+    run them; with ``keep_apart``, last, the simulated fastest of them all again with its small
+    kept groups apart (:attr:`OffloadPlan.keep_apart`: the caching allocator's layout, which the
+    model does not see, decides whether that flushes less or more). The exposure is a measured
+    share of the copies' time (:data:`COPY_EXPOSURE`, ResNet-50), the same for every copy, where
+    in truth a copy costs the compute stream what it waits for it in its queue: little where
+    copies are few and the compute long, much where they queue behind each other
+    (:func:`simulate`). So plans are also made at
+    :data:`TRIAL_EXPOSURES`, and for each larger budget (a smaller headroom: a cheaper plan the
+    caching allocator may not have room for, or only by flushing its cache) at those and the
+    profile's; of each budget's, the one :func:`simulate` finds fastest is tried if it beats
+    every plan before it by :data:`TRIAL_MIN_GAIN`; at ``budget`` that includes the fastest
+    of its plans (``plan`` too) :func:`polished`. None (``[]``) where ``plan`` moves nothing
+    (its exposure then changes nothing). The plans are made by ``method``; CBC gets at most
+    :data:`TRIAL_SOLVE_S` a solve here. The
+    runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest (of those that did not
+    flush the allocator's cache where any did not): what the allocator does near its cap is no
+    part of the model."""
+    if not plan.moved_bytes:
+        return []
+    tried, best, chosen = [plan], plan.simulated_ms, []
+    solve_s = TRIAL_SOLVE_S if time_limit_s is None else min(time_limit_s, TRIAL_SOLVE_S)
+    rounds = [(budget, "", TRIAL_EXPOSURES)] + [
+        (larger, f" for {larger / 2**30:.2f} GiB",
+         tuple(dict.fromkeys((profile.copy_exposure,) + TRIAL_EXPOSURES)))
+        for larger in sorted(set(larger_budgets)) if larger > budget]
+    for target, where, exposures in rounds:
+        if len(chosen) == TRIAL_MADE:
+            break
+        made = []
+        for exposure in exposures:
+            if target == budget and exposure == profile.copy_exposure:
+                continue
+            try:
+                other = model.plan_with_prefetch(replace(profile, copy_exposure=exposure),
+                                                 target, lookahead, solve_s, method=method)
+            except (InfeasibleError, SolverError):
+                continue
+            if not any(_same_plan(other, seen) for seen in tried + [p for _, p in made]):
+                made.append((f"made at copy exposure {exposure:g}{where}", other))
+        if target == budget:
+            # the simulated fastest of the target's plans, polished on the simulation
+            label, fastest = min([("as made", plan)] + made,
+                                 key=lambda entry: entry[1].simulated_ms)
+            better = model.polished(profile, fastest, solve_s, method=method)
+            if better is not fastest and not any(_same_plan(better, seen) for seen in tried):
+                made.append((f"{label}, polished on its simulation", better))
+        tried += [p for _, p in made]
+        if made:
+            label, fastest = min(made, key=lambda entry: entry[1].simulated_ms)
+            if fastest.simulated_ms < best * (1 - TRIAL_MIN_GAIN):
+                chosen.append((label, fastest))
+                best = fastest.simulated_ms
+    label, fastest = chosen[-1] if chosen else ("as made", plan)
+    if keep_apart and model.kept_apart(profile, fastest.modes):
+        chosen.append((f"{label}, its small kept groups apart", replace(fastest, keep_apart=True)))
+    return chosen
+
+
+def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None = TRIAL_SOLVE_S,
+             method: str = FAST) -> OffloadPlan:
+    """``plan`` improved by :func:`simulate`: the first change of one group's mode, else of two,
+    that keeps the plan valid and its modelled peak within its target and shortens its simulated
+    step, taken, until none does (or ``time_limit_s`` has passed). The program minimises the
+    time model, linear in the choices, where every copy costs the same exposure share; the
+    simulation queues them (what polishing gains: benchmarks/results/pressure).
+
+    The pairs: with ``method`` :data:`ILP`, every pair of changes; with :data:`FAST`, each change
+    that alone goes over the target with the change of the least modelled step that frees memory
+    where it goes over most and brings it back within the target (one pair a change: a bounded
+    number of simulations, where every pair is quadratic in the groups). Peaks are checked
+    incrementally (planner_fast.State), on the points a change touches."""
+    _checked(method)
+    if not plan.target:
+        return plan
+    profile = replace(profile, release_margin=plan.release_margin)
+    lookahead, prefetch_margin = plan.lookahead, plan.prefetch_margin
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    layout = planner_fast.Layout(profile, lookahead, prefetch_margin)
+    state = planner_fast.State(layout, plan.modes)
+    best = simulate(profile, plan.modes, lookahead, prefetch_margin).step_ms
+    moves = planner_fast.all_pairs if method == ILP else planner_fast.repaired_pairs
+    improved = True
+    while improved and (deadline is None or time.monotonic() < deadline):
+        improved = False
+        for changes, evaluated in itertools.chain(planner_fast.single_changes(state, plan.target),
+                                                  moves(state, plan.target)):
+            candidate = list(state.modes)
+            for index, mode in changes.items():
+                candidate[index] = mode
+            step = simulate(profile, candidate, lookahead, prefetch_margin).step_ms
+            if step < best - 1e-6:
+                state.apply(changes, evaluated)
+                best, improved = step, True
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+    if state.modes == list(plan.modes):
+        return plan
+    return replace(_result(profile, state.modes, lookahead, prefetch_margin), target=plan.target)
+
+
+def least_peak(profile: StepProfile, lookahead: int = 2,
+               prefetch_margin: float = PREFETCH_MARGIN, method: str = FAST) -> int:
+    """The smallest modelled peak any valid choice reaches, as ``method`` finds it (the fast
+    method's is an upper bound: a descent, planner_fast.least_peak_modes)."""
+    modes = model._least_peak_modes(profile, lookahead, prefetch_margin, method)
+    return peak_memory(profile, modes, lookahead, prefetch_margin)
+
+
+def _least_peak_modes(profile: StepProfile, lookahead: int,
+                      prefetch_margin: float = PREFETCH_MARGIN, method: str = FAST) -> list[str]:
+    """Modes of :func:`least_peak`."""
+    if _checked(method) == ILP:
+        from . import planner_ilp
+        return planner_ilp.least_peak_modes(profile, lookahead, prefetch_margin)
+    return planner_fast.least_peak_modes(profile, lookahead, prefetch_margin)
+
+
+
+def _infeasible(profile: StepProfile, budget: int, lookahead: int,
+                prefetch_margin: float = PREFETCH_MARGIN, method: str = FAST) -> InfeasibleError:
+    """The error of a budget no choice meets at ``lookahead``: the least peak any choice
+    reaches, where, and what is there: the baseline (what the recorded step allocated beside its
+    saved groups) and the largest saved groups (the least peak as ``method`` finds it)."""
+    modes = model._least_peak_modes(profile, lookahead, prefetch_margin, method)
+    least = peak_memory(profile, modes, lookahead, prefetch_margin)
+    clock, point, baseline, saved = peak_point(profile, modes, lookahead, prefetch_margin)
+    largest = ", ".join(f"group {g} ({profile.groups[g].producer or 'op'}, {modes[g]}, "
+                        f"{describe_size(b)})" for b, g in saved[:3])
+    error = InfeasibleError(
+        f"memory budget {describe_size(budget)} is too small for this step: keeping, offloading "
+        f"or recomputing its {len(profile.groups)} saved tensors reaches a peak of "
+        f"{describe_size(least)} at least"
+        + (f" (prefetching {lookahead} unpacks ahead)" if lookahead else "")
+        + f", at {clock} point {point}: {describe_size(baseline)} not saved tensors "
+        "(parameters, gradients, optimizer state, the op's inputs, outputs and workspace, as the "
+        f"recorded step allocated them) and {describe_size(least - baseline)} saved"
+        + (f" ({largest})" if largest else ""))
+    error.least_peak = least
+    return error
+
+
