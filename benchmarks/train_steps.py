@@ -7,12 +7,14 @@ one line on stderr:
 
 I counts from 1; S and E are seconds since this process started (Linux: its start time in
 /proc/self/stat against /proc/uptime, 10 ms ticks; elsewhere since this module ran), M the step's
-wall time with the device synchronised at both ends. STATE is what the activation-offload session
+wall time with the device synchronised at both ends. STATE is how the activation-offload session
 that ``mucudnn run --offload`` installed (found once, after ``import torch``, among the live
-objects: the site hook keeps no name for it) was doing when the step started: ``recording``
-(no plan yet), ``planned``, ``fallback`` (everything offloaded after out-of-memory failures), the
-session's own ``state`` where it has one, or ``none`` (no session in this process). The script
-itself calls nothing of mucudnn: the lines it prints are what a plain loop would time.
+objects: the site hook keeps no name for it) ran the step, read once the step is over (a session
+decides a step's mode at its first module, where the step before it ends): the session's own
+``state`` where it names one (``recording``, ``planning``, ``trial``, ``watching``, ...), else
+``recording`` (no plan yet), ``planned`` or ``fallback`` (everything offloaded after steps ran
+out of memory); ``none`` where no session runs in this process. The script calls nothing of
+mucudnn: the lines it prints are what a plain loop would time.
 
     python -m benchmarks.train_steps --model resnet152 --batch 128 --steps 40
     python -m mucudnn run --memory-budget 8GiB --offload -- python -m benchmarks.train_steps ...
@@ -62,12 +64,13 @@ def find_session():
 
 
 def session_state(session) -> str:
-    """What ``session`` does in the step about to start (see the module docstring)."""
+    """How ``session`` ran the step that just ended (see the module docstring)."""
     if session is None:
         return "none"
-    state = getattr(session, "state", None)
-    if state is not None and not callable(state):
-        return str(getattr(state, "name", state)).lower()
+    for holder in (session, getattr(session, "lifecycle", None)):
+        state = getattr(holder, "state", None)
+        if isinstance(state, str):
+            return state
     if getattr(session, "fell_back", False):
         return "fallback"
     if getattr(session, "plan", None) is not None or getattr(session, "modes", None) is not None:
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
     import torch
 
     session = find_session()
+    if args.device == "cpu":   # a dry run: one thread, not every core's (CI machines are small)
+        torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
@@ -129,7 +134,6 @@ def main(argv=None) -> int:
     print(f"train_steps: ready at {time.monotonic() - offset:.3f} s (session: "
           f"{'found' if session is not None else 'none'})", file=sys.stderr, flush=True)
     for step in range(1, args.steps + 1):
-        state = session_state(session)
         synchronize()
         start = time.monotonic()
         optimizer.zero_grad(set_to_none=True)
@@ -138,6 +142,7 @@ def main(argv=None) -> int:
         optimizer.step()
         synchronize()
         end = time.monotonic()
+        state = session_state(session)
         print(f"train_steps: step {step} start_s={start - offset:.3f} end_s={end - offset:.3f} "
               f"step_ms={(end - start) * 1e3:.2f} session={state}", file=sys.stderr, flush=True)
     return 0
