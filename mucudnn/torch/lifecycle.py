@@ -80,6 +80,9 @@ class StepOutcome:
     """What one step did, as the lifecycle needs it."""
 
     status: str = OK
+    #: whether it ran as the lifecycle had it run (False: a step that began under a cached plan
+    #: which did not fit it, and went on as recorded: no recording, nothing learnt)
+    recorded: bool = True
     #: a recording step's profile (None: it saved nothing) and the stages its chain allows
     profile: StepProfile | None = None
     stage_candidates: tuple = ()
@@ -109,8 +112,14 @@ class Decision:
     changed: bool = False
     #: a stage came into force (the profile is the staged one from now)
     staged: bool = False
-    #: ``strict``: no plan met the budget; the session raises this
+    #: ``strict``: no plan met the budget (or the background planner failed); the session
+    #: raises this
     error: BaseException | None = None
+    #: the plan in force settled (its trial over, or made where none runs): what a plan cache
+    #: keeps for the next run
+    settled: bool = False
+    #: the session fell back to offloading everything: a cached plan is forgotten
+    fell_back: bool = False
 
 
 @dataclass
@@ -226,8 +235,9 @@ class Lifecycle:
         self.maker = maker or PlanMaker(lookahead, plan_time_limit_s)
         self.runner = runner or InlineRunner()
         self.elapsed_ms = elapsed_ms or _mark_ms
-        self._recordings_left = max(1, planner.RECORD_STEPS if record_steps is None
-                                    else record_steps)
+        self._record_steps = max(1, planner.RECORD_STEPS if record_steps is None
+                                 else record_steps)
+        self._recordings_left = self._record_steps
         self._recorded: list[StepProfile] = []   # this recording's profiles so far
         self._stage_candidates: tuple = ()
         self._lowered_target: int | None = None
@@ -257,6 +267,8 @@ class Lifecycle:
         self._lines: list[str] = []
         self._write = False
         self._staged = False
+        self._settled = False
+        self._forget = False
         self.state = FIXED if budget is None or modes is not None or force is not None \
             else RECORDING
 
@@ -307,7 +319,7 @@ class Lifecycle:
         """A step ended as ``outcome`` says; then the plans made since the last step take over.
         Returns what the next step runs. An abandoned step (its graph dropped without a
         backward) teaches nothing: the next runs as it would have."""
-        if outcome.status == ABANDONED:
+        if outcome.status == ABANDONED or not outcome.recorded:
             return self._between(lambda: None)
 
         def ended():
@@ -329,6 +341,7 @@ class Lifecycle:
         the decision's, raised by the session after the lines are said."""
         before = (self.plan, list(self.modes) if self.modes is not None else None)
         self._lines, self._write, self._staged = [], False, False
+        self._settled = self._forget = False
         error = None
         try:
             transition()
@@ -336,7 +349,7 @@ class Lifecycle:
             error = exc
         changed = self.modes != before[1] or self.plan is not before[0]
         return Decision(self.run, self.modes, self.plan, tuple(self._lines), self._write, changed,
-                        self._staged, error)
+                        self._staged, error, self._settled, self._forget)
 
     def _say(self, line: str) -> None:
         self._lines.append(line)
@@ -419,7 +432,7 @@ class Lifecycle:
     def _fall_back(self, outcome: StepOutcome | None = None) -> None:
         """Every later step offloads every saved tensor inline, as the recording step ran."""
         self.state = FALLBACK
-        self.fell_back = True
+        self.fell_back = self._forget = True
         self.trial, self._awaiting = None, None
         self.modes = offload_everything(self.profile.groups) if self.profile is not None else [
             OFFLOAD if offloadable else KEEP for offloadable in outcome.offloadable]
@@ -508,6 +521,7 @@ class Lifecycle:
                          for index, ms in enumerate(times))
 
     def _keep(self, trial: Trial, times: list[float], best: int, why: str) -> None:
+        self._settled = True
         if len(trial.plans) == 1:   # it stays, flushing or not (no lower target): nothing to say
             return
         self.kept_after_trial = trial.labels[best] if best else None
@@ -581,6 +595,7 @@ class Lifecycle:
         self._write = True
         if not self.trials:
             self.state = PLANNED
+            self._settled = True
             return
         self.state = TRIAL
         self.trial = Trial([plan], ["as made"], seen=dict(self._counts_now), awaiting=True)
@@ -597,6 +612,7 @@ class Lifecycle:
         if not (others or (self.headroom and self.lowerings_left > 0)):
             self.trial = None
             self.state = WATCHING
+            self._settled = True
             return
         trial.add(others)
         trial.awaiting = False
@@ -644,7 +660,46 @@ class Lifecycle:
         self.kept_after_trial = None
         self.state = WATCHING if self.trials else PLANNED
         self._watch_from_now()   # not the flush of the step that failed (a retry before it)
-        self._write = True
+        self._write = self._settled = True
         self._say(f"a step under the offload plan for {_gib(self.budget)} ran out of device "
                   f"memory (modelled peak {_gib(made.request.peak)}); planning for "
                   f"{_gib(made.target)}: {made.plan.describe()}")
+
+    # --- a plan from an earlier run ---------------------------------------------------------
+    def start_cached(self, plan: OffloadPlan, profile: StepProfile, *,
+                     recorded_profile: StepProfile | None = None, stage=None,
+                     kept_after_trial: str | None = None) -> Decision:
+        """Before the first step: ``plan``, made on ``profile`` by an earlier run of the same
+        script (a plan cache's entry, the plan its trial kept), in force from the first step,
+        watched as a plan after its trial (no recording, no solve, no trial); ``stage`` with
+        ``recorded_profile`` where it stages. One line says so."""
+        def start():
+            self.profile, self.recorded_profile, self.stage = profile, recorded_profile, stage
+            self.plan, self.modes = plan, list(plan.modes)
+            self.kept_after_trial = kept_after_trial
+            own = self.target
+            self._lowered_target = plan.target if plan.target and plan.target != own else None
+            self._recorded, self._stage_candidates = [], ()
+            self.state = WATCHING if self.trials else PLANNED
+            self._watch_from_now()
+            self._staged = stage is not None
+            self._say(f"offload plan for {_gib(self.budget)} from the plan cache"
+                      + (f" (planned for {_gib(self.target)})"
+                         if self._lowered_target is not None else "")
+                      + f": {plan.describe()}"
+                      + (f"; {stage.stage.describe()}" if stage is not None else ""))
+        return self._between(start)
+
+    def record_anew(self, reason: str) -> Decision:
+        """The plan from an earlier run does not fit this run's step (``reason``, one line): the
+        step goes on as recorded and the next ones record, as on a first run."""
+        def anew():
+            self.profile = self.recorded_profile = self.stage = self.plan = None
+            self.modes, self.kept_after_trial, self._lowered_target = None, None, None
+            self.trial, self._awaiting = None, None
+            self._recorded = []
+            self._recordings_left = self._record_steps
+            self.state = RECORDING
+            self._say(f"the cached offload plan does not fit this step: {reason}; recording "
+                      "anew")
+        return self._between(anew)

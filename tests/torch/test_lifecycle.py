@@ -149,7 +149,7 @@ def test_recording_then_the_plan_then_its_trial_keeps_the_fastest():
         "trying it against " + "; ".join(f"the plan {label} ({p.describe()})" for label, p in
                                           zip(["other 1", "other 2"], plans[1:]))
         + f", {STEPS} steps each")
-    assert lifecycle.state == TRIAL
+    assert lifecycle.state == TRIAL and not made.settled     # not before its trial is over
     # each plan TRIAL_STEPS steps; its time the fastest of those after its first
     steps.run(12.0)
     assert lifecycle.plan is plans[1] and steps.decisions[-1].changed
@@ -157,7 +157,7 @@ def test_recording_then_the_plan_then_its_trial_keeps_the_fastest():
     assert lifecycle.plan is plans[2]
     done = steps.run(11.0)
     assert lifecycle.plan is plans[1] and lifecycle.kept_after_trial == "other 1"
-    assert done.write_profile and done.changed and lifecycle.state == WATCHING
+    assert done.write_profile and done.changed and lifecycle.state == WATCHING and done.settled
     assert done.lines == ("offload plans tried: as made 12.0 ms a step, other 1 9.0 ms a step, "
                           "other 2 11.0 ms a step; keeping the plan other 1",)
     quiet = steps.step(9.0)
@@ -202,6 +202,7 @@ def test_a_plan_ready_at_once_is_in_force_before_the_next_step_inline():
     lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), trials=False)
     made = Steps(lifecycle).record()
     assert made.run == MODES and lifecycle.state == PLANNED and lifecycle.trial is None
+    assert made.settled            # no trial runs: the plan made is the one a cache keeps
     assert lifecycle.timings == [(FIRST, lifecycle.timings[0][1], 0)]
 
 
@@ -361,7 +362,7 @@ def test_a_planned_step_out_of_memory_plans_for_less_then_falls_back():
         f"a step under the offload plan for 8.00 GiB ran out of device memory (modelled peak "
         f"{first.peak / GiB:.2f} GiB); planning for {target / GiB:.2f} GiB: "
         f"{lifecycle.plan.describe()}",)
-    assert replanned.write_profile and lifecycle.replans_used == 1
+    assert replanned.write_profile and replanned.settled and lifecycle.replans_used == 1
     assert lifecycle.state == PLANNED
     steps.step(status=OUT_OF_MEMORY)
     last = lifecycle.plan
@@ -370,6 +371,7 @@ def test_a_planned_step_out_of_memory_plans_for_less_then_falls_back():
                           "offloading every saved tensor from now on",)
     assert lifecycle.fell_back and lifecycle.state == FALLBACK and fell.run == AS_RECORDED
     assert fell.modes == [OFFLOAD, OFFLOAD, OFFLOAD, KEEP] and fell.write_profile
+    assert fell.fell_back and not fell.settled     # a cached plan is forgotten
     assert lifecycle.plan is last        # the last plan tried, as the profile document says
     assert not steps.step(status=OUT_OF_MEMORY).lines and not steps.step().lines
 
@@ -603,3 +605,38 @@ def test_inline_with_the_real_planner_makes_the_replays_plan_and_trial_plans():
     assert lifecycle.trial is not None or not replayed.trials
     if lifecycle.trial is not None:
         assert lifecycle.trial.plans[1:] == [p for _, p in replayed.trials]
+
+
+def test_a_cached_plan_runs_from_the_first_step_without_recording_or_a_solve():
+    maker = TableMaker()
+    lifecycle = Lifecycle(8 * GiB, maker=maker)
+    cached = plan(int(6.5 * GiB), target=int(6.5 * GiB))
+    recorded = profile()
+    started = lifecycle.start_cached(cached, recorded, kept_after_trial="other 1")
+    assert started.run == MODES and started.plan is cached and started.changed
+    assert started.lines == (f"offload plan for 8.00 GiB from the plan cache (planned for 6.50 "
+                             f"GiB): {cached.describe()}",)
+    assert lifecycle.state == WATCHING and lifecycle.target == int(6.5 * GiB)
+    assert lifecycle.kept_after_trial == "other 1" and lifecycle.profile is recorded
+    steps = Steps(lifecycle)
+    for _ in range(3):
+        assert steps.step().plan is cached
+    assert not maker.solved and not steps.lines
+    # out of memory: a plan for less than its target, as after a trial
+    steps.step(status=OUT_OF_MEMORY)
+    assert maker.solved == [int(6.5 * GiB) - int(0.1 * 8 * GiB)]
+
+
+def test_a_cached_plan_that_does_not_fit_the_step_records_anew():
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), trials=False)
+    lifecycle.start_cached(plan(7 * GiB), profile())
+    steps = Steps(lifecycle)
+    anew = lifecycle.record_anew("group 2: 256 MiB recorded, 128 MiB now (the batch changed?)")
+    assert anew.lines == ("the cached offload plan does not fit this step: group 2: 256 MiB "
+                          "recorded, 128 MiB now (the batch changed?); recording anew",)
+    assert anew.run == RECORD and anew.plan is None and lifecycle.profile is None
+    # the step that began under the cached plan went on as recorded: no recording
+    mixed = steps.step(recorded=False)
+    assert mixed.run == RECORD and lifecycle.state == RECORDING
+    steps.record()
+    assert lifecycle.state == PLANNED and lifecycle.target == planner.planning_target(8 * GiB, 0.1)
