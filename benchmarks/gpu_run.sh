@@ -124,46 +124,50 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     # backward (and the thread's CPU time) against the device's step, PyTorch alone and under an
     # OffloadSession (kept-only, mixed at the case's budget, recording steps), rounds alternated;
     # HOSTCOST_CASES (MODEL:BATCH@BUDGET, default ResNet-152 N=128 @ 8 GiB and the 3-D U-Net N=2 @
-    # 5 GiB), HOSTCOST_TIMEOUT (270 s; the time budget 15 s less), HOSTCOST_ARGS (e.g. --rounds 7).
+    # 5 GiB), HOSTCOST_TIMEOUT (250 s; the time budget 15 s less), HOSTCOST_ARGS (e.g. --rounds 7).
     # JSON + page in $LOGS/hostcost
-    limit=${HOSTCOST_TIMEOUT:-270}
+    limit=${HOSTCOST_TIMEOUT:-250}
     stage hostcost "$limit" python3 -m benchmarks.host_cost \
       --cases ${HOSTCOST_CASES:-resnet152:128@8GiB unet3d:2@5GiB} --time-budget-s $((limit - 15)) \
       ${HOSTCOST_ARGS:-} --out "$LOGS/hostcost" ;;
   timeline|timeline-*)  # benchmarks/plan_timeline.py (issue 39): `mucudnn run --memory-budget B
     # --offload -- python train_steps.py` as a new user runs it, first run (fresh cache) and cached
     # run, and PyTorch alone: time to the first planned step and to steady state, steps 1-20.
-    # timeline-resnet152 (N=128 @ 8 GiB, 270 s), timeline-resnet50 (N=184 @ 5 GiB, 210 s),
+    # timeline-resnet152 (N=128 @ 8 GiB, 300 s), timeline-resnet50 (N=184 @ 5 GiB, 200 s),
     # timeline (both, 480 s), timeline-MODEL:BATCH@BUDGET; TIMELINE_TIMEOUT (the time budget is
     # 15 s less), TIMELINE_ARGS (e.g. --steps 60). JSON + page + each run's log in $LOGS/$s
     case $s in
       timeline) cases="resnet152:128@8GiB resnet50:184@5GiB"; limit=${TIMELINE_TIMEOUT:-480} ;;
-      timeline-resnet152) cases="resnet152:128@8GiB"; limit=${TIMELINE_TIMEOUT:-270} ;;
-      timeline-resnet50) cases="resnet50:184@5GiB"; limit=${TIMELINE_TIMEOUT:-210} ;;
+      timeline-resnet152) cases="resnet152:128@8GiB"; limit=${TIMELINE_TIMEOUT:-300} ;;
+      timeline-resnet50) cases="resnet50:184@5GiB"; limit=${TIMELINE_TIMEOUT:-200} ;;
       *) cases=${s#timeline-}; limit=${TIMELINE_TIMEOUT:-270} ;;
     esac
     stage "${s//[:@]/_}" "$limit" python3 -m benchmarks.plan_timeline --cases $cases \
       --time-budget-s $((limit - 15)) ${TIMELINE_ARGS:-} --out "$LOGS/${s//[:@]/_}" ;;
-  targets)  # issue 39: the memory-budget targets re-measured after the restructuring, reduced to
-    # fit ~6.5 min (the offload and pressure-minmem stages that set them run longer): (1)
-    # targets-2d, VGG-16 and ResNet-50 N=256 at 12 GiB (offload.py, mucudnn.torch alone against
-    # PyTorch unconstrained, 5 timed steps; targets <= 1.25x and the ResNet-50 row), 200 s;
-    # (2) targets-3d, the 3-D U-Net N=2 and r3d_18 N=32 at 0.8x PyTorch's least memory through
-    # `mucudnn run --memory-budget CAP --offload` (pressure.py minmem, the target probe alone, 10
-    # timed steps, online tuning rather than the front plans of session 24; target <= 1.10x),
-    # 190 s. TARGETS_2D_TIMEOUT, TARGETS_3D_TIMEOUT, TARGETS_3D_SHIM (online | front: front plans
-    # bench and tune first, minutes more)
-    limit=${TARGETS_2D_TIMEOUT:-200}
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-    stage targets-2d "$limit" python3 -m benchmarks.offload driver --models vgg16 resnet50 \
-      --budget 12GiB --methods mucudnn --sweep --time-budget-s $((limit - 15)) \
-      --out "$LOGS/targets-2d"
-    limit=${TARGETS_3D_TIMEOUT:-190}
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-    stage targets-3d "$limit" python3 -m benchmarks.pressure minmem --models unet3d r3d_18 \
-      --dtypes fp32 --benchmark off --rounds 1 --shim-mode ${TARGETS_3D_SHIM:-online} --offload \
-      --offload-searches target --no-shim-search --target-steps 10 \
-      --time-budget-s $((limit - 30)) --out "$LOGS/targets-3d" ;;
+  targets|targets-*)  # issue 39: the memory-budget targets re-measured after the restructuring,
+    # reduced (the offload and pressure-minmem stages that set them run longer). targets-2d: VGG-16
+    # and ResNet-50 N=256 at 12 GiB (offload.py, mucudnn.torch alone against PyTorch
+    # unconstrained, 5 timed steps; VGG-16's target <= 1.25x), 220 s. targets-3d-MODEL (unet3d,
+    # r3d_18): at 0.8x PyTorch's least memory through `mucudnn run --memory-budget CAP --offload`
+    # (pressure.py minmem: PyTorch's least memory bisected, then the target probe alone, 10 timed
+    # steps; online tuning, not session 24's front plans; target <= 1.10x), 170 s each. targets:
+    # all three (~9.5 min at most: two device calls). TARGETS_2D_TIMEOUT, TARGETS_3D_TIMEOUT,
+    # TARGETS_3D_SHIM (online | front: front plans bench and tune first, minutes more)
+    parts=${s#targets}; parts=${parts#-}; [ -n "$parts" ] || parts="2d 3d-unet3d 3d-r3d_18"
+    for part in $parts; do case $part in
+      2d) limit=${TARGETS_2D_TIMEOUT:-220}
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        stage targets-2d "$limit" python3 -m benchmarks.offload driver --models vgg16 resnet50 \
+          --budget 12GiB --methods mucudnn --sweep --time-budget-s $((limit - 15)) \
+          --out "$LOGS/targets-2d" ;;
+      3d-*) model=${part#3d-}; limit=${TARGETS_3D_TIMEOUT:-170}
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        stage "targets-3d-$model" "$limit" python3 -m benchmarks.pressure minmem --models "$model" \
+          --dtypes fp32 --benchmark off --rounds 1 --shim-mode ${TARGETS_3D_SHIM:-online} \
+          --offload --offload-searches target --no-shim-search --target-steps 10 \
+          --time-budget-s $((limit - 30)) --out "$LOGS/targets-3d-$model" ;;
+      *) echo "unknown targets part $part (2d, 3d-unet3d, 3d-r3d_18)" ;;
+    esac; done ;;
   tuningcost-*)  # benchmarks/tuning_cost.py: bench + tune wall time from an empty store, per model;
     # TUNING_GPUS=all (or 0,1,..): the models spread over the GPUs (spread), one at a time per GPU
     models=${s#tuningcost-}

@@ -13,8 +13,10 @@ these configurations of one process, rounds alternated (each round starts at the
 - ``mixed``: an OffloadSession for the case's budget, which offloads and recomputes (the plan's
   kept/offloaded/recomputed counts are in the row: a plan that does not do both is said so);
 - ``recording``: a fresh OffloadSession per round, whose steps are all recording steps (it is
-  given more recording steps than it runs, so it never plans); its first step pins host memory
-  afresh and is its own row (``recording-first``).
+  given more recording steps than it runs, so it never plans); its first step takes its host
+  buffers afresh and is its own row (``recording-first``).
+
+The plan cache is off (``MUCUDNN_PLAN_CACHE=off``): every session records its own steps.
 
 The sessions are mucudnn.torch's API (``OffloadSession(budget)`` as ``mucudnn.torch.session``
 makes it), not capped by the allocator (``mucudnn run --memory-budget`` also caps it): the
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -215,9 +218,11 @@ def worker(args) -> None:
 def settle(stepper, session, name: str, result: dict, args, started: float) -> None:
     """Steps under ``session`` until its plan stayed the same ``--settle-steps`` steps."""
     same, last, steps = 0, None, 0
-    t0 = time.monotonic()
+    # its own limit, and what the rounds need of the case's deadline
+    until = min(time.monotonic() + args.settle_timeout_s,
+                started + args.deadline_s - args.rounds_reserve_s)
     while same < args.settle_steps and steps < args.max_warmup_steps \
-            and time.monotonic() - t0 < args.settle_timeout_s:
+            and time.monotonic() < until:
         sample = stepper.step(session)
         state = session_state(session)
         sample.update(config=name, step=steps + 1, state=state,
@@ -245,6 +250,10 @@ def run_round(stepper, name: str, sessions: dict, new_session, result: dict, arg
             sample = stepper.step(session)
             state = session_state(session)
             samples.append(dict(sample, round=round_index, index=index + 1, state=state))
+        # its pinned host buffers go back to PyTorch's host cache now, for the next round's
+        # session to take, rather than whenever a collection finds the session's cycles
+        del session
+        gc.collect()
         return
     session = sessions.get(name)
     stepper.step(session)
@@ -268,10 +277,12 @@ def rows_of(case: dict, dry: bool = False) -> list[dict]:
     """The table's rows of one case: one per configuration measured (the recording's first
     steps apart from its later ones)."""
     samples = case.get("samples", {})
+    # a fresh session's steps that it ran as a recording (any other is no recording's time)
+    recorded = [s for s in samples.get("recording", []) if s["state"] == "recording"]
     groups = {"pytorch": samples.get("pytorch", []), "kept": samples.get("kept", []),
               "mixed": samples.get("mixed", []),
-              "recording-first": [s for s in samples.get("recording", []) if s["index"] == 1],
-              "recording": [s for s in samples.get("recording", []) if s["index"] > 1]}
+              "recording-first": [s for s in recorded if s["index"] == 1],
+              "recording": [s for s in recorded if s["index"] > 1]}
     base = spread([s["device_ms"] for s in groups["pytorch"]])
     rows = []
     for name, group in groups.items():
@@ -381,11 +392,14 @@ def run_case(args, text: str, timeout_s: float, out: Path) -> dict:
            "--max-warmup-steps", str(args.max_warmup_steps),
            "--settle-timeout-s", str(args.settle_timeout_s),
            "--pytorch-warmup", str(args.pytorch_warmup),
+           "--rounds-reserve-s", str(args.rounds_reserve_s),
            "--kept-budget-bytes", str(args.kept_budget_bytes or 0),
            "--deadline-s", str(max(1.0, timeout_s - 15)), "--configs", *args.configs]
     if args.sample:
         cmd += ["--sample", args.sample]
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
+    # no plan cache: every session here records its own steps (a fresh one loading the plan
+    # another stored would run no recording step)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MUCUDNN_PLAN_CACHE="off",
                PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     print(f"[{time.strftime('%H:%M:%S')}] {text}: timeout {timeout_s:.0f} s", flush=True)
     log = out / f"host_cost-{model}-{batch}.log"
@@ -456,6 +470,8 @@ def main(argv=None) -> None:
         p.add_argument("--max-warmup-steps", type=int, default=60)
         p.add_argument("--settle-timeout-s", type=float, default=150)
         p.add_argument("--pytorch-warmup", type=int, default=3)
+        p.add_argument("--rounds-reserve-s", type=float, default=35,
+                       help="a session settles no later than this before the case's deadline")
         p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument("--cases", nargs="+", default=["resnet152:128@8GiB", "unet3d:2@5GiB"],
                         help=f"MODEL:BATCH@BUDGET (the mixed session's budget); MODEL of "
@@ -464,7 +480,7 @@ def main(argv=None) -> None:
                                               "memory)")
     parser.add_argument("--case-timeout-s", type=float, default=240)
     parser.add_argument("--time-budget-s", type=float, help="every case within this")
-    parser.add_argument("--case-reserve-s", type=float, default=90,
+    parser.add_argument("--case-reserve-s", type=float, default=80,
                         help="with --time-budget-s: what a case leaves each later one")
     parser.add_argument("--out", default="host-cost-out")
     work.add_argument("--model", required=True)
