@@ -17,9 +17,20 @@ from mucudnn import settings
 from mucudnn.errors import MucudnnError
 from mucudnn.torch import planner, plancache, profiles
 from mucudnn.torch.plancache import CachedPlan, PlanCache, PlanKey, StepSignature
-from test_profiles import chain
+from mucudnn.torch.planner import SavedGroup, StepProfile
 
 GiB = 2**30
+
+
+def chain(n: int = 6) -> StepProfile:
+    """6 groups of 1 GiB in a chain, every second one rebuilt from the one before it, 1 GiB of
+    baseline; a slow link (5 GB/s: 215 ms a copy): its plans mix all three modes."""
+    groups = [SavedGroup(GiB, first_unpack=n - 1 - g, last_unpack=n - 1 - g, producer=f"m{g}",
+                         recompute_ms=0.5 if g % 2 else None,
+                         recompute_source=(g - 1,) if g % 2 else None) for g in range(n)]
+    return StepProfile(groups, forward_ms=30.0, backward_ms=60.0, d2h_gbps=5.0, h2d_gbps=5.0,
+                       unpacks=n, baseline_forward=[GiB] * n, baseline_backward=[GiB] * n)
+
 OPTIONS = {"headroom": 0.1, "lookahead": 2, "recompute": True, "recompute_convolutions": True,
            "staging": True, "copy_exposure": 0.6, "trials": True, "keep_apart": True}
 KEY_FIELDS = dict(gpu_name="NVIDIA H100 80GB HBM3", gpu_memory=85_045_411_840,
@@ -63,6 +74,7 @@ def cache(tmp_path):
 
 def test_an_entry_stored_loads_as_it_was_with_every_field_of_its_plan(cache):
     stored = entry()
+    assert set(stored.plan.modes) == set(planner.MODES) and stored.plan.releases
     assert cache.store(key(), stored)
     [path] = (cache.directory).iterdir()
     assert path == cache.path_for(key()) and path.name == key().digest() + ".json"
