@@ -244,6 +244,9 @@ def markdown(document: dict, args) -> str:
             if not steps:
                 continue
             shown = steps[:args.show_steps]
+            if run_name != "pytorch":
+                out.append(f"- {run_name}: the plan cache held {len(run['plan_cache_files'])} "
+                           "file(s) after it")
             out.append(f"- {run_name}, steps 1–{len(shown)} ms: " + ", ".join(
                 f"{ms:.0f}" + ("" if state in ("none",) else f" {state[0]}")
                 for ms, state in zip(shown, run.get("states", []))))
@@ -282,8 +285,8 @@ def driver(args) -> None:
         cache = (out / f"cache-{tag}").resolve()
         shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir(parents=True)
-        env = dict(base_env, XDG_CACHE_HOME=str(cache),
-                   MUCUDNN_PLAN_CACHE=str(cache / "mucudnn" / "offload-plans"))
+        plans = cache / "mucudnn" / "offload-plans"
+        env = dict(base_env, XDG_CACHE_HOME=str(cache), MUCUDNN_PLAN_CACHE=str(plans))
         case = {"model": model, "batch": batch, "budget": budget, "runs": {}}
         document["cases"].append(case)
         for run_name in RUNS:
@@ -307,7 +310,10 @@ def driver(args) -> None:
             parsed = parse_run(ran.pop("lines"))
             run = {**ran, "command": cmd, **timeline(parsed, args.steady_ratio,
                                                       args.steady_min_steps),
-                   "ready": parsed["ready"], "mucudnn_lines": parsed["mucudnn_lines"]}
+                   "ready": parsed["ready"], "mucudnn_lines": parsed["mucudnn_lines"],
+                   # what the plan cache holds after the run (the first run's plan, if stored)
+                   "plan_cache_files": sorted(p.name for p in plans.glob("*"))
+                   if plans.is_dir() else []}
             case["runs"][run_name] = run
             print(f"    {run['status']} in {run['wall_s']:.0f} s: {len(run['steps_ms'])} steps, "
                   f"first planned step {run.get('first_planned_step')}, steady from step "
@@ -322,7 +328,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=["resnet152:128@8GiB", "resnet50:184@5GiB"],
                         help=f"MODEL:BATCH@BUDGET; MODEL of benchmarks/models.py, or {TINY}")
-    parser.add_argument("--steps", type=int, default=40, help="steps of each mucudnn run")
+    parser.add_argument("--steps", type=int, default=60, help="steps of each mucudnn run")
     parser.add_argument("--pytorch-steps", type=int, default=15)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
     parser.add_argument("--sample", help="one input's shape (default: the model's)")
