@@ -522,7 +522,7 @@ class SimulatedStep:
 
 
 def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
-             prefetch_margin: float = PREFETCH_MARGIN) -> SimulatedStep:
+             prefetch_margin: float = PREFETCH_MARGIN, points=None) -> SimulatedStep:
     """The step ``modes`` run as the runtime carries them out, on the recorded clocks: the
     compute stream runs the forward and the backward as recorded, plus each recomputed group's
     recipe where it is rebuilt (:func:`rebuild_points`). Copies to the host queue on one stream
@@ -535,50 +535,67 @@ def simulate(profile: StepProfile, modes: Sequence[str], lookahead: int,
     compute stream waits for its fetch. Every wait delays all later compute. Its assumptions:
     copies at the measured link speeds whatever else runs, compute as recorded (no host time, no
     slower kernels for less workspace, no allocator flushes); how near measured steps come is in
-    benchmarks/results/pressure."""
+    benchmarks/results/pressure.
+
+    ``points``: (release points, prefetch points, rebuild points), per group, where the caller
+    has them (planner_fast.Layout's and its state's, for many plans of one profile): the same
+    as :func:`release_point`, :func:`prefetch_point` and :func:`rebuild_points` give."""
     groups, g = profile.groups, len(profile.groups)
+    if points is None:
+        points = ([release_point(profile, i) if m == OFFLOAD else None
+                   for i, m in enumerate(modes)],
+                  [prefetch_point(profile, i, lookahead, prefetch_margin) if m == OFFLOAD
+                   else None for i, m in enumerate(modes)],
+                  rebuild_points(profile, modes))
+    releases, prefetches, rebuilt_at = points
     forward_clock = profile.forward_clock or [0.0] * g
     due = defaultdict(list)        # forward point -> offloaded groups released there
     for index, mode in enumerate(modes):
         if mode == OFFLOAD:
-            due[release_point(profile, index)].append(index)
+            due[releases[index]].append(index)
     copied: dict[int, float] = {}  # group -> when its copy to the host ends
     shift = forward_wait = queue = 0.0
 
     def wait_for(index: int, now: float) -> float:
         return max(0.0, copied[index] - now)
-    for point in range(g):
+    # only points where a copy is due or starts change the clocks' shift
+    for point in sorted(set(due).union(i for i, m in enumerate(modes) if m == OFFLOAD)):
+        if point >= g:
+            continue
         now = forward_clock[point] + shift
-        waited = max((wait_for(index, now) for index in due[point]), default=0.0)
+        waited = max((wait_for(index, now) for index in due.get(point, ())), default=0.0)
         shift, forward_wait, now = shift + waited, forward_wait + waited, now + waited
         if modes[point] == OFFLOAD:
             queue = max(now, queue) + transfer_ms(groups[point].nbytes, profile.d2h_gbps)
             copied[point] = queue
     forward_end = profile.forward_ms + shift
-    waited = max((wait_for(index, forward_end) for index in due[g]), default=0.0)
+    waited = max((wait_for(index, forward_end) for index in due.get(g, ())), default=0.0)
     forward_end, forward_wait = forward_end + waited, forward_wait + waited
 
-    fetches, rebuilds = defaultdict(list), defaultdict(list)
+    fetches, rebuilds, needed = defaultdict(list), defaultdict(list), defaultdict(list)
     for index, mode in enumerate(modes):
         if mode == OFFLOAD:
-            fetches[prefetch_point(profile, index, lookahead, prefetch_margin)].append(index)
-    for index, point in enumerate(rebuild_points(profile, modes)):
+            fetches[prefetches[index]].append(index)
+            needed[groups[index].first_unpack].append(index)
+    for index, point in enumerate(rebuilt_at):
         if point is not None:
             rebuilds[point].append(index)
     fetched: dict[int, float] = {}
     shift = backward_wait = recompute = 0.0
     queue = forward_end
-    for point in range(profile.unpacks):
+    # only points where a fetch is issued or needed, or a group rebuilt, change the shift (a
+    # fetch is issued at or before its first unpack: fetched by the time it is needed)
+    for point in sorted(set(fetches) | set(needed) | set(rebuilds)):
         now = forward_end + profile.backward_clock[point] + shift
         # the runtime's order: the one needed at this point, then in the order they were saved
-        for index in sorted(fetches[point], key=lambda i: (groups[i].first_unpack != point, i)):
+        for index in sorted(fetches.get(point, ()),
+                            key=lambda i: (groups[i].first_unpack != point, i)):
             queue = max(now, queue, copied[index]) + transfer_ms(groups[index].nbytes,
                                                                  profile.h2d_gbps)
             fetched[index] = queue
-        waited = max((fetched[index] - now for index in fetched
-                      if groups[index].first_unpack == point), default=0.0)
+        waited = max((fetched[index] - now for index in needed.get(point, ())), default=0.0)
         waited = max(0.0, waited)
-        rebuilt = math.fsum(groups[index].recompute_ms for index in rebuilds[point])
+        rebuilt = math.fsum(groups[index].recompute_ms for index in rebuilds.get(point, ()))
         shift += waited + rebuilt
         backward_wait += waited
         recompute += rebuilt

@@ -37,6 +37,10 @@ from .planner import KEEP, OFFLOAD, RECOMPUTE, PREFETCH_MARGIN, StepProfile
 #: the ILP's tie term (planner_ilp.py): ms per byte moved or recomputed, far below any real time
 #: difference, so that of two plans of one step the one moving fewer bytes is taken
 TIE_MS_PER_BYTE = 2.0 ** -40
+#: the construction takes a re-evaluated change whose ratio is at most this share above the best
+#: ratio still to be re-evaluated (lazy greedy: re-evaluating every change after each one taken
+#: is quadratic in the groups; the improvement takes back what a near-best choice costs)
+STALE_TOLERANCE = 0.1
 #: the most improvement rounds (each a pass over the moved groups); a round that changes nothing
 #: ends the search earlier
 IMPROVE_ROUNDS = 8
@@ -68,12 +72,16 @@ class Layout:
         #: than planner.MAX_CHAIN recipes)
         self.candidates = [set(points) for points in model.rebuild_candidates(profile)]
         self.fixed: list[dict[str, list[tuple[int, int, int]]]] = []
+        #: per group, where offloaded: its release and prefetch points (else None)
+        self.release: list[int | None] = [None] * g
+        self.prefetch: list[int | None] = [None] * g
         for index, group in enumerate(groups):
             n, last = group.nbytes, group.last_unpack
             spans = {KEEP: [(n, index, g + last + 1)]}
             if OFFLOAD in self.allowed[index]:
-                release = model.release_point(profile, index)
-                fetch = model.prefetch_point(profile, index, lookahead, prefetch_margin)
+                release = self.release[index] = model.release_point(profile, index)
+                fetch = self.prefetch[index] = model.prefetch_point(profile, index, lookahead,
+                                                                    prefetch_margin)
                 spans[OFFLOAD] = [(n, index, min(release + 1, g)), (n, g + fetch, g + last + 1)]
             if RECOMPUTE in self.allowed[index]:
                 # without its backward interval, which starts where it is rebuilt
@@ -180,6 +188,17 @@ class State:
         point}, the cost's new terms (moved, recompute ms, traffic)); None where a group would
         be rebuilt at a point no plan may rebuild it at (:attr:`Layout.candidates`)."""
         layout, modes, rebuilt = self.layout, self.modes, self.rebuilt
+        if len(changes) == 1:
+            ((index, mode),) = changes.items()
+            old = modes[index]
+            if old != RECOMPUTE and mode != RECOMPUTE:
+                # neither rebuilt: no rebuild point, its sources' or readers', changes
+                n = layout.nbytes[index]
+                intervals = [(-b, lo, hi) for b, lo, hi in layout.fixed[index][old]] + \
+                    layout.fixed[index][mode]
+                moved = self.moved + n * ((mode == OFFLOAD) - (old == OFFLOAD))
+                traffic = self.traffic + n * ((mode != KEEP) - (old != KEEP))
+                return intervals, {}, {index: None}, (moved, self.recompute_ms, traffic)
         new_points: dict[int, int | None] = {}
         pending = [-index for index in changes]
         heapq.heapify(pending)
@@ -235,6 +254,19 @@ class State:
             lifts[point] = there
         return intervals, lifts, new_points, (moved, recompute_ms, traffic)
 
+    def simulated_ms(self, changes: dict[int, str], evaluated) -> float:
+        """:func:`planner.simulate`'s step after ``changes`` (``evaluated``: :meth:`change`'s),
+        from the layout's points and the rebuild points the change leaves."""
+        layout = self.layout
+        modes = list(self.modes)
+        for index, mode in changes.items():
+            modes[index] = mode
+        rebuilt = list(self.rebuilt)
+        for index, point in evaluated[2].items():
+            rebuilt[index] = point
+        return model.simulate(layout.profile, modes, layout.lookahead, layout.prefetch_margin,
+                              (layout.release, layout.prefetch, rebuilt)).step_ms
+
     def window(self, intervals) -> tuple[int, np.ndarray]:
         """(first point, the memory from there to the last point ``intervals`` touch, with
         them applied)."""
@@ -285,7 +317,7 @@ def _try(state: State, changes: dict[int, str], target: int):
     return state.layout.cost(*evaluated[3]), gained, evaluated
 
 
-def _fits(state: State, evaluated, target: int) -> bool:
+def fits(state: State, evaluated, target: int) -> bool:
     """Whether the state after ``evaluated`` (a change of a state within ``target``; None: an
     invalid one) is within it: only the points the change adds bytes to can go over."""
     if evaluated is None:
@@ -335,7 +367,7 @@ def construct(state: State, target: int) -> bool:
                 continue
             cost, gained, evaluated = tried
             fresh = max(cost - state.cost(), 0.0) / -gained
-            if heap and (fresh, gained) > heap[0][:2]:
+            if heap and fresh > heap[0][0] * (1 + STALE_TOLERANCE):
                 heapq.heappush(heap, (fresh, gained, index, mode, version))
                 continue
         else:
@@ -380,7 +412,7 @@ def improve(state: State, target: int, rounds: int = IMPROVE_ROUNDS) -> None:
                         not state.valid_change(changes):
                     continue
                 evaluated = state.change(changes)
-                if _fits(state, evaluated, target):
+                if fits(state, evaluated, target):
                     best = (cost, changes, evaluated)
             if best is not None:
                 state.apply(best[1], best[2])
@@ -395,7 +427,7 @@ def improve(state: State, target: int, rounds: int = IMPROVE_ROUNDS) -> None:
                 if saved > 1e-12 and state.valid_change({index: mode}):
                     savers.append((saved, index, mode))
         savers.sort(reverse=True)
-        freeing = _freeing_changes(state)
+        freeing = Freeing(state)
         for saved, index, mode in savers:
             changes = {index: mode}
             if state.modes[index] == mode or state.cost_after(changes) >= now - 1e-12 or \
@@ -408,81 +440,132 @@ def improve(state: State, target: int, rounds: int = IMPROVE_ROUNDS) -> None:
             if worst is None:
                 state.apply(changes, evaluated)
                 now, improved = state.cost(), True
-                freeing = _freeing_changes(state)
+                freeing = Freeing(state)
                 continue
             repaired = _cheapest_repair(state, changes, worst, freeing, now, target)
             if repaired is not None:
                 state.apply(*repaired)
                 now, improved = state.cost(), True
-                freeing = _freeing_changes(state)
+                freeing = Freeing(state)
         if not improved:
             return
 
 
-def _worst_point(state: State, evaluated, target: int) -> int | None:
-    """The point most over ``target`` after ``evaluated`` (None: none is over it)."""
+def _worst_point(state: State, evaluated, target: int) -> tuple[int, int] | None:
+    """(the point most over ``target`` after ``evaluated``, the bytes over there); None where
+    none is over it."""
     lo, after = state.window(evaluated[0])
-    over = np.nonzero(after > target)[0]
-    if not len(over):
+    worst = int(np.argmax(after))
+    if after[worst] <= target:
         return None
-    return lo + int(over[np.argmax(after[over])])
+    return lo + worst, int(after[worst]) - target
 
 
-def _cheapest_repair(state: State, changes: dict[int, str], worst: int, freeing, below: float,
-                     target: int):
+#: the most pairs :func:`_cheapest_repair` evaluates for one change (those that free enough
+#: where the change goes over most, the cheapest first): a bound on the improvement's time
+REPAIRS_TRIED = 12
+#: the most intervals of points one change of a group's mode frees (its liveness in one mode
+#: less that in another: two intervals less two)
+FREED_INTERVALS = 3
+
+
+class Freeing:
+    """Each change of one group from its mode in a state to one whose own liveness is smaller
+    somewhere, the cheapest first: its added cost, group, mode, the most it frees at a point, and
+    the intervals of points where it frees its group's bytes (arrays: one row a change)."""
+
+    def __init__(self, state: State):
+        layout = state.layout
+        now = state.cost()
+        rows = []
+        for index in range(layout.g):
+            current, n = state.modes[index], layout.nbytes[index]
+            spans_now = [(lo, hi) for b, lo, hi in
+                         layout.spans(index, current, state.rebuilt[index]) if b == n]
+            held = sum(layout.nbytes[s] for s in layout.sources[index]) \
+                if current == RECOMPUTE else 0
+            for mode in layout.allowed[index]:
+                if mode == current:
+                    continue
+                rebuilt = layout.first[index] if mode == RECOMPUTE else None
+                spans_then = [(lo, hi) for b, lo, hi in layout.spans(index, mode, rebuilt)
+                              if b == n]
+                freed = _minus(spans_now, spans_then)[:FREED_INTERVALS]
+                if not freed:
+                    continue
+                freed += [(0, 0)] * (FREED_INTERVALS - len(freed))
+                rows.append((state.cost_after({index: mode}) - now, index, mode, n + held, freed))
+        rows.sort(key=lambda row: row[0])
+        self.changes = [(index, mode) for _, index, mode, _, _ in rows]
+        self.added = np.array([row[0] for row in rows], dtype=float)
+        self.most = np.array([row[3] for row in rows], dtype=np.int64)
+        spans = np.array([row[4] for row in rows], dtype=np.int64).reshape(
+            len(rows), FREED_INTERVALS, 2)
+        self.lo, self.hi = spans[:, :, 0], spans[:, :, 1]
+
+    def at(self, point: int, over: int, saved: float) -> np.ndarray:
+        """Rows (cheapest first) that add less than ``saved``, may free ``over`` bytes and free
+        their group's bytes at ``point``."""
+        if not len(self.changes):
+            return np.zeros(0, dtype=np.int64)
+        frees = ((self.lo <= point) & (point < self.hi)).any(axis=1)
+        return np.nonzero(frees & (self.added < saved) & (self.most >= over))[0]
+
+
+def _minus(spans: list[tuple[int, int]], less: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The points of ``spans`` not in ``less`` (intervals [first, end))."""
+    found = []
+    for lo, hi in spans:
+        pieces = [(lo, hi)]
+        for a, b in less:
+            pieces = [piece for p_lo, p_hi in pieces
+                      for piece in ((p_lo, min(p_hi, a)), (max(p_lo, b), p_hi))
+                      if piece[0] < piece[1]]
+        found += pieces
+    return found
+
+
+def _cheapest_repair(state: State, changes: dict[int, str], worst: tuple[int, int],
+                     freeing: Freeing, below: float, target: int):
     """(changes with the change of another group, evaluated) of the least added cost by which
-    the state after ``changes`` (over ``target``, most at point ``worst``) is within the target
-    and costs less than ``below``; None where none does. ``freeing``: :func:`_freeing_changes`,
-    in the order of their own added cost, which bounds the search: a change that alone adds at
-    least what ``changes`` save is not tried."""
+    the state after ``changes`` (over ``target``: ``worst``, the point most over it and by how
+    much) is within the target and costs less than ``below``; None where none of the first
+    :data:`REPAIRS_TRIED` does. ``freeing``: the state's :class:`Freeing`, in the order of their
+    own added cost, which bounds the search: a change that alone adds at least what ``changes``
+    save, or frees less than is over at ``worst``, is not tried."""
     saved = below - state.cost_after(changes)
-    for added, other, other_mode, frees in freeing:
-        if added >= saved:
-            break
-        if other in changes or not frees(worst):
+    point, over = worst
+    tried = 0
+    for row in freeing.at(point, over, saved):
+        other, other_mode = freeing.changes[row]
+        if other in changes:
             continue
         pair = {**changes, other: other_mode}
         if state.cost_after(pair) >= below - 1e-12 or not state.valid_change(pair):
             continue
+        tried += 1
         paired = state.change(pair)
-        if _fits(state, paired, target):
+        if fits(state, paired, target):
             return pair, paired
+        if tried == REPAIRS_TRIED:
+            break
     return None
 
 
-def _freeing_changes(state: State):
-    """(its added cost, group, mode, whether it frees memory at a point) for each change of one
-    group from its mode to one whose own liveness is smaller somewhere, the cheapest first."""
-    layout = state.layout
-    now = state.cost()
-    found = []
-    for index in range(layout.g):
-        current = state.modes[index]
-        spans_now = [(lo, hi) for n, lo, hi in layout.spans(index, current, state.rebuilt[index])
-                     if n == layout.nbytes[index]]
-        for mode in layout.allowed[index]:
-            if mode == current:
-                continue
-            rebuilt = layout.first[index] if mode == RECOMPUTE else None
-            spans_then = [(lo, hi) for n, lo, hi in layout.spans(index, mode, rebuilt)
-                          if n == layout.nbytes[index]]
-
-            def frees(point, now=spans_now, then=spans_then):
-                return any(lo <= point < hi for lo, hi in now) and not any(
-                    lo <= point < hi for lo, hi in then)
-            found.append((state.cost_after({index: mode}) - now, index, mode, frees))
-    found.sort(key=lambda entry: entry[0])
-    return found
-
-
 def plan_modes(profile: StepProfile, target: int, lookahead: int,
-               prefetch_margin: float = PREFETCH_MARGIN) -> list[str] | None:
+               prefetch_margin: float = PREFETCH_MARGIN,
+               start: Sequence[str] | None = None) -> list[str] | None:
     """The modes of the fast plan within ``target`` (None: none found). The construction starts
-    from everything kept; where it finds no change that lowers the excess, from each of
-    :func:`_moved_starts` (everything moved that may be: memory near the least peak), and the
-    improvement then brings back what the target has room for."""
+    from ``start`` where given (a valid plan of this profile: a warm start, such as the plan made
+    for another exposure or target), else from everything kept; where it finds no change that
+    lowers the excess, from everything kept and each of :func:`_moved_starts` (everything moved
+    that may be: memory near the least peak), and the improvement then brings back what the
+    target has room for."""
     layout = Layout(profile, lookahead, prefetch_margin)
-    for modes in [[KEEP] * layout.g] + _moved_starts(layout):
+    starts = [[KEEP] * layout.g] + _moved_starts(layout)
+    if start is not None:
+        starts.insert(0, list(start))
+    for modes in starts:
         state = State(layout, modes)
         if construct(state, target):
             improve(state, target)
@@ -543,20 +626,6 @@ def least_peak_modes(profile: StepProfile, lookahead: int,
     return best.modes
 
 
-def single_changes(state: State, target: int):
-    """(changes, evaluated) for each valid change of one group's mode that keeps ``state``
-    within ``target``, in group order."""
-    layout = state.layout
-    for index in range(layout.g):
-        for mode in layout.allowed[index]:
-            changes = {index: mode}
-            if mode == state.modes[index] or not state.valid_change(changes):
-                continue
-            evaluated = state.change(changes)
-            if _fits(state, evaluated, target):
-                yield changes, evaluated
-
-
 def repaired_pairs(state: State, target: int):
     """(changes, evaluated) for each valid change of one group's mode that takes ``state``
     over ``target``, paired with the change of another group of the least modelled cost that
@@ -574,7 +643,7 @@ def repaired_pairs(state: State, target: int):
             worst = _worst_point(state, evaluated, target)
             if worst is None:
                 continue
-            freeing = freeing if freeing is not None else _freeing_changes(state)
+            freeing = freeing if freeing is not None else Freeing(state)
             repaired = _cheapest_repair(state, changes, worst, freeing, math.inf, target)
             if repaired is not None:
                 yield repaired
@@ -592,5 +661,5 @@ def all_pairs(state: State, target: int):
         if a == b or not state.valid_change(pair):
             continue
         evaluated = state.change(pair)
-        if _fits(state, evaluated, target):
+        if fits(state, evaluated, target):
             yield pair, evaluated

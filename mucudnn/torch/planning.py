@@ -11,7 +11,6 @@ the reference). Functions that tests or callers replace are called through the p
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import replace
 from typing import Sequence
@@ -28,6 +27,10 @@ from .planner import (KEEP, PREFETCH_MARGIN, TRIAL_EXPOSURES, TRIAL_MADE, TRIAL_
 #: the planning methods: the fast planner (planner_fast.py) and the ILP (planner_ilp.py)
 FAST, ILP = "fast", "ilp"
 METHODS = (FAST, ILP)
+#: the most simulations one fast :func:`polished` runs: a simulation is linear in the groups
+#: and points, and a polish that takes small gains one at a time could run thousands; the first
+#: are where it gains most (the changes the time model gets most wrong are found first)
+POLISH_SIMULATIONS = 150
 
 
 def _checked(method: str) -> str:
@@ -38,9 +41,11 @@ def _checked(method: str) -> str:
 
 def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
                  time_limit_s: float | None = 60, prefetch_margin: float = PREFETCH_MARGIN,
-                 explain: bool = True, method: str = FAST) -> OffloadPlan:
+                 explain: bool = True, method: str = FAST,
+                 start: Sequence[str] | None = None) -> OffloadPlan:
     """The fastest valid choice whose modelled peak is within ``budget`` bytes (ties go to fewer
-    bytes moved or recomputed), by ``method`` (``time_limit_s``: CBC's, for the ILP).
+    bytes moved or recomputed), by ``method`` (``time_limit_s``: CBC's, for the ILP; ``start``:
+    the modes of a valid plan of this profile the fast method starts from, a warm start).
     :class:`InfeasibleError` says the least peak any choice reaches when none fits (``explain``
     False: only that none fits, without solving for it)."""
     _checked(method)
@@ -53,7 +58,7 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
         from . import planner_ilp
         plan = planner_ilp.solve_plan(profile, budget, lookahead, time_limit_s, prefetch_margin)
     else:
-        modes = planner_fast.plan_modes(profile, budget, lookahead, prefetch_margin)
+        modes = planner_fast.plan_modes(profile, budget, lookahead, prefetch_margin, start)
         plan = None if modes is None else _result(profile, modes, lookahead, prefetch_margin)
     if plan is None:
         if not explain:
@@ -84,7 +89,7 @@ def plan_with_less_headroom(error: Exception, budget: int, headroom: float,
 
 def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
                        time_limit_s: float | None = 60, explain: bool = True,
-                       method: str = FAST) -> OffloadPlan:
+                       method: str = FAST, start: Sequence[str] | None = None) -> OffloadPlan:
     """:func:`plan_offload` with the earliest prefetches that fit: at ``lookahead`` timed by
     :data:`PREFETCH_MARGIN`, then by half of it, then untimed at ``lookahead`` and each smaller
     distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
@@ -99,7 +104,8 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     ``release_margin``), the ladder runs again with each released at the next forward point
     (release margin 0): the compute stream then waits there for the copy, the forward bound by
     the link as vDNN's layer-wise wait (a model whose every plan of the first ladder peaks above
-    the budget, such as the 3-D U-Net at 4 GiB)."""
+    the budget, such as the 3-D U-Net at 4 GiB). ``start``: :func:`plan_offload`'s, each
+    rung's."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
     # the next point only where it releases some offload earlier (not: no forward clock, or
@@ -115,7 +121,8 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
             profile, release_margin=release)
         try:
             return plan_offload(planned, budget, distance, time_limit_s, prefetch_margin,
-                                explain=explain and rung == len(rungs) - 1, method=method)
+                                explain=explain and rung == len(rungs) - 1, method=method,
+                                start=start)
         except (InfeasibleError, SolverError):
             if rung == len(rungs) - 1:
                 raise
@@ -140,8 +147,9 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     profile's; of each budget's, the one :func:`simulate` finds fastest is tried if it beats
     every plan before it by :data:`TRIAL_MIN_GAIN`; at ``budget`` that includes the fastest
     of its plans (``plan`` too) :func:`polished`. None (``[]``) where ``plan`` moves nothing
-    (its exposure then changes nothing). The plans are made by ``method``; CBC gets at most
-    :data:`TRIAL_SOLVE_S` a solve here. The
+    (its exposure then changes nothing). The plans are made by ``method`` (the fast one starts
+    from ``plan``'s modes: within every larger target, near the plans of other exposures); CBC
+    gets at most :data:`TRIAL_SOLVE_S` a solve here. The
     runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest (of those that did not
     flush the allocator's cache where any did not): what the allocator does near its cap is no
     part of the model."""
@@ -162,7 +170,8 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
                 continue
             try:
                 other = model.plan_with_prefetch(replace(profile, copy_exposure=exposure),
-                                                 target, lookahead, solve_s, method=method)
+                                                 target, lookahead, solve_s, method=method,
+                                                 start=plan.modes)
             except (InfeasibleError, SolverError):
                 continue
             if not any(_same_plan(other, seen) for seen in tried + [p for _, p in made]):
@@ -188,17 +197,20 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
 
 def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None = TRIAL_SOLVE_S,
              method: str = FAST) -> OffloadPlan:
-    """``plan`` improved by :func:`simulate`: the first change of one group's mode, else of two,
-    that keeps the plan valid and its modelled peak within its target and shortens its simulated
-    step, taken, until none does (or ``time_limit_s`` has passed). The program minimises the
+    """``plan`` improved by :func:`simulate`: changes of one group's mode, else of two, that keep
+    the plan valid and its modelled peak within its target and shorten its simulated step,
+    taken as found, until none does (or ``time_limit_s`` has passed). The program minimises the
     time model, linear in the choices, where every copy costs the same exposure share; the
     simulation queues them (what polishing gains: benchmarks/results/pressure).
 
-    The pairs: with ``method`` :data:`ILP`, every pair of changes; with :data:`FAST`, each change
-    that alone goes over the target with the change of the least modelled step that frees memory
-    where it goes over most and brings it back within the target (one pair a change: a bounded
-    number of simulations, where every pair is quadratic in the groups). Peaks are checked
-    incrementally (planner_fast.State), on the points a change touches."""
+    Each sweep tries every change of one group (taking each that shortens the step, and going
+    on from there); where none does, pairs: with ``method`` :data:`ILP` every pair of changes,
+    with :data:`FAST` each change that alone goes over the target with the cheapest change
+    (modelled step) that brings it back within it (a bounded number of simulations where
+    every pair is quadratic in the groups; at most :data:`POLISH_SIMULATIONS` simulations).
+    Peaks are checked incrementally (planner_fast.State) on the points a change touches; a
+    change whose compute alone (forward, backward, recipes) is no shorter than the best step is
+    not simulated."""
     _checked(method)
     if not plan.target:
         return plan
@@ -208,21 +220,48 @@ def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None
     layout = planner_fast.Layout(profile, lookahead, prefetch_margin)
     state = planner_fast.State(layout, plan.modes)
     best = simulate(profile, plan.modes, lookahead, prefetch_margin).step_ms
-    moves = planner_fast.all_pairs if method == ILP else planner_fast.repaired_pairs
+    compute = profile.forward_ms + profile.backward_ms
+    pairs = planner_fast.all_pairs if method == ILP else planner_fast.repaired_pairs
+    simulations = None if method == ILP else POLISH_SIMULATIONS
+
+    def shorter(changes, evaluated) -> bool:
+        """Takes ``changes`` where they shorten the simulated step."""
+        nonlocal best, simulations
+        if compute + evaluated[3][1] >= best - 1e-6:
+            return False
+        if simulations is not None:
+            simulations -= 1
+        step = state.simulated_ms(changes, evaluated)
+        if step < best - 1e-6:
+            state.apply(changes, evaluated)
+            best = step
+            return True
+        return False
+
+    def timed_out() -> bool:
+        return (deadline is not None and time.monotonic() >= deadline) or simulations == 0
+
     improved = True
-    while improved and (deadline is None or time.monotonic() < deadline):
+    while improved and not timed_out():
         improved = False
-        for changes, evaluated in itertools.chain(planner_fast.single_changes(state, plan.target),
-                                                  moves(state, plan.target)):
-            candidate = list(state.modes)
-            for index, mode in changes.items():
-                candidate[index] = mode
-            step = simulate(profile, candidate, lookahead, prefetch_margin).step_ms
-            if step < best - 1e-6:
-                state.apply(changes, evaluated)
-                best, improved = step, True
+        for index in range(layout.g):
+            for mode in layout.allowed[index]:
+                changes = {index: mode}
+                if mode == state.modes[index] or not state.valid_change(changes):
+                    continue
+                evaluated = state.change(changes)
+                if planner_fast.fits(state, evaluated, plan.target) and \
+                        shorter(changes, evaluated):
+                    improved = True
+            if timed_out():
                 break
-            if deadline is not None and time.monotonic() >= deadline:
+        if improved or timed_out():
+            continue
+        for changes, evaluated in pairs(state, plan.target):
+            if shorter(changes, evaluated):
+                improved = True
+                break
+            if timed_out():
                 break
     if state.modes == list(plan.modes):
         return plan
