@@ -462,7 +462,7 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
 
     import mucudnn.torch as mt
     from mucudnn.errors import InfeasibleError
-    from mucudnn.torch.runtime import OffloadSession
+    from mucudnn.torch.offload_session import OffloadSession
 
     options = dict(session_options or {})
     pristine = case.pristine

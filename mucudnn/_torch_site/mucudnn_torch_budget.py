@@ -389,12 +389,12 @@ def offload_headroom(value: str | None) -> float | None:
 
 
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
-    """Enters one :class:`mucudnn.torch.runtime.OffloadSession` for the whole process (never
+    """Enters one :class:`mucudnn.torch.offload_session.OffloadSession` for the whole process (never
     left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
     Needs mucudnn importable here (the launcher puts it on PYTHONPATH); without it, one warning
     line and the program runs without offload."""
     try:
-        from mucudnn.torch.runtime import OffloadSession
+        from mucudnn.torch.offload_session import OffloadSession
         headroom = offload_headroom(os.environ.get(ENV_OFFLOAD_HEADROOM))
         session = OffloadSession(budget, say=lambda text: say("info", text), strict=False,
                                  recompute_convolutions=recompute_convolutions,

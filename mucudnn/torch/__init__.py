@@ -20,7 +20,7 @@ def session(size: str | int, **options):
     their tensors under the plan for ``size`` (their backward may run inside or after it). The
     same session object across ``with`` blocks keeps its profile and plan: hold it
     (``s = session(...)``) and enter it each step; a fresh one records its first step again."""
-    from .runtime import OffloadSession
+    from .offload_session import OffloadSession
 
     return OffloadSession(_bytes(size), **options)
 
@@ -55,7 +55,7 @@ def _bytes(size: str | int) -> int:
 
 def __getattr__(name):
     if name == "OffloadSession":
-        from .runtime import OffloadSession
+        from .offload_session import OffloadSession
         return OffloadSession
     if name == "CompiledModelError":
         from .compiled import CompiledModelError

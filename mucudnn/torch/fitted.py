@@ -24,7 +24,7 @@ import pickle
 
 from ..errors import MucudnnError
 from .compiled import refuse_compiled_model, refuse_if_compiling
-from .runtime import OffloadSession
+from .offload_session import OffloadSession
 
 
 class FitPickleError(MucudnnError, pickle.PicklingError):

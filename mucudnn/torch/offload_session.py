@@ -1,0 +1,733 @@
+"""The offload session of mucudnn.torch (docs/torch.md): saved-tensor hooks that keep, offload or
+recompute each tensor autograd saves, as a plan says, after a first step that records a profile.
+Its parts: the host links (link.py), the records of a step (records.py), the recorder of a step's
+calls, recipes and profile (recorder.py), and the plan's lifecycle (session_plans.py); this module
+packs and unpacks, and holds each group's device tensor for as long as the rules below say.
+
+Invariants:
+- A tensor is restored bit for bit: an offloaded one is copied to a host tensor of the same dtype,
+  shape and strides and back (dense tensors only; others are kept); a recomputed one re-runs its
+  recipe, deterministic modules (:data:`CHEAP`, and :data:`CONVOLUTIONS` unless told not to)
+  and tensor adds (:data:`ADDS`, ResNet's ``out += identity``) on its sources under ``no_grad``,
+  with batch norm rerun on copies of its running statistics (its output in training mode does
+  not read them, and the model's statistics are not updated twice). A source is a saved group,
+  kept or itself recomputed: rebuilding a group first rebuilds its recomputed sources that are
+  not on the device (a chain, as ``torch.utils.checkpoint`` reruns a segment), each once; a
+  group saved as a view over exactly a tensor's elements (an instance norm's reshaped input) is
+  a source of that tensor, viewed back to its shape (:class:`_ViewOf`).
+  A convolution reruns the kernel its forward ran where the framework picks kernels per shape
+  (PyTorch's cuDNN plan cache, ``cudnn.benchmark`` or not); a workspace allocation that fails
+  during a rerun can make it pick another, whose result may differ in the last bits
+  (``recompute_convolutions=False`` rules convolutions out).
+- Nothing is recomputed from a source that changed since it was saved (its version counter), and
+  every call of a recipe read each of its inputs at the version the recipe rebuilds or reads.
+- Groups: every pack of the same tensor object (same version) is one group, moved or recomputed
+  once. Parameters, views of them, one-dimensional leaves (buffers) and tensors under
+  ``min_bytes`` pass through (:class:`_Passed`).
+- A recipe's module reruns as its forward ran (:class:`_ModuleState`): its mode, the tensors in
+  its ``_parameters`` then (``functional_call``'s), an eval-mode batch norm's statistics then;
+  without hooks (a user's global hooks see the user's forward only).
+- A copy of a saved tensor (an offload, a keep-apart copy) is made once the op that saved it
+  has run (:meth:`OffloadSession._copy_pending`): an op may write a tensor after saving it.
+- Autograd checks no saved tensor's version where saved-tensor hooks run: the session does, at
+  each unpack, and raises PyTorch's error for a tensor changed in place since its pack (seen
+  through the tensor, its view's base, its kept alias or a recipe's parameters while they live).
+- The session holds a group's device tensor (kept, fetched, prefetched or recomputed) no longer
+  than the planner's liveness says (planner.py): autograd holds one :class:`_Packed` per pack,
+  and the device tensor goes when the last of them is freed (autograd frees a node's saved
+  tensors once it ran), at the last unpack of a moved or recomputed group, and never while a
+  recomputed group that reads it may still be unpacked. Nothing else (steps, recipes, calls)
+  refers to a device tensor strongly, except a link while a copy reads or writes it: an
+  offloaded tensor until its copy to the host is done (``CudaLink.poll``), a fetch's until the
+  compute stream is ordered after its copy.
+- Steps: a pack after an unpack starts a new step, and so does a module or pack after a forward
+  whose graph autograd dropped without a backward (:meth:`_Step.abandoned`); group ``g`` is the
+  ``g``-th tensor the step saves, unpack ``i`` its ``i``-th unpack (planner.py's clocks). A
+  group of an ended step unpacked later is restored on demand, outside any step's clock.
+- Entering a session inside itself (a forward calling the model again) is part of the outer
+  ``with``; leaving the outermost by any exception leaves grad mode, hooks and staging as they
+  were. A planned step whose groups differ from the profile's (another size) keeps those groups.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict, deque
+
+import torch
+import torch.nn as nn
+
+from . import planner
+from .compiled import refuse_if_compiling
+from .link import CudaLink, SameMemoryLink, Transfer, dense
+from .planner import KEEP, OFFLOAD, RECOMPUTE
+from .records import _Group, _Packed, _Passed, _Step, _Trial, _rebuild_order, recompute
+from .recorder import (StepRecorder, _current_node, _has_children, _in_backward,
+                       _past_the_op_recorder)
+from .session_plans import PlanLifecycle
+from .stage import StagedForward, StagePlan
+
+
+class OffloadSession(PlanLifecycle):
+    """Saved-tensor hooks and leaf-module hooks (while entered) carrying out a plan.
+
+    ``budget`` (bytes): the first ``record_steps`` (default
+    :data:`~mucudnn.torch.planner.RECORD_STEPS`) steps record (every dense saved tensor
+    offloaded on the compute stream, fetched on demand; the last is the profile, with each time
+    the least any recorded), then a plan is made for ``budget * (1 - headroom)`` (room for the
+    caching allocator's fragmentation; CBC at most ``plan_time_limit_s`` per solve) and applied
+    from the next step. ``modes``: a fixed plan instead (one mode per group; tests,
+    benchmarks). ``force``: every group in that mode where allowed.
+    ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
+    ``recompute``: recipes at all; ``recompute_convolutions``: recipes may rerun convolutions
+    (:data:`CONVOLUTIONS`; see the module docstring). ``copy_exposure``: the planner's
+    :data:`~mucudnn.torch.planner.COPY_EXPOSURE`. ``max_pending``: :class:`CudaLink`'s, the bytes
+    of copies to the host in flight before the host thread waits for the oldest.
+    ``trace``: a list that receives ``(event, gid, ...)`` tuples (tests). ``profile_to``: a
+    path where each plan made (or the fall-back when none meets the budget) writes the recorded
+    profile, the target and the modes as JSON (:meth:`write_profile`), so that the planner can be
+    replayed on it off the GPU. ``strict``: a budget
+    no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
+    ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
+    A planned step that runs out of device memory (the link's ``ooms()`` grew; its exception
+    propagates as ever) shows the peak model fell short: the plan is made again for a lower target
+    (``min(target, modelled peak) - replan_step * budget``), at most ``replans`` times, each with
+    one line; after that, or when no plan meets the lower target, every later step offloads every
+    saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and
+    :func:`planner.trial_plans` finds others its simulation says are faster (made at other
+    copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
+    each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
+    allocator's cache (:meth:`_Trial.kept`), with one line. ``keep_apart``: the trial also runs
+    its simulated fastest plan with the small kept groups copied apart from the step's large
+    tensors (:meth:`_keeps_apart`), and keeps it that way where it wins.
+    """
+
+    def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
+                 link: SameMemoryLink | None = None, lookahead: int = 2, recompute: bool = True,
+                 min_bytes: int = 1 << 20, headroom: float = 0.1, trace: list | None = None,
+                 say=None, strict: bool = True, replans: int = 3, replan_step: float = 0.1,
+                 record_steps: int | None = None, plan_time_limit_s: float = 20,
+                 recompute_convolutions: bool = True,
+                 copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
+                 max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True,
+                 stage: bool | str = True):
+        self.budget, self.force, self.lookahead = budget, force, lookahead
+        self.replans_left, self.replan_step = replans, replan_step
+        # lower targets after flushing trials: as many, apart, so that a step that later runs
+        # out of memory still has its replans
+        self.lowerings_left = replans
+        self.replans_used = 0
+        self._recordings_left = max(1, planner.RECORD_STEPS if record_steps is None
+                                    else record_steps)
+        self._recorded: list[planner.StepProfile] = []   # this recording's profiles so far
+        #: CBC's limit per solve (the planning times it bounds: benchmarks/results/planning-time.md)
+        self.plan_time_limit_s = plan_time_limit_s
+        self._lowered_target: int | None = None
+        #: the highest target found to have no plan: no target at or below it has one
+        self._no_plan_at: int | None = None
+        self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
+        self.recompute_convolutions = recompute_convolutions
+        self.copy_exposure = copy_exposure
+        self._link, self._links = link, {}
+        self.max_pending = max_pending
+        self.trials = trials
+        self.keep_apart = keep_apart
+        self._apart: tuple = (None, set())   # (plan, its planner.kept_apart groups)
+        self._trial: _Trial | None = None
+        #: the plan in force after its trial: per planned step (the last WATCH_STEPS), whether
+        #: it flushed the caching allocator's cache, and each link's flush count at its end
+        self._flushing: deque = deque(maxlen=planner.WATCH_STEPS)
+        self._flush_counts: dict = {}
+        #: how the plan in force was made, after a trial kept another than the one made
+        #: (:func:`planner.trial_plans`' label; None: as made)
+        self.kept_after_trial: str | None = None
+        self.trace = trace
+        self.profile_to = profile_to
+        self.strict = strict
+        self.say = say or (lambda text: None)
+        self.profile: planner.StepProfile | None = None
+        self.plan: planner.OffloadPlan | None = None
+        self.modes = list(modes) if modes is not None else None
+        self.steps = 0
+        self._first_unpacks: list[int | None] = []   # per group, of the last whole step
+        self._schedule: dict[int, list[int]] = {}
+        self._step = _Step(profiling=budget is not None and modes is None and force is None)
+        self._rerunning = False
+        self._mismatch_said = False
+        self._unmoved_said = False
+        self._empty_cache_due = False   # after a failed step: at the next step's start
+        self.fell_back = False
+        self._handles = []
+        self._hooks = None
+        self._depth = 0                 # ``with`` blocks entered and not left
+        #: records the steps' calls (modules and ops) and finds their recipes (recorder.py)
+        self.recorder = StepRecorder(self)
+        #: stage.py: whether plans may stage the leading chain; the stage in force (its profile
+        #: is :attr:`profile`, the recorded one :attr:`recorded_profile`); the staged forward
+        #: running; the recording's candidates; the containers running now, innermost last
+        if stage not in (True, False, "always"):
+            raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
+        self.staging = stage
+        self.stage: StagePlan | None = None
+        self.recorded_profile: planner.StepProfile | None = None
+        self._staged: StagedForward | None = None
+        self._stage_candidates: list = []
+        self._containers: list = []
+
+    # --- entering and leaving -------------------------------------------------------------
+    def __enter__(self):
+        refuse_if_compiling("entering a mucudnn.torch session")
+        # re-entrant: a forward under the session calling the model again (a siamese wrapper
+        # running itself) is part of the outer forward; only the outermost ``with`` installs
+        # and removes the hooks
+        self._depth += 1
+        if self._depth > 1:
+            return self
+        self._containers = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        hooks = torch.nn.modules.module
+        self._handles = [hooks.register_module_forward_pre_hook(self._before_module),
+                         hooks.register_module_forward_hook(self._after_module, always_call=True)]
+        if self._recipes_used():  # the ops a recipe may include (the residual add)
+            self.recorder.start_ops()
+        return self
+
+    def _recipes_used(self) -> bool:
+        """Whether the steps run in this ``with`` may use recipes: recording ones (the profile's
+        recipes), or a plan or ``force`` that recomputes. Otherwise no op is recorded, and the
+        function mode that records them (a Python call per torch function) is not entered."""
+        if not self.recompute or self.fell_back:
+            return False
+        if self.force is not None:
+            return self.force == RECOMPUTE
+        if self.modes is not None:
+            return RECOMPUTE in self.modes
+        return self.budget is not None
+
+    def __exit__(self, *exc_info):
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        # Any exception (KeyboardInterrupt too, which skips the modules' ``always_call`` hooks)
+        # leaves grad mode, the hooks and the staged state as they were before the forward.
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.abort()
+        self._containers = []
+        if self._step.pending:   # the forward is over: every op saving a pending group has run
+            self._copy_pending(self._step)
+        self.recorder.stop_ops(exc_info)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hooks.__exit__(*exc_info)
+        self._hooks = None
+        if exc_info[0] is None:
+            return
+        if self._step.unpacks:
+            # the forward failed before its first module or save: the step still open is the
+            # last one, whose backward ran; it ends as it would have, and the failure is no plan's
+            self._end_step()
+        if self._step.groups:
+            # the forward failed: this step never reaches its backward; the next one starts afresh
+            self._end_step(failed=True,
+                           out_of_memory=issubclass(exc_info[0], torch.OutOfMemoryError))
+
+    # --- the host link per device ---------------------------------------------------------
+    def link_for(self, tensor: torch.Tensor) -> SameMemoryLink | None:
+        if self._link is not None:
+            return self._link
+        if tensor.device.type != "cuda":
+            return None
+        key = tensor.device.index
+        if key not in self._links:
+            self._links[key] = CudaLink(tensor.device, self.max_pending)
+        return self._links[key]
+
+    def _links_in_use(self) -> list[SameMemoryLink]:
+        return [self._link] if self._link is not None else list(self._links.values())
+
+    def _poll_links(self) -> None:
+        for link in self._links_in_use():
+            link.poll()
+
+    def _known_link(self) -> SameMemoryLink | None:
+        """The session's link, or the first it made for a device; None before any."""
+        return self._link or next(iter(self._links.values()), None)
+
+    def _any_link(self) -> SameMemoryLink:
+        return self._known_link() or SameMemoryLink()
+
+
+    # --- the global module hooks ------------------------------------------------------------
+    @_past_the_op_recorder
+    def _before_module(self, module, args):
+        if self._step.pending:    # between ops: every op saving a pending group has run
+            self._copy_pending(self._step)
+        if self._rerunning or not torch.is_grad_enabled() or _in_backward():
+            return
+        if _has_children(module):
+            self._containers.append(module)   # the parent of the leaves it runs
+            return
+        self._poll_links()   # between packs too: a module that saves nothing of ours
+        self._at_step_start()   # the first module of the next step: its calls belong there
+        step = self._step
+        parent = self._containers[-1] if self._containers else None
+        if self.stage is not None and not step.profiling and self._staged is None and \
+                self.stage.runs(module, args, parent, len(step.groups)):
+            self._staged = StagedForward(self.stage, args[0])   # grad mode off till its end
+            return
+        self.recorder.module_starts(step, module, args, parent)
+
+    @_past_the_op_recorder
+    def _after_module(self, module, args, output):
+        if self._step.pending:
+            self._copy_pending(self._step)
+        self.recorder.put_back(module)
+        staged = self._staged
+        if staged is not None and module in staged.modules:
+            if not isinstance(output, torch.Tensor):   # it raised (this hook is always called)
+                self._staged = None
+                staged.abort()
+            elif staged.ends_at(module):
+                self._staged = None
+                return staged.finish(output)
+            return None
+        if self._containers and self._containers[-1] is module:
+            self._containers.pop()
+            return None
+        self.recorder.module_returns(module, output)
+        return None
+
+    # --- pack and unpack ------------------------------------------------------------------
+    @staticmethod
+    def _key(tensor):
+        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                tuple(tensor.stride()), tensor.dtype, tensor.device)
+
+    def _find(self, step, tensor, key=None):
+        """The live group of ``tensor`` (``key``: its :meth:`_key`, where known): one whose packs
+        were all freed (a graph dropped during the forward) gave its device and host tensors up,
+        so saving the tensor again starts a new group."""
+        group = step.by_key.get(self._key(tensor) if key is None else key)
+        if group is not None and group.ref() is tensor and group.version == tensor._version \
+                and group.live_packs > 0:
+            return group
+        return None
+
+    @_past_the_op_recorder
+    def _pack(self, tensor: torch.Tensor):
+        group = self._group_for(tensor)
+        return _Passed(tensor) if group is None else _Packed(group)
+
+    def _group_for(self, tensor: torch.Tensor) -> _Group | None:
+        if self._rerunning or _in_backward():   # e.g. a checkpoint's recomputation: not ours
+            return None
+        self._copy_pending(self._step, _SEQUENCE_NR())
+        # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none.
+        # A leaf of one dimension without grad is a module's buffer (batch norm's running
+        # statistics, which a later train-mode forward changes in place without a version bump,
+        # and which an eval-mode backward reads as they are then): autograd keeps it, as ever.
+        # A view of a parameter (a linear layer saves its weight transposed) holds none of its
+        # own memory: moving it frees nothing.
+        base = tensor._base
+        if tensor.is_leaf and (tensor.requires_grad or tensor.dim() <= 1) or (
+                type(tensor) is not torch.Tensor and isinstance(tensor, nn.Parameter)) or \
+                tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse or \
+                base is not None and base.is_leaf and base.requires_grad:
+            return None
+        link = self.link_for(tensor)
+        if link is None:
+            return None
+        link.poll()   # offloaded tensors whose copies are done go back now, not at the next offload
+        self._at_step_start()
+        step = self._step
+        key = self._key(tensor)
+        group = self._find(step, tensor, key)
+        if group is None:
+            group = self._new_group(step, tensor, link, key)
+        group.packs += 1
+        return group
+
+    def _new_group(self, step, tensor, link, key) -> _Group:
+        gid = len(step.groups)
+        self._let_go_due(step, gid)
+        if step.ooms is None:
+            step.ooms = link.ooms()
+        recorder = self.recorder
+        recipe = recorder.recipe(tensor, step) if recorder.may_recompute(step, gid) else None
+        group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
+                       weakref.ref(tensor), tensor._version, "", dense(tensor),
+                       recipe=recipe, owner=step,
+                       base=weakref.ref(tensor._base) if tensor._base is not None else None)
+        group.wanted = self._wanted(group)
+        group.mode = self._mode_for(group)
+        if recorder.records_calls(step):   # named from its calls (a step without them: unnamed)
+            group.producer = recipe.calls[-1].name if recipe else recorder.producer(step, tensor)
+        step.groups.append(group)
+        step.by_key[key] = group
+        step.by_ref[id(group.ref)] = group
+        if self.recorder.finds_recipes(step):
+            self.recorder.alias(step, group, tensor)
+        if step.profiling:
+            if gid == 0:
+                link.timing, link.stalls = True, []
+            group.pack_mark = link.mark()
+            step.marks.append(("pack", gid, group.pack_mark, link.allocated(),
+                               self.recorder.peak(link)))
+        self._event("pack", gid, group.mode)
+        if group.mode == OFFLOAD:
+            # copied once the op saving it has run (:meth:`_copy_pending`)
+            step.pending.append((group, tensor, _SEQUENCE_NR()))
+        elif group.mode == KEEP:
+            if self._keeps_apart(step, group):   # a copy: once the op has run, as an offload
+                step.pending.append((group, tensor, _SEQUENCE_NR()))
+            else:
+                group.tensor = tensor.detach()
+                group.kept_version = group.tensor._version
+        else:
+            for source in recipe.sources:
+                source.readers += 1
+        return group
+
+    def _copy_pending(self, step: _Step, before: int | None = None) -> None:
+        """The offloads and keep-apart copies of ``step``'s groups saved by ops that have run:
+        those saved before autograd node ``before`` was made (the op making it runs after its own
+        packs), or all (None: from Python between ops, a module hook, the first unpack, the
+        session's exit). An op may write a tensor it saved after saving it (``rrelu_with_noise``
+        fills its ``noise``, with no version bump): a copy at its pack would hold the values
+        before. A kept group holds an alias of the tensor without its autograd history (a node
+        saving its own output, ReLU, would otherwise hold itself through it, a cycle through C++
+        that the collector cannot break)."""
+        pending = step.pending
+        if not pending or before is not None and pending[0][2] >= before:
+            return
+        ready = [entry for entry in pending if before is None or entry[2] < before]
+        step.pending = [entry for entry in pending if before is not None and entry[2] >= before]
+        with torch.no_grad():   # copies with no autograd history (it would hold the graph)
+            self._copy_ready(step, ready)
+
+    def _copy_ready(self, step: _Step, ready: list) -> None:
+        for group, tensor, _ in ready:
+            if group.live_packs == 0:     # its graph was dropped meanwhile: nothing to copy
+                continue
+            link = self.link_for_group(group)
+            if group.mode == KEEP:
+                group.tensor = link.keep_apart(tensor)
+                group.kept_version = group.tensor._version
+                continue
+            due = self._release_point(step, group)
+            if due is not None:    # not a point the forward has passed while the op ran
+                due = max(due, len(step.groups))
+            group.host = self._copy(step, link, "d2h", group.nbytes, lambda: link.offload(
+                tensor, self._inline(step), held=due is not None))
+            group.release = link.release
+            if due is not None:
+                # the transfer itself: a group whose packs are all freed meanwhile (its graph
+                # dropped in the forward) gives back its host copy and forgets it
+                step.releases.setdefault(due, []).append((group, group.host))
+            if step.profiling:             # recording: copies inline
+                for call in step.calls:    # the calls running now: the copy is in their time
+                    if call.end is None and call.start is not None:
+                        call.moved += group.nbytes
+            self._event("offload", group.gid)
+
+    def _keeps_apart(self, step: _Step, group: _Group) -> bool:
+        """Whether kept ``group`` is copied apart (:meth:`SameMemoryLink.keep_apart`): in a planned
+        step of a plan run with :attr:`~planner.OffloadPlan.keep_apart`, one of
+        :func:`planner.kept_apart` (a dense group of at most :data:`~planner.KEEP_APART_SHARE`
+        of the profile's largest group). The caching allocator places a tensor in the smallest
+        free block that holds it: kept tensors made in the forward fill the holes large
+        activations leave, live through the backward, and split the space the
+        backward's large tensors need into pieces too small for them. Under a cap it then frees
+        its whole cache, after a synchronisation, and maps memory again
+        (benchmarks/results/pressure)."""
+        if step.profiling or self.fell_back or self.plan is None or not self.plan.keep_apart \
+                or self.profile is None or not group.offloadable:
+            return False
+        if self._apart[0] is not self.plan:
+            self._apart = (self.plan, set(planner.kept_apart(self.profile, self.plan.modes)))
+        return group.gid in self._apart[1] and \
+            self.profile.groups[group.gid].nbytes == group.nbytes
+
+    def _release_point(self, step: _Step, group: _Group) -> int | None:
+        """The forward point at which a planned step lets go of offloaded ``group``'s device
+        tensor, as the plan's peak model has it (its ``releases``); with fixed ``modes``,
+        :func:`planner.release_point` on the profile; under a budget no plan met, the next
+        point. None where nothing is planned for it (a recording step or a fall-back, whose
+        copies are inline; a group the profile does not have): the link then lets go once its
+        copy is done."""
+        profile, gid = self.profile, group.gid
+        if self._inline(step) or profile is None or gid >= len(profile.groups) \
+                or profile.groups[gid].nbytes != group.nbytes:
+            return None
+        if self.plan is None:
+            # fixed modes: as the profile has it; under a budget no plan met: the least memory
+            return planner.release_point(profile, gid, 0 if self.budget is not None else None)
+        releases = self.plan.releases
+        if gid < len(releases) and releases[gid] >= 0:   # the plan's (its release margin's)
+            return releases[gid]
+        return planner.release_point(profile, gid)
+
+    def _let_go_due(self, step: _Step, point: int | None) -> None:
+        """The offloaded groups due at forward ``point`` (None: all, the forward is over) go."""
+        due = step.releases.pop(point, ()) if point is not None else [
+            entry for point in sorted(step.releases) for entry in step.releases.pop(point)]
+        for group, transfer in due:
+            self.link_for_group(group).let_go(transfer)
+            self._event("release", group.gid)
+
+    def _mode_for(self, group: _Group) -> str:
+        """The wanted mode where it can be carried out (else kept)."""
+        wanted = group.wanted
+        if wanted == OFFLOAD and not group.offloadable:
+            return KEEP
+        if wanted == RECOMPUTE and (group.recipe is None or any(
+                source.mode == OFFLOAD for source in group.recipe.sources)):
+            return KEEP
+        return wanted
+
+    def _wanted(self, group: _Group) -> str:
+        wanted = KEEP
+        if self.force is not None:
+            wanted = self.force
+        elif self._step.profiling:
+            wanted = OFFLOAD
+        elif self.modes is not None:
+            if group.gid < len(self.modes) and (self.profile is None or (
+                    group.gid < len(self.profile.groups)
+                    and self.profile.groups[group.gid].nbytes == group.nbytes)):
+                wanted = self.modes[group.gid]
+            elif not self._mismatch_said:
+                self._mismatch_said = True
+                self.say(f"this step saves other tensors than the profiled one (group "
+                         f"{group.gid}); keeping those")
+        return wanted
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Packed):
+            return packed.check() if isinstance(packed, _Passed) else packed
+        group = packed.group
+        step = group.owner
+        if step.pending:   # its forward is over: every op saving a pending group has run
+            self._copy_pending(step)
+        group.check_version()
+        if step is not self._step:
+            # a graph of a step that has ended (a forward kept for later, its backward after
+            # the next step's): its group is restored as ever, and is no part of this step
+            return self._restored(group)
+        index = step.unpacks
+        step.unpacks += 1
+        link = self.link_for_group(group)
+        link.poll()   # the forward's last offloads end during the backward
+        if step.releases:   # the first unpack: the forward is over
+            self._let_go_due(step, None)
+        peak_before = self.recorder.peak(link) if step.profiling else 0
+        # autograd's final callback can only be queued from inside a backward (an unpack can also
+        # come from Python reading ``grad_fn._saved_*``): at the first unpack inside one
+        if not step.watching and _in_backward():
+            step.watching = True
+
+            def backward_done(step=step, link=link):
+                step.backward_done = True
+                if step.profiling:      # the backward's last ops follow its last unpack
+                    step.end_mark = link.mark()
+            _at_end_of_backward(backward_done)
+        if group.first_unpack is None:
+            group.first_unpack = index
+        # what a node unpacked stays alive (autograd holds it) until the node is done, so in the
+        # model its last unpack is the node's last
+        node = _current_node()
+        if node is None or node is not step.node:
+            step.node, step.node_groups = node, []
+        step.node_groups.append(group)
+        for unpacked in step.node_groups:
+            unpacked.last_unpack = index
+        if self._trial is not None and not step.profiling:
+            # a flush since the last read came in the op after the last unpack (the forward:
+            # before the first), or in what that unpack fetched or rebuilt
+            self._trial.saw_flushes(link, index - 1)
+        scheduled = [step.groups[gid] for gid in self._schedule.get(index, ())
+                     if gid < len(step.groups)]
+        if group in scheduled:   # the one needed now goes first on the copy stream
+            self._prefetch(group, index)
+        if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
+            # on demand: not prefetched
+            group.fetch = self._copy(step, link, "h2d", group.nbytes, lambda: link.fetch(
+                group.host, group.device, self._inline(step)))
+            self._event("fetch", group.gid, index)
+        for other in scheduled:
+            self._prefetch(other, index)
+        tensor = self._materialize(group, link)
+        self._event("unpack", group.gid, index)
+        if step.profiling:
+            at = max(link.allocated(), self.recorder.peak(link))   # with this group fetched
+            step.marks.append(("unpack", index, link.mark(), at, peak_before))
+        group.unpacks += 1
+        group.drop_device()    # a moved group's last unpack: autograd holds the rest of its use
+        return tensor
+
+    def _restored(self, group: _Group) -> torch.Tensor:
+        """A group of an ended step, unpacked: its values, on demand (no schedule, no profile)."""
+        link = self.link_for_group(group)
+        if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
+            group.fetch = link.fetch(group.host, group.device)
+        tensor = self._materialize(group, link)
+        group.unpacks += 1
+        group.drop_device()
+        return tensor
+
+    @staticmethod
+    def _copy(step: _Step, link: SameMemoryLink, direction: str, nbytes: int, copy) -> Transfer:
+        """``copy()``; in a recording step (whose copies are inline, each alone on the compute
+        stream) between two marks, which time the host link (:meth:`_link_speeds`)."""
+        if not step.profiling:
+            return copy()
+        before = link.mark()
+        transfer = copy()
+        step.copies.append((direction, nbytes, before, link.mark()))
+        return transfer
+
+    def _inline(self, step: _Step) -> bool:
+        """Copies on the compute stream: in the recording step (its times are then compute plus
+        known copies, with no host waits, and its memory that of ``save_on_cpu``) and after a
+        fall-back (the least memory)."""
+        return step.profiling or self.fell_back
+
+    def link_for_group(self, group):
+        return self._link or self._links.get(group.device.index) or SameMemoryLink()
+
+    def _prefetch(self, group: _Group, index: int) -> None:
+        if group.mode == OFFLOAD and group.fetch is None and group.tensor is None \
+                and group.unpacks == 0 and group.host is not None:
+            group.fetch = self.link_for_group(group).fetch(group.host, group.device)
+            self._event("prefetch", group.gid, index)
+
+    def _materialize(self, group: _Group, link) -> torch.Tensor:
+        if group.tensor is not None:
+            return group.tensor
+        if group.mode == OFFLOAD:
+            group.tensor, group.fetch = link.wait(group.fetch), None
+        elif group.mode == RECOMPUTE:
+            # its recomputed sources not on the device first, each once (then held until its
+            # own last unpack and while a recomputed group may read it: ``readers``)
+            for rebuilt in _rebuild_order(group):
+                original = rebuilt.ref()   # as autograd refuses a saved tensor changed in place
+                if original is not None and original._version != rebuilt.version:
+                    raise RuntimeError(f"mucudnn.torch: saved tensor {rebuilt.gid} changed after "
+                                       "it was saved; cannot recompute it")
+                rebuilt.tensor = self._recompute_group(rebuilt, link)
+        return group.tensor
+
+    def _recompute_group(self, group: _Group, link) -> torch.Tensor:
+        """``group``'s tensor rebuilt by its recipe (:func:`~.records.recompute`); the session's
+        hooks leave the rerun's modules and saves alone meanwhile."""
+        self._rerunning = True
+        try:
+            tensor = recompute(group)
+        finally:
+            self._rerunning = False
+        self._event("recompute", group.gid, tuple(source.gid for source in group.recipe.sources))
+        return tensor
+
+    def _event(self, *event):
+        if self.trace is not None:
+            self.trace.append(event)
+
+    # --- steps, profile, plan -------------------------------------------------------------
+    def _end_step(self, failed: bool = False, out_of_memory: bool = False,
+                  abandoned: bool = False) -> None:
+        """The step is over: the next one saves its first tensor or runs its first module, or its
+        forward raised (``failed``; ``out_of_memory`` when it ran out of device memory), or its
+        graph was dropped without a backward (``abandoned``: the next step runs as it would
+        have, recording or planned; nothing is learnt from this one).
+
+        When the next step runs other modes (the plan made, each plan of a trial, the one kept
+        after it, a plan made again, the fall-back), the links' caching allocators start it
+        empty: between steps little is allocated (parameters, the optimizer's state), so each
+        plan lays its tensors out from the same state rather than in the holes the last plan's
+        layout left, and a trial compares plans, not the order it ran them in. After a failed
+        step that waits for the next step's start: until the script lets go of the error, its
+        traceback holds the failed forward's tensors.
+        """
+        if abandoned:
+            for used in self._links_in_use():
+                used.settle()
+            self._step = _Step(profiling=self._step.profiling)
+            self._event("abandoned", self.steps)
+            return
+        plan, modes = self.plan, self.modes
+        self._close_step(failed, out_of_memory)
+        if self.modes is not None and (self.modes != modes or self.plan is not plan):
+            if failed:
+                self._empty_cache_due = True
+            else:
+                self._empty_caches()
+
+    def _at_step_start(self) -> None:
+        """A module runs or a tensor is saved: if the step before has unpacked (its backward
+        ran), this one is the next step's first, and that step ends here; a cache emptying
+        left due by a failed step happens here too."""
+        if self._step.unpacks:
+            self._end_step()
+        elif self._step.abandoned():
+            self._end_step(failed=True, abandoned=True)
+        if self._empty_cache_due:
+            self._empty_caches()
+
+    def _empty_caches(self) -> None:
+        self._empty_cache_due = False
+        for link in self._links_in_use():
+            link.empty_cache()
+        self._event("empty_cache", self.steps)
+
+
+    @property
+    def prefetch_margin(self) -> float:
+        """The plan's :func:`planner.prefetch_point` margin (0 without a plan: untimed)."""
+        return self.plan.prefetch_margin if self.plan is not None else 0.0
+
+    @property
+    def prefetch_distance(self) -> int:
+        """How many unpacks ahead offloaded groups are fetched: the plan's (it may prefetch less
+        than ``lookahead`` to fit), else ``lookahead``."""
+        return self.plan.lookahead if self.plan is not None else self.lookahead
+
+    def _prefetch_schedule(self, modes) -> dict[int, list[int]]:
+        """Unpack index -> offloaded groups to fetch then, relative to the first unpack of each as
+        the last finished step unpacked them (vDNN's prefetch; one it never unpacked is fetched
+        on demand): as many unpacks ahead as the planner's model has it
+        (:func:`planner.prefetch_point` on the profile), else ``prefetch_distance``."""
+        schedule = defaultdict(list)
+        profile = self.profile
+        for gid, (first, mode) in enumerate(zip(self._first_unpacks, modes)):
+            if mode != OFFLOAD or first is None:
+                continue
+            distance = self.prefetch_distance
+            if profile is not None and gid < len(profile.groups):
+                distance = profile.groups[gid].first_unpack - planner.prefetch_point(
+                    profile, gid, self.prefetch_distance, self.prefetch_margin)
+            schedule[max(0, first - distance)].append(gid)
+        # at each point in the order the groups were saved, so the one needed last is allocated
+        # first and freed last: stack order for the caching allocator (needed-first order frees
+        # them out of stack order, which leaves holes that make it flush its cache). The one
+        # needed at that unpack goes first all the same (:meth:`_unpack`); planner.simulate
+        # plays this.
+        return dict(schedule)
+
+
+
+def _at_end_of_backward(callback) -> None:
+    """Run ``callback`` when the running backward finishes without an error."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is not None and hasattr(engine, "queue_callback"):
+        engine.queue_callback(callback)
+    else:   # no way to tell: take every backward as finished
+        callback()
+
+
+#: the sequence number the next autograd node will get (thread-local, one per node made): a pack
+#: reads it after its node was made and before the op ran, the packs of a later op read a larger
+#: one. Without it (an older PyTorch) pending copies wait for the next Python hook.
+_SEQUENCE_NR = getattr(torch._C._autograd, "_get_sequence_nr", None) or (lambda: 0)

@@ -1,0 +1,667 @@
+"""The recorder of mucudnn.torch's offload session: what a step's forward ran (leaf modules, and
+the ops of :data:`ADDS` and :data:`CONCATS` through :class:`_OpRecorder`), timed on the link's
+clock in a recording step, the recipes that rebuild a saved tensor from saved groups
+(:meth:`StepRecorder.recipe`), and the step's :class:`~mucudnn.torch.planner.StepProfile`
+(:func:`step_profile`). The session owns one :class:`StepRecorder` and calls it from its hooks."""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import weakref
+from collections import deque
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from . import planner
+from .compiled import refuse_if_compiling
+from .link import SameMemoryLink
+from .planner import KEEP, RECOMPUTE
+from .records import (CHEAP, CONVOLUTIONS, _INSTANCE_NORMS, _Alias, _Call, _Group, _ModuleState,
+                      _Read, _Recipe, _Step, _ViewOf, _joined, _same_elements, offload_everything)
+from .stage import ChainRecorder, autocast_state
+
+#: the smallest copy whose time measures the host link (smaller ones measure its latency)
+LINK_PROBE_BYTES = 32 << 20
+#: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
+#: tensors, deterministic and elementwise (ResNet's residual ``out += identity``, which Python runs
+#: as ``add_``); True where the op changes its first operand.
+ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: False,
+         torch.Tensor.__add__: False, torch.add: False}
+#: Concatenations a recipe may include too (a U-Net's skip joined to its upsampled input, which
+#: the next convolution saves): a copy of their operands, deterministic.
+CONCATS = (torch.cat, torch.concat)
+#: the most calls (modules and ops) one recipe reruns from its sources
+_MAX_CHAIN = 4
+
+
+class _OpRecorder(TorchFunctionMode):
+    """Hands the ops of :data:`ADDS` and :data:`CONCATS` to the session's recorder, which records
+    them while a step's forward records; every other function, and tensor attribute reads, pass
+    straight through (a dict look-up each)."""
+
+    def __init__(self, recorder: StepRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        try:
+            recorded = func in ADDS
+        except TypeError:         # an unhashable callable: no add
+            recorded = False
+        if recorded:
+            refuse_if_compiling("a mucudnn.torch session's op recorder")
+            return self.recorder.op(func, args, kwargs or {})
+        if func in CONCATS:
+            refuse_if_compiling("a mucudnn.torch session's op recorder")
+            return self.recorder.concat(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def _past_the_op_recorder(hook):
+    """A session's forward hook (a module's, the pack hook) run with torch function handling
+    off while the session's :class:`_OpRecorder` is entered: its own reads of tensors (shapes,
+    strides, storages) and copies are none of the recorder's, and each would be a Python call
+    through it (most of the calls a forward makes)."""
+    refusal = f"a mucudnn.torch session's {hook.__name__.strip('_').replace('_', ' ')} hook"
+    quiet = hook.__name__ == "_after_module"
+
+    @functools.wraps(hook)
+    def run(session, *args):
+        # spelled out here: dynamo recognises this call only by its own name
+        if torch.compiler.is_compiling():
+            if quiet:   # always_call runs it after the refused forward: said once
+                return None
+            refuse_if_compiling(refusal)
+        if session.recorder.ops is None:
+            return hook(session, *args)
+        with torch._C.DisableTorchFunction():
+            return hook(session, *args)
+    return run
+
+
+class StepRecorder:
+    """Records the calls of the session's steps and finds their recipes; its state is the op
+    recorder entered now and the measure of the call timed now. ``session``: the
+    :class:`~mucudnn.torch.offload_session.OffloadSession` that owns it (its step, modes and
+    links)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.ops: _OpRecorder | None = None
+        #: the leaf modules running now whose forward took the op recorder off the stack of
+        #: torch function modes (:meth:`_set_recorder_aside`), innermost last
+        self.ops_set_aside: list = []
+        #: link -> the most allocated in the current interval of its ``peak_allocated`` before
+        #: a call's own measure (:meth:`_start_call`) started one of its own
+        self._carried_peak: dict = {}
+        self._measuring: tuple = (None, None)   # (call, link): the call measured now
+
+    def _records(self, module) -> bool:
+        """A leaf module's forward in a step's forward (not a recipe's rerun, not in a
+        backward, not under ``no_grad``)."""
+        return not (self.session._rerunning or not torch.is_grad_enabled() or _in_backward()
+                    or _has_children(module))
+
+    def _read(self, tensor: torch.Tensor) -> _Read:
+        return _Read(weakref.ref(tensor), tensor._version)
+
+    # --- the op recorder, entered while the session's steps may use recipes ---------------
+    def start_ops(self) -> None:
+        self.ops = _OpRecorder(self)
+        self.ops.__enter__()
+
+    def stop_ops(self, exc_info) -> None:
+        if self.ops is not None:
+            if not self.ops_set_aside:   # else a leaf module's forward left without its hook
+                self.ops.__exit__(*exc_info)
+            self.ops, self.ops_set_aside = None, []
+
+    def put_back(self, module) -> None:
+        """The op recorder back on top of the torch function modes, where ``module``'s forward
+        set it aside (:meth:`_set_recorder_aside`)."""
+        if self.ops_set_aside and self.ops_set_aside[-1] is module:
+            self.ops_set_aside.pop()
+            torch._C._push_on_torch_function_stack(self.ops)
+
+    # --- leaf modules -----------------------------------------------------------------------
+    def module_starts(self, step: _Step, module, args, parent) -> None:
+        """Leaf ``module``'s forward starts in ``step``'s forward (``parent``: the container
+        running it): a call of the step where it records calls."""
+        if not self.records_calls(step):
+            return
+        self._set_recorder_aside(module)
+        if step.profiling and step.start_allocated is None:
+            step.start_allocated = self.session._any_link().allocated()
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        recomputable = self._recomputable(module)
+        call = _Call(
+            module, type(module).__name__, (self._read(source),) if source is not None else (),
+            None, None, in_place=bool(getattr(module, "inplace", False)),
+            recomputable=recomputable, autocast=autocast_state() if recomputable else (),
+            state=_ModuleState.of(module) if recomputable else None)
+        self._start_call(call)
+        if step.profiling and self.session.staging:
+            if step.chain is None:
+                step.chain = ChainRecorder()
+            step.chain.enter(module, args, parent, len(step.groups), call, self.session._key)
+
+    def module_returns(self, module, output) -> None:
+        """Leaf ``module``'s forward returned ``output`` (not a tensor: it raised)."""
+        step = self.session._step
+        if not self._records(module) or not self.records_calls(step):
+            return
+        if step.chain is not None:
+            step.chain.leave(module, output, len(step.groups))
+        for call in reversed(step.calls):
+            if call.module is module and not call.done:
+                self._returned(call, output)
+                break
+        if isinstance(output, torch.Tensor) and self.session.recompute:
+            self.late_recipe(output)
+
+    def _start_call(self, call: _Call) -> None:
+        """``call`` is the step's next; in a recording step it starts now on the link's clock.
+        A recomputable one is also measured from here to its return: the most the link allocates
+        meanwhile above what it held here is what its rerun allocates at most
+        (:attr:`_Call.rise`), and the interval of :meth:`_peak` it falls in carries on. Not
+        measured on its own: a call inside a measured one (its allocations are that call's), or
+        one before the step's first pack (no link yet to read)."""
+        if self.session._step.profiling:
+            link = self.session._known_link()
+            if call.recomputable and link is not None and self._measuring[0] is None:
+                self._carry_peak(link)
+                call.allocated_before = link.allocated()
+                self._measuring = (call, link)
+            call.start = self.session._any_link().mark()   # after the measure's own host work
+        call.index = len(self.session._step.calls)
+        self.session._step.calls.append(call)
+
+    def peak(self, link: SameMemoryLink) -> int:
+        """``link.peak_allocated()``: the most allocated since the previous read, including what
+        the call measured meanwhile read of it (and counting this interval in that call's
+        rise)."""
+        device = link.peak_allocated()
+        call, measured = self._measuring
+        if measured is link:
+            call.rise = max(call.rise, device - call.allocated_before)
+        return max(device, self._carried_peak.pop(link, 0))
+
+    def _carry_peak(self, link: SameMemoryLink) -> None:
+        """Starts a measured call's interval of ``link``'s peak (or ends it), the most allocated
+        in :meth:`_peak`'s interval so far carried on to its next read."""
+        self._carried_peak[link] = self.peak(link)
+
+    def _recomputable(self, module) -> bool:
+        """Of a recomputable type, and without hooks of its own: a rerun would run them again
+        (``spectral_norm``'s power iteration changes the weight and its buffers)."""
+        if module._forward_pre_hooks or module._forward_hooks:
+            return False
+        if type(module) in _INSTANCE_NORMS:
+            return getattr(module, "running_mean", None) is None
+        return type(module) in CHEAP or (self.session.recompute_convolutions
+                                         and type(module) in CONVOLUTIONS)
+
+    def _set_recorder_aside(self, module) -> None:
+        """Takes the op recorder off the stack of torch function modes while leaf ``module``'s
+        forward runs, where it is on top: no op inside a leaf module is recorded (it is part of
+        the module's call), and each torch function it calls would be a Python call through
+        the recorder. :meth:`_after_module` (called even where the forward raises an Exception)
+        puts it back. Only where no hook runs after the session's pre-hook (the module's own, a
+        global one registered later): one entering a mode there and leaving it in a forward hook
+        would find the recorder put back on top of it, and pop the recorder. (A forward left by
+        a BaseException leaves the recorder aside until that module runs again: until then no
+        op is recorded, and no recipe through one is found.)"""
+        ops = self.ops
+        if ops is None or module._forward_pre_hooks or module._forward_hooks or \
+                not self._hooks_last():
+            return
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is ops:
+            torch._C._pop_torch_function_stack()
+            self.ops_set_aside.append(module)
+
+    def _hooks_last(self) -> bool:
+        """The session's global module hooks are the last registered: each runs after the other
+        global ones (a module's own hooks run after all of them)."""
+        hooks = torch.nn.modules.module
+        before, after = self.session._handles
+        return next(reversed(hooks._global_forward_pre_hooks), None) == before.id and \
+            next(reversed(hooks._global_forward_hooks), None) == after.id
+
+    def _returned(self, call: _Call, output) -> None:
+        call.done = True
+        if isinstance(output, torch.Tensor):
+            call.output = weakref.ref(output)
+            # ascending, though calls may return out of order (a leaf module running one it
+            # does not register returns after it)
+            bisect.insort(self.session._step.outputs.setdefault(id(call.output), []), call.index)
+            call.output_version = output._version
+            call.output_bytes = output.numel() * output.element_size()
+            call.output_shape = tuple(output.shape)
+        if self.session._step.profiling:
+            call.end = self.session._any_link().mark()
+            if self._measuring[0] is call:
+                self._carry_peak(self._measuring[1])
+                self._measuring = (None, None)
+
+    def _records_op(self) -> bool:
+        """Ops are recorded in a step's forward as modules are, and only before its backward
+        began: an op after it (``total += loss.detach()``) neither is the next step's nor
+        ends this one; nor inside a leaf module's forward, whose call they are part of (a
+        recipe finding an op there would skip the rest of the module)."""
+        session = self.session
+        return (session.recompute and not session._rerunning and not session._step.unpacks
+                and self.records_calls(self.session._step) and torch.is_grad_enabled()
+                and not _in_backward()
+                and self._running_module(self.session._step)[1] is None)
+
+    def op(self, func, args, kwargs):
+        """``func(*args, **kwargs)``, recorded as a call when it is an op of :data:`ADDS` on two
+        distinct plain tensors of one device (``alpha`` the only keyword) in a recording forward:
+        a recipe may then include it (ResNet's ``out += identity``)."""
+        if len(args) != 2 or not set(kwargs) <= {"alpha"} or not self._records_op():
+            return func(*args, **kwargs)
+        first, second = args
+        if type(first) is not torch.Tensor or type(second) is not torch.Tensor or \
+                first is second or first.device != second.device:
+            return func(*args, **kwargs)
+        call = _Call(None, func.__name__, (self._read(first), self._read(second)), None, None,
+                     in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
+                     autocast=autocast_state())
+        return self._run_op(call, func, args, kwargs)
+
+    def concat(self, func, args, kwargs):
+        """``func(*args, **kwargs)``, recorded as a call when it joins two or more distinct plain
+        tensors of one device (a list or tuple; ``dim`` positional or a keyword, nothing else) in
+        a recording forward: a recipe may then include it (a U-Net's ``torch.cat((up, skip))``)."""
+        tensors = args[0] if args else kwargs.get("tensors")
+        dims = args[1:] + ((kwargs["dim"],) if "dim" in kwargs else ())   # given once at most
+        dim = dims[0] if dims else 0
+        if len(args) > 2 or len(dims) > 1 or not set(kwargs) <= {"tensors", "dim"} or \
+                not isinstance(dim, int) or not isinstance(tensors, (list, tuple)) or \
+                len(tensors) < 2 or not self._records_op():
+            return func(*args, **kwargs)
+        if any(type(t) is not torch.Tensor or t.device != tensors[0].device for t in tensors) or \
+                len({id(t) for t in tensors}) != len(tensors):
+            return func(*args, **kwargs)
+        call = _Call(None, func.__name__, tuple(self._read(t) for t in tensors), None, None,
+                     op=_joined, keywords={"dim": dim}, recomputable=True,
+                     autocast=autocast_state())
+        return self._run_op(call, func, args, kwargs)
+
+    def _run_op(self, call: _Call, func, args, kwargs):
+        """``func(*args, **kwargs)`` as the recorded ``call``: started, run, returned."""
+        self._start_call(call)
+        output = None
+        try:
+            output = func(*args, **kwargs)
+        finally:
+            self._returned(call, output)
+        return output
+
+    def producer(self, step: _Step, tensor: torch.Tensor) -> str:
+        """The name of what made ``tensor`` as it is saved: an in-place module running now on
+        it (ReLU(inplace=True) saves its output), else the last call that returned it, else
+        "op"."""
+        _, running = self._running_module(step)
+        if _changes_in_place(running, tensor):
+            return running.name
+        made_by = self._made_by(step, tensor, len(step.calls))
+        return step.calls[made_by].name if made_by is not None else "op"
+
+    def may_recompute(self, step: _Step, gid: int) -> bool:
+        """Whether group ``gid`` of ``step`` needs a recipe: in a recording step (the profile's),
+        or where its step's plan or ``force`` recomputes it. Finding one is most of what a
+        kept group costs the host in the forward."""
+        if not self.finds_recipes(step):
+            return False
+        return step.profiling or self.session.modes is None or \
+            gid < len(self.session.modes) and self.session.modes[gid] == RECOMPUTE
+
+    def records_calls(self, step: _Step) -> bool:
+        """Whether ``step`` records its calls (modules and ops): for its times and its profile
+        (recording), or for recipes (:meth:`finds_recipes`). A step that needs neither spends
+        its forward's host time on its packs alone."""
+        return step.profiling or self.finds_recipes(step)
+
+    def finds_recipes(self, step: _Step) -> bool:
+        """Whether :meth:`may_recompute` may hold for any group of ``step``: where not, its
+        groups need neither recipes nor the aliases recipes start from (:meth:`_alias`). Decided
+        at its first module or group, once the step before has ended (modes change only there)."""
+        if step.finds_recipes is None:
+            if not self.session.recompute:
+                step.finds_recipes = False
+            elif step.profiling or self.session.modes is None:
+                step.finds_recipes = self.session.force in (None, RECOMPUTE)
+            else:
+                step.finds_recipes = RECOMPUTE in self.session.modes
+        return step.finds_recipes
+
+    def late_recipe(self, output: torch.Tensor) -> None:
+        """A module that saves its own output (ReLU) packs it before its forward hook names the
+        output: its recipe is found here, and a group meant to be recomputed, kept until now
+        (nothing unpacks during the forward), drops its tensor."""
+        step = self.session._step
+        if not self.finds_recipes(step):
+            return
+        group = self.session._find(step, output)
+        if group is None or group.recipe is not None or not self.may_recompute(step, group.gid):
+            return
+        recipe = self.recipe(output, step)
+        if recipe is None:
+            return
+        group.recipe, group.producer = recipe, recipe.calls[-1].name
+        if group.wanted == RECOMPUTE and group.mode == KEEP and \
+                self.session._mode_for(group) == RECOMPUTE:
+            group.mode, group.tensor = RECOMPUTE, None
+            for source in recipe.sources:
+                source.readers += 1
+            self.session._event("mode", group.gid, RECOMPUTE)
+
+    def recipe(self, tensor: torch.Tensor, step: _Step) -> _Recipe | None:
+        """The recomputable calls (at most ``_MAX_CHAIN``) that rebuild ``tensor`` as it is now
+        from saved groups, or None."""
+        recipe, calls = _Recipe(), step.calls
+        # An in-place module (ReLU(inplace=True)) saves its output, the tensor it was given, while
+        # it runs: it ends the recipe, and what made its input (batch norm, an add) comes before.
+        index, running = self._running_module(step)
+        if _changes_in_place(running, tensor):
+            if not running.recomputable:
+                return None
+            slot = self._rebuild(step, recipe, tensor, running.reads[0], index, own=True, depth=1)
+            if slot is None:
+                return None
+            recipe.calls.append(running)
+            recipe.inputs.append((slot,))
+            return recipe
+        now = self._read(tensor)
+        if self._rebuild(step, recipe, tensor, now, len(calls), own=True) is not None:
+            return recipe
+        # An instance norm saves its input C reshaped, a view made inside it: no call output that
+        # view, but C's maker (the convolution) rebuilds C, viewed back as saved; only where the
+        # view holds C as the module was given it (the view shares C's version counter: a
+        # module changing it in place before saving it, ``sigmoid_``, saves another value)
+        read = self._viewed_input(running, tensor)
+        if read is None or tensor._version != read.version:
+            return None
+        recipe = _Recipe(view=(tuple(tensor.shape), tuple(tensor.stride())))
+        if self._rebuild(step, recipe, read.ref(), read, index, own=True) is None:
+            return None
+        return recipe
+
+    @staticmethod
+    def _running_module(step: _Step) -> tuple[int | None, _Call | None]:
+        """The leaf module call whose forward is running now (its index and itself), or
+        (None, None)."""
+        calls = step.calls
+        index = next((i for i in range(len(calls) - 1, -1, -1) if calls[i].module is not None),
+                     None)
+        if index is None or calls[index].done:
+            return None, None
+        return index, calls[index]
+
+    def alias(self, step: _Step, group: _Group, tensor: torch.Tensor) -> None:
+        """When ``tensor``, saved as ``group``, is a view of the running module's first input
+        ``C`` over exactly C's elements, both contiguous (an instance norm's ``(1, N*C, ...)``
+        view of the convolution's output): ``group`` holds C's values, for recipes that read C
+        once its own object is gone (:attr:`_Step.by_view`)."""
+        read = self._viewed_input(self._running_module(step)[1], tensor)
+        if read is None:
+            return
+        source = read.ref()
+        step.by_view[id(read.ref)] = _Alias(
+            read.ref, _ViewOf(group, tuple(source.shape), tuple(source.stride())))
+
+    @staticmethod
+    def _viewed_input(running: _Call | None, tensor: torch.Tensor) -> _Read | None:
+        """The read of ``running``'s first input ``C`` where ``tensor`` is another view of
+        exactly C's elements, both contiguous (:func:`_same_elements`), else None."""
+        if running is None or not running.reads:
+            return None
+        read = running.reads[0]
+        return read if _same_elements(read.ref(), tensor) else None
+
+    @staticmethod
+    def _made_by(step: _Step, made, before: int) -> int | None:
+        """The index of the last call before ``calls[before]`` that returned ``made``: a tensor,
+        or the weak reference of a freed one (None: no such call)."""
+        ref = made if isinstance(made, weakref.ref) else weakref.ref(made)
+        indices = step.outputs.get(id(ref), ())
+        at = bisect.bisect_left(indices, before)
+        return indices[at - 1] if at else None
+
+    @staticmethod
+    def _view_source(step: _Step, read: _Read) -> _ViewOf | None:
+        """The :class:`_ViewOf` slot that reads ``read``'s tensor from a group saved as a view of
+        it (:meth:`_alias`), where that group is live and at the read's version, else None."""
+        alias = step.by_view.get(id(read.ref))
+        if alias is None or alias.ref is not read.ref:
+            return None
+        group = alias.view.group
+        if group.live_packs == 0 or group.version != read.version:
+            return None
+        return alias.view
+
+    def _rebuild(self, step: _Step, recipe: _Recipe, tensor, read: _Read, before: int,
+                 own: bool = False, depth: int = 0):
+        """Where ``recipe`` gets ``tensor`` (None once freed) at the version of ``read``: a saved
+        group of it at that version (a source), else a saved view over its elements at that
+        version (a :class:`_ViewOf` of its source group), else the recomputable
+        call before ``calls[before]`` that made it so, appended after what rebuilds its own
+        reads (that call's index in the recipe); None where none exists. ``own``: the tensor
+        being saved, or an in-place call's input (the tensor it changed): not a source, since
+        the group of that tensor holds its later version. ``depth``: calls waiting for this one
+        (each counts against ``_MAX_CHAIN``)."""
+        if not own:
+            if tensor is not None:
+                group = self.session._find(step, tensor)
+            else:                  # freed: its group (if saved), by its weak reference
+                group = step.by_ref.get(id(read.ref))
+                if group is not None and (group.ref is not read.ref or group.live_packs == 0):
+                    group = None   # let go (a graph dropped during the forward)
+            if group is not None:
+                # a group of it at another version holds another value (a change by no call,
+                # ``identity.mul_(2)``, or after the read)
+                return group if group.version == read.version else None
+            # none of its own: a group saved as a view of it (an instance norm's input), where
+            # the recipe starts instead of rerunning what made it (the convolution)
+            view = self._view_source(step, read)
+            if view is not None:
+                return view
+        calls = step.calls
+        # the last call before ``before`` that output ``tensor``: it must have left it at the
+        # version read (an op or module that changed it since, recorded or not, made another
+        # value). A freed tensor is that call's output by its weak reference (one per object:
+        # an instance norm saves a reshaped view of its input, whose own object is gone).
+        index = self._made_by(step, tensor if tensor is not None else read.ref, before)
+        if index is None:
+            return None
+        call = calls[index]
+        if not call.recomputable or not call.reads or call.output_version != read.version or \
+                call in recipe.calls or len(recipe.calls) + depth >= _MAX_CHAIN:
+            return None
+        slots = []
+        for input_read in call.reads:
+            source = input_read.ref()
+            slot = self._rebuild(step, recipe, source, input_read, index,
+                                 own=source is not None and source is tensor, depth=depth + 1)
+            if slot is None:
+                return None
+            slots.append(slot)
+        if len(recipe.calls) + depth >= _MAX_CHAIN:
+            return None
+        recipe.calls.append(call)
+        recipe.inputs.append(tuple(slots))
+        return len(recipe.calls) - 1
+
+
+def stage_candidates(step: _Step, link: SameMemoryLink, recompute_convolutions: bool) -> list:
+    """The stages recording ``step``'s leading chain allows (stage.py): (planner.Stage,
+    its modules, their container, the batch)."""
+    chain = step.chain
+    # a staged chain reruns its convolutions, and sums its parameters' gradients over
+    # micro-batches: not where convolutions may not rerun (MUCUDNN_OFFLOAD=cheap)
+    if chain is None or not chain.links or not recompute_convolutions:
+        return []
+    d2h, _ = link_speeds(step, link)
+    group = step.by_key.get(chain.input_key)
+    input_group = group.gid if group is not None else None
+    return [(stage, modules, chain.parent, chain.batch)
+            for stage, modules in chain.candidates(
+                input_group, lambda call: _call_ms(link, call, d2h) or 0.0)]
+
+
+def link_speeds(step: _Step, link: SameMemoryLink) -> tuple[float, float]:
+    """(device-to-host, host-to-device) GB/s: the link's own (given, or measured before), else
+    the fastest of the recording step's inline copies of at least ``LINK_PROBE_BYTES`` (each
+    alone on the compute stream between two marks: the link as this step used it, with no
+    buffer to allocate at the tightest moment), else a probe of the link."""
+    if link.gbps is not None:
+        return link.gbps
+    best = {}
+    for direction, nbytes, start, end in step.copies:
+        if nbytes >= LINK_PROBE_BYTES:
+            ms = link.compute_ms(start, end)
+            if ms > 0:
+                best[direction] = max(best.get(direction, 0.0), nbytes / (ms * 1e6))
+    if "d2h" in best and "h2d" in best:
+        link.gbps = (best["d2h"], best["h2d"])
+        return link.gbps
+    return link.bandwidth_gbps()
+
+def _clock(step: _Step, link: SameMemoryLink, marks: list, points: int, direction: str
+           ) -> list[float]:
+    """Compute ms from the first of a recording step's ``marks`` (its packs, or its unpacks)
+    to each: their times less its own inline copies ``direction`` before each (the forward's
+    offloads, the backward's on-demand fetches; each between two marks, in issue order),
+    non-decreasing; [] without marks."""
+    if not marks:
+        return []
+    start = marks[0][2]
+    copies = deque((before, after) for way, _, before, after in step.copies
+                   if way == direction and before.seq > start.seq)
+    clock, now, copying = [0.0] * points, 0.0, 0.0
+    for _, index, mark, *_ in marks:
+        while copies and copies[0][1].seq <= mark.seq:
+            copying += link.compute_ms(*copies.popleft())
+        now = max(now, link.compute_ms(start, mark) - copying)
+        clock[index] = now
+    for index in range(1, points):     # points no mark names keep the time before them
+        clock[index] = max(clock[index], clock[index - 1])
+    return clock
+
+def step_profile(step: _Step, link: SameMemoryLink, copy_exposure: float, tail_peak: int = 0,
+                 grown: int = 0) -> planner.StepProfile:
+    """The profile of recording ``step``, timed on ``link``'s clock: its saved groups (sizes,
+    first and last unpacks, recipes and their costs), its compute times without the inline
+    copies, the link's speeds, and the memory at each point besides the saved groups
+    (``tail_peak``: the most allocated after its last unpack; ``grown``: what the step left that
+    every later step carries)."""
+    unpacks = max(step.unpacks, 1)
+    d2h, h2d = link_speeds(step, link)
+    groups = []
+    for group in step.groups:
+        first = group.first_unpack if group.first_unpack is not None else unpacks - 1
+        last = group.last_unpack if group.last_unpack is not None else unpacks - 1
+        recompute_ms, sources = None, None
+        times = [_call_ms(link, c, d2h) for c in group.recipe.calls] \
+            if group.recipe is not None else [None]
+        if None not in times:
+            recompute_ms = sum(times)
+            sources = tuple(source.gid for source in group.recipe.sources)
+        # what a rebuild allocates: every call's output but an in-place one's (its input),
+        # or the most it allocated while it ran, where more (a convolution's workspace)
+        rebuild_bytes = sum(max(c.rise, 0 if c.in_place else c.output_bytes)
+                            for c in group.recipe.calls) if recompute_ms is not None else None
+        groups.append(planner.SavedGroup(
+            group.nbytes, first, last, group.producer, group.offloadable, recompute_ms,
+            sources, rebuild_bytes or None))
+    packs = [m for m in step.marks if m[0] == "pack"]
+    unpack_marks = [m for m in step.marks if m[0] == "unpack"]
+    # compute only: the host's waits for copies and for pinned memory are left out
+    forward_ms = link.compute_ms(packs[0][2], unpack_marks[0][2]) if unpack_marks else 0.0
+    backward_ms = (link.compute_ms(unpack_marks[0][2], step.end_mark or unpack_marks[-1][2])
+                   if unpack_marks else 0.0)
+    link.timing, link.stalls = False, []
+    moved = sum(g.nbytes for g in groups if g.offloadable)
+    # The recording step copied every offloaded tensor on the compute stream, to the host in
+    # the forward and back on demand in the backward: those copies are not compute (at least
+    # the forward's time remains in the backward).
+    forward_ms = max(forward_ms - planner.transfer_ms(moved, d2h), 0.0)
+    backward_ms = max(backward_ms - planner.transfer_ms(moved, h2d), forward_ms)
+    profile = planner.StepProfile(
+        groups, forward_ms, backward_ms, d2h, h2d, unpacks,
+        backward_clock=_clock(step, link, unpack_marks, unpacks, "h2d"),
+        forward_clock=_clock(step, link, packs, len(groups), "d2h"),
+        copy_exposure=copy_exposure)
+    recorded = offload_everything(groups)
+    live_f, live_b = [0] * len(groups), [0] * unpacks
+    for gid, mode in enumerate(recorded):
+        # inline copies: the device memory goes with the next point, as the recording ran
+        f_points, b_points = planner.live_points(profile, gid, mode, 0, release_margin=0)
+        for t in f_points:
+            live_f[t] += groups[gid].nbytes
+        for t in b_points:
+            live_b[t] += groups[gid].nbytes
+    # Baselines: the most allocated at or between points, less the saved groups live there.
+    # A forward point takes the peak since the previous point (the op that made its group);
+    # a backward point the peak until the next unpack (the node that unpacked it: its output,
+    # gradients, workspace), the last one the peak until the next step (the rest of the
+    # backward, the optimizer). In between no group arrives (the recording fetches at
+    # unpacks), and a group freed meanwhile is freed as early under any plan, so this is the
+    # non-saved memory at the interval's peak.
+    forward = [max(0, max(m[3], m[4]) - live_f[m[1]]) for m in packs]
+    if packs and unpack_marks:      # the loss and the start of the backward
+        forward[-1] = max(forward[-1], unpack_marks[0][4] - live_f[packs[-1][1]])
+    # A backward point's floor: what was allocated at its unpack, the group fetched, before
+    # the node ran (a rebuild there runs then; its transient is gone when the node runs).
+    backward, floor = [0] * unpacks, [0] * unpacks
+    peaks_after = [m[4] for m in unpack_marks[1:]] + [tail_peak]
+    for m, after in zip(unpack_marks, peaks_after):
+        backward[m[1]] = max(backward[m[1]], 0, max(m[3], after) - live_b[m[1]])
+        floor[m[1]] = max(floor[m[1]], 0, m[3] - live_b[m[1]])
+    profile.baseline_forward = [b + grown for b in forward]
+    profile.baseline_backward = [b + grown for b in backward]
+    profile.floor_backward = [f + grown for f in floor]
+    return profile
+
+
+
+def _call_ms(link: SameMemoryLink, call: _Call, d2h: float) -> float | None:
+    """A recording step's ``call``: its compute ms, less what it copied to the host inline
+    (``d2h`` GB/s); None where untimed: its marks not on one link's clock (a first recording's
+    calls before its first pack, marked on no link yet)."""
+    if call.start is None or call.end is None or call.start.link is not call.end.link:
+        return None
+    return max(0.0, link.compute_ms(call.start, call.end) - planner.transfer_ms(call.moved, d2h))
+
+
+
+
+def _changes_in_place(call: _Call | None, tensor: torch.Tensor) -> bool:
+    """``call`` (a running module's) changes ``tensor``, its first input, in place:
+    ReLU(inplace=True) saves its output, the tensor it was given."""
+    return call is not None and call.in_place and bool(call.reads) \
+        and call.reads[0].ref() is tensor
+
+
+def _has_children(module: nn.Module) -> bool:
+    """``module.children()`` is not empty: read from the dict it iterates, without a generator
+    (this runs at every module call of a step's forward)."""
+    return any(child is not None for child in module._modules.values())
+
+#: pack, unpack and module of a step)
+_CURRENT_AUTOGRAD_NODE = getattr(torch._C, "_current_autograd_node", None)
+
+
+def _current_node():
+    """The autograd node whose backward runs now, or None."""
+    return _CURRENT_AUTOGRAD_NODE() if _CURRENT_AUTOGRAD_NODE is not None else None
+
+
+def _in_backward() -> bool:
+    """Inside an autograd node's backward (where a step's forward never runs)."""
+    return _current_node() is not None

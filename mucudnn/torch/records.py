@@ -1,0 +1,520 @@
+"""The records of one step of mucudnn.torch's offload session: the calls its forward made
+(:class:`_Call`, what each read: :class:`_Read`, the module's state: :class:`_ModuleState`), the
+recipes that rebuild a saved tensor from them (:class:`_Recipe`, :func:`rerun_as_recorded`), the
+groups of saved tensors (:class:`_Group`; autograd holds a :class:`_Packed` or a
+:class:`_Passed` for each save), the step itself (:class:`_Step`), and a trial of plans
+(:class:`_Trial`). The rules these records keep are offload_session.py's."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ChangedInPlaceError, inplace_message
+from .link import Transfer
+from .planner import KEEP, OFFLOAD, RECOMPUTE
+from .stage import ChainRecorder, autocast_as
+
+#: Modules whose recomputation is deterministic and cheap (SuperNeurons' choice: no convolution,
+#: no dropout). Exact types: a subclass may override forward.
+CHEAP = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hardswish,
+         nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+         nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool2d, nn.Identity)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: Instance norms: cheap too, where they keep no running statistics (their default; a rerun
+#: would update those a second time)
+_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+#: Modules that may also be recomputed, at their measured cost (the planner weighs it against
+#: moving their output; per-block checkpointing shows recomputing them can beat the host link).
+#: A transposed one reruns at the output size it made (``output_size`` may have chosen it).
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d) + _TRANSPOSED
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A tensor a call read, weakly, and its version then. An offloaded input is gone (autograd
+    holds only what the pack hook returned) when a later recipe looks for it: its group is the
+    one whose ``ref`` is this ``ref`` (CPython gives an object one weak reference without a
+    callback, the same object after it died), never one by address, which the caching
+    allocator gives the next tensor of its size (a downsampling convolution's output after the
+    freed output of the block's last convolution)."""
+
+    ref: weakref.ref
+    version: int
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One leaf module's forward, or one recorded op (:data:`ADDS`; ``module`` None): what it
+    read and wrote (weakly) and how long it took."""
+
+    module: nn.Module | None
+    name: str
+    reads: tuple[_Read, ...]  # its tensor inputs (a module's first argument; an op's operands)
+    output: weakref.ref | None
+    start: object
+    end: object = None
+    moved: int = 0            # bytes copied inline to the host while it ran (recording step)
+    done: bool = False        # its forward returned
+    output_version: int = 0   # its output's version when it returned
+    in_place: bool = False    # its output is its first input, changed
+    op: object = None         # an op's function, called again with ``keywords`` to rerun it
+    keywords: dict = field(default_factory=dict)
+    #: a recipe may run it again: a module of an exact type the session recomputes
+    #: (:meth:`OffloadSession._recomputable`), or a recorded op (deterministic, elementwise)
+    recomputable: bool = False
+    autocast: tuple = ()      # autocast_state() when it ran: its rerun runs under the same
+    output_bytes: int = 0     # its output's bytes
+    #: recording step, recomputable: bytes allocated when it started, and the most it allocated
+    #: above them while it ran (its output and its workspace: what its rerun allocates)
+    allocated_before: int = 0
+    rise: int = 0
+    output_shape: tuple = ()  # its output's shape (a transposed convolution reruns to it)
+    index: int = -1           # its place in its step's calls
+    #: a recomputable module's state as its forward read it (:class:`_ModuleState`)
+    state: _ModuleState | None = None
+
+    def run(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """Its forward again on ``values`` (one per read), without side effects
+        (:func:`rerun_as_recorded`), under the autocast state it ran under and with the module's
+        state as it read it."""
+        with contextlib.ExitStack() as stack:
+            autocast_as(self.autocast, stack)
+            if self.op is not None:
+                return self.op(*values, **self.keywords)
+            return rerun_as_recorded(self.module, values[0], self.state, self.output_shape)
+
+
+@dataclass(eq=False, slots=True)
+class _ModuleState:
+    """What a recomputable module's forward read besides its input, recorded when it ran, so
+    that a rerun in the backward computes what it computed, whatever changed since: its mode
+    (``model.eval()`` before the backward; a train- and an eval-mode forward in one step), the
+    tensors in its ``_parameters`` (``torch.func.functional_call`` puts plain tensors there for
+    the call; autograd holds them for the backward anyway) at their versions then, and an
+    eval-mode batch norm's running statistics, copied (a later train-mode forward changes them
+    in place)."""
+
+    training: bool
+    params: dict
+    versions: tuple
+    running: tuple | None = None     # (mean, var) copies: an eval-mode batch norm's
+
+    @classmethod
+    def of(cls, module: nn.Module) -> _ModuleState:
+        params = {name: value for name, value in module._parameters.items() if value is not None}
+        running = None
+        if isinstance(module, _BATCH_NORMS) and not module.training and \
+                module.running_mean is not None and module.running_var is not None:
+            running = (module.running_mean.clone(), module.running_var.clone())
+        return cls(module.training, params,
+                   tuple(value._version for value in params.values()), running)
+
+    def check(self) -> None:
+        """PyTorch's error where a parameter the forward read was changed in place since (an
+        optimizer step before the backward): a rerun would compute another value."""
+        for (name, value), version in zip(self.params.items(), self.versions):
+            if value._version != version:
+                raise ChangedInPlaceError(
+                    inplace_message(value, version, name) + "; a module recomputed in the "
+                    "backward reads it (under autocast PyTorch alone differentiates with the "
+                    "cast it saved: OffloadSession(recompute=False) does too)")
+
+
+@dataclass(frozen=True, eq=False)
+class _ViewOf:
+    """A recipe's input read through a saved group of another shape over the same elements: an
+    instance norm saves its input ``C`` (a convolution's output, contiguous) reshaped to
+    ``(1, N*C, ...)``, a view sharing C's storage and version counter, and C's own object is freed
+    once the norm returns. ``group``'s tensor (its values; kept, fetched or recomputed, contiguous
+    or made so) viewed with ``shape`` and ``stride`` is C."""
+
+    group: _Group
+    shape: tuple
+    stride: tuple
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """C from ``tensor``, the group's tensor: the group and C are contiguous over the same
+        elements, so C's elements are the group's in order (a fetched tensor has the group's
+        layout, not its storage: the view is taken from it, never from a storage pointer)."""
+        return _viewed(tensor, self.shape, self.stride)
+
+
+def _viewed(tensor: torch.Tensor, shape: tuple, stride: tuple) -> torch.Tensor:
+    """``tensor``'s elements in order, viewed with ``shape`` and ``stride`` (a contiguous layout
+    over the same elements: an instance norm's ``(1, N*C, ...)`` view and its input ``C``)."""
+    return tensor.contiguous().view(shape).as_strided(shape, stride)
+
+
+def _same_elements(source: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """``tensor`` is another view of exactly ``source``'s elements, both contiguous (an instance
+    norm's reshaped input saved for its backward, and that input)."""
+    return source is not None and source is not tensor and source.is_contiguous() and \
+        tensor.is_contiguous() and source.dtype == tensor.dtype and \
+        source.device == tensor.device and source.numel() == tensor.numel() and \
+        source.storage_offset() == tensor.storage_offset() and \
+        source.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+
+
+@dataclass(frozen=True, eq=False)
+class _Alias:
+    """``group`` holds the values of the tensor whose weak reference is ``ref`` (the first read of
+    the call that saved the group) as a :class:`_ViewOf` slot would read them."""
+
+    ref: weakref.ref
+    view: _ViewOf
+
+
+@dataclass(eq=False)
+class _Recipe:
+    """Calls that rebuild a saved tensor from saved groups: ``calls`` run in order, the last
+    makes the tensor; ``inputs[i]`` says where each read of ``calls[i]`` comes from: a source
+    group, a source group viewed back to the shape read (:class:`_ViewOf`) or the index of an
+    earlier call (each call's output is read once). ``view``: (shape, stride) the last call's
+    output is viewed with to be the saved tensor (an instance norm saves its input, a
+    convolution's output, reshaped), else None."""
+
+    calls: list[_Call] = field(default_factory=list)
+    inputs: list[tuple] = field(default_factory=list)
+    view: tuple | None = None
+
+    @property
+    def sources(self) -> list[_Group]:
+        """The groups it reads, each once, in the order it first reads them: each must be kept
+        (at the version it read) or recomputed, and on the device until the rebuilt tensor can no
+        longer be unpacked."""
+        found = []
+        for slots in self.inputs:
+            for slot in slots:
+                if isinstance(slot, _ViewOf):
+                    slot = slot.group
+                if isinstance(slot, _Group) and slot not in found:
+                    found.append(slot)
+        return found
+
+
+@dataclass(eq=False, slots=True)
+class _Group:
+    gid: int
+    mode: str
+    nbytes: int
+    device: torch.device
+    ref: weakref.ref
+    version: int
+    producer: str
+    offloadable: bool
+    tensor: torch.Tensor | None = None      # on the device: kept, fetched or recomputed
+    #: a kept ``tensor``'s version while it holds the saved value (an alias shares the saved
+    #: tensor's version counter, a copy has its own: :meth:`OffloadSession._kept`); None:
+    #: ``version``
+    kept_version: int | None = None
+    host: Transfer | None = None
+    release: object = None                  # gives ``host`` back to the link's pool
+    fetch: Transfer | None = None
+    recipe: _Recipe | None = None
+    packs: int = 0
+    unpacks: int = 0
+    first_unpack: int | None = None
+    last_unpack: int | None = None
+    pack_mark: object = None
+    wanted: str = KEEP                      # the plan's mode; ``mode`` is what runs
+    live_packs: int = 0                     # _Packed objects autograd still holds
+    readers: int = 0                        # recomputed groups that may still read this one
+    owner: _Step | None = None              # its step (which counts its live groups)
+    #: the base of a view saved (weakly): it shares the view's version counter, and outlives
+    #: the view object a forward made for the op (an in-place change through it is seen)
+    base: weakref.ref | None = None
+
+    def drop_device(self) -> None:
+        """Let go of the device tensor where nothing may need it from the session again."""
+        if self.readers or self.tensor is None and self.fetch is None:
+            return
+        if self.live_packs == 0 or (self.mode != KEEP and self.unpacks >= self.packs):
+            self.tensor, self.fetch = None, None
+
+    def pack_freed(self) -> None:
+        self.live_packs -= 1
+        if self.live_packs == 0:
+            self.owner.live -= 1
+            if self.host is not None and self.release is not None:
+                self.release(self.host)       # nothing can unpack this group again
+                self.host = None
+            if self.mode == RECOMPUTE:
+                for source in self.recipe.sources:
+                    source.readers -= 1       # this one can no longer be unpacked
+                    source.drop_device()
+            self.drop_device()
+
+    def check_version(self) -> None:
+        """PyTorch's error where the saved tensor was changed in place since its pack (as autograd
+        raises without saved-tensor hooks): read through the tensor itself while it lives, or
+        the kept alias, which shares its version counter."""
+        original = self.ref()
+        if original is None and self.base is not None:
+            original = self.base()
+        if original is not None and original._version != self.version:
+            raise RuntimeError(inplace_message(original, self.version))
+        kept = self.tensor if self.mode == KEEP else None
+        if kept is not None and self.kept_version is not None and \
+                kept._version != self.kept_version:
+            raise RuntimeError(inplace_message(kept, self.kept_version))
+
+
+
+class _Packed:
+    """What autograd holds for one pack of a group: its lifetime is the saved tensor's."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: _Group):
+        self.group = group
+        group.live_packs += 1
+        if group.live_packs == 1:
+            group.owner.live += 1
+
+    def __del__(self):
+        self.group.pack_freed()
+
+
+class _Passed:
+    """What autograd holds for a saved tensor the session leaves alone (a parameter, a small
+    tensor, one saved in a backward): the tensor without its autograd history (a node saving its
+    own output, sigmoid, would otherwise hold itself through it: a cycle through C++ the
+    collector cannot break, memory a dropped graph never gives back; autograd puts the history
+    back at the unpack) and its version then: autograd checks no version where saved-tensor
+    hooks run, so the unpack does (:meth:`check`)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach() if tensor.grad_fn is not None else tensor
+        self.version = tensor._version
+
+    def check(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(inplace_message(self.tensor, self.version))
+        return self.tensor
+
+
+@dataclass(eq=False)
+class _Step:
+    groups: list = field(default_factory=list)
+    by_key: dict = field(default_factory=dict)
+    by_ref: dict = field(default_factory=dict)   # id(group.ref) -> group (the group holds it)
+    #: id of a read's weak reference -> _Alias: a group saved as a view of that tensor covering
+    #: its elements (an instance norm's reshaped input), which holds its values while that
+    #: group is live and at the read's version (the view shares its version counter)
+    by_view: dict = field(default_factory=dict)
+    unpacks: int = 0
+    calls: list = field(default_factory=list)
+    #: id of a call's output's weak reference (CPython's one per live tensor without a callback)
+    #: -> the indices in ``calls`` of the calls that returned it, ascending
+    outputs: dict = field(default_factory=dict)
+    marks: list = field(default_factory=list)  # (kind, index, mark, allocated, peak before)
+    profiling: bool = False
+    ooms: int | None = None                          # the link's ``ooms()`` at its first pack
+    node: object = None            # the autograd node of the last unpack (not its tensors)
+    node_groups: list = field(default_factory=list)  # the groups that node unpacked
+    backward_done: bool = False    # its backward ran to the end (autograd's final callback)
+    watching: bool = False         # that callback is queued
+    finds_recipes: bool | None = None   # OffloadSession._finds_recipes, once decided
+    start_allocated: int | None = None   # the link's allocated bytes at its first module
+    end_mark: object = None        # its backward's end (recording steps)
+    copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
+    #: forward point -> (group, its offload's transfer) whose device tensors go there
+    releases: dict = field(default_factory=dict)
+    chain: ChainRecorder | None = None   # recording steps: its leading chain (stage.py)
+    #: (group, tensor, autograd sequence number at its pack): copies due once its op has run
+    pending: list = field(default_factory=list)
+    live: int = 0                  # its groups that autograd still holds (a pack not freed)
+
+    def abandoned(self) -> bool:
+        """Its forward saved groups, no backward unpacked any, and autograd holds none of them:
+        its graph was dropped (a skipped non-finite loss, a validation forward with grad)."""
+        return bool(self.groups) and not self.unpacks and not self.live
+
+
+@dataclass
+class _Trial:
+    """Plans run in turn, :data:`planner.TRIAL_STEPS` planned steps each; the marks at their
+    steps' ends time them, and the link's flush count read at every unpack of their steps says
+    after which op the caching allocator flushed its cache."""
+
+    plans: list
+    labels: list                                 # per plan: what it is, for the lines said
+    current: int = 0
+    marks: list = field(default_factory=list)    # per plan: the end marks of its steps
+    flushes: list = field(default_factory=list)  # per plan: the link's flush count at each mark
+    #: per plan: the backward points (-1: the forward) after whose op a link's flush count grew
+    #: in a timed step
+    flush_points: list = field(default_factory=list)
+    seen: dict = field(default_factory=dict)   # link -> its flush count when last read
+
+    def __post_init__(self):
+        self.marks = [[] for _ in self.plans]
+        self.flushes = [[] for _ in self.plans]
+        self.flush_points = [set() for _ in self.plans]
+
+    def saw_flushes(self, link, point: int) -> None:
+        """``link``'s flush count read after backward point ``point``'s op (-1: after the
+        forward): if it grew since the last read (the first read of a link is its start), the
+        current plan flushed there; a timed step's point is kept (as :meth:`flushes_in`
+        counts)."""
+        count = link.flushes()
+        if count > self.seen.get(link, count) and self.marks[self.current]:
+            self.flush_points[self.current].add(point)
+        self.seen[link] = count
+
+    def flush_note(self, index: int) -> str:
+        """Plan ``index``'s flushes in its timed steps and where, as its trial line says them
+        (" (2 flushes after the forward and after backward point 6)"; none: "")."""
+        count = self.flushes_in(index)
+        if not count:
+            return ""
+        points = sorted(self.flush_points[index])
+        said = ["after the forward"] * (points[:1] == [-1])
+        backward = [point for point in points if point >= 0]
+        if backward:
+            said.append(f"after backward point{'s' if len(backward) > 1 else ''} "
+                        + ", ".join(map(str, backward)))
+        where = " " + " and ".join(said) if said else ""
+        return f" ({count} flush{'es' if count > 1 else ''}{where})"
+
+    def flushes_in(self, index: int) -> int:
+        """The caching allocator's flushes in plan ``index``'s timed steps."""
+        counts = self.flushes[index]
+        return counts[-1] - counts[0] if counts else 0
+
+    def kept(self, times: list[float]) -> int:
+        """Of the first plans, timed ``times`` (:meth:`step_ms`), the fastest of those whose
+        timed steps did not flush the caching allocator's cache (of all where each did): a plan
+        that flushes in its trial flushes more after it (benchmarks/results/pressure)."""
+        calm = [index for index in range(len(times)) if not self.flushes_in(index)]
+        return min(calm or range(len(times)), key=times.__getitem__)
+
+    def step_ms(self, index: int) -> float:
+        """The fastest of plan ``index``'s timed steps (each after its first): a step slowed by
+        what the script does between steps (a checkpoint, a log) says nothing of the plan."""
+        marks = self.marks[index]
+        return min(a.link.elapsed_ms(a, b) for a, b in zip(marks, marks[1:]))
+
+
+
+def _rebuild_order(group: _Group) -> list[_Group]:
+    """``group`` and its recomputed sources without a device tensor, transitively, each once,
+    every source before its readers (iterative: a chain may be longer than Python's stack). A
+    source read by two of them (a dense block's input, concatenated and also rebuilt through)
+    comes before both: a group is placed when its expansion ends, never where first met."""
+    order, placed, stack = [], set(), [(group, False)]   # groups hash by identity
+    while stack:
+        current, expanded = stack.pop()
+        if current in placed:
+            continue
+        if expanded:
+            placed.add(current)
+            order.append(current)
+            continue
+        stack.append((current, True))
+        for source in current.recipe.sources:
+            if source.mode == RECOMPUTE and source.tensor is None and source not in placed:
+                stack.append((source, False))
+    return order
+
+
+def recompute(group: _Group) -> torch.Tensor:
+    """``group``'s tensor rebuilt by its recipe under ``no_grad``, from its sources' device
+    tensors (each kept at the version saved, or itself rebuilt: :func:`_rebuild_order`); a
+    call in place never changes a kept tensor (it gets a copy)."""
+    recipe = group.recipe
+    sources = recipe.sources
+    for source in sources:
+        # a recomputed source is a new tensor holding the value at the version saved
+        held = source.version if source.kept_version is None else source.kept_version
+        if source.tensor is None or (source.mode == KEEP and source.tensor._version != held):
+            raise RuntimeError(f"mucudnn.torch: source {source.gid} of saved tensor "
+                               f"{group.gid} changed after it was saved; cannot recompute it")
+    # the sources' tensors and the views of them the recipe reads
+    kept = [source.tensor for source in sources]
+    values: list[torch.Tensor | None] = []
+    with torch.no_grad():
+        for call, slots in zip(recipe.calls, recipe.inputs):
+            inputs = []
+            for slot in slots:
+                if isinstance(slot, _Group):
+                    inputs.append(slot.tensor)
+                elif isinstance(slot, _ViewOf):
+                    inputs.append(slot.of(slot.group.tensor))
+                    kept.append(inputs[-1])
+                else:      # read once: the recipe lets go of it (or changes it) here
+                    inputs.append(values[slot])
+                    values[slot] = None
+            # an in-place call changes its first input: never a kept tensor (an Identity
+            # passes one on)
+            if call.in_place and any(inputs[0] is tensor for tensor in kept):
+                inputs[0] = inputs[0].clone()
+            values.append(call.run(inputs))
+    return values[-1] if recipe.view is None else _viewed(values[-1], *recipe.view)
+
+
+def offload_everything(groups) -> list[str]:
+    """The recording steps' modes: every group offloaded where it can be (else kept)."""
+    return [OFFLOAD if g.offloadable else KEEP for g in groups]
+
+def _transposed_size(module: nn.Module, value: torch.Tensor) -> tuple[int, ...]:
+    """The spatial size a transposed convolution makes of ``value`` with its own output padding
+    (what it makes unless called with ``output_size``)."""
+    n = len(module.kernel_size)
+    return tuple((size - 1) * stride - 2 * pad + dilation * (kernel - 1) + extra + 1
+                 for size, stride, pad, dilation, kernel, extra in zip(
+                     value.shape[-n:], module.stride, module.padding, module.dilation,
+                     module.kernel_size, module.output_padding))
+
+
+def _joined(*values: torch.Tensor, dim: int) -> torch.Tensor:
+    """A recorded concatenation's rerun: its operands, one value each, joined again."""
+    return torch.cat(values, dim=dim)
+
+
+def rerun_as_recorded(module: nn.Module, value: torch.Tensor,
+                      state: _ModuleState | None = None,
+                      output_shape: tuple = ()) -> torch.Tensor:
+    """``module(value)`` as its forward ran (``state``: what it read then; None: the module as it
+    is now), without its side effects and without hooks (a recomputable module has none of its
+    own; the global ones, a user's activation monitor, see only the user's forward): a
+    training-mode batch norm runs on copies of its running statistics (same kernel, same
+    output; the model's statistics and batch counter untouched), an eval-mode one on the
+    statistics its forward read; the parameters are the tensors the forward read."""
+    if state is None:
+        state = _ModuleState.of(module)
+    state.check()
+    saved = {name: module._parameters[name] for name in state.params}
+    try:
+        module._parameters.update(state.params)
+        if isinstance(module, _BATCH_NORMS) and type(module) in CHEAP:
+            training = state.training or module.running_mean is None
+            if state.running is not None and not training:
+                mean, var = state.running
+            elif module.running_mean is not None and module.running_var is not None:
+                mean, var = module.running_mean.clone(), module.running_var.clone()
+            else:
+                mean = var = None
+            return F.batch_norm(value, mean, var, state.params.get("weight"),
+                                state.params.get("bias"), training,
+                                module.momentum if module.momentum is not None else 0.0,
+                                module.eps)
+        forward = type(module).forward
+        if type(module) in _TRANSPOSED and output_shape:
+            made = output_shape[-len(module.kernel_size):]
+            if _transposed_size(module, value) != made:
+                # it was given output_size (its own output_padding makes another size)
+                return forward(module, value, output_size=list(made))
+        return forward(module, value)
+    finally:
+        module._parameters.update(saved)
+
