@@ -21,7 +21,8 @@ from mucudnn.torch import fit  # noqa: E402
 from mucudnn.torch.compiled import CompiledModelError, compiled_parts  # noqa: E402
 from mucudnn.torch.fitted import FitPickleError, FittedForward, FittedSession  # noqa: E402
 from mucudnn.torch.planner import OFFLOAD, RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
+from mucudnn.torch.link import SameMemoryLink  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 
 MiB = 1 << 20
 

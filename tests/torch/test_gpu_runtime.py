@@ -14,7 +14,8 @@ torchvision = pytest.importorskip("torchvision")
 
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import CudaLink, OffloadSession, Transfer  # noqa: E402
+from mucudnn.torch.link import CudaLink, Transfer  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

@@ -73,8 +73,8 @@ def test_a_document_without_a_format_is_format_1_and_the_current_one_is_read(tmp
 
 
 def test_the_session_writes_the_format_this_reader_reads():
-    # the runtime (torch) writes it as a literal; this holds the two equal without torch
-    source = (ROOT / "mucudnn/torch/runtime.py").read_text()
+    # the session (torch) writes it as a literal; this holds the two equal without torch
+    source = (ROOT / "mucudnn/torch/session_plans.py").read_text()
     assert f'"format": {profiles.FORMAT},' in source
 
 
@@ -119,7 +119,7 @@ def test_every_committed_kind_of_file_is_read():
 
 def test_the_replay_defaults_are_the_sessions():
     pytest.importorskip("torch")
-    from mucudnn.torch.runtime import OffloadSession
+    from mucudnn.torch.offload_session import OffloadSession
     defaults = {name: p.default for name, p in
                 inspect.signature(OffloadSession.__init__).parameters.items()}
     assert defaults["headroom"] == profiles.HEADROOM

@@ -56,7 +56,7 @@ def sessions_attribute(tmp_path, attribute: str, *options) -> tuple[object, str]
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f"""
         import gc, torch
-        from mucudnn.torch.runtime import OffloadSession
+        from mucudnn.torch.offload_session import OffloadSession
         sessions = [o for o in gc.get_objects() if isinstance(o, OffloadSession)]
         print("{attribute}", [s.{attribute} for s in sessions])
     """))

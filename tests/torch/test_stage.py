@@ -17,8 +17,9 @@ from torch import nn  # noqa: E402
 from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP  # noqa: E402
-from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
-from test_runtime import RecordingLink, train  # noqa: E402
+from mucudnn.torch.link import SameMemoryLink  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
+from session_helpers import RecordingLink, train  # noqa: E402
 
 STEPS = 5   # two recording steps, three staged ones
 

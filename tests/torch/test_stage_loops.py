@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 
 from mucudnn.torch.stage import StagedForward  # noqa: E402
-from test_runtime import train  # noqa: E402
+from session_helpers import train  # noqa: E402
 from test_stage import assert_close, batches, staged_session, vgg_like  # noqa: E402
 
 cross_entropy = nn.functional.cross_entropy

@@ -16,9 +16,10 @@ if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
 from torch import nn  # noqa: E402
 
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
+from mucudnn.torch.link import SameMemoryLink  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 
-from test_runtime import MeteredLink, Spike, batches, small_cnn  # noqa: E402
+from session_helpers import MeteredLink, Spike, batches, small_cnn  # noqa: E402
 
 FORCED = [OFFLOAD, RECOMPUTE, KEEP]
 

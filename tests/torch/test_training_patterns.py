@@ -37,7 +37,8 @@ from torch import nn  # noqa: E402
 import training_patterns as tp  # noqa: E402
 from mucudnn.errors import MucudnnError  # noqa: E402
 from mucudnn.torch.planner import RECOMPUTE  # noqa: E402
-from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
+from mucudnn.torch.link import SameMemoryLink  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 
 CASES = int(os.environ.get("MUCUDNN_PATTERN_CASES", "300"))
 SEED = int(os.environ.get("MUCUDNN_PATTERN_SEED", "0"))

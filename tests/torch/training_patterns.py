@@ -33,7 +33,8 @@ import torch.utils.checkpoint
 import mucudnn.torch
 from mucudnn.errors import MucudnnError
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE
-from mucudnn.torch.runtime import SameMemoryLink, OffloadSession
+from mucudnn.torch.link import SameMemoryLink
+from mucudnn.torch.offload_session import OffloadSession
 
 #: sessions a case runs under (``budget``: about half the step's saved bytes, a mixed plan)
 SESSIONS = ("keep", "offload", "recompute", "stage", "budget", "fit")
@@ -572,7 +573,7 @@ def saved_bytes(case: Case, model: nn.Module) -> int:
 
 def make_session(case: Case, model: nn.Module):
     """(model to train, session to enter per step or None)."""
-    from test_runtime import RecordingLink   # a slow link back: the planner must choose
+    from session_helpers import RecordingLink   # a slow link back: the planner must choose
     if case.session in ("keep", "offload", "recompute"):
         force = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}[case.session]
         return model, OffloadSession(force=force, link=SameMemoryLink(), min_bytes=0)

@@ -1,0 +1,413 @@
+"""mucudnn.torch's recorder on CPU torch (recorder.py): leaf modules and ops recorded into a
+step, the recipes found from them (recomputed tensors bitwise equal to a plain run), and the
+step's profile (times, baselines, the link's speeds). Its recipes: test_recorder_recipes.py."""
+
+import contextlib
+import copy
+import os
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
+    pytest.skip("needs a real PyTorch", allow_module_level=True)
+
+from torch import nn  # noqa: E402
+
+from mucudnn.torch import planner  # noqa: E402
+from mucudnn.torch.link import SameMemoryLink  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
+from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
+from session_helpers import (  # noqa: E402
+    assert_bitwise, batches, GiB, joined, MeteredLink, RecordingLink, SlowHostLink, small_cnn,
+    TinyUNet, train, volumes, WithSpike)
+
+
+@pytest.mark.parametrize("where", ["backward", "optimizer"])
+def test_the_plan_counts_the_measured_peak_between_points(where):
+    # a backward node's workspace (or the optimizer's temporaries) that no point's allocated bytes
+    # show: the profile's baseline takes the peak between points, and the plan's peak includes it
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    link = MeteredLink()
+    spike = lambda: link.spike(GiB)   # noqa: E731
+    wrapped = WithSpike(model, spike if where == "backward" else None)
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        with session:
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+        loss.backward()
+        if where == "optimizer":
+            spike()
+        optimizer.step()
+    saved = sum(g.nbytes for g in session.profile.groups)
+    assert max(session.profile.baseline_backward) >= GiB - saved
+    assert session.plan.peak >= GiB
+
+
+def test_what_the_recorded_step_leaves_behind_is_in_every_baseline():
+    # the optimizer's state, made by the first step, is on the device in every later step
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+
+    class GrowingLink(MeteredLink):
+        def __init__(self):
+            super().__init__()
+            self.resident = 0
+
+        def allocated(self):
+            return self.resident
+
+    link = GrowingLink()
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.0,
+                             record_steps=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        link.resident = GiB          # the first optimizer step's state
+    assert min(session.profile.baseline_forward + session.profile.baseline_backward) >= GiB
+    assert session.plan.peak >= GiB
+
+
+@pytest.mark.parametrize("probe_bytes", [0, 1 << 40])
+def test_the_host_link_is_timed_on_the_recording_steps_own_copies(monkeypatch, probe_bytes):
+    # no probe buffer allocated after the recording (at the tightest moment) when the recording's
+    # copies were large enough to time the link; a probe only when they were not
+    from mucudnn.torch import link as link_module
+    from mucudnn.torch import recorder as recorder_module
+    probed = []
+
+    def probe(link, device):
+        probed.append(device)
+        return 1.5, 2.5
+
+    monkeypatch.setattr(recorder_module, "LINK_PROBE_BYTES", probe_bytes)
+    monkeypatch.setattr(link_module, "measure_bandwidth", probe)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    session = OffloadSession(budget=GiB, link=SameMemoryLink(), min_bytes=0)
+    train(model, data, session)
+    speeds = (session.profile.d2h_gbps, session.profile.h2d_gbps)
+    if probe_bytes:
+        assert probed and speeds == (1.5, 2.5)
+    else:
+        assert not probed and min(speeds) > 0 and speeds != (1.5, 2.5)
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity that saves nothing; its backward takes 50 ms (the first layer's weight gradient
+    and the rest of a backward after its last unpack)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)
+        return grad
+
+
+def test_the_recorded_backward_runs_to_its_end():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+
+    class First(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return self.model(SlowBackward.apply(x.detach().requires_grad_()))
+
+    session = OffloadSession(budget=GiB, link=SameMemoryLink(gbps=(1e3, 1e3)), min_bytes=0)
+    train(First(), data, session)
+    assert session.profile.backward_ms >= 50
+
+
+def test_the_recorded_times_leave_out_the_hosts_waits():
+    # the recording step offloads everything; the host's waits there (pinning memory, the copy
+    # queue) are no module's compute: counted, they made offloading look free and recomputing dear
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    link = SlowHostLink()
+    session = OffloadSession(budget=GiB, link=link, min_bytes=0)
+    train(model, data, session)
+    profile = session.profile
+    waited_ms = 30 * link.host_allocations
+    assert link.host_allocations >= 10 and link.stalls == [] and not link.timing
+    assert profile.forward_ms < waited_ms / 3
+    recipes = [g.recompute_ms for g in profile.groups if g.recompute_ms is not None]
+    assert recipes and max(recipes) < 30
+
+
+def test_a_function_that_cannot_be_hashed_passes_the_op_recorder():
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, tensor):
+            return tensor + 1
+
+    x = torch.zeros(2)
+    with OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0):
+        assert torch.overrides.handle_torch_function(Unhashable(), (x,), x).tolist() == [1, 1]
+
+
+def test_a_convolution_recorded_under_autocast_is_replayed_under_it():
+    # bf16 autocast on the CPU: the rerun convolution must cast as its forward did (outside
+    # autocast, a bf16 input meets float32 weights and the backward fails)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    data = batches(torch.float32, 2)
+
+    def steps(model, session=None):
+        optimizer, grads = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for x, y in data:
+            optimizer.zero_grad()
+            with session or contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+        return grads
+
+    reference = steps(copy.deepcopy(model))
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, steps(model, session))
+    assert any(g.mode == RECOMPUTE and g.recipe.calls[0].name == "Conv2d"
+               for g in session._step.groups)
+
+
+class LaggingHostLink(RecordingLink):
+    """A link on a fake clock: each stamp reads 1 µs after the one before (wall-clock time plays
+    no part: how busy the machine is cannot change a time), and the host falls 50 ms behind (the
+    device idle meanwhile, as its clock shows) at every pack of ``lagging`` recording steps
+    (counted from 1)."""
+
+    TICK = 1e-6
+
+    def __init__(self, lagging):
+        super().__init__()
+        self.lagging, self.packs, self.lag, self.ticks = lagging, 0, 0.0, 0
+
+    def _stamp(self):
+        self.ticks += 1
+        return self.ticks * self.TICK + self.lag
+
+    def offload(self, tensor, inline=False, held=False):
+        if inline and self.packs // self.groups + 1 in self.lagging:
+            self.lag += 0.05
+        self.packs += 1
+        return super().offload(tensor, inline, held)
+
+
+@pytest.mark.parametrize("lagging", [{1}, {2}])
+def test_a_host_lagging_in_one_recording_step_stretches_no_time_of_the_profile(lagging,
+                                                                              monkeypatch):
+    # whichever recording lagged, the profile's times are those of the one that did not. On the
+    # fake clock an unlagged recording's times are its stamps, a µs each (about 0.1 ms here), and
+    # a lagged one's at least 50 ms: deterministic on any machine, however busy
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    probe = OffloadSession(budget=GiB, link=RecordingLink(), min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    link = LaggingHostLink(lagging)
+    link.groups = len([g for g in probe._step.groups if g.offloadable])
+    recordings = []
+    least_times = planner.least_times
+    monkeypatch.setattr(planner, "least_times",
+                        lambda profiles: recordings.extend(profiles) or least_times(profiles))
+    session = OffloadSession(budget=GiB, link=link, min_bytes=0, record_steps=2)
+    train(model, data, session)
+    profile = session.profile
+    assert link.lag >= 0.05 * 5
+    # the lagged recording's times show the lag; the profile's do not
+    assert len(recordings) == 2
+    (lagged,) = [recordings[step - 1] for step in lagging]
+    assert lagged.forward_ms >= 50
+    assert profile.forward_ms < 40
+    assert profile.forward_clock[-1] < 40
+    recipes = [g.recompute_ms for g in profile.groups if g.recompute_ms is not None]
+    assert recipes and max(recipes) < 40
+
+
+class ProbingLink(MeteredLink):
+    """A link whose speed is unknown until probed; the probe allocates 1 GiB (its buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gbps, self.probes = None, 0
+
+    def bandwidth_gbps(self):
+        self.probes += 1
+        self.spike(GiB)
+        self.gbps = (1000.0, 0.001)
+        return self.gbps
+
+
+def test_a_probe_of_the_link_between_recording_steps_is_in_no_baseline():
+    # the first recording's profile probes the link (no copy there was long enough to time it)
+    # as the next recording starts: what the probe allocated is not that step's
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    link = ProbingLink()
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, record_steps=2)
+    train(model, data, session)
+    assert link.probes == 1
+    profile = session.profile
+    assert max(profile.baseline_forward + profile.baseline_backward) < GiB // 2
+
+
+@pytest.mark.parametrize("force", [KEEP, OFFLOAD, RECOMPUTE])
+def test_a_step_records_its_calls_only_where_its_groups_may_find_recipes(force):
+    # a module's hooks in a step that recomputes nothing (no recipe, no alias to start one
+    # from) do no more than the host must: no call recorded, no group named; gradients alike
+    dtype = torch.float64
+    model, data = TinyUNet(dtype, seed=0), volumes(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=force, link=RecordingLink(), min_bytes=0)
+    x, y = data[0]
+    with session:
+        loss = nn.functional.cross_entropy(model(x), y)
+    step = session._step
+    assert bool(step.calls) == (force == RECOMPUTE)
+    assert bool(step.by_view) == (force == RECOMPUTE)   # the instance norms' aliases
+    assert all(bool(g.producer) == (force == RECOMPUTE) for g in step.groups)
+    loss.backward()
+    session = OffloadSession(force=force, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+
+
+def test_the_sessions_own_hooks_go_past_its_op_recorder(monkeypatch):
+    # while the op recorder (a torch function mode) is entered, every torch function called in
+    # the forward is a Python call through it: the session's own hooks' reads of tensors are not
+    # (the model's ops still are, and a cat is still recorded)
+    from mucudnn.torch import recorder as recorder_module
+    callers = []
+    passed = recorder_module._OpRecorder.__torch_function__
+    torch_files = os.path.dirname(torch.__file__) + os.sep
+
+    def counting(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)   # the first caller outside torch
+        while frame is not None and frame.f_code.co_filename.startswith(torch_files):
+            frame = frame.f_back
+        callers.append(frame.f_code.co_filename if frame is not None else "")
+        return passed(self, func, types, args, kwargs)
+    monkeypatch.setattr(recorder_module._OpRecorder, "__torch_function__", counting)
+    dtype = torch.float64
+    model, data = TinyUNet(dtype, seed=0), volumes(dtype, 2)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    train(model, data, session)
+    own = {f"mucudnn/torch/{name}.py" for name in (
+        "offload_session", "session_plans", "recorder", "records", "link")}
+    assert callers and not [c for c in callers if any(c.endswith(path) for path in own)]
+    assert joined(session._step.groups)   # the cat was recorded, and rebuilds its group
+
+
+def test_a_leaf_modules_forward_runs_without_the_op_recorder_even_after_one_raised(monkeypatch):
+    # no op inside a leaf module is recorded, so none goes through the recorder (a Python call
+    # each); a leaf whose forward raises puts it back all the same, and the next step's
+    # concatenation is still recorded
+    from mucudnn.torch import recorder as recorder_module
+    passed, through = recorder_module._OpRecorder.__torch_function__, []
+
+    def counting(self, func, types, args=(), kwargs=None):
+        through.append(getattr(func, "__name__", ""))
+        return passed(self, func, types, args, kwargs)
+    monkeypatch.setattr(recorder_module._OpRecorder, "__torch_function__", counting)
+    dtype = torch.float64
+    model, data = TinyUNet(dtype, seed=0), volumes(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+
+    class Raising(nn.Module):
+        def forward(self, x):
+            raise ValueError("a leaf that fails")
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    for x, y in data:
+        optimizer.zero_grad()
+        with session:
+            with pytest.raises(ValueError):
+                Raising()(x)
+            recorder = session.recorder.ops
+            top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+            assert recorder is not None and top is recorder
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    assert_bitwise(reference, results)
+    assert "cat" in through and not {"conv3d", "instance_norm", "leaky_relu_"} & set(through)
+    assert joined(session._step.groups)   # the cat was recorded, and rebuilds its group
+    assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("where", ["own hooks", "a global hook registered later"])
+def test_a_mode_entered_and_left_by_hooks_around_a_leaf_leaves_the_op_recorder_on_top(where):
+    # hooks that run after the session's pre-hook enter a mode and leave it after the forward:
+    # the recorder is then not set aside for that module (put back on top of the mode, the
+    # mode's exit would pop it)
+    from torch.nn.modules import module as modules
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def stack():
+        return [torch._C._get_function_stack_at(i)
+                for i in range(torch._C._len_torch_function_stack())]
+    mode, leaf = Mode(), nn.Linear(8, 8).double()
+
+    def enter(*args):
+        mode.__enter__()
+
+    def leave(*args):
+        mode.__exit__(None, None, None)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    with session:
+        handles = ([leaf.register_forward_pre_hook(enter), leaf.register_forward_hook(leave)]
+                   if where == "own hooks" else
+                   [modules.register_module_forward_pre_hook(enter),
+                    modules.register_module_forward_hook(leave)])
+        try:
+            before = stack()
+            leaf(torch.randn(4, 8, dtype=torch.float64, requires_grad=True)).sum().backward()
+            assert stack() == before == [session.recorder.ops]
+        finally:
+            for handle in handles:
+                handle.remove()
+    assert stack() == []
+
+
+class UnregisteredPool(nn.Module):
+    """A leaf module (no children) that runs a module it does not register: its call starts
+    before the pool's and returns after it, with the pool's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.__dict__["pool"] = nn.AvgPool2d(2)   # not a child
+
+    def forward(self, x):
+        return self.pool(x)
+
+
+def test_the_last_call_that_returned_a_tensor_is_found_where_calls_nest():
+    # calls: conv (0), UnregisteredPool (1), AvgPool2d (2); AvgPool2d returns first, the
+    # leaf then returns the same tensor: the last call before the pack that returned it is
+    # AvgPool2d (recomputable, from the conv's output, saved), not the leaf (not recomputable)
+    dtype = torch.float64
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), UnregisteredPool(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(),
+                          nn.Linear(8 * 8 * 8, 10)).to(dtype)
+    data = batches(dtype, 2)
+    expected = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0,
+                             recompute_convolutions=False)
+    assert_bitwise(expected, train(model, data, session))
+    pooled = next(g for g in session._step.groups if g.nbytes == 4 * 8 * 8 * 8 * 8 and g.gid > 0)
+    assert pooled.recipe is not None and pooled.mode == RECOMPUTE
+    assert [c.name for c in pooled.recipe.calls] == ["AvgPool2d"]

@@ -1,0 +1,881 @@
+"""The plan's lifecycle in mucudnn.torch's session on CPU torch (session_plans.py): recording
+steps, the plan made, trials of plans, flushes watched and targets lowered, replans after running
+out of memory, the fall-back, and the profile written for a replay."""
+
+import copy
+import dataclasses
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
+    pytest.skip("needs a real PyTorch", allow_module_level=True)
+
+from torch import nn  # noqa: E402
+
+from mucudnn.errors import InfeasibleError  # noqa: E402
+from mucudnn.torch import planner  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
+from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
+from session_helpers import (  # noqa: E402
+    assert_bitwise, batches, GiB, MeteredLink, RecordingLink, saved_bytes, SlowHostLink, small_cnn,
+    Spike, split_steps, train, train_through_failures)
+
+
+def test_an_impossible_budget_is_one_clear_error():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)   # two steps record
+    session = OffloadSession(budget=1000, link=RecordingLink(), min_bytes=0, headroom=0.0)
+    with pytest.raises(InfeasibleError, match="too small for this step"):
+        train(model, data, session)
+
+
+def test_an_impossible_budget_in_an_unmodified_script_offloads_everything():
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = OffloadSession(budget=1000, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             strict=False, say=said.append)
+    assert_bitwise(reference, train(model, data, session))
+    assert session.plan is None
+    assert session.modes == [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
+    assert session.modes.count(OFFLOAD) > len(session.modes) // 2
+    assert any("too small for this step" in text for text in said)
+
+
+def test_each_plan_writes_the_profile_it_was_made_from(tmp_path):
+    import json
+    from mucudnn.torch import planner
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    path = tmp_path / "profile.json"
+    session = OffloadSession(budget=4 * GiB, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             profile_to=path)
+    train(model, data, session)
+    document = json.loads(path.read_text())
+    assert document["budget"] == 4 * GiB and document["target"] == session.target
+    assert document["modes"] == session.modes and document["plan"] == session.plan.describe()
+    assert document["releases"] == list(session.plan.releases)
+    assert document["release_margin"] == session.plan.release_margin
+    # the planner replays on it off the GPU: the same plan, released at the same points
+    profile = planner.profile_from_dict(document["profile"])
+    replayed = planner.plan_with_prefetch(profile, document["target"], session.lookahead)
+    assert (replayed.modes, list(replayed.releases)) == (session.plan.modes, document["releases"])
+
+
+def test_no_plan_writes_the_profile_too_and_an_unwritable_path_is_one_line(tmp_path):
+    import json
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    said, path = [], tmp_path / "profile.json"
+    session = OffloadSession(budget=1000, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             strict=False, say=said.append, profile_to=path)
+    train(model, data, session)
+    document = json.loads(path.read_text())
+    assert document["plan"] is None and document["modes"] == session.modes
+    assert document["fell_back"] is False
+    said.clear()
+    session.profile_to = tmp_path / "no such directory" / "profile.json"
+    assert not session.write_profile()
+    assert len(said) == 1 and said[0].startswith("the offload profile was not written to ")
+
+
+def test_a_numpy_budget_writes_its_profile_and_what_json_cannot_write_is_one_line(tmp_path):
+    import json
+    import numpy as np
+    said, path = [], tmp_path / "profile.json"
+    session = OffloadSession(budget=np.int64(4 * GiB), link=RecordingLink(), min_bytes=0,
+                             headroom=0.0, say=said.append, profile_to=path)
+    train(small_cnn(torch.float32), batches(torch.float32, 3), session)  # the step goes on
+    assert json.loads(path.read_text())["budget"] == 4 * GiB
+    said.clear()
+    session.profile.forward_ms = object()  # nothing JSON writes: one line, never an exception
+    assert not session.write_profile()
+    assert len(said) == 1 and "not JSON serializable" in said[0]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "caught"])
+def test_a_planned_step_out_of_memory_falls_back_to_offloading_everything(where):
+    # "caught": an op's refused allocation that it handles (cuDNN trying a workspace) is no
+    # failed step. No replans: the first failure falls back.
+    model, data = small_cnn(torch.float32), batches(torch.float32, 4)
+    link, said, steps = MeteredLink(), [], []
+
+    def out_of_memory():
+        if len(steps) == 2:          # the first planned step
+            link.oom()
+            if where != "caught":
+                raise torch.OutOfMemoryError("out of memory (test)")
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            if where == "forward":
+                out_of_memory()
+                return x
+            return Spike.apply(x, out_of_memory)
+
+    wrapped = nn.Sequential(model, Fail())
+    trace = []
+    # (convolutions not recomputed: on the CPU they cost next to nothing, and the plan must
+    # offload for the fall-back to differ from it)
+    session = OffloadSession(budget=saved_bytes(model, data) * 2 // 3, link=link, min_bytes=0,
+                             headroom=0.0, say=said.append, trace=trace, replans=0,
+                             record_steps=1, recompute_convolutions=False, trials=False)
+    failures = train_through_failures(model, data, session, wrapped,
+                                      lambda: steps.append(None))
+    if where == "caught":
+        assert failures == 0 and not session.fell_back and not said[1:]
+        assert [g.mode for g in session._step.groups] == list(session.plan.modes)
+        return
+    assert failures == 1 and session.fell_back and session.plan.count(OFFLOAD)
+    assert [g.mode for g in session._step.groups] == \
+        [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
+    assert sum("ran out of device memory" in line for line in said) == 1
+    # the last step ran as the recording step did: every fetch on demand
+    last_step = trace[max(i for i, e in enumerate(trace) if e[:2] == ("pack", 0)):]
+    assert any(e[0] == "fetch" for e in last_step)
+    assert not any(e[0] == "prefetch" for e in last_step)
+
+
+@pytest.mark.parametrize("failing_steps", [1, 99])
+def test_a_planned_step_out_of_memory_plans_again_for_less_then_falls_back(failing_steps,
+                                                                           tmp_path):
+    # the peak model fell short: the next plan aims lower (replan_step of the budget below the
+    # failed plan's modelled peak); when every planned step fails, after `replans` plans it falls
+    # back to offloading everything
+    model, data = small_cnn(torch.float32), batches(torch.float32, 7)
+    link, said, steps = MeteredLink(), [], []
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            def out_of_memory():
+                if 2 <= len(steps) < 2 + failing_steps:     # planned steps
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+            return Spike.apply(x, out_of_memory)
+
+    budget = saved_bytes(model, data) * 2
+    session = OffloadSession(budget=budget, link=link, min_bytes=0, headroom=0.0,
+                             say=said.append, replans=2, replan_step=0.1,
+                             record_steps=1, profile_to=tmp_path / "profile.json")
+    peaks = []
+
+    def before_step():
+        steps.append(None)
+        if session.plan is not None:
+            peaks.append((session.target, session.plan.peak))
+
+    failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                                      before_step)
+    replanned = [line for line in said if "planning for" in line]
+    if failing_steps == 1:
+        assert failures == 1 and not session.fell_back and len(replanned) == 1
+        first_target, first_peak = peaks[0]
+        assert session.target == min(first_target, first_peak) - int(0.1 * budget)
+        assert session.plan.peak <= session.target < first_peak
+        assert [g.mode for g in session._step.groups] == list(session.plan.modes)
+        written = json.loads((tmp_path / "profile.json").read_text())
+        assert written["target"] == session.target and written["modes"] == list(session.plan.modes)
+    else:
+        # two replans (each lower), then the third failure falls back
+        assert len(replanned) == 2 and session.fell_back and failures == len(data) - 1
+        assert sum("offloading every saved tensor from now on" in line for line in said) == 1
+        targets = [t for t, _ in peaks]
+        assert targets[0] > targets[1] > targets[2]
+        written = json.loads((tmp_path / "profile.json").read_text())  # the modes in force
+        assert written["fell_back"] and written["modes"] == session.modes != list(session.plan.modes)
+
+
+def test_after_the_fall_back_flushes_bring_no_plan_back(monkeypatch):
+    # every planned step runs out of memory: two replans, then the fall-back (everything
+    # offloaded); the caching allocator then flushes in every step, and the watch of a plan kept
+    # after its trial does not make a plan for less in place of the fall-back
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    model, data = small_cnn(torch.float32), batches(torch.float32, 5 + 2 * planner.WATCH_STEPS)
+    said, steps = [], []
+    link = flushing_while(MeteredLink, lambda link: session.fell_back)
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            def out_of_memory():
+                if len(steps) >= 2 and not session.fell_back:     # planned steps
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+            return Spike.apply(x, out_of_memory)
+
+    session = OffloadSession(budget=saved_bytes(model, data) * 2, link=link, min_bytes=0,
+                             headroom=0.1, say=said.append, replans=2, record_steps=1)
+    failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                                      lambda: steps.append(None))
+    assert failures == 3 and session.fell_back
+    assert not [line for line in said if line.startswith("the offload plan flushed")]
+    assert [g.mode for g in session._step.groups] == \
+        [OFFLOAD if g.offloadable else KEEP for g in session.profile.groups]
+
+
+def test_two_steps_record_and_the_second_is_profiled():
+    # the first recording pins the host pool; the second, which copies into it, is the profile
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    link = SlowHostLink()
+    session = OffloadSession(budget=GiB, link=link, min_bytes=0)
+    train(model, data[:2], session)
+    assert session.plan is None and session.profile is None
+    allocations = link.host_allocations
+    train(model, data[2:], session)
+    assert session.plan is not None and link.host_allocations == allocations
+    # no pinning waited for in the profiled step: that would be 30 ms per group (the bound
+    # leaves a loaded CI machine's slow forward room)
+    assert session.profile.forward_ms < 15 * len(session.profile.groups)
+    assert len(session.profile.groups) >= 4
+
+
+def test_a_session_records_planner_record_steps_by_default(monkeypatch):
+    # the default is read when a session is made (conftest.py sets two for the other tests)
+    monkeypatch.setattr(planner, "RECORD_STEPS", 3)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 4)
+    session = OffloadSession(budget=GiB, link=SlowHostLink(), min_bytes=0)
+    train(model, data[:3], session)
+    assert session.plan is None and session.profile is None
+    train(model, data[3:], session)
+    assert session.plan is not None
+
+
+def test_groups_a_plan_moves_but_the_step_keeps_are_one_line():
+    # convolution outputs have no recipe: a plan recomputing every group keeps those
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    said = []
+    session = OffloadSession(modes=[RECOMPUTE] * 100, link=RecordingLink(), min_bytes=0,
+                             say=said.append)
+    train(model, data, session)
+    lines = [line for line in said if "were kept" in line]
+    assert len(lines) == 1 and "wanted recompute" in lines[0]
+
+
+def fake_trial_plans(monkeypatch, others: int = 1, larger: list | None = None) -> list:
+    """planner.trial_plans replaced: ``others`` plans, the ``k``-th the plan made with its
+    ``k``-th moved or recomputed group kept instead. The list it returns receives [the plan
+    made, those] once the session plans; ``larger``, the larger budgets it was given."""
+    plans = []
+
+    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False):
+        if larger is not None:
+            larger.append(list(larger_budgets))
+        changed = [i for i, m in enumerate(plan.modes) if m != KEEP]
+        plans.append(plan)
+        for k in range(others):
+            modes = list(plan.modes)
+            modes[changed[k]] = KEEP
+            plans.append(dataclasses.replace(plan, modes=tuple(modes)))
+        return [(f"other {k + 1}", other) for k, other in enumerate(plans[1:])]
+    monkeypatch.setattr(planner, "trial_plans", made)
+    return plans
+
+
+@pytest.mark.parametrize("plan_ms, kept", [((10.0, 5.0, 7.0), 1), ((5.0, 10.0, 7.0), 0),
+                                           ((10.0, 7.0, 5.0), 2)])
+def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan_ms, kept):
+    # the plan made runs TRIAL_STEPS steps, then each other as many; the fastest by the link's
+    # clock (here one whose ticks each plan sets) stays, said in one line
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 3 * trial + 2)
+    reference = train(copy.deepcopy(model), data)
+    plans = fake_trial_plans(monkeypatch, others=2)
+
+    class Ticking(RecordingLink):
+        now = 0.0
+
+        def _stamp(self):    # seconds, as SameMemoryLink's clock
+            plan = session.plan
+            self.now += 1e-3 * (1.0 if plan is None else plan_ms[plans.index(plan)])
+            return self.now
+    said, trace = [], []
+    session = OffloadSession(budget=1, link=Ticking(), min_bytes=0, trace=trace,
+                             headroom=0.0, say=said.append)
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    assert_bitwise(reference, train(model, data, session))
+    assert session.plan is plans[kept] and session._trial is None
+    labels = ["as made", "other 1", "other 2"]
+    assert session.kept_after_trial == (labels[kept] if kept else None)
+    assert said[-1] == ("offload plans tried: " + ", ".join(
+        f"{label} {ms:.1f} ms a step" for label, ms in zip(labels, plan_ms))
+        + f"; keeping the plan {labels[kept]}")
+    assert said[-2].startswith("trying it against the plan other 1 (") and "the plan other 2 (" \
+        in said[-2]
+    steps = split_steps(trace)
+    assert len(steps) == len(data)
+    ran = [tuple(e[2] for e in step if e[0] == "pack") for step in steps[2:]]
+    expected = [p.modes for p in [plans[0]] * trial + [plans[1]] * trial + [plans[2]] * trial
+                + [plans[kept]] * 2]
+    # each step's groups in the modes of the plan then in force (groups saved once each here)
+    assert [r[:len(m)] for r, m in zip(ran, expected)] == expected
+    # the cache is emptied before each plan's first step: after the recording, at each switch,
+    # and after the trial unless the plan kept is the one that ran last
+    emptied = [e[1] for e in trace if e[0] == "empty_cache"]
+    assert emptied == [2, 2 + trial, 2 + 2 * trial] + ([2 + 3 * trial] if kept != 2 else [])
+
+
+def test_a_plan_of_the_same_modes_still_starts_with_the_cache_emptied(monkeypatch):
+    # the trial's other plan differs from the plan made only in how far ahead it fetches
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    monkeypatch.setattr(planner, "trial_plans", lambda profile, budget, plan, *rest, **named: [
+        ("further ahead", dataclasses.replace(plan, lookahead=plan.lookahead + 1))])
+    trace = []
+    session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             trace=trace, say=lambda line: None)
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    train(model, data, session)
+    assert [e[1] for e in trace if e[0] == "empty_cache"][:2] == [2, 2 + trial]
+
+
+def test_steps_in_the_same_modes_leave_the_cache_alone():
+    model, data = small_cnn(torch.float64), batches(torch.float64, 4)
+    trace = []
+    session = OffloadSession(modes=[OFFLOAD] * 64, link=RecordingLink(), min_bytes=0,
+                             trace=trace)
+    train(model, data, session)
+    assert not [e for e in trace if e[0] == "empty_cache"]
+
+
+@pytest.mark.parametrize("headroom", [0.1, 0.0])
+def test_the_trial_plans_for_the_headroom_shares_too(monkeypatch, headroom):
+    # besides the plan made for budget x (1 - headroom), plans for each share of the headroom
+    # (planner.TRIAL_HEADROOM_SHARES); with no headroom, none
+    model, data = small_cnn(torch.float64), batches(torch.float64, 3)
+    larger = []
+    fake_trial_plans(monkeypatch, larger=larger)
+    budget = int(saved_bytes(model, data) * 0.8)
+    session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, headroom=headroom,
+                             say=lambda line: None)
+    train(model, data, session)
+    assert session.target == planner.planning_target(budget, headroom)
+    assert larger == [[planner.planning_target(budget, headroom * share)
+                       for share in planner.TRIAL_HEADROOM_SHARES] if headroom else []]
+
+
+def test_no_trial_where_the_plan_moves_nothing():
+    profile = planner.StepProfile([planner.SavedGroup(1000, 0, 0)] * 2, 1.0, 1.0, 1.0, 1.0, 1,
+                                  baseline_forward=[0, 0], baseline_backward=[0],
+                                  copy_exposure=0.6)
+    plan = planner.plan_with_prefetch(profile, 10**9)
+    assert plan.moved_bytes == 0
+    assert planner.trial_plans(profile, 10**9, plan, larger_budgets=[2 * 10**9]) == []
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+@pytest.mark.parametrize("out_of_memory", [True, False])
+def test_a_trial_plan_that_fails_leaves_the_fastest_that_ran_without_a_replan(
+        monkeypatch, failing, out_of_memory):
+    # the plan tried second (or third) runs out of memory, or its step fails otherwise: the
+    # trial ends there, and the fastest of the plans before it stays (the plan made runs 5 ms a
+    # step, the other 4), no replan
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float32), batches(torch.float32, 2 + 3 * trial + 3)
+    said, steps = [], []
+    plans = fake_trial_plans(monkeypatch, others=2)
+
+    class Ticking(MeteredLink):
+        now = 0.0
+
+        def _stamp(self):
+            plan = session.plan
+            self.now += 1e-3 * (4.0 if plans and plan is plans[1] else 5.0)
+            return self.now
+    link = Ticking()
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            def fail():
+                if plans and session.plan is plans[failing]:
+                    if not out_of_memory:
+                        raise ValueError("a bad batch (test)")
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+            return Spike.apply(x, fail)
+
+    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
+                             headroom=0.0, say=said.append, recompute_convolutions=False)
+    failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                                      lambda: steps.append(None),
+                                      (torch.OutOfMemoryError, ValueError))
+    kept = 1 if failing == 2 else 0
+    assert failures == 1 and session.plan is plans[kept] and session._trial is None
+    assert session.replans_used == 0 and not session.fell_back
+    timed = "as made 5.0 ms a step" + (", other 1 4.0 ms a step" if failing == 2 else "")
+    why = (f"the plan other {failing} ran out of device memory in its trial" if out_of_memory
+           else f"a step of the plan other {failing} failed in its trial")
+    assert said[-1] == f"{why}: {timed}; keeping the plan {['as made', 'other 1'][kept]}"
+    assert [g.mode for g in session._step.groups] == list(plans[kept].modes)
+
+
+def test_after_a_forward_that_failed_the_cache_is_emptied_as_the_next_step_starts(monkeypatch):
+    # the trial's other plan runs out of memory in its forward: the plan made stays, and the
+    # cache is emptied for it once the next step starts (until the script lets go of the error,
+    # its traceback holds the failed forward's tensors), not as the error leaves the session
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float32), batches(torch.float32, 2 + 2 * trial + 2)
+    plans = fake_trial_plans(monkeypatch)
+
+    class Counting(MeteredLink):
+        empties = 0
+
+        def empty_cache(self):
+            self.empties += 1
+    link, empties_at_start = Counting(), []
+
+    class FailForward(nn.Module):
+        def forward(self, x):
+            if plans and session.plan is plans[1]:
+                link.oom()
+                raise torch.OutOfMemoryError("out of memory (test)")
+            return x
+    session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
+                             headroom=0.0, say=lambda line: None, recompute_convolutions=False)
+    failures = train_through_failures(model, data, session, nn.Sequential(model, FailForward()),
+                                      lambda: empties_at_start.append(link.empties))
+    failed = 2 + trial      # the step (0-based) of the other plan's first, which fails
+    assert failures == 1 and session.plan is plans[0]
+    # per step: emptied at its start (the plan made, the other plan), then for the plan kept at
+    # the start of the step after the failure
+    during = [b - a for a, b in zip(empties_at_start, empties_at_start[1:])]
+    assert during[2] == 1 and during[failed] == 1 and during[failed + 1] == 1
+    assert sum(during) == 3
+
+
+def run_trial(model, data, link):
+    """(session, lines said) after training ``model`` on ``data`` with a session under half of its
+    saved bytes and no headroom (so a trial), ``link`` its link (``link.session``: the session)."""
+    said = []
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.0, say=said.append)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.5)
+    train(model, data, session)
+    return session, said
+
+
+def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
+    # one slow step (the script's own work between steps) does not make the plan lose: the plan
+    # made runs 10 then 30 ms a step (mean 20), the other 15 and 15: the plan made stays
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    plans = fake_trial_plans(monkeypatch)
+    ticks = {0: iter([1.0, 10.0, 30.0]), 1: iter([1.0, 15.0, 15.0])}
+
+    class Ticking(RecordingLink):
+        now = 0.0
+
+        def _stamp(self):    # seconds; a step's end mark advances by that plan's next tick
+            session = self.session
+            if session._trial is not None and session.plan in plans:
+                self.now += 1e-3 * next(ticks[plans.index(session.plan)])
+            else:
+                self.now += 1e-3
+            return self.now
+    session, said = run_trial(model, data, Ticking())
+    assert said[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 15.0 ms a "
+                        "step; keeping the plan as made")
+    assert session.plan is plans[0]
+
+
+def flushing_while(link_type, due):
+    """A ``link_type`` whose caching allocator's flush count grows by one at each read where
+    ``due(link)``."""
+    class Flushing(link_type):
+        count = 0
+
+        def flushes(self):
+            self.count += bool(due(self))
+            return self.count
+    return Flushing()
+
+
+def flushing_link(plans, step_ms, flushing, flush_after: int = 2):
+    """A RecordingLink (``link.session``: the session) whose clock runs ``step_ms[k]`` a step
+    under ``plans[k]`` and whose caching allocator flushes once a step, in the op after backward
+    point ``flush_after`` (-1: in the forward; None: after the backward, in the optimizer's
+    step), under each plan ``k`` with ``flushing[k]``."""
+    def index(plan):
+        return plans.index(plan) if plan in plans else 0
+
+    class Flushing(RecordingLink):
+        now, count, step = 0.0, 0, None
+
+        def _stamp(self):
+            self.now += 1e-3 * step_ms[index(self.session.plan)]
+            return self.now
+
+        def flushes(self):
+            session = self.session
+            unpacks = session._step.unpacks   # 0 after a backward (a new step begins)
+            due = unpacks == 0 if flush_after is None else unpacks > flush_after + 1
+            if flushing[index(session.plan)] and due and self.step != session.steps:
+                self.step, self.count = session.steps, self.count + 1
+            return self.count
+    return Flushing()
+
+
+@pytest.mark.parametrize("flushing, kept", [((False, True), 0), ((True, True), 1),
+                                            ((False, False), 1), ((True, False), 1)])
+def test_a_trial_keeps_a_plan_that_flushed_only_where_every_plan_did(monkeypatch, flushing, kept):
+    # the other plan runs 5 ms a step against 10 as made; a plan whose timed steps flushed the
+    # caching allocator's cache (the link's counter grew) loses to one whose did not
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    plans = fake_trial_plans(monkeypatch)
+    session, said = run_trial(model, data, flushing_link(plans, (10.0, 5.0), flushing))
+    flushed = [" (2 flushes after backward point 2)" if f else "" for f in flushing]
+    assert said[-1] == (f"offload plans tried: as made 10.0 ms a step{flushed[0]}, other 1 5.0 ms "
+                        f"a step{flushed[1]}; keeping the plan {['as made', 'other 1'][kept]}")
+    assert session.plan is plans[kept]
+
+
+@pytest.mark.parametrize("replans", [3, 0])
+def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeypatch, replans):
+    # both plans flush: the next plans are made for half the headroom less (a replan) and tried
+    # in turn; of those, the one that does not flush stays, slower as it is. Without replans
+    # left, the fastest of the flushing plans stays
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 4 * trial + 2)
+    plans = []   # each trial's: the plan made, the other (its first moved group kept)
+
+    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False):
+        modes = list(plan.modes)
+        modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
+        plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
+        return [("other 1", plans[-1])]
+    monkeypatch.setattr(planner, "trial_plans", made)
+    link = flushing_link(plans, (10.0, 5.0, 12.0, 11.0), (True, True, False, True))
+    said = []
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append,
+                             replans=replans)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    first = session.target
+    train(model, data, session)
+    tried = [line for line in said if line.startswith("offload plans tried")]
+    if not replans:
+        assert session.target == first and len(plans) == 2 and session.plan is plans[1]
+        assert len(tried) == 1 and tried[0].endswith("keeping the plan other 1")
+        return
+    lowered = first - int(0.05 * session.budget)
+    assert session.target == lowered and session.replans_used == 1 and len(plans) == 4
+    assert tried[0].endswith(f"each flushed the caching allocator's cache, so planning for "
+                             f"{lowered / 2**30:.2f} GiB")
+    assert any(line.startswith("offload plan for") and
+               f"(planned for {lowered / 2**30:.2f} GiB)" in line for line in said)
+    assert tried[1] == ("offload plans tried: as made 12.0 ms a step, other 1 11.0 ms a step "
+                        "(2 flushes after backward point 2); keeping the plan as made")
+    assert session.plan is plans[2] and session.plan.target == lowered
+
+
+@pytest.mark.parametrize("flushing", [True, False])
+def test_a_plan_with_no_other_to_try_is_watched_for_flushes_alone(monkeypatch, flushing):
+    # no other plan worth trying: the plan still runs TRIAL_STEPS steps as a trial of one; if it
+    # flushes the caching allocator's cache, the next is made for half the headroom less, as
+    # long as replans are left (3); if not, it stays, with nothing said
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 4 * trial + 1)
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    link = flushing_link([], (10.0,), (flushing,))
+    said = []
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.7)
+    first = session.target
+    train(model, data, session)
+    lowered = [line for line in said if "it flushed the caching allocator's cache" in line]
+    assert session._trial is None
+    if not flushing:
+        assert session.target == first and session.replans_used == 0 and not lowered
+        assert [line for line in said if line.startswith("offload plan")] == said[:1]
+        return
+    assert session.replans_used == 3 and len(lowered) == 3
+    assert session.replans_left == 3     # a step out of memory still has its own
+    assert session.target == first - 3 * int(0.05 * session.budget)
+    assert lowered[0].startswith("the offload plan ran 10.0 ms a step (2 flushes after backward "
+                                 "point 2); it flushed")
+
+
+@pytest.mark.parametrize("flushing_steps", [2, 1])
+def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeypatch,
+                                                                        flushing_steps):
+    # calm in its trial (a trial of one), the plan as made flushes the caching allocator's cache
+    # in the steps after it, from the second on: after WATCH_FLUSHING such steps of its last
+    # WATCH_STEPS, the plan for half the headroom less is made and tried, and (calm) stays; a
+    # plan that flushed in fewer steps stays
+    assert planner.WATCH_FLUSHING == 2
+    trial = planner.TRIAL_STEPS
+    first_watched = 2 + trial            # the steps before: recording, the trial
+    model, data = small_cnn(torch.float64), batches(torch.float64, first_watched + 4 + trial + 1)
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+
+    class LateFlushing(RecordingLink):
+        count = 0
+
+        def flushes(self):   # read once at each watched step's end (steps: those ended)
+            session = self.session
+            step = session.steps - 1
+            if (session._lowered_target is None and session._trial is None
+                    and first_watched < step <= first_watched + flushing_steps
+                    and step != getattr(self, "last", None)):
+                self.last, self.count = step, self.count + 1
+            return self.count
+    link, said = LateFlushing(), []
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    first = session.target
+    train(model, data, session)
+    lowered = [line for line in said if line.startswith("the offload plan flushed")]
+    if flushing_steps < planner.WATCH_FLUSHING:
+        assert not lowered and session.target == first and session.replans_used == 0
+        return
+    assert lowered == [f"the offload plan flushed the caching allocator's cache in 2 of its last "
+                       f"3 steps, so planning for {session.target / 2**30:.2f} GiB"]
+    assert session.target == first - int(0.05 * session.budget) and session.replans_used == 1
+    assert said[-1].startswith("offload plan for") and "(planned for" in said[-1]
+    assert session._trial is None and session.plan.target == session.target
+
+
+@pytest.mark.parametrize("flush_after", [-1, 0, 3, None])
+def test_a_trial_says_after_which_op_a_plan_flushed(monkeypatch, flush_after):
+    # the link's flush count, read at each unpack of a trial's steps and after its backward,
+    # grows once a step in the op after backward point flush_after (-1: in the forward; None:
+    # after the backward) under the other plan
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    plans = fake_trial_plans(monkeypatch)
+    session, lines = run_trial(model, data, flushing_link(plans, (10.0, 5.0), (False, True),
+                                                          flush_after=flush_after))
+    said = ("after the forward" if flush_after == -1 else
+            f"after backward point {session.profile.unpacks - 1 if flush_after is None else flush_after}")
+    assert lines[-1] == ("offload plans tried: as made 10.0 ms a step, other 1 5.0 ms a step "
+                         f"(2 flushes {said}); keeping the plan as made")
+
+
+def test_a_flush_in_a_fetch_is_said_after_the_point_that_fetched(monkeypatch):
+    # under the other plan each fetch (prefetched or on demand) flushes the cache: the trial's
+    # line names the backward points whose unpack issued them
+    trial = planner.TRIAL_STEPS
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
+    plans = fake_trial_plans(monkeypatch)
+    fetched_at = set()
+
+    class FetchFlushes(RecordingLink):
+        count = 0
+
+        def fetch(self, host, device, inline=False):
+            session = self.session
+            if session._trial is not None and session.plan is plans[1]:
+                self.count += 1
+                if session._trial.marks[1]:    # a timed step
+                    fetched_at.add(session._step.unpacks - 1)
+            return super().fetch(host, device, inline)
+
+        def flushes(self):
+            return self.count
+    session, lines = run_trial(model, data, FetchFlushes())
+    assert plans[1].count(OFFLOAD) and fetched_at
+    points = sorted(fetched_at)
+    where = (f"after backward point{'s' if len(points) > 1 else ''} "
+             + ", ".join(map(str, points)))
+    assert f"other 1 " in lines[-1] and f"flushes {where})" in lines[-1]
+
+
+def test_a_replan_after_running_out_of_memory_is_not_blamed_for_the_old_plans_flushes(
+        monkeypatch):
+    # the plan kept after its trial (of one) flushes in one watched step (4); step 5 runs out of
+    # memory (the caching allocator flushes before it refuses: num_alloc_retries grows), and the
+    # plan is made again for less. That new plan never flushes: neither the failed step's flush
+    # nor the old plan's step 4 counts in its watch
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 9)
+    said, steps = [], []
+
+    class Flushing(MeteredLink):
+        count = 0
+
+        def flushes(self):
+            return self.count
+    link = Flushing()
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            step = len(steps) - 1
+            if step == 4:
+                link.count += 1                      # the old plan flushes once
+            if step == 5:
+                link.count += 1                      # the allocator's retry before the refusal
+                link.oom()
+                raise torch.OutOfMemoryError("out of memory (test)")
+            return x
+
+    session = OffloadSession(budget=saved_bytes(model, data) * 2, link=link, min_bytes=0,
+                             headroom=0.1, say=said.append, replans=2, record_steps=1)
+    failures = train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                                      lambda: steps.append(None))
+    assert failures == 1
+    assert any("ran out of device memory" in line and "planning for" in line for line in said)
+    assert not [line for line in said if line.startswith("the offload plan flushed")]
+
+
+def test_an_infeasible_lower_target_is_not_solved_again_at_every_watch(monkeypatch):
+    # the plan kept after its trial flushes in every step; the plan for less is infeasible:
+    # it is solved once (a whole plan_with_prefetch ladder, up to plan_time_limit_s a rung),
+    # not again at every WATCH_FLUSHING flushing steps
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2 + planner.TRIAL_STEPS + 12)
+    said, solves = [], []
+
+    class Flushing(RecordingLink):
+        count = 0
+
+        def flushes(self):
+            session = self.session
+            if session.plan is not None and session._trial is None \
+                    and session._step.unpacks == 0:
+                self.count += 1
+            return self.count
+    link = Flushing()
+    session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
+    link.session = session
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    real = session._plan_for
+    first = session.target
+
+    def plan_for(target):
+        if target < first:
+            solves.append(target)
+            raise InfeasibleError("no plan (test)")
+        return real(target)
+    session._plan_for = plan_for
+    train(model, data, session)
+    assert len(solves) == 1 and session.lowerings_left == 0
+
+
+def plans_from(monkeypatch, budget: int, least_headroom: float, solved: list) -> None:
+    """The planner makes plans only for targets of at least ``budget`` less ``least_headroom``
+    of it (InfeasibleError below, with no least peak); ``solved`` receives every target asked."""
+    real = planner.plan_with_prefetch
+
+    def plan_with_prefetch(profile, target, *args, **kwargs):
+        solved.append(target)
+        if target < planner.planning_target(budget, least_headroom):
+            raise InfeasibleError(f"no plan within {target} (test)")
+        return real(profile, target, *args, **kwargs)
+    monkeypatch.setattr(planner, "plan_with_prefetch", plan_with_prefetch)
+
+
+@pytest.mark.parametrize("feasible_headroom", [0.05, 0.025, 0.0])
+def test_where_no_plan_meets_the_headroom_a_session_plans_with_less(monkeypatch,
+                                                                   feasible_headroom):
+    # plans meet only targets of at least the budget less feasible_headroom: the session's 10 %
+    # leaves none, so it plans with half of it, then a quarter, down to planner.LEAST_HEADROOM;
+    # below that, the budget is too small as before (the error of the target the headroom left)
+    model, data = small_cnn(torch.float64), batches(torch.float64, 3)
+    said, solved = [], []
+    plans_from(monkeypatch, 4 * GiB, feasible_headroom, solved)
+    session = OffloadSession(budget=4 * GiB, link=RecordingLink(), min_bytes=0, headroom=0.1,
+                             say=said.append, trials=False)
+    tried = [planner.planning_target(4 * GiB, h) for h in (0.1, 0.05, 0.025)]
+    if feasible_headroom < planner.LEAST_HEADROOM:
+        with pytest.raises(InfeasibleError) as raised:
+            train(model, data, session)
+        assert str(raised.value) == f"no plan within {tried[0]} (test)" and solved == tried
+        return
+    train(model, data, session)
+    target = planner.planning_target(4 * GiB, feasible_headroom)
+    assert session.target == target and session.plan.target == target
+    assert solved == tried[:{0.05: 2, 0.025: 3}[feasible_headroom]]
+    assert said[0] == (f"no offload plan for 4.00 GiB less its headroom (10%); planning for "
+                       f"{target / 2**30:.2f} GiB, {feasible_headroom:.1%} less")
+    assert said[1].startswith(f"offload plan for 4.00 GiB (planned for {target / 2**30:.2f} GiB)")
+
+
+def test_no_target_below_one_without_a_plan_is_solved_after_less_headroom(monkeypatch):
+    # planned with 5 % (10 % had no plan); the plan, alone, flushes in every step: the plan for
+    # less would be at or below the 10 % target, so none is solved (and no trial looks for
+    # flushes that could lead nowhere); nor after running out of memory: the fall-back at once
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * planner.TRIAL_STEPS)
+    said, solved = [], []
+    link = flushing_while(RecordingLink, lambda link: link.session.plan is not None
+                          and link.session._step.unpacks == 0)
+    plans_from(monkeypatch, 4 * GiB, 0.05, solved)
+    session = OffloadSession(budget=4 * GiB, link=link, min_bytes=0, headroom=0.1,
+                             say=said.append)
+    link.session = session
+    train(model, data, session)
+    assert solved == [planner.planning_target(4 * GiB, h) for h in (0.1, 0.05)]
+    assert session._trial is None and session.lowerings_left == 0
+    assert not [line for line in said if "flushed" in line]
+
+
+def test_out_of_memory_after_less_headroom_falls_back_without_a_solve(monkeypatch):
+    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    model, data = small_cnn(torch.float32), batches(torch.float32, 5)
+    said, solved, steps = [], [], []
+    link = MeteredLink()
+
+    class Fail(nn.Module):
+        def forward(self, x):
+            def out_of_memory():
+                if len(steps) == 3:   # the first planned step
+                    link.oom()
+                    raise torch.OutOfMemoryError("out of memory (test)")
+            return Spike.apply(x, out_of_memory)
+    budget = saved_bytes(model, data) * 2
+    plans_from(monkeypatch, budget, 0.05, solved)
+    session = OffloadSession(budget=budget, link=link, min_bytes=0, headroom=0.1,
+                             say=said.append, replans=2, record_steps=1, trials=False,
+                             strict=False)
+    train_through_failures(model, data, session, nn.Sequential(model, Fail()),
+                           lambda: steps.append(None))
+    assert session.fell_back
+    assert solved == [planner.planning_target(budget, h) for h in (0.1, 0.05)]
+
+
+def test_an_unmeetable_budget_solves_its_least_peak_once(monkeypatch):
+    # the least peak is solved for the error of the headroom's target, and no smaller headroom
+    # whose target is below it is tried
+    calls = []
+    real = planner._least_peak_modes
+    monkeypatch.setattr(planner, "_least_peak_modes",
+                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    model, data = small_cnn(torch.float64), batches(torch.float64, 3)
+    said = []
+    session = OffloadSession(budget=4096, link=RecordingLink(), min_bytes=0, strict=False,
+                             trials=False, say=said.append)
+    train(model, data, session)
+    assert session.plan is None and len(calls) == 1
+    assert any("too small for this step" in line for line in said)
+
+
+@pytest.mark.parametrize("case", ["cliff", "no gain", "no room"])
+def test_a_lowering_after_flushes_stops_short_of_a_step_in_the_plans_time(monkeypatch, case):
+    # the plan for half the headroom lower (0.85 of the budget) moves much more than the one
+    # for a quarter lower (0.875), which still peaks below the plan that flushed: that one
+    # is made, unless it is not faster by LOWERING_MIN_GAIN or gives no room
+    budget = 1000 << 20
+    flushing = planner.OffloadPlan((KEEP,), 2, int(0.89 * budget), 85.0, 0)
+    quarter_peak = {"cliff": 0.87, "no gain": 0.87, "no room": 0.89}[case]
+    quarter_ms = {"cliff": 85.5, "no gain": 95.5, "no room": 85.5}[case]
+    solved = []
+
+    def plan_for(target, explain=True):
+        solved.append(target)
+        if target >= int(0.875 * budget):
+            return planner.OffloadPlan((KEEP,), 2, int(quarter_peak * budget), quarter_ms, 0)
+        return planner.OffloadPlan((OFFLOAD,), 2, int(0.84 * budget), 103.6, 800 << 20,
+                                   simulated_ms=100.0)
+    session = OffloadSession(budget, headroom=0.1)
+    lowerings = session.lowerings_left
+    monkeypatch.setattr(session, "_plan_for", plan_for)
+    lower = session._plan_below_flushes(flushing.peak)
+    assert solved == [int(0.9 * budget) - int(0.05 * budget),
+                      int(0.9 * budget) - int(0.05 * budget) + int(0.05 * budget) // 2]
+    if case == "cliff":
+        assert session.target == solved[1] and lower.step_ms == 85.5
+    else:
+        assert session.target == solved[0] and lower.moved_bytes == 800 << 20
+    assert session.lowerings_left == lowerings - 1
