@@ -41,6 +41,15 @@ TIE_MS_PER_BYTE = 2.0 ** -40
 #: ratio still to be re-evaluated (lazy greedy: re-evaluating every change after each one taken
 #: is quadratic in the groups; the improvement takes back what a near-best choice costs)
 STALE_TOLERANCE = 0.1
+#: the shares of the link's bound (:func:`_link_bound`) at which a plan that offloads more is
+#: made again with its offloads capped there (the cheaper kept)
+LINK_BOUND_SHARES = (1.0, 0.5)
+#: the most groups of a step on which the fast planner also searches changes of a group with one
+#: of its readers (:func:`changes_of`) and plans again with offloads capped
+#: (:data:`LINK_BOUND_SHARES`): their number grows with the readers and the modes, and beyond
+#: this many groups the search would not fit the planning time (planning-time.md); the
+#: committed profiles, the 2 % test's, have at most 107
+COMPOUND_GROUPS = 200
 #: the most improvement rounds (each a pass over the moved groups); a round that changes nothing
 #: ends the search earlier
 IMPROVE_ROUNDS = 8
@@ -335,10 +344,32 @@ def fits(state: State, evaluated, target: int) -> bool:
     return int(memory.max()) <= target
 
 
-def construct(state: State, target: int) -> bool:
-    """Changes taken on ``state`` until its memory is within ``target`` (True) or no change
-    lowers its excess (False): each time the one of the least added cost per excess byte freed
-    (lazily re-evaluated)."""
+def changes_of(state: State, index: int, compound: bool = True):
+    """The changes (group -> mode) that start at group ``index``: each other mode of it and,
+    with ``compound``, each change of both it and one of its readers (a source of a recomputed
+    group may not be offloaded, and a recipe's source kept costs its reader nothing to rebuild:
+    the two change together)."""
+    layout, modes = state.layout, state.modes
+    for mode in layout.allowed[index]:
+        if mode != modes[index]:
+            yield {index: mode}
+    if not compound:
+        return
+    for reader in layout.readers[index]:
+        for mode in layout.allowed[index]:
+            if mode == modes[index]:
+                continue
+            for other in layout.allowed[reader]:
+                if other != modes[reader]:
+                    yield {index: mode, reader: other}
+
+
+def construct(state: State, target: int, moved_cap: float = math.inf,
+              compound: bool = True) -> bool:
+    """Changes (:func:`changes_of`, with ``compound`` its changes of two groups) taken on
+    ``state`` until its memory is within ``target`` (True) or no change lowers its excess
+    (False): each time the one of the least added cost per excess byte freed (lazily
+    re-evaluated); none that offloads more than ``moved_cap`` bytes in all."""
     layout = state.layout
     excess = _excess(state.memory, target)
     if not excess:
@@ -346,51 +377,52 @@ def construct(state: State, target: int) -> bool:
     version = 0
     heap = []
 
-    def push(index, mode):
-        if mode == state.modes[index]:
-            return
-        tried = _try(state, {index: mode}, target)
-        if tried is None or tried[1] >= 0:
-            return
-        cost, gained, _ = tried
-        added = max(cost - state.cost(), 0.0)
-        heapq.heappush(heap, (added / -gained, gained, index, mode, version))
+    def tried(changes):
+        if any(state.modes[i] == m for i, m in changes.items()):
+            return None   # stale: a group in it changed since
+        found = _try(state, changes, target)
+        if found is None or found[1] >= 0 or found[2][3][0] > moved_cap:
+            return None
+        return found
+
+    def push(changes):
+        found = tried(changes)
+        if found is not None:
+            cost, gained, _ = found
+            added = max(cost - state.cost(), 0.0)
+            heapq.heappush(heap, (added / -gained, gained, tuple(changes.items()), version))
 
     for index in range(layout.g):
-        for mode in layout.allowed[index]:
-            push(index, mode)
+        for changes in changes_of(state, index, compound):
+            push(changes)
     while excess and heap:
-        score, gained, index, mode, stamp = heapq.heappop(heap)
+        score, gained, items, stamp = heapq.heappop(heap)
+        changes = dict(items)
+        found = tried(changes)
+        if found is None:
+            continue
+        cost, gained, evaluated = found
         if stamp != version:
-            tried = _try(state, {index: mode}, target) if mode != state.modes[index] else None
-            if tried is None or tried[1] >= 0:
-                continue
-            cost, gained, evaluated = tried
             fresh = max(cost - state.cost(), 0.0) / -gained
             if heap and fresh > heap[0][0] * (1 + STALE_TOLERANCE):
-                heapq.heappush(heap, (fresh, gained, index, mode, version))
+                heapq.heappush(heap, (fresh, gained, items, version))
                 continue
-        else:
-            tried = _try(state, {index: mode}, target)
-            if tried is None or tried[1] >= 0:
-                continue
-            evaluated = tried[2]
-        old = state.modes[index]
-        state.apply({index: mode}, evaluated)
+        state.apply(changes, evaluated)
         excess = _excess(state.memory, target)
         version += 1
-        # the group's other modes, and its own way back, are changes from here too
-        for other in layout.allowed[index]:
-            if other != mode:
-                push(index, other)
-        for related in layout.sources[index] + tuple(layout.readers[index]):
-            for other in layout.allowed[related]:
-                push(related, other)
-        del old
+        # the changed groups' other changes, and their sources' and readers', are from here
+        related = set(changes)
+        for index in changes:
+            related.update(layout.sources[index])
+            related.update(layout.readers[index])
+        for index in related:
+            for other in changes_of(state, index, compound):
+                push(other)
     return not excess
 
 
-def improve(state: State, target: int, rounds: int = IMPROVE_ROUNDS) -> None:
+def improve(state: State, target: int, rounds: int = IMPROVE_ROUNDS,
+            compound: bool = True) -> None:
     """On ``state`` within ``target``: changes of one group to a cheaper mode that stay within
     it, and pairs of such a change with the change of another group that brings the state back
     within it, taken while they lower the cost (first the one of the largest gain a group).
@@ -420,18 +452,16 @@ def improve(state: State, target: int, rounds: int = IMPROVE_ROUNDS) -> None:
         # pairs: a change that saves, over the target, repaired by one that frees
         savers = []
         for index in range(layout.g):
-            for mode in layout.allowed[index]:
-                if mode == state.modes[index]:
-                    continue
-                saved = now - state.cost_after({index: mode})
-                if saved > 1e-12 and state.valid_change({index: mode}):
-                    savers.append((saved, index, mode))
+            for changes in changes_of(state, index, compound):
+                saved = now - state.cost_after(changes)
+                if saved > 1e-12 and state.valid_change(changes):
+                    savers.append((saved, tuple(changes.items())))
         savers.sort(reverse=True)
         freeing = Freeing(state)
-        for saved, index, mode in savers:
-            changes = {index: mode}
-            if state.modes[index] == mode or state.cost_after(changes) >= now - 1e-12 or \
-                    not state.valid_change(changes):
+        for saved, items in savers:
+            changes = dict(items)
+            if any(state.modes[i] == m for i, m in items) or \
+                    state.cost_after(changes) >= now - 1e-12 or not state.valid_change(changes):
                 continue
             evaluated = state.change(changes)
             if evaluated is None:
@@ -562,15 +592,42 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
     that may be: memory near the least peak), and the improvement then brings back what the
     target has room for."""
     layout = Layout(profile, lookahead, prefetch_margin)
-    starts = [[KEEP] * layout.g] + _moved_starts(layout)
-    if start is not None:
-        starts.insert(0, list(start))
-    for modes in starts:
-        state = State(layout, modes)
-        if construct(state, target):
-            improve(state, target)
-            return state.modes
-    return None
+    best = None
+    compound = layout.g <= COMPOUND_GROUPS
+    for compounds in (False, True)[:1 + compound]:
+        starts = [[KEEP] * layout.g] + _moved_starts(layout)
+        if start is not None:
+            starts.insert(0, list(start))
+        for modes in starts:
+            state = State(layout, modes)
+            if construct(state, target, compound=compounds):
+                improve(state, target, compound=compound)
+                if best is None or state.cost() < best.cost():
+                    best = state
+                break
+    if best is None:
+        return None
+    # the greedy takes offloads at their cost below the link's bound, and past it each byte
+    # costs more (the step waits for the link): a plan made with offloads capped at the bound
+    # is often the cheaper one then
+    for share in LINK_BOUND_SHARES * compound:
+        cap = share * _link_bound(layout)
+        if best.moved <= cap:
+            continue
+        capped = State(layout, [KEEP] * layout.g)
+        if construct(capped, target, cap):
+            improve(capped, target)
+            if capped.cost() < best.cost():
+                best = capped
+    return best.modes
+
+
+def _link_bound(layout: Layout) -> float:
+    """The bytes offloaded past which the step waits for the link (its forward for the copies
+    to the host, or its backward without recipes for the fetches)."""
+    profile = layout.profile
+    return min(profile.forward_ms / layout.ms_per_byte_d2h,
+               profile.backward_ms / layout.ms_per_byte_h2d)
 
 
 def _moved_starts(layout: Layout) -> list[list[str]]:
