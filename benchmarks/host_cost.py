@@ -1,11 +1,13 @@
 """Issue 39 item 6: is the offload session's host time hidden under the device's step?
 
 mucudnn.torch's hooks run in Python on every module and every saved tensor. Per training step
-this measures the time the Python thread spends issuing the forward (with the loss) and the
-backward (``time.perf_counter`` around ``forward_loss()`` and ``loss.backward()``, nothing
-synchronised inside; ``time.thread_time`` too, the thread's CPU time) against the device's step
-(CUDA events around the whole step, the device synchronised before it starts and at its end), in
-these configurations of one process, rounds alternated (each round starts at the next one):
+this measures the time the host spends issuing the forward (with the loss) and the backward
+(``time.perf_counter`` around ``forward_loss()`` and ``loss.backward()``, nothing synchronised
+inside) and its CPU time (``time.process_time``, every thread's: a CUDA backward is issued, its
+unpack hooks run, by autograd's device thread while the calling thread waits; the calling
+thread's own, ``time.thread_time``, is in the JSON) against the device's step (CUDA events around
+the whole step, the device synchronised before it starts and at its end), in these
+configurations of one process, rounds alternated (each round starts at the next one):
 
 - ``pytorch``: PyTorch alone;
 - ``kept``: an OffloadSession whose budget (``--kept-budget``, default the GPU's memory) is above
@@ -29,7 +31,7 @@ most ``--max-warmup-steps`` steps or ``--settle-timeout-s``; those steps are kep
 A step's host time is hidden when the host finished issuing it (forward + backward + optimizer)
 before the device finished running it: host time < device step, the end wait then being the
 rest. A host time at or over the device step means the step is host-bound, or that the host
-waited for the device inside the step (a copy it must see finished): the thread's CPU time
+waited for the device inside the step (a copy it must see finished): the CPU time
 tells these apart only where waiting does not spin.
 
 Each case (``MODEL:BATCH@BUDGET``, benchmarks/models.py's networks) runs in its own process with
@@ -62,9 +64,10 @@ from mucudnn.outputs import write_text_atomically
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("pytorch", "kept", "mixed", "recording")
 #: the metrics of a step, in ms: host wall time of the forward (with the loss), the backward, the
-#: optimizer; the thread's CPU time of the first two; the device's step; the host's wait at its end
-METRICS = ("fwd_ms", "bwd_ms", "opt_ms", "host_ms", "fwd_cpu_ms", "bwd_cpu_ms", "device_ms",
-           "wait_ms")
+#: optimizer, the whole step; the process's and the calling thread's CPU time of the forward and
+#: the backward; the device's step; the host's wait at its end
+METRICS = ("fwd_ms", "bwd_ms", "opt_ms", "host_ms", "fwd_cpu_ms", "bwd_cpu_ms", "fwd_thread_ms",
+           "bwd_thread_ms", "device_ms", "wait_ms")
 
 
 def spread(values: list[float]) -> dict | None:
@@ -101,7 +104,7 @@ class Stepper:
         self.torch, self.training, self.optimizer, self.cuda = torch, training, optimizer, cuda
 
     def step(self, session=None) -> dict:
-        torch, clock, cpu = self.torch, time.perf_counter, time.thread_time
+        torch, clock = self.torch, time.perf_counter
         if self.cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -109,12 +112,12 @@ class Stepper:
         if self.cuda:
             start.record()
         self.optimizer.zero_grad(set_to_none=True)
-        h0, c0 = clock(), cpu()
+        h0, c0, t0 = clock(), time.process_time(), time.thread_time()
         with session if session is not None else contextlib.nullcontext():
             loss = self.training.forward_loss()
-        h1, c1 = clock(), cpu()
+        h1, c1, t1 = clock(), time.process_time(), time.thread_time()
         loss.backward()
-        h2, c2 = clock(), cpu()
+        h2, c2, t2 = clock(), time.process_time(), time.thread_time()
         self.optimizer.step()
         h3 = clock()
         if self.cuda:
@@ -124,7 +127,9 @@ class Stepper:
         device_ms = start.elapsed_time(end) if self.cuda else (h4 - issued) * 1e3
         return {"fwd_ms": (h1 - h0) * 1e3, "bwd_ms": (h2 - h1) * 1e3, "opt_ms": (h3 - h2) * 1e3,
                 "host_ms": (h3 - issued) * 1e3, "fwd_cpu_ms": (c1 - c0) * 1e3,
-                "bwd_cpu_ms": (c2 - c1) * 1e3, "device_ms": device_ms, "wait_ms": (h4 - h3) * 1e3}
+                "bwd_cpu_ms": (c2 - c1) * 1e3, "fwd_thread_ms": (t1 - t0) * 1e3,
+                "bwd_thread_ms": (t2 - t1) * 1e3, "device_ms": device_ms,
+                "wait_ms": (h4 - h3) * 1e3}
 
 
 #: a session's states (its own, where it names them) whose next steps may run otherwise
@@ -328,7 +333,7 @@ def markdown(cases: list[dict], args) -> str:
            f"`python -m benchmarks.host_cost {' '.join(args.argv)}`" if args.argv else "", "",
            "Median (least–most) over the timed steps of every round; ms. Host: the Python "
            "thread's wall time issuing the forward with the loss (fwd), the backward (bwd), and "
-           "the whole step with the optimizer (total); CPU: the thread's CPU time of fwd + bwd; "
+           "the whole step with the optimizer (total); CPU: the process's CPU time of fwd + bwd; "
            "device: CUDA events around the step; wait: the host's wait for the device at the "
            "step's end. Hidden: the host's total under the device's step (the step is not "
            "host-bound); steps hidden counts the steps where it was. Plan: groups "

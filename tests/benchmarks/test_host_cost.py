@@ -40,7 +40,8 @@ def test_dry_run_measures_every_configuration(tmp_path, capsys):
     assert warmup[0] == "recording" and warmup[-1] == "planned"
     for rows in samples.values():
         for s in rows:
-            assert s["fwd_ms"] > 0 and s["bwd_ms"] > 0 and s["fwd_cpu_ms"] >= 0
+            assert s["fwd_ms"] > 0 and s["bwd_ms"] > 0
+            assert min(s["fwd_cpu_ms"], s["fwd_thread_ms"], s["bwd_cpu_ms"]) >= 0
             assert s["host_ms"] >= s["fwd_ms"] + s["bwd_ms"] + s["opt_ms"]
             assert s["device_ms"] >= s["host_ms"]   # on the CPU the step's wall time
     page = (tmp_path / "host_cost.md").read_text()
@@ -54,7 +55,8 @@ def test_dry_run_measures_every_configuration(tmp_path, capsys):
 
 def sample(host_ms: float, device_ms: float) -> dict:
     return {"fwd_ms": host_ms / 2, "bwd_ms": host_ms / 2, "opt_ms": 0.0, "host_ms": host_ms,
-            "fwd_cpu_ms": host_ms / 2, "bwd_cpu_ms": host_ms / 2, "device_ms": device_ms,
+            "fwd_cpu_ms": host_ms / 2, "bwd_cpu_ms": host_ms / 2, "fwd_thread_ms": host_ms / 2,
+            "bwd_thread_ms": 0.0, "device_ms": device_ms,
             "wait_ms": max(0.0, device_ms - host_ms), "index": 1, "state": "planned"}
 
 
