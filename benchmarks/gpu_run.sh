@@ -124,11 +124,11 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     # backward (and the thread's CPU time) against the device's step, PyTorch alone and under an
     # OffloadSession (kept-only, mixed at the case's budget, recording steps), rounds alternated;
     # HOSTCOST_CASES (MODEL:BATCH@BUDGET, default ResNet-152 N=128 @ 8 GiB and the 3-D U-Net N=2 @
-    # 5 GiB), HOSTCOST_TIMEOUT (250 s; the time budget 15 s less), HOSTCOST_ARGS (e.g. --rounds 7).
+    # 6 GiB), HOSTCOST_TIMEOUT (250 s; the time budget 15 s less), HOSTCOST_ARGS (e.g. --rounds 7).
     # JSON + page in $LOGS/hostcost
     limit=${HOSTCOST_TIMEOUT:-250}
     stage hostcost "$limit" python3 -m benchmarks.host_cost \
-      --cases ${HOSTCOST_CASES:-resnet152:128@8GiB unet3d:2@5GiB} --time-budget-s $((limit - 15)) \
+      --cases ${HOSTCOST_CASES:-resnet152:128@8GiB unet3d:2@6GiB} --time-budget-s $((limit - 15)) \
       ${HOSTCOST_ARGS:-} --out "$LOGS/hostcost" ;;
   timeline|timeline-*)  # benchmarks/plan_timeline.py (issue 39): `mucudnn run --memory-budget B
     # --offload -- python train_steps.py` as a new user runs it, first run (fresh cache) and cached
