@@ -14,9 +14,9 @@ configurations of one process, rounds alternated (each round starts at the next 
   the step's need, so its plan keeps every saved tensor: the hooks' cost alone;
 - ``mixed``: an OffloadSession for the case's budget, which offloads and recomputes (the plan's
   kept/offloaded/recomputed counts are in the row: a plan that does not do both is said so).
-  The defaults: ResNet-152 N=128 at the issue's 8 GiB (PyTorch alone peaks near 21.6 GiB); the
-  3-D U-Net N=2 at 6 GiB, two thirds of PyTorch's least memory (9.0 GiB) and above the least
-  mucudnn.torch's API trained in (5.75 GiB), so that a plan exists and must move much;
+  The defaults: ResNet-152 N=128 at the issue's 8 GiB; the 3-D U-Net N=2 at 6 GiB, below
+  PyTorch's least memory and above the least mucudnn.torch's API has trained in
+  (benchmarks/results/offload/offload-h200.md), so that a plan exists and must move much;
 - ``recording``: a fresh OffloadSession per round, whose steps are all recording steps (it is
   given more recording steps than it runs, so it never plans); its first step takes its host
   buffers afresh and is its own row (``recording-first``).
