@@ -98,7 +98,7 @@ def parse_case(text: str) -> tuple[str, int, int]:
     return model, int(batch), parse_budget(budget)
 
 
-# -- worker: one case, every configuration in one process -------------------------------------------
+# -- worker: one case, every configuration in one process ------------------------------------------
 
 class Stepper:
     """Times one training step at a time (see the module docstring)."""
@@ -271,7 +271,7 @@ def run_round(stepper, name: str, sessions: dict, new_session, result: dict, arg
         samples.append(dict(sample, round=round_index, index=index + 1, state=state))
 
 
-# -- driver --------------------------------------------------------------------------------------------
+# -- driver ----------------------------------------------------------------------------------------
 
 def summarize(samples: list[dict]) -> dict:
     out = {metric: spread([s[metric] for s in samples]) for metric in METRICS}

@@ -70,7 +70,7 @@ PLAN_IN_FORCE = re.compile(r"^offload plan for|keeping the plan|cached offload p
 PLANNED_STATES = ("planned", "trial", "watching")
 
 
-# -- one run ----------------------------------------------------------------------------------------
+# -- one run ---------------------------------------------------------------------------------------
 
 def run_stamped(cmd: list[str], env: dict, timeout_s: float, log: Path) -> dict:
     """Runs ``cmd`` (its own process group, killed past ``timeout_s``); every line of its output
@@ -176,7 +176,7 @@ def timeline(parsed: dict, ratio: float, min_steps: int) -> dict:
     return out
 
 
-# -- driver ------------------------------------------------------------------------------------------
+# -- driver ----------------------------------------------------------------------------------------
 
 def train_command(args, model: str, batch: int, steps: int) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.train_steps", "--model", model, "--batch",
