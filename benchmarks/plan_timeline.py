@@ -231,7 +231,9 @@ def markdown(document: dict, args) -> str:
             out.append("| " + " | ".join([
                 name, run_name, run["status"] + (f" after {run['wall_s']:.0f} s"
                                                  if run["status"] == "timeout" else ""),
-                f"{run['process_started_s']:.1f} s" if "process_started_s" in run else "—",
+                # /proc's start time has 10 ms ticks: a process started at once reads -0.0
+                f"{max(0.0, run['process_started_s']):.1f} s" if "process_started_s" in run
+                else "—",
                 f"{run['first_step_end_s']:.1f} s" if "first_step_end_s" in run else "—",
                 planned, steady, f"{median:.1f}" if median else "—",
                 f"{median / base:.3f}" if median and base else "—",
@@ -247,17 +249,19 @@ def markdown(document: dict, args) -> str:
             if run_name != "pytorch":
                 out.append(f"- {run_name}: the plan cache held {len(run['plan_cache_files'])} "
                            "file(s) after it")
+            states = run.get("states", [])
             out.append(f"- {run_name}, steps 1–{len(shown)} ms: " + ", ".join(
-                f"{ms:.0f}" + ("" if state in ("none",) else f" {state[0]}")
-                for ms, state in zip(shown, run.get("states", []))))
+                f"{ms:.0f}" + (f" [{state}]" if state != "none" and (
+                    index == 0 or states[index - 1] != state) else "")
+                for index, (ms, state) in enumerate(zip(shown, states))))
         for run_name, run in case["runs"].items():
             lines = [line for line in run.get("mucudnn_lines", []) if line["session"]]
             if lines:
                 out += ["", f"Session lines, {run_name} run:", ""]
                 out += [f"    {line['at_s']:8.2f} s  {line['level']}: {line['text']}"
                         for line in lines]
-    out += ["", "Step states: r recording, p planned, t trial, w watching, f fallback (what "
-                "the session ran the step as; train_steps.py)."]
+    out += ["", "[state]: how the session ran the steps from there on (train_steps.py reads it "
+                "from the session after each step)."]
     shim = document.get("shim", {})
     built = shim.get("error") or f"built (or found built) in {shim.get('seconds')} s"
     out += ["", f"Shim: {built} before the runs; device {args.device}."]
