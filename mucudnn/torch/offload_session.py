@@ -28,7 +28,7 @@ Invariants:
   its ``_parameters`` then (``functional_call``'s), an eval-mode batch norm's statistics then;
   without hooks (a user's global hooks see the user's forward only).
 - A copy of a saved tensor (an offload, a keep-apart copy) is made once the op that saved it
-  has run (:meth:`OffloadSession._copy_pending`): an op may write a tensor after saving it.
+  has run (:meth:`.host_copies.StepCopies.copy_pending`): an op may write a tensor after saving it.
 - Autograd checks no saved tensor's version where saved-tensor hooks run: the session does, at
   each unpack, and raises PyTorch's error for a tensor changed in place since its pack (seen
   through the tensor, its view's base, its kept alias or a recipe's parameters while they live).
@@ -59,11 +59,12 @@ import torch.nn as nn
 
 from . import planner
 from .compiled import refuse_if_compiling
-from .link import CudaLink, SameMemoryLink, Transfer, dense
+from .link import CudaLink, SameMemoryLink, dense
 from .planner import KEEP, OFFLOAD, RECOMPUTE
 from .records import _Group, _Packed, _Passed, _Step, _Trial, _rebuild_order, recompute
 from .recorder import (StepRecorder, _current_node, _has_children, _in_backward,
                        _past_the_op_recorder)
+from .host_copies import StepCopies
 from .session_plans import PlanLifecycle
 from .stage import StagedForward, StagePlan
 
@@ -99,7 +100,7 @@ class OffloadSession(PlanLifecycle):
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
     allocator's cache (:meth:`_Trial.kept`), with one line. ``keep_apart``: the trial also runs
     its simulated fastest plan with the small kept groups copied apart from the step's large
-    tensors (:meth:`_keeps_apart`), and keeps it that way where it wins.
+    tensors (:meth:`.host_copies.StepCopies.keeps_apart`), and keeps it that way where it wins.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -132,7 +133,8 @@ class OffloadSession(PlanLifecycle):
         self.max_pending = max_pending
         self.trials = trials
         self.keep_apart = keep_apart
-        self._apart: tuple = (None, set())   # (plan, its planner.kept_apart groups)
+        #: the copies of the steps' groups to the host and back (host_copies.py)
+        self.copies = StepCopies(self)
         self._trial: _Trial | None = None
         #: the plan in force after its trial: per planned step (the last WATCH_STEPS), whether
         #: it flushed the caching allocator's cache, and each link's flush count at its end
@@ -216,7 +218,7 @@ class OffloadSession(PlanLifecycle):
             staged.abort()
         self._containers = []
         if self._step.pending:   # the forward is over: every op saving a pending group has run
-            self._copy_pending(self._step)
+            self.copies.copy_pending(self._step)
         self.recorder.stop_ops(exc_info)
         for handle in self._handles:
             handle.remove()
@@ -264,7 +266,7 @@ class OffloadSession(PlanLifecycle):
     @_past_the_op_recorder
     def _before_module(self, module, args):
         if self._step.pending:    # between ops: every op saving a pending group has run
-            self._copy_pending(self._step)
+            self.copies.copy_pending(self._step)
         if self._rerunning or not torch.is_grad_enabled() or _in_backward():
             return
         if _has_children(module):
@@ -283,7 +285,7 @@ class OffloadSession(PlanLifecycle):
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
         if self._step.pending:
-            self._copy_pending(self._step)
+            self.copies.copy_pending(self._step)
         self.recorder.put_back(module)
         staged = self._staged
         if staged is not None and module in staged.modules:
@@ -324,7 +326,7 @@ class OffloadSession(PlanLifecycle):
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         if self._rerunning or _in_backward():   # e.g. a checkpoint's recomputation: not ours
             return None
-        self._copy_pending(self._step, _SEQUENCE_NR())
+        self.copies.copy_pending(self._step, _SEQUENCE_NR())
         # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none.
         # A leaf of one dimension without grad is a module's buffer (batch norm's running
         # statistics, which a later train-mode forward changes in place without a version bump,
@@ -352,7 +354,7 @@ class OffloadSession(PlanLifecycle):
 
     def _new_group(self, step, tensor, link, key) -> _Group:
         gid = len(step.groups)
-        self._let_go_due(step, gid)
+        self.copies.let_go_due(step, gid)
         if step.ooms is None:
             step.ooms = link.ooms()
         recorder = self.recorder
@@ -378,10 +380,10 @@ class OffloadSession(PlanLifecycle):
                                self.recorder.peak(link)))
         self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
-            # copied once the op saving it has run (:meth:`_copy_pending`)
+            # copied once the op saving it has run (:meth:`.host_copies.StepCopies.copy_pending`)
             step.pending.append((group, tensor, _SEQUENCE_NR()))
         elif group.mode == KEEP:
-            if self._keeps_apart(step, group):   # a copy: once the op has run, as an offload
+            if self.copies.keeps_apart(step, group):   # a copy: once the op has run, as an offload
                 step.pending.append((group, tensor, _SEQUENCE_NR()))
             else:
                 group.tensor = tensor.detach()
@@ -390,93 +392,6 @@ class OffloadSession(PlanLifecycle):
             for source in recipe.sources:
                 source.readers += 1
         return group
-
-    def _copy_pending(self, step: _Step, before: int | None = None) -> None:
-        """The offloads and keep-apart copies of ``step``'s groups saved by ops that have run:
-        those saved before autograd node ``before`` was made (the op making it runs after its own
-        packs), or all (None: from Python between ops, a module hook, the first unpack, the
-        session's exit). An op may write a tensor it saved after saving it (``rrelu_with_noise``
-        fills its ``noise``, with no version bump): a copy at its pack would hold the values
-        before. A kept group holds an alias of the tensor without its autograd history (a node
-        saving its own output, ReLU, would otherwise hold itself through it, a cycle through C++
-        that the collector cannot break)."""
-        pending = step.pending
-        if not pending or before is not None and pending[0][2] >= before:
-            return
-        ready = [entry for entry in pending if before is None or entry[2] < before]
-        step.pending = [entry for entry in pending if before is not None and entry[2] >= before]
-        with torch.no_grad():   # copies with no autograd history (it would hold the graph)
-            self._copy_ready(step, ready)
-
-    def _copy_ready(self, step: _Step, ready: list) -> None:
-        for group, tensor, _ in ready:
-            if group.live_packs == 0:     # its graph was dropped meanwhile: nothing to copy
-                continue
-            link = self.link_for_group(group)
-            if group.mode == KEEP:
-                group.tensor = link.keep_apart(tensor)
-                group.kept_version = group.tensor._version
-                continue
-            due = self._release_point(step, group)
-            if due is not None:    # not a point the forward has passed while the op ran
-                due = max(due, len(step.groups))
-            group.host = self._copy(step, link, "d2h", group.nbytes, lambda: link.offload(
-                tensor, self._inline(step), held=due is not None))
-            group.release = link.release
-            if due is not None:
-                # the transfer itself: a group whose packs are all freed meanwhile (its graph
-                # dropped in the forward) gives back its host copy and forgets it
-                step.releases.setdefault(due, []).append((group, group.host))
-            if step.profiling:             # recording: copies inline
-                for call in step.calls:    # the calls running now: the copy is in their time
-                    if call.end is None and call.start is not None:
-                        call.moved += group.nbytes
-            self._event("offload", group.gid)
-
-    def _keeps_apart(self, step: _Step, group: _Group) -> bool:
-        """Whether kept ``group`` is copied apart (:meth:`SameMemoryLink.keep_apart`): in a planned
-        step of a plan run with :attr:`~planner.OffloadPlan.keep_apart`, one of
-        :func:`planner.kept_apart` (a dense group of at most :data:`~planner.KEEP_APART_SHARE`
-        of the profile's largest group). The caching allocator places a tensor in the smallest
-        free block that holds it: kept tensors made in the forward fill the holes large
-        activations leave, live through the backward, and split the space the
-        backward's large tensors need into pieces too small for them. Under a cap it then frees
-        its whole cache, after a synchronisation, and maps memory again
-        (benchmarks/results/pressure)."""
-        if step.profiling or self.fell_back or self.plan is None or not self.plan.keep_apart \
-                or self.profile is None or not group.offloadable:
-            return False
-        if self._apart[0] is not self.plan:
-            self._apart = (self.plan, set(planner.kept_apart(self.profile, self.plan.modes)))
-        return group.gid in self._apart[1] and \
-            self.profile.groups[group.gid].nbytes == group.nbytes
-
-    def _release_point(self, step: _Step, group: _Group) -> int | None:
-        """The forward point at which a planned step lets go of offloaded ``group``'s device
-        tensor, as the plan's peak model has it (its ``releases``); with fixed ``modes``,
-        :func:`planner.release_point` on the profile; under a budget no plan met, the next
-        point. None where nothing is planned for it (a recording step or a fall-back, whose
-        copies are inline; a group the profile does not have): the link then lets go once its
-        copy is done."""
-        profile, gid = self.profile, group.gid
-        if self._inline(step) or profile is None or gid >= len(profile.groups) \
-                or profile.groups[gid].nbytes != group.nbytes:
-            return None
-        if self.plan is None:
-            # fixed modes: as the profile has it; under a budget no plan met: the least memory
-            return planner.release_point(profile, gid, 0 if self.budget is not None else None)
-        releases = self.plan.releases
-        if gid < len(releases) and releases[gid] >= 0:   # the plan's (its release margin's)
-            return releases[gid]
-        return planner.release_point(profile, gid)
-
-    def _let_go_due(self, step: _Step, point: int | None) -> None:
-        """The offloaded groups due at forward ``point`` (None: all, the forward is over) go."""
-        due = step.releases.pop(point, ()) if point is not None else [
-            entry for point in sorted(step.releases) for entry in step.releases.pop(point)]
-        for group, transfer in due:
-            self.link_for_group(group).let_go(transfer)
-            self._event("release", group.gid)
 
     def _mode_for(self, group: _Group) -> str:
         """The wanted mode where it can be carried out (else kept)."""
@@ -511,7 +426,7 @@ class OffloadSession(PlanLifecycle):
         group = packed.group
         step = group.owner
         if step.pending:   # its forward is over: every op saving a pending group has run
-            self._copy_pending(step)
+            self.copies.copy_pending(step)
         group.check_version()
         if step is not self._step:
             # a graph of a step that has ended (a forward kept for later, its backward after
@@ -522,7 +437,7 @@ class OffloadSession(PlanLifecycle):
         link = self.link_for_group(group)
         link.poll()   # the forward's last offloads end during the backward
         if step.releases:   # the first unpack: the forward is over
-            self._let_go_due(step, None)
+            self.copies.let_go_due(step, None)
         peak_before = self.recorder.peak(link) if step.profiling else 0
         # autograd's final callback can only be queued from inside a backward (an unpack can also
         # come from Python reading ``grad_fn._saved_*``): at the first unpack inside one
@@ -551,14 +466,14 @@ class OffloadSession(PlanLifecycle):
         scheduled = [step.groups[gid] for gid in self._schedule.get(index, ())
                      if gid < len(step.groups)]
         if group in scheduled:   # the one needed now goes first on the copy stream
-            self._prefetch(group, index)
+            self.copies.prefetch(group, index)
         if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:
             # on demand: not prefetched
-            group.fetch = self._copy(step, link, "h2d", group.nbytes, lambda: link.fetch(
-                group.host, group.device, self._inline(step)))
+            group.fetch = self.copies.copy(step, link, "h2d", group.nbytes, lambda: link.fetch(
+                group.host, group.device, self.copies.inline(step)))
             self._event("fetch", group.gid, index)
         for other in scheduled:
-            self._prefetch(other, index)
+            self.copies.prefetch(other, index)
         tensor = self._materialize(group, link)
         self._event("unpack", group.gid, index)
         if step.profiling:
@@ -578,31 +493,8 @@ class OffloadSession(PlanLifecycle):
         group.drop_device()
         return tensor
 
-    @staticmethod
-    def _copy(step: _Step, link: SameMemoryLink, direction: str, nbytes: int, copy) -> Transfer:
-        """``copy()``; in a recording step (whose copies are inline, each alone on the compute
-        stream) between two marks, which time the host link (:meth:`_link_speeds`)."""
-        if not step.profiling:
-            return copy()
-        before = link.mark()
-        transfer = copy()
-        step.copies.append((direction, nbytes, before, link.mark()))
-        return transfer
-
-    def _inline(self, step: _Step) -> bool:
-        """Copies on the compute stream: in the recording step (its times are then compute plus
-        known copies, with no host waits, and its memory that of ``save_on_cpu``) and after a
-        fall-back (the least memory)."""
-        return step.profiling or self.fell_back
-
     def link_for_group(self, group):
         return self._link or self._links.get(group.device.index) or SameMemoryLink()
-
-    def _prefetch(self, group: _Group, index: int) -> None:
-        if group.mode == OFFLOAD and group.fetch is None and group.tensor is None \
-                and group.unpacks == 0 and group.host is not None:
-            group.fetch = self.link_for_group(group).fetch(group.host, group.device)
-            self._event("prefetch", group.gid, index)
 
     def _materialize(self, group: _Group, link) -> torch.Tensor:
         if group.tensor is not None:

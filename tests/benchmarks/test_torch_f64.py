@@ -14,7 +14,8 @@ from torch import nn  # noqa: E402
 
 from benchmarks import torch_f64  # noqa: E402
 from benchmarks.torch_f64 import Case, Run, check_model, check_run, compare, train  # noqa: E402
-from mucudnn.torch.runtime import SameMemoryLink, OffloadSession  # noqa: E402
+from mucudnn.torch.link import SameMemoryLink  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 
 STEPS = 4   # two recording steps, two planned ones
 
