@@ -43,7 +43,7 @@ TIE_MS_PER_BYTE = 2.0 ** -40
 STALE_TOLERANCE = 0.1
 #: the shares of the link's bound (:func:`_link_bound`) at which a plan that offloads more is
 #: made again with its offloads capped there (the cheaper kept)
-LINK_BOUND_SHARES = (1.0, 0.5)
+LINK_BOUND_SHARES = (1.5, 1.25, 1.0, 0.75, 0.5)
 #: the most groups of a step on which the fast planner also searches changes of a group with one
 #: of its readers (:func:`changes_of`) and plans again with offloads capped
 #: (:data:`LINK_BOUND_SHARES`): their number grows with the readers and the modes, and beyond
@@ -365,11 +365,12 @@ def changes_of(state: State, index: int, compound: bool = True):
 
 
 def construct(state: State, target: int, moved_cap: float = math.inf,
-              compound: bool = True) -> bool:
+              compound: bool = True, frozen: frozenset = frozenset()) -> bool:
     """Changes (:func:`changes_of`, with ``compound`` its changes of two groups) taken on
     ``state`` until its memory is within ``target`` (True) or no change lowers its excess
     (False): each time the one of the least added cost per excess byte freed (lazily
-    re-evaluated); none that offloads more than ``moved_cap`` bytes in all."""
+    re-evaluated); none that offloads more than ``moved_cap`` bytes in all, none of a group in
+    ``frozen``."""
     layout = state.layout
     excess = _excess(state.memory, target)
     if not excess:
@@ -378,8 +379,8 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
     heap = []
 
     def tried(changes):
-        if any(state.modes[i] == m for i, m in changes.items()):
-            return None   # stale: a group in it changed since
+        if any(state.modes[i] == m or i in frozen for i, m in changes.items()):
+            return None   # stale (a group in it changed since), or frozen
         found = _try(state, changes, target)
         if found is None or found[1] >= 0 or found[2][3][0] > moved_cap:
             return None
@@ -392,9 +393,21 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
             added = max(cost - state.cost(), 0.0)
             heapq.heappush(heap, (added / -gained, gained, tuple(changes.items()), version))
 
+    # only a change of a group on the device at a point over the target (or of a source whose
+    # reader is) can lower the excess
+    over = np.concatenate(([0], np.cumsum(state.memory > target)))
+
+    def at_over(index) -> bool:
+        return any(over[hi] > over[lo] for _, lo, hi in
+                   layout.spans(index, state.modes[index], state.rebuilt[index])) or (
+            state.rebuilt[index] is not None
+            and over[layout.g + state.rebuilt[index] + 1] > over[layout.g + state.rebuilt[index]])
+
+    live = [at_over(index) for index in range(layout.g)]
     for index in range(layout.g):
-        for changes in changes_of(state, index, compound):
-            push(changes)
+        if live[index] or any(live[r] for r in layout.readers[index]):
+            for changes in changes_of(state, index, compound):
+                push(changes)
     while excess and heap:
         score, gained, items, stamp = heapq.heappop(heap)
         changes = dict(items)
@@ -419,6 +432,72 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
             for other in changes_of(state, index, compound):
                 push(other)
     return not excess
+
+
+#: the most moved groups :func:`_rebuilt_around` takes back one at a time
+REBUILDS = 8
+#: the improvement rounds of each of :func:`_rebuilt_around`'s plans (the most gain comes in
+#: the first)
+REBUILD_ROUNDS = 2
+
+
+def _rebuilt_around(state: State, target: int) -> State:
+    """``state`` or a cheaper plan: for each of its moved groups (the largest saving first, at
+    most :data:`REBUILDS`), the plan with that group kept and everything else constructed and
+    improved around it (a move the local changes cannot undo alone: a covering of the peak by
+    other groups); the cheapest."""
+    layout = state.layout
+    now = state.cost()
+    moved = sorted((now - state.cost_after({i: KEEP}), i) for i in range(layout.g)
+                   if state.modes[i] != KEEP)
+    for saved, index in reversed(moved[-REBUILDS:]):
+        if saved <= 1e-12 or state.modes[index] == KEEP:
+            continue
+        trial = State(layout, state.modes)
+        changes = {index: KEEP}
+        if not trial.valid_change(changes):
+            continue
+        evaluated = trial.change(changes)
+        if evaluated is None:
+            continue
+        trial.apply(changes, evaluated)
+        if construct(trial, target, frozen=frozenset(changes)):
+            improve(trial, target, REBUILD_ROUNDS)
+            if trial.cost() < state.cost() - 1e-9:
+                state = trial
+    return state
+
+
+def drop(state: State, target: int) -> None:
+    """On ``state`` within ``target``: the change of one group of the largest saving that keeps
+    it within the target, taken until none does (lazily re-evaluated: a change's saving depends
+    on the modes alone; a change that goes over the target is not tried again, since taking
+    moves back only adds bytes)."""
+    layout = state.layout
+    now = state.cost()
+    heap = []
+    for index in range(layout.g):
+        for mode in layout.allowed[index]:
+            if mode != state.modes[index]:
+                saved = now - state.cost_after({index: mode})
+                if saved > 1e-12:
+                    heap.append((-saved, index, mode))
+    heapq.heapify(heap)
+    while heap:
+        _, index, mode = heapq.heappop(heap)
+        changes = {index: mode}
+        if state.modes[index] == mode or not state.valid_change(changes):
+            continue
+        now = state.cost()
+        saved = now - state.cost_after(changes)
+        if saved <= 1e-12:
+            continue
+        if heap and saved < -heap[0][0] - 1e-12:
+            heapq.heappush(heap, (-saved, index, mode))
+            continue
+        evaluated = state.change(changes)
+        if fits(state, evaluated, target):
+            state.apply(changes, evaluated)
 
 
 def improve(state: State, target: int, rounds: int = IMPROVE_ROUNDS,
@@ -584,7 +663,7 @@ def _cheapest_repair(state: State, changes: dict[int, str], worst: tuple[int, in
 
 def plan_modes(profile: StepProfile, target: int, lookahead: int,
                prefetch_margin: float = PREFETCH_MARGIN,
-               start: Sequence[str] | None = None) -> list[str] | None:
+               start: Sequence[str] | None = None, quick: bool = False) -> list[str] | None:
     """The modes of the fast plan within ``target`` (None: none found). The construction starts
     from ``start`` where given (a valid plan of this profile: a warm start, such as the plan made
     for another exposure or target), else from everything kept; where it finds no change that
@@ -592,6 +671,11 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
     that may be: memory near the least peak), and the improvement then brings back what the
     target has room for."""
     layout = Layout(profile, lookahead, prefetch_margin)
+    if quick and start is not None:
+        state = State(layout, start)
+        if construct(state, target, compound=False):
+            improve(state, target, compound=False)
+            return state.modes
     best = None
     compound = layout.g <= COMPOUND_GROUPS
     for compounds in (False, True)[:1 + compound]:
@@ -605,17 +689,30 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
                 if best is None or state.cost() < best.cost():
                     best = state
                 break
+    if compound:
+        # from the other side: everything moved (within the target where anything is), the
+        # moves of the largest saving taken back while the plan stays within it
+        for modes in _moved_starts(layout):
+            state = State(layout, modes)
+            if state.peak() <= target:
+                drop(state, target)
+                improve(state, target)
+                if best is None or state.cost() < best.cost():
+                    best = state
     if best is None:
         return None
+    if compound:
+        best = _rebuilt_around(best, target)
     # the greedy takes offloads at their cost below the link's bound, and past it each byte
-    # costs more (the step waits for the link): a plan made with offloads capped at the bound
-    # is often the cheaper one then
+    # costs more (the step waits for the link): a plan made with offloads capped near the
+    # bound (first, then as the rest of the excess needs) is often the cheaper one then
     for share in LINK_BOUND_SHARES * compound:
         cap = share * _link_bound(layout)
         if best.moved <= cap:
             continue
         capped = State(layout, [KEEP] * layout.g)
-        if construct(capped, target, cap):
+        # where the capped construction finds nothing more to change, it goes on uncapped
+        if construct(capped, target, cap) or construct(capped, target):
             improve(capped, target)
             if capped.cost() < best.cost():
                 best = capped

@@ -42,10 +42,11 @@ def _checked(method: str) -> str:
 def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
                  time_limit_s: float | None = 60, prefetch_margin: float = PREFETCH_MARGIN,
                  explain: bool = True, method: str = FAST,
-                 start: Sequence[str] | None = None) -> OffloadPlan:
+                 start: Sequence[str] | None = None, quick: bool = False) -> OffloadPlan:
     """The fastest valid choice whose modelled peak is within ``budget`` bytes (ties go to fewer
     bytes moved or recomputed), by ``method`` (``time_limit_s``: CBC's, for the ILP; ``start``:
-    the modes of a valid plan of this profile the fast method starts from, a warm start).
+    the modes of a valid plan of this profile the fast method starts from, a warm start; with
+    ``quick``, only its construction and improvement from there: planner_fast.plan_modes).
     :class:`InfeasibleError` says the least peak any choice reaches when none fits (``explain``
     False: only that none fits, without solving for it)."""
     _checked(method)
@@ -58,7 +59,8 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
         from . import planner_ilp
         plan = planner_ilp.solve_plan(profile, budget, lookahead, time_limit_s, prefetch_margin)
     else:
-        modes = planner_fast.plan_modes(profile, budget, lookahead, prefetch_margin, start)
+        modes = planner_fast.plan_modes(profile, budget, lookahead, prefetch_margin, start,
+                                        quick)
         plan = None if modes is None else _result(profile, modes, lookahead, prefetch_margin)
     if plan is None:
         if not explain:
@@ -89,7 +91,8 @@ def plan_with_less_headroom(error: Exception, budget: int, headroom: float,
 
 def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
                        time_limit_s: float | None = 60, explain: bool = True,
-                       method: str = FAST, start: Sequence[str] | None = None) -> OffloadPlan:
+                       method: str = FAST, start: Sequence[str] | None = None,
+                       quick: bool = False) -> OffloadPlan:
     """:func:`plan_offload` with the earliest prefetches that fit: at ``lookahead`` timed by
     :data:`PREFETCH_MARGIN`, then by half of it, then untimed at ``lookahead`` and each smaller
     distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
@@ -104,8 +107,8 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     ``release_margin``), the ladder runs again with each released at the next forward point
     (release margin 0): the compute stream then waits there for the copy, the forward bound by
     the link as vDNN's layer-wise wait (a model whose every plan of the first ladder peaks above
-    the budget, such as the 3-D U-Net at 4 GiB). ``start``: :func:`plan_offload`'s, each
-    rung's."""
+    the budget, such as the 3-D U-Net at 4 GiB). ``start``, ``quick``: :func:`plan_offload`'s,
+    each rung's."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
     # the next point only where it releases some offload earlier (not: no forward clock, or
@@ -122,7 +125,7 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
         try:
             return plan_offload(planned, budget, distance, time_limit_s, prefetch_margin,
                                 explain=explain and rung == len(rungs) - 1, method=method,
-                                start=start)
+                                start=start, quick=quick)
         except (InfeasibleError, SolverError):
             if rung == len(rungs) - 1:
                 raise
@@ -148,8 +151,10 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     every plan before it by :data:`TRIAL_MIN_GAIN`; at ``budget`` that includes the fastest
     of its plans (``plan`` too) :func:`polished`. None (``[]``) where ``plan`` moves nothing
     (its exposure then changes nothing). The plans are made by ``method`` (the fast one starts
-    from ``plan``'s modes: within every larger target, near the plans of other exposures); CBC
-    gets at most :data:`TRIAL_SOLVE_S` a solve here. The
+    from ``plan``'s modes: within every larger target, near the plans of other exposures; at
+    another exposure than the profile's, only a construction and improvement from there: those
+    plans are candidates the trial measures, not the model's best); CBC gets at most
+    :data:`TRIAL_SOLVE_S` a solve here. The
     runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest (of those that did not
     flush the allocator's cache where any did not): what the allocator does near its cap is no
     part of the model."""
@@ -169,9 +174,9 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
             if target == budget and exposure == profile.copy_exposure:
                 continue
             try:
-                other = model.plan_with_prefetch(replace(profile, copy_exposure=exposure),
-                                                 target, lookahead, solve_s, method=method,
-                                                 start=plan.modes)
+                other = model.plan_with_prefetch(
+                    replace(profile, copy_exposure=exposure), target, lookahead, solve_s,
+                    method=method, start=plan.modes, quick=exposure != profile.copy_exposure)
             except (InfeasibleError, SolverError):
                 continue
             if not any(_same_plan(other, seen) for seen in tried + [p for _, p in made]):
