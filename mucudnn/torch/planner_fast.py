@@ -365,12 +365,14 @@ def changes_of(state: State, index: int, compound: bool = True):
 
 
 def construct(state: State, target: int, moved_cap: float = math.inf,
-              compound: bool = True, frozen: frozenset = frozenset()) -> bool:
+              compound: bool = True, frozen: frozenset = frozenset(),
+              prices: tuple[float, float] | None = None) -> bool:
     """Changes (:func:`changes_of`, with ``compound`` its changes of two groups) taken on
     ``state`` until its memory is within ``target`` (True) or no change lowers its excess
     (False): each time the one of the least added cost per excess byte freed (lazily
     re-evaluated); none that offloads more than ``moved_cap`` bytes in all, none of a group in
-    ``frozen``."""
+    ``frozen``. ``prices``: (ms a byte offloaded, ms a recipe's ms) to weigh changes by instead
+    of the step's time (:func:`_marginal_prices`)."""
     layout = state.layout
     excess = _excess(state.memory, target)
     if not excess:
@@ -386,11 +388,19 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
             return None
         return found
 
+    def added_by(cost, evaluated) -> float:
+        if prices is None:
+            return max(cost - state.cost(), 0.0)
+        moved, recompute_ms, traffic = evaluated[3]
+        return max(0.0, (moved - state.moved) * prices[0]
+                   + (recompute_ms - state.recompute_ms) * prices[1]
+                   + (traffic - state.traffic) * TIE_MS_PER_BYTE)
+
     def push(changes):
         found = tried(changes)
         if found is not None:
-            cost, gained, _ = found
-            added = max(cost - state.cost(), 0.0)
+            cost, gained, evaluated = found
+            added = added_by(cost, evaluated)
             heapq.heappush(heap, (added / -gained, gained, tuple(changes.items()), version))
 
     # only a change of a group on the device at a point over the target (or of a source whose
@@ -416,7 +426,7 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
             continue
         cost, gained, evaluated = found
         if stamp != version:
-            fresh = max(cost - state.cost(), 0.0) / -gained
+            fresh = added_by(cost, evaluated) / -gained
             if heap and fresh > heap[0][0] * (1 + STALE_TOLERANCE):
                 heapq.heappush(heap, (fresh, gained, items, version))
                 continue
@@ -434,8 +444,10 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
     return not excess
 
 
-#: the most moved groups :func:`_rebuilt_around` takes back one at a time
-REBUILDS = 8
+#: the most moved groups :func:`_rebuilt_around` takes back one at a time: REBUILDS, and on a
+#: larger step REBUILD_GROUPS divided by its groups (a rebuild's time grows with them)
+REBUILDS = 32
+REBUILD_GROUPS = 1600
 #: the improvement rounds of each of :func:`_rebuilt_around`'s plans (the most gain comes in
 #: the first)
 REBUILD_ROUNDS = 2
@@ -443,14 +455,14 @@ REBUILD_ROUNDS = 2
 
 def _rebuilt_around(state: State, target: int) -> State:
     """``state`` or a cheaper plan: for each of its moved groups (the largest saving first, at
-    most :data:`REBUILDS`), the plan with that group kept and everything else constructed and
+    most :data:`REBUILDS`, fewer on larger steps), the plan with that group kept and everything else constructed and
     improved around it (a move the local changes cannot undo alone: a covering of the peak by
     other groups); the cheapest."""
     layout = state.layout
     now = state.cost()
     moved = sorted((now - state.cost_after({i: KEEP}), i) for i in range(layout.g)
                    if state.modes[i] != KEEP)
-    for saved, index in reversed(moved[-REBUILDS:]):
+    for saved, index in reversed(moved[-min(REBUILDS, REBUILD_GROUPS // layout.g):]):
         if saved <= 1e-12 or state.modes[index] == KEEP:
             continue
         trial = State(layout, state.modes)
@@ -468,17 +480,17 @@ def _rebuilt_around(state: State, target: int) -> State:
     return state
 
 
-def drop(state: State, target: int) -> None:
+def drop(state: State, target: int, frozen: frozenset = frozenset()) -> None:
     """On ``state`` within ``target``: the change of one group of the largest saving that keeps
     it within the target, taken until none does (lazily re-evaluated: a change's saving depends
     on the modes alone; a change that goes over the target is not tried again, since taking
-    moves back only adds bytes)."""
+    moves back only adds bytes); none of a group in ``frozen``."""
     layout = state.layout
     now = state.cost()
     heap = []
     for index in range(layout.g):
         for mode in layout.allowed[index]:
-            if mode != state.modes[index]:
+            if mode != state.modes[index] and index not in frozen:
                 saved = now - state.cost_after({index: mode})
                 if saved > 1e-12:
                     heap.append((-saved, index, mode))
@@ -702,6 +714,14 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
     if best is None:
         return None
     if compound:
+        # the greedy weighs each change at the step's time where it is made; the plan's own
+        # marginal prices (an offloaded byte past the link's bound, a recipe hidden under the
+        # fetches) weigh the first changes as the last see them
+        priced = State(layout, [KEEP] * layout.g)
+        if construct(priced, target, prices=_marginal_prices(best)):
+            improve(priced, target)
+            if priced.cost() < best.cost():
+                best = priced
         best = _rebuilt_around(best, target)
     # the greedy takes offloads at their cost below the link's bound, and past it each byte
     # costs more (the step waits for the link): a plan made with offloads capped near the
@@ -717,6 +737,15 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
             if capped.cost() < best.cost():
                 best = capped
     return best.modes
+
+
+def _marginal_prices(state: State) -> tuple[float, float]:
+    """(ms a byte more offloaded adds, ms a recipe's ms more adds) to ``state``'s step."""
+    layout, now = state.layout, state.cost()
+    more = 2**20
+    per_byte = (layout.cost(state.moved + more, state.recompute_ms, state.traffic) - now) / more
+    per_ms = layout.cost(state.moved, state.recompute_ms + 1.0, state.traffic) - now
+    return per_byte, per_ms
 
 
 def _link_bound(layout: Layout) -> float:
