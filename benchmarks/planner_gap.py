@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from mucudnn.errors import MucudnnError  # noqa: E402
-from mucudnn.torch import planner, profiles  # noqa: E402
+from mucudnn.torch import planner, planner_ilp, profiles  # noqa: E402
 
 #: the profile beside the repository that issue 39 measures against (read in place)
 SHARED = "../shared/profiles/resnet50-n184-5GiB-h100.json"
@@ -239,16 +239,50 @@ def table() -> None:
     print(f"\nlargest gap: {worst * 100:+.2f} %")
 
 
-def synthetic(times: int, share: float) -> None:
-    recorded = profiles.load_profile(ROOT / SHARED)
+def synthetic(path: str, row: int | None, times: int, share: float) -> None:
+    """A row of the session's planning wall time on ``times`` copies of a profile
+    (:func:`repeated_profile`) at a budget of ``share`` of its peak with everything kept."""
+    recorded = profiles.load_profile(ROOT / path, row)
     profile = repeated_profile(recorded.profile, times)
     full = planner.peak_memory(profile, [planner.KEEP] * len(profile.groups), 2)
     budget = int(full * share)
     wall, done = session_wall(profile, budget)
     plan = done.plan
-    print(f"| {SHARED} x{times} | {len(profile.groups)} | {budget / 2**30:.2f} | "
+    label = path.replace("benchmarks/results/", "") + ("" if row is None else f" row {row}")
+    print(f"| {label} x{times} | {len(profile.groups)} | {budget / 2**30:.2f} | "
           f"{done.target / 2**30:.3f} | "
-          + (plan.describe() if plan else f"none: {done.error}") + f" | {wall:.2f} |")
+          + (f"{plan.count('keep')}/{plan.count('offload')}/{plan.count('recompute')}, "
+             f"{plan.step_ms:.1f} ms" if plan else f"none: {done.error}")
+          + f" | {len(done.trials or [])} | {wall:.2f} |", flush=True)
+
+
+def least_peaks(time_limit_s: float) -> None:
+    """The least peak the fast method finds (what :class:`InfeasibleError` says) against the
+    ILP's, at the last rung of the prefetch ladder (fetched when first unpacked, released at the
+    next point: the least of all), for each committed profile whose session target has no
+    plan."""
+    reference = json.loads(REFERENCE.read_text())["entries"]
+    print("| profile | groups | fast least peak GiB (s) | ILP least peak GiB (s) | fast above |")
+    print("|---|---|---|---|---|")
+    for name, row in committed_profiles():
+        recorded = load(ROOT, name, row)
+        if recorded is None:
+            continue
+        entry = reference.get(key(name, row, targets(recorded.budget)[0][1]))
+        if entry is None or entry["ilp_step_ms"] is not None:
+            continue
+        profile = dataclasses.replace(recorded.profile, release_margin=0.0)
+        found = {}
+        for method in (planner.FAST, planner.ILP):
+            start = time.perf_counter()
+            least = planner.least_peak(profile, 0, 0.0, method=method) \
+                if method == planner.FAST else planner.peak_memory(
+                    profile, planner_ilp.least_peak_modes(profile, 0, 0.0, time_limit_s), 0, 0.0)
+            found[method] = (least, time.perf_counter() - start)
+        (fast, fast_s), (ilp, ilp_s) = found[planner.FAST], found[planner.ILP]
+        label = name.replace("benchmarks/results/", "") + ("" if row is None else f" row {row}")
+        print(f"| {label} | {len(profile.groups)} | {fast / 2**30:.3f} ({fast_s:.2f}) | "
+              f"{ilp / 2**30:.3f} ({ilp_s:.2f}) | {(fast / ilp - 1) * 100:+.2f} % |", flush=True)
 
 
 def main(argv=None) -> None:
@@ -259,16 +293,22 @@ def main(argv=None) -> None:
     ilp.add_argument("--only", help="profiles whose path contains this")
     sub.add_parser("table", help="the fast plans against the reference, as markdown")
     syn = sub.add_parser("synthetic", help="the session's planning on a repeated profile")
-    syn.add_argument("--times", type=int, default=5)
-    syn.add_argument("--share", type=float, default=0.55,
+    syn.add_argument("--profile", default=SHARED)
+    syn.add_argument("--row", type=int)
+    syn.add_argument("--times", type=int, default=4)
+    syn.add_argument("--share", type=float, default=0.5,
                      help="the budget as a share of the all-kept peak")
+    least = sub.add_parser("least", help="the fast least peak against the ILP's")
+    least.add_argument("--time-limit", type=float, default=60.0)
     args = parser.parse_args(argv)
     if args.command == "ilp":
         run_ilp(args.time_limit, args.only)
     elif args.command == "table":
         table()
+    elif args.command == "least":
+        least_peaks(args.time_limit)
     else:
-        synthetic(args.times, args.share)
+        synthetic(args.profile, args.row, args.times, args.share)
 
 
 if __name__ == "__main__":
