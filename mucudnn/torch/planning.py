@@ -98,17 +98,16 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
     prefetch hides more of its copy but holds its group on the device longer, which the largest
     backward ops may not have room for. Distance 0's :class:`InfeasibleError` (the least peak of
-    all) when none fits; only that one solves for the least peak (a second program per rung,
-    which with chains can take its whole time limit). A rung where CBC found no plan within its
-    time limit (:class:`SolverError`) also goes on to the next (``explain`` False: the last
-    says only that none fits, without that solve): near the least peak, prefetching
-    less leaves more room, and a plan is easier to find (ResNet-50 at 6.25 GiB). Where no rung
+    all) when none fits; only that one searches for the least peak (for the ILP a second program
+    per rung, which with chains can take its whole time limit). A rung where the planner found
+    no plan (for the ILP also a :class:`SolverError`: none within its time limit) goes on to the
+    next (``explain`` False: the last says only that none fits, without that search): near the
+    least peak, prefetching less leaves more room, and a plan is easier to find. Where no rung
     fits with offloaded tensors released when their copies are due (the profile's
     ``release_margin``), the ladder runs again with each released at the next forward point
     (release margin 0): the compute stream then waits there for the copy, the forward bound by
     the link as vDNN's layer-wise wait (a model whose every plan of the first ladder peaks above
-    the budget, such as the 3-D U-Net at 4 GiB). ``start``, ``quick``: :func:`plan_offload`'s,
-    each rung's."""
+    the budget). ``start``, ``quick``: :func:`plan_offload`'s, each rung's."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
     # the next point only where it releases some offload earlier (not: no forward clock, or
@@ -141,7 +140,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     run them; with ``keep_apart``, last, the simulated fastest of them all again with its small
     kept groups apart (:attr:`OffloadPlan.keep_apart`: the caching allocator's layout, which the
     model does not see, decides whether that flushes less or more). The exposure is a measured
-    share of the copies' time (:data:`COPY_EXPOSURE`, ResNet-50), the same for every copy, where
+    share of the copies' time (:data:`COPY_EXPOSURE`), the same for every copy, where
     in truth a copy costs the compute stream what it waits for it in its queue: little where
     copies are few and the compute long, much where they queue behind each other
     (:func:`simulate`). So plans are also made at
