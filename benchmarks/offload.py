@@ -44,8 +44,9 @@ against the budget, with PyTorch unconstrained, the other methods and the minima
 matplotlib, if installed) after every configuration.
 
 ``replay PROFILE --budgets B...`` (no GPU): the planner on a recorded step, at other budgets: what
-it would keep, offload and recompute, its predicted peak and step (mucudnn.torch.profiles: the
-reader and the session's planning that ``mucudnn offload-plan`` runs for one budget). PROFILE is what
+it would keep, offload and recompute, its predicted peak and step, made by the session's own
+lifecycle (mucudnn.torch.lifecycle, fed the recorded step; ``--trials``: the plans its trial runs
+against it; mucudnn.torch.profiles reads the file). PROFILE is what
 ``MUCUDNN_OFFLOAD_PROFILE`` (``OffloadSession(profile_to=...)``) writes, benchmarks/pressure.py
 keeps one per offload probe; or ``OUT/offload.json`` (``--row K``: its K-th row with a profile).
 
@@ -264,6 +265,8 @@ def worker(args) -> None:
         links = list(session._links.values())
         result.update(fell_back=session.fell_back, target=session.target,
                       replans_used=session.replans_used,
+                      # per plan made: (what was asked, wall seconds, steps run meanwhile)
+                      planning=session.lifecycle.timings,
                       host_allocations=sum(link.host_allocations for link in links))
         if profile is not None:
             result.update(profile_baseline_peak=max(profile.baseline_forward
@@ -648,10 +651,14 @@ def driver(args) -> None:
 
 
 def replay(args) -> int:
-    """The planner on a recorded profile at each budget, as the session plans
-    (mucudnn.torch.profiles, which ``mucudnn offload-plan`` runs too): one line per budget (and
-    with ``--groups`` a table of the modes); one line and status 2 for a bad file or budget."""
-    from mucudnn.torch.profiles import group_lines, load_profile, replay as replay_plan
+    """The planner on a recorded profile at each budget, as the session plans: the session's own
+    lifecycle (mucudnn.torch.lifecycle, planning inline) fed the recorded step, so the plan is
+    the one a session makes after recording it (its target the headroom's, or a smaller one's
+    where none meets that). One line per budget (and with ``--trials`` the plans a trial runs
+    against it, with ``--groups`` a table of the modes); one line and status 2 for a bad file or
+    budget."""
+    from mucudnn.torch.lifecycle import Lifecycle, StepOutcome
+    from mucudnn.torch.profiles import group_lines, load_profile
     try:
         budgets = [parse_budget(text) for text in args.budgets]
         recorded = load_profile(Path(args.profile), args.row)
@@ -662,13 +669,22 @@ def replay(args) -> int:
     print(f"{args.profile}: {len(profile.groups)} saved groups, {profile.unpacks} backward points; "
           f"recorded plan: {recorded.plan or '-'}")
     for budget in budgets:
-        done = replay_plan(profile, budget, args.headroom, args.lookahead, args.time_limit_s)
-        if done.error is not None:
-            print(f"{budget / GiB:g} GiB: {done.error}")
-        plan = done.plan
+        lifecycle = Lifecycle(budget, headroom=args.headroom, lookahead=args.lookahead,
+                              plan_time_limit_s=args.time_limit_s, record_steps=1,
+                              trials=args.trials, strict=False, staging=False)
+        decision = lifecycle.end_step(StepOutcome(profile=profile))
+        if lifecycle.first_error is not None:
+            print(f"{budget / GiB:g} GiB: {lifecycle.first_error}")
+        plan = lifecycle.plan
         if plan is None:
             continue
-        print(f"{budget / GiB:g} GiB (target {done.target / GiB:.2f}): {plan.describe()}")
+        seconds = sum(made for _, made, _ in lifecycle.timings)
+        print(f"{budget / GiB:g} GiB (target {lifecycle.target / GiB:.2f}): {plan.describe()} "
+              f"(planned in {seconds:.2f} s)")
+        if args.trials:
+            for line in decision.lines:
+                if line.startswith("trying it against"):
+                    print("   " + line)
         if args.groups:
             for line in group_lines(profile, plan.modes):
                 print("   " + line)
@@ -689,6 +705,8 @@ def main(argv=None) -> None:
     again.add_argument("--lookahead", type=int, default=2, help="as OffloadSession's")
     again.add_argument("--time-limit-s", type=float, default=20, help="CBC's, per solve")
     again.add_argument("--groups", action="store_true", help="each saved group's mode")
+    again.add_argument("--trials", action="store_true",
+                       help="the plans the session's trial runs against the plan made")
     for p in (parser, drive):
         p.add_argument("--models", nargs="+", default=["vgg16", "resnet50"],
                        help="MODEL or MODEL:BATCH of benchmarks/models.py")

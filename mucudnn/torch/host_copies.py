@@ -76,7 +76,7 @@ class StepCopies:
         (benchmarks/results/pressure)."""
         session = self.session
         plan, profile = session.plan, session.profile
-        if step.profiling or session.fell_back or plan is None or not plan.keep_apart \
+        if step.profiling or session.offloads_as_recorded or plan is None or not plan.keep_apart \
                 or profile is None or not group.offloadable:
             return False
         if self._apart[0] is not plan:
@@ -126,7 +126,7 @@ class StepCopies:
         """Copies on the compute stream: in the recording step (its times are then compute plus
         known copies, with no host waits, and its memory that of ``save_on_cpu``) and after a
         fall-back (the least memory)."""
-        return step.profiling or self.session.fell_back
+        return step.profiling or self.session.offloads_as_recorded
 
     def prefetch(self, group: _Group, index: int) -> None:
         if group.mode == OFFLOAD and group.fetch is None and group.tensor is None \

@@ -225,7 +225,7 @@ class Lifecycle:
                  plan_time_limit_s: float | None = 20, maker: PlanMaker | None = None,
                  runner=None, elapsed_ms: Callable | None = None):
         self.budget, self.headroom = budget, headroom
-        self.replans_left, self.replan_step = replans, replan_step
+        self.replans, self.replans_left, self.replan_step = replans, replans, replan_step
         # lower targets after flushing trials: as many, apart, so that a step that later runs
         # out of memory still has its replans
         self.lowerings_left = replans
@@ -235,9 +235,9 @@ class Lifecycle:
         self.maker = maker or PlanMaker(lookahead, plan_time_limit_s)
         self.runner = runner or InlineRunner()
         self.elapsed_ms = elapsed_ms or _mark_ms
-        self._record_steps = max(1, planner.RECORD_STEPS if record_steps is None
+        self.record_steps = max(1, planner.RECORD_STEPS if record_steps is None
                                  else record_steps)
-        self._recordings_left = self._record_steps
+        self._recordings_left = self.record_steps
         self._recorded: list[StepProfile] = []   # this recording's profiles so far
         self._stage_candidates: tuple = ()
         self._lowered_target: int | None = None
@@ -264,6 +264,8 @@ class Lifecycle:
         self._steps_waited = 0
         #: per request answered: (kind, seconds its making took, steps run while it was made)
         self.timings: list[tuple[str, float, int]] = []
+        #: why the first plan's target (the headroom's) had no plan (None: it had one)
+        self.first_error: Exception | None = None
         self._lines: list[str] = []
         self._write = False
         self._staged = False
@@ -561,6 +563,7 @@ class Lifecycle:
             self.stage, self._staged = made.stage, True
             self.recorded_profile, self.profile = self.profile, made.profile
         plan = made.plan
+        self.first_error = made.error
         if made.error is not None:
             if plan is None:
                 # as the recorded step ran (everything offloaded): what goes on after an error
@@ -698,7 +701,7 @@ class Lifecycle:
             self.modes, self.kept_after_trial, self._lowered_target = None, None, None
             self.trial, self._awaiting = None, None
             self._recorded = []
-            self._recordings_left = self._record_steps
+            self._recordings_left = self.record_steps
             self.state = RECORDING
             self._say(f"the cached offload plan does not fit this step: {reason}; recording "
                       "anew")

@@ -1,7 +1,8 @@
 """The offload session of mucudnn.torch (docs/torch.md): saved-tensor hooks that keep, offload or
 recompute each tensor autograd saves, as a plan says, after a first step that records a profile.
 Its parts: the host links (link.py), the records of a step (records.py), the recorder of a step's
-calls, recipes and profile (recorder.py), and the plan's lifecycle (session_plans.py); this module
+calls, recipes and profile (recorder.py), and the plan's lifecycle (lifecycle.py, the controller;
+plan_runner.py, which makes its plans; session_plans.py, its PyTorch side); this module
 packs and unpacks, and holds each group's device tensor for as long as the rules below say.
 
 Invariants:
@@ -52,7 +53,7 @@ Invariants:
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
@@ -61,10 +62,13 @@ from . import planner
 from .compiled import refuse_if_compiling
 from .link import CudaLink, SameMemoryLink, dense
 from .planner import KEEP, OFFLOAD, RECOMPUTE
-from .records import _Group, _Packed, _Passed, _Step, _Trial, _rebuild_order, recompute
+from .records import _Group, _Packed, _Passed, _Step, _rebuild_order, recompute
 from .recorder import (StepRecorder, _current_node, _has_children, _in_backward,
                        _past_the_op_recorder)
 from .host_copies import StepCopies
+from .lifecycle import Lifecycle
+from .plan_runner import BackgroundRunner
+from .plancache import PlanCache
 from .session_plans import PlanLifecycle
 from .stage import StagedForward, StagePlan
 
@@ -77,8 +81,17 @@ class OffloadSession(PlanLifecycle):
     offloaded on the compute stream, fetched on demand; the last is the profile, with each time
     the least any recorded), then a plan is made for ``budget * (1 - headroom)`` (room for the
     caching allocator's fragmentation; CBC at most ``plan_time_limit_s`` per solve) and applied
-    from the next step. ``modes``: a fixed plan instead (one mode per group; tests,
-    benchmarks). ``force``: every group in that mode where allowed.
+    from the step after it is ready. ``plan_in_background``: plans are made on a thread of their
+    own, the steps meanwhile running as the recording ran (None, the default: where the link is a
+    :class:`CudaLink`; else each plan is made at the step boundary that asks for it and is in
+    force from the next step). ``plan_cache``: the :class:`~.plancache.PlanCache` a plan that
+    settles is kept in and the first step looks its plan up in (None: ``MUCUDNN_PLAN_CACHE``'s
+    on a GPU, none elsewhere): a run of the same script under the same key runs it from its
+    first step, checked against it as it goes (recording anew where it differs). The lifecycle
+    (:attr:`lifecycle`, :class:`~.lifecycle.Lifecycle`) holds ``budget``, ``profile``,
+    ``plan``, ``modes``, ``target``, ``fell_back``, ``kept_after_trial`` and the replan counts.
+    ``modes``: a fixed plan instead (one mode per group; tests, benchmarks). ``force``: every
+    group in that mode where allowed.
     ``link``: the host link; default :class:`CudaLink` for CUDA tensors, CPU tensors stay.
     ``recompute``: recipes at all; ``recompute_convolutions``: recipes may rerun convolutions
     (:data:`CONVOLUTIONS`; see the module docstring). ``copy_exposure``: the planner's
@@ -98,9 +111,10 @@ class OffloadSession(PlanLifecycle):
     :func:`planner.trial_plans` finds others its simulation says are faster (made at other
     copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
-    allocator's cache (:meth:`_Trial.kept`), with one line. ``keep_apart``: the trial also runs
-    its simulated fastest plan with the small kept groups copied apart from the step's large
-    tensors (:meth:`.host_copies.StepCopies.keeps_apart`), and keeps it that way where it wins.
+    allocator's cache (:meth:`.lifecycle.Trial.kept`), with one line (the plan made runs while
+    the others are made). ``keep_apart``: the trial also runs its simulated fastest plan with the
+    small kept groups copied apart from the step's large tensors
+    (:meth:`.host_copies.StepCopies.keeps_apart`), and keeps it that way where it wins.
     """
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
@@ -111,45 +125,34 @@ class OffloadSession(PlanLifecycle):
                  recompute_convolutions: bool = True,
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
                  max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True,
-                 stage: bool | str = True):
-        self.budget, self.force, self.lookahead = budget, force, lookahead
-        self.replans_left, self.replan_step = replans, replan_step
-        # lower targets after flushing trials: as many, apart, so that a step that later runs
-        # out of memory still has its replans
-        self.lowerings_left = replans
-        self.replans_used = 0
-        self._recordings_left = max(1, planner.RECORD_STEPS if record_steps is None
-                                    else record_steps)
-        self._recorded: list[planner.StepProfile] = []   # this recording's profiles so far
+                 stage: bool | str = True, plan_in_background: bool | None = None,
+                 plan_cache: PlanCache | None = None):
+        self.force, self.lookahead = force, lookahead
+        if stage not in (True, False, "always"):
+            raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
+        #: the plan's life (lifecycle.py): recording, the plan made and tried, watched, made
+        #: again; budget, profile, plan, modes, target, fell_back, ... are its
+        self.lifecycle = Lifecycle(
+            budget, modes=modes, force=force, headroom=headroom, lookahead=lookahead,
+            replans=replans, replan_step=replan_step, record_steps=record_steps, trials=trials,
+            keep_apart=keep_apart, staging=stage, strict=strict,
+            plan_time_limit_s=plan_time_limit_s)
+        #: plans made on a thread of their own (None: decided at the first step's end, on a GPU)
+        self.plan_in_background = plan_in_background
+        if plan_in_background:
+            self.lifecycle.runner = BackgroundRunner()
         #: CBC's limit per solve (the planning times it bounds: benchmarks/results/planning-time.md)
         self.plan_time_limit_s = plan_time_limit_s
-        self._lowered_target: int | None = None
-        #: the highest target found to have no plan: no target at or below it has one
-        self._no_plan_at: int | None = None
-        self.recompute, self.min_bytes, self.headroom = recompute, min_bytes, headroom
+        self.recompute, self.min_bytes = recompute, min_bytes
         self.recompute_convolutions = recompute_convolutions
         self.copy_exposure = copy_exposure
         self._link, self._links = link, {}
         self.max_pending = max_pending
-        self.trials = trials
-        self.keep_apart = keep_apart
         #: the copies of the steps' groups to the host and back (host_copies.py)
         self.copies = StepCopies(self)
-        self._trial: _Trial | None = None
-        #: the plan in force after its trial: per planned step (the last WATCH_STEPS), whether
-        #: it flushed the caching allocator's cache, and each link's flush count at its end
-        self._flushing: deque = deque(maxlen=planner.WATCH_STEPS)
-        self._flush_counts: dict = {}
-        #: how the plan in force was made, after a trial kept another than the one made
-        #: (:func:`planner.trial_plans`' label; None: as made)
-        self.kept_after_trial: str | None = None
         self.trace = trace
         self.profile_to = profile_to
-        self.strict = strict
         self.say = say or (lambda text: None)
-        self.profile: planner.StepProfile | None = None
-        self.plan: planner.OffloadPlan | None = None
-        self.modes = list(modes) if modes is not None else None
         self.steps = 0
         self._first_unpacks: list[int | None] = []   # per group, of the last whole step
         self._schedule: dict[int, list[int]] = {}
@@ -158,7 +161,6 @@ class OffloadSession(PlanLifecycle):
         self._mismatch_said = False
         self._unmoved_said = False
         self._empty_cache_due = False   # after a failed step: at the next step's start
-        self.fell_back = False
         self._handles = []
         self._hooks = None
         self._depth = 0                 # ``with`` blocks entered and not left
@@ -167,14 +169,20 @@ class OffloadSession(PlanLifecycle):
         #: stage.py: whether plans may stage the leading chain; the stage in force (its profile
         #: is :attr:`profile`, the recorded one :attr:`recorded_profile`); the staged forward
         #: running; the recording's candidates; the containers running now, innermost last
-        if stage not in (True, False, "always"):
-            raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
         self.staging = stage
         self.stage: StagePlan | None = None
-        self.recorded_profile: planner.StepProfile | None = None
         self._staged: StagedForward | None = None
-        self._stage_candidates: list = []
         self._containers: list = []
+        #: the plan cache (plancache.py; None: MUCUDNN_PLAN_CACHE's on a GPU), looked up at the
+        #: first step's first save; the key then, the entry whose plan the first step runs
+        #: (checked group by group), and whether the rest of a step is offloaded as recorded
+        #: (its cached plan did not fit it)
+        self._plan_cache = plan_cache
+        self._cache_due = self.lifecycle.recording
+        self._cache_key = None
+        self._cached = None
+        self._offload_rest = False
+        self._staged_not_cached_said = False
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -344,6 +352,8 @@ class OffloadSession(PlanLifecycle):
             return None
         link.poll()   # offloaded tensors whose copies are done go back now, not at the next offload
         self._at_step_start()
+        if self._cache_due:
+            self._look_up_plan(tensor.device)
         step = self._step
         key = self._key(tensor)
         group = self._find(step, tensor, key)
@@ -363,10 +373,12 @@ class OffloadSession(PlanLifecycle):
                        weakref.ref(tensor), tensor._version, "", dense(tensor),
                        recipe=recipe, owner=step,
                        base=weakref.ref(tensor._base) if tensor._base is not None else None)
-        group.wanted = self._wanted(group)
-        group.mode = self._mode_for(group)
         if recorder.records_calls(step):   # named from its calls (a step without them: unnamed)
             group.producer = recipe.calls[-1].name if recipe else recorder.producer(step, tensor)
+        if self._cached is not None:   # the first step under a cached plan: is it the same?
+            self._check_cached_group(step, group)
+        group.wanted = self._wanted(group)
+        group.mode = self._mode_for(group)
         step.groups.append(group)
         step.by_key[key] = group
         step.by_ref[id(group.ref)] = group
@@ -407,7 +419,7 @@ class OffloadSession(PlanLifecycle):
         wanted = KEEP
         if self.force is not None:
             wanted = self.force
-        elif self._step.profiling:
+        elif self._step.profiling or self._offload_rest:
             wanted = OFFLOAD
         elif self.modes is not None:
             if group.gid < len(self.modes) and (self.profile is None or (
@@ -459,10 +471,9 @@ class OffloadSession(PlanLifecycle):
         step.node_groups.append(group)
         for unpacked in step.node_groups:
             unpacked.last_unpack = index
-        if self._trial is not None and not step.profiling:
-            # a flush since the last read came in the op after the last unpack (the forward:
-            # before the first), or in what that unpack fetched or rebuilt
-            self._trial.saw_flushes(link, index - 1)
+        # a flush since the last read came in the op after the last unpack (the forward: before
+        # the first), or in what that unpack fetched or rebuilt
+        self._saw_flushes(step, link, index - 1)
         scheduled = [step.groups[gid] for gid in self._schedule.get(index, ())
                      if gid < len(step.groups)]
         if group in scheduled:   # the one needed now goes first on the copy stream

@@ -2,8 +2,8 @@
 (:class:`_Call`, what each read: :class:`_Read`, the module's state: :class:`_ModuleState`), the
 recipes that rebuild a saved tensor from them (:class:`_Recipe`, :func:`rerun_as_recorded`), the
 groups of saved tensors (:class:`_Group`; autograd holds a :class:`_Packed` or a
-:class:`_Passed` for each save), the step itself (:class:`_Step`), and a trial of plans
-(:class:`_Trial`). The rules these records keep are offload_session.py's."""
+:class:`_Passed` for each save) and the step itself (:class:`_Step`). The rules these records
+keep are offload_session.py's."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ChangedInPlaceError, inplace_message
+from .lifecycle import offload_everything  # noqa: F401 (the records' name for it)
 from .link import Transfer
-from .planner import KEEP, OFFLOAD, RECOMPUTE
+from .planner import KEEP, RECOMPUTE
 from .stage import ChainRecorder, autocast_as
 
 #: Modules whose recomputation is deterministic and cheap (SuperNeurons' choice: no convolution,
@@ -340,72 +341,6 @@ class _Step:
         return bool(self.groups) and not self.unpacks and not self.live
 
 
-@dataclass
-class _Trial:
-    """Plans run in turn, :data:`planner.TRIAL_STEPS` planned steps each; the marks at their
-    steps' ends time them, and the link's flush count read at every unpack of their steps says
-    after which op the caching allocator flushed its cache."""
-
-    plans: list
-    labels: list                                 # per plan: what it is, for the lines said
-    current: int = 0
-    marks: list = field(default_factory=list)    # per plan: the end marks of its steps
-    flushes: list = field(default_factory=list)  # per plan: the link's flush count at each mark
-    #: per plan: the backward points (-1: the forward) after whose op a link's flush count grew
-    #: in a timed step
-    flush_points: list = field(default_factory=list)
-    seen: dict = field(default_factory=dict)   # link -> its flush count when last read
-
-    def __post_init__(self):
-        self.marks = [[] for _ in self.plans]
-        self.flushes = [[] for _ in self.plans]
-        self.flush_points = [set() for _ in self.plans]
-
-    def saw_flushes(self, link, point: int) -> None:
-        """``link``'s flush count read after backward point ``point``'s op (-1: after the
-        forward): if it grew since the last read (the first read of a link is its start), the
-        current plan flushed there; a timed step's point is kept (as :meth:`flushes_in`
-        counts)."""
-        count = link.flushes()
-        if count > self.seen.get(link, count) and self.marks[self.current]:
-            self.flush_points[self.current].add(point)
-        self.seen[link] = count
-
-    def flush_note(self, index: int) -> str:
-        """Plan ``index``'s flushes in its timed steps and where, as its trial line says them
-        (" (2 flushes after the forward and after backward point 6)"; none: "")."""
-        count = self.flushes_in(index)
-        if not count:
-            return ""
-        points = sorted(self.flush_points[index])
-        said = ["after the forward"] * (points[:1] == [-1])
-        backward = [point for point in points if point >= 0]
-        if backward:
-            said.append(f"after backward point{'s' if len(backward) > 1 else ''} "
-                        + ", ".join(map(str, backward)))
-        where = " " + " and ".join(said) if said else ""
-        return f" ({count} flush{'es' if count > 1 else ''}{where})"
-
-    def flushes_in(self, index: int) -> int:
-        """The caching allocator's flushes in plan ``index``'s timed steps."""
-        counts = self.flushes[index]
-        return counts[-1] - counts[0] if counts else 0
-
-    def kept(self, times: list[float]) -> int:
-        """Of the first plans, timed ``times`` (:meth:`step_ms`), the fastest of those whose
-        timed steps did not flush the caching allocator's cache (of all where each did): a plan
-        that flushes in its trial flushes more after it (benchmarks/results/pressure)."""
-        calm = [index for index in range(len(times)) if not self.flushes_in(index)]
-        return min(calm or range(len(times)), key=times.__getitem__)
-
-    def step_ms(self, index: int) -> float:
-        """The fastest of plan ``index``'s timed steps (each after its first): a step slowed by
-        what the script does between steps (a checkpoint, a log) says nothing of the plan."""
-        marks = self.marks[index]
-        return min(a.link.elapsed_ms(a, b) for a, b in zip(marks, marks[1:]))
-
-
-
 def _rebuild_order(group: _Group) -> list[_Group]:
     """``group`` and its recomputed sources without a device tensor, transitively, each once,
     every source before its readers (iterative: a chain may be longer than Python's stack). A
@@ -461,10 +396,6 @@ def recompute(group: _Group) -> torch.Tensor:
             values.append(call.run(inputs))
     return values[-1] if recipe.view is None else _viewed(values[-1], *recipe.view)
 
-
-def offload_everything(groups) -> list[str]:
-    """The recording steps' modes: every group offloaded where it can be (else kept)."""
-    return [OFFLOAD if g.offloadable else KEEP for g in groups]
 
 def _transposed_size(module: nn.Module, value: torch.Tensor) -> tuple[int, ...]:
     """The spatial size a transposed convolution makes of ``value`` with its own output padding

@@ -130,17 +130,18 @@ def test_a_plan_under_a_budget_on_the_gpu_gives_the_same_gradients(dtype):
     model, data = resnet(dtype), batches(dtype, 5)
     reference = train(copy.deepcopy(model), data)
     said = []
-    session = OffloadSession(budget=2**50, min_bytes=0, say=said.append)
-    plan_for, targets = session._plan_for, []
+    # planned inline: the plan in force from the step after the recording
+    session = OffloadSession(budget=2**50, min_bytes=0, say=said.append, plan_in_background=False)
+    maker = session.lifecycle.maker
+    plan_for, targets = maker.plan_for, []
 
-    def between(target):
-        profile = session.profile
+    def between(profile, target, explain=True):
         full = planner.peak_memory(profile, [KEEP] * len(profile.groups), 2)
         least = planner.least_peak(profile)
         targets.append(int(least + (full - least) * 0.4))
-        return plan_for(targets[-1])
+        return plan_for(profile, targets[-1], explain)
 
-    session._plan_for = between
+    maker.plan_for = between
     assert_bitwise(reference, train(model, data, session))
     assert session.plan is not None and not session.fell_back, said
     assert session.plan.peak <= targets[0] and session.plan.count(KEEP) < len(session.plan.modes)
@@ -236,7 +237,8 @@ def test_a_staged_vgg_block_trains_as_plain_pytorch(dtype):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         reference = train(copy.deepcopy(model), data)
-        session = OffloadSession(budget=2**50, min_bytes=0, stage="always")
+        session = OffloadSession(budget=2**50, min_bytes=0, stage="always",
+                                 plan_in_background=False)
         staged = train(model, data, session)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

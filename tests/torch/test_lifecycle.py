@@ -20,7 +20,7 @@ from mucudnn.torch.lifecycle import (ABANDONED, AS_RECORDED, FAILED, FALLBACK, F
                                      REPLANNING, TRIAL, UNPLANNED, WATCHING, Lifecycle,
                                      StepOutcome)
 from mucudnn.torch.plan_runner import (FIRST, LOWER, REPLAN, TRIALS, BackgroundRunner,
-                                       InlineRunner, PlanMaker, StageCandidate)
+                                       InlineRunner, PlanMaker, PlanRequest, StageCandidate)
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE, OffloadPlan, SavedGroup, StepProfile
 
 GiB = 2**30
@@ -640,3 +640,31 @@ def test_a_cached_plan_that_does_not_fit_the_step_records_anew():
     assert mixed.run == RECORD and lifecycle.state == RECORDING
     steps.record()
     assert lifecycle.state == PLANNED and lifecycle.target == planner.planning_target(8 * GiB, 0.1)
+
+
+@pytest.mark.parametrize("case", ["cliff", "no gain", "no room"])
+def test_a_lowering_after_flushes_stops_short_of_a_step_in_the_plans_time(case):
+    # the plan for half the headroom lower (0.85 of the budget) moves much more than the one
+    # for a quarter lower (0.875), which still peaks below the plan that flushed: that one
+    # is made, unless it is not faster by LOWERING_MIN_GAIN or gives no room
+    budget = 1000 << 20
+    flushed_peak = int(0.89 * budget)
+    quarter_peak = {"cliff": 0.87, "no gain": 0.87, "no room": 0.89}[case]
+    quarter_ms = {"cliff": 85.5, "no gain": 95.5, "no room": 85.5}[case]
+
+    class Cliff(TableMaker):
+        def solve(self, profile, target, explain=True):
+            self.solved.append(target)
+            if target >= int(0.875 * budget):
+                return OffloadPlan((KEEP,), 2, int(quarter_peak * budget), quarter_ms, 0)
+            return OffloadPlan((OFFLOAD,), 2, int(0.84 * budget), 103.6, 800 << 20,
+                               simulated_ms=100.0)
+    maker = Cliff()
+    made = maker(PlanRequest(LOWER, profile(), int(0.9 * budget), budget, 0.1,
+                             peak=flushed_peak))
+    assert maker.solved == [int(0.9 * budget) - int(0.05 * budget),
+                            int(0.9 * budget) - int(0.05 * budget) + int(0.05 * budget) // 2]
+    if case == "cliff":
+        assert made.target == maker.solved[1] and made.plan.step_ms == 85.5
+    else:
+        assert made.target == maker.solved[0] and made.plan.moved_bytes == 800 << 20

@@ -526,12 +526,13 @@ def test_small_kept_groups_are_copied_apart_in_planned_steps_only(keep_apart):
     session = OffloadSession(budget=saved_bytes(model, data) * 3 // 4, link=link, min_bytes=0,
                              headroom=0.0, record_steps=1, recompute_convolutions=False,
                              trials=False)
-    made = session._make_plan
+    maker = session.lifecycle.maker
+    solve = maker.solve
 
-    def make_plan():   # as if the trial had kept the plan run with its small kept groups apart
-        made()
-        session.plan = dataclasses.replace(session.plan, keep_apart=keep_apart)
-    session._make_plan = make_plan
+    def plan_for(profile, target, explain=True):   # as if the trial had kept the plan run with
+        return dataclasses.replace(solve(profile, target, explain),    # its small kept groups
+                                   keep_apart=keep_apart)              # apart
+    maker.solve = plan_for
     assert_bitwise(reference, train(model, data, session))
     plan, profile = session.plan, session.profile
     assert plan.count(OFFLOAD) + plan.count(RECOMPUTE) > 0

@@ -16,6 +16,7 @@ from torch import nn  # noqa: E402
 
 from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
+from mucudnn.torch.lifecycle import OUT_OF_MEMORY, StepOutcome  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
 from session_helpers import (  # noqa: E402
@@ -291,7 +292,7 @@ def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan
                              headroom=0.0, say=said.append)
     session.budget = int(saved_bytes(model, data) * 0.6)
     assert_bitwise(reference, train(model, data, session))
-    assert session.plan is plans[kept] and session._trial is None
+    assert session.plan is plans[kept] and session.lifecycle.trial is None
     labels = ["as made", "other 1", "other 2"]
     assert session.kept_after_trial == (labels[kept] if kept else None)
     assert said[-1] == ("offload plans tried: " + ", ".join(
@@ -397,7 +398,7 @@ def test_a_trial_plan_that_fails_leaves_the_fastest_that_ran_without_a_replan(
                                       lambda: steps.append(None),
                                       (torch.OutOfMemoryError, ValueError))
     kept = 1 if failing == 2 else 0
-    assert failures == 1 and session.plan is plans[kept] and session._trial is None
+    assert failures == 1 and session.plan is plans[kept] and session.lifecycle.trial is None
     assert session.replans_used == 0 and not session.fell_back
     timed = "as made 5.0 ms a step" + (", other 1 4.0 ms a step" if failing == 2 else "")
     why = (f"the plan other {failing} ran out of device memory in its trial" if out_of_memory
@@ -464,7 +465,7 @@ def test_a_trial_times_each_plan_by_its_fastest_step(monkeypatch):
 
         def _stamp(self):    # seconds; a step's end mark advances by that plan's next tick
             session = self.session
-            if session._trial is not None and session.plan in plans:
+            if session.lifecycle.trial is not None and session.plan in plans:
                 self.now += 1e-3 * next(ticks[plans.index(session.plan)])
             else:
                 self.now += 1e-3
@@ -582,7 +583,7 @@ def test_a_plan_with_no_other_to_try_is_watched_for_flushes_alone(monkeypatch, f
     first = session.target
     train(model, data, session)
     lowered = [line for line in said if "it flushed the caching allocator's cache" in line]
-    assert session._trial is None
+    assert session.lifecycle.trial is None
     if not flushing:
         assert session.target == first and session.replans_used == 0 and not lowered
         assert [line for line in said if line.startswith("offload plan")] == said[:1]
@@ -613,7 +614,7 @@ def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeyp
         def flushes(self):   # read once at each watched step's end (steps: those ended)
             session = self.session
             step = session.steps - 1
-            if (session._lowered_target is None and session._trial is None
+            if (session.lifecycle._lowered_target is None and session.lifecycle.trial is None
                     and first_watched < step <= first_watched + flushing_steps
                     and step != getattr(self, "last", None)):
                 self.last, self.count = step, self.count + 1
@@ -632,7 +633,7 @@ def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeyp
                        f"3 steps, so planning for {session.target / 2**30:.2f} GiB"]
     assert session.target == first - int(0.05 * session.budget) and session.replans_used == 1
     assert said[-1].startswith("offload plan for") and "(planned for" in said[-1]
-    assert session._trial is None and session.plan.target == session.target
+    assert session.lifecycle.trial is None and session.plan.target == session.target
 
 
 @pytest.mark.parametrize("flush_after", [-1, 0, 3, None])
@@ -664,9 +665,9 @@ def test_a_flush_in_a_fetch_is_said_after_the_point_that_fetched(monkeypatch):
 
         def fetch(self, host, device, inline=False):
             session = self.session
-            if session._trial is not None and session.plan is plans[1]:
+            if session.lifecycle.trial is not None and session.plan is plans[1]:
                 self.count += 1
-                if session._trial.marks[1]:    # a timed step
+                if session.lifecycle.trial.marks[1]:    # a timed step
                     fetched_at.add(session._step.unpacks - 1)
             return super().fetch(host, device, inline)
 
@@ -732,7 +733,7 @@ def test_an_infeasible_lower_target_is_not_solved_again_at_every_watch(monkeypat
 
         def flushes(self):
             session = self.session
-            if session.plan is not None and session._trial is None \
+            if session.plan is not None and session.lifecycle.trial is None \
                     and session._step.unpacks == 0:
                 self.count += 1
             return self.count
@@ -740,15 +741,16 @@ def test_an_infeasible_lower_target_is_not_solved_again_at_every_watch(monkeypat
     session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
     link.session = session
     session.budget = int(saved_bytes(model, data) * 0.6)
-    real = session._plan_for
+    maker = session.lifecycle.maker
+    real = maker.plan_for
     first = session.target
 
-    def plan_for(target):
+    def plan_for(profile, target, explain=True):
         if target < first:
             solves.append(target)
             raise InfeasibleError("no plan (test)")
-        return real(target)
-    session._plan_for = plan_for
+        return real(profile, target, explain)
+    maker.plan_for = plan_for
     train(model, data, session)
     assert len(solves) == 1 and session.lowerings_left == 0
 
@@ -807,7 +809,7 @@ def test_no_target_below_one_without_a_plan_is_solved_after_less_headroom(monkey
     link.session = session
     train(model, data, session)
     assert solved == [planner.planning_target(4 * GiB, h) for h in (0.1, 0.05)]
-    assert session._trial is None and session.lowerings_left == 0
+    assert session.lifecycle.trial is None and session.lowerings_left == 0
     assert not [line for line in said if "flushed" in line]
 
 
@@ -851,31 +853,79 @@ def test_an_unmeetable_budget_solves_its_least_peak_once(monkeypatch):
     assert any("too small for this step" in line for line in said)
 
 
-@pytest.mark.parametrize("case", ["cliff", "no gain", "no room"])
-def test_a_lowering_after_flushes_stops_short_of_a_step_in_the_plans_time(monkeypatch, case):
-    # the plan for half the headroom lower (0.85 of the budget) moves much more than the one
-    # for a quarter lower (0.875), which still peaks below the plan that flushed: that one
-    # is made, unless it is not faster by LOWERING_MIN_GAIN or gives no room
-    budget = 1000 << 20
-    flushing = planner.OffloadPlan((KEEP,), 2, int(0.89 * budget), 85.0, 0)
-    quarter_peak = {"cliff": 0.87, "no gain": 0.87, "no room": 0.89}[case]
-    quarter_ms = {"cliff": 85.5, "no gain": 95.5, "no room": 85.5}[case]
-    solved = []
+# -- the plan cache -----------------------------------------------------------------------------
 
-    def plan_for(target, explain=True):
-        solved.append(target)
-        if target >= int(0.875 * budget):
-            return planner.OffloadPlan((KEEP,), 2, int(quarter_peak * budget), quarter_ms, 0)
-        return planner.OffloadPlan((OFFLOAD,), 2, int(0.84 * budget), 103.6, 800 << 20,
-                                   simulated_ms=100.0)
-    session = OffloadSession(budget, headroom=0.1)
-    lowerings = session.lowerings_left
-    monkeypatch.setattr(session, "_plan_for", plan_for)
-    lower = session._plan_below_flushes(flushing.peak)
-    assert solved == [int(0.9 * budget) - int(0.05 * budget),
-                      int(0.9 * budget) - int(0.05 * budget) + int(0.05 * budget) // 2]
-    if case == "cliff":
-        assert session.target == solved[1] and lower.step_ms == 85.5
-    else:
-        assert session.target == solved[0] and lower.moved_bytes == 800 << 20
-    assert session.lowerings_left == lowerings - 1
+def cached_run(model, data, cache, budget, **options):
+    """(session, lines said, gradients) of a run under ``cache`` (a PlanCache)."""
+    said = []
+    session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             say=said.append, plan_cache=cache, **options)
+    return session, said, train(model, data, session)
+
+
+def test_a_second_run_loads_the_plan_its_first_run_settled_on(tmp_path, monkeypatch):
+    from mucudnn.torch.plancache import PlanCache
+    # enough steps for the longest trial: the plan it keeps settles before the run ends
+    steps = planner.RECORD_STEPS + planner.TRIAL_PLANS * planner.TRIAL_STEPS + 2
+    model, data = small_cnn(torch.float64), batches(torch.float64, steps)
+    reference = train(copy.deepcopy(model), data)
+    budget = int(saved_bytes(model, data) * 0.6)
+    cache = PlanCache(tmp_path)
+    first, said, trained = cached_run(copy.deepcopy(model), data, cache, budget)
+    assert_bitwise(reference, trained)
+    assert first.plan is not None and first.lifecycle.trial is None
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert not any("plan cache" in line for line in said)
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("a cached run solves nothing")
+    monkeypatch.setattr(planner, "plan_with_prefetch", no_solve)
+    monkeypatch.setattr(planner, "trial_plans", no_solve)
+    trace = []
+    second, said, trained = cached_run(copy.deepcopy(model), data, PlanCache(tmp_path), budget,
+                                       trace=trace)
+    assert_bitwise(reference, trained)
+    assert said[0] == f"offload plan for {budget / GiB:.2f} GiB from the plan cache: " + \
+        f"{first.plan.describe()}"
+    assert second.plan == first.plan and second.modes == first.modes
+    assert second.kept_after_trial == first.kept_after_trial
+    # its first step ran the plan: each group packed in the plan's mode, none recorded
+    first_step = trace[:next(i for i, e in enumerate(trace) if e[0] == "unpack")]
+    packed = [e[2] for e in first_step if e[0] == "pack"]
+    assert packed == [m if g.offloadable or m != OFFLOAD else KEEP
+                      for m, g in zip(first.plan.modes, first.profile.groups)]
+    assert second.lifecycle.state in ("watching", "planned") and len(said) == 1
+
+
+def test_a_cached_plan_that_does_not_fit_the_first_step_records_anew(tmp_path):
+    from mucudnn.torch.plancache import PlanCache
+    model, data = small_cnn(torch.float64), batches(torch.float64, 4)
+    budget = int(saved_bytes(model, data) * 0.6)
+    cached_run(copy.deepcopy(model), data, PlanCache(tmp_path), budget, trials=False)
+    # the same script, another batch (each sample's activations: the groups are halved)
+    halves = [(x[:2], y[:2]) for x, y in data]
+    reference = train(copy.deepcopy(model), halves)
+    session, said, trained = cached_run(copy.deepcopy(model), halves, PlanCache(tmp_path),
+                                        budget, trials=False)
+    assert_bitwise(reference, trained)
+    assert said[0].startswith("offload plan for") and "from the plan cache" in said[0]
+    assert said[1].startswith("the cached offload plan does not fit this step: group 0: ")
+    assert said[1].endswith(" now (the batch changed?); recording anew")
+    # the mixed step is no recording: the two after it record, then the plan is made
+    assert said[2].startswith("offload plan for") and "plan cache" not in said[2]
+    # the plan made anew replaced the entry
+    stored = PlanCache(tmp_path).load(session._cache_key)
+    assert [g.nbytes for g in stored.profile.groups] == [g.nbytes for g in session.profile.groups]
+    assert session.plan is not None and session.lifecycle.state == "planned"
+
+
+def test_a_fall_back_forgets_the_cached_plan(tmp_path):
+    from mucudnn.torch.plancache import PlanCache
+    model, data = small_cnn(torch.float64), batches(torch.float64, 4)
+    budget = int(saved_bytes(model, data) * 0.6)
+    cache = PlanCache(tmp_path)
+    session, said, _ = cached_run(copy.deepcopy(model), data, cache, budget, trials=False)
+    assert cache.load(session._cache_key) is not None
+    session.lifecycle.replans_left = 0    # a planned step out of memory past its replans
+    session._apply(session.lifecycle.end_step(StepOutcome(OUT_OF_MEMORY)))
+    assert session.fell_back and cache.load(session._cache_key) is None

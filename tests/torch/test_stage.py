@@ -17,8 +17,8 @@ from torch import nn  # noqa: E402
 from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.planner import KEEP  # noqa: E402
-from mucudnn.torch.link import SameMemoryLink  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
+from mucudnn.torch.plan_runner import PlanMaker, StageCandidate  # noqa: E402
 from session_helpers import RecordingLink, train  # noqa: E402
 
 STEPS = 5   # two recording steps, three staged ones
@@ -143,23 +143,22 @@ def test_a_staged_forward_that_raises_leaves_grad_mode_on():
 
 
 def test_a_staged_plan_is_taken_where_the_plain_one_does_not_fit():
-    """_choose_stage on a profile whose block sets the floor: the plain plan has no room, the
-    staged one does."""
+    """The plan maker's choice of a stage (plan_runner.PlanMaker.choose_stage) on a profile whose
+    block sets the floor: the plain plan has no room, the staged one does."""
     from test_planner import staged_chain_profile
     MiB = 2**20
     profile = dataclasses.replace(staged_chain_profile(), d2h_gbps=1e-3, h2d_gbps=1e-3)
-    session = OffloadSession(budget=2**40, link=SameMemoryLink(), say=lambda text: None)
-    session.profile = profile
     modules = list(vgg_like()[0])[:5]
     stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 1, 3.0)
-    session._stage_candidates = [(stage, modules, vgg_like()[0], 8)]
+    candidate = StageCandidate(stage, 8, (modules, vgg_like()[0]))
     target = 30 * MiB
     with pytest.raises(InfeasibleError):
         planner.plan_with_prefetch(profile, target, 2, 5)
-    plan = session._choose_stage(target)
+    plan, chosen = PlanMaker(2, 20).choose_stage(profile, target, [candidate], True)
     assert plan is not None and plan.peak <= target
-    assert session.stage is not None and session.recorded_profile is profile
-    assert session.profile is not profile and len(plan.modes) == 3 and KEEP in plan.modes
+    assert chosen is not None and chosen[0].payload is candidate.payload
+    assert chosen[0].stage.chunks == min(planner.stage_chunks(profile, stage), 8)
+    assert chosen[1] is not profile and len(plan.modes) == 3 and KEEP in plan.modes
 
 
 def test_an_unknown_stage_value_is_one_clear_error():
