@@ -229,18 +229,22 @@ class PlanLifecycle:
         self._apply(self.lifecycle.start_cached(entry.plan, entry.profile,
                                                 kept_after_trial=entry.kept_after_trial))
 
-    def _check_cached_group(self, step: _Step, group: _Group) -> None:
-        """The first step under a cached plan: ``group``, first saved now, is checked against the
-        entry's signature; where it differs, the session records anew from the next step, this
-        group and the rest of this step offloaded as a recording step offloads them."""
+    def _check_cached_group(self, step: _Step, group: _Group, ended: bool = False) -> None:
+        """The first step under a cached plan: ``group``, first saved now (``ended``: at the
+        step's end), is checked against the entry's signature; where it differs, the session
+        records anew from the next step, this group and the rest of this step offloaded as a
+        recording step offloads them. A module that saves its own output (ReLU) finds its
+        recipe, and its name, when it returns (``late_recipe``): those are checked at the
+        step's end."""
         recipe, producer = UNCHECKED, None
-        if self.recorder.may_recompute(step, group.gid):
-            recipe = None if group.recipe is None else tuple(
-                source.gid for source in group.recipe.sources)
         if group.recipe is not None:
             # named from its recipe, as the recording named it (a group without one is named
             # from the calls a planned step may not record)
             producer = group.producer
+            if self.recorder.may_recompute(step, group.gid):
+                recipe = tuple(source.gid for source in group.recipe.sources)
+        elif ended and self.recorder.may_recompute(step, group.gid):
+            recipe = None
         reason = self._cached.signature.check_group(
             group.gid, group.nbytes, producer, group.offloadable, recipe)
         if reason is not None:
@@ -252,6 +256,11 @@ class PlanLifecycle:
             [g.last_unpack for g in step.groups])
         if reason is not None:
             self._not_cached(reason)
+            return
+        for group in step.groups:
+            self._check_cached_group(step, group, ended=True)
+            if self._cached is None:
+                return
 
     def _not_cached(self, reason: str) -> None:
         self._cached, self._offload_rest = None, True

@@ -929,3 +929,40 @@ def test_a_fall_back_forgets_the_cached_plan(tmp_path):
     session.lifecycle.replans_left = 0    # a planned step out of memory past its replans
     session._apply(session.lifecycle.end_step(StepOutcome(OUT_OF_MEMORY)))
     assert session.fell_back and cache.load(session._cache_key) is None
+
+
+def test_a_cached_plan_recomputing_what_a_module_saves_of_its_own_output_fits(tmp_path,
+                                                                               monkeypatch):
+    # a ReLU saves its own output before its forward hook names it: its recipe (and its name)
+    # come when it returns, so the first step under the cached plan checks them at its end
+    from mucudnn.torch.plancache import PlanCache
+    torch.manual_seed(0)
+    layers, width = [], 3
+    for out in (8, 8, 16):
+        layers += [nn.Conv2d(width, out, 3, padding=1), nn.BatchNorm2d(out), nn.ReLU()]
+        width = out
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(width, 10)).double()
+    data = batches(torch.float64, 6)
+    reference = train(copy.deepcopy(model), data)
+    real = planner.plan_with_prefetch
+
+    def recompute_all(profile, target, *args, **kwargs):   # every group with a recipe
+        plan = real(profile, 1 << 40, *args, **kwargs)
+        modes = tuple(RECOMPUTE if g.recompute_source else KEEP for g in profile.groups)
+        return dataclasses.replace(plan, modes=modes, releases=())
+    monkeypatch.setattr(planner, "plan_with_prefetch", recompute_all)
+    budget = saved_bytes(model, data)
+    first, _, _ = cached_run(copy.deepcopy(model), data, PlanCache(tmp_path), budget,
+                             trials=False)
+    relus = [g for g, m in zip(first.profile.groups, first.plan.modes)
+             if m == RECOMPUTE and g.producer == "ReLU"]
+    assert relus
+    trace = []
+    second, said, trained = cached_run(copy.deepcopy(model), data, PlanCache(tmp_path), budget,
+                                       trials=False, trace=trace)
+    assert_bitwise(reference, trained)
+    assert len(said) == 1 and "from the plan cache" in said[0]
+    first_step = trace[:next(i for i, e in enumerate(trace) if e[0] == "empty_cache" or
+                             (e[0] == "pack" and e[1] == 0 and i > 0))]
+    assert sum(e[0] == "recompute" for e in first_step) >= first.plan.count(RECOMPUTE)
