@@ -86,14 +86,16 @@ def lower_targets(budget: int) -> list[tuple[str, int]]:
 
 def fast_plans(recorded) -> dict[int, object]:
     """target -> the fast plan the session makes there (None: none) for each of
-    :func:`targets` and :func:`lower_targets` of ``recorded``'s budget: the session's plan
-    (:func:`profiles.replay`), each trial target's from it (the warm start
-    :func:`planner.trial_plans` gives), each smaller headroom's as the session makes it."""
+    :func:`targets` of ``recorded``'s budget, and of :func:`lower_targets` where the session's
+    target has no plan: the session's plan (:func:`profiles.replay`), each trial target's from
+    it (the warm start :func:`planner.trial_plans` gives), each smaller headroom's as the
+    session makes it."""
     profile, budget = recorded.profile, recorded.budget
     made = profiles.replay(profile, budget)
     start = made.plan.modes if made.plan is not None else None
     found = {}
-    for kind, target in targets(budget) + lower_targets(budget):
+    # the smaller headrooms' only where the session's target has none (as the session plans)
+    for kind, target in targets(budget) + lower_targets(budget) * (made.error is not None):
         if kind == "session" and made.error is None:
             found[target] = made.plan
             continue
@@ -217,7 +219,7 @@ def table() -> None:
         plans = fast_plans(recorded)
         for kind, target in targets(recorded.budget) + lower_targets(recorded.budget):
             entry = reference.get(key(name, row, target))
-            if entry is None and kind == "less headroom":
+            if target not in plans or (entry is None and kind == "less headroom"):
                 continue
             plan = plans[target]
             fast = (f"{plan.count('keep')}/{plan.count('offload')}/{plan.count('recompute')}"
