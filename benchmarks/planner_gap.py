@@ -217,10 +217,13 @@ def table() -> None:
         wall, _ = session_wall(recorded.profile, recorded.budget)
         label = name.replace("benchmarks/results/", "") + ("" if row is None else f" row {row}")
         plans = fast_plans(recorded)
+        shown = set()
         for kind, target in targets(recorded.budget) + lower_targets(recorded.budget):
             entry = reference.get(key(name, row, target))
-            if target not in plans or (entry is None and kind == "less headroom"):
+            if target not in plans or target in shown or (
+                    entry is None and kind == "less headroom"):
                 continue
+            shown.add(target)
             plan = plans[target]
             fast = (f"{plan.count('keep')}/{plan.count('offload')}/{plan.count('recompute')}"
                     if plan else "none")
