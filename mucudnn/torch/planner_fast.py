@@ -3,20 +3,26 @@
 The program is the same: one mode per saved group, :func:`planner.valid`, the modelled peak
 (:func:`planner.peak_memory`, with rebuilds where :func:`planner.rebuild_points` puts them)
 within the target, the least :func:`planner.step_time` (plus the ILP's tie term: less traffic).
-The method:
+The method (:func:`plan_modes`):
 
-1. **Construction.** From everything kept, the change of one group's mode that frees the most
-   excess memory (bytes above the target, summed over the step's points) per millisecond it adds
-   to the step, taken until nothing is above the target (a lazy greedy: a change's ratio is
-   evaluated again only when it comes to the top).
-2. **Improvement.** On a plan within the target: each moved group's change to a cheaper mode
-   where the plan stays within the target, and each such change paired with the cheapest other
-   change that brings the plan back within it, taken while they shorten the step.
-3. **Where the construction finds nothing to change** with memory still above the target, the
-   plan of the least peak (:func:`least_peak_modes`, itself a descent on the peak) is the start
-   where it fits, else the target is taken as infeasible (:class:`InfeasibleError` then says the
-   least peak the descent found; how near that comes to the ILP's least peak:
-   benchmarks/results/planning-time.md).
+1. **Construction** (:func:`construct`). From everything kept, the change (of one group's mode,
+   or of a group and one of its readers: :func:`changes_of`) that frees the most excess memory
+   (bytes above the target, summed over the step's points) per millisecond it adds to the step,
+   taken until nothing is above the target (a lazy greedy: a change's ratio is evaluated again
+   only when it comes to the top).
+2. **Improvement** (:func:`improve`). On a plan within the target: changes to a cheaper mode
+   that stay within it, and each such change paired with the cheapest other change that brings
+   the plan back within it (:func:`_cheapest_repair`), taken while they shorten the step.
+3. **Restarts**, the cheapest plan kept: from everything moved with the moves of the largest
+   saving taken back (:func:`drop`), weighed at the plan's marginal prices, rebuilt around each
+   of its dearest moves kept (:func:`_rebuilt_around`), with offloads capped at shares of the
+   link's bound (:data:`LINK_BOUND_SHARES`); on steps of more than :data:`COMPOUND_GROUPS`
+   groups only 1 and 2 (the planning time).
+4. **Where no construction meets the target** (from everything kept, or from everything moved)
+   the target is taken as infeasible: :class:`InfeasibleError` then says the least peak of
+   :func:`least_peak_modes` (a descent on the peak). There is no fall-back to the ILP: on the
+   committed profiles the fast planner had a plan wherever the ILP had one
+   (benchmarks/results/planning-time.md).
 
 Memory is kept as one array over the step's points (forward points, then backward points) and
 changed by intervals: a group's liveness in a mode is at most three intervals of points (a kept
@@ -455,9 +461,9 @@ REBUILD_ROUNDS = 2
 
 def _rebuilt_around(state: State, target: int) -> State:
     """``state`` or a cheaper plan: for each of its moved groups (the largest saving first, at
-    most :data:`REBUILDS`, fewer on larger steps), the plan with that group kept and everything else constructed and
-    improved around it (a move the local changes cannot undo alone: a covering of the peak by
-    other groups); the cheapest."""
+    most :data:`REBUILDS`, fewer on larger steps), the plan with that group kept and everything
+    else constructed and improved around it (a move the local changes cannot undo alone: a
+    covering of the peak by other groups); the cheapest."""
     layout = state.layout
     now = state.cost()
     moved = sorted((now - state.cost_after({i: KEEP}), i) for i in range(layout.g)
