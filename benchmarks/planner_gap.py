@@ -203,7 +203,8 @@ def repeated_profile(profile: planner.StepProfile, times: int) -> planner.StepPr
                         for t in profile.backward_clock])
 
 
-def table() -> None:
+def table(only: str | None = None) -> None:
+    """The table's rows (``only``: of the profiles whose path contains it)."""
     reference = json.loads(REFERENCE.read_text())["entries"]
     print("| profile | groups | budget GiB | target GiB | fast plan (kept/offloaded/recomputed) "
           "| fast step ms | ILP step ms (proven) | gap | session planning wall s (fast, with "
@@ -211,6 +212,8 @@ def table() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for name, row in committed_profiles():
+        if only and only not in name:
+            continue
         recorded = load(ROOT, name, row)
         if recorded is None:
             continue
@@ -296,7 +299,8 @@ def main(argv=None) -> None:
     ilp = sub.add_parser("ilp", help="compute the ILP reference (resumable)")
     ilp.add_argument("--time-limit", type=float, default=60.0)
     ilp.add_argument("--only", help="profiles whose path contains this")
-    sub.add_parser("table", help="the fast plans against the reference, as markdown")
+    tab = sub.add_parser("table", help="the fast plans against the reference, as markdown")
+    tab.add_argument("--only", help="profiles whose path contains this")
     syn = sub.add_parser("synthetic", help="the session's planning on a repeated profile")
     syn.add_argument("--profile", default=SHARED)
     syn.add_argument("--row", type=int)
@@ -309,7 +313,7 @@ def main(argv=None) -> None:
     if args.command == "ilp":
         run_ilp(args.time_limit, args.only)
     elif args.command == "table":
-        table()
+        table(args.only)
     elif args.command == "least":
         least_peaks(args.time_limit)
     else:

@@ -55,6 +55,13 @@ LINK_BOUND_SHARES = (1.5, 1.25, 1.0, 0.75, 0.5)
 #: this many groups the search would not fit the planning time (planning-time.md); the
 #: committed profiles, the 2 % test's, have at most 107
 COMPOUND_GROUPS = 200
+#: a target the constructions of one-group changes (from every start) all end more than this
+#: share above is taken as infeasible without the compound search and the restarts: near the
+#: least peak each rung of the prefetch ladder that fails would run them all. A heuristic, not a
+#: bound: where a target had a plan on the committed profiles, the one-group constructions
+#: that all failed ended at most 10.7 % above it; no plan changed with it
+#: (benchmarks/results/planning-time.md)
+NO_PLAN_OVER = 1.2
 #: the most improvement rounds (each a pass over the moved groups); a round that changes nothing
 #: ends the search earlier
 IMPROVE_ROUNDS = 8
@@ -439,24 +446,34 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
     that may be: memory near the least peak), and the improvement then brings back what the
     target has room for."""
     layout = Layout(profile, lookahead, prefetch_margin)
+    # the quick construction from ``start``: the same as the first of the full search's
+    failed = None
     if quick and start is not None:
         state = State(layout, start)
         if construct(state, target, compound=False):
             improve(state, target, compound=False)
             return state.modes
+        failed = state
     best = None
     compound = layout.g <= COMPOUND_GROUPS
     for compounds in (False, True)[:1 + compound]:
         starts = [[KEEP] * layout.g] + _moved_starts(layout)
         if start is not None:
             starts.insert(0, list(start))
-        for modes in starts:
+        least = None
+        for at, modes in enumerate(starts):
+            if not compounds and at == 0 and failed is not None:
+                least = failed.peak()
+                continue
             state = State(layout, modes)
             if construct(state, target, compound=compounds):
                 improve(state, target, compound=compound)
                 if best is None or state.cost() < best.cost():
                     best = state
                 break
+            least = state.peak() if least is None else min(least, state.peak())
+        if best is None and not compounds and least > target * NO_PLAN_OVER:
+            return None
     if compound:
         # from the other side: everything moved (within the target where anything is), the
         # moves of the largest saving taken back while the plan stays within it
