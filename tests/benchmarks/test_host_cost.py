@@ -18,7 +18,7 @@ from benchmarks import host_cost  # noqa: E402
 
 def test_dry_run_measures_every_configuration(tmp_path, capsys):
     host_cost.main(["--device", "cpu", "--cases", "tiny:2@256KiB", "--rounds", "2", "--steps",
-                    "1", "--settle-steps", "2", "--max-warmup-steps", "8", "--out",
+                    "1", "--settle-steps", "2", "--max-warmup-steps", "20", "--out",
                     str(tmp_path)])
     document = json.loads((tmp_path / "host_cost.json").read_text())
     [case] = document["cases"]
@@ -33,11 +33,12 @@ def test_dry_run_measures_every_configuration(tmp_path, capsys):
     assert {name: len(rows) for name, rows in samples.items()} == \
         {"pytorch": 2, "kept": 2, "mixed": 2, "recording": 2}
     assert {s["state"] for s in samples["pytorch"]} == {"none"}
-    assert {s["state"] for s in samples["kept"] + samples["mixed"]} == {"planned"}
+    # settled: the lifecycle's states of a plan in force after its trial
+    assert {s["state"] for s in samples["kept"] + samples["mixed"]} <= {"planned", "watching"}
     assert {s["state"] for s in samples["recording"]} == {"recording"}
     # the warm-up recorded before it planned
     warmup = [s["state"] for s in case["warmup"] if s["config"] == "mixed"]
-    assert warmup[0] == "recording" and warmup[-1] == "planned"
+    assert warmup[0] == "recording" and warmup[-1] in ("planned", "watching")
     for rows in samples.values():
         for s in rows:
             assert s["fwd_ms"] > 0 and s["bwd_ms"] > 0

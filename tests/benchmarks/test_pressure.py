@@ -497,7 +497,7 @@ def test_offload_is_minmems_and_warms_up_past_the_recording_steps(gpu, tmp_path,
 def test_the_offload_warmup_covers_mucudnn_torchs_recording_steps():
     pytest.importorskip("torch")
     from mucudnn.torch.offload_session import OffloadSession
-    recorded = OffloadSession(budget=1)._recordings_left   # a session's by default
+    recorded = OffloadSession(budget=1).lifecycle.record_steps   # a session's by default
     assert pressure.OFFLOAD_RECORD_STEPS == recorded
     # and the trial of up to TRIAL_PLANS plans (mucudnn.torch.planner.trial_plans), each
     # TRIAL_STEPS
