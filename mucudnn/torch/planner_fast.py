@@ -19,10 +19,11 @@ The method (:func:`plan_modes`):
    link's bound (:data:`LINK_BOUND_SHARES`); on steps of more than :data:`COMPOUND_GROUPS`
    groups only 1 and 2 (the planning time).
 4. **Where no construction meets the target** (from everything kept, or from everything moved)
-   the target is taken as infeasible: :class:`InfeasibleError` then says the least peak of
-   :func:`least_peak_modes` (a descent on the peak). There is no fall-back to the ILP: on the
-   committed profiles the fast planner had a plan wherever the ILP had one
-   (benchmarks/results/planning-time.md).
+   the target is taken as infeasible (without the compound constructions where the one-group
+   ones all end over :data:`NO_PLAN_OVER` times the target): :class:`InfeasibleError` then
+   says the least peak of :func:`least_peak_modes` (a descent on the peak). There is no
+   fall-back to the ILP: on the committed profiles the fast planner had a plan wherever the ILP
+   had one (benchmarks/results/planning-time.md).
 
 Memory is kept as one array over the step's points (forward points, then backward points) and
 changed by intervals: a group's liveness in a mode is at most three intervals of points (a kept
