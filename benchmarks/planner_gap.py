@@ -9,7 +9,7 @@ session's whole planning takes.
     .venv/bin/python benchmarks/planner_gap.py table > benchmarks/results/planner-gap.md
 
 The reference (``tests/data/planner_ilp_reference.json``) keeps, per profile and target, the
-ILP's :func:`planner.plan_with_prefetch` plan: its predicted step (``OffloadPlan.step_ms``, the
+ILP's :func:`planning.plan_with_prefetch` plan: its predicted step (``OffloadPlan.step_ms``, the
 program's objective), the prefetch rung it met the target at, and whether CBC proved it optimal
 (it stopped before its time limit). tests/torch/test_planner_fast.py holds the fast plan within
 :data:`GAP` of it.
@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from mucudnn.errors import MucudnnError  # noqa: E402
 from mucudnn.torch import planner, planner_ilp, profiles  # noqa: E402
+from mucudnn.torch import planning  # noqa: E402
 
 #: the profile beside the repository that issue 39 measures against (read in place)
 SHARED = "../shared/profiles/resnet50-n184-5GiB-h100.json"
@@ -88,7 +89,7 @@ def fast_plans(recorded) -> dict[int, object]:
     """target -> the fast plan the session makes there (None: none) for each of
     :func:`targets` of ``recorded``'s budget, and of :func:`lower_targets` where the session's
     target has no plan: the session's plan (:func:`profiles.replay`), each trial target's from
-    it (the warm start :func:`planner.trial_plans` gives), each smaller headroom's as the
+    it (the warm start :func:`planning.trial_plans` gives), each smaller headroom's as the
     session makes it."""
     profile, budget = recorded.profile, recorded.budget
     made = profiles.replay(profile, budget)
@@ -100,7 +101,7 @@ def fast_plans(recorded) -> dict[int, object]:
             found[target] = made.plan
             continue
         try:
-            found[target] = planner.plan_with_prefetch(
+            found[target] = planning.plan_with_prefetch(
                 profile, target, profiles.LOOKAHEAD, explain=False,
                 start=start if kind == "trial" else None)
         except MucudnnError:
@@ -113,10 +114,10 @@ def key(name: str, row: int | None, target: int) -> str:
 
 
 def plan_or_none(profile, target, method, time_limit_s=None):
-    """(plan or None, wall s) of :func:`planner.plan_with_prefetch` by ``method``."""
+    """(plan or None, wall s) of :func:`planning.plan_with_prefetch` by ``method``."""
     start = time.perf_counter()
     try:
-        plan = planner.plan_with_prefetch(profile, target, profiles.LOOKAHEAD, time_limit_s,
+        plan = planning.plan_with_prefetch(profile, target, profiles.LOOKAHEAD, time_limit_s,
                                           explain=False, method=method)
     except MucudnnError:
         plan = None
@@ -151,7 +152,7 @@ def run_ilp(time_limit_s: float, only: str | None) -> None:
                     continue
             if key(name, row, target) in entries:
                 continue
-            plan, wall = plan_or_none(recorded.profile, target, planner.ILP, time_limit_s)
+            plan, wall = plan_or_none(recorded.profile, target, planning.ILP, time_limit_s)
             entry = {"profile": name, "row": row, "kind": kind, "target": target,
                      "groups": len(recorded.profile.groups), "wall_s": round(wall, 2)}
             if plan is None:
@@ -281,13 +282,13 @@ def least_peaks(time_limit_s: float) -> None:
             continue
         profile = dataclasses.replace(recorded.profile, release_margin=0.0)
         found = {}
-        for method in (planner.FAST, planner.ILP):
+        for method in (planning.FAST, planning.ILP):
             start = time.perf_counter()
-            least = planner.least_peak(profile, 0, 0.0, method=method) \
-                if method == planner.FAST else planner.peak_memory(
+            least = planning.least_peak(profile, 0, 0.0, method=method) \
+                if method == planning.FAST else planner.peak_memory(
                     profile, planner_ilp.least_peak_modes(profile, 0, 0.0, time_limit_s), 0, 0.0)
             found[method] = (least, time.perf_counter() - start)
-        (fast, fast_s), (ilp, ilp_s) = found[planner.FAST], found[planner.ILP]
+        (fast, fast_s), (ilp, ilp_s) = found[planning.FAST], found[planning.ILP]
         label = name.replace("benchmarks/results/", "") + ("" if row is None else f" row {row}")
         print(f"| {label} | {len(profile.groups)} | {fast / 2**30:.3f} ({fast_s:.2f}) | "
               f"{ilp / 2**30:.3f} ({ilp_s:.2f}) | {(fast / ilp - 1) * 100:+.2f} % |", flush=True)

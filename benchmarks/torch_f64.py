@@ -9,7 +9,7 @@ initial weights, data and seed, as:
   it not bitwise equal, "bitwise" below would mean nothing on this machine);
 - ``offload`` / ``recompute``: ``OffloadSession(force="offload")`` / ``force="recompute"``;
 - ``budget@roomy``: ``mucudnn.torch.session(B)`` with room for everything: its recorded profile
-  gives the range plans choose in, from the least peak any plan reaches (``planner.least_peak``)
+  gives the range plans choose in, from the least peak any plan reaches (``planning.least_peak``)
   to the peak of keeping everything;
 - ``budget@F``: ``mucudnn.torch.session(B)``, B such that the plan's target, ``B * (1 - 0.1)`` (the
   session's default headroom), is the share F of the way down that range. ``--fractions``
@@ -526,10 +526,11 @@ def check_model(case: Case, *, stage: bool = False, fractions=FRACTIONS, rtol: f
         recording measured (workspace choices, the allocator) moves both, so each budget is
         taken from the last session that planned."""
         from mucudnn.torch import planner
+        from mucudnn.torch import planning
         if session is None or session.profile is None or session.plan is None:
             return 0, peak
         profile = session.profile
-        low = planner.least_peak(profile, session.lookahead)
+        low = planning.least_peak(profile, session.lookahead)
         high = planner.peak_memory(profile, [planner.KEEP] * len(profile.groups),
                                    session.lookahead)
         say(f"[{case.name}] the plans' range: least peak {low / 2**20:.1f} MiB, all kept "

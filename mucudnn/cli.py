@@ -751,7 +751,7 @@ def _percent(text: str, what: str) -> float:
               help="the planner: fast (the session's) or ilp (CBC: the reference, slower)")
 @click.option("--groups", is_flag=True, help="also a table of each saved group's mode")
 @click.option("--trials", is_flag=True,
-              help="also make the plans the session tries against it (planner.trial_plans), "
+              help="also make the plans the session tries against it (planning.trial_plans), "
                    "timed apart")
 def offload_plan(profile_path, budget, row, headroom, lookahead, time_limit, method, groups,
                  trials):

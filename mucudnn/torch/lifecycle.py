@@ -7,7 +7,7 @@ One controller, :class:`Lifecycle`, in one of these states (:attr:`Lifecycle.sta
   inline, fetched on demand); the profile is the last, each time the least any recorded;
 - ``planning``: the first plan is being made; each step meanwhile runs as the recording did
   (every saved tensor offloaded inline: it fits);
-- ``trial``: the plan made runs against the others :func:`planner.trial_plans` finds (each
+- ``trial``: the plan made runs against the others :func:`planning.trial_plans` finds (each
   :data:`planner.TRIAL_STEPS` steps; those others are made while the plan made runs), and the
   fastest that did not flush the caching allocator's cache stays (:meth:`Trial.kept`);
 - ``watching``: a plan in force; once :data:`planner.WATCH_FLUSHING` of its last
@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from . import planner
+
+from . import planning
 from .plan_runner import (FIRST, LOWER, REPLAN, TRIALS, InlineRunner, PlanMaker, PlanRequest,
                           PlanResult)
 from .planner import KEEP, OFFLOAD, OffloadPlan, StepProfile
@@ -250,7 +252,7 @@ class Lifecycle:
         self.modes = list(modes) if modes is not None else None
         self.fell_back = False
         #: how the plan in force was made, after a trial kept another than the one made
-        #: (:func:`planner.trial_plans`' label; None: as made)
+        #: (:func:`planning.trial_plans`' label; None: as made)
         self.kept_after_trial: str | None = None
         self.trial: Trial | None = None
         #: the plan in force after its trial: per planned step (the last WATCH_STEPS), whether

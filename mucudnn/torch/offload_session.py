@@ -59,6 +59,8 @@ import torch
 import torch.nn as nn
 
 from . import planner
+
+from . import planning
 from .compiled import refuse_if_compiling
 from .link import CudaLink, SameMemoryLink, dense
 from .planner import KEEP, OFFLOAD, RECOMPUTE
@@ -108,7 +110,7 @@ class OffloadSession(PlanLifecycle):
     (``min(target, modelled peak) - replan_step * budget``), at most ``replans`` times, each with
     one line; after that, or when no plan meets the lower target, every later step offloads every
     saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and
-    :func:`planner.trial_plans` finds others its simulation says are faster (made at other
+    :func:`planning.trial_plans` finds others its simulation says are faster (made at other
     copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
     allocator's cache (:meth:`.lifecycle.Trial.kept`), with one line (the plan made runs while

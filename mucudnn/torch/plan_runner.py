@@ -24,11 +24,13 @@ from dataclasses import dataclass, replace
 from ..errors import InfeasibleError, MucudnnError
 from ..sizes import describe_size
 from . import planner
+from . import planner_stage
+from . import planning
 from .planner import OffloadPlan, StepProfile
 
 #: the kinds of request
 FIRST = "first plan"        # the recorded profile's plan (its stage weighed; smaller headrooms)
-TRIALS = "trial plans"      # planner.trial_plans: the plans a trial runs against the one in force
+TRIALS = "trial plans"      # planning.trial_plans: the plans a trial runs against the one in force
 LOWER = "lower target"      # after flushes: the plan for half the headroom less (or a quarter)
 REPLAN = "replan"           # after a planned step ran out of memory: the plan for a lower target
 
@@ -39,7 +41,7 @@ class StageCandidate:
     chain's batch, and what the session needs to run it (``payload``: its modules and their
     container; opaque here)."""
 
-    stage: planner.Stage
+    stage: planner_stage.Stage
     batch: int
     payload: object = None
 
@@ -76,7 +78,7 @@ class PlanResult:
     #: the target ``plan`` was made for
     target: int | None = None
     #: FIRST: why the request's target had no plan (then ``plan``, where any, is for a smaller
-    #: headroom: :func:`planner.plan_with_less_headroom`)
+    #: headroom: :func:`planning.plan_with_less_headroom`)
     error: MucudnnError | None = None
     #: FIRST: the stage taken (its ``chunks`` set) and the profile plans are made on from now
     #: (the staged one; else the request's)
@@ -111,8 +113,8 @@ class PlanMaker:
 
     # --- the solves ------------------------------------------------------------------------
     def solve(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
-        """:func:`planner.plan_with_prefetch` for ``target`` (its errors as it raises them)."""
-        return planner.plan_with_prefetch(profile, target, self.lookahead, self.time_limit_s,
+        """:func:`planning.plan_with_prefetch` for ``target`` (its errors as it raises them)."""
+        return planning.plan_with_prefetch(profile, target, self.lookahead, self.time_limit_s,
                                           explain=explain)
 
     def plan_for(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
@@ -133,7 +135,7 @@ class PlanMaker:
     def _first(self, request: PlanRequest) -> PlanResult:
         """The plan for the request's target (a stage weighed first where the recording allows
         one: :meth:`choose_stage`); where none meets it, an :class:`InfeasibleError`'s smaller
-        headrooms (:func:`planner.plan_with_less_headroom`)."""
+        headrooms (:func:`planning.plan_with_less_headroom`)."""
         profile, target, plan, stage = request.profile, request.target, None, None
         if request.candidates:
             plan, chosen = self.choose_stage(profile, target, request.candidates, request.staging)
@@ -144,7 +146,7 @@ class PlanMaker:
         except MucudnnError as exc:   # infeasible, or CBC failed
             lower = None
             if request.budget is not None:
-                lower = planner.plan_with_less_headroom(
+                lower = planning.plan_with_less_headroom(
                     exc, request.budget, request.headroom,
                     lambda smaller: self.plan_for(profile, smaller, explain=False))
             return PlanResult(request, lower, lower.target if lower is not None else target,
@@ -155,8 +157,8 @@ class PlanMaker:
                      ) -> tuple[OffloadPlan | None, tuple | None]:
         """Whether a plan stages the leading chain (stage.py), weighed once on the recorded
         profile: the plain plan for ``target`` against each candidate's plan on its
-        :func:`planner.staged_profile` (its micro-batches :func:`planner.stage_chunks`). A staged
-        plan is taken where it is predicted faster by :data:`planner.STAGE_MIN_GAIN` or the
+        :func:`planner_stage.staged_profile` (its micro-batches :func:`planner_stage.stage_chunks`). A staged
+        plan is taken where it is predicted faster by :data:`planner_stage.STAGE_MIN_GAIN` or the
         plain one has none; where none has a plan, the candidate of the least peak, if lower
         than the plain profile's (its headroom is then lowered as ever). Returns (the plan taken,
         None: none meets ``target``; (the stage taken, its profile), None where none is)."""
@@ -168,24 +170,24 @@ class PlanMaker:
         plain = plan_on(profile)
         options = []
         for candidate in candidates:
-            chunks = planner.stage_chunks(profile, candidate.stage)
+            chunks = planner_stage.stage_chunks(profile, candidate.stage)
             if chunks is None or min(chunks, candidate.batch) < 2:
                 continue
             candidate = replace(candidate,
                                 stage=replace(candidate.stage, chunks=min(chunks, candidate.batch)))
-            staged = planner.staged_profile(profile, candidate.stage)
+            staged = planner_stage.staged_profile(profile, candidate.stage)
             options.append((plan_on(staged), staged, candidate))
         planned = [option for option in options if option[0] is not None]
         if planned:
             best = min(planned, key=lambda option: option[0].predicted_ms)
             if plain is not None and staging != "always" and \
-                    best[0].predicted_ms >= plain.predicted_ms * (1 - planner.STAGE_MIN_GAIN):
+                    best[0].predicted_ms >= plain.predicted_ms * (1 - planner_stage.STAGE_MIN_GAIN):
                 return plain, None
         elif plain is None and options:
-            peaks = [planner.least_peak(option[1], self.lookahead) for option in options]
+            peaks = [planning.least_peak(option[1], self.lookahead) for option in options]
             lowest = min(peaks)
             best = options[peaks.index(lowest)]
-            if lowest >= planner.least_peak(profile, self.lookahead) and staging != "always":
+            if lowest >= planning.least_peak(profile, self.lookahead) and staging != "always":
                 return None, None
         else:
             return plain, None
@@ -193,8 +195,8 @@ class PlanMaker:
         return plan, (candidate, staged)
 
     def trial_plans(self, request: PlanRequest) -> list:
-        """:func:`planner.trial_plans` for the request's plan (tests replace it)."""
-        return planner.trial_plans(request.profile, request.target, request.plan,
+        """:func:`planning.trial_plans` for the request's plan (tests replace it)."""
+        return planning.trial_plans(request.profile, request.target, request.plan,
                                    self.lookahead, self.time_limit_s, request.larger_budgets,
                                    keep_apart=request.keep_apart)
 

@@ -81,7 +81,8 @@ from ..errors import MucudnnError
 from ..settings import setting, user_cache_dir
 from ..sizes import format_size
 from . import profiles
-from .planner import MODES, OffloadPlan, Stage, StepProfile, profile_from_dict
+from .planner import MODES, OffloadPlan, StepProfile, profile_from_dict
+from .planner_stage import Stage
 
 #: the entry format this module writes and the only one it reads (a file's ``plan_cache_format``)
 FORMAT = 1
@@ -303,7 +304,7 @@ class CachedPlan:
     #: the recorded profile, where the plan stages (``profile`` is then the staged one)
     recorded_profile: StepProfile | None = None
     stage: Stage | None = None
-    #: how a trial's kept plan was made (``planner.trial_plans``' label; None: as made)
+    #: how a trial's kept plan was made (``planning.trial_plans``' label; None: as made)
     kept_after_trial: str | None = None
 
     @classmethod

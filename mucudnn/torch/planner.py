@@ -2,8 +2,8 @@
 the modelled peak memory within a budget (docs/torch.md, "The planner").
 
 This module is the model (pure Python, no torch): the runtime records a :class:`StepProfile`;
-here are its liveness, memory, step time and simulation. The choosers live beside it and are
-importable from here: planning.py (:func:`plan_offload`, :func:`plan_with_prefetch`,
+here are its liveness, memory, step time and simulation. The choosers live beside it and import
+it: planning.py (:func:`plan_offload`, :func:`plan_with_prefetch`,
 :func:`trial_plans`, :func:`polished`, :func:`least_peak`), planner_fast.py (the default
 method), planner_ilp.py (the ILP, CBC: the reference), planner_stage.py (staged steps).
 Everything is indexed by two clocks of one training step:
@@ -683,17 +683,3 @@ def peak_point(profile: StepProfile, modes: Sequence[str], lookahead: int,
         baseline = profile.floor(point)
         there[index] += nbytes
     return clock, point, baseline, sorted(((b, g) for g, b in there.items()), reverse=True)
-
-
-
-
-# The planning methods and staging live beside this model; every name the runtime, the
-# benchmarks and the tests use is importable from here (``planner.X``). Imported last: those
-# modules import the model above.
-from .planner_stage import (STAGE_CHUNKS, STAGE_ENDS, STAGE_MIN_GAIN, Stage,  # noqa: E402,F401
-                            _stage_peak, _stage_points, stage_chunks, staged_profile)
-from .planning import (FAST, ILP, METHODS, _infeasible, _least_peak_modes,  # noqa: E402,F401
-                       least_peak, plan_offload, plan_with_less_headroom, plan_with_prefetch,
-                       polished, trial_plans)
-
-from .planner_ilp import _chained_solve, _picked, _program, _solve  # noqa: E402,F401

@@ -40,6 +40,8 @@ from typing import Sequence
 import numpy as np
 
 from . import planner as model
+
+from . import planner_ilp
 from .planner import KEEP, OFFLOAD, RECOMPUTE, PREFETCH_MARGIN, StepProfile
 from .planner_memory import TIE_MS_PER_BYTE, Layout, State
 

@@ -64,12 +64,12 @@ def _chained_solve(profile: StepProfile, lookahead: int, budget: int | None, pre
     minutes, with worse plans.)"""
     problem, picks, _ = _program(profile, lookahead, budget, prefetch_margin)
     # through the planner module, where tests replace the solve
-    status = model._solve(problem, time_limit_s)
+    status = _solve(problem, time_limit_s)
     if status in ("Optimal", "Infeasible") or not any(
             len(points) > 1 for points in rebuild_candidates(profile)):
         return status, (_picked(picks) if status == "Optimal" else None)
     problem, picks, _ = _program(profile, lookahead, budget, prefetch_margin, chains=False)
-    fallback = model._solve(problem, time_limit_s)
+    fallback = _solve(problem, time_limit_s)
     if fallback == "Optimal":
         return fallback, _picked(picks)
     return status, None

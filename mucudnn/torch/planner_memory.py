@@ -18,6 +18,8 @@ from typing import Sequence
 import numpy as np
 
 from . import planner as model
+
+from . import planner_ilp
 from .planner import KEEP, OFFLOAD, RECOMPUTE, PREFETCH_MARGIN, StepProfile
 
 #: the ILP's tie term (planner_ilp.py): ms per byte moved or recomputed, far below any real time

@@ -6,8 +6,8 @@ the least peak and the error of a budget no plan meets.
 ``method``: :data:`FAST` (the default: milliseconds, within 2 % of the ILP's step on every
 committed profile: tests/torch/test_planner_fast.py) or :data:`ILP` (CBC, seconds to minutes;
 the reference). Functions that tests or callers replace are called through the planner module
-(``planner.plan_with_prefetch``, ``planner.polished``, ``planner.kept_apart``,
-``planner._least_peak_modes``), so a replacement there is seen here too."""
+(``plan_with_prefetch``, ``polished``, ``planner.kept_apart``,
+``_least_peak_modes``), so a replacement there is seen here too."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
             if target == budget and exposure == profile.copy_exposure:
                 continue
             try:
-                other = model.plan_with_prefetch(
+                other = plan_with_prefetch(
                     replace(profile, copy_exposure=exposure), target, lookahead, solve_s,
                     method=method, start=plan.modes, quick=exposure != profile.copy_exposure)
             except (InfeasibleError, SolverError):
@@ -184,7 +184,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
             # the simulated fastest of the target's plans, polished on the simulation
             label, fastest = min([("as made", plan)] + made,
                                  key=lambda entry: entry[1].simulated_ms)
-            better = model.polished(profile, fastest, solve_s, method=method)
+            better = polished(profile, fastest, solve_s, method=method)
             if better is not fastest and not any(_same_plan(better, seen) for seen in tried):
                 made.append((f"{label}, polished on its simulation", better))
         tried += [p for _, p in made]
@@ -276,7 +276,7 @@ def least_peak(profile: StepProfile, lookahead: int = 2,
                prefetch_margin: float = PREFETCH_MARGIN, method: str = FAST) -> int:
     """The smallest modelled peak any valid choice reaches, as ``method`` finds it (the fast
     method's is an upper bound: a descent, planner_fast.least_peak_modes)."""
-    modes = model._least_peak_modes(profile, lookahead, prefetch_margin, method)
+    modes = _least_peak_modes(profile, lookahead, prefetch_margin, method)
     return peak_memory(profile, modes, lookahead, prefetch_margin)
 
 
@@ -295,7 +295,7 @@ def _infeasible(profile: StepProfile, budget: int, lookahead: int,
     """The error of a budget no choice meets at ``lookahead``: the least peak any choice
     reaches, where, and what is there: the baseline (what the recorded step allocated beside its
     saved groups) and the largest saved groups (the least peak as ``method`` finds it)."""
-    modes = model._least_peak_modes(profile, lookahead, prefetch_margin, method)
+    modes = _least_peak_modes(profile, lookahead, prefetch_margin, method)
     least = peak_memory(profile, modes, lookahead, prefetch_margin)
     clock, point, baseline, saved = peak_point(profile, modes, lookahead, prefetch_margin)
     largest = ", ".join(f"group {g} ({profile.groups[g].producer or 'op'}, {modes[g]}, "

@@ -24,7 +24,9 @@ from pathlib import Path
 
 from ..errors import MucudnnError
 from . import planner
-from .planner import OffloadPlan, Stage, StepProfile, profile_from_dict
+from . import planning
+from .planner import OffloadPlan, StepProfile, profile_from_dict
+from .planner_stage import Stage
 
 #: the format ``OffloadSession.write_profile`` writes and the newest this module reads
 FORMAT = 2
@@ -134,9 +136,9 @@ class Replayed:
     plan: OffloadPlan | None
     #: why the headroom's target had no plan (None: it had one)
     error: MucudnnError | None
-    #: wall seconds of :func:`planner.plan_with_prefetch`, with the smaller headrooms tried
+    #: wall seconds of :func:`planning.plan_with_prefetch`, with the smaller headrooms tried
     plan_s: float
-    #: :func:`planner.trial_plans`' (label, plan), None where not asked for or there is no plan
+    #: :func:`planning.trial_plans`' (label, plan), None where not asked for or there is no plan
     trials: list[tuple[str, OffloadPlan]] | None = None
     trials_s: float | None = None
 
@@ -144,25 +146,25 @@ class Replayed:
 def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
            lookahead: int = LOOKAHEAD, time_limit_s: float | None = PLAN_TIME_LIMIT_S,
            trials: bool = False, keep_apart: bool = KEEP_APART,
-           method: str = planner.FAST) -> Replayed:
+           method: str = planning.FAST) -> Replayed:
     """The plan an :class:`OffloadSession` with these options makes for ``budget`` after
     recording ``profile`` (its first plan, before any step runs it): for
     :func:`planner.planning_target`, else, where no plan meets that (an
     :class:`InfeasibleError`), for the smaller headrooms of
-    :func:`planner.plan_with_less_headroom`; with ``trials``, the others the session would run
-    against it (:func:`planner.trial_plans`; for smaller headrooms too, unless the target was
+    :func:`planning.plan_with_less_headroom`; with ``trials``, the others the session would run
+    against it (:func:`planning.trial_plans`; for smaller headrooms too, unless the target was
     lowered). A solver's failure at the first target (a plan may exist) leaves no plan, as in
     the session. ``method``: the planner's (planning.py: the session's fast one, or the ILP)."""
     target = planner.planning_target(budget, headroom)
     error = None
     start = time.perf_counter()
     try:
-        plan = planner.plan_with_prefetch(profile, target, lookahead, time_limit_s,
+        plan = planning.plan_with_prefetch(profile, target, lookahead, time_limit_s,
                                           method=method)
     except MucudnnError as exc:
         error = exc
-        plan = planner.plan_with_less_headroom(
-            exc, budget, headroom, lambda lower: planner.plan_with_prefetch(
+        plan = planning.plan_with_less_headroom(
+            exc, budget, headroom, lambda lower: planning.plan_with_prefetch(
                 profile, lower, lookahead, time_limit_s, explain=False, method=method))
         if plan is not None:
             target = plan.target
@@ -171,7 +173,7 @@ def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
         return Replayed(budget, target, plan, error, plan_s)
     start = time.perf_counter()
     larger = planner.trial_budgets(budget, headroom) if error is None else ()
-    others = planner.trial_plans(profile, target, plan, lookahead, time_limit_s, larger,
+    others = planning.trial_plans(profile, target, plan, lookahead, time_limit_s, larger,
                                  keep_apart=keep_apart, method=method)
     return Replayed(budget, target, plan, error, plan_s, others, time.perf_counter() - start)
 

@@ -16,6 +16,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from . import planner
+
+from . import planner_stage
 from .compiled import refuse_if_compiling
 from .link import SameMemoryLink
 from .planner import KEEP, RECOMPUTE
@@ -499,7 +501,7 @@ class StepRecorder:
 
 
 def stage_candidates(step: _Step, link: SameMemoryLink, recompute_convolutions: bool) -> list:
-    """The stages recording ``step``'s leading chain allows (stage.py): (planner.Stage,
+    """The stages recording ``step``'s leading chain allows (stage.py): (planner_stage.Stage,
     its modules, their container, the batch)."""
     chain = step.chain
     # a staged chain reruns its convolutions, and sums its parameters' gradients over

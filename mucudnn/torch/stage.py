@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from ..errors import ChangedInPlaceError, inplace_message
 from . import planner
+from . import planner_stage
 
 #: per-sample, deterministic, no state changed by a forward: a slice of the batch in, that slice
 #: of the output out
@@ -138,9 +139,9 @@ class ChainRecorder:
             self.links.pop()
             self.open = False
 
-    def candidates(self, input_group: int | None, time_ms) -> list[tuple[planner.Stage, list]]:
-        """Stages ending at the chain's first :data:`planner.STAGE_ENDS` pooling layers that
-        saved groups: (planner.Stage with chunks to be chosen, its modules). ``input_group``:
+    def candidates(self, input_group: int | None, time_ms) -> list[tuple[planner_stage.Stage, list]]:
+        """Stages ending at the chain's first :data:`planner_stage.STAGE_ENDS` pooling layers that
+        saved groups: (planner_stage.Stage with chunks to be chosen, its modules). ``input_group``:
         the group the chain's input was saved as (None: none); ``time_ms(call)``: a call's
         compute time."""
         found = []
@@ -151,11 +152,11 @@ class ChainRecorder:
             saved_input = input_group is not None and first <= input_group < after
             if after - first - saved_input <= 0:   # it saved nothing but its input
                 continue
-            found.append((planner.Stage(
+            found.append((planner_stage.Stage(
                 end + 1, first, after, input_group, self.input_bytes, 1,
                 sum(time_ms(each.call) for each in self.links[:end + 1])),
                 [each.module for each in self.links[:end + 1]]))
-            if len(found) == planner.STAGE_ENDS:
+            if len(found) == planner_stage.STAGE_ENDS:
                 break
         return found
 
@@ -168,7 +169,7 @@ def _follows(parent: nn.Module, before: nn.Module, module: nn.Module) -> bool:
 class StagePlan:
     """A stage in force: its modules (weakly), the container that runs them, its micro-batches."""
 
-    def __init__(self, stage: planner.Stage, modules: list[nn.Module], parent: nn.Module):
+    def __init__(self, stage: planner_stage.Stage, modules: list[nn.Module], parent: nn.Module):
         self.stage = stage
         self._modules = [weakref.ref(module) for module in modules]
         self._parent = weakref.ref(parent)

@@ -489,9 +489,10 @@ def test_replay_plans_with_less_headroom_where_the_session_would(tmp_path, capsy
     # a budget whose 10 % headroom leaves no plan, and 5 % does: the error, then the plan the
     # session would make (planner.smaller_headrooms)
     from mucudnn.torch import planner
+    from mucudnn.torch import planning
     path = recorded_profile(tmp_path)
     profile = planner.profile_from_dict(json.loads(path.read_text())["profile"])
-    budget = int(planner.least_peak(profile, 0, 0.0) / 0.93)   # the ladder's last rung
+    budget = int(planning.least_peak(profile, 0, 0.0) / 0.93)   # the ladder's last rung
     with pytest.raises(SystemExit) as done:
         offload.main(["replay", str(path), "--budgets", str(budget), "--headroom", "0.1"])
     assert done.value.code == 0

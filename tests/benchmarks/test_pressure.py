@@ -499,7 +499,7 @@ def test_the_offload_warmup_covers_mucudnn_torchs_recording_steps():
     from mucudnn.torch.offload_session import OffloadSession
     recorded = OffloadSession(budget=1).lifecycle.record_steps   # a session's by default
     assert pressure.OFFLOAD_RECORD_STEPS == recorded
-    # and the trial of up to TRIAL_PLANS plans (mucudnn.torch.planner.trial_plans), each
+    # and the trial of up to TRIAL_PLANS plans (mucudnn.torch.planning.trial_plans), each
     # TRIAL_STEPS
     assert pressure.OFFLOAD_MIN_WARMUP >= recorded + pressure.TRIAL_PLANS * pressure.TRIAL_STEPS + 2
 

@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
 
 from mucudnn.torch import planner  # noqa: E402
+
+from mucudnn.torch import planning  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
 from mucudnn.torch.link import CudaLink, Transfer  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
@@ -137,7 +139,7 @@ def test_a_plan_under_a_budget_on_the_gpu_gives_the_same_gradients(dtype):
 
     def between(profile, target, explain=True):
         full = planner.peak_memory(profile, [KEEP] * len(profile.groups), 2)
-        least = planner.least_peak(profile)
+        least = planning.least_peak(profile)
         targets.append(int(least + (full - least) * 0.4))
         return plan_for(profile, targets[-1], explain)
 

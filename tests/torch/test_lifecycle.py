@@ -15,6 +15,7 @@ import pytest
 
 from mucudnn.errors import InfeasibleError, SolverError
 from mucudnn.torch import planner, profiles
+from mucudnn.torch import planner_stage
 from mucudnn.torch.lifecycle import (ABANDONED, AS_RECORDED, FAILED, FALLBACK, FIXED, MODES, OK,
                                      OUT_OF_MEMORY, PLANNED, PLANNING, RECORD, RECORDING,
                                      REPLANNING, TRIAL, UNPLANNED, WATCHING, Lifecycle,
@@ -517,7 +518,7 @@ def test_a_fixed_plan_changes_nothing_until_a_budgeted_step_runs_out_of_memory()
 
 def test_a_stage_taken_makes_the_staged_profile_the_one_planned_on():
     staged = profile(3)
-    stage = planner.Stage(modules=2, first_group=0, end_group=2, input_group=0,
+    stage = planner_stage.Stage(modules=2, first_group=0, end_group=2, input_group=0,
                           input_bytes=MiB, chunks=4, forward_ms=1.0)
 
     class Staging(TableMaker):

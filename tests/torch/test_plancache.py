@@ -16,6 +16,8 @@ import pytest
 from mucudnn import settings
 from mucudnn.errors import MucudnnError
 from mucudnn.torch import planner, plancache, profiles
+from mucudnn.torch import planner_stage
+from mucudnn.torch import planning
 from mucudnn.torch.plancache import CachedPlan, PlanCache, PlanKey, StepSignature
 from mucudnn.torch.planner import SavedGroup, StepProfile
 
@@ -45,17 +47,17 @@ def key(budget: int = 8 * GiB, options=None, **fields) -> PlanKey:
 
 def entry(target: int = 4 * GiB) -> CachedPlan:
     profile = chain()
-    plan = planner.plan_with_prefetch(profile, target, 2, 20)
+    plan = planning.plan_with_prefetch(profile, target, 2, 20)
     return CachedPlan.make(dataclasses.replace(plan, keep_apart=True), profile,
                            kept_after_trial="at copy exposure 0.2")
 
 
 def staged_entry() -> CachedPlan:
     recorded = chain()
-    stage = planner.Stage(modules=3, first_group=0, end_group=3, input_group=0,
+    stage = planner_stage.Stage(modules=3, first_group=0, end_group=3, input_group=0,
                           input_bytes=GiB, chunks=2, forward_ms=5.0)
-    staged = planner.staged_profile(recorded, stage)
-    plan = planner.plan_with_prefetch(staged, 4 * GiB, 2, 20)
+    staged = planner_stage.staged_profile(recorded, stage)
+    plan = planning.plan_with_prefetch(staged, 4 * GiB, 2, 20)
     return CachedPlan.make(plan, staged, recorded_profile=recorded, stage=stage)
 
 

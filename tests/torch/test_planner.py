@@ -8,10 +8,12 @@ import pytest
 
 from mucudnn.errors import InfeasibleError
 from mucudnn.torch import planner
+from mucudnn.torch import planner_stage
+from mucudnn.torch import planning
+from mucudnn.torch import planner_ilp
 from mucudnn.sizes import describe_size
-from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force,
-                                   least_peak, memory_at_points, peak_memory, plan_offload,
-                                   plan_with_prefetch, step_time, valid)
+from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE, SavedGroup, StepProfile, brute_force, memory_at_points, peak_memory, step_time, valid
+from mucudnn.torch.planning import least_peak, plan_offload, plan_with_prefetch
 
 MiB = 2**20
 
@@ -419,13 +421,13 @@ def test_a_chained_program_with_no_plan_in_time_falls_back_to_rebuilds_at_first_
     # without them (every group rebuilt at its first unpack) then gives the plan
     profile = chain_profile([8 * MiB] * 6, recompute_every=1, seed=3)
     assert any(len(points) > 1 for points in planner.rebuild_candidates(profile))
-    solve, calls = planner._solve, []
+    solve, calls = planner_ilp._solve, []
 
     def first_finds_nothing(problem, time_limit_s):
         calls.append(problem)
         return "Not Solved / No Solution Found" if len(calls) == 1 else solve(problem, time_limit_s)
 
-    monkeypatch.setattr(planner, "_solve", first_finds_nothing)
+    monkeypatch.setattr(planner_ilp, "_solve", first_finds_nothing)
     budget = int(peak_memory(profile, [KEEP] * 6, 2) * 0.7)
     plan = plan_offload(profile, budget, method="ilp")
     assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
@@ -459,9 +461,9 @@ def test_the_programs_rebuild_points_are_the_runtimes(seed):
     sizes = [rng.randint(1, 16) * MiB for _ in range(8)]
     profile = chain_profile(sizes, recompute_every=1, seed=seed, baseline=MiB, sources=2)
     budget = (peak_memory(profile, [KEEP] * 8, 2) + least_peak(profile)) // 2
-    problem, picks, _ = planner._program(profile, 2, budget)
-    assert planner._solve(problem, 60) == "Optimal"
-    modes = planner._picked(picks)
+    problem, picks, _ = planner_ilp._program(profile, 2, budget)
+    assert planner_ilp._solve(problem, 60) == "Optimal"
+    modes = planner_ilp._picked(picks)
     rebuilt = planner.rebuild_points(profile, modes)
     chosen = {int(v.name.split("_")[1]): int(v.name.split("_")[2]) for v in problem.variables()
               if v.name.startswith("r_") and (v.varValue or 0) > 0.5}
@@ -472,8 +474,8 @@ def test_an_infeasible_budget_solves_for_the_least_peak_once(monkeypatch):
     # each rung of the prefetch ladder fails; only the last one explains (its least peak), since
     # that program can take its whole time limit
     profile = chain_profile([8 * MiB] * 5, recompute_every=2, baseline=4 * MiB)
-    least, calls = planner._least_peak_modes, []
-    monkeypatch.setattr(planner, "_least_peak_modes",
+    least, calls = planning._least_peak_modes, []
+    monkeypatch.setattr(planning, "_least_peak_modes",
                         lambda *args: calls.append(args) or least(*args))
     with pytest.raises(InfeasibleError, match="at least"):
         plan_with_prefetch(profile, budget=least_peak(profile, 0, 0.0) - 1)
@@ -484,7 +486,7 @@ def test_an_infeasible_budget_solves_for_the_least_peak_once(monkeypatch):
 def test_a_rung_where_cbc_finds_no_plan_in_time_goes_on_to_prefetch_less(monkeypatch):
     profile = chain_profile([8 * MiB] * 6, recompute_every=2, baseline=2 * MiB)
     budget = (peak_memory(profile, [KEEP] * 6, 2) + least_peak(profile, 0, 0.0)) // 2
-    solve, calls = planner._solve, []
+    solve, calls = planner_ilp._solve, []
 
     def nothing_at_first(problem, time_limit_s):
         calls.append(problem)
@@ -492,7 +494,7 @@ def test_a_rung_where_cbc_finds_no_plan_in_time_goes_on_to_prefetch_less(monkeyp
             return "Not Solved / No Solution Found"
         return solve(problem, time_limit_s)
 
-    monkeypatch.setattr(planner, "_solve", nothing_at_first)
+    monkeypatch.setattr(planner_ilp, "_solve", nothing_at_first)
     plan = plan_with_prefetch(profile, budget, method="ilp")
     assert not any(len(p) > 1 for p in planner.rebuild_candidates(profile))
     assert len(calls) == 2 and plan.peak <= budget and valid(profile, plan.modes)
@@ -563,7 +565,7 @@ def test_trial_plans_offer_a_larger_budgets_plan_where_copies_queue():
     # 27 ms; 350 MB gives the same plan, tried once
     profile = queued_copies_profile()
     made = plan_with_prefetch(profile, 250 * 10**6)
-    tried = planner.trial_plans(profile, 250 * 10**6, made,
+    tried = planning.trial_plans(profile, 250 * 10**6, made,
                                 larger_budgets=[350 * 10**6, 300 * 10**6])
     assert [label for label, _ in tried] == [
         f"made at copy exposure 0.6 for {300 * 10**6 / 2**30:.2f} GiB"]
@@ -571,7 +573,7 @@ def test_trial_plans_offer_a_larger_budgets_plan_where_copies_queue():
     assert plan.modes == (OFFLOAD, KEEP, KEEP, KEEP) and plan.peak <= 300 * 10**6
     assert plan.simulated_ms == pytest.approx(27.0)
     # without a larger budget nothing beats it: at exposures 0 and 0.2 the same two groups go
-    assert planner.trial_plans(profile, 250 * 10**6, made) == []
+    assert planning.trial_plans(profile, 250 * 10**6, made) == []
 
 
 def _fake_plan(name, simulated_ms, moved=MiB):
@@ -585,24 +587,24 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     times = {(0.0, 10): 95.0, (0.2, 10): 97.0,                   # the same budget: 95 is tried
              (0.6, 20): 99.0, (0.0, 20): 94.7, (0.2, 20): 96.0,  # 0.3 % faster: not tried
              (0.6, 30): 91.0, (0.0, 30): 90.0, (0.2, 30): 92.0}  # the largest: 90
-    monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, *args, **kwargs: (
+    monkeypatch.setattr(planning, "plan_with_prefetch", lambda p, budget, *args, **kwargs: (
         _fake_plan(f"{p.copy_exposure}@{budget}", times[(p.copy_exposure, budget)])))
-    tried = planner.trial_plans(profile, 10, made, larger_budgets=[30, 20, 5])
+    tried = planning.trial_plans(profile, 10, made, larger_budgets=[30, 20, 5])
     assert [(label, plan.simulated_ms) for label, plan in tried] == [
         ("made at copy exposure 0", 95.0),
         (f"made at copy exposure 0 for {30 / 2**30:.2f} GiB", 90.0)]
     # at most TRIAL_MADE, one a budget, in the order of the budgets
     times.update({(0.0, 20): 93.0, (0.6, 40): 80.0, (0.0, 40): 85.0, (0.2, 40): 85.0})
-    tried = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40])
+    tried = planning.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40])
     assert [plan.simulated_ms for _, plan in tried] == [95.0, 93.0, 90.0][:planner.TRIAL_MADE]
     # keep_apart: last, the simulated fastest of them again, run with its small kept groups
     # apart (the same choices, told apart only by how the runtime runs them), where it has any
-    assert planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40],
+    assert planning.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40],
                                keep_apart=True) == tried    # these fake plans keep nothing
     monkeypatch.setattr(planner, "kept_apart", lambda profile, modes: [0])
-    apart = planner.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40], keep_apart=True)
+    apart = planning.trial_plans(profile, 10, made, larger_budgets=[20, 30, 40], keep_apart=True)
     monkeypatch.undo()
-    monkeypatch.setattr(planner, "plan_with_prefetch", lambda p, budget, *args, **kwargs: (
+    monkeypatch.setattr(planning, "plan_with_prefetch", lambda p, budget, *args, **kwargs: (
         _fake_plan(f"{p.copy_exposure}@{budget}", times[(p.copy_exposure, budget)])))
     assert [p for _, p in apart[:-1]] == [p for _, p in tried]
     assert not any(p.keep_apart for _, p in apart[:-1])
@@ -613,20 +615,20 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     # none faster than the plan made: none tried; one already made: not again
     for key in times:
         times[key] += 20
-    assert planner.trial_plans(profile, 10, made, larger_budgets=[20]) == []
-    monkeypatch.setattr(planner, "plan_with_prefetch",
+    assert planning.trial_plans(profile, 10, made, larger_budgets=[20]) == []
+    monkeypatch.setattr(planning, "plan_with_prefetch",
                         lambda p, budget, *args, **kwargs: _fake_plan("made", 50.0))
-    assert planner.trial_plans(profile, 10, made, larger_budgets=[20]) == []
+    assert planning.trial_plans(profile, 10, made, larger_budgets=[20]) == []
     # a plan that moves nothing is tried against nothing; a budget the solver cannot meet is
     # skipped
-    assert planner.trial_plans(profile, 10, _fake_plan("kept", 100.0, moved=0)) == []
+    assert planning.trial_plans(profile, 10, _fake_plan("kept", 100.0, moved=0)) == []
 
     def infeasible_at_zero(p, budget, lookahead, limit, **kwargs):
         if p.copy_exposure == 0.0:
             raise InfeasibleError("no plan")
         return _fake_plan("at 0.2", 80.0)
-    monkeypatch.setattr(planner, "plan_with_prefetch", infeasible_at_zero)
-    assert [label for label, _ in planner.trial_plans(profile, 10, made)] == [
+    monkeypatch.setattr(planning, "plan_with_prefetch", infeasible_at_zero)
+    assert [label for label, _ in planning.trial_plans(profile, 10, made)] == [
         "made at copy exposure 0.2"]
 
 
@@ -647,16 +649,16 @@ def slow_offload_plan():
 
 def test_polished_takes_changes_the_simulation_finds_faster_within_the_target():
     profile, slow = slow_offload_plan()
-    better = planner.polished(profile, slow)
+    better = planning.polished(profile, slow)
     assert better.modes == (KEEP, RECOMPUTE, KEEP, KEEP)
     assert better.simulated_ms < slow.simulated_ms and better.peak <= 24 * MiB
     assert better.target == 24 * MiB
     # the program's own plan is already the best of its neighbours here; a plan of unknown
     # target is left as it is
     made = plan_offload(profile, budget=24 * MiB)
-    assert planner.polished(profile, made) is made
+    assert planning.polished(profile, made) is made
     unknown = dataclasses.replace(slow, target=0)
-    assert planner.polished(profile, unknown) is unknown
+    assert planning.polished(profile, unknown) is unknown
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -665,7 +667,7 @@ def test_polished_plans_stay_valid_within_target_and_no_one_change_beats_them(se
                                                 recompute_every=2, seed=seed), copy_exposure=0.6)
     total = sum(g.nbytes for g in profile.groups)
     made = plan_offload(profile, budget=total * 2 // 3)
-    better = planner.polished(profile, made, time_limit_s=None)
+    better = planning.polished(profile, made, time_limit_s=None)
     assert valid(profile, better.modes) and better.peak <= made.target
     assert better.simulated_ms <= made.simulated_ms
     for index, group in enumerate(profile.groups):
@@ -682,8 +684,8 @@ def test_trial_plans_try_the_plan_made_polished_on_its_simulation(monkeypatch):
 
     def infeasible(*args, **kwargs):
         raise InfeasibleError("no plan")
-    monkeypatch.setattr(planner, "plan_with_prefetch", infeasible)
-    tried = planner.trial_plans(profile, 24 * MiB, slow)
+    monkeypatch.setattr(planning, "plan_with_prefetch", infeasible)
+    tried = planning.trial_plans(profile, 24 * MiB, slow)
     assert [(label, plan.modes) for label, plan in tried] == [
         ("as made, polished on its simulation", (KEEP, RECOMPUTE, KEEP, KEEP))]
 
@@ -776,8 +778,8 @@ def staged_chain_profile(late_reader: bool = False):
 
 def test_a_staged_profile_drops_the_chains_groups_and_backward_points():
     profile = staged_chain_profile()
-    stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
-    staged = planner.staged_profile(profile, stage)
+    stage = planner_stage.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
+    staged = planner_stage.staged_profile(profile, stage)
     assert [g.nbytes for g in staged.groups] == [1 * MiB, 2 * MiB, 2 * MiB]
     inputs, pooled, after = staged.groups
     # the input is read once, at the staged backward's one point, the last
@@ -800,9 +802,9 @@ def test_a_staged_profile_drops_the_chains_groups_and_backward_points():
 
 def test_a_chain_whose_backward_is_not_the_last_is_not_staged():
     profile = staged_chain_profile(late_reader=True)
-    stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
-    assert planner.staged_profile(profile, stage) is None
-    assert planner.stage_chunks(profile, stage) is None
+    stage = planner_stage.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
+    assert planner_stage.staged_profile(profile, stage) is None
+    assert planner_stage.stage_chunks(profile, stage) is None
 
 
 def test_an_input_the_chain_did_not_save_is_a_new_group():
@@ -813,7 +815,7 @@ def test_an_input_the_chain_did_not_save_is_a_new_group():
             s - 1 for s in g.recompute_source) if g.recompute_source else None)
             for g in recorded.groups[1:]],
         baseline_forward=recorded.baseline_forward[1:], forward_clock=recorded.forward_clock[1:])
-    staged = planner.staged_profile(profile, planner.Stage(4, 0, 2, None, 3 * MiB, 2, 3.0))
+    staged = planner_stage.staged_profile(profile, planner_stage.Stage(4, 0, 2, None, 3 * MiB, 2, 3.0))
     assert [g.nbytes for g in staged.groups] == [3 * MiB, 2 * MiB, 2 * MiB]
     assert (staged.groups[0].first_unpack, staged.groups[0].last_unpack) == (2, 2)
     assert staged.groups[2].recompute_source == (1,)
@@ -821,9 +823,9 @@ def test_an_input_the_chain_did_not_save_is_a_new_group():
 
 def test_the_fewest_chunks_that_leave_the_stage_below_the_rest_of_the_backward():
     profile = staged_chain_profile()
-    stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
+    stage = planner_stage.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)
     # floor 4 MiB, 36 MiB at most: a chunk of 2 holds 20 MiB, of 4 12 MiB, of 8 8 MiB; the rest
     # of the backward holds 4 MiB at most: none fits, so the most
-    assert planner.stage_chunks(profile, stage) == planner.STAGE_CHUNKS[-1]
+    assert planner_stage.stage_chunks(profile, stage) == planner_stage.STAGE_CHUNKS[-1]
     roomy = dataclasses.replace(profile, baseline_backward=[13 * MiB] + profile.baseline_backward[1:])
-    assert planner.stage_chunks(roomy, stage) == 4
+    assert planner_stage.stage_chunks(roomy, stage) == 4

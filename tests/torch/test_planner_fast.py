@@ -17,8 +17,9 @@ import pytest
 from benchmarks.planner_gap import GAP, REFERENCE, fast_plans, key, repeated_profile
 from mucudnn.errors import InfeasibleError
 from mucudnn.torch import planner, planner_fast, profiles
-from mucudnn.torch.planner import (KEEP, OFFLOAD, RECOMPUTE, brute_force, least_peak,
-                                   memory_at_points, peak_memory, plan_offload, valid)
+from mucudnn.torch import planning
+from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE, brute_force, memory_at_points, peak_memory, valid
+from mucudnn.torch.planning import least_peak, plan_offload
 from test_planner import MiB, chain_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +139,7 @@ def test_the_fast_least_peak_is_reached_and_near_the_ilps(seed):
     profile = chain_profile(sizes, recompute_every=rng.choice([1, 2]), seed=seed,
                             baseline=rng.randint(0, 32) * MiB, sources=rng.choice([1, 2]))
     for lookahead in (2, 0):
-        modes = planner._least_peak_modes(profile, lookahead)
+        modes = planning._least_peak_modes(profile, lookahead)
         fast = peak_memory(profile, modes, lookahead)
         ilp = least_peak(profile, lookahead, method="ilp")
         assert valid(profile, modes) and ilp <= fast <= ilp * (1 + GAP)
@@ -185,6 +186,6 @@ def test_a_repeated_profile_plans_within_its_budget_with_every_mode():
     profile = repeated_profile(recorded.profile, 3)
     assert len(profile.groups) == 3 * len(recorded.profile.groups)
     target = peak_memory(profile, [KEEP] * len(profile.groups), 2) * 6 // 10
-    plan = planner.plan_with_prefetch(profile, target)
+    plan = planning.plan_with_prefetch(profile, target)
     assert plan.peak <= target and valid(profile, plan.modes)
     assert plan.count(OFFLOAD) and plan.count(RECOMPUTE)

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from mucudnn.cli import main
 from mucudnn.errors import MucudnnError
 from mucudnn.torch import planner, profiles
+from mucudnn.torch import planning
 from mucudnn.torch.planner import SavedGroup, StepProfile
 
 GiB = 2**30
@@ -145,7 +146,7 @@ def test_a_replay_plans_for_the_budget_less_its_headroom():
 
 def test_a_replay_falls_back_to_smaller_headrooms_as_the_session_does():
     profile = chain()
-    budget = int(planner.least_peak(profile, 0, 0.0) / 0.93)   # the ladder's last rung
+    budget = int(planning.least_peak(profile, 0, 0.0) / 0.93)   # the ladder's last rung
     done = profiles.replay(profile, budget, headroom=0.1)
     assert isinstance(done.error, MucudnnError) and "too small for this step" in str(done.error)
     assert done.target == planner.planning_target(budget, 0.05) == done.plan.target
@@ -156,7 +157,7 @@ def test_a_replay_with_trials_makes_the_sessions_other_plans():
     profile = profiles.load_profile(COMMITTED).profile
     done = profiles.replay(profile, 4831838208, trials=True)
     assert done.plan.moved_bytes and done.trials_s is not None
-    assert done.trials == planner.trial_plans(
+    assert done.trials == planning.trial_plans(
         profile, done.target, done.plan, profiles.LOOKAHEAD, profiles.PLAN_TIME_LIMIT_S,
         [planner.planning_target(4831838208, 0.1 * share)
          for share in planner.TRIAL_HEADROOM_SHARES], keep_apart=True)
@@ -200,7 +201,7 @@ def test_offload_plan_options_and_trials(tmp_path):
 
 def test_offload_plan_says_the_smaller_headroom_it_planned_for(tmp_path):
     profile = chain()
-    budget = int(planner.least_peak(profile, 0, 0.0) / 0.93)
+    budget = int(planning.least_peak(profile, 0, 0.0) / 0.93)
     result = invoke(write(tmp_path, document(profile)), "--budget", budget)
     assert result.exit_code == 0, result.output
     out = result.stdout.splitlines()

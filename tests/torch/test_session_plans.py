@@ -16,6 +16,7 @@ from torch import nn  # noqa: E402
 
 from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
+from mucudnn.torch import planning  # noqa: E402
 from mucudnn.torch.lifecycle import OUT_OF_MEMORY, StepOutcome  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
@@ -59,7 +60,7 @@ def test_each_plan_writes_the_profile_it_was_made_from(tmp_path):
     assert document["release_margin"] == session.plan.release_margin
     # the planner replays on it off the GPU: the same plan, released at the same points
     profile = planner.profile_from_dict(document["profile"])
-    replayed = planner.plan_with_prefetch(profile, document["target"], session.lookahead)
+    replayed = planning.plan_with_prefetch(profile, document["target"], session.lookahead)
     assert (replayed.modes, list(replayed.releases)) == (session.plan.modes, document["releases"])
 
 
@@ -189,7 +190,7 @@ def test_after_the_fall_back_flushes_bring_no_plan_back(monkeypatch):
     # every planned step runs out of memory: two replans, then the fall-back (everything
     # offloaded); the caching allocator then flushes in every step, and the watch of a plan kept
     # after its trial does not make a plan for less in place of the fall-back
-    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
     model, data = small_cnn(torch.float32), batches(torch.float32, 5 + 2 * planner.WATCH_STEPS)
     said, steps = [], []
     link = flushing_while(MeteredLink, lambda link: session.fell_back)
@@ -251,7 +252,7 @@ def test_groups_a_plan_moves_but_the_step_keeps_are_one_line():
 
 
 def fake_trial_plans(monkeypatch, others: int = 1, larger: list | None = None) -> list:
-    """planner.trial_plans replaced: ``others`` plans, the ``k``-th the plan made with its
+    """planning.trial_plans replaced: ``others`` plans, the ``k``-th the plan made with its
     ``k``-th moved or recomputed group kept instead. The list it returns receives [the plan
     made, those] once the session plans; ``larger``, the larger budgets it was given."""
     plans = []
@@ -266,7 +267,7 @@ def fake_trial_plans(monkeypatch, others: int = 1, larger: list | None = None) -
             modes[changed[k]] = KEEP
             plans.append(dataclasses.replace(plan, modes=tuple(modes)))
         return [(f"other {k + 1}", other) for k, other in enumerate(plans[1:])]
-    monkeypatch.setattr(planner, "trial_plans", made)
+    monkeypatch.setattr(planning, "trial_plans", made)
     return plans
 
 
@@ -317,7 +318,7 @@ def test_a_plan_of_the_same_modes_still_starts_with_the_cache_emptied(monkeypatc
     # the trial's other plan differs from the plan made only in how far ahead it fetches
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 1)
-    monkeypatch.setattr(planner, "trial_plans", lambda profile, budget, plan, *rest, **named: [
+    monkeypatch.setattr(planning, "trial_plans", lambda profile, budget, plan, *rest, **named: [
         ("further ahead", dataclasses.replace(plan, lookahead=plan.lookahead + 1))])
     trace = []
     session = OffloadSession(budget=1, link=RecordingLink(), min_bytes=0, headroom=0.0,
@@ -356,9 +357,9 @@ def test_no_trial_where_the_plan_moves_nothing():
     profile = planner.StepProfile([planner.SavedGroup(1000, 0, 0)] * 2, 1.0, 1.0, 1.0, 1.0, 1,
                                   baseline_forward=[0, 0], baseline_backward=[0],
                                   copy_exposure=0.6)
-    plan = planner.plan_with_prefetch(profile, 10**9)
+    plan = planning.plan_with_prefetch(profile, 10**9)
     assert plan.moved_bytes == 0
-    assert planner.trial_plans(profile, 10**9, plan, larger_budgets=[2 * 10**9]) == []
+    assert planning.trial_plans(profile, 10**9, plan, larger_budgets=[2 * 10**9]) == []
 
 
 @pytest.mark.parametrize("failing", [1, 2])
@@ -542,7 +543,7 @@ def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeyp
         modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
         plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
         return [("other 1", plans[-1])]
-    monkeypatch.setattr(planner, "trial_plans", made)
+    monkeypatch.setattr(planning, "trial_plans", made)
     link = flushing_link(plans, (10.0, 5.0, 12.0, 11.0), (True, True, False, True))
     said = []
     session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append,
@@ -574,7 +575,7 @@ def test_a_plan_with_no_other_to_try_is_watched_for_flushes_alone(monkeypatch, f
     # long as replans are left (3); if not, it stays, with nothing said
     trial = planner.TRIAL_STEPS
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 4 * trial + 1)
-    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
     link = flushing_link([], (10.0,), (flushing,))
     said = []
     session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.1, say=said.append)
@@ -606,7 +607,7 @@ def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeyp
     trial = planner.TRIAL_STEPS
     first_watched = 2 + trial            # the steps before: recording, the trial
     model, data = small_cnn(torch.float64), batches(torch.float64, first_watched + 4 + trial + 1)
-    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
 
     class LateFlushing(RecordingLink):
         count = 0
@@ -687,7 +688,7 @@ def test_a_replan_after_running_out_of_memory_is_not_blamed_for_the_old_plans_fl
     # memory (the caching allocator flushes before it refuses: num_alloc_retries grows), and the
     # plan is made again for less. That new plan never flushes: neither the failed step's flush
     # nor the old plan's step 4 counts in its watch
-    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 9)
     said, steps = [], []
@@ -723,7 +724,7 @@ def test_an_infeasible_lower_target_is_not_solved_again_at_every_watch(monkeypat
     # the plan kept after its trial flushes in every step; the plan for less is infeasible:
     # it is solved once (a whole plan_with_prefetch ladder, up to plan_time_limit_s a rung),
     # not again at every WATCH_FLUSHING flushing steps
-    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 2 + planner.TRIAL_STEPS + 12)
     said, solves = [], []
@@ -758,14 +759,14 @@ def test_an_infeasible_lower_target_is_not_solved_again_at_every_watch(monkeypat
 def plans_from(monkeypatch, budget: int, least_headroom: float, solved: list) -> None:
     """The planner makes plans only for targets of at least ``budget`` less ``least_headroom``
     of it (InfeasibleError below, with no least peak); ``solved`` receives every target asked."""
-    real = planner.plan_with_prefetch
+    real = planning.plan_with_prefetch
 
     def plan_with_prefetch(profile, target, *args, **kwargs):
         solved.append(target)
         if target < planner.planning_target(budget, least_headroom):
             raise InfeasibleError(f"no plan within {target} (test)")
         return real(profile, target, *args, **kwargs)
-    monkeypatch.setattr(planner, "plan_with_prefetch", plan_with_prefetch)
+    monkeypatch.setattr(planning, "plan_with_prefetch", plan_with_prefetch)
 
 
 @pytest.mark.parametrize("feasible_headroom", [0.05, 0.025, 0.0])
@@ -798,7 +799,7 @@ def test_no_target_below_one_without_a_plan_is_solved_after_less_headroom(monkey
     # planned with 5 % (10 % had no plan); the plan, alone, flushes in every step: the plan for
     # less would be at or below the 10 % target, so none is solved (and no trial looks for
     # flushes that could lead nowhere); nor after running out of memory: the fall-back at once
-    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * planner.TRIAL_STEPS)
     said, solved = [], []
     link = flushing_while(RecordingLink, lambda link: link.session.plan is not None
@@ -814,7 +815,7 @@ def test_no_target_below_one_without_a_plan_is_solved_after_less_headroom(monkey
 
 
 def test_out_of_memory_after_less_headroom_falls_back_without_a_solve(monkeypatch):
-    monkeypatch.setattr(planner, "trial_plans", lambda *args, **kwargs: [])
+    monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
     model, data = small_cnn(torch.float32), batches(torch.float32, 5)
     said, solved, steps = [], [], []
     link = MeteredLink()
@@ -841,8 +842,8 @@ def test_an_unmeetable_budget_solves_its_least_peak_once(monkeypatch):
     # the least peak is solved for the error of the headroom's target, and no smaller headroom
     # whose target is below it is tried
     calls = []
-    real = planner._least_peak_modes
-    monkeypatch.setattr(planner, "_least_peak_modes",
+    real = planning._least_peak_modes
+    monkeypatch.setattr(planning, "_least_peak_modes",
                         lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
     model, data = small_cnn(torch.float64), batches(torch.float64, 3)
     said = []
@@ -879,8 +880,8 @@ def test_a_second_run_loads_the_plan_its_first_run_settled_on(tmp_path, monkeypa
 
     def no_solve(*args, **kwargs):
         raise AssertionError("a cached run solves nothing")
-    monkeypatch.setattr(planner, "plan_with_prefetch", no_solve)
-    monkeypatch.setattr(planner, "trial_plans", no_solve)
+    monkeypatch.setattr(planning, "plan_with_prefetch", no_solve)
+    monkeypatch.setattr(planning, "trial_plans", no_solve)
     trace = []
     second, said, trained = cached_run(copy.deepcopy(model), data, PlanCache(tmp_path), budget,
                                        trace=trace)
@@ -945,13 +946,13 @@ def test_a_cached_plan_recomputing_what_a_module_saves_of_its_own_output_fits(tm
                           nn.Linear(width, 10)).double()
     data = batches(torch.float64, 6)
     reference = train(copy.deepcopy(model), data)
-    real = planner.plan_with_prefetch
+    real = planning.plan_with_prefetch
 
     def recompute_all(profile, target, *args, **kwargs):   # every group with a recipe
         plan = real(profile, 1 << 40, *args, **kwargs)
         modes = tuple(RECOMPUTE if g.recompute_source else KEEP for g in profile.groups)
         return dataclasses.replace(plan, modes=modes, releases=())
-    monkeypatch.setattr(planner, "plan_with_prefetch", recompute_all)
+    monkeypatch.setattr(planning, "plan_with_prefetch", recompute_all)
     budget = saved_bytes(model, data)
     first, _, _ = cached_run(copy.deepcopy(model), data, PlanCache(tmp_path), budget,
                              trials=False)

@@ -16,6 +16,8 @@ from torch import nn  # noqa: E402
 
 from mucudnn.errors import InfeasibleError  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
+from mucudnn.torch import planner_stage  # noqa: E402
+from mucudnn.torch import planning  # noqa: E402
 from mucudnn.torch.planner import KEEP  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 from mucudnn.torch.plan_runner import PlanMaker, StageCandidate  # noqa: E402
@@ -149,15 +151,15 @@ def test_a_staged_plan_is_taken_where_the_plain_one_does_not_fit():
     MiB = 2**20
     profile = dataclasses.replace(staged_chain_profile(), d2h_gbps=1e-3, h2d_gbps=1e-3)
     modules = list(vgg_like()[0])[:5]
-    stage = planner.Stage(5, 0, 3, 0, 1 * MiB, 1, 3.0)
+    stage = planner_stage.Stage(5, 0, 3, 0, 1 * MiB, 1, 3.0)
     candidate = StageCandidate(stage, 8, (modules, vgg_like()[0]))
     target = 30 * MiB
     with pytest.raises(InfeasibleError):
-        planner.plan_with_prefetch(profile, target, 2, 5)
+        planning.plan_with_prefetch(profile, target, 2, 5)
     plan, chosen = PlanMaker(2, 20).choose_stage(profile, target, [candidate], True)
     assert plan is not None and plan.peak <= target
     assert chosen is not None and chosen[0].payload is candidate.payload
-    assert chosen[0].stage.chunks == min(planner.stage_chunks(profile, stage), 8)
+    assert chosen[0].stage.chunks == min(planner_stage.stage_chunks(profile, stage), 8)
     assert chosen[1] is not profile and len(plan.modes) == 3 and KEEP in plan.modes
 
 
