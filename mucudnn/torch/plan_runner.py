@@ -93,14 +93,17 @@ class PlanResult:
 
 
 class PlanMaker:
-    """Makes a :class:`PlanRequest`'s plan with the session's ``lookahead`` and CBC's
-    ``time_limit_s`` a solve. :meth:`solve` is the one call of the planner's ILP (tests replace
-    it); :attr:`no_plan_at` is the highest target found to have no plan on the current profile:
-    no target at or below it is solved again."""
+    """Makes a :class:`PlanRequest`'s plan with the session's ``lookahead``, the planner's
+    ``method`` (planning.py: the fast one, or the ILP with CBC's ``time_limit_s`` a solve).
+    :meth:`solve` is its one call of the planner for a target (tests replace it);
+    :attr:`no_plan_at` is the highest target found to have no plan on the current profile: no
+    target at or below it is solved again."""
 
-    def __init__(self, lookahead: int = 2, time_limit_s: float | None = 20):
+    def __init__(self, lookahead: int = 2, time_limit_s: float | None = 20,
+                 method: str = planning.FAST):
         self.lookahead = lookahead
         self.time_limit_s = time_limit_s
+        self.method = method
         self.no_plan_at: int | None = None
         self._profile: StepProfile | None = None
 
@@ -115,7 +118,7 @@ class PlanMaker:
     def solve(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
         """:func:`planning.plan_with_prefetch` for ``target`` (its errors as it raises them)."""
         return planning.plan_with_prefetch(profile, target, self.lookahead, self.time_limit_s,
-                                          explain=explain)
+                                          explain=explain, method=self.method)
 
     def plan_for(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
         """The plan for ``target``. Where none meets it, :class:`InfeasibleError` (with
@@ -198,7 +201,7 @@ class PlanMaker:
         """:func:`planning.trial_plans` for the request's plan (tests replace it)."""
         return planning.trial_plans(request.profile, request.target, request.plan,
                                    self.lookahead, self.time_limit_s, request.larger_budgets,
-                                   keep_apart=request.keep_apart)
+                                   keep_apart=request.keep_apart, method=self.method)
 
     def _trials(self, request: PlanRequest) -> PlanResult:
         return PlanResult(request, request.plan, request.target,

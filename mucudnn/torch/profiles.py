@@ -18,13 +18,13 @@ does not know.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MucudnnError
 from . import planner
 from . import planning
+from .plan_runner import FIRST, TRIALS, PlanMaker, PlanRequest
 from .planner import OffloadPlan, StepProfile, profile_from_dict
 from .planner_stage import Stage
 
@@ -148,34 +148,25 @@ def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
            trials: bool = False, keep_apart: bool = KEEP_APART,
            method: str = planning.FAST) -> Replayed:
     """The plan an :class:`OffloadSession` with these options makes for ``budget`` after
-    recording ``profile`` (its first plan, before any step runs it): for
+    recording ``profile`` (its first plan, before any step runs it; the session's own
+    :class:`~.plan_runner.PlanMaker`, no stage weighed): for
     :func:`planner.planning_target`, else, where no plan meets that (an
     :class:`InfeasibleError`), for the smaller headrooms of
     :func:`planning.plan_with_less_headroom`; with ``trials``, the others the session would run
     against it (:func:`planning.trial_plans`; for smaller headrooms too, unless the target was
     lowered). A solver's failure at the first target (a plan may exist) leaves no plan, as in
     the session. ``method``: the planner's (planning.py: the session's fast one, or the ILP)."""
-    target = planner.planning_target(budget, headroom)
-    error = None
-    start = time.perf_counter()
-    try:
-        plan = planning.plan_with_prefetch(profile, target, lookahead, time_limit_s,
-                                          method=method)
-    except MucudnnError as exc:
-        error = exc
-        plan = planning.plan_with_less_headroom(
-            exc, budget, headroom, lambda lower: planning.plan_with_prefetch(
-                profile, lower, lookahead, time_limit_s, explain=False, method=method))
-        if plan is not None:
-            target = plan.target
-    plan_s = time.perf_counter() - start
+    maker = PlanMaker(lookahead, time_limit_s, method)
+    first = maker(PlanRequest(FIRST, profile, planner.planning_target(budget, headroom),
+                              budget=budget, headroom=headroom))
+    plan, error = first.plan, first.error
     if not trials or plan is None:
-        return Replayed(budget, target, plan, error, plan_s)
-    start = time.perf_counter()
+        return Replayed(budget, first.target, plan, error, first.seconds)
     larger = planner.trial_budgets(budget, headroom) if error is None else ()
-    others = planning.trial_plans(profile, target, plan, lookahead, time_limit_s, larger,
-                                 keep_apart=keep_apart, method=method)
-    return Replayed(budget, target, plan, error, plan_s, others, time.perf_counter() - start)
+    made = maker(PlanRequest(TRIALS, profile, first.target, plan=plan, larger_budgets=larger,
+                             keep_apart=keep_apart))
+    return Replayed(budget, first.target, plan, error, first.seconds, list(made.trials),
+                    made.seconds)
 
 
 GROUPS_HEADER = (f"{'group':>5s} {'mode':9s} {'MiB':>9s} {'recompute ms':>12s} {'unpacks':>9s}  "
