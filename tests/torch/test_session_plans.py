@@ -257,7 +257,8 @@ def fake_trial_plans(monkeypatch, others: int = 1, larger: list | None = None) -
     made, those] once the session plans; ``larger``, the larger budgets it was given."""
     plans = []
 
-    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False):
+    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False,
+             method=planning.FAST):
         if larger is not None:
             larger.append(list(larger_budgets))
         changed = [i for i, m in enumerate(plan.modes) if m != KEEP]
@@ -538,7 +539,8 @@ def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeyp
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 4 * trial + 2)
     plans = []   # each trial's: the plan made, the other (its first moved group kept)
 
-    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False):
+    def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False,
+             method=planning.FAST):
         modes = list(plan.modes)
         modes[next(i for i, m in enumerate(modes) if m != KEEP)] = KEEP
         plans.extend([plan, dataclasses.replace(plan, modes=tuple(modes))])
