@@ -222,6 +222,20 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     stage "$s" ${WSLIMIT_TIMEOUT:-560} python3 -m benchmarks.workspace_limit --models ${models//+/ } \
       --caps ${WSLIMIT_CAPS:-unet3d=7.0 r3d_18=4.5} --time-budget-s $((${WSLIMIT_TIMEOUT:-560} - 40)) \
       ${WSLIMIT_ARGS:-} --out "$LOGS/$s" ;;
+  accuracy-*)  # predicted against measured (issue 40, item 3): accuracy-MODEL:BATCH@BUDGET[+...]
+    # runs PyTorch alone and `mucudnn run --memory-budget B --offload` on train_steps.py --detail
+    # (each step's peak, reserved, the allocator's retries, the plan's prediction), the step
+    # ACCURACY_TRACE traced (default 25); ACCURACY_STEPS (30), ACCURACY_TIMEOUT (a case, 200 s);
+    # the session's profiles in $LOGS/accuracy (MUCUDNN_OFFLOAD_PROFILE), no plan cache
+    mkdir -p "$LOGS/accuracy"
+    for spec in $(echo "${s#accuracy-}" | tr '+' ' '); do
+      model=${spec%%:*}; rest=${spec#*:}; batch=${rest%@*}; budget=${rest#*@}; tag="${model}-${batch}-${budget}"
+      args="--model $model --batch $batch --steps ${ACCURACY_STEPS:-30} --detail --trace-step ${ACCURACY_TRACE:-25}"
+      stage "accuracy-$tag-pytorch" 120 python3 -m benchmarks.train_steps $args
+      MUCUDNN_PLAN_CACHE=off MUCUDNN_OFFLOAD_PROFILE="$LOGS/accuracy/$tag.json" \
+        stage "accuracy-$tag" ${ACCURACY_TIMEOUT:-200} $MU run --memory-budget "$budget" --offload -- \
+        python3 -m benchmarks.train_steps $args
+    done ;;
   exposure-*)  # benchmarks/exposure.py: exposure-MODEL@BUDGET, where offloading's time goes at a
     # cap (the allocator's flushes, copies in flight); JSON + page in the logs
     spec=${s#exposure-}; model=${spec%@*}; budget=${spec#*@}

@@ -112,6 +112,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run)")
     ap.add_argument("--sample", help="one input's shape, e.g. 3,32,32 (default: the model's)")
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--detail", action="store_true",
+                    help="also print each step's memory (peak allocated, reserved, the caching "
+                         "allocator's retries) and the session plan's prediction")
+    ap.add_argument("--trace-step", type=int, default=0, metavar="K",
+                    help="profile step K (torch.profiler) and print where its device time went")
     args = ap.parse_args(argv)
     offset = process_start_offset()
 
@@ -133,19 +138,94 @@ def main(argv=None) -> int:
 
     print(f"train_steps: ready at {time.monotonic() - offset:.3f} s (session: "
           f"{'found' if session is not None else 'none'})", file=sys.stderr, flush=True)
+    detail = args.detail and cuda
+    retries = memory_counter("num_alloc_retries") if detail else 0
     for step in range(1, args.steps + 1):
         synchronize()
+        if detail:
+            torch.cuda.reset_peak_memory_stats()
+        tracer = trace(step == args.trace_step and cuda)
         start = time.monotonic()
-        optimizer.zero_grad(set_to_none=True)
-        loss = training.forward_loss()
-        loss.backward()
-        optimizer.step()
-        synchronize()
+        with tracer as profiler:
+            optimizer.zero_grad(set_to_none=True)
+            loss = training.forward_loss()
+            loss.backward()
+            optimizer.step()
+            synchronize()
         end = time.monotonic()
         state = session_state(session)
+        extra = ""
+        if detail:
+            now = memory_counter("num_alloc_retries")
+            extra = (f" peak_gib={torch.cuda.max_memory_allocated() / 2**30:.3f}"
+                     f" reserved_gib={torch.cuda.max_memory_reserved() / 2**30:.3f}"
+                     f" retries={now - retries}{plan_prediction(session)}")
+            retries = now
         print(f"train_steps: step {step} start_s={start - offset:.3f} end_s={end - offset:.3f} "
-              f"step_ms={(end - start) * 1e3:.2f} session={state}", file=sys.stderr, flush=True)
+              f"step_ms={(end - start) * 1e3:.2f} session={state}{extra}", file=sys.stderr,
+              flush=True)
+        if profiler is not None:
+            for line in trace_summary(profiler, (end - start) * 1e3):
+                print(f"train_steps: trace step {step} {line}", file=sys.stderr, flush=True)
     return 0
+
+
+def memory_counter(name: str) -> int:
+    import torch
+    return int(torch.cuda.memory_stats().get(name, 0))
+
+
+def plan_prediction(session) -> str:
+    """`` predicted_ms=P predicted_peak_gib=G`` of the plan ``session`` runs, or ""."""
+    for holder in (getattr(session, "lifecycle", None), session):
+        plan = getattr(holder, "plan", None)
+        if plan is not None and hasattr(plan, "predicted_ms"):
+            return (f" predicted_ms={plan.predicted_ms:.2f}"
+                    f" predicted_peak_gib={plan.peak / 2**30:.3f}")
+    return ""
+
+
+def trace(on: bool):
+    """torch.profiler over a step (CUDA activity) where ``on``, else a context that yields None."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def trace_summary(profiler, wall_ms: float, top: int = 12) -> list[str]:
+    """Where a traced step's device time went: kernels, copies and the union of both against the
+    step's wall; the CUDA runtime's allocations and frees; the kernels that took the most."""
+    from torch.autograd import DeviceType
+    kernels, copies, spans, calls = {}, 0.0, [], {}
+    for event in profiler.events():
+        if event.device_type == DeviceType.CUDA:
+            start = event.time_range.start / 1e3
+            end = event.time_range.end / 1e3
+            if end <= start:
+                continue
+            spans.append((start, end))
+            if "Memcpy" in event.name or "Memset" in event.name:
+                copies += end - start
+            else:
+                kernels[event.name] = kernels.get(event.name, 0.0) + (end - start)
+        elif event.name in ("cudaMalloc", "cudaFree", "cudaStreamSynchronize",
+                            "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaHostAlloc"):
+            calls[event.name] = calls.get(event.name, 0) + 1
+    busy, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    lines = [f"wall_ms={wall_ms:.2f} kernels_ms={sum(kernels.values()):.2f} "
+             f"copies_ms={copies:.2f} busy_ms={busy:.2f} "
+             + " ".join(f"{name}={count}" for name, count in sorted(calls.items()))]
+    for name, ms in sorted(kernels.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"kernel_ms={ms:.2f} {name[:100]}")
+    return lines
 
 
 if __name__ == "__main__":
