@@ -117,6 +117,10 @@ def main(argv=None) -> int:
                          "allocator's retries) and the session plan's prediction")
     ap.add_argument("--trace-step", type=int, default=0, metavar="K",
                     help="profile step K (torch.profiler) and print where its device time went")
+    ap.add_argument("--cprofile-step", type=int, default=0, metavar="K",
+                    help="run step K under cProfile and print the host's hottest functions")
+    ap.add_argument("--snapshot-step", type=int, default=0, metavar="K",
+                    help="after step K print the caching allocator's segments per stream")
     args = ap.parse_args(argv)
     offset = process_start_offset()
 
@@ -145,12 +149,16 @@ def main(argv=None) -> int:
         if detail:
             torch.cuda.reset_peak_memory_stats()
         tracer = trace(step == args.trace_step and cuda)
+        host = HostClock(step == args.cprofile_step)
         start = time.monotonic()
-        with tracer as profiler:
+        with tracer as profiler, host:
             optimizer.zero_grad(set_to_none=True)
             loss = training.forward_loss()
+            host.mark("forward")
             loss.backward()
+            host.mark("backward")
             optimizer.step()
+            host.mark("optimizer")
             synchronize()
         end = time.monotonic()
         state = session_state(session)
@@ -159,15 +167,91 @@ def main(argv=None) -> int:
             now = memory_counter("num_alloc_retries")
             extra = (f" peak_gib={torch.cuda.max_memory_allocated() / 2**30:.3f}"
                      f" reserved_gib={torch.cuda.max_memory_reserved() / 2**30:.3f}"
-                     f" retries={now - retries}{plan_prediction(session)}")
+                     f" retries={now - retries}{plan_prediction(session)}{host.fields()}")
             retries = now
         print(f"train_steps: step {step} start_s={start - offset:.3f} end_s={end - offset:.3f} "
               f"step_ms={(end - start) * 1e3:.2f} session={state}{extra}", file=sys.stderr,
               flush=True)
+        for line in host.hottest():
+            print(f"train_steps: cprofile step {step} {line}", file=sys.stderr, flush=True)
+        if step == args.snapshot_step and cuda:
+            for line in segments_by_stream():
+                print(f"train_steps: segments step {step} {line}", file=sys.stderr, flush=True)
         if profiler is not None:
             for line in trace_summary(profiler, (end - start) * 1e3):
                 print(f"train_steps: trace step {step} {line}", file=sys.stderr, flush=True)
     return 0
+
+
+class HostClock:
+    """The host's milliseconds to each mark of a step (issue only: the device is not waited
+    for), the garbage collector's milliseconds within the step, and where ``profiled`` the step
+    under cProfile."""
+
+    def __init__(self, profiled: bool = False):
+        import cProfile
+        self.profile = cProfile.Profile() if profiled else None
+        self.marks: list[tuple[str, float]] = []
+        self.gc_ms = 0.0
+        self._gc_start = None
+
+    def _on_gc(self, phase, info) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_ms += (time.perf_counter() - self._gc_start) * 1e3
+            self._gc_start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._on_gc)
+        self.start = self.last = time.perf_counter()
+        if self.profile is not None:
+            self.profile.enable()
+        return self
+
+    def __exit__(self, *exc):
+        if self.profile is not None:
+            self.profile.disable()
+        gc.callbacks.remove(self._on_gc)
+        return False
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.marks.append((name, (now - self.last) * 1e3))
+        self.last = now
+
+    def fields(self) -> str:
+        return "".join(f" host_{name}_ms={ms:.1f}" for name, ms in self.marks) + \
+            f" gc_ms={self.gc_ms:.1f}"
+
+    def hottest(self, top: int = 25) -> list[str]:
+        if self.profile is None:
+            return []
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(top)
+        return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+
+
+def segments_by_stream() -> list[str]:
+    """The caching allocator's segments per stream: reserved, allocated, free blocks and the
+    largest free one (what a failed allocation of the compute stream cannot use elsewhere)."""
+    import torch
+    streams: dict = {}
+    for segment in torch.cuda.memory_snapshot():
+        row = streams.setdefault((segment["stream"], segment["segment_type"]),
+                                 [0, 0, 0, 0, 0])
+        row[0] += segment["total_size"]
+        row[1] += segment["allocated_size"]
+        row[4] += 1
+        for block in segment["blocks"]:
+            if block["state"] == "inactive":
+                row[2] += 1
+                row[3] = max(row[3], block["size"])
+    return [f"stream={stream} pool={pool} segments={n} reserved_mib={r / 2**20:.0f} "
+            f"allocated_mib={a / 2**20:.0f} free_blocks={f} largest_free_mib={big / 2**20:.0f}"
+            for (stream, pool), (r, a, f, big, n) in sorted(streams.items(), key=str)]
 
 
 def memory_counter(name: str) -> int:
