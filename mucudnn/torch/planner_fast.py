@@ -70,11 +70,6 @@ NO_PLAN_OVER = 1.2
 IMPROVE_ROUNDS = 8
 
 
-def _excess(memory: np.ndarray, target: int) -> int:
-    over = memory - target
-    return int(over[over > 0].sum())
-
-
 def _try(state: State, changes: dict[int, str], target: int):
     """(cost after, excess change, evaluated) of ``changes``, or None where invalid."""
     if not state.valid_change(changes):
@@ -82,14 +77,7 @@ def _try(state: State, changes: dict[int, str], target: int):
     evaluated = state.change(changes)
     if evaluated is None:
         return None
-    intervals = evaluated[0]
-    if intervals:
-        lo, after = state.window(intervals)
-        hi = lo + len(after)
-        gained = _excess(after, target) - _excess(state.memory[lo:hi], target)
-    else:
-        gained = 0
-    return state.layout.cost(*evaluated[3]), gained, evaluated
+    return state.layout.cost(*evaluated[3]), state.excess_change(evaluated[0], target), evaluated
 
 
 def fits(state: State, evaluated, target: int) -> bool:
@@ -140,11 +128,14 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
     ``frozen``. ``prices``: (ms a byte offloaded, ms a recipe's ms) to weigh changes by instead
     of the step's time (:func:`_marginal_prices`)."""
     layout = state.layout
-    excess = _excess(state.memory, target)
+    excess = state.excess(target)
     if not excess:
         return True
     version = 0
     heap = []
+    # the changes evaluated on the state as it is (since the last taken): a change pushed and
+    # popped with no other taken between is not evaluated again
+    evaluated_now: dict[tuple, tuple] = {}
 
     def tried(changes):
         if any(state.modes[i] == m or i in frozen for i, m in changes.items()):
@@ -167,7 +158,9 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
         if found is not None:
             cost, gained, evaluated = found
             added = added_by(cost, evaluated)
-            heapq.heappush(heap, (added / -gained, gained, tuple(changes.items()), version))
+            items = tuple(changes.items())
+            evaluated_now[items] = found
+            heapq.heappush(heap, (added / -gained, gained, items, version))
 
     # only a change of a group on the device at a point over the target (or of a source whose
     # reader is) can lower the excess
@@ -187,18 +180,22 @@ def construct(state: State, target: int, moved_cap: float = math.inf,
     while excess and heap:
         score, gained, items, stamp = heapq.heappop(heap)
         changes = dict(items)
-        found = tried(changes)
+        found = evaluated_now.get(items) if stamp == version else None
+        if found is None:
+            found = tried(changes)
         if found is None:
             continue
         cost, gained, evaluated = found
         if stamp != version:
             fresh = added_by(cost, evaluated) / -gained
             if heap and fresh > heap[0][0] * (1 + STALE_TOLERANCE):
+                evaluated_now[items] = found
                 heapq.heappush(heap, (fresh, gained, items, version))
                 continue
         state.apply(changes, evaluated)
-        excess = _excess(state.memory, target)
+        excess = state.excess(target)
         version += 1
+        evaluated_now.clear()
         # the changed groups' other changes, and their sources' and readers', are from here
         related = set(changes)
         for index in changes:
@@ -363,31 +360,20 @@ class Freeing:
 
     def __init__(self, state: State):
         layout = state.layout
-        now = state.cost()
-        rows = []
-        for index in range(layout.g):
-            current, n = state.modes[index], layout.nbytes[index]
-            spans_now = [(lo, hi) for b, lo, hi in
-                         layout.spans(index, current, state.rebuilt[index]) if b == n]
-            held = sum(layout.nbytes[s] for s in layout.sources[index]) \
-                if current == RECOMPUTE else 0
-            for mode in layout.allowed[index]:
-                if mode == current:
-                    continue
-                rebuilt = layout.first[index] if mode == RECOMPUTE else None
-                spans_then = [(lo, hi) for b, lo, hi in layout.spans(index, mode, rebuilt)
-                              if b == n]
-                freed = _minus(spans_now, spans_then)[:FREED_INTERVALS]
-                if not freed:
-                    continue
-                freed += [(0, 0)] * (FREED_INTERVALS - len(freed))
-                rows.append((state.cost_after({index: mode}) - now, index, mode, n + held, freed))
-        rows.sort(key=lambda row: row[0])
-        self.changes = [(index, mode) for _, index, mode, _, _ in rows]
-        self.added = np.array([row[0] for row in rows], dtype=float)
-        self.most = np.array([row[3] for row in rows], dtype=np.int64)
-        spans = np.array([row[4] for row in rows], dtype=np.int64).reshape(
-            len(rows), FREED_INTERVALS, 2)
+        rows = [row for index in range(layout.g) for row in _freeing_rows(
+            layout, index, state.modes[index], state.rebuilt[index])]
+        moved = np.array([row[2] for row in rows], dtype=np.int64) + state.moved
+        recompute_ms = np.array([row[3] for row in rows], dtype=float) + state.recompute_ms
+        traffic = np.array([row[4] for row in rows], dtype=np.int64) + state.traffic
+        # as State.cost_after each change (the same operations, in the same order), less now;
+        # the cheapest first, changes of equal cost in the groups' order
+        added = layout.costs(moved, recompute_ms, traffic) - state.cost()
+        order = np.argsort(added, kind="stable")
+        self.changes = [rows[i][:2] for i in order]
+        self.added = added[order]
+        self.most = np.array([row[5] for row in rows], dtype=np.int64)[order]
+        spans = np.array([row[6] for row in rows], dtype=np.int64).reshape(
+            len(rows), FREED_INTERVALS, 2)[order]
         self.lo, self.hi = spans[:, :, 0], spans[:, :, 1]
 
     def at(self, point: int, over: int, saved: float) -> np.ndarray:
@@ -397,6 +383,34 @@ class Freeing:
             return np.zeros(0, dtype=np.int64)
         frees = ((self.lo <= point) & (point < self.hi)).any(axis=1)
         return np.nonzero(frees & (self.added < saved) & (self.most >= over))[0]
+
+
+def _freeing_rows(layout: Layout, index: int, current: str, rebuilt: int | None) -> list[tuple]:
+    """:class:`Freeing`'s rows of group ``index`` in mode ``current`` (rebuilt at ``rebuilt``):
+    (group, mode, the changes of moved bytes, recipe ms and traffic, the most it frees at a
+    point, its freed intervals), kept on the layout (they depend on these alone)."""
+    key = (index, current, rebuilt)
+    cache = layout.memo.setdefault("freeing", {})
+    if key in cache:
+        return cache[key]
+    n = layout.nbytes[index]
+    spans_now = [(lo, hi) for b, lo, hi in layout.spans(index, current, rebuilt) if b == n]
+    held = sum(layout.nbytes[s] for s in layout.sources[index]) if current == RECOMPUTE else 0
+    rows = []
+    for mode in layout.allowed[index]:
+        if mode == current:
+            continue
+        spans_then = [(lo, hi) for b, lo, hi in layout.spans(
+            index, mode, layout.first[index] if mode == RECOMPUTE else None) if b == n]
+        freed = _minus(spans_now, spans_then)[:FREED_INTERVALS]
+        if not freed:
+            continue
+        freed += [(0, 0)] * (FREED_INTERVALS - len(freed))
+        rows.append((index, mode, n * ((mode == OFFLOAD) - (current == OFFLOAD)),
+                     layout.recompute_ms[index] * ((mode == RECOMPUTE) - (current == RECOMPUTE)),
+                     n * ((mode != KEEP) - (current != KEEP)), n + held, freed))
+    cache[key] = rows
+    return rows
 
 
 def _minus(spans: list[tuple[int, int]], less: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -441,13 +455,16 @@ def _cheapest_repair(state: State, changes: dict[int, str], worst: tuple[int, in
 
 def plan_modes(profile: StepProfile, target: int, lookahead: int,
                prefetch_margin: float = PREFETCH_MARGIN,
-               start: Sequence[str] | None = None, quick: bool = False) -> list[str] | None:
+               start: Sequence[str] | None = None, quick: bool = False,
+               second_start: Sequence[str] | None = None) -> list[str] | None:
     """The modes of the fast plan within ``target`` (None: none found). The construction starts
     from ``start`` where given (a valid plan of this profile: a warm start, such as the plan made
     for another exposure or target), else from everything kept; where it finds no change that
     lowers the excess, from everything kept and each of :func:`_moved_starts` (everything moved
     that may be: memory near the least peak), and the improvement then brings back what the
-    target has room for."""
+    target has room for. With ``quick``, where the construction of one-group changes from
+    ``start`` meets the target, only it and the improvement; else the same from
+    ``second_start`` (another warm start) where given; else the full search."""
     layout = Layout(profile, lookahead, prefetch_margin)
     # the quick construction from ``start``: the same as the first of the full search's
     failed = None
@@ -457,8 +474,16 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
             improve(state, target, compound=False)
             return state.modes
         failed = state
+        if second_start is not None:
+            second = State(layout, second_start)
+            if construct(second, target, compound=False):
+                improve(second, target, compound=False)
+                return second.modes
     best = None
     compound = layout.g <= COMPOUND_GROUPS
+    # a start within the target: its construction changes nothing, with or without the
+    # compound changes, so the second pass would improve the same plan again
+    within = False
     for compounds in (False, True)[:1 + compound]:
         starts = [[KEEP] * layout.g] + _moved_starts(layout)
         if start is not None:
@@ -468,7 +493,11 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
             if not compounds and at == 0 and failed is not None:
                 least = failed.peak()
                 continue
+            if compounds and at == 0 and within:
+                break
             state = State(layout, modes)
+            if not compounds and at == 0:
+                within = state.peak() <= target
             if construct(state, target, compound=compounds):
                 improve(state, target, compound=compound)
                 if best is None or state.cost() < best.cost():
@@ -536,6 +565,12 @@ def _moved_starts(layout: Layout) -> list[list[str]]:
     """Valid plans of every group moved that may be: offloaded where it may be, else
     recomputed; and recomputed where it may be, else offloaded (a source of a recomputed group
     not offloaded: kept; a group a chain would rebuild too early: kept, :func:`_chains_cut`)."""
+    if "moved starts" not in layout.memo:
+        layout.memo["moved starts"] = _moved_starts_of(layout)
+    return [list(modes) for modes in layout.memo["moved starts"]]
+
+
+def _moved_starts_of(layout: Layout) -> list[list[str]]:
     starts = []
     for prefer in ((OFFLOAD, RECOMPUTE), (RECOMPUTE, OFFLOAD)):
         modes = [next((m for m in prefer if m in allowed), KEEP) for allowed in layout.allowed]

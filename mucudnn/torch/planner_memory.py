@@ -72,6 +72,19 @@ class Layout:
             self.fixed.append(spans)
         self.ms_per_byte_d2h = 1e3 / (profile.d2h_gbps * 1e9)
         self.ms_per_byte_h2d = 1e3 / (profile.h2d_gbps * 1e9)
+        #: what the planner derives from this layout alone, kept (by name)
+        self.memo: dict[str, object] = {}
+
+    def costs(self, moved: np.ndarray, recompute_ms: np.ndarray, traffic: np.ndarray
+              ) -> np.ndarray:
+        """:meth:`cost` of each element (the same operations in the same order: equal floats)."""
+        profile = self.profile
+        offload = moved * self.ms_per_byte_d2h
+        fetch = moved * self.ms_per_byte_h2d
+        backward = profile.backward_ms + recompute_ms
+        return (np.maximum(profile.forward_ms, offload)
+                + (backward + fetch if self.lookahead == 0 else np.maximum(backward, fetch))
+                + profile.copy_exposure * (offload + fetch) + traffic * TIE_MS_PER_BYTE)
 
     def spans(self, index: int, mode: str, rebuilt: int | None) -> list[tuple[int, int, int]]:
         """(bytes, first point, end point) of group ``index`` in ``mode`` (rebuilt at backward
@@ -118,6 +131,8 @@ class State:
         self.memory = layout.base + np.cumsum(diff[:-1])
         for point in self.rebuilds:
             self.memory[layout.g + point] += self._lift(point, self.rebuilds[point])
+        #: (target, :meth:`_excess_prefix` for it) of the memory as it is, or None
+        self._prefix: tuple[int, np.ndarray] | None = None
 
     def _lift(self, point: int, rebuilt: dict[int, int]) -> int:
         """What the rebuilds at backward ``point`` add above its baseline (the largest transient
@@ -248,6 +263,47 @@ class State:
         return model.simulate(layout.profile, modes, layout.lookahead, layout.prefetch_margin,
                               (layout.release, layout.prefetch, rebuilt)).step_ms
 
+    def excess(self, target: int) -> int:
+        """The bytes above ``target``, summed over the step's points."""
+        return int(self._excess_prefix(target)[-1])
+
+    def _excess_prefix(self, target: int) -> np.ndarray:
+        """The running sum of the bytes above ``target`` over the points (0 first), kept until
+        the memory changes."""
+        cached = self._prefix
+        if cached is None or cached[0] != target:
+            over = self.memory - target
+            np.maximum(over, 0, out=over)
+            cached = self._prefix = (target, np.concatenate(([0], np.cumsum(over))))
+        return cached[1]
+
+    def excess_change(self, intervals, target: int) -> int:
+        """What the memory delta ``intervals`` ((bytes, first, end) of :meth:`change`) do to
+        :meth:`excess`: evaluated on the pieces of points where their sum is not zero (a change
+        of mode adds and takes away its group's bytes over mostly the same points), the excess
+        there before from the running sum."""
+        bounds: dict[int, int] = {}
+        for n, a, b in intervals:
+            if a < b and n:
+                bounds[a] = bounds.get(a, 0) + n
+                bounds[b] = bounds.get(b, 0) - n
+        if not bounds:
+            return 0
+        prefix = self._excess_prefix(target)
+        memory = self.memory
+        changed = delta = 0
+        previous = 0
+        for point in sorted(bounds):
+            if delta:
+                before = int(prefix[point] - prefix[previous])
+                # where bytes are freed and nothing was over the target, nothing is after
+                if delta > 0 or before:
+                    after = memory[previous:point] + (delta - target)
+                    changed += int(np.maximum(after, 0, out=after).sum()) - before
+            delta += bounds[point]
+            previous = point
+        return changed
+
     def window(self, intervals) -> tuple[int, np.ndarray]:
         """(first point, the memory from there to the last point ``intervals`` touch, with
         them applied)."""
@@ -261,6 +317,7 @@ class State:
 
     def apply(self, changes: dict[int, str], evaluated=None) -> None:
         intervals, lifts, new_points, terms = evaluated or self.change(changes)
+        self._prefix = None
         for n, a, b in intervals:
             if a < b:
                 self.memory[a:b] += n

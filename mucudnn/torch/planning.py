@@ -42,11 +42,13 @@ def _checked(method: str) -> str:
 def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
                  time_limit_s: float | None = 60, prefetch_margin: float = PREFETCH_MARGIN,
                  explain: bool = True, method: str = FAST,
-                 start: Sequence[str] | None = None, quick: bool = False) -> OffloadPlan:
+                 start: Sequence[str] | None = None, quick: bool = False,
+                 second_start: Sequence[str] | None = None) -> OffloadPlan:
     """The fastest valid choice whose modelled peak is within ``budget`` bytes (ties go to fewer
     bytes moved or recomputed), by ``method`` (``time_limit_s``: CBC's, for the ILP; ``start``:
     the modes of a valid plan of this profile the fast method starts from, a warm start; with
-    ``quick``, only its construction and improvement from there: planner_fast.plan_modes).
+    ``quick``, only its construction and improvement from there, else from ``second_start``:
+    planner_fast.plan_modes).
     :class:`InfeasibleError` says the least peak any choice reaches when none fits (``explain``
     False: only that none fits, without solving for it)."""
     _checked(method)
@@ -60,7 +62,7 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
         plan = planner_ilp.solve_plan(profile, budget, lookahead, time_limit_s, prefetch_margin)
     else:
         modes = planner_fast.plan_modes(profile, budget, lookahead, prefetch_margin, start,
-                                        quick)
+                                        quick, second_start)
         plan = None if modes is None else _result(profile, modes, lookahead, prefetch_margin)
     if plan is None:
         if not explain:
@@ -92,7 +94,8 @@ def plan_with_less_headroom(error: Exception, budget: int, headroom: float,
 def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
                        time_limit_s: float | None = 60, explain: bool = True,
                        method: str = FAST, start: Sequence[str] | None = None,
-                       quick: bool = False) -> OffloadPlan:
+                       quick: bool = False, second_start: Sequence[str] | None = None,
+                       from_rung: OffloadPlan | None = None) -> OffloadPlan:
     """:func:`plan_offload` with the earliest prefetches that fit: at ``lookahead`` timed by
     :data:`PREFETCH_MARGIN`, then by half of it, then untimed at ``lookahead`` and each smaller
     distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
@@ -107,7 +110,10 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     ``release_margin``), the ladder runs again with each released at the next forward point
     (release margin 0): the compute stream then waits there for the copy, the forward bound by
     the link as vDNN's layer-wise wait (a model whose every plan of the first ladder peaks above
-    the budget). ``start``, ``quick``: :func:`plan_offload`'s, each rung's."""
+    the budget). ``start``, ``quick``, ``second_start``: :func:`plan_offload`'s, each rung's.
+    ``from_rung``: a plan of this profile at another copy exposure for the same ``budget``,
+    made by this ladder: the ladder starts at its rung (the rungs before it found no plan for
+    it, and the memory, so the room a rung leaves, does not depend on the exposure)."""
     ladder = [(lookahead, PREFETCH_MARGIN), (lookahead, PREFETCH_MARGIN / 2)] * (lookahead > 0)
     ladder += [(distance, 0.0) for distance in range(lookahead, -1, -1)]
     # the next point only where it releases some offload earlier (not: no forward clock, or
@@ -118,13 +124,16 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     releases = [profile.release_margin] + [0.0] * earlier
     rungs = [(release, distance, prefetch_margin) for release in releases
              for distance, prefetch_margin in ladder]
+    if from_rung is not None:
+        at = (from_rung.release_margin, from_rung.lookahead, from_rung.prefetch_margin)
+        rungs = rungs[rungs.index(at):] if at in rungs else rungs
     for rung, (release, distance, prefetch_margin) in enumerate(rungs):
         planned = profile if release == profile.release_margin else replace(
             profile, release_margin=release)
         try:
             return plan_offload(planned, budget, distance, time_limit_s, prefetch_margin,
                                 explain=explain and rung == len(rungs) - 1, method=method,
-                                start=start, quick=quick)
+                                start=start, quick=quick, second_start=second_start)
         except (InfeasibleError, SolverError):
             if rung == len(rungs) - 1:
                 raise
@@ -169,15 +178,24 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
         if len(chosen) == TRIAL_MADE:
             break
         made = []
+        # the target's plan at the profile's exposure (made first): the other exposures' ladder
+        # starts at its rung, their quick construction from it where the one from ``plan``
+        # does not meet the target
+        same = plan if target == budget else None
         for exposure in exposures:
             if target == budget and exposure == profile.copy_exposure:
                 continue
+            other_exposure = exposure != profile.copy_exposure
             try:
                 other = plan_with_prefetch(
                     replace(profile, copy_exposure=exposure), target, lookahead, solve_s,
-                    method=method, start=plan.modes, quick=exposure != profile.copy_exposure)
+                    method=method, start=plan.modes, quick=other_exposure,
+                    second_start=same.modes if other_exposure and same is not None else None,
+                    from_rung=same if other_exposure else None)
             except (InfeasibleError, SolverError):
                 continue
+            if not other_exposure:
+                same = other
             if not any(_same_plan(other, seen) for seen in tried + [p for _, p in made]):
                 made.append((f"made at copy exposure {exposure:g}{where}", other))
         if target == budget:
