@@ -122,6 +122,9 @@ SETTINGS: tuple[Setting, ...] = (
             PATH),
     Setting("MUCUDNN_OFFLOAD_HEADROOM", "percent (0 to 50) of the memory budget offload plans "
             "leave for the caching allocator's fragmentation", "10", (PYTHON,), PERCENT_50),
+    Setting("MUCUDNN_OFFLOAD_FREEZE_GC", "1: when the first offload plan takes over, Python's "
+            "garbage collector freezes what the process holds then (gc.freeze), so that its full "
+            "collections stop pausing steps; 0: leave the collector alone", "1", (PYTHON,), BOOL),
     Setting("MUCUDNN_PLAN_CACHE", "directory of the offload plans kept between runs of a "
             "script (mucudnn.torch.plancache), or off", "$XDG_CACHE_HOME/mucudnn/offload-plans",
             (PYTHON,), PLAN_CACHE),

@@ -24,10 +24,12 @@ import sys
 # The variables' names, shared with mucudnn: this directory is on sys.path in a launched process;
 # loaded in-process by mucudnn.budget it is not, and the mucudnn package is importable instead.
 try:
-    from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_HEADROOM,
-                                   ENV_OFFLOAD_PROFILE, ENV_REPORT, MAX_OFFLOAD_HEADROOM)
+    from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_FREEZE_GC,
+                                   ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE, ENV_REPORT,
+                                   MAX_OFFLOAD_HEADROOM)
 except ImportError:
     from mucudnn._torch_site.mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD,
+                                                       ENV_OFFLOAD_FREEZE_GC,
                                                        ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE,
                                                        ENV_REPORT, MAX_OFFLOAD_HEADROOM)
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
@@ -388,6 +390,24 @@ def offload_headroom(value: str | None) -> float | None:
     return None
 
 
+#: MUCUDNN_OFFLOAD_FREEZE_GC's words (the shim's booleans)
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def offload_freeze_gc(value: str | None) -> bool:
+    """``MUCUDNN_OFFLOAD_FREEZE_GC``: whether the process-wide session freezes Python's garbage
+    collector's older objects when its first plan takes over (default yes). Another value: one
+    warning line, and the default."""
+    text = (value or "").strip().lower()
+    if not text or text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    say("warning", f"{ENV_OFFLOAD_FREEZE_GC}={value!r} is not one of 1/0, true/false, yes/no or "
+                   "on/off; the collector is frozen at the first plan (the default)")
+    return True
+
+
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     """Enters one :class:`mucudnn.torch.offload_session.OffloadSession` for the whole process (never
     left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
@@ -399,6 +419,8 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
         session = OffloadSession(budget, say=lambda text: say("info", text), strict=False,
                                  recompute_convolutions=recompute_convolutions,
                                  profile_to=os.environ.get(ENV_OFFLOAD_PROFILE) or None,
+                                 freeze_gc=offload_freeze_gc(
+                                     os.environ.get(ENV_OFFLOAD_FREEZE_GC)),
                                  **({} if headroom is None else {"headroom": headroom}))
         session.__enter__()
     except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`

@@ -13,5 +13,6 @@ ENV_LOG_LEVEL = "MUCUDNN_LOG_LEVEL"   # the shim's level: info shows what was li
 ENV_OFFLOAD = "MUCUDNN_OFFLOAD"       # 1: mucudnn.torch keeps/offloads/recomputes saved tensors
 ENV_OFFLOAD_PROFILE = "MUCUDNN_OFFLOAD_PROFILE"  # a file: the recorded profile and plan, as JSON
 ENV_OFFLOAD_HEADROOM = "MUCUDNN_OFFLOAD_HEADROOM"  # percent of the budget plans leave unplanned
+ENV_OFFLOAD_FREEZE_GC = "MUCUDNN_OFFLOAD_FREEZE_GC"  # 0: the process-wide session leaves gc alone
 #: the largest MUCUDNN_OFFLOAD_HEADROOM: a plan for less than half the budget is no plan for it
 MAX_OFFLOAD_HEADROOM = 50

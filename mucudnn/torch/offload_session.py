@@ -89,7 +89,9 @@ class OffloadSession(PlanLifecycle):
     force from the next step). ``plan_cache``: the :class:`~.plancache.PlanCache` a plan that
     settles is kept in and the first step looks its plan up in (None: ``MUCUDNN_PLAN_CACHE``'s
     on a GPU, none elsewhere): a run of the same script under the same key runs it from its
-    first step, checked against it as it goes (recording anew where it differs). The lifecycle
+    first step, checked against it as it goes (recording anew where it differs). ``freeze_gc``:
+    the step boundary where the first plan takes over collects and freezes Python's garbage
+    collector once (``gc.freeze``; what ``mucudnn run --offload`` asks). The lifecycle
     (:attr:`lifecycle`, :class:`~.lifecycle.Lifecycle`) holds ``budget``, ``profile``,
     ``plan``, ``modes``, ``target``, ``fell_back``, ``kept_after_trial`` and the replan counts.
     ``modes``: a fixed plan instead (one mode per group; tests, benchmarks). ``force``: every
@@ -128,7 +130,7 @@ class OffloadSession(PlanLifecycle):
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
                  max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True,
                  stage: bool | str = True, plan_in_background: bool | None = None,
-                 plan_cache: PlanCache | None = None):
+                 plan_cache: PlanCache | None = None, freeze_gc: bool = False):
         self.force, self.lookahead = force, lookahead
         if stage not in (True, False, "always"):
             raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
@@ -185,6 +187,9 @@ class OffloadSession(PlanLifecycle):
         self._cached = None
         self._offload_rest = False
         self._staged_not_cached_said = False
+        #: freeze Python's collector once the first plan takes over (:meth:`_freeze_gc`)
+        self.freeze_gc = freeze_gc
+        self._gc_frozen = False
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):

@@ -969,3 +969,32 @@ def test_a_cached_plan_recomputing_what_a_module_saves_of_its_own_output_fits(tm
     first_step = trace[:next(i for i, e in enumerate(trace) if e[0] == "empty_cache" or
                              (e[0] == "pack" and e[1] == 0 and i > 0))]
     assert sum(e[0] == "recompute" for e in first_step) >= first.plan.count(RECOMPUTE)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_session_told_to_freezes_the_collector_once_its_first_plan_takes_over(freeze):
+    import gc
+    model, data = small_cnn(torch.float32), batches(torch.float32, 5)
+    budget = saved_bytes(model, data) * 2 // 3
+    session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, freeze_gc=freeze)
+    gc.unfreeze()
+    frozen = []
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            optimizer.zero_grad()
+            with session:
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            frozen.append((session.lifecycle.state, gc.get_freeze_count() > 0))
+    finally:
+        gc.unfreeze()
+    assert session.plan is not None
+    # recording steps leave the collector alone; the step boundary where the plan takes over
+    # (the first step's end that runs it) freezes it, with the session's option only
+    assert frozen[0] == ("recording", False)
+    assert any(is_frozen for _, is_frozen in frozen) == freeze
+    first_frozen = next((i for i, (_, f) in enumerate(frozen) if f), None)
+    if freeze:
+        assert frozen[first_frozen - 1][0] in ("recording", "planning")

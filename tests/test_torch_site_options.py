@@ -1,0 +1,32 @@
+"""The site hook's offload options (mucudnn/_torch_site/mucudnn_torch_budget.py) read as
+mucudnn's settings table (mucudnn/settings.py) says: the hook cannot import mucudnn, so its
+reading of ``MUCUDNN_OFFLOAD_FREEZE_GC`` is checked here against the table's rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from mucudnn import budget as budget_mod
+from mucudnn import settings
+
+hook = budget_mod._hook()
+FREEZE = next(s for s in settings.SETTINGS if s.name == "MUCUDNN_OFFLOAD_FREEZE_GC")
+WORDS = ["1", "0", "true", "false", "yes", "no", "on", "off", "TRUE", " On ", "2", "maybe",
+         "-1", "y", "n", "enabled"]
+
+
+@pytest.mark.parametrize("text", WORDS)
+def test_freeze_gc_reads_what_the_settings_table_accepts(text, capsys):
+    value = hook.offload_freeze_gc(text)
+    accepted = FREEZE.rule.test(text.strip())
+    warned = "MUCUDNN_OFFLOAD_FREEZE_GC" in capsys.readouterr().err
+    assert warned == (not accepted)
+    if accepted:
+        assert value == (text.strip().lower() in {"1", "true", "yes", "on"})
+    else:
+        assert value is True      # the default, after one warning line
+
+
+def test_freeze_gc_unset_or_empty_is_the_default():
+    assert hook.offload_freeze_gc(None) is True
+    assert hook.offload_freeze_gc("") is True
