@@ -507,11 +507,13 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
         if best is None and not compounds and least > target * NO_PLAN_OVER:
             return None
     if compound:
-        # from the other side: everything moved (within the target where anything is), the
-        # moves of the largest saving taken back while the plan stays within it
+        # from the other side: everything moved (brought within the target where it is at
+        # most NO_PLAN_OVER above it), the moves of the largest saving taken back while the
+        # plan stays within it
         for modes in _moved_starts(layout):
             state = State(layout, modes)
-            if state.peak() <= target:
+            peak = state.peak()
+            if peak <= target or (peak <= target * NO_PLAN_OVER and construct(state, target)):
                 drop(state, target)
                 improve(state, target)
                 if best is None or state.cost() < best.cost():
@@ -620,6 +622,19 @@ def least_peak_modes(profile: StepProfile, lookahead: int,
     return best.modes
 
 
+def group_changes(state: State, index: int):
+    """(changes, evaluated) for each valid change of group ``index``'s mode on ``state`` as it
+    is when the change comes (a caller may take one before the next), none to a rebuild point
+    no plan may rebuild at."""
+    for mode in state.layout.allowed[index]:
+        changes = {index: mode}
+        if mode == state.modes[index] or not state.valid_change(changes):
+            continue
+        evaluated = state.change(changes)
+        if evaluated is not None:
+            yield changes, evaluated
+
+
 def repaired_pairs(state: State, target: int):
     """(changes, evaluated) for each valid change of one group's mode that takes ``state``
     over ``target``, paired with the change of another group of the least modelled cost that
@@ -627,13 +642,7 @@ def repaired_pairs(state: State, target: int):
     layout = state.layout
     freeing = None
     for index in range(layout.g):
-        for mode in layout.allowed[index]:
-            changes = {index: mode}
-            if mode == state.modes[index] or not state.valid_change(changes):
-                continue
-            evaluated = state.change(changes)
-            if evaluated is None:
-                continue
+        for changes, evaluated in group_changes(state, index):
             worst = _worst_point(state, evaluated, target)
             if worst is None:
                 continue

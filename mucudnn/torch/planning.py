@@ -267,11 +267,7 @@ def polished(profile: StepProfile, plan: OffloadPlan, time_limit_s: float | None
     while improved and not timed_out():
         improved = False
         for index in range(layout.g):
-            for mode in layout.allowed[index]:
-                changes = {index: mode}
-                if mode == state.modes[index] or not state.valid_change(changes):
-                    continue
-                evaluated = state.change(changes)
+            for changes, evaluated in planner_fast.group_changes(state, index):
                 if planner_fast.fits(state, evaluated, plan.target) and \
                         shorter(changes, evaluated):
                     improved = True

@@ -44,11 +44,10 @@ def test_the_reference_covers_the_committed_profiles():
             assert (name, row) in REFERENCE_ENTRIES, (name, row)
 
 
-#: the entries where the fast plan is known to be more than GAP above the ILP's (both ILP plans
+#: the entries where the fast plan is known to be more than GAP above the ILP's (its ILP plan
 #: not proven optimal: CBC reached its minute), with the gap measured (planning-time.md): held
 #: as failures, so that a planner that closes them says so
 KNOWN_GAPS = {
-    "benchmarks/results/offload/h200/offload-mucudnn-7b2214f-h200.json#3@11596411699": "4.1 %",
     "benchmarks/results/offload/h200/offload-resnet50-tight-dd38483-h200.json#0@6039797760":
         "4.2 %",
 }
