@@ -133,6 +133,8 @@ class State:
             self.memory[layout.g + point] += self._lift(point, self.rebuilds[point])
         #: (target, :meth:`_excess_prefix` for it) of the memory as it is, or None
         self._prefix: tuple[int, np.ndarray] | None = None
+        #: backward point -> :meth:`_lift_now` there
+        self._lifts: dict[int, int] = {}
 
     def _lift(self, point: int, rebuilt: dict[int, int]) -> int:
         """What the rebuilds at backward ``point`` add above its baseline (the largest transient
@@ -141,6 +143,13 @@ class State:
             return 0
         base = int(self.layout.base[self.layout.g + point])
         return max(0, self.layout.floor[point] + max(rebuilt.values()) - base)
+
+    def _lift_now(self, point: int) -> int:
+        """:meth:`_lift` of the rebuilds at ``point`` as they are (kept until they change)."""
+        lift = self._lifts.get(point)
+        if lift is None:
+            lift = self._lifts[point] = self._lift(point, self.rebuilds.get(point, {}))
+        return lift
 
     def cost(self) -> float:
         return self.layout.cost(self.moved, self.recompute_ms, self.traffic)
@@ -220,33 +229,45 @@ class State:
                         seen.add(source)
                         heapq.heappush(pending, -source)
         intervals = []
+        append = intervals.append
         moved, recompute_ms, traffic = self.moved, self.recompute_ms, self.traffic
+        rebuilds, g = self.rebuilds, layout.g
         touched: dict[int, dict[int, int]] = {}
         for index, point in new_points.items():
-            old_mode, new_mode = modes[index], changes.get(index, modes[index])
+            old_mode = modes[index]
+            new_mode = changes.get(index, old_mode)
             old_point = rebuilt[index]
             if old_mode == new_mode and old_point == point:
                 continue
-            for n, lo, hi in layout.spans(index, old_mode, old_point):
-                intervals.append((-n, lo, hi))
-            for n, lo, hi in layout.spans(index, new_mode, point):
-                intervals.append((n, lo, hi))
+            # Layout.spans of the old mode taken away, of the new one added
+            fixed, n = layout.fixed[index], layout.nbytes[index]
+            for b, lo, hi in fixed[old_mode]:
+                append((-b, lo, hi))
+            if old_mode == RECOMPUTE:
+                append((-n, g + old_point, g + layout.last[index] + 1))
+            intervals.extend(fixed[new_mode])
+            if new_mode == RECOMPUTE:
+                append((n, g + point, g + layout.last[index] + 1))
             if old_point is not None:
-                touched.setdefault(old_point, dict(self.rebuilds.get(old_point, {}))).pop(index)
+                there = touched.get(old_point)
+                if there is None:
+                    there = touched[old_point] = dict(rebuilds.get(old_point, ()))
+                del there[index]
             if point is not None:
-                touched.setdefault(point, dict(self.rebuilds.get(point, {})))[index] = \
-                    layout.transient[index]
+                there = touched.get(point)
+                if there is None:
+                    there = touched[point] = dict(rebuilds.get(point, ()))
+                there[index] = layout.transient[index]
             if old_mode != new_mode:
-                n = layout.nbytes[index]
                 moved += n * ((new_mode == OFFLOAD) - (old_mode == OFFLOAD))
                 recompute_ms += layout.recompute_ms[index] * (
                     (new_mode == RECOMPUTE) - (old_mode == RECOMPUTE))
                 traffic += n * ((new_mode != KEEP) - (old_mode != KEEP))
         lifts = {}
         for point, there in touched.items():
-            lift = self._lift(point, there) - self._lift(point, self.rebuilds.get(point, {}))
+            lift = self._lift(point, there) - self._lift_now(point)
             if lift:
-                intervals.append((lift, layout.g + point, layout.g + point + 1))
+                append((lift, g + point, g + point + 1))
             lifts[point] = there
         return intervals, lifts, new_points, (moved, recompute_ms, traffic)
 
@@ -326,6 +347,7 @@ class State:
         for index, point in new_points.items():
             self.rebuilt[index] = point
         for point, there in lifts.items():
+            self._lifts.pop(point, None)
             if there:
                 self.rebuilds[point] = there
             else:
