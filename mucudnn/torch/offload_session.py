@@ -69,7 +69,7 @@ from .recorder import (StepRecorder, _current_node, _has_children, _in_backward,
                        _past_the_op_recorder)
 from .host_copies import StepCopies
 from .lifecycle import Lifecycle
-from .plan_runner import BackgroundRunner
+from .plan_worker import ProcessRunner
 from .plancache import PlanCache
 from .session_plans import PlanLifecycle
 from .stage import StagedForward, StagePlan
@@ -144,7 +144,7 @@ class OffloadSession(PlanLifecycle):
         #: plans made on a thread of their own (None: decided at the first step's end, on a GPU)
         self.plan_in_background = plan_in_background
         if plan_in_background:
-            self.lifecycle.runner = BackgroundRunner()
+            self.lifecycle.runner = ProcessRunner()
         #: CBC's limit per solve (the planning times it bounds: benchmarks/results/planning-time.md)
         self.plan_time_limit_s = plan_time_limit_s
         self.recompute, self.min_bytes = recompute, min_bytes

@@ -7,7 +7,10 @@ A :class:`PlanRequest` says what to plan and for what; :class:`PlanMaker` makes 
 - :class:`InlineRunner` at once, in the caller's thread (links without a GPU, tests, off-GPU
   replays): the plan is ready at the step boundary that asked for it;
 - :class:`BackgroundRunner` on a daemon thread, so that no training step waits for a solver (the
-  planner is pure Python and CBC subprocesses): the plan is ready at a later boundary.
+  planner is pure Python and CBC subprocesses): the plan is ready at a later boundary;
+  :class:`~.plan_worker.ProcessRunner`, the session's on a GPU, hands it on from that thread to a
+  worker process, so that the planner's Python does not hold the training thread's interpreter
+  lock.
 
 Either hands back, from ``ready()``, each request with its result or the exception its making
 raised, in the order asked. One maker serves one session, one request at a time (a runner runs
@@ -298,10 +301,14 @@ class BackgroundRunner(InlineRunner):
                     self._lock.notify_all()
                     return
                 request, work = self._queue.popleft()
-            made = _made(request, work)
+            made = self._make(request, work)
             with self._lock:
                 self._done.append((request, made))
                 self._lock.notify_all()
+
+    def _make(self, request: PlanRequest, work) -> PlanResult | BaseException:
+        """``request`` made by ``work`` (on the runner's thread)."""
+        return _made(request, work)
 
     def ready(self) -> list:
         with self._lock:

@@ -17,7 +17,8 @@ import torch
 from .lifecycle import (AS_RECORDED, FAILED, FIXED, OK, OUT_OF_MEMORY, RECORD, RECORDING,
                         StepOutcome)
 from .link import CudaLink
-from .plan_runner import BackgroundRunner, StageCandidate
+from .plan_runner import StageCandidate
+from .plan_worker import ProcessRunner
 from .plancache import UNCHECKED, CachedPlan, PlanCache, PlanKey
 from .planner import KEEP
 from .records import _Group, _Step
@@ -115,7 +116,7 @@ class PlanLifecycle:
             # step boundary that asks for it
             self.plan_in_background = isinstance(link, CudaLink)
             if self.plan_in_background:
-                lifecycle.runner = BackgroundRunner()
+                lifecycle.runner = ProcessRunner()
         status = OUT_OF_MEMORY if out_of_memory else FAILED if failed else OK
         decision = lifecycle.end_step(StepOutcome(
             status, recorded=not self._offload_rest, profile=profile, stage_candidates=candidates,
