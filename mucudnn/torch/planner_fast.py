@@ -13,11 +13,12 @@ The method (:func:`plan_modes`):
 2. **Improvement** (:func:`improve`). On a plan within the target: changes to a cheaper mode
    that stay within it, and each such change paired with the cheapest other change that brings
    the plan back within it (:func:`_cheapest_repair`), taken while they shorten the step.
-3. **Restarts**, the cheapest plan kept: from everything moved with the moves of the largest
-   saving taken back (:func:`drop`), weighed at the plan's marginal prices, rebuilt around each
-   of its dearest moves kept (:func:`_rebuilt_around`), with offloads capped at shares of the
-   link's bound (:data:`LINK_BOUND_SHARES`); on steps of more than :data:`COMPOUND_GROUPS`
-   groups only 1 and 2 (the planning time).
+3. **Restarts**, the cheapest plan kept: from everything moved (brought within the target by
+   the construction where it is at most :data:`NO_PLAN_OVER` above it) with the moves of the
+   largest saving taken back (:func:`drop`), weighed at the plan's marginal prices, rebuilt
+   around each of its dearest moves kept (:func:`_rebuilt_around`), with offloads capped at
+   shares of the link's bound (:data:`LINK_BOUND_SHARES`); on steps of more than
+   :data:`COMPOUND_GROUPS` groups only 1 and 2 (the planning time).
 4. **Where no construction meets the target** (from everything kept, or from everything moved)
    the target is taken as infeasible (without the compound constructions where the one-group
    ones all end over :data:`NO_PLAN_OVER` times the target): :class:`InfeasibleError` then
@@ -481,9 +482,11 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
                 return second.modes
     best = None
     compound = layout.g <= COMPOUND_GROUPS
-    # a start within the target: its construction changes nothing, with or without the
+    # the starts within the target: their construction changes nothing, with or without the
     # compound changes, so the second pass would improve the same plan again
-    within = False
+    within = set()
+    # whether the construction of every change from everything kept found no plan
+    kept_failed, kept_at = False, int(start is not None)
     for compounds in (False, True)[:1 + compound]:
         starts = [[KEEP] * layout.g] + _moved_starts(layout)
         if start is not None:
@@ -493,16 +496,17 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
             if not compounds and at == 0 and failed is not None:
                 least = failed.peak()
                 continue
-            if compounds and at == 0 and within:
+            if compounds and at in within:
                 break
             state = State(layout, modes)
-            if not compounds and at == 0:
-                within = state.peak() <= target
+            if not compounds and state.peak() <= target:
+                within.add(at)
             if construct(state, target, compound=compounds):
                 improve(state, target, compound=compound)
                 if best is None or state.cost() < best.cost():
                     best = state
                 break
+            kept_failed = kept_failed or (compounds and at == kept_at)
             least = state.peak() if least is None else min(least, state.peak())
         if best is None and not compounds and least > target * NO_PLAN_OVER:
             return None
@@ -520,7 +524,10 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
                     best = state
     if best is None:
         return None
-    if compound:
+    # the constructions from everything kept below are the same greedy at other prices or with
+    # offloads capped: where it found no plan from there, they are not run (a heuristic: on the
+    # committed profiles none of them then found one; benchmarks/results/planning-time.md)
+    if compound and not kept_failed:
         # the greedy weighs each change at the step's time where it is made; the plan's own
         # marginal prices (an offloaded byte past the link's bound, a recipe hidden under the
         # fetches) weigh the first changes as the last see them
@@ -529,11 +536,12 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
             improve(priced, target)
             if priced.cost() < best.cost():
                 best = priced
+    if compound:
         best = _rebuilt_around(best, target)
     # the greedy takes offloads at their cost below the link's bound, and past it each byte
     # costs more (the step waits for the link): a plan made with offloads capped near the
     # bound (first, then as the rest of the excess needs) is often the cheaper one then
-    for share in LINK_BOUND_SHARES * compound:
+    for share in LINK_BOUND_SHARES * (compound and not kept_failed):
         cap = share * _link_bound(layout)
         if best.moved <= cap:
             continue

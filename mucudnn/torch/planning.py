@@ -160,8 +160,10 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     of its plans (``plan`` too) :func:`polished`. None (``[]``) where ``plan`` moves nothing
     (its exposure then changes nothing). The plans are made by ``method`` (the fast one starts
     from ``plan``'s modes: within every larger target, near the plans of other exposures; at
-    another exposure than the profile's, only a construction and improvement from there: those
-    plans are candidates the trial measures, not the model's best); CBC gets at most
+    another exposure than the profile's, only a construction and improvement from there, else
+    from the target's plan at the profile's exposure, on the prefetch ladder from that plan's
+    rung on: those plans are candidates the trial measures, not the model's best); CBC gets at
+    most
     :data:`TRIAL_SOLVE_S` a solve here. The
     runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest (of those that did not
     flush the allocator's cache where any did not): what the allocator does near its cap is no

@@ -12,6 +12,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks.planner_gap import GAP, REFERENCE, fast_plans, key, repeated_profile
@@ -188,3 +189,43 @@ def test_a_repeated_profile_plans_within_its_budget_with_every_mode():
     plan = planning.plan_with_prefetch(profile, target)
     assert plan.peak <= target and valid(profile, plan.modes)
     assert plan.count(OFFLOAD) and plan.count(RECOMPUTE)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_excess_a_change_frees_and_the_vectorised_costs_are_the_direct_ones(seed):
+    # State.excess_change (net pieces, a running sum) against the excess of the memory with the
+    # change applied, at targets around the memory; Layout.costs against Layout.cost, float for
+    # float (Freeing orders its rows by them)
+    rng = random.Random(1100 + seed)
+    sizes = [rng.randint(1, 16) * MiB for _ in range(14)]
+    profile = chain_profile(sizes, recompute_every=1, seed=seed, baseline=MiB, sources=2)
+    layout = planner_fast.Layout(profile, 2)
+    state = planner_fast.State(layout, [KEEP] * len(sizes))
+
+    def excess(memory, target):
+        return int(sum(max(int(m) - target, 0) for m in memory))
+    checked = 0
+    for _ in range(300):
+        index = rng.randrange(len(sizes))
+        changes = {index: rng.choice(planner.allowed_modes(profile.groups[index]))}
+        if changes[index] == state.modes[index] or not state.valid_change(changes):
+            continue
+        evaluated = state.change(changes)
+        if evaluated is None:
+            continue
+        after = state.memory.copy()
+        for n, lo, hi in evaluated[0]:
+            after[lo:hi] += n
+        target = int(state.memory.max() * rng.uniform(0.5, 1.0))
+        assert state.excess(target) == excess(state.memory, target)
+        assert state.excess_change(evaluated[0], target) == \
+            excess(after, target) - excess(state.memory, target)
+        checked += 1
+        if rng.random() < 0.5:
+            state.apply(changes, evaluated)
+    assert checked > 50
+    moved = np.array([0, 3 * MiB, 10**10], dtype=np.int64)
+    recompute_ms = np.array([0.0, 1.25, 7.5])
+    traffic = np.array([0, 5 * MiB, 2 * 10**10], dtype=np.int64)
+    assert list(layout.costs(moved, recompute_ms, traffic)) == [
+        layout.cost(int(m), float(r), int(t)) for m, r, t in zip(moved, recompute_ms, traffic)]
