@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--detail", action="store_true",
                     help="also print each step's memory (peak allocated, reserved, the caching "
                          "allocator's retries) and the session plan's prediction")
-    ap.add_argument("--trace-step", type=int, default=0, metavar="K",
-                    help="profile step K (torch.profiler) and print where its device time went")
+    ap.add_argument("--trace-step", default="", metavar="K[,K...]",
+                    help="profile these steps (torch.profiler, device activity only) and print "
+                         "where their device time went")
     ap.add_argument("--cprofile-step", type=int, default=0, metavar="K",
                     help="run step K under cProfile and print the host's hottest functions")
     ap.add_argument("--snapshot-step", type=int, default=0, metavar="K",
@@ -143,12 +144,13 @@ def main(argv=None) -> int:
     print(f"train_steps: ready at {time.monotonic() - offset:.3f} s (session: "
           f"{'found' if session is not None else 'none'})", file=sys.stderr, flush=True)
     detail = args.detail and cuda
+    traced = {int(k) for k in args.trace_step.split(",") if k.strip()}
     retries = memory_counter("num_alloc_retries") if detail else 0
     for step in range(1, args.steps + 1):
         synchronize()
         if detail:
             torch.cuda.reset_peak_memory_stats()
-        tracer = trace(step == args.trace_step and cuda)
+        tracer = trace(step in traced and cuda)
         host = HostClock(step == args.cprofile_step)
         start = time.monotonic()
         with tracer as profiler, host:
@@ -204,6 +206,8 @@ class HostClock:
 
     def __enter__(self):
         gc.callbacks.append(self._on_gc)
+        self.cpu_start = time.process_time()
+        self.switches_start = _involuntary_switches()
         self.start = self.last = time.perf_counter()
         if self.profile is not None:
             self.profile.enable()
@@ -213,6 +217,8 @@ class HostClock:
         if self.profile is not None:
             self.profile.disable()
         gc.callbacks.remove(self._on_gc)
+        self.cpu_ms = (time.process_time() - self.cpu_start) * 1e3
+        self.switches = _involuntary_switches() - self.switches_start
         return False
 
     def mark(self, name: str) -> None:
@@ -222,7 +228,7 @@ class HostClock:
 
     def fields(self) -> str:
         return "".join(f" host_{name}_ms={ms:.1f}" for name, ms in self.marks) + \
-            f" gc_ms={self.gc_ms:.1f}"
+            f" gc_ms={self.gc_ms:.1f} process_cpu_ms={self.cpu_ms:.1f} preempted={self.switches}"
 
     def hottest(self, top: int = 25) -> list[str]:
         if self.profile is None:
@@ -232,6 +238,16 @@ class HostClock:
         text = io.StringIO()
         pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(top)
         return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+
+
+def _involuntary_switches() -> int:
+    """The process's involuntary context switches so far (the host descheduled: another process
+    or thread wanted its core)."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+    except (ImportError, OSError):
+        return 0
 
 
 def segments_by_stream() -> list[str]:
@@ -274,7 +290,8 @@ def trace(on: bool):
     if not on:
         return contextlib.nullcontext()
     from torch.profiler import ProfilerActivity, profile
-    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    # device activity only: the host's op records would slow the host this measures
+    return profile(activities=[ProfilerActivity.CUDA])
 
 
 def trace_summary(profiler, wall_ms: float, top: int = 12) -> list[str]:
