@@ -230,7 +230,7 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     mkdir -p "$LOGS/accuracy"
     for spec in $(echo "${s#accuracy-}" | tr '+' ' '); do
       model=${spec%%:*}; rest=${spec#*:}; batch=${rest%@*}; budget=${rest#*@}; tag="${model}-${batch}-${budget}"
-      args="--model $model --batch $batch --steps ${ACCURACY_STEPS:-30} --detail --trace-step ${ACCURACY_TRACE:-25} --cprofile-step ${ACCURACY_CPROFILE:-22} --snapshot-step ${ACCURACY_SNAPSHOT:-24}"
+      args="--model $model --batch $batch --steps ${ACCURACY_STEPS:-30} --detail --trace-step ${ACCURACY_TRACE:-25} --cprofile-step ${ACCURACY_CPROFILE:-22} --snapshot-step ${ACCURACY_SNAPSHOT:-24} --memory-history-step ${ACCURACY_HISTORY:-26}"
       stage "accuracy-$tag-pytorch" 120 python3 -m benchmarks.train_steps $args
       MUCUDNN_PLAN_CACHE=off MUCUDNN_OFFLOAD_PROFILE="$LOGS/accuracy/$tag.json" \
         stage "accuracy-$tag" ${ACCURACY_TIMEOUT:-200} $MU run --memory-budget "$budget" --offload -- \

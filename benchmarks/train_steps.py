@@ -120,6 +120,9 @@ def main(argv=None) -> int:
                          "where their device time went")
     ap.add_argument("--cprofile-step", type=int, default=0, metavar="K",
                     help="run step K under cProfile and print the host's hottest functions")
+    ap.add_argument("--memory-history-step", type=int, default=0, metavar="K",
+                    help="record the caching allocator's history in step K and print each of "
+                         "its flushes: what it unmapped and the allocation that asked for it")
     ap.add_argument("--snapshot-step", type=int, default=0, metavar="K",
                     help="after step K print the caching allocator's segments per stream")
     args = ap.parse_args(argv)
@@ -151,6 +154,9 @@ def main(argv=None) -> int:
         if detail:
             torch.cuda.reset_peak_memory_stats()
         tracer = trace(step in traced and cuda)
+        if step == args.memory_history_step and cuda:
+            torch.cuda.memory._record_memory_history(context=None, stacks="python",
+                                                     max_entries=1_000_000)
         host = HostClock(step == args.cprofile_step)
         start = time.monotonic()
         with tracer as profiler, host:
@@ -176,6 +182,10 @@ def main(argv=None) -> int:
               flush=True)
         for line in host.hottest():
             print(f"train_steps: cprofile step {step} {line}", file=sys.stderr, flush=True)
+        if step == args.memory_history_step and cuda:
+            for line in flushes_in_history(torch.cuda.memory._snapshot()):
+                print(f"train_steps: history step {step} {line}", file=sys.stderr, flush=True)
+            torch.cuda.memory._record_memory_history(enabled=None)
         if step == args.snapshot_step and cuda:
             for line in segments_by_stream():
                 print(f"train_steps: segments step {step} {line}", file=sys.stderr, flush=True)
@@ -238,6 +248,37 @@ class HostClock:
         text = io.StringIO()
         pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(top)
         return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+
+
+def flushes_in_history(snapshot: dict, most: int = 40) -> list[str]:
+    """The caching allocator's history (``_record_memory_history``): the count of each action,
+    then each run of segment frees or unmaps (a flush: an allocation that found no free block
+    within the limit) with the allocation that ran it, and the bytes allocated then."""
+    lines, counts, allocated, pending = [], {}, 0, None
+    for device in snapshot.get("device_traces", []):
+        for entry in device:
+            action, size = entry["action"], entry.get("size", 0)
+            counts[action] = counts.get(action, 0) + 1
+            if action in ("segment_free", "segment_unmap"):
+                if pending is None:
+                    pending = [0, 0, allocated]
+                pending[0] += 1
+                pending[1] += size
+            elif action == "alloc":
+                if pending is not None and len(lines) < most:
+                    lines.append(f"flush: {pending[0]} {action_word(pending)} of "
+                                 f"{pending[1] / 2**20:.0f} MiB, then an allocation of "
+                                 f"{size / 2**20:.1f} MiB with {pending[2] / 2**30:.3f} GiB "
+                                 f"allocated")
+                pending = None
+                allocated += size
+            elif action == "free_completed":
+                allocated -= size
+    return [" ".join(f"{k}={v}" for k, v in sorted(counts.items()))] + lines
+
+
+def action_word(pending) -> str:
+    return "segments freed or unmapped" if pending[0] > 1 else "segment freed or unmapped"
 
 
 def _involuntary_switches() -> int:
