@@ -112,6 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run)")
     ap.add_argument("--sample", help="one input's shape, e.g. 3,32,32 (default: the model's)")
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--throughput", action="store_true",
+                    help="at the end print `mucudnn-throughput: IMAGES/S` over the last half of "
+                         "the steps (the median step; `mucudnn batch-size`'s protocol)")
     ap.add_argument("--detail", action="store_true",
                     help="also print each step's memory (peak allocated, reserved, the caching "
                          "allocator's retries) and the session plan's prediction")
@@ -146,6 +149,7 @@ def main(argv=None) -> int:
 
     print(f"train_steps: ready at {time.monotonic() - offset:.3f} s (session: "
           f"{'found' if session is not None else 'none'})", file=sys.stderr, flush=True)
+    step_seconds = []
     detail = args.detail and cuda
     traced = {int(k) for k in args.trace_step.split(",") if k.strip()}
     retries = memory_counter("num_alloc_retries") if detail else 0
@@ -169,6 +173,7 @@ def main(argv=None) -> int:
             host.mark("optimizer")
             synchronize()
         end = time.monotonic()
+        step_seconds.append(end - start)
         state = session_state(session)
         extra = ""
         if detail:
@@ -192,7 +197,17 @@ def main(argv=None) -> int:
         if profiler is not None:
             for line in trace_summary(profiler, (end - start) * 1e3):
                 print(f"train_steps: trace step {step} {line}", file=sys.stderr, flush=True)
+    if args.throughput:
+        print(f"mucudnn-throughput: {throughput(step_seconds, args.batch):.2f}", flush=True)
     return 0
+
+
+def throughput(step_seconds: list[float], batch: int) -> float:
+    """Images a second at the median of the last half of the steps (the first half warms up:
+    recording, planning, trials)."""
+    import statistics
+    timed = step_seconds[len(step_seconds) // 2:] or step_seconds
+    return batch / statistics.median(timed)
 
 
 class HostClock:

@@ -1,0 +1,45 @@
+"""benchmarks/train_steps.py off the GPU: its throughput line (`mucudnn batch-size`'s protocol),
+the allocator history's flush summary, and a CPU dry run with every option it has."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.train_steps import flushes_in_history, throughput
+
+from mucudnn.batchsize import THROUGHPUT
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_throughput_is_the_median_of_the_last_half():
+    # the first half (recording, planning) is left out; 4 images a step
+    assert throughput([10.0, 9.0, 0.5, 0.4, 0.6, 0.5], 4) == 4 / 0.5
+
+
+def test_a_flush_is_the_run_of_unmaps_before_an_allocation():
+    mib = 1 << 20
+    trace = [{"action": "alloc", "size": 100 * mib},
+             {"action": "segment_unmap", "size": 30 * mib},
+             {"action": "segment_unmap", "size": 10 * mib},
+             {"action": "alloc", "size": 64 * mib},
+             {"action": "free_completed", "size": 100 * mib},
+             {"action": "alloc", "size": 1 * mib}]
+    counts, flush = flushes_in_history({"device_traces": [trace]})
+    assert counts == "alloc=3 free_completed=1 segment_unmap=2"
+    assert flush == ("flush: 2 segments freed or unmapped of 40 MiB, then an allocation of "
+                     "64.0 MiB with 0.098 GiB allocated")
+
+
+def test_a_cpu_dry_run_prints_its_steps_and_a_throughput_batch_size_reads():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train_steps", "--device", "cpu", "--model", "tiny",
+         "--batch", "2", "--steps", "4", "--throughput", "--detail", "--trace-step", "2",
+         "--cprofile-step", "3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("train_steps: step ") == 4
+    assert "cprofile step 3" in done.stderr
+    match = THROUGHPUT.search(done.stdout)
+    assert match is not None and float(match.group(1)) > 0
