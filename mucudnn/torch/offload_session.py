@@ -294,7 +294,7 @@ class OffloadSession(PlanLifecycle):
         if self.stage is not None and not step.profiling and self._staged is None and \
                 self.stage.runs(module, args, parent, len(step.groups)):
             self._staged = StagedForward(self.stage, args[0])   # grad mode off till its end
-            return
+            return self._staged.first_args(args)   # its output is made in micro-batches
         self.recorder.module_starts(step, module, args, parent)
 
     @_past_the_op_recorder

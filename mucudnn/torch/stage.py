@@ -204,7 +204,11 @@ def _transformed() -> bool:
 
 class StagedForward:
     """A staged forward running: grad mode off from its first module to its last's return, or
-    to :meth:`abort`."""
+    to :meth:`abort`. Its modules run on the batch's first sample alone (:meth:`first_args`: the
+    container's own forward calls them, so they run; on one sample they cost little), and the
+    stage's output is made in micro-batches at its end (:meth:`finish`): a full-batch forward's
+    largest tensors (VGG-16's first block at N = 256: 3.06 GiB each, two at once) never exist,
+    nor the holes they leave in the caching allocator's blocks."""
 
     def __init__(self, plan: StagePlan, source: torch.Tensor):
         self.plan, self.source = plan, source
@@ -214,6 +218,20 @@ class StagedForward:
         self.grad_mode = torch.is_grad_enabled()
         self.running = True
         torch.set_grad_enabled(False)
+
+    def first_args(self, args: tuple) -> tuple:
+        """What the chain's first module is called with: the batch's first sample (module
+        docstring)."""
+        return (self.source[:1],) + tuple(args[1:])
+
+    def _output_in_chunks(self) -> torch.Tensor:
+        """The chain's output on the whole batch, made a micro-batch at a time (the backward's
+        micro-batches) under ``no_grad`` and joined."""
+        size = -(-self.source.shape[0] // self.plan.stage.chunks)
+        with torch.no_grad():
+            parts = [run_chain(self.modules, self.weights, part, self.autocast)
+                     for part in self.source.split(size)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def ends_at(self, module: nn.Module) -> bool:
         """``module``, one of the chain's, returned: whether the chain has (as many returned as
@@ -230,19 +248,21 @@ class StagedForward:
             torch.set_grad_enabled(self.grad_mode)
         self.source = self.output = None
 
-    def finish(self, output: torch.Tensor) -> torch.Tensor:
+    def finish(self, sampled: torch.Tensor) -> torch.Tensor:
         """The stage's output, in the graph: through :class:`_StagedChain`, or, where it cannot
-        stand for the chain (a view, or not a tensor of the batch), the chain run again with
-        autograd."""
+        stand for the chain (a view, or not a tensor of the batch: as ``sampled``, the chain's
+        output on the first sample, is), the chain run again with autograd. ``sampled`` is let
+        go: the output is made in micro-batches (:meth:`_output_in_chunks`)."""
         self.running = False
         torch.set_grad_enabled(self.grad_mode)
         self.weights = [_weights(module) for module in self.modules]
         self.params = params = _distinct(self.weights)
+        if not isinstance(sampled, torch.Tensor) or sampled._base is not None or \
+                sampled.shape[0] != 1:
+            return run_chain(self.modules, self.weights, self.source, self.autocast)
+        output = self._output_in_chunks()
         if not (self.source.requires_grad or any(p.requires_grad for p in params)):
             return output
-        if not isinstance(output, torch.Tensor) or output._base is not None or \
-                output.shape[0] != self.source.shape[0]:
-            return run_chain(self.modules, self.weights, self.source, self.autocast)
         self.versions = [param._version for param in params]
         self.output = output
         staged = _StagedChain.apply(self, self.source, *params)
