@@ -192,7 +192,8 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
                 other = plan_with_prefetch(
                     replace(profile, copy_exposure=exposure), target, lookahead, solve_s,
                     method=method, start=plan.modes, quick=other_exposure,
-                    second_start=same.modes if other_exposure and same is not None else None,
+                    second_start=same.modes if other_exposure and same is not None
+                    and same is not plan else None,
                     from_rung=same if other_exposure else None)
             except (InfeasibleError, SolverError):
                 continue
