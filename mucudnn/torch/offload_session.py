@@ -144,7 +144,7 @@ class OffloadSession(PlanLifecycle):
         #: plans made on a thread of their own (None: decided at the first step's end, on a GPU)
         self.plan_in_background = plan_in_background
         if plan_in_background:
-            self.lifecycle.runner = ProcessRunner()
+            self.lifecycle.runner = ProcessRunner(say=lambda text: self.say(text))
         #: CBC's limit per solve (the planning times it bounds: benchmarks/results/planning-time.md)
         self.plan_time_limit_s = plan_time_limit_s
         self.recompute, self.min_bytes = recompute, min_bytes
@@ -320,14 +320,22 @@ class OffloadSession(PlanLifecycle):
     # --- pack and unpack ------------------------------------------------------------------
     @staticmethod
     def _key(tensor):
-        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                tuple(tensor.stride()), tensor.dtype, tensor.device)
+        # torch.Size is a tuple (same hash, equal to the tuple of its sizes) and ``stride()`` one
+        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
+                tensor.stride(), tensor.dtype, tensor.device)
 
     def _find(self, step, tensor, key=None):
         """The live group of ``tensor`` (``key``: its :meth:`_key`, where known): one whose packs
         were all freed (a graph dropped during the forward) gave its device and host tensors up,
         so saving the tensor again starts a new group."""
-        group = step.by_key.get(self._key(tensor) if key is None else key)
+        if key is None:
+            # each group's ``ref`` is its tensor's weak reference (the one CPython hands out
+            # while it lives) and ``by_ref`` names every group by it: a tensor none names has no
+            # group, and no key to make
+            if id(weakref.ref(tensor)) not in step.by_ref:
+                return None
+            key = self._key(tensor)
+        group = step.by_key.get(key)
         if group is not None and group.ref() is tensor and group.version == tensor._version \
                 and group.live_packs > 0:
             return group
@@ -341,7 +349,8 @@ class OffloadSession(PlanLifecycle):
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         if self._rerunning or _in_backward():   # e.g. a checkpoint's recomputation: not ours
             return None
-        self.copies.copy_pending(self._step, _SEQUENCE_NR())
+        if self._step.pending:
+            self.copies.copy_pending(self._step, _SEQUENCE_NR())
         # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none.
         # A leaf of one dimension without grad is a module's buffer (batch norm's running
         # statistics, which a later train-mode forward changes in place without a version bump,
@@ -481,8 +490,8 @@ class OffloadSession(PlanLifecycle):
         # a flush since the last read came in the op after the last unpack (the forward: before
         # the first), or in what that unpack fetched or rebuilt
         self._saw_flushes(step, link, index - 1)
-        scheduled = [step.groups[gid] for gid in self._schedule.get(index, ())
-                     if gid < len(step.groups)]
+        due = self._schedule.get(index)
+        scheduled = [step.groups[gid] for gid in due if gid < len(step.groups)] if due else ()
         if group in scheduled:   # the one needed now goes first on the copy stream
             self.copies.prefetch(group, index)
         if group.mode == OFFLOAD and group.tensor is None and group.fetch is None:

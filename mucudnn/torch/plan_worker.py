@@ -87,11 +87,14 @@ class ProcessRunner(BackgroundRunner):
     """:class:`BackgroundRunner` whose thread hands each request to the worker process (module
     docstring) and waits for its answer, the interpreter lock free meanwhile."""
 
-    def __init__(self, name: str = "mucudnn-planner"):
+    def __init__(self, name: str = "mucudnn-planner", say=None):
         super().__init__(name)
         self._worker: subprocess.Popen | None = None
         #: set once the worker failed (rule 5): requests are made on the thread from then on
         self.failed: str | None = None
+        #: where the one line saying so goes (the session's ``say``; called on the runner's
+        #: thread)
+        self.say = say or (lambda text: None)
 
     def _make(self, request: PlanRequest, work) -> PlanResult | BaseException:
         if self.failed is None and isinstance(work, PlanMaker):
@@ -100,6 +103,8 @@ class ProcessRunner(BackgroundRunner):
             except Exception as exc:   # noqa: BLE001 - rule 5: the thread makes it instead
                 self.failed = f"{type(exc).__name__}: {exc}"
                 self.close()
+                self.say(f"the offload planner's worker process failed ({self.failed}); plans "
+                         "are made on a thread of the training process from now on")
         return _made(request, work)
 
     def _remote(self, request: PlanRequest, maker: PlanMaker) -> PlanResult | BaseException:

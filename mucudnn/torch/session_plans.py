@@ -116,7 +116,7 @@ class PlanLifecycle:
             # step boundary that asks for it
             self.plan_in_background = isinstance(link, CudaLink)
             if self.plan_in_background:
-                lifecycle.runner = ProcessRunner()
+                lifecycle.runner = ProcessRunner(say=lambda text: self.say(text))
         status = OUT_OF_MEMORY if out_of_memory else FAILED if failed else OK
         decision = lifecycle.end_step(StepOutcome(
             status, recorded=not self._offload_rest, profile=profile, stage_candidates=candidates,

@@ -91,9 +91,11 @@ def test_a_worker_that_fails_leaves_the_making_to_the_thread(monkeypatch):
     recorded = load_profile(PROFILE)
     _, _, first = requests_for(recorded)
     monkeypatch.setattr(plan_worker.sys, "executable", "/nonexistent/python")
-    runner = ProcessRunner()
+    said = []
+    runner = ProcessRunner(say=said.append)
     [made] = made_by(runner, [first], PlanMaker())
     assert runner.failed is not None
+    assert len(said) == 1 and "worker process failed" in said[0]
     assert made.plan is not None and made.request is first
 
 
