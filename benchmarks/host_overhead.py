@@ -17,9 +17,10 @@ The session is entered once around a round's steps, forward, backward and optimi
 ``mucudnn run --offload`` enters it for the whole process. Rounds alternate the configurations'
 order; each round runs ``--steps`` steps of each after ``--warmup`` untimed ones at the start.
 Printed: per configuration and phase the median host ms (least-most) over every timed step, and
-the ratio of the medians to PyTorch alone's; the parameters after the last step are compared
-bitwise with PyTorch alone's (every configuration sees the same batches). ``--json PATH`` writes
-the samples.
+the ratio of the medians to PyTorch alone's (the optimizer's step and ``zero_grad`` are timed
+too: the session's op recorder, where entered, sees their torch functions); the parameters after
+the last step are compared bitwise with PyTorch alone's (every configuration sees the same
+batches). ``--json PATH`` writes the samples.
 
     python -m benchmarks.host_overhead                        # ResNet-152's module count
     python -m benchmarks.host_overhead --layers 1 1 1 1 --steps 2 --rounds 2   # dry run
@@ -91,7 +92,7 @@ class _Config:
         import torch
         self.name, self.model, self.session = name, model, session
         self.optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        self.samples = []   # (forward ms, backward ms) per timed step
+        self.samples = []   # (forward ms, backward ms, optimizer ms) per timed step
 
     def steps(self, batches, timed: bool) -> None:
         import torch.nn.functional as F
@@ -107,7 +108,8 @@ class _Config:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if timed:
-                    self.samples.append(((forward - start) * 1e3, (backward - forward) * 1e3))
+                    self.samples.append(((forward - start) * 1e3, (backward - forward) * 1e3,
+                                         (time.perf_counter() - backward) * 1e3))
         finally:
             if self.session is not None:
                 self.session.__exit__(None, None, None)
@@ -174,9 +176,10 @@ def run(args) -> dict:
         same = all(torch.equal(parameter, reference[name])
                    for name, parameter in config.model.named_parameters())
         document["configs"][config.name] = {
-            "forward_ms": _summary([f for f, _ in config.samples]),
-            "backward_ms": _summary([b for _, b in config.samples]),
-            "step_ms": _summary([f + b for f, b in config.samples]),
+            "forward_ms": _summary([f for f, _, _ in config.samples]),
+            "backward_ms": _summary([b for _, b, _ in config.samples]),
+            "optimizer_ms": _summary([o for _, _, o in config.samples]),
+            "step_ms": _summary([sum(sample) for sample in config.samples]),
             "samples": config.samples, "same_parameters_as": configs[0].name if same else None}
     return document
 
@@ -189,11 +192,11 @@ def table(document: dict) -> str:
              f"{document['torch']}; {document['groups']} saved groups (mixed: "
              f"{document['mixed_kept']} kept / {document['mixed_recomputed']} recomputed); "
              f"{document['rounds']} rounds x {document['steps']} steps",
-             "| config | forward ms | backward ms | step ms | forward / pytorch | "
-             "backward / pytorch | same parameters |", "|---|---|---|---|---|---|---|"]
+             "| config | forward ms | backward ms | optimizer ms | step ms | forward / pytorch | "
+             "backward / pytorch | same parameters |", "|---|---|---|---|---|---|---|---|"]
     for name, row in configs.items():
         cells = [name]
-        for phase in ("forward_ms", "backward_ms", "step_ms"):
+        for phase in ("forward_ms", "backward_ms", "optimizer_ms", "step_ms"):
             s = row[phase]
             cells.append(f"{s['median']:.2f} ({s['least']:.2f}-{s['most']:.2f})")
         for phase in ("forward_ms", "backward_ms"):

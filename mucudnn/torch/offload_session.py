@@ -547,7 +547,9 @@ class OffloadSession(PlanLifecycle):
             tensor = recompute(group)
         finally:
             self._rerunning = False
-        self._event("recompute", group.gid, tuple(source.gid for source in group.recipe.sources))
+        if self.trace is not None:
+            self._event("recompute", group.gid,
+                        tuple(source.gid for source in group.recipe.sources))
         return tensor
 
     def _event(self, *event):

@@ -23,7 +23,7 @@ from .link import SameMemoryLink
 from .planner import KEEP, RECOMPUTE
 from .records import (CHEAP, CONVOLUTIONS, _INSTANCE_NORMS, _Alias, _Call, _Group, _ModuleState,
                       _Read, _Recipe, _Step, _ViewOf, _joined, _same_elements, offload_everything)
-from .stage import ChainRecorder, autocast_state
+from .stage import _AUTOCAST_DEVICES, ChainRecorder, autocast_state
 
 #: the smallest copy whose time measures the host link (smaller ones measure its latency)
 LINK_PROBE_BYTES = 32 << 20
@@ -141,8 +141,8 @@ class StepRecorder:
         recomputable = self._recomputable(module)
         call = _Call(
             module, type(module).__name__, (self._read(source),) if source is not None else (),
-            None, None, in_place=bool(getattr(module, "inplace", False)),
-            recomputable=recomputable, autocast=autocast_state() if recomputable else (),
+            None, None, in_place=_in_place(module),
+            recomputable=recomputable, autocast=_autocast_now() if recomputable else (),
             state=_ModuleState.of(module) if recomputable else None)
         self._start_call(call)
         if step.profiling and self.session.staging:
@@ -153,7 +153,7 @@ class StepRecorder:
     def module_returns(self, module, output) -> None:
         """Leaf ``module``'s forward returned ``output`` (not a tensor: it raised)."""
         step = self.session._step
-        if not self._records(module) or not self.records_calls(step):
+        if not self.records_calls(step) or not self._records(module):
             return
         if step.chain is not None:
             step.chain.leave(module, output, len(step.groups))
@@ -272,7 +272,7 @@ class StepRecorder:
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, (self._read(first), self._read(second)), None, None,
                      in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
-                     autocast=autocast_state())
+                     autocast=_autocast_now())
         return self._run_op(call, func, args, kwargs)
 
     def concat(self, func, args, kwargs):
@@ -291,7 +291,7 @@ class StepRecorder:
             return func(*args, **kwargs)
         call = _Call(None, func.__name__, tuple(self._read(t) for t in tensors), None, None,
                      op=_joined, keywords={"dim": dim}, recomputable=True,
-                     autocast=autocast_state())
+                     autocast=_autocast_now())
         return self._run_op(call, func, args, kwargs)
 
     def _run_op(self, call: _Call, func, args, kwargs):
@@ -399,11 +399,11 @@ class StepRecorder:
         """The leaf module call whose forward is running now (its index and itself), or
         (None, None)."""
         calls = step.calls
-        index = next((i for i in range(len(calls) - 1, -1, -1) if calls[i].module is not None),
-                     None)
-        if index is None or calls[index].done:
-            return None, None
-        return index, calls[index]
+        for index in range(len(calls) - 1, -1, -1):   # most often the last: a loop, no generator
+            call = calls[index]
+            if call.module is not None:
+                return (None, None) if call.done else (index, call)
+        return None, None
 
     def alias(self, step: _Step, group: _Group, tensor: torch.Tensor) -> None:
         """When ``tensor``, saved as ``group``, is a view of the running module's first input
@@ -650,20 +650,65 @@ def _changes_in_place(call: _Call | None, tensor: torch.Tensor) -> bool:
         and call.reads[0].ref() is tensor
 
 
+def _autocast_now() -> tuple:
+    """:func:`~.stage.autocast_state`, without building it where autocast is off everywhere (at
+    every recomputable module call of a step that records calls)."""
+    for device in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            return autocast_state()
+    return ()
+
+
+#: module types whose ``inplace`` attribute, if any, is an instance's own: no class in their
+#: order defines one and their attribute look-up is nn.Module's (:func:`_in_place`)
+_PLAIN_LOOKUP: set = set()
+_ABSENT = object()
+
+
+def _in_place(module: nn.Module) -> bool:
+    """``bool(getattr(module, "inplace", False))``, without the AttributeError nn.Module's
+    ``__getattr__`` makes for a module without one (a convolution, a batch norm) at every
+    module call of a step that records calls."""
+    kind = type(module)
+    if kind not in _PLAIN_LOOKUP:
+        if kind.__getattribute__ is not object.__getattribute__ or \
+                getattr(kind, "__getattr__", None) is not nn.Module.__getattr__ or \
+                any("inplace" in vars(cls) for cls in kind.__mro__):
+            return bool(getattr(module, "inplace", False))
+        _PLAIN_LOOKUP.add(kind)
+    value = module.__dict__.get("inplace", _ABSENT)
+    if value is not _ABSENT:
+        return bool(value)
+    if "inplace" in module._parameters or "inplace" in module._buffers or \
+            "inplace" in module._modules:   # where nn.Module's ``__getattr__`` finds it
+        return bool(getattr(module, "inplace"))
+    return False
+
+
 def _has_children(module: nn.Module) -> bool:
     """``module.children()`` is not empty: read from the dict it iterates, without a generator
-    (this runs at every module call of a step's forward)."""
-    return any(child is not None for child in module._modules.values())
+    where it is empty, a leaf's (this runs at every module call of a step's forward)."""
+    modules = module._modules
+    return bool(modules) and any(child is not None for child in modules.values())
 
-#: pack, unpack and module of a step)
+
+#: PyTorch's function that gives the autograd node whose backward runs now (an older one: none)
 _CURRENT_AUTOGRAD_NODE = getattr(torch._C, "_current_autograd_node", None)
 
 
-def _current_node():
-    """The autograd node whose backward runs now, or None."""
-    return _CURRENT_AUTOGRAD_NODE() if _CURRENT_AUTOGRAD_NODE is not None else None
+if _CURRENT_AUTOGRAD_NODE is not None:
+    #: the autograd node whose backward runs now, or None (PyTorch's own function: this runs at
+    #: every pack, unpack and module of a step)
+    _current_node = _CURRENT_AUTOGRAD_NODE
 
+    def _in_backward() -> bool:
+        """Inside an autograd node's backward (where a step's forward never runs)."""
+        return _CURRENT_AUTOGRAD_NODE() is not None
+else:
+    def _current_node():
+        """The autograd node whose backward runs now: None, never known here."""
+        return None
 
-def _in_backward() -> bool:
-    """Inside an autograd node's backward (where a step's forward never runs)."""
-    return _current_node() is not None
+    def _in_backward() -> bool:
+        """Inside an autograd node's backward: never known here."""
+        return False

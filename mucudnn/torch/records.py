@@ -66,7 +66,7 @@ class _Call:
     output_version: int = 0   # its output's version when it returned
     in_place: bool = False    # its output is its first input, changed
     op: object = None         # an op's function, called again with ``keywords`` to rerun it
-    keywords: dict = field(default_factory=dict)
+    keywords: dict | None = None   # an op's (a module call has none: no dict per module call)
     #: a recipe may run it again: a module of an exact type the session recomputes
     #: (:meth:`OffloadSession._recomputable`), or a recorded op (deterministic, elementwise)
     recomputable: bool = False
@@ -88,7 +88,7 @@ class _Call:
         with contextlib.ExitStack() as stack:
             autocast_as(self.autocast, stack)
             if self.op is not None:
-                return self.op(*values, **self.keywords)
+                return self.op(*values, **(self.keywords or {}))
             return rerun_as_recorded(self.module, values[0], self.state, self.output_shape)
 
 
@@ -184,12 +184,19 @@ class _Recipe:
     calls: list[_Call] = field(default_factory=list)
     inputs: list[tuple] = field(default_factory=list)
     view: tuple | None = None
+    #: :attr:`sources` as found from ``inputs`` when it had ``_sources_of`` entries (inputs are
+    #: only appended to, while the recipe is found)
+    _sources: list | None = field(default=None, repr=False)
+    _sources_of: int = field(default=-1, repr=False)
 
     @property
     def sources(self) -> list[_Group]:
         """The groups it reads, each once, in the order it first reads them: each must be kept
         (at the version it read) or recomputed, and on the device until the rebuilt tensor can no
-        longer be unpacked."""
+        longer be unpacked. (Read at every pack, unpack and rebuild of a recomputed group: found
+        once per length of ``inputs``; not to be changed by its readers.)"""
+        if self._sources_of == len(self.inputs):
+            return self._sources
         found = []
         for slots in self.inputs:
             for slot in slots:
@@ -197,6 +204,7 @@ class _Recipe:
                     slot = slot.group
                 if isinstance(slot, _Group) and slot not in found:
                     found.append(slot)
+        self._sources, self._sources_of = found, len(self.inputs)
         return found
 
 

@@ -24,7 +24,7 @@ def test_dry_run_times_every_configuration(tmp_path, capsys):
     assert document["mixed_kept"] + document["mixed_recomputed"] == document["groups"]
     for name, row in document["configs"].items():
         assert len(row["samples"]) == 4, name          # 2 rounds x 2 steps
-        assert all(f > 0 and b > 0 for f, b in row["samples"])
+        assert all(f > 0 and b > 0 and o > 0 for f, b, o in row["samples"])
         assert row["forward_ms"]["least"] <= row["forward_ms"]["median"] <= \
             row["forward_ms"]["most"]
         assert row["same_parameters_as"] == "pytorch", name
