@@ -37,6 +37,8 @@ ADDS = {torch.Tensor.add_: True, torch.Tensor.__iadd__: True, torch.Tensor.add: 
 CONCATS = (torch.cat, torch.concat)
 #: the most calls (modules and ops) one recipe reruns from its sources
 _MAX_CHAIN = 4
+#: the module of nn.Module's global hooks (read at every leaf module call of a recording step)
+_GLOBAL_HOOKS = torch.nn.modules.module
 
 
 class _OpRecorder(TorchFunctionMode):
@@ -59,7 +61,7 @@ class _OpRecorder(TorchFunctionMode):
         if func in CONCATS:
             refuse_if_compiling("a mucudnn.torch session's op recorder")
             return self.recorder.concat(func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 def _past_the_op_recorder(hook):
@@ -228,10 +230,9 @@ class StepRecorder:
     def _hooks_last(self) -> bool:
         """The session's global module hooks are the last registered: each runs after the other
         global ones (a module's own hooks run after all of them)."""
-        hooks = torch.nn.modules.module
         before, after = self.session._handles
-        return next(reversed(hooks._global_forward_pre_hooks), None) == before.id and \
-            next(reversed(hooks._global_forward_hooks), None) == after.id
+        return next(reversed(_GLOBAL_HOOKS._global_forward_pre_hooks), None) == before.id and \
+            next(reversed(_GLOBAL_HOOKS._global_forward_hooks), None) == after.id
 
     def _returned(self, call: _Call, output) -> None:
         call.done = True
@@ -239,7 +240,12 @@ class StepRecorder:
             call.output = weakref.ref(output)
             # ascending, though calls may return out of order (a leaf module running one it
             # does not register returns after it)
-            bisect.insort(self.session._step.outputs.setdefault(id(call.output), []), call.index)
+            outputs = self.session._step.outputs
+            indices = outputs.get(id(call.output))
+            if indices is None:
+                outputs[id(call.output)] = [call.index]
+            else:
+                bisect.insort(indices, call.index)
             call.output_version = output._version
             call.output_bytes = output.numel() * output.element_size()
             call.output_shape = tuple(output.shape)

@@ -109,13 +109,16 @@ class _ModuleState:
 
     @classmethod
     def of(cls, module: nn.Module) -> _ModuleState:
-        params = {name: value for name, value in module._parameters.items() if value is not None}
+        params, versions = {}, []   # one pass, no generator: at every recomputable module call
+        for name, value in module._parameters.items():
+            if value is not None:
+                params[name] = value
+                versions.append(value._version)
         running = None
         if isinstance(module, _BATCH_NORMS) and not module.training and \
                 module.running_mean is not None and module.running_var is not None:
             running = (module.running_mean.clone(), module.running_var.clone())
-        return cls(module.training, params,
-                   tuple(value._version for value in params.values()), running)
+        return cls(module.training, params, tuple(versions), running)
 
     def check(self) -> None:
         """PyTorch's error where a parameter the forward read was changed in place since (an
