@@ -105,6 +105,8 @@ class StepCopies:
 
     def let_go_due(self, step: _Step, point: int | None) -> None:
         """The offloaded groups due at forward ``point`` (None: all, the forward is over) go."""
+        if not step.releases:   # at every new group: most steps move nothing
+            return
         due = step.releases.pop(point, ()) if point is not None else [
             entry for point in sorted(step.releases) for entry in step.releases.pop(point)]
         for group, transfer in due:

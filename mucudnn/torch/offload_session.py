@@ -406,7 +406,8 @@ class OffloadSession(PlanLifecycle):
             group.pack_mark = link.mark()
             step.marks.append(("pack", gid, group.pack_mark, link.allocated(),
                                self.recorder.peak(link)))
-        self._event("pack", gid, group.mode)
+        if self.trace is not None:
+            self._event("pack", gid, group.mode)
         if group.mode == OFFLOAD:
             # copied once the op saving it has run (:meth:`.host_copies.StepCopies.copy_pending`)
             step.pending.append((group, tensor, _SEQUENCE_NR()))
@@ -502,7 +503,8 @@ class OffloadSession(PlanLifecycle):
         for other in scheduled:
             self.copies.prefetch(other, index)
         tensor = self._materialize(group, link)
-        self._event("unpack", group.gid, index)
+        if self.trace is not None:
+            self._event("unpack", group.gid, index)
         if step.profiling:
             at = max(link.allocated(), self.recorder.peak(link))   # with this group fetched
             step.marks.append(("unpack", index, link.mark(), at, peak_before))
