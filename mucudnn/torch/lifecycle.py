@@ -388,6 +388,8 @@ class Lifecycle:
         if self._recordings_left > 0:
             return
         self.profile = planner.least_times(self._recorded)
+        if self.stage is not None:   # a stage the recording took: the recorded profile is staged
+            self.recorded_profile = self.profile
         self._recorded = []
         self.state = PLANNING
         self.modes = offload_everything(self.profile.groups)
@@ -694,6 +696,13 @@ class Lifecycle:
                       + f": {plan.describe()}"
                       + (f"; {stage.stage.describe()}" if stage is not None else ""))
         return self._between(start)
+
+    def stage_in_recording(self, stage) -> None:
+        """A recording step took ``stage`` (a :class:`~.plan_runner.StageCandidate`; the session's
+        ``_stage_starts``): the profiles recorded from now on are staged ones, and the plans are
+        made on them with it in force."""
+        if self.state == RECORDING:
+            self.stage = stage
 
     def record_anew(self, reason: str) -> Decision:
         """The plan from an earlier run does not fit this run's step (``reason``, one line): the

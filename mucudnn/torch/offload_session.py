@@ -291,8 +291,10 @@ class OffloadSession(PlanLifecycle):
         self._at_step_start()   # the first module of the next step: its calls belong there
         step = self._step
         parent = self._containers[-1] if self._containers else None
-        if self.stage is not None and not step.profiling and self._staged is None and \
-                self.stage.runs(module, args, parent, len(step.groups)):
+        # a stage in force stages its chain; in a recording step only the one that step took
+        # (:meth:`_stages_recording`: the recording would not fit otherwise)
+        if self._staged is None and (self.stage is not None or step.profiling) and \
+                self._stage_starts(step, module, args, parent):
             self._staged = StagedForward(self.stage, args[0])   # grad mode off till its end
             return self._staged.first_args(args)   # its output is made in micro-batches
         self.recorder.module_starts(step, module, args, parent)

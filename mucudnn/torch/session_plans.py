@@ -23,7 +23,9 @@ from .plancache import UNCHECKED, CachedPlan, PlanCache, PlanKey
 from .planner import KEEP
 from .records import _Group, _Step
 from .recorder import stage_candidates, step_profile
-from .stage import StagePlan
+from . import planner_stage
+from ..sizes import describe_size
+from .stage import RECORDING_FLOOR_SHARE, StagePlan, leading_chain, recording_chunks
 
 
 class OfLifecycle:
@@ -105,9 +107,12 @@ class PlanLifecycle:
                 if finished.start_allocated is not None:
                     grown = max(0, link.allocated() - finished.start_allocated)
                 profile = step_profile(finished, link, self.copy_exposure, tail_peak, grown)
-                candidates = tuple(StageCandidate(stage, batch, (modules, parent))
-                                   for stage, modules, parent, batch
-                                   in stage_candidates(finished, link, self.recompute_convolutions))
+                # a recording that staged (:meth:`_stage_starts`) is the staged profile: no
+                # other stage is weighed on it
+                candidates = () if self.stage is not None else tuple(
+                    StageCandidate(stage, batch, (modules, parent))
+                    for stage, modules, parent, batch
+                    in stage_candidates(finished, link, self.recompute_convolutions))
                 self.recorder.peak(link)   # what a probe of the link allocated there is no step's
         self._cached = None    # checked in its first step only
         lifecycle = self.lifecycle
@@ -161,6 +166,33 @@ class PlanLifecycle:
             self._schedule = self._prefetch_schedule(modes)
         if decision.error is not None:
             raise decision.error
+
+    def _stage_starts(self, step: _Step, module, args, parent) -> bool:
+        """Leaf ``module`` (``parent`` running it) starts the stage in force, or, in a recording
+        step with none, a stage this recording takes (:func:`stage.recording_chunks`: its chain's
+        backward alone would hold most of the budget, so an unstaged recording would run out
+        of memory). A stage the recording takes holds for the plans made from it, which are
+        made on its staged profile (no other stage is weighed); one line says so."""
+        saved = len(step.groups)
+        if self.stage is None:
+            budget = self.lifecycle.budget
+            if not step.profiling or self.staging is False or budget is None or saved or \
+                    step.calls or not args or not isinstance(args[0], torch.Tensor):
+                return False
+            chain = leading_chain(module, parent)
+            chunks = recording_chunks(chain, args[0], budget) if chain is not None else None
+            if chunks is None:
+                return False
+            source = args[0]
+            stage = planner_stage.Stage(len(chain), saved, saved, None,
+                                        source.numel() * source.element_size(), chunks, 0.0)
+            self.stage = StagePlan(stage, chain, parent)
+            self.lifecycle.stage_in_recording(
+                StageCandidate(stage, source.shape[0], (chain, parent)))
+            self.say(f"the recording stages the first {len(chain)} layers in {chunks} "
+                     f"micro-batches: their backward would hold more than "
+                     f"{RECORDING_FLOOR_SHARE:.0%} of the {describe_size(budget)} budget at once")
+        return self.stage.runs(module, args, parent, saved)
 
     def _freeze_gc(self) -> None:
         """Between the steps, where the first plan takes over: the process's objects collected

@@ -161,6 +161,65 @@ class ChainRecorder:
         return found
 
 
+#: A recording step stages the leading chain (:func:`recording_chunks`) where the chain's backward
+#: would hold more than this share of the budget at once: three of its largest tensors (an
+#: output's gradient, the input read again, the input's gradient), which no choice of keep,
+#: offload or recompute lowers, so that the recording itself would run out of memory
+RECORDING_FLOOR_SHARE = 0.5
+#: ... in the fewest of these micro-batches whose share of those three is within this share
+RECORDING_CHUNKS = (2, 4, 8, 16, 32)
+RECORDING_CHUNK_SHARE = 0.25
+
+
+def leading_chain(module: nn.Module, parent: nn.Module | None) -> list[nn.Module] | None:
+    """The chain a step's first leaf ``module`` starts, read from its container ``parent``
+    before it runs: ``module`` and the children after it, each :func:`stageable`, none twice,
+    up to and including the first pooling layer (where the activations shrink); None where
+    ``parent`` is no plain ``nn.Sequential``, the first changes its input in place, or no
+    pooling layer ends it (the module docstring's chain, as a recording would find it)."""
+    if not _plain_sequential(parent) or getattr(module, "inplace", False):
+        return None
+    children = list(parent._modules.values())
+    start = next((index for index, child in enumerate(children) if child is module), None)
+    if start is None:
+        return None
+    chain: list[nn.Module] = []
+    for child in children[start:]:
+        if child is None or not stageable(child) or any(child is seen for seen in chain):
+            return None
+        chain.append(child)
+        if isinstance(child, POOLS):
+            return chain
+    return None
+
+
+def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int) -> int | None:
+    """The micro-batches a recording step stages the leading chain ``modules`` in, its input
+    ``source``, under ``budget`` bytes: None where three of the chain's largest tensors take at
+    most :data:`RECORDING_FLOOR_SHARE` of the budget (the recording runs unstaged, and the
+    planner weighs staging after it); else the fewest of :data:`RECORDING_CHUNKS` (at most the
+    batch) whose share of them is within :data:`RECORDING_CHUNK_SHARE`. The sizes are the
+    chain's on the batch's first sample (run here without grad or hooks) times the batch."""
+    batch = source.shape[0] if source.dim() >= 2 else 0
+    if batch < 2:
+        return None
+    value = source[:1]
+    largest = value.numel() * value.element_size()
+    with torch.no_grad():
+        for module in modules:
+            read = _weights(module)
+            value = module._conv_forward(value, *read) if read else module.forward(value)
+            if not isinstance(value, torch.Tensor):
+                return None
+            largest = max(largest, value.numel() * value.element_size())
+    held = 3 * largest * batch
+    if held <= RECORDING_FLOOR_SHARE * budget:
+        return None
+    fitting = [c for c in RECORDING_CHUNKS
+               if c <= batch and held / c <= RECORDING_CHUNK_SHARE * budget]
+    return fitting[0] if fitting else min(RECORDING_CHUNKS[-1], batch)
+
+
 def _follows(parent: nn.Module, before: nn.Module, module: nn.Module) -> bool:
     children = list(parent._modules.values())
     return any(a is before and b is module for a, b in zip(children, children[1:]))

@@ -166,3 +166,75 @@ def test_a_staged_plan_is_taken_where_the_plain_one_does_not_fit():
 def test_an_unknown_stage_value_is_one_clear_error():
     with pytest.raises(ValueError, match="stage='never' is not True, False or 'always'"):
         OffloadSession(budget=2**30, stage="never")
+
+
+def leading_chain_bytes(model, batch):
+    """Three of the first block's largest tensors at ``batch`` (what its backward holds)."""
+    x = batches(batch=batch, steps=1)[0][0]
+    largest = x.numel() * x.element_size()
+    with torch.no_grad():
+        for module in list(model[0])[:5]:
+            x = module(x)
+            largest = max(largest, x.numel() * x.element_size())
+    return 3 * largest
+
+
+def test_a_recording_that_would_not_fit_stages_the_first_block_and_trains_as_plain():
+    from mucudnn.torch import stage as stage_module
+    model, data = vgg_like(), batches()
+    reference = train(copy.deepcopy(model), data)
+    floor = leading_chain_bytes(model, 8)
+    said = []
+    # the first block's backward alone would hold more than half of this budget
+    session = OffloadSession(budget=int(floor / (stage_module.RECORDING_FLOOR_SHARE + 0.1)),
+                             link=RecordingLink(), min_bytes=0, say=said.append, headroom=0.0,
+                             strict=False)
+    steps = []
+    original = session._close_step
+
+    def close(failed, out_of_memory):
+        steps.append((session.lifecycle.state, session.stage is not None))
+        original(failed, out_of_memory)
+    session._close_step = close
+    staged = train(copy.deepcopy(model), data, session)
+    assert_close(reference, staged)
+    assert said[0].startswith("the recording stages the first 5 layers in ")
+    # staged from the first recording step on, and its plans made on the staged profile
+    assert steps[0] == ("recording", True) and all(is_staged for _, is_staged in steps)
+    stage = session.stage.stage
+    assert stage.modules == 5 and stage.chunks >= 2
+    assert session.recorded_profile is session.lifecycle.recorded_profile
+    # a staged step saves the block's input and nothing of the block: the recorded profile's
+    # first group is the input, its next what the second block saved
+    first = session.recorded_profile.groups[0]
+    assert first.nbytes == data[0][0].numel() * data[0][0].element_size()
+
+
+def test_a_recording_that_fits_is_not_staged_and_stage_false_never_stages():
+    from mucudnn.torch import stage as stage_module
+    model, data = vgg_like(), batches(steps=3)
+    floor = leading_chain_bytes(model, 8)
+    for budget, staging in ((int(floor / stage_module.RECORDING_FLOOR_SHARE * 1.5), True),
+                            (int(floor), False)):
+        said = []
+        session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0,
+                                 say=said.append, stage=staging, strict=False)
+        train(copy.deepcopy(model), data[:1], session)
+        assert session.stage is None
+        assert not any("recording stages" in line for line in said)
+
+
+def test_recording_chunks_are_the_fewest_within_their_share():
+    from mucudnn.torch.stage import RECORDING_CHUNK_SHARE, leading_chain, recording_chunks
+    model = vgg_like()
+    chain = leading_chain(model[0][0], model[0])
+    assert chain == list(model[0])[:5]
+    x = batches(batch=16, steps=1)[0][0]
+    held = leading_chain_bytes(model, 16)
+    assert recording_chunks(chain, x, held * 10) is None
+    chunks = recording_chunks(chain, x, held)
+    assert chunks == next(c for c in (2, 4, 8, 16) if held / c <= RECORDING_CHUNK_SHARE * held)
+    # no chain where the container is no plain Sequential, or where a module is not stageable
+    assert leading_chain(model[0][0], model) is None
+    features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.MaxPool2d(2))
+    assert leading_chain(features[0], features) is None
