@@ -354,8 +354,11 @@ def requirement_met(kind: str, steps: list[dict]) -> bool | None:
 
 def staged_step(step: dict, steps: list[dict]) -> bool:
     """A step run with the stage in force that packed fewer groups than the first (recording)
-    step: the staged layers saved nothing."""
-    return bool(step.get("stage_in_force")) and step["groups"] < steps[0]["groups"]
+    step, the staged layers saving nothing; or, where the recording itself staged (a recording
+    that would not fit unstaged: ``stage.recording_chunks``), any step with the stage in
+    force."""
+    return bool(step.get("stage_in_force")) and (
+        step["groups"] < steps[0]["groups"] or bool(steps[0].get("stage_in_force")))
 
 
 def mixed(steps: list[dict]) -> bool:

@@ -66,6 +66,9 @@ RECORD = "record"               # a recording step
 AS_RECORDED = "as recorded"     # every saved tensor offloaded inline, fetched on demand
 MODES = "modes"                 # Lifecycle.modes as a planned step runs them (None: each kept)
 
+#: the label, in a trial after a lowering, of the plan the lowering replaced
+BEFORE_LOWERING = "from before the lowering"
+
 
 def offload_everything(groups) -> list[str]:
     """The recording steps' modes: every group offloaded where it can be (else kept); ``groups``
@@ -258,6 +261,10 @@ class Lifecycle:
         #: the plan in force after its trial: per planned step (the last WATCH_STEPS), whether
         #: it flushed the caching allocator's cache, and each link's flush count at its end
         self._flushing: deque = deque(maxlen=planner.WATCH_STEPS)
+        #: the plan a lowering after flushes replaces: tried again against the lower target's
+        #: plans (:data:`BEFORE_LOWERING`), since a flush that comes from what no plan holds (a
+        #: convolution's workspace) flushes at every target, and a lower one is then only slower
+        self._before_lowering: OffloadPlan | None = None
         self._flush_counts: dict = {}
         self._counts_now: dict = {}     # each link's flush count at the last step's end
         #: the request whose plan is awaited (one at a time), and what its answer continues
@@ -466,9 +473,9 @@ class Lifecycle:
             return
         steps = len(self._flushing)
         self._flushing.clear()
-        self._lower(self.plan.peak, ("watch", flushed, steps))
+        self._lower(self.plan.peak, ("watch", flushed, steps), self.plan)
 
-    def _lower(self, flushed_peak: int, after: tuple) -> bool:
+    def _lower(self, flushed_peak: int, after: tuple, replaced: OffloadPlan) -> bool:
         """After a trial whose every plan flushed the caching allocator's cache, or a plan that
         flushes after its trial (fragmentation the model does not see needs more room than its
         headroom): the plan for a target half the headroom lower is asked for (True), at most
@@ -477,6 +484,7 @@ class Lifecycle:
         (benchmarks/results/pressure)."""
         if self.lowerings_left <= 0 or not self.headroom:
             return False
+        self._before_lowering = replaced
         self._ask(PlanRequest(LOWER, self.profile, self.target, self.budget, self.headroom,
                               peak=flushed_peak), after)
         return True
@@ -516,7 +524,7 @@ class Lifecycle:
         self._watch_from_now()   # the plan kept, or made for less below
         if ran == len(trial.plans) and all(trial.flushes_in(index) for index in range(ran)):
             if self._lower(min(plan.peak for plan in trial.plans),
-                           ("trial", trial, times, best, why)):
+                           ("trial", trial, times, best, why), trial.plans[best]):
                 self.plan = trial.plans[best]
                 self.modes = list(self.plan.modes)
                 return
@@ -616,6 +624,10 @@ class Lifecycle:
         a lower target can follow (alone, the plan is still run as a trial: whether it flushes
         the caching allocator's cache); one line naming them."""
         trial, others = self.trial, list(made.trials)
+        replaced, self._before_lowering = self._before_lowering, None
+        if replaced is not None and all(replaced != plan for plan in trial.plans) and \
+                all(replaced != plan for _, plan in others):
+            others.append((BEFORE_LOWERING, replaced))
         if not (others or (self.headroom and self.lowerings_left > 0)):
             self.trial = None
             self.state = WATCHING
@@ -634,6 +646,7 @@ class Lifecycle:
         """The plan for less after flushes: in force and tried, with one line; where none was
         found, the plan stays (after a trial, the one it keeps, said)."""
         if made.plan is None:
+            self._before_lowering = None   # the plan in force stays
             if made.lowerings_spent:   # nor any lower target: not solved again
                 self.lowerings_left = 0
             if after[0] == "trial":

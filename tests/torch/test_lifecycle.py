@@ -299,11 +299,37 @@ def test_a_lone_plan_that_flushed_in_its_trial_says_so_and_plans_for_less():
     steps = Steps(lifecycle)
     steps.record()
     assert lifecycle.state == TRIAL and len(lifecycle.trial.plans) == 1   # alone: lowerings left
+    replaced = lifecycle.plan
     steps.run(10.0, flushes=1)
     lowered = lifecycle.target
-    assert steps.lines[-2] == (f"the offload plan ran 10.0 ms a step ({STEPS - 1} flushes "
+    assert steps.lines[-3] == (f"the offload plan ran 10.0 ms a step ({STEPS - 1} flushes "
                                "after backward point 3); it flushed the caching allocator's "
                                f"cache, so planning for {lowered / GiB:.2f} GiB")
+    # the plan for less is tried against the one it replaced (a flush that no plan's saved
+    # tensors cause flushes at every target)
+    assert steps.lines[-1].startswith("trying it against the plan from before the lowering (")
+    assert lifecycle.trial.plans[-1] is replaced and lifecycle.trial.labels[-1] == \
+        "from before the lowering"
+
+
+def test_a_lowering_that_only_slows_the_step_gives_back_the_plan_it_replaced():
+    # every plan flushes (a flush no plan's saved tensors cause: a convolution's workspace); the
+    # plan for less runs slower, so the one it replaced, tried again beside it, stays once no
+    # lowering is left
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), replans=1)
+    steps = Steps(lifecycle)
+    steps.record()
+    first = lifecycle.plan
+    steps.run(5.0, flushes=1)                    # a trial of one: it flushed, so planning for less
+    assert lifecycle.plan is not first and lifecycle.trial.plans[-1] is first
+    steps.run(10.0, flushes=1)                   # the plan for less
+    steps.run(5.0, flushes=1)                    # the plan it replaced
+    assert lifecycle.lowerings_left == 0 and lifecycle.state == WATCHING
+    assert lifecycle.plan is first and lifecycle.kept_after_trial == "from before the lowering"
+    assert steps.lines[-1] == (
+        f"offload plans tried: as made 10.0 ms a step ({STEPS - 1} flushes after backward point "
+        f"3), from before the lowering 5.0 ms a step ({STEPS - 1} flushes after backward point "
+        f"3); keeping the plan from before the lowering")
 
 
 def test_a_lone_plan_without_a_lower_target_stays_and_nothing_is_said():

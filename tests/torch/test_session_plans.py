@@ -536,7 +536,7 @@ def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeyp
     # in turn; of those, the one that does not flush stays, slower as it is. Without replans
     # left, the fastest of the flushing plans stays
     trial = planner.TRIAL_STEPS
-    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 4 * trial + 2)
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 5 * trial + 2)
     plans = []   # each trial's: the plan made, the other (its first moved group kept)
 
     def made(profile, budget, plan, lookahead, time_limit_s, larger_budgets, keep_apart=False,
@@ -565,8 +565,11 @@ def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeyp
                              f"{lowered / 2**30:.2f} GiB")
     assert any(line.startswith("offload plan for") and
                f"(planned for {lowered / 2**30:.2f} GiB)" in line for line in said)
+    # the lower target's plans against the fastest before it (plans[1], 5 ms, flushing): the
+    # one that does not flush stays
     assert tried[1] == ("offload plans tried: as made 12.0 ms a step, other 1 11.0 ms a step "
-                        "(2 flushes after backward point 2); keeping the plan as made")
+                        "(2 flushes after backward point 2), from before the lowering 5.0 ms a "
+                        "step (2 flushes after backward point 2); keeping the plan as made")
     assert session.plan is plans[2] and session.plan.target == lowered
 
 
@@ -576,7 +579,7 @@ def test_a_plan_with_no_other_to_try_is_watched_for_flushes_alone(monkeypatch, f
     # flushes the caching allocator's cache, the next is made for half the headroom less, as
     # long as replans are left (3); if not, it stays, with nothing said
     trial = planner.TRIAL_STEPS
-    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 4 * trial + 1)
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 7 * trial + 1)
     monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
     link = flushing_link([], (10.0,), (flushing,))
     said = []
@@ -585,7 +588,8 @@ def test_a_plan_with_no_other_to_try_is_watched_for_flushes_alone(monkeypatch, f
     session.budget = int(saved_bytes(model, data) * 0.7)
     first = session.target
     train(model, data, session)
-    lowered = [line for line in said if "it flushed the caching allocator's cache" in line]
+    lowered = [line for line in said if "flushed the caching allocator's cache, so planning"
+               in line]
     assert session.lifecycle.trial is None
     if not flushing:
         assert session.target == first and session.replans_used == 0 and not lowered
@@ -608,18 +612,23 @@ def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeyp
     assert planner.WATCH_FLUSHING == 2
     trial = planner.TRIAL_STEPS
     first_watched = 2 + trial            # the steps before: recording, the trial
-    model, data = small_cnn(torch.float64), batches(torch.float64, first_watched + 4 + trial + 1)
+    model, data = small_cnn(torch.float64), batches(torch.float64,
+                                                    first_watched + 4 + 2 * trial + 1)
     monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
 
     class LateFlushing(RecordingLink):
-        count = 0
+        count, flushing_plan = 0, None
 
         def flushes(self):   # read once at each watched step's end (steps: those ended)
             session = self.session
             step = session.steps - 1
-            if (session.lifecycle._lowered_target is None and session.lifecycle.trial is None
-                    and first_watched < step <= first_watched + flushing_steps
-                    and step != getattr(self, "last", None)):
+            watched = (session.lifecycle._lowered_target is None and session.lifecycle.trial
+                       is None and first_watched < step <= first_watched + flushing_steps)
+            if watched:
+                self.flushing_plan = session.plan
+            # the plan that flushed in its watch flushes again where a trial runs it
+            again = session.plan is self.flushing_plan and session.lifecycle.trial is not None
+            if (watched or again) and step != getattr(self, "last", None):
                 self.last, self.count = step, self.count + 1
             return self.count
     link, said = LateFlushing(), []
@@ -635,7 +644,11 @@ def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeyp
     assert lowered == [f"the offload plan flushed the caching allocator's cache in 2 of its last "
                        f"3 steps, so planning for {session.target / 2**30:.2f} GiB"]
     assert session.target == first - int(0.05 * session.budget) and session.replans_used == 1
-    assert said[-1].startswith("offload plan for") and "(planned for" in said[-1]
+    assert said[-3].startswith("offload plan for") and "(planned for" in said[-3]
+    # tried against the plan it replaced, which flushes again: the plan for less (calm) stays
+    assert said[-2].startswith("trying it against the plan from before the lowering (")
+    assert said[-1].startswith("offload plans tried: as made ") and \
+        said[-1].endswith("keeping the plan as made")
     assert session.lifecycle.trial is None and session.plan.target == session.target
 
 
