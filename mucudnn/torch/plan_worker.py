@@ -1,7 +1,7 @@
 """The planner in a process of its own (torch-free): a session's :class:`ProcessRunner` hands each
 :class:`~.plan_runner.PlanRequest` to a worker process, so that the planner's Python (seconds near
 a step's least peak) does not hold the training process's interpreter lock, which every hook of a
-step needs: planned on a thread of the training process, a step beside a 3.7 s plan took 3.7 s
+step needs: planned on a thread of the training process, a step beside a plan waited for it
 (benchmarks/results/plan-accuracy).
 
 Rules:

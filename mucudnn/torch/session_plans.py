@@ -198,8 +198,8 @@ class PlanLifecycle:
         """Between the steps, where the first plan takes over: the process's objects collected
         once and frozen (``gc.freeze``), so that the collector's full collections, which the
         session's per-step records set off every few steps, traverse only what was made since:
-        unfrozen they walk every object of PyTorch and the script (170-185 ms on ResNet-152,
-        benchmarks/results/plan-accuracy). What is frozen is never collected: cycles the script
+        unfrozen they walk every object of PyTorch and the script, a pause of a step's length
+        (benchmarks/results/plan-accuracy). What is frozen is never collected: cycles the script
         drops later stay (a process-wide session's choice: ``MUCUDNN_OFFLOAD_FREEZE_GC=0``)."""
         self._gc_frozen = True
         gc.collect()
