@@ -26,6 +26,7 @@ from .recorder import stage_candidates, step_profile
 from . import planner_stage
 from ..sizes import describe_size
 from .stage import RECORDING_FLOOR_SHARE, StagePlan, leading_chain, recording_chunks
+from .stage import _transformed as stage_transformed
 
 
 class OfLifecycle:
@@ -177,7 +178,8 @@ class PlanLifecycle:
         if self.stage is None:
             budget = self.lifecycle.budget
             if not step.profiling or self.staging is False or budget is None or saved or \
-                    step.calls or not args or not isinstance(args[0], torch.Tensor):
+                    step.calls or not args or not isinstance(args[0], torch.Tensor) or \
+                    stage_transformed():   # nothing is staged under a torch.func transform
                 return False
             chain = leading_chain(module, parent)
             chunks = recording_chunks(chain, args[0], budget) if chain is not None else None

@@ -279,3 +279,27 @@ def test_global_module_hooks_see_each_module_once_a_forward_staged_or_not():
             handle.remove()
     assert_staged(session)
     assert [(when, type(m)) for when, m in calls] == [(when, type(m)) for when, m in plain]
+
+
+def test_a_recording_under_vmap_takes_no_stage_and_runs_as_plain():
+    """A recording step whose forward runs under ``torch.func.vmap``, with a budget its unstaged
+    chain would not fit: nothing is staged there (as in a planned step), bit for bit the plain
+    forward."""
+    from mucudnn.torch.offload_session import OffloadSession
+    from session_helpers import RecordingLink
+    model, data = vgg_like(), batches()
+    members = [copy.deepcopy(model) for _ in range(2)]
+
+    def step(session):
+        params, buffers = torch.func.stack_module_state(members)
+        params = {name: each.detach().requires_grad_() for name, each in params.items()}
+
+        def member(weights, buffers, x):
+            return functional_call(model, (weights, buffers), (x,))
+        with session if session is not None else contextlib.nullcontext():
+            out = torch.func.vmap(member, in_dims=(0, 0, None))(params, buffers, data[0][0])
+        cross_entropy(out.flatten(0, 1), data[0][1].repeat(2)).backward()
+        return [each.grad for each in params.values()]
+    session = OffloadSession(budget=4096, link=RecordingLink(), min_bytes=0, strict=False)
+    assert_close([step(None)], [step(session)], rtol=0)
+    assert session.stage is None
