@@ -18,9 +18,11 @@ Rules:
    plan) holds across requests, as it does in-process.
 4. What the request carries that is the session's own (a stage candidate's modules) stays in the
    training process: candidates go as their index and come back as the candidate.
-5. A worker that cannot start, dies or answers what cannot be read: that request and every later
-   one is made on the runner's thread, as :class:`~.plan_runner.BackgroundRunner` makes it. The
-   plans are the same either way (the planner is deterministic); only where it runs changes.
+5. A worker that cannot start, or fails a request (dies in it, or answers what cannot be read):
+   that request and every later one is made on the runner's thread, as
+   :class:`~.plan_runner.BackgroundRunner` makes it, with one line. A worker found ended between
+   requests is started again. The plans are the same either way (the planner is
+   deterministic); only where it runs changes.
 """
 
 from __future__ import annotations

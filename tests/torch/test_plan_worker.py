@@ -106,3 +106,41 @@ def test_the_worker_ends_when_its_input_ends_and_imports_no_torch():
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == b"False"
+
+
+def test_a_worker_that_ended_between_requests_is_started_again():
+    recorded = load_profile(PROFILE)
+    _, _, first = requests_for(recorded)
+    said = []
+    runner = ProcessRunner(say=said.append)
+    try:
+        [made] = made_by(runner, [first], PlanMaker())
+        assert runner.failed is None and runner._worker is not None
+        runner._worker.kill()
+        runner._worker.wait(timeout=30)
+        again = replace(first)      # another request, the same question
+        [remade] = made_by(runner, [again], PlanMaker())
+    finally:
+        runner.close()
+    assert runner.failed is None and not said
+    assert remade.request is again and remade.plan == made.plan
+
+
+def test_a_worker_that_dies_in_a_request_leaves_it_and_the_next_to_the_thread(monkeypatch):
+    recorded = load_profile(PROFILE)
+    _, _, first = requests_for(recorded)
+    said = []
+    runner = ProcessRunner(say=said.append)
+
+    def dying(stream):   # the answer never comes: the worker ended inside the request
+        runner._worker.kill()
+        raise EOFError("the stream ended")
+    try:
+        monkeypatch.setattr(plan_worker, "_receive", dying)
+        [made] = made_by(runner, [first], PlanMaker())
+        monkeypatch.undo()
+        [after] = made_by(runner, [replace(first)], PlanMaker())
+    finally:
+        runner.close()
+    assert runner.failed is not None and len(said) == 1 and runner._worker is None
+    assert made.plan is not None and after.plan == made.plan
