@@ -226,7 +226,7 @@ class Lifecycle:
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
                  headroom: float = 0.1, lookahead: int = 2, replans: int = 3,
                  replan_step: float = 0.1, record_steps: int | None = None, trials: bool = True,
-                 keep_apart: bool = True, staging: bool | str = True, strict: bool = True,
+                 keep_apart: bool = False, staging: bool | str = True, strict: bool = True,
                  plan_time_limit_s: float | None = 20, maker: PlanMaker | None = None,
                  runner=None, elapsed_ms: Callable | None = None):
         self.budget, self.headroom = budget, headroom

@@ -116,7 +116,8 @@ class OffloadSession(PlanLifecycle):
     copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
     allocator's cache (:meth:`.lifecycle.Trial.kept`), with one line (the plan made runs while
-    the others are made). ``keep_apart``: the trial also runs its simulated fastest plan with the
+    the others are made). ``keep_apart`` (off by default: it won no trial measured,
+    benchmarks/results/plan-accuracy): the trial also runs its simulated fastest plan with the
     small kept groups copied apart from the step's large tensors
     (:meth:`.host_copies.StepCopies.keeps_apart`), and keeps it that way where it wins.
     """
@@ -128,7 +129,7 @@ class OffloadSession(PlanLifecycle):
                  record_steps: int | None = None, plan_time_limit_s: float = 20,
                  recompute_convolutions: bool = True,
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
-                 max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = True,
+                 max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = False,
                  stage: bool | str = True, plan_in_background: bool | None = None,
                  plan_cache: PlanCache | None = None, freeze_gc: bool = False):
         self.force, self.lookahead = force, lookahead

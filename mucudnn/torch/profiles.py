@@ -38,7 +38,7 @@ UNVERSIONED = 1
 HEADROOM = 0.1
 LOOKAHEAD = 2
 PLAN_TIME_LIMIT_S = 20.0
-KEEP_APART = True
+KEEP_APART = False
 
 
 class ProfileFormatError(MucudnnError):

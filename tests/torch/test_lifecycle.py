@@ -142,7 +142,7 @@ def test_recording_then_the_plan_then_its_trial_keeps_the_fastest():
     assert made.run == MODES and made.plan is lifecycle.plan and made.plan.peak == target
     assert made.modes == list(made.plan.modes) and made.changed and made.write_profile
     trial = maker.trial_requests[0]
-    assert trial.plan is made.plan and trial.target == target and trial.keep_apart
+    assert trial.plan is made.plan and trial.target == target and not trial.keep_apart   # off by default
     assert trial.larger_budgets == tuple(planner.trial_budgets(8 * GiB, 0.1))
     plans = lifecycle.trial.plans
     assert made.lines == (

@@ -160,7 +160,7 @@ def test_a_replay_with_trials_makes_the_sessions_other_plans():
     assert done.trials == planning.trial_plans(
         profile, done.target, done.plan, profiles.LOOKAHEAD, profiles.PLAN_TIME_LIMIT_S,
         [planner.planning_target(4831838208, 0.1 * share)
-         for share in planner.TRIAL_HEADROOM_SHARES], keep_apart=True)
+         for share in planner.TRIAL_HEADROOM_SHARES], keep_apart=profiles.KEEP_APART)
 
 
 # -- mucudnn offload-plan -----------------------------------------------------------------------
