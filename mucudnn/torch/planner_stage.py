@@ -40,8 +40,9 @@ class Stage:
     forward_ms: float     # its forward's recorded time: what the backward runs again
 
     def describe(self) -> str:
+        # a stage the recording took has no time of its own: its rerun is in the profile's
         return (f"its first {self.modules} layers staged (rerun in {self.chunks} micro-batches "
-                f"in the backward, {self.forward_ms:.1f} ms)")
+                f"in the backward" + (f", {self.forward_ms:.1f} ms)" if self.forward_ms else ")"))
 
 
 def _stage_points(profile: StepProfile, stage: Stage) -> tuple[list[int], int] | None:

@@ -238,3 +238,12 @@ def test_recording_chunks_are_the_fewest_within_their_share():
     assert leading_chain(model[0][0], model) is None
     features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.MaxPool2d(2))
     assert leading_chain(features[0], features) is None
+
+
+def test_a_stage_says_its_rerun_time_only_where_it_has_one():
+    recorded = planner_stage.Stage(5, 0, 3, 0, 1024, 4, 12.5)
+    assert recorded.describe() == ("its first 5 layers staged (rerun in 4 micro-batches in the "
+                                   "backward, 12.5 ms)")
+    taken_in_recording = dataclasses.replace(recorded, forward_ms=0.0)
+    assert taken_in_recording.describe() == ("its first 5 layers staged (rerun in 4 "
+                                             "micro-batches in the backward)")
