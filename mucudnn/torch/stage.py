@@ -199,15 +199,17 @@ def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int
     most :data:`RECORDING_FLOOR_SHARE` of the budget (the recording runs unstaged, and the
     planner weighs staging after it); else the fewest of :data:`RECORDING_CHUNKS` (at most the
     batch) whose share of them is within :data:`RECORDING_CHUNK_SHARE`. The sizes are the
-    chain's on the batch's first sample (run here without grad or hooks) times the batch."""
+    chain's on one sample (its shapes, on the meta device, without hooks) times the batch."""
     batch = source.shape[0] if source.dim() >= 2 else 0
     if batch < 2:
         return None
-    value = source[:1]
+    # on the meta device: the shapes without a kernel (nor a convolution of one sample for the
+    # shim to tune); under autocast the sizes are the full precision's, the larger
+    value = torch.empty((1,) + tuple(source.shape[1:]), dtype=source.dtype, device="meta")
     largest = value.numel() * value.element_size()
     with torch.no_grad():
         for module in modules:
-            read = _weights(module)
+            read = [None if each is None else each.to("meta") for each in _weights(module)]
             value = module._conv_forward(value, *read) if read else module.forward(value)
             if not isinstance(value, torch.Tensor):
                 return None
