@@ -110,6 +110,23 @@ def test_maml_inner_and_outer_steps_through_a_stage():
     assert staged == [False] * 2 + [True] * 8   # two recording forwards, then inner and outer
 
 
+def ensemble_step(model, members, x, y):
+    """An ensemble's step: ``torch.func.vmap`` over the stacked ``members``' weights
+    (``functional_call`` of ``model``) on batch ``x``, ``y``, under a session (or none);
+    returns the stacked weights' gradients."""
+    def step(session):
+        params, buffers = torch.func.stack_module_state(members)
+        params = {name: each.detach().requires_grad_() for name, each in params.items()}
+
+        def member(weights, buffers, x):
+            return functional_call(model, (weights, buffers), (x,))
+        with session if session is not None else contextlib.nullcontext():
+            out = torch.func.vmap(member, in_dims=(0, 0, None))(params, buffers, x)
+        cross_entropy(out.flatten(0, 1), y.repeat(len(members))).backward()
+        return [each.grad for each in params.values()]
+    return step
+
+
 def test_an_ensemble_under_vmap_is_not_staged():
     """``torch.func.vmap`` over stacked members' weights (``functional_call``): an
     ``autograd.Function`` without a vmap rule cannot stand for the chain there, so the forward
@@ -122,16 +139,7 @@ def test_an_ensemble_under_vmap_is_not_staged():
     with torch.no_grad():
         members[1][0][0].weight.mul_(1.1)
 
-    def step(session):
-        params, buffers = torch.func.stack_module_state(members)
-        params = {name: each.detach().requires_grad_() for name, each in params.items()}
-
-        def member(weights, buffers, x):
-            return functional_call(model, (weights, buffers), (x,))
-        with session if session is not None else contextlib.nullcontext():
-            out = torch.func.vmap(member, in_dims=(0, 0, None))(params, buffers, data[3][0])
-        cross_entropy(out.flatten(0, 1), data[3][1].repeat(2)).backward()
-        return [each.grad for each in params.values()]
+    step = ensemble_step(model, members, *data[3])
     assert_close([step(None)], [step(session)], rtol=0)
 
 
@@ -290,16 +298,7 @@ def test_a_recording_under_vmap_takes_no_stage_and_runs_as_plain():
     model, data = vgg_like(), batches()
     members = [copy.deepcopy(model) for _ in range(2)]
 
-    def step(session):
-        params, buffers = torch.func.stack_module_state(members)
-        params = {name: each.detach().requires_grad_() for name, each in params.items()}
-
-        def member(weights, buffers, x):
-            return functional_call(model, (weights, buffers), (x,))
-        with session if session is not None else contextlib.nullcontext():
-            out = torch.func.vmap(member, in_dims=(0, 0, None))(params, buffers, data[0][0])
-        cross_entropy(out.flatten(0, 1), data[0][1].repeat(2)).backward()
-        return [each.grad for each in params.values()]
+    step = ensemble_step(model, members, *data[0])
     session = OffloadSession(budget=4096, link=RecordingLink(), min_bytes=0, strict=False)
     assert_close([step(None)], [step(session)], rtol=0)
     assert session.stage is None
