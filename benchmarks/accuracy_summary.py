@@ -3,7 +3,7 @@
 ``--detail`` (the logs ``accuracy-TAG.log`` and ``accuracy-TAG-pytorch.log``).
 
 Per case: PyTorch's median step (from step ``--pytorch-from``), mucudnn's median, range and
-p90/p50 from step ``--from`` (traced steps left out: ``--skip``), the ratio, the most allocated
+p90/p50 (plan_timeline's: the steady-state criterion's) from step ``--from`` (traced steps left out: ``--skip``), the ratio, the most allocated
 and reserved in those steps, the median of the allocator's flushes a step, and the plan's
 prediction against the median.
 
@@ -17,6 +17,8 @@ import re
 import statistics
 import sys
 from pathlib import Path
+
+from benchmarks.plan_timeline import p90_over_p50
 
 STEP = re.compile(r"train_steps: step (\d+) .*?step_ms=([\d.]+) session=(\S+)(.*)")
 FIELD = re.compile(r"(\w+)=([\d.]+)")
@@ -35,14 +37,6 @@ def read_steps(path: Path) -> list[dict]:
     return steps
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def summarize(steps: list[dict], pytorch: list[dict], start: int = 15, pytorch_start: int = 5,
               skip: frozenset = frozenset()) -> dict | None:
     """One case's row (None where mucudnn ran no step from ``start``)."""
@@ -54,7 +48,7 @@ def summarize(steps: list[dict], pytorch: list[dict], start: int = 15, pytorch_s
     median, baseline = statistics.median(ms), statistics.median(alone)
     predicted = timed[-1].get("predicted_ms")
     return {"pytorch_ms": baseline, "median_ms": median, "least_ms": min(ms),
-            "most_ms": max(ms), "p90_over_p50": quantile(ms, 0.9) / median,
+            "most_ms": max(ms), "p90_over_p50": p90_over_p50(ms),
             "ratio": median / baseline,
             "peak_gib": max(s.get("peak_gib", 0.0) for s in timed),
             "reserved_gib": max(s.get("reserved_gib", 0.0) for s in timed),

@@ -439,6 +439,20 @@ def host_profile_steps(step, steps: int, top: int = 30) -> list:
             for (file, line, name), (_, calls, own, cumulative, _) in rows]
 
 
+def union_length(intervals) -> float:
+    """The length covered by ``intervals`` ((start, stop, ...) tuples): where at least one ran,
+    overlaps counted once (a device busy with kernels and copies on several streams)."""
+    covered, reach = 0.0, None
+    for start, stop, *_ in sorted(intervals):
+        if reach is None or start > reach:
+            covered += stop - start
+            reach = stop
+        elif stop > reach:
+            covered += stop - reach
+            reach = stop
+    return covered
+
+
 def profile_steps(step, steps: int) -> dict:
     """GPU activity of ``steps`` training steps (torch.profiler, CUPTI): per step, the span from
     the first GPU activity to the last, the time some kernel, copy or fill ran (busy), the rest
@@ -461,14 +475,7 @@ def profile_steps(step, steps: int) -> dict:
         events = json.loads(trace.read_text())["traceEvents"]
     gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    busy, end = 0.0, None
-    for start, stop, _ in gpu:  # union of the intervals (µs)
-        if end is None or start > end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
+    busy = union_length(gpu)   # µs
     span = gpu[-1][1] - gpu[0][0] if gpu else 0.0
     by_name: dict[str, list] = {}
     for start, stop, name in gpu:

@@ -369,14 +369,8 @@ def trace_summary(profiler, wall_ms: float, top: int = 12) -> list[str]:
         elif event.name in ("cudaMalloc", "cudaFree", "cudaStreamSynchronize",
                             "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaHostAlloc"):
             calls[event.name] = calls.get(event.name, 0) + 1
-    busy, reach = 0.0, None
-    for start, end in sorted(spans):
-        if reach is None or start > reach:
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
+    from benchmarks.shim_pytorch import union_length
+    busy = union_length(spans)
     lines = [f"wall_ms={wall_ms:.2f} kernels_ms={sum(kernels.values()):.2f} "
              f"copies_ms={copies:.2f} busy_ms={busy:.2f} "
              + " ".join(f"{name}={count}" for name, count in sorted(calls.items()))]
