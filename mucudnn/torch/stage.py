@@ -209,8 +209,8 @@ def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int
     largest = value.numel() * value.element_size()
     with torch.no_grad():
         for module in modules:
-            read = [None if each is None else each.to("meta") for each in _weights(module)]
-            value = module._conv_forward(value, *read) if read else module.forward(value)
+            read = tuple(None if each is None else each.to("meta") for each in _weights(module))
+            value = _call(module, read, value)
             if not isinstance(value, torch.Tensor):
                 return None
             largest = max(largest, value.numel() * value.element_size())
@@ -288,7 +288,7 @@ class StagedForward:
     def _output_in_chunks(self) -> torch.Tensor:
         """The chain's output on the whole batch, made a micro-batch at a time (the backward's
         micro-batches) under ``no_grad`` and joined."""
-        size = -(-self.source.shape[0] // self.plan.stage.chunks)
+        size = chunk_size(self.source.shape[0], self.plan.stage.chunks)
         with torch.no_grad():
             parts = [run_chain(self.modules, self.weights, part, self.autocast)
                      for part in self.source.split(size)]
@@ -356,6 +356,16 @@ def _distinct(weights: list[tuple]) -> list[torch.Tensor]:
     return params
 
 
+def _call(module: nn.Module, read: tuple, value: torch.Tensor) -> torch.Tensor:
+    """``module``'s forward on ``value`` reading ``read`` (:func:`_weights`), without hooks."""
+    return module._conv_forward(value, *read) if read else module.forward(value)
+
+
+def chunk_size(batch: int, chunks: int) -> int:
+    """Samples per micro-batch of a stage in ``chunks`` of ``batch`` (the last may hold fewer)."""
+    return -(-batch // chunks)
+
+
 def run_chain(modules: list[nn.Module], weights: list[tuple], value: torch.Tensor,
               autocast: tuple) -> torch.Tensor:
     """The chain's forward on ``value``, each module reading ``weights`` (:func:`_weights`, at the
@@ -364,7 +374,7 @@ def run_chain(modules: list[nn.Module], weights: list[tuple], value: torch.Tenso
     with contextlib.ExitStack() as stack:
         autocast_as(autocast, stack)
         for module, read in zip(modules, weights, strict=True):
-            value = module._conv_forward(value, *read) if read else module.forward(value)
+            value = _call(module, read, value)
     return value
 
 
@@ -392,7 +402,7 @@ class _StagedChain(torch.autograd.Function):
         wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         pieces = []
-        size = -(-source.shape[0] // run.plan.stage.chunks)
+        size = chunk_size(source.shape[0], run.plan.stage.chunks)
         for part, part_grad in zip(source.split(size), grad.split(size)):
             with torch.enable_grad():
                 value = part if higher and wants_source else \
