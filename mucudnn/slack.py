@@ -1,6 +1,7 @@
-"""The workspace slack under ``--offload`` (docs/shim.md, "The slack"): the percent
-``MUCUDNN_WORKSPACE_SLACK`` a launched command's shim runs with, and the workspace limit derived
-from front plans (``MUCUDNN_WORKSPACE_LIMIT``) that gives the step its share of that slack.
+"""The workspace chosen under ``--offload`` (docs/shim.md, "The slack"): the percent
+``MUCUDNN_WORKSPACE_SLACK`` a launched command's shim runs with, the workspace limit derived
+from front plans (``MUCUDNN_WORKSPACE_LIMIT``) that gives the step its share of that slack, and,
+tuning online, the limit that is a share of the memory budget.
 
 :func:`point_within` is the shim's choice of a front point (``mu_plan_point`` then
 ``mu_plan_lean_point``, shim/src/exec.c); tests/data/lean_points.txt holds the vectors both sides
@@ -18,6 +19,34 @@ ENV_WORKSPACE_SLACK = "MUCUDNN_WORKSPACE_SLACK"
 #: their fastest point, so a few percent of a kernel's time buys a large share of its workspace.
 #: What it bought on the 3-D models, and the other values tried: benchmarks/results/pressure.
 OFFLOAD_WORKSPACE_SLACK = 5
+
+
+#: Under --offload with online tuning, each convolution's workspace is held to the memory budget
+#: divided by this. The rule: PyTorch sizes a convolution's workspace once, when it first runs the
+#: convolution: in the recording step, where the budget is nearly all free, so the engine of the
+#: largest workspace is taken (VGG-16: 1.7-3.1 GiB). In the planned steps that workspace is a
+#: transient at a point where the plan keeps tensors up to the budget, and the caching allocator,
+#: with no free block that large, flushes its cache to map it, every step. Held to a share of the
+#: budget, the shim runs the online front's fastest point within it: the fast algorithm on
+#: micro-batches (docs/shim.md, "Workspace limit"). What it bought: benchmarks/results/plan-accuracy.
+OFFLOAD_WORKSPACE_SHARE = 8
+
+
+def offload_workspace_limit(budget: int) -> int:
+    """The workspace limit under ``--offload`` with online tuning for a ``budget`` of bytes."""
+    return max(budget // OFFLOAD_WORKSPACE_SHARE, 0)
+
+
+def set_offload_workspace_limit(env: dict, budget: int | None, offload, online: bool, say) -> None:
+    """Under ``offload`` with a budget and online tuning, and no workspace limit given:
+    ``MUCUDNN_WORKSPACE_LIMIT`` from :func:`offload_workspace_limit`, said in one line."""
+    if not (offload and budget and online) or env.get("MUCUDNN_WORKSPACE_LIMIT"):
+        return
+    limit = offload_workspace_limit(budget)
+    env["MUCUDNN_WORKSPACE_LIMIT"] = str(limit)
+    say(f"mucudnn: workspace limit {describe_size(limit)} (1/{OFFLOAD_WORKSPACE_SHARE} of the "
+        "memory budget): each convolution runs its fastest measured point within it "
+        "(--workspace-limit sets another)")
 
 
 def set_workspace_slack(env: dict, slack: int | str | None, offload: bool | str) -> None:

@@ -545,3 +545,29 @@ def test_run_plan_offload_gives_the_command_the_plans_limit(tmp_path, monkeypatc
     assert result.exit_code == 0, result.output
     assert out.read_text().strip() == str(256 * 2**20)
     assert "workspace limit 268435456 bytes (256.0 MiB) from the plan" in result.stderr
+
+
+@pytest.mark.parametrize("env, budget, offload, online, expected", [
+    ({}, 8 << 30, True, True, str(1 << 30)),                          # 1/8 of the budget
+    ({}, 8 << 30, False, True, None),                                 # no offload
+    ({}, None, True, True, None),                                     # no budget
+    ({}, 8 << 30, True, False, None),                                 # a plan or --no-online
+    ({"MUCUDNN_WORKSPACE_LIMIT": "64MiB"}, 8 << 30, True, True, "64MiB"),  # the user's stays
+])
+def test_offload_tuning_online_holds_workspaces_to_a_share_of_the_budget(env, budget, offload, online,
+                                                                         expected):
+    said = []
+    slack.set_offload_workspace_limit(env, budget, offload, online, said.append)
+    assert env.get("MUCUDNN_WORKSPACE_LIMIT") == expected
+    assert len(said) == (1 if expected == str(1 << 30) else 0)
+    assert all("1/8 of the memory budget" in line for line in said), said
+
+
+def test_run_offload_online_gives_the_command_a_workspace_limit(tmp_path, monkeypatch):
+    monkeypatch.delenv("MUCUDNN_WORKSPACE_LIMIT", raising=False)
+    out = tmp_path / "out.txt"
+    result = invoke("run", "--memory-budget", "1GiB", "--offload", "--", "sh",
+                    "-c", f"echo ${{MUCUDNN_WORKSPACE_LIMIT:-unset}} > {out}")
+    assert result.exit_code == 0, result.output
+    assert out.read_text().strip() == str((1 << 30) // slack.OFFLOAD_WORKSPACE_SHARE)
+    assert "workspace limit" in result.stderr and "of the memory budget" in result.stderr

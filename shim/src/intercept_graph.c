@@ -197,18 +197,21 @@ static size_t real_plan_workspace(cudnnBackendDescriptor_t plan) {
 /*
  * A plan of a kernel without a front, with online tuning on, is attached pending: its point is
  * chosen at its first execution, once measured (choose_online_point). Until then the framework is
- * told the engine's own workspace, so it allocates what it would have, and any point within that
- * can run. The fallback (should the point fail before writing) runs within it too. False when no
- * legacy algorithm runs undivided within it: the plan then stays cuDNN's.
+ * told `workspace`: the engine's own (`real_workspace`), so it allocates what it would have and any
+ * point within that can run; or, under the hard limit, the limit (the engine then never runs: the
+ * online front's fastest point within the limit does, or the fallback). The fallback (should the
+ * point fail before writing) runs within it too. False when no legacy algorithm runs undivided
+ * within it: the plan then stays cuDNN's.
  */
 static bool make_pending(mu_g_planned *p, const engine_notes *engine, const mu_kernel *k, cudnnHandle_t handle,
-                         size_t real_workspace) {
+                         size_t workspace, size_t real_workspace) {
     mu_conv_descs descs = {p->dir, p->x, p->w, p->conv, p->y};
-    p->workspace = p->engine_workspace = real_workspace;
+    p->workspace = workspace;
+    p->engine_workspace = real_workspace;
     p->deterministic = engine->deterministic;
-    p->fallback_algo = mu_first_algo_within(handle, &descs, real_workspace, engine->deterministic);
+    p->fallback_algo = mu_first_algo_within(handle, &descs, workspace, engine->deterministic);
     if (p->fallback_algo < 0 && engine->deterministic)
-        p->fallback_algo = mu_first_algo_within(handle, &descs, real_workspace, false);
+        p->fallback_algo = mu_first_algo_within(handle, &descs, workspace, false);
     if (p->fallback_algo < 0 || (p->pending_kernel = malloc(sizeof *k)) == NULL) return false;
     *p->pending_kernel = *k;
     return true;
@@ -323,20 +326,34 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     }
     /* No point runs: the engine would run undivided in its own workspace, so it is refused over the
      * hard limit, and over the memory free now, where it would fail to allocate or take the last
-     * free memory (room.c): the framework then takes its next configuration. */
+     * free memory (room.c): the framework then takes its next configuration. With online tuning
+     * on, an engine over the limit is not refused but held to it: the framework's next
+     * configurations are engines of less workspace, down to a workspace-free one, which are slow
+     * where the online front has a micro-batched point of the fast algorithm within the limit. */
     cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
-    if (state->has_limit && real_workspace > state->workspace_limit) {
+    bool over_limit = state->has_limit && real_workspace > state->workspace_limit;
+    size_t allowed = over_limit ? state->workspace_limit : real_workspace;
+    if (over_limit && !tunable) {
         mu_log(MU_LOG_DEBUG, "graph plan %p needs %zu bytes of workspace, over the limit %zu: refused",
                (void *)plan, real_workspace, state->workspace_limit);
         status = CUDNN_STATUS_NOT_SUPPORTED;
-    } else if (mu_room_refuses(real_workspace, keyed ? &k : NULL, seen, plan)) {
+    } else if (mu_room_refuses(allowed, keyed ? &k : NULL, seen, plan)) {
         status = CUDNN_STATUS_NOT_SUPPORTED;
-    } else if (tunable && make_pending(p, &engine, &k, graph.handle, real_workspace)) {
+    } else if (tunable && make_pending(p, &engine, &k, graph.handle, allowed, real_workspace)) {
         p->pending_front = online_front;
+        if (over_limit) /* a framework may finalize many plans of one kernel: info once, then debug */
+            mu_log(seen == NULL || !atomic_exchange(&seen->capped, true) ? MU_LOG_INFO : MU_LOG_DEBUG,
+                   "%s N=%d: the engine needs %zu bytes of workspace, over the limit %zu: the framework "
+                   "allocates the limit and the online front's point within it runs", k.key, k.n,
+                   real_workspace, state->workspace_limit);
         mu_log(MU_LOG_DEBUG, "graph plan %p: %s N=%d is tuned online at its first execution (workspace %zu, "
-               "the engine's)", (void *)plan, k.key, k.n, real_workspace);
+               "the engine's %zu)", (void *)plan, k.key, k.n, allowed, real_workspace);
         mu_g_set_planned(plan, p, seen);
         return CUDNN_STATUS_SUCCESS;
+    } else if (over_limit) {
+        mu_log(MU_LOG_DEBUG, "graph plan %p needs %zu bytes of workspace, over the limit %zu, and no algorithm "
+               "runs within the limit: refused", (void *)plan, real_workspace, state->workspace_limit);
+        status = CUDNN_STATUS_NOT_SUPPORTED;
     }
     free_planned(p);
     mu_g_set_planned(plan, NULL, seen);
@@ -355,6 +372,9 @@ static void *pointer_of(const mu_g_variant_pack *pack, int64_t uid) {
         if (pack->uids[i] == uid) return pack->pointers[i];
     return NULL;
 }
+
+/* The framework allocated the engine's workspace (not a limit's below it): the engine may run. */
+static bool engine_fits(const mu_g_planned *p) { return p->workspace >= p->engine_workspace; }
 
 /* The framework's own engine, for a pending plan that has no point (yet: a later execution may
  * get one; or for good: p->native). */
@@ -398,23 +418,37 @@ static double time_engine(cudnnHandle_t handle, cudnnBackendDescriptor_t plan, c
  * buffers, or what another thread or process measured), its fastest point within the workspace
  * the framework allocated, deterministic when its engine is. Published on p once (p is shared by
  * the framework's threads). NULL when p has its point, else why not: the framework's engine runs
- * this call, and, where online tuning gave up or no point fits, every later one (p->native).
+ * this call, and, where online tuning gave up or no point fits, every later one (p->native); where
+ * p is held to a limit under the engine's workspace, the fallback algorithm (p->undivided).
  */
 static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call, mu_seen *seen,
                                        cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t pack) {
     const mu_kernel *k = p->pending_kernel;
     const char *why = "no plan";
+    /* Held to a limit under the engine's workspace, the engine cannot run: the fallback does. */
+    atomic_bool *settled = engine_fits(p) ? &p->native : &p->undivided;
     mu_plan_entry *head = p->pending_front != NULL ? p->pending_front : mu_online_head(call, k, seen, &why);
     if (head == NULL) {
-        if (mu_online_settled(seen)) atomic_store(&p->native, true);
+        if (mu_online_settled(seen)) atomic_store(settled, true);
         return why;
     }
     mu_plan_entry *entry = mu_plan_point(head, p->workspace, p->deterministic);
     if (entry == NULL || entry->has_engine_pieces) { /* engine pieces are built at finalize only */
-        atomic_store(&p->native, true);
-        mu_log(MU_LOG_INFO, "%s N=%d: no %spoint of the online front within the engine's %zu bytes of workspace; "
-               "the framework's engine runs", k->key, k->n, p->deterministic ? "deterministic " : "", p->workspace);
+        atomic_store(settled, true);
+        mu_log(MU_LOG_INFO, "%s N=%d: no %spoint of the online front within the %s %zu bytes of workspace; "
+               "the %s runs", k->key, k->n, p->deterministic ? "deterministic " : "",
+               engine_fits(p) ? "engine's" : "limit's", p->workspace,
+               engine_fits(p) ? "framework's engine" : "fallback algorithm, undivided,");
         return "no point of the online front fits";
+    }
+    if (!engine_fits(p)) {
+        mu_plan_entry *none = NULL;
+        if (atomic_compare_exchange_strong_explicit(&p->entry, &none, entry, memory_order_release,
+                                                    memory_order_acquire))
+            mu_log(MU_LOG_INFO, "graph plan: %s N=%d runs the online front's point (workspace %zu within the "
+                   "limit %zu, the engine's %zu; %.4f ms)", k->key, k->n, entry->workspace, p->workspace,
+                   p->engine_workspace, entry->time_ms);
+        return NULL;
     }
     /* The engine cannot be timed inside a capture: the engine runs this call, a later one compares. */
     if (mu_stream_capturing(call->handle)) return "online tuning: the stream is being captured";
@@ -450,9 +484,11 @@ static cudnnStatus_t execute_planned(cudnnHandle_t handle, mu_g_planned *p, cons
         .graph = p,
     };
     if (call.x == NULL || call.w == NULL || call.y == NULL) return CUDNN_STATUS_BAD_PARAM;
-    if (mu_g_planned_entry(p) == NULL) { /* pending */
+    /* pending: a point, else the engine where it fits the framework's workspace, else the
+     * fallback algorithm undivided (the planned call without an entry passes through to it) */
+    if (mu_g_planned_entry(p) == NULL && !atomic_load_explicit(&p->undivided, memory_order_relaxed)) {
         const char *why = choose_online_point(p, &call, seen, plan, variant_pack);
-        if (why != NULL) return run_engine(handle, plan, variant_pack, seen, why);
+        if (why != NULL && engine_fits(p)) return run_engine(handle, plan, variant_pack, seen, why);
     }
     return mu_convolution_guarded(&call);
 }

@@ -394,6 +394,7 @@ typedef struct mu_seen {
     atomic_bool degraded; /* room.c: given a point of less workspace for lack of memory */
     atomic_bool room_refused; /* room.c: an engine of its refused at finalize for lack of memory */
     atomic_bool lean;         /* given a point of less workspace under MUCUDNN_WORKSPACE_SLACK */
+    atomic_bool capped;       /* an engine of it held to MUCUDNN_WORKSPACE_LIMIT (said once) */
     struct mu_seen *_Atomic next_in_bucket;
     /* Online tuning (online.c): the kernel's measured front, published once complete. */
     _Atomic(struct mu_plan_entry *) online_head;

@@ -380,6 +380,44 @@ def test_a_deterministic_framework_engine_gets_only_deterministic_points(shim_en
         assert not algos & NONDETERMINISTIC_ALGOS
 
 
+# -- the hard limit with online tuning: an engine over it is held to it, not refused -----------------
+
+
+@pytest.mark.parametrize("limit", [2 * 4 * WS_PER_SAMPLE, 7 * 2 * WS_PER_SAMPLE])
+def test_under_the_limit_an_engine_over_it_runs_the_fronts_point_within_the_limit(shim_env, tmp_path, limit):
+    """Refusing the engine would leave the framework to its next configurations, down to a
+    workspace-free engine; held to the limit, the kernel runs the online front's fastest point
+    within it (micro-batched where that is fastest), and the framework allocates the limit."""
+    run = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path, MUCUDNN_WORKSPACE_LIMIT=str(limit)))
+    result = graph_result(run)
+    assert int(result["ws"]) == limit < ENGINE_WS
+    assert "over the limit" in run.stderr and "the online front's point within it runs" in run.stderr
+    # the engine never runs: it needs more workspace than the framework allocated
+    assert run.graph_executions() == []
+    expected = sorted((p.batch, FWD_ALGOS.index(p.algo)) for p in modelled_point(CASE, limit).pieces)
+    assert sorted(graph_pieces(run)) == sorted(expected * 2)
+    assert all(a * b * WS_PER_SAMPLE <= limit for b, a in graph_pieces(run))
+
+
+def test_under_the_limit_without_a_front_the_fallback_runs_within_the_limit(shim_env, tmp_path):
+    """Measuring refused (no budget): the engine cannot run in the limit's workspace, so the
+    fallback algorithm runs undivided within it, every call, with the right result."""
+    limit = 2 * 8 * WS_PER_SAMPLE
+    run = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path, MUCUDNN_WORKSPACE_LIMIT=str(limit),
+                                                          MUCUDNN_ONLINE_BUDGET_MS="0"))
+    result = graph_result(run)
+    assert int(result["ws"]) == limit
+    assert run.graph_executions() == []
+    calls = [(int(c["n"]), int(c["algo"])) for c in run.conv_calls()[:-2]]  # the references are the last
+    assert len(calls) == 2 and all(n == 8 and a * n * WS_PER_SAMPLE <= limit for n, a in calls), calls
+
+
+def test_without_online_tuning_the_limit_still_refuses_an_engine_over_it(shim_env, tmp_path):
+    limit = 2 * 4 * WS_PER_SAMPLE
+    run = shim_env.run_graph([GRAPH_CASE], env={"MUCUDNN_WORKSPACE_LIMIT": str(limit)})
+    assert run.cases[0]["finalize"] != "0"  # refused: the framework would take its next configuration
+
+
 # -- regressions found in review ---------------------------------------------------------------------
 
 
