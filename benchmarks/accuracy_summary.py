@@ -57,6 +57,13 @@ def summarize(steps: list[dict], pytorch: list[dict], start: int = 15, pytorch_s
             "predicted_off": None if predicted is None else predicted / median - 1}
 
 
+def pytorch_log_name(stem: str) -> str:
+    """The PyTorch log a case's log is compared with: its own, or for a workspace-limit variant
+    (``accuracy-TAG-wsLIMIT``, gpu_run.sh's ``MODEL:BATCH@BUDGET~LIMIT``) its case's."""
+    case, variant, _ = stem.rpartition("-ws")
+    return f"{case if variant else stem}-pytorch.log"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", type=Path, help="the stage's log folder (accuracy-*.log)")
@@ -71,7 +78,7 @@ def main(argv=None) -> int:
     for log in sorted(args.logs.glob("accuracy-*.log")):
         if log.stem.endswith("-pytorch"):
             continue
-        paired = log.with_name(log.stem + "-pytorch.log")
+        paired = log.with_name(pytorch_log_name(log.stem))
         row = summarize(read_steps(log), read_steps(paired) if paired.exists() else [],
                         args.start, args.pytorch_from, skip)
         case = log.stem[len("accuracy-"):]

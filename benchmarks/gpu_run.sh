@@ -226,15 +226,20 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     # runs PyTorch alone and `mucudnn run --memory-budget B --offload` on train_steps.py --detail
     # (each step's peak, reserved, the allocator's retries, the plan's prediction), the step
     # ACCURACY_TRACE traced (default 25); ACCURACY_STEPS (30), ACCURACY_TIMEOUT (a case, 200 s);
-    # the session's profiles in $LOGS/accuracy (MUCUDNN_OFFLOAD_PROFILE), no plan cache
+    # the session's profiles in $LOGS/accuracy (MUCUDNN_OFFLOAD_PROFILE), no plan cache.
+    # MODEL:BATCH@BUDGET~LIMIT: the mucudnn run only, with MUCUDNN_WORKSPACE_LIMIT=LIMIT (its
+    # PyTorch run is the same case's without ~ in the same call)
     mkdir -p "$LOGS/accuracy"
     for spec in $(echo "${s#accuracy-}" | tr '+' ' '); do
+      limit=; case $spec in *~*) limit=${spec#*~}; spec=${spec%~*} ;; esac
       model=${spec%%:*}; rest=${spec#*:}; batch=${rest%@*}; budget=${rest#*@}; tag="${model}-${batch}-${budget}"
       args="--model $model --batch $batch --steps ${ACCURACY_STEPS:-30} --detail --trace-step ${ACCURACY_TRACE:-25} --cprofile-step ${ACCURACY_CPROFILE:-22} --snapshot-step ${ACCURACY_SNAPSHOT:-24} --memory-history-step ${ACCURACY_HISTORY:-26}"
-      stage "accuracy-$tag-pytorch" 120 python3 -m benchmarks.train_steps $args
-      MUCUDNN_PLAN_CACHE=off MUCUDNN_OFFLOAD_PROFILE="$LOGS/accuracy/$tag.json" \
+      [ -z "$limit" ] && stage "accuracy-$tag-pytorch" 120 python3 -m benchmarks.train_steps $args
+      [ -n "$limit" ] && tag="$tag-ws$limit"
+      ( [ -n "$limit" ] && export MUCUDNN_WORKSPACE_LIMIT=$limit
+        MUCUDNN_PLAN_CACHE=off MUCUDNN_OFFLOAD_PROFILE="$LOGS/accuracy/$tag.json" \
         stage "accuracy-$tag" ${ACCURACY_TIMEOUT:-200} $MU run --memory-budget "$budget" --offload -- \
-        python3 -m benchmarks.train_steps $args
+        python3 -m benchmarks.train_steps $args )
     done ;;
   exposure-*)  # benchmarks/exposure.py: exposure-MODEL@BUDGET, where offloading's time goes at a
     # cap (the allocator's flushes, copies in flight); JSON + page in the logs

@@ -36,3 +36,9 @@ def test_a_case_that_timed_no_step_says_so(tmp_path, capsys):
     (tmp_path / "accuracy-net-8-5GiB.log").write_text(step_line(1, 9000.0, "recording") + "\n")
     assert main([str(tmp_path)]) == 0
     assert "| net-8-5GiB | no step to time |" in capsys.readouterr().out
+
+
+def test_a_workspace_limit_variant_is_compared_with_its_cases_pytorch_run():
+    from benchmarks.accuracy_summary import pytorch_log_name
+    assert pytorch_log_name("accuracy-vgg16-176-5.5GiB") == "accuracy-vgg16-176-5.5GiB-pytorch.log"
+    assert pytorch_log_name("accuracy-vgg16-176-5.5GiB-ws320MiB") == "accuracy-vgg16-176-5.5GiB-pytorch.log"
