@@ -29,7 +29,7 @@ OFFLOAD_WORKSPACE_SLACK = 5
 #: with no free block that large, flushes its cache to map it, every step. Held to a share of the
 #: budget, the shim runs the online front's fastest point within it: the fast algorithm on
 #: micro-batches (docs/shim.md, "Workspace limit"). What it bought: benchmarks/results/plan-accuracy.
-OFFLOAD_WORKSPACE_SHARE = 8
+OFFLOAD_WORKSPACE_SHARE = 16
 
 
 def offload_workspace_limit(budget: int) -> int:

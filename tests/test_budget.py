@@ -548,7 +548,7 @@ def test_run_plan_offload_gives_the_command_the_plans_limit(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("env, budget, offload, online, expected", [
-    ({}, 8 << 30, True, True, str(1 << 30)),                          # 1/8 of the budget
+    ({}, 8 << 30, True, True, str(512 << 20)),                        # 1/16 of the budget
     ({}, 8 << 30, False, True, None),                                 # no offload
     ({}, None, True, True, None),                                     # no budget
     ({}, 8 << 30, True, False, None),                                 # a plan or --no-online
@@ -559,8 +559,8 @@ def test_offload_tuning_online_holds_workspaces_to_a_share_of_the_budget(env, bu
     said = []
     slack.set_offload_workspace_limit(env, budget, offload, online, said.append)
     assert env.get("MUCUDNN_WORKSPACE_LIMIT") == expected
-    assert len(said) == (1 if expected == str(1 << 30) else 0)
-    assert all("1/8 of the memory budget" in line for line in said), said
+    assert len(said) == (1 if expected == str(512 << 20) else 0)
+    assert all("1/16 of the memory budget" in line for line in said), said
 
 
 def test_run_offload_online_gives_the_command_a_workspace_limit(tmp_path, monkeypatch):
