@@ -406,6 +406,7 @@ class OffloadSession(PlanLifecycle):
         if step.profiling:
             if gid == 0:
                 link.timing, link.stalls = True, []
+            link.keep_device_behind()
             group.pack_mark = link.mark()
             step.marks.append(("pack", gid, group.pack_mark, link.allocated(),
                                self.recorder.peak(link)))
@@ -510,6 +511,7 @@ class OffloadSession(PlanLifecycle):
             self._event("unpack", group.gid, index)
         if step.profiling:
             at = max(link.allocated(), self.recorder.peak(link))   # with this group fetched
+            link.keep_device_behind()
             step.marks.append(("unpack", index, link.mark(), at, peak_before))
         group.unpacks += 1
         group.drop_device()    # a moved group's last unpack: autograd holds the rest of its use

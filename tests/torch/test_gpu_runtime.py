@@ -250,3 +250,49 @@ def test_a_staged_vgg_block_trains_as_plain_pytorch(dtype):
         for i, (u, v) in enumerate(zip(a, b)):
             scale = max(u.abs().max().item(), 1e-300)
             assert (u - v).abs().max().item() <= rtol * scale, f"step {step} tensor {i}"
+
+
+def recorded_forward_ms(model, x, host_wait_s):
+    """The forward ms of a session's recorded profile, with the host waiting ``host_wait_s``
+    before every module."""
+    import time
+
+    handles = [m.register_forward_pre_hook(lambda *_: time.sleep(host_wait_s)) for m in model]
+    session = OffloadSession(budget=2**50, min_bytes=0, plan_in_background=False)
+    try:
+        for _ in range(3):
+            with session:
+                loss = model(x).square().mean()
+            loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert session.recorded_profile is not None
+    return session.recorded_profile.forward_ms
+
+
+def test_a_recording_times_the_devices_work_not_the_hosts_pace(monkeypatch):
+    """A host slower than the device (a wait before every module, as a recording step's hooks are
+    on ResNet-152): the recorded forward is the device's compute, not the host's pace, because
+    the link has the device wait (a stall) wherever it caught up (CudaLink.keep_device_behind);
+    without it, the host's pace."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Conv2d(32, 32, 3, padding=1),
+                                                               torch.nn.ReLU())]).cuda()
+    x = torch.randn(64, 32, 64, 64, device="cuda")
+    with torch.no_grad():                                 # the device's time of the forward
+        for _ in range(3):
+            model(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(x)
+        end.record()
+        torch.cuda.synchronize()
+    device_ms = start.elapsed_time(end)
+    host_wait_s = max(0.004, device_ms / 1e3)             # each of 16 modules': >> the device's
+    host_ms = 16 * host_wait_s * 1e3
+    recorded = recorded_forward_ms(model, x, host_wait_s)
+    assert recorded < 0.5 * host_ms, (recorded, device_ms, host_ms)
+    monkeypatch.setattr(CudaLink, "keep_device_behind", lambda self: None)
+    paced = recorded_forward_ms(model, x, host_wait_s)
+    assert paced > 0.5 * host_ms, (paced, device_ms, host_ms)
