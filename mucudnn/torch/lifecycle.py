@@ -298,6 +298,11 @@ class Lifecycle:
         return self.state == RECORDING
 
     @property
+    def recorded_steps(self) -> int:
+        """The steps of the recording in progress recorded so far (0: the next is its first)."""
+        return len(self._recorded)
+
+    @property
     def inline(self) -> bool:
         """The next step offloads every saved tensor inline, fetched on demand, as the recording
         did: a plan is being made in its place, or the session fell back."""

@@ -54,6 +54,8 @@ class SameMemoryLink:
         #: while True (a recording step), :meth:`stalling` records (before, after) marks
         self.timing = False
         self.stalls: list[tuple[Mark, Mark]] = []
+        #: while True too, :meth:`keep_device_behind` has the device wait where it caught up
+        self.leads = False
 
     def host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor of ``tensor``'s layout: one a group gave back (the host pool: a step
@@ -123,6 +125,17 @@ class SameMemoryLink:
     def mark(self) -> Mark:
         self._seq += 1
         return Mark(self, self._seq, self._stamp())
+
+    #: the first wait of a step, ms of the device's clock; each next one where the device caught
+    #: up again is twice the last, up to LEAD_MAX_MS, and LEAD_STEP_MS in all (what it costs:
+    #: the step ends at most that much later)
+    LEAD_MS, LEAD_MAX_MS, LEAD_STEP_MS = 8.0, 1000.0, 2000.0
+
+    def start_timing(self, leads: bool) -> None:
+        """A recording step starts: its stalls recorded from now, and (``leads``) the device
+        kept behind the host (:meth:`keep_device_behind`)."""
+        self.timing, self.stalls, self.leads = True, [], leads
+        self._lead_ms, self._led_ms = self.LEAD_MS / 2, 0.0
 
     def keep_device_behind(self) -> None:
         """In a timing step, at a point: where the device has run all that was issued, have it
@@ -209,7 +222,7 @@ class CudaLink(SameMemoryLink):
         self._pending_bytes = 0
         self._held: dict[int, tuple] = {}   # id(transfer) -> it, its tensor, the compute stream
         self._last_stamp = None             # the last mark's event (keep_device_behind)
-        self._lead_ms = self.LEAD_MS
+        self._lead_ms = self._led_ms = 0.0  # the last wait, and the waits of this step so far
 
     def _new_host(self, tensor):
         # on the host whatever the default device (a script's torch.set_default_device("cuda"))
@@ -330,11 +343,6 @@ class CudaLink(SameMemoryLink):
         self._last_stamp = event
         return event
 
-    #: the first wait of a step, ms of the device's clock; each next one where the device caught
-    #: up again is twice the last, up to LEAD_MAX_MS (what it costs: the step ends at most that
-    #: much later, once)
-    LEAD_MS, LEAD_MAX_MS = 8.0, 2000.0
-
     def keep_device_behind(self) -> None:
         """A recording step's hooks take the host longer to issue a module than the device takes
         to run it (ResNet-152's forward: 480-850 ms issued, ~50 ms run): with the device waiting
@@ -344,11 +352,15 @@ class CudaLink(SameMemoryLink):
         compute time leaves out (:meth:`compute_ms`): the host issues the next work meanwhile,
         and the device runs it back to back, as in a planned step."""
         last = self._last_stamp
-        if not self.timing or last is None or not last.query() or not hasattr(torch.cuda, "_sleep"):
+        if not (self.timing and self.leads) or last is None or not last.query() \
+                or not hasattr(torch.cuda, "_sleep"):
             return
-        # a step's first (its stalls start empty), else twice the last
-        lead = self.LEAD_MS if not self.stalls else min(2 * self._lead_ms, self.LEAD_MAX_MS)
-        self._lead_ms = lead
+        # twice the last; at most LEAD_STEP_MS a step in all (a host that keeps synchronizing
+        # would have the device wait at each)
+        lead = min(2 * self._lead_ms, self.LEAD_MAX_MS, self.LEAD_STEP_MS - self._led_ms)
+        if lead <= 0:
+            return
+        self._lead_ms, self._led_ms = lead, self._led_ms + lead
         with self.stalling():
             torch.cuda._sleep(int(lead * self._cycles_per_ms()))
 

@@ -405,7 +405,10 @@ class OffloadSession(PlanLifecycle):
             self.recorder.alias(step, group, tensor)
         if step.profiling:
             if gid == 0:
-                link.timing, link.stalls = True, []
+                # no device kept behind in a first recording step: online tuning synchronizes
+                # there (every new convolution measured), so the device catches up at each, and
+                # its times are not the profile's anyway (the least of the recording's steps are)
+                link.start_timing(leads=self.lifecycle.recorded_steps > 0)
             link.keep_device_behind()
             group.pack_mark = link.mark()
             step.marks.append(("pack", gid, group.pack_mark, link.allocated(),

@@ -132,6 +132,24 @@ cudnnStatus_t mu_workspace_of(cudnnHandle_t handle, const mu_conv_descs *descs, 
     return table[descs->dir].workspace_size(handle, descs, algo, size);
 }
 
+/* cuDNN's heuristics' first algorithm (cudnnGet*Algorithm_v7, their expected fastest first) that
+ * runs within bytes, deterministic where asked; else the first in enum order (mu_first_algo_within). */
+int mu_best_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic) {
+    mu_perf perf[MU_MAX_PERF];
+    int returned = 0;
+    mu_query q = {.descs = *descs, .handle = handle, .kind = MU_QUERY_GET_V7, .function = "heuristics"};
+    if (mu_dir(descs->dir)->query(&q, MU_MAX_PERF, &returned, perf) == CUDNN_STATUS_SUCCESS) {
+        for (int i = 0; i < returned && i < MU_MAX_PERF; i++) {
+            size_t need = 0;
+            int algo = (int)perf[i].algo;
+            if (perf[i].status != CUDNN_STATUS_SUCCESS || (deterministic && !mu_algo_deterministic(descs->dir, algo)))
+                continue;
+            if (mu_workspace_of(handle, descs, algo, &need) == CUDNN_STATUS_SUCCESS && need <= bytes) return algo;
+        }
+    }
+    return mu_first_algo_within(handle, descs, bytes, deterministic);
+}
+
 int mu_first_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic) {
     for (int algo = 0; algo < mu_algo_count(descs->dir); algo++) {
         size_t need = 0;

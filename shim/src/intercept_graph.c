@@ -209,9 +209,10 @@ static bool make_pending(mu_g_planned *p, const engine_notes *engine, const mu_k
     p->workspace = workspace;
     p->engine_workspace = real_workspace;
     p->deterministic = engine->deterministic;
-    p->fallback_algo = mu_first_algo_within(handle, &descs, workspace, engine->deterministic);
+    /* held to a limit, the fallback may run every call (no front): cuDNN's heuristics' pick */
+    p->fallback_algo = mu_best_algo_within(handle, &descs, workspace, engine->deterministic);
     if (p->fallback_algo < 0 && engine->deterministic)
-        p->fallback_algo = mu_first_algo_within(handle, &descs, workspace, false);
+        p->fallback_algo = mu_best_algo_within(handle, &descs, workspace, false);
     if (p->fallback_algo < 0 || (p->pending_kernel = malloc(sizeof *k)) == NULL) return false;
     *p->pending_kernel = *k;
     return true;

@@ -617,6 +617,7 @@ cudnnStatus_t mu_workspace_of(cudnnHandle_t handle, const mu_conv_descs *descs, 
 /* The first algorithm (enum order: the workspace-free ones come first) that real cuDNN runs
  * undivided within bytes (and deterministic, when asked); -1 if none. */
 int mu_first_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic);
+int mu_best_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic);
 
 
 #endif /* MUCUDNN_INTERNAL_H */

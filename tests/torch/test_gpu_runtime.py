@@ -267,8 +267,8 @@ def recorded_forward_ms(model, x, host_wait_s):
     finally:
         for handle in handles:
             handle.remove()
-    assert session.recorded_profile is not None
-    return session.recorded_profile.forward_ms
+    assert session.profile is not None
+    return session.profile.forward_ms
 
 
 def test_a_recording_times_the_devices_work_not_the_hosts_pace(monkeypatch):
