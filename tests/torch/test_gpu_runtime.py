@@ -156,7 +156,15 @@ def test_a_plan_under_a_budget_on_the_gpu_gives_the_same_gradients(dtype):
 SPIN_CYCLES = 200_000_000   # about 0.1 s on the H200
 
 
-def test_an_offloaded_tensor_is_not_reused_before_its_copy_reads_it():
+@pytest.fixture
+def empty_cache():
+    """These tests read which block the caching allocator hands out next: free blocks that earlier
+    tests left in its cache (of the same size, at lower addresses) would be handed out first."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def test_an_offloaded_tensor_is_not_reused_before_its_copy_reads_it(empty_cache):
     link = CudaLink("cuda")
     tensor = torch.ones(64 * 2**20 // 4, device="cuda")   # 64 MiB
     address = tensor.data_ptr()
@@ -176,7 +184,7 @@ def test_an_offloaded_tensor_is_not_reused_before_its_copy_reads_it():
     assert bool((transfer.tensor == 1).all())
 
 
-def test_a_fetched_tensor_dropped_unwaited_is_freed_after_its_copy():
+def test_a_fetched_tensor_dropped_unwaited_is_freed_after_its_copy(empty_cache):
     link = CudaLink("cuda")
     host = Transfer(torch.full((64 * 2**20 // 4,), 3.0).pin_memory())
     torch.cuda.synchronize()
@@ -192,7 +200,7 @@ def test_a_fetched_tensor_dropped_unwaited_is_freed_after_its_copy():
     assert bool((reused == 5).all())
 
 
-def test_a_held_offload_is_reused_at_its_release_point_only_after_its_copy():
+def test_a_held_offload_is_reused_at_its_release_point_only_after_its_copy(empty_cache):
     # a planned step's offload: held by the link whatever the copy's progress, until let_go; then
     # its block is handed out at once, and the compute stream's work on it waits for the copy
     link = CudaLink("cuda")
