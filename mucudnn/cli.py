@@ -562,9 +562,9 @@ def run(plan_paths, no_online, online_dir, workspace_limit, log_level, summary, 
     else:
         env.pop("MUCUDNN_ONLINE", None)
     _set_workspace_choice(env, plans, workspace_slack, offload)
-    from .slack import set_offload_workspace_limit
-    set_offload_workspace_limit(env, memory_budget, offload, env.get("MUCUDNN_ONLINE") == "1",
-                                lambda text: click.echo(text, err=True))
+    from .slack import set_offload_workspace_hold
+    set_offload_workspace_hold(env, memory_budget, offload, env.get("MUCUDNN_ONLINE") == "1",
+                               lambda text: click.echo(text, err=True))
     sys.exit(_exec_within(memory_budget, command, env, offload=offload))
 
 

@@ -115,6 +115,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_WORKSPACE_SLACK", "percent: a front plan's call takes its point of least "
             "workspace within this much of the fastest (run and autotune --offload: 5)", "unset",
             (SHIM,), COUNT),
+    Setting("MUCUDNN_WORKSPACE_HOLD", "with online tuning, an engine of more workspace runs the "
+            "online front's point within this, or within 8 of its samples' worth where more "
+            "(run --offload: 1/16 of the budget)", "unset", (SHIM,), SIZE),
     Setting("MUCUDNN_OFFLOAD", "1: keep, offload or recompute saved tensors within the memory "
             "budget (mucudnn.torch); cheap: recompute no convolution", "0", (PYTHON,), OFFLOAD),
     Setting("MUCUDNN_OFFLOAD_PROFILE", "file where each offload plan writes its recorded step's "

@@ -1,7 +1,7 @@
 """The workspace chosen under ``--offload`` (docs/shim.md, "The slack"): the percent
 ``MUCUDNN_WORKSPACE_SLACK`` a launched command's shim runs with, the workspace limit derived
 from front plans (``MUCUDNN_WORKSPACE_LIMIT``) that gives the step its share of that slack, and,
-tuning online, the limit that is a share of the memory budget.
+tuning online, the hold (``MUCUDNN_WORKSPACE_HOLD``) that is a share of the memory budget.
 
 :func:`point_within` is the shim's choice of a front point (``mu_plan_point`` then
 ``mu_plan_lean_point``, shim/src/exec.c); tests/data/lean_points.txt holds the vectors both sides
@@ -22,7 +22,8 @@ OFFLOAD_WORKSPACE_SLACK = 5
 
 
 #: Under --offload with online tuning, each convolution's workspace is held to the memory budget
-#: divided by this. The rule: PyTorch sizes a convolution's workspace once, when it first runs the
+#: divided by this (MUCUDNN_WORKSPACE_HOLD: the shim holds no engine below 8 of its samples'
+#: worth, where the hold would cost speed and buy little: a 3-D U-Net at N = 2). The rule: PyTorch sizes a convolution's workspace once, when it first runs the
 #: convolution: in the recording step, where the budget is nearly all free, so the engine of the
 #: largest workspace is taken (VGG-16: 1.7-3.1 GiB). In the planned steps that workspace is a
 #: transient at a point where the plan keeps tensors up to the budget, and the caching allocator,
@@ -32,21 +33,25 @@ OFFLOAD_WORKSPACE_SLACK = 5
 OFFLOAD_WORKSPACE_SHARE = 16
 
 
-def offload_workspace_limit(budget: int) -> int:
-    """The workspace limit under ``--offload`` with online tuning for a ``budget`` of bytes."""
+ENV_WORKSPACE_HOLD = "MUCUDNN_WORKSPACE_HOLD"
+
+
+def offload_workspace_hold(budget: int) -> int:
+    """The workspace hold under ``--offload`` with online tuning for a ``budget`` of bytes."""
     return max(budget // OFFLOAD_WORKSPACE_SHARE, 0)
 
 
-def set_offload_workspace_limit(env: dict, budget: int | None, offload, online: bool, say) -> None:
-    """Under ``offload`` with a budget and online tuning, and no workspace limit given:
-    ``MUCUDNN_WORKSPACE_LIMIT`` from :func:`offload_workspace_limit`, said in one line."""
-    if not (offload and budget and online) or env.get("MUCUDNN_WORKSPACE_LIMIT"):
+def set_offload_workspace_hold(env: dict, budget: int | None, offload, online: bool, say) -> None:
+    """Under ``offload`` with a budget and online tuning, and neither a workspace limit nor a
+    hold given: ``MUCUDNN_WORKSPACE_HOLD`` from :func:`offload_workspace_hold`, said in one line."""
+    if not (offload and budget and online) or env.get("MUCUDNN_WORKSPACE_LIMIT") \
+            or env.get(ENV_WORKSPACE_HOLD):
         return
-    limit = offload_workspace_limit(budget)
-    env["MUCUDNN_WORKSPACE_LIMIT"] = str(limit)
-    say(f"mucudnn: workspace limit {describe_size(limit)} (1/{OFFLOAD_WORKSPACE_SHARE} of the "
-        "memory budget): each convolution runs its fastest measured point within it "
-        "(--workspace-limit sets another)")
+    hold = offload_workspace_hold(budget)
+    env[ENV_WORKSPACE_HOLD] = str(hold)
+    say(f"mucudnn: convolution workspaces held to {describe_size(hold)} "
+        f"(1/{OFFLOAD_WORKSPACE_SHARE} of the memory budget; {ENV_WORKSPACE_HOLD} sets "
+        "another): each runs its fastest measured point within it")
 
 
 def set_workspace_slack(env: dict, slack: int | str | None, offload: bool | str) -> None:

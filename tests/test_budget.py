@@ -552,22 +552,24 @@ def test_run_plan_offload_gives_the_command_the_plans_limit(tmp_path, monkeypatc
     ({}, 8 << 30, False, True, None),                                 # no offload
     ({}, None, True, True, None),                                     # no budget
     ({}, 8 << 30, True, False, None),                                 # a plan or --no-online
-    ({"MUCUDNN_WORKSPACE_LIMIT": "64MiB"}, 8 << 30, True, True, "64MiB"),  # the user's stays
+    ({"MUCUDNN_WORKSPACE_HOLD": "64MiB"}, 8 << 30, True, True, "64MiB"),  # the user's stays
+    ({"MUCUDNN_WORKSPACE_LIMIT": "64MiB"}, 8 << 30, True, True, None),    # a hard limit given
 ])
 def test_offload_tuning_online_holds_workspaces_to_a_share_of_the_budget(env, budget, offload, online,
                                                                          expected):
     said = []
-    slack.set_offload_workspace_limit(env, budget, offload, online, said.append)
-    assert env.get("MUCUDNN_WORKSPACE_LIMIT") == expected
+    slack.set_offload_workspace_hold(env, budget, offload, online, said.append)
+    assert env.get("MUCUDNN_WORKSPACE_HOLD") == expected
     assert len(said) == (1 if expected == str(512 << 20) else 0)
     assert all("1/16 of the memory budget" in line for line in said), said
 
 
-def test_run_offload_online_gives_the_command_a_workspace_limit(tmp_path, monkeypatch):
-    monkeypatch.delenv("MUCUDNN_WORKSPACE_LIMIT", raising=False)
+def test_run_offload_online_gives_the_command_a_workspace_hold(tmp_path, monkeypatch):
+    for name in ("MUCUDNN_WORKSPACE_LIMIT", "MUCUDNN_WORKSPACE_HOLD"):
+        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "out.txt"
     result = invoke("run", "--memory-budget", "1GiB", "--offload", "--", "sh",
-                    "-c", f"echo ${{MUCUDNN_WORKSPACE_LIMIT:-unset}} > {out}")
+                    "-c", f"echo ${{MUCUDNN_WORKSPACE_HOLD:-unset}} ${{MUCUDNN_WORKSPACE_LIMIT:-unset}} > {out}")
     assert result.exit_code == 0, result.output
-    assert out.read_text().strip() == str((1 << 30) // slack.OFFLOAD_WORKSPACE_SHARE)
-    assert "workspace limit" in result.stderr and "of the memory budget" in result.stderr
+    assert out.read_text().split() == [str((1 << 30) // slack.OFFLOAD_WORKSPACE_SHARE), "unset"]
+    assert "held to" in result.stderr and "of the memory budget" in result.stderr

@@ -218,6 +218,19 @@ static bool make_pending(mu_g_planned *p, const engine_notes *engine, const mu_k
     return true;
 }
 
+/* Under MUCUDNN_WORKSPACE_HOLD, online tuning's soft limit: the workspace an engine of
+ * real_workspace at N is held to, or real_workspace where the hold does not bind. Never less than
+ * MU_HOLD_SAMPLES samples' worth of the engine's workspace: a micro-batch of fewer samples leaves
+ * the device underused, its points slow (a 3-D U-Net at N = 2 held to 448 MiB ran its backward
+ * filter undivided on a slow algorithm, 12x slower), and there the hold buys little memory. */
+#define MU_HOLD_SAMPLES 8
+static size_t held_workspace(const mu_state *state, size_t real_workspace, int n) {
+    if (!state->has_hold || n <= 0) return real_workspace;
+    size_t floor = real_workspace / (size_t)n * MU_HOLD_SAMPLES;
+    size_t held = state->workspace_hold > floor ? state->workspace_hold : floor;
+    return held < real_workspace ? held : real_workspace;
+}
+
 /* Attaches a micro-batch plan to a just finalized execution plan when there is one (or a pending
  * one, for online tuning); applies the workspace limit and the room otherwise. Returns the status
  * for the caller's cudnnBackendFinalize. */
@@ -334,6 +347,8 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
     bool over_limit = state->has_limit && real_workspace > state->workspace_limit;
     size_t allowed = over_limit ? state->workspace_limit : real_workspace;
+    size_t held = keyed && tunable ? held_workspace(state, real_workspace, k.n) : real_workspace;
+    if (held < allowed) allowed = held;
     if (over_limit && !tunable) {
         mu_log(MU_LOG_DEBUG, "graph plan %p needs %zu bytes of workspace, over the limit %zu: refused",
                (void *)plan, real_workspace, state->workspace_limit);
@@ -342,11 +357,11 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
         status = CUDNN_STATUS_NOT_SUPPORTED;
     } else if (tunable && make_pending(p, &engine, &k, graph.handle, allowed, real_workspace)) {
         p->pending_front = online_front;
-        if (over_limit) /* a framework may finalize many plans of one kernel: info once, then debug */
+        if (allowed < real_workspace) /* a framework may finalize many plans of one kernel: info once */
             mu_log(seen == NULL || !atomic_exchange(&seen->capped, true) ? MU_LOG_INFO : MU_LOG_DEBUG,
-                   "%s N=%d: the engine needs %zu bytes of workspace, over the limit %zu: the framework "
-                   "allocates the limit and the online front's point within it runs", k.key, k.n,
-                   real_workspace, state->workspace_limit);
+                   "%s N=%d: the engine needs %zu bytes of workspace, over the %s %zu: the framework "
+                   "allocates that and the online front's point within it runs", k.key, k.n, real_workspace,
+                   allowed == held && !over_limit ? "hold" : "limit", allowed);
         mu_log(MU_LOG_DEBUG, "graph plan %p: %s N=%d is tuned online at its first execution (workspace %zu, "
                "the engine's %zu)", (void *)plan, k.key, k.n, allowed, real_workspace);
         mu_g_set_planned(plan, p, seen);
@@ -438,7 +453,7 @@ static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call
         atomic_store(settled, true);
         mu_log(MU_LOG_INFO, "%s N=%d: no %spoint of the online front within the %s %zu bytes of workspace; "
                "the %s runs", k->key, k->n, p->deterministic ? "deterministic " : "",
-               engine_fits(p) ? "engine's" : "limit's", p->workspace,
+               engine_fits(p) ? "engine's" : "held", p->workspace,
                engine_fits(p) ? "framework's engine" : "fallback algorithm, undivided,");
         return "no point of the online front fits";
     }
@@ -447,7 +462,7 @@ static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call
         if (atomic_compare_exchange_strong_explicit(&p->entry, &none, entry, memory_order_release,
                                                     memory_order_acquire))
             mu_log(MU_LOG_INFO, "graph plan: %s N=%d runs the online front's point (workspace %zu within the "
-                   "limit %zu, the engine's %zu; %.4f ms)", k->key, k->n, entry->workspace, p->workspace,
+                   "held %zu, the engine's %zu; %.4f ms)", k->key, k->n, entry->workspace, p->workspace,
                    p->engine_workspace, entry->time_ms);
         return NULL;
     }

@@ -47,6 +47,7 @@ typedef enum {
     MU_OPT_ONLINE_DIR,
     MU_OPT_ONLINE_BUDGET_MS,
     MU_OPT_WORKSPACE_SLACK,
+    MU_OPT_WORKSPACE_HOLD,
     MU_OPT_COUNT
 } mu_option;
 
@@ -373,6 +374,8 @@ typedef struct {
     mu_plan *plan;             /* NULL when none, malformed or refused */
     bool has_limit;
     size_t workspace_limit;
+    bool has_hold;          /* MUCUDNN_WORKSPACE_HOLD: online tuning's soft limit (intercept_graph.c) */
+    size_t workspace_hold;
 } mu_state;
 
 const mu_state *mu_config(void);

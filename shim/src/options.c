@@ -62,6 +62,10 @@ static option_entry options[MU_OPT_COUNT] = {
     [MU_OPT_WORKSPACE_SLACK] = {"MUCUDNN_WORKSPACE_SLACK", KIND_COUNT, -1,
                                 "percent: a front plan's call takes its point of least workspace "
                                 "within this much of the fastest (unset: the fastest)", false, 0, NULL},
+    [MU_OPT_WORKSPACE_HOLD] = {"MUCUDNN_WORKSPACE_HOLD", KIND_SIZE, -1,
+                               "with online tuning, an engine of more workspace runs the online "
+                               "front's point within this (or within 8 of its samples' worth)",
+                               false, 0, NULL},
 };
 
 static bool parse_bool(const char *text, long long *value) {

@@ -259,6 +259,9 @@ static void init_state(void) {
     long long limit = mu_option_int(MU_OPT_WORKSPACE_LIMIT);
     state.has_limit = limit >= 0;
     state.workspace_limit = state.has_limit ? (size_t)limit : 0;
+    long long hold = mu_option_int(MU_OPT_WORKSPACE_HOLD);
+    state.has_hold = hold >= 0;
+    state.workspace_hold = state.has_hold ? (size_t)hold : 0;
     mu_record_init();
     bool have_plan = mu_option_path(MU_OPT_PLAN) != NULL;
     if (have_plan) state.plan = plan_of_setting(mu_option_path(MU_OPT_PLAN));

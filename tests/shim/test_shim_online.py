@@ -414,6 +414,27 @@ def test_under_the_limit_without_a_front_the_fallback_runs_within_the_limit(shim
     assert calls == [(8, 2), (8, 2)], calls
 
 
+HOLD_CASE = GRAPH_CASE.replace("n=8", "n=64")      # engine 3's workspace: 3 * 64 samples' worth
+
+
+def test_the_hold_holds_an_engine_to_it_but_never_below_8_samples_worth(shim_env, tmp_path):
+    """MUCUDNN_WORKSPACE_HOLD (run --offload's): held to the hold where the engine's workspace
+    for 8 samples is less; the framework allocates that and the front's point within it runs."""
+    hold = 30 * WS_PER_SAMPLE                         # over 3 * 8 samples' worth: the hold binds
+    run = shim_env.run_graph([HOLD_CASE], env=online_env(tmp_path, MUCUDNN_WORKSPACE_HOLD=str(hold)))
+    result = graph_result(run)
+    assert int(result["ws"]) == hold
+    assert "over the hold" in run.stderr and run.graph_executions() == []
+    pieces = graph_pieces(run)
+    assert pieces and all(a * b * WS_PER_SAMPLE <= hold for b, a in pieces)
+    # below 8 samples' worth (3 * 8 * 4096 bytes), the engine is held to 8 samples' worth
+    run = shim_env.run_graph([HOLD_CASE], env=online_env(tmp_path / "low", MUCUDNN_WORKSPACE_HOLD="1"))
+    assert int(graph_result(run)["ws"]) == 3 * 8 * WS_PER_SAMPLE
+    # at N = 8, 8 samples' worth is the engine's own: the hold does not bind
+    run = shim_env.run_graph([GRAPH_CASE], env=online_env(tmp_path / "small", MUCUDNN_WORKSPACE_HOLD="1"))
+    assert int(graph_result(run)["ws"]) == ENGINE_WS and "over the hold" not in run.stderr
+
+
 def test_without_online_tuning_the_limit_still_refuses_an_engine_over_it(shim_env, tmp_path):
     limit = 2 * 4 * WS_PER_SAMPLE
     run = shim_env.run_graph([GRAPH_CASE], env={"MUCUDNN_WORKSPACE_LIMIT": str(limit)})
