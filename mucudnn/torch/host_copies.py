@@ -76,8 +76,9 @@ class StepCopies:
         (benchmarks/results/pressure)."""
         session = self.session
         plan, profile = session.plan, session.profile
-        if step.profiling or session.offloads_as_recorded or plan is None or not plan.keep_apart \
-                or profile is None or not group.offloadable:
+        # the plain reads first: at every kept group's pack, most often of no such plan
+        if plan is None or not plan.keep_apart or step.profiling or \
+                session.offloads_as_recorded or profile is None or not group.offloadable:
             return False
         if self._apart[0] is not plan:
             self._apart = (plan, set(planner.kept_apart(profile, plan.modes)))

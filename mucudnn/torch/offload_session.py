@@ -267,7 +267,11 @@ class OffloadSession(PlanLifecycle):
         return [self._link] if self._link is not None else list(self._links.values())
 
     def _poll_links(self) -> None:
-        for link in self._links_in_use():
+        # :meth:`_links_in_use`'s links, without building its list (at every leaf module call)
+        if self._link is not None:
+            self._link.poll()
+            return
+        for link in self._links.values():
             link.poll()
 
     def _known_link(self) -> SameMemoryLink | None:
@@ -283,8 +287,8 @@ class OffloadSession(PlanLifecycle):
     def _before_module(self, module, args):
         if self._step.pending:    # between ops: every op saving a pending group has run
             self.copies.copy_pending(self._step)
-        if self._rerunning or not torch.is_grad_enabled() or _in_backward():
-            return
+        if self._rerunning or not torch.is_grad_enabled() or _current_node() is not None:
+            return   # a rerun, no_grad, or inside a backward (_in_backward, without its call)
         if _has_children(module):
             self._containers.append(module)   # the parent of the leaves it runs
             return
@@ -350,7 +354,9 @@ class OffloadSession(PlanLifecycle):
         return _Passed(tensor) if group is None else _Packed(group)
 
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
-        if self._rerunning or _in_backward():   # e.g. a checkpoint's recomputation: not ours
+        # a rerun, or inside a backward (_in_backward, without its call): a checkpoint's
+        # recomputation is not ours
+        if self._rerunning or _current_node() is not None:
             return None
         if self._step.pending:
             self.copies.copy_pending(self._step, _SEQUENCE_NR())
@@ -388,10 +394,11 @@ class OffloadSession(PlanLifecycle):
             step.ooms = link.ooms()
         recorder = self.recorder
         recipe = recorder.recipe(tensor, step) if recorder.may_recompute(step, gid) else None
+        base = tensor._base
         group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
                        weakref.ref(tensor), tensor._version, "", dense(tensor),
                        recipe=recipe, owner=step,
-                       base=weakref.ref(tensor._base) if tensor._base is not None else None)
+                       base=weakref.ref(base) if base is not None else None)
         if recorder.records_calls(step):   # named from its calls (a step without them: unnamed)
             group.producer = recipe.calls[-1].name if recipe else recorder.producer(step, tensor)
         if self._cached is not None:   # the first step under a cached plan: is it the same?
@@ -401,8 +408,8 @@ class OffloadSession(PlanLifecycle):
         step.groups.append(group)
         step.by_key[key] = group
         step.by_ref[id(group.ref)] = group
-        if self.recorder.finds_recipes(step):
-            self.recorder.alias(step, group, tensor)
+        if recorder.finds_recipes(step):
+            recorder.alias(step, group, tensor)
         if step.profiling:
             if gid == 0:
                 # no device kept behind in a first recording step: online tuning synchronizes
@@ -434,9 +441,12 @@ class OffloadSession(PlanLifecycle):
         wanted = group.wanted
         if wanted == OFFLOAD and not group.offloadable:
             return KEEP
-        if wanted == RECOMPUTE and (group.recipe is None or any(
-                source.mode == OFFLOAD for source in group.recipe.sources)):
-            return KEEP
+        if wanted == RECOMPUTE:
+            if group.recipe is None:
+                return KEEP
+            for source in group.recipe.sources:   # a loop, no generator: at every new group
+                if source.mode == OFFLOAD:
+                    return KEEP
         return wanted
 
     def _wanted(self, group: _Group) -> str:
@@ -445,11 +455,12 @@ class OffloadSession(PlanLifecycle):
             wanted = self.force
         elif self._step.profiling or self._offload_rest:
             wanted = OFFLOAD
-        elif self.modes is not None:
-            if group.gid < len(self.modes) and (self.profile is None or (
-                    group.gid < len(self.profile.groups)
-                    and self.profile.groups[group.gid].nbytes == group.nbytes)):
-                wanted = self.modes[group.gid]
+        elif (modes := self.modes) is not None:   # each read once: the lifecycle's attributes
+            profile = self.profile
+            if group.gid < len(modes) and (profile is None or (
+                    group.gid < len(profile.groups)
+                    and profile.groups[group.gid].nbytes == group.nbytes)):
+                wanted = modes[group.gid]
             elif not self._mismatch_said:
                 self._mismatch_said = True
                 self.say(f"this step saves other tensors than the profiled one (group "
@@ -600,9 +611,10 @@ class OffloadSession(PlanLifecycle):
         """A module runs or a tensor is saved: if the step before has unpacked (its backward
         ran), this one is the next step's first, and that step ends here; a cache emptying
         left due by a failed step happens here too."""
-        if self._step.unpacks:
+        step = self._step
+        if step.unpacks:
             self._end_step()
-        elif self._step.abandoned():
+        elif not step.live and step.abandoned():   # live: held by autograd, not abandoned
             self._end_step(failed=True, abandoned=True)
         if self._empty_cache_due:
             self._empty_caches()

@@ -106,8 +106,8 @@ class StepRecorder:
     def _records(self, module) -> bool:
         """A leaf module's forward in a step's forward (not a recipe's rerun, not in a
         backward, not under ``no_grad``)."""
-        return not (self.session._rerunning or not torch.is_grad_enabled() or _in_backward()
-                    or _has_children(module))
+        return not (self.session._rerunning or not torch.is_grad_enabled()
+                    or _current_node() is not None or _has_children(module))
 
     def _read(self, tensor: torch.Tensor) -> _Read:
         return _Read(weakref.ref(tensor), tensor._version)
@@ -219,28 +219,27 @@ class StepRecorder:
         a BaseException leaves the recorder aside until that module runs again: until then no
         op is recorded, and no recipe through one is found.)"""
         ops = self.ops
-        if ops is None or module._forward_pre_hooks or module._forward_hooks or \
-                not self._hooks_last():
+        if ops is None or module._forward_pre_hooks or module._forward_hooks:
+            return
+        # the session's global module hooks are the last registered: each runs after the other
+        # global ones (a module's own hooks run after all of them)
+        before, after = self.session._handles
+        if next(reversed(_GLOBAL_HOOKS._global_forward_pre_hooks), None) != before.id or \
+                next(reversed(_GLOBAL_HOOKS._global_forward_hooks), None) != after.id:
             return
         depth = torch._C._len_torch_function_stack()
         if depth and torch._C._get_function_stack_at(depth - 1) is ops:
             torch._C._pop_torch_function_stack()
             self.ops_set_aside.append(module)
 
-    def _hooks_last(self) -> bool:
-        """The session's global module hooks are the last registered: each runs after the other
-        global ones (a module's own hooks run after all of them)."""
-        before, after = self.session._handles
-        return next(reversed(_GLOBAL_HOOKS._global_forward_pre_hooks), None) == before.id and \
-            next(reversed(_GLOBAL_HOOKS._global_forward_hooks), None) == after.id
-
     def _returned(self, call: _Call, output) -> None:
         call.done = True
+        step = self.session._step
         if isinstance(output, torch.Tensor):
             call.output = weakref.ref(output)
             # ascending, though calls may return out of order (a leaf module running one it
             # does not register returns after it)
-            outputs = self.session._step.outputs
+            outputs = step.outputs
             indices = outputs.get(id(call.output))
             if indices is None:
                 outputs[id(call.output)] = [call.index]
@@ -249,7 +248,7 @@ class StepRecorder:
             call.output_version = output._version
             call.output_bytes = output.numel() * output.element_size()
             call.output_shape = tuple(output.shape)
-        if self.session._step.profiling:
+        if step.profiling:
             call.end = self.session._any_link().mark()
             if self._measuring[0] is call:
                 self._carry_peak(self._measuring[1])
@@ -326,14 +325,15 @@ class StepRecorder:
         kept group costs the host in the forward."""
         if not self.finds_recipes(step):
             return False
-        return step.profiling or self.session.modes is None or \
-            gid < len(self.session.modes) and self.session.modes[gid] == RECOMPUTE
+        modes = self.session.modes   # read once: the lifecycle's
+        return step.profiling or modes is None or gid < len(modes) and modes[gid] == RECOMPUTE
 
     def records_calls(self, step: _Step) -> bool:
         """Whether ``step`` records its calls (modules and ops): for its times and its profile
         (recording), or for recipes (:meth:`finds_recipes`). A step that needs neither spends
         its forward's host time on its packs alone."""
-        return step.profiling or self.finds_recipes(step)
+        finds = step.finds_recipes   # :meth:`finds_recipes`, without its call once decided
+        return step.profiling or (finds if finds is not None else self.finds_recipes(step))
 
     def finds_recipes(self, step: _Step) -> bool:
         """Whether :meth:`may_recompute` may hold for any group of ``step``: where not, its
@@ -656,9 +656,16 @@ def _changes_in_place(call: _Call | None, tensor: torch.Tensor) -> bool:
         and call.reads[0].ref() is tensor
 
 
+#: PyTorch's test of autocast on any device type (one call, where :data:`_AUTOCAST_DEVICES`
+#: are each a call); False only where it is off on each of them (an older PyTorch: none)
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def _autocast_now() -> tuple:
     """:func:`~.stage.autocast_state`, without building it where autocast is off everywhere (at
     every recomputable module call of a step that records calls)."""
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():   # off on every device type
+        return ()
     for device in _AUTOCAST_DEVICES:
         if torch.is_autocast_enabled(device):
             return autocast_state()

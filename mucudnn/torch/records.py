@@ -115,7 +115,7 @@ class _ModuleState:
                 params[name] = value
                 versions.append(value._version)
         running = None
-        if isinstance(module, _BATCH_NORMS) and not module.training and \
+        if not module.training and isinstance(module, _BATCH_NORMS) and \
                 module.running_mean is not None and module.running_var is not None:
             running = (module.running_mean.clone(), module.running_var.clone())
         return cls(module.training, params, tuple(versions), running)
