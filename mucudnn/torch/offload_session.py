@@ -293,7 +293,11 @@ class OffloadSession(PlanLifecycle):
             self._containers.append(module)   # the parent of the leaves it runs
             return
         self._poll_links()   # between packs too: a module that saves nothing of ours
-        self._at_step_start()   # the first module of the next step: its calls belong there
+        # the first module of the next step: its calls belong there (where autograd holds the
+        # step's groups and none unpacked, :meth:`_at_step_start` does nothing: not called)
+        step = self._step
+        if not step.live or step.unpacks or self._empty_cache_due:
+            self._at_step_start()
         step = self._step
         parent = self._containers[-1] if self._containers else None
         # a stage in force stages its chain; in a recording step only the one that step took
@@ -376,7 +380,9 @@ class OffloadSession(PlanLifecycle):
         if link is None:
             return None
         link.poll()   # offloaded tensors whose copies are done go back now, not at the next offload
-        self._at_step_start()
+        step = self._step
+        if not step.live or step.unpacks or self._empty_cache_due:   # as in :meth:`_before_module`
+            self._at_step_start()
         if self._cache_due:
             self._look_up_plan(tensor.device)
         step = self._step
@@ -389,7 +395,8 @@ class OffloadSession(PlanLifecycle):
 
     def _new_group(self, step, tensor, link, key) -> _Group:
         gid = len(step.groups)
-        self.copies.let_go_due(step, gid)
+        if step.releases:   # most steps move nothing
+            self.copies.let_go_due(step, gid)
         if step.ooms is None:
             step.ooms = link.ooms()
         recorder = self.recorder

@@ -11,6 +11,7 @@ session's step end (:meth:`PlanLifecycle._close_step`) and its first save
 from __future__ import annotations
 
 import gc
+import operator
 
 import torch
 
@@ -29,40 +30,39 @@ from .stage import RECORDING_FLOOR_SHARE, StagePlan, leading_chain, recording_ch
 from .stage import _transformed as stage_transformed
 
 
-class OfLifecycle:
-    """A session attribute that is its lifecycle's (read and set through the session)."""
+class OfLifecycle(property):
+    """A session attribute that is its lifecycle's (read and set through the session): a
+    property whose getter is ``operator.attrgetter``'s, so that a read (``modes``, ``plan`` and
+    ``profile`` at every saved group of a step) makes no Python call."""
 
-    def __set_name__(self, owner, name):
+    def __init__(self, name: str):
+        def set_(session, value):
+            setattr(session.lifecycle, name, value)
+        super().__init__(operator.attrgetter("lifecycle." + name), set_)
         self.name = name
-
-    def __get__(self, session, owner=None):
-        return self if session is None else getattr(session.lifecycle, self.name)
-
-    def __set__(self, session, value):
-        setattr(session.lifecycle, self.name, value)
 
 
 class PlanLifecycle:
     """The plan-lifecycle part of :class:`~mucudnn.torch.offload_session.OffloadSession`."""
 
-    budget = OfLifecycle()
-    profile = OfLifecycle()
-    recorded_profile = OfLifecycle()
-    plan = OfLifecycle()
-    modes = OfLifecycle()
-    fell_back = OfLifecycle()
-    kept_after_trial = OfLifecycle()
-    replans_left = OfLifecycle()
-    replans_used = OfLifecycle()
-    lowerings_left = OfLifecycle()
-    target = OfLifecycle()
+    budget = OfLifecycle("budget")
+    profile = OfLifecycle("profile")
+    recorded_profile = OfLifecycle("recorded_profile")
+    plan = OfLifecycle("plan")
+    modes = OfLifecycle("modes")
+    fell_back = OfLifecycle("fell_back")
+    kept_after_trial = OfLifecycle("kept_after_trial")
+    replans_left = OfLifecycle("replans_left")
+    replans_used = OfLifecycle("replans_used")
+    lowerings_left = OfLifecycle("lowerings_left")
+    target = OfLifecycle("target")
     #: where the plan's life is (lifecycle.py's states: recording, planning, trial, watching, ...)
-    state = OfLifecycle()
-    headroom = OfLifecycle()
-    trials = OfLifecycle()
-    keep_apart = OfLifecycle()
-    strict = OfLifecycle()
-    replan_step = OfLifecycle()
+    state = OfLifecycle("state")
+    headroom = OfLifecycle("headroom")
+    trials = OfLifecycle("trials")
+    keep_apart = OfLifecycle("keep_apart")
+    strict = OfLifecycle("strict")
+    replan_step = OfLifecycle("replan_step")
 
     @property
     def offloads_as_recorded(self) -> bool:
