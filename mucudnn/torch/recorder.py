@@ -133,8 +133,10 @@ class StepRecorder:
     # --- leaf modules -----------------------------------------------------------------------
     def module_starts(self, step: _Step, module, args, parent) -> None:
         """Leaf ``module``'s forward starts in ``step``'s forward (``parent``: the container
-        running it): a call of the step where it records calls."""
-        if not self.records_calls(step):
+        running it): a call of the step where it records calls. (At every leaf module call:
+        :meth:`records_calls`, :meth:`_read` and an untimed :meth:`_start_call` spelled out.)"""
+        finds = step.finds_recipes
+        if not (step.profiling or (finds if finds is not None else self.finds_recipes(step))):
             return
         self._set_recorder_aside(module)
         if step.profiling and step.start_allocated is None:
@@ -142,11 +144,16 @@ class StepRecorder:
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         recomputable = self._recomputable(module)
         call = _Call(
-            module, type(module).__name__, (self._read(source),) if source is not None else (),
+            module, type(module).__name__,
+            (_Read(weakref.ref(source), source._version),) if source is not None else (),
             None, None, in_place=_in_place(module),
             recomputable=recomputable, autocast=_autocast_now() if recomputable else (),
             state=_ModuleState.of(module) if recomputable else None)
-        self._start_call(call)
+        if step.profiling:
+            self._start_call(call)
+        else:   # the step's next call (``step`` is the session's), untimed
+            call.index = len(step.calls)
+            step.calls.append(call)
         if step.profiling and self.session.staging:
             if step.chain is None:
                 step.chain = ChainRecorder()
@@ -155,7 +162,9 @@ class StepRecorder:
     def module_returns(self, module, output) -> None:
         """Leaf ``module``'s forward returned ``output`` (not a tensor: it raised)."""
         step = self.session._step
-        if not self.records_calls(step) or not self._records(module):
+        finds = step.finds_recipes   # :meth:`records_calls`, without its call once decided
+        if not (step.profiling or (finds if finds is not None else self.finds_recipes(step))) \
+                or not self._records(module):
             return
         if step.chain is not None:
             step.chain.leave(module, output, len(step.groups))
