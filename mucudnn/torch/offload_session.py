@@ -352,10 +352,17 @@ class OffloadSession(PlanLifecycle):
             return group
         return None
 
-    @_past_the_op_recorder
     def _pack(self, tensor: torch.Tensor):
-        group = self._group_for(tensor)
-        return _Passed(tensor) if group is None else _Packed(group)
+        # run as :func:`_past_the_op_recorder` runs the module hooks, spelled out (at every save:
+        # a Python call fewer); torch.compiler.is_compiling() by its own name, as dynamo needs
+        if torch.compiler.is_compiling():
+            refuse_if_compiling("a mucudnn.torch session's pack hook")
+        if self.recorder.ops is None:
+            group = self._group_for(tensor)
+            return _Passed(tensor) if group is None else _Packed(group)
+        with torch._C.DisableTorchFunction():
+            group = self._group_for(tensor)
+            return _Passed(tensor) if group is None else _Packed(group)
 
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         # a rerun, or inside a backward (_in_backward, without its call): a checkpoint's
