@@ -38,10 +38,34 @@ import time
 CONFIGS = ("pytorch", "mixed", "kept")
 
 
-def _model(layers, widths, stem):
-    """torchvision.models.resnet.ResNet's structure with its Bottleneck (built without
-    torchvision): a stem, ``layers[i]`` blocks of ``widths[i]`` planes, pooling, a linear head."""
+def resnet_of(block, layers, widths, stem):
+    """torchvision.models.resnet.ResNet's structure (its ``_make_layer``) with ``block`` (a class
+    of torchvision's block signature and ``expansion``), built without torchvision: a stem,
+    ``layers[i]`` blocks of ``widths[i]`` planes, pooling, a linear head of 10 classes; the
+    weights from seed 0."""
     import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    modules = [nn.Conv2d(3, stem, 7, 2, padding=3, bias=False), nn.BatchNorm2d(stem),
+               nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, padding=1)]
+    inplanes = stem
+    for index, (blocks, planes) in enumerate(zip(layers, widths)):
+        stride = 1 if index == 0 else 2
+        downsample = None
+        if stride != 1 or inplanes != planes * block.expansion:
+            downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes * block.expansion, 1, stride, bias=False),
+                nn.BatchNorm2d(planes * block.expansion))
+        modules.append(block(inplanes, planes, stride, downsample))
+        inplanes = planes * block.expansion
+        modules += [block(inplanes, planes) for _ in range(1, blocks)]
+    modules += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inplanes, 10)]
+    return nn.Sequential(*modules)
+
+
+def _model(layers, widths, stem):
+    """:func:`resnet_of` with torchvision's Bottleneck."""
     import torch.nn as nn
 
     class Bottleneck(nn.Module):
@@ -68,21 +92,7 @@ def _model(layers, widths, stem):
             out += identity
             return self.relu(out)
 
-    torch.manual_seed(0)
-    modules = [nn.Conv2d(3, stem, 7, 2, padding=3, bias=False), nn.BatchNorm2d(stem),
-               nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, padding=1)]
-    inplanes = stem
-    for index, (blocks, planes) in enumerate(zip(layers, widths)):
-        stride = 1 if index == 0 else 2
-        downsample = None
-        if stride != 1 or inplanes != planes * 4:
-            downsample = nn.Sequential(nn.Conv2d(inplanes, planes * 4, 1, stride, bias=False),
-                                       nn.BatchNorm2d(planes * 4))
-        modules.append(Bottleneck(inplanes, planes, stride, downsample))
-        inplanes = planes * 4
-        modules += [Bottleneck(inplanes, planes) for _ in range(1, blocks)]
-    modules += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inplanes, 10)]
-    return nn.Sequential(*modules)
+    return resnet_of(Bottleneck, layers, widths, stem)
 
 
 class _Config:

@@ -22,14 +22,15 @@ OFFLOAD_WORKSPACE_SLACK = 5
 
 
 #: Under --offload with online tuning, each convolution's workspace is held to the memory budget
-#: divided by this (MUCUDNN_WORKSPACE_HOLD: the shim holds no engine below 8 of its samples'
-#: worth, where the hold would cost speed and buy little: a 3-D U-Net at N = 2). The rule: PyTorch sizes a convolution's workspace once, when it first runs the
-#: convolution: in the recording step, where the budget is nearly all free, so the engine of the
-#: largest workspace is taken (VGG-16: 1.7-3.1 GiB). In the planned steps that workspace is a
-#: transient at a point where the plan keeps tensors up to the budget, and the caching allocator,
-#: with no free block that large, flushes its cache to map it, every step. Held to a share of the
-#: budget, the shim runs the online front's fastest point within it: the fast algorithm on
-#: micro-batches (docs/shim.md, "Workspace limit"). What it bought: benchmarks/results/plan-accuracy.
+#: divided by this (MUCUDNN_WORKSPACE_HOLD; the shim holds no engine below 8 of its samples'
+#: worth, where the hold would cost speed and buy little: a 3-D U-Net at N = 2). The rule:
+#: PyTorch sizes a convolution's workspace once, when it first runs the convolution: in the
+#: recording step, where the budget is nearly all free, so the engine of the largest workspace is
+#: taken (VGG-16: 1.7-3.1 GiB). In the planned steps that workspace is a transient at a point
+#: where the plan keeps tensors up to the budget, and the caching allocator, with no free block
+#: that large, flushes its cache to map it, every step. Held to a share of the budget, the shim
+#: runs the online front's fastest point within it: the fast algorithm on micro-batches
+#: (docs/shim.md, "The hold"). What it bought: benchmarks/results/plan-accuracy.
 OFFLOAD_WORKSPACE_SHARE = 16
 
 

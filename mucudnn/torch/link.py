@@ -56,6 +56,7 @@ class SameMemoryLink:
         self.stalls: list[tuple[Mark, Mark]] = []
         #: while True too, :meth:`keep_device_behind` has the device wait where it caught up
         self.leads = False
+        self._lead_ms = self._led_ms = 0.0  # the last wait, and the waits of this step so far
 
     def host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor of ``tensor``'s layout: one a group gave back (the host pool: a step
@@ -135,6 +136,7 @@ class SameMemoryLink:
         """A recording step starts: its stalls recorded from now, and (``leads``) the device
         kept behind the host (:meth:`keep_device_behind`)."""
         self.timing, self.stalls, self.leads = True, [], leads
+        # each wait is twice the last: the step's first is LEAD_MS
         self._lead_ms, self._led_ms = self.LEAD_MS / 2, 0.0
 
     def keep_device_behind(self) -> None:
@@ -222,7 +224,6 @@ class CudaLink(SameMemoryLink):
         self._pending_bytes = 0
         self._held: dict[int, tuple] = {}   # id(transfer) -> it, its tensor, the compute stream
         self._last_stamp = None             # the last mark's event (keep_device_behind)
-        self._lead_ms = self._led_ms = 0.0  # the last wait, and the waits of this step so far
 
     def _new_host(self, tensor):
         # on the host whatever the default device (a script's torch.set_default_device("cuda"))

@@ -132,6 +132,11 @@ cudnnStatus_t mu_workspace_of(cudnnHandle_t handle, const mu_conv_descs *descs, 
     return table[descs->dir].workspace_size(handle, descs, algo, size);
 }
 
+bool mu_runs_within(cudnnHandle_t handle, const mu_conv_descs *descs, int algo, size_t bytes) {
+    size_t need = 0;
+    return mu_workspace_of(handle, descs, algo, &need) == CUDNN_STATUS_SUCCESS && need <= bytes;
+}
+
 /* cuDNN's heuristics' first algorithm (cudnnGet*Algorithm_v7, their expected fastest first) that
  * runs within bytes, deterministic where asked; else the first in enum order (mu_first_algo_within). */
 int mu_best_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic) {
@@ -140,21 +145,18 @@ int mu_best_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t
     mu_query q = {.descs = *descs, .handle = handle, .kind = MU_QUERY_GET_V7, .function = "heuristics"};
     if (mu_dir(descs->dir)->query(&q, MU_MAX_PERF, &returned, perf) == CUDNN_STATUS_SUCCESS) {
         for (int i = 0; i < returned && i < MU_MAX_PERF; i++) {
-            size_t need = 0;
             int algo = (int)perf[i].algo;
-            if (perf[i].status != CUDNN_STATUS_SUCCESS || (deterministic && !mu_algo_deterministic(descs->dir, algo)))
-                continue;
-            if (mu_workspace_of(handle, descs, algo, &need) == CUDNN_STATUS_SUCCESS && need <= bytes) return algo;
+            if (perf[i].status == CUDNN_STATUS_SUCCESS && (!deterministic || mu_algo_deterministic(descs->dir, algo)) &&
+                mu_runs_within(handle, descs, algo, bytes))
+                return algo;
         }
     }
     return mu_first_algo_within(handle, descs, bytes, deterministic);
 }
 
 int mu_first_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic) {
-    for (int algo = 0; algo < mu_algo_count(descs->dir); algo++) {
-        size_t need = 0;
-        if (deterministic && !mu_algo_deterministic(descs->dir, algo)) continue;
-        if (mu_workspace_of(handle, descs, algo, &need) == CUDNN_STATUS_SUCCESS && need <= bytes) return algo;
-    }
+    for (int algo = 0; algo < mu_algo_count(descs->dir); algo++)
+        if ((!deterministic || mu_algo_deterministic(descs->dir, algo)) && mu_runs_within(handle, descs, algo, bytes))
+            return algo;
     return -1;
 }

@@ -95,8 +95,8 @@ typedef struct mu_g_planned {
     atomic_bool native;        /* pending, and online tuning gave no usable point: the engine runs */
     atomic_bool undivided;     /* pending within a limit under the engine's workspace, and online tuning
                                 * gave no usable point: the fallback algorithm runs undivided */
-    size_t workspace;  /* the micro-batch plan's (pending: the engine's, or the hard limit where that is
-                        * less): what the framework is told and allocates */
+    size_t workspace;  /* the micro-batch plan's (pending: the engine's, or the limit or hold where that
+                        * is less): what the framework is told and allocates */
     size_t engine_workspace; /* what the framework's own engine needs */
     int fallback_algo; /* runs undivided within that workspace, should the plan fail untouched */
     int piece_count;

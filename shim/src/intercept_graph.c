@@ -198,8 +198,8 @@ static size_t real_plan_workspace(cudnnBackendDescriptor_t plan) {
  * A plan of a kernel without a front, with online tuning on, is attached pending: its point is
  * chosen at its first execution, once measured (choose_online_point). Until then the framework is
  * told `workspace`: the engine's own (`real_workspace`), so it allocates what it would have and any
- * point within that can run; or, under the hard limit, the limit (the engine then never runs: the
- * online front's fastest point within the limit does, or the fallback). The fallback (should the
+ * point within that can run; or, under MUCUDNN_WORKSPACE_LIMIT or _HOLD, less (the engine then never
+ * runs: the online front's fastest point within it does, or the fallback). The fallback (should the
  * point fail before writing) runs within it too. False when no legacy algorithm runs undivided
  * within it: the plan then stays cuDNN's.
  */
@@ -341,7 +341,7 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
     /* No point runs: the engine would run undivided in its own workspace, so it is refused over the
      * hard limit, and over the memory free now, where it would fail to allocate or take the last
      * free memory (room.c): the framework then takes its next configuration. With online tuning
-     * on, an engine over the limit is not refused but held to it: the framework's next
+     * on, an engine over the limit (or the hold) is not refused but held to it: the framework's next
      * configurations are engines of less workspace, down to a workspace-free one, which are slow
      * where the online front has a micro-batched point of the fast algorithm within the limit. */
     cudnnStatus_t status = CUDNN_STATUS_SUCCESS;

@@ -397,7 +397,7 @@ typedef struct mu_seen {
     atomic_bool degraded; /* room.c: given a point of less workspace for lack of memory */
     atomic_bool room_refused; /* room.c: an engine of its refused at finalize for lack of memory */
     atomic_bool lean;         /* given a point of less workspace under MUCUDNN_WORKSPACE_SLACK */
-    atomic_bool capped;       /* an engine of it held to MUCUDNN_WORKSPACE_LIMIT (said once) */
+    atomic_bool capped;       /* an engine of it held to MUCUDNN_WORKSPACE_LIMIT or _HOLD (said once) */
     struct mu_seen *_Atomic next_in_bucket;
     /* Online tuning (online.c): the kernel's measured front, published once complete. */
     _Atomic(struct mu_plan_entry *) online_head;
@@ -617,9 +617,13 @@ const mu_direction_ops *mu_dir(mu_direction dir);
 /* Whether cuDNN's legacy algorithm gives the same bits on every run. */
 bool mu_algo_deterministic(mu_direction dir, int algo);
 cudnnStatus_t mu_workspace_of(cudnnHandle_t handle, const mu_conv_descs *descs, int algo, size_t *size);
+/* Whether cuDNN can run the algorithm undivided within bytes of workspace. */
+bool mu_runs_within(cudnnHandle_t handle, const mu_conv_descs *descs, int algo, size_t bytes);
 /* The first algorithm (enum order: the workspace-free ones come first) that real cuDNN runs
  * undivided within bytes (and deterministic, when asked); -1 if none. */
 int mu_first_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic);
+/* cuDNN's heuristics' first algorithm (cudnnGet*Algorithm_v7) that runs within bytes, else
+ * mu_first_algo_within's. */
 int mu_best_algo_within(cudnnHandle_t handle, const mu_conv_descs *descs, size_t bytes, bool deterministic);
 
 

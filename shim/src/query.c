@@ -26,12 +26,6 @@ SAME_LAYOUT_AS_PERF(cudnnConvolutionFwdAlgoPerf_t);
 SAME_LAYOUT_AS_PERF(cudnnConvolutionBwdDataAlgoPerf_t);
 SAME_LAYOUT_AS_PERF(cudnnConvolutionBwdFilterAlgoPerf_t);
 
-/* Whether cuDNN can run the algorithm undivided within bytes of workspace. */
-static bool runs_within(cudnnHandle_t handle, const mu_conv_descs *descs, int algo, size_t bytes) {
-    size_t needed = 0;
-    return mu_workspace_of(handle, descs, algo, &needed) == CUDNN_STATUS_SUCCESS && needed <= bytes;
-}
-
 /*
  * The algorithm reported for a plan: one that real cuDNN runs undivided within the plan's
  * workspace, so that running the reported result without the plan stays valid, and as
@@ -45,12 +39,12 @@ int mu_plan_algo(cudnnHandle_t handle, const mu_conv_descs *descs, const mu_plan
     for (int i = 0; i < entry->piece_count; i++) {
         int algo = entry->pieces[i].algo;
         if (entry->pieces[i].engine == NULL && mu_algo_deterministic(entry->dir, algo) == deterministic &&
-            runs_within(handle, descs, algo, entry->workspace))
+            mu_runs_within(handle, descs, algo, entry->workspace))
             return algo;
     }
     int algo = -1;
     for (int a = 0; a < mu_algo_count(entry->dir) && algo < 0; a++)
-        if (mu_algo_deterministic(entry->dir, a) == deterministic && runs_within(handle, descs, a, entry->workspace))
+        if (mu_algo_deterministic(entry->dir, a) == deterministic && mu_runs_within(handle, descs, a, entry->workspace))
             algo = a;
     return algo >= 0 ? algo : mu_first_algo_within(handle, descs, entry->workspace, false);
 }

@@ -12,6 +12,7 @@ if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
 
 from torch import nn  # noqa: E402
 
+from benchmarks.host_overhead import resnet_of  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
@@ -460,23 +461,9 @@ class Bottleneck(BasicBlock):
 
 
 def resnet(block, layers, widths, dtype, stem=8):
-    """torchvision.models.resnet.ResNet's structure (its ``_make_layer``) with ``block``:
-    ``resnet(BasicBlock, [2, 2, 2, 2], [64, 128, 256, 512], ...)`` is ResNet-18."""
-    torch.manual_seed(0)
-    modules = [nn.Conv2d(3, stem, 7, 2, padding=3, bias=False), nn.BatchNorm2d(stem),
-               nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, padding=1)]
-    inplanes = stem
-    for index, (blocks, planes) in enumerate(zip(layers, widths)):
-        stride = 1 if index == 0 else 2
-        downsample = None
-        if stride != 1 or inplanes != planes * block.expansion:
-            downsample = nn.Sequential(conv1x1(inplanes, planes * block.expansion, stride),
-                                       nn.BatchNorm2d(planes * block.expansion))
-        modules.append(block(inplanes, planes, stride, downsample))
-        inplanes = planes * block.expansion
-        modules += [block(inplanes, planes) for _ in range(1, blocks)]
-    modules += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inplanes, 10)]
-    return nn.Sequential(*modules).to(dtype)
+    """torchvision.models.resnet.ResNet's structure with ``block`` (benchmarks.host_overhead's
+    builder): ``resnet(BasicBlock, [2, 2, 2, 2], [64, 128, 256, 512], ...)`` is ResNet-18."""
+    return resnet_of(block, layers, widths, stem).to(dtype)
 
 
 RESNETS = {"basic": (BasicBlock, [3, 2], [8, 16]), "bottleneck": (Bottleneck, [3, 2], [4, 8]),
