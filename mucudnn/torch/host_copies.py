@@ -131,6 +131,20 @@ class StepCopies:
         fall-back (the least memory)."""
         return step.profiling or self.session.offloads_as_recorded
 
+    def move_to_host(self, group: _Group) -> None:
+        """``group``'s device tensor let go now (:func:`.rescue.evictable` said it may): a kept
+        group is copied to the host first, on the compute stream (its memory reusable by the
+        next op at once), and from here on is an offloaded group fetched on demand at its
+        unpack; a fetched one keeps its host copy and is fetched again."""
+        if group.mode == KEEP:
+            link = self.session.link_for_group(group)
+            with torch.no_grad():
+                group.host = link.offload(group.tensor, inline=True)
+            group.release = link.release
+            group.mode, group.kept_version = OFFLOAD, None
+        group.tensor, group.fetch = None, None
+        self.session._event("rescue", group.gid)
+
     def prefetch(self, group: _Group, index: int) -> None:
         if group.mode == OFFLOAD and group.fetch is None and group.tensor is None \
                 and group.unpacks == 0 and group.host is not None:

@@ -68,11 +68,13 @@ from .records import _Group, _Packed, _Passed, _Step, _rebuild_order, recompute
 from .recorder import (StepRecorder, _current_node, _has_children, _in_backward,
                        _past_the_op_recorder)
 from .host_copies import StepCopies
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, _gib
 from .plan_worker import ProcessRunner
 from .plancache import PlanCache
 from .session_plans import PlanLifecycle
 from .stage import StagedForward, StagePlan
+from .rescue import ARMED_STEPS, OomRescue, asked_bytes, eviction_order, pop, push
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 
 class OffloadSession(PlanLifecycle):
@@ -107,11 +109,15 @@ class OffloadSession(PlanLifecycle):
     replayed on it off the GPU. ``strict``: a budget
     no plan meets raises :class:`~mucudnn.errors.InfeasibleError` (a solver failure its
     ``SolverError``); else ``say`` it and offload every saved tensor, as the recorded step did.
-    A planned step that runs out of device memory (the link's ``ooms()`` grew; its exception
-    propagates as ever) shows the peak model fell short: the plan is made again for a lower target
+    A planned step that runs out of device memory (the link's ``ooms()`` grew, or ``rescue``
+    below moved tensors; an exception it could not rescue propagates) shows the peak model fell
+    short: the plan is made again for a lower target
     (``min(target, modelled peak) - replan_step * budget``), at most ``replans`` times, each with
     one line; after that, or when no plan meets the lower target, every later step offloads every
-    saved tensor, with one line (``fell_back``). ``trials``: where the plan moves bytes and
+    saved tensor, with one line (``fell_back``). ``rescue``: in the first steps of each plan
+    (True), every planned step (``"always"``) or never (False), an op the caching allocator
+    refuses runs again once the step's kept tensors needed last are on the host, and the step
+    goes on (rescue.py); such a step counts as one that ran out of memory. ``trials``: where the plan moves bytes and
     :func:`planning.trial_plans` finds others its simulation says are faster (made at other
     copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
@@ -131,10 +137,13 @@ class OffloadSession(PlanLifecycle):
                  copy_exposure: float = planner.COPY_EXPOSURE, profile_to=None,
                  max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = False,
                  stage: bool | str = True, plan_in_background: bool | None = None,
-                 plan_cache: PlanCache | None = None, freeze_gc: bool = False):
+                 plan_cache: PlanCache | None = None, freeze_gc: bool = False,
+                 rescue: bool | str = True):
         self.force, self.lookahead = force, lookahead
         if stage not in (True, False, "always"):
             raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
+        if rescue not in (True, False, "always"):
+            raise ValueError(f"OffloadSession: rescue={rescue!r} is not True, False or 'always'")
         #: the plan's life (lifecycle.py): recording, the plan made and tried, watched, made
         #: again; budget, profile, plan, modes, target, fell_back, ... are its
         self.lifecycle = Lifecycle(
@@ -191,6 +200,16 @@ class OffloadSession(PlanLifecycle):
         #: freeze Python's collector once the first plan takes over (:meth:`_freeze_gc`)
         self.freeze_gc = freeze_gc
         self._gc_frozen = False
+        #: rescue.py: whether this step is armed (rule 5), the mode, whether it is on the stack
+        #: of the thread that entered the session, the armed steps left and the plan and modes
+        #: they were counted for
+        self.rescue_ops = rescue
+        self._rescue = OomRescue(self)
+        self._rescue_armed = False
+        self._rescue_pushed = False
+        self._armed_left = 0
+        self._armed_for = (None, None)
+        self._arm_rescue()   # the first step: fixed modes are in force from it
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -209,6 +228,7 @@ class OffloadSession(PlanLifecycle):
                          hooks.register_module_forward_hook(self._after_module, always_call=True)]
         if self._recipes_used():  # the ops a recipe may include (the residual add)
             self.recorder.start_ops()
+        self._sync_rescue()
         return self
 
     def _recipes_used(self) -> bool:
@@ -236,6 +256,8 @@ class OffloadSession(PlanLifecycle):
         if self._step.pending:   # the forward is over: every op saving a pending group has run
             self.copies.copy_pending(self._step)
         self.recorder.stop_ops(exc_info)
+        if self._rescue_pushed:   # rule 5: never past the ``with`` that pushed it
+            self._rescue_pushed = not pop(self._rescue)
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -392,6 +414,7 @@ class OffloadSession(PlanLifecycle):
             self._at_step_start()
         if self._cache_due:
             self._look_up_plan(tensor.device)
+            self._arm_rescue()    # a cached plan runs this first step
         step = self._step
         key = self._key(tensor)
         group = self._find(step, tensor, key)
@@ -493,6 +516,8 @@ class OffloadSession(PlanLifecycle):
             # a graph of a step that has ended (a forward kept for later, its backward after
             # the next step's): its group is restored as ever, and is no part of this step
             return self._restored(group)
+        if self._rescue_armed:
+            self._rescue_node()
         index = step.unpacks
         step.unpacks += 1
         link = self.link_for_group(group)
@@ -612,14 +637,75 @@ class OffloadSession(PlanLifecycle):
                 used.settle()
             self._step = _Step(profiling=self._step.profiling)
             self._event("abandoned", self.steps)
+            self._arm_rescue()
             return
         plan, modes = self.plan, self.modes
+        rescued = self._step.rescued
         self._close_step(failed, out_of_memory)
         if self.modes is not None and (self.modes != modes or self.plan is not plan):
             if failed:
                 self._empty_cache_due = True
             else:
                 self._empty_caches()
+        self._arm_rescue(ended=True, rescued=bool(rescued))
+
+    # --- out of memory in a step (rescue.py) ------------------------------------------------
+    def _arm_rescue(self, ended: bool = False, rescued: bool = False) -> None:
+        """At a step's start: whether rule 5 of rescue.py arms it. ``ended``: a step has just
+        ended (``rescued``: it was rescued), which counts against the armed steps."""
+        if ended and self._rescue_armed:
+            self._armed_left = ARMED_STEPS if rescued else self._armed_left - 1
+        plan, modes = self.plan, self.modes
+        if plan is not self._armed_for[0] or modes is not self._armed_for[1]:
+            self._armed_for, self._armed_left = (plan, modes), ARMED_STEPS
+        self._rescue_armed = bool(self.rescue_ops) and modes is not None \
+            and not self._step.profiling and not self.offloads_as_recorded \
+            and (self.rescue_ops == "always" or self._armed_left > 0)
+        self._sync_rescue()
+
+    def _sync_rescue(self) -> None:
+        """Inside the session's ``with``, on the thread that entered it: the mode on its stack
+        while the step is armed, off it otherwise (a backward run inside the ``with``
+        inherits it; one run outside gets it node by node, :meth:`_rescue_node`)."""
+        if self._depth <= 0:
+            return
+        if self._rescue_armed and not self._rescue_pushed:
+            push(self._rescue)
+            self._rescue_pushed = True
+        elif self._rescue_armed:
+            self._rescue.active = True
+        elif self._rescue_pushed:
+            self._rescue_pushed = not pop(self._rescue)
+
+    def _rescue_node(self) -> None:
+        """An armed step's unpack inside autograd's backward, outside the session's ``with``:
+        the mode on this thread's stack for the rest of the node (autograd restores the
+        thread's state after each node, mode stack included)."""
+        if _current_node() is not None and \
+                self._rescue not in _get_current_dispatch_mode_stack():
+            push(self._rescue)
+
+    def rescue(self, func, wanted: int, error: BaseException) -> int:
+        """Rules 2-4 of rescue.py for an op ``func`` the allocator refused (``error``): this
+        step's groups needed last moved off the device until ``wanted`` bytes are; the bytes
+        moved (0: none was left, and the error goes on)."""
+        step = self._step
+        moved = 0
+        for group in eviction_order(step, self._first_unpacks):
+            if moved >= wanted:
+                break
+            self.copies.move_to_host(group)
+            moved += group.nbytes
+        if moved and not step.rescued:
+            self.say(f"out of device memory in {func} ({_gib(asked_bytes(error))} asked); "
+                     f"kept tensors of this step moved to the host ({_gib(moved)}) and the op "
+                     "run again; the next plan is made for less")
+        elif not moved:
+            self.say(f"out of device memory in {func} ({_gib(asked_bytes(error))} asked) with "
+                     f"nothing of this step left to move to the host "
+                     f"({_gib(step.rescued)} moved): the error goes on")
+        step.rescued += moved
+        return moved
 
     def _at_step_start(self) -> None:
         """A module runs or a tensor is saved: if the step before has unpacked (its backward

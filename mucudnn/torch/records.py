@@ -345,6 +345,7 @@ class _Step:
     #: (group, tensor, autograd sequence number at its pack): copies due once its op has run
     pending: list = field(default_factory=list)
     live: int = 0                  # its groups that autograd still holds (a pack not freed)
+    rescued: int = 0               # bytes moved to the host when it ran out of memory (rescue.py)
 
     def abandoned(self) -> bool:
         """Its forward saved groups, no backward unpacked any, and autograd holds none of them:

@@ -123,6 +123,8 @@ class PlanLifecycle:
             self.plan_in_background = isinstance(link, CudaLink)
             if self.plan_in_background:
                 lifecycle.runner = ProcessRunner(say=lambda text: self.say(text))
+        # a step rescued (rescue.py) ran to its end, past a peak its plan did not model
+        out_of_memory = out_of_memory or bool(finished.rescued)
         status = OUT_OF_MEMORY if out_of_memory else FAILED if failed else OK
         decision = lifecycle.end_step(StepOutcome(
             status, recorded=not self._offload_rest, profile=profile, stage_candidates=candidates,

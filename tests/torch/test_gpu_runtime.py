@@ -304,3 +304,53 @@ def test_a_recording_times_the_devices_work_not_the_hosts_pace(monkeypatch):
     monkeypatch.setattr(CudaLink, "keep_device_behind", lambda self: None)
     paced = recorded_forward_ms(model, x, host_wait_s)
     assert paced > 0.5 * host_ms, (paced, device_ms, host_ms)
+
+
+@pytest.mark.parametrize("where", ["backward outside the with", "process-wide with"])
+def test_a_step_past_the_memory_cap_is_rescued_and_trains_as_plain_pytorch(empty_cache, where):
+    """A real refusal of the caching allocator (a memory fraction 0.75 GiB under what a step
+    keeping everything needs): the step goes on with the kept tensors it needs last moved to the
+    host, and its gradients are bitwise plain PyTorch's (rescue.py)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(4096, 4096), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    x = torch.randn(16384, 4096, device=device)   # 256 MiB per saved activation
+    GiB = 2**30
+
+    def step(session=None):
+        model.zero_grad(set_to_none=True)
+        if session is None:
+            model(x).square().mean().backward()
+        elif where == "process-wide with":
+            with session:
+                model(x).square().mean().backward()
+        else:
+            with session:
+                loss = model(x).square().mean()
+            loss.backward()
+        torch.cuda.synchronize(device)
+        return [p.grad.clone() for p in model.parameters()]
+
+    reference = step()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    rise = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = torch.cuda.memory_allocated(device) + rise - 3 * GiB // 4
+    trace, said = [], []
+    session = OffloadSession(modes=[KEEP] * 16, trace=trace, say=said.append)
+    ooms = torch.cuda.memory_stats(device).get("num_ooms", 0)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    try:
+        grads = step(session)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert torch.cuda.memory_stats(device)["num_ooms"] > ooms, "the cap refused nothing"
+    moved = [event[1] for event in trace if event[0] == "rescue"]
+    assert moved and any("run again" in line for line in said), said
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads))

@@ -1,0 +1,150 @@
+"""Out of device memory inside a planned step, rescued: the op that ran out is run again once the
+step's kept tensors that are needed last are on the host, and the step goes on (docs/torch.md,
+"Out of memory").
+
+A plan's peak is a model; fragmentation, a workspace the recording did not see or another size
+of batch can take a step past it. PyTorch's caching allocator calls nobody back before it raises,
+and the step is the user's code (a forward, ``loss.backward()``, under ``mucudnn run`` a script
+we never see), so the only place to catch the error and try again is around each op:
+:class:`OomRescue`, a ``TorchDispatchMode``, below autograd, where every op of the forward and of
+the backward passes (autograd's threads inherit the mode with the rest of the thread's state).
+
+Rules:
+
+1. Only an op that mutates nothing is run again: its schema declares no mutation
+   (``func._schema.is_mutable`` false) and it is none of :data:`MUTATES_UNDECLARED`. One that
+   raised has then written nothing, so the second run computes from the same inputs what the
+   first would have. A mutating op's error, and any other error, propagate unchanged.
+2. What is freed is the step's own: groups the session holds on the device and may let go of
+   without changing a value (:func:`evictable`): kept groups (copied to the host, then fetched
+   at their unpack as an offloaded group is, bit for bit), and fetched or prefetched groups not
+   yet unpacked (their host copy stays). Never a group a recomputed group still reads, one an
+   unpack of the running node returned, nor one changed since its save.
+3. Needed last goes first: in the forward the earliest saved, in the backward the one whose
+   first unpack (as the last whole step had it) is furthest. Each round frees at least twice
+   the bytes the allocator was asked for (its message says; 256 MiB where it does not), then
+   twice the last round; the op is run again after each. When nothing is left to free the
+   last error propagates, after one line.
+4. A rescued step ends as a step that ran out of memory (the lifecycle plans for less), and
+   says one line the first time it rescues.
+5. The mode costs a Python call per op (a few microseconds: a large network's step is thousands
+   of ops), so it is on the thread's mode stack only in the first :data:`ARMED_STEPS` steps under
+   each new plan or set of modes and the steps after a rescue (``rescue="always"``: every planned
+   step), never in a recording step or one run as recorded (every tensor is offloaded already).
+   It is pushed at a step's start and popped at the start of the first step not armed, only
+   while it is the innermost mode (a mode the script entered inside it stays, and this one
+   passes every op through until it can be popped).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode, _pop_mode,
+                                          _push_mode)
+
+from .planner import KEEP, OFFLOAD
+
+#: ops whose schemas declare no mutation, though they write an argument: batch norm's running
+#: statistics (training mode), rrelu's noise
+MUTATES_UNDECLARED = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm",
+                                "aten::miopen_batch_norm", "aten::rrelu_with_noise"})
+#: steps armed after a plan (or fixed modes) comes into force, and after a rescued step
+ARMED_STEPS = 3
+#: the first round's bytes where the allocator's message names no size
+DEFAULT_ASK = 256 << 20
+
+_ASKED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def asked_bytes(error: BaseException) -> int:
+    """The bytes PyTorch's caching allocator was refused, as its message says; else
+    :data:`DEFAULT_ASK`."""
+    found = _ASKED.search(str(error))
+    return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else DEFAULT_ASK
+
+
+def runs_again(func) -> bool:
+    """Rule 1: whether op ``func`` may be run again after it ran out of memory."""
+    schema = func._schema
+    return not schema.is_mutable and schema.name not in MUTATES_UNDECLARED
+
+
+def evictable(group, in_use) -> bool:
+    """Rule 2: whether ``group``'s device tensor can go to the host (or simply go) now, the step
+    computing the same values. ``in_use``: the groups the running node unpacked."""
+    if group.live_packs == 0 or group.readers or group in in_use or not group.offloadable:
+        return False
+    if group.mode == KEEP:
+        tensor = group.tensor
+        if tensor is None or group.unpacks:
+            return False
+        original = group.ref()
+        kept = group.kept_version if group.kept_version is not None else group.version
+        return tensor._version == kept and (original is None or original._version == group.version)
+    if group.mode == OFFLOAD:   # fetched ahead of its unpack: the host copy is still there
+        return group.unpacks == 0 and group.host is not None and (
+            group.tensor is not None or group.fetch is not None)
+    return False
+
+
+def eviction_order(step, first_unpacks: list) -> list:
+    """Rule 3: ``step``'s evictable groups, needed last first."""
+    in_use = set(step.node_groups) if step.unpacks else set()
+    groups = [g for g in step.groups if evictable(g, in_use)]
+    if not step.unpacks:
+        return groups   # the forward: saved first, unpacked last
+    later = len(step.groups) + 1   # never unpacked in the last whole step: as late as any
+
+    def first(group):
+        known = first_unpacks[group.gid] if group.gid < len(first_unpacks) else None
+        return later if known is None else known
+    return sorted(groups, key=first, reverse=True)
+
+
+class OomRescue(TorchDispatchMode):
+    """The mode of rule 5, for ``session`` (an
+    :class:`~mucudnn.torch.offload_session.OffloadSession`); :attr:`active` false passes every
+    op through (pushed but not to be popped yet)."""
+
+    def __init__(self, session):
+        super().__init__()
+        self.session = session
+        self.active = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.active:
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            if not runs_again(func):   # rule 1
+                raise
+            want = 2 * asked_bytes(error)
+            last = error
+        while True:   # outside the except clause: its traceback holds no freed tensor
+            freed = self.session.rescue(func, want, last)
+            if not freed:
+                raise last
+            try:
+                return func(*args, **kwargs)
+            except torch.OutOfMemoryError as error:
+                want, last = 2 * max(want, freed), error
+
+
+def push(mode: OomRescue) -> None:
+    mode.active = True
+    _push_mode(mode)
+
+
+def pop(mode: OomRescue) -> bool:
+    """Rule 5's pop: ``mode`` off the thread's stack where it is the innermost (True); else it
+    stays, passing every op through."""
+    mode.active = False
+    if _get_current_dispatch_mode() is mode:
+        _pop_mode()
+        return True
+    return False

@@ -1,0 +1,234 @@
+"""mucudnn.torch's rescue of a step that runs out of device memory (rescue.py), on CPU torch: a
+mode below the session's refuses an op as the caching allocator would (``torch.OutOfMemoryError``
+with its message) until the session has moved enough of the step off the device. The step must
+go on and its gradients and buffers be bitwise those of a plain run; what cannot be rescued
+raises as PyTorch does; the mode is on the op stack only in armed steps and never outlives the
+session's ``with``."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
+    pytest.skip("needs a real PyTorch", allow_module_level=True)
+
+from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import (TorchDispatchMode,  # noqa: E402
+                                          _get_current_dispatch_mode_stack)
+
+from mucudnn.torch import rescue  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
+from mucudnn.torch.planner import KEEP, OFFLOAD  # noqa: E402
+from session_helpers import RecordingLink, assert_bitwise, batches, small_cnn, train  # noqa: E402
+
+CONV_BACKWARD = torch.ops.aten.convolution_backward.default
+CONV = torch.ops.aten.convolution.default
+BATCH_NORM = torch.ops.aten.native_batch_norm.default
+
+
+class Refuses(TorchDispatchMode):
+    """The caching allocator in miniature: ``op`` is refused, in the session's steps ``steps``
+    after it has run ``after`` times in that step, until the step has moved ``needed`` bytes to
+    the host (``needed`` None: always; a function: what it returns then)."""
+
+    def __init__(self, session, op, steps=(0,), after=0, needed=1, asked="2.00 MiB"):
+        super().__init__()
+        self.session, self.op, self.steps, self.after, self.needed = \
+            session, op, steps, after, needed
+        self.asked = asked
+        self.calls, self.refused = {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        step = self.session.steps
+        if func is self.op and step in self.steps:
+            seen = self.calls[step] = self.calls.get(step, 0) + 1
+            needed = self.needed() if callable(self.needed) else self.needed
+            if seen > self.after and (needed is None or self.session._step.rescued < needed):
+                self.refused += 1
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {self.asked}. GPU 0 has a total "
+                    "capacity of 79.18 GiB of which 70.00 GiB is free. 5.00 GiB allowed")
+        return func(*args, **(kwargs or {}))
+
+
+def kept_session(trace, said, **options):
+    return OffloadSession(modes=[KEEP] * 64, link=RecordingLink(), min_bytes=0, trace=trace,
+                          say=said.append, **options)
+
+
+def test_the_allocators_message_says_what_was_asked():
+    assert rescue.asked_bytes(RuntimeError("Tried to allocate 564.00 MiB. GPU 0")) == 564 << 20
+    assert rescue.asked_bytes(RuntimeError("Tried to allocate 2.11 GiB.")) == int(2.11 * 2**30)
+    assert rescue.asked_bytes(RuntimeError("out of memory")) == rescue.DEFAULT_ASK
+
+
+@pytest.mark.parametrize("where", ["backward outside the with", "backward inside the with"])
+def test_an_op_refused_in_the_backward_runs_again_once_kept_tensors_moved(where):
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 3)
+    reference = train(copy.deepcopy(model), data)
+    trace, said = [], []
+    session = kept_session(trace, said)
+    refuses = Refuses(session, CONV_BACKWARD, steps=(0, 2), after=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    with refuses:
+        for x, y in data:
+            optimizer.zero_grad()
+            with session:
+                loss = nn.functional.cross_entropy(model(x), y)
+                if where == "backward inside the with":
+                    loss.backward()
+            if where == "backward outside the with":
+                loss.backward()
+            results.append([p.grad.clone() for p in model.parameters()] +
+                           [b.clone() for b in model.buffers()])
+            optimizer.step()
+    assert_bitwise(reference, results)
+    assert refuses.refused == 2   # once in each of steps 0 and 2, each then run again
+    moved = [event[1] for event in trace if event[0] == "rescue"]
+    assert moved, "nothing was moved to the host"
+    rescued_lines = [line for line in said if line.startswith("out of device memory in aten."
+                                                              "convolution_backward")]
+    assert len(rescued_lines) == 2 and "run again" in rescued_lines[0]
+    # moved groups were fetched back at their unpack, as offloaded ones are
+    assert any(entry[0] == "fetch" for entry in session._link.log)
+
+
+def test_the_backward_moves_the_group_it_needs_last_first():
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+    trace, said = [], []
+    session = kept_session(trace, said)
+    # a byte asked: the first round moves one group, and that is enough
+    with Refuses(session, CONV_BACKWARD, steps=(1,), after=1, asked="1 B"):
+        assert_bitwise(reference, train(model, data, session))
+    moved = [event[1] for event in trace if event[0] == "rescue"]
+    first_unpacks = session._first_unpacks   # step 1's, as step 0's: one model
+    last = max(range(len(first_unpacks)), key=lambda gid: first_unpacks[gid] or -1)
+    assert moved == [last]
+
+
+def test_an_op_refused_in_the_forward_runs_again_and_the_earliest_saved_moves_first():
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+    trace, said = [], []
+    session = kept_session(trace, said)
+    with Refuses(session, CONV, steps=(0,), after=2, asked="1 B"):   # the third convolution
+        assert_bitwise(reference, train(model, data, session))
+    assert [event[1] for event in trace if event[0] == "rescue"] == [0]
+
+
+def test_each_round_moves_twice_the_last_until_the_op_runs():
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 1)
+    trace, said = [], []
+    session = kept_session(trace, said)
+    # refused until the step has moved more than its first group: a second round
+    with Refuses(session, CONV, steps=(0,), after=2, asked="1 B",
+                 needed=lambda: session._step.groups[0].nbytes + 1) as refuses:
+        train(model, data, session)
+    moved = [event[1] for event in trace if event[0] == "rescue"]
+    assert refuses.refused == 2 and moved[:2] == [0, 1]
+    assert len([line for line in said if "run again" in line]) == 1   # one line a step
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten.relu_.default, BATCH_NORM],
+                         ids=["declared (relu_)", "undeclared (batch norm's statistics)"])
+def test_a_mutating_op_refused_is_not_run_again(op):
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 1)
+    trace, said = [], []
+    session = kept_session(trace, said)
+    with Refuses(session, op, steps=(0,), after=1) as refuses:
+        with pytest.raises(torch.OutOfMemoryError):
+            train(model, data, session)
+    assert refuses.refused == 1
+    assert not [event for event in trace if event[0] == "rescue"] and not said
+
+
+def test_with_nothing_left_to_move_the_error_goes_on_after_one_line():
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 1)
+    trace, said = [], []
+    session = OffloadSession(modes=[OFFLOAD] * 64, link=RecordingLink(), min_bytes=0,
+                             trace=trace, say=said.append)
+    with Refuses(session, CONV, steps=(0,), after=1, needed=None):
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+            train(model, data, session)
+    assert len(said) == 1 and "nothing of this step left to move" in said[0]
+
+
+def test_the_mode_is_on_the_stack_in_armed_steps_only_and_never_past_the_with():
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, rescue.ARMED_STEPS + 3)
+    session = kept_session([], [])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for step, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        with session:
+            out = model(x)   # the step has started: armed or not is decided
+            seen.append(session._rescue in _get_current_dispatch_mode_stack())
+            loss = nn.functional.cross_entropy(out, y)
+        assert _get_current_dispatch_mode_stack() == []
+        loss.backward()
+        assert _get_current_dispatch_mode_stack() == []
+        optimizer.step()
+    assert seen == [True] * rescue.ARMED_STEPS + [False] * 3
+
+
+def test_a_rescued_step_arms_the_next_ones_again():
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, rescue.ARMED_STEPS + 4)
+    session = kept_session([], [])
+    armed = []
+    refused_at = rescue.ARMED_STEPS - 1   # the last armed step
+    with Refuses(session, CONV_BACKWARD, steps=(refused_at,), asked="1 B"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in data:
+            optimizer.zero_grad()
+            with session:
+                loss = nn.functional.cross_entropy(model(x), y)
+                armed.append(session._rescue_armed)
+            loss.backward()
+            optimizer.step()
+    assert armed == [True] * (refused_at + 1 + rescue.ARMED_STEPS) + [False] * (
+        len(data) - refused_at - 1 - rescue.ARMED_STEPS)
+
+
+def test_recording_steps_are_never_armed_and_rescue_false_never():
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 3)
+    session = OffloadSession(budget=1 << 40, link=RecordingLink(), min_bytes=0, record_steps=2)
+    armed = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        optimizer.zero_grad()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            armed.append(session._rescue_armed)
+        loss.backward()
+        optimizer.step()
+    assert armed == [False, False, True]
+    never = kept_session([], [], rescue=False)
+    train(small_cnn(dtype), batches(dtype, 2), never)
+    assert not never._rescue_armed
+    with pytest.raises(ValueError, match="rescue='sometimes'"):
+        OffloadSession(rescue="sometimes")
+
+
+def test_a_rescued_planned_step_has_the_next_plan_made_for_less():
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 6)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = OffloadSession(budget=1 << 40, link=RecordingLink(), min_bytes=0, record_steps=2,
+                             say=said.append)
+    with Refuses(session, CONV_BACKWARD, steps=(2,), after=1, asked="1 B"):
+        assert_bitwise(reference, train(model, data, session))
+    assert session.lifecycle.replans_used == 1
+    assert any("run again" in line for line in said)
