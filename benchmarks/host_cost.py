@@ -17,6 +17,10 @@ configurations of one process, rounds alternated (each round starts at the next 
   The defaults: ResNet-152 N=128 at the issue's 8 GiB; the 3-D U-Net N=2 at 6 GiB, below
   PyTorch's least memory and above the least mucudnn.torch's API has trained in
   (benchmarks/results/offload/offload-h200.md), so that a plan exists and must move much;
+- ``kept-armed``, ``mixed-armed`` (asked for by ``--configs``): ``kept`` and ``mixed`` with the
+  session's rescue of steps that run out of memory armed at every planned step
+  (``OffloadSession(rescue="always")``, mucudnn/torch/rescue.py): the cost of its mode, a Python
+  call per op, in the steps it is armed in;
 - ``recording``: a fresh OffloadSession per round, whose steps are all recording steps (it is
   given more recording steps than it runs, so it never plans); its first step takes its host
   buffers afresh and is its own row (``recording-first``).
@@ -65,7 +69,9 @@ from mucudnn.errors import MucudnnError
 from mucudnn.outputs import write_text_atomically
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("pytorch", "kept", "mixed", "recording")
+CONFIGS = ("pytorch", "kept", "mixed", "recording", "kept-armed", "mixed-armed")
+#: configurations of a session whose rescue (mucudnn/torch/rescue.py) is armed at every step
+ARMED = {"kept-armed": "kept", "mixed-armed": "mixed"}
 #: the metrics of a step, in ms: host wall time of the forward (with the loss), the backward, the
 #: optimizer, the whole step; the process's and the calling thread's CPU time of the forward and
 #: the backward; the device's step; the host's wait at its end
@@ -201,7 +207,11 @@ def worker(args) -> None:
         stepper.step()
     if cuda:
         result["pytorch_peak_allocated"] = torch.cuda.max_memory_allocated()
+    budgets = {"kept": kept_budget, "mixed": args.budget_bytes}
     sessions = {"kept": new_session(kept_budget), "mixed": new_session(args.budget_bytes)}
+    for armed, plain in ARMED.items():
+        if armed in args.configs:
+            sessions[armed] = new_session(budgets[plain], rescue="always")
     for name, session in sessions.items():
         current["config"] = name
         settle(stepper, session, name, result, args, started)
@@ -289,6 +299,7 @@ def rows_of(case: dict, dry: bool = False) -> list[dict]:
     recorded = [s for s in samples.get("recording", []) if s["state"] == "recording"]
     groups = {"pytorch": samples.get("pytorch", []), "kept": samples.get("kept", []),
               "mixed": samples.get("mixed", []),
+              **{name: samples.get(name, []) for name in ARMED},
               "recording-first": [s for s in recorded if s["index"] == 1],
               "recording": [s for s in recorded if s["index"] > 1]}
     base = spread([s["device_ms"] for s in groups["pytorch"]])
