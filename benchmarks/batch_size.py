@@ -27,7 +27,33 @@ when memory ran out. Running out of memory or time is a result per run, never th
 benchmark. --time-budget-s: no run starts once it is spent, and sweep points stop early enough to
 leave the long run its estimated time (the pick's sweep run, scaled to the long run's steps).
 
+``--offload --against-pytorch`` (issue 40, AccUDNN's measure: does a larger batch with offloading
+beat the best batch that fits alone?) replaces the sweep of part 2 and the ratio of part 3:
+
+a. ``pytorch``: PyTorch alone under the same budget, the worker under ``mucudnn run --no-online
+   --memory-budget B`` without ``--offload`` (the caching allocator capped, nothing offloaded or
+   recomputed: what a user without mucudnn.torch runs), on the sweep's grid (M, 2M, 4M, ... until
+   one does not hold, then up in steps of --sweep-step), --pytorch-warmup warm-up steps; its best
+   is the fastest point that held. It runs before the tuner: it does not depend on the pick, and
+   the tuner's time limit is then what is left less the comparison's runs, so a slow tuner cannot
+   leave the comparison without its baseline;
+b. ``compare``: the tuner's pick once more under ``--offload`` (--compare-steps timed steps after
+   --compare-warmup, at least OFFLOAD_MIN_WARMUP: past the recording, the trial of plans and the
+   first planned steps), then, time permitting, the same offload run at PyTorch alone's best batch
+   (mucudnn.torch's cost at an equal batch, apart from the larger batch's gain);
+c. the summary: the pick's images/s over PyTorch alone's best; AccUDNN's claim holds when that
+   ratio is over 1. The tuner's own candidates above the largest batch PyTorch alone held are
+   listed too (measured by the tuner, at no extra run).
+
+The long run (part 4) runs the pick under ``--offload`` as before; ``--long-steps 0`` skips it.
+The time budget: PyTorch-alone points keep the tuner's time limit (--tuner-timeout-s) and the
+pick's offload run (--offload-run-default-s, and the long run's default when there is one) in
+reserve; the tuner runs for at most what is left less the latter; the pick's run keeps nothing in
+reserve, the run at PyTorch alone's batch keeps the long run's estimate.
+
     python -m benchmarks.batch_size driver --model resnet50 --memory-budget 24GiB --out DIR
+    python -m benchmarks.batch_size driver --model resnet152 --memory-budget 8GiB --offload \
+        --against-pytorch --start 48 --largest 192 --sweep-step 8 --long-steps 0 --out DIR
     python -m benchmarks.batch_size worker --model resnet50 --batch-size 64 --steps 10
     python -m benchmarks.batch_size report --out DIR
 """
@@ -38,13 +64,14 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.pressure import (OFFLOAD_MIN_WARMUP, Budget, OutOfTime, Terminated, execute,
-                                 fmt, gpu_slug)
+from benchmarks.pressure import (OFFLOAD_MIN_WARMUP, OFFLOAD_WARMUP, Budget, OutOfTime,
+                                 Terminated, execute, fmt, gpu_slug)
 from benchmarks.shim_pytorch import MU, add_worker_arguments, worker_outcome, worker_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,16 +209,78 @@ def summarize(report: dict) -> dict:
     if long:
         long_ok = (long.get("status") == "ok" and long.get("steps", 0) >= long_steps
                    and (long.get("peak_reserved_bytes") or budget + 1) <= budget)
-    return {"pick": pick, "pick_images_per_s": pick_point["images_per_s"] if pick_point
-            and pick_point["holds"] else None, "pick_held": pick_point["holds"] if pick_point
-            else None, "best_batch": best["batch"] if best else None,
-            "best_images_per_s": best["images_per_s"] if best else None,
-            "ratio": ratio, "target": target,
-            "ratio_passed": None if ratio is None else ratio >= target,
-            "largest_held": max((p["batch"] for p in held), default=None),
-            "smallest_failed_above": min(failed_above, default=None),
-            "points": len(points), "long_run_passed": long_ok,
-            "passed": bool(ratio is not None and ratio >= target and long_ok)}
+    summary = {"pick": pick, "pick_images_per_s": pick_point["images_per_s"] if pick_point
+               and pick_point["holds"] else None, "pick_held": pick_point["holds"] if pick_point
+               else None, "best_batch": best["batch"] if best else None,
+               "best_images_per_s": best["images_per_s"] if best else None,
+               "ratio": ratio, "target": target,
+               "ratio_passed": None if ratio is None else ratio >= target,
+               "largest_held": max((p["batch"] for p in held), default=None),
+               "smallest_failed_above": min(failed_above, default=None),
+               "points": len(points), "long_run_passed": long_ok,
+               "passed": bool(ratio is not None and ratio >= target and long_ok)}
+    if report["settings"].get("against_pytorch"):
+        # no sweep under offload ran: issue 14's target does not apply, the comparison does
+        summary.update(passed=None, against_pytorch=summarize_against(report))
+    return summary
+
+
+def fastest_held(points: list[dict]) -> dict | None:
+    held = [p for p in points if p["holds"]]
+    return max(held, key=lambda p: p["images_per_s"]) if held else None
+
+
+def summarize_against(report: dict) -> dict:
+    """AccUDNN's measure: the tuner's pick, run under --offload, against the fastest batch that
+    held for PyTorch alone under the same budget. ``ratio`` is pick / PyTorch alone's best in
+    images/s, ``claim_holds`` whether it is over 1 (None when either was not measured). The offload
+    run at PyTorch alone's best batch splits that ratio: ``offload_cost`` (offload / PyTorch alone
+    at one batch) times ``batch_gain`` (the pick / that run, both under offload)."""
+    points = report["pytorch"]["points"]
+    best = fastest_held(points)
+    largest = max((p["batch"] for p in points if p["holds"]), default=None)
+    failed_above = [p["batch"] for p in points
+                    if not p["holds"] and largest is not None and p["batch"] > largest]
+    compare = report.get("compare") or {}
+    pick = (report.get("tuner") or {}).get("pick")
+    pick_run, at_best = compare.get("pick"), compare.get("at_pytorch_best")
+
+    def held_ips(run: dict | None) -> float | None:
+        return run["images_per_s"] if run and run["holds"] else None
+
+    pick_ips = held_ips(pick_run) if pick_run and pick_run["batch"] == pick else None
+    best_ips = best["images_per_s"] if best else None
+    at_best_ips = held_ips(at_best) if at_best and best and at_best["batch"] == best["batch"] \
+        else None
+    ratio = pick_ips / best_ips if pick_ips is not None and best_ips else None
+    # the tuner's candidates that PyTorch alone could not run (above its largest that held)
+    larger = [t for t in (report.get("tuner") or {}).get("trials", [])
+              if t["holds"] and largest is not None and t["batch"] > largest]
+    tuner_larger = max(larger, key=lambda t: t["images_per_s"]) if larger else None
+    return {"pick": pick, "pick_images_per_s": pick_ips,
+            "pick_status": pick_run["status"] if pick_run else None,
+            "pick_held": pick_run["holds"] if pick_run else None,
+            "pick_larger": None if pick is None or largest is None else pick > largest,
+            "pytorch_best_batch": best["batch"] if best else None,
+            "pytorch_best_images_per_s": best_ips,
+            "pytorch_largest_held": largest,
+            "pytorch_smallest_failed_above": min(failed_above, default=None),
+            "ratio": ratio, "claim_holds": None if ratio is None else ratio > 1,
+            "offload_at_best_images_per_s": at_best_ips,
+            "offload_cost": at_best_ips / best_ips if at_best_ips is not None and best_ips
+            else None,
+            "batch_gain": pick_ips / at_best_ips if pick_ips is not None and at_best_ips
+            else None,
+            "tuner_larger_batch": tuner_larger["batch"] if tuner_larger else None,
+            "tuner_larger_images_per_s": tuner_larger["images_per_s"] if tuner_larger else None,
+            "tuner_larger_ratio": tuner_larger["images_per_s"] / best_ips
+            if tuner_larger and best_ips else None}
+
+
+def compare_reserve_s(args) -> float:
+    """Seconds kept, before the tuner runs, for what must follow it: the pick's offload run and,
+    when there is one, the long run (no pick measured yet: their defaults)."""
+    return args.offload_run_default_s + (args.long_run_default_s if args.long_steps else 0.0)
 
 
 # -- the page --------------------------------------------------------------------------------------
@@ -202,26 +291,23 @@ def gib(nbytes) -> str:
 
 def markdown(report: dict) -> str:
     s, settings, summary = report, report["settings"], report.get("summary") or summarize(report)
-    lines = [f"# `mucudnn batch-size` against a measured sweep: {s['model']} under "
-             f"{s['budget']} (issue 14)", "",
+    against = settings.get("against_pytorch")
+    title = (f"# `mucudnn batch-size --offload` against PyTorch alone: {s['model']} under "
+             f"{s['budget']} (issue 40, AccUDNN's measure)" if against else
+             f"# `mucudnn batch-size` against a measured sweep: {s['model']} under "
+             f"{s['budget']} (issue 14)")
+    lines = [title, "",
              f"Device: {s.get('device') or 'unknown'}; started {s['started']}"
              + (" (**terminated** before the end)" if s.get("terminated") else "") + ". "
              "`python -m benchmarks.batch_size driver` (benchmarks/batch_size.py; training: "
              "benchmarks/shim_pytorch.py's worker, benchmarks/models.py), fp32 "
              f"{'with' if settings['tf32'] else 'without'} TF32, cudnn.benchmark "
              f"{'on' if settings['cudnn_benchmark'] else 'off'}, SGD, random data, one process "
-             f"per run{', `--offload`' if settings['offload'] else ''}.", "",
-             "## Verdict", ""]
-    ratio = summary["ratio"]
-    lines += [f"- pick: batch {summary['pick'] if summary['pick'] is not None else '-'}, "
-              f"{fmt(summary['pick_images_per_s'], '.1f')} images/s in the sweep; best of the "
-              f"sweep: batch {summary['best_batch'] if summary['best_batch'] else '-'}, "
-              f"{fmt(summary['best_images_per_s'], '.1f')} images/s",
-              f"- ratio pick / best: **{fmt(ratio, '.4f')}** (target >= {summary['target']}: "
-              + {True: "✓", False: "✗", None: "not measured"}[summary["ratio_passed"]] + ")",
-              f"- largest batch that held in the sweep: {summary['largest_held'] or '-'}"
-              + (f"; {summary['smallest_failed_above']} did not"
-                 if summary["smallest_failed_above"] else "")]
+             f"per run{', `--offload`' if settings['offload'] else ''}."]
+    if s.get("command"):
+        lines += ["", f"Command: `{s['command']}`"]
+    lines += ["", "## Verdict", ""]
+    lines += against_lines(s, summary["against_pytorch"]) if against else verdict_lines(summary)
     long = s.get("long_run")
     if long:
         lines.append(f"- long run of the pick: {long.get('status')}, {long.get('steps', 0)} timed "
@@ -245,18 +331,103 @@ def markdown(report: dict) -> str:
         lines += [f"| {t['batch']} | {fmt(t['images_per_s'], '.1f')} | {gib(t['peak_bytes'])} | "
                   f"{'yes' if t['holds'] else 'no'} | {t['why'] or ''} |" for t in tuner["trials"]]
         lines += ["", "Its reasons (stderr):", ""] + [f"    {r}" for r in tuner["reasons"]]
-    lines += ["", "## The sweep", "",
-              f"Each point: {settings['steps']} timed steps after {settings['warmup']} warm-up, "
-              f"under `mucudnn run --no-online --memory-budget {s['budget']}`.", "",
-              "| batch | role | status | images/s | step ms | peak reserved GiB | held | wall s |",
-              "|---|---|---|---|---|---|---|---|"]
-    for p in sorted(s["sweep"]["points"], key=lambda p: p["batch"]):
-        mark = " **best**" if p["batch"] == summary["best_batch"] else ""
+    if against:
+        lines += ["", "## PyTorch alone", "",
+                  f"Each point: {settings['steps']} timed steps after {settings['pytorch_warmup']} "
+                  f"warm-up, under `mucudnn run --no-online --memory-budget {s['budget']}` without "
+                  "`--offload` (the caching allocator capped; nothing offloaded or recomputed).",
+                  ""] + points_table(s["pytorch"]["points"],
+                                     summary["against_pytorch"]["pytorch_best_batch"])
+    else:
+        lines += ["", "## The sweep", "",
+                  f"Each point: {settings['steps']} timed steps after {settings['warmup']} "
+                  f"warm-up, under `mucudnn run --no-online --memory-budget {s['budget']}`"
+                  + (" --offload" if settings["offload"] else "") + ".", ""] \
+            + points_table(s["sweep"]["points"], summary["best_batch"])
+    return "\n".join(lines) + "\n"
+
+
+def verdict_lines(summary: dict) -> list[str]:
+    """Issue 14's verdict: the pick against the best of the sweep."""
+    return [f"- pick: batch {summary['pick'] if summary['pick'] is not None else '-'}, "
+            f"{fmt(summary['pick_images_per_s'], '.1f')} images/s in the sweep; best of the "
+            f"sweep: batch {summary['best_batch'] if summary['best_batch'] else '-'}, "
+            f"{fmt(summary['best_images_per_s'], '.1f')} images/s",
+            f"- ratio pick / best: **{fmt(summary['ratio'], '.4f')}** (target >= "
+            f"{summary['target']}: "
+            + {True: "✓", False: "✗", None: "not measured"}[summary["ratio_passed"]] + ")",
+            f"- largest batch that held in the sweep: {summary['largest_held'] or '-'}"
+            + (f"; {summary['smallest_failed_above']} did not"
+               if summary["smallest_failed_above"] else "")]
+
+
+def against_lines(report: dict, a: dict) -> list[str]:
+    """AccUDNN's measure: the comparison table and what it says."""
+    settings, budget = report["settings"], report["budget"]
+    compare = report.get("compare") or {}
+    best = a["pytorch_best_batch"]
+    best_point = next((p for p in report["pytorch"]["points"] if p["batch"] == best), None)
+
+    def row(what: str, run: dict | None, batch) -> str:
+        run = run or {}
+        return (f"| {what} | {batch if batch is not None else '-'} | "
+                f"{run.get('status', 'not run')} | {fmt(run.get('images_per_s'), '.1f')} | "
+                f"{fmt(run.get('step_ms'))} | {gib(run.get('peak_reserved_bytes'))} | "
+                + ("-" if not run else "yes" if run["holds"] else "no")
+                + f" | {fmt(run.get('wall_s'), '.1f')} |")
+
+    at_best = compare.get("at_pytorch_best")
+    lines = ["| run | batch | status | images/s | step ms | peak reserved GiB | held | wall s |",
+             "|---|---|---|---|---|---|---|---|",
+             row("the tuner's pick, `mucudnn run --offload`", compare.get("pick"), a["pick"]),
+             row("PyTorch alone, its fastest batch that held", best_point, best),
+             row("`mucudnn run --offload` at PyTorch alone's batch", at_best,
+                 at_best["batch"] if at_best else best),
+             "",
+             f"The offload runs: {settings['compare_steps']} timed steps after "
+             f"{settings['compare_warmup']} warm-up (past mucudnn.torch's recording and its trial "
+             f"of plans) under `mucudnn run --no-online --memory-budget {budget} --offload`; a "
+             "batch the tuner ran finds its plan in the plan cache (MUCUDNN_PLAN_CACHE: "
+             f"{report.get('plan_cache') or 'default'}), as a user's second run does.", ""]
+    verdict = {True: "**holds**", False: "**does not hold**",
+               None: "not measured"}[a["claim_holds"]]
+    lines.append(f"- offload pick / PyTorch-alone best: **{fmt(a['ratio'], '.4f')}x** "
+                 f"({fmt(a['pick_images_per_s'], '.1f')} / "
+                 f"{fmt(a['pytorch_best_images_per_s'], '.1f')} images/s): AccUDNN's claim (a "
+                 f"larger batch with offloading beats the batch that fits alone) {verdict}"
+                 + (f" ({(a['ratio'] - 1) * 100:+.1f} %)" if a["ratio"] is not None else ""))
+    if a["pick_held"] is False:
+        lines.append(f"- the pick's offload run did not hold: {a['pick_status']}")
+    if a["pick_larger"] is False:
+        lines.append(f"- the tuner picked batch {a['pick']}, which PyTorch alone also runs under "
+                     f"{budget}: the ratio is mucudnn.torch's cost at a batch that fits, not a "
+                     "larger batch's gain")
+    if a["offload_cost"] is not None:
+        lines.append(f"- at PyTorch alone's batch {best}, the offload run gives "
+                     f"{fmt(a['offload_cost'], '.4f')}x its images/s (mucudnn.torch's cost); the "
+                     f"pick's batch gives {fmt(a['batch_gain'], '.4f')}x that offload run (the "
+                     "larger batch's gain)")
+    lines.append(f"- largest batch PyTorch alone held: {a['pytorch_largest_held'] or '-'}"
+                 + (f"; {a['pytorch_smallest_failed_above']} did not"
+                    if a["pytorch_smallest_failed_above"] else ""))
+    if a["tuner_larger_batch"] is not None:
+        lines.append(f"- the tuner's fastest candidate above it: batch {a['tuner_larger_batch']}, "
+                     f"{fmt(a['tuner_larger_images_per_s'], '.1f')} images/s, "
+                     f"{fmt(a['tuner_larger_ratio'], '.4f')}x PyTorch alone's best (the tuner's "
+                     f"{settings['tuner_steps']} timed steps)")
+    return lines
+
+
+def points_table(points: list[dict], best_batch) -> list[str]:
+    lines = ["| batch | role | status | images/s | step ms | peak reserved GiB | held | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: p["batch"]):
+        mark = " **best**" if p["batch"] == best_batch else ""
         lines.append(f"| {p['batch']}{mark} | {p['role']} | {p['status']} | "
                      f"{fmt(p.get('images_per_s'), '.1f')} | {fmt(p.get('step_ms'))} | "
                      f"{gib(p.get('peak_reserved_bytes'))} | {'yes' if p['holds'] else 'no'} | "
                      f"{fmt(p.get('wall_s'), '.1f')} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -273,14 +444,20 @@ class Benchmark:
         self.out.mkdir(parents=True, exist_ok=True)
         keep = ("start", "multiple", "largest", "sweep_step", "steps", "warmup", "tuner_steps",
                 "tuner_warmup", "long_steps", "target", "tf32", "cudnn_benchmark", "offload",
-                "neighbours", "time_budget_s", "probe_timeout_s", "tuner_timeout_s")
+                "neighbours", "time_budget_s", "probe_timeout_s", "tuner_timeout_s",
+                "against_pytorch", "pytorch_warmup", "compare_steps", "compare_warmup",
+                "offload_at_best", "offload_run_default_s", "long_run_default_s")
         self.data = {"model": args.model, "budget": args.memory_budget,
                      "budget_bytes": self.budget_bytes, "device": None,
                      "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "command": "python -m benchmarks.batch_size " + shlex.join(args.argv),
                      "settings": {k: getattr(args, k) for k in keep},
                      "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                     "plan_cache": os.environ.get("MUCUDNN_PLAN_CACHE", ""),
                      "tuner": None, "sweep": {"points": []}, "long_run": None,
                      "skipped": self.clock.skipped}
+        if args.against_pytorch:
+            self.data.update(pytorch={"points": []}, compare={})
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # the worker runs as `python -m benchmarks.batch_size` from wherever the tuner starts it
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get(
@@ -297,18 +474,29 @@ class Benchmark:
         write_text_atomically(self.json_path, json.dumps(self.data, indent=1) + "\n")
         write_text_atomically(self.json_path.with_suffix(".md"), markdown(self.data))
 
+    def label(self, part: str) -> str:
+        """The part's place in the run's order, for the log."""
+        order = (("pytorch", "PyTorch alone"), ("tuner", "tuner"), ("compare", "offload"),
+                 ("long run", "long run")) if self.args.against_pytorch else \
+            (("tuner", "tuner"), ("sweep", "sweep"), ("ratio", "ratio"), ("long run", "long run"))
+        return next(f"{i}/4 {name}" for i, (key, name) in enumerate(order, 1) if key == part)
+
     def say(self, text: str) -> None:
         print(f"[batch-size {self.args.model}] {text}", flush=True)
 
     def tuner(self) -> None:
         args = self.args
-        self.clock.check("tuner")
+        # against PyTorch: the pick's offload run (and the long run) must still fit after it
+        reserve = compare_reserve_s(args) if args.against_pytorch else 0.0
+        self.clock.check("tuner", reserve)
         cmd = MU + ["batch-size", "--memory-budget", args.memory_budget, "--start",
                     str(args.start), "--multiple", str(args.multiple), "--largest",
                     str(args.largest)] + (["--offload"] if args.offload else []) + ["--"] \
             + worker_argv(args, "{}", args.tuner_steps, args.tuner_warmup)
-        timeout = min(args.tuner_timeout_s, self.clock.remaining_s() or args.tuner_timeout_s)
-        self.say(f"1/4 tuner (at most {timeout:.0f} s): {' '.join(cmd[2:])}")
+        remaining = self.clock.remaining_s()
+        timeout = args.tuner_timeout_s if remaining is None \
+            else min(args.tuner_timeout_s, remaining - reserve)
+        self.say(f"{self.label('tuner')} (at most {timeout:.0f} s): {' '.join(cmd[2:])}")
         rc, stdout, stderr, wall_s, timed_out = execute(cmd, self.env, timeout)
         parsed = parse_tuner_output(stdout, stderr)
         self.data["tuner"] = {"command": " ".join(["python"] + cmd[1:]), "returncode": rc,
@@ -320,35 +508,50 @@ class Benchmark:
             self.say(f"    {reason}")
         self.save()
 
-    def point(self, batch: int, role: str, reserve_s: float) -> dict:
-        """One sweep run at ``batch`` (OutOfTime when it would eat into ``reserve_s``)."""
+    def point(self, batch: int, role: str, reserve_s: float, *, part: str = "sweep",
+              offload: bool | None = None, warmup: int | None = None) -> dict:
+        """One run at ``batch`` (OutOfTime when it would eat into ``reserve_s``), kept in
+        ``part``'s points: the sweep's (under --offload when the driver is), or PyTorch alone's
+        (``offload`` False)."""
         args = self.args
-        self.clock.check(f"sweep batch {batch} ({role})", reserve_s)
-        outcome = self.run_worker(batch, args.steps, args.warmup, args.probe_timeout_s)
+        offload = args.offload if offload is None else offload
+        warmup = args.warmup if warmup is None else warmup
+        self.clock.check(f"{part} batch {batch} ({role})", reserve_s)
+        outcome = self.run_worker(batch, args.steps, warmup, args.probe_timeout_s, offload)
+        point = self.measured(batch, role, outcome)
+        self.data[part]["points"].append(point)
+        self.say(f"{self.label(part)} batch {batch} ({role}): {self.described(point)}")
+        self.save()
+        return point
+
+    def measured(self, batch: int, role: str, outcome: dict) -> dict:
+        """A run's outcome as a point: whether it held under the budget, its images/s if so."""
         point = {"batch": batch, "role": role, **outcome,
                  "holds": point_holds(outcome, self.budget_bytes)}
         point.pop("step_ms_all", None)
         if point["holds"]:
             point["images_per_s"] = images_per_s(batch, point["step_ms"])
-        self.data["sweep"]["points"].append(point)
-        self.say(f"2/4 sweep batch {batch} ({role}): {point['status']}"
-                 + (f", {point['images_per_s']:.1f} images/s, peak reserved "
-                    f"{gib(point.get('peak_reserved_bytes'))} GiB" if point["holds"] else "")
-                 + f" ({point['wall_s']:.1f} s)")
-        self.save()
         return point
 
-    def run_worker(self, batch: int, steps: int, warmup: int, timeout_s: float) -> dict:
+    @staticmethod
+    def described(point: dict) -> str:
+        return (point["status"] + (f", {point['images_per_s']:.1f} images/s, peak reserved "
+                                   f"{gib(point.get('peak_reserved_bytes'))} GiB"
+                                   if point["holds"] else "") + f" ({point['wall_s']:.1f} s)")
+
+    def run_worker(self, batch: int, steps: int, warmup: int, timeout_s: float,
+                   offload: bool | None = None) -> dict:
         args = self.args
+        offload = args.offload if offload is None else offload
         cmd = MU + ["run", "--no-online", "--memory-budget", args.memory_budget] \
-            + (["--offload"] if args.offload else []) + ["--"] \
+            + (["--offload"] if offload else []) + ["--"] \
             + worker_argv(args, batch, steps, warmup)
         remaining = self.clock.remaining_s()
         timeout = timeout_s if remaining is None else max(1.0, min(timeout_s, remaining))
         rc, stdout, stderr, wall_s, timed_out = execute(cmd, self.env, timeout)
         outcome = ({"status": "timeout", "stderr_tail": stderr[-1500:]} if timed_out
                    else worker_outcome(rc, stdout, stderr))
-        outcome.update(wall_s=round(wall_s, 2), warmup=warmup)
+        outcome.update(wall_s=round(wall_s, 2), warmup=warmup, offload=offload)
         if outcome.get("device") and not self.data["device"]:
             self.data["device"] = outcome["device"]
         return outcome
@@ -375,13 +578,57 @@ class Benchmark:
                 if batch not in held:
                     held[batch] = self.point(batch, "neighbour", reserve())["holds"]
 
+    def pytorch_sweep(self) -> None:
+        """PyTorch alone under the budget (no --offload) on the sweep's grid; every point keeps
+        the tuner's time limit and the comparison's runs in reserve."""
+        args = self.args
+        reserve = args.tuner_timeout_s + compare_reserve_s(args)
+        held: dict[int, bool] = {}
+        while (batch := next_grid_batch(held, args.multiple, args.sweep_step,
+                                        args.largest)) is not None:
+            held[batch] = self.point(batch, "grid", reserve, part="pytorch", offload=False,
+                                     warmup=args.pytorch_warmup)["holds"]
+
+    def compare(self) -> None:
+        """The pick under --offload (the comparison's own run: it keeps nothing in reserve),
+        then the same at PyTorch alone's best batch, leaving the long run its estimated time."""
+        args = self.args
+        pick = (self.data["tuner"] or {}).get("pick")
+        if pick is None:
+            return
+        self.compare_run("pick", pick, 0.0)
+        best = fastest_held(self.data["pytorch"]["points"])
+        if args.offload_at_best and best and best["batch"] != pick:
+            self.compare_run("at_pytorch_best", best["batch"], self.long_run_reserve_s())
+        elif best and best["batch"] == pick:   # the pick's run is that run
+            self.data["compare"]["at_pytorch_best"] = self.data["compare"]["pick"]
+            self.save()
+
+    def compare_run(self, key: str, batch: int, reserve_s: float) -> None:
+        args = self.args
+        self.clock.check(f"offload run of batch {batch} ({key})", reserve_s)
+        outcome = self.run_worker(batch, args.compare_steps, args.compare_warmup,
+                                  args.probe_timeout_s, True)
+        self.data["compare"][key] = point = self.measured(batch, key, outcome)
+        self.say(f"{self.label('compare')} batch {batch} ({key}): {self.described(point)}")
+        self.save()
+
+    def long_run_reserve_s(self) -> float:
+        """The long run's estimate from the pick's comparison run (0 without a long run)."""
+        if not self.args.long_steps:
+            return 0.0
+        return long_run_estimate_s((self.data.get("compare") or {}).get("pick"),
+                                   self.args.long_steps, self.args.warmup,
+                                   self.args.long_run_default_s)
+
     def long_run(self) -> None:
         args = self.args
         pick = (self.data["tuner"] or {}).get("pick")
         if not args.long_steps or pick is None:
             return
         self.clock.check(f"long run of batch {pick}")
-        self.say(f"4/4 long run: batch {pick}, {args.long_steps} steps after {args.warmup} warm-up")
+        self.say(f"{self.label('long run')}: batch {pick}, {args.long_steps} steps after "
+                 f"{args.warmup} warm-up")
         outcome = self.run_worker(pick, args.long_steps, args.warmup,
                                   self.clock.remaining_s() or 3600.0)
         outcome.pop("step_ms_all", None)
@@ -396,13 +643,16 @@ def driver(args) -> int:
     if args.offload:   # mucudnn.torch's recording steps and its trial of plans come first
         args.warmup = max(args.warmup, OFFLOAD_MIN_WARMUP)
         args.tuner_warmup = max(args.tuner_warmup, OFFLOAD_MIN_WARMUP)
+    args.compare_warmup = max(args.compare_warmup, OFFLOAD_MIN_WARMUP)
     bench = Benchmark(args)
+    parts = ((bench.pytorch_sweep, bench.tuner, bench.compare, bench.long_run)
+             if args.against_pytorch else (bench.tuner, bench.sweep, bench.long_run))
 
     def terminate(signum, frame):
         raise Terminated()
     signal.signal(signal.SIGTERM, terminate)
     try:
-        for part in (bench.tuner, bench.sweep, bench.long_run):
+        for part in parts:
             try:
                 part()
             except OutOfTime as exc:
@@ -413,6 +663,15 @@ def driver(args) -> int:
     finally:
         bench.save()
     summary = bench.data["summary"]
+    if args.against_pytorch:
+        against = summary["against_pytorch"]
+        bench.say(f"offload pick / PyTorch-alone best: {fmt(against['ratio'], '.4f')} (pick "
+                  f"{against['pick']}, {fmt(against['pick_images_per_s'], '.1f')} images/s; "
+                  f"PyTorch alone {against['pytorch_best_batch']}, "
+                  f"{fmt(against['pytorch_best_images_per_s'], '.1f')} images/s); AccUDNN's "
+                  f"claim holds: {against['claim_holds']}")
+        bench.say(f"wrote {bench.json_path} and {bench.json_path.with_suffix('.md')}")
+        return 0
     bench.say(f"3/4 ratio pick / best: {fmt(summary['ratio'], '.4f')} (pick {summary['pick']}, "
               f"best {summary['best_batch']}; target >= {args.target}); long run "
               f"{summary['long_run_passed']}; passed {summary['passed']}")
@@ -450,6 +709,21 @@ def parser() -> argparse.ArgumentParser:
     training(d)
     d.add_argument("--memory-budget", default="24GiB", help="as `mucudnn run --memory-budget`")
     d.add_argument("--offload", action="store_true", help="tuner and runs with --offload")
+    d.add_argument("--against-pytorch", action="store_true",
+                   help="with --offload: instead of the sweep, PyTorch alone under the budget (no "
+                        "--offload), the pick under --offload and their ratio (AccUDNN's claim)")
+    d.add_argument("--pytorch-warmup", type=int, default=3,
+                   help="--against-pytorch: warm-up steps of each PyTorch-alone run")
+    d.add_argument("--compare-steps", type=int, default=20,
+                   help="--against-pytorch: timed steps of each offload run (the pick, and "
+                        "PyTorch alone's best batch)")
+    d.add_argument("--compare-warmup", type=int, default=OFFLOAD_WARMUP,
+                   help="--against-pytorch: warm-up steps of each offload run (at least "
+                        f"{OFFLOAD_MIN_WARMUP})")
+    d.add_argument("--no-offload-at-best", dest="offload_at_best", action="store_false",
+                   help="--against-pytorch: do not also run --offload at PyTorch alone's best")
+    d.add_argument("--offload-run-default-s", type=float, default=60.0,
+                   help="--against-pytorch: time kept after the tuner for the pick's offload run")
     d.add_argument("--start", type=int, default=32, help="the tuner's --start")
     d.add_argument("--multiple", type=int, default=16,
                    help="the tuner's --multiple; the sweep doubles from it")
@@ -458,8 +732,11 @@ def parser() -> argparse.ArgumentParser:
                    help="above the largest power-of-two multiple that held, step by this")
     d.add_argument("--no-neighbours", dest="neighbours", action="store_false",
                    help="do not also measure pick - multiple and pick + multiple")
-    d.add_argument("--steps", type=int, default=10, help="timed steps of each sweep run")
-    d.add_argument("--warmup", type=int, default=3, help="warm-up steps of every run")
+    d.add_argument("--steps", type=int, default=10,
+                   help="timed steps of each sweep run (PyTorch alone's with --against-pytorch)")
+    d.add_argument("--warmup", type=int, default=3,
+                   help="warm-up steps of the sweep's runs and the long run (at least "
+                        f"{OFFLOAD_MIN_WARMUP} with --offload)")
     d.add_argument("--tuner-steps", type=int, default=10, help="timed steps of each tuner run")
     d.add_argument("--tuner-warmup", type=int, default=3)
     d.add_argument("--long-steps", type=int, default=500, help="the pick's long run (0: none)")
@@ -478,7 +755,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ap = parser()
+    args = ap.parse_args(argv)
+    args.argv = list(argv)
+    if args.mode == "driver" and args.against_pytorch and not args.offload:
+        ap.error("--against-pytorch compares the pick under --offload with PyTorch alone: "
+                 "give --offload too")
     return {"worker": worker, "driver": driver, "report": report}[args.mode](args)
 
 

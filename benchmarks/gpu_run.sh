@@ -209,8 +209,10 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
       --out "$LOGS/ddp-${spec//:/_}" ;;
   batchsize-*)  # benchmarks/batch_size.py (issue 14): `mucudnn batch-size` on MODEL under BS_BUDGET
     # (24GiB), an independent measured sweep, pick/best images/s (target >= 0.97), the pick for
-    # BS_LONG_STEPS (500) steps. BS_TIMEOUT (570 s; no run starts after 30 s less), BS_ARGS (more
-    # driver options, e.g. --offload, --multiple 8, --no-neighbours). JSON + page in the logs.
+    # BS_LONG_STEPS (500; 0: none) steps. BS_TIMEOUT (570 s; no run starts after 30 s less), BS_ARGS
+    # (more driver options, e.g. --offload, --multiple 8, --no-neighbours). Issue 40 (AccUDNN's
+    # measure): BS_ARGS="--offload --against-pytorch ..." runs PyTorch alone under the budget
+    # instead of the sweep, then the pick under --offload against its best. JSON + page in the logs.
     model=${s#batchsize-}; limit=${BS_TIMEOUT:-570}
     stage "batchsize-$model" "$limit" python3 -m benchmarks.batch_size driver --model "$model" \
       --memory-budget ${BS_BUDGET:-24GiB} --long-steps ${BS_LONG_STEPS:-500} \

@@ -31,6 +31,11 @@ def test_the_issue_models_at_the_issue_batches():
 
 def test_models_outside_the_table_are_trained_as_classification_or_video():
     assert spec_of("alexnet").input_shape(8) == (8, 3, 224, 224)
+    # issue 40's ResNet-152 (host_cost, plan_timeline, batch_size): torchvision's, ImageNet images
+    resnet152 = spec_of("resnet152")
+    assert (resnet152.source, resnet152.task, resnet152.loss) == (
+        "torchvision", "classification", "cross_entropy")
+    assert resnet152.input_shape(8) == (8, 3, 224, 224) and resnet152.classes == 1000
     assert spec_of("r2plus1d_18").input_shape(4) == (4, 3, 16, 112, 112)
     assert parse_model("r3d_18") == ("r3d_18", 32)
     assert parse_model("resnet50:128") == ("resnet50", 128)
