@@ -17,7 +17,27 @@ trains a few steps with PyTorch's caching allocator limited to the budget
   stream, fetched back when backward needs it (no lookahead), written here in a few lines;
 - ``checkpoint@B``: ``torch.utils.checkpoint`` of every block (VGG: each stage up to its pooling;
   ResNets, video ResNets and DeepLabV3's backbone: each residual block; the 3-D U-Net: each
-  encoder and decoder stage); another model's row is ``unsupported``.
+  encoder and decoder stage); another model's row is ``unsupported``;
+- ``compile@B f=F``: the model under ``torch.compile`` (inductor, default mode; loss and optimizer
+  eager) with ``torch._functorch.config.activation_memory_budget = F``: the min-cut partitioner
+  keeps that fraction of the saved activations it keeps unconstrained (0: only the graph's
+  inputs, the rest recomputed in the backward). F is a knob, not a size: each of
+  ``--compile-fractions`` runs at every budget, the allocator capped at B as for the others.
+  ``auto`` (the default) derives F from B and PyTorch's unconstrained run
+  (``compile_fraction``): the share of that run's peak reserved P, above R, what stays allocated
+  between its steps (parameters, optimizer state, the batch), that fits in B: (B - R) / (P - R).
+  The rule is linear where the memory is not: the partitioner's fraction is of its own saved set,
+  not of the eager peak, and the transient part of a step (gradients in flight, workspaces) does
+  not shrink with F, so an ``oom`` at the derived F says the rule was optimistic at that budget;
+  explicit fractions sweep the knob instead. Compilation runs in the first step (the forward at
+  the first call, the backward at the first backward): the warm-up (at least
+  ``COMPILE_MIN_WARMUP`` steps) holds it, so the timed steps exclude it; the row's
+  ``compiled_in_timed_steps`` counts graphs compiled during them (0 where that holds) and
+  ``first_step_s`` is the first step, compilation included. An exception of a compiled step (any
+  but running out of memory) makes the row ``unsupported``, the exception its reason. The plot
+  draws compile at its peak reserved (the cap only has to hold it).
+
+``--budget`` takes several budgets: every method of ``--methods`` runs at each, in that order.
 
 Each reports the median step time (CUDA events, after warm-up), peak reserved and allocated memory
 of the timed steps, or ``oom``. A mucudnn step that runs out of memory is recorded
@@ -53,6 +73,9 @@ keeps one per offload probe; or ``OUT/offload.json`` (``--row K``: its K-th row 
     python -m benchmarks.offload --models vgg16 resnet50 --budget 12GiB --sweep 16GiB 8GiB --out DIR
     python -m benchmarks.offload --models unet3d --methods --sweep auto \\
         --min-search pytorch mucudnn --time-budget-s 500 --out DIR
+    python -m benchmarks.offload --models resnet50:184 --budget 10GiB 5GiB --sweep \\
+        --methods mucudnn save_on_cpu ondemand checkpoint compile \\
+        --compile-fractions auto 0.5 0.2 --out DIR
     python -m benchmarks.offload replay r3d_18-32-fp32-offload-4.5GiB-profile.json --budgets 4.5GiB 5GiB
 """
 
@@ -81,7 +104,12 @@ from mucudnn.torch.planner import transfer_ms
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-METHODS = ("mucudnn", "save_on_cpu", "ondemand", "checkpoint")
+METHODS = ("mucudnn", "save_on_cpu", "ondemand", "checkpoint", "compile")
+# a search probes budgets: compile's knob is its fraction, and every probe would compile anew
+SEARCHABLE = ("pytorch",) + tuple(m for m in METHODS if m != "compile")
+# compilation happens in step 0 (the backward's graph at the first backward); a second warm-up
+# step holds a recompilation on the second call (a guard failing on the state step 0 left)
+COMPILE_MIN_WARMUP = 2
 
 
 # -- worker (one configuration, in its own process) -----------------------------------------------
@@ -112,6 +140,81 @@ def ondemand_hooks(torch, min_bytes: int = 1 << 20):
         return host.to(device, non_blocking=True)   # on demand, on the compute stream
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def compiled(torch, model, fraction: float, backend: str = "inductor"):
+    """``model`` under ``torch.compile`` whose min-cut partitioner keeps ``fraction`` of the
+    activations it saves unconstrained. The partitioner reads the setting when a graph compiles
+    (its first call), not here: it is the process's, one configuration per worker."""
+    from torch._functorch import config   # not imported by ``import torch``
+    config.activation_memory_budget = fraction
+    return torch.compile(model, backend=backend)
+
+
+def compile_refusal(torch, exc: BaseException) -> str | None:
+    """Why a compiled step raised ``exc`` (the row's ``unsupported`` reason), or None where it
+    ran out of memory (an ``oom`` row, as for any method): the error, its cause or context, or
+    the one a backend failure wraps (dynamo's BackendCompilerFailed keeps it as
+    ``inner_exception``) being torch's OutOfMemoryError."""
+    seen, pending = set(), [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, torch.OutOfMemoryError):
+            return None
+        pending += [current.__cause__, current.__context__,
+                    getattr(current, "inner_exception", None)]
+    return f"torch.compile: {type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+
+
+def fraction_arg(text: str) -> float:
+    """An activation_memory_budget: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:   # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1]")
+    return value
+
+
+def fractions_arg(text: str) -> float | str:
+    """One of --compile-fractions: ``auto`` (derived from the budget) or a fraction in [0, 1]."""
+    return text if text == "auto" else fraction_arg(text)
+
+
+def compile_fraction(budget: int, base: dict) -> float:
+    """``auto``'s activation_memory_budget at ``budget`` bytes, from PyTorch's unconstrained run
+    ``base`` (its peak reserved P and ``resident_bytes`` R): (B - R) / (P - R) within [0, 1],
+    rounded down to 0.01 (never above the budget's share; runs of one fraction at several
+    budgets compile the same graphs, which inductor's cache then holds)."""
+    resident, peak = base["resident_bytes"], base["peak_reserved"]
+    if peak <= resident:
+        return 1.0
+    share = (budget - resident) / (peak - resident)
+    return min(1.0, max(0.0, math.floor(share * 100 + 1e-9) / 100))
+
+
+def compile_runs(args, budget: int, base: dict) -> list[tuple[float | None, str]]:
+    """compile's runs at ``budget``: (fraction, label) per --compile-fractions, in order, each
+    fraction once; ``auto``'s fraction None where PyTorch's unconstrained run (``base``), which
+    it is derived from, did not train."""
+    runs, seen = [], set()
+    for given in args.compile_fractions:
+        if given == "auto":
+            if not trains(base):
+                runs.append((None, "f=auto"))
+                continue
+            fraction = compile_fraction(budget, base)
+            label = f"f={fraction:g} (auto)"
+        else:
+            fraction, label = given, f"f={given:g}"
+        if fraction not in seen:
+            seen.add(fraction)
+            runs.append((fraction, label))
+    return runs
 
 
 class UnsupportedModel(Exception):
@@ -159,6 +262,11 @@ def checkpointed(torch, model, name: str):
     return model
 
 
+def unsupported(reason: str) -> None:
+    """A worker's result where the method does not run on the model (the row's status)."""
+    print("RESULT " + json.dumps({"status": "unsupported", "reason": reason}), flush=True)
+
+
 def worker(args) -> None:
     import contextlib
 
@@ -182,10 +290,23 @@ def worker(args) -> None:
         try:
             model = checkpointed(torch, model, args.model)
         except UnsupportedModel as exc:
-            print("RESULT " + json.dumps({"status": "unsupported", "reason": str(exc)}), flush=True)
+            unsupported(str(exc))
             return
     result = {"device_memory": total}
     context = contextlib.nullcontext
+    warmup = args.warmup
+    if args.method == "compile":
+        from torch._dynamo.utils import counters as dynamo_counters
+        warmup = max(warmup, COMPILE_MIN_WARMUP)
+        try:
+            model = compiled(torch, model, args.compile_fraction)
+        except Exception as exc:
+            reason = compile_refusal(torch, exc)
+            if reason is None:
+                raise
+            unsupported(reason)
+            return
+        result["warmup"] = warmup
     if args.method == "mucudnn":
         import mucudnn.torch as mt
         # not strict: a budget no plan meets offloads everything (as an unmodified script does)
@@ -201,12 +322,14 @@ def worker(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     times, failed_steps, retries_before = [], [], 0
     allocator_steps = []   # per timed step: the caching allocator's counters that grew in it
-    for step in range(args.warmup + args.steps):
+    for step in range(warmup + args.steps):
         counters = allocator_counters(torch, device)
-        if step == args.warmup:
+        if step == warmup:
             # peaks of the timed steps only (mucudnn's recording step resets the statistics)
             torch.cuda.reset_peak_memory_stats(device)
             retries_before = counters["num_alloc_retries"]
+            if args.method == "compile":
+                graphs_before = dynamo_counters["stats"]["unique_graphs"]
         if args.method == "mucudnn":   # what a step leaves behind shows here (a leak, state)
             print(f"step {step}: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated "
                   "at its start", file=sys.stderr, flush=True)
@@ -226,16 +349,32 @@ def worker(args) -> None:
             failed_steps.append(step)
             print(f"step {step}: out of memory", file=sys.stderr, flush=True)
             continue
+        except Exception as exc:
+            reason = compile_refusal(torch, exc) if args.method == "compile" else None
+            if reason is None:   # another method's error, or compile running out of memory
+                raise
+            unsupported(reason)
+            return
         optimizer.step()
         end.record()
         end.synchronize()
-        if step >= args.warmup:
+        if args.method == "compile" and step == 0:
+            result["first_step_s"] = start.elapsed_time(end) / 1000
+        if step >= warmup:
             times.append(start.elapsed_time(end))
             allocator_steps.append({name: value - counters[name] for name, value
                                     in allocator_counters(torch, device).items()})
         print(f"step {step}: {start.elapsed_time(end):.1f} ms", file=sys.stderr, flush=True)
     if not times:
         raise torch.OutOfMemoryError(f"every timed step ran out of memory ({failed_steps})")
+    if args.method == "compile":
+        result["compiled_in_timed_steps"] = (dynamo_counters["stats"]["unique_graphs"]
+                                             - graphs_before)
+    # what stays allocated between steps (parameters, optimizer state, the batch): compile's
+    # ``auto`` fraction reads it from PyTorch's unconstrained run (compile_fraction)
+    optimizer.zero_grad(set_to_none=True)
+    loss = None
+    result["resident_bytes"] = torch.cuda.memory_allocated(device)
     if args.trace:   # one more step under the profiler: where its time went (trace_summary)
         import tempfile
 
@@ -472,16 +611,32 @@ def measure_model(args, text: str, rows: list[dict], clock: Budget, save) -> Non
     if args.batch and ":" not in text:
         batch = args.batch
 
-    def run(method, budget, part, steps=None):
-        row = run_config(args, model, batch, method, budget, part=part, steps=steps, clock=clock)
+    def run(method, budget, part, steps=None, fields=(), **more):
+        row = run_config(args, model, batch, method, budget, part=part, steps=steps, clock=clock,
+                         **more)
+        row.update(fields)   # what the driver chose for the run (compile's fraction)
         rows.append(row)
         add_bounds(rows)
         save()
         return row
 
     base = run("pytorch", None, "table")
-    for method in args.methods:
-        run(method, parse_budget(args.budget), "table")
+    for text_budget in budget_texts(args):
+        budget = parse_budget(text_budget)
+        for method in args.methods:
+            if method != "compile":
+                run(method, budget, "table")
+                continue
+            for fraction, label in compile_runs(args, budget, base):
+                if fraction is None:
+                    rows.append({"model": model, "batch": batch, "method": method,
+                                 "config": f"{config_name(method, budget)} {label}",
+                                 "budget_bytes": budget, "part": "table", "status": "skipped",
+                                 "reason": f"PyTorch's unconstrained run: {base['status']}"})
+                    save()
+                    continue
+                run(method, budget, "table", fields={"compile_fraction": fraction},
+                    extra=("--compile-fraction", repr(fraction)), label=label)
     for text_budget in args.sweep:
         if text_budget != "auto":
             run("mucudnn", parse_budget(text_budget), "sweep")
@@ -533,8 +688,14 @@ def status_cell(row: dict) -> str:
     return status
 
 
+def budget_texts(args) -> list[str]:
+    """--budget's sizes as given (a namespace made by hand may hold one as a string)."""
+    return [args.budget] if isinstance(args.budget, str) else list(args.budget)
+
+
 def markdown(rows: list[dict], args) -> str:
-    out = [f"# Activation offload under a memory budget (fp32, TF32), budget {args.budget}", "",
+    out = [f"# Activation offload under a memory budget (fp32, TF32), budget "
+           f"{', '.join(budget_texts(args))}", "",
            "| model | config | status | step ms | × unconstrained | peak reserved GiB | "
            "moved each way GiB | bound ms | × bound | plan (keep/offload/recompute) | "
            "allocator flushes |",
@@ -554,6 +715,7 @@ def markdown(rows: list[dict], args) -> str:
             f"{r['vs_bound']:.3f}" if "vs_bound" in r else "—",
             f"{r['kept']}/{r['offloaded']}/{r['recomputed']}" if "kept" in r else "—",
             str(r["alloc_retries"]) if "alloc_retries" in r else "—"]) + " |")
+    out += compile_markdown(rows)
     out += min_markdown(rows, args)
     traced = [r for r in rows if r.get("trace")]
     if traced:
@@ -577,6 +739,33 @@ def markdown(rows: list[dict], args) -> str:
                     f"host, {link['h2d_gbps']:.1f} GB/s to the device (pinned, one direction at "
                     "a time)."]
     return "\n".join(out) + "\n"
+
+
+def compile_markdown(rows: list[dict]) -> list[str]:
+    """compile's rows (nothing without one): the fraction each ran at, its first step (which
+    compiles) and the graphs compiled during the timed steps (0: the timing excludes
+    compilation)."""
+    compiled = [r for r in rows if r.get("method") == "compile"]
+    if not compiled:
+        return []
+    out = ["", "## torch.compile with activation_memory_budget", "",
+           "The model under `torch.compile` (inductor; loss and SGD eager), the min-cut "
+           "partitioner's `activation_memory_budget` set to the fraction; the allocator capped at "
+           "the budget. `auto`: (B - R) / (P - R), P PyTorch's unconstrained peak reserved, R what "
+           "stays allocated between its steps, rounded down to 0.01.", "",
+           "| model | config | fraction | status | step ms | × unconstrained | peak reserved GiB | "
+           "first step s (compiles) | graphs compiled in timed steps |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in compiled:
+        ok = r.get("status") == "ok"
+        out.append("| " + " | ".join([
+            model_cell(r), r["config"], f"{r['compile_fraction']:g}" if "compile_fraction" in r
+            else "—", status_cell(r), f"{r['step_ms']:.1f}" if ok else "—",
+            f"{r['vs_unconstrained']:.3f}" if "vs_unconstrained" in r else "—",
+            f"{r['peak_reserved'] / GiB:.2f}" if ok else "—",
+            f"{r['first_step_s']:.1f}" if "first_step_s" in r else "—",
+            str(r["compiled_in_timed_steps"]) if "compiled_in_timed_steps" in r else "—"]) + " |")
+    return out
 
 
 def probe_text(probe: dict) -> str:
@@ -711,14 +900,19 @@ def main(argv=None) -> None:
         p.add_argument("--models", nargs="+", default=["vgg16", "resnet50"],
                        help="MODEL or MODEL:BATCH of benchmarks/models.py")
         p.add_argument("--batch", type=int, help="N of every MODEL (default: the model's own)")
-        p.add_argument("--budget", default="12GiB", help="the budget every method is held to")
+        p.add_argument("--budget", nargs="+", default=["12GiB"],
+                       help="the budgets every method of --methods is held to, each in turn")
         p.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS),
                        help="what runs at --budget (default all: one table; --methods alone: none)")
+        p.add_argument("--compile-fractions", nargs="+", type=fractions_arg, default=["auto"],
+                       help="compile's activation_memory_budget values, each run at every "
+                            "--budget: fractions in [0, 1], or auto (derived from the budget, "
+                            "compile_fraction)")
         p.add_argument("--sweep", nargs="*", default=["16GiB", "8GiB"],
                        help="more budgets for mucudnn alone (the plot); auto: PyTorch's peak "
                             "reserved down to mucudnn's minimum in --sweep-points budgets")
         p.add_argument("--sweep-points", type=int, default=5, help="budgets of --sweep auto")
-        p.add_argument("--min-search", nargs="*", default=[], choices=("pytorch",) + METHODS,
+        p.add_argument("--min-search", nargs="*", default=[], choices=SEARCHABLE,
                        help="methods whose smallest budget that trains is bisected")
         p.add_argument("--min-step", type=float, default=0.25, help="GiB: the searches' grid")
         p.add_argument("--pytorch-low-fraction", type=float, default=0.7,
@@ -741,6 +935,8 @@ def main(argv=None) -> None:
                             "busy and idle time per CUDA stream, host waits (row's 'trace')")
     work.add_argument("--model", required=True)
     work.add_argument("--method", choices=("pytorch",) + METHODS, required=True)
+    work.add_argument("--compile-fraction", type=fraction_arg,
+                      help="compile (required): torch._functorch.config.activation_memory_budget")
     work.add_argument("--batch", type=int, required=True)
     work.add_argument("--steps", type=int, default=5)
     work.add_argument("--warmup", type=int, default=OFFLOAD_MIN_WARMUP)
@@ -753,12 +949,14 @@ def main(argv=None) -> None:
                       help="copies to the host in flight before the host waits (CudaLink's)")
     args = parser.parse_args(argv)
     if args.role == "worker":
+        if args.method == "compile" and args.compile_fraction is None:
+            work.error("--method compile needs --compile-fraction")
         worker(args)
         return
     if args.role == "replay":
         sys.exit(replay(args))
     try:   # the budgets, before any run: one clear line for a bad one
-        for text in [args.budget] * bool(args.methods) + [b for b in args.sweep if b != "auto"]:
+        for text in args.budget * bool(args.methods) + [b for b in args.sweep if b != "auto"]:
             parse_budget(text)
     except MucudnnError as exc:
         parser.error(str(exc))

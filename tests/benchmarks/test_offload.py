@@ -143,18 +143,33 @@ def test_auto_sweep_degenerate_cases():
 
 # -- the driver's order, with run_config faked -------------------------------------------------------
 
+RESIDENT_GIB = 0.6   # FakeGPU's unconstrained run: allocated between its steps
+
+
 class FakeGPU:
     """run_config answered from thresholds: PyTorch trains from 9.6 GiB, mucudnn from 3.3 GiB
-    (slower the smaller the budget), save_on_cpu fails, checkpoint is unsupported."""
+    (slower the smaller the budget), save_on_cpu fails, checkpoint is unsupported; compile at
+    fraction f peaks at the resident 0.6 GiB + f x the 11 GiB above it of PyTorch's 11.6 GiB
+    (``compiled``: (budget GiB, fraction, label) of each compile run)."""
 
     def __init__(self, mucudnn_from=3.3, fail_at=()):
         self.calls, self.mucudnn_from, self.fail_at = [], mucudnn_from, set(fail_at)
+        self.compiled = []
 
     def __call__(self, args, model, batch, method, budget, *, part="table", steps=None,
-                 clock=None):
+                 clock=None, extra=(), label=""):
         self.calls.append((method, budget and budget / GiB, part))
-        row = {"model": model, "batch": batch, "config": offload.config_name(method, budget),
-               "method": method, "budget_bytes": budget, "part": part}
+        row = {"model": model, "batch": batch, "method": method, "budget_bytes": budget,
+               "config": offload.config_name(method, budget) + (f" {label}" if label else ""),
+               "part": part}
+        if method == "compile":
+            fraction = float(extra[list(extra).index("--compile-fraction") + 1])
+            self.compiled.append((budget / GiB, fraction, label))
+            peak = (RESIDENT_GIB + fraction * (11.6 - RESIDENT_GIB)) * GiB
+            if peak > budget:
+                return {**row, "status": "oom"}
+            return {**row, "status": "ok", "step_ms": 400.0 + 200 * (1 - fraction),
+                    "peak_reserved": peak, "peak_allocated": 0.9 * peak}
         if clock is not None:
             try:
                 clock.check(row["config"])
@@ -171,7 +186,7 @@ class FakeGPU:
         return {**row, "status": "ok", "step_ms": 400.0 + (0 if gib is None else 800 / gib),
                 "peak_reserved": 11.6 * GiB if gib is None else 0.95 * budget,
                 "peak_allocated": 10.2 * GiB if gib is None else 0.9 * budget,
-                "device_memory": 80 * GiB}
+                "resident_bytes": RESIDENT_GIB * GiB, "device_memory": 80 * GiB}
 
 
 def drive(monkeypatch, fake, *argv, clock=None):
@@ -500,3 +515,283 @@ def test_replay_plans_with_less_headroom_where_the_session_would(tmp_path, capsy
     assert "too small for this step" in out[1]
     target = planner.planning_target(budget, 0.05)
     assert out[2].startswith(f"{budget / GiB:g} GiB (target {target / GiB:.2f}): ")
+
+
+# -- torch.compile with activation_memory_budget ----------------------------------------------------
+
+# PyTorch's unconstrained run: 11 GiB above the half GiB that stays allocated between its steps
+UNCONSTRAINED = {"status": "ok", "peak_reserved": 23 * GiB // 2, "resident_bytes": GiB // 2}
+
+
+@pytest.mark.parametrize("budget_gib, fraction", [
+    (11.5, 1.0), (40.0, 1.0),        # PyTorch's peak fits: nothing to recompute
+    (0.5, 0.0), (0.25, 0.0),         # nothing above what stays resident
+    (6.0, 0.5),                      # 5.5 of the 11 GiB above the resident
+    (5.75, 0.47),                    # 0.477...: rounded down, never up
+])
+def test_auto_fraction_is_the_budgets_share_above_the_resident_bytes(budget_gib, fraction):
+    assert offload.compile_fraction(round(budget_gib * GiB), UNCONSTRAINED) == fraction
+
+
+def test_auto_fraction_never_exceeds_the_budgets_share_and_grows_with_it():
+    peak, resident = UNCONSTRAINED["peak_reserved"], UNCONSTRAINED["resident_bytes"]
+    budgets = [round(gib / 8 * GiB) for gib in range(1, 120)]
+    fractions = [offload.compile_fraction(b, UNCONSTRAINED) for b in budgets]
+    assert fractions == sorted(fractions) and 0.0 in fractions and 1.0 in fractions
+    for budget, fraction in zip(budgets, fractions):
+        assert resident + fraction * (peak - resident) <= max(budget, resident) + 1
+        assert fraction == round(fraction, 2)
+    # a step that allocates nothing above its resident bytes recomputes nothing
+    assert offload.compile_fraction(GiB, {"peak_reserved": GiB, "resident_bytes": 2 * GiB}) == 1.0
+
+
+def test_compile_fractions_are_parsed_and_a_bad_one_is_one_error(capsys):
+    assert args_of().compile_fractions == ["auto"]
+    assert args_of("--compile-fractions", "auto", "0.5", "1", "0").compile_fractions == \
+        ["auto", 0.5, 1.0, 0.0]
+    for bad in ("1.5", "-0.1", "nan", "half"):
+        with pytest.raises(SystemExit):
+            args_of("--compile-fractions", bad)
+        assert f"{bad!r} is not a fraction in [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # its knob is the fraction: no budget search
+        args_of("--min-search", "compile")
+
+
+def test_a_compile_worker_needs_its_fraction(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(offload, "worker", seen.append)
+    worker = ["worker", "--model", "resnet50", "--batch", "2", "--method"]
+    offload.main(worker + ["compile", "--compile-fraction", "0.3"])
+    offload.main(worker + ["pytorch"])
+    assert [a.compile_fraction for a in seen] == [0.3, None]
+    with pytest.raises(SystemExit):
+        offload.main(worker + ["compile"])
+    assert "--method compile needs --compile-fraction" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        offload.main(worker + ["compile", "--compile-fraction", "2"])
+    assert len(seen) == 2
+
+
+def test_every_method_runs_at_every_budget_and_compile_at_every_fraction(monkeypatch):
+    fake = FakeGPU()
+    args, rows, _ = drive(monkeypatch, fake, "--models", "unet3d", "--methods", "checkpoint",
+                          "compile", "--budget", "10GiB", "5GiB", "--sweep",
+                          "--compile-fractions", "auto", "0.4", "0.2")
+    assert [(m, b) for m, b, _ in fake.calls] == [
+        ("pytorch", None), ("checkpoint", 10), ("compile", 10), ("compile", 10), ("compile", 10),
+        ("checkpoint", 5), ("compile", 5), ("compile", 5)]
+    # at 10 GiB auto is (10 - 0.6) / 11 = 0.85; at 5 GiB it is 0.4, given too: run once
+    assert fake.compiled == [(10, 0.85, "f=0.85 (auto)"), (10, 0.4, "f=0.4"), (10, 0.2, "f=0.2"),
+                             (5, 0.4, "f=0.4 (auto)"), (5, 0.2, "f=0.2")]
+    compiled = [r for r in rows if r["method"] == "compile"]
+    assert [r["compile_fraction"] for r in compiled] == [0.85, 0.4, 0.2, 0.4, 0.2]
+    assert compiled[0]["config"] == "compile@10GiB f=0.85 (auto)"
+    assert all(r["status"] == "ok" for r in compiled)   # each fits its budget in FakeGPU
+
+
+def test_auto_is_skipped_without_pytorchs_run_and_the_given_fractions_still_run(monkeypatch):
+    fake = FakeGPU()
+    original = fake.__call__
+    monkeypatch.setattr(offload, "run_config", lambda *a, **k: (
+        {**original(*a, **k), "status": "oom"} if a[3] == "pytorch" else original(*a, **k)))
+    args = args_of("--models", "unet3d", "--methods", "compile", "--budget", "8GiB", "--sweep",
+                   "--compile-fractions", "auto", "0.5")
+    rows = []
+    measure_model(args, "unet3d", rows, Budget(None), lambda: None)
+    auto, given = rows[1:]
+    assert auto["status"] == "skipped" and auto["config"] == "compile@8GiB f=auto"
+    assert auto["reason"] == "PyTorch's unconstrained run: oom"
+    assert given["status"] == "ok" and given["compile_fraction"] == 0.5
+    assert [f for _, f, _ in fake.compiled] == [0.5]
+
+
+def compile_driver(monkeypatch, tmp_path, compile_result: dict):
+    """The driver's files, each worker answered here: PyTorch trains (10 GiB peak, 1 GiB
+    resident), compile answers ``compile_result``."""
+    commands = []
+
+    def execute(cmd, env, timeout):
+        commands.append(cmd)
+        method = cmd[cmd.index("--method") + 1]
+        result = compile_result if method == "compile" else {
+            "step_ms": 100.0, "peak_reserved": 10 * GiB, "peak_allocated": 9 * GiB,
+            "resident_bytes": GiB, "device_memory": 80 * GiB}
+        return 0, "RESULT " + json.dumps(result) + "\n", "", 1.0, False
+
+    monkeypatch.setattr(offload, "execute", execute)
+    offload.main(["driver", "--models", "resnet50:8", "--methods", "compile", "--budget", "5.5GiB",
+                  "--sweep", "--compile-fractions", "auto", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "offload.json").read_text())
+    return commands, rows, (tmp_path / "offload.md").read_text()
+
+
+def test_a_compile_run_is_a_row_with_its_fraction_and_warm_up(monkeypatch, tmp_path):
+    commands, rows, page = compile_driver(monkeypatch, tmp_path, {
+        "step_ms": 120.0, "peak_reserved": 5 * GiB, "peak_allocated": 4.5 * GiB,
+        "first_step_s": 41.5, "compiled_in_timed_steps": 0, "warmup": 16})
+    cmd = commands[1]
+    assert cmd[cmd.index("--compile-fraction") + 1] == "0.5"   # (5.5 - 1) / (10 - 1)
+    row = rows[1]
+    assert row["config"] == "compile@5.5GiB f=0.5 (auto)" and row["compile_fraction"] == 0.5
+    assert row["vs_unconstrained"] == pytest.approx(1.2)
+    section = page.split("## torch.compile with activation_memory_budget")[1]
+    assert "| resnet50 N=8 | compile@5.5GiB f=0.5 (auto) | 0.5 | ok | 120.0 | 1.200 | 5.00 | " \
+           "41.5 | 0 |" in section
+    series = plot_series(rows, "resnet50")
+    assert series["compile"] == [(5.0, 120.0, 0.5)]            # at its peak, not its budget
+    assert all(not label.startswith("compile") for label, _, _ in series["anchors"])
+
+
+def test_a_model_compile_refuses_is_unsupported_not_a_failure(monkeypatch, tmp_path):
+    reason = "torch.compile: BackendCompilerFailed: backend='inductor' raised: RuntimeError: no"
+    _, rows, page = compile_driver(monkeypatch, tmp_path,
+                                   {"status": "unsupported", "reason": reason})
+    row = rows[1]
+    assert row["status"] == "unsupported" and row["reason"] == reason
+    assert row["compile_fraction"] == 0.5                         # the driver's, though it failed
+    assert f"| unsupported ({reason}) |" in page
+    series = plot_series(rows, "resnet50")
+    assert series["compile"] == [] and series["failures"] == []
+
+
+@pytest.fixture
+def functorch_config():
+    """torch's functorch config, its partitioner's fraction restored after the test (the worker
+    sets it for its whole process; a config module's entries are not its ``__dict__``'s, so
+    monkeypatch would delete the entry on undo)."""
+    torch = pytest.importorskip("torch")
+    from torch._functorch import config
+    with config.patch(activation_memory_budget=config.activation_memory_budget):
+        yield config
+    torch._dynamo.reset()
+
+
+def test_compile_refusal_names_the_error_and_leaves_out_of_memory_to_the_oom_row(functorch_config):
+    import torch
+
+    def failing(error):
+        def backend(graph, example_inputs):
+            raise error
+        return backend
+
+    def refusal(error):
+        torch._dynamo.reset()
+        model = offload.compiled(torch, torch.nn.Linear(2, 2), 0.5, backend=failing(error))
+        with pytest.raises(Exception) as raised:
+            model(torch.randn(1, 2))
+        return offload.compile_refusal(torch, raised.value)
+
+    said = refusal(RuntimeError("no lowering for\n  this op"))
+    assert said.startswith("torch.compile: BackendCompilerFailed: ")
+    assert "RuntimeError: no lowering for this op" in said and "\n" not in said
+    assert refusal(torch.OutOfMemoryError("CUDA out of memory")) is None
+    assert functorch_config.activation_memory_budget == 0.5
+    try:
+        raise RuntimeError("while compiling") from torch.OutOfMemoryError("CUDA out of memory")
+    except RuntimeError as exc:
+        assert offload.compile_refusal(torch, exc) is None
+
+
+def test_the_fraction_reaches_the_partitioner(functorch_config):
+    """What a compiled step saves for its backward shrinks with the fraction (the min-cut
+    partitioner of aot_eager_decomp_partition, inductor's, on the CPU)."""
+    import torch
+
+    def saved_bytes(fraction):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                      torch.nn.LayerNorm(64)) for _ in range(4)]
+        model = offload.compiled(torch, torch.nn.Sequential(*layers), fraction,
+                                 backend="aot_eager_decomp_partition")
+        saved = []
+
+        def pack(tensor):
+            saved.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(torch.randn(32, 64)).sum().backward()
+        return sum(saved)
+
+    full, half, none = saved_bytes(1.0), saved_bytes(0.5), saved_bytes(0.0)
+    assert full > half > none > 0
+
+
+# -- MONeT's published points, the plot of several runs -----------------------------------------------
+
+def unconstrained_row(model, batch, step_ms=300.0, status="ok"):
+    return {"model": model, "batch": batch, "method": "pytorch", "config": "pytorch",
+            "budget_bytes": None, "status": status, "step_ms": step_ms,
+            "peak_reserved": 15 * GiB, "part": "table"}
+
+
+@pytest.mark.parametrize("model, batch, published", [
+    ("resnet50", 184, True), ("vgg16", 176, True),
+    ("resnet50", 256, False), ("vgg16", 184, False), ("unet3d", 184, False),
+])
+def test_monets_points_are_drawn_exactly_where_model_and_batch_match(model, batch, published):
+    from benchmarks.budget_plot import MONET_PUBLISHED
+    series = plot_series([unconstrained_row(model, batch)], model)
+    if not published:
+        assert series["monet"] is None
+        return
+    table = MONET_PUBLISHED[(model, batch)]
+    assert series["monet"]["pytorch"] == (table["pytorch_gib"], 300.0)
+    assert series["monet"]["points"] == [(gib, pytest.approx(300.0 * (1 + percent / 100)))
+                                         for gib, percent in table["points"]]
+
+
+def test_monets_published_numbers():
+    from benchmarks.budget_plot import MONET_PUBLISHED
+    resnet, vgg = MONET_PUBLISHED[("resnet50", 184)], MONET_PUBLISHED[("vgg16", 176)]
+    assert resnet["pytorch_gib"] == 15.06 and vgg["pytorch_gib"] == 14.12
+    assert (10.01, 3.22) in resnet["points"] and (4.99, 11.95) in resnet["points"]
+    assert (9.71, -5.30) in vgg["points"] and (5.51, 9.11) in vgg["points"]
+    series = plot_series([unconstrained_row("vgg16", 176, step_ms=200.0)], "vgg16")
+    assert (9.71, pytest.approx(189.4)) in series["monet"]["points"]   # 5.3 % faster than PyTorch
+
+
+def test_monets_points_need_this_runs_pytorch_step_and_its_batch():
+    # PyTorch unconstrained did not train: nothing to scale the overheads by
+    assert plot_series([unconstrained_row("resnet50", 184, status="oom")], "resnet50")["monet"] \
+        is None
+    # pressure.py's rows carry no batch
+    row = unconstrained_row("resnet50", 184)
+    del row["batch"]
+    assert plot_series([row], "resnet50")["monet"] is None
+    # two batches of one model: a panel each, MONeT's points on the matching one only
+    rows = [unconstrained_row("resnet50", 184, step_ms=300.0),
+            unconstrained_row("resnet50", 256, step_ms=400.0)]
+    assert plot_series(rows, "resnet50")["monet"] is None
+    at_184, at_256 = plot_series(rows, "resnet50", 184), plot_series(rows, "resnet50", 256)
+    assert at_184["monet"]["pytorch"] == (15.06, 300.0) and at_256["monet"] is None
+    assert [y for _, _, y in at_256["anchors"]] == [400.0]
+
+
+def test_the_plot_of_several_runs(monkeypatch, tmp_path):
+    from benchmarks import budget_plot
+    drawn = []
+    monkeypatch.setattr(budget_plot, "plot", lambda rows, path: drawn.append((rows, path)) or True)
+    paths = []
+    for index, budget in enumerate((10, 5)):
+        path = tmp_path / f"run{index}.json"
+        path.write_text(json.dumps([unconstrained_row("resnet50", 184),
+                                    fake_row("save_on_cpu", budget * GiB, "ok")]))
+        paths.append(str(path))
+    assert budget_plot.main(paths + ["--out", str(tmp_path / "plot.png")]) == 0
+    (rows, path), = drawn
+    assert path == tmp_path / "plot.png" and len(rows) == 4
+    monkeypatch.setattr(budget_plot, "plot", lambda rows, path: False)
+    assert budget_plot.main(paths + ["--out", str(tmp_path / "plot.png")]) == 1
+
+
+def test_the_plot_draws_compile_and_monet(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.budget_plot import plot
+    rows = [unconstrained_row("resnet50", 184),
+            {**fake_row("save_on_cpu", 10 * GiB, "ok"), "model": "resnet50", "batch": 184},
+            {**fake_row("compile", 10 * GiB, "ok"), "model": "resnet50", "batch": 184,
+             "compile_fraction": 0.6, "peak_reserved": 8 * GiB},
+            {**fake_row("compile", 5 * GiB, "oom"), "model": "resnet50", "batch": 184}]
+    assert plot(rows, tmp_path / "plot.png") and (tmp_path / "plot.png").stat().st_size > 0
