@@ -685,8 +685,8 @@ class OffloadSession(PlanLifecycle):
                 self._rescue not in _get_current_dispatch_mode_stack():
             push(self._rescue)
 
-    def rescue(self, func, wanted: int, error: BaseException) -> int:
-        """Rules 2-4 of rescue.py for an op ``func`` the allocator refused (``error``): this
+    def rescue(self, func, wanted: int, message: str) -> int:
+        """Rules 2-4 of rescue.py for an op ``func`` the allocator refused (its ``message``): this
         step's groups needed last moved off the device until ``wanted`` bytes are; the bytes
         moved (0: none was left, and the error goes on)."""
         step = self._step
@@ -697,11 +697,11 @@ class OffloadSession(PlanLifecycle):
             self.copies.move_to_host(group)
             moved += group.nbytes
         if moved and not step.rescued:
-            self.say(f"out of device memory in {func} ({_gib(asked_bytes(error))} asked); "
+            self.say(f"out of device memory in {func} ({_gib(asked_bytes(message))} asked); "
                      f"kept tensors of this step moved to the host ({_gib(moved)}) and the op "
                      "run again; the next plan is made for less")
         elif not moved:
-            self.say(f"out of device memory in {func} ({_gib(asked_bytes(error))} asked) with "
+            self.say(f"out of device memory in {func} ({_gib(asked_bytes(message))} asked) with "
                      f"nothing of this step left to move to the host "
                      f"({_gib(step.rescued)} moved): the error goes on")
         step.rescued += moved

@@ -23,8 +23,8 @@ Rules:
 3. Needed last goes first: in the forward the earliest saved, in the backward the one whose
    first unpack (as the last whole step had it) is furthest. Each round frees at least twice
    the bytes the allocator was asked for (its message says; 256 MiB where it does not), then
-   twice the last round; the op is run again after each. When nothing is left to free the
-   last error propagates, after one line.
+   twice the last round; the op is run again after each. When nothing is left to free, an
+   error with the allocator's last message propagates, after one line.
 4. A rescued step ends as a step that ran out of memory (the lifecycle plans for less), and
    says one line the first time it rescues.
 5. The mode costs a Python call per op (a few microseconds: a large network's step is thousands
@@ -59,10 +59,10 @@ _ASKED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
-def asked_bytes(error: BaseException) -> int:
-    """The bytes PyTorch's caching allocator was refused, as its message says; else
+def asked_bytes(message: str) -> int:
+    """The bytes PyTorch's caching allocator was refused, as its error ``message`` says; else
     :data:`DEFAULT_ASK`."""
-    found = _ASKED.search(str(error))
+    found = _ASKED.search(message)
     return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else DEFAULT_ASK
 
 
@@ -118,21 +118,25 @@ class OomRescue(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
+        # Only the error's message outlives its ``except`` clause: the error's traceback holds
+        # this frame, and with it the op's inputs, in a cycle that the collector alone breaks,
+        # so a rescued op would keep its inputs (a step's activations) allocated until then.
         try:
             return func(*args, **kwargs)
         except torch.OutOfMemoryError as error:
             if not runs_again(func):   # rule 1
                 raise
-            want = 2 * asked_bytes(error)
-            last = error
-        while True:   # outside the except clause: its traceback holds no freed tensor
-            freed = self.session.rescue(func, want, last)
+            message = str(error)
+        want = 2 * asked_bytes(message)
+        while True:
+            freed = self.session.rescue(func, want, message)
             if not freed:
-                raise last
+                raise torch.OutOfMemoryError(message) from None
             try:
                 return func(*args, **kwargs)
             except torch.OutOfMemoryError as error:
-                want, last = 2 * max(want, freed), error
+                message = str(error)
+            want = 2 * max(want, freed)
 
 
 def push(mode: OomRescue) -> None:
