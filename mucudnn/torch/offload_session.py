@@ -596,6 +596,12 @@ class OffloadSession(PlanLifecycle):
                 if original is not None and original._version != rebuilt.version:
                     raise RuntimeError(f"mucudnn.torch: saved tensor {rebuilt.gid} changed after "
                                        "it was saved; cannot recompute it")
+                for source in rebuilt.recipe.sources:
+                    if source.mode == OFFLOAD and source.tensor is None:
+                        # a kept source a rescue moved to the host (rescue.py): back first
+                        source.tensor = link.wait(source.fetch or link.fetch(
+                            source.host, source.device, self.copies.inline(group.owner)))
+                        source.fetch = None
                 rebuilt.tensor = self._recompute_group(rebuilt, link)
         return group.tensor
 

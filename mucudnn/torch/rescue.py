@@ -17,11 +17,12 @@ Rules:
    first would have. A mutating op's error, and any other error, propagate unchanged.
 2. What is freed is the step's own: groups the session holds on the device and may let go of
    without changing a value (:func:`evictable`): kept groups (copied to the host, then fetched
-   at their unpack as an offloaded group is, bit for bit), and fetched or prefetched groups not
-   yet unpacked (their host copy stays). Never a group a recomputed group still reads, one an
-   unpack of the running node returned, nor one changed since its save.
-3. Needed last goes first: in the forward the earliest saved, in the backward the one whose
-   first unpack (as the last whole step had it) is furthest. Each round frees at least twice
+   at their unpack as an offloaded group is, bit for bit, and before a recomputation that
+   reads them), and fetched or prefetched groups not yet unpacked (their host copy stays).
+   Never one an unpack of the running node returned, nor one changed since its save.
+3. Needed last goes first: groups no recomputation reads before those one does (which may be
+   needed before their own unpack), and among them, in the forward the earliest saved, in the
+   backward the one whose first unpack (as the last whole step had it) is furthest. Each round frees at least twice
    the bytes the allocator was asked for (its message says; 256 MiB where it does not), then
    twice the last round; the op is run again after each. When nothing is left to free, an
    error with the allocator's last message propagates, after one line.
@@ -75,7 +76,7 @@ def runs_again(func) -> bool:
 def evictable(group, in_use) -> bool:
     """Rule 2: whether ``group``'s device tensor can go to the host (or simply go) now, the step
     computing the same values. ``in_use``: the groups the running node unpacked."""
-    if group.live_packs == 0 or group.readers or group in in_use or not group.offloadable:
+    if group.live_packs == 0 or group in in_use or not group.offloadable:
         return False
     if group.mode == KEEP:
         tensor = group.tensor
@@ -85,7 +86,7 @@ def evictable(group, in_use) -> bool:
         kept = group.kept_version if group.kept_version is not None else group.version
         return tensor._version == kept and (original is None or original._version == group.version)
     if group.mode == OFFLOAD:   # fetched ahead of its unpack: the host copy is still there
-        return group.unpacks == 0 and group.host is not None and (
+        return group.unpacks == 0 and not group.readers and group.host is not None and (
             group.tensor is not None or group.fetch is not None)
     return False
 
@@ -94,14 +95,14 @@ def eviction_order(step, first_unpacks: list) -> list:
     """Rule 3: ``step``'s evictable groups, needed last first."""
     in_use = set(step.node_groups) if step.unpacks else set()
     groups = [g for g in step.groups if evictable(g, in_use)]
-    if not step.unpacks:
-        return groups   # the forward: saved first, unpacked last
+    if not step.unpacks:   # the forward: saved first, unpacked last
+        return sorted(groups, key=lambda group: group.readers > 0)
     later = len(step.groups) + 1   # never unpacked in the last whole step: as late as any
 
-    def first(group):
+    def needed(group):
         known = first_unpacks[group.gid] if group.gid < len(first_unpacks) else None
-        return later if known is None else known
-    return sorted(groups, key=first, reverse=True)
+        return (group.readers > 0, -(later if known is None else known))
+    return sorted(groups, key=needed)
 
 
 class OomRescue(TorchDispatchMode):

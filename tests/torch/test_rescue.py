@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode,  # noqa: E402
 
 from mucudnn.torch import rescue  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
-from mucudnn.torch.planner import KEEP, OFFLOAD  # noqa: E402
+from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
 from session_helpers import RecordingLink, assert_bitwise, batches, small_cnn, train  # noqa: E402
 
 CONV_BACKWARD = torch.ops.aten.convolution_backward.default
@@ -257,3 +257,20 @@ def test_an_op_run_again_leaves_no_frame_holding_its_inputs():
         gc.enable()
     assert refuses.refused == 1 and session._step.rescued
     assert frames == []
+
+
+@pytest.mark.parametrize("op", [CONV, CONV_BACKWARD], ids=["forward", "backward"])
+def test_a_source_of_a_recomputed_group_moved_comes_back_before_its_recomputation(op):
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(modes=[KEEP, RECOMPUTE] * 32, link=RecordingLink(), min_bytes=0,
+                             trace=trace)
+    # in step 1 (step 0 found the recipes), everything movable moves at the first refusal
+    with Refuses(session, op, steps=(1,), after=1, asked="1 GiB"):
+        assert_bitwise(reference, train(model, data, session))
+    moved = {event[1] for event in trace if event[0] == "rescue"}
+    recomputed = [event for event in trace if event[0] == "recompute"]
+    sources = {gid for event in recomputed for gid in event[2]}
+    assert moved & sources, (moved, sources)
