@@ -347,7 +347,10 @@ def worker(args) -> None:
                 raise
             loss = None
             failed_steps.append(step)
-            print(f"step {step}: out of memory", file=sys.stderr, flush=True)
+            import traceback   # where it ran out: the op, and whether rescue.py saw it
+            print(f"step {step}: out of memory\n" + "".join(
+                traceback.format_exc().splitlines(keepends=True)[-14:]),
+                file=sys.stderr, flush=True)
             continue
         except Exception as exc:
             reason = compile_refusal(torch, exc) if args.method == "compile" else None

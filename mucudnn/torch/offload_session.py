@@ -334,6 +334,10 @@ class OffloadSession(PlanLifecycle):
     def _after_module(self, module, args, output):
         if self._step.pending:
             self.copies.copy_pending(self._step)
+        if self._rescue_armed and isinstance(output, torch.Tensor) and \
+                output.grad_fn is not None:
+            # its backward node gets the mode too, saving nothing of the step or not
+            output.grad_fn.register_prehook(self._rescue_prehook)
         self.recorder.put_back(module)
         staged = self._staged
         if staged is not None and module in staged.modules:
@@ -672,7 +676,8 @@ class OffloadSession(PlanLifecycle):
     def _sync_rescue(self) -> None:
         """Inside the session's ``with``, on the thread that entered it: the mode on its stack
         while the step is armed, off it otherwise (a backward run inside the ``with``
-        inherits it; one run outside gets it node by node, :meth:`_rescue_node`)."""
+        inherits it; one run outside gets it node by node, :meth:`_rescue_node`, at each node
+        that unpacks a group of the step and each leaf module's output node)."""
         if self._depth <= 0:
             return
         if self._rescue_armed and not self._rescue_pushed:
@@ -683,8 +688,13 @@ class OffloadSession(PlanLifecycle):
         elif self._rescue_pushed:
             self._rescue_pushed = not pop(self._rescue)
 
+    def _rescue_prehook(self, grad_outputs):
+        if self._rescue_armed:
+            self._rescue_node()
+
     def _rescue_node(self) -> None:
-        """An armed step's unpack inside autograd's backward, outside the session's ``with``:
+        """An armed step's unpack or module output node in autograd's backward, run outside
+        the session's ``with``:
         the mode on this thread's stack for the rest of the node (autograd restores the
         thread's state after each node, mode stack included)."""
         if _current_node() is not None and \

@@ -274,3 +274,18 @@ def test_a_source_of_a_recomputed_group_moved_comes_back_before_its_recomputatio
     recomputed = [event for event in trace if event[0] == "recompute"]
     sources = {gid for event in recomputed for gid in event[2]}
     assert moved & sources, (moved, sources)
+
+
+def test_a_node_that_unpacks_nothing_of_the_step_is_rescued_by_its_module():
+    """The classifier's input is under ``min_bytes`` (passed through): its backward node unpacks
+    no group, and gets the mode as the output node of a leaf module, the backward run outside
+    the session's ``with``."""
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 1)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = OffloadSession(modes=[KEEP] * 64, link=RecordingLink(), min_bytes=4096,
+                             say=said.append)
+    with Refuses(session, torch.ops.aten.mm.default, steps=(0,), asked="1 B") as refuses:
+        assert_bitwise(reference, train(model, data, session))
+    assert refuses.refused == 1 and any("aten.mm.default" in line for line in said)
