@@ -57,6 +57,20 @@ def kept_session(trace, said, **options):
                           say=said.append, **options)
 
 
+def armed_steps(model, data, session) -> list:
+    """Trains ``model`` on ``data`` under ``session``: whether each step was armed."""
+    armed = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        optimizer.zero_grad()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            armed.append(session._rescue_armed)   # decided at the step's first module
+        loss.backward()
+        optimizer.step()
+    return armed
+
+
 def test_the_allocators_message_says_what_was_asked():
     assert rescue.asked_bytes("Tried to allocate 564.00 MiB. GPU 0") == 564 << 20
     assert rescue.asked_bytes("Tried to allocate 2.11 GiB.") == int(2.11 * 2**30)
@@ -96,30 +110,31 @@ def test_an_op_refused_in_the_backward_runs_again_once_kept_tensors_moved(where)
     assert any(entry[0] == "fetch" for entry in session._link.log)
 
 
-def test_the_backward_moves_the_group_it_needs_last_first():
+def moved_in_training(op, steps, after, asked="1 B"):
+    """Two steps of the small CNN under a session keeping every group, ``op`` refused in
+    ``steps`` after ``after`` calls until a group moved; bitwise a plain run's. The session and
+    the groups moved, in order."""
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 2)
     reference = train(copy.deepcopy(model), data)
-    trace, said = [], []
-    session = kept_session(trace, said)
-    # a byte asked: the first round moves one group, and that is enough
-    with Refuses(session, CONV_BACKWARD, steps=(1,), after=1, asked="1 B"):
+    trace = []
+    session = kept_session(trace, [])
+    with Refuses(session, op, steps=steps, after=after, asked=asked):
         assert_bitwise(reference, train(model, data, session))
-    moved = [event[1] for event in trace if event[0] == "rescue"]
+    return session, [event[1] for event in trace if event[0] == "rescue"]
+
+
+def test_the_backward_moves_the_group_it_needs_last_first():
+    # a byte asked: the first round moves one group, and that is enough
+    session, moved = moved_in_training(CONV_BACKWARD, steps=(1,), after=1)
     first_unpacks = session._first_unpacks   # step 1's, as step 0's: one model
     last = max(range(len(first_unpacks)), key=lambda gid: first_unpacks[gid] or -1)
     assert moved == [last]
 
 
 def test_an_op_refused_in_the_forward_runs_again_and_the_earliest_saved_moves_first():
-    dtype = torch.float64
-    model, data = small_cnn(dtype), batches(dtype, 2)
-    reference = train(copy.deepcopy(model), data)
-    trace, said = [], []
-    session = kept_session(trace, said)
-    with Refuses(session, CONV, steps=(0,), after=2, asked="1 B"):   # the third convolution
-        assert_bitwise(reference, train(model, data, session))
-    assert [event[1] for event in trace if event[0] == "rescue"] == [0]
+    _, moved = moved_in_training(CONV, steps=(0,), after=2)   # the third convolution
+    assert moved == [0]
 
 
 def test_each_round_moves_twice_the_last_until_the_op_runs():
@@ -185,17 +200,9 @@ def test_a_rescued_step_arms_the_next_ones_again():
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, rescue.ARMED_STEPS + 4)
     session = kept_session([], [])
-    armed = []
     refused_at = rescue.ARMED_STEPS - 1   # the last armed step
     with Refuses(session, CONV_BACKWARD, steps=(refused_at,), asked="1 B"):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x, y in data:
-            optimizer.zero_grad()
-            with session:
-                loss = nn.functional.cross_entropy(model(x), y)
-                armed.append(session._rescue_armed)
-            loss.backward()
-            optimizer.step()
+        armed = armed_steps(model, data, session)
     assert armed == [True] * (refused_at + 1 + rescue.ARMED_STEPS) + [False] * (
         len(data) - refused_at - 1 - rescue.ARMED_STEPS)
 
@@ -204,16 +211,7 @@ def test_recording_steps_are_never_armed_and_rescue_false_never():
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 3)
     session = OffloadSession(budget=1 << 40, link=RecordingLink(), min_bytes=0, record_steps=2)
-    armed = []
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in data:
-        optimizer.zero_grad()
-        with session:
-            loss = nn.functional.cross_entropy(model(x), y)
-            armed.append(session._rescue_armed)
-        loss.backward()
-        optimizer.step()
-    assert armed == [False, False, True]
+    assert armed_steps(model, data, session) == [False, False, True]
     never = kept_session([], [], rescue=False)
     train(small_cnn(dtype), batches(dtype, 2), never)
     assert not never._rescue_armed
