@@ -15,7 +15,8 @@ One controller, :class:`Lifecycle`, in one of these states (:attr:`Lifecycle.sta
   the headroom lower is made (while this one runs) and tried;
 - ``planned``: a plan in force, trials off: nothing watched;
 - ``replanning``: a planned step ran out of memory; the plan for a lower target is being made,
-  each step meanwhile running as the recording did;
+  each step meanwhile running as the recording did, or, where the step was rescued
+  (rescue.py: it ran to its end), under the plan that ran out, rescued again where it must;
 - ``unplanned``: no plan met the budget (``strict`` off): every saved tensor offloaded;
 - ``fallback``: planned steps ran out of memory past the replans: every saved tensor offloaded
   inline from now on.
@@ -59,6 +60,7 @@ FALLBACK = "fallback"
 OK = "ok"
 FAILED = "failed"
 OUT_OF_MEMORY = "out of memory"
+RESCUED = "rescued"   # out of memory, and ran to its end once rescue.py moved tensors off
 ABANDONED = "abandoned"
 
 # what the next step runs (Decision.run)
@@ -235,6 +237,8 @@ class Lifecycle:
         # out of memory still has its replans
         self.lowerings_left = replans
         self.replans_used = 0
+        #: replanning after a rescued step: the plan that ran out stays in force meanwhile
+        self._replan_under_plan = False
         self.trials, self.keep_apart = trials, keep_apart
         self.staging, self.strict = staging, strict
         self.maker = maker or PlanMaker(lookahead, plan_time_limit_s)
@@ -306,7 +310,8 @@ class Lifecycle:
     def inline(self) -> bool:
         """The next step offloads every saved tensor inline, fetched on demand, as the recording
         did: a plan is being made in its place, or the session fell back."""
-        return self.state in (PLANNING, REPLANNING, FALLBACK)
+        return self.state in (PLANNING, FALLBACK) or (self.state == REPLANNING
+                                                       and not self._replan_under_plan)
 
     @property
     def run(self) -> str:
@@ -371,8 +376,8 @@ class Lifecycle:
         self._lines.append(line)
 
     def _step_ended(self, outcome: StepOutcome) -> None:
-        failed = outcome.status in (FAILED, OUT_OF_MEMORY)
-        out_of_memory = outcome.status == OUT_OF_MEMORY
+        failed = outcome.status in (FAILED, OUT_OF_MEMORY, RESCUED)
+        out_of_memory = outcome.status in (OUT_OF_MEMORY, RESCUED)
         if self.state == RECORDING:
             self._recording_ended(outcome, failed, out_of_memory)
             return
@@ -424,15 +429,21 @@ class Lifecycle:
             self._awaiting = None     # the trial is over before its other plans were made
         if trial is not None:
             self.state = WATCHING
+        if outcome.status == OUT_OF_MEMORY and self._replan_under_plan:
+            # the plan in force raised while the one for less is made: the recording's way
+            self._replan_under_plan = False
+            self.modes = offload_everything(self.profile.groups)
         if out_of_memory and not self.fell_back and self.budget is not None \
                 and self.state not in (PLANNING, REPLANNING):
-            if not self._plan_again():
+            if not self._plan_again(rescued=outcome.status == RESCUED):
                 self._fall_back(outcome)
 
-    def _plan_again(self) -> bool:
+    def _plan_again(self, rescued: bool = False) -> bool:
         """After a planned step ran out of memory: the plan for a lower target is asked for
         (``min(target, modelled peak) - replan_step * budget``) where replans are left and that
-        target is above zero (True); each step runs as recorded until it comes."""
+        target is above zero (True); each step runs as recorded until it comes, or, after a
+        step that was ``rescued`` and so ran to its end, under the plan in force (its steps
+        rescued again where they must: several times faster than the recording's way)."""
         if self.plan is None or self.profile is None or self.replans_left <= 0:
             return False
         self.replans_left -= 1
@@ -442,7 +453,9 @@ class Lifecycle:
         if target <= 0:     # nothing left to plan for: the fall-back (everything offloaded)
             return False
         self.state = REPLANNING
-        self.modes = offload_everything(self.profile.groups)
+        self._replan_under_plan = rescued
+        if not rescued:
+            self.modes = offload_everything(self.profile.groups)
         self._ask(PlanRequest(REPLAN, self.profile, target, self.budget, self.headroom,
                               peak=modelled))
         return True
@@ -450,6 +463,7 @@ class Lifecycle:
     def _fall_back(self, outcome: StepOutcome | None = None) -> None:
         """Every later step offloads every saved tensor inline, as the recording step ran."""
         self.state = FALLBACK
+        self._replan_under_plan = False
         self.fell_back = self._forget = True
         self.trial, self._awaiting = None, None
         self.modes = offload_everything(self.profile.groups) if self.profile is not None else [
@@ -684,6 +698,7 @@ class Lifecycle:
         self.modes = list(made.plan.modes)
         self.kept_after_trial = None
         self.state = WATCHING if self.trials else PLANNED
+        self._replan_under_plan = False
         self._watch_from_now()   # not the flush of the step that failed (a retry before it)
         self._write = self._settled = True
         self._say(f"a step under the offload plan for {_gib(self.budget)} ran out of device "

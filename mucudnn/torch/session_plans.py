@@ -16,7 +16,7 @@ import operator
 import torch
 
 from .lifecycle import (AS_RECORDED, FAILED, FIXED, OK, OUT_OF_MEMORY, RECORD, RECORDING,
-                        StepOutcome)
+                        RESCUED, StepOutcome)
 from .link import CudaLink
 from .plan_runner import StageCandidate
 from .plan_worker import ProcessRunner
@@ -124,8 +124,8 @@ class PlanLifecycle:
             if self.plan_in_background:
                 lifecycle.runner = ProcessRunner(say=lambda text: self.say(text))
         # a step rescued (rescue.py) ran to its end, past a peak its plan did not model
-        out_of_memory = out_of_memory or bool(finished.rescued)
-        status = OUT_OF_MEMORY if out_of_memory else FAILED if failed else OK
+        status = (OUT_OF_MEMORY if out_of_memory else FAILED) if failed else \
+            RESCUED if finished.rescued else OK
         decision = lifecycle.end_step(StepOutcome(
             status, recorded=not self._offload_rest, profile=profile, stage_candidates=candidates,
             offloadable=tuple(g.offloadable for g in finished.groups), unpacks=finished.unpacks,

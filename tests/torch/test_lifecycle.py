@@ -18,6 +18,7 @@ from mucudnn.torch import planner, profiles
 from mucudnn.torch import planner_stage
 from mucudnn.torch.lifecycle import (ABANDONED, AS_RECORDED, FAILED, FALLBACK, FIXED, MODES, OK,
                                      OUT_OF_MEMORY, PLANNED, PLANNING, RECORD, RECORDING,
+                                     RESCUED,
                                      REPLANNING, TRIAL, UNPLANNED, WATCHING, Lifecycle,
                                      StepOutcome)
 from mucudnn.torch.plan_runner import (FIRST, LOWER, REPLAN, TRIALS, BackgroundRunner,
@@ -695,3 +696,28 @@ def test_a_lowering_after_flushes_stops_short_of_a_step_in_the_plans_time(case):
         assert made.target == maker.solved[1] and made.plan.step_ms == 85.5
     else:
         assert made.target == maker.solved[0] and made.plan.moved_bytes == 800 << 20
+
+
+def test_while_a_replan_is_made_after_a_rescued_step_the_plan_that_ran_out_runs():
+    """A rescued step (rescue.py) ran to its end: its plan stays in force until the plan for
+    less comes, rather than the recording's way; a step that raised falls to that way."""
+    runner = ManualRunner()
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), runner=runner, trials=False)
+    steps = Steps(lifecycle)
+    steps.record()
+    runner.complete()
+    steps.step()
+    in_force, plan_in_force = list(lifecycle.modes), lifecycle.plan
+    waiting = steps.step(status=RESCUED)
+    assert lifecycle.state == REPLANNING and runner.kinds[-1] == REPLAN
+    assert waiting.run == MODES and waiting.modes == in_force and not waiting.changed
+    assert steps.step(status=RESCUED).run == MODES    # rescued again: nothing more asked
+    assert runner.kinds.count(REPLAN) == 1
+    raised = steps.step(status=OUT_OF_MEMORY)          # one step raised after all
+    assert raised.run == AS_RECORDED and raised.changed and runner.kinds.count(REPLAN) == 1
+    runner.complete()
+    done = steps.step()
+    assert done.lines[0].startswith("a step under the offload plan for 8.00 GiB ran out")
+    assert lifecycle.state == PLANNED and done.run == MODES and done.changed
+    assert lifecycle.plan is not plan_in_force
+    assert lifecycle.replans_left == 2
