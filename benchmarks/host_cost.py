@@ -70,6 +70,8 @@ from mucudnn.outputs import write_text_atomically
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("pytorch", "kept", "mixed", "recording", "kept-armed", "mixed-armed")
+#: what runs unless ``--configs`` says otherwise
+DEFAULT_CONFIGS = CONFIGS[:4]
 #: configurations of a session whose rescue (mucudnn/torch/rescue.py) is armed at every step
 ARMED = {"kept-armed": "kept", "mixed-armed": "mixed"}
 #: the metrics of a step, in ms: host wall time of the forward (with the loss), the backward, the
@@ -179,7 +181,7 @@ def worker(args) -> None:
     result: dict = {"model": args.model, "batch": args.batch, "mixed_budget": args.budget_bytes,
                     "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "torch": torch.__version__, "lines": [], "warmup": [],
-                    "samples": {name: [] for name in CONFIGS}}
+                    "samples": {name: [] for name in CONFIGS if name in args.configs}}
     current = {"config": None}
 
     def say(text: str) -> None:
@@ -491,7 +493,7 @@ def main(argv=None) -> None:
         p.add_argument("--pytorch-warmup", type=int, default=3)
         p.add_argument("--rounds-reserve-s", type=float, default=35,
                        help="a session settles no later than this before the case's deadline")
-        p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+        p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS))
     parser.add_argument("--cases", nargs="+", default=["resnet152:128@8GiB", "unet3d:2@6GiB"],
                         help=f"MODEL:BATCH@BUDGET (the mixed session's budget); MODEL of "
                              f"benchmarks/models.py, or {TINY}")

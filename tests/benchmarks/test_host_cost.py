@@ -90,3 +90,15 @@ def test_a_bad_case_is_one_line(capsys):
     with pytest.raises(SystemExit):
         host_cost.main(["--cases", "resnet152:128@8G"])
     assert "ambiguous" in capsys.readouterr().err
+
+
+def test_a_dry_run_of_the_armed_configurations_times_sessions_whose_rescue_is_armed(tmp_path):
+    host_cost.main(["--device", "cpu", "--cases", "tiny:2@256KiB", "--rounds", "1", "--steps",
+                    "1", "--settle-steps", "2", "--max-warmup-steps", "20", "--configs",
+                    "pytorch", "kept", "kept-armed", "--out", str(tmp_path)])
+    [case] = json.loads((tmp_path / "host_cost.json").read_text())["cases"]
+    assert case["status"] == "ok", case["reason"]
+    samples = case["samples"]
+    assert len(samples["kept-armed"]) == 1 and len(samples["kept"]) == 1
+    assert case["kept-armed_plan"]["kept"] == case["kept_plan"]["kept"] > 0
+    assert "mixed" not in samples and "mixed-armed" not in samples
