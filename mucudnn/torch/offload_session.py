@@ -68,13 +68,12 @@ from .records import _Group, _Packed, _Passed, _Step, _rebuild_order, recompute
 from .recorder import (StepRecorder, _current_node, _has_children, _in_backward,
                        _past_the_op_recorder)
 from .host_copies import StepCopies
-from .lifecycle import Lifecycle, _gib
+from .lifecycle import Lifecycle
 from .plan_worker import ProcessRunner
 from .plancache import PlanCache
 from .session_plans import PlanLifecycle
 from .stage import StagedForward, StagePlan
-from .rescue import ARMED_STEPS, OomRescue, asked_bytes, eviction_order, pop, push
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from .rescue import StepRescue
 
 
 class OffloadSession(PlanLifecycle):
@@ -117,9 +116,10 @@ class OffloadSession(PlanLifecycle):
     saved tensor, with one line (``fell_back``). ``rescue``: in the first steps of each plan
     (True), every planned step (``"always"``) or never (False), an op the caching allocator
     refuses runs again once the step's kept tensors needed last are on the host, and the step
-    goes on (rescue.py); such a step counts as one that ran out of memory. ``trials``: where the plan moves bytes and
-    :func:`planning.trial_plans` finds others its simulation says are faster (made at other
-    copy exposures, and for smaller headrooms: :data:`planner.TRIAL_HEADROOM_SHARES`), run
+    goes on (rescue.py, :attr:`rescuer`); such a step counts as one that ran out of memory.
+    ``trials``: where the plan moves bytes and :func:`planning.trial_plans` finds others its
+    simulation says are faster (made at other copy exposures, and for smaller headrooms:
+    :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
     allocator's cache (:meth:`.lifecycle.Trial.kept`), with one line (the plan made runs while
     the others are made). ``keep_apart`` (off by default: it won no trial measured,
@@ -200,16 +200,9 @@ class OffloadSession(PlanLifecycle):
         #: freeze Python's collector once the first plan takes over (:meth:`_freeze_gc`)
         self.freeze_gc = freeze_gc
         self._gc_frozen = False
-        #: rescue.py: whether this step is armed (rule 5), the mode, whether it is on the stack
-        #: of the thread that entered the session, the armed steps left and the plan and modes
-        #: they were counted for
-        self.rescue_ops = rescue
-        self._rescue = OomRescue(self)
-        self._rescue_armed = False
-        self._rescue_pushed = False
-        self._armed_left = 0
-        self._armed_for = (None, None)
-        self._arm_rescue()   # the first step: fixed modes are in force from it
+        #: an op the allocator refuses, run again (rescue.py)
+        self.rescuer = StepRescue(self, rescue)
+        self.rescuer.arm()   # the first step: fixed modes are in force from it
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -228,7 +221,7 @@ class OffloadSession(PlanLifecycle):
                          hooks.register_module_forward_hook(self._after_module, always_call=True)]
         if self._recipes_used():  # the ops a recipe may include (the residual add)
             self.recorder.start_ops()
-        self._sync_rescue()
+        self.rescuer.sync()
         return self
 
     def _recipes_used(self) -> bool:
@@ -256,8 +249,7 @@ class OffloadSession(PlanLifecycle):
         if self._step.pending:   # the forward is over: every op saving a pending group has run
             self.copies.copy_pending(self._step)
         self.recorder.stop_ops(exc_info)
-        if self._rescue_pushed:   # rule 5: never past the ``with`` that pushed it
-            self._rescue_pushed = not pop(self._rescue)
+        self.rescuer.leave()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -334,10 +326,8 @@ class OffloadSession(PlanLifecycle):
     def _after_module(self, module, args, output):
         if self._step.pending:
             self.copies.copy_pending(self._step)
-        if self._rescue_armed and isinstance(output, torch.Tensor) and \
-                output.grad_fn is not None:
-            # its backward node gets the mode too, saving nothing of the step or not
-            output.grad_fn.register_prehook(self._rescue_prehook)
+        if self.rescuer.armed:
+            self.rescuer.watch(output)
         self.recorder.put_back(module)
         staged = self._staged
         if staged is not None and module in staged.modules:
@@ -418,7 +408,7 @@ class OffloadSession(PlanLifecycle):
             self._at_step_start()
         if self._cache_due:
             self._look_up_plan(tensor.device)
-            self._arm_rescue()    # a cached plan runs this first step
+            self.rescuer.arm()    # a cached plan runs this first step
         step = self._step
         key = self._key(tensor)
         group = self._find(step, tensor, key)
@@ -520,8 +510,8 @@ class OffloadSession(PlanLifecycle):
             # a graph of a step that has ended (a forward kept for later, its backward after
             # the next step's): its group is restored as ever, and is no part of this step
             return self._restored(group)
-        if self._rescue_armed:
-            self._rescue_node()
+        if self.rescuer.armed:
+            self.rescuer.node()
         index = step.unpacks
         step.unpacks += 1
         link = self.link_for_group(group)
@@ -647,7 +637,7 @@ class OffloadSession(PlanLifecycle):
                 used.settle()
             self._step = _Step(profiling=self._step.profiling)
             self._event("abandoned", self.steps)
-            self._arm_rescue()
+            self.rescuer.arm()
             return
         plan, modes = self.plan, self.modes
         rescued = self._step.rescued
@@ -657,71 +647,8 @@ class OffloadSession(PlanLifecycle):
                 self._empty_cache_due = True
             else:
                 self._empty_caches()
-        self._arm_rescue(ended=True, rescued=bool(rescued))
+        self.rescuer.arm(ended=True, rescued=bool(rescued))
 
-    # --- out of memory in a step (rescue.py) ------------------------------------------------
-    def _arm_rescue(self, ended: bool = False, rescued: bool = False) -> None:
-        """At a step's start: whether rule 5 of rescue.py arms it. ``ended``: a step has just
-        ended (``rescued``: it was rescued), which counts against the armed steps."""
-        if ended and self._rescue_armed:
-            self._armed_left = ARMED_STEPS if rescued else self._armed_left - 1
-        plan, modes = self.plan, self.modes
-        if plan is not self._armed_for[0] or modes is not self._armed_for[1]:
-            self._armed_for, self._armed_left = (plan, modes), ARMED_STEPS
-        self._rescue_armed = bool(self.rescue_ops) and modes is not None \
-            and not self._step.profiling and not self.offloads_as_recorded \
-            and (self.rescue_ops == "always" or self._armed_left > 0)
-        self._sync_rescue()
-
-    def _sync_rescue(self) -> None:
-        """Inside the session's ``with``, on the thread that entered it: the mode on its stack
-        while the step is armed, off it otherwise (a backward run inside the ``with``
-        inherits it; one run outside gets it node by node, :meth:`_rescue_node`, at each node
-        that unpacks a group of the step and each leaf module's output node)."""
-        if self._depth <= 0:
-            return
-        if self._rescue_armed and not self._rescue_pushed:
-            push(self._rescue)
-            self._rescue_pushed = True
-        elif self._rescue_armed:
-            self._rescue.active = True
-        elif self._rescue_pushed:
-            self._rescue_pushed = not pop(self._rescue)
-
-    def _rescue_prehook(self, grad_outputs):
-        if self._rescue_armed:
-            self._rescue_node()
-
-    def _rescue_node(self) -> None:
-        """An armed step's unpack or module output node in autograd's backward, run outside
-        the session's ``with``:
-        the mode on this thread's stack for the rest of the node (autograd restores the
-        thread's state after each node, mode stack included)."""
-        if _current_node() is not None and \
-                self._rescue not in _get_current_dispatch_mode_stack():
-            push(self._rescue)
-
-    def rescue(self, func, wanted: int, message: str) -> int:
-        """Rules 2-4 of rescue.py for an op ``func`` the allocator refused (its ``message``): this
-        step's groups needed last moved off the device until ``wanted`` bytes are; the bytes
-        moved (0: none was left, and the error goes on)."""
-        step = self._step
-        moved = 0
-        for group in eviction_order(step, self._first_unpacks):
-            if moved >= wanted:
-                break
-            self.copies.move_to_host(group)
-            moved += group.nbytes
-        if moved and not step.rescued:
-            self.say(f"out of device memory in {func} ({_gib(asked_bytes(message))} asked); "
-                     f"kept tensors of this step moved to the host ({_gib(moved)}) and the op "
-                     "run again; the next plan is made for less")
-        elif not moved:
-            self.say(f"out of device memory in {func} ({_gib(asked_bytes(message))} asked) with "
-                     f"nothing of this step left to move to the host "
-                     f"({_gib(step.rescued)} moved): the error goes on")
-        step.rescued += moved
-        return moved
 
     def _at_step_start(self) -> None:
         """A module runs or a tensor is saved: if the step before has unpacked (its backward

@@ -26,15 +26,21 @@ Rules:
    the bytes the allocator was asked for (its message says; 256 MiB where it does not), then
    twice the last round; the op is run again after each. When nothing is left to free, an
    error with the allocator's last message propagates, after one line.
-4. A rescued step ends as a step that ran out of memory (the lifecycle plans for less), and
-   says one line the first time it rescues.
-5. The mode costs a Python call per op (a few microseconds: a large network's step is thousands
-   of ops), so it is on the thread's mode stack only in the first :data:`ARMED_STEPS` steps under
-   each new plan or set of modes and the steps after a rescue (``rescue="always"``: every planned
-   step), never in a recording step or one run as recorded (every tensor is offloaded already).
-   It is pushed at a step's start and popped at the start of the first step not armed, only
-   while it is the innermost mode (a mode the script entered inside it stays, and this one
-   passes every op through until it can be popped).
+4. A rescued step ends as one that ran out of memory and ran to its end (``lifecycle.RESCUED``:
+   the plan for less is made while this one stays in force), and says one line the first time
+   it rescues.
+5. The mode costs a Python call per op (on an H100, about 50 ms of host time a step of
+   ResNet-152 N=128: benchmarks/results/rescue), so it is armed only in the first
+   :data:`ARMED_STEPS` steps under each new plan or set of modes and the steps after a rescue
+   (``rescue="always"``: every planned step), never in a recording step or one run as recorded
+   (every tensor is offloaded already).
+6. The mode never outlives the session's ``with``: on the thread that entered it, it is pushed
+   at the start of an armed step (or at the ``with`` itself) and popped at the start of the
+   first step not armed and when the ``with`` ends, only while it is the innermost mode (a mode
+   the script entered inside it stays, and this one passes every op through until it can be
+   popped). A backward run outside the ``with`` gets it in autograd's thread node by node: at
+   each unpack of a group of the step and at each leaf module's output node, pushed for the rest
+   of that node (autograd restores the thread's state, mode stack included, after each node).
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ from __future__ import annotations
 import re
 
 import torch
-from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode, _pop_mode,
-                                          _push_mode)
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
+                                          _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
+from .lifecycle import _gib
 from .planner import KEEP, OFFLOAD
+from .recorder import _current_node
 
 #: ops whose schemas declare no mutation, though they write an argument: batch norm's running
 #: statistics (training mode), rrelu's noise
@@ -106,13 +114,12 @@ def eviction_order(step, first_unpacks: list) -> list:
 
 
 class OomRescue(TorchDispatchMode):
-    """The mode of rule 5, for ``session`` (an
-    :class:`~mucudnn.torch.offload_session.OffloadSession`); :attr:`active` false passes every
-    op through (pushed but not to be popped yet)."""
+    """The mode of rules 1 and 5, for ``rescuer`` (a :class:`StepRescue`); :attr:`active` false passes
+    every op through (pushed but not to be popped yet)."""
 
-    def __init__(self, session):
+    def __init__(self, rescuer):
         super().__init__()
-        self.session = session
+        self.rescuer = rescuer
         self.active = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -130,7 +137,7 @@ class OomRescue(TorchDispatchMode):
             message = str(error)
         want = 2 * asked_bytes(message)
         while True:
-            freed = self.session.rescue(func, want, message)
+            freed = self.rescuer.rescue(func, want, message)
             if not freed:
                 raise torch.OutOfMemoryError(message) from None
             try:
@@ -146,10 +153,97 @@ def push(mode: OomRescue) -> None:
 
 
 def pop(mode: OomRescue) -> bool:
-    """Rule 5's pop: ``mode`` off the thread's stack where it is the innermost (True); else it
+    """Rule 6's pop: ``mode`` off the thread's stack where it is the innermost (True); else it
     stays, passing every op through."""
     mode.active = False
     if _get_current_dispatch_mode() is mode:
         _pop_mode()
         return True
     return False
+
+
+class StepRescue:
+    """Rules 2-6 for one :class:`~mucudnn.torch.offload_session.OffloadSession` (``session``: its
+    step, plan, copies and lines): whether the step is armed, the mode and where it is pushed,
+    and what an op refused moves. ``when``: True (rule 5), ``"always"`` or False (never)."""
+
+    def __init__(self, session, when: bool | str = True):
+        self.session, self.when = session, when
+        self.mode = OomRescue(self)
+        self.armed = False        # this step is (rule 5)
+        self.pushed = False       # the mode is on the stack of the thread that entered
+        self.left = 0             # armed steps left
+        self.counted_for = (None, None)   # the plan and modes they count for
+
+    def arm(self, ended: bool = False, rescued: bool = False) -> None:
+        """At a step's start: whether rule 5 arms it. ``ended``: a step has just ended
+        (``rescued``: it was rescued), which counts against the armed steps."""
+        session = self.session
+        if ended and self.armed:
+            self.left = ARMED_STEPS if rescued else self.left - 1
+        plan, modes = session.plan, session.modes
+        if plan is not self.counted_for[0] or modes is not self.counted_for[1]:
+            self.counted_for, self.left = (plan, modes), ARMED_STEPS
+        self.armed = bool(self.when) and modes is not None and not session._step.profiling \
+            and not session.offloads_as_recorded and (self.when == "always" or self.left > 0)
+        self.sync()
+
+    def sync(self) -> None:
+        """Inside the session's ``with``, on the thread that entered it: the mode on its stack
+        while the step is armed, off it otherwise (a backward run inside the ``with`` inherits
+        it; one run outside gets it node by node, :meth:`node`)."""
+        if self.session._depth <= 0:
+            return
+        if self.armed and not self.pushed:
+            push(self.mode)
+            self.pushed = True
+        elif self.armed:
+            self.mode.active = True
+        elif self.pushed:
+            self.pushed = not pop(self.mode)
+
+    def leave(self) -> None:
+        """The session's outermost ``with`` ends: the mode never outlives it."""
+        if self.pushed:
+            self.pushed = not pop(self.mode)
+
+    def watch(self, output) -> None:
+        """A leaf module's ``output`` in an armed step: its backward node gets the mode too
+        (:meth:`node`), whether it unpacks a group of the step or not."""
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            output.grad_fn.register_prehook(self._prehook)
+
+    def _prehook(self, grad_outputs):
+        if self.armed:
+            self.node()
+
+    def node(self) -> None:
+        """In autograd's backward of an armed step (an unpack, a watched node), run outside the
+        session's ``with``: the mode on this thread's stack for the rest of the node (autograd
+        restores the thread's state after each node, mode stack included)."""
+        if _current_node() is not None and self.mode not in _get_current_dispatch_mode_stack():
+            push(self.mode)
+
+    def rescue(self, func, wanted: int, message: str) -> int:
+        """Rules 2-4 for an op ``func`` the allocator refused (its ``message``): the step's groups
+        needed last moved off the device until ``wanted`` bytes are; the bytes moved (0: none
+        was left, and the error goes on)."""
+        session = self.session
+        step = session._step
+        moved = 0
+        for group in eviction_order(step, session._first_unpacks):
+            if moved >= wanted:
+                break
+            session.copies.move_to_host(group)
+            moved += group.nbytes
+        asked = _gib(asked_bytes(message))
+        if moved and not step.rescued:
+            session.say(f"out of device memory in {func} ({asked} asked); kept tensors of this "
+                        f"step moved to the host ({_gib(moved)}) and the op run again; the next "
+                        "plan is made for less")
+        elif not moved:
+            session.say(f"out of device memory in {func} ({asked} asked) with nothing of this "
+                        f"step left to move to the host ({_gib(step.rescued)} moved): the error "
+                        "goes on")
+        step.rescued += moved
+        return moved

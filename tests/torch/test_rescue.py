@@ -65,7 +65,7 @@ def armed_steps(model, data, session) -> list:
         optimizer.zero_grad()
         with session:
             loss = nn.functional.cross_entropy(model(x), y)
-            armed.append(session._rescue_armed)   # decided at the step's first module
+            armed.append(session.rescuer.armed)   # decided at the step's first module
         loss.backward()
         optimizer.step()
     return armed
@@ -187,7 +187,7 @@ def test_the_mode_is_on_the_stack_in_armed_steps_only_and_never_past_the_with():
         optimizer.zero_grad()
         with session:
             out = model(x)   # the step has started: armed or not is decided
-            seen.append(session._rescue in _get_current_dispatch_mode_stack())
+            seen.append(session.rescuer.mode in _get_current_dispatch_mode_stack())
             loss = nn.functional.cross_entropy(out, y)
         assert _get_current_dispatch_mode_stack() == []
         loss.backward()
@@ -214,7 +214,7 @@ def test_recording_steps_are_never_armed_and_rescue_false_never():
     assert armed_steps(model, data, session) == [False, False, True]
     never = kept_session([], [], rescue=False)
     train(small_cnn(dtype), batches(dtype, 2), never)
-    assert not never._rescue_armed
+    assert not never.rescuer.armed
     with pytest.raises(ValueError, match="rescue='sometimes'"):
         OffloadSession(rescue="sometimes")
 
