@@ -302,6 +302,12 @@ class Lifecycle:
         return self.state == RECORDING
 
     @property
+    def replanning_under_plan(self) -> bool:
+        """The plan for less is being made after a rescued step, and the plan that ran out runs
+        meanwhile (its steps may need rescuing again)."""
+        return self.state == REPLANNING and self._replan_under_plan
+
+    @property
     def recorded_steps(self) -> int:
         """The steps of the recording in progress recorded so far (0: the next is its first)."""
         return len(self._recorded)

@@ -64,7 +64,8 @@ from . import planning
 from .compiled import refuse_if_compiling
 from .link import CudaLink, SameMemoryLink, dense
 from .planner import KEEP, OFFLOAD, RECOMPUTE
-from .records import _Group, _Packed, _Passed, _Step, _rebuild_order, recompute
+from .records import (_SEQUENCE_NR, _Group, _Packed, _Passed, _Step, _rebuild_order,
+                      recompute)
 from .recorder import (StepRecorder, _current_node, _has_children, _in_backward,
                        _past_the_op_recorder)
 from .host_copies import StepCopies
@@ -221,7 +222,7 @@ class OffloadSession(PlanLifecycle):
                          hooks.register_module_forward_hook(self._after_module, always_call=True)]
         if self._recipes_used():  # the ops a recipe may include (the residual add)
             self.recorder.start_ops()
-        self.rescuer.sync()
+        self.rescuer.enter()
         return self
 
     def _recipes_used(self) -> bool:
@@ -429,7 +430,8 @@ class OffloadSession(PlanLifecycle):
         group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
                        weakref.ref(tensor), tensor._version, "", dense(tensor),
                        recipe=recipe, owner=step,
-                       base=weakref.ref(base) if base is not None else None)
+                       base=weakref.ref(base) if base is not None else None,
+                       saved_seq=_SEQUENCE_NR())
         if recorder.records_calls(step):   # named from its calls (a step without them: unnamed)
             group.producer = recipe.calls[-1].name if recipe else recorder.producer(step, tensor)
         if self._cached is not None:   # the first step under a cached plan: is it the same?
@@ -584,20 +586,26 @@ class OffloadSession(PlanLifecycle):
             group.tensor, group.fetch = link.wait(group.fetch), None
         elif group.mode == RECOMPUTE:
             # its recomputed sources not on the device first, each once (then held until its
-            # own last unpack and while a recomputed group may read it: ``readers``)
-            for rebuilt in _rebuild_order(group):
-                original = rebuilt.ref()   # as autograd refuses a saved tensor changed in place
-                if original is not None and original._version != rebuilt.version:
-                    raise RuntimeError(f"mucudnn.torch: saved tensor {rebuilt.gid} changed after "
-                                       "it was saved; cannot recompute it")
-                for source in rebuilt.recipe.sources:
-                    if source.mode == OFFLOAD and source.tensor is None:
-                        # a kept source a rescue moved to the host (rescue.py): back first
-                        source.tensor = link.wait(source.fetch or link.fetch(
-                            source.host, source.device, self.copies.inline(group.owner)))
-                        source.fetch = None
-                rebuilt.tensor = self._recompute_group(rebuilt, link)
+            # own last unpack and while a recomputed group may read it: ``readers``); none of
+            # theirs is moved meanwhile (rescue.py, rule 2)
+            with self.rescuer.pinning(_rebuild_order(group)) as order:
+                self._rebuild(order, link)
         return group.tensor
+
+    def _rebuild(self, order: list[_Group], link) -> None:
+        """The groups of a rebuild order (:func:`~.records._rebuild_order`) recomputed in turn,
+        each one's sources that a rescue moved to the host fetched back first."""
+        for rebuilt in order:
+            original = rebuilt.ref()   # as autograd refuses a saved tensor changed in place
+            if original is not None and original._version != rebuilt.version:
+                raise RuntimeError(f"mucudnn.torch: saved tensor {rebuilt.gid} changed after "
+                                   "it was saved; cannot recompute it")
+            for source in rebuilt.recipe.sources:
+                if source.mode == OFFLOAD and source.tensor is None:
+                    source.tensor = link.wait(source.fetch or link.fetch(
+                        source.host, source.device, self.copies.inline(rebuilt.owner)))
+                    source.fetch = None
+            rebuilt.tensor = self._recompute_group(rebuilt, link)
 
     def _recompute_group(self, group: _Group, link) -> torch.Tensor:
         """``group``'s tensor rebuilt by its recipe (:func:`~.records.recompute`); the session's
@@ -712,8 +720,3 @@ def _at_end_of_backward(callback) -> None:
     else:   # no way to tell: take every backward as finished
         callback()
 
-
-#: the sequence number the next autograd node will get (thread-local, one per node made): a pack
-#: reads it after its node was made and before the op ran, the packs of a later op read a larger
-#: one. Without it (an older PyTorch) pending copies wait for the next Python hook.
-_SEQUENCE_NR = getattr(torch._C._autograd, "_get_sequence_nr", None) or (lambda: 0)

@@ -242,6 +242,8 @@ class _Group:
     #: the base of a view saved (weakly): it shares the view's version counter, and outlives
     #: the view object a forward made for the op (an in-place change through it is seen)
     base: weakref.ref | None = None
+    #: :data:`_SEQUENCE_NR` at its pack: its op has run once a later pack reads a larger one
+    saved_seq: int = 0
 
     def drop_device(self) -> None:
         """Let go of the device tensor where nothing may need it from the session again."""
@@ -351,6 +353,13 @@ class _Step:
         """Its forward saved groups, no backward unpacked any, and autograd holds none of them:
         its graph was dropped (a skipped non-finite loss, a validation forward with grad)."""
         return bool(self.groups) and not self.unpacks and not self.live
+
+
+#: the sequence number the next autograd node will get (thread-local, one per node made): a pack
+#: reads it after its node was made and before the op ran, the packs of a later op read a larger
+#: one. Without it (an older PyTorch) pending copies wait for the next Python hook, and a
+#: forward's rescue moves nothing (rescue.py: every group may still be being written).
+_SEQUENCE_NR = getattr(torch._C._autograd, "_get_sequence_nr", None) or (lambda: 0)
 
 
 def _rebuild_order(group: _Group) -> list[_Group]:

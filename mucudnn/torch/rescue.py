@@ -11,15 +11,19 @@ the backward passes (autograd's threads inherit the mode with the rest of the th
 
 Rules:
 
-1. Only an op that mutates nothing is run again: its schema declares no mutation
-   (``func._schema.is_mutable`` false) and it is none of :data:`MUTATES_UNDECLARED`. One that
-   raised has then written nothing, so the second run computes from the same inputs what the
-   first would have. A mutating op's error, and any other error, propagate unchanged.
+1. Only an op that mutates nothing and draws no random numbers is run again: its schema
+   declares no mutation (``func._schema.is_mutable`` false) and takes no generator, and it is
+   none of :data:`MUTATES_UNDECLARED`. One that raised has then written nothing, so the second
+   run computes from the same inputs what the first would have, and the random state is as
+   plain PyTorch leaves it (a random op may draw before it allocates). Any other op's error,
+   and any other error, propagate unchanged.
 2. What is freed is the step's own: groups the session holds on the device and may let go of
    without changing a value (:func:`evictable`): kept groups (copied to the host, then fetched
    at their unpack as an offloaded group is, bit for bit, and before a recomputation that
    reads them), and fetched or prefetched groups not yet unpacked (their host copy stays).
-   Never one an unpack of the running node returned, nor one changed since its save.
+   Never one an unpack of the running node returned, one changed since its save, one saved by
+   the op running in the forward (an op may write what it saved after saving it: rrelu's
+   noise), nor a source of a recomputation under way (:meth:`StepRescue.pinning`).
 3. Needed last goes first: groups no recomputation reads before those one does (which may be
    needed before their own unpack), and among them, in the forward the earliest saved, in the
    backward the one whose first unpack (as the last whole step had it) is furthest. Each round frees at least twice
@@ -32,8 +36,9 @@ Rules:
 5. The mode costs a Python call per op (on an H100, about 50 ms of host time a step of
    ResNet-152 N=128: benchmarks/results/rescue), so it is armed only in the first
    :data:`ARMED_STEPS` steps under each new plan or set of modes and the steps after a rescue
-   (``rescue="always"``: every planned step), never in a recording step or one run as recorded
-   (every tensor is offloaded already).
+   (``rescue="always"``: every planned step), and in the steps run under a plan that ran out
+   while the plan for less is made (``Lifecycle.replanning_under_plan``); never in a recording
+   step or one run as recorded (every tensor is offloaded already), nor under ``force``.
 6. The mode never outlives the session's ``with``: on the thread that entered it, it is pushed
    at the start of an armed step (or at the ``with`` itself) and popped at the start of the
    first step not armed and when the ``with`` ends, only while it is the innermost mode (a mode
@@ -45,7 +50,9 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
@@ -54,6 +61,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispat
 from .lifecycle import _gib
 from .planner import KEEP, OFFLOAD
 from .recorder import _current_node
+from .records import _SEQUENCE_NR
 
 #: ops whose schemas declare no mutation, though they write an argument: batch norm's running
 #: statistics (training mode), rrelu's noise
@@ -78,7 +86,8 @@ def asked_bytes(message: str) -> int:
 def runs_again(func) -> bool:
     """Rule 1: whether op ``func`` may be run again after it ran out of memory."""
     schema = func._schema
-    return not schema.is_mutable and schema.name not in MUTATES_UNDECLARED
+    return not schema.is_mutable and schema.name not in MUTATES_UNDECLARED and not any(
+        "Generator" in str(argument.type) for argument in schema.arguments)
 
 
 def evictable(group, in_use) -> bool:
@@ -99,12 +108,15 @@ def evictable(group, in_use) -> bool:
     return False
 
 
-def eviction_order(step, first_unpacks: list) -> list:
-    """Rule 3: ``step``'s evictable groups, needed last first."""
-    in_use = set(step.node_groups) if step.unpacks else set()
+def eviction_order(step, first_unpacks: list, pinned=frozenset()) -> list:
+    """Rule 3: ``step``'s evictable groups, needed last first; none of ``pinned``."""
+    in_use = set(pinned)
+    if step.unpacks:
+        in_use.update(step.node_groups)
     groups = [g for g in step.groups if evictable(g, in_use)]
-    if not step.unpacks:   # the forward: saved first, unpacked last
-        return sorted(groups, key=lambda group: group.readers > 0)
+    if not step.unpacks:   # the forward: saved first, unpacked last; none its running op saved
+        now = _SEQUENCE_NR()
+        return sorted((g for g in groups if g.saved_seq < now), key=lambda g: g.readers > 0)
     later = len(step.groups) + 1   # never unpacked in the last whole step: as late as any
 
     def needed(group):
@@ -174,6 +186,8 @@ class StepRescue:
         self.pushed = False       # the mode is on the stack of the thread that entered
         self.left = 0             # armed steps left
         self.counted_for = (None, None)   # the plan and modes they count for
+        self.thread = None        # the thread that entered the session's outermost ``with``
+        self.pinned: frozenset = frozenset()   # groups no rescue moves now
 
     def arm(self, ended: bool = False, rescued: bool = False) -> None:
         """At a step's start: whether rule 5 arms it. ``ended``: a step has just ended
@@ -185,15 +199,22 @@ class StepRescue:
         if plan is not self.counted_for[0] or modes is not self.counted_for[1]:
             self.counted_for, self.left = (plan, modes), ARMED_STEPS
         self.armed = bool(self.when) and modes is not None and not session._step.profiling \
-            and not session.offloads_as_recorded and (self.when == "always" or self.left > 0)
+            and not session.offloads_as_recorded and (
+                self.when == "always" or self.left > 0
+                or session.lifecycle.replanning_under_plan)
+        self.sync()
+
+    def enter(self) -> None:
+        """The session's outermost ``with`` begins on this thread."""
+        self.thread = threading.get_ident()
         self.sync()
 
     def sync(self) -> None:
         """Inside the session's ``with``, on the thread that entered it: the mode on its stack
         while the step is armed, off it otherwise (a backward run inside the ``with`` inherits
         it; one run outside gets it node by node, :meth:`node`)."""
-        if self.session._depth <= 0:
-            return
+        if self.session._depth <= 0 or threading.get_ident() != self.thread:
+            return   # outside the ``with``, or a module run on another thread (DataParallel)
         if self.armed and not self.pushed:
             push(self.mode)
             self.pushed = True
@@ -204,7 +225,7 @@ class StepRescue:
 
     def leave(self) -> None:
         """The session's outermost ``with`` ends: the mode never outlives it."""
-        if self.pushed:
+        if self.pushed and threading.get_ident() == self.thread:
             self.pushed = not pop(self.mode)
 
     def watch(self, output) -> None:
@@ -224,6 +245,18 @@ class StepRescue:
         if _current_node() is not None and self.mode not in _get_current_dispatch_mode_stack():
             push(self.mode)
 
+    @contextlib.contextmanager
+    def pinning(self, groups: list):
+        """While a recomputation rebuilds ``groups`` (a rebuild order): none of them, and none of
+        their sources, is moved; yields ``groups``."""
+        before = self.pinned
+        self.pinned = before | frozenset(groups) | frozenset(
+            source for group in groups for source in group.recipe.sources)
+        try:
+            yield groups
+        finally:
+            self.pinned = before
+
     def rescue(self, func, wanted: int, message: str) -> int:
         """Rules 2-4 for an op ``func`` the allocator refused (its ``message``): the step's groups
         needed last moved off the device until ``wanted`` bytes are; the bytes moved (0: none
@@ -231,7 +264,7 @@ class StepRescue:
         session = self.session
         step = session._step
         moved = 0
-        for group in eviction_order(step, session._first_unpacks):
+        for group in eviction_order(step, session._first_unpacks, self.pinned):
             if moved >= wanted:
                 break
             session.copies.move_to_host(group)

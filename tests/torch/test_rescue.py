@@ -6,6 +6,7 @@ raises as PyTorch does; the mode is on the op stack only in armed steps and neve
 session's ``with``."""
 
 import copy
+import inspect
 
 import pytest
 
@@ -241,7 +242,8 @@ def test_an_op_run_again_leaves_no_frame_holding_its_inputs():
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 1)
     session = kept_session([], [])
-    code = rescue.OomRescue.__torch_dispatch__.__code__
+    # its own code: PyTorch wraps every mode's __torch_dispatch__ in one shared function
+    code = inspect.unwrap(rescue.OomRescue.__torch_dispatch__).__code__
     gc.collect()
     gc.disable()
     try:
@@ -287,3 +289,107 @@ def test_a_node_that_unpacks_nothing_of_the_step_is_rescued_by_its_module():
     with Refuses(session, torch.ops.aten.mm.default, steps=(0,), asked="1 B") as refuses:
         assert_bitwise(reference, train(model, data, session))
     assert refuses.refused == 1 and any("aten.mm.default" in line for line in said)
+
+
+def test_only_ops_that_write_nothing_and_draw_nothing_run_again():
+    assert rescue.runs_again(CONV) and rescue.runs_again(CONV_BACKWARD)
+    assert not rescue.runs_again(torch.ops.aten.relu_.default)        # declared mutation
+    assert not rescue.runs_again(BATCH_NORM)                          # its running statistics
+    assert not rescue.runs_again(torch.ops.aten.bernoulli.default)    # draws random numbers
+    assert not rescue.runs_again(torch.ops.aten.randperm.generator)
+
+
+# -- reproductions from a review of the rescue -----------------------------------------------
+
+def rrelu_grads(x, y, session=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.RReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).double()
+    torch.manual_seed(100)   # rrelu's noise
+    with session if session is not None else torch.enable_grad():
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_rrelus_noise_is_not_moved_before_rrelu_writes_it():
+    """rrelu_with_noise saves ``noise`` before it fills it (no version bump). A refusal inside
+    the pack of its next saved tensor (here the kept alias's detach; on a GPU, e.g., the
+    keep-apart copy a pack makes of an earlier op's group) must not move that noise."""
+    x, y = batches(torch.float64, 1)[0]
+    reference = rrelu_grads(x, y)
+    session = OffloadSession(modes=[KEEP] * 64, link=RecordingLink(), min_bytes=0)
+    # the third detach of step 0: the pack of rrelu's second saved tensor; everything movable
+    with Refuses(session, torch.ops.aten.detach.default, steps=(0,), after=2, asked="1 GiB"):
+        ours = rrelu_grads(x, y, session)
+    assert session._step.rescued
+    assert all(torch.equal(a, b) for a, b in zip(reference, ours))
+
+
+def test_steps_under_the_plan_that_ran_out_stay_armed_until_the_plan_for_less_comes():
+    """The plan for less after a rescue is made while the plan that ran out runs (on a GPU in a
+    process of its own: many steps): every one of those steps is armed, past ARMED_STEPS."""
+    from test_lifecycle import ManualRunner
+
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 10)
+    session = OffloadSession(budget=400_000, link=RecordingLink(), min_bytes=0,
+                             record_steps=1, trials=False)
+    runner = session.lifecycle.runner = ManualRunner()   # plans come when completed by hand
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Refuses(session, CONV_BACKWARD, steps=(4, 9), after=1, asked="1 B") as refuses:
+        for x, y in data:
+            optimizer.zero_grad()
+            with session:
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            if runner.waiting and runner.kinds[-1] == "first plan":
+                runner.complete()
+    assert refuses.refused == 2
+    assert session.lifecycle.state == "replanning" and session.lifecycle.replans_used == 1
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv, self.bn, self.relu = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.bn(self.conv(x)) + x)
+
+
+def test_a_rescue_while_a_recomputation_fetches_a_source_leaves_its_other_sources():
+    """Group 3 (a residual block's add and ReLU) is recomputed from kept groups 2 and 1. Group 1
+    was moved by an earlier rescue of the step; at group 3's unpack its fetch is refused, and
+    the rescue must not move group 2, which the recomputation reads next."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), ResidualBlock(8),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).double()
+    data = batches(torch.float64, 2)
+    session = OffloadSession(modes=[KEEP, KEEP, KEEP, RECOMPUTE] + [KEEP] * 10,
+                             link=RecordingLink(), min_bytes=0)
+    for x, y in data:   # step 0 finds the recipes; step 1's backward is run below
+        model.zero_grad()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+        if session.steps == 0:
+            loss.backward()
+    group = session._step.groups[3]
+    assert group.mode == RECOMPUTE and [s.gid for s in group.recipe.sources] == [2, 1]
+    session.copies.move_to_host(session._step.groups[1])   # as a rescue earlier in the step
+
+    class RefusesTheFetch(TorchDispatchMode):
+        refused = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.refused and func is torch.ops.aten.empty_strided.default and \
+                    session._step.unpacks:
+                self.refused = True
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB.")
+            return func(*args, **(kwargs or {}))
+
+    with RefusesTheFetch() as refuses, session:   # armed; the backward inside the with
+        loss.backward()
+    assert refuses.refused and session._step.rescued
+    assert session._step.groups[2].mode == KEEP   # read by the recomputation: not moved

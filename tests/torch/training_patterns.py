@@ -596,6 +596,7 @@ def _global_state() -> dict:
             "global forward hooks": set(module_hooks._global_forward_hooks),
             "global forward pre-hooks": set(module_hooks._global_forward_pre_hooks),
             "torch function modes": torch._C._len_torch_function_stack(),
+            "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
             "cpu autocast": torch.is_autocast_enabled("cpu")}
 
 
@@ -612,6 +613,8 @@ def _put_back(before: dict) -> None:
             del hooks[key]
     while torch._C._len_torch_function_stack() > before["torch function modes"]:
         torch._C._pop_torch_function_stack()
+    while torch._C._len_torch_dispatch_stack() > before["torch dispatch modes"]:
+        torch._C._pop_torch_dispatch_stack()
     torch.set_autocast_enabled("cpu", before["cpu autocast"])
 
 
