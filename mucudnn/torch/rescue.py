@@ -11,12 +11,12 @@ the backward passes (autograd's threads inherit the mode with the rest of the th
 
 Rules:
 
-1. Only an op that mutates nothing and draws no random numbers is run again: its schema
-   declares no mutation (``func._schema.is_mutable`` false) and takes no generator, and it is
-   none of :data:`MUTATES_UNDECLARED`. One that raised has then written nothing, so the second
-   run computes from the same inputs what the first would have, and the random state is as
-   plain PyTorch leaves it (a random op may draw before it allocates). Any other op's error,
-   and any other error, propagate unchanged.
+1. An op is run again only as it first ran: it draws no random numbers (its schema takes no
+   generator: a random op may draw before it allocates), and each argument it writes (declared
+   in its schema, or in :data:`WRITES_UNDECLARED`: batch norm's running statistics) is a tensor
+   of at most :data:`RESTORED_BYTES` in all, copied before the op runs and put back before it
+   runs again, so the second run reads what the first did. Any other op's error (an in-place
+   op on an activation, rrelu's noise), and any other error, propagate unchanged.
 2. What is freed is the step's own: groups the session holds on the device and may let go of
    without changing a value (:func:`evictable`): kept groups (copied to the host, then fetched
    at their unpack as an offloaded group is, bit for bit, and before a recomputation that
@@ -63,10 +63,13 @@ from .planner import KEEP, OFFLOAD
 from .recorder import _current_node
 from .records import _SEQUENCE_NR
 
-#: ops whose schemas declare no mutation, though they write an argument: batch norm's running
-#: statistics (training mode), rrelu's noise
-MUTATES_UNDECLARED = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm",
-                                "aten::miopen_batch_norm", "aten::rrelu_with_noise"})
+#: ops whose schemas declare no write, though they write arguments (their indices): batch
+#: norm's running statistics (training mode), rrelu's noise
+WRITES_UNDECLARED = {"aten::native_batch_norm": (3, 4), "aten::cudnn_batch_norm": (3, 4),
+                     "aten::miopen_batch_norm": (3, 4), "aten::rrelu_with_noise": (1,)}
+#: the most bytes of written arguments copied so that an op can run again (running statistics:
+#: a few KiB; an activation written in place is far more, and is not copied)
+RESTORED_BYTES = 1 << 20
 #: steps armed after a plan (or fixed modes) comes into force, and after a rescued step
 ARMED_STEPS = 3
 #: the first round's bytes where the allocator's message names no size
@@ -83,11 +86,49 @@ def asked_bytes(message: str) -> int:
     return int(float(found.group(1)) * _UNITS[found.group(2)]) if found else DEFAULT_ASK
 
 
-def runs_again(func) -> bool:
-    """Rule 1: whether op ``func`` may be run again after it ran out of memory."""
+_WRITES: dict = {}   # op -> the indices of the arguments it writes; None: it draws randomness
+_UNKNOWN = object()
+
+
+def writes(func) -> tuple | None:
+    """Rule 1: the indices of the arguments op ``func`` writes (declared or not); None where it
+    draws random numbers. Found once per op."""
+    found = _WRITES.get(func, _UNKNOWN)
+    if found is not _UNKNOWN:
+        return found
     schema = func._schema
-    return not schema.is_mutable and schema.name not in MUTATES_UNDECLARED and not any(
-        "Generator" in str(argument.type) for argument in schema.arguments)
+    if any("Generator" in str(argument.type) for argument in schema.arguments):
+        found = None
+    else:
+        found = tuple(sorted({index for index, argument in enumerate(schema.arguments)
+                              if argument.alias_info is not None and argument.alias_info.is_write}
+                             | set(WRITES_UNDECLARED.get(schema.name, ()))))
+    _WRITES[func] = found
+    return found
+
+
+def restorable(func, args, kwargs) -> list | None:
+    """Rule 1: the tensors op ``func`` writes, called with ``args`` and ``kwargs``, each with a
+    copy of its values now; None where it cannot be run again."""
+    indices = writes(func)
+    if indices is None:
+        return None
+    if not indices:
+        return []
+    arguments = func._schema.arguments
+    written, total = [], 0
+    for index in indices:
+        value = args[index] if index < len(args) else kwargs.get(arguments[index].name)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):   # a list of tensors (foreach ops): not copied
+            return None
+        total += value.numel() * value.element_size()
+        if total > RESTORED_BYTES:
+            return None
+        written.append(value)
+    return [(tensor, tensor.clone()) for tensor in written]
+
 
 
 def evictable(group, in_use) -> bool:
@@ -138,20 +179,24 @@ class OomRescue(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
+        # rule 1: what the op writes, copied first (most ops write nothing: no copy)
+        restore = restorable(func, args, kwargs) if writes(func) else []
+        if restore is None:
+            return func(*args, **kwargs)
         # Only the error's message outlives its ``except`` clause: the error's traceback holds
         # this frame, and with it the op's inputs, in a cycle that the collector alone breaks,
         # so a rescued op would keep its inputs (a step's activations) allocated until then.
         try:
             return func(*args, **kwargs)
         except torch.OutOfMemoryError as error:
-            if not runs_again(func):   # rule 1
-                raise
             message = str(error)
         want = 2 * asked_bytes(message)
         while True:
             freed = self.rescuer.rescue(func, want, message)
             if not freed:
                 raise torch.OutOfMemoryError(message) from None
+            for tensor, before in restore:
+                tensor.copy_(before)
             try:
                 return func(*args, **kwargs)
             except torch.OutOfMemoryError as error:

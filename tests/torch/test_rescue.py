@@ -40,16 +40,24 @@ class Refuses(TorchDispatchMode):
         self.asked = asked
         self.calls, self.refused = {}, 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def refuses(self, func) -> bool:
+        """Whether this call of ``func`` is refused (each call counted)."""
         step = self.session.steps
-        if func is self.op and step in self.steps:
-            seen = self.calls[step] = self.calls.get(step, 0) + 1
-            needed = self.needed() if callable(self.needed) else self.needed
-            if seen > self.after and (needed is None or self.session._step.rescued < needed):
-                self.refused += 1
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {self.asked}. GPU 0 has a total "
-                    "capacity of 79.18 GiB of which 70.00 GiB is free. 5.00 GiB allowed")
+        if func is not self.op or step not in self.steps:
+            return False
+        seen = self.calls[step] = self.calls.get(step, 0) + 1
+        needed = self.needed() if callable(self.needed) else self.needed
+        return seen > self.after and (needed is None or self.session._step.rescued < needed)
+
+    def refusal(self):
+        self.refused += 1
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {self.asked}. GPU 0 has a total "
+            "capacity of 79.18 GiB of which 70.00 GiB is free. 5.00 GiB allowed")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.refuses(func):
+            raise self.refusal()
         return func(*args, **(kwargs or {}))
 
 
@@ -154,7 +162,8 @@ def test_each_round_moves_twice_the_last_until_the_op_runs():
 
 @pytest.mark.parametrize("op", [torch.ops.aten.relu_.default, BATCH_NORM],
                          ids=["declared (relu_)", "undeclared (batch norm's statistics)"])
-def test_a_mutating_op_refused_is_not_run_again(op):
+def test_an_op_writing_more_than_is_copied_is_not_run_again(op, monkeypatch):
+    monkeypatch.setattr(rescue, "RESTORED_BYTES", 0)   # nothing this op writes is copied
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 1)
     trace, said = [], []
@@ -164,6 +173,32 @@ def test_a_mutating_op_refused_is_not_run_again(op):
             train(model, data, session)
     assert refuses.refused == 1
     assert not [event for event in trace if event[0] == "rescue"] and not said
+
+
+class WritesThenRefuses(Refuses):
+    """Batch norm's running statistics written (as a kernel that updates them before the
+    allocator refuses it would), then the refusal."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.refuses(func):
+            args[3].add_(1.0)
+            args[4].mul_(3.0)
+            raise self.refusal()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten.relu_.default, BATCH_NORM],
+                         ids=["declared (relu_)", "undeclared (batch norm's statistics)"])
+def test_an_op_writing_a_little_runs_again_on_what_it_first_read(op):
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    session = kept_session([], said)
+    refusing = WritesThenRefuses if op is BATCH_NORM else Refuses
+    with refusing(session, op, steps=(0, 1), after=1, asked="1 B") as refuses:
+        assert_bitwise(reference, train(model, data, session))   # buffers too
+    assert refuses.refused == 2 and len([line for line in said if "run again" in line]) == 2
 
 
 def test_with_nothing_left_to_move_the_error_goes_on_after_one_line():
@@ -291,12 +326,22 @@ def test_a_node_that_unpacks_nothing_of_the_step_is_rescued_by_its_module():
     assert refuses.refused == 1 and any("aten.mm.default" in line for line in said)
 
 
-def test_only_ops_that_write_nothing_and_draw_nothing_run_again():
-    assert rescue.runs_again(CONV) and rescue.runs_again(CONV_BACKWARD)
-    assert not rescue.runs_again(torch.ops.aten.relu_.default)        # declared mutation
-    assert not rescue.runs_again(BATCH_NORM)                          # its running statistics
-    assert not rescue.runs_again(torch.ops.aten.bernoulli.default)    # draws random numbers
-    assert not rescue.runs_again(torch.ops.aten.randperm.generator)
+def test_an_op_runs_again_where_it_draws_nothing_and_what_it_writes_is_small():
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    weight = torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    assert rescue.restorable(CONV, (x, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+                             {}) == []
+    mean, var = torch.zeros(3), torch.ones(3)
+    copies = rescue.restorable(BATCH_NORM, (x, None, None, mean, var, True, 0.1, 1e-5), {})
+    assert [tensor for tensor, _ in copies] == [mean, var]
+    assert all(torch.equal(tensor, copy) and tensor is not copy for tensor, copy in copies)
+    assert rescue.restorable(BATCH_NORM, (x, None, None, None, None, True, 0.1, 1e-5), {}) == []
+    small, large = torch.zeros(16), torch.zeros(rescue.RESTORED_BYTES // 4 + 1)
+    assert len(rescue.restorable(torch.ops.aten.relu_.default, (small,), {})) == 1
+    assert rescue.restorable(torch.ops.aten.relu_.default, (large,), {}) is None
+    assert rescue.restorable(torch.ops.aten.bernoulli.default, (small,), {}) is None
+    assert rescue.restorable(torch.ops.aten.randperm.generator, (4,), {"generator": None}) \
+        is None
 
 
 # -- reproductions from a review of the rescue -----------------------------------------------
