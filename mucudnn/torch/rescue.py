@@ -26,10 +26,10 @@ Rules:
    noise), nor a source of a recomputation under way (:meth:`StepRescue.pinning`).
 3. Needed last goes first: groups no recomputation reads before those one does (which may be
    needed before their own unpack), and among them, in the forward the earliest saved, in the
-   backward the one whose first unpack (as the last whole step had it) is furthest. Each round frees at least twice
-   the bytes the allocator was asked for (its message says; 256 MiB where it does not), then
-   twice the last round; the op is run again after each. When nothing is left to free, an
-   error with the allocator's last message propagates, after one line.
+   backward the one whose first unpack (as the last whole step had it) is furthest. Each round
+   frees at least twice the bytes the allocator was asked for (its message says; 256 MiB where
+   it does not), then twice the last round; the op is run again after each. When nothing is
+   left to free, an error with the allocator's last message propagates, after one line.
 4. A rescued step ends as one that ran out of memory and ran to its end (``lifecycle.RESCUED``:
    the plan for less is made while this one stays in force), and says one line the first time
    it rescues.

@@ -404,13 +404,20 @@ def test_a_planned_step_out_of_memory_plans_for_less_then_falls_back():
     assert not steps.step(status=OUT_OF_MEMORY).lines and not steps.step().lines
 
 
-def test_while_a_replan_is_made_the_steps_run_as_recorded():
+def planned_by_hand() -> tuple:
+    """A lifecycle (no trials) whose plans come when completed by hand, past its recording and
+    its first planned step: its runner, itself and its steps."""
     runner = ManualRunner()
     lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), runner=runner, trials=False)
     steps = Steps(lifecycle)
     steps.record()
     runner.complete()
     steps.step()
+    return runner, lifecycle, steps
+
+
+def test_while_a_replan_is_made_the_steps_run_as_recorded():
+    runner, lifecycle, steps = planned_by_hand()
     waiting = steps.step(status=OUT_OF_MEMORY)
     assert lifecycle.state == REPLANNING and waiting.run == AS_RECORDED and waiting.changed
     assert runner.kinds[-1] == REPLAN and not waiting.lines
@@ -701,12 +708,7 @@ def test_a_lowering_after_flushes_stops_short_of_a_step_in_the_plans_time(case):
 def test_while_a_replan_is_made_after_a_rescued_step_the_plan_that_ran_out_runs():
     """A rescued step (rescue.py) ran to its end: its plan stays in force until the plan for
     less comes, rather than the recording's way; a step that raised falls to that way."""
-    runner = ManualRunner()
-    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), runner=runner, trials=False)
-    steps = Steps(lifecycle)
-    steps.record()
-    runner.complete()
-    steps.step()
+    runner, lifecycle, steps = planned_by_hand()
     in_force, plan_in_force = list(lifecycle.modes), lifecycle.plan
     waiting = steps.step(status=RESCUED)
     assert lifecycle.state == REPLANNING and runner.kinds[-1] == REPLAN

@@ -66,8 +66,9 @@ def kept_session(trace, said, **options):
                           say=said.append, **options)
 
 
-def armed_steps(model, data, session) -> list:
-    """Trains ``model`` on ``data`` under ``session``: whether each step was armed."""
+def armed_steps(model, data, session, after_each=None) -> list:
+    """Trains ``model`` on ``data`` under ``session`` (``after_each()`` after every step):
+    whether each step was armed."""
     armed = []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in data:
@@ -77,6 +78,8 @@ def armed_steps(model, data, session) -> list:
             armed.append(session.rescuer.armed)   # decided at the step's first module
         loss.backward()
         optimizer.step()
+        if after_each is not None:
+            after_each()
     return armed
 
 
@@ -381,17 +384,13 @@ def test_steps_under_the_plan_that_ran_out_stay_armed_until_the_plan_for_less_co
     session = OffloadSession(budget=400_000, link=RecordingLink(), min_bytes=0,
                              record_steps=1, trials=False)
     runner = session.lifecycle.runner = ManualRunner()   # plans come when completed by hand
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def first_plan_only():
+        if runner.waiting and runner.kinds[-1] == "first plan":
+            runner.complete()
     with Refuses(session, CONV_BACKWARD, steps=(4, 9), after=1, asked="1 B") as refuses:
-        for x, y in data:
-            optimizer.zero_grad()
-            with session:
-                loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            if runner.waiting and runner.kinds[-1] == "first plan":
-                runner.complete()
-    assert refuses.refused == 2
+        armed = armed_steps(model, data, session, first_plan_only)
+    assert refuses.refused == 2 and armed[4:] == [True] * 6
     assert session.lifecycle.state == "replanning" and session.lifecycle.replans_used == 1
 
 
