@@ -167,8 +167,8 @@ def eviction_order(step, first_unpacks: list, pinned=frozenset()) -> list:
 
 
 class OomRescue(TorchDispatchMode):
-    """The mode of rules 1 and 5, for ``rescuer`` (a :class:`StepRescue`); :attr:`active` false passes
-    every op through (pushed but not to be popped yet)."""
+    """The mode of rules 1 and 5, for ``rescuer`` (a :class:`StepRescue`); :attr:`active` false
+    passes every op through (pushed but not to be popped yet)."""
 
     def __init__(self, rescuer):
         super().__init__()
