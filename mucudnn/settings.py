@@ -60,6 +60,9 @@ OFFLOAD = Rule("0, 1 or cheap (1/0 also as true/false, yes/no, on/off)",
 PLAN_CACHE = Rule("an absolute directory (~ allowed), or off",
                   lambda text: not text.strip() or text.strip().lower() == "off"
                   or Path(text).expanduser().is_absolute())
+RESCUE = Rule("1/0, true/false, yes/no, on/off or always",
+              lambda text: not text.strip() or text.strip().lower() in {
+                  "1", "0", "true", "false", "yes", "no", "on", "off", "always"})
 PERCENT_50 = Rule(f"a whole percent from 0 to {MAX_OFFLOAD_HEADROOM}",
                   lambda text: not text.strip()
                   or _is_count(text.strip(), most=MAX_OFFLOAD_HEADROOM))
@@ -128,6 +131,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_OFFLOAD_FREEZE_GC", "1: when the first offload plan takes over, Python's "
             "garbage collector freezes what the process holds then (gc.freeze), so that its full "
             "collections stop pausing steps; 0: leave the collector alone", "1", (PYTHON,), BOOL),
+    Setting("MUCUDNN_OFFLOAD_RESCUE", "1: an op the caching allocator refuses in the first steps "
+            "of an offload plan runs again once kept tensors are on the host (mucudnn.torch's "
+            "rescue); always: in every planned step; 0: never", "1", (PYTHON,), RESCUE),
     Setting("MUCUDNN_PLAN_CACHE", "directory of the offload plans kept between runs of a "
             "script (mucudnn.torch.plancache), or off", "$XDG_CACHE_HOME/mucudnn/offload-plans",
             (PYTHON,), PLAN_CACHE),

@@ -30,3 +30,25 @@ def test_freeze_gc_reads_what_the_settings_table_accepts(text, capsys):
 def test_freeze_gc_unset_or_empty_is_the_default():
     assert hook.offload_freeze_gc(None) is True
     assert hook.offload_freeze_gc("") is True
+
+
+RESCUE = next(s for s in settings.SETTINGS if s.name == "MUCUDNN_OFFLOAD_RESCUE")
+
+
+@pytest.mark.parametrize("text", WORDS + ["always", "ALWAYS", " always "])
+def test_rescue_reads_what_the_settings_table_accepts(text, capsys):
+    value = hook.offload_rescue(text)
+    accepted = RESCUE.rule.test(text)
+    warned = "MUCUDNN_OFFLOAD_RESCUE" in capsys.readouterr().err
+    assert warned == (not accepted)
+    word = text.strip().lower()
+    if not accepted or word in {"1", "true", "yes", "on"}:
+        assert value is True      # the default (after one warning line where not accepted)
+    elif word == "always":
+        assert value == "always"
+    else:
+        assert value is False
+
+
+def test_rescue_unset_or_empty_is_the_default():
+    assert hook.offload_rescue(None) is True and hook.offload_rescue("") is True

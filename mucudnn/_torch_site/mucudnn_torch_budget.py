@@ -25,13 +25,14 @@ import sys
 # loaded in-process by mucudnn.budget it is not, and the mucudnn package is importable instead.
 try:
     from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_FREEZE_GC,
-                                   ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE, ENV_REPORT,
-                                   MAX_OFFLOAD_HEADROOM)
+                                   ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE, ENV_OFFLOAD_RESCUE,
+                                   ENV_REPORT, MAX_OFFLOAD_HEADROOM)
 except ImportError:
     from mucudnn._torch_site.mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD,
                                                        ENV_OFFLOAD_FREEZE_GC,
                                                        ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE,
-                                                       ENV_REPORT, MAX_OFFLOAD_HEADROOM)
+                                                       ENV_OFFLOAD_RESCUE, ENV_REPORT,
+                                                       MAX_OFFLOAD_HEADROOM)
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
 
 
@@ -408,6 +409,24 @@ def offload_freeze_gc(value: str | None) -> bool:
     return True
 
 
+def offload_rescue(value: str | None) -> bool | str:
+    """``MUCUDNN_OFFLOAD_RESCUE``: whether the process-wide session runs again an op the caching
+    allocator refused in a plan's first steps (default yes: ``OffloadSession(rescue=True)``),
+    in every planned step (``always``) or never (a false word). Another value: one warning
+    line, and the default."""
+    text = (value or "").strip().lower()
+    if not text or text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    if text == "always":
+        return "always"
+    say("warning", f"{ENV_OFFLOAD_RESCUE}={value!r} is not one of 1/0, true/false, yes/no, "
+                   "on/off or always; an op refused in a plan's first steps is run again (the "
+                   "default)")
+    return True
+
+
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     """Enters one :class:`mucudnn.torch.offload_session.OffloadSession` for the whole process (never
     left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
@@ -421,6 +440,7 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
                                  profile_to=os.environ.get(ENV_OFFLOAD_PROFILE) or None,
                                  freeze_gc=offload_freeze_gc(
                                      os.environ.get(ENV_OFFLOAD_FREEZE_GC)),
+                                 rescue=offload_rescue(os.environ.get(ENV_OFFLOAD_RESCUE)),
                                  **({} if headroom is None else {"headroom": headroom}))
         session.__enter__()
     except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`

@@ -172,3 +172,25 @@ def test_the_plans_headroom_comes_from_the_environment(tmp_path, monkeypatch, ca
     stderr = capfd.readouterr().err      # the script's process writes it, not the CLI
     said = [line for line in stderr.splitlines() if "MUCUDNN_OFFLOAD_HEADROOM" in line]
     assert len(said) == (1 if warned else 0) and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, "[True]"),            # the session's default: a plan's first steps
+    ("always", "['always']"),
+    ("0", "[False]"),
+    ("sometimes", None),         # refused by `mucudnn run` in one line
+])
+def test_the_rescue_comes_from_the_environment(tmp_path, monkeypatch, value, expected):
+    monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
+    if value is None:
+        monkeypatch.delenv("MUCUDNN_OFFLOAD_RESCUE", raising=False)
+    else:
+        monkeypatch.setenv("MUCUDNN_OFFLOAD_RESCUE", value)
+    result, out = sessions_attribute(tmp_path, "rescuer.when")
+    if expected is None:
+        said = [line for line in result.output.splitlines() if "MUCUDNN_OFFLOAD_RESCUE" in line]
+        assert result.exit_code == 2 and len(said) == 1 and repr(value) in said[0], result.output
+        assert "Traceback" not in result.output and not out
+        return
+    assert result.exit_code == 0, result.output
+    assert f"rescuer.when {expected}" in out
