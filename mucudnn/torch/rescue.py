@@ -130,7 +130,6 @@ def restorable(func, args, kwargs) -> list | None:
     return [(tensor, tensor.clone()) for tensor in written]
 
 
-
 def evictable(group, in_use) -> bool:
     """Rule 2: whether ``group``'s device tensor can go to the host (or simply go) now, the step
     computing the same values. ``in_use``: the groups the running node unpacked."""
