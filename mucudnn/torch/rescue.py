@@ -107,9 +107,9 @@ def writes(func) -> tuple | None:
     return found
 
 
-def restorable(func, args, kwargs) -> list | None:
-    """Rule 1: the tensors op ``func`` writes, called with ``args`` and ``kwargs``, each with a
-    copy of its values now; None where it cannot be run again."""
+def written_arguments(func, args, kwargs) -> list | None:
+    """Rule 1: the tensors op ``func`` writes, called with ``args`` and ``kwargs`` (to be copied
+    before it runs); None where it cannot be run again."""
     indices = writes(func)
     if indices is None:
         return None
@@ -127,7 +127,7 @@ def restorable(func, args, kwargs) -> list | None:
         if total > RESTORED_BYTES:
             return None
         written.append(value)
-    return [(tensor, tensor.clone()) for tensor in written]
+    return written
 
 
 def evictable(group, in_use) -> bool:
@@ -178,14 +178,17 @@ class OomRescue(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
-        # rule 1: what the op writes, copied first (most ops write nothing: no copy)
-        restore = restorable(func, args, kwargs) if writes(func) else []
-        if restore is None:
+        # rule 1: what the op writes, copied before it runs (most ops write nothing: no copy)
+        indices = writes(func)
+        written = written_arguments(func, args, kwargs) if indices else []
+        if written is None:
             return func(*args, **kwargs)
         # Only the error's message outlives its ``except`` clause: the error's traceback holds
         # this frame, and with it the op's inputs, in a cycle that the collector alone breaks,
         # so a rescued op would keep its inputs (a step's activations) allocated until then.
+        copies = None   # made before the op's first run; refused too, they are made again
         try:
+            copies = [tensor.clone() for tensor in written]
             return func(*args, **kwargs)
         except torch.OutOfMemoryError as error:
             message = str(error)
@@ -194,9 +197,12 @@ class OomRescue(TorchDispatchMode):
             freed = self.rescuer.rescue(func, want, message)
             if not freed:
                 raise torch.OutOfMemoryError(message) from None
-            for tensor, before in restore:
-                tensor.copy_(before)
             try:
+                if copies is None:
+                    copies = [tensor.clone() for tensor in written]
+                else:
+                    for tensor, before in zip(written, copies):
+                        tensor.copy_(before)
                 return func(*args, **kwargs)
             except torch.OutOfMemoryError as error:
                 message = str(error)
