@@ -66,6 +66,23 @@ def sessions_attribute(tmp_path, attribute: str, *options) -> tuple[object, str]
     return result, out.read_text() if out.exists() else ""
 
 
+def attribute_under(tmp_path, monkeypatch, variable: str, value: str | None, attribute: str,
+                    refused: bool) -> tuple[object, str]:
+    """:func:`sessions_attribute` with ``variable`` set to ``value`` (None: unset); where it is
+    ``refused``, asserts `mucudnn run` refuses it in one line naming it and starts nothing."""
+    monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
+    if value is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, value)
+    result, out = sessions_attribute(tmp_path, attribute)
+    if refused:
+        said = [line for line in result.output.splitlines() if variable in line]
+        assert result.exit_code == 2 and len(said) == 1 and repr(value) in said[0], result.output
+        assert "Traceback" not in result.output and not out
+    return result, out
+
+
 @pytest.mark.parametrize("options,expected", [((), "[True]"),
                                               (("--no-recompute-convolutions",), "[False]")])
 def test_offload_recomputes_convolutions_unless_told_not_to(tmp_path, monkeypatch, options,
@@ -156,16 +173,9 @@ def test_workspace_slack_off_in_any_case(tmp_path, monkeypatch):
 ])
 def test_the_plans_headroom_comes_from_the_environment(tmp_path, monkeypatch, capfd, value,
                                                        expected, warned):
-    monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
-    if value is None:
-        monkeypatch.delenv("MUCUDNN_OFFLOAD_HEADROOM", raising=False)
-    else:
-        monkeypatch.setenv("MUCUDNN_OFFLOAD_HEADROOM", value)
-    result, out = sessions_attribute(tmp_path, "headroom")
-    if warned:    # `mucudnn run` refuses it in one line; the process never starts
-        said = [line for line in result.output.splitlines() if "MUCUDNN_OFFLOAD_HEADROOM" in line]
-        assert result.exit_code == 2 and len(said) == 1 and repr(value) in said[0], result.output
-        assert "Traceback" not in result.output and not out
+    result, out = attribute_under(tmp_path, monkeypatch, "MUCUDNN_OFFLOAD_HEADROOM", value,
+                                  "headroom", refused=warned)
+    if warned:
         return
     assert result.exit_code == 0, result.output
     assert f"headroom {expected}" in out
@@ -181,16 +191,9 @@ def test_the_plans_headroom_comes_from_the_environment(tmp_path, monkeypatch, ca
     ("sometimes", None),         # refused by `mucudnn run` in one line
 ])
 def test_the_rescue_comes_from_the_environment(tmp_path, monkeypatch, value, expected):
-    monkeypatch.delenv("MUCUDNN_OFFLOAD", raising=False)
-    if value is None:
-        monkeypatch.delenv("MUCUDNN_OFFLOAD_RESCUE", raising=False)
-    else:
-        monkeypatch.setenv("MUCUDNN_OFFLOAD_RESCUE", value)
-    result, out = sessions_attribute(tmp_path, "rescuer.when")
+    result, out = attribute_under(tmp_path, monkeypatch, "MUCUDNN_OFFLOAD_RESCUE", value,
+                                  "rescuer.when", refused=expected is None)
     if expected is None:
-        said = [line for line in result.output.splitlines() if "MUCUDNN_OFFLOAD_RESCUE" in line]
-        assert result.exit_code == 2 and len(said) == 1 and repr(value) in said[0], result.output
-        assert "Traceback" not in result.output and not out
         return
     assert result.exit_code == 0, result.output
     assert f"rescuer.when {expected}" in out
