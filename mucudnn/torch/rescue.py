@@ -187,16 +187,8 @@ class OomRescue(TorchDispatchMode):
         # this frame, and with it the op's inputs, in a cycle that the collector alone breaks,
         # so a rescued op would keep its inputs (a step's activations) allocated until then.
         copies = None   # made before the op's first run; refused too, they are made again
-        try:
-            copies = [tensor.clone() for tensor in written]
-            return func(*args, **kwargs)
-        except torch.OutOfMemoryError as error:
-            message = str(error)
-        want = 2 * asked_bytes(message)
+        want = freed = 0
         while True:
-            freed = self.rescuer.rescue(func, want, message)
-            if not freed:
-                raise torch.OutOfMemoryError(message) from None
             try:
                 if copies is None:
                     copies = [tensor.clone() for tensor in written]
@@ -206,7 +198,10 @@ class OomRescue(TorchDispatchMode):
                 return func(*args, **kwargs)
             except torch.OutOfMemoryError as error:
                 message = str(error)
-            want = 2 * max(want, freed)
+            want = 2 * max(want, freed) if want else 2 * asked_bytes(message)
+            freed = self.rescuer.rescue(func, want, message)
+            if not freed:
+                raise torch.OutOfMemoryError(message) from None
 
 
 def push(mode: OomRescue) -> None:
