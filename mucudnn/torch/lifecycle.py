@@ -237,7 +237,8 @@ class Lifecycle:
         # out of memory still has its replans
         self.lowerings_left = replans
         self.replans_used = 0
-        #: replanning after a rescued step: the plan that ran out stays in force meanwhile
+        #: while replanning (set as it begins, read only then): after a rescued step, the plan
+        #: that ran out stays in force meanwhile
         self._replan_under_plan = False
         self.trials, self.keep_apart = trials, keep_apart
         self.staging, self.strict = staging, strict
@@ -315,9 +316,9 @@ class Lifecycle:
     @property
     def inline(self) -> bool:
         """The next step offloads every saved tensor inline, fetched on demand, as the recording
-        did: a plan is being made in its place, or the session fell back."""
-        return self.state in (PLANNING, FALLBACK) or (self.state == REPLANNING
-                                                       and not self._replan_under_plan)
+        did: a plan is being made in its place (unless a rescued step's plan runs meanwhile),
+        or the session fell back."""
+        return self.state in (PLANNING, REPLANNING, FALLBACK) and not self.replanning_under_plan
 
     @property
     def run(self) -> str:
@@ -435,7 +436,7 @@ class Lifecycle:
             self._awaiting = None     # the trial is over before its other plans were made
         if trial is not None:
             self.state = WATCHING
-        if outcome.status == OUT_OF_MEMORY and self._replan_under_plan:
+        if outcome.status == OUT_OF_MEMORY and self.replanning_under_plan:
             # the plan in force raised while the one for less is made: the recording's way
             self._replan_under_plan = False
             self.modes = offload_everything(self.profile.groups)
@@ -469,7 +470,6 @@ class Lifecycle:
     def _fall_back(self, outcome: StepOutcome | None = None) -> None:
         """Every later step offloads every saved tensor inline, as the recording step ran."""
         self.state = FALLBACK
-        self._replan_under_plan = False
         self.fell_back = self._forget = True
         self.trial, self._awaiting = None, None
         self.modes = offload_everything(self.profile.groups) if self.profile is not None else [
@@ -704,7 +704,6 @@ class Lifecycle:
         self.modes = list(made.plan.modes)
         self.kept_after_trial = None
         self.state = WATCHING if self.trials else PLANNED
-        self._replan_under_plan = False
         self._watch_from_now()   # not the flush of the step that failed (a retry before it)
         self._write = self._settled = True
         self._say(f"a step under the offload plan for {_gib(self.budget)} ran out of device "
