@@ -395,18 +395,29 @@ def offload_headroom(value: str | None) -> float | None:
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
-def offload_freeze_gc(value: str | None) -> bool:
-    """``MUCUDNN_OFFLOAD_FREEZE_GC``: whether the process-wide session freezes Python's garbage
-    collector's older objects when its first plan takes over (default yes). Another value: one
-    warning line, and the default."""
+def _switch(variable: str, value: str | None, default: str, more: tuple = ()) -> bool | str:
+    """An on/off setting whose default is on: True unset, empty or a true word, False a false
+    word, a word of ``more`` itself; another value: one warning line saying ``default``, and
+    True."""
     text = (value or "").strip().lower()
     if not text or text in _TRUE:
         return True
     if text in _FALSE:
         return False
-    say("warning", f"{ENV_OFFLOAD_FREEZE_GC}={value!r} is not one of 1/0, true/false, yes/no or "
-                   "on/off; the collector is frozen at the first plan (the default)")
+    if text in more:
+        return text
+    words = ("1/0", "true/false", "yes/no", "on/off") + more
+    say("warning", f"{variable}={value!r} is not one of {', '.join(words[:-1])} or "
+                   f"{words[-1]}; {default}")
     return True
+
+
+def offload_freeze_gc(value: str | None) -> bool:
+    """``MUCUDNN_OFFLOAD_FREEZE_GC``: whether the process-wide session freezes Python's garbage
+    collector's older objects when its first plan takes over (default yes). Another value: one
+    warning line, and the default."""
+    return _switch(ENV_OFFLOAD_FREEZE_GC, value,
+                   "the collector is frozen at the first plan (the default)")
 
 
 def offload_rescue(value: str | None) -> bool | str:
@@ -414,17 +425,8 @@ def offload_rescue(value: str | None) -> bool | str:
     allocator refused in a plan's first steps (default yes: ``OffloadSession(rescue=True)``),
     in every planned step (``always``) or never (a false word). Another value: one warning
     line, and the default."""
-    text = (value or "").strip().lower()
-    if not text or text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    if text == "always":
-        return "always"
-    say("warning", f"{ENV_OFFLOAD_RESCUE}={value!r} is not one of 1/0, true/false, yes/no, "
-                   "on/off or always; an op refused in a plan's first steps is run again (the "
-                   "default)")
-    return True
+    return _switch(ENV_OFFLOAD_RESCUE, value, "an op refused in a plan's first steps is run "
+                   "again (the default)", more=("always",))
 
 
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
