@@ -195,7 +195,7 @@ def summarize(report: dict) -> dict:
     budget, target = report["budget_bytes"], report["settings"]["target"]
     points = report["sweep"]["points"]
     held = [p for p in points if p["holds"]]
-    best = max(held, key=lambda p: p["images_per_s"]) if held else None
+    best = fastest_held(points)
     pick = (report.get("tuner") or {}).get("pick")
     pick_point = next((p for p in points if p["batch"] == pick), None)
     ratio = None

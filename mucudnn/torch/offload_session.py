@@ -657,7 +657,6 @@ class OffloadSession(PlanLifecycle):
                 self._empty_caches()
         self.rescuer.arm(ended=True, rescued=bool(rescued))
 
-
     def _at_step_start(self) -> None:
         """A module runs or a tensor is saved: if the step before has unpacked (its backward
         ran), this one is the next step's first, and that step ends here; a cache emptying
