@@ -90,6 +90,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from benchmarks.budget_plot import GiB, plot, trains
@@ -347,7 +348,7 @@ def worker(args) -> None:
                 raise
             loss = None
             failed_steps.append(step)
-            import traceback   # where it ran out: the op, and whether rescue.py saw it
+            # where it ran out: the op, and whether rescue.py saw it
             print(f"step {step}: out of memory\n" + "".join(
                 traceback.format_exc().splitlines(keepends=True)[-14:]),
                 file=sys.stderr, flush=True)
