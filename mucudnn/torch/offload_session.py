@@ -179,6 +179,7 @@ class OffloadSession(PlanLifecycle):
         self._handles = []
         self._hooks = None
         self._depth = 0                 # ``with`` blocks entered and not left
+        self._function_modes_below = 0   # torch function modes below the op recorder (__enter__)
         #: records the steps' calls (modules and ops) and finds their recipes (recorder.py)
         self.recorder = StepRecorder(self)
         #: stage.py: whether plans may stage the leading chain; the stage in force (its profile
@@ -220,6 +221,9 @@ class OffloadSession(PlanLifecycle):
         hooks = torch.nn.modules.module
         self._handles = [hooks.register_module_forward_pre_hook(self._before_module),
                          hooks.register_module_forward_hook(self._after_module, always_call=True)]
+        # the torch function modes below the session's: where the stack has this many again
+        # at a step's start, the op recorder may go on top (:meth:`_start_ops_if_due`)
+        self._function_modes_below = torch._C._len_torch_function_stack()
         if self._recipes_used():  # the ops a recipe may include (the residual add)
             self.recorder.start_ops()
         self.rescuer.enter()
@@ -314,6 +318,8 @@ class OffloadSession(PlanLifecycle):
         if not step.live or step.unpacks or self._empty_cache_due:
             self._at_step_start()
         step = self._step
+        if self.recorder.ops is None and not step.ops_looked_at:
+            self._start_ops_if_due(step)
         parent = self._containers[-1] if self._containers else None
         # a stage in force stages its chain; in a recording step only the one that step took
         # (:meth:`_stages_recording`: the recording would not fit otherwise)
@@ -668,6 +674,20 @@ class OffloadSession(PlanLifecycle):
             self._end_step(failed=True, abandoned=True)
         if self._empty_cache_due:
             self._empty_caches()
+
+    def _start_ops_if_due(self, step: _Step) -> None:
+        """At ``step``'s first leaf module, once: the op recorder entered where the ``with`` was
+        entered without it and the step's modes recompute. A new plan takes over at its step's
+        first module or save, inside the ``with`` (the first planned step after steps run as
+        recorded). Only where nothing the script entered since the ``with`` is above it on the
+        stack of torch function modes (the script's own mode would leave first), and never from
+        the pack hook (it runs inside an op, where a mode handling that op is off the stack);
+        else the step's recipes through the recorded ops (a residual add) are not found, and
+        their groups are kept, as said then."""
+        step.ops_looked_at = True
+        if self._depth > 0 and self._recipes_used() and \
+                torch._C._len_torch_function_stack() == self._function_modes_below:
+            self.recorder.start_ops()
 
     def _empty_caches(self) -> None:
         self._empty_cache_due = False

@@ -338,6 +338,7 @@ class _Step:
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
     watching: bool = False         # that callback is queued
     finds_recipes: bool | None = None   # OffloadSession._finds_recipes, once decided
+    ops_looked_at: bool = False   # OffloadSession._start_ops_if_due ran at a module of it
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies

@@ -2,6 +2,7 @@
 saved tensors rebuilt from saved groups through modules, adds and concatenations, bitwise equal
 to a plain run, and never from a source changed since it was saved."""
 
+import contextlib
 import copy
 
 import pytest
@@ -11,6 +12,7 @@ if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
     pytest.skip("needs a real PyTorch", allow_module_level=True)
 
 from torch import nn  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from benchmarks.host_overhead import resnet_of  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
@@ -677,3 +679,59 @@ def test_a_profile_counts_what_a_rebuild_allocates():
     assert pooled[0].rebuild_bytes == convolution_output + pooled[0].nbytes
     # beside the pooled output itself, which stays (live from its rebuild)
     assert pooled[0].transient == convolution_output
+
+
+def first_planned_step_after_one_run_as_recorded(inner_mode=None):
+    """A budget session on a ResNet whose plan is made in the background (completed by hand
+    before step 3, so step 2 runs as recorded, every tensor offloaded, no recipe used): per step,
+    the groups its plan recomputes that were kept, and the gradients against a plain run.
+    ``inner_mode``: a torch function mode the script enters inside the ``with``."""
+    from test_lifecycle import ManualRunner
+
+    dtype = torch.float64
+    model, data = resnet(BasicBlock, [3, 2], [8, 16], dtype), batches(dtype, 6)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(budget=1, link=RecordingLink(gbps=(1e-5, 1e-5)), min_bytes=0,
+                             headroom=0.0, trials=False)
+    session.budget = int(saved_bytes(model, data) * 0.5)
+    runner = session.lifecycle.runner = ManualRunner()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results, kept, modes_in_with = [], [], []
+    for step, (x, y) in enumerate(data):
+        if step == 3:
+            runner.complete()       # the plan takes over at step 3's first module
+        optimizer.zero_grad()
+        with session:
+            with inner_mode() if inner_mode else contextlib.nullcontext():
+                loss = nn.functional.cross_entropy(model(x), y)
+            modes_in_with.append(session.modes)
+        loss.backward()
+        kept.append([g.gid for g in session._step.groups
+                     if g.wanted == RECOMPUTE and g.mode == KEEP])
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    assert_bitwise(reference, results)
+    assert modes_in_with[2] is not None and RECOMPUTE not in modes_in_with[2]   # as recorded
+    assert RECOMPUTE in modes_in_with[3]
+    return session, kept
+
+
+def test_the_first_planned_step_after_one_run_as_recorded_recomputes_through_adds():
+    # the ``with`` of step 3 is entered under step 2's modes (no recompute): the op recorder
+    # goes on at the step's start, once the plan is in force, so blocks' outputs have recipes
+    session, kept = first_planned_step_after_one_run_as_recorded()
+    assert kept[3:] == [[], [], []]
+    added = through_adds(session._step.groups)
+    assert added and all(g.mode == RECOMPUTE for g in added)
+
+
+def test_a_function_mode_the_script_entered_keeps_the_op_recorder_out_and_the_groups_kept():
+    # above the script's own mode the recorder would be popped by its exit: it stays out, and
+    # the groups whose recipes pass through an add are kept that step (never a wrong gradient)
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    session, kept = first_planned_step_after_one_run_as_recorded(Passing)
+    assert kept[3] and kept[4:] == [[], []]
