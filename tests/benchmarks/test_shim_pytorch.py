@@ -137,6 +137,8 @@ def test_trace_summary_splits_busy_and_idle_time_per_stream():
     assert summary["largest_gaps_ms_at_ms"][0] == [0.25, 0.15, "conv"]   # what it waited to run
     assert list(summary["runtime_calls_ms"]) == ["cudaEventSynchronize", "cudaLaunchKernel"]
     assert summary["runtime_calls_ms"]["cudaLaunchKernel"] == [0.01, 2]
+    # the compute stream's kernels by name, each kernel's own time (overlaps not merged)
+    assert summary["compute_kernels_ms"] == {"k": [0.23, 3], "conv": [0.1, 1]}
     assert trace_summary({"traceEvents": []}) == {}
 
 
