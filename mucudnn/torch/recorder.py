@@ -599,17 +599,14 @@ def step_profile(step: _Step, link: SameMemoryLink, copy_exposure: float, tail_p
             sources, rebuild_bytes or None))
     packs = [m for m in step.marks if m[0] == "pack"]
     unpack_marks = [m for m in step.marks if m[0] == "unpack"]
-    # compute only: the host's waits for copies and for pinned memory are left out
-    forward_ms = link.compute_ms(packs[0][2], unpack_marks[0][2]) if unpack_marks else 0.0
-    backward_ms = (link.compute_ms(unpack_marks[0][2], step.end_mark or unpack_marks[-1][2])
-                   if unpack_marks else 0.0)
-    link.timing, link.stalls = False, []
-    moved = sum(g.nbytes for g in groups if g.offloadable)
-    # The recording step copied every offloaded tensor on the compute stream, to the host in
-    # the forward and back on demand in the backward: those copies are not compute (at least
+    # Compute only: the host's waits (stalls) and the recording's own copies to the host in the
+    # forward and back in the backward, each inline on the compute stream, are left out (at least
     # the forward's time remains in the backward).
-    forward_ms = max(forward_ms - planner.transfer_ms(moved, d2h), 0.0)
-    backward_ms = max(backward_ms - planner.transfer_ms(moved, h2d), forward_ms)
+    forward_ms = _span_ms(step, link, packs[0][2], unpack_marks[0][2]) if unpack_marks else 0.0
+    backward_ms = max(_span_ms(step, link, unpack_marks[0][2],
+                               step.end_mark or unpack_marks[-1][2]),
+                      forward_ms) if unpack_marks else 0.0
+    link.timing, link.stalls = False, []
     profile = planner.StepProfile(
         groups, forward_ms, backward_ms, d2h, h2d, unpacks,
         backward_clock=_clock(step, link, unpack_marks, unpacks, "h2d"),
@@ -646,6 +643,17 @@ def step_profile(step: _Step, link: SameMemoryLink, copy_exposure: float, tail_p
     profile.floor_backward = [f + grown for f in floor]
     return profile
 
+
+
+def _span_ms(step: _Step, link: SameMemoryLink, start, end) -> float:
+    """Compute ms from mark ``start`` to mark ``end`` of recording ``step``: their time on the
+    link's clock less its stalls and less each of the step's inline copies between them, as each
+    copy took (not as the link's best speed would move its bytes: a recording copies every
+    saved tensor, and the forward's compute is a tenth of its copies' time, so a copy a few per
+    cent slower than the fastest would count as compute several times over)."""
+    copying = sum(link.compute_ms(before, after) for _, _, before, after in step.copies
+                  if before.link is link and start.seq < before.seq and after.seq <= end.seq)
+    return max(0.0, link.compute_ms(start, end) - copying)
 
 
 def _call_ms(link: SameMemoryLink, call: _Call, d2h: float) -> float | None:

@@ -184,24 +184,23 @@ def test_a_convolution_recorded_under_autocast_is_replayed_under_it():
 class LaggingHostLink(RecordingLink):
     """A link on a fake clock: each stamp reads 1 µs after the one before (wall-clock time plays
     no part: how busy the machine is cannot change a time), and the host falls 50 ms behind (the
-    device idle meanwhile, as its clock shows) at every pack of ``lagging`` recording steps
-    (counted from 1)."""
+    device idle meanwhile, as its clock shows) at every saved group of ``lagging`` recording
+    steps (counted from 1), between the group's copy and the next (where a lag is compute time
+    to the clock, as the host's interpreter would make it, not a copy's)."""
 
     TICK = 1e-6
 
     def __init__(self, lagging):
         super().__init__()
-        self.lagging, self.packs, self.lag, self.ticks = lagging, 0, 0.0, 0
+        self.lagging, self.lag, self.ticks, self.session = lagging, 0.0, 0, None
 
     def _stamp(self):
         self.ticks += 1
         return self.ticks * self.TICK + self.lag
 
-    def offload(self, tensor, inline=False, held=False):
-        if inline and self.packs // self.groups + 1 in self.lagging:
+    def keep_device_behind(self):   # at each saved group of a recording step, before its mark
+        if self.session.lifecycle.recorded_steps + 1 in self.lagging:
             self.lag += 0.05
-        self.packs += 1
-        return super().offload(tensor, inline, held)
 
 
 @pytest.mark.parametrize("lagging", [{1}, {2}])
@@ -211,15 +210,12 @@ def test_a_host_lagging_in_one_recording_step_stretches_no_time_of_the_profile(l
     # fake clock an unlagged recording's times are its stamps, a µs each (about 0.1 ms here), and
     # a lagged one's at least 50 ms: deterministic on any machine, however busy
     model, data = small_cnn(torch.float32), batches(torch.float32, 3)
-    probe = OffloadSession(budget=GiB, link=RecordingLink(), min_bytes=0)
-    train(copy.deepcopy(model), data[:1], probe)
     link = LaggingHostLink(lagging)
-    link.groups = len([g for g in probe._step.groups if g.offloadable])
     recordings = []
     least_times = planner.least_times
     monkeypatch.setattr(planner, "least_times",
                         lambda profiles: recordings.extend(profiles) or least_times(profiles))
-    session = OffloadSession(budget=GiB, link=link, min_bytes=0, record_steps=2)
+    session = link.session = OffloadSession(budget=GiB, link=link, min_bytes=0, record_steps=2)
     train(model, data, session)
     profile = session.profile
     assert link.lag >= 0.05 * 5
@@ -411,3 +407,41 @@ def test_the_last_call_that_returned_a_tensor_is_found_where_calls_nest():
     pooled = next(g for g in session._step.groups if g.nbytes == 4 * 8 * 8 * 8 * 8 and g.gid > 0)
     assert pooled.recipe is not None and pooled.mode == RECOMPUTE
     assert [c.name for c in pooled.recipe.calls] == ["AvgPool2d"]
+
+
+class SlowCopyLink(LaggingHostLink):
+    """:class:`LaggingHostLink`'s fake clock, lagging nowhere, where each inline copy (either
+    way) takes 5 ms on the clock though the link's speed (1000 GB/s) would move its bytes in
+    nanoseconds: a recording's copies slower than the link's best."""
+
+    def __init__(self):
+        super().__init__(lagging=set())
+
+    def keep_device_behind(self):
+        pass
+
+    def offload(self, tensor, inline=False, held=False):
+        if inline:
+            self.lag += 0.005
+        return super().offload(tensor, inline, held)
+
+    def fetch(self, host, device, inline=False):
+        if inline:
+            self.lag += 0.005
+        return super().fetch(host, device, inline)
+
+
+def test_a_recordings_copies_are_no_compute_time_however_slow():
+    # every saved tensor is copied inline to the host and back in a recording: the forward's
+    # and the backward's compute times leave out each copy as long as it took (a copy slower
+    # than the link's speed says would otherwise count as compute: 5 ms a copy, against the
+    # step's ~0.1 ms of fake-clock compute)
+    model, data = small_cnn(torch.float32), batches(torch.float32, 3)
+    link = SlowCopyLink()
+    session = link.session = OffloadSession(budget=GiB, link=link, min_bytes=0, record_steps=2)
+    train(model, data, session)
+    profile = session.profile
+    copies = sum(g.offloadable for g in profile.groups)
+    assert copies >= 5 and link.lag >= 2 * 2 * copies * 0.005   # both ways, both recordings
+    assert profile.forward_ms < 1 and profile.backward_ms < 1
+    assert profile.forward_clock[-1] < 1 and profile.backward_clock[-1] < 1
