@@ -12,7 +12,8 @@ One controller, :class:`Lifecycle`, in one of these states (:attr:`Lifecycle.sta
   fastest that did not flush the caching allocator's cache stays (:meth:`Trial.kept`);
 - ``watching``: a plan in force; once :data:`planner.WATCH_FLUSHING` of its last
   :data:`planner.WATCH_STEPS` steps flushed the allocator's cache, the plan for a target half
-  the headroom lower is made (while this one runs) and tried;
+  the headroom lower is made (while this one runs) and tried, unless this one flushed in none
+  of its last :data:`planner.WATCH_STEPS` steps by the time it comes (it was settling);
 - ``planned``: a plan in force, trials off: nothing watched;
 - ``replanning``: a planned step ran out of memory; the plan for a lower target is being made,
   each step meanwhile running as the recording did, or, where the step was rescued
@@ -392,7 +393,7 @@ class Lifecycle:
             self._failed(outcome, out_of_memory)
         elif self.trial is not None:
             self._advance_trial(outcome)
-        elif self.state == WATCHING and self._awaiting is None:
+        elif self.state == WATCHING:
             self._watch_flushes()
 
     def _recording_ended(self, outcome: StepOutcome, failed: bool, out_of_memory: bool) -> None:
@@ -493,6 +494,8 @@ class Lifecycle:
         self._flushing.append(any(count > self._flush_counts.get(link, count)
                                   for link, count in counts.items()))
         self._flush_counts = counts
+        if self._awaiting is not None:   # the plan for less is being made: watched for
+            return                       # :meth:`_lower_made`, nothing asked
         flushed = sum(self._flushing)
         if flushed < planner.WATCH_FLUSHING:
             return
@@ -679,6 +682,18 @@ class Lifecycle:
                 self._keep(trial, times, best, why)
             return
         self.lowerings_left -= 1
+        if len(self._flushing) == planner.WATCH_STEPS and not any(self._flushing):
+            # The plan in force flushed none of its last steps while this one was made: its
+            # flushes were the caching allocator settling into its layout (a trial's steps,
+            # each plan's first after the cache was emptied), and a plan for less is slower.
+            self._before_lowering = None
+            self._say(f"the offload plan flushed the caching allocator's cache in none of its "
+                      f"last {planner.WATCH_STEPS} steps while the plan for "
+                      f"{_gib(made.target)} was made: it stays")
+            if after[0] == "trial":
+                _, trial, times, best, why = after
+                self._keep(trial, times, best, why)
+            return
         self.replans_used += 1
         self._lowered_target = made.target
         if after[0] == "trial":

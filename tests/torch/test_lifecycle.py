@@ -723,3 +723,53 @@ def test_while_a_replan_is_made_after_a_rescued_step_the_plan_that_ran_out_runs(
     assert lifecycle.state == PLANNED and done.run == MODES and done.changed
     assert lifecycle.plan is not plan_in_force
     assert lifecycle.replans_left == 2
+
+
+def test_a_plan_for_less_that_comes_after_the_plan_in_force_stopped_flushing_is_not_taken():
+    # the lone plan flushed in its trial (the caching allocator settling: each plan starts from
+    # an emptied cache); by the time the plan for less is made in the background it has run
+    # WATCH_STEPS steps without a flush: it stays, and the lowering counts as one
+    runner = ManualRunner()
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), runner=runner)
+    steps = Steps(lifecycle)
+    steps.record()
+    runner.complete()
+    steps.step(10.0)                     # the plan takes over; its trial's plans asked for
+    runner.complete()                    # none: a trial of one
+    first, target = lifecycle.plan, lifecycle.target
+    steps.run(10.0, flushes=1)
+    assert runner.kinds[-1] == LOWER and lifecycle.state == WATCHING
+    for _ in range(planner.WATCH_STEPS):
+        steps.step(10.0)
+    runner.complete()
+    stays = steps.step(10.0)
+    assert lifecycle.plan is first and lifecycle.target == target and not stays.changed
+    assert lifecycle.state == WATCHING and lifecycle.lowerings_left == 2
+    assert lifecycle.replans_used == 0 and runner.kinds[-1] == LOWER
+    assert stays.lines == (
+        f"the offload plan flushed the caching allocator's cache in none of its last "
+        f"{planner.WATCH_STEPS} steps while the plan for "
+        f"{(target - int(0.1 / 2 * 8 * GiB)) / GiB:.2f} GiB was made: it stays",)
+    # it is watched on: two flushes in its last WATCH_STEPS steps ask for less again
+    steps.step(10.0, flushes=1)
+    steps.step(10.0, flushes=1)
+    assert runner.kinds[-1] == LOWER and lifecycle._awaiting is not None
+
+
+def test_a_plan_for_less_that_comes_while_the_plan_in_force_still_flushes_takes_over():
+    runner = ManualRunner()
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), runner=runner)
+    steps = Steps(lifecycle)
+    steps.record()
+    runner.complete()
+    steps.step(10.0)
+    runner.complete()
+    first, target = lifecycle.plan, lifecycle.target
+    steps.run(10.0, flushes=1)
+    for flushes in (0, 0, 1, 0):         # one flush in the last WATCH_STEPS steps
+        steps.step(10.0, flushes=flushes)
+    runner.complete()
+    lowered = steps.step(10.0)
+    assert lifecycle.plan is not first and lifecycle.target < target and lowered.changed
+    assert lifecycle.replans_used == 1
+    assert lowered.lines[0].startswith("the offload plan ran 10.0 ms a step")
