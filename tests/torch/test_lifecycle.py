@@ -725,10 +725,10 @@ def test_while_a_replan_is_made_after_a_rescued_step_the_plan_that_ran_out_runs(
     assert lifecycle.replans_left == 2
 
 
-def test_a_plan_for_less_that_comes_after_the_plan_in_force_stopped_flushing_is_not_taken():
-    # the lone plan flushed in its trial (the caching allocator settling: each plan starts from
-    # an emptied cache); by the time the plan for less is made in the background it has run
-    # WATCH_STEPS steps without a flush: it stays, and the lowering counts as one
+def lone_plan_lowering_asked() -> tuple:
+    """A lifecycle whose plans come when completed by hand, past a trial of one plan that
+    flushed: the plan for less asked for, the plan in force watched meanwhile. Its runner,
+    itself, its steps, that plan and its target."""
     runner = ManualRunner()
     lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), runner=runner)
     steps = Steps(lifecycle)
@@ -739,6 +739,14 @@ def test_a_plan_for_less_that_comes_after_the_plan_in_force_stopped_flushing_is_
     first, target = lifecycle.plan, lifecycle.target
     steps.run(10.0, flushes=1)
     assert runner.kinds[-1] == LOWER and lifecycle.state == WATCHING
+    return runner, lifecycle, steps, first, target
+
+
+def test_a_plan_for_less_that_comes_after_the_plan_in_force_stopped_flushing_is_not_taken():
+    # the lone plan flushed in its trial (the caching allocator settling: each plan starts from
+    # an emptied cache); by the time the plan for less is made in the background it has run
+    # WATCH_STEPS steps without a flush: it stays, and the lowering counts as one
+    runner, lifecycle, steps, first, target = lone_plan_lowering_asked()
     for _ in range(planner.WATCH_STEPS):
         steps.step(10.0)
     runner.complete()
@@ -757,15 +765,7 @@ def test_a_plan_for_less_that_comes_after_the_plan_in_force_stopped_flushing_is_
 
 
 def test_a_plan_for_less_that_comes_while_the_plan_in_force_still_flushes_takes_over():
-    runner = ManualRunner()
-    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), runner=runner)
-    steps = Steps(lifecycle)
-    steps.record()
-    runner.complete()
-    steps.step(10.0)
-    runner.complete()
-    first, target = lifecycle.plan, lifecycle.target
-    steps.run(10.0, flushes=1)
+    runner, lifecycle, steps, first, target = lone_plan_lowering_asked()
     for flushes in (0, 0, 1, 0):         # one flush in the last WATCH_STEPS steps
         steps.step(10.0, flushes=flushes)
     runner.complete()
