@@ -4,6 +4,7 @@ to a plain run, and never from a source changed since it was saved."""
 
 import contextlib
 import copy
+import threading
 
 import pytest
 
@@ -681,15 +682,18 @@ def test_a_profile_counts_what_a_rebuild_allocates():
     assert pooled[0].transient == convolution_output
 
 
-def first_planned_step_after_one_run_as_recorded(inner_mode=None):
+def first_planned_step_after_one_run_as_recorded(inner_mode=None, wrap=None):
     """A budget session on a ResNet whose plan is made in the background (completed by hand
     before step 3, so step 2 runs as recorded, every tensor offloaded, no recipe used): per step,
     the groups its plan recomputes that were kept, and the gradients against a plain run.
-    ``inner_mode``: a torch function mode the script enters inside the ``with``."""
+    ``inner_mode``: a torch function mode the script enters inside the ``with``; ``wrap``: a
+    function of the ResNet giving the model trained."""
     from test_lifecycle import ManualRunner
 
     dtype = torch.float64
     model, data = resnet(BasicBlock, [3, 2], [8, 16], dtype), batches(dtype, 6)
+    if wrap is not None:
+        model = wrap(model)
     reference = train(copy.deepcopy(model), data)
     session = OffloadSession(budget=1, link=RecordingLink(gbps=(1e-5, 1e-5)), min_bytes=0,
                              headroom=0.0, trials=False)
@@ -735,3 +739,45 @@ def test_a_function_mode_the_script_entered_keeps_the_op_recorder_out_and_the_gr
 
     session, kept = first_planned_step_after_one_run_as_recorded(Passing)
     assert kept[3] and kept[4:] == [[], []]
+
+
+class StemOnAThread(nn.Module):
+    """``model`` (a Sequential) with its first layer run on a worker thread, as
+    ``torch.nn.parallel.parallel_apply`` runs replicas; ``worker_modes``: the torch function
+    modes on the worker's stack after each call."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.worker_modes = []
+
+    def forward(self, x):
+        out = {}
+
+        def stem():
+            with torch.enable_grad():
+                out["stem"] = self.model[0](x)
+            self.worker_modes.append(torch._C._len_torch_function_stack())
+        worker = threading.Thread(target=stem)
+        worker.start()
+        worker.join()
+        out = out["stem"]
+        for layer in list(self.model)[1:]:
+            out = layer(out)
+        return out
+
+
+def test_a_first_leaf_module_on_another_thread_leaves_the_op_recorder_to_the_with_s_thread():
+    # step 3's first leaf module runs on a worker thread, whose stack of torch function modes
+    # is not the ``with``'s: the op recorder goes on the stack of the thread that entered the
+    # ``with`` (at its first leaf module there), and leaves with it; the worker's stays empty
+    models = []
+
+    def wrap(model):
+        models.append(StemOnAThread(model))
+        return models[0]
+
+    session, kept = first_planned_step_after_one_run_as_recorded(wrap=wrap)
+    assert torch._C._len_torch_function_stack() == 0 and session.recorder.ops is None
+    assert models[0].worker_modes == [0] * 6
+    assert kept[3:] == [[], [], []]
