@@ -52,6 +52,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import defaultdict
 
@@ -683,7 +684,12 @@ class OffloadSession(PlanLifecycle):
         stack of torch function modes (the script's own mode would leave first), and never from
         the pack hook (it runs inside an op, where a mode handling that op is off the stack);
         else the step's recipes through the recorded ops (a residual add) are not found, and
-        their groups are kept, as said then."""
+        their groups are kept, as said then. Only on the thread that entered the ``with``
+        (:attr:`.rescue.StepRescue.thread`): a leaf module run on another (``parallel_apply``'s
+        replicas) has a stack of its own, which the ``with``'s exit never pops; that step's next
+        leaf module on the ``with``'s thread looks instead."""
+        if threading.get_ident() != self.rescuer.thread:
+            return
         step.ops_looked_at = True
         if self._depth > 0 and self._recipes_used() and \
                 torch._C._len_torch_function_stack() == self._function_modes_below:
