@@ -181,6 +181,7 @@ class OffloadSession(PlanLifecycle):
         self._hooks = None
         self._depth = 0                 # ``with`` blocks entered and not left
         self._function_modes_below = 0   # torch function modes below the op recorder (__enter__)
+        self._with_thread = None        # the thread that entered the outermost ``with``
         #: records the steps' calls (modules and ops) and finds their recipes (recorder.py)
         self.recorder = StepRecorder(self)
         #: stage.py: whether plans may stage the leading chain; the stage in force (its profile
@@ -225,10 +226,18 @@ class OffloadSession(PlanLifecycle):
         # the torch function modes below the session's: where the stack has this many again
         # at a step's start, the op recorder may go on top (:meth:`_start_ops_if_due`)
         self._function_modes_below = torch._C._len_torch_function_stack()
+        self._with_thread = threading.get_ident()
         if self._recipes_used():  # the ops a recipe may include (the residual add)
             self.recorder.start_ops()
-        self.rescuer.enter()
+        self.rescuer.sync()
         return self
+
+    def on_with_thread(self) -> bool:
+        """The calling thread entered the session's outermost ``with``: the stacks of modes the
+        ``with`` pushes to and pops from are this thread's (a leaf module run on another thread,
+        ``parallel_apply``'s replicas, has stacks of its own, which the ``with``'s exit never
+        pops)."""
+        return threading.get_ident() == self._with_thread
 
     def _recipes_used(self) -> bool:
         """Whether the steps run in this ``with`` may use recipes: recording ones (the profile's
@@ -684,11 +693,9 @@ class OffloadSession(PlanLifecycle):
         stack of torch function modes (the script's own mode would leave first), and never from
         the pack hook (it runs inside an op, where a mode handling that op is off the stack);
         else the step's recipes through the recorded ops (a residual add) are not found, and
-        their groups are kept, as said then. Only on the thread that entered the ``with``
-        (:attr:`.rescue.StepRescue.thread`): a leaf module run on another (``parallel_apply``'s
-        replicas) has a stack of its own, which the ``with``'s exit never pops; that step's next
-        leaf module on the ``with``'s thread looks instead."""
-        if threading.get_ident() != self.rescuer.thread:
+        their groups are kept, as said then. Only :meth:`on_with_thread`: a leaf module run on
+        another thread leaves it to that step's next leaf module on the ``with``'s."""
+        if not self.on_with_thread():
             return
         step.ops_looked_at = True
         if self._depth > 0 and self._recipes_used() and \

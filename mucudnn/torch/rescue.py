@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
@@ -231,7 +230,6 @@ class StepRescue:
         self.pushed = False       # the mode is on the stack of the thread that entered
         self.left = 0             # armed steps left
         self.counted_for = (None, None)   # the plan and modes they count for
-        self.thread = None        # the thread that entered the session's outermost ``with``
         self.pinned: frozenset = frozenset()   # groups no rescue moves now
 
     def arm(self, ended: bool = False, rescued: bool = False) -> None:
@@ -249,16 +247,11 @@ class StepRescue:
                 or session.lifecycle.replanning_under_plan)
         self.sync()
 
-    def enter(self) -> None:
-        """The session's outermost ``with`` begins on this thread."""
-        self.thread = threading.get_ident()
-        self.sync()
-
     def sync(self) -> None:
         """Inside the session's ``with``, on the thread that entered it: the mode on its stack
         while the step is armed, off it otherwise (a backward run inside the ``with`` inherits
         it; one run outside gets it node by node, :meth:`node`)."""
-        if self.session._depth <= 0 or threading.get_ident() != self.thread:
+        if self.session._depth <= 0 or not self.session.on_with_thread():
             return   # outside the ``with``, or a module run on another thread (DataParallel)
         if self.armed and not self.pushed:
             push(self.mode)
@@ -270,7 +263,7 @@ class StepRescue:
 
     def leave(self) -> None:
         """The session's outermost ``with`` ends: the mode never outlives it."""
-        if self.pushed and threading.get_ident() == self.thread:
+        if self.pushed and self.session.on_with_thread():
             self.pushed = not pop(self.mode)
 
     def watch(self, output) -> None:
