@@ -42,9 +42,11 @@ def _is_count(text: str, most: int = 1 << 62) -> bool:
     return text.isascii() and text.isdigit() and int(text) <= most
 
 
+#: the words of an on/off setting, either way (case-insensitive)
+_SWITCH_WORDS = frozenset({"1", "0", "true", "false", "yes", "no", "on", "off"})
+
 # The shim's kinds, read as options.c reads them (case-insensitive words, ASCII digits).
-BOOL = Rule("1/0, true/false, yes/no or on/off",
-            lambda text: text.lower() in {"1", "0", "true", "false", "yes", "no", "on", "off"})
+BOOL = Rule("1/0, true/false, yes/no or on/off", lambda text: text.lower() in _SWITCH_WORDS)
 SIZE = Rule("bytes, or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB or TB", _is_size)
 LEVEL = Rule("error, warning, info, debug or 0-3",
              lambda text: text.lower() in {"error", "warning", "info", "debug"}
@@ -54,15 +56,13 @@ PATH = Rule("a path", lambda text: text != "")
 # Read by this package's launched processes too (_torch_site/mucudnn_torch_budget.py).
 BUDGET = Rule("a size over 0 bytes, e.g. 6GiB", lambda text: _is_size(text, least=1))
 OFFLOAD = Rule("0, 1 or cheap (1/0 also as true/false, yes/no, on/off)",
-               lambda text: text.strip().lower() in {"", "0", "false", "no", "off", "1", "true",
-                                                     "yes", "on", "cheap"})
+               lambda text: text.strip().lower() in _SWITCH_WORDS | {"", "cheap"})
 #: empty: the default directory (the user's cache's)
 PLAN_CACHE = Rule("an absolute directory (~ allowed), or off",
                   lambda text: not text.strip() or text.strip().lower() == "off"
                   or Path(text).expanduser().is_absolute())
 RESCUE = Rule("1/0, true/false, yes/no, on/off or always",
-              lambda text: not text.strip() or text.strip().lower() in {
-                  "1", "0", "true", "false", "yes", "no", "on", "off", "always"})
+              lambda text: text.strip().lower() in _SWITCH_WORDS | {"", "always"})
 PERCENT_50 = Rule(f"a whole percent from 0 to {MAX_OFFLOAD_HEADROOM}",
                   lambda text: not text.strip()
                   or _is_count(text.strip(), most=MAX_OFFLOAD_HEADROOM))
