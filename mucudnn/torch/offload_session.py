@@ -392,10 +392,10 @@ class OffloadSession(PlanLifecycle):
             refuse_if_compiling("a mucudnn.torch session's pack hook")
         if self.recorder.ops is None:
             group = self._group_for(tensor)
-            return _Passed(tensor) if group is None else _Packed(group)
+            return _Passed(tensor) if group is None else _Packed(group, group.owner)
         with torch._C.DisableTorchFunction():
             group = self._group_for(tensor)
-            return _Passed(tensor) if group is None else _Packed(group)
+            return _Passed(tensor) if group is None else _Packed(group, group.owner)
 
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         # a rerun, or inside a backward (_in_backward, without its call): a checkpoint's
@@ -445,7 +445,7 @@ class OffloadSession(PlanLifecycle):
         base = tensor._base
         group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
                        weakref.ref(tensor), tensor._version, "", dense(tensor),
-                       recipe=recipe, owner=step,
+                       recipe=recipe, step_ref=weakref.ref(step),
                        base=weakref.ref(base) if base is not None else None,
                        saved_seq=_SEQUENCE_NR())
         if recorder.records_calls(step):   # named from its calls (a step without them: unnamed)
@@ -519,8 +519,7 @@ class OffloadSession(PlanLifecycle):
     def _unpack(self, packed):
         if not isinstance(packed, _Packed):
             return packed.check() if isinstance(packed, _Passed) else packed
-        group = packed.group
-        step = group.owner
+        group, step = packed.group, packed.step
         if step.pending:   # its forward is over: every op saving a pending group has run
             self.copies.copy_pending(step)
         group.check_version()

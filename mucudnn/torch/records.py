@@ -238,12 +238,21 @@ class _Group:
     wanted: str = KEEP                      # the plan's mode; ``mode`` is what runs
     live_packs: int = 0                     # _Packed objects autograd still holds
     readers: int = 0                        # recomputed groups that may still read this one
-    owner: _Step | None = None              # its step (which counts its live groups)
+    #: its step (which counts its live groups), weakly: the step holds its groups, and a
+    #: group holding its step back would make every step a reference cycle that only the
+    #: collector's full collections free (each pack holds the step instead: :class:`_Packed`)
+    step_ref: weakref.ref | None = None
     #: the base of a view saved (weakly): it shares the view's version counter, and outlives
     #: the view object a forward made for the op (an in-place change through it is seen)
     base: weakref.ref | None = None
     #: :data:`_SEQUENCE_NR` at its pack: its op has run once a later pack reads a larger one
     saved_seq: int = 0
+
+    @property
+    def owner(self) -> _Step | None:
+        """Its step, while anything holds it (the session, or a pack of the step autograd
+        holds)."""
+        return self.step_ref() if self.step_ref is not None else None
 
     def drop_device(self) -> None:
         """Let go of the device tensor where nothing may need it from the session again."""
@@ -252,10 +261,10 @@ class _Group:
         if self.live_packs == 0 or (self.mode != KEEP and self.unpacks >= self.packs):
             self.tensor, self.fetch = None, None
 
-    def pack_freed(self) -> None:
+    def pack_freed(self, step: _Step) -> None:
         self.live_packs -= 1
         if self.live_packs == 0:
-            self.owner.live -= 1
+            step.live -= 1
             if self.host is not None and self.release is not None:
                 self.release(self.host)       # nothing can unpack this group again
                 self.host = None
@@ -282,18 +291,19 @@ class _Group:
 
 
 class _Packed:
-    """What autograd holds for one pack of a group: its lifetime is the saved tensor's."""
+    """What autograd holds for one pack of a group: its lifetime is the saved tensor's. It holds
+    the group's step too, which its unpack and its end count on (the group holds it weakly)."""
 
-    __slots__ = ("group",)
+    __slots__ = ("group", "step")
 
-    def __init__(self, group: _Group):
-        self.group = group
+    def __init__(self, group: _Group, step: _Step):
+        self.group, self.step = group, step
         group.live_packs += 1
         if group.live_packs == 1:
-            group.owner.live += 1
+            step.live += 1
 
     def __del__(self):
-        self.group.pack_freed()
+        self.group.pack_freed(self.step)
 
 
 class _Passed:

@@ -579,3 +579,39 @@ def test_the_runtime_module_still_names_what_scripts_import_from_it():
     assert sorted(runtime.__all__) == sorted(
         name for name in vars(runtime) if not name.startswith("_")
         and name not in ("link", "offload_session", "recorder", "records"))
+
+
+@pytest.mark.parametrize("plan", ["keep", "offload", "mixed", "budget"])
+def test_a_step_leaves_no_reference_cycle_behind(plan):
+    """A step's records (its groups, their step, the packs autograd holds) are freed by their
+    reference counts once the step is over and its graph dropped: none waits for the collector's
+    full collections, which walk every young object and free a step's device tensors late."""
+    from mucudnn.torch.records import _Group, _Packed, _Step
+    model, data = small_cnn(torch.float32), batches(torch.float32, 6)
+    probe = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    recomputed = [g.mode == RECOMPUTE for g in probe._step.groups]
+    assert any(recomputed)
+    if plan == "budget":
+        session = OffloadSession(budget=saved_bytes(model, data) * 2 // 3, link=RecordingLink(),
+                                 min_bytes=0)
+    else:
+        modes = {"keep": [KEEP] * len(recomputed), "offload": [OFFLOAD] * len(recomputed),
+                 "mixed": [RECOMPUTE if r else (OFFLOAD, KEEP)[i % 2]
+                           for i, r in enumerate(recomputed)]}[plan]
+        session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0)
+    gc.collect()
+    debug = gc.get_debug()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)   # what a collection finds unreachable stays in gc.garbage
+        trained = train(model, data, session)
+        del trained
+        gc.collect()
+        cycles = [type(o).__name__ for o in gc.garbage if isinstance(o, (_Group, _Packed, _Step))]
+    finally:
+        gc.set_debug(debug)
+        gc.garbage.clear()
+        gc.enable()
+    assert session.steps == len(data) - 1   # the last step ends where a next one would begin
+    assert cycles == []
