@@ -163,10 +163,11 @@ class PlanLifecycle:
             modes = self.modes
         if decision.run in (RECORD, AS_RECORDED):
             self._schedule = {}
-        elif self.freeze_gc and not self._gc_frozen:
-            self._freeze_gc()
-        elif not failed or decision.changed:
-            self._schedule = self._prefetch_schedule(modes)
+        else:
+            if self.freeze_gc and not self._gc_frozen:
+                self._freeze_gc()
+            if not failed or decision.changed:
+                self._schedule = self._prefetch_schedule(modes)
         if decision.error is not None:
             raise decision.error
 

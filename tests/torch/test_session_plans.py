@@ -1011,3 +1011,31 @@ def test_a_session_told_to_freezes_the_collector_once_its_first_plan_takes_over(
     first_frozen = next((i for i, (_, f) in enumerate(frozen) if f), None)
     if freeze:
         assert frozen[first_frozen - 1][0] in ("recording", "planning")
+
+
+def test_the_step_that_freezes_the_collector_prefetches_as_its_plan_says(monkeypatch):
+    """The step boundary where the first plan takes over and the collector is frozen also makes
+    that plan's prefetch schedule: its first planned step fetches ahead, as one without the
+    freeze does, not on demand."""
+    import gc
+    monkeypatch.setattr(gc, "freeze", lambda: None)   # the test process's collector left alone
+    model, data = small_cnn(torch.float32), batches(torch.float32, 6)
+    budget = saved_bytes(model, data) * 2 // 3
+    schedules = {}
+    for freeze in (False, True):
+        session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0,
+                                 freeze_gc=freeze, trials=False)
+        schedules[freeze] = []
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+        for x, y in data:
+            optimizer.zero_grad()
+            with session:
+                loss = nn.functional.cross_entropy(trained(x), y)
+            loss.backward()
+            optimizer.step()
+            schedules[freeze].append((session.lifecycle.state, dict(session._schedule)))
+        assert session._gc_frozen == freeze
+        assert session.plan is not None and session.plan.count(OFFLOAD)
+    assert any(schedule for _, schedule in schedules[False])
+    assert schedules[True] == schedules[False]
