@@ -126,11 +126,15 @@ def find_compiler() -> str:
 
 
 def _source_files() -> list[Path]:
-    files = (sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]")) + sorted(SHIM_SOURCE_DIR.glob("include/*.h"))
-             + [SHIM_SOURCE_DIR / "Makefile"])
-    if not files:
-        raise MucudnnError(f"shim sources not found in {SHIM_SOURCE_DIR}")
-    return files
+    """The shim's C sources and headers and its Makefile; a package without them (an install or
+    a copy that left out the ``shim_src`` link's target) is one error naming the directory."""
+    sources = sorted(SHIM_SOURCE_DIR.glob("src/*.c"))
+    makefile = SHIM_SOURCE_DIR / "Makefile"
+    if not sources or not makefile.is_file():
+        raise MucudnnError(f"shim sources not found in {SHIM_SOURCE_DIR} (its src/*.c and "
+                           "Makefile): reinstall mucudnn")
+    return (sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]")) + sorted(SHIM_SOURCE_DIR.glob("include/*.h"))
+            + [makefile])
 
 
 def _build_hash(cudnn_include: Path, cuda_include: Path, compiler: str) -> str:

@@ -89,3 +89,13 @@ def test_build_runs_the_makefile(headers, tmp_path, monkeypatch):
     assert len(calls) == 1 and Path(calls[0][0]).name == "make"
     assert calls[0][calls[0].index("-C") + 1] == str(shimlib.SHIM_SOURCE_DIR)
     assert (shimlib.SHIM_SOURCE_DIR / "Makefile").is_file()
+
+
+@pytest.mark.parametrize("leave", ["nothing", "sources only"])
+def test_missing_shim_sources_are_one_clear_error(tmp_path, monkeypatch, leave):
+    if leave == "sources only":   # its C files without the Makefile
+        (tmp_path / "src").mkdir()
+        (tmp_path / "src" / "shim.c").write_text("int x;\n")
+    monkeypatch.setattr(shimlib, "SHIM_SOURCE_DIR", tmp_path)
+    with pytest.raises(MucudnnError, match="shim sources not found in .*reinstall mucudnn"):
+        shimlib._build_hash(tmp_path, tmp_path, "cc")
