@@ -615,3 +615,43 @@ def test_a_step_leaves_no_reference_cycle_behind(plan):
         gc.enable()
     assert session.steps == len(data) - 1   # the last step ends where a next one would begin
     assert cycles == []
+
+
+@pytest.mark.parametrize("backward", ["head_only", "retain_graph", "create_graph"])
+@pytest.mark.parametrize("plan", ["keep", "offload", "mixed"])
+def test_a_graph_dropped_after_a_backward_that_left_it_holding_packs_frees_its_step(
+        backward, plan):
+    """A backward that leaves saved tensors in the graph (``torch.autograd.grad`` of the head's
+    weight alone: the nodes below it never run; ``retain_graph``; ``create_graph``, which retains
+    it), then the graph dropped without another (a skipped loss, a probe of a gradient): the
+    step's packs, groups and kept tensors go with the graph, the session's current step too.
+    The step held the autograd node of its last unpack, whose graph held the packs that hold
+    the step: a cycle through autograd's C++ nodes, which the collector cannot see, so every
+    such step was kept for good (its kept device tensors with it)."""
+    model, data = small_cnn(torch.float32), batches(torch.float32, 4)
+    probe = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    train(copy.deepcopy(model), data[:1], probe)
+    recomputed = [g.mode == RECOMPUTE for g in probe._step.groups]
+    modes = {"keep": [KEEP] * len(recomputed), "offload": [OFFLOAD] * len(recomputed),
+             "mixed": [RECOMPUTE if r else (OFFLOAD, KEEP)[i % 2]
+                       for i, r in enumerate(recomputed)]}[plan]
+    session = OffloadSession(modes=modes, link=RecordingLink(), min_bytes=0)
+    head, first = model[-1].weight, model[0].weight
+    steps = []
+    for x, y in data:
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+        steps.append(weakref.ref(session._step))
+        if backward == "head_only":
+            grad, = torch.autograd.grad(loss, head)
+        elif backward == "retain_graph":
+            grad, = torch.autograd.grad(loss, first, retain_graph=True)
+        else:
+            grad, = torch.autograd.grad(loss, first, create_graph=True)
+        assert grad is not None and session._step.unpacks
+        del loss, grad
+        # the graph is gone: nothing holds a pack of the step, the session's step included
+        assert session._step.live == 0
+    gc.collect()
+    assert steps[-1]() is session._step
+    assert [ref() is None for ref in steps[:-1]] == [True] * (len(steps) - 1)
