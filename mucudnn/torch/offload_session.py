@@ -543,6 +543,9 @@ class OffloadSession(PlanLifecycle):
 
             def backward_done(step=step, link=link):
                 step.backward_done = True
+                # its graph may outlive it (``retain_graph``, nodes it never ran), holding
+                # packs that hold the step: the step holds none of its nodes (:attr:`_Step.node`)
+                step.node, step.node_groups = None, []
                 if step.profiling:      # the backward's last ops follow its last unpack
                     step.end_mark = link.mark()
             _at_end_of_backward(backward_done)

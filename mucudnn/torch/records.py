@@ -343,7 +343,10 @@ class _Step:
     marks: list = field(default_factory=list)  # (kind, index, mark, allocated, peak before)
     profiling: bool = False
     ooms: int | None = None                          # the link's ``ooms()`` at its first pack
-    node: object = None            # the autograd node of the last unpack (not its tensors)
+    #: the autograd node of the last unpack (not its tensors), while its backward runs: a
+    #: graph that outlives the backward (``retain_graph``, nodes it never ran) holds packs that
+    #: hold the step, a cycle through autograd's C++ nodes that the collector never frees
+    node: object = None
     node_groups: list = field(default_factory=list)  # the groups that node unpacked
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
     watching: bool = False         # that callback is queued

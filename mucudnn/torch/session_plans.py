@@ -89,7 +89,10 @@ class PlanLifecycle:
             # every later step starts with most of the failed step's memory still allocated.
             for group in finished.groups:
                 group.tensor, group.fetch, group.readers = None, None, 0
-            finished.node, finished.node_groups = None, []
+        # the node of its last unpack, in a graph that may outlive the step (a backward run
+        # again after this one's end): the graph's packs hold the step (:attr:`_Step.node`)
+        finished.node, finished.node_groups = None, []
+        if failed:
             gc.collect()
         self.steps += 1
         # the next step's (recording or not once the lifecycle has decided): what reads the
