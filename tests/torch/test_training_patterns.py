@@ -24,6 +24,7 @@ items 1-14 (those have their own tests).
 import contextlib
 import copy
 import dataclasses
+import gc
 import os
 
 import pytest
@@ -62,6 +63,54 @@ def test_a_training_pattern_trains_as_plain_pytorch(case):
         smallest = tp.minimize(case)
         pytest.fail(f"{case.label}: {outcome.detail}\n  minimal: {smallest.label}: "
                     f"{tp.run_case(smallest).detail}")
+
+
+def _covering(cases):
+    """The first ``cases`` up to the one by which every session and pattern is drawn."""
+    wanted, drawn = set(tp.SESSIONS) | set(tp.STRUCTURE + tp.LOOP), set()
+    for count, case in enumerate(cases, 1):
+        drawn |= {case.session} | case.patterns
+        if drawn >= wanted:
+            return cases[:count]
+    return cases
+
+
+CYCLE_CASES = _covering(CI_CASES)
+
+
+@pytest.mark.parametrize("case", CYCLE_CASES, ids=[case.label for case in CYCLE_CASES])
+def test_a_training_pattern_leaves_no_step_in_a_reference_cycle(case):
+    """The session's run of a case (the first CI cases, up to every session and pattern drawn)
+    leaves no step's records (:class:`_Step`, :class:`_Group`, :class:`_Packed`) to the
+    collector's full collections: what a collection finds unreachable (``gc.DEBUG_SAVEALL``)
+    holds none but a session's current step (a session is a cycle of its own, its recorder and
+    copies referring back to it: an EMA's deep copy of a fitted model copies its session)."""
+    from mucudnn.torch.records import _Group, _Packed, _Step
+    model, parts = tp.build_model(case)
+    gc.collect()
+    debug = gc.get_debug()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)   # what a collection finds unreachable stays in gc.garbage
+        try:
+            trained, session = tp.make_session(case, model)
+            run = tp.train(case, trained, parts, session)
+        except MucudnnError:
+            return
+        session = session or getattr(trained, "mucudnn_session", None)
+        del run, model, parts
+        gc.collect()
+        sessions = [o for o in gc.garbage if isinstance(o, OffloadSession)] + [session]
+        current = {id(s._step) for s in sessions if s is not None}
+        current |= {id(g) for s in sessions if s is not None for g in s._step.groups}
+        cycles = [type(o).__name__ for o in gc.garbage
+                  if isinstance(o, (_Group, _Packed, _Step)) and id(o) not in current]
+        del sessions
+    finally:
+        gc.set_debug(debug)
+        gc.garbage.clear()
+        gc.enable()
+    assert cycles == []
 
 
 def test_the_ci_run_draws_every_session_and_pattern():
