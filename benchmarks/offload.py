@@ -866,8 +866,8 @@ def replay(args) -> int:
                               plan_time_limit_s=args.time_limit_s, record_steps=1,
                               trials=args.trials, strict=False, staging=False)
         decision = lifecycle.end_step(StepOutcome(profile=profile))
-        if lifecycle.first_error is not None:
-            print(f"{budget / GiB:g} GiB: {lifecycle.first_error}")
+        if lifecycle.first_error_message is not None:
+            print(f"{budget / GiB:g} GiB: {lifecycle.first_error_message}")
         plan = lifecycle.plan
         if plan is None:
             continue

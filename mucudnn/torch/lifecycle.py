@@ -279,8 +279,10 @@ class Lifecycle:
         self._steps_waited = 0
         #: per request answered: (kind, seconds its making took, steps run while it was made)
         self.timings: list[tuple[str, float, int]] = []
-        #: why the first plan's target (the headroom's) had no plan (None: it had one)
-        self.first_error: Exception | None = None
+        #: why the first plan's target (the headroom's) had no plan (None: it had one): the
+        #: error's text only, since the error's traceback, made inline, holds the training
+        #: thread's frames (the step that ended, the next one's input) for the session's life
+        self.first_error_message: str | None = None
         self._lines: list[str] = []
         self._write = False
         self._staged = False
@@ -603,7 +605,7 @@ class Lifecycle:
             self.stage, self._staged = made.stage, True
             self.recorded_profile, self.profile = self.profile, made.profile
         plan = made.plan
-        self.first_error = made.error
+        self.first_error_message = None if made.error is None else str(made.error)
         if made.error is not None:
             if plan is None:
                 # as the recorded step ran (everything offloaded): what goes on after an error

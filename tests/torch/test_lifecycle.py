@@ -485,6 +485,10 @@ def test_no_plan_at_the_headrooms_target_plans_for_a_smaller_headroom():
         f"{target / GiB:.2f} GiB, 5.0% less",
         f"offload plan for 8.00 GiB (planned for {target / GiB:.2f} GiB): "
         f"{lifecycle.plan.describe()}"]
+    # why, as text: the lifecycle keeps no error, whose traceback would hold the frames it was
+    # made in for the session's life
+    assert lifecycle.first_error_message == f"{first} is too small for this step (test)"
+    assert not any(isinstance(value, BaseException) for value in vars(lifecycle).values())
 
 
 def test_no_plan_at_all_raises_where_strict_else_offloads_everything():
