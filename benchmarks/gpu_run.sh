@@ -255,5 +255,7 @@ esac; done
 # The store is in WAL mode: a stage killed at its timeout leaves committed rows in store.sqlite-wal.
 # Fold them into the file before it is copied, or they stay behind on the device.
 $MU store checkpoint && gzip -c "$MUCUDNN_STORE" >"$OUT/store.sqlite.gz"  # raw, it outgrew what $OUT returns
+# A second call with the same OUT adds its logs to the first's (the folder went into the archive)
+[ -f "$OUT/logs.tgz" ] && tar xzf "$OUT/logs.tgz" -C "$OUT" --skip-old-files
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 ls -la "$OUT"
