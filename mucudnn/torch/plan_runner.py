@@ -155,8 +155,11 @@ class PlanMaker:
                 lower = planning.plan_with_less_headroom(
                     exc, request.budget, request.headroom,
                     lambda smaller: self.plan_for(profile, smaller, explain=False))
+            # the error without its traceback: made inline, that holds this frame (``exc``
+            # among its locals: a cycle) and the training thread's frames below it, the ended
+            # step and the next one's input, until the collector finds the cycle
             return PlanResult(request, lower, lower.target if lower is not None else target,
-                              error=exc, stage=stage, profile=profile)
+                              error=exc.with_traceback(None), stage=stage, profile=profile)
         return PlanResult(request, plan, target, stage=stage, profile=profile)
 
     def choose_stage(self, profile: StepProfile, target: int, candidates, staging
