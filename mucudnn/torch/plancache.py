@@ -26,7 +26,11 @@ The contract with the session (``OffloadSession``, which holds the PyTorch side)
    min_bytes, plan_time_limit_s, ...), by name. The script and its arguments come from
    ``sys.argv``, mucudnn's version from ``mucudnn._version``.
 2. **No entry** (None: no file, the cache off, or a file not used, which ``load`` said in one
-   line): record and plan as on any first run.
+   line): record and plan as on any first run. A key with no file of its own is answered by the
+   script's latest entry where there is one (:meth:`PlanKey.for_script`, the key less its
+   arguments; ``store`` writes it beside each entry), with one line: the same script, budget,
+   options, GPU and versions run with other arguments (``--epochs``, a learning rate) mostly
+   saves the same step, and the check of rule 3 records anew where it does not.
 3. **An entry**: the session takes ``entry.profile`` as its profile, ``entry.plan`` as the plan
    in force (its modes, lookahead, prefetch and release margins, releases, target, keep_apart),
    ``entry.kept_after_trial``, and where ``entry.stage`` is set the stage with
@@ -93,6 +97,14 @@ OFF = "off"
 DIRECTORY_NAME = "offload-plans"
 
 
+def _arguments(arguments: tuple[str, ...] | None) -> str:
+    """A run's arguments as its line names them (the first 80 characters)."""
+    if not arguments:
+        return "no arguments"
+    text = " ".join(arguments)
+    return "the arguments '" + (text if len(text) <= 80 else text[:77] + "...") + "'"
+
+
 class PlanCacheError(MucudnnError):
     """A plan cache key made of values that are not plain (JSON) values."""
 
@@ -129,7 +141,8 @@ class PlanKey:
     mucudnn_version: str
     #: the script's resolved path (``sys.argv[0]``; as given where it names no file: ``-c``)
     script: str
-    arguments: tuple[str, ...]
+    #: its arguments; None in :meth:`for_script`'s key, which names the script's latest entry
+    arguments: tuple[str, ...] | None
 
     @classmethod
     def make(cls, budget: int, options: Mapping[str, object], *, gpu_name: str,
@@ -151,13 +164,19 @@ class PlanKey:
                    mucudnn_version=str(mucudnn_version), script=script,
                    arguments=tuple(str(arg) for arg in argv[1:]))
 
+    def for_script(self) -> PlanKey:
+        """This key whatever the script's arguments: the name of the script's latest entry,
+        which a run with other arguments (``--epochs``, a learning rate, an output directory)
+        tries where its own has none (:meth:`PlanCache.load`)."""
+        return dataclasses.replace(self, arguments=None)
+
     def document(self) -> dict:
         """The key as the file keeps it (JSON's types)."""
         return {"budget": self.budget, "options": {n: _jsonable(v) for n, v in self.options},
                 "gpu": {"name": self.gpu_name, "memory": self.gpu_memory},
                 "torch": self.torch_version, "cudnn": self.cudnn_version,
                 "mucudnn": self.mucudnn_version, "script": self.script,
-                "arguments": list(self.arguments)}
+                "arguments": None if self.arguments is None else list(self.arguments)}
 
     def digest(self) -> str:
         """The hash of :meth:`document` naming the entry's file."""
@@ -306,6 +325,8 @@ class CachedPlan:
     stage: Stage | None = None
     #: how a trial's kept plan was made (``planning.trial_plans``' label; None: as made)
     kept_after_trial: str | None = None
+    #: loaded: the arguments of the run that stored it (not part of what it is)
+    arguments: tuple[str, ...] | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def make(cls, plan: OffloadPlan, profile: StepProfile, *,
@@ -426,42 +447,68 @@ class PlanCache:
 
     def load(self, key: PlanKey) -> CachedPlan | None:
         """The entry stored for ``key``, else None: no file (silent), no cache, or a file not
-        used (one line: unreadable, corrupt, another format, another key)."""
+        used (one line: unreadable, corrupt, another format, another key). Where ``key`` has no
+        file, the script's latest entry (:meth:`PlanKey.for_script`: stored by a run of the same
+        script, budget, options, GPU and versions with other arguments), with one line: its
+        first step is checked against the entry's signature as any cached plan's is, so a run
+        whose arguments change the step records anew."""
         path = self.path_for(key)
         if path is None:
             return None
+        found, entry = self._read(path, lambda stored: stored == key.document(),
+                                  "another run's key (an edited file, or another key of the "
+                                  "same hash)")
+        if found or key.arguments is None:
+            return entry
+        script_key = key.for_script().document()
+        found, entry = self._read(
+            self.path_for(key.for_script()),
+            lambda stored: isinstance(stored, dict) and {**stored, "arguments": None} ==
+            script_key, "another script's key (an edited file, or another key of the same hash)")
+        if entry is not None:
+            self.say(f"no offload plan is cached for this script's arguments; its first step "
+                     f"runs the one cached for {_arguments(entry.arguments)}, checked as it goes")
+        return entry
+
+    def _read(self, path: Path, accepts: Callable, other_key: str
+              ) -> tuple[bool, CachedPlan | None]:
+        """(whether ``path`` is there, its entry where it can be used); one line where it is
+        there but not used. ``accepts``: whether the key the file holds is one it may answer."""
         try:
             text = path.read_text(encoding="utf-8")
         except (FileNotFoundError, NotADirectoryError):   # no entry (no directory) there
-            return None
+            return False, None
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            return self._unused(path, f"it cannot be read ({reason})")
+            return True, self._unused(path, f"it cannot be read ({reason})")
         try:
             document = json.loads(text)
         except ValueError as exc:
-            return self._unused(path, f"it is not JSON ({exc})")
+            return True, self._unused(path, f"it is not JSON ({exc})")
         if not isinstance(document, dict):
-            return self._unused(path, "it is not a plan cache entry")
+            return True, self._unused(path, "it is not a plan cache entry")
         version = document.get("plan_cache_format")
         profile_version = document.get("format")
         for name, value, newest in (("plan_cache_format", version, FORMAT),
                                     ("format", profile_version, profiles.FORMAT)):
             if isinstance(value, bool) or not isinstance(value, int):
-                return self._unused(path, f"it has no {name} (not a plan cache entry)")
+                return True, self._unused(path, f"it has no {name} (not a plan cache entry)")
             if value > newest:
-                return self._unused(path, f"it was written by a newer mucudnn ({name} {value}, "
-                                          f"this one reads {newest})")
+                return True, self._unused(path, f"it was written by a newer mucudnn ({name} "
+                                                f"{value}, this one reads {newest})")
         if version != FORMAT or profile_version != profiles.FORMAT:
-            return self._unused(path, f"it was written by an older mucudnn (plan_cache_format "
-                                      f"{version}, format {profile_version})")
-        if document.get("key") != key.document():
-            return self._unused(path, "it holds another run's key (an edited file, or another "
-                                      "key of the same hash)")
+            return True, self._unused(path, f"it was written by an older mucudnn "
+                                            f"(plan_cache_format {version}, format "
+                                            f"{profile_version})")
+        if not accepts(document.get("key")):
+            return True, self._unused(path, f"it holds {other_key}")
         try:
-            return CachedPlan.from_document(document)
+            entry = CachedPlan.from_document(document)
         except ValueError as exc:
-            return self._unused(path, f"it is not a whole plan cache entry ({exc})")
+            return True, self._unused(path, f"it is not a whole plan cache entry ({exc})")
+        arguments = document["key"].get("arguments")
+        return True, dataclasses.replace(
+            entry, arguments=tuple(map(str, arguments)) if isinstance(arguments, list) else None)
 
     def _unused(self, path: Path, reason: str) -> None:
         self.say(f"the cached offload plan {path} is not used: {reason}; recording anew")
@@ -483,6 +530,8 @@ class PlanCache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomically(path, text)
+            if key.arguments is not None:   # the script's latest (:meth:`load`)
+                write_text_atomically(self.path_for(key.for_script()), text)
         except OSError as exc:
             reason = exc.strerror if exc.strerror else exc
             self.not_storing = f"{path.parent}: {reason}"
@@ -498,6 +547,8 @@ class PlanCache:
         path = self.path_for(key)
         if path is None:
             return False
+        if key.arguments is not None:
+            self._forget_script_entry(key)
         try:
             path.unlink()
         except FileNotFoundError:
@@ -507,3 +558,18 @@ class PlanCache:
                      f"({exc.strerror or exc})")
             return False
         return True
+
+    def _forget_script_entry(self, key: PlanKey) -> None:
+        """The script's latest entry removed where it is ``key``'s own (a run of other
+        arguments stored since keeps theirs)."""
+        script_path = self.path_for(key.for_script())
+        try:
+            stored = json.loads(script_path.read_text(encoding="utf-8")).get("key")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            return
+        if stored == key.document():
+            try:
+                script_path.unlink()
+            except OSError:
+                pass
+

@@ -78,8 +78,12 @@ def test_an_entry_stored_loads_as_it_was_with_every_field_of_its_plan(cache):
     stored = entry()
     assert set(stored.plan.modes) == set(planner.MODES) and stored.plan.releases
     assert cache.store(key(), stored)
-    [path] = (cache.directory).iterdir()
-    assert path == cache.path_for(key()) and path.name == key().digest() + ".json"
+    # its own file, and the script's latest entry (the same text): named by the key less its
+    # arguments
+    assert sorted(cache.directory.iterdir()) == sorted(
+        [cache.path_for(key()), cache.path_for(key().for_script())])
+    assert cache.path_for(key()).name == key().digest() + ".json"
+    assert cache.path_for(key()).read_text() == cache.path_for(key().for_script()).read_text()
     loaded = cache.load(key())
     assert loaded == stored and cache.say == []
     # the fields equality leaves out: how it runs and what it was made for
@@ -119,7 +123,8 @@ def test_storing_again_replaces_the_entry(cache):
     cache.store(key(), entry(4 * GiB))
     cache.store(key(), entry(5 * GiB))
     assert cache.load(key()).plan.target == 5 * GiB
-    assert [p.name for p in cache.directory.iterdir()] == [key().digest() + ".json"]
+    assert sorted(p.name for p in cache.directory.iterdir()) == sorted(
+        [key().digest() + ".json", key().for_script().digest() + ".json"])
 
 
 def test_forget_removes_its_own_entry_only(cache):
@@ -141,8 +146,6 @@ KEY_CHANGES = {
     "cudnn absent": dict(cudnn_version=None),
     "mucudnn": dict(mucudnn_version="0.2.0"),
     "script": dict(argv=["/work/other.py", "--epochs", "3"]),
-    "arguments": dict(argv=["/work/train.py", "--epochs", "4"]),
-    "no arguments": dict(argv=["/work/train.py"]),
     **{f"option {name}": dict(options={**OPTIONS, name: value}) for name, value in
        [("headroom", 0.2), ("lookahead", 3), ("recompute", False),
         ("recompute_convolutions", False), ("staging", "always"), ("copy_exposure", 0.0),
@@ -153,7 +156,7 @@ KEY_CHANGES = {
 
 
 @pytest.mark.parametrize("change", KEY_CHANGES, ids=list(KEY_CHANGES))
-def test_a_key_differing_in_any_field_misses(cache, change):
+def test_a_key_differing_in_any_field_but_the_arguments_misses(cache, change):
     cache.store(key(), entry())
     other = key(**KEY_CHANGES[change])
     assert other != key() and other.digest() != key().digest()
@@ -161,16 +164,63 @@ def test_a_key_differing_in_any_field_misses(cache, change):
     assert cache.load(key()) is not None
 
 
+OTHER_ARGUMENTS = {"arguments": dict(argv=["/work/train.py", "--epochs", "4"]),
+                   "no arguments": dict(argv=["/work/train.py"])}
+
+
 @pytest.mark.parametrize("change", ["budget", "cudnn", "option headroom", "arguments"])
 def test_a_file_under_the_name_holding_another_key_is_one_line_and_a_miss(cache, change):
     # a hash collision, or a file edited or copied: the key in the file decides
-    other = key(**KEY_CHANGES[change])
+    other = key(**{**KEY_CHANGES, **OTHER_ARGUMENTS}[change])
     cache.store(other, entry())
     cache.directory.joinpath(key().digest() + ".json").write_bytes(
         cache.path_for(other).read_bytes())
     assert cache.load(key()) is None
     [line] = cache.say
     assert "another run's key" in line and key().digest() in line
+
+
+@pytest.mark.parametrize("change", OTHER_ARGUMENTS)
+def test_a_run_with_other_arguments_runs_the_scripts_latest_entry_with_one_line(cache, change):
+    """``--epochs 4`` after ``--epochs 3``: the first run's plan, its first step checked as any
+    cached plan's (the session records anew where the arguments changed the step)."""
+    cache.store(key(), entry(4 * GiB))
+    other = key(**OTHER_ARGUMENTS[change])
+    assert other.digest() != key().digest() and other.for_script() == key().for_script()
+    loaded = cache.load(other)
+    assert loaded == entry(4 * GiB) and loaded.arguments == ("--epochs", "3")
+    assert cache.say == ["no offload plan is cached for this script's arguments; its first step "
+                         "runs the one cached for the arguments '--epochs 3', checked as it goes"]
+    # its own entry, once stored, comes first; and is the script's latest from then on
+    cache.store(other, entry(5 * GiB))
+    assert cache.load(other).plan.target == 5 * GiB and cache.load(key()).plan.target == 4 * GiB
+    assert cache.load(key(argv=["/work/train.py", "--lr", "1"])).plan.target == 5 * GiB
+
+
+def test_another_script_or_budget_never_runs_the_scripts_latest_entry(cache):
+    cache.store(key(), entry())
+    for other in (key(argv=["/work/other.py", "--epochs", "3"]), key(budget=6 * GiB),
+                  key(cudnn_version=92000)):
+        assert cache.load(other) is None
+    assert cache.say == []
+    # a script's latest entry holding another script's key (edited, copied): one line, a miss
+    moved = key(argv=["/work/other.py", "--epochs", "4"])
+    cache.path_for(moved.for_script()).write_bytes(cache.path_for(key()).read_bytes())
+    assert cache.load(moved) is None
+    [line] = cache.say
+    assert "another script's key" in line and moved.for_script().digest() in line
+
+
+def test_forget_takes_the_scripts_latest_entry_only_where_it_is_its_own(cache):
+    other = key(argv=["/work/train.py", "--epochs", "4"])
+    cache.store(key(), entry(4 * GiB))
+    cache.store(other, entry(5 * GiB))   # the script's latest now
+    assert cache.forget(key())
+    assert cache.load(key()).plan.target == 5 * GiB   # the other run's, as the latest
+    cache.say.clear()
+    assert cache.forget(other)
+    assert cache.load(other) is None and cache.load(key()) is None and cache.say == []
+    assert list(cache.directory.iterdir()) == []
 
 
 def test_the_key_takes_options_in_any_order_and_the_script_resolved(tmp_path, monkeypatch):
@@ -353,7 +403,8 @@ def test_processes_storing_one_key_at_once_leave_one_whole_entry(tmp_path):
         assert writer.exitcode == 0
     last = reader.load(key())
     assert last == written[last.plan.target] and reader.say == []
-    assert [p.name for p in directory.iterdir()] == [key().digest() + ".json"]   # no temp left
+    assert sorted(p.name for p in directory.iterdir()) == sorted(   # no temp file left
+        [key().digest() + ".json", key().for_script().digest() + ".json"])
 
 
 # -- a directory it cannot write, and the setting -------------------------------------------------

@@ -890,7 +890,8 @@ def test_a_second_run_loads_the_plan_its_first_run_settled_on(tmp_path, monkeypa
     first, said, trained = cached_run(copy.deepcopy(model), data, cache, budget)
     assert_bitwise(reference, trained)
     assert first.plan is not None and first.lifecycle.trial is None
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    # its entry, and the script's latest (the same plan)
+    assert len(list(tmp_path.glob("*.json"))) == 2
     assert not any("plan cache" in line for line in said)
 
     def no_solve(*args, **kwargs):
@@ -911,6 +912,38 @@ def test_a_second_run_loads_the_plan_its_first_run_settled_on(tmp_path, monkeypa
     assert packed == [m if g.offloadable or m != OFFLOAD else KEEP
                       for m, g in zip(first.plan.modes, first.profile.groups)]
     assert second.lifecycle.state in ("watching", "planned") and len(said) == 1
+
+
+def test_a_run_with_other_arguments_runs_the_plan_a_run_of_the_script_settled_on(
+        tmp_path, monkeypatch):
+    """``train.py --epochs 4`` after ``train.py --epochs 3``: its first step runs the first run's
+    plan (checked as it goes), solving nothing, bitwise as PyTorch."""
+    import sys
+    from mucudnn.torch.plancache import PlanCache
+    model, data = small_cnn(torch.float64), batches(torch.float64, 4)
+    reference = train(copy.deepcopy(model), data)
+    budget = int(saved_bytes(model, data) * 0.6)
+    monkeypatch.setattr(sys, "argv", ["/work/train.py", "--epochs", "3"])
+    first, _, _ = cached_run(copy.deepcopy(model), data, PlanCache(tmp_path), budget,
+                             trials=False)
+    monkeypatch.setattr(sys, "argv", ["/work/train.py", "--epochs", "4"])
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("a run that finds a cached plan solves nothing")
+    monkeypatch.setattr(planning, "plan_with_prefetch", no_solve)
+    cache_said = []   # the session's own ``say`` under ``mucudnn run`` (from_environment)
+    second, said, trained = cached_run(copy.deepcopy(model), data,
+                                       PlanCache(tmp_path, cache_said.append), budget,
+                                       trials=False)
+    assert_bitwise(reference, trained)
+    assert cache_said == ["no offload plan is cached for this script's arguments; its first "
+                          "step runs the one cached for the arguments '--epochs 3', checked as "
+                          "it goes"]
+    assert said == [f"offload plan for {budget / GiB:.2f} GiB from the plan cache: "
+                    f"{first.plan.describe()}"]
+    assert second.plan == first.plan and second.lifecycle.state == "planned"
+    # stored as its own too: the third run with these arguments finds it first
+    assert PlanCache(tmp_path).load(second._cache_key).plan == first.plan
 
 
 def test_a_cached_plan_that_does_not_fit_the_first_step_records_anew(tmp_path):
