@@ -164,6 +164,12 @@ class PlanKey:
                    mucudnn_version=str(mucudnn_version), script=script,
                    arguments=tuple(str(arg) for arg in argv[1:]))
 
+    @property
+    def names_a_script(self) -> bool:
+        """Whether the key's script is a path (not ``-c``, not an interactive session): only a
+        script's runs share its latest entry (:meth:`for_script`)."""
+        return os.path.isabs(self.script)
+
     def for_script(self) -> PlanKey:
         """This key whatever the script's arguments: the name of the script's latest entry,
         which a run with other arguments (``--epochs``, a learning rate, an output directory)
@@ -458,7 +464,7 @@ class PlanCache:
         found, entry = self._read(path, lambda stored: stored == key.document(),
                                   "another run's key (an edited file, or another key of the "
                                   "same hash)")
-        if found or key.arguments is None:
+        if found or key.arguments is None or not key.names_a_script:
             return entry
         script_key = key.for_script().document()
         found, entry = self._read(
@@ -530,7 +536,7 @@ class PlanCache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomically(path, text)
-            if key.arguments is not None:   # the script's latest (:meth:`load`)
+            if key.arguments is not None and key.names_a_script:   # its latest (:meth:`load`)
                 write_text_atomically(self.path_for(key.for_script()), text)
         except OSError as exc:
             reason = exc.strerror if exc.strerror else exc
@@ -547,7 +553,7 @@ class PlanCache:
         path = self.path_for(key)
         if path is None:
             return False
-        if key.arguments is not None:
+        if key.arguments is not None and key.names_a_script:
             self._forget_script_entry(key)
         try:
             path.unlink()

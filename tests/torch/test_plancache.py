@@ -211,6 +211,15 @@ def test_another_script_or_budget_never_runs_the_scripts_latest_entry(cache):
     assert "another script's key" in line and moved.for_script().digest() in line
 
 
+def test_programs_that_name_no_script_share_no_entry(cache):
+    """``python -c`` (argv[0] "-c") and an interactive session (""): other arguments are another
+    program, not another run of one."""
+    for program in ("-c", ""):
+        cache.store(key(argv=[program, "a"]), entry())
+        assert cache.load(key(argv=[program, "b"])) is None
+    assert cache.say == [] and len(list(cache.directory.iterdir())) == 2
+
+
 def test_forget_takes_the_scripts_latest_entry_only_where_it_is_its_own(cache):
     other = key(argv=["/work/train.py", "--epochs", "4"])
     cache.store(key(), entry(4 * GiB))
