@@ -128,13 +128,12 @@ def find_compiler() -> str:
 def _source_files() -> list[Path]:
     """The shim's C sources and headers and its Makefile; a package without them (an install or
     a copy that left out the ``shim_src`` link's target) is one error naming the directory."""
-    sources = sorted(SHIM_SOURCE_DIR.glob("src/*.c"))
+    sources = sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]"))
     makefile = SHIM_SOURCE_DIR / "Makefile"
-    if not sources or not makefile.is_file():
+    if not any(path.suffix == ".c" for path in sources) or not makefile.is_file():
         raise MucudnnError(f"shim sources not found in {SHIM_SOURCE_DIR} (its src/*.c and "
                            "Makefile): reinstall mucudnn")
-    return (sorted(SHIM_SOURCE_DIR.glob("src/*.[ch]")) + sorted(SHIM_SOURCE_DIR.glob("include/*.h"))
-            + [makefile])
+    return sources + sorted(SHIM_SOURCE_DIR.glob("include/*.h")) + [makefile]
 
 
 def _build_hash(cudnn_include: Path, cuda_include: Path, compiler: str) -> str:
