@@ -1017,6 +1017,20 @@ def test_a_cached_plan_recomputing_what_a_module_saves_of_its_own_output_fits(tm
     assert sum(e[0] == "recompute" for e in first_step) >= first.plan.count(RECOMPUTE)
 
 
+def steps_reading(model, data, session, read) -> list:
+    """``read()`` after each SGD step of ``model`` on ``data``, its forward in ``session``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    readings = []
+    for x, y in data:
+        optimizer.zero_grad()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        readings.append(read())
+    return readings
+
+
 @pytest.mark.parametrize("freeze", [True, False])
 def test_a_session_told_to_freezes_the_collector_once_its_first_plan_takes_over(freeze):
     import gc
@@ -1024,16 +1038,9 @@ def test_a_session_told_to_freezes_the_collector_once_its_first_plan_takes_over(
     budget = saved_bytes(model, data) * 2 // 3
     session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, freeze_gc=freeze)
     gc.unfreeze()
-    frozen = []
     try:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x, y in data:
-            optimizer.zero_grad()
-            with session:
-                loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            frozen.append((session.lifecycle.state, gc.get_freeze_count() > 0))
+        frozen = steps_reading(model, data, session,
+                               lambda: (session.lifecycle.state, gc.get_freeze_count() > 0))
     finally:
         gc.unfreeze()
     assert session.plan is not None
@@ -1058,16 +1065,9 @@ def test_the_step_that_freezes_the_collector_prefetches_as_its_plan_says(monkeyp
     for freeze in (False, True):
         session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0,
                                  freeze_gc=freeze, trials=False)
-        schedules[freeze] = []
-        trained = copy.deepcopy(model)
-        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
-        for x, y in data:
-            optimizer.zero_grad()
-            with session:
-                loss = nn.functional.cross_entropy(trained(x), y)
-            loss.backward()
-            optimizer.step()
-            schedules[freeze].append((session.lifecycle.state, dict(session._schedule)))
+        schedules[freeze] = steps_reading(
+            copy.deepcopy(model), data, session,
+            lambda: (session.lifecycle.state, dict(session._schedule)))
         assert session._gc_frozen == freeze
         assert session.plan is not None and session.plan.count(OFFLOAD)
     assert any(schedule for _, schedule in schedules[False])
