@@ -364,9 +364,9 @@ class OffloadSession(PlanLifecycle):
     # --- pack and unpack ------------------------------------------------------------------
     @staticmethod
     def _key(tensor):
-        # torch.Size is a tuple (same hash, equal to the tuple of its sizes) and ``stride()`` one
-        return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
-                tensor.stride(), tensor.dtype, tensor.device)
+        # torch.Size is a tuple (same hash, equal to the tuple of its sizes) and ``stride()`` one;
+        # the address of its first element is its storage's and its offset's in one read
+        return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
 
     def _find(self, step, tensor, key=None):
         """The live group of ``tensor`` (``key``: its :meth:`_key`, where known): one whose packs
@@ -390,6 +390,12 @@ class OffloadSession(PlanLifecycle):
         # a Python call fewer); torch.compiler.is_compiling() by its own name, as dynamo needs
         if torch.compiler.is_compiling():
             refuse_if_compiling("a mucudnn.torch session's pack hook")
+        # a parameter or a buffer (:meth:`_group_for`'s first test, read before the op recorder
+        # is set aside: inside a leaf module, where most saves are, it is aside already), where
+        # no copy waits for a save: most of a step's saves, passed at the least cost
+        if tensor.is_leaf and (tensor.requires_grad or tensor.dim() <= 1) and \
+                not self._step.pending:
+            return _Passed(tensor)
         if self.recorder.ops is None:
             group = self._group_for(tensor)
             return _Passed(tensor) if group is None else _Packed(group, group.owner)
@@ -409,11 +415,12 @@ class OffloadSession(PlanLifecycle):
         # statistics, which a later train-mode forward changes in place without a version bump,
         # and which an eval-mode backward reads as they are then): autograd keeps it, as ever.
         # A view of a parameter (a linear layer saves its weight transposed) holds none of its
-        # own memory: moving it frees nothing.
+        # own memory: moving it frees nothing. A tensor of another layout than strided (sparse,
+        # mkldnn) has no address to key it by, and is autograd's to keep.
         base = tensor._base
         if tensor.is_leaf and (tensor.requires_grad or tensor.dim() <= 1) or (
                 type(tensor) is not torch.Tensor and isinstance(tensor, nn.Parameter)) or \
-                tensor.numel() * tensor.element_size() < self.min_bytes or tensor.is_sparse or \
+                tensor.layout is not torch.strided or tensor.nbytes < self.min_bytes or \
                 base is not None and base.is_leaf and base.requires_grad:
             return None
         link = self.link_for(tensor)
@@ -443,13 +450,16 @@ class OffloadSession(PlanLifecycle):
         recorder = self.recorder
         recipe = recorder.recipe(tensor, step) if recorder.may_recompute(step, gid) else None
         base = tensor._base
-        group = _Group(gid, KEEP, tensor.numel() * tensor.element_size(), tensor.device,
+        group = _Group(gid, KEEP, tensor.nbytes, tensor.device,
                        weakref.ref(tensor), tensor._version, "", dense(tensor),
                        recipe=recipe, step_ref=weakref.ref(step),
                        base=weakref.ref(base) if base is not None else None,
                        saved_seq=_SEQUENCE_NR())
-        if recorder.records_calls(step):   # named from its calls (a step without them: unnamed)
-            group.producer = recipe.calls[-1].name if recipe else recorder.producer(step, tensor)
+        # named from its calls (a step without them, or recording only its recipes': unnamed)
+        if recipe is not None:
+            group.producer = recipe.calls[-1].name
+        elif step.records_only is None and recorder.records_calls(step):
+            group.producer = recorder.producer(step, tensor)
         if self._cached is not None:   # the first step under a cached plan: is it the same?
             self._check_cached_group(step, group)
         group.wanted = self._wanted(group)
@@ -667,6 +677,7 @@ class OffloadSession(PlanLifecycle):
             return
         plan, modes = self.plan, self.modes
         rescued = self._step.rescued
+        self.recorder.learn_recipe_modules(self._step, modes, failed)
         self._close_step(failed, out_of_memory)
         if self.modes is not None and (self.modes != modes or self.plan is not plan):
             if failed:

@@ -103,6 +103,9 @@ class StepRecorder:
         #: a call's own measure (:meth:`_start_call`) started one of its own
         self._carried_peak: dict = {}
         self._measuring: tuple = (None, None)   # (call, link): the call measured now
+        #: (modes, ids of modules, groups recomputed): what :meth:`learn_recipe_modules` learnt
+        #: from the last planned step that recorded every call; None before one
+        self._recipe_modules: tuple | None = None
 
     def _records(self, module) -> bool:
         """A leaf module's forward in a step's forward (not a recipe's rerun, not in a
@@ -140,6 +143,11 @@ class StepRecorder:
         if not (step.profiling or (finds if finds is not None else self.finds_recipes(step))):
             return
         self._set_recorder_aside(module)
+        if not step.profiling:
+            only = step.records_only if step.records_only_decided else \
+                self.recorded_modules(step)
+            if only is not None and id(module) not in only:
+                return
         if step.profiling and step.start_allocated is None:
             step.start_allocated = self.session._any_link().allocated()
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -166,6 +174,9 @@ class StepRecorder:
         finds = step.finds_recipes   # :meth:`records_calls`, without its call once decided
         if not (step.profiling or (finds if finds is not None else self.finds_recipes(step))) \
                 or not self._records(module):
+            return
+        only = step.records_only
+        if only is not None and id(module) not in only:
             return
         if step.chain is not None:
             step.chain.leave(module, output, len(step.groups))
@@ -338,6 +349,48 @@ class StepRecorder:
         modes = self.session.modes   # read once: the lifecycle's
         return step.profiling or modes is None or gid < len(modes) and modes[gid] == RECOMPUTE
 
+    def recorded_modules(self, step: _Step) -> frozenset | None:
+        """The ids of the only leaf modules whose calls planned ``step`` records, decided at its
+        first leaf module: those the recipes of its recomputed groups ran in the last step that
+        recorded every call under the same modes, and those that saved a view of their input
+        (:meth:`learn_recipe_modules`); None (every
+        module's) before such a step, under other modes, or in the first step under a cached
+        plan (it checks each recipe against the cache's). A call not recorded is to a recipe what
+        an op is: what it made is no recipe's, and what it changed in place no longer has the
+        version a recorded call left it at, so a recipe is found only where it holds; where
+        fewer are found, :meth:`learn_recipe_modules` has the next step record every call."""
+        step.records_only_decided = True
+        learnt, modes = self._recipe_modules, self.session.modes
+        if learnt is not None and modes is not None and self.session._cached is None and \
+                learnt[0] == tuple(modes):
+            step.records_only = learnt[1]
+        return step.records_only
+
+    def learn_recipe_modules(self, step: _Step, modes, failed: bool) -> None:
+        """``step``, run under ``modes``, is over: where it was planned, recomputed and recorded
+        every call and recomputed every group its plan recomputes, the modules its recomputed
+        groups' recipes ran are the only ones later steps under those modes record (each leaf
+        module call recorded costs the host more than the module's own dispatch); where it
+        recorded only those and recomputed fewer groups, the next step records every call
+        again."""
+        if failed or step.profiling or not step.finds_recipes or modes is None:
+            return
+        recomputed = [group for group in step.groups if group.mode == RECOMPUTE]
+        if step.records_only is None and any(
+                group.wanted == RECOMPUTE and group.mode != RECOMPUTE for group in step.groups):
+            # a step that kept some of what its plan recomputes (a recipe through an op its
+            # recorder could not see, the script's own mode above it) teaches nothing: the next
+            # records every call too
+            self._recipe_modules = None
+        elif step.records_only is None:
+            # and those that saved a view of their input: a recipe through it (the view
+            # rebuilt, or read as a source) is found from the call that saved it
+            self._recipe_modules = (tuple(modes), frozenset(
+                id(call.module) for group in recomputed for call in group.recipe.calls
+                if call.module is not None) | step.view_savers, len(recomputed))
+        elif self._recipe_modules is not None and len(recomputed) < self._recipe_modules[2]:
+            self._recipe_modules = None
+
     def records_calls(self, step: _Step) -> bool:
         """Whether ``step`` records its calls (modules and ops): for its times and its profile
         (recording), or for recipes (:meth:`finds_recipes`). A step that needs neither spends
@@ -426,9 +479,11 @@ class StepRecorder:
         ``C`` over exactly C's elements, both contiguous (an instance norm's ``(1, N*C, ...)``
         view of the convolution's output): ``group`` holds C's values, for recipes that read C
         once its own object is gone (:attr:`_Step.by_view`)."""
-        read = self._viewed_input(self._running_module(step)[1], tensor)
+        running = self._running_module(step)[1]
+        read = self._viewed_input(running, tensor)
         if read is None:
             return
+        step.view_savers.add(id(running.module))
         source = read.ref()
         step.by_view[id(read.ref)] = _Alias(
             read.ref, _ViewOf(group, tuple(source.shape), tuple(source.stride())))

@@ -351,6 +351,13 @@ class _Step:
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
     watching: bool = False         # that callback is queued
     finds_recipes: bool | None = None   # OffloadSession._finds_recipes, once decided
+    #: the ids of the only leaf modules whose calls it records (StepRecorder.recorded_modules);
+    #: None: every one's, where it records calls at all
+    records_only: frozenset | None = None
+    records_only_decided: bool = False
+    #: the ids of the leaf modules that saved a view of their own input (StepRecorder.alias):
+    #: recipes read through such a view, found from that module's call
+    view_savers: set = field(default_factory=set)
     ops_looked_at: bool = False   # OffloadSession._start_ops_if_due ran at a module of it
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)

@@ -655,3 +655,18 @@ def test_a_graph_dropped_after_a_backward_that_left_it_holding_packs_frees_its_s
     gc.collect()
     assert steps[-1]() is session._step
     assert [ref() is None for ref in steps[:-1]] == [True] * (len(steps) - 1)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["csr", "coo"])
+@pytest.mark.parametrize("force", [KEEP, OFFLOAD, RECOMPUTE])
+def test_a_saved_tensor_of_another_layout_is_autograds_to_keep(layout, force):
+    # a sparse matrix saved by its product (a graph network's adjacency): no storage to key or
+    # copy it by, so the session leaves it to autograd, and the gradient is PyTorch's own
+    matrix = torch.randn(4, 4).relu()
+    matrix = matrix.to_sparse_csr() if layout == "csr" else matrix.to_sparse()
+    x = torch.randn(4, 3, requires_grad=True)
+    reference = torch.autograd.grad(torch.sparse.mm(matrix, x * 2).sum(), x)[0]
+    with OffloadSession(force=force, link=SameMemoryLink(), min_bytes=0):
+        loss = torch.sparse.mm(matrix, x * 2).sum()
+    assert torch.equal(torch.autograd.grad(loss, x)[0], reference)

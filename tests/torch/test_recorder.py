@@ -445,3 +445,91 @@ def test_a_recordings_copies_are_no_compute_time_however_slow():
     assert copies >= 5 and link.lag >= 2 * 2 * copies * 0.005   # both ways, both recordings
     assert profile.forward_ms < 1 and profile.backward_ms < 1
     assert profile.forward_clock[-1] < 1 and profile.backward_clock[-1] < 1
+
+
+class _Rerouted(nn.Module):
+    """small_cnn whose second ReLU is one of two modules alike, picked by ``other``."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.net = small_cnn(dtype)
+        self.spare = nn.ReLU()
+        self.other = False
+
+    def forward(self, x):
+        for index, layer in enumerate(self.net):
+            x = (self.spare if index == 6 and self.other else layer)(x)
+        return x
+
+
+def _probed_modes(model, data):
+    # every group a forced recompute could rebuild, recomputed (a convolution's output too)
+    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
+    x, y = data[0]
+    with probe:
+        nn.functional.cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    return [group.mode for group in probe._step.groups]
+
+
+def test_a_planned_step_records_only_the_modules_its_recipes_ran():
+    # after a planned step that recorded every call, a step under the same modes records only
+    # the calls its recomputed groups' recipes ran (the host's cost of a leaf module is mostly
+    # its call's record), finds the same recipes, and trains bit for bit as PyTorch alone
+    dtype = torch.float64
+    data = batches(dtype, 4)
+    model = small_cnn(dtype)
+    modes = _probed_modes(copy.deepcopy(model), data)
+    assert RECOMPUTE in modes and KEEP in modes
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results, calls, recomputed = [], [], []
+    for x, y in data:
+        optimizer.zero_grad()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            step = session._step
+            calls.append(len(step.calls))
+            recomputed.append([g.gid for g in step.groups if g.mode == RECOMPUTE])
+            loss.backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    assert recomputed[0] and all(gids == recomputed[0] for gids in recomputed)
+    assert calls[1] < calls[0] and calls[1:] == [calls[1]] * 3
+    assert_bitwise(reference, results)
+
+
+def test_a_step_that_finds_fewer_recipes_has_the_next_record_every_call():
+    # a module that the learnt recipes never ran (another ReLU in its place from step 3 on):
+    # the step that records only the learnt ones keeps that group (no recipe, no wrong one),
+    # and the next step records every call again, and recomputes it
+    dtype = torch.float64
+    data = batches(dtype, 5)
+    model = _Rerouted(dtype)
+    modes = _probed_modes(copy.deepcopy(model), data)
+    reference_model = copy.deepcopy(model)
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference_model)]
+    calls, recomputed = [], []
+    for index, (x, y) in enumerate(data):
+        model.other = reference_model.other = index >= 2
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        nn.functional.cross_entropy(reference_model(x), y).backward()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            step = session._step
+            calls.append(len(step.calls))
+            recomputed.append(sum(g.mode == RECOMPUTE for g in step.groups))
+            loss.backward()
+        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
+            assert torch.equal(ours.grad, theirs.grad)
+        for optimizer in optimizers:
+            optimizer.step()
+    full = calls[0]
+    assert calls[1] < full                                  # learnt from step 1
+    assert recomputed[2] < recomputed[1] and calls[2] < full   # the spare ReLU: no recipe
+    assert calls[3] == full and recomputed[3] == recomputed[0]   # every call recorded again
+    assert calls[4] < full and recomputed[4] == recomputed[0]    # learnt again, with the spare

@@ -214,9 +214,11 @@ def test_unet_stages_convolution_outputs_are_rebuilt_by_the_convolution_viewed_b
     for view in views:
         rebuilt = groups[view.gid]
         # the convolution's input: the batch (kept, no recipe) or the first LeakyReLU's output
+        # (named as the probe named it: a planned step that records only its recipes' calls
+        # names no other group)
         (source,) = rebuilt.recipe.sources
         assert source.gid < rebuilt.gid and source.nbytes * 2 == rebuilt.nbytes \
-            or source.producer == "LeakyReLU"
+            or probe._step.groups[source.gid].producer == "LeakyReLU"
         assert rebuilt.recipe.view[0][0] == 1   # (1, N*C, D, H, W)
     rebuilt = {e[1] for step in split_steps(trace) for e in step if e[0] == "recompute"}
     assert {g.gid for g in views} <= rebuilt
