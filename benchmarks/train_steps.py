@@ -7,7 +7,14 @@ one line on stderr:
 
 I counts from 1; S and E are seconds since this process started (Linux: its start time in
 /proc/self/stat against /proc/uptime, 10 ms ticks; elsewhere since this module ran), M the step's
-wall time with the device synchronised at both ends. STATE is how the activation-offload session
+wall time with the device synchronised at both ends. With ``--sync-every K`` the device is waited
+for only after every K-th step, as a loop that reads its loss every K steps runs (the host then
+issues a step while the device still runs the one before): M is then the host's time for the
+step, and after each K steps one more line gives their mean wall time a step:
+
+    train_steps: steps A-B ms_per_step=M session=STATE
+
+STATE is how the activation-offload session
 that ``mucudnn run --offload`` installed (found once, after ``import torch``, among the live
 objects: the site hook keeps no name for it) ran the step, read once the step is over (a session
 decides a step's mode at its first module, where the step before it ends): the session's own
@@ -115,6 +122,10 @@ def main(argv=None) -> int:
     ap.add_argument("--throughput", action="store_true",
                     help="at the end print `mucudnn-throughput: IMAGES/S` over the last half of "
                          "the steps (the median step; `mucudnn batch-size`'s protocol)")
+    ap.add_argument("--sync-every", type=int, default=1, metavar="K",
+                    help="wait for the device only after every K-th step, as a loop that reads "
+                         "its loss every K steps does (default 1: each step's time is its own); "
+                         "each K steps then print one line of their mean time a step")
     ap.add_argument("--detail", action="store_true",
                     help="also print each step's memory (peak allocated, reserved, the caching "
                          "allocator's retries) and the session plan's prediction")
@@ -152,9 +163,12 @@ def main(argv=None) -> int:
     step_seconds = []
     detail = args.detail and cuda
     traced = {int(k) for k in args.trace_step.split(",") if k.strip()}
+    every = max(1, args.sync_every)
+    window_start = time.monotonic()
     retries = memory_counter("num_alloc_retries") if detail else 0
     for step in range(1, args.steps + 1):
-        synchronize()
+        if every == 1:
+            synchronize()
         if detail:
             torch.cuda.reset_peak_memory_stats()
         tracer = trace(step in traced and cuda)
@@ -171,7 +185,8 @@ def main(argv=None) -> int:
             host.mark("backward")
             optimizer.step()
             host.mark("optimizer")
-            synchronize()
+            if every == 1 or step % every == 0:
+                synchronize()
         end = time.monotonic()
         step_seconds.append(end - start)
         state = session_state(session)
@@ -185,6 +200,11 @@ def main(argv=None) -> int:
         print(f"train_steps: step {step} start_s={start - offset:.3f} end_s={end - offset:.3f} "
               f"step_ms={(end - start) * 1e3:.2f} session={state}{extra}", file=sys.stderr,
               flush=True)
+        if every > 1 and step % every == 0:
+            print(f"train_steps: steps {step - every + 1}-{step} ms_per_step="
+                  f"{(end - window_start) * 1e3 / every:.2f} session={state}", file=sys.stderr,
+                  flush=True)
+            window_start = end
         for line in host.hottest():
             print(f"train_steps: cprofile step {step} {line}", file=sys.stderr, flush=True)
         if step == args.memory_history_step and cuda:

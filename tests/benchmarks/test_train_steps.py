@@ -3,6 +3,7 @@ the allocator history's flush summary, and a CPU dry run with every option it ha
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,15 @@ def test_a_cpu_dry_run_prints_its_steps_and_a_throughput_batch_size_reads():
     assert "cprofile step 3" in done.stderr
     match = THROUGHPUT.search(done.stdout)
     assert match is not None and float(match.group(1)) > 0
+
+
+def test_a_run_that_waits_every_k_steps_prints_each_windows_time_a_step():
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train_steps", "--device", "cpu", "--model", "tiny",
+         "--batch", "2", "--steps", "5", "--sync-every", "2"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("train_steps: step ") == 5
+    windows = re.findall(r"train_steps: steps (\d+)-(\d+) ms_per_step=([0-9.]+)", done.stderr)
+    assert [(a, b) for a, b, _ in windows] == [("1", "2"), ("3", "4")]
+    assert all(float(ms) > 0 for _, _, ms in windows)
