@@ -68,7 +68,7 @@ def _past_the_op_recorder(hook):
     """A session's module hook run with torch function handling off while the session's
     :class:`_OpRecorder` is entered: its own reads of tensors (shapes, strides, storages) and
     copies are none of the recorder's, and each would be a Python call through it (most of the
-    calls a forward makes). The pack hook (OffloadSession._pack) runs the same way, written
+    calls a forward makes). The pack hook (SavedTensorHooks._pack) runs the same way, written
     out there."""
     refusal = f"a mucudnn.torch session's {hook.__name__.strip('_').replace('_', ' ')} hook"
     quiet = hook.__name__ == "_after_module"

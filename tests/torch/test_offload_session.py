@@ -101,17 +101,6 @@ def test_fit_wraps_the_model_and_plans_after_one_step():
     assert fitted.mucudnn_session.plan is not None
 
 
-def test_parameters_and_small_tensors_pass_through():
-    model, data = small_cnn(torch.float32), batches(torch.float32, 1)
-    trace = []
-    session = OffloadSession(force=OFFLOAD, link=RecordingLink(), min_bytes=4096, trace=trace)
-    train(model, data, session)
-    packs = [e for e in trace if e[0] == "pack"]
-    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert packs and parameters > 0
-    assert all(g.nbytes >= 4096 for g in session._step.groups)
-
-
 def outputs_of(model):
     """Weak references to every module output of the forward passes run after this call."""
     refs = []
@@ -277,28 +266,6 @@ def test_every_recording_step_fetches_on_demand():
     for recording in (first, second):
         assert any(e[0] == "fetch" for e in recording)
         assert not any(e[0] == "prefetch" for e in recording)
-
-
-class LogsItsInputNorm(nn.Module):
-    """Saves its input for a graph it drops at once (a logged statistic), before the next
-    module saves the same tensor again."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        h = self.model[:8](x)                # AvgPool2d's output: its maker does not save it
-        self.logged = h.pow(2).sum().item()  # saves h; that node is freed right away
-        return self.model[8:](h)             # the convolution saves h again
-
-
-@pytest.mark.parametrize("mode", [OFFLOAD, KEEP, RECOMPUTE])
-def test_a_tensor_saved_again_after_its_first_saver_was_freed(mode):
-    model, data = LogsItsInputNorm(small_cnn(torch.float64)), batches(torch.float64, 3)
-    reference = train(copy.deepcopy(model), data)
-    session = OffloadSession(force=mode, link=RecordingLink(), min_bytes=0)
-    assert_bitwise(reference, train(model, data, session))
 
 
 def test_a_graph_dropped_without_a_backward_frees_its_saved_outputs():
@@ -551,18 +518,6 @@ def test_small_kept_groups_are_copied_apart_in_planned_steps_only(keep_apart):
     assert all(c._version == 1 for c in link.copies)
 
 
-def test_a_parameter_changed_in_place_is_never_a_group():
-    # a frozen parameter changed in place by an op of a tensor that requires grad is no leaf;
-    # it is still a parameter, which a session never saves as its own
-    parameter = nn.Parameter(torch.randn(64, 64), requires_grad=False)
-    parameter.mul_(torch.randn(64, 64, requires_grad=True))
-    assert not parameter.is_leaf
-    session = OffloadSession(force=KEEP, link=RecordingLink(), min_bytes=0)
-    with session:
-        (torch.randn(2, 64, 64, requires_grad=True).exp() * parameter).sum()
-    assert [g.nbytes for g in session._step.groups] == [2 * 64 * 64 * 4]   # the exp's only
-
-
 def test_the_runtime_module_still_names_what_scripts_import_from_it():
     # mucudnn.torch.runtime was split by responsibility; it re-exports the public names
     from mucudnn.torch import link, offload_session, recorder, records, runtime
@@ -655,18 +610,3 @@ def test_a_graph_dropped_after_a_backward_that_left_it_holding_packs_frees_its_s
     gc.collect()
     assert steps[-1]() is session._step
     assert [ref() is None for ref in steps[:-1]] == [True] * (len(steps) - 1)
-
-
-@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
-@pytest.mark.parametrize("layout", ["csr", "coo"])
-@pytest.mark.parametrize("force", [KEEP, OFFLOAD, RECOMPUTE])
-def test_a_saved_tensor_of_another_layout_is_autograds_to_keep(layout, force):
-    # a sparse matrix saved by its product (a graph network's adjacency): no storage to key or
-    # copy it by, so the session leaves it to autograd, and the gradient is PyTorch's own
-    matrix = torch.randn(4, 4).relu()
-    matrix = matrix.to_sparse_csr() if layout == "csr" else matrix.to_sparse()
-    x = torch.randn(4, 3, requires_grad=True)
-    reference = torch.autograd.grad(torch.sparse.mm(matrix, x * 2).sum(), x)[0]
-    with OffloadSession(force=force, link=SameMemoryLink(), min_bytes=0):
-        loss = torch.sparse.mm(matrix, x * 2).sum()
-    assert torch.equal(torch.autograd.grad(loss, x)[0], reference)
