@@ -117,7 +117,7 @@ class StepCopies:
     @staticmethod
     def copy(step: _Step, link: SameMemoryLink, direction: str, nbytes: int, copy) -> Transfer:
         """``copy()``; in a recording step (whose copies are inline, each alone on the compute
-        stream) between two marks, which time the host link (:func:`~.recorder.link_speeds`)."""
+        stream) between two marks, which time the host link (:func:`~.recording.link_speeds`)."""
         if not step.profiling:
             return copy()
         before = link.mark()

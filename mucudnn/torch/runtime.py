@@ -6,7 +6,8 @@ working; new code imports them from those modules."""
 
 from .link import CudaLink, Mark, SameMemoryLink, Transfer, dense, measure_bandwidth
 from .offload_session import OffloadSession
-from .recorder import ADDS, CONCATS, LINK_PROBE_BYTES
+from .recorder import ADDS, CONCATS
+from .recording import LINK_PROBE_BYTES
 from .records import CHEAP, CONVOLUTIONS, offload_everything, rerun_as_recorded
 
 __all__ = ["ADDS", "CHEAP", "CONCATS", "CONVOLUTIONS", "LINK_PROBE_BYTES", "CudaLink", "Mark",

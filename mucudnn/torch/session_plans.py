@@ -23,7 +23,7 @@ from .plan_worker import ProcessRunner
 from .plancache import UNCHECKED, CachedPlan, PlanCache, PlanKey
 from .planner import KEEP
 from .records import _Group, _Step
-from .recorder import stage_candidates, step_profile
+from .recording import stage_candidates, step_profile
 from . import planner_stage
 from ..sizes import describe_size
 from .stage import RECORDING_FLOOR_SHARE, StagePlan, leading_chain, recording_chunks

@@ -520,7 +520,7 @@ def test_small_kept_groups_are_copied_apart_in_planned_steps_only(keep_apart):
 
 def test_the_runtime_module_still_names_what_scripts_import_from_it():
     # mucudnn.torch.runtime was split by responsibility; it re-exports the public names
-    from mucudnn.torch import link, offload_session, recorder, records, runtime
+    from mucudnn.torch import link, offload_session, recorder, recording, records, runtime
     assert runtime.OffloadSession is offload_session.OffloadSession
     assert (runtime.SameMemoryLink, runtime.CudaLink, runtime.Transfer, runtime.Mark,
             runtime.measure_bandwidth, runtime.dense) == (
@@ -530,10 +530,10 @@ def test_the_runtime_module_still_names_what_scripts_import_from_it():
             runtime.rerun_as_recorded) == (records.CHEAP, records.CONVOLUTIONS,
                                           records.offload_everything, records.rerun_as_recorded)
     assert (runtime.ADDS, runtime.CONCATS, runtime.LINK_PROBE_BYTES) == (
-        recorder.ADDS, recorder.CONCATS, recorder.LINK_PROBE_BYTES)
+        recorder.ADDS, recorder.CONCATS, recording.LINK_PROBE_BYTES)
     assert sorted(runtime.__all__) == sorted(
         name for name in vars(runtime) if not name.startswith("_")
-        and name not in ("link", "offload_session", "recorder", "records"))
+        and name not in ("link", "offload_session", "recorder", "recording", "records"))
 
 
 @pytest.mark.parametrize("plan", ["keep", "offload", "mixed", "budget"])

@@ -78,14 +78,14 @@ def test_the_host_link_is_timed_on_the_recording_steps_own_copies(monkeypatch, p
     # no probe buffer allocated after the recording (at the tightest moment) when the recording's
     # copies were large enough to time the link; a probe only when they were not
     from mucudnn.torch import link as link_module
-    from mucudnn.torch import recorder as recorder_module
+    from mucudnn.torch import recording as recording_module
     probed = []
 
     def probe(link, device):
         probed.append(device)
         return 1.5, 2.5
 
-    monkeypatch.setattr(recorder_module, "LINK_PROBE_BYTES", probe_bytes)
+    monkeypatch.setattr(recording_module, "LINK_PROBE_BYTES", probe_bytes)
     monkeypatch.setattr(link_module, "measure_bandwidth", probe)
     model, data = small_cnn(torch.float32), batches(torch.float32, 3)
     session = OffloadSession(budget=GiB, link=SameMemoryLink(), min_bytes=0)
