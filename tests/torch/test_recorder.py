@@ -533,3 +533,92 @@ def test_a_step_that_finds_fewer_recipes_has_the_next_record_every_call():
     assert recomputed[2] < recomputed[1] and calls[2] < full   # the spare ReLU: no recipe
     assert calls[3] == full and recomputed[3] == recomputed[0]   # every call recorded again
     assert calls[4] < full and recomputed[4] == recomputed[0]    # learnt again, with the spare
+
+
+class _HalvedThroughData(nn.Module):
+    """Halves its input through ``.data`` (a change no version counter sees) and returns it."""
+
+    def forward(self, x):
+        x.data.mul_(0.5)
+        return x
+
+
+class _Halving(nn.Module):
+    """A convolution, a batch norm and a ReLU; from ``halve`` on, the convolution's output is
+    halved in place through ``.data`` by a leaf module between them."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.norm = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.act, self.conv2 = nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)
+        self.head, self.halving = nn.Linear(8, 10), _HalvedThroughData()
+        self.halve = False
+        self.to(dtype)
+
+    def forward(self, x):
+        out = self.conv1(x)
+        if self.halve:
+            out = self.halving(out)
+        return self.head(self.conv2(self.act(self.norm(out))).mean((2, 3)))
+
+
+def test_a_module_returning_its_changed_input_is_its_maker_in_a_step_that_records_recipes_only():
+    # the convolution's output, halved through ``.data`` by a module that returns it: where that
+    # module's call is recorded, it made the batch norm's input (no recipe reruns the
+    # convolution in its place); a step that records only the learnt recipes' modules must not
+    # rebuild it by the convolution alone either (a gradient of the unhalved output)
+    dtype = torch.float64
+    data = batches(dtype, 4)
+    model = _Halving(dtype)
+    modes = _probed_modes(copy.deepcopy(model), data)
+    assert modes[1] == RECOMPUTE   # the batch norm's input, by the convolution
+    reference_model = copy.deepcopy(model)
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference_model)]
+    for index, (x, y) in enumerate(data):
+        model.halve = reference_model.halve = index >= 2
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        nn.functional.cross_entropy(reference_model(x), y).backward()
+        with session:
+            nn.functional.cross_entropy(model(x), y).backward()
+        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
+            assert torch.equal(ours.grad, theirs.grad), index
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+def test_steps_of_another_batch_size_do_not_stop_the_plans_recomputes_for_good():
+    # a planned step at another batch size than the profile's (a multi-scale loop, an epoch's
+    # last batch) wants nothing recomputed (its groups are other sizes): one that records every
+    # call learns no module from it, and the steps at the profile's size after it must still
+    # find their recipes (they keep the plan's recomputed groups at most until a step that
+    # records every call again), not keep them for good
+    dtype = torch.float64
+    model = small_cnn(dtype)
+    full = batches(dtype, 7)
+    data = [(x[:3], y[:3]) if index in (1, 2) else (x, y) for index, (x, y) in enumerate(full)]
+    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
+    with probe:
+        nn.functional.cross_entropy(copy.deepcopy(model)(full[0][0]), full[0][1]).backward()
+    modes = [group.mode for group in probe._step.groups]
+    assert RECOMPUTE in modes and KEEP in modes
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
+    session.profile = planner.StepProfile(
+        [planner.SavedGroup(g.nbytes, 0, 0) for g in probe._step.groups], 1.0, 1.0, 1.0, 1.0, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results, recomputed = [], []
+    for x, y in data:
+        optimizer.zero_grad()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            recomputed.append([g.gid for g in session._step.groups if g.mode == RECOMPUTE])
+            loss.backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    assert_bitwise(reference, results)
+    assert recomputed[0] and recomputed[1] == recomputed[2] == []
+    assert recomputed[-2:] == [recomputed[0]] * 2
