@@ -171,6 +171,15 @@ class StepRecorder:
             return
         only = step.records_only
         if only is not None and id(module) not in only:
+            # a module not recorded that returns a tensor a recorded call returned (its input,
+            # perhaps changed through ``.data``, which no version counter sees) is that tensor's
+            # last maker, as where it is recorded: a call no recipe reruns, so no recipe
+            # rebuilds the tensor as it was before this module ran
+            if isinstance(output, torch.Tensor) and id(weakref.ref(output)) in step.outputs:
+                call = _Call(module, type(module).__name__, (), None, None)
+                call.index = len(step.calls)
+                step.calls.append(call)
+                self._returned(call, output)
             return
         if step.chain is not None:
             step.chain.leave(module, output, len(step.groups))
@@ -361,8 +370,9 @@ class StepRecorder:
         return step.records_only
 
     def learn_recipe_modules(self, step: _Step, modes, failed: bool) -> None:
-        """``step``, run under ``modes``, is over: where it was planned, recomputed and recorded
-        every call and recomputed every group its plan recomputes, the modules its recomputed
+        """``step``, run under ``modes``, is over: where it was planned, recorded every call,
+        saved as many groups as ``modes`` names and recomputed every group ``modes`` recomputes,
+        the modules its recomputed
         groups' recipes ran are the only ones later steps under those modes record (each leaf
         module call recorded costs the host more than the module's own dispatch); where it
         recorded only those and recomputed fewer groups, the next step records every call
@@ -370,11 +380,12 @@ class StepRecorder:
         if failed or step.profiling or not step.finds_recipes or modes is None:
             return
         recomputed = [group for group in step.groups if group.mode == RECOMPUTE]
-        if step.records_only is None and any(
-                group.wanted == RECOMPUTE and group.mode != RECOMPUTE for group in step.groups):
-            # a step that kept some of what its plan recomputes (a recipe through an op its
-            # recorder could not see, the script's own mode above it) teaches nothing: the next
-            # records every call too
+        if step.records_only is None and (
+                len(step.groups) != len(modes) or len(recomputed) != modes.count(RECOMPUTE)):
+            # a step that did not recompute every group its plan recomputes teaches nothing
+            # (another size of batch, whose groups the plan does not name; a recipe through an
+            # op its recorder could not see, the script's own mode above it): the next records
+            # every call too
             self._recipe_modules = None
         elif step.records_only is None:
             # and those that saved a view of their input: a recipe through it (the view
