@@ -622,3 +622,35 @@ def test_steps_of_another_batch_size_do_not_stop_the_plans_recomputes_for_good()
     assert_bitwise(reference, results)
     assert recomputed[0] and recomputed[1] == recomputed[2] == []
     assert recomputed[-2:] == [recomputed[0]] * 2
+
+
+@pytest.mark.xfail(strict=True, reason="a step filtered by another forward's modules keeps its "
+                   "groups, and the step after it, which records every call, is the other forward")
+def test_a_forward_that_alternates_between_two_modules_recomputes_in_both():
+    # the second ReLU is one of two modules alike, every other step (two tasks' heads taken in
+    # turn, a GAN's generator and discriminator steps): a step that records every call is always
+    # the one after a step that found fewer recipes, so the same forward, and the other forward's
+    # steps, recording only its modules, keep that group in every step (recording every call,
+    # both recompute it)
+    dtype = torch.float64
+    data = batches(dtype, 8)
+    model = _Rerouted(dtype)
+    modes = _probed_modes(copy.deepcopy(model), data)
+    reference_model = copy.deepcopy(model)
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference_model)]
+    recomputed = []
+    for index, (x, y) in enumerate(data):
+        model.other = reference_model.other = index % 2 == 1
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        nn.functional.cross_entropy(reference_model(x), y).backward()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            recomputed.append(sum(g.mode == RECOMPUTE for g in session._step.groups))
+            loss.backward()
+        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
+            assert torch.equal(ours.grad, theirs.grad)
+        for optimizer in optimizers:
+            optimizer.step()
+    assert recomputed[-2:] == [recomputed[0]] * 2
