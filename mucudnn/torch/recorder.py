@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import functools
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -81,6 +82,24 @@ def _past_the_op_recorder(hook):
     return run
 
 
+#: the most steps recording every call that :meth:`StepRecorder.learn_recipe_modules` learns
+#: from before a step records only the learnt modules (a forward alternating between more
+#: modules than this keeps being learnt, a step in every so many recording every call)
+_MOST_LEARNING_STEPS = 8
+
+
+@dataclass
+class _RecipeModules:
+    """The leaf modules whose calls the recipes of planned steps under ``modes`` ran
+    (:meth:`StepRecorder.learn_recipe_modules`)."""
+
+    modes: tuple
+    ids: frozenset = frozenset()   # the modules' ids, and those that saved a view of their input
+    needed: int = 1     # steps recording every call to learn from before recording only ``ids``
+    seen: int = 0       # of those, learnt from since the last step that lacked a module
+    active: bool = False   # steps under ``modes`` record only ``ids``
+
+
 class StepRecorder:
     """Records the calls of the session's steps and finds their recipes; its state is the op
     recorder entered now and the measure of the call timed now. ``session``: the
@@ -97,9 +116,8 @@ class StepRecorder:
         #: a call's own measure (:meth:`_start_call`) started one of its own
         self._carried_peak: dict = {}
         self._measuring: tuple = (None, None)   # (call, link): the call measured now
-        #: (modes, ids of modules, groups recomputed): what :meth:`learn_recipe_modules` learnt
-        #: from the last planned step that recorded every call; None before one
-        self._recipe_modules: tuple | None = None
+        #: what :meth:`learn_recipe_modules` learnt under the modes in force; None before it
+        self._recipe_modules: _RecipeModules | None = None
 
     def _records(self, module) -> bool:
         """A leaf module's forward in a step's forward (not a recipe's rerun, not in a
@@ -354,47 +372,58 @@ class StepRecorder:
 
     def recorded_modules(self, step: _Step) -> frozenset | None:
         """The ids of the only leaf modules whose calls planned ``step`` records, decided at its
-        first leaf module: those the recipes of its recomputed groups ran in the last step that
-        recorded every call under the same modes, and those that saved a view of their input
-        (:meth:`learn_recipe_modules`); None (every
-        module's) before such a step, under other modes, or in the first step under a cached
-        plan (it checks each recipe against the cache's). A call not recorded is to a recipe what
-        an op is: what it made is no recipe's, and what it changed in place no longer has the
-        version a recorded call left it at, so a recipe is found only where it holds; where
-        fewer are found, :meth:`learn_recipe_modules` has the next step record every call."""
+        first leaf module: those :meth:`learn_recipe_modules` learnt under the same modes, once
+        it learnt from enough steps; None (every module's) until then, under other modes, and in
+        the first step under a cached plan (it checks each recipe against the cache's). A call
+        not recorded is to a recipe what an op is: what it made is no recipe's, and what it
+        changed in place no longer has the version a recorded call left it at; a module not
+        recorded that returns a tensor a recorded call returned is noted as its last maker
+        (:meth:`module_returns`). So a recipe is found only where it holds, and a step that
+        keeps a group its plan recomputes has the next steps record every call again."""
         step.records_only_decided = True
         learnt, modes = self._recipe_modules, self.session.modes
-        if learnt is not None and modes is not None and self.session._cached is None and \
-                learnt[0] == tuple(modes):
-            step.records_only = learnt[1]
+        if learnt is not None and learnt.active and modes is not None and \
+                self.session._cached is None and learnt.modes == tuple(modes):
+            step.records_only = learnt.ids
         return step.records_only
 
     def learn_recipe_modules(self, step: _Step, modes, failed: bool) -> None:
-        """``step``, run under ``modes``, is over: where it was planned, recorded every call,
-        saved as many groups as ``modes`` names and recomputed every group ``modes`` recomputes,
-        the modules its recomputed
-        groups' recipes ran are the only ones later steps under those modes record (each leaf
-        module call recorded costs the host more than the module's own dispatch); where it
-        recorded only those and recomputed fewer groups, the next step records every call
-        again."""
+        """``step``, run under ``modes``, is over. A planned step that recorded every call, saved
+        the groups ``modes`` names and recomputed every one they recompute adds the modules its
+        recipes ran, and those that saved a view of their input (a recipe through the view is
+        found from the call that saved it), to what later steps under those modes record; they
+        record only those once learnt from :attr:`_RecipeModules.needed` such steps. A step that
+        recorded only those and kept a group its plan recomputes (a forward that changed: another
+        module in its place, a forward alternating between two) has the next steps record every
+        call, twice as many of them as before (up to :data:`_MOST_LEARNING_STEPS`), each adding
+        its modules: a forward alternating between K (at most that many) is learnt whole. A step
+        that recorded every call but is not the plan's (another size of batch: the plan names
+        none of its groups; a recipe through an op its recorder could not see) teaches
+        nothing."""
         if failed or step.profiling or not step.finds_recipes or modes is None:
             return
+        key = tuple(modes)
+        learnt = self._recipe_modules
+        if learnt is None or learnt.modes != key:
+            learnt = self._recipe_modules = _RecipeModules(key)
+        kept = False
+        for group in step.groups:   # a loop, no generator: at every step's end
+            if group.wanted == RECOMPUTE and group.mode != RECOMPUTE:
+                kept = True
+                break
+        if step.records_only is not None:
+            if kept:
+                learnt.active, learnt.seen = False, 0
+                learnt.needed = min(2 * learnt.needed, _MOST_LEARNING_STEPS)
+            return
         recomputed = [group for group in step.groups if group.mode == RECOMPUTE]
-        if step.records_only is None and (
-                len(step.groups) != len(modes) or len(recomputed) != modes.count(RECOMPUTE)):
-            # a step that did not recompute every group its plan recomputes teaches nothing
-            # (another size of batch, whose groups the plan does not name; a recipe through an
-            # op its recorder could not see, the script's own mode above it): the next records
-            # every call too
-            self._recipe_modules = None
-        elif step.records_only is None:
-            # and those that saved a view of their input: a recipe through it (the view
-            # rebuilt, or read as a source) is found from the call that saved it
-            self._recipe_modules = (tuple(modes), frozenset(
-                id(call.module) for group in recomputed for call in group.recipe.calls
-                if call.module is not None) | step.view_savers, len(recomputed))
-        elif self._recipe_modules is not None and len(recomputed) < self._recipe_modules[2]:
-            self._recipe_modules = None
+        if kept or len(step.groups) != len(key) or len(recomputed) != key.count(RECOMPUTE):
+            return
+        learnt.ids = learnt.ids.union(
+            (id(call.module) for group in recomputed for call in group.recipe.calls
+             if call.module is not None), step.view_savers)
+        learnt.seen += 1
+        learnt.active = learnt.seen >= learnt.needed
 
     def records_calls(self, step: _Step) -> bool:
         """Whether ``step`` records its calls (modules and ops): for its times and its profile
