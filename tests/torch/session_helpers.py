@@ -236,10 +236,14 @@ GiB = 2**30
 
 
 class SlowHostLink(RecordingLink):
-    """Making a host tensor blocks the host thread (pinning fresh memory), 30 ms each."""
+    """Making a host tensor blocks the host thread (pinning fresh memory), ``WAIT_MS`` each: long
+    against any small CNN's compute on a loaded machine, so that tests telling waits from
+    compute hold however busy the machine is."""
+
+    WAIT_MS = 200
 
     def _new_host(self, tensor):
-        time.sleep(0.03)
+        time.sleep(self.WAIT_MS / 1e3)
         return super()._new_host(tensor)
 
 
