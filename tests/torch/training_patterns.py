@@ -38,6 +38,10 @@ from mucudnn.torch.offload_session import OffloadSession
 
 #: sessions a case runs under (``budget``: about half the step's saved bytes, a mixed plan)
 SESSIONS = ("keep", "offload", "recompute", "stage", "budget", "fit")
+#: a session no case draws, which :func:`planned_case` gives: fixed modes recomputing every group
+#: a probe step could rebuild, so that from its second step on a step records only the modules
+#: its recipes ran (recorder.py's ``recorded_modules``) under every pattern
+PLANNED = "planned"
 #: model patterns: each adds a block (or changes the stem) where drawn
 STRUCTURE = ("residual", "dense", "batchnorm", "groupnorm", "layernorm", "dropout", "inplace",
              "shared", "custom_function", "module_hook", "global_hook", "checkpoint", "rrelu",
@@ -97,6 +101,14 @@ def make_case(seed: int) -> Case:
         else:
             dtype = "float32"
     return Case(seed, session, dtype, frozenset(patterns), rng.choice((4, 5)))
+
+
+def planned_case(seed: int) -> Case:
+    """:func:`make_case`'s patterns of ``seed`` under the :data:`PLANNED` session, in float64
+    and over 5 steps (the more steps run recording only the learnt modules)."""
+    case = make_case(seed)
+    return dataclasses.replace(case, session=PLANNED, dtype="float32" if case.has("autocast")
+                               else "float64", steps=5)
 
 
 def _rng(case: Case, what: str) -> random.Random:
@@ -571,6 +583,17 @@ def saved_bytes(case: Case, model: nn.Module) -> int:
     return total[0]
 
 
+def probed_modes(case: Case, model: nn.Module) -> list:
+    """Per group of a probe step (a copy of ``model``, the first batch, every group a recipe
+    can rebuild recomputed), its mode there: recomputed, or kept."""
+    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
+    x, y = make_data(case)[0][0]
+    with probe:
+        loss = F.cross_entropy(copy.deepcopy(model)(x).float(), y)
+    loss.backward()
+    return [RECOMPUTE if group.mode == RECOMPUTE else KEEP for group in probe._step.groups]
+
+
 def make_session(case: Case, model: nn.Module):
     """(model to train, session to enter per step or None)."""
     from session_helpers import RecordingLink   # a slow link back: the planner must choose
@@ -580,6 +603,9 @@ def make_session(case: Case, model: nn.Module):
     if case.session == "stage":
         return model, OffloadSession(budget=2**50, link=RecordingLink(), min_bytes=0,
                                      stage="always")
+    if case.session == PLANNED:
+        return model, OffloadSession(modes=probed_modes(case, model), link=SameMemoryLink(),
+                                     min_bytes=0)
     budget = max(1, int(saved_bytes(case, model) * 0.5))
     # a plan may stage where it fits better: float64 only (bf16 autocast's sums are coarser)
     options = dict(link=RecordingLink(), min_bytes=0, headroom=0.0, strict=False,
