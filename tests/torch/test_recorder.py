@@ -501,6 +501,40 @@ def test_a_planned_step_records_only_the_modules_its_recipes_ran():
     assert_bitwise(reference, results)
 
 
+def _steps_against_plain(model, data, modes, switch):
+    """SGD steps of ``model`` under fixed ``modes`` and of its plain copy, ``switch(index)``
+    setting both models' ``other`` (or ``halve``) before step ``index``; each step's gradients
+    equal bit for bit. Per step: the calls it recorded and the groups it recomputed."""
+    reference_model = copy.deepcopy(model)
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference_model)]
+    calls, recomputed = [], []
+    for index, (x, y) in enumerate(data):
+        switch(index, model, reference_model)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        nn.functional.cross_entropy(reference_model(x), y).backward()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            calls.append(len(session._step.calls))
+            recomputed.append(sum(g.mode == RECOMPUTE for g in session._step.groups))
+            loss.backward()
+        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
+            assert torch.equal(ours.grad, theirs.grad), index
+        for optimizer in optimizers:
+            optimizer.step()
+    return calls, recomputed
+
+
+def _rerouted_from(first):
+    """A ``switch`` taking the spare ReLU from step ``first`` on (``first(index)`` where
+    callable)."""
+    def switch(index, *models):
+        for model in models:
+            model.other = first(index) if callable(first) else index >= first
+    return switch
+
+
 def test_a_step_that_finds_fewer_recipes_has_the_next_record_every_call():
     # a module that the learnt recipes never ran (another ReLU in its place from step 3 on):
     # the step that records only the learnt ones keeps that group (no recipe, no wrong one),
@@ -509,26 +543,8 @@ def test_a_step_that_finds_fewer_recipes_has_the_next_record_every_call():
     dtype = torch.float64
     data = batches(dtype, 6)
     model = _Rerouted(dtype)
-    modes = _probed_modes(copy.deepcopy(model), data)
-    reference_model = copy.deepcopy(model)
-    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference_model)]
-    calls, recomputed = [], []
-    for index, (x, y) in enumerate(data):
-        model.other = reference_model.other = index >= 2
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        nn.functional.cross_entropy(reference_model(x), y).backward()
-        with session:
-            loss = nn.functional.cross_entropy(model(x), y)
-            step = session._step
-            calls.append(len(step.calls))
-            recomputed.append(sum(g.mode == RECOMPUTE for g in step.groups))
-            loss.backward()
-        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
-            assert torch.equal(ours.grad, theirs.grad)
-        for optimizer in optimizers:
-            optimizer.step()
+    calls, recomputed = _steps_against_plain(
+        model, data, _probed_modes(copy.deepcopy(model), data), _rerouted_from(2))
     full = calls[0]
     assert calls[1] < full                                  # learnt from step 1
     assert recomputed[2] < recomputed[1] and calls[2] < full   # the spare ReLU: no recipe
@@ -575,20 +591,11 @@ def test_a_module_returning_its_changed_input_is_its_maker_in_a_step_that_record
     model = _Halving(dtype)
     modes = _probed_modes(copy.deepcopy(model), data)
     assert modes[1] == RECOMPUTE   # the batch norm's input, by the convolution
-    reference_model = copy.deepcopy(model)
-    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference_model)]
-    for index, (x, y) in enumerate(data):
-        model.halve = reference_model.halve = index >= 2
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        nn.functional.cross_entropy(reference_model(x), y).backward()
-        with session:
-            nn.functional.cross_entropy(model(x), y).backward()
-        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
-            assert torch.equal(ours.grad, theirs.grad), index
-        for optimizer in optimizers:
-            optimizer.step()
+
+    def halve_from_step_3(index, *models):
+        for halving in models:
+            halving.halve = index >= 2
+    _steps_against_plain(model, data, modes, halve_from_step_3)
 
 
 def test_steps_of_another_batch_size_do_not_stop_the_plans_recomputes_for_good():
@@ -635,22 +642,7 @@ def test_a_forward_that_alternates_between_two_modules_recomputes_in_both():
     dtype = torch.float64
     data = batches(dtype, 8)
     model = _Rerouted(dtype)
-    modes = _probed_modes(copy.deepcopy(model), data)
-    reference_model = copy.deepcopy(model)
-    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference_model)]
-    recomputed = []
-    for index, (x, y) in enumerate(data):
-        model.other = reference_model.other = index % 2 == 1
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        nn.functional.cross_entropy(reference_model(x), y).backward()
-        with session:
-            loss = nn.functional.cross_entropy(model(x), y)
-            recomputed.append(sum(g.mode == RECOMPUTE for g in session._step.groups))
-            loss.backward()
-        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
-            assert torch.equal(ours.grad, theirs.grad)
-        for optimizer in optimizers:
-            optimizer.step()
+    _, recomputed = _steps_against_plain(
+        model, data, _probed_modes(copy.deepcopy(model), data),
+        _rerouted_from(lambda index: index % 2 == 1))
     assert recomputed[-2:] == [recomputed[0]] * 2
