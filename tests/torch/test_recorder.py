@@ -646,3 +646,38 @@ def test_a_forward_that_alternates_between_two_modules_recomputes_in_both():
         model, data, _probed_modes(copy.deepcopy(model), data),
         _rerouted_from(lambda index: index % 2 == 1))
     assert recomputed[-2:] == [recomputed[0]] * 2
+
+
+def test_a_gradient_penalty_does_not_stop_the_plans_recomputes_for_good():
+    # a gradient penalty (WGAN-GP, R1): the penalty's ops after ``autograd.grad`` save after an
+    # unpack, so they are a step of their own, which wants nothing recomputed; it teaches no
+    # module, and every later forward still rebuilds what its plan recomputes
+    dtype = torch.float64
+    data = batches(dtype, 5)
+    model = small_cnn(dtype)
+    modes = _probed_modes(copy.deepcopy(model), data)
+    assert RECOMPUTE in modes and KEEP in modes
+
+    def run(session):
+        trained = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.01)
+        results, recomputed = [], []
+        for x, y in data:
+            optimizer.zero_grad()
+            x = x.clone().requires_grad_()
+            with session if session is not None else contextlib.nullcontext():
+                loss = nn.functional.cross_entropy(trained(x), y)
+                if session is not None:
+                    recomputed.append([g.gid for g in session._step.groups
+                                       if g.mode == RECOMPUTE])
+                grad, = torch.autograd.grad(loss, x, create_graph=True)
+                (loss + grad.pow(2).sum()).backward()
+            results.append([p.grad.clone() for p in trained.parameters()] +
+                           [b.clone() for b in trained.buffers()])
+            optimizer.step()
+        return results, recomputed
+
+    reference, _ = run(None)
+    results, recomputed = run(OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0))
+    assert_bitwise(reference, results)
+    assert recomputed[0] and recomputed == [recomputed[0]] * len(data)
