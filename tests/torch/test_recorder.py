@@ -472,15 +472,20 @@ def _probed_modes(model, data):
     return [group.mode for group in probe._step.groups]
 
 
+def _small_cnn_and_modes(steps):
+    """``steps`` float64 batches, small_cnn and its probed modes (some kept, some recomputed)."""
+    data = batches(torch.float64, steps)
+    model = small_cnn(torch.float64)
+    modes = _probed_modes(copy.deepcopy(model), data)
+    assert RECOMPUTE in modes and KEEP in modes
+    return data, model, modes
+
+
 def test_a_planned_step_records_only_the_modules_its_recipes_ran():
     # after a planned step that recorded every call, a step under the same modes records only
     # the calls its recomputed groups' recipes ran (the host's cost of a leaf module is mostly
     # its call's record), finds the same recipes, and trains bit for bit as PyTorch alone
-    dtype = torch.float64
-    data = batches(dtype, 4)
-    model = small_cnn(dtype)
-    modes = _probed_modes(copy.deepcopy(model), data)
-    assert RECOMPUTE in modes and KEEP in modes
+    data, model, modes = _small_cnn_and_modes(4)
     reference = train(copy.deepcopy(model), data)
     session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -652,11 +657,7 @@ def test_a_gradient_penalty_does_not_stop_the_plans_recomputes_for_good():
     # a gradient penalty (WGAN-GP, R1): the penalty's ops after ``autograd.grad`` save after an
     # unpack, so they are a step of their own, which wants nothing recomputed; it teaches no
     # module, and every later forward still rebuilds what its plan recomputes
-    dtype = torch.float64
-    data = batches(dtype, 5)
-    model = small_cnn(dtype)
-    modes = _probed_modes(copy.deepcopy(model), data)
-    assert RECOMPUTE in modes and KEEP in modes
+    data, model, modes = _small_cnn_and_modes(5)
 
     def run(session):
         trained = copy.deepcopy(model)
