@@ -56,13 +56,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("case", CI_CASES, ids=[case.label for case in CI_CASES])
-def test_a_training_pattern_trains_as_plain_pytorch(case):
+def assert_trains_as_plain(case):
+    """``case``'s session run equals its plain run, else a failure naming the case minimized."""
     outcome = tp.run_case(case)
     if not outcome.ok:
         smallest = tp.minimize(case)
         pytest.fail(f"{case.label}: {outcome.detail}\n  minimal: {smallest.label}: "
                     f"{tp.run_case(smallest).detail}")
+
+
+@pytest.mark.parametrize("case", CI_CASES, ids=[case.label for case in CI_CASES])
+def test_a_training_pattern_trains_as_plain_pytorch(case):
+    assert_trains_as_plain(case)
 
 
 PLANNED_CASES = [tp.planned_case(seed) for seed in range(SEED, SEED + min(CASES, 60))]
@@ -72,11 +77,7 @@ PLANNED_CASES = [tp.planned_case(seed) for seed in range(SEED, SEED + min(CASES,
 def test_a_training_pattern_trains_as_plain_pytorch_recording_only_its_recipes_modules(case):
     # fixed modes recomputing what a probe step could rebuild: from the second step on, a step
     # records only the modules its recipes ran (about a third of these cases reach such a step)
-    outcome = tp.run_case(case)
-    if not outcome.ok:
-        smallest = tp.minimize(case)
-        pytest.fail(f"{case.label}: {outcome.detail}\n  minimal: {smallest.label}: "
-                    f"{tp.run_case(smallest).detail}")
+    assert_trains_as_plain(case)
 
 
 def _covering(cases):
