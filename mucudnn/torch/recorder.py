@@ -195,8 +195,7 @@ class StepRecorder:
             # rebuilds the tensor as it was before this module ran
             if isinstance(output, torch.Tensor) and id(weakref.ref(output)) in step.outputs:
                 call = _Call(module, type(module).__name__, (), None, None)
-                call.index = len(step.calls)
-                step.calls.append(call)
+                self._start_call(call)
                 self._returned(call, output)
             return
         if step.chain is not None:
@@ -406,18 +405,17 @@ class StepRecorder:
         learnt = self._recipe_modules
         if learnt is None or learnt.modes != key:
             learnt = self._recipe_modules = _RecipeModules(key)
-        kept = False
-        for group in step.groups:   # a loop, no generator: at every step's end
-            if group.wanted == RECOMPUTE and group.mode != RECOMPUTE:
-                kept = True
-                break
         if step.records_only is not None:
-            if kept:
-                learnt.active, learnt.seen = False, 0
-                learnt.needed = min(2 * learnt.needed, _MOST_LEARNING_STEPS)
+            for group in step.groups:   # a loop, no generator: at every step's end
+                if group.wanted == RECOMPUTE and group.mode != RECOMPUTE:   # a module lacked
+                    learnt.active, learnt.seen = False, 0
+                    learnt.needed = min(2 * learnt.needed, _MOST_LEARNING_STEPS)
+                    break
             return
+        # a group is recomputed only where wanted, and wanted only where ``modes`` recompute it:
+        # as many recomputed as ``modes`` recompute is none kept and none of another size
         recomputed = [group for group in step.groups if group.mode == RECOMPUTE]
-        if kept or len(step.groups) != len(key) or len(recomputed) != key.count(RECOMPUTE):
+        if len(step.groups) != len(key) or len(recomputed) != key.count(RECOMPUTE):
             return
         learnt.ids = learnt.ids.union(
             (id(call.module) for group in recomputed for call in group.recipe.calls
