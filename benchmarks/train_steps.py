@@ -195,7 +195,8 @@ def main(argv=None) -> int:
             now = memory_counter("num_alloc_retries")
             extra = (f" peak_gib={torch.cuda.max_memory_allocated() / 2**30:.3f}"
                      f" reserved_gib={torch.cuda.max_memory_reserved() / 2**30:.3f}"
-                     f" retries={now - retries}{plan_prediction(session)}{host.fields()}")
+                     f" retries={now - retries}{plan_prediction(session)}"
+                     f"{session_detail(session)}{host.fields()}")
             retries = now
         print(f"train_steps: step {step} start_s={start - offset:.3f} end_s={end - offset:.3f} "
               f"step_ms={(end - start) * 1e3:.2f} session={state}{extra}", file=sys.stderr,
@@ -359,6 +360,19 @@ def plan_prediction(session) -> str:
             return (f" predicted_ms={plan.predicted_ms:.2f}"
                     f" predicted_peak_gib={plan.peak / 2**30:.3f}")
     return ""
+
+
+def session_detail(session) -> str:
+    """`` armed=A records=R`` of the step ``session`` just ran (a session closes a step at the next
+    one's first module, so it is still the session's step here): A 1 where the out-of-memory
+    rescue was armed in it (its cost per op: mucudnn/torch/rescue.py, rule 5), R ``all`` where it
+    recorded every leaf module's calls, else how many modules it recorded; "" where the session
+    has neither."""
+    rescuer, step = getattr(session, "rescuer", None), getattr(session, "_step", None)
+    if rescuer is None or step is None:
+        return ""
+    only = getattr(step, "records_only", None)
+    return f" armed={int(bool(rescuer.armed))} records={'all' if only is None else len(only)}"
 
 
 def trace(on: bool):

@@ -143,6 +143,15 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
         if rescue not in (True, False, "always"):
             raise ValueError(f"OffloadSession: rescue={rescue!r} is not True, False or 'always'")
+        if force is not None and force not in planner.MODES:
+            raise ValueError(f"OffloadSession: force={force!r} is not one of {planner.MODES}")
+        if modes is not None and not isinstance(modes, str):
+            modes = list(modes)
+        if modes is not None and (isinstance(modes, str) or
+                                  not all(mode in planner.MODES for mode in modes)):
+            raise ValueError(f"OffloadSession: modes={modes!r} is not a sequence of modes "
+                             f"{planner.MODES}, one per saved group (every group in one mode: "
+                             "force=)")
         #: the plan's life (lifecycle.py): recording, the plan made and tried, watched, made
         #: again; budget, profile, plan, modes, target, fell_back, ... are its
         self.lifecycle = Lifecycle(

@@ -56,3 +56,39 @@ def test_a_run_that_waits_every_k_steps_prints_each_windows_time_a_step():
     windows = re.findall(r"train_steps: steps (\d+)-(\d+) ms_per_step=([0-9.]+)", done.stderr)
     assert [(a, b) for a, b, _ in windows] == [("1", "2"), ("3", "4")]
     assert all(float(ms) > 0 for _, _, ms in windows)
+
+
+def test_the_detail_says_whether_a_step_was_armed_and_which_modules_it_recorded():
+    import torch
+    from torch import nn
+
+    from benchmarks.train_steps import session_detail
+    from mucudnn.torch.link import SameMemoryLink
+    from mucudnn.torch.offload_session import OffloadSession
+    from mucudnn.torch.planner import KEEP, RECOMPUTE
+
+    assert session_detail(None) == "" and session_detail(object()) == ""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(),
+                          nn.Linear(4 * 12 * 12, 2)).double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+
+    def step(session):
+        with session:
+            loss = model(x).sum()
+        loss.backward()
+        return session_detail(session)
+
+    # probe which groups a recipe rebuilds, then recompute every one of them in later steps
+    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
+    step(probe)
+    modes = [RECOMPUTE if g.mode == RECOMPUTE else KEEP for g in probe._step.groups]
+    assert RECOMPUTE in modes
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0, strict=False,
+                             rescue="always")
+    details = [step(session) for _ in range(3)]
+    # armed in every step ("always"); the first records every call, and once it has learnt the
+    # recipes' modules the next records only those
+    assert details[0] == " armed=1 records=all"
+    recorded = re.fullmatch(r" armed=1 records=(\d+)", details[2])
+    assert recorded is not None and 0 < int(recorded.group(1)) < len(list(model.modules()))

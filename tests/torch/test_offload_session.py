@@ -42,6 +42,27 @@ def test_every_tensor_offloaded_gives_the_same_gradients(dtype):
     assert link.host_allocations == len(offloads) // 3
 
 
+@pytest.mark.parametrize("arguments, named", [
+    (dict(modes="recompute"), "modes='recompute' is not a sequence of modes"),
+    (dict(modes=[KEEP, "drop"]), r"modes=\['keep', 'drop'\] is not a sequence of modes"),
+    (dict(force="everything"), "force='everything' is not one of"),
+])
+def test_modes_or_a_force_of_no_mode_are_refused_in_one_line(arguments, named):
+    # a string of modes read one character per group recomputed groups without a recipe
+    with pytest.raises(ValueError, match=named):
+        OffloadSession(**arguments)
+
+
+def test_modes_given_as_a_generator_are_each_groups(dtype=torch.float64):
+    model, data = small_cnn(dtype), batches(dtype, 2)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(modes=(OFFLOAD for _ in range(64)), link=SameMemoryLink(),
+                             min_bytes=0)
+    assert_bitwise(reference, train(copy.deepcopy(model), data, session))
+    assert session.modes == [OFFLOAD] * 64
+    assert [g.mode for g in session._step.groups] == [OFFLOAD] * len(session._step.groups)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefetch_runs_lookahead_unpacks_ahead(dtype):
     model, data = small_cnn(dtype), batches(dtype, 3)
