@@ -50,7 +50,8 @@ for s in "$@"; do case $s in
 print(\"python\", sys.version.split()[0]); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda,
 \"torch cudnn\", torch.backends.cudnn.version()); print(\"cupy\", cupy.__version__);
 print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"pulp\", pulp.__version__, pulp.PULP_CBC_CMD().available())"' ;;
-  tests) stage tests 300 python3 -m pytest -q -m gpu tests/ ;;
+  tests) stage tests 300 env PYTORCH_CUDA_ALLOC_CONF=${TESTS_ALLOC_CONF-expandable_segments:True} \
+      python3 -m pytest -q -m gpu tests/ ;;
   bench-r50)  # tuning wall time: a fresh store, ResNet-50, powerOfTwo, 3 directions, then tune
     rm -f "$OUT/r50-fresh.sqlite"*
     stage bench-r50 420 bash -c "/usr/bin/time -f 'bench wall %e s' $MU bench resnet50 --no-progress --store $OUT/r50-fresh.sqlite &&

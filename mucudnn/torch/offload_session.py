@@ -205,6 +205,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self._cache_due = self.lifecycle.recording
         self._cache_key = None
         self._cached = None
+        #: the plan last stored in the cache, and the last one proven (rescue.py, rule 5)
+        self._stored_plan = self._proven_plan = None
         self._offload_rest = False
         self._staged_not_cached_said = False
         #: freeze Python's collector once the first plan takes over (:meth:`_freeze_gc`)
@@ -403,7 +405,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                 self._empty_cache_due = True
             else:
                 self._empty_caches()
-        self.rescuer.arm(ended=True, rescued=bool(rescued))
+        self.rescuer.arm(ended=True, rescued=bool(rescued), failed=failed)
 
     def _at_step_start(self) -> None:
         """A module runs or a tensor is saved: if the step before has unpacked (its backward

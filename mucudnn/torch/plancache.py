@@ -58,7 +58,10 @@ The contract with the session (``OffloadSession``, which holds the PyTorch side)
    plan kept), or it was made where no trial runs; again whenever a later plan replaces it (a
    lowering after flushes, a replan after a step ran out of memory). On falling back to
    offloading everything: ``cache.forget(key)``, so the next run records anew instead of
-   repeating a plan that ran out of memory.
+   repeating a plan that ran out of memory. Once the plan in force has run its first armed
+   steps (``rescue.ARMED_STEPS``) with none running out of memory, its entry is stored again
+   with ``proven=True`` (where it was stored before that), and a run that loads a proven entry
+   arms the out-of-memory rescue in its first step only (rescue.py, rule 5).
 
 Neither ``load``, ``store`` nor ``forget`` raises for what the file system or the file holds: a
 corrupt, unreadable or newer-format file is a miss with one line through ``say`` (the file is
@@ -331,17 +334,20 @@ class CachedPlan:
     stage: Stage | None = None
     #: how a trial's kept plan was made (``planning.trial_plans``' label; None: as made)
     kept_after_trial: str | None = None
+    #: a run of the script ran the plan's first armed steps (``rescue.ARMED_STEPS``) with no
+    #: step running out of memory: a later run arms its first step only (rescue.py, rule 5)
+    proven: bool = False
     #: loaded: the arguments of the run that stored it (not part of what it is)
     arguments: tuple[str, ...] | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def make(cls, plan: OffloadPlan, profile: StepProfile, *,
              recorded_profile: StepProfile | None = None, stage: Stage | None = None,
-             kept_after_trial: str | None = None) -> CachedPlan:
+             kept_after_trial: str | None = None, proven: bool = False) -> CachedPlan:
         """The entry for ``plan`` made on ``profile``; ValueError where they do not go
         together (a mode per group, a stage with its recorded profile)."""
         entry = cls(plan, profile, StepSignature.of(profile), plan.describe(),
-                    recorded_profile, stage, kept_after_trial)
+                    recorded_profile, stage, kept_after_trial, proven)
         problem = entry._problem()
         if problem:
             raise ValueError(f"not a plan to cache: {problem}")
@@ -366,6 +372,7 @@ class CachedPlan:
                     "plan": self.description, "modes": list(plan.modes),
                     "releases": list(plan.releases), "release_margin": plan.release_margin,
                     "fell_back": False, "kept_after_trial": self.kept_after_trial,
+                    "proven": self.proven,
                     "offload_plan": dataclasses.asdict(plan),
                     "signature": self.signature.document(),
                     "profile": dataclasses.asdict(self.profile)}
@@ -391,7 +398,8 @@ class CachedPlan:
             kept = document.get("kept_after_trial")
             entry = cls(plan, profile, StepSignature.from_document(document["signature"]),
                         str(document["plan"]), recorded, stage,
-                        kept if isinstance(kept, str) else None)
+                        kept if isinstance(kept, str) else None,
+                        document.get("proven") is True)
         except KeyError as exc:
             raise ValueError(f"no {exc.args[0]!r}") from None
         except (TypeError, AttributeError) as exc:

@@ -38,7 +38,12 @@ Rules:
    :data:`ARMED_STEPS` steps under each new plan or set of modes and the steps after a rescue
    (``rescue="always"``: every planned step), and in the steps run under a plan that ran out
    while the plan for less is made (``Lifecycle.replanning_under_plan``); never in a recording
-   step or one run as recorded (every tensor is offloaded already), nor under ``force``.
+   step or one run as recorded (every tensor is offloaded already), nor under ``force``. A plan
+   that ran its first :data:`ARMED_STEPS` steps with no rescue is proven (a plan that ran within
+   its budget allocates the same way in the next steps): the plan cache says so in its entry,
+   and a later run of the script under that entry arms only its first
+   :data:`PROVEN_ARMED_STEPS` (a new process: each convolution's kernel chosen, the allocator's
+   cache laid out anew).
 6. The mode never outlives the session's ``with``: on the thread that entered it, it is pushed
    at the start of an armed step (or at the ``with`` itself) and popped at the start of the
    first step not armed and when the ``with`` ends, only while it is the innermost mode (a mode
@@ -71,6 +76,8 @@ WRITES_UNDECLARED = {"aten::native_batch_norm": (3, 4), "aten::cudnn_batch_norm"
 RESTORED_BYTES = 1 << 20
 #: steps armed after a plan (or fixed modes) comes into force, and after a rescued step
 ARMED_STEPS = 3
+#: steps armed under a cached plan that an earlier run proved (rule 5)
+PROVEN_ARMED_STEPS = 1
 #: the first round's bytes where the allocator's message names no size
 DEFAULT_ASK = 256 << 20
 
@@ -231,16 +238,23 @@ class StepRescue:
         self.left = 0             # armed steps left
         self.counted_for = (None, None)   # the plan and modes they count for
         self.pinned: frozenset = frozenset()   # groups no rescue moves now
+        #: a cached plan an earlier run proved (rule 5): armed for fewer steps
+        self.proven_before = None
 
-    def arm(self, ended: bool = False, rescued: bool = False) -> None:
+    def arm(self, ended: bool = False, rescued: bool = False, failed: bool = False) -> None:
         """At a step's start: whether rule 5 arms it. ``ended``: a step has just ended
-        (``rescued``: it was rescued), which counts against the armed steps."""
+        (``rescued``: it was rescued; ``failed``: it raised), which counts against the armed
+        steps; the plan they count for is proven where they are over with neither."""
         session = self.session
         if ended and self.armed:
-            self.left = ARMED_STEPS if rescued else self.left - 1
+            self.left = ARMED_STEPS if rescued or failed else self.left - 1
+            if self.left == 0 and self.counted_for[0] is not None:
+                session.plan_proven(self.counted_for[0])
         plan, modes = session.plan, session.modes
         if plan is not self.counted_for[0] or modes is not self.counted_for[1]:
-            self.counted_for, self.left = (plan, modes), ARMED_STEPS
+            self.counted_for = (plan, modes)
+            self.left = PROVEN_ARMED_STEPS if plan is not None and plan is self.proven_before \
+                else ARMED_STEPS
         self.armed = bool(self.when) and modes is not None and not session._step.profiling \
             and not session.offloads_as_recorded and (
                 self.when == "always" or self.left > 0

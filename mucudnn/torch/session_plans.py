@@ -278,6 +278,8 @@ class PlanLifecycle:
                      "finds; recording anew")
             return
         self._cached = entry
+        if entry.proven:
+            self.rescuer.proven_before = entry.plan
         self._step.profiling = False     # this step runs the plan
         self._first_unpacks = [group.first_unpack for group in entry.profile.groups]
         self._apply(self.lifecycle.start_cached(entry.plan, entry.profile,
@@ -332,7 +334,16 @@ class PlanLifecycle:
                          "those layers only by recording)")
             return
         self._plan_cache.store(self._cache_key, CachedPlan.make(
-            self.plan, self.profile, kept_after_trial=self.kept_after_trial))
+            self.plan, self.profile, kept_after_trial=self.kept_after_trial,
+            proven=self.plan is self._proven_plan))
+        self._stored_plan = self.plan
+
+    def plan_proven(self, plan) -> None:
+        """``plan`` ran its first armed steps with none running out of memory (rescue.py, rule
+        5): where it is the plan the cache holds for this run, its entry says so from now on."""
+        self._proven_plan = plan
+        if plan is self._stored_plan and plan is self.plan:
+            self._store_plan()
 
     def write_profile(self) -> bool:
         """``profile_to``: the budget, the target, the recorded profile (its dataclass's fields),

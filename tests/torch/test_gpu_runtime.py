@@ -308,18 +308,18 @@ def test_a_recording_times_the_devices_work_not_the_hosts_pace(monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["backward outside the with", "process-wide with"])
-def test_a_step_past_the_memory_cap_is_rescued_and_trains_as_plain_pytorch(empty_cache, where,
-                                                                           request):
+def test_a_step_past_the_memory_cap_is_rescued_and_trains_as_plain_pytorch(empty_cache, where):
     """A real refusal of the caching allocator (a memory fraction 0.75 GiB under what a step
     keeping everything needs): the step goes on with the kept tensors it needs last moved to the
     host, and its gradients are bitwise plain PyTorch's (rescue.py). With expandable segments
     only: under PyTorch's default allocator the moved tensors' blocks are freed inside segments
-    other tensors hold, no hole takes the 256 MiB asked, and the error reaches the script
-    (docs/torch.md, "Out of memory"), so there this test must fail."""
+    other tensors hold, and whether a hole then takes the 256 MiB asked depends on the layout
+    earlier tests left (it failed in one H100 run and passed in another: docs/torch.md, "Out of
+    memory"), so there it is skipped."""
     if "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=torch.OutOfMemoryError,
-            reason="the rescue needs expandable segments (docs/torch.md, 'Out of memory')"))
+        pytest.skip("the rescue is certain with expandable segments only "
+                    "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; docs/torch.md, "
+                    "'Out of memory')")
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     layers = []

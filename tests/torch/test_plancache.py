@@ -94,6 +94,24 @@ def test_an_entry_stored_loads_as_it_was_with_every_field_of_its_plan(cache):
     assert loaded.signature == StepSignature.of(chain())
 
 
+def test_an_entry_says_whether_a_run_proved_its_plan_and_one_that_does_not_say_is_unproven(
+        cache):
+    assert not entry().proven
+    proven = dataclasses.replace(entry(), proven=True)
+    cache.store(key(), proven)
+    assert cache.load(key()) == proven and cache.load(key()).proven
+    # a file written before entries said it (or with a value that is not true) is unproven
+    for value in (None, "yes", 1):
+        document = json.loads(cache.path_for(key()).read_text())
+        if value is None:
+            del document["proven"]
+        else:
+            document["proven"] = value
+        cache.path_for(key()).write_text(json.dumps(document))
+        loaded = cache.load(key())
+        assert loaded is not None and not loaded.proven and cache.say == []
+
+
 def test_a_staged_entry_keeps_its_stage_and_recorded_profile(cache):
     stored = staged_entry()
     assert stored.stage is not None and len(stored.profile.groups) < len(chain().groups)
@@ -392,9 +410,12 @@ def _store_many(directory: str, target: int, times: int) -> None:
 
 
 def test_processes_storing_one_key_at_once_leave_one_whole_entry(tmp_path):
-    directory = tmp_path / "plans"   # made by the writers, racing
+    directory = tmp_path / "plans"
     targets = [4 * GiB, 5 * GiB, 6 * GiB, 7 * GiB]
     written = {target: entry(target) for target in targets}
+    # one entry there before the race: a reader that found no file for the key and then, its
+    # writer having stored both meanwhile, the script's latest would say so in a line
+    assert PlanCache(directory, Said()).store(key(), written[targets[0]])
     context = multiprocessing.get_context("fork")
     writers = [context.Process(target=_store_many, args=(str(directory), target, 25))
                for target in targets]

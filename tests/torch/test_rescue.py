@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import (TorchDispatchMode,  # noqa: E402
 from mucudnn.torch import rescue  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
-from session_helpers import RecordingLink, assert_bitwise, batches, small_cnn, train  # noqa: E402
+from session_helpers import (RecordingLink, assert_bitwise, batches, saved_bytes,  # noqa: E402
+                             small_cnn, train)
 
 CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 CONV = torch.ops.aten.convolution.default
@@ -449,3 +450,82 @@ def test_a_rescue_while_a_recomputation_fetches_a_source_leaves_its_other_source
         loss.backward()
     assert refuses.refused and session._step.rescued
     assert session._step.groups[2].mode == KEEP   # read by the recomputation: not moved
+
+
+# -- a plan proven by an earlier run (rule 5) ---------------------------------------------------
+
+def cached_armed_run(model, data, directory, budget, refuses_steps=()):
+    """(session, whether each step was armed, gradients) of a run under the plan cache in
+    ``directory``; the ops of steps ``refuses_steps`` refused once each (then rescued)."""
+    from mucudnn.torch.plancache import PlanCache
+    session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, record_steps=2,
+                             trials=False, plan_cache=PlanCache(directory))
+    grads = []
+
+    def after_each():
+        grads.append([p.grad.clone() for p in model.parameters()] +
+                     [b.clone() for b in model.buffers()])
+    with Refuses(session, CONV_BACKWARD, steps=refuses_steps, asked="1 B"):
+        armed = armed_steps(model, data, session, after_each)
+    return session, armed, grads
+
+
+def plain_sgd(model, data):
+    """Per step, gradients and buffers of a plain run of :func:`armed_steps`' loop."""
+    optimizer, results = torch.optim.SGD(model.parameters(), lr=0.1), []
+    for x, y in data:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    return results
+
+
+def test_a_cached_plan_its_first_run_proved_is_armed_in_the_first_step_only(tmp_path):
+    from mucudnn.torch.plancache import PlanCache
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2 + rescue.ARMED_STEPS + 2)
+    reference = plain_sgd(copy.deepcopy(model), data)
+    first, armed, grads = cached_armed_run(copy.deepcopy(model), data, tmp_path, 1 << 40)
+    assert_bitwise(reference, grads)
+    # two recording steps, then the plan's armed steps, then none
+    assert armed == [False, False] + [True] * rescue.ARMED_STEPS + [False] * 2
+    entry = PlanCache(tmp_path).load(first._cache_key)
+    assert entry is not None and entry.proven and entry.plan == first.plan
+    second, armed, grads = cached_armed_run(copy.deepcopy(model), data, tmp_path, 1 << 40)
+    assert_bitwise(reference, grads)
+    assert second._cached is None and second.plan == first.plan   # it ran the cached plan
+    assert armed == [True] * rescue.PROVEN_ARMED_STEPS + [False] * (
+        len(data) - rescue.PROVEN_ARMED_STEPS)
+
+
+def test_a_plan_rescued_in_its_armed_steps_is_not_proven_and_its_replacement_is(
+        tmp_path, monkeypatch):
+    from mucudnn.torch.plancache import PlanCache
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2 + 3 * rescue.ARMED_STEPS)
+    reference = plain_sgd(copy.deepcopy(model), data)
+    in_force, proven = {}, []
+    real_proven, real_close = OffloadSession.plan_proven, OffloadSession._close_step
+
+    def plan_proven(self, plan):
+        proven.append(plan)
+        real_proven(self, plan)
+
+    def close_step(self, *args):
+        in_force[self.steps] = self.plan   # the plan of the step that ends
+        real_close(self, *args)
+    monkeypatch.setattr(OffloadSession, "plan_proven", plan_proven)
+    monkeypatch.setattr(OffloadSession, "_close_step", close_step)
+    # rescued in the plan's second step: the plan for less (3x the saved bytes leave room for
+    # one) replaces it, and is proven by its own armed steps
+    budget = saved_bytes(model, data) * 3
+    first, armed, grads = cached_armed_run(copy.deepcopy(model), data, tmp_path, budget,
+                                           refuses_steps=(3,))
+    assert_bitwise(reference, grads)
+    rescued_plan = in_force[3]
+    assert first.lifecycle.replans_used == 1 and first.plan is not rescued_plan
+    assert proven == [first.plan]
+    entry = PlanCache(tmp_path).load(first._cache_key)
+    assert entry is not None and entry.proven and entry.plan == first.plan
