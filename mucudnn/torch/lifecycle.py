@@ -1,6 +1,7 @@
 """The life of a session's plan: record, plan, trial, watch, lower, replan, fall back (torch-free).
 
-One controller, :class:`Lifecycle`, in one of these states (:attr:`Lifecycle.state`):
+One controller, :class:`Lifecycle` (its trials and the watch of the plan kept in
+:class:`TrialsAndWatch`), in one of these states (:attr:`Lifecycle.state`):
 
 - ``fixed``: modes given, every group forced, or no budget: nothing is planned;
 - ``recording``: the first :data:`planner.RECORD_STEPS` steps record (every saved tensor offloaded
@@ -217,7 +218,182 @@ def _mark_ms(start, end) -> float:
     return link.elapsed_ms(start, end) if link is not None else end - start
 
 
-class Lifecycle:
+class TrialsAndWatch:
+    """The plans judged by their steps on the device, :class:`Lifecycle`'s part: a trial runs
+    the plan made against the others (each :data:`planner.TRIAL_STEPS` steps, timed by the
+    marks at their ends, their flushes read at every unpack) and keeps the fastest that did not
+    flush; the plan kept is watched, and one that flushes the caching allocator's cache is
+    lowered (the plan for half the headroom less asked for, tried, kept where it does not
+    flush). Its state is the lifecycle's (:attr:`Lifecycle.trial`, the watch's flush counts)."""
+
+    # --- the flushes read and watched ----------------------------------------------------
+    @property
+    def watches_flush_points(self) -> bool:
+        """Whether the session reads each link's flush count at each unpack
+        (:meth:`saw_flushes`): a trial's plan runs its timed steps."""
+        return self.trial is not None and self.trial.timing()
+
+    def saw_flushes(self, link, count: int, point: int) -> None:
+        """A planned step's unpack at backward ``point`` read ``link``'s flush count ``count``
+        (:meth:`Trial.saw_flushes`)."""
+        if self.watches_flush_points:
+            self.trial.saw_flushes(link, count, point)
+
+    def _watch_from_now(self) -> None:
+        """The watch of the plan that comes into force: no step of it yet, and flushes counted
+        from here."""
+        self._flushing.clear()
+        self._flush_counts = dict(self._counts_now)
+
+    def _watch_flushes(self) -> None:
+        """A planned step of the plan in force ended after its trial: once
+        :data:`planner.WATCH_FLUSHING` of its last :data:`planner.WATCH_STEPS` steps flushed the
+        caching allocator's cache, the plan for less is asked for (:meth:`_lower`); it stays
+        in force until that plan comes, and stays where none is left or none is found."""
+        counts = self._counts_now
+        self._flushing.append(any(count > self._flush_counts.get(link, count)
+                                  for link, count in counts.items()))
+        self._flush_counts = counts
+        if self._awaiting is not None:   # the plan for less is being made: watched for
+            return                       # :meth:`_lower_made`, nothing asked
+        flushed = sum(self._flushing)
+        if flushed < planner.WATCH_FLUSHING:
+            return
+        steps = len(self._flushing)
+        self._flushing.clear()
+        self._lower(self.plan.peak, ("watch", flushed, steps), self.plan)
+
+    def _lower(self, flushed_peak: int, after: tuple, replaced: OffloadPlan) -> bool:
+        """After a trial whose every plan flushed the caching allocator's cache, or a plan that
+        flushes after its trial (fragmentation the model does not see needs more room than its
+        headroom): the plan for a target half the headroom lower is asked for (True), at most
+        ``replans`` such lowerings apart from the replans after running out of memory; none
+        without a headroom. A flush costs a step more than the room does
+        (benchmarks/results/pressure)."""
+        if self.lowerings_left <= 0 or not self.headroom:
+            return False
+        self._before_lowering = replaced
+        self._ask(PlanRequest(LOWER, self.profile, self.target, self.budget, self.headroom,
+                              peak=flushed_peak), after)
+        return True
+
+    # --- trials -----------------------------------------------------------------------------
+    def _advance_trial(self, outcome: StepOutcome) -> None:
+        """A planned step of the trial ended (its backward ``unpacks`` points; a flush since the
+        last unpack came after the last point's op): the next plan's turn after
+        :data:`planner.TRIAL_STEPS` steps, and after the last plan's, :meth:`Trial.kept` stays."""
+        trial = self.trial
+        if not trial.timing():    # the plan made, timed, runs on while the others are made
+            return
+        for link, count in self._counts_now.items():   # after the last unpack: its op, the
+            trial.saw_flushes(link, count, outcome.unpacks - 1)   # optimizer's
+        trial.marks[trial.current].append(outcome.mark)
+        trial.flushes[trial.current].append(next(iter(self._counts_now.values()), 0))
+        if not trial.timing() and not trial.awaiting:
+            self._next_in_trial()
+
+    def _next_in_trial(self) -> None:
+        trial = self.trial
+        if trial.current + 1 < len(trial.plans):
+            trial.current += 1
+            self.plan = trial.plans[trial.current]
+            self.modes = list(self.plan.modes)
+            return
+        self._end_trial(trial, len(trial.plans), "offload plans tried")
+
+    def _end_trial(self, trial: Trial, ran: int, why: str) -> None:
+        """:meth:`Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one
+        line that starts with ``why``; where every plan of a whole trial flushed, the plan for
+        less is asked for first (the fastest runs meanwhile)."""
+        times = [trial.step_ms(index, self.elapsed_ms) for index in range(ran)]
+        best = trial.kept(times)
+        self.trial = None
+        self.state = WATCHING
+        self._watch_from_now()   # the plan kept, or made for less below
+        if ran == len(trial.plans) and all(trial.flushes_in(index) for index in range(ran)):
+            if self._lower(min(plan.peak for plan in trial.plans),
+                           ("trial", trial, times, best, why), trial.plans[best]):
+                self.plan = trial.plans[best]
+                self.modes = list(self.plan.modes)
+                return
+        self._keep(trial, times, best, why)
+
+    def _timed(self, trial: Trial, times: list[float]) -> str:
+        return ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{trial.flush_note(index)}"
+                         for index, ms in enumerate(times))
+
+    def _keep(self, trial: Trial, times: list[float], best: int, why: str) -> None:
+        self._settled = True
+        if len(trial.plans) == 1:   # it stays, flushing or not (no lower target): nothing to say
+            return
+        self.kept_after_trial = trial.labels[best] if best else None
+        self.plan = trial.plans[best]
+        self.modes = list(self.plan.modes)
+        self._write = True
+        self._say(f"{why}: {self._timed(trial, times)}; keeping the plan {trial.labels[best]}")
+
+    def _trials_made(self, made: PlanResult, after: tuple) -> None:
+        """The others to run against the plan in force: a trial where there are any, or where
+        a lower target can follow (alone, the plan is still run as a trial: whether it flushes
+        the caching allocator's cache); one line naming them."""
+        trial, others = self.trial, list(made.trials)
+        replaced, self._before_lowering = self._before_lowering, None
+        if replaced is not None and all(replaced != plan for plan in trial.plans) and \
+                all(replaced != plan for _, plan in others):
+            others.append((BEFORE_LOWERING, replaced))
+        if not (others or (self.headroom and self.lowerings_left > 0)):
+            self.trial = None
+            self.state = WATCHING
+            self._settled = True
+            return
+        trial.add(others)
+        trial.awaiting = False
+        if others:
+            self._say("trying it against " + "; ".join(
+                f"the plan {label} ({plan.describe()})" for label, plan in others)
+                + f", {planner.TRIAL_STEPS} steps each")
+        if not trial.timing():   # the plan made ran its timed steps meanwhile
+            self._next_in_trial()
+
+    def _lower_made(self, made: PlanResult, after: tuple) -> None:
+        """The plan for less after flushes: in force and tried, with one line; where none was
+        found, the plan stays (after a trial, the one it keeps, said)."""
+        if made.plan is None:
+            self._before_lowering = None   # the plan in force stays
+            if made.lowerings_spent:   # nor any lower target: not solved again
+                self.lowerings_left = 0
+            if after[0] == "trial":
+                _, trial, times, best, why = after
+                self._keep(trial, times, best, why)
+            return
+        self.lowerings_left -= 1
+        if len(self._flushing) == planner.WATCH_STEPS and not any(self._flushing):
+            # The plan in force flushed none of its last steps while this one was made: its
+            # flushes were the caching allocator settling into its layout (a trial's steps,
+            # each plan's first after the cache was emptied), and a plan for less is slower.
+            self._before_lowering = None
+            self._say(f"the offload plan flushed the caching allocator's cache in none of its "
+                      f"last {planner.WATCH_STEPS} steps while the plan for "
+                      f"{_gib(made.target)} was made: it stays")
+            if after[0] == "trial":
+                _, trial, times, best, why = after
+                self._keep(trial, times, best, why)
+            return
+        self.replans_used += 1
+        self._lowered_target = made.target
+        if after[0] == "trial":
+            _, trial, times, _, why = after
+            self._say((f"the offload plan ran {times[0]:.1f} ms a step{trial.flush_note(0)}; "
+                       "it flushed" if len(trial.plans) == 1
+                       else f"{why}: {self._timed(trial, times)}; each flushed")
+                      + f" the caching allocator's cache, so planning for {_gib(self.target)}")
+        else:
+            _, flushed, steps = after
+            self._say(f"the offload plan flushed the caching allocator's cache in {flushed} of "
+                      f"its last {steps} steps, so planning for {_gib(self.target)}")
+        self._in_force(made.plan)
+
+class Lifecycle(TrialsAndWatch):
     """The plan's lifecycle of one session (module docstring). ``budget`` (bytes; None: nothing
     planned), ``modes``/``force`` (a fixed plan), ``headroom``, ``replans``/``replan_step``,
     ``record_steps``, ``trials``, ``keep_apart``, ``staging``, ``strict``: as
@@ -332,18 +508,6 @@ class Lifecycle:
     def awaiting(self) -> str | None:
         """The kind of request whose plan is being made (None: none)."""
         return self._awaiting.kind if self._awaiting is not None else None
-
-    @property
-    def watches_flush_points(self) -> bool:
-        """Whether the session reads each link's flush count at each unpack
-        (:meth:`saw_flushes`): a trial's plan runs its timed steps."""
-        return self.trial is not None and self.trial.timing()
-
-    def saw_flushes(self, link, count: int, point: int) -> None:
-        """A planned step's unpack at backward ``point`` read ``link``'s flush count ``count``
-        (:meth:`Trial.saw_flushes`)."""
-        if self.watches_flush_points:
-            self.trial.saw_flushes(link, count, point)
 
     # --- the transition -------------------------------------------------------------------
     def end_step(self, outcome: StepOutcome) -> Decision:
@@ -481,99 +645,6 @@ class Lifecycle:
         self._say(f"a step under the offload plan for {_gib(self.budget)} ran out of device "
                   "memory; offloading every saved tensor from now on")
 
-    def _watch_from_now(self) -> None:
-        """The watch of the plan that comes into force: no step of it yet, and flushes counted
-        from here."""
-        self._flushing.clear()
-        self._flush_counts = dict(self._counts_now)
-
-    def _watch_flushes(self) -> None:
-        """A planned step of the plan in force ended after its trial: once
-        :data:`planner.WATCH_FLUSHING` of its last :data:`planner.WATCH_STEPS` steps flushed the
-        caching allocator's cache, the plan for less is asked for (:meth:`_lower`); it stays
-        in force until that plan comes, and stays where none is left or none is found."""
-        counts = self._counts_now
-        self._flushing.append(any(count > self._flush_counts.get(link, count)
-                                  for link, count in counts.items()))
-        self._flush_counts = counts
-        if self._awaiting is not None:   # the plan for less is being made: watched for
-            return                       # :meth:`_lower_made`, nothing asked
-        flushed = sum(self._flushing)
-        if flushed < planner.WATCH_FLUSHING:
-            return
-        steps = len(self._flushing)
-        self._flushing.clear()
-        self._lower(self.plan.peak, ("watch", flushed, steps), self.plan)
-
-    def _lower(self, flushed_peak: int, after: tuple, replaced: OffloadPlan) -> bool:
-        """After a trial whose every plan flushed the caching allocator's cache, or a plan that
-        flushes after its trial (fragmentation the model does not see needs more room than its
-        headroom): the plan for a target half the headroom lower is asked for (True), at most
-        ``replans`` such lowerings apart from the replans after running out of memory; none
-        without a headroom. A flush costs a step more than the room does
-        (benchmarks/results/pressure)."""
-        if self.lowerings_left <= 0 or not self.headroom:
-            return False
-        self._before_lowering = replaced
-        self._ask(PlanRequest(LOWER, self.profile, self.target, self.budget, self.headroom,
-                              peak=flushed_peak), after)
-        return True
-
-    # --- trials -----------------------------------------------------------------------------
-    def _advance_trial(self, outcome: StepOutcome) -> None:
-        """A planned step of the trial ended (its backward ``unpacks`` points; a flush since the
-        last unpack came after the last point's op): the next plan's turn after
-        :data:`planner.TRIAL_STEPS` steps, and after the last plan's, :meth:`Trial.kept` stays."""
-        trial = self.trial
-        if not trial.timing():    # the plan made, timed, runs on while the others are made
-            return
-        for link, count in self._counts_now.items():   # after the last unpack: its op, the
-            trial.saw_flushes(link, count, outcome.unpacks - 1)   # optimizer's
-        trial.marks[trial.current].append(outcome.mark)
-        trial.flushes[trial.current].append(next(iter(self._counts_now.values()), 0))
-        if not trial.timing() and not trial.awaiting:
-            self._next_in_trial()
-
-    def _next_in_trial(self) -> None:
-        trial = self.trial
-        if trial.current + 1 < len(trial.plans):
-            trial.current += 1
-            self.plan = trial.plans[trial.current]
-            self.modes = list(self.plan.modes)
-            return
-        self._end_trial(trial, len(trial.plans), "offload plans tried")
-
-    def _end_trial(self, trial: Trial, ran: int, why: str) -> None:
-        """:meth:`Trial.kept` of the trial's first ``ran`` plans (each timed) stays, said in one
-        line that starts with ``why``; where every plan of a whole trial flushed, the plan for
-        less is asked for first (the fastest runs meanwhile)."""
-        times = [trial.step_ms(index, self.elapsed_ms) for index in range(ran)]
-        best = trial.kept(times)
-        self.trial = None
-        self.state = WATCHING
-        self._watch_from_now()   # the plan kept, or made for less below
-        if ran == len(trial.plans) and all(trial.flushes_in(index) for index in range(ran)):
-            if self._lower(min(plan.peak for plan in trial.plans),
-                           ("trial", trial, times, best, why), trial.plans[best]):
-                self.plan = trial.plans[best]
-                self.modes = list(self.plan.modes)
-                return
-        self._keep(trial, times, best, why)
-
-    def _timed(self, trial: Trial, times: list[float]) -> str:
-        return ", ".join(f"{trial.labels[index]} {ms:.1f} ms a step{trial.flush_note(index)}"
-                         for index, ms in enumerate(times))
-
-    def _keep(self, trial: Trial, times: list[float], best: int, why: str) -> None:
-        self._settled = True
-        if len(trial.plans) == 1:   # it stays, flushing or not (no lower target): nothing to say
-            return
-        self.kept_after_trial = trial.labels[best] if best else None
-        self.plan = trial.plans[best]
-        self.modes = list(self.plan.modes)
-        self._write = True
-        self._say(f"{why}: {self._timed(trial, times)}; keeping the plan {trial.labels[best]}")
-
     # --- plans asked for and made ---------------------------------------------------------
     def _ask(self, request: PlanRequest, after: tuple = ()) -> None:
         """``request`` goes to the runner; its answer is awaited (an earlier one awaited no
@@ -648,67 +719,6 @@ class Lifecycle:
             TRIALS, self.profile, target, self.budget, self.headroom, plan=plan,
             larger_budgets=tuple(planner.trial_budgets(self.budget, self.headroom))
             if self._lowered_target is None else (), keep_apart=self.keep_apart))
-
-    def _trials_made(self, made: PlanResult, after: tuple) -> None:
-        """The others to run against the plan in force: a trial where there are any, or where
-        a lower target can follow (alone, the plan is still run as a trial: whether it flushes
-        the caching allocator's cache); one line naming them."""
-        trial, others = self.trial, list(made.trials)
-        replaced, self._before_lowering = self._before_lowering, None
-        if replaced is not None and all(replaced != plan for plan in trial.plans) and \
-                all(replaced != plan for _, plan in others):
-            others.append((BEFORE_LOWERING, replaced))
-        if not (others or (self.headroom and self.lowerings_left > 0)):
-            self.trial = None
-            self.state = WATCHING
-            self._settled = True
-            return
-        trial.add(others)
-        trial.awaiting = False
-        if others:
-            self._say("trying it against " + "; ".join(
-                f"the plan {label} ({plan.describe()})" for label, plan in others)
-                + f", {planner.TRIAL_STEPS} steps each")
-        if not trial.timing():   # the plan made ran its timed steps meanwhile
-            self._next_in_trial()
-
-    def _lower_made(self, made: PlanResult, after: tuple) -> None:
-        """The plan for less after flushes: in force and tried, with one line; where none was
-        found, the plan stays (after a trial, the one it keeps, said)."""
-        if made.plan is None:
-            self._before_lowering = None   # the plan in force stays
-            if made.lowerings_spent:   # nor any lower target: not solved again
-                self.lowerings_left = 0
-            if after[0] == "trial":
-                _, trial, times, best, why = after
-                self._keep(trial, times, best, why)
-            return
-        self.lowerings_left -= 1
-        if len(self._flushing) == planner.WATCH_STEPS and not any(self._flushing):
-            # The plan in force flushed none of its last steps while this one was made: its
-            # flushes were the caching allocator settling into its layout (a trial's steps,
-            # each plan's first after the cache was emptied), and a plan for less is slower.
-            self._before_lowering = None
-            self._say(f"the offload plan flushed the caching allocator's cache in none of its "
-                      f"last {planner.WATCH_STEPS} steps while the plan for "
-                      f"{_gib(made.target)} was made: it stays")
-            if after[0] == "trial":
-                _, trial, times, best, why = after
-                self._keep(trial, times, best, why)
-            return
-        self.replans_used += 1
-        self._lowered_target = made.target
-        if after[0] == "trial":
-            _, trial, times, _, why = after
-            self._say((f"the offload plan ran {times[0]:.1f} ms a step{trial.flush_note(0)}; "
-                       "it flushed" if len(trial.plans) == 1
-                       else f"{why}: {self._timed(trial, times)}; each flushed")
-                      + f" the caching allocator's cache, so planning for {_gib(self.target)}")
-        else:
-            _, flushed, steps = after
-            self._say(f"the offload plan flushed the caching allocator's cache in {flushed} of "
-                      f"its last {steps} steps, so planning for {_gib(self.target)}")
-        self._in_force(made.plan)
 
     def _replan_made(self, made: PlanResult, after: tuple) -> None:
         """The plan for less after running out of memory: in force (watched, not tried), with

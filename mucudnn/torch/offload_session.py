@@ -205,10 +205,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self._cache_due = self.lifecycle.recording
         self._cache_key = None
         self._cached = None
-        #: the plan last stored in the cache, and the last one proven (rescue.py, rule 5)
-        self._stored_plan = self._proven_plan = None
+        #: the plan last stored in the plan cache (stored again once proven: rescue.py, rule 5)
+        self._stored_plan = None
         self._offload_rest = False
-        self._staged_not_cached_said = False
         #: freeze Python's collector once the first plan takes over (:meth:`_freeze_gc`)
         self.freeze_gc = freeze_gc
         self._gc_frozen = False
@@ -335,10 +334,14 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         step = self._step
         if not step.live or step.unpacks or self._empty_cache_due:
             self._at_step_start()
+        parent = self._containers[-1] if self._containers else None
+        if self._cache_due and args and isinstance(args[0], torch.Tensor):
+            # the first step's first leaf module: a cached plan's stage starts here
+            self._look_up_plan(args[0].device, (module, parent, args))
+            self.rescuer.arm()    # a cached plan runs this first step
         step = self._step
         if self.recorder.ops is None and not step.ops_looked_at:
             self._start_ops_if_due(step)
-        parent = self._containers[-1] if self._containers else None
         # a stage in force stages its chain; in a recording step only the one that step took
         # (:meth:`_stages_recording`: the recording would not fit otherwise)
         if self._staged is None and (self.stage is not None or step.profiling) and \

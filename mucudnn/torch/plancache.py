@@ -12,7 +12,8 @@ FILE`` replays it.
 The contract with the session (``OffloadSession``, which holds the PyTorch side):
 
 1. **Look up**, once, where a budget is planned for (no ``modes``, no ``force``): at the first
-   step's first save, before that group is packed (the device is known then)::
+   step's first leaf module, before it runs (the device is its input's; where it was given no
+   tensor, at the step's first save, before that group is packed)::
 
        cache = PlanCache.from_environment(say)
        key = PlanKey.make(budget, options, gpu_name=torch.cuda.get_device_name(device),
@@ -50,9 +51,9 @@ The contract with the session (``OffloadSession``, which holds the PyTorch side)
    demand) and records from the next step as on a first run (the mixed step is no recording).
    Offload and recompute are exact whatever the plan, so a mismatch risks memory, never a
    gradient. A staged entry's profile and signature number the groups as a staged step saves
-   them; a step run before the stage's modules are known (a ``StagePlan`` holds them; a
-   recording's chain finds them) saves the recorded profile's groups, and is checked against
-   ``StepSignature.of(entry.recorded_profile)`` instead.
+   them: its stage's modules are the chain of ``entry.stage.modules`` the first leaf module
+   starts (``stage.chain_of``), and that first step runs staged; where no such chain starts
+   there, the session says so in one line and records anew.
 4. **Store**: ``cache.store(key, CachedPlan.make(plan, profile, recorded_profile=...,
    stage=..., kept_after_trial=...))`` when the plan in force settles: its trial is over (the
    plan kept), or it was made where no trial runs; again whenever a later plan replaces it (a

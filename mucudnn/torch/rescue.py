@@ -39,11 +39,13 @@ Rules:
    (``rescue="always"``: every planned step), and in the steps run under a plan that ran out
    while the plan for less is made (``Lifecycle.replanning_under_plan``); never in a recording
    step or one run as recorded (every tensor is offloaded already), nor under ``force``. A plan
-   that ran its first :data:`ARMED_STEPS` steps with no rescue is proven (a plan that ran within
-   its budget allocates the same way in the next steps): the plan cache says so in its entry,
-   and a later run of the script under that entry arms only its first
+   that ran its first :data:`ARMED_STEPS` steps with no rescue nor failure is proven (a plan
+   that ran within its budget allocates the same way in the next steps): the plan cache says so
+   in its entry, and a later run of the script under that entry arms only its first
    :data:`PROVEN_ARMED_STEPS` (a new process: each convolution's kernel chosen, the allocator's
-   cache laid out anew).
+   cache laid out anew), as does a proven plan back in force in the same process (a trial
+   keeping one it ran before another; the allocator's cache is emptied between them). The plan
+   in force with its modes copied (a trial keeping the plan it ran last) is not new.
 6. The mode never outlives the session's ``with``: on the thread that entered it, it is pushed
    at the start of an armed step (or at the ``with`` itself) and popped at the start of the
    first step not armed and when the ``with`` ends, only while it is the innermost mode (a mode
@@ -238,8 +240,9 @@ class StepRescue:
         self.left = 0             # armed steps left
         self.counted_for = (None, None)   # the plan and modes they count for
         self.pinned: frozenset = frozenset()   # groups no rescue moves now
-        #: a cached plan an earlier run proved (rule 5): armed for fewer steps
-        self.proven_before = None
+        #: the plans proven (rule 5): in this process, or by the run that cached the plan
+        #: in force; armed for fewer steps whenever they come into force
+        self.proven: list = []
 
     def arm(self, ended: bool = False, rescued: bool = False, failed: bool = False) -> None:
         """At a step's start: whether rule 5 arms it. ``ended``: a step has just ended
@@ -248,18 +251,27 @@ class StepRescue:
         session = self.session
         if ended and self.armed:
             self.left = ARMED_STEPS if rescued or failed else self.left - 1
-            if self.left == 0 and self.counted_for[0] is not None:
-                session.plan_proven(self.counted_for[0])
+            proved = self.counted_for[0]
+            if self.left == 0 and proved is not None and not self.is_proven(proved):
+                self.proven.append(proved)
+                session.plan_proven(proved)
         plan, modes = session.plan, session.modes
         if plan is not self.counted_for[0] or modes is not self.counted_for[1]:
+            # the same plan with its modes copied (a trial keeping the plan it ran last) runs
+            # on: its steps go on counting
+            runs_on = plan is self.counted_for[0] and modes == self.counted_for[1]
             self.counted_for = (plan, modes)
-            self.left = PROVEN_ARMED_STEPS if plan is not None and plan is self.proven_before \
-                else ARMED_STEPS
+            if not runs_on:
+                self.left = PROVEN_ARMED_STEPS if self.is_proven(plan) else ARMED_STEPS
         self.armed = bool(self.when) and modes is not None and not session._step.profiling \
             and not session.offloads_as_recorded and (
                 self.when == "always" or self.left > 0
                 or session.lifecycle.replanning_under_plan)
         self.sync()
+
+    def is_proven(self, plan) -> bool:
+        """Whether ``plan`` (not None) is one of :attr:`proven`, the very object."""
+        return plan is not None and any(proven is plan for proven in self.proven)
 
     def sync(self) -> None:
         """Inside the session's ``with``, on the thread that entered it: the mode on its stack

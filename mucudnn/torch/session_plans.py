@@ -26,7 +26,7 @@ from .records import _Group, _Step
 from .recording import stage_candidates, step_profile
 from . import planner_stage
 from ..sizes import describe_size
-from .stage import RECORDING_FLOOR_SHARE, StagePlan, leading_chain, recording_chunks
+from .stage import RECORDING_FLOOR_SHARE, StagePlan, chain_of, leading_chain, recording_chunks
 from .stage import _transformed as stage_transformed
 
 
@@ -250,11 +250,13 @@ class PlanLifecycle:
                 "record_steps": lifecycle.record_steps, "replans": lifecycle.replans,
                 "replan_step": self.replan_step}
 
-    def _look_up_plan(self, device: torch.device) -> None:
-        """At the first step's first save, where a budget is planned for: the plan an earlier run
-        of the same script settled on, from the plan cache (``plan_cache``; by default
-        ``MUCUDNN_PLAN_CACHE``'s on a GPU, none elsewhere), in force from this save on. A
-        staged entry is not used: its stage's layers are known only from a recording."""
+    def _look_up_plan(self, device: torch.device, first: tuple | None = None) -> None:
+        """At the first step's first leaf module (``first``: the module, its container and its
+        arguments), or its first save where that module had no tensor to say the device, where a
+        budget is planned for: the plan an earlier run of the same script settled on, from the
+        plan cache (``plan_cache``; by default ``MUCUDNN_PLAN_CACHE``'s on a GPU, none
+        elsewhere), in force from here on. A staged entry's stage is the chain of as many
+        modules that first module starts (:func:`.stage.chain_of`), where it still is one."""
         self._cache_due = False
         cache = self._plan_cache
         if cache is None and device.type == "cuda":
@@ -273,17 +275,24 @@ class PlanLifecycle:
         entry = cache.load(self._cache_key)
         if entry is None:
             return
+        candidate = None
         if entry.stage is not None:
-            self.say("the cached offload plan stages its first layers, which only a recording "
-                     "finds; recording anew")
-            return
+            module, parent, args = first if first is not None else (None, None, ())
+            chain = chain_of(module, parent, entry.stage.modules) if module is not None else None
+            if chain is None:
+                self.say(f"the cached offload plan stages its first {entry.stage.modules} "
+                         "layers, which this step's first module does not start; recording "
+                         "anew")
+                return
+            candidate = StageCandidate(entry.stage, args[0].shape[0], (chain, parent))
         self._cached = entry
         if entry.proven:
-            self.rescuer.proven_before = entry.plan
+            self.rescuer.proven.append(entry.plan)
         self._step.profiling = False     # this step runs the plan
         self._first_unpacks = [group.first_unpack for group in entry.profile.groups]
-        self._apply(self.lifecycle.start_cached(entry.plan, entry.profile,
-                                                kept_after_trial=entry.kept_after_trial))
+        self._apply(self.lifecycle.start_cached(
+            entry.plan, entry.profile, recorded_profile=entry.recorded_profile, stage=candidate,
+            kept_after_trial=entry.kept_after_trial))
 
     def _check_cached_group(self, step: _Step, group: _Group, ended: bool = False) -> None:
         """The first step under a cached plan: ``group``, first saved now (``ended``: at the
@@ -323,25 +332,21 @@ class PlanLifecycle:
         self._apply(self.lifecycle.record_anew(reason))
 
     def _store_plan(self) -> None:
-        """The plan in force settled: kept for the next run of the script (not a staged one,
-        whose layers a first step cannot find without recording; said once)."""
+        """The plan in force settled: kept for the next run of the script (a staged one with its
+        stage and the profile recorded before it)."""
         if self._cache_key is None or self.plan is None:
             return
-        if self.stage is not None:
-            if not self._staged_not_cached_said:
-                self._staged_not_cached_said = True
-                self.say("the offload plan stages its first layers: not cached (a run finds "
-                         "those layers only by recording)")
-            return
+        staged = self.stage is not None
         self._plan_cache.store(self._cache_key, CachedPlan.make(
             self.plan, self.profile, kept_after_trial=self.kept_after_trial,
-            proven=self.plan is self._proven_plan))
+            recorded_profile=self.recorded_profile if staged else None,
+            stage=self.stage.stage if staged else None,
+            proven=self.rescuer.is_proven(self.plan)))
         self._stored_plan = self.plan
 
     def plan_proven(self, plan) -> None:
         """``plan`` ran its first armed steps with none running out of memory (rescue.py, rule
         5): where it is the plan the cache holds for this run, its entry says so from now on."""
-        self._proven_plan = plan
         if plan is self._stored_plan and plan is self.plan:
             self._store_plan()
 

@@ -193,6 +193,26 @@ def leading_chain(module: nn.Module, parent: nn.Module | None) -> list[nn.Module
     return None
 
 
+def chain_of(module: nn.Module, parent: nn.Module | None, count: int
+             ) -> list[nn.Module] | None:
+    """The chain of ``count`` modules a step's first leaf ``module`` starts in its container
+    ``parent``, as a recording found it (a cached staged plan's, :class:`StagePlan`): ``module``
+    and the children after it, each :func:`stageable`, none twice, the last a pooling layer; None
+    where they are not (another model, a hook added since, ``parent`` no plain
+    ``nn.Sequential``, the first changing its input in place)."""
+    if count < 1 or not _plain_sequential(parent) or getattr(module, "inplace", False):
+        return None
+    children = list(parent._modules.values())
+    start = next((index for index, child in enumerate(children) if child is module), None)
+    if start is None or start + count > len(children):
+        return None
+    chain = children[start:start + count]
+    if any(child is None or not stageable(child) for child in chain) or \
+            len(set(map(id, chain))) < count or not isinstance(chain[-1], POOLS):
+        return None
+    return chain
+
+
 def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int) -> int | None:
     """The micro-batches a recording step stages the leading chain ``modules`` in, its input
     ``source``, under ``budget`` bytes: None where three of the chain's largest tensors take at

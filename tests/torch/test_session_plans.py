@@ -443,6 +443,41 @@ def test_after_a_forward_that_failed_the_cache_is_emptied_as_the_next_step_start
     assert sum(during) == 3
 
 
+@pytest.mark.parametrize("plan_ms, kept", [((5.0, 10.0), 0), ((10.0, 5.0), 1)])
+def test_the_plan_a_trial_keeps_is_armed_again_only_where_it_comes_back(monkeypatch, plan_ms,
+                                                                       kept):
+    # each plan of the trial ran its first armed steps with no rescue (rescue.py, rule 5): the
+    # plan kept after another ran comes back armed for PROVEN_ARMED_STEPS (the allocator's cache
+    # emptied before it); the one that ran last runs on, armed no more
+    from mucudnn.torch import rescue
+    trial = planner.TRIAL_STEPS
+    assert trial >= rescue.ARMED_STEPS   # each plan of the trial is proven in it
+    model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 4)
+    reference = train(copy.deepcopy(model), data)
+    plans = fake_trial_plans(monkeypatch, others=1)
+
+    class Ticking(RecordingLink):
+        now = 0.0
+
+        def _stamp(self):    # seconds, as SameMemoryLink's clock
+            plan = session.plan
+            self.now += 1e-3 * (1.0 if plan is None else plan_ms[plans.index(plan)])
+            return self.now
+    session = OffloadSession(budget=1, link=Ticking(), min_bytes=0, headroom=0.0)
+    session.budget = int(saved_bytes(model, data) * 0.6)
+    armed, in_force = [], []   # at each step's first module (the session's hook runs first)
+    model[0].register_forward_pre_hook(
+        lambda module, args: armed.append(session.rescuer.armed) or in_force.append(session.plan))
+    assert_bitwise(reference, train(model, data, session))
+    assert session.plan is plans[kept] and session.lifecycle.trial is None
+    ran = [None if plan is None else plans.index(plan) for plan in in_force]
+    assert ran == [None] * 2 + [0] * trial + [1] * trial + [kept] * 4
+    # each plan of the trial armed in its first steps; after it, the plan kept
+    rearmed = rescue.PROVEN_ARMED_STEPS if kept == 0 else 0
+    assert armed == [False] * 2 + ([True] * rescue.ARMED_STEPS + [False] * (
+        trial - rescue.ARMED_STEPS)) * 2 + [True] * rearmed + [False] * (4 - rearmed)
+
+
 def run_trial(model, data, link):
     """(session, lines said) after training ``model`` on ``data`` with a session under half of its
     saved bytes and no headroom (so a trial), ``link`` its link (``link.session``: the session)."""

@@ -247,3 +247,56 @@ def test_a_stage_says_its_rerun_time_only_where_it_has_one():
     taken_in_recording = dataclasses.replace(recorded, forward_ms=0.0)
     assert taken_in_recording.describe() == ("its first 5 layers staged (rerun in 4 "
                                              "micro-batches in the backward)")
+
+
+def test_a_staged_plan_is_cached_and_a_second_run_stages_from_its_first_step(tmp_path,
+                                                                              monkeypatch):
+    from mucudnn.torch import planning as planning_module
+    from mucudnn.torch.plancache import PlanCache
+    model, data = vgg_like(), batches(steps=STEPS + 1)
+    reference = train(copy.deepcopy(model), data)
+    said = []
+    first = staged_session(say=said.append, plan_cache=PlanCache(tmp_path), trials=False)
+    assert_close(reference, train(copy.deepcopy(model), data, first))
+    stage = first.stage.stage
+    entry = PlanCache(tmp_path).load(first._cache_key)
+    assert entry is not None and entry.stage == stage
+    assert entry.recorded_profile == first.recorded_profile and entry.profile == first.profile
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("a cached run solves nothing")
+    monkeypatch.setattr(planning_module, "plan_with_prefetch", no_solve)
+    said, staged_steps = [], []
+    second = staged_session(say=said.append, plan_cache=PlanCache(tmp_path), trials=False)
+    real_finish = type(first)._after_module
+
+    def after_module(self, module, args, output):
+        if self._staged is not None and module is self._staged.modules[-1]:
+            staged_steps.append(self.steps)
+        return real_finish(self, module, args, output)
+    monkeypatch.setattr(type(first), "_after_module", after_module)
+    assert_close(reference, train(copy.deepcopy(model), data, second))
+    assert said[0].startswith("offload plan for ") and "from the plan cache" in said[0]
+    assert "staged" in said[0] and len(said) == 1   # nothing recorded anew
+    # every step staged, the first among them, under the cached plan
+    assert staged_steps == list(range(len(data)))
+    assert second.plan == first.plan and second.stage.stage == stage
+
+
+def test_a_cached_staged_plan_whose_chain_is_gone_records_anew_in_one_line(tmp_path):
+    from mucudnn.torch.plancache import PlanCache
+    model, data = vgg_like(), batches(steps=STEPS)
+    first = staged_session(plan_cache=PlanCache(tmp_path), trials=False)
+    train(copy.deepcopy(model), data, first)
+    assert PlanCache(tmp_path).load(first._cache_key).stage is not None
+    # the same script's model with a hook on its first convolution: no chain starts there
+    changed = copy.deepcopy(model)
+    changed[0][0].register_forward_hook(lambda module, args, output: None)
+    said = []
+    second = staged_session(say=said.append, plan_cache=PlanCache(tmp_path), trials=False)
+    reference = train(copy.deepcopy(changed), data)
+    assert_close(reference, train(changed, data, second))
+    assert said[0] == ("the cached offload plan stages its first 5 layers, which this step's "
+                       "first module does not start; recording anew")
+    # it recorded and planned anew: a plan of its own, no stage (the hooked layer is no chain's)
+    assert second.plan is not None and second.stage is None
