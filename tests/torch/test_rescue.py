@@ -71,7 +71,7 @@ def armed_steps(model, data, session, after_each=None) -> list:
     """Trains ``model`` on ``data`` under ``session`` (``after_each()`` after every step):
     whether each step was armed."""
     armed = []
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)   # as train()'s
     for x, y in data:
         optimizer.zero_grad()
         with session:
@@ -470,23 +470,11 @@ def cached_armed_run(model, data, directory, budget, refuses_steps=()):
     return session, armed, grads
 
 
-def plain_sgd(model, data):
-    """Per step, gradients and buffers of a plain run of :func:`armed_steps`' loop."""
-    optimizer, results = torch.optim.SGD(model.parameters(), lr=0.1), []
-    for x, y in data:
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        results.append([p.grad.clone() for p in model.parameters()] +
-                       [b.clone() for b in model.buffers()])
-        optimizer.step()
-    return results
-
-
 def test_a_cached_plan_its_first_run_proved_is_armed_in_the_first_step_only(tmp_path):
     from mucudnn.torch.plancache import PlanCache
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 2 + rescue.ARMED_STEPS + 2)
-    reference = plain_sgd(copy.deepcopy(model), data)
+    reference = train(copy.deepcopy(model), data)
     first, armed, grads = cached_armed_run(copy.deepcopy(model), data, tmp_path, 1 << 40)
     assert_bitwise(reference, grads)
     # two recording steps, then the plan's armed steps, then none
@@ -505,7 +493,7 @@ def test_a_plan_rescued_in_its_armed_steps_is_not_proven_and_its_replacement_is(
     from mucudnn.torch.plancache import PlanCache
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 2 + 3 * rescue.ARMED_STEPS)
-    reference = plain_sgd(copy.deepcopy(model), data)
+    reference = train(copy.deepcopy(model), data)
     in_force, proven = {}, []
     real_proven, real_close = OffloadSession.plan_proven, OffloadSession._close_step
 

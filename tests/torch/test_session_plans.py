@@ -272,6 +272,19 @@ def fake_trial_plans(monkeypatch, others: int = 1, larger: list | None = None) -
     return plans
 
 
+def plan_ticking_link(plans, plan_ms):
+    """A RecordingLink (``link.session``: the session) whose clock runs ``plan_ms[k]`` ms a step
+    under ``plans[k]``, 1 ms under no plan."""
+    class Ticking(RecordingLink):
+        now, session = 0.0, None
+
+        def _stamp(self):    # seconds, as SameMemoryLink's clock
+            plan = self.session.plan
+            self.now += 1e-3 * (1.0 if plan is None else plan_ms[plans.index(plan)])
+            return self.now
+    return Ticking()
+
+
 @pytest.mark.parametrize("plan_ms, kept", [((10.0, 5.0, 7.0), 1), ((5.0, 10.0, 7.0), 0),
                                            ((10.0, 7.0, 5.0), 2)])
 def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan_ms, kept):
@@ -281,17 +294,10 @@ def test_a_session_tries_the_other_plans_and_keeps_the_fastest(monkeypatch, plan
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 3 * trial + 2)
     reference = train(copy.deepcopy(model), data)
     plans = fake_trial_plans(monkeypatch, others=2)
-
-    class Ticking(RecordingLink):
-        now = 0.0
-
-        def _stamp(self):    # seconds, as SameMemoryLink's clock
-            plan = session.plan
-            self.now += 1e-3 * (1.0 if plan is None else plan_ms[plans.index(plan)])
-            return self.now
     said, trace = [], []
-    session = OffloadSession(budget=1, link=Ticking(), min_bytes=0, trace=trace,
-                             headroom=0.0, say=said.append)
+    link = plan_ticking_link(plans, plan_ms)
+    session = link.session = OffloadSession(budget=1, link=link, min_bytes=0, trace=trace,
+                                            headroom=0.0, say=said.append)
     session.budget = int(saved_bytes(model, data) * 0.6)
     assert_bitwise(reference, train(model, data, session))
     assert session.plan is plans[kept] and session.lifecycle.trial is None
@@ -455,15 +461,8 @@ def test_the_plan_a_trial_keeps_is_armed_again_only_where_it_comes_back(monkeypa
     model, data = small_cnn(torch.float64), batches(torch.float64, 2 + 2 * trial + 4)
     reference = train(copy.deepcopy(model), data)
     plans = fake_trial_plans(monkeypatch, others=1)
-
-    class Ticking(RecordingLink):
-        now = 0.0
-
-        def _stamp(self):    # seconds, as SameMemoryLink's clock
-            plan = session.plan
-            self.now += 1e-3 * (1.0 if plan is None else plan_ms[plans.index(plan)])
-            return self.now
-    session = OffloadSession(budget=1, link=Ticking(), min_bytes=0, headroom=0.0)
+    link = plan_ticking_link(plans, plan_ms)
+    session = link.session = OffloadSession(budget=1, link=link, min_bytes=0, headroom=0.0)
     session.budget = int(saved_bytes(model, data) * 0.6)
     armed, in_force = [], []   # at each step's first module (the session's hook runs first)
     model[0].register_forward_pre_hook(
