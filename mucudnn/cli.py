@@ -16,6 +16,8 @@ from .engines import API_CHOICES
 from .errors import MucudnnError, UnwritableError
 from .policy import POLICIES as POLICY_NAMES
 from .sizes import parse_size
+from .cli_offload import offload_plan
+from .cli_store import store_group, store_option
 
 POLICIES = click.Choice(POLICY_NAMES)
 APIS = click.Choice(API_CHOICES)
@@ -61,11 +63,6 @@ def main() -> None:
     from any workspace down to the smallest; --workspace-limit 64MiB for one plan within it),
     `mucudnn show r50.plan`, and `mucudnn run --plan r50.plan -- python train.py`.
     """
-
-
-store_option = click.option("--store", "store_path", type=click.Path(dir_okay=False),
-                            help="benchmark store (default $MUCUDNN_STORE or "
-                                 "~/.cache/mucudnn/benchmarks.sqlite)")
 
 
 def _unwritable_output(path) -> str | None:
@@ -725,185 +722,8 @@ def _batch_trial(command, batch, budget, offload):
                  max(peaks) if peaks else None, note)
 
 
-def _percent(text: str, what: str) -> float:
-    """A share from ``text`` in percent (10, 2.5), 0 up to 100 exclusive; one line otherwise."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < 100:   # NaN fails it too
-        raise MucudnnError(f"{what} {text!r} is not a percent from 0 up to 100 (e.g. 10)")
-    return value / 100
-
-
-@main.command("offload-plan")
-@click.argument("profile_path", metavar="PROFILE")
-@click.option("--budget", metavar="SIZE",
-              help="the memory budget to plan for (e.g. 8GiB; default: the one it was recorded "
-                   "under)")
-@click.option("--row", type=int, help="offload.json: the K-th row with a profile (0: the first)")
-@click.option("--headroom", default="10", show_default=True, metavar="PERCENT",
-              help="plan for the budget less this much (the session's: room for the caching "
-                   "allocator's fragmentation)")
-@click.option("--lookahead", type=click.IntRange(min=0), default=2, show_default=True,
-              help="prefetch an offloaded tensor this many backward points ahead (the session's)")
-@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=20,
-              show_default=True, metavar="SECONDS",
-              help="CBC's limit per solve (--method ilp)")
-@click.option("--method", type=click.Choice(["fast", "ilp"]), default="fast", show_default=True,
-              help="the planner: fast (the session's) or ilp (CBC: the reference, slower)")
-@click.option("--groups", is_flag=True, help="also a table of each saved group's mode")
-@click.option("--trials", is_flag=True,
-              help="also make the plans the session tries against it (planning.trial_plans), "
-                   "timed apart")
-def offload_plan(profile_path, budget, row, headroom, lookahead, time_limit, method, groups,
-                 trials):
-    """Replay the offload planner on PROFILE, a recorded step (MUCUDNN_OFFLOAD_PROFILE's file,
-    or benchmarks/offload.py's offload.json), off the GPU: print the plan an OffloadSession makes
-    for --budget (kept, offloaded, recomputed, staged; predicted step and peak) and the wall
-    time planning took. Where no plan meets the budget less its headroom, the session's smaller
-    headrooms are tried, as it does; exit status 1 where none meets even those (the session
-    then offloads every saved tensor). Reads every profile format up to this version's; a bad
-    file or budget is one line and exit status 2."""
-    from .budget import parse_budget
-    from .torch import profiles
-
-    def gib(size: int) -> str:
-        return f"{size / 2**30:.2f} GiB"
-
-    share = _percent(headroom, "--headroom")
-    budget_bytes = parse_budget(budget) if budget is not None else None
-    recorded = profiles.load_profile(profile_path, row)
-    if budget_bytes is None:
-        if recorded.budget is None:
-            raise MucudnnError(f"{profile_path}: no budget recorded in it; give --budget")
-        budget_bytes = recorded.budget
-    profile = recorded.profile
-    click.echo(f"{recorded.source}: {len(profile.groups)} saved groups, {profile.unpacks} "
-               f"backward points, format {recorded.format}; recorded under "
-               + (gib(recorded.budget) if recorded.budget else "an unknown budget")
-               + (f" (target {gib(recorded.target)})" if recorded.target else "")
-               + f", plan: {recorded.plan or '-'}")
-    done = profiles.replay(profile, budget_bytes, share, lookahead, time_limit, trials=trials,
-                           method=method)
-    if done.error is not None:
-        click.echo(f"no plan for {gib(budget_bytes)} less its headroom ({share:.0%}): "
-                   f"{done.error}")
-    plan = done.plan
-    if plan is None:
-        click.echo(f"no plan for {gib(budget_bytes)} (the session offloads every saved "
-                   f"tensor); planning took {done.plan_s:.2f} s (wall)")
-        sys.exit(1)
-    click.echo(f"budget {gib(budget_bytes)}, headroom {share * 100:g}%: plan for "
-               f"{gib(done.target)}"
-               + (f" ({1 - done.target / budget_bytes:.1%} less than the budget)"
-                  if done.error is not None else ""))
-    click.echo(f"plan: {plan.describe()}")
-    staged = recorded.stage.describe() if recorded.stage is not None else "none"
-    click.echo(f"  kept {plan.count('keep')}, offloaded {plan.count('offload')}, recomputed "
-               f"{plan.count('recompute')}, staged: {staged}; predicted step "
-               f"{plan.predicted_ms:.1f} ms, peak {gib(plan.peak)}")
-    click.echo(f"planning took {done.plan_s:.2f} s (wall; "
-               + (f"CBC at most {time_limit:g} s a solve)" if method == "ilp"
-                  else "the fast planner)"))
-    if trials:
-        for label, other in done.trials:
-            click.echo(f"  trial {label}: {other.describe()}")
-        click.echo(f"trial plans: {len(done.trials)}, took {done.trials_s:.2f} s (wall)")
-    if groups:
-        for line in [profiles.GROUPS_HEADER] + profiles.group_lines(profile, plan.modes):
-            click.echo(line)
-
-
-@main.group("store")
-def store_group() -> None:
-    """Inspect and move benchmark stores: info, export, import, merge, checkpoint.
-
-    Each acts on --store (default $MUCUDNN_STORE or ~/.cache/mucudnn/benchmarks.sqlite).
-    """
-
-
-def _open_store(store_path, readonly: bool):
-    from .store import open_store
-
-    return open_store(store_path, readonly=readonly)
-
-
-@store_group.command("info")
-@store_option
-def store_info_cmd(store_path):
-    """Print the store's path, schema version and environments (GPU, cuDNN) with row counts;
-    with no store of one's own yet, the measurements shipped with mucudnn (what tune reads)."""
-    from .store import default_store_path, describe
-    from .tuner import SHIPPED_MEASUREMENTS, SHIPPED_NAME, shipped_store
-
-    path = default_store_path()
-    if store_path is None and not os.environ.get("MUCUDNN_STORE") and not path.exists():
-        click.echo(f"no store of your own yet at {path} (`mucudnn bench` on a GPU makes it)")
-        with shipped_store() as shipped:
-            lines = describe(shipped)
-        click.echo(f"{SHIPPED_NAME}: {SHIPPED_MEASUREMENTS} (what `mucudnn tune` reads)")
-        for line in lines[2:]:  # rows and environments; path and schema are the cache's
-            click.echo(line)
-        return
-    with _open_store(store_path, readonly=True) as store:
-        for line in describe(store):
-            click.echo(line)
-
-
-@store_group.command("export")
-@click.argument("output", type=click.Path(dir_okay=False))
-@click.option("--gpu", help="only rows of this GPU")
-@click.option("--cudnn", "cudnn_version", type=int, help="only rows of this cuDNN version")
-@click.option("--key", help="only rows of this kernel key")
-@store_option
-def store_export_cmd(output, gpu, cudnn_version, key, store_path):
-    """Write the store's rows as CSV to OUTPUT (gzip-compressed when it ends in .gz); the
-    measurements shipped with mucudnn are not among them (they ship with every install)."""
-    from .outputs import EXPORT, refuse_inputs_as_output, refuse_other_kind
-
-    with _open_store(store_path, readonly=True) as store:
-        refuse_inputs_as_output(output, [("benchmark store", store.path)])
-        refuse_other_kind(output, EXPORT, option="store export")
-        count = store.export_csv(output, gpu=gpu, cudnn_version=cudnn_version, key=key)
-    click.echo(f"mucudnn: wrote {count} rows of store {store.path} to {output} (not the "
-               "measurements shipped with mucudnn: every install has them)", err=True)
-
-
-@store_group.command("import")
-@click.argument("csv_path", metavar="CSV", type=click.Path(exists=True, dir_okay=False))
-@store_option
-def store_import_cmd(csv_path, store_path):
-    """Add the rows of CSV (written by `store export`, .gz or not) to the store; a row already
-    there (same GPU, cuDNN, key, batch, algorithm, math) is replaced."""
-    with _open_store(store_path, readonly=False) as store:
-        count = store.import_csv(csv_path)
-        click.echo(f"mucudnn: imported {count} rows into {store.path}", err=True)
-
-
-@store_group.command("merge")
-@click.argument("other", type=click.Path(exists=True, dir_okay=False))
-@store_option
-def store_merge_cmd(other, store_path):
-    """Copy every row of the store OTHER into the store; OTHER's rows replace the same rows."""
-    from .outputs import same_file
-
-    with _open_store(store_path, readonly=False) as store:
-        if same_file(other, store.path):
-            raise click.UsageError(f"{other} is the store itself; name another store")
-        with _open_store(other, readonly=True) as source:
-            count = store.merge_from(source)
-        click.echo(f"mucudnn: merged {count} rows from {other} into {store.path}", err=True)
-
-
-@store_group.command("checkpoint")
-@store_option
-def store_checkpoint_cmd(store_path):
-    """Fold the store's WAL journal into its file, so copying the file alone copies every row."""
-    with _open_store(store_path, readonly=False) as store:
-        store.checkpoint()
-        click.echo(f"mucudnn: checkpointed {store.path}", err=True)
-
+main.add_command(store_group)
+main.add_command(offload_plan)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
