@@ -128,7 +128,9 @@ def main(argv=None) -> int:
                          "each K steps then print one line of their mean time a step")
     ap.add_argument("--detail", action="store_true",
                     help="also print each step's memory (peak allocated, reserved, the caching "
-                         "allocator's retries) and the session plan's prediction")
+                         "allocator's retries), the session plan's prediction, whether the "
+                         "session's out-of-memory rescue was armed and how many modules the "
+                         "step recorded")
     ap.add_argument("--trace-step", default="", metavar="K[,K...]",
                     help="profile these steps (torch.profiler, device activity only) and print "
                          "where their device time went")
