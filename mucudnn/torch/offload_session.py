@@ -196,6 +196,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self.staging = stage
         self.stage: StagePlan | None = None
         self._staged: StagedForward | None = None
+        #: staged forwards begun in this session's steps (its gradients then sum micro-batches)
+        self.staged_forwards = 0
         self._containers: list = []
         #: the plan cache (plancache.py; None: MUCUDNN_PLAN_CACHE's on a GPU), looked up at the
         #: first step's first save; the key then, the entry whose plan the first step runs
@@ -350,6 +352,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         if self._staged is None and (self.stage is not None or step.profiling) and \
                 self._stage_starts(step, module, args, parent):
             self._staged = StagedForward(self.stage, args[0])   # grad mode off till its end
+            self.staged_forwards += 1
             return self._staged.first_args(args)   # its output is made in micro-batches
         self.recorder.module_starts(step, module, args, parent)
 

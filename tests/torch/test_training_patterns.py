@@ -6,7 +6,8 @@ within 1e-12 of the largest tensor of its kind in its step), the same exceptions
 steps, and leave no state behind; or stop with a one-line MucudnnError. A failure names the
 seed, the session, the dtype and the patterns, and the patterns left when minimized.
 
-CI runs 300 cases from seed 0. A long run::
+CI runs 300 cases from seed 0, 60 of their patterns under fixed modes that recompute (``planned``)
+and 40 under the plan a first run of the case cached (``cached``). A long run::
 
     MUCUDNN_PATTERN_CASES=5000 MUCUDNN_PATTERN_SEED=1000 \\
         .venv/bin/python -m pytest -q tests/torch/test_training_patterns.py
@@ -78,6 +79,32 @@ def test_a_training_pattern_trains_as_plain_pytorch_recording_only_its_recipes_m
     # fixed modes recomputing what a probe step could rebuild: from the second step on, a step
     # records only the modules its recipes ran (about a third of these cases reach such a step)
     assert_trains_as_plain(case)
+
+
+CACHED_CASES = [tp.cached_case(seed) for seed in range(SEED, SEED + min(CASES, 40))]
+
+
+@pytest.mark.parametrize("case", CACHED_CASES, ids=[case.label for case in CACHED_CASES])
+def test_a_training_pattern_trains_as_plain_pytorch_under_the_plan_its_first_run_cached(case):
+    # a first run under a budget (staged in even seeds) stores its plan; the second, compared,
+    # loads it and runs it from its first step (most of these cases: the next test)
+    assert_trains_as_plain(case)
+
+
+def test_the_cached_differential_runs_cached_plans_staged_and_not(monkeypatch):
+    # of the first CI cached cases, which second runs ran the first run's plan from the cache
+    # (no plan made), and staged
+    made = []
+    real = tp.make_session
+    monkeypatch.setattr(tp, "make_session", lambda *args: made.append(real(*args)) or made[-1])
+    ran_cached = []
+    for case in CACHED_CASES[:12]:
+        made.clear()
+        assert tp.run_case(case).ok
+        second = made[-1][1]
+        if len(made) == 2 and second.plan is not None and second.lifecycle.timings == []:
+            ran_cached.append(second.stage is not None)
+    assert len(ran_cached) >= 4 and any(ran_cached) and not all(ran_cached), ran_cached
 
 
 def _covering(cases):

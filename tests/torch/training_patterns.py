@@ -4,7 +4,9 @@ each trained a few optimizer steps plainly and under one mucudnn.torch session, 
 A case is a seed: :func:`make_case` draws the session (forced keep, offload or recompute, a stage,
 a budget that forces a mixed plan, ``fit``), the dtype and a set of patterns (:data:`STRUCTURE`
 of the model, :data:`LOOP` of the training loop); :func:`run_case` trains it twice and returns an
-:class:`Outcome`. The rule: every loss, gradient, buffer, parameter and observation of the
+:class:`Outcome`. :func:`planned_case` and :func:`cached_case` run a seed's patterns under fixed
+recomputing modes, or under the plan a first run of the case stored in a plan cache (the second
+run, compared, loads it). The rule: every loss, gradient, buffer, parameter and observation of the
 session's run equals the plain run's bit for bit (a stage session: within ``STAGE_RTOL`` of each
 tensor's largest magnitude, float64: its parameter gradients are sums over micro-batches), and
 both runs raise the same exception type at the same step; or the session's run stops with a
@@ -42,6 +44,10 @@ SESSIONS = ("keep", "offload", "recompute", "stage", "budget", "fit")
 #: a probe step could rebuild, so that from its second step on a step records only the modules
 #: its recipes ran (recorder.py's ``recorded_modules``) under every pattern
 PLANNED = "planned"
+#: a session no case draws, which :func:`cached_case` gives: a budget's plan stored by a first
+#: run in a plan cache (staged in even seeds), the run compared being the second, which loads it
+#: and runs it from its first step
+CACHED = "cached"
 #: model patterns: each adds a block (or changes the stem) where drawn
 STRUCTURE = ("residual", "dense", "batchnorm", "groupnorm", "layernorm", "dropout", "inplace",
              "shared", "custom_function", "module_hook", "global_hook", "checkpoint", "rrelu",
@@ -108,6 +114,14 @@ def planned_case(seed: int) -> Case:
     and over 5 steps (the more steps run recording only the learnt modules)."""
     case = make_case(seed)
     return dataclasses.replace(case, session=PLANNED, dtype="float32" if case.has("autocast")
+                               else "float64", steps=5)
+
+
+def cached_case(seed: int) -> Case:
+    """:func:`make_case`'s patterns of ``seed`` under the :data:`CACHED` session, in float64 (a
+    stage's sums are compared to rounding) and over 5 steps."""
+    case = make_case(seed)
+    return dataclasses.replace(case, session=CACHED, dtype="float32" if case.has("autocast")
                                else "float64", steps=5)
 
 
@@ -502,7 +516,11 @@ def train(case: Case, model: nn.Module, parts: dict, session=None) -> Run:
                 if x.requires_grad:
                     run.add(f"step {step} micro {index} input grad", x.grad)
             watched = session or getattr(model, "mucudnn_session", None)
-            run.staged |= getattr(watched, "stage", None) is not None
+            # a stage in force now, or a staged forward run in the step (a cached plan's stage
+            # runs at the step's first module, and a group found unlike the cached plan's drops
+            # it later in that step: the step recorded anew)
+            run.staged |= getattr(watched, "stage", None) is not None or \
+                getattr(watched, "staged_forwards", 0) > 0
             for name, p in model.named_parameters():
                 run.add(f"step {step} grad {name}", p.grad)
             optimizer.step()
@@ -594,8 +612,9 @@ def probed_modes(case: Case, model: nn.Module) -> list:
     return [RECOMPUTE if group.mode == RECOMPUTE else KEEP for group in probe._step.groups]
 
 
-def make_session(case: Case, model: nn.Module):
-    """(model to train, session to enter per step or None)."""
+def make_session(case: Case, model: nn.Module, cache=None):
+    """(model to train, session to enter per step or None); ``cache``: the plan cache's
+    directory of a :data:`CACHED` session."""
     from session_helpers import RecordingLink   # a slow link back: the planner must choose
     if case.session in ("keep", "offload", "recompute"):
         force = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}[case.session]
@@ -610,6 +629,11 @@ def make_session(case: Case, model: nn.Module):
     # a plan may stage where it fits better: float64 only (bf16 autocast's sums are coarser)
     options = dict(link=RecordingLink(), min_bytes=0, headroom=0.0, strict=False,
                    stage=case.dtype == "float64")
+    if case.session == CACHED:
+        from mucudnn.torch.plancache import PlanCache
+        if case.dtype == "float64" and case.seed % 2 == 0:
+            options["stage"] = "always"
+        return model, OffloadSession(budget=budget, plan_cache=PlanCache(cache), **options)
     if case.session == "budget":
         return model, OffloadSession(budget=budget, **options)
     return mucudnn.torch.fit(model, budget=budget, **options), None
@@ -650,11 +674,21 @@ def run_case(case: Case) -> Outcome:
     plain_parts = _same_parts(model, plain_model, parts)
     plain = train(case, plain_model, plain_parts)
     before = _global_state()
+    cache = None
     try:
-        trained, session = make_session(case, model)
+        if case.session == CACHED:   # a first run stores its plan; the second is compared
+            import tempfile
+            cache = tempfile.TemporaryDirectory()
+            first_model = copy.deepcopy(model)
+            first_session = make_session(case, first_model, cache.name)[1]
+            train(case, first_model, _same_parts(model, first_model, parts), first_session)
+        trained, session = make_session(case, model, cache and cache.name)
         ours = train(case, trained, parts, session)
     except MucudnnError as error:   # a refusal while making the session
         ours = Run(error=error)
+    finally:
+        if cache is not None:
+            cache.cleanup()
     after = _global_state()
     if after != before:
         _put_back(before)
