@@ -300,3 +300,36 @@ def test_a_cached_staged_plan_whose_chain_is_gone_records_anew_in_one_line(tmp_p
                        "first module does not start; recording anew")
     # it recorded and planned anew: a plan of its own, no stage (the hooked layer is no chain's)
     assert second.plan is not None and second.stage is None
+
+
+def test_a_cached_staged_plan_whose_last_pool_now_returns_indices_is_not_staged(tmp_path):
+    # a pooling layer returning its indices gives a tuple, which a staged chain cannot end in
+    # (a recording's chain ends before it): the cached run must not stage the chain that ends
+    # there, else its forward goes on with the chain's output on the batch's first sample alone
+    from mucudnn.torch.plancache import PlanCache
+
+    class Indexed(nn.Module):   # takes the pooled output where the pool gives its indices too
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.features = nn.Sequential(
+                nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
+                nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+            self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+
+        def forward(self, x):
+            x = self.features(x)
+            return self.head(x[0] if isinstance(x, tuple) else x)
+    model, data = Indexed().double(), batches(steps=STEPS)
+    first = staged_session(plan_cache=PlanCache(tmp_path), trials=False)
+    train(copy.deepcopy(model), data, first)
+    assert PlanCache(tmp_path).load(first._cache_key).stage.modules == 5
+    changed = copy.deepcopy(model)
+    changed.features[4].return_indices = True
+    reference = train(copy.deepcopy(changed), data)
+    said = []
+    second = staged_session(say=said.append, plan_cache=PlanCache(tmp_path), trials=False)
+    assert_close(reference, train(changed, data, second))
+    assert said[0] == ("the cached offload plan stages its first 5 layers, which this step's "
+                       "first module does not start; recording anew")
+    assert second.stage is None
