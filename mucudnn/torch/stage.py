@@ -80,9 +80,11 @@ def _plain_sequential(module: nn.Module | None) -> bool:
 
 
 def stageable(module: nn.Module) -> bool:
-    """Of :data:`STAGEABLE`, with its class's forward and no hooks of its own."""
+    """Of :data:`STAGEABLE`, with its class's forward and no hooks of its own, returning a tensor
+    (not a pooling layer that returns its indices too: a tuple no chain ends in)."""
     return type(module) in STAGEABLE and not module._forward_pre_hooks \
-        and not module._forward_hooks and "forward" not in vars(module)
+        and not module._forward_hooks and "forward" not in vars(module) \
+        and not getattr(module, "return_indices", False)
 
 
 @dataclass(eq=False)
