@@ -517,3 +517,60 @@ def test_a_plan_rescued_in_its_armed_steps_is_not_proven_and_its_replacement_is(
     assert proven == [first.plan]
     entry = PlanCache(tmp_path).load(first._cache_key)
     assert entry is not None and entry.proven and entry.plan == first.plan
+
+
+def test_a_rescued_plan_that_runs_on_while_its_replacement_is_made_is_not_proven(tmp_path,
+                                                                                 monkeypatch):
+    # a plan rescued in its armed steps ran past its budget: however many steps it runs on
+    # while the plan for less is made (in the background, on a GPU), it is no proven plan, and
+    # the cache never says so (a next run would arm its first step only, and run out of memory
+    # unrescued in the next)
+    from mucudnn.torch import plan_runner
+    from mucudnn.torch.plancache import PlanCache
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 2 + 2 + rescue.ARMED_STEPS + 2)
+
+    class Delayed(plan_runner.InlineRunner):   # the plan for less comes 4 steps late
+        held = None
+
+        def submit(self, request, work):
+            super().submit(request, work)
+            if request.kind == plan_runner.REPLAN:
+                self.held, self.steps = list(self._done), 0
+                self._done.clear()
+
+        def ready(self):
+            if self.held is not None:
+                self.steps += 1
+                if self.steps > rescue.ARMED_STEPS + 1:
+                    self._done.extend(self.held)
+                    self.held = None
+            return super().ready()
+    proven, stored = [], []
+    real_proven = OffloadSession.plan_proven
+    monkeypatch.setattr(OffloadSession, "plan_proven",
+                        lambda self, plan: proven.append(plan) or real_proven(self, plan))
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(budget=saved_bytes(model, data) * 3, link=RecordingLink(),
+                             min_bytes=0, record_steps=2, trials=False,
+                             plan_cache=PlanCache(tmp_path))
+    session.lifecycle.runner = Delayed()
+    grads, rescued_plan = [], []
+
+    def after_each():
+        grads.append([p.grad.clone() for p in model.parameters()] +
+                     [b.clone() for b in model.buffers()])
+        if session.steps == 4:   # the step rescued (step 3) has ended: its plan still in force
+            rescued_plan.append(session.plan)
+        entry = PlanCache(tmp_path).load(session._cache_key)
+        stored.append(entry is not None and entry.proven and entry.plan == rescued_plan[0]
+                      if rescued_plan else False)
+    model = copy.deepcopy(model)
+    with Refuses(session, CONV_BACKWARD, steps=(3,), asked="1 B"):
+        armed = armed_steps(model, data, session, after_each)
+    assert_bitwise(reference, grads)
+    assert session._step.rescued == 0 and session.lifecycle.replans_used == 1
+    assert rescued_plan and session.plan is not rescued_plan[0]
+    assert all(armed[2:])   # the plan, rescued, and the plan for less: each in its armed steps
+    assert not any(plan is rescued_plan[0] for plan in proven)
+    assert not any(stored)
