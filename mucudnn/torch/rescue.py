@@ -243,6 +243,8 @@ class StepRescue:
         #: the plans proven (rule 5): in this process, or by the run that cached the plan
         #: in force; armed for fewer steps whenever they come into force
         self.proven: list = []
+        #: the plans a step of which was rescued or failed in their armed steps: never proven
+        self.spoiled: list = []
 
     def arm(self, ended: bool = False, rescued: bool = False, failed: bool = False) -> None:
         """At a step's start: whether rule 5 arms it. ``ended``: a step has just ended
@@ -252,7 +254,11 @@ class StepRescue:
         if ended and self.armed:
             self.left = ARMED_STEPS if rescued or failed else self.left - 1
             proved = self.counted_for[0]
-            if self.left == 0 and proved is not None and not self.is_proven(proved):
+            if (rescued or failed) and proved is not None and \
+                    not any(each is proved for each in self.spoiled):
+                self.spoiled.append(proved)
+            if self.left == 0 and proved is not None and not self.is_proven(proved) and \
+                    not any(each is proved for each in self.spoiled):
                 self.proven.append(proved)
                 session.plan_proven(proved)
         plan, modes = session.plan, session.modes
