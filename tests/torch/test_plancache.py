@@ -517,3 +517,21 @@ def test_the_module_imports_neither_torch_nor_pulp():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("field, value", [("chunks", 0), ("chunks", -2), ("chunks", "4"),
+                                          ("chunks", 2.5), ("chunks", None), ("modules", "3"),
+                                          ("modules", 3.0), ("modules", 0), ("modules", True),
+                                          ("first_group", "0"), ("end_group", -1),
+                                          ("input_group", "x")])
+def test_a_staged_entry_whose_stage_is_no_stage_is_one_line_and_a_miss(cache, field, value):
+    # a cached run stages its first step with the entry's stage (its modules' count, its
+    # micro-batches): a file whose stage holds no such numbers is corrupt, not a crash there
+    cache.store(key(), staged_entry())
+    path = cache.path_for(key())
+    document = json.loads(path.read_text())
+    document["stage"][field] = value
+    path.write_text(json.dumps(document))
+    assert cache.load(key()) is None
+    [line] = cache.say
+    assert line.startswith(f"the cached offload plan {path} is not used: ")
