@@ -78,6 +78,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 import os
 import sys
 from dataclasses import dataclass
@@ -362,6 +363,8 @@ class CachedPlan:
             return f"{len(self.plan.releases)} release points for {groups} groups"
         if (self.stage is None) != (self.recorded_profile is None):
             return "a stage goes with the recorded profile it was made from, and only then"
+        if self.stage is not None:
+            return _stage_problem(self.stage)
         return None
 
     def document(self, key: PlanKey) -> dict:
@@ -411,6 +414,23 @@ class CachedPlan:
         if problem:
             raise ValueError(problem)
         return entry
+
+
+def _stage_problem(stage: Stage) -> str | None:
+    """What makes ``stage`` no stage a run can stage its first step with (a cached run uses its
+    modules' count and its micro-batches as they are); None where it is one."""
+    def whole(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not (whole(stage.modules) and stage.modules >= 1 and whole(stage.chunks)
+            and stage.chunks >= 1):
+        return f"a stage of {stage.modules!r} modules in {stage.chunks!r} micro-batches"
+    if not all(whole(value) and value >= 0 for value in
+               (stage.first_group, stage.end_group, stage.input_bytes)) or \
+            stage.input_group is not None and not (whole(stage.input_group)
+                                                   and stage.input_group >= 0) or \
+            not isinstance(stage.forward_ms, numbers.Real) or isinstance(stage.forward_ms, bool):
+        return f"a stage of groups {stage.first_group!r}..{stage.end_group!r} that is none"
+    return None
 
 
 def _plain_number(value):
