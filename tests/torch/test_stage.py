@@ -333,3 +333,30 @@ def test_a_cached_staged_plan_whose_last_pool_now_returns_indices_is_not_staged(
     assert said[0] == ("the cached offload plan stages its first 5 layers, which this step's "
                        "first module does not start; recording anew")
     assert second.stage is None
+
+
+def test_a_cached_staged_plan_is_not_staged_on_an_unbatched_input(tmp_path):
+    # a convolution takes an unbatched image (C, H, W) too: its first dimension is no batch,
+    # so the chain is not staged on it (a first "sample" of one channel would reach the
+    # convolution); the cached plan's first step then records anew
+    from mucudnn.torch.plancache import PlanCache
+
+    class Unflattened(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.features = nn.Sequential(
+                nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                nn.ReLU(), nn.MaxPool2d(2))
+            self.head = nn.Linear(8 * 8 * 8, 10)
+
+        def forward(self, x):
+            return self.head(self.features(x).flatten(-3))
+    model, data = Unflattened().double(), batches(steps=STEPS)
+    first = staged_session(plan_cache=PlanCache(tmp_path), trials=False)
+    train(copy.deepcopy(model), data, first)
+    assert PlanCache(tmp_path).load(first._cache_key).stage.modules == 5
+    unbatched = [(x[0], y[0]) for x, y in data]
+    reference = train(copy.deepcopy(model), unbatched)
+    second = staged_session(plan_cache=PlanCache(tmp_path), trials=False)
+    assert_close(reference, train(copy.deepcopy(model), unbatched, second), rtol=0)
