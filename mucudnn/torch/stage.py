@@ -52,6 +52,9 @@ STAGEABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ReLU, nn.ReLU6, nn.LeakyReLU, n
 POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 #: the stageable modules whose forward reads tensors besides its input: the weight and the bias
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: the rank of a batched input of each stageable layer that also takes an unbatched one
+BATCHED_DIM = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5, nn.MaxPool1d: 3, nn.MaxPool2d: 4,
+               nn.MaxPool3d: 5, nn.AvgPool1d: 3, nn.AvgPool2d: 4, nn.AvgPool3d: 5}
 #: device types whose autocast state a call records and its rerun restores (a convolution
 #: recorded under bf16 autocast reads bf16 tensors and fp32 weights)
 _AUTOCAST_DEVICES = ("cuda", "cpu")
@@ -223,7 +226,7 @@ def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int
     batch) whose share of them is within :data:`RECORDING_CHUNK_SHARE`. The sizes are the
     chain's on one sample (its shapes, on the meta device, without hooks) times the batch."""
     batch = source.shape[0] if source.dim() >= 2 else 0
-    if batch < 2:
+    if batch < 2 or not batched(modules, source):   # an unbatched image: no batch to split
         return None
     # on the meta device: the shapes without a kernel (nor a convolution of one sample for the
     # shim to tune); under autocast the sizes are the full precision's, the larger
@@ -272,9 +275,18 @@ class StagePlan:
                 or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
             return False
         modules = self.modules
-        return modules is not None and all(stageable(m) for m in modules) and all(
+        return modules is not None and batched(modules, args[0]) and \
+            all(stageable(m) for m in modules) and all(
             _follows(parent, a, b) for a, b in zip(modules, modules[1:])) and \
             len(set(map(id, modules))) == len(modules) and not _transformed()
+
+
+def batched(modules: list[nn.Module], source: torch.Tensor) -> bool:
+    """Whether ``source`` is a batch for the chain ``modules``: of the batched rank of its first
+    convolution or pooling layer (each keeps the rank), which take an unbatched input too, whose
+    first dimension is no batch."""
+    dim = next((BATCHED_DIM[type(m)] for m in modules if type(m) in BATCHED_DIM), None)
+    return dim is None or source.dim() == dim
 
 
 def _transformed() -> bool:
