@@ -338,10 +338,11 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             self._at_step_start()
         parent = self._containers[-1] if self._containers else None
         if self._cache_due and args and isinstance(args[0], torch.Tensor) and (
-                args[0].is_cuda or self._plan_cache is not None):
-            # the first step's first leaf module: a cached plan's stage starts here (one on
-            # the host before the model's device, a preprocessing layer, leaves it to the
-            # first save, whose device is the plan's)
+                args[0].is_cuda or self._plan_cache is not None
+                and not torch.cuda.is_available()):
+            # the first step's first leaf module: a cached plan's stage starts here. One on the
+            # host where a GPU is there (a preprocessing layer before the model's device) leaves
+            # it to the first save, whose device names the plan's GPU in its key
             self._look_up_plan(args[0].device, (module, parent, args))
             self.rescuer.arm()    # a cached plan runs this first step
         step = self._step

@@ -360,3 +360,23 @@ def test_a_cached_staged_plan_is_not_staged_on_an_unbatched_input(tmp_path):
     reference = train(copy.deepcopy(model), unbatched)
     second = staged_session(plan_cache=PlanCache(tmp_path), trials=False)
     assert_close(reference, train(copy.deepcopy(model), unbatched, second), rtol=0)
+
+
+def test_a_plan_is_looked_up_at_the_first_save_where_the_first_layer_runs_on_the_host_of_a_gpu(
+        tmp_path, monkeypatch):
+    # with a GPU there, a first leaf module given a host tensor (a preprocessing layer before
+    # the model's device) is not where the plan's device, and so its key's GPU, is known
+    from mucudnn.torch.offload_session import OffloadSession as Session
+    from mucudnn.torch.plancache import PlanCache
+    calls = []
+    real = Session._look_up_plan
+    monkeypatch.setattr(Session, "_look_up_plan",
+                        lambda self, device, first=None: calls.append(first is not None) or
+                        real(self, device, first))
+    model, data = vgg_like(), batches(steps=1)
+    for gpu in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        calls.clear()
+        train(copy.deepcopy(model), data, staged_session(plan_cache=PlanCache(tmp_path)))
+        # without a GPU, at the first leaf module; with one, at the first save
+        assert calls == [not gpu]
