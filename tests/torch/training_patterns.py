@@ -682,7 +682,8 @@ def run_case(case: Case) -> Outcome:
             first_model = copy.deepcopy(model)
             first_session = make_session(case, first_model, cache.name)[1]
             train(case, first_model, _same_parts(model, first_model, parts), first_session)
-        trained, session = make_session(case, model, cache and cache.name)
+        trained, session = make_session(case, model) if cache is None else \
+            make_session(case, model, cache.name)
         ours = train(case, trained, parts, session)
     except MucudnnError as error:   # a refusal while making the session
         ours = Run(error=error)
