@@ -200,9 +200,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self.staged_forwards = 0
         self._containers: list = []
         #: the plan cache (plancache.py; None: MUCUDNN_PLAN_CACHE's on a GPU), looked up at the
-        #: first step's first save; the key then, the entry whose plan the first step runs
-        #: (checked group by group), and whether the rest of a step is offloaded as recorded
-        #: (its cached plan did not fit it)
+        #: first step's first leaf module or save (:meth:`_look_up_plan`); the key then, the
+        #: entry whose plan the first step runs (checked group by group), and whether the rest
+        #: of a step is offloaded as recorded (its cached plan did not fit it)
         self._plan_cache = plan_cache
         self._cache_due = self.lifecycle.recording
         self._cache_key = None
@@ -344,7 +344,6 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             # host where a GPU is there (a preprocessing layer before the model's device) leaves
             # it to the first save, whose device names the plan's GPU in its key
             self._look_up_plan(args[0].device, (module, parent, args))
-            self.rescuer.arm()    # a cached plan runs this first step
         step = self._step
         if self.recorder.ops is None and not step.ops_looked_at:
             self._start_ops_if_due(step)

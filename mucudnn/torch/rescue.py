@@ -227,6 +227,12 @@ def pop(mode: OomRescue) -> bool:
     return False
 
 
+def _holds(plans: list, plan) -> bool:
+    """Whether ``plans`` holds ``plan`` itself (plans compare by value: an equal plan made again
+    is another plan, with its own steps to prove)."""
+    return any(each is plan for each in plans)
+
+
 class StepRescue:
     """Rules 2-6 for one :class:`~mucudnn.torch.offload_session.OffloadSession` (``session``: its
     step, plan, copies and lines): whether the step is armed, the mode and where it is pushed,
@@ -254,11 +260,10 @@ class StepRescue:
         if ended and self.armed:
             self.left = ARMED_STEPS if rescued or failed else self.left - 1
             proved = self.counted_for[0]
-            if (rescued or failed) and proved is not None and \
-                    not any(each is proved for each in self.spoiled):
+            if (rescued or failed) and proved is not None and not _holds(self.spoiled, proved):
                 self.spoiled.append(proved)
             if self.left == 0 and proved is not None and not self.is_proven(proved) and \
-                    not any(each is proved for each in self.spoiled):
+                    not _holds(self.spoiled, proved):
                 self.proven.append(proved)
                 session.plan_proven(proved)
         plan, modes = session.plan, session.modes
@@ -277,7 +282,7 @@ class StepRescue:
 
     def is_proven(self, plan) -> bool:
         """Whether ``plan`` (not None) is one of :attr:`proven`, the very object."""
-        return plan is not None and any(proven is plan for proven in self.proven)
+        return plan is not None and _holds(self.proven, plan)
 
     def sync(self) -> None:
         """Inside the session's ``with``, on the thread that entered it: the mode on its stack

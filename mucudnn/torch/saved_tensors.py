@@ -110,7 +110,6 @@ class SavedTensorHooks:
             self._at_step_start()
         if self._cache_due:
             self._look_up_plan(tensor.device)
-            self.rescuer.arm()    # a cached plan runs this first step
         step = self._step
         key = self._key(tensor)
         group = self._find(step, tensor, key)

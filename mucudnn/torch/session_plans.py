@@ -256,8 +256,15 @@ class PlanLifecycle:
         budget is planned for: the plan an earlier run of the same script settled on, from the
         plan cache (``plan_cache``; by default ``MUCUDNN_PLAN_CACHE``'s on a GPU, none
         elsewhere), in force from here on. A staged entry's stage is the chain of as many
-        modules that first module starts (:func:`.stage.chain_of`), where it still is one."""
+        modules that first module starts (:func:`.stage.chain_of`), where it still is one. The
+        rescue is armed for this step as the plan in force then says (rescue.py, rule 5)."""
         self._cache_due = False
+        self._load_cached_plan(device, first)
+        self.rescuer.arm()
+
+    def _load_cached_plan(self, device: torch.device, first: tuple | None) -> None:
+        """:meth:`_look_up_plan`'s look-up: the cached plan in force, where there is one that
+        fits this step's first module."""
         cache = self._plan_cache
         if cache is None and device.type == "cuda":
             cache = self._plan_cache = PlanCache.from_environment(self.say)
@@ -278,7 +285,7 @@ class PlanLifecycle:
         candidate = None
         if entry.stage is not None:
             module, parent, args = first if first is not None else (None, None, ())
-            chain = chain_of(module, parent, entry.stage.modules) if module is not None else None
+            chain = chain_of(module, parent, entry.stage.modules)
             if chain is None:
                 self.say(f"the cached offload plan stages its first {entry.stage.modules} "
                          "layers, which this step's first module does not start; recording "

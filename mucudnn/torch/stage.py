@@ -176,20 +176,25 @@ RECORDING_CHUNKS = (2, 4, 8, 16, 32)
 RECORDING_CHUNK_SHARE = 0.25
 
 
+def _children_from(module: nn.Module, parent: nn.Module | None) -> list[nn.Module] | None:
+    """``module`` and the children after it in its container ``parent``, where ``parent`` is a
+    plain ``nn.Sequential`` holding it and ``module`` does not change its input in place (the
+    input is saved for the backward); else None."""
+    if not _plain_sequential(parent) or getattr(module, "inplace", False):
+        return None
+    children = list(parent._modules.values())
+    start = next((index for index, child in enumerate(children) if child is module), None)
+    return None if start is None else children[start:]
+
+
 def leading_chain(module: nn.Module, parent: nn.Module | None) -> list[nn.Module] | None:
     """The chain a step's first leaf ``module`` starts, read from its container ``parent``
     before it runs: ``module`` and the children after it, each :func:`stageable`, none twice,
     up to and including the first pooling layer (where the activations shrink); None where
     ``parent`` is no plain ``nn.Sequential``, the first changes its input in place, or no
     pooling layer ends it (the module docstring's chain, as a recording would find it)."""
-    if not _plain_sequential(parent) or getattr(module, "inplace", False):
-        return None
-    children = list(parent._modules.values())
-    start = next((index for index, child in enumerate(children) if child is module), None)
-    if start is None:
-        return None
     chain: list[nn.Module] = []
-    for child in children[start:]:
+    for child in _children_from(module, parent) or ():
         if child is None or not stageable(child) or any(child is seen for seen in chain):
             return None
         chain.append(child)
@@ -205,13 +210,10 @@ def chain_of(module: nn.Module, parent: nn.Module | None, count: int
     and the children after it, each :func:`stageable`, none twice, the last a pooling layer; None
     where they are not (another model, a hook added since, ``parent`` no plain
     ``nn.Sequential``, the first changing its input in place)."""
-    if count < 1 or not _plain_sequential(parent) or getattr(module, "inplace", False):
+    following = _children_from(module, parent) if count >= 1 else None
+    if following is None or len(following) < count:
         return None
-    children = list(parent._modules.values())
-    start = next((index for index, child in enumerate(children) if child is module), None)
-    if start is None or start + count > len(children):
-        return None
-    chain = children[start:start + count]
+    chain = following[:count]
     if any(child is None or not stageable(child) for child in chain) or \
             len(set(map(id, chain))) < count or not isinstance(chain[-1], POOLS):
         return None
