@@ -36,6 +36,7 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 
 _MODULE_START = time.monotonic()
 
@@ -134,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-step", default="", metavar="K[,K...]",
                     help="profile these steps (torch.profiler, device activity only) and print "
                          "where their device time went")
+    ap.add_argument("--trace-out", default="", metavar="DIR",
+                    help="with --trace-step, also write each traced step's Chrome trace to "
+                         "DIR/step-K.json.gz")
     ap.add_argument("--cprofile-step", type=int, default=0, metavar="K",
                     help="run step K under cProfile and print the host's hottest functions")
     ap.add_argument("--memory-history-step", type=int, default=0, metavar="K",
@@ -220,6 +224,11 @@ def main(argv=None) -> int:
         if profiler is not None:
             for line in trace_summary(profiler, (end - start) * 1e3):
                 print(f"train_steps: trace step {step} {line}", file=sys.stderr, flush=True)
+            if args.trace_out:
+                write_trace(profiler, Path(args.trace_out) / f"step-{step}.json.gz")
+    if detail:
+        for line in planning_lines(session):
+            print(f"train_steps: {line}", file=sys.stderr, flush=True)
     if args.throughput:
         print(f"mucudnn-throughput: {throughput(step_seconds, args.batch):.2f}", flush=True)
     return 0
@@ -377,6 +386,14 @@ def session_detail(session) -> str:
     return f" armed={int(bool(rescuer.armed))} records={'all' if only is None else len(only)}"
 
 
+def planning_lines(session) -> list[str]:
+    """One line per plan request ``session`` had made: its kind, the wall seconds its making
+    took and the steps run meanwhile (its lifecycle's timings); none without a session."""
+    lifecycle = getattr(session, "lifecycle", None)
+    return [f"planning kind={kind.replace(' ', '_')} seconds={seconds:.3f} steps_run={steps}"
+            for kind, seconds, steps in getattr(lifecycle, "timings", ())]
+
+
 def trace(on: bool):
     """torch.profiler over a step (CUDA activity) where ``on``, else a context that yields None."""
     if not on:
@@ -384,6 +401,18 @@ def trace(on: bool):
     from torch.profiler import ProfilerActivity, profile
     # device activity only: the host's op records would slow the host this measures
     return profile(activities=[ProfilerActivity.CUDA])
+
+
+def write_trace(profiler, path: Path) -> None:
+    """``profiler``'s Chrome trace, gzipped, at ``path`` (its folder made)."""
+    import gzip
+    import tempfile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        plain = Path(scratch) / "trace.json"
+        profiler.export_chrome_trace(str(plain))
+        with open(plain, "rb") as source, gzip.open(path, "wb") as target:
+            target.write(source.read())
 
 
 def trace_summary(profiler, wall_ms: float, top: int = 12) -> list[str]:

@@ -351,6 +351,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         # (:meth:`_stages_recording`: the recording would not fit otherwise)
         if self._staged is None and (self.stage is not None or step.profiling) and \
                 self._stage_starts(step, module, args, parent):
+            if step.profiling and step.forward_start is None:   # the forward starts here
+                link = self.link_for(args[0])
+                step.forward_start = link.mark() if link is not None else None
             self._staged = StagedForward(self.stage, args[0])   # grad mode off till its end
             self.staged_forwards += 1
             return self._staged.first_args(args)   # its output is made in micro-batches

@@ -50,15 +50,15 @@ def link_speeds(step: _Step, link: SameMemoryLink) -> tuple[float, float]:
         return link.gbps
     return link.bandwidth_gbps()
 
-def _clock(step: _Step, link: SameMemoryLink, marks: list, points: int, direction: str
-           ) -> list[float]:
-    """Compute ms from the first of a recording step's ``marks`` (its packs, or its unpacks)
-    to each: their times less its own inline copies ``direction`` before each (the forward's
-    offloads, the backward's on-demand fetches; each between two marks, in issue order),
-    non-decreasing; [] without marks."""
+def _clock(step: _Step, link: SameMemoryLink, marks: list, points: int, direction: str,
+           start=None) -> list[float]:
+    """Compute ms from ``start`` (default: the first of a recording step's ``marks``, its packs
+    or its unpacks) to each mark: their times less its own inline copies ``direction`` before
+    each (the forward's offloads, the backward's on-demand fetches; each between two marks, in
+    issue order), non-decreasing; [] without marks."""
     if not marks:
         return []
-    start = marks[0][2]
+    start = start or marks[0][2]
     copies = deque((before, after) for way, _, before, after in step.copies
                    if way == direction and before.seq > start.seq)
     clock, now, copying = [0.0] * points, 0.0, 0.0
@@ -102,7 +102,10 @@ def step_profile(step: _Step, link: SameMemoryLink, copy_exposure: float, tail_p
     # Compute only: the host's waits (stalls) and the recording's own copies to the host in the
     # forward and back in the backward, each inline on the compute stream, are left out (at least
     # the forward's time remains in the backward).
-    forward_ms = _span_ms(step, link, packs[0][2], unpack_marks[0][2]) if unpack_marks else 0.0
+    # The forward starts at the first save, or where a staged chain began before it
+    start = step.forward_start if packs and step.forward_start is not None and \
+        step.forward_start.link is packs[0][2].link else (packs[0][2] if packs else None)
+    forward_ms = _span_ms(step, link, start, unpack_marks[0][2]) if unpack_marks else 0.0
     backward_ms = max(_span_ms(step, link, unpack_marks[0][2],
                                step.end_mark or unpack_marks[-1][2]),
                       forward_ms) if unpack_marks else 0.0
@@ -110,7 +113,7 @@ def step_profile(step: _Step, link: SameMemoryLink, copy_exposure: float, tail_p
     profile = planner.StepProfile(
         groups, forward_ms, backward_ms, d2h, h2d, unpacks,
         backward_clock=_clock(step, link, unpack_marks, unpacks, "h2d"),
-        forward_clock=_clock(step, link, packs, len(groups), "d2h"),
+        forward_clock=_clock(step, link, packs, len(groups), "d2h", start),
         copy_exposure=copy_exposure)
     recorded = offload_everything(groups)
     live_f, live_b = [0] * len(groups), [0] * unpacks

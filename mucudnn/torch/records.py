@@ -361,6 +361,9 @@ class _Step:
     ops_looked_at: bool = False   # OffloadSession._start_ops_if_due ran at a module of it
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
+    #: recording steps that stage: where the chain's forward began, before the step's first save
+    #: (the chain saves nothing, and its input is saved once its output is made)
+    forward_start: object = None
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
     #: forward point -> (group, its offload's transfer) whose device tensors go there
     releases: dict = field(default_factory=dict)

@@ -92,3 +92,26 @@ def test_the_detail_says_whether_a_step_was_armed_and_which_modules_it_recorded(
     assert details[0] == " armed=1 records=all"
     recorded = re.fullmatch(r" armed=1 records=(\d+)", details[2])
     assert recorded is not None and 0 < int(recorded.group(1)) < len(list(model.modules()))
+
+
+def test_the_detail_ends_with_each_plan_requests_making_time():
+    import torch
+    from torch import nn
+
+    from benchmarks.train_steps import planning_lines
+    from mucudnn.torch.link import SameMemoryLink
+    from mucudnn.torch.offload_session import OffloadSession
+
+    assert planning_lines(None) == [] and planning_lines(object()) == []
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(),
+                          nn.Linear(4 * 12 * 12, 2)).double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    session = OffloadSession(budget=1 << 30, link=SameMemoryLink(), min_bytes=0, strict=False)
+    for _ in range(4):     # two recording steps, then the first plan's request is made
+        with session:
+            loss = model(x).sum()
+        loss.backward()
+    lines = planning_lines(session)
+    assert lines and re.fullmatch(r"planning kind=first_plan seconds=\d+\.\d{3} steps_run=\d+",
+                                  lines[0])
