@@ -337,6 +337,8 @@ class TrialsAndWatch:
         a lower target can follow (alone, the plan is still run as a trial: whether it flushes
         the caching allocator's cache); one line naming them."""
         trial, others = self.trial, list(made.trials)
+        if made.refined is not None and trial is not None:
+            self._refined(made.refined)
         replaced, self._before_lowering = self._before_lowering, None
         if replaced is not None and all(replaced != plan for plan in trial.plans) and \
                 all(replaced != plan for _, plan in others):
@@ -354,6 +356,18 @@ class TrialsAndWatch:
                 + f", {planner.TRIAL_STEPS} steps each")
         if not trial.timing():   # the plan made ran its timed steps meanwhile
             self._next_in_trial()
+
+    def _refined(self, plan: OffloadPlan) -> None:
+        """The full search's ``plan`` replaces the quick construction's in force as the trial's
+        first (its steps so far untimed for it), with one line."""
+        trial = self.trial
+        trial.plans[0] = self.plan = plan
+        trial.marks[0], trial.flushes[0], trial.flush_points[0] = [], [], set()
+        self.modes = list(plan.modes)
+        self._watch_from_now()
+        self._write = True
+        self._say(f"offload plan for {_gib(self.budget)}, made by the full search (the quick "
+                  f"one ran meanwhile): {plan.describe()}")
 
     def _lower_made(self, made: PlanResult, after: tuple) -> None:
         """The plan for less after flushes: in force and tried, with one line; where none was
@@ -584,8 +598,11 @@ class Lifecycle(TrialsAndWatch):
         self._recorded = []
         self.state = PLANNING
         self.modes = offload_everything(self.profile.groups)
+        # with trials, the quick construction's plan first (in force steps sooner), the full
+        # search's with the trial's plans
         self._ask(PlanRequest(FIRST, self.profile, self.target, self.budget, self.headroom,
-                              candidates=self._stage_candidates, staging=self.staging))
+                              candidates=self._stage_candidates, staging=self.staging,
+                              quick=self.trials))
         self._stage_candidates = ()
 
     def _failed(self, outcome: StepOutcome, out_of_memory: bool) -> None:
@@ -694,12 +711,13 @@ class Lifecycle(TrialsAndWatch):
             self._say(f"no offload plan for {_gib(self.budget)} less its headroom "
                       f"({self.headroom:.0%}); planning for {_gib(target)}, "
                       f"{1 - target / self.budget:.1%} less")
-        self._in_force(plan)
+        self._in_force(plan, refine=made.quick)
 
-    def _in_force(self, plan: OffloadPlan) -> None:
+    def _in_force(self, plan: OffloadPlan, refine: bool = False) -> None:
         """``plan`` (made for :attr:`target`) in force, said in one line; with ``trials``, the
         plans to try against it asked for (for smaller headrooms too, unless the target was
-        lowered), the plan running as the trial's first meanwhile."""
+        lowered; with ``refine``, ``plan`` being a quick construction's, the full search's
+        first), the plan running as the trial's first meanwhile."""
         target = self.target
         self.plan = plan
         self.modes = list(plan.modes)
@@ -718,7 +736,7 @@ class Lifecycle(TrialsAndWatch):
         self._ask(PlanRequest(
             TRIALS, self.profile, target, self.budget, self.headroom, plan=plan,
             larger_budgets=tuple(planner.trial_budgets(self.budget, self.headroom))
-            if self._lowered_target is None else (), keep_apart=self.keep_apart))
+            if self._lowered_target is None else (), keep_apart=self.keep_apart, refine=refine))
 
     def _replan_made(self, made: PlanResult, after: tuple) -> None:
         """The plan for less after running out of memory: in force (watched, not tried), with

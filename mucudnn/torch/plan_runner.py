@@ -69,6 +69,14 @@ class PlanRequest:
     #: FIRST: the stages to weigh, and the session's ``stage`` setting (True, False, "always")
     candidates: tuple = ()
     staging: bool | str = True
+    #: FIRST: the plain plan by the fast planner's quick construction (one-group changes from
+    #: everything kept: a plan in a few hundredths of a second where the full search takes a
+    #: second), the full search's then coming with the TRIALS request (``refine``); only for a
+    #: session that runs trials, since nothing else would bring the full search's plan in
+    quick: bool = False
+    #: TRIALS: ``plan`` is a quick construction's: the full search's plan is made and replaces
+    #: it where predicted faster by planner.TRIAL_MIN_GAIN (PlanResult.refined)
+    refine: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,11 @@ class PlanResult:
     trials: tuple = ()
     #: LOWER: no plan met the lower target (nor will any lower one): no lowering again
     lowerings_spent: bool = False
+    #: FIRST: ``plan`` is the quick construction's (the request's ``quick``, and no stage taken)
+    quick: bool = False
+    #: TRIALS with ``refine``: the full search's plan, predicted faster than the quick one in
+    #: force, which it replaces (the trial's plans are made against it); None: the quick stays
+    refined: OffloadPlan | None = None
     #: wall seconds the making took
     seconds: float = 0.0
 
@@ -109,6 +122,8 @@ class PlanMaker:
         self.method = method
         self.no_plan_at: int | None = None
         self._profile: StepProfile | None = None
+        #: :meth:`solve` makes the quick construction's plan (set by :meth:`_quick_plan_for`)
+        self.quick = False
 
     def __call__(self, request: PlanRequest) -> PlanResult:
         start = time.perf_counter()
@@ -119,9 +134,13 @@ class PlanMaker:
 
     # --- the solves ------------------------------------------------------------------------
     def solve(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
-        """:func:`planning.plan_with_prefetch` for ``target`` (its errors as it raises them)."""
+        """:func:`planning.plan_with_prefetch` for ``target`` (its errors as it raises them);
+        while :attr:`quick` is set, the fast planner's construction from everything kept alone
+        where it meets the target (else its full search, as without)."""
+        start = [planner.KEEP] * len(profile.groups) if self.quick else None
         return planning.plan_with_prefetch(profile, target, self.lookahead, self.time_limit_s,
-                                          explain=explain, method=self.method)
+                                          explain=explain, method=self.method, start=start,
+                                          quick=self.quick)
 
     def plan_for(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
         """The plan for ``target``. Where none meets it, :class:`InfeasibleError` (with
@@ -137,18 +156,30 @@ class PlanMaker:
             self.no_plan_at = max(target, self.no_plan_at or 0)
             raise
 
+    def _quick_plan_for(self, profile: StepProfile, target: int) -> OffloadPlan:
+        """:meth:`plan_for` with :attr:`quick` set around it (its :meth:`solve` the quick
+        construction's)."""
+        self.quick = True
+        try:
+            return self.plan_for(profile, target)
+        finally:
+            self.quick = False
+
     # --- the kinds of request --------------------------------------------------------------
     def _first(self, request: PlanRequest) -> PlanResult:
         """The plan for the request's target (a stage weighed first where the recording allows
-        one: :meth:`choose_stage`); where none meets it, an :class:`InfeasibleError`'s smaller
-        headrooms (:func:`planning.plan_with_less_headroom`)."""
+        one: :meth:`choose_stage`; else, with the request's ``quick``, the quick construction's
+        where the fast planner runs); where none meets it, an :class:`InfeasibleError`'s
+        smaller headrooms (:func:`planning.plan_with_less_headroom`)."""
         profile, target, plan, stage = request.profile, request.target, None, None
         if request.candidates:
             plan, chosen = self.choose_stage(profile, target, request.candidates, request.staging)
             if chosen is not None:
                 stage, profile = chosen
+        quick = request.quick and plan is None and self.method == planning.FAST
         try:
-            plan = plan or self.plan_for(profile, target)
+            plan = plan or (self._quick_plan_for(profile, target) if quick
+                            else self.plan_for(profile, target))
         except MucudnnError as exc:   # infeasible, or CBC failed
             lower = None
             if request.budget is not None:
@@ -160,7 +191,7 @@ class PlanMaker:
             # step and the next one's input, until the collector finds the cycle
             return PlanResult(request, lower, lower.target if lower is not None else target,
                               error=exc.with_traceback(None), stage=stage, profile=profile)
-        return PlanResult(request, plan, target, stage=stage, profile=profile)
+        return PlanResult(request, plan, target, stage=stage, profile=profile, quick=quick)
 
     def choose_stage(self, profile: StepProfile, target: int, candidates, staging
                      ) -> tuple[OffloadPlan | None, tuple | None]:
@@ -210,8 +241,30 @@ class PlanMaker:
                                    keep_apart=request.keep_apart, method=self.method)
 
     def _trials(self, request: PlanRequest) -> PlanResult:
-        return PlanResult(request, request.plan, request.target,
-                          trials=tuple(self.trial_plans(request)))
+        """:meth:`trial_plans` against the plan in force; with ``refine`` (that plan is a quick
+        construction's), the full search's plan where it is predicted faster by
+        :data:`planner.TRIAL_MIN_GAIN` (``refined``: it replaces the quick one) and the trial's
+        plans made against it instead."""
+        refined = self._refined(request) if request.refine else None
+        if refined is None:
+            return PlanResult(request, request.plan, request.target,
+                              trials=tuple(self.trial_plans(request)))
+        others = [(label, plan) for label, plan in self.trial_plans(replace(request, plan=refined))
+                  if plan != request.plan]
+        return PlanResult(request, request.plan, request.target, trials=tuple(others),
+                          refined=refined)
+
+    def _refined(self, request: PlanRequest) -> OffloadPlan | None:
+        """The full search's plan for the request's target where it beats the request's
+        (a quick construction's) by :data:`planner.TRIAL_MIN_GAIN`, else None."""
+        try:
+            full = self.plan_for(request.profile, request.target, explain=False)
+        except MucudnnError:   # none, or CBC failed: the quick plan stays alone
+            return None
+        if full == request.plan or \
+                full.predicted_ms >= request.plan.predicted_ms * (1 - planner.TRIAL_MIN_GAIN):
+            return None
+        return replace(full, target=request.plan.target)
 
     def _lower(self, request: PlanRequest) -> PlanResult:
         """The plan for the request's target less half the headroom; where the plan for a

@@ -109,6 +109,16 @@ class ProcessRunner(BackgroundRunner):
                          "are made on a thread of the training process from now on")
         return _made(request, work)
 
+    def warm(self) -> None:
+        """The worker started now, ahead of the first request (its interpreter and the planner's
+        imports take a few tenths of a second on a GPU machine, while a recording step runs);
+        a worker that cannot start is left to the first request (rule 5)."""
+        if self.failed is None:
+            try:
+                self._start()
+            except Exception:   # noqa: BLE001 - the first request says it, then plans inline
+                self._worker = None
+
     def _remote(self, request: PlanRequest, maker: PlanMaker) -> PlanResult | BaseException:
         worker = self._start()
         candidates = request.candidates

@@ -155,7 +155,10 @@ def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
     :func:`planning.plan_with_less_headroom`; with ``trials``, the others the session would run
     against it (:func:`planning.trial_plans`; for smaller headrooms too, unless the target was
     lowered). A solver's failure at the first target (a plan may exist) leaves no plan, as in
-    the session. ``method``: the planner's (planning.py: the session's fast one, or the ILP)."""
+    the session. ``method``: the planner's (planning.py: the session's fast one, or the ILP).
+    The plan is the full search's: a session with trials puts its quick construction's plan in
+    force first and tries this one against it where it is predicted faster (plan_runner.py,
+    ``PlanRequest.quick``)."""
     maker = PlanMaker(lookahead, time_limit_s, method)
     first = maker(PlanRequest(FIRST, profile, planner.planning_target(budget, headroom),
                               budget=budget, headroom=headroom))

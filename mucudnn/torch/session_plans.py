@@ -126,6 +126,8 @@ class PlanLifecycle:
             self.plan_in_background = isinstance(link, CudaLink)
             if self.plan_in_background:
                 lifecycle.runner = ProcessRunner(say=lambda text: self.say(text))
+                if lifecycle.recording:   # the first plan is asked for after the recording
+                    lifecycle.runner.warm()
         # a step rescued (rescue.py) ran to its end, past a peak its plan did not model
         status = (OUT_OF_MEMORY if out_of_memory else FAILED) if failed else \
             RESCUED if finished.rescued else OK

@@ -144,3 +144,33 @@ def test_a_worker_that_dies_in_a_request_leaves_it_and_the_next_to_the_thread(mo
         runner.close()
     assert runner.failed is not None and len(said) == 1 and runner._worker is None
     assert made.plan is not None and after.plan == made.plan
+
+
+def test_a_warmed_worker_is_the_one_the_first_request_goes_to():
+    # started during the recording (its imports then take no planning time), and reused
+    recorded = load_profile(PROFILE)
+    _, _, first = requests_for(recorded)
+    runner = ProcessRunner()
+    try:
+        runner.warm()
+        warmed = runner._worker
+        assert warmed is not None and warmed.poll() is None
+        runner.warm()                       # a second warm-up starts no other
+        assert runner._worker is warmed
+        [made] = made_by(runner, [first], PlanMaker())
+        assert runner._worker is warmed and runner.failed is None and made.plan is not None
+    finally:
+        runner.close()
+
+
+def test_a_worker_that_cannot_start_when_warmed_leaves_it_to_the_first_request(monkeypatch):
+    recorded = load_profile(PROFILE)
+    _, _, first = requests_for(recorded)
+    monkeypatch.setattr(plan_worker.subprocess, "Popen",
+                        lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no (test)")))
+    said = []
+    runner = ProcessRunner(say=said.append)
+    runner.warm()                           # says nothing, raises nothing
+    assert runner._worker is None and runner.failed is None and not said
+    [made] = made_by(runner, [first], PlanMaker())
+    assert runner.failed is not None and len(said) == 1 and made.plan is not None
