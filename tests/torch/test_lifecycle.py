@@ -406,6 +406,30 @@ def test_a_quick_first_plan_the_full_search_does_not_beat_stays_untried():
     assert made.plan.step_ms == 20.05 and len(made.lines) == 1
 
 
+def test_a_quick_first_plan_whose_trial_a_failed_step_ended_still_gives_way_to_the_full_searchs():
+    # a step of the quick plan fails (not out of memory: no plan for less follows) while the
+    # trial's request, which makes the full search's plan, is being made: the trial is over,
+    # but the quick construction's plan (here 50 % slower) does not stay unchecked
+    maker = TableMaker(quick_ms=30.0, others=others(("other 1", 19.0)))
+    runner = ManualRunner()
+    lifecycle = Lifecycle(8 * GiB, maker=maker, runner=runner)
+    steps = Steps(lifecycle)
+    steps.record()
+    runner.complete()                     # the first plan: the quick one, in force
+    steps.step()
+    assert lifecycle.plan.step_ms == 30.0 and lifecycle.awaiting == TRIALS
+    steps.step(status=FAILED)
+    assert lifecycle.state == WATCHING and lifecycle.trial is None
+    runner.complete()                     # the trial's request, the full search's plan with it
+    made = steps.step()
+    assert lifecycle.plan.step_ms == 20.0 and made.changed and made.plan is lifecycle.plan
+    assert made.lines == ("offload plan for 8.00 GiB, made by the full search (the quick one "
+                          f"ran meanwhile): {lifecycle.plan.describe()}",)
+    assert lifecycle.state == WATCHING and lifecycle.trial is None
+    steps.run(20.0)                       # the trial's other plans are not run
+    assert lifecycle.plan.step_ms == 20.0 and not runner.waiting
+
+
 def test_without_trials_the_first_plan_is_the_full_searchs():
     maker = TableMaker(quick_ms=30.0)
     lifecycle = Lifecycle(8 * GiB, maker=maker, trials=False)
