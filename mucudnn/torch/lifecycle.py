@@ -337,8 +337,10 @@ class TrialsAndWatch:
         a lower target can follow (alone, the plan is still run as a trial: whether it flushes
         the caching allocator's cache); one line naming them."""
         trial, others = self.trial, list(made.trials)
-        if made.refined is not None and trial is not None:
+        if made.refined is not None:
             self._refined(made.refined)
+        if trial is None:   # a failed step ended the quick plan's trial (:meth:`_failed`)
+            return
         replaced, self._before_lowering = self._before_lowering, None
         if replaced is not None and all(replaced != plan for plan in trial.plans) and \
                 all(replaced != plan for _, plan in others):
@@ -359,10 +361,13 @@ class TrialsAndWatch:
 
     def _refined(self, plan: OffloadPlan) -> None:
         """The full search's ``plan`` replaces the quick construction's in force as the trial's
-        first (its steps so far untimed for it), with one line."""
+        first (its steps so far untimed for it; where a failed step ended the trial, alone),
+        with one line."""
         trial = self.trial
-        trial.plans[0] = self.plan = plan
-        trial.marks[0], trial.flushes[0], trial.flush_points[0] = [], [], set()
+        if trial is not None:
+            trial.plans[0] = plan
+            trial.marks[0], trial.flushes[0], trial.flush_points[0] = [], [], set()
+        self.plan = plan
         self.modes = list(plan.modes)
         self._watch_from_now()
         self._write = True
@@ -616,8 +621,12 @@ class Lifecycle(TrialsAndWatch):
                             f"the plan {label} ran out of device memory in its trial"
                             if out_of_memory else f"a step of the plan {label} failed in its trial")
             return
-        if trial is not None and self._awaiting is not None and self._awaiting.kind == TRIALS:
-            self._awaiting = None     # the trial is over before its other plans were made
+        awaited = self._awaiting
+        if trial is not None and awaited is not None and awaited.kind == TRIALS and \
+                not (awaited.refine and not out_of_memory):
+            # the trial is over before its other plans were made; a quick plan's full search
+            # still comes where no plan for less is asked (else the quick one stays unchecked)
+            self._awaiting = None
         if trial is not None:
             self.state = WATCHING
         if outcome.status == OUT_OF_MEMORY and self.replanning_under_plan:
