@@ -429,3 +429,34 @@ def test_a_staged_recordings_times_count_the_chains_forward_and_its_reruns(monke
     assert chain_ms <= profile.backward_ms < chain_ms + 20
     # the groups saved after the chain are saved a chain's time into the forward
     assert profile.forward_clock[0] >= chain_ms
+
+
+def test_a_staged_recordings_forward_that_raised_before_its_first_save_is_not_timed(
+        monkeypatch):
+    # the chain raises (out of memory) in a recording step's forward, before the step saved
+    # anything, and the script skips that batch: the step stays open for the next forward, whose
+    # chain's start is where its forward starts (not the start of the one that raised, a second
+    # of the script's handling before it). One recording: the least of two would hide it
+    from mucudnn.torch import stage as stage_module
+    from session_helpers import train_through_failures
+    link = ChainClockLink()
+    run_chain = stage_module.run_chain
+
+    def timed_chain(modules, weights, value, autocast):
+        link.lag += link.CHAIN_S
+        if not link.forwards and not torch.is_grad_enabled():
+            link.forwards += 1
+            link.lag += 1.0
+            raise torch.OutOfMemoryError("the chain ran out of memory (test)")
+        return run_chain(modules, weights, value, autocast)
+    monkeypatch.setattr(stage_module, "run_chain", timed_chain)
+    model, data = vgg_like(), batches(steps=4)
+    floor = leading_chain_bytes(model, 8)
+    session = OffloadSession(budget=int(floor / (stage_module.RECORDING_FLOOR_SHARE + 0.1)),
+                             link=link, min_bytes=0, headroom=0.0, strict=False, record_steps=1)
+    assert train_through_failures(copy.deepcopy(model), data, session) == 1
+    stage = session.stage.stage
+    chain_ms = stage.chunks * link.CHAIN_S * 1e3
+    profile = session.recorded_profile
+    assert profile is not None and chain_ms <= profile.forward_ms < chain_ms + 20
+    assert profile.forward_clock[0] < chain_ms + 20
