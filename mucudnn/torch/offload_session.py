@@ -351,7 +351,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         # (:meth:`_stages_recording`: the recording would not fit otherwise)
         if self._staged is None and (self.stage is not None or step.profiling) and \
                 self._stage_starts(step, module, args, parent):
-            if step.profiling and step.forward_start is None:   # the forward starts here
+            if step.profiling:
+                # the forward starts here: at the chain's last start, since a forward that raised
+                # before the step's first save (in the chain) leaves the step open for the next
                 link = self.link_for(args[0])
                 step.forward_start = link.mark() if link is not None else None
             self._staged = StagedForward(self.stage, args[0])   # grad mode off till its end
