@@ -174,8 +174,9 @@ class StepProfile:
     # ``backward_ms`` spread evenly over the points
     backward_clock: list[float] = field(default_factory=list)
     copy_exposure: float = 0.0      # see the module docstring (the runtime: COPY_EXPOSURE)
-    # compute ms from the forward's first pack to each forward point (non-decreasing); empty:
-    # untimed (an offloaded group leaves the device at the next point: :func:`release_point`)
+    # compute ms from the forward's start (its first pack, or where a staged chain began before
+    # it) to each forward point (non-decreasing), as ``forward_ms``; empty: untimed (an
+    # offloaded group leaves the device at the next point: :func:`release_point`)
     forward_clock: list[float] = field(default_factory=list)
     #: :func:`release_point`'s margin for plans made on this profile (a planning choice, not
     #: recorded: :func:`plan_with_prefetch` lowers it to 0 where no plan fits otherwise)
