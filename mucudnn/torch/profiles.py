@@ -157,7 +157,7 @@ def replay(profile: StepProfile, budget: int, headroom: float = HEADROOM,
     lowered). A solver's failure at the first target (a plan may exist) leaves no plan, as in
     the session. ``method``: the planner's (planning.py: the session's fast one, or the ILP).
     The plan is the full search's: a session with trials puts its quick construction's plan in
-    force first and tries this one against it where it is predicted faster (plan_runner.py,
+    force first, and this one replaces it where it is predicted faster (plan_runner.py,
     ``PlanRequest.quick``)."""
     maker = PlanMaker(lookahead, time_limit_s, method)
     first = maker(PlanRequest(FIRST, profile, planner.planning_target(budget, headroom),
