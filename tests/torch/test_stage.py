@@ -398,6 +398,16 @@ class ChainClockLink(RecordingLink):
         return self.ticks * self.TICK + self.lag
 
 
+def staged_recording_session(model, link, record_steps: int) -> OffloadSession:
+    """A session on ``link`` whose recording stages ``model``'s first block (its backward holds
+    more than :data:`stage.RECORDING_FLOOR_SHARE` of the budget) at batch 8."""
+    from mucudnn.torch import stage as stage_module
+    floor = leading_chain_bytes(model, 8)
+    return OffloadSession(budget=int(floor / (stage_module.RECORDING_FLOOR_SHARE + 0.1)),
+                          link=link, min_bytes=0, headroom=0.0, strict=False,
+                          record_steps=record_steps)
+
+
 def test_a_staged_recordings_times_count_the_chains_forward_and_its_reruns(monkeypatch):
     # a recording that stages runs its chain's forward before its first save (the chain saves
     # nothing; the stage's input is saved after the chain's output is made): the profile's
@@ -417,9 +427,7 @@ def test_a_staged_recordings_times_count_the_chains_forward_and_its_reruns(monke
         return run_chain(modules, weights, value, autocast)
     monkeypatch.setattr(stage_module, "run_chain", timed_chain)
     model, data = vgg_like(), batches(steps=3)
-    floor = leading_chain_bytes(model, 8)
-    session = OffloadSession(budget=int(floor / (stage_module.RECORDING_FLOOR_SHARE + 0.1)),
-                             link=link, min_bytes=0, headroom=0.0, strict=False, record_steps=2)
+    session = staged_recording_session(model, link, record_steps=2)
     train(copy.deepcopy(model), data, session)
     stage = session.stage.stage
     assert link.forwards >= 2 * stage.chunks and link.reruns >= 2 * stage.chunks
@@ -451,9 +459,7 @@ def test_a_staged_recordings_forward_that_raised_before_its_first_save_is_not_ti
         return run_chain(modules, weights, value, autocast)
     monkeypatch.setattr(stage_module, "run_chain", timed_chain)
     model, data = vgg_like(), batches(steps=4)
-    floor = leading_chain_bytes(model, 8)
-    session = OffloadSession(budget=int(floor / (stage_module.RECORDING_FLOOR_SHARE + 0.1)),
-                             link=link, min_bytes=0, headroom=0.0, strict=False, record_steps=1)
+    session = staged_recording_session(model, link, record_steps=1)
     assert train_through_failures(copy.deepcopy(model), data, session) == 1
     stage = session.stage.stage
     chain_ms = stage.chunks * link.CHAIN_S * 1e3
