@@ -225,7 +225,9 @@ def main(argv=None) -> int:
             for line in trace_summary(profiler, (end - start) * 1e3):
                 print(f"train_steps: trace step {step} {line}", file=sys.stderr, flush=True)
             if args.trace_out:
-                write_trace(profiler, Path(args.trace_out) / f"step-{step}.json.gz")
+                trace_file = Path(args.trace_out) / f"step-{step}.json.gz"
+                trace_file.parent.mkdir(parents=True, exist_ok=True)
+                profiler.export_chrome_trace(str(trace_file))   # gzipped: the name says .gz
     if detail:
         for line in planning_lines(session):
             print(f"train_steps: {line}", file=sys.stderr, flush=True)
@@ -401,18 +403,6 @@ def trace(on: bool):
     from torch.profiler import ProfilerActivity, profile
     # device activity only: the host's op records would slow the host this measures
     return profile(activities=[ProfilerActivity.CUDA])
-
-
-def write_trace(profiler, path: Path) -> None:
-    """``profiler``'s Chrome trace, gzipped, at ``path`` (its folder made)."""
-    import gzip
-    import tempfile
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        plain = Path(scratch) / "trace.json"
-        profiler.export_chrome_trace(str(plain))
-        with open(plain, "rb") as source, gzip.open(path, "wb") as target:
-            target.write(source.read())
 
 
 def trace_summary(profiler, wall_ms: float, top: int = 12) -> list[str]:
