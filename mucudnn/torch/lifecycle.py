@@ -164,6 +164,11 @@ class Trial:
             self.flushes.append([])
             self.flush_points.append(set())
 
+    def put(self, index: int, plan) -> None:
+        """``plan`` in the place of plan ``index``, as if none of its steps had run yet."""
+        self.plans[index] = plan
+        self.marks[index], self.flushes[index], self.flush_points[index] = [], [], set()
+
     def timing(self) -> bool:
         """Whether the current plan's steps are still timed (not its timed steps done while the
         others are made)."""
@@ -363,10 +368,8 @@ class TrialsAndWatch:
         """The full search's ``plan`` replaces the quick construction's in force as the trial's
         first (its steps so far untimed for it; where a failed step ended the trial, alone),
         with one line."""
-        trial = self.trial
-        if trial is not None:
-            trial.plans[0] = plan
-            trial.marks[0], trial.flushes[0], trial.flush_points[0] = [], [], set()
+        if self.trial is not None:
+            self.trial.put(0, plan)
         self.plan = plan
         self.modes = list(plan.modes)
         self._watch_from_now()
