@@ -299,8 +299,17 @@ class TrialsAndWatch:
 
     def _next_in_trial(self) -> None:
         trial = self.trial
-        if trial.current + 1 < len(trial.plans):
-            trial.current += 1
+        ahead = trial.current + 1
+        if ahead < len(trial.plans) and trial.labels[ahead] == BEFORE_LOWERING and any(
+                not trial.flushes_in(index) for index in range(ahead)):
+            # the plan a lowering replaced flushed (that is why it was lowered), and a plan of
+            # this trial did not: the trial keeps no plan that flushes where one did not
+            # (:meth:`Trial.kept`), so it is not run again (it is the trial's last)
+            self._end_trial(trial, ahead, "offload plans tried (not the one from before the "
+                                          "lowering, which flushed)")
+            return
+        if ahead < len(trial.plans):
+            trial.current = ahead
             self.plan = trial.plans[trial.current]
             self.modes = list(self.plan.modes)
             return
@@ -359,7 +368,9 @@ class TrialsAndWatch:
         trial.awaiting = False
         if others:
             self._say("trying it against " + "; ".join(
-                f"the plan {label} ({plan.describe()})" for label, plan in others)
+                f"the plan {label} ({plan.describe()})"
+                + " where the plans for less flush too" * (label == BEFORE_LOWERING)
+                for label, plan in others)
                 + f", {planner.TRIAL_STEPS} steps each")
         if not trial.timing():   # the plan made ran its timed steps meanwhile
             self._next_in_trial()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from ..errors import InfeasibleError, MucudnnError
 from ..sizes import describe_size
 from . import planner
+from . import planner_fast
 from . import planner_stage
 from . import planning
 from .planner import OffloadPlan, StepProfile
@@ -99,7 +100,8 @@ class PlanResult:
     trials: tuple = ()
     #: LOWER: no plan met the lower target (nor will any lower one): no lowering again
     lowerings_spent: bool = False
-    #: FIRST: ``plan`` is the quick construction's (the request's ``quick``, and no stage taken)
+    #: FIRST: ``plan`` is the quick construction's (the request's ``quick``, no stage taken, and
+    #: the construction met the target: where it fell short, the full search made ``plan``)
     quick: bool = False
     #: TRIALS with ``refine``: the full search's plan, predicted faster than the quick one in
     #: force, which it replaces (the trial's plans are made against it); None: the quick stays
@@ -124,6 +126,9 @@ class PlanMaker:
         self._profile: StepProfile | None = None
         #: :meth:`solve` makes the quick construction's plan (set by :meth:`_quick_plan_for`)
         self.quick = False
+        #: while :attr:`quick` is set: the searches that made :meth:`solve`'s plans
+        #: (planner_fast.plan_modes' ``made_by``)
+        self._made_by: list = []
 
     def __call__(self, request: PlanRequest) -> PlanResult:
         start = time.perf_counter()
@@ -140,7 +145,8 @@ class PlanMaker:
         start = [planner.KEEP] * len(profile.groups) if self.quick else None
         return planning.plan_with_prefetch(profile, target, self.lookahead, self.time_limit_s,
                                           explain=explain, method=self.method, start=start,
-                                          quick=self.quick)
+                                          quick=self.quick,
+                                          made_by=self._made_by if self.quick else None)
 
     def plan_for(self, profile: StepProfile, target: int, explain: bool = True) -> OffloadPlan:
         """The plan for ``target``. Where none meets it, :class:`InfeasibleError` (with
@@ -156,12 +162,15 @@ class PlanMaker:
             self.no_plan_at = max(target, self.no_plan_at or 0)
             raise
 
-    def _quick_plan_for(self, profile: StepProfile, target: int) -> OffloadPlan:
+    def _quick_plan_for(self, profile: StepProfile, target: int) -> tuple[OffloadPlan, bool]:
         """:meth:`plan_for` with :attr:`quick` set around it (its :meth:`solve` the quick
-        construction's)."""
-        self.quick = True
+        construction's where that meets the target, else the full search's), and whether the
+        quick construction made the plan (not where it fell short, nor where everything kept
+        fits: no search then)."""
+        self.quick, self._made_by = True, []
         try:
-            return self.plan_for(profile, target)
+            plan = self.plan_for(profile, target)
+            return plan, self._made_by[-1:] == [planner_fast.QUICK]
         finally:
             self.quick = False
 
@@ -178,8 +187,10 @@ class PlanMaker:
                 stage, profile = chosen
         quick = request.quick and plan is None and self.method == planning.FAST
         try:
-            plan = plan or (self._quick_plan_for(profile, target) if quick
-                            else self.plan_for(profile, target))
+            if plan is None and quick:
+                plan, quick = self._quick_plan_for(profile, target)
+            elif plan is None:
+                plan = self.plan_for(profile, target)
         except MucudnnError as exc:   # infeasible, or CBC failed
             lower = None
             if request.budget is not None:

@@ -457,7 +457,8 @@ def _cheapest_repair(state: State, changes: dict[int, str], worst: tuple[int, in
 def plan_modes(profile: StepProfile, target: int, lookahead: int,
                prefetch_margin: float = PREFETCH_MARGIN,
                start: Sequence[str] | None = None, quick: bool = False,
-               second_start: Sequence[str] | None = None) -> list[str] | None:
+               second_start: Sequence[str] | None = None,
+               made_by: list | None = None) -> list[str] | None:
     """The modes of the fast plan within ``target`` (None: none found). The construction starts
     from ``start`` where given (a valid plan of this profile: a warm start, such as the plan made
     for another exposure or target), else from everything kept; where it finds no change that
@@ -465,7 +466,9 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
     that may be: memory near the least peak), and the improvement then brings back what the
     target has room for. With ``quick``, where the construction of one-group changes from
     ``start`` meets the target, only it and the improvement; else the same from
-    ``second_start`` (another warm start) where given; else the full search."""
+    ``second_start`` (another warm start) where given; else the full search. ``made_by``: a
+    list where given, to which :data:`QUICK` or :data:`FULL` is appended, the search that made
+    the plan returned."""
     layout = Layout(profile, lookahead, prefetch_margin)
     # the quick construction from ``start``: the same as the first of the full search's
     failed = None
@@ -473,13 +476,13 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
         state = State(layout, start)
         if construct(state, target, compound=False):
             improve(state, target, compound=False)
-            return state.modes
+            return _made(state.modes, QUICK, made_by)
         failed = state
         if second_start is not None:
             second = State(layout, second_start)
             if construct(second, target, compound=False):
                 improve(second, target, compound=False)
-                return second.modes
+                return _made(second.modes, QUICK, made_by)
     best = None
     compound = layout.g <= COMPOUND_GROUPS
     # the starts within the target: their construction changes nothing, with or without the
@@ -551,7 +554,18 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
             improve(capped, target)
             if capped.cost() < best.cost():
                 best = capped
-    return best.modes
+    return _made(best.modes, FULL, made_by)
+
+
+#: :func:`plan_modes`' ``made_by`` entries: the plan is the quick construction's, or the full
+#: search's
+QUICK, FULL = "quick", "full"
+
+
+def _made(modes: list[str], search: str, made_by: list | None) -> list[str]:
+    if made_by is not None:
+        made_by.append(search)
+    return modes
 
 
 def _marginal_prices(state: State) -> tuple[float, float]:

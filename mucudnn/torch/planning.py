@@ -43,12 +43,13 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
                  time_limit_s: float | None = 60, prefetch_margin: float = PREFETCH_MARGIN,
                  explain: bool = True, method: str = FAST,
                  start: Sequence[str] | None = None, quick: bool = False,
-                 second_start: Sequence[str] | None = None) -> OffloadPlan:
+                 second_start: Sequence[str] | None = None,
+                 made_by: list | None = None) -> OffloadPlan:
     """The fastest valid choice whose modelled peak is within ``budget`` bytes (ties go to fewer
     bytes moved or recomputed), by ``method`` (``time_limit_s``: CBC's, for the ILP; ``start``:
     the modes of a valid plan of this profile the fast method starts from, a warm start; with
-    ``quick``, only its construction and improvement from there, else from ``second_start``:
-    planner_fast.plan_modes).
+    ``quick``, only its construction and improvement from there, else from ``second_start``;
+    ``made_by``: which search made the plan: planner_fast.plan_modes).
     :class:`InfeasibleError` says the least peak any choice reaches when none fits (``explain``
     False: only that none fits, without solving for it)."""
     _checked(method)
@@ -62,7 +63,7 @@ def plan_offload(profile: StepProfile, budget: int, lookahead: int = 2,
         plan = planner_ilp.solve_plan(profile, budget, lookahead, time_limit_s, prefetch_margin)
     else:
         modes = planner_fast.plan_modes(profile, budget, lookahead, prefetch_margin, start,
-                                        quick, second_start)
+                                        quick, second_start, made_by)
         plan = None if modes is None else _result(profile, modes, lookahead, prefetch_margin)
     if plan is None:
         if not explain:
@@ -95,7 +96,8 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
                        time_limit_s: float | None = 60, explain: bool = True,
                        method: str = FAST, start: Sequence[str] | None = None,
                        quick: bool = False, second_start: Sequence[str] | None = None,
-                       from_rung: OffloadPlan | None = None) -> OffloadPlan:
+                       from_rung: OffloadPlan | None = None,
+                       made_by: list | None = None) -> OffloadPlan:
     """:func:`plan_offload` with the earliest prefetches that fit: at ``lookahead`` timed by
     :data:`PREFETCH_MARGIN`, then by half of it, then untimed at ``lookahead`` and each smaller
     distance down to 0 (fetched when first unpacked, as the recording step did). An earlier
@@ -110,7 +112,8 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
     ``release_margin``), the ladder runs again with each released at the next forward point
     (release margin 0): the compute stream then waits there for the copy, the forward bound by
     the link as vDNN's layer-wise wait (a model whose every plan of the first ladder peaks above
-    the budget). ``start``, ``quick``, ``second_start``: :func:`plan_offload`'s, each rung's.
+    the budget). ``start``, ``quick``, ``second_start``, ``made_by``: :func:`plan_offload`'s,
+    each rung's.
     ``from_rung``: a plan of this profile at another copy exposure for the same ``budget``,
     made by this ladder: the ladder starts at its rung (the rungs before it found no plan for
     it, and the memory, so the room a rung leaves, does not depend on the exposure)."""
@@ -133,7 +136,8 @@ def plan_with_prefetch(profile: StepProfile, budget: int, lookahead: int = 2,
         try:
             return plan_offload(planned, budget, distance, time_limit_s, prefetch_margin,
                                 explain=explain and rung == len(rungs) - 1, method=method,
-                                start=start, quick=quick, second_start=second_start)
+                                start=start, quick=quick, second_start=second_start,
+                                made_by=made_by)
         except (InfeasibleError, SolverError):
             if rung == len(rungs) - 1:
                 raise

@@ -86,6 +86,10 @@ def _past_the_op_recorder(hook):
 #: from before a step records only the learnt modules (a forward alternating between more
 #: modules than this keeps being learnt, a step in every so many recording every call)
 _MOST_LEARNING_STEPS = 8
+#: the plans (their modes) whose learnt modules :meth:`StepRecorder.learn_recipe_modules` keeps,
+#: the most recently run: a trial runs each of its plans in turn and keeps one of them, which then
+#: runs again without another step recording every call (a trial and a lowering: at most 4 plans)
+_LEARNT_PLANS = 4
 
 
 @dataclass
@@ -116,8 +120,9 @@ class StepRecorder:
         #: a call's own measure (:meth:`_start_call`) started one of its own
         self._carried_peak: dict = {}
         self._measuring: tuple = (None, None)   # (call, link): the call measured now
-        #: what :meth:`learn_recipe_modules` learnt under the modes in force; None before it
-        self._recipe_modules: _RecipeModules | None = None
+        #: what :meth:`learn_recipe_modules` learnt, per modes (a tuple), the last run last; at
+        #: most :data:`_LEARNT_PLANS`
+        self._recipe_modules: dict[tuple, _RecipeModules] = {}
 
     def _records(self, module) -> bool:
         """A leaf module's forward in a step's forward (not a recipe's rerun, not in a
@@ -380,9 +385,11 @@ class StepRecorder:
         (:meth:`module_returns`). So a recipe is found only where it holds, and a step that
         keeps a group its plan recomputes has the next steps record every call again."""
         step.records_only_decided = True
-        learnt, modes = self._recipe_modules, self.session.modes
-        if learnt is not None and learnt.active and modes is not None and \
-                self.session._cached is None and learnt.modes == tuple(modes):
+        modes = self.session.modes
+        if modes is None or self.session._cached is not None or not self._recipe_modules:
+            return step.records_only
+        learnt = self._recipe_modules.get(tuple(modes))
+        if learnt is not None and learnt.active:
             step.records_only = learnt.ids
         return step.records_only
 
@@ -402,9 +409,10 @@ class StepRecorder:
         if failed or step.profiling or not step.finds_recipes or modes is None:
             return
         key = tuple(modes)
-        learnt = self._recipe_modules
-        if learnt is None or learnt.modes != key:
-            learnt = self._recipe_modules = _RecipeModules(key)
+        learnt = self._recipe_modules.pop(key, None) or _RecipeModules(key)
+        self._recipe_modules[key] = learnt   # the last run last
+        if len(self._recipe_modules) > _LEARNT_PLANS:
+            del self._recipe_modules[next(iter(self._recipe_modules))]
         if step.records_only is not None:
             for group in step.groups:   # a loop, no generator: at every step's end
                 if group.wanted == RECOMPUTE and group.mode != RECOMPUTE:   # a module lacked

@@ -15,7 +15,7 @@ import pytest
 
 from mucudnn.errors import InfeasibleError, SolverError
 from mucudnn.torch import planner, profiles
-from mucudnn.torch import planner_stage
+from mucudnn.torch import planner_fast, planner_stage
 from mucudnn.torch.lifecycle import (ABANDONED, AS_RECORDED, FAILED, FALLBACK, FIXED, MODES, OK,
                                      OUT_OF_MEMORY, PLANNED, PLANNING, RECORD, RECORDING,
                                      RESCUED,
@@ -49,20 +49,24 @@ class TableMaker(PlanMaker):
     plans (a function of the request); ``solved`` receives each target solved."""
 
     def __init__(self, least: int = 0, ms=lambda target: 20.0, others=lambda request: [],
-                 quick_ms=None):
+                 quick_ms=None, quick_meets=True):
         super().__init__()
         self.least, self.ms, self.others, self.solved = least, ms, others, []
         self.trial_requests, self.quick_solves, self.quick_ms = [], [], quick_ms
+        self.quick_meets = quick_meets
 
     def solve(self, profile, target, explain=True):
-        """``quick_ms``: a quick construction's plan takes that long (another plan: other modes)."""
+        """``quick_ms``: a quick construction's plan takes that long (another plan: other modes);
+        ``quick_meets`` False: the quick construction falls short, the full search makes it."""
         self.solved.append(target)
         self.quick_solves.append(self.quick)
         if target < self.least:
             error = InfeasibleError(f"{target} is too small for this step (test)")
             error.least_peak = self.least
             raise error
-        if self.quick and self.quick_ms is not None:
+        if self.quick:
+            self._made_by.append(planner_fast.QUICK if self.quick_meets else planner_fast.FULL)
+        if self.quick and self.quick_meets and self.quick_ms is not None:
             return plan(target, self.quick_ms, modes=(RECOMPUTE, KEEP, RECOMPUTE, KEEP))
         return plan(target, self.ms(target))
 
@@ -172,6 +176,20 @@ def test_recording_then_the_plan_then_its_trial_keeps_the_fastest():
                           "other 2 11.0 ms a step; keeping the plan other 1",)
     quiet = steps.step(9.0)
     assert not quiet.lines and not quiet.changed and quiet.plan is plans[1]
+
+
+def test_a_first_plan_the_full_search_made_is_not_searched_for_again():
+    # the quick construction falls short of the target, so the full search makes the first
+    # plan inside the same solve: the trial's request does not ask for the full search again
+    maker = TableMaker(others=others(("other 1", 18.0)), quick_meets=False)
+    lifecycle = Lifecycle(8 * GiB, maker=maker)
+    steps = Steps(lifecycle)
+    steps.step()
+    made = steps.step()
+    target = planner.planning_target(8 * GiB, 0.1)
+    assert maker.solved == [target] and maker.quick_solves == [True]
+    assert made.plan is lifecycle.plan and lifecycle.state == TRIAL
+    assert len(maker.trial_requests) == 1 and not maker.trial_requests[0].refine
 
 
 def test_planning_never_stalls_a_step_the_recording_mode_runs_until_the_plan_comes():
@@ -339,6 +357,25 @@ def test_a_lowering_that_only_slows_the_step_gives_back_the_plan_it_replaced():
         f"offload plans tried: as made 10.0 ms a step ({STEPS - 1} flushes after backward point "
         f"3), from before the lowering 5.0 ms a step ({STEPS - 1} flushes after backward point "
         f"3); keeping the plan from before the lowering")
+
+
+def test_a_lowering_whose_plan_is_calm_does_not_run_the_plan_it_replaced_again():
+    # the plan for less does not flush: the one it replaced flushed (that is why it was
+    # lowered) and a trial keeps no plan that flushes where one did not, so the trial ends with
+    # the plan for less and the replaced one's steps are not spent on it again
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), replans=1)
+    steps = Steps(lifecycle)
+    steps.record()
+    first = lifecycle.plan
+    steps.run(5.0, flushes=1)                    # a trial of one: it flushed, so planning for less
+    lowered = lifecycle.plan
+    assert lowered is not first and lifecycle.trial.plans[-1] is first
+    assert steps.lines[-1].endswith(" where the plans for less flush too, 3 steps each")
+    steps.run(10.0)                              # the plan for less, calm
+    assert lifecycle.state == WATCHING and lifecycle.trial is None
+    assert lifecycle.plan is lowered and lifecycle.kept_after_trial is None
+    assert steps.lines[-1] == ("offload plans tried (not the one from before the lowering, "
+                               "which flushed): as made 10.0 ms a step; keeping the plan as made")
 
 
 def test_a_lone_plan_without_a_lower_target_stays_and_nothing_is_said():
@@ -880,3 +917,26 @@ def test_the_makers_quick_first_plan_is_refined_by_the_trial_request_where_the_f
     # without refine, nothing replaces it
     plain = maker(PlanRequest(TRIALS, recorded.profile, target, plan=first.plan))
     assert plain.refined is None
+
+
+QUICK_SHORT = ("benchmarks/results/offload/h200/exposure-r3d18-b4dd857-h200.json", 0, 4348654387)
+
+
+def test_the_makers_first_plan_is_not_quick_where_the_quick_construction_falls_short():
+    # a committed R3D-18 profile whose quick construction does not meet the target: the full
+    # search makes the first plan in the same request, and the result says it is not the quick
+    # one (so the trial's request does not search again), the same plan as without ``quick``
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / QUICK_SHORT[0]
+    if not path.exists():
+        pytest.skip(f"{QUICK_SHORT[0]} is not beside this checkout")
+    recorded = profiles.load_profile(path, QUICK_SHORT[1])
+    maker = PlanMaker()
+    first = maker(PlanRequest(FIRST, recorded.profile, QUICK_SHORT[2], quick=True))
+    full = maker(PlanRequest(FIRST, recorded.profile, QUICK_SHORT[2])).plan
+    assert not first.quick and first.plan.modes == full.modes
+    made = []
+    planner_fast.plan_modes(recorded.profile, QUICK_SHORT[2], 2,
+                            start=[KEEP] * len(recorded.profile.groups), quick=True,
+                            made_by=made)
+    assert made == [planner_fast.FULL]

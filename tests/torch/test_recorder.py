@@ -682,3 +682,33 @@ def test_a_gradient_penalty_does_not_stop_the_plans_recomputes_for_good():
     results, recomputed = run(OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0))
     assert_bitwise(reference, results)
     assert recomputed[0] and recomputed == [recomputed[0]] * len(data)
+
+
+def test_a_plan_run_again_after_another_records_only_what_it_learnt():
+    # a trial runs plan A, then plan B, then keeps A: A's steps after B's record only the
+    # modules A learnt (no step recording every call again), B's first step records every call
+    # (nothing learnt under B yet), and every step trains bit for bit as PyTorch alone
+    data, model, modes = _small_cnn_and_modes(6)
+    other = list(modes)
+    other[other.index(RECOMPUTE)] = KEEP   # B: one group fewer recomputed
+    plans = [modes, modes, other, other, modes, modes]
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results, calls = [], []
+    for (x, y), plan in zip(data, plans):
+        session.lifecycle.modes = list(plan)
+        optimizer.zero_grad()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            calls.append(len(session._step.calls))
+            loss.backward()
+        results.append([p.grad.clone() for p in model.parameters()] +
+                       [b.clone() for b in model.buffers()])
+        optimizer.step()
+    full = calls[0]
+    assert calls[1] < full            # A learnt from step 0
+    assert calls[2] == full           # B's first step: nothing learnt under B
+    assert calls[3] < full            # B learnt
+    assert calls[4] == calls[5] == calls[1]   # A again: what it learnt, at once
+    assert_bitwise(reference, results)

@@ -599,11 +599,11 @@ def test_a_trial_whose_every_plan_flushed_plans_for_less_and_tries_again(monkeyp
                              f"{lowered / 2**30:.2f} GiB")
     assert any(line.startswith("offload plan for") and
                f"(planned for {lowered / 2**30:.2f} GiB)" in line for line in said)
-    # the lower target's plans against the fastest before it (plans[1], 5 ms, flushing): the
-    # one that does not flush stays
-    assert tried[1] == ("offload plans tried: as made 12.0 ms a step, other 1 11.0 ms a step "
-                        "(2 flushes after backward point 2), from before the lowering 5.0 ms a "
-                        "step (2 flushes after backward point 2); keeping the plan as made")
+    # the lower target's plans, one of which does not flush: it stays, and the fastest
+    # before the lowering (plans[1], which flushed) is not run again
+    assert tried[1] == ("offload plans tried (not the one from before the lowering, which "
+                        "flushed): as made 12.0 ms a step, other 1 11.0 ms a step (2 flushes "
+                        "after backward point 2); keeping the plan as made")
     assert session.plan is plans[2] and session.plan.target == lowered
 
 
@@ -679,10 +679,15 @@ def test_a_plan_that_flushes_after_its_trial_is_replaced_by_one_for_less(monkeyp
                        f"3 steps, so planning for {session.target / 2**30:.2f} GiB"]
     assert session.target == first - int(0.05 * session.budget) and session.replans_used == 1
     assert said[-3].startswith("offload plan for") and "(planned for" in said[-3]
-    # tried against the plan it replaced, which flushes again: the plan for less (calm) stays
-    assert said[-2].startswith("trying it against the plan from before the lowering (")
-    assert said[-1].startswith("offload plans tried: as made ") and \
+    # to be tried against the plan it replaced where the plan for less flushes too; it is calm,
+    # so it stays, and the plan that flushed is not run again
+    assert said[-2].startswith("trying it against the plan from before the lowering (") and \
+        said[-2].endswith(" where the plans for less flush too, 3 steps each")
+    assert said[-1].startswith("offload plans tried (not the one from before the lowering, "
+                               "which flushed): as made ") and \
         said[-1].endswith("keeping the plan as made")
+    assert not any(line.startswith("offload plans tried") and "from before the lowering 5" in line
+                   for line in said)
     assert session.lifecycle.trial is None and session.plan.target == session.target
 
 
