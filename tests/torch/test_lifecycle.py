@@ -339,16 +339,23 @@ def test_a_lone_plan_that_flushed_in_its_trial_says_so_and_plans_for_less():
         "from before the lowering"
 
 
-def test_a_lowering_that_only_slows_the_step_gives_back_the_plan_it_replaced():
-    # every plan flushes (a flush no plan's saved tensors cause: a convolution's workspace); the
-    # plan for less runs slower, so the one it replaced, tried again beside it, stays once no
-    # lowering is left
+def _lowered_after_a_flushing_plan():
+    """A lifecycle (one lowering) whose first plan, a trial of one, flushed: the plan for less
+    is in force, its trial ending with the plan it replaced. (lifecycle, steps, that plan)"""
     lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), replans=1)
     steps = Steps(lifecycle)
     steps.record()
     first = lifecycle.plan
     steps.run(5.0, flushes=1)                    # a trial of one: it flushed, so planning for less
     assert lifecycle.plan is not first and lifecycle.trial.plans[-1] is first
+    return lifecycle, steps, first
+
+
+def test_a_lowering_that_only_slows_the_step_gives_back_the_plan_it_replaced():
+    # every plan flushes (a flush no plan's saved tensors cause: a convolution's workspace); the
+    # plan for less runs slower, so the one it replaced, tried again beside it, stays once no
+    # lowering is left
+    lifecycle, steps, first = _lowered_after_a_flushing_plan()
     steps.run(10.0, flushes=1)                   # the plan for less
     steps.run(5.0, flushes=1)                    # the plan it replaced
     assert lifecycle.lowerings_left == 0 and lifecycle.state == WATCHING
@@ -363,13 +370,8 @@ def test_a_lowering_whose_plan_is_calm_does_not_run_the_plan_it_replaced_again()
     # the plan for less does not flush: the one it replaced flushed (that is why it was
     # lowered) and a trial keeps no plan that flushes where one did not, so the trial ends with
     # the plan for less and the replaced one's steps are not spent on it again
-    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(), replans=1)
-    steps = Steps(lifecycle)
-    steps.record()
-    first = lifecycle.plan
-    steps.run(5.0, flushes=1)                    # a trial of one: it flushed, so planning for less
+    lifecycle, steps, first = _lowered_after_a_flushing_plan()
     lowered = lifecycle.plan
-    assert lowered is not first and lifecycle.trial.plans[-1] is first
     assert steps.lines[-1].endswith(" where the plans for less flush too, 3 steps each")
     steps.run(10.0)                              # the plan for less, calm
     assert lifecycle.state == WATCHING and lifecycle.trial is None
