@@ -254,3 +254,25 @@ def test_a_weight_changed_in_place_under_autocast_is_no_silent_difference():
         return
     for expected, got in zip(reference.parameters(), model.parameters(), strict=True):
         assert torch.equal(expected.grad, got.grad)
+
+
+#: GPU cases: drawn, under fixed recomputing modes, and under a cached plan (seeds from 0)
+GPU_CASES = {"drawn": 40, "planned": 12, "cached": 12}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", sorted(GPU_CASES))
+def test_the_differential_on_a_gpu_trains_as_plain(kind):
+    # the same cases on a GPU: forced and planned sessions move tensors through the real host
+    # link (pinned memory, copy streams, prefetches); each case the plain loop runs
+    # deterministically (twice, bit for bit) must train the same under the session
+    tp.use_device("cuda")
+    try:
+        outcomes = [tp.run_case(tp.KINDS[kind](seed)) for seed in range(GPU_CASES[kind])]
+    finally:
+        tp.use_device("cpu")
+    failed = [f"{o.case.label}: {o.detail}" for o in outcomes if not o.ok]
+    assert not failed, failed
+    compared = sum(o.verdict in ("equal", "refused") for o in outcomes)
+    assert compared >= len(outcomes) // 2, [o.verdict for o in outcomes]

@@ -61,6 +61,38 @@ LOOP = ("functional_call", "eval_train", "eval_backward", "skip_backward", "crea
 #: a stage session's tolerance, relative to each tensor's largest magnitude (float64)
 STAGE_RTOL = 1e-12
 CLASSES = 5
+#: where the cases' models and data live (:func:`use_device`): the CPU, or a GPU, where forced
+#: and planned sessions run on the real host link (:class:`~mucudnn.torch.link.CudaLink`: pinned
+#: host memory, copy streams, prefetches)
+DEVICE = torch.device("cpu")
+
+
+def use_device(device) -> None:
+    """The cases from now on on ``device`` ("cpu", "cuda"). On a GPU, cuDNN and cuBLAS are made
+    deterministic (a nondeterministic kernel would differ between the plain run and the
+    session's by itself), and :func:`run_case` runs the plain loop twice: a case whose plain runs
+    differ is "nondeterministic", not compared."""
+    global DEVICE
+    DEVICE = torch.device(device)
+    settings = (torch.backends.cudnn, "deterministic"), (torch.backends.cudnn, "benchmark"), \
+        (torch.backends.cudnn, "allow_tf32"), (torch.backends.cuda.matmul, "allow_tf32")
+    if DEVICE.type == "cuda":
+        _SET_ASIDE.extend((where, name, getattr(where, name)) for where, name in settings)
+        for (where, name), value in zip(settings, (True, False, False, False)):
+            setattr(where, name, value)
+    else:   # the settings a GPU run changed, as they were
+        while _SET_ASIDE:
+            where, name, value = _SET_ASIDE.pop()
+            setattr(where, name, value)
+
+
+#: (object, attribute, value before) that :func:`use_device` changed for a GPU
+_SET_ASIDE: list = []
+
+
+def _link():
+    """The host link of a forced or planned session: the CPU's, or on a GPU the default one."""
+    return SameMemoryLink() if DEVICE.type == "cpu" else None
 
 
 @dataclass(frozen=True)
@@ -81,7 +113,8 @@ class Case:
 
 @dataclass
 class Outcome:
-    """``verdict``: "equal", "refused" (a one-line MucudnnError) or "failed"; ``detail``: why."""
+    """``verdict``: "equal", "refused" (a one-line MucudnnError), "nondeterministic" (on a GPU:
+    the plain runs differ, nothing compared) or "failed"; ``detail``: why."""
 
     case: Case
     verdict: str
@@ -374,7 +407,7 @@ def build_model(case: Case) -> tuple[Net, dict]:
     model.tensor_hook = case.has("tensor_hook")
     if case.has("frozen"):   # fine-tuning: the first layer's parameters need no gradient
         model.stem[0].requires_grad_(False)
-    model.to(getattr(torch, case.dtype))
+    model.to(DEVICE, getattr(torch, case.dtype))
     if case.has("channels_last"):
         model.to(memory_format=torch.channels_last)
     return model, parts
@@ -393,12 +426,13 @@ def make_data(case: Case) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
             batch, size = rng.choice((2, 3, 4)), rng.choice((8, 10, 12))
         micro = []
         for _ in range(2 if case.has("accumulate") else 1):
-            x = torch.randn(batch, 3, size, size, generator=generator, dtype=dtype)
+            x = torch.randn(batch, 3, size, size, generator=generator, dtype=dtype).to(DEVICE)
             if case.has("channels_last"):
                 x = x.contiguous(memory_format=torch.channels_last)
             if case.has("transposed_input"):   # a strided view, neither layout
                 x = x.transpose(-1, -2)
-            micro.append((x, torch.randint(0, CLASSES, (batch,), generator=generator)))
+            micro.append((x, torch.randint(0, CLASSES, (batch,), generator=generator)
+                          .to(DEVICE)))
         steps.append(micro)
     return steps
 
@@ -468,7 +502,7 @@ def train(case: Case, model: nn.Module, parts: dict, session=None) -> Run:
             loss = loss + F.mse_loss(out.float(), other.float())
         return loss
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.has("autocast"))
+    autocast = torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=case.has("autocast"))
     try:
         for step, micro in enumerate(data):
             run.error_step = step
@@ -618,12 +652,12 @@ def make_session(case: Case, model: nn.Module, cache=None):
     from session_helpers import RecordingLink   # a slow link back: the planner must choose
     if case.session in ("keep", "offload", "recompute"):
         force = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}[case.session]
-        return model, OffloadSession(force=force, link=SameMemoryLink(), min_bytes=0)
+        return model, OffloadSession(force=force, link=_link(), min_bytes=0)
     if case.session == "stage":
         return model, OffloadSession(budget=2**50, link=RecordingLink(), min_bytes=0,
                                      stage="always")
     if case.session == PLANNED:
-        return model, OffloadSession(modes=probed_modes(case, model), link=SameMemoryLink(),
+        return model, OffloadSession(modes=probed_modes(case, model), link=_link(),
                                      min_bytes=0)
     budget = max(1, int(saved_bytes(case, model) * 0.5))
     # a plan may stage where it fits better: float64 only (bf16 autocast's sums are coarser)
@@ -647,7 +681,7 @@ def _global_state() -> dict:
             "global forward pre-hooks": set(module_hooks._global_forward_pre_hooks),
             "torch function modes": torch._C._len_torch_function_stack(),
             "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
-            "cpu autocast": torch.is_autocast_enabled("cpu")}
+            "autocast": torch.is_autocast_enabled(DEVICE.type)}
 
 
 def _put_back(before: dict) -> None:
@@ -665,7 +699,7 @@ def _put_back(before: dict) -> None:
         torch._C._pop_torch_function_stack()
     while torch._C._len_torch_dispatch_stack() > before["torch dispatch modes"]:
         torch._C._pop_torch_dispatch_stack()
-    torch.set_autocast_enabled("cpu", before["cpu autocast"])
+    torch.set_autocast_enabled(DEVICE.type, before["autocast"])
 
 
 def run_case(case: Case) -> Outcome:
@@ -673,6 +707,11 @@ def run_case(case: Case) -> Outcome:
     plain_model = copy.deepcopy(model)
     plain_parts = _same_parts(model, plain_model, parts)
     plain = train(case, plain_model, plain_parts)
+    if DEVICE.type != "cpu":   # a GPU: only a loop that is deterministic plainly is compared
+        again = copy.deepcopy(model)
+        if compare(case, plain, train(case, again, _same_parts(model, again, parts))
+                   ).verdict != "equal":
+            return Outcome(case, "nondeterministic", "the plain runs differ")
     before = _global_state()
     cache = None
     try:
@@ -788,18 +827,30 @@ def _valid(case: Case) -> bool:
     return not (case.has("autocast") and case.dtype != "float32")
 
 
+#: the kinds of case :func:`main` runs: drawn (:func:`make_case`), or a seed's patterns under
+#: fixed recomputing modes or a cached plan
+KINDS = {"drawn": lambda seed: make_case(seed), "planned": lambda seed: planned_case(seed),
+         "cached": lambda seed: cached_case(seed)}
+
+
 def main(argv):
+    """``CASES [SEED [DEVICE [KIND]]]``: DEVICE "cpu" (the default) or "cuda", KIND of
+    :data:`KINDS` ("drawn", the default)."""
     cases, seed = int(argv[1]) if len(argv) > 1 else 300, int(argv[2]) if len(argv) > 2 else 0
+    use_device(argv[3] if len(argv) > 3 else "cpu")
+    kind = KINDS[argv[4] if len(argv) > 4 else "drawn"]
     torch.set_num_threads(1)   # tiny tensors: one thread is several times faster
-    failures = 0
+    failures, verdicts = 0, {}
     for s in range(seed, seed + cases):
-        outcome = run_case(make_case(s))
+        outcome = run_case(kind(s))
+        verdicts[outcome.verdict] = verdicts.get(outcome.verdict, 0) + 1
         if not outcome.ok:
             failures += 1
             small = minimize(outcome.case)
             print(f"FAIL {outcome.case.label}\n  minimal {small.label}: "
                   f"{run_case(small).detail}\n  {outcome.detail}", flush=True)
-    print(f"{failures} of {cases} cases failed")
+    print(f"{failures} of {cases} cases failed ({DEVICE}; "
+          + ", ".join(f"{count} {verdict}" for verdict, count in sorted(verdicts.items())) + ")")
 
 
 if __name__ == "__main__":
