@@ -225,6 +225,17 @@ class CudaLink(SameMemoryLink):
         self._held: dict[int, tuple] = {}   # id(transfer) -> it, its tensor, the compute stream
         self._last_stamp = None             # the last mark's event (keep_device_behind)
 
+    def __deepcopy__(self, memo):
+        """A fresh link to the same device (streams, pinned pool and copies in flight are this
+        one's own), with its measured speeds: a fitted model's copy (an EMA's) gets one."""
+        fresh = CudaLink(self.device, self.max_pending)
+        fresh.gbps = self.gbps
+        return fresh
+
+    def __reduce__(self):
+        # pickled as what makes it (a fitted model's torch.save): device, pending bytes, speeds
+        return _cuda_link, (str(self.device), self.max_pending, self.gbps)
+
     def _new_host(self, tensor):
         # on the host whatever the default device (a script's torch.set_default_device("cuda"))
         return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
@@ -436,3 +447,9 @@ def _synchronize(transfer: Transfer) -> None:
     if transfer.event is not None:
         transfer.event.synchronize()
 
+
+def _cuda_link(device: str, max_pending: int, gbps) -> CudaLink:
+    """A :class:`CudaLink` as pickled (:meth:`CudaLink.__reduce__`)."""
+    link = CudaLink(device, max_pending)
+    link.gbps = gbps
+    return link

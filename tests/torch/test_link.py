@@ -52,3 +52,34 @@ def test_a_pinned_host_buffer_is_on_the_host_whatever_the_default_device(monkeyp
     monkeypatch.setattr(torch, "empty_strided", empty_strided)
     CudaLink._new_host(None, torch.ones(2, 3).t())
     assert made == [{"dtype": torch.float32, "device": "cpu", "pin_memory": True}]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_fitted_models_cuda_link_copies_and_pickles_as_a_fresh_link():
+    # fit(link=CudaLink(...)): an EMA's deep copy and torch.save get a fresh link to the same
+    # device with the same speeds (streams and pinned memory are each link's own), and the copy
+    # trains as the original does
+    import copy
+    import io
+    import mucudnn.torch
+    from mucudnn.torch.link import CudaLink
+    link = CudaLink("cuda", 1 << 20)
+    link.gbps = (1000.0, 0.001)
+    model = mucudnn.torch.fit(small_cnn(torch.float32).cuda(), budget=1 << 30, link=link,
+                              min_bytes=0)
+    twin = copy.deepcopy(model)
+    copied = twin.mucudnn_session.fit_options["link"]
+    assert isinstance(copied, CudaLink) and copied is not link
+    assert copied.device == link.device and copied.max_pending == 1 << 20
+    assert copied.gbps == link.gbps and copied.stream is not link.stream
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False).mucudnn_session.fit_options["link"]
+    assert isinstance(loaded, CudaLink) and loaded.gbps == link.gbps
+    x, y = [(a.cuda(), b.cuda()) for a, b in batches(torch.float32, 1)][0]
+    for net in (model, twin):
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad)

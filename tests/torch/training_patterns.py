@@ -35,7 +35,7 @@ import torch.utils.checkpoint
 import mucudnn.torch
 from mucudnn.errors import MucudnnError
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE
-from mucudnn.torch.link import SameMemoryLink
+from mucudnn.torch.link import CudaLink, SameMemoryLink
 from mucudnn.torch.offload_session import OffloadSession
 
 #: sessions a case runs under (``budget``: about half the step's saved bytes, a mixed plan)
@@ -61,9 +61,9 @@ LOOP = ("functional_call", "eval_train", "eval_backward", "skip_backward", "crea
 #: a stage session's tolerance, relative to each tensor's largest magnitude (float64)
 STAGE_RTOL = 1e-12
 CLASSES = 5
-#: where the cases' models and data live (:func:`use_device`): the CPU, or a GPU, where forced
-#: and planned sessions run on the real host link (:class:`~mucudnn.torch.link.CudaLink`: pinned
-#: host memory, copy streams, prefetches)
+#: where the cases' models and data live (:func:`use_device`): the CPU, or a GPU, where every
+#: session runs on the real host link (:class:`~mucudnn.torch.link.CudaLink`: pinned host memory,
+#: copy streams, prefetches)
 DEVICE = torch.device("cpu")
 
 
@@ -93,6 +93,18 @@ _SET_ASIDE: list = []
 def _link():
     """The host link of a forced or planned session: the CPU's, or on a GPU the default one."""
     return SameMemoryLink() if DEVICE.type == "cpu" else None
+
+
+def _planning_link():
+    """The host link of a session that plans: one slow back (1 MB/s), so that the planner must
+    choose between moves, recomputation and keeping; on a GPU the real one (copy streams, pinned
+    memory, prefetches) said to be that slow."""
+    from session_helpers import RecordingLink
+    if DEVICE.type == "cpu":
+        return RecordingLink()
+    link = CudaLink(DEVICE)
+    link.gbps = RecordingLink().gbps
+    return link
 
 
 @dataclass(frozen=True)
@@ -649,19 +661,18 @@ def probed_modes(case: Case, model: nn.Module) -> list:
 def make_session(case: Case, model: nn.Module, cache=None):
     """(model to train, session to enter per step or None); ``cache``: the plan cache's
     directory of a :data:`CACHED` session."""
-    from session_helpers import RecordingLink   # a slow link back: the planner must choose
     if case.session in ("keep", "offload", "recompute"):
         force = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}[case.session]
         return model, OffloadSession(force=force, link=_link(), min_bytes=0)
     if case.session == "stage":
-        return model, OffloadSession(budget=2**50, link=RecordingLink(), min_bytes=0,
+        return model, OffloadSession(budget=2**50, link=_planning_link(), min_bytes=0,
                                      stage="always")
     if case.session == PLANNED:
         return model, OffloadSession(modes=probed_modes(case, model), link=_link(),
                                      min_bytes=0)
     budget = max(1, int(saved_bytes(case, model) * 0.5))
     # a plan may stage where it fits better: float64 only (bf16 autocast's sums are coarser)
-    options = dict(link=RecordingLink(), min_bytes=0, headroom=0.0, strict=False,
+    options = dict(link=_planning_link(), min_bytes=0, headroom=0.0, strict=False,
                    stage=case.dtype == "float64")
     if case.session == CACHED:
         from mucudnn.torch.plancache import PlanCache
