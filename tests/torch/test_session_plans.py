@@ -1101,8 +1101,18 @@ def test_the_step_that_freezes_the_collector_prefetches_as_its_plan_says(monkeyp
     model, data = small_cnn(torch.float32), batches(torch.float32, 6)
     budget = saved_bytes(model, data) * 2 // 3
     schedules = {}
+
+    class TickingLink(RecordingLink):
+        """A clock that ticks 1 ms a mark: both sessions record the same times, so they plan
+        the same whatever else the machine runs (the host's clock made them differ under load)."""
+        ticks = 0
+
+        def _stamp(self):
+            self.ticks += 1
+            return self.ticks / 1000.0
+
     for freeze in (False, True):
-        session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0,
+        session = OffloadSession(budget=budget, link=TickingLink(), min_bytes=0,
                                  freeze_gc=freeze, trials=False)
         schedules[freeze] = steps_reading(
             copy.deepcopy(model), data, session,
