@@ -13,7 +13,10 @@ and 40 under the plan a first run of the case cached (``cached``). A long run::
         .venv/bin/python -m pytest -q tests/torch/test_training_patterns.py
 
 (``MUCUDNN_PATTERN_CASES``: how many cases; ``MUCUDNN_PATTERN_SEED``: the first seed), or
-``python tests/torch/training_patterns.py CASES SEED``, which prints each failure minimized.
+``python tests/torch/training_patterns.py CASES SEED [cpu|cuda [drawn|planned|cached]]``, which
+prints each failure minimized. On a GPU (``use_device("cuda")``; the GPU test below) every session
+runs on the real host link, cuDNN runs deterministic, and a case whose plain loop differs between
+two runs is not compared.
 Forced sessions are deterministic; budget and ``fit`` sessions plan from the recording steps'
 measured times, so the modes a case gets there (and so a failure that needs a recompute) may
 vary between runs.

@@ -15,7 +15,8 @@ hooks and global module hooks are as before it.
 
 :func:`minimize` drops patterns of a failing case while it still fails: the patterns left name
 the defect. Run as a script for a long run: ``python tests/torch/training_patterns.py CASES
-[SEED]`` prints each failure, minimized.
+[SEED [DEVICE [KIND]]]`` prints each failure, minimized (:func:`main`; DEVICE "cuda": the cases
+on a GPU, :func:`use_device`).
 """
 
 from __future__ import annotations
