@@ -228,9 +228,7 @@ class CudaLink(SameMemoryLink):
     def __deepcopy__(self, memo):
         """A fresh link to the same device (streams, pinned pool and copies in flight are this
         one's own), with its measured speeds: a fitted model's copy (an EMA's) gets one."""
-        fresh = CudaLink(self.device, self.max_pending)
-        fresh.gbps = self.gbps
-        return fresh
+        return _cuda_link(str(self.device), self.max_pending, self.gbps)
 
     def __reduce__(self):
         # pickled as what makes it (a fitted model's torch.save): device, pending bytes, speeds
@@ -449,7 +447,8 @@ def _synchronize(transfer: Transfer) -> None:
 
 
 def _cuda_link(device: str, max_pending: int, gbps) -> CudaLink:
-    """A :class:`CudaLink` as pickled (:meth:`CudaLink.__reduce__`)."""
+    """A :class:`CudaLink` to ``device`` with speeds ``gbps``: as pickled or deep-copied
+    (:meth:`CudaLink.__reduce__`, :meth:`CudaLink.__deepcopy__`)."""
     link = CudaLink(device, max_pending)
     link.gbps = gbps
     return link

@@ -187,7 +187,7 @@ class PlanMaker:
                 stage, profile = chosen
         quick = request.quick and plan is None and self.method == planning.FAST
         try:
-            if plan is None and quick:
+            if quick:   # no stage's plan: a plain one, quick
                 plan, quick = self._quick_plan_for(profile, target)
             elif plan is None:
                 plan = self.plan_for(profile, target)

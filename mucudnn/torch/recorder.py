@@ -94,14 +94,13 @@ _LEARNT_PLANS = 4
 
 @dataclass
 class _RecipeModules:
-    """The leaf modules whose calls the recipes of planned steps under ``modes`` ran
-    (:meth:`StepRecorder.learn_recipe_modules`)."""
+    """The leaf modules whose calls the recipes of planned steps under one plan's modes ran
+    (:meth:`StepRecorder.learn_recipe_modules`, which keeps one per modes)."""
 
-    modes: tuple
     ids: frozenset = frozenset()   # the modules' ids, and those that saved a view of their input
     needed: int = 1     # steps recording every call to learn from before recording only ``ids``
     seen: int = 0       # of those, learnt from since the last step that lacked a module
-    active: bool = False   # steps under ``modes`` record only ``ids``
+    active: bool = False   # steps under its plan's modes record only ``ids``
 
 
 class StepRecorder:
@@ -409,7 +408,7 @@ class StepRecorder:
         if failed or step.profiling or not step.finds_recipes or modes is None:
             return
         key = tuple(modes)
-        learnt = self._recipe_modules.pop(key, None) or _RecipeModules(key)
+        learnt = self._recipe_modules.pop(key, None) or _RecipeModules()
         self._recipe_modules[key] = learnt   # the last run last
         if len(self._recipe_modules) > _LEARNT_PLANS:
             del self._recipe_modules[next(iter(self._recipe_modules))]

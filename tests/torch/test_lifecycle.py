@@ -897,15 +897,21 @@ def test_a_plan_for_less_that_comes_while_the_plan_in_force_still_flushes_takes_
 QUICK_WORSE = ("benchmarks/results/offload/h200/offload-mucudnn-7b2214f-h200.json", 4)
 
 
+def committed_profile(name: str, row: int | None):
+    """The recorded profile of row ``row`` of committed results file ``name`` (skipped where the
+    file is not beside this checkout)."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / name
+    if not path.exists():
+        pytest.skip(f"{name} is not beside this checkout")
+    return profiles.load_profile(path, row)
+
+
 def test_the_makers_quick_first_plan_is_refined_by_the_trial_request_where_the_full_search_wins():
     # a committed ResNet-50 profile whose quick construction (one-group changes from
     # everything kept) is 11 % slower than the full search at 14.4 GiB: the first plan is the
     # quick one, and the trial's request brings the full search's, predicted faster, first
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / QUICK_WORSE[0]
-    if not path.exists():
-        pytest.skip(f"{QUICK_WORSE[0]} is not beside this checkout")
-    recorded = profiles.load_profile(path, QUICK_WORSE[1])
+    recorded = committed_profile(*QUICK_WORSE)
     target = 15461882265
     maker = PlanMaker()
     first = maker(PlanRequest(FIRST, recorded.profile, target, quick=True))
@@ -928,11 +934,7 @@ def test_the_makers_first_plan_is_not_quick_where_the_quick_construction_falls_s
     # a committed R3D-18 profile whose quick construction does not meet the target: the full
     # search makes the first plan in the same request, and the result says it is not the quick
     # one (so the trial's request does not search again), the same plan as without ``quick``
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / QUICK_SHORT[0]
-    if not path.exists():
-        pytest.skip(f"{QUICK_SHORT[0]} is not beside this checkout")
-    recorded = profiles.load_profile(path, QUICK_SHORT[1])
+    recorded = committed_profile(*QUICK_SHORT[:2])
     maker = PlanMaker()
     first = maker(PlanRequest(FIRST, recorded.profile, QUICK_SHORT[2], quick=True))
     full = maker(PlanRequest(FIRST, recorded.profile, QUICK_SHORT[2])).plan
