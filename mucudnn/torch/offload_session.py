@@ -345,8 +345,11 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             # it to the first save, whose device names the plan's GPU in its key
             self._look_up_plan(args[0].device, (module, parent, args))
         step = self._step
-        if self.recorder.ops is None and not step.ops_looked_at:
-            self._start_ops_if_due(step)
+        if not step.ops_looked_at:
+            if self.recorder.ops is None:
+                self._start_ops_if_due(step)
+            else:
+                self._stop_ops_if_unused(step)
         # a stage in force stages its chain; in a recording step only the one that step took
         # (:meth:`_stages_recording`: the recording would not fit otherwise)
         if self._staged is None and (self.stage is not None or step.profiling) and \
@@ -363,25 +366,29 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
 
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
-        if self._step.pending:
-            self.copies.copy_pending(self._step)
-        if self.rescuer.armed:
-            self.rescuer.watch(output)
-        self.recorder.put_back(module)
-        staged = self._staged
-        if staged is not None and module in staged.modules:
-            if not isinstance(output, torch.Tensor):   # it raised (this hook is always called)
-                self._staged = None
-                staged.abort()
-            elif staged.ends_at(module):
-                self._staged = None
-                return staged.finish(output)
+        # the op recorder goes back on top (where ``module``'s forward set it aside) as the hook
+        # ends: until then torch functions pass by it, as in the forward
+        try:
+            if self._step.pending:
+                self.copies.copy_pending(self._step)
+            if self.rescuer.armed:
+                self.rescuer.watch(output)
+            staged = self._staged
+            if staged is not None and module in staged.modules:
+                if not isinstance(output, torch.Tensor):   # it raised (always called)
+                    self._staged = None
+                    staged.abort()
+                elif staged.ends_at(module):
+                    self._staged = None
+                    return staged.finish(output)
+                return None
+            if self._containers and self._containers[-1] is module:
+                self._containers.pop()
+                return None
+            self.recorder.module_returns(module, output)
             return None
-        if self._containers and self._containers[-1] is module:
-            self._containers.pop()
-            return None
-        self.recorder.module_returns(module, output)
-        return None
+        finally:
+            self.recorder.put_back(module)
 
     def _event(self, *event):
         if self.trace is not None:
@@ -449,6 +456,20 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         if self._depth > 0 and self._recipes_used() and \
                 torch._C._len_torch_function_stack() == self._function_modes_below:
             self.recorder.start_ops()
+
+    def _stop_ops_if_unused(self, step: _Step) -> None:
+        """At ``step``'s first leaf module, once: the op recorder left where the step's modes
+        recompute nothing (a plan that keeps and offloads only, the fall-back) and it is on top
+        of the stack of torch function modes. Such a step records no op, and with the recorder
+        entered each torch function its forward calls outside leaf modules, and every one inside
+        a leaf module that finds no recipe, would be a Python call through it. A later step whose
+        modes recompute enters it again (:meth:`_start_ops_if_due`). Only
+        :meth:`on_with_thread`, as there."""
+        if not self.on_with_thread():
+            return
+        step.ops_looked_at = True
+        if not self._recipes_used():
+            self.recorder.stop_ops_on_top()
 
     def _empty_caches(self) -> None:
         self._empty_cache_due = False

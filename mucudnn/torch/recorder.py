@@ -75,7 +75,9 @@ def _past_the_op_recorder(hook):
             if quiet:   # always_call runs it after the refused forward: said once
                 return None
             refuse_if_compiling(refusal)
-        if session.recorder.ops is None:
+        recorder = session.recorder
+        if recorder.ops is None or recorder.ops_set_aside and \
+                not torch._C._len_torch_function_stack():   # set aside, and no mode below it
             return hook(session, *args)
         with torch._C.DisableTorchFunction():
             return hook(session, *args)
@@ -113,7 +115,8 @@ class StepRecorder:
         self.session = session
         self.ops: _OpRecorder | None = None
         #: the leaf modules running now whose forward took the op recorder off the stack of
-        #: torch function modes (:meth:`_set_recorder_aside`), innermost last
+        #: torch function modes (:meth:`_set_recorder_aside`), innermost last: while any is,
+        #: the recorder is off the stack (a leaf inside finds it not on top, and leaves it)
         self.ops_set_aside: list = []
         #: link -> the most allocated in the current interval of its ``peak_allocated`` before
         #: a call's own measure (:meth:`_start_call`) started one of its own
@@ -136,6 +139,19 @@ class StepRecorder:
     def start_ops(self) -> None:
         self.ops = _OpRecorder(self)
         self.ops.__enter__()
+
+    def stop_ops_on_top(self) -> bool:
+        """The op recorder left (True) where it is on top of the stack of torch function modes
+        and no leaf module's forward has set it aside: no mode the script entered since is above
+        it, so leaving it pops it alone."""
+        ops = self.ops
+        if ops is None or self.ops_set_aside:
+            return False
+        depth = torch._C._len_torch_function_stack()
+        if not depth or torch._C._get_function_stack_at(depth - 1) is not ops:
+            return False
+        self.stop_ops((None, None, None))
+        return True
 
     def stop_ops(self, exc_info) -> None:
         if self.ops is not None:

@@ -358,7 +358,7 @@ class _Step:
     #: the ids of the leaf modules that saved a view of their own input (StepRecorder.alias):
     #: recipes read through such a view, found from that module's call
     view_savers: set = field(default_factory=set)
-    ops_looked_at: bool = False   # OffloadSession._start_ops_if_due ran at a module of it
+    ops_looked_at: bool = False   # the op recorder entered or left as its modes need (OffloadSession)
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
     #: recording steps that stage: where the chain's forward began, before the step's first save

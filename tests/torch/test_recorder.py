@@ -712,3 +712,47 @@ def test_a_plan_run_again_after_another_records_only_what_it_learnt():
     assert calls[3] < full            # B learnt
     assert calls[4] == calls[5] == calls[1]   # A again: what it learnt, at once
     assert_bitwise(reference, results)
+
+
+def test_a_step_whose_modes_recompute_nothing_runs_without_the_op_recorder(monkeypatch):
+    # one ``with`` over the whole loop (as ``mucudnn run --offload`` enters it): the recording
+    # steps enter the op recorder; once a plan that keeps everything is in force its steps leave
+    # it at their first leaf module (no torch function goes through it: a Python call each), and
+    # a later step whose modes recompute enters it again and records the concatenation; every
+    # gradient is the plain run's, bit for bit
+    from mucudnn.torch import recorder as recorder_module
+    passed, through = recorder_module._OpRecorder.__torch_function__, []
+
+    def counting(self, func, types, args=(), kwargs=None):
+        through.append(getattr(func, "__name__", ""))
+        return passed(self, func, types, args, kwargs)
+    monkeypatch.setattr(recorder_module._OpRecorder, "__torch_function__", counting)
+    dtype = torch.float64
+    model, data = TinyUNet(dtype, seed=0), volumes(dtype, 8)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(budget=GiB, link=RecordingLink(), min_bytes=0,
+                             plan_in_background=False, trials=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results, per_step, stacks = [], [], []
+    with session:
+        for index, (x, y) in enumerate(data):
+            if index == 6:   # another plan: every group recomputed where it can be
+                session.modes = [RECOMPUTE] * len(session.modes)
+            optimizer.zero_grad()
+            through.clear()
+            loss = nn.functional.cross_entropy(model(x), y)
+            stacks.append(torch._C._len_torch_function_stack())
+            loss.backward()
+            per_step.append((session.modes is not None and RECOMPUTE not in session.modes,
+                             len(through), "cat" in through))
+            results.append([p.grad.clone() for p in model.parameters()] +
+                           [b.clone() for b in model.buffers()])
+            optimizer.step()
+    assert_bitwise(reference, results)
+    kept_only = [index for index, (keeps, _, _) in enumerate(per_step) if keeps]
+    assert kept_only and kept_only[-1] == 5 and per_step[0][1] > 0 and stacks[0] == 1
+    for index in kept_only:
+        assert per_step[index][1] == 0 and stacks[index] == 0, (index, per_step, stacks)
+    assert per_step[6][2] and per_step[7][2] and stacks[6:] == [1, 1]
+    assert joined(session._step.groups)   # the cat was recorded, and rebuilds its group
+    assert torch._C._len_torch_function_stack() == 0
