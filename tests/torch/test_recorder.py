@@ -301,10 +301,9 @@ def test_the_sessions_own_hooks_go_past_its_op_recorder(monkeypatch):
     assert joined(session._step.groups)   # the cat was recorded, and rebuilds its group
 
 
-def test_a_leaf_modules_forward_runs_without_the_op_recorder_even_after_one_raised(monkeypatch):
-    # no op inside a leaf module is recorded, so none goes through the recorder (a Python call
-    # each); a leaf whose forward raises puts it back all the same, and the next step's
-    # concatenation is still recorded
+def functions_through_the_op_recorder(monkeypatch) -> list:
+    """The names of the torch functions that pass through the session's op recorder from now
+    on, in order (its ``__torch_function__`` wrapped for the test)."""
     from mucudnn.torch import recorder as recorder_module
     passed, through = recorder_module._OpRecorder.__torch_function__, []
 
@@ -312,6 +311,14 @@ def test_a_leaf_modules_forward_runs_without_the_op_recorder_even_after_one_rais
         through.append(getattr(func, "__name__", ""))
         return passed(self, func, types, args, kwargs)
     monkeypatch.setattr(recorder_module._OpRecorder, "__torch_function__", counting)
+    return through
+
+
+def test_a_leaf_modules_forward_runs_without_the_op_recorder_even_after_one_raised(monkeypatch):
+    # no op inside a leaf module is recorded, so none goes through the recorder (a Python call
+    # each); a leaf whose forward raises puts it back all the same, and the next step's
+    # concatenation is still recorded
+    through = functions_through_the_op_recorder(monkeypatch)
     dtype = torch.float64
     model, data = TinyUNet(dtype, seed=0), volumes(dtype, 2)
     reference = train(copy.deepcopy(model), data)
@@ -720,13 +727,7 @@ def test_a_step_whose_modes_recompute_nothing_runs_without_the_op_recorder(monke
     # it at their first leaf module (no torch function goes through it: a Python call each), and
     # a later step whose modes recompute enters it again and records the concatenation; every
     # gradient is the plain run's, bit for bit
-    from mucudnn.torch import recorder as recorder_module
-    passed, through = recorder_module._OpRecorder.__torch_function__, []
-
-    def counting(self, func, types, args=(), kwargs=None):
-        through.append(getattr(func, "__name__", ""))
-        return passed(self, func, types, args, kwargs)
-    monkeypatch.setattr(recorder_module._OpRecorder, "__torch_function__", counting)
+    through = functions_through_the_op_recorder(monkeypatch)
     dtype = torch.float64
     model, data = TinyUNet(dtype, seed=0), volumes(dtype, 8)
     reference = train(copy.deepcopy(model), data)
