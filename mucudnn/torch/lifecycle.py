@@ -57,6 +57,9 @@ PLANNED = "planned"
 REPLANNING = "replanning"
 UNPLANNED = "unplanned"
 FALLBACK = "fallback"
+#: the states whose steps run one set of modes until a step's outcome changes it (no trial
+#: alternating plans, no plan being made)
+SETTLED = frozenset({WATCHING, PLANNED, UNPLANNED, FALLBACK})
 
 # how a step ended (StepOutcome.status)
 OK = "ok"

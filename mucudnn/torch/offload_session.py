@@ -66,7 +66,7 @@ from .planner import OFFLOAD, RECOMPUTE
 from .records import _Step
 from .recorder import StepRecorder, _current_node, _has_children, _past_the_op_recorder
 from .host_copies import StepCopies
-from .lifecycle import Lifecycle
+from .lifecycle import SETTLED, Lifecycle
 from .plan_worker import ProcessRunner
 from .plancache import PlanCache
 from .saved_tensors import SavedTensorHooks
@@ -186,7 +186,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self._handles = []
         self._hooks = None
         self._depth = 0                 # ``with`` blocks entered and not left
-        self._function_modes_below = 0   # torch function modes below the op recorder (__enter__)
+        #: torch function modes below the op recorder (where it was entered, or where it left)
+        self._function_modes_below = 0
         self._with_thread = None        # the thread that entered the outermost ``with``
         #: records the steps' calls (modules and ops) and finds their recipes (recorder.py)
         self.recorder = StepRecorder(self)
@@ -366,29 +367,25 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
 
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
-        # the op recorder goes back on top (where ``module``'s forward set it aside) as the hook
-        # ends: until then torch functions pass by it, as in the forward
-        try:
-            if self._step.pending:
-                self.copies.copy_pending(self._step)
-            if self.rescuer.armed:
-                self.rescuer.watch(output)
-            staged = self._staged
-            if staged is not None and module in staged.modules:
-                if not isinstance(output, torch.Tensor):   # it raised (always called)
-                    self._staged = None
-                    staged.abort()
-                elif staged.ends_at(module):
-                    self._staged = None
-                    return staged.finish(output)
-                return None
-            if self._containers and self._containers[-1] is module:
-                self._containers.pop()
-                return None
-            self.recorder.module_returns(module, output)
+        if self._step.pending:
+            self.copies.copy_pending(self._step)
+        if self.rescuer.armed:
+            self.rescuer.watch(output)
+        self.recorder.put_back(module)
+        staged = self._staged
+        if staged is not None and module in staged.modules:
+            if not isinstance(output, torch.Tensor):   # it raised (this hook is always called)
+                self._staged = None
+                staged.abort()
+            elif staged.ends_at(module):
+                self._staged = None
+                return staged.finish(output)
             return None
-        finally:
-            self.recorder.put_back(module)
+        if self._containers and self._containers[-1] is module:
+            self._containers.pop()
+            return None
+        self.recorder.module_returns(module, output)
+        return None
 
     def _event(self, *event):
         if self.trace is not None:
@@ -458,18 +455,24 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             self.recorder.start_ops()
 
     def _stop_ops_if_unused(self, step: _Step) -> None:
-        """At ``step``'s first leaf module, once: the op recorder left where the step's modes
-        recompute nothing (a plan that keeps and offloads only, the fall-back) and it is on top
-        of the stack of torch function modes. Such a step records no op, and with the recorder
-        entered each torch function its forward calls outside leaf modules, and every one inside
-        a leaf module that finds no recipe, would be a Python call through it. A later step whose
-        modes recompute enters it again (:meth:`_start_ops_if_due`). Only
-        :meth:`on_with_thread`, as there."""
+        """At ``step``'s first leaf module, once: the op recorder left where the plan is settled
+        (:data:`.lifecycle.SETTLED`: a plan or the fall-back in force), the step's modes
+        recompute nothing (a plan that keeps and offloads only) and it is on top of the stack of
+        torch function modes. Such a step records
+        no op, and with the recorder entered every torch function its forward calls (each one
+        inside a leaf module that finds no recipe too) would be a Python call through it. A
+        later step whose modes recompute enters it again (:meth:`_start_ops_if_due`) where the
+        stack has as many modes as it left below the recorder (a mode the script entered since
+        and left on keeps it out: that step's groups whose recipe needs an op are kept, with one
+        line); that step's ops before its first leaf module are not recorded (their groups are
+        kept in that step). Not in a trial, whose plans alternate. Only :meth:`on_with_thread`,
+        as there."""
         if not self.on_with_thread():
             return
         step.ops_looked_at = True
-        if not self._recipes_used():
-            self.recorder.stop_ops_on_top()
+        if not self._recipes_used() and self.state in SETTLED and \
+                self.recorder.stop_ops_on_top():
+            self._function_modes_below = torch._C._len_torch_function_stack()
 
     def _empty_caches(self) -> None:
         self._empty_cache_due = False

@@ -75,9 +75,7 @@ def _past_the_op_recorder(hook):
             if quiet:   # always_call runs it after the refused forward: said once
                 return None
             refuse_if_compiling(refusal)
-        recorder = session.recorder
-        if recorder.ops is None or recorder.ops_set_aside and \
-                not torch._C._len_torch_function_stack():   # set aside, and no mode below it
+        if session.recorder.ops is None:
             return hook(session, *args)
         with torch._C.DisableTorchFunction():
             return hook(session, *args)
@@ -115,8 +113,7 @@ class StepRecorder:
         self.session = session
         self.ops: _OpRecorder | None = None
         #: the leaf modules running now whose forward took the op recorder off the stack of
-        #: torch function modes (:meth:`_set_recorder_aside`), innermost last: while any is,
-        #: the recorder is off the stack (a leaf inside finds it not on top, and leaves it)
+        #: torch function modes (:meth:`_set_recorder_aside`), innermost last
         self.ops_set_aside: list = []
         #: link -> the most allocated in the current interval of its ``peak_allocated`` before
         #: a call's own measure (:meth:`_start_call`) started one of its own

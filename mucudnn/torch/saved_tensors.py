@@ -74,9 +74,7 @@ class SavedTensorHooks:
         if tensor.is_leaf and (tensor.requires_grad or tensor.dim() <= 1) and \
                 not self._step.pending:
             return _Passed(tensor)
-        recorder = self.recorder
-        if recorder.ops is None or recorder.ops_set_aside and \
-                not torch._C._len_torch_function_stack():   # set aside, and no mode below it
+        if self.recorder.ops is None:
             group = self._group_for(tensor)
             return _Passed(tensor) if group is None else _Packed(group, group.owner)
         with torch._C.DisableTorchFunction():

@@ -721,12 +721,16 @@ def test_a_plan_run_again_after_another_records_only_what_it_learnt():
     assert_bitwise(reference, results)
 
 
-def test_a_step_whose_modes_recompute_nothing_runs_without_the_op_recorder(monkeypatch):
+@pytest.mark.parametrize("default_device", [False, True])
+def test_a_step_whose_modes_recompute_nothing_runs_without_the_op_recorder(monkeypatch,
+                                                                           default_device):
     # one ``with`` over the whole loop (as ``mucudnn run --offload`` enters it): the recording
     # steps enter the op recorder; once a plan that keeps everything is in force its steps leave
     # it at their first leaf module (no torch function goes through it: a Python call each), and
     # a later step whose modes recompute enters it again and records the concatenation; every
-    # gradient is the plain run's, bit for bit
+    # gradient is the plain run's, bit for bit. ``torch.set_default_device`` inside the ``with``
+    # (a script's first line under ``mucudnn run``) puts its mode below the recorder: the
+    # recorder comes back above it
     through = functions_through_the_op_recorder(monkeypatch)
     dtype = torch.float64
     model, data = TinyUNet(dtype, seed=0), volumes(dtype, 8)
@@ -736,19 +740,25 @@ def test_a_step_whose_modes_recompute_nothing_runs_without_the_op_recorder(monke
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     results, per_step, stacks = [], [], []
     with session:
-        for index, (x, y) in enumerate(data):
-            if index == 6:   # another plan: every group recomputed where it can be
-                session.modes = [RECOMPUTE] * len(session.modes)
-            optimizer.zero_grad()
-            through.clear()
-            loss = nn.functional.cross_entropy(model(x), y)
-            stacks.append(torch._C._len_torch_function_stack())
-            loss.backward()
-            per_step.append((session.modes is not None and RECOMPUTE not in session.modes,
-                             len(through), "cat" in through))
-            results.append([p.grad.clone() for p in model.parameters()] +
-                           [b.clone() for b in model.buffers()])
-            optimizer.step()
+        if default_device:
+            torch.set_default_device("cpu")
+        try:
+            for index, (x, y) in enumerate(data):
+                if index == 6:   # another plan: every group recomputed where it can be
+                    session.modes = [RECOMPUTE] * len(session.modes)
+                optimizer.zero_grad()
+                through.clear()
+                loss = nn.functional.cross_entropy(model(x), y)
+                stacks.append(torch._C._len_torch_function_stack() - default_device)
+                loss.backward()
+                per_step.append((session.modes is not None and RECOMPUTE not in session.modes,
+                                 len(through), "cat" in through))
+                results.append([p.grad.clone() for p in model.parameters()] +
+                               [b.clone() for b in model.buffers()])
+                optimizer.step()
+        finally:
+            if default_device:
+                torch.set_default_device(None)
     assert_bitwise(reference, results)
     kept_only = [index for index, (keeps, _, _) in enumerate(per_step) if keeps]
     assert kept_only and kept_only[-1] == 5 and per_step[0][1] > 0 and stacks[0] == 1
