@@ -458,10 +458,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         """At ``step``'s first leaf module, once: the op recorder left where the plan is settled
         (:data:`.lifecycle.SETTLED`: a plan or the fall-back in force), the step's modes
         recompute nothing (a plan that keeps and offloads only) and it is on top of the stack of
-        torch function modes. Such a step records
-        no op, and with the recorder entered every torch function its forward calls (each one
-        inside a leaf module that finds no recipe too) would be a Python call through it. A
-        later step whose modes recompute enters it again (:meth:`_start_ops_if_due`) where the
+        torch function modes. Such a step records no op, and with the recorder entered every
+        torch function its forward calls (each one inside a leaf module that finds no recipe too)
+        would be a Python call through it. A later step whose modes recompute enters it again (:meth:`_start_ops_if_due`) where the
         stack has as many modes as it left below the recorder (a mode the script entered since
         and left on keeps it out: that step's groups whose recipe needs an op are kept, with one
         line); that step's ops before its first leaf module are not recorded (their groups are

@@ -141,14 +141,15 @@ class StepRecorder:
         """The op recorder left (True) where it is on top of the stack of torch function modes
         and no leaf module's forward has set it aside: no mode the script entered since is above
         it, so leaving it pops it alone."""
-        ops = self.ops
-        if ops is None or self.ops_set_aside:
-            return False
-        depth = torch._C._len_torch_function_stack()
-        if not depth or torch._C._get_function_stack_at(depth - 1) is not ops:
+        if self.ops is None or self.ops_set_aside or not self._ops_on_top():
             return False
         self.stop_ops((None, None, None))
         return True
+
+    def _ops_on_top(self) -> bool:
+        """The op recorder is the innermost torch function mode."""
+        depth = torch._C._len_torch_function_stack()
+        return bool(depth) and torch._C._get_function_stack_at(depth - 1) is self.ops
 
     def stop_ops(self, exc_info) -> None:
         if self.ops is not None:
@@ -276,8 +277,7 @@ class StepRecorder:
         would find the recorder put back on top of it, and pop the recorder. (A forward left by
         a BaseException leaves the recorder aside until that module runs again: until then no
         op is recorded, and no recipe through one is found.)"""
-        ops = self.ops
-        if ops is None or module._forward_pre_hooks or module._forward_hooks:
+        if self.ops is None or module._forward_pre_hooks or module._forward_hooks:
             return
         # the session's global module hooks are the last registered: each runs after the other
         # global ones (a module's own hooks run after all of them)
@@ -285,8 +285,7 @@ class StepRecorder:
         if next(reversed(_GLOBAL_HOOKS._global_forward_pre_hooks), None) != before.id or \
                 next(reversed(_GLOBAL_HOOKS._global_forward_hooks), None) != after.id:
             return
-        depth = torch._C._len_torch_function_stack()
-        if depth and torch._C._get_function_stack_at(depth - 1) is ops:
+        if self._ops_on_top():
             torch._C._pop_torch_function_stack()
             self.ops_set_aside.append(module)
 

@@ -841,8 +841,7 @@ def _valid(case: Case) -> bool:
 
 #: the kinds of case :func:`main` runs: drawn (:func:`make_case`), or a seed's patterns under
 #: fixed recomputing modes or a cached plan
-KINDS = {"drawn": lambda seed: make_case(seed), "planned": lambda seed: planned_case(seed),
-         "cached": lambda seed: cached_case(seed)}
+KINDS = {"drawn": make_case, "planned": planned_case, "cached": cached_case}
 
 
 def main(argv):
