@@ -18,8 +18,8 @@ from torch.overrides import TorchFunctionMode
 from .compiled import refuse_if_compiling
 from .link import SameMemoryLink
 from .planner import KEEP, RECOMPUTE
-from .records import (CHEAP, CONVOLUTIONS, _INSTANCE_NORMS, _Alias, _Call, _Group, _ModuleState,
-                      _Read, _Recipe, _Step, _ViewOf, _joined, _same_elements)
+from .records import (CHEAP, CONVOLUTIONS, MAX_POOLS, _INSTANCE_NORMS, _Alias, _Call, _Group,
+                      _ModuleState, _Read, _Recipe, _Step, _ViewOf, _joined, _same_elements)
 from .stage import _AUTOCAST_DEVICES, ChainRecorder, autocast_state
 
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
@@ -475,7 +475,7 @@ class StepRecorder:
         recipe = self.recipe(output, step)
         if recipe is None:
             return
-        group.recipe, group.producer = recipe, recipe.calls[-1].name
+        group.recipe, group.producer = recipe, recipe.producer
         if group.wanted == RECOMPUTE and group.mode == KEEP and \
                 self.session._mode_for(group) == RECOMPUTE:
             group.mode, group.tensor = RECOMPUTE, None
@@ -498,6 +498,18 @@ class StepRecorder:
                 return None
             recipe.calls.append(running)
             recipe.inputs.append((slot,))
+            return recipe
+        # A max pooling saves the indices of its maxima, made by no call: the pooling rebuilds
+        # them from its input, as it rebuilds its output
+        if running is not None and tensor.dtype is torch.int64 and \
+                _pool_indices(running, tensor):
+            read = running.reads[0]
+            slot = self._rebuild(step, recipe, read.ref(), read, index, depth=1)
+            if slot is None:
+                return None
+            recipe.calls.append(running)
+            recipe.inputs.append((slot,))
+            recipe.indices = True
             return recipe
         now = self._read(tensor)
         if self._rebuild(step, recipe, tensor, now, len(calls), own=True) is not None:
@@ -620,6 +632,22 @@ class StepRecorder:
         recipe.calls.append(call)
         recipe.inputs.append(tuple(slots))
         return len(recipe.calls) - 1
+
+
+def _pool_indices(call: _Call, tensor: torch.Tensor) -> bool:
+    """``tensor``, an int64 tensor saved while ``call`` (a running module's) runs, is the indices
+    its max pooling (:data:`MAX_POOLS`, its forward PyTorch's: an exact type without hooks of its
+    own) saves with its input, which it keeps to itself (``return_indices`` False): as many
+    dimensions as the input, the same leading ones (batch, channels), on its device."""
+    module = call.module
+    pooling = MAX_POOLS.get(type(module))
+    if pooling is None or not call.recomputable or module.return_indices or not call.reads:
+        return False
+    source = call.reads[0].ref()
+    spatial = pooling[1]
+    return source is not None and source is not tensor and source.dim() == tensor.dim() and \
+        source.dim() > spatial and source.shape[:-spatial] == tensor.shape[:-spatial] and \
+        source.device == tensor.device
 
 
 def _changes_in_place(call: _Call | None, tensor: torch.Tensor) -> bool:

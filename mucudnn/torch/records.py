@@ -35,6 +35,13 @@ _INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 #: A transposed one reruns at the output size it made (``output_size`` may have chosen it).
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d) + _TRANSPOSED
+#: Max poolings whose indices a recipe rebuilds too: each saves its input and the indices of its
+#: maxima (int64, twice an fp32 output's bytes) for its backward, made by one deterministic
+#: kernel (``max_pool2d_with_indices``, ``max_pool3d_with_indices``) that a rerun on the same
+#: input runs again. One-dimensional pooling runs the 2-D kernel on a view and saves its 4-D
+#: indices: not one of these. Only where the module keeps its indices to itself
+#: (``return_indices`` False): indices a script was given could be changed before the backward.
+MAX_POOLS = {nn.MaxPool2d: (F.max_pool2d, 2), nn.MaxPool3d: (F.max_pool3d, 3)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +88,16 @@ class _Call:
     #: a recomputable module's state as its forward read it (:class:`_ModuleState`)
     state: _ModuleState | None = None
 
-    def run(self, values: list[torch.Tensor]) -> torch.Tensor:
+    def run(self, values: list[torch.Tensor], indices: bool = False) -> torch.Tensor:
         """Its forward again on ``values`` (one per read), without side effects
         (:func:`rerun_as_recorded`), under the autocast state it ran under and with the module's
-        state as it read it."""
+        state as it read it. ``indices``: a max pooling's indices instead of its output."""
         with contextlib.ExitStack() as stack:
             autocast_as(self.autocast, stack)
             if self.op is not None:
                 return self.op(*values, **(self.keywords or {}))
-            return rerun_as_recorded(self.module, values[0], self.state, self.output_shape)
+            return rerun_as_recorded(self.module, values[0], self.state, self.output_shape,
+                                     indices)
 
 
 @dataclass(eq=False, slots=True)
@@ -187,10 +195,20 @@ class _Recipe:
     calls: list[_Call] = field(default_factory=list)
     inputs: list[tuple] = field(default_factory=list)
     view: tuple | None = None
+    #: the saved tensor is the indices the last call (a :data:`MAX_POOLS` module's) made
+    #: besides its output, not its output
+    indices: bool = False
     #: :attr:`sources` as found from ``inputs`` when it had ``_sources_of`` entries (inputs are
     #: only appended to, while the recipe is found)
     _sources: list | None = field(default=None, repr=False)
     _sources_of: int = field(default=-1, repr=False)
+
+    @property
+    def producer(self) -> str:
+        """The name of what made the saved tensor: its last call's (a max pooling's indices:
+        its name and "indices")."""
+        name = self.calls[-1].name
+        return f"{name} indices" if self.indices else name
 
     @property
     def sources(self) -> list[_Group]:
@@ -422,8 +440,9 @@ def recompute(group: _Group) -> torch.Tensor:
     # the sources' tensors and the views of them the recipe reads
     kept = [source.tensor for source in sources]
     values: list[torch.Tensor | None] = []
+    last = len(recipe.calls) - 1
     with torch.no_grad():
-        for call, slots in zip(recipe.calls, recipe.inputs):
+        for index, (call, slots) in enumerate(zip(recipe.calls, recipe.inputs)):
             inputs = []
             for slot in slots:
                 if isinstance(slot, _Group):
@@ -438,7 +457,7 @@ def recompute(group: _Group) -> torch.Tensor:
             # passes one on)
             if call.in_place and any(inputs[0] is tensor for tensor in kept):
                 inputs[0] = inputs[0].clone()
-            values.append(call.run(inputs))
+            values.append(call.run(inputs, recipe.indices and index == last))
     return values[-1] if recipe.view is None else _viewed(values[-1], *recipe.view)
 
 
@@ -459,13 +478,15 @@ def _joined(*values: torch.Tensor, dim: int) -> torch.Tensor:
 
 def rerun_as_recorded(module: nn.Module, value: torch.Tensor,
                       state: _ModuleState | None = None,
-                      output_shape: tuple = ()) -> torch.Tensor:
+                      output_shape: tuple = (), indices: bool = False) -> torch.Tensor:
     """``module(value)`` as its forward ran (``state``: what it read then; None: the module as it
     is now), without its side effects and without hooks (a recomputable module has none of its
     own; the global ones, a user's activation monitor, see only the user's forward): a
     training-mode batch norm runs on copies of its running statistics (same kernel, same
     output; the model's statistics and batch counter untouched), an eval-mode one on the
-    statistics its forward read; the parameters are the tensors the forward read."""
+    statistics its forward read; the parameters are the tensors the forward read. ``indices``:
+    a max pooling (:data:`MAX_POOLS`) gives the indices of its maxima instead, from the kernel
+    its forward ran."""
     if state is None:
         state = _ModuleState.of(module)
     state.check()
@@ -484,6 +505,10 @@ def rerun_as_recorded(module: nn.Module, value: torch.Tensor,
                                 state.params.get("bias"), training,
                                 module.momentum if module.momentum is not None else 0.0,
                                 module.eps)
+        if indices:
+            pool = MAX_POOLS[type(module)][0]
+            return pool(value, module.kernel_size, module.stride, module.padding,
+                        module.dilation, ceil_mode=module.ceil_mode, return_indices=True)[1]
         forward = type(module).forward
         if type(module) in _TRANSPOSED and output_shape:
             made = output_shape[-len(module.kernel_size):]

@@ -134,7 +134,7 @@ class SavedTensorHooks:
                        saved_seq=_SEQUENCE_NR())
         # named from its calls (a step without them, or recording only its recipes': unnamed)
         if recipe is not None:
-            group.producer = recipe.calls[-1].name
+            group.producer = recipe.producer
         elif step.records_only is None and recorder.records_calls(step):
             group.producer = recorder.producer(step, tensor)
         if self._cached is not None:   # the first step under a cached plan: is it the same?

@@ -411,6 +411,93 @@ def test_every_step_finds_the_same_recipes_when_the_model_starts_with_cheap_modu
     assert len(per_step) == 3 and per_step[0] >= 1 and len(set(per_step)) == 1
 
 
+def pooled_cnn(dtype, dims, pool, seed=0):
+    """Conv-BN-ReLU(inplace), the max pooling ``pool``, a convolution, a classifier: VGG's
+    block end, in ``dims`` spatial dimensions."""
+    torch.manual_seed(seed)
+    conv, norm = (nn.Conv2d, nn.BatchNorm2d) if dims == 2 else (nn.Conv3d, nn.BatchNorm3d)
+    average = nn.AdaptiveAvgPool2d(1) if dims == 2 else nn.AdaptiveAvgPool3d(1)
+    return nn.Sequential(conv(3, 8, 3, padding=1), norm(8), nn.ReLU(inplace=True), pool,
+                         conv(8, 8, 3, padding=1), nn.ReLU(), average, nn.Flatten(),
+                         nn.Linear(8, 10)).to(dtype)
+
+
+def pooled_batches(dtype, dims, steps=3, channels_last=False):
+    generator = torch.Generator().manual_seed(4)
+    size = (4, 3, 12, 12) if dims == 2 else (2, 3, 6, 6, 6)
+    data = [(torch.randn(size, generator=generator, dtype=dtype),
+             torch.randint(0, 10, (size[0],), generator=generator)) for _ in range(steps)]
+    if channels_last:
+        data = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in data]
+    return data
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dims, pool, channels_last", [
+    (2, nn.MaxPool2d(2), False),
+    (2, nn.MaxPool2d(3, stride=2, padding=1), True),            # ResNet's stem
+    (2, nn.MaxPool2d(3, stride=2, dilation=2, ceil_mode=True), False),
+    (3, nn.MaxPool3d(2), False),
+    (3, nn.MaxPool3d((1, 2, 2), stride=(1, 2, 2)), False)])      # a video net's spatial pooling
+def test_a_max_poolings_indices_are_rebuilt_by_the_pooling(dtype, dims, pool, channels_last):
+    # the indices (int64: twice an fp32 output's bytes) were kept, made by no call; the pooling
+    # makes them again from its input, as it makes its output
+    model = pooled_cnn(dtype, dims, pool)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    data = pooled_batches(dtype, dims, channels_last=channels_last)
+    reference = train(copy.deepcopy(model), data)
+    trace = []
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0, trace=trace)
+    assert_bitwise(reference, train(model, data, session))
+    name = type(pool).__name__
+    indices = [g for g in session._step.groups if g.producer == f"{name} indices"]
+    assert len(indices) == 1 and indices[0].mode == RECOMPUTE
+    recipe = indices[0].recipe
+    assert recipe.indices and [c.name for c in recipe.calls] == [name]
+    # its source is the pooling's input: the ReLU's output, rebuilt itself or kept
+    assert [s.producer for s in recipe.sources] == ["ReLU"]
+    rebuilt = {e[1] for e in trace if e[0] == "recompute"}
+    assert indices[0].gid in rebuilt
+
+
+@pytest.mark.parametrize("pool", ["returned", "1d"])
+def test_max_pooling_indices_a_recipe_cannot_make_are_kept(pool):
+    # indices the script is given may be changed before the backward (PyTorch alone raises
+    # then); a 1-D pooling saves the 4-D indices of the 2-D kernel it runs on a view
+    torch.manual_seed(0)
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if pool == "returned":
+                self.conv = nn.Conv2d(3, 8, 3, padding=1)
+                self.pool, self.unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+            else:
+                self.conv, self.pool = nn.Conv1d(3, 8, 3, padding=1), nn.MaxPool1d(2)
+            self.head = nn.Linear(8, 10)
+
+        def forward(self, x):
+            if pool == "returned":
+                y, where = self.pool(torch.relu(self.conv(x)))
+                y = self.unpool(y, where)
+            else:
+                y = self.pool(torch.relu(self.conv(x.flatten(2))))
+            return self.head(y.flatten(2).mean(2))
+
+    model = Pooled()
+    data = batches(torch.float32, 3)          # 4 x 3 x 16 x 16
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(force=RECOMPUTE, link=RecordingLink(), min_bytes=0)
+    assert_bitwise(reference, train(model, data, session))
+    # the indices (4 x 8 x 8 x 8 or 4 x 8 x 1 x 128 int64 elements) kept, made by no call
+    groups = session._step.groups
+    index_bytes = 8 * (4 * 8 * 8 * 8 if pool == "returned" else 4 * 8 * 128)
+    assert any(g.nbytes == index_bytes and g.mode == KEEP and g.recipe is None for g in groups)
+    assert not any(g.recipe is not None and g.recipe.indices for g in groups)
+    assert not any(g.producer.endswith("indices") for g in groups)
+
+
 class BasicBlock(nn.Module):
     """torchvision.models.resnet.BasicBlock's forward: the batch norm's output takes the shortcut
     in place (``out += identity``, no module) before the in-place ReLU saves it. ``shortcut``
