@@ -148,7 +148,7 @@ class Trial:
     marks: list = field(default_factory=list)    # per plan: the end marks of its steps
     flushes: list = field(default_factory=list)  # per plan: the link's flush count at each mark
     #: per plan: the backward points (-1: the forward) after whose op a link's flush count grew
-    #: in a timed step
+    #: in its last timed step (:meth:`flushes_in`)
     flush_points: list = field(default_factory=list)
     seen: dict = field(default_factory=dict)   # link -> its flush count when last read
     awaiting: bool = False
@@ -180,14 +180,14 @@ class Trial:
     def saw_flushes(self, link, count: int, point: int) -> None:
         """``link``'s flush count ``count`` read after backward point ``point``'s op (-1: after
         the forward): if it grew since the last read (the first read of a link is its start),
-        the current plan flushed there; a timed step's point is kept (as :meth:`flushes_in`
-        counts)."""
+        the current plan flushed there; a timed step's point is kept, until another timed step
+        of the plan follows (as :meth:`flushes_in` counts)."""
         if count > self.seen.get(link, count) and self.marks[self.current]:
             self.flush_points[self.current].add(point)
         self.seen[link] = count
 
     def flush_note(self, index: int) -> str:
-        """Plan ``index``'s flushes in its timed steps and where, as its trial line says them
+        """Plan ``index``'s flushes in its last timed step and where, as its trial line says them
         (" (2 flushes after the forward and after backward point 6)"; none: "")."""
         count = self.flushes_in(index)
         if not count:
@@ -202,14 +202,18 @@ class Trial:
         return f" ({count} flush{'es' if count > 1 else ''}{where})"
 
     def flushes_in(self, index: int) -> int:
-        """The caching allocator's flushes in plan ``index``'s timed steps."""
+        """The caching allocator's flushes in plan ``index``'s last timed step. A plan that takes
+        over from another finds the allocator's segments cut for that one, and may flush while
+        it cuts its own (its reserved memory growing): a plan that flushes once the allocator
+        has settled flushes in every step, and its last one too."""
         counts = self.flushes[index]
-        return counts[-1] - counts[0] if counts else 0
+        return counts[-1] - counts[-2] if len(counts) > 1 else 0
 
     def kept(self, times: list[float]) -> int:
         """Of the first plans, timed ``times`` (:meth:`step_ms`), the fastest of those whose
-        timed steps did not flush the caching allocator's cache (of all where each did): a plan
-        that flushes in its trial flushes more after it (benchmarks/results/pressure)."""
+        last timed step did not flush the caching allocator's cache (of all where each did): a
+        plan that flushes in its trial's last step flushes more after it
+        (benchmarks/results/pressure)."""
         calm = [index for index in range(len(times)) if not self.flushes_in(index)]
         return min(calm or range(len(times)), key=times.__getitem__)
 
@@ -297,6 +301,8 @@ class TrialsAndWatch:
             trial.saw_flushes(link, count, outcome.unpacks - 1)   # optimizer's
         trial.marks[trial.current].append(outcome.mark)
         trial.flushes[trial.current].append(next(iter(self._counts_now.values()), 0))
+        if trial.timing() and len(trial.marks[trial.current]) > 1:   # a timed step follows
+            trial.flush_points[trial.current].clear()
         if not trial.timing() and not trial.awaiting:
             self._next_in_trial()
 
