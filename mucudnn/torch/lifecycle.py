@@ -301,7 +301,7 @@ class TrialsAndWatch:
             trial.saw_flushes(link, count, outcome.unpacks - 1)   # optimizer's
         trial.marks[trial.current].append(outcome.mark)
         trial.flushes[trial.current].append(next(iter(self._counts_now.values()), 0))
-        if trial.timing() and len(trial.marks[trial.current]) > 1:   # a timed step follows
+        if trial.timing():   # a timed step follows: only the last one's points are said
             trial.flush_points[trial.current].clear()
         if not trial.timing() and not trial.awaiting:
             self._next_in_trial()
