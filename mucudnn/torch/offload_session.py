@@ -379,7 +379,10 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                 staged.abort()
             elif staged.ends_at(module):
                 self._staged = None
-                return staged.finish(output)
+                output = staged.finish(output)
+                if self._step.profiling:   # what a longer stage would start from (recording.py)
+                    self._step.stage_end_groups = len(self._step.groups)
+                return output
             return None
         if self._containers and self._containers[-1] is module:
             self._containers.pop()

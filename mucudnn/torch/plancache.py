@@ -422,7 +422,7 @@ def _stage_problem(stage: Stage) -> str | None:
     def whole(value) -> bool:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not (whole(stage.modules) and stage.modules >= 1 and whole(stage.chunks)
-            and stage.chunks >= 1):
+            and stage.chunks >= 1 and whole(stage.recorded_chunks) and stage.recorded_chunks >= 1):
         return f"a stage of {stage.modules!r} modules in {stage.chunks!r} micro-batches"
     if not all(whole(value) and value >= 0 for value in
                (stage.first_group, stage.end_group, stage.input_bytes)) or \

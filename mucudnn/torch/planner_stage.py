@@ -29,7 +29,12 @@ class Stage:
     In profile terms: the groups ``first_group..end_group - 1`` it saved, but its input, leave the
     plan, its input is one group saved at ``first_group`` (``input_group``: the profile's group
     that is that input, where it saved it), and its backward points (the last of the step) become
-    one, at which a chunk's share of their memory is live."""
+    one, at which a chunk's share of their memory is live.
+
+    A stage that extends the one its recording took (stage.py, "A recording that would not fit")
+    has ``recorded_chunks`` > 1: the recorded profile's last backward point is that stage's, and
+    held a ``recorded_chunks``-th of its chain's backward above the floor there; ``forward_ms`` is
+    then the time of the modules past it only (the recorded backward holds the rest's reruns)."""
 
     modules: int          # leaf modules in it, from the step's first
     first_group: int
@@ -38,6 +43,7 @@ class Stage:
     input_bytes: int
     chunks: int
     forward_ms: float     # its forward's recorded time: what the backward runs again
+    recorded_chunks: int = 1
 
     def describe(self) -> str:
         # a stage the recording took has no time of its own: its rerun is in the profile's
@@ -59,30 +65,37 @@ def _stage_points(profile: StepProfile, stage: Stage) -> tuple[list[int], int] |
     return inside, start
 
 
-def _stage_peak(profile: StepProfile, inside: Sequence[int], start: int) -> tuple[int, int]:
+def _stage_peak(profile: StepProfile, stage: Stage, inside: Sequence[int], start: int
+                ) -> tuple[int, int]:
     """(the floor at the stage's first backward point, the most any of its backward points held
-    with its groups kept: a kept group is live through its last unpack)."""
-    peak = max(profile.baseline_backward[point]
-               + sum(profile.groups[g].nbytes for g in inside
-                     if profile.groups[g].last_unpack >= point)
-               for point in range(start, profile.unpacks))
-    return profile.floor(start), peak
+    with its groups kept: a kept group is live through its last unpack). The last point of a
+    profile staged by its recording (:attr:`Stage.recorded_chunks`) held a chunk's share above
+    its floor: it counts at the whole batch's."""
+    def held(point: int) -> int:
+        value = profile.baseline_backward[point] + sum(
+            profile.groups[g].nbytes for g in inside if profile.groups[g].last_unpack >= point)
+        if stage.recorded_chunks > 1 and point == profile.unpacks - 1:
+            floor = profile.floor(point)
+            value = floor + max(0, value - floor) * stage.recorded_chunks
+        return value
+    return profile.floor(start), max(held(point) for point in range(start, profile.unpacks))
 
 
 def stage_chunks(profile: StepProfile, stage: Stage) -> int | None:
     """The fewest of :data:`STAGE_CHUNKS` for which the staged backward's chunk holds no more
     than the rest of the backward's non-saved memory at most (then the stage no longer sets the
-    backward's peak); the most of them where none does. None where ``stage`` cannot be staged."""
+    backward's peak); the most of them where none does; never fewer than the recording's stage
+    it extends ran in (:attr:`Stage.recorded_chunks`: its chain fitted at that share). None where
+    ``stage`` cannot be staged."""
     points = _stage_points(profile, stage)
     if points is None:
         return None
     inside, start = points
-    floor, peak = _stage_peak(profile, inside, start)
+    floor, peak = _stage_peak(profile, stage, inside, start)
     rest = max(profile.baseline_backward[:start], default=0)
-    for chunks in STAGE_CHUNKS:
-        if floor + (peak - floor) / chunks <= rest:
-            return chunks
-    return STAGE_CHUNKS[-1]
+    fitting = next((chunks for chunks in STAGE_CHUNKS if floor + (peak - floor) / chunks <= rest),
+                   STAGE_CHUNKS[-1])
+    return max(fitting, stage.recorded_chunks)
 
 
 def staged_profile(profile: StepProfile, stage: Stage) -> StepProfile | None:
@@ -101,7 +114,7 @@ def staged_profile(profile: StepProfile, stage: Stage) -> StepProfile | None:
         return None
     inside, start = points
     staged = set(inside)
-    floor, peak = _stage_peak(profile, inside, start)
+    floor, peak = _stage_peak(profile, stage, inside, start)
     saved_before = stage.input_group is not None and stage.input_group < stage.first_group
     renumbered: dict[int, int] = {}
     groups: list[SavedGroup] = []

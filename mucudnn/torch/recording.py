@@ -16,15 +16,24 @@ from .records import _Call, _Step, offload_everything
 LINK_PROBE_BYTES = 32 << 20
 
 
-def stage_candidates(step: _Step, link: SameMemoryLink, recompute_convolutions: bool) -> list:
+def stage_candidates(step: _Step, link: SameMemoryLink, recompute_convolutions: bool,
+                     recorded=None) -> list:
     """The stages recording ``step``'s leading chain allows (stage.py): (planner_stage.Stage,
-    its modules, their container, the batch)."""
+    its modules, their container, the batch). ``recorded``: the stage the recording took
+    (stage.StagePlan), which the step's chain goes on from: the stages that extend it."""
     chain = step.chain
     # a staged chain reruns its convolutions, and sums its parameters' gradients over
     # micro-batches: not where convolutions may not rerun (MUCUDNN_OFFLOAD=cheap)
     if chain is None or not chain.links or not recompute_convolutions:
         return []
     d2h, _ = link_speeds(step, link)
+    if recorded is not None:
+        if step.stage_end_groups is None:
+            return []
+        return [(stage, modules, chain.parent, chain.batch)
+                for stage, modules in chain.extending(
+                    recorded, step.stage_end_groups,
+                    lambda call: _call_ms(link, call, d2h) or 0.0)]
     group = step.by_key.get(chain.input_key)
     input_group = group.gid if group is not None else None
     return [(stage, modules, chain.parent, chain.batch)

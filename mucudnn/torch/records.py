@@ -382,6 +382,8 @@ class _Step:
     #: recording steps that stage: where the chain's forward began, before the step's first save
     #: (the chain saves nothing, and its input is saved once its output is made)
     forward_start: object = None
+    #: recording steps that stage: the groups saved when the chain's output was made
+    stage_end_groups: int | None = None
     copies: list = field(default_factory=list)   # (direction, bytes, mark, mark): inline copies
     #: forward point -> (group, its offload's transfer) whose device tensors go there
     releases: dict = field(default_factory=dict)

@@ -111,12 +111,12 @@ class PlanLifecycle:
                 if finished.start_allocated is not None:
                     grown = max(0, link.allocated() - finished.start_allocated)
                 profile = step_profile(finished, link, self.copy_exposure, tail_peak, grown)
-                # a recording that staged (:meth:`_stage_starts`) is the staged profile: no
-                # other stage is weighed on it
-                candidates = () if self.stage is not None else tuple(
+                # a recording that staged (:meth:`_stage_starts`) is the staged profile: the
+                # stages weighed on it are that one extended along the chain
+                candidates = tuple(
                     StageCandidate(stage, batch, (modules, parent))
                     for stage, modules, parent, batch
-                    in stage_candidates(finished, link, self.recompute_convolutions))
+                    in stage_candidates(finished, link, self.recompute_convolutions, self.stage))
                 self.recorder.peak(link)   # what a probe of the link allocated there is no step's
         self._cached = None    # checked in its first step only
         lifecycle = self.lifecycle

@@ -165,6 +165,36 @@ class ChainRecorder:
                 break
         return found
 
+    def extending(self, recorded: "StagePlan", groups_at_end: int, time_ms
+                  ) -> list[tuple[planner_stage.Stage, list]]:
+        """The stages that extend ``recorded``, the stage the recording took (its chain up to
+        the first pooling layer, :func:`leading_chain`), by this chain where it goes on right
+        after it: ending at its pooling layers, as many as make :data:`planner_stage.STAGE_ENDS`
+        ends with ``recorded``'s (:meth:`candidates`' pairs). ``groups_at_end``: the groups the
+        step had saved when ``recorded``'s output was made (its input, if that is a group, and
+        none before it: a recording stages only from its first save)."""
+        modules, stage = recorded.modules, recorded.stage
+        if not self.links or modules is None or self.parent is not recorded.parent or \
+                self.links[0].groups_before != groups_at_end or \
+                sum(isinstance(module, POOLS) for module in modules) != 1 or \
+                not _follows(self.parent, modules[-1], self.links[0].module) or \
+                any(link.module is module for link in self.links for module in modules):
+            return []
+        input_group = stage.first_group if groups_at_end > stage.first_group else None
+        found = []
+        for end, link in enumerate(self.links):
+            if link.groups_after < 0 or not isinstance(link.module, POOLS):
+                continue
+            if link.groups_after - groups_at_end > 0:   # it saved something past the input
+                found.append((planner_stage.Stage(
+                    len(modules) + end + 1, stage.first_group, link.groups_after, input_group,
+                    stage.input_bytes, 1, sum(time_ms(each.call) for each in self.links[:end + 1]),
+                    recorded_chunks=stage.chunks),
+                    modules + [each.module for each in self.links[:end + 1]]))
+            if len(found) == planner_stage.STAGE_ENDS - 1:
+                break
+        return found
+
 
 #: A recording step stages the leading chain (:func:`recording_chunks`) where the chain's backward
 #: would hold more than this share of the budget at once: three of its largest tensors (an
@@ -267,6 +297,10 @@ class StagePlan:
     def modules(self) -> list[nn.Module] | None:
         modules = [ref() for ref in self._modules]
         return None if any(module is None for module in modules) else modules
+
+    @property
+    def parent(self) -> nn.Module | None:
+        return self._parent()
 
     def runs(self, module: nn.Module, args, parent: nn.Module | None, saved: int) -> bool:
         """Whether ``module``'s call (``parent`` running it, ``saved`` groups saved so far in the

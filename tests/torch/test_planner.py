@@ -800,6 +800,29 @@ def test_a_staged_profile_drops_the_chains_groups_and_backward_points():
     assert peak_memory(staged, [KEEP] * 3, 0) < peak_memory(profile, [KEEP] * 5, 0)
 
 
+def test_a_stage_extending_the_recordings_counts_its_last_point_at_the_whole_batch():
+    # the profile's last point is the recording's own stage (4 chunks): 10 MiB there above its
+    # 8 MiB floor is a quarter of what its chain's backward holds for the whole batch
+    profile = staged_chain_profile()
+    plain = planner_stage.Stage(5, 0, 3, 0, 1 * MiB, 8, 3.0)
+    extending = dataclasses.replace(plain, recorded_chunks=4)
+    # point 5 at the whole batch: 8 + 4 * (10 - 8) = 16 MiB, below point 3's 36: the same peak
+    assert planner_stage.staged_profile(profile, extending) == \
+        planner_stage.staged_profile(profile, plain)
+    heavy = dataclasses.replace(profile, baseline_backward=profile.baseline_backward[:5]
+                                + [18 * MiB])
+    # point 5 at the whole batch: 8 + 4 * (18 - 8) = 48 MiB, the peak: an eighth of it above
+    # the 4 MiB floor at the stage's first point
+    assert planner_stage.staged_profile(heavy, extending).baseline_backward[-1] == \
+        4 * MiB + (48 * MiB - 4 * MiB) // 8
+    assert planner_stage.staged_profile(heavy, plain).baseline_backward[-1] == \
+        4 * MiB + (36 * MiB - 4 * MiB) // 8
+    # never fewer micro-batches than the recording's stage ran in
+    roomy = dataclasses.replace(profile, baseline_backward=[13 * MiB] + profile.baseline_backward[1:])
+    assert planner_stage.stage_chunks(roomy, dataclasses.replace(plain, recorded_chunks=1)) == 4
+    assert planner_stage.stage_chunks(roomy, dataclasses.replace(plain, recorded_chunks=8)) == 8
+
+
 def test_a_chain_whose_backward_is_not_the_last_is_not_staged():
     profile = staged_chain_profile(late_reader=True)
     stage = planner_stage.Stage(5, 0, 3, 0, 1 * MiB, 4, 3.0)

@@ -210,6 +210,80 @@ def test_a_recording_that_would_not_fit_stages_the_first_block_and_trains_as_pla
     assert first.nbytes == data[0][0].numel() * data[0][0].element_size()
 
 
+def staged_recording(model, **options):
+    """A session whose recording stages the first block of ``model`` (its backward alone would
+    hold more than half of the budget)."""
+    from mucudnn.torch import stage as stage_module
+    floor = leading_chain_bytes(model, 8)
+    return OffloadSession(budget=int(floor / (stage_module.RECORDING_FLOOR_SHARE + 0.1)),
+                          link=RecordingLink(), min_bytes=0, headroom=0.0, strict=False,
+                          **options)
+
+
+@pytest.mark.parametrize("staging", [True, "always"])
+def test_a_recording_that_staged_weighs_its_stage_extended_to_the_next_pooling_layer(
+        staging, monkeypatch):
+    # VGG-16 at N=176 under 5.5 GiB: the recording stages the first block, and the second
+    # block's backward then sets the floor; staging both blocks is the faster plan there
+    model, data = vgg_like(), batches()
+    reference = train(copy.deepcopy(model), data)
+    said, weighed = [], []
+    session = staged_recording(model, say=said.append, stage=staging)
+    original = PlanMaker.choose_stage
+
+    def recorded(self, profile, target, candidates, staging):
+        weighed.extend(candidates)
+        return original(self, profile, target, candidates, staging)
+    monkeypatch.setattr(PlanMaker, "choose_stage", recorded)
+    staged = train(copy.deepcopy(model), data, session)
+    assert_close(reference, staged)
+    assert said[0].startswith("the recording stages the first 5 layers in ")
+    # the one candidate: the recorded stage and the next block, to its pooling layer
+    (candidate,) = weighed
+    recorded_chunks = candidate.stage.recorded_chunks
+    assert (candidate.stage.modules, candidate.stage.first_group, candidate.stage.input_group) \
+        == (8, 0, 0)
+    assert recorded_chunks >= 2 and candidate.stage.forward_ms > 0
+    assert [type(m) for m in candidate.payload[0]] == [type(m) for m in model[0]]
+    stage = session.stage.stage
+    # "always" takes it; otherwise it is taken where predicted faster (this CPU's times say)
+    assert stage.modules == 8 or (staging is True and stage.modules == 5)
+    if stage.modules == 8:
+        assert stage.chunks >= recorded_chunks and "its first 8 layers staged" in said[1]
+        # planned on the longer stage's profile, made from the recorded (staged) one
+        assert session.profile == planner_stage.staged_profile(session.recorded_profile, stage)
+    else:
+        assert session.profile is session.recorded_profile
+    # the planned steps saved what the profile planned on has
+    assert [g.nbytes for g in session._step.groups] == [g.nbytes for g in session.profile.groups]
+
+
+def test_no_longer_stage_where_the_chain_does_not_go_on_in_the_recorded_stages_container(
+        monkeypatch):
+    # the second block in a container of its own: no chain goes on from the recorded stage
+    first = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+    second = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True),
+                           nn.MaxPool2d(2))
+    model = vgg_like(features=nn.Sequential(first, second))
+    data = batches()
+    reference = train(copy.deepcopy(model), data)
+    weighed = []
+    original = PlanMaker.choose_stage
+
+    def recorded(self, profile, target, candidates, staging):
+        weighed.append(candidates)
+        return original(self, profile, target, candidates, staging)
+    monkeypatch.setattr(PlanMaker, "choose_stage", recorded)
+    floor = leading_chain_bytes(nn.Sequential(first), 8)
+    from mucudnn.torch import stage as stage_module
+    session = OffloadSession(budget=int(floor / (stage_module.RECORDING_FLOOR_SHARE + 0.1)),
+                             link=RecordingLink(), min_bytes=0, headroom=0.0, strict=False,
+                             stage="always")
+    assert_close(reference, train(copy.deepcopy(model), data, session))
+    assert session.stage.stage.modules == 5 and not any(weighed)
+
+
 def test_a_recording_that_fits_is_not_staged_and_stage_false_never_stages():
     from mucudnn.torch import stage as stage_module
     model, data = vgg_like(), batches(steps=3)
