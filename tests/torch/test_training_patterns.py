@@ -191,6 +191,20 @@ def test_a_one_line_mucudnn_error_is_a_refusal_and_a_longer_one_a_failure():
     assert said.verdict == "failed"
 
 
+@pytest.mark.parametrize("kind, seed", [("drawn", 42130), ("planned", 9351)])
+def test_an_in_place_error_raised_at_an_earlier_unpack_than_pytorchs_is_the_same_error(kind, seed):
+    """Found by seeds 42130 and 9351 (checkpoint, global_hook, version_error): a recomputed
+    group's recipe reads the weight the script changed in place, and the session raises
+    PyTorch's in-place error at that group's unpack, before the backward reaches the
+    checkpointed block, whose recomputation PyTorch alone runs (calling the global hook) before
+    it raises the same error at the convolution. The step that raised is compared by its
+    error; the steps before it, hooks and all, bit for bit."""
+    small = dataclasses.replace(tp.KINDS[kind](seed), patterns=frozenset(
+        {"checkpoint", "global_hook", "version_error"}))   # as minimized
+    outcome = tp.run_case(small)
+    assert outcome.verdict == "equal", outcome.detail
+
+
 # --- defects the differential found (not issue 37's items 1-14) -------------------------------
 class IdentityThenBranches(nn.Module):
     """A DenseNet-like join after an activation that saves its input (LeakyReLU, SiLU): the

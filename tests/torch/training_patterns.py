@@ -10,7 +10,11 @@ run, compared, loads it). The rule: every loss, gradient, buffer, parameter and 
 session's run equals the plain run's bit for bit (a stage session: within ``STAGE_RTOL`` of each
 tensor's largest magnitude, float64: its parameter gradients are sums over micro-batches), and
 both runs raise the same exception type at the same step; or the session's run stops with a
-``MucudnnError`` of one line (a clear refusal). After the session's run, grad mode, saved-tensor
+``MucudnnError`` of one line (a clear refusal). The hooks' observations of the step that raised
+are not compared: PyTorch raises its in-place error in the backward at the node whose saved
+tensor changed, after the nodes before it ran (a checkpoint's recomputation calls the module
+hooks), and a session raises it where a recomputed group's recipe reads that tensor, which may
+be an earlier node's unpack: the same error in the same step, fewer hooks run before it. After the session's run, grad mode, saved-tensor
 hooks and global module hooks are as before it.
 
 :func:`minimize` drops patterns of a failing case while it still fails: the patterns left name
@@ -516,9 +520,11 @@ def train(case: Case, model: nn.Module, parts: dict, session=None) -> Run:
         return loss
 
     autocast = torch.autocast(DEVICE.type, dtype=torch.bfloat16, enabled=case.has("autocast"))
+    before_step = (0, 0)   # the global hook's calls and the hook log's length at a step's start
     try:
         for step, micro in enumerate(data):
             run.error_step = step
+            before_step = (calls[0], len(log))
             torch.manual_seed(case.seed * 1000 + step)
             optimizer.zero_grad()
             for index, (x, y) in enumerate(micro):
@@ -603,6 +609,8 @@ def train(case: Case, model: nn.Module, parts: dict, session=None) -> Run:
             handle.remove()
     for name, p in model.named_parameters():
         run.add(f"final {name}", p)
+    if run.error is not None:   # the step that raised is compared by its error alone
+        calls[0], log[before_step[1]:] = before_step[0], []
     run.add("hook log", torch.stack(log) if log else None)
     run.add("global hook calls", torch.tensor(calls[0]))
     return run
