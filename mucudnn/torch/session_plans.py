@@ -26,7 +26,7 @@ from .records import _Group, _Step
 from .recording import stage_candidates, step_profile
 from . import planner_stage
 from ..sizes import describe_size
-from .stage import RECORDING_FLOOR_SHARE, StagePlan, chain_of, leading_chain, recording_chunks
+from .stage import RECORDING_FLOOR_SHARE, StagePlan, chain_of, recording_stage
 from .stage import _transformed as stage_transformed
 
 
@@ -178,10 +178,11 @@ class PlanLifecycle:
 
     def _stage_starts(self, step: _Step, module, args, parent) -> bool:
         """Leaf ``module`` (``parent`` running it) starts the stage in force, or, in a recording
-        step with none, a stage this recording takes (:func:`stage.recording_chunks`: its chain's
+        step with none, a stage this recording takes (:func:`stage.recording_stage`: its chain's
         backward alone would hold most of the budget, so an unstaged recording would run out
         of memory). A stage the recording takes holds for the plans made from it, which are
-        made on its staged profile (no other stage is weighed); one line says so."""
+        made on its staged profile (the one other stage weighed is that one extended:
+        :func:`.recording.stage_candidates`); one line says so."""
         saved = len(step.groups)
         if self.stage is None:
             budget = self.lifecycle.budget
@@ -189,10 +190,10 @@ class PlanLifecycle:
                     step.calls or not args or not isinstance(args[0], torch.Tensor) or \
                     stage_transformed():   # nothing is staged under a torch.func transform
                 return False
-            chain = leading_chain(module, parent)
-            chunks = recording_chunks(chain, args[0], budget) if chain is not None else None
-            if chunks is None:
+            staged = recording_stage(module, parent, args[0], budget)
+            if staged is None:
                 return False
+            chain, chunks = staged
             source = args[0]
             stage = planner_stage.Stage(len(chain), saved, saved, None,
                                         source.numel() * source.element_size(), chunks, 0.0)

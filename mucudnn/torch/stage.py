@@ -217,19 +217,23 @@ def _children_from(module: nn.Module, parent: nn.Module | None) -> list[nn.Modul
     return None if start is None else children[start:]
 
 
-def leading_chain(module: nn.Module, parent: nn.Module | None) -> list[nn.Module] | None:
+def leading_chain(module: nn.Module, parent: nn.Module | None, ends: int = 1
+                  ) -> list[nn.Module] | None:
     """The chain a step's first leaf ``module`` starts, read from its container ``parent``
     before it runs: ``module`` and the children after it, each :func:`stageable`, none twice,
-    up to and including the first pooling layer (where the activations shrink); None where
-    ``parent`` is no plain ``nn.Sequential``, the first changes its input in place, or no
+    up to and including the ``ends``-th pooling layer (where the activations shrink); None where
+    ``parent`` is no plain ``nn.Sequential``, the first changes its input in place, or no such
     pooling layer ends it (the module docstring's chain, as a recording would find it)."""
     chain: list[nn.Module] = []
+    pools = 0
     for child in _children_from(module, parent) or ():
         if child is None or not stageable(child) or any(child is seen for seen in chain):
             return None
         chain.append(child)
         if isinstance(child, POOLS):
-            return chain
+            pools += 1
+            if pools == ends:
+                return chain
     return None
 
 
@@ -250,6 +254,46 @@ def chain_of(module: nn.Module, parent: nn.Module | None, count: int
     return chain
 
 
+def recording_stage(module: nn.Module, parent: nn.Module | None, source: torch.Tensor,
+                    budget: int) -> tuple[list[nn.Module], int] | None:
+    """The chain a recording step stages from its first leaf ``module`` (``parent`` running it,
+    ``source`` its input) under ``budget`` bytes, and its micro-batches; None where it stages
+    none. The leading chain to its first pooling layer where :func:`recording_chunks` stages it,
+    and on through each next pooling layer (up to :data:`planner_stage.STAGE_ENDS` in all) whose
+    block's backward alone would hold more than :data:`RECORDING_FLOOR_SHARE` of the budget too:
+    three of its largest tensors (its input among them) at the whole batch. Staged to the first
+    pooling layer alone, such a recording runs out of memory in that block's backward (VGG-16 at
+    N = 176 under 4.5 GiB)."""
+    chain = leading_chain(module, parent)
+    chunks = recording_chunks(chain, source, budget) if chain is not None else None
+    if chunks is None:
+        return None
+    for ends in range(2, planner_stage.STAGE_ENDS + 1):
+        longer = leading_chain(module, parent, ends)
+        sizes = _sample_bytes(longer, source) if longer is not None else None
+        if sizes is None or \
+                3 * max(sizes[len(chain):]) * source.shape[0] <= RECORDING_FLOOR_SHARE * budget:
+            break
+        chain = longer
+    return chain, chunks
+
+
+def _sample_bytes(modules: list[nn.Module], source: torch.Tensor) -> list[int] | None:
+    """The bytes of one sample of the chain ``modules``' input and of each module's output (on
+    the meta device: the shapes without a kernel; under autocast the full precision's, the
+    larger); None where a module returns no tensor."""
+    value = torch.empty((1,) + tuple(source.shape[1:]), dtype=source.dtype, device="meta")
+    sizes = [value.numel() * value.element_size()]
+    with torch.no_grad():
+        for module in modules:
+            read = tuple(None if each is None else each.to("meta") for each in _weights(module))
+            value = _call(module, read, value)
+            if not isinstance(value, torch.Tensor):
+                return None
+            sizes.append(value.numel() * value.element_size())
+    return sizes
+
+
 def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int) -> int | None:
     """The micro-batches a recording step stages the leading chain ``modules`` in, its input
     ``source``, under ``budget`` bytes: None where three of the chain's largest tensors take at
@@ -261,17 +305,11 @@ def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int
     if batch < 2 or not batched(modules, source):   # an unbatched image: no batch to split
         return None
     # on the meta device: the shapes without a kernel (nor a convolution of one sample for the
-    # shim to tune); under autocast the sizes are the full precision's, the larger
-    value = torch.empty((1,) + tuple(source.shape[1:]), dtype=source.dtype, device="meta")
-    largest = value.numel() * value.element_size()
-    with torch.no_grad():
-        for module in modules:
-            read = tuple(None if each is None else each.to("meta") for each in _weights(module))
-            value = _call(module, read, value)
-            if not isinstance(value, torch.Tensor):
-                return None
-            largest = max(largest, value.numel() * value.element_size())
-    held = 3 * largest * batch
+    # shim to tune)
+    sizes = _sample_bytes(modules, source)
+    if sizes is None:
+        return None
+    held = 3 * max(sizes) * batch
     if held <= RECORDING_FLOOR_SHARE * budget:
         return None
     fitting = [c for c in RECORDING_CHUNKS

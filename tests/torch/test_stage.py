@@ -258,6 +258,40 @@ def test_a_recording_that_staged_weighs_its_stage_extended_to_the_next_pooling_l
     assert [g.nbytes for g in session._step.groups] == [g.nbytes for g in session.profile.groups]
 
 
+def test_a_recording_stages_through_the_next_block_whose_backward_would_not_fit_either(
+        monkeypatch):
+    # VGG-16 at N=176 under 4.5 GiB: staged to its first pooling layer, the recording ran out
+    # of memory in the second block's backward. Here the second block's three largest tensors
+    # (8 KiB a sample, 8 samples) take more than half of the budget too: the recording stages
+    # both blocks, and no other stage is weighed on its profile
+    from mucudnn.torch import stage as stage_module
+    model, data = vgg_like(), batches()
+    reference = train(copy.deepcopy(model), data)
+    floor = leading_chain_bytes(model, 8)
+    second = 3 * 16 * 8 * 8 * 8 * 8    # the second convolution's output, float64, three times
+    weighed, said = [], []
+    original = PlanMaker.choose_stage
+
+    def recorded(self, profile, target, candidates, staging):
+        weighed.append(candidates)
+        return original(self, profile, target, candidates, staging)
+    monkeypatch.setattr(PlanMaker, "choose_stage", recorded)
+    for budget, modules in ((int(second / stage_module.RECORDING_FLOOR_SHARE) - 1024, 8),
+                            (int(second / stage_module.RECORDING_FLOOR_SHARE) + 1024, 5)):
+        assert floor > stage_module.RECORDING_FLOOR_SHARE * budget
+        said.clear()
+        weighed.clear()
+        session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0,
+                                 headroom=0.0, strict=False, say=said.append)
+        assert_close(reference, train(copy.deepcopy(model), data, session))
+        assert said[0].startswith(f"the recording stages the first {modules} layers in ")
+        assert session.recorded_profile.groups[0].nbytes == \
+            data[0][0].numel() * data[0][0].element_size()
+        # staged through both blocks by the recording: nothing longer to weigh; else the
+        # first block's stage extended through the second
+        assert [c.stage.modules for c in sum(weighed, ())] == ([] if modules == 8 else [8])
+
+
 def test_no_longer_stage_where_the_chain_does_not_go_on_in_the_recorded_stages_container(
         monkeypatch):
     # the second block in a container of its own: no chain goes on from the recorded stage
