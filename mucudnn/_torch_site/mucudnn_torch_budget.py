@@ -449,4 +449,23 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
         say("warning", f"activation offload not started: {exc}")
         report("failed", f"offload {exc}".replace("\n", " "))
         return
+    sys.excepthook = out_of_memory_hook(session, sys.excepthook)
     report("offload")
+
+
+def out_of_memory_hook(session, previous):
+    """``sys.excepthook`` for a process under offload: a script that dies of PyTorch's
+    ``OutOfMemoryError`` gets one error line from the session first (what it ran the step as,
+    under which budget: :meth:`~mucudnn.torch.session_plans.PlanLifecycle.out_of_memory_line`),
+    then ``previous`` prints the traceback as ever. Nothing of the session's own may stop that."""
+    def hook(kind, value, traceback):
+        try:
+            out_of_memory = getattr(sys.modules.get("torch"), "OutOfMemoryError", None)
+            if out_of_memory is not None and issubclass(kind, out_of_memory):
+                line = session.out_of_memory_line()
+                if line:
+                    say("error", line)
+        except Exception:  # noqa: BLE001 - the script's own error is what matters here
+            pass
+        previous(kind, value, traceback)
+    return hook

@@ -15,8 +15,8 @@ import operator
 
 import torch
 
-from .lifecycle import (AS_RECORDED, FAILED, FIXED, OK, OUT_OF_MEMORY, RECORD, RECORDING,
-                        RESCUED, StepOutcome)
+from .lifecycle import (AS_RECORDED, FAILED, FALLBACK, FIXED, OK, OUT_OF_MEMORY, PLANNING,
+                        RECORD, RECORDING, RESCUED, UNPLANNED, StepOutcome)
 from .link import CudaLink
 from .plan_runner import StageCandidate
 from .plan_worker import ProcessRunner
@@ -25,7 +25,7 @@ from .planner import KEEP
 from .records import _Group, _Step
 from .recording import stage_candidates, step_profile
 from . import planner_stage
-from ..sizes import describe_size
+from ..sizes import describe_size, format_size
 from .stage import RECORDING_FLOOR_SHARE, StagePlan, chain_of, recording_stage
 from .stage import _transformed as stage_transformed
 
@@ -63,6 +63,24 @@ class PlanLifecycle:
     keep_apart = OfLifecycle("keep_apart")
     strict = OfLifecycle("strict")
     replan_step = OfLifecycle("replan_step")
+
+    def out_of_memory_line(self) -> str | None:
+        """What a step that ran out of device memory and ended the script says of the session,
+        in one line (``mucudnn run --offload`` says it as the script dies of it); None where no
+        budget is planned for."""
+        budget = self.lifecycle.budget
+        if budget is None:
+            return None
+        staged = f", {self.stage.stage.describe()}" if self.stage is not None else ""
+        if self.offloads_as_recorded or self.state in (RECORDING, PLANNING, UNPLANNED, FALLBACK):
+            return (f"the step ran out of device memory with every saved tensor offloaded{staged}: "
+                    f"the {format_size(budget)} memory budget is below what one step needs "
+                    f"at least (the parameters, their gradients, the optimizer's state and one "
+                    f"op's inputs, outputs and workspace); give it a larger --memory-budget")
+        target = self.target
+        return (f"the step ran out of device memory under the offload plan in force ({self.state}"
+                + (f", planned for {format_size(target)}" if target else "") + f"{staged}) "
+                f"of the {format_size(budget)} memory budget")
 
     @property
     def offloads_as_recorded(self) -> bool:

@@ -197,3 +197,50 @@ def test_the_rescue_comes_from_the_environment(tmp_path, monkeypatch, value, exp
         return
     assert result.exit_code == 0, result.output
     assert f"rescuer.when {expected}" in out
+
+
+OUT_OF_MEMORY_SCRIPT = textwrap.dedent("""
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    model(torch.randn(8, 64)).sum().backward()     # a recording step
+    loss = model(torch.randn(8, 64)).sum()
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+""")
+
+
+def test_a_script_that_dies_out_of_memory_gets_one_line_of_the_session_first(tmp_path, capfd):
+    # issue 40 item 3: the script sees PyTorch's OutOfMemoryError after one line saying what the
+    # session ran the step as (here recording: every saved tensor offloaded) and the budget
+    script = tmp_path / "train.py"
+    script.write_text(OUT_OF_MEMORY_SCRIPT)
+    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", "--",
+                                       sys.executable, str(script)])
+    assert result.exit_code != 0
+    stderr = capfd.readouterr().err
+    said = [line for line in stderr.splitlines() if line.startswith("mucudnn: error:")]
+    assert len(said) == 1, stderr
+    assert "ran out of device memory with every saved tensor offloaded" in said[0]
+    assert "the 1.0 GiB memory budget" in said[0] and "--memory-budget" in said[0]
+    # then the script's own traceback, as ever
+    assert stderr.index(said[0]) < stderr.index("torch.OutOfMemoryError: CUDA out of memory")
+
+
+def test_the_out_of_memory_line_names_the_plan_in_force_and_other_errors_pass(capfd):
+    from mucudnn._torch_site.mucudnn_torch_budget import out_of_memory_hook
+    from mucudnn.torch.offload_session import OffloadSession
+    from session_helpers import RecordingLink, train
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    data = [(torch.randn(8, 32), torch.randint(0, 4, (8,))) for _ in range(6)]
+    session = OffloadSession(budget=2**30, link=RecordingLink(), min_bytes=0, trials=False)
+    train(model, data, session)
+    line = session.out_of_memory_line()
+    assert line.startswith(f"the step ran out of device memory under the offload plan in force "
+                           f"({session.state}, planned for ") and "1.0 GiB memory budget" in line
+    seen = []
+    hook = out_of_memory_hook(session, lambda *args: seen.append(args[0]))
+    hook(torch.OutOfMemoryError, torch.OutOfMemoryError("x"), None)
+    hook(ValueError, ValueError("y"), None)
+    errors = [l for l in capfd.readouterr().err.splitlines() if l.startswith("mucudnn: error:")]
+    assert errors == [f"mucudnn: error: {line}"] and seen == [torch.OutOfMemoryError, ValueError]
+    assert OffloadSession(modes=[]).out_of_memory_line() is None   # no budget, nothing to say
