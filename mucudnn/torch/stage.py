@@ -275,7 +275,8 @@ def recording_stage(module: nn.Module, parent: nn.Module | None, source: torch.T
                 3 * max(sizes[len(chain):]) * source.shape[0] <= RECORDING_FLOOR_SHARE * budget:
             break
         chain = longer
-    return chain, chunks
+    # the micro-batches for the whole chain: a later block's tensors may be the larger
+    return chain, recording_chunks(chain, source, budget) or chunks
 
 
 def _sample_bytes(modules: list[nn.Module], source: torch.Tensor) -> list[int] | None:

@@ -201,9 +201,10 @@ def test_the_rescue_comes_from_the_environment(tmp_path, monkeypatch, value, exp
 
 OUT_OF_MEMORY_SCRIPT = textwrap.dedent("""
     import torch
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    model(torch.randn(8, 64)).sum().backward()     # a recording step
-    loss = model(torch.randn(8, 64)).sum()
+    # activations of 4 MiB: saved groups of the session's (not under its least size)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    model(torch.randn(4096, 256)).sum().backward()     # a recording step
+    loss = model(torch.randn(4096, 256)).sum()
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
 """)
 

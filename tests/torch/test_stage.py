@@ -292,6 +292,21 @@ def test_a_recording_stages_through_the_next_block_whose_backward_would_not_fit_
         assert [c.stage.modules for c in sum(weighed, ())] == ([] if modules == 8 else [8])
 
 
+def test_a_recording_stage_through_a_larger_second_block_takes_that_blocks_micro_batches():
+    # found by a review: the second block's tensors are the chain's largest, and the micro-batch
+    # count chosen for the first block alone left a chunk of it over the whole budget
+    from mucudnn.torch import stage as stage_module
+    features = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True),
+                             nn.MaxPool2d(2), nn.Conv2d(4, 128, 3, padding=1),
+                             nn.ReLU(inplace=True), nn.MaxPool2d(2)).double()
+    x = torch.randn(32, 3, 16, 16, dtype=torch.float64)
+    budget = int(3 * 4 * 16 * 16 * 8 * 32 / 0.6)
+    chain, chunks = stage_module.recording_stage(features[0], features, x, budget)
+    assert len(chain) == 6
+    second = 3 * 128 * 8 * 8 * 8 * 32   # three of the second block's largest, the whole batch
+    assert second / chunks <= stage_module.RECORDING_CHUNK_SHARE * budget or chunks == 32
+
+
 def test_no_longer_stage_where_the_chain_does_not_go_on_in_the_recorded_stages_container(
         monkeypatch):
     # the second block in a container of its own: no chain goes on from the recorded stage
