@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -180,20 +180,12 @@ class ChainRecorder:
                 not _follows(self.parent, modules[-1], self.links[0].module) or \
                 any(link.module is module for link in self.links for module in modules):
             return []
+        # this chain's own stages, from its first module on, are the extension past ``recorded``
         input_group = stage.first_group if groups_at_end > stage.first_group else None
-        found = []
-        for end, link in enumerate(self.links):
-            if link.groups_after < 0 or not isinstance(link.module, POOLS):
-                continue
-            if link.groups_after - groups_at_end > 0:   # it saved something past the input
-                found.append((planner_stage.Stage(
-                    len(modules) + end + 1, stage.first_group, link.groups_after, input_group,
-                    stage.input_bytes, 1, sum(time_ms(each.call) for each in self.links[:end + 1]),
-                    recorded_chunks=stage.chunks),
-                    modules + [each.module for each in self.links[:end + 1]]))
-            if len(found) == planner_stage.STAGE_ENDS - 1:
-                break
-        return found
+        return [(replace(own, modules=len(modules) + own.modules, first_group=stage.first_group,
+                         input_group=input_group, input_bytes=stage.input_bytes,
+                         recorded_chunks=stage.chunks), modules + more)
+                for own, more in self.candidates(None, time_ms)[:planner_stage.STAGE_ENDS - 1]]
 
 
 #: A recording step stages the leading chain (:func:`recording_chunks`) where the chain's backward
