@@ -438,6 +438,7 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
         from mucudnn.torch.offload_session import OffloadSession
         headroom = offload_headroom(os.environ.get(ENV_OFFLOAD_HEADROOM))
         session = OffloadSession(budget, say=lambda text: say("info", text), strict=False,
+                                 warn=lambda text: say("warning", text),
                                  recompute_convolutions=recompute_convolutions,
                                  profile_to=os.environ.get(ENV_OFFLOAD_PROFILE) or None,
                                  freeze_gc=offload_freeze_gc(
@@ -456,13 +457,14 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
 def out_of_memory_hook(session, previous):
     """``sys.excepthook`` for a process under offload: a script that dies of PyTorch's
     ``OutOfMemoryError`` gets one error line from the session first (what it ran the step as,
-    under which budget: :meth:`~mucudnn.torch.session_plans.PlanLifecycle.out_of_memory_line`),
+    under which budget: :meth:`~mucudnn.torch.session_plans.PlanLifecycle.script_ran_out_of_memory`,
+    which also keeps a budget the step did not fit with everything offloaded for later runs),
     then ``previous`` prints the traceback as ever. Nothing of the session's own may stop that."""
     def hook(kind, value, traceback):
         try:
             out_of_memory = getattr(sys.modules.get("torch"), "OutOfMemoryError", None)
             if out_of_memory is not None and issubclass(kind, out_of_memory):
-                line = session.out_of_memory_line()
+                line = session.script_ran_out_of_memory()
                 if line:
                     say("error", line)
         except Exception:  # noqa: BLE001 - the script's own error is what matters here

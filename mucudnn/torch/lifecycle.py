@@ -501,6 +501,9 @@ class Lifecycle(TrialsAndWatch):
         #: error's text only, since the error's traceback, made inline, holds the training
         #: thread's frames (the step that ended, the next one's input) for the session's life
         self.first_error_message: str | None = None
+        #: where no plan met any target: the least peak any plan reached (the step's floor,
+        #: kept for later runs: plancache.StepFloor), where the planner found it
+        self.no_plan_least_peak: int | None = None
         self._lines: list[str] = []
         self._write = False
         self._staged = False
@@ -731,6 +734,7 @@ class Lifecycle(TrialsAndWatch):
                 # as the recorded step ran (everything offloaded): what goes on after an error
                 # a script catches, and an unmodified script's way without ``strict``
                 self.state = UNPLANNED
+                self.no_plan_least_peak = getattr(made.error, "least_peak", None)
                 self.modes = offload_everything(self.profile.groups)
                 if self.strict:
                     raise made.error

@@ -89,7 +89,10 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     force from the next step). ``plan_cache``: the :class:`~.plancache.PlanCache` a plan that
     settles is kept in and the first step looks its plan up in (None: ``MUCUDNN_PLAN_CACHE``'s
     on a GPU, none elsewhere): a run of the same script under the same key runs it from its
-    first step, checked against it as it goes (recording anew where it differs). ``freeze_gc``:
+    first step, checked against it as it goes (recording anew where it differs); where it holds
+    no plan but a floor an earlier run found under any budget (no plan met it, or it ran out of
+    memory with everything offloaded: :class:`~.plancache.StepFloor`) that rules this budget
+    out, one ``warn`` line says so before the first step runs. ``freeze_gc``:
     the step boundary where the first plan takes over collects and freezes Python's garbage
     collector once (``gc.freeze``; what ``mucudnn run --offload`` asks). The lifecycle
     (:attr:`lifecycle`, :class:`~.lifecycle.Lifecycle`) holds ``budget``, ``profile``,
@@ -137,7 +140,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                  max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = False,
                  stage: bool | str = True, plan_in_background: bool | None = None,
                  plan_cache: PlanCache | None = None, freeze_gc: bool = False,
-                 rescue: bool | str = True):
+                 rescue: bool | str = True, warn=None):
         self.force, self.lookahead = force, lookahead
         if stage not in (True, False, "always"):
             raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
@@ -175,6 +178,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self.trace = trace
         self.profile_to = profile_to
         self.say = say or (lambda text: None)
+        #: the lines a user must see (``say``'s where not given): a budget below the step's floor
+        self.warn = warn or self.say
         self.steps = 0
         self._first_unpacks: list[int | None] = []   # per group, of the last whole step
         self._schedule: dict[int, list[int]] = {}

@@ -64,6 +64,15 @@ The contract with the session (``OffloadSession``, which holds the PyTorch side)
    with ``proven=True`` (where it was stored before that), and a run that loads a proven entry
    arms the out-of-memory rescue in its first step only (rescue.py, rule 5).
 
+5. **The floor** (:class:`StepFloor`): where a run finds its budget below what its step needs
+   at least (no plan met it: the least peak any plan reached; or a step with every saved tensor
+   offloaded ran out of device memory), ``cache.store_floor(key, StepFloor(...))`` records it
+   for the step under any budget (:meth:`PlanKey.for_any_budget`), the finding that rules out
+   more kept. A later run whose look-up (rule 1) finds no entry reads ``cache.load_floor(key)``
+   and, where it rules the run's budget out, says so in one warning line before its first step
+   runs, naming the least budget the finding leaves. A plan that meets a budget the record
+   rules out removes the record (``forget_floor_below``).
+
 Neither ``load``, ``store`` nor ``forget`` raises for what the file system or the file holds: a
 corrupt, unreadable or newer-format file is a miss with one line through ``say`` (the file is
 left as it is until this key's entry replaces it); a directory that cannot be made or written is
@@ -78,6 +87,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import numbers
 import os
 import sys
@@ -90,7 +100,7 @@ from ..errors import MucudnnError
 from ..settings import setting, user_cache_dir
 from ..sizes import format_size
 from . import profiles
-from .planner import MODES, OffloadPlan, StepProfile, profile_from_dict
+from .planner import LEAST_HEADROOM, MODES, OffloadPlan, StepProfile, profile_from_dict
 from .planner_stage import Stage
 
 #: the entry format this module writes and the only one it reads (a file's ``plan_cache_format``)
@@ -136,7 +146,8 @@ def _jsonable(value):
 class PlanKey:
     """What must be equal for a cached plan to apply to this run."""
 
-    budget: int
+    #: None in :meth:`for_any_budget`'s key, which names the step's floor record
+    budget: int | None
     #: the session's planning options, (name, value) sorted by name
     options: tuple[tuple[str, object], ...]
     gpu_name: str
@@ -180,6 +191,11 @@ class PlanKey:
         which a run with other arguments (``--epochs``, a learning rate, an output directory)
         tries where its own has none (:meth:`PlanCache.load`)."""
         return dataclasses.replace(self, arguments=None)
+
+    def for_any_budget(self) -> PlanKey:
+        """This key whatever the budget: the name of the step's floor record
+        (:class:`StepFloor`), which a run under any budget reads before its first step."""
+        return dataclasses.replace(self, budget=None)
 
     def document(self) -> dict:
         """The key as the file keeps it (JSON's types)."""
@@ -416,6 +432,52 @@ class CachedPlan:
         return entry
 
 
+@dataclass(frozen=True)
+class StepFloor:
+    """What an earlier run of a step (its script, arguments, options, GPU and versions, under
+    any budget: :meth:`PlanKey.for_any_budget`) found of the least memory it needs, so that a
+    run under a budget below that is told so before its first step.
+
+    Two findings, the stronger kept (:meth:`needs`): no plan met the run's budget, the least
+    peak any plan reached on its recorded step being ``least_peak``; or, ``least_peak`` None,
+    the run ran out of device memory in a step with every saved tensor offloaded (its
+    recording, or after falling back), before any plan."""
+
+    #: the budget of the run that found it
+    budget: int
+    least_peak: int | None = None
+    #: the least share of a budget its runs leave as headroom (the session's headroom, or
+    #: planner.LEAST_HEADROOM where that is less: its smaller headrooms go down to there)
+    least_headroom: float = LEAST_HEADROOM
+
+    def needs(self) -> int:
+        """The least budget this finding does not rule out: one whose planning target at the
+        least headroom reaches ``least_peak``, or one byte over the budget that ran out."""
+        if self.least_peak is None:
+            return self.budget + 1
+        return math.ceil(self.least_peak / (1 - self.least_headroom))
+
+    def rules_out(self, budget: int) -> bool:
+        return budget < self.needs()
+
+    def line(self, budget: int) -> str:
+        """The one line a run under ``budget`` (ruled out) is told before its first step."""
+        found = (f"a run of it under {format_size(self.budget)} found no offload plan, the least "
+                 f"peak any plan reached being {format_size(self.least_peak)}"
+                 if self.least_peak is not None else
+                 f"a run of it under {format_size(self.budget)} ran out of device memory with "
+                 "every saved tensor offloaded")
+        return (f"the {format_size(budget)} memory budget is below what this training step needs "
+                f"at least: {found} (the same script, arguments, options, GPU and versions); "
+                f"give it at least {format_size(self.needs())}, or it is likely to run out of "
+                "device memory")
+
+    def document(self, key: PlanKey) -> dict:
+        return {"plan_cache_format": FORMAT, "floor": True, "key": key.document(),
+                "budget": self.budget, "least_peak": self.least_peak,
+                "least_headroom": self.least_headroom}
+
+
 def _stage_problem(stage: Stage) -> str | None:
     """What makes ``stage`` no stage a run can stage its first step with (a cached run uses its
     modules' count and its micro-batches as they are); None where it is one."""
@@ -431,6 +493,10 @@ def _stage_problem(stage: Stage) -> str | None:
             not isinstance(stage.forward_ms, numbers.Real) or isinstance(stage.forward_ms, bool):
         return f"a stage of groups {stage.first_group!r}..{stage.end_group!r} that is none"
     return None
+
+
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _plain_number(value):
@@ -575,6 +641,89 @@ class PlanCache:
                      "directory, or off)")
             return False
         return True
+
+    def floor_path(self, key: PlanKey) -> Path | None:
+        """The step's floor record for ``key`` (any budget; None: no cache)."""
+        if self.directory is None:
+            return None
+        return self.directory / f"{key.for_any_budget().digest()}.floor.json"
+
+    def load_floor(self, key: PlanKey) -> StepFloor | None:
+        """The floor an earlier run of ``key``'s step under any budget found, else None: no
+        record (silent), no cache, or a record not used (one line: unreadable, not one, another
+        key, another format)."""
+        path = self.floor_path(key)
+        if path is None:
+            return None
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            return self._floor_unused(path, f"it cannot be read as JSON ({reason})")
+        if not isinstance(document, dict) or document.get("floor") is not True:
+            return self._floor_unused(path, "it is not a floor record")
+        if document.get("plan_cache_format") != FORMAT:
+            return self._floor_unused(path, f"it has plan_cache_format "
+                                            f"{document.get('plan_cache_format')!r}, this "
+                                            f"mucudnn reads {FORMAT}")
+        if document.get("key") != key.for_any_budget().document():
+            return self._floor_unused(path, "it holds another run's key (an edited file, or "
+                                            "another key of the same hash)")
+        budget, least = document.get("budget"), document.get("least_peak")
+        headroom = document.get("least_headroom")
+        if not _whole(budget) or budget < 1 or least is not None and not (
+                _whole(least) and least >= 1) or isinstance(headroom, bool) or \
+                not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+            return self._floor_unused(path, f"its budget {budget!r}, least peak {least!r} and "
+                                            f"least headroom {headroom!r} are not a floor's")
+        return StepFloor(budget, least, float(headroom))
+
+    def _floor_unused(self, path: Path, reason: str) -> None:
+        self.say(f"the offload floor record {path} is not used: {reason}")
+        return None
+
+    def store_floor(self, key: PlanKey, floor: StepFloor) -> bool:
+        """Record ``floor`` for ``key``'s step, where it rules out more than the record there
+        (``StepFloor.needs``); whether it was written. As :meth:`store`, atomically; a
+        directory that cannot be written is one line."""
+        path = self.floor_path(key)
+        if path is None or self.not_storing is not None:
+            return False
+        known = self._quietly(lambda: self.load_floor(key))
+        if known is not None and known.needs() >= floor.needs():
+            return False
+        from ..outputs import write_text_atomically
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(path, json.dumps(floor.document(key.for_any_budget())) + "\n")
+        except OSError as exc:
+            self.say(f"the offload floor was not recorded: {path} cannot be written "
+                     f"({exc.strerror or exc})")
+            return False
+        return True
+
+    def forget_floor_below(self, key: PlanKey, budget: int) -> bool:
+        """Remove ``key``'s step's floor record where it rules ``budget`` out, which a plan has
+        just met (the record was wrong: another workspace, a changed model); whether it did."""
+        path = self.floor_path(key)
+        known = self._quietly(lambda: self.load_floor(key)) if path is not None else None
+        if known is None or not known.rules_out(budget):
+            return False
+        try:
+            path.unlink()
+        except OSError:
+            return False
+        return True
+
+    def _quietly(self, read: Callable):
+        """``read()`` with this cache's lines silenced (a record that is not used is replaced)."""
+        say, self.say = self.say, (lambda text: None)
+        try:
+            return read()
+        finally:
+            self.say = say
 
     def forget(self, key: PlanKey) -> bool:
         """Remove ``key``'s entry (this cache's own file; nothing else); whether one was there.

@@ -20,8 +20,8 @@ from .lifecycle import (AS_RECORDED, FAILED, FALLBACK, FIXED, OK, OUT_OF_MEMORY,
 from .link import CudaLink
 from .plan_runner import StageCandidate
 from .plan_worker import ProcessRunner
-from .plancache import UNCHECKED, CachedPlan, PlanCache, PlanKey
-from .planner import KEEP
+from .plancache import UNCHECKED, CachedPlan, PlanCache, PlanKey, StepFloor
+from .planner import KEEP, LEAST_HEADROOM
 from .records import _Group, _Step
 from .recording import stage_candidates, step_profile
 from . import planner_stage
@@ -71,8 +71,12 @@ class PlanLifecycle:
         budget = self.lifecycle.budget
         if budget is None:
             return None
+        if self._before_any_save():
+            return (f"the script ran out of device memory before the offload session saved any "
+                    f"tensor: the model, its inputs and what else it allocated take more than "
+                    f"the {format_size(budget)} memory budget")
         staged = f", {self.stage.stage.describe()}" if self.stage is not None else ""
-        if self.offloads_as_recorded or self.state in (RECORDING, PLANNING, UNPLANNED, FALLBACK):
+        if self._offloading_everything():
             return (f"the step ran out of device memory with every saved tensor offloaded{staged}: "
                     f"the {format_size(budget)} memory budget is below what one step needs "
                     f"at least (the parameters, their gradients, the optimizer's state and one "
@@ -81,6 +85,23 @@ class PlanLifecycle:
         return (f"the step ran out of device memory under the offload plan in force ({self.state}"
                 + (f", planned for {format_size(target)}" if target else "") + f"{staged}) "
                 f"of the {format_size(budget)} memory budget")
+
+    def script_ran_out_of_memory(self) -> str | None:
+        """:meth:`out_of_memory_line`, said as the script dies of running out of device memory;
+        where that happened with every saved tensor offloaded, the budget is kept as one the
+        step does not fit (:class:`~.plancache.StepFloor`): a later run under no more is told
+        before its first step."""
+        line = self.out_of_memory_line()
+        if line is not None and not self._before_any_save() and self._offloading_everything():
+            self._store_floor(None)
+        return line
+
+    def _before_any_save(self) -> bool:
+        return self.steps == 0 and not self._step.groups
+
+    def _offloading_everything(self) -> bool:
+        return self.offloads_as_recorded or self.state in (RECORDING, PLANNING, UNPLANNED,
+                                                           FALLBACK)
 
     @property
     def offloads_as_recorded(self) -> bool:
@@ -174,6 +195,9 @@ class PlanLifecycle:
             self.write_profile()
         if decision.settled:
             self._store_plan()
+        if self.lifecycle.no_plan_least_peak is not None:
+            self._store_floor(self.lifecycle.no_plan_least_peak)
+            self.lifecycle.no_plan_least_peak = None
         if decision.fell_back and self._cache_key is not None:
             self._plan_cache.forget(self._cache_key)
         # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines
@@ -302,6 +326,9 @@ class PlanLifecycle:
             torch_version=torch.__version__, cudnn_version=torch.backends.cudnn.version())
         entry = cache.load(self._cache_key)
         if entry is None:
+            floor = cache.load_floor(self._cache_key)
+            if floor is not None and floor.rules_out(self.budget):
+                self.warn(floor.line(self.budget))
             return
         candidate = None
         if entry.stage is not None:
@@ -371,6 +398,16 @@ class PlanLifecycle:
             stage=self.stage.stage if staged else None,
             proven=self.rescuer.is_proven(self.plan)))
         self._stored_plan = self.plan
+        self._plan_cache.forget_floor_below(self._cache_key, self.budget)
+
+    def _store_floor(self, least_peak: int | None) -> None:
+        """No plan meets the budget (``least_peak``: the least peak any plan reached; None: a
+        step with every saved tensor offloaded ran out of memory): kept for a later run of the
+        step under any budget, which is told before its first step where it rules that out."""
+        if self._cache_key is None:
+            return
+        self._plan_cache.store_floor(self._cache_key, StepFloor(
+            int(self.budget), least_peak, min(self.headroom, LEAST_HEADROOM)))
 
     def plan_proven(self, plan) -> None:
         """``plan`` ran its first armed steps with none running out of memory (rescue.py, rule

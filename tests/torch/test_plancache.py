@@ -535,3 +535,77 @@ def test_a_staged_entry_whose_stage_is_no_stage_is_one_line_and_a_miss(cache, fi
     assert cache.load(key()) is None
     [line] = cache.say
     assert line.startswith(f"the cached offload plan {path} is not used: ")
+
+
+# -- the step's floor (rule 5) ------------------------------------------------------------------
+
+def test_a_floor_found_under_one_budget_rules_out_the_budgets_below_what_it_needs(cache):
+    from mucudnn.torch.plancache import StepFloor
+    floor = StepFloor(4 * GiB, least_peak=5 * GiB, least_headroom=0.025)
+    assert cache.store_floor(key(4 * GiB), floor)
+    # read by a run of the same step under any budget, none of whose entries exist
+    found = cache.load_floor(key(5 * GiB))
+    assert found == floor and cache.load(key(5 * GiB)) is None and not cache.say
+    needs = -(-5 * GiB * 40 // 39)          # the least-headroom target reaching the least peak
+    assert found.needs() == needs
+    assert found.rules_out(needs - 1) and not found.rules_out(needs)
+    line = found.line(5 * GiB)
+    assert line.startswith("the 5.0 GiB memory budget is below what this training step needs at "
+                           "least: a run of it under 4.0 GiB found no offload plan, the least peak "
+                           "any plan reached being 5.0 GiB") and "give it at least 5.1 GiB" in line
+    # another step (another argument, option, GPU) reads none
+    assert cache.load_floor(key(argv=["/work/train.py", "--epochs", "4"])) is None
+    assert cache.load_floor(key(gpu_name="NVIDIA H200")) is None and not cache.say
+
+
+def test_a_floor_of_running_out_of_memory_rules_out_that_budget_and_less():
+    from mucudnn.torch.plancache import StepFloor
+    floor = StepFloor(3 * GiB)
+    assert floor.rules_out(3 * GiB) and floor.rules_out(2 * GiB) and not floor.rules_out(3 * GiB + 1)
+    assert "a run of it under 3.0 GiB ran out of device memory with every saved tensor offloaded" \
+        in floor.line(2 * GiB)
+
+
+def test_the_floor_that_rules_out_more_is_kept_and_a_plan_below_it_removes_it(cache):
+    from mucudnn.torch.plancache import StepFloor
+    assert cache.store_floor(key(3 * GiB), StepFloor(3 * GiB))
+    assert cache.store_floor(key(4 * GiB), StepFloor(4 * GiB, least_peak=5 * GiB))
+    assert not cache.store_floor(key(2 * GiB), StepFloor(2 * GiB))       # rules out less
+    assert cache.load_floor(key()).least_peak == 5 * GiB
+    path = cache.floor_path(key())
+    assert not cache.forget_floor_below(key(6 * GiB), 6 * GiB) and path.exists()   # not ruled out
+    assert cache.forget_floor_below(key(5 * GiB), 5 * GiB) and not path.exists()
+    assert cache.load_floor(key()) is None and not cache.say
+    # a plan entry and its floor record are apart: the entry stays
+    cache.store(key(), entry())
+    cache.store_floor(key(), StepFloor(8 * GiB))
+    assert cache.forget_floor_below(key(), 8 * GiB) and cache.load(key()) == entry()
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda d: "{not json", "cannot be read as JSON"),
+    (lambda d: json.dumps([1]), "not a floor record"),
+    (lambda d: json.dumps({**d, "floor": False}), "not a floor record"),
+    (lambda d: json.dumps({**d, "plan_cache_format": plancache.FORMAT + 1}), "plan_cache_format 2"),
+    (lambda d: json.dumps({**d, "key": {**d["key"], "script": "/other.py"}}), "another run's key"),
+    (lambda d: json.dumps({**d, "budget": "8GiB"}), "are not a floor's"),
+    (lambda d: json.dumps({**d, "least_peak": -1}), "are not a floor's"),
+    (lambda d: json.dumps({**d, "least_headroom": 1.5}), "are not a floor's"),
+], ids=["json", "list", "no-floor", "format", "key", "budget", "peak", "headroom"])
+def test_a_floor_record_that_is_none_is_one_line_and_replaced(cache, damage, said):
+    from mucudnn.torch.plancache import StepFloor
+    cache.store_floor(key(), StepFloor(2 * GiB))
+    path = cache.floor_path(key())
+    path.write_text(damage(json.loads(path.read_text())))
+    assert cache.load_floor(key()) is None
+    [line] = cache.say
+    assert line.startswith(f"the offload floor record {path} is not used: ") and said in line, line
+    assert cache.store_floor(key(), StepFloor(2 * GiB)) and len(cache.say) == 1   # replaced, quietly
+    assert cache.load_floor(key()) == StepFloor(2 * GiB)
+
+
+def test_no_cache_keeps_no_floor():
+    from mucudnn.torch.plancache import StepFloor
+    cache = PlanCache(None)
+    assert cache.floor_path(key()) is None and not cache.store_floor(key(), StepFloor(GiB))
+    assert cache.load_floor(key()) is None and not cache.forget_floor_below(key(), GiB)

@@ -15,6 +15,7 @@ if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
 from torch import nn  # noqa: E402
 
 from mucudnn.errors import InfeasibleError  # noqa: E402
+from mucudnn.sizes import format_size  # noqa: E402
 from mucudnn.torch import planner  # noqa: E402
 from mucudnn.torch import planning  # noqa: E402
 from mucudnn.torch.lifecycle import OUT_OF_MEMORY, StepOutcome  # noqa: E402
@@ -1122,3 +1123,88 @@ def test_the_step_that_freezes_the_collector_prefetches_as_its_plan_says(monkeyp
         assert session.plan is not None and session.plan.count(OFFLOAD)
     assert any(schedule for _, schedule in schedules[False])
     assert schedules[True] == schedules[False]
+
+
+# -- the step's floor, known before the first step (issue 40 item 2) ----------------------------
+
+def floored_run(model, data, cache, budget, **options):
+    """:func:`cached_run` whose lines (``say`` and ``warn``, the latter marked) are one list,
+    with the lines said by the time the first leaf module began its forward."""
+    said, before_first = [], []
+    first = next(m for m in model.modules() if not list(m.children()))
+    handle = first.register_forward_pre_hook(
+        lambda module, args: before_first.append(list(said)) if not before_first else None)
+    session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             say=said.append, warn=lambda text: said.append("warn: " + text),
+                             plan_cache=cache, strict=False, trials=False, **options)
+    trained = train(model, data, session)
+    handle.remove()
+    return session, said, before_first[0], trained
+
+
+def test_a_run_under_a_budget_an_earlier_run_found_no_plan_for_is_told_before_its_first_step(
+        tmp_path):
+    from mucudnn.torch.plancache import PlanCache, StepFloor
+    model, data = small_cnn(torch.float64), batches(torch.float64, 3)
+    reference = train(copy.deepcopy(model), data)
+    first, said, before, trained = floored_run(copy.deepcopy(model), data, PlanCache(tmp_path),
+                                               4096)
+    assert_bitwise(reference, trained)
+    assert first.plan is None and any("too small for this step" in line for line in said)
+    assert before == []                      # nothing known of this step yet
+    least = planning.least_peak(first.profile, 0)   # fetched when first unpacked: the least
+    floor = PlanCache(tmp_path).load_floor(first._cache_key)
+    assert floor == StepFloor(4096, least, 0.0)
+    # a later run under another budget the floor rules out: one warning, before its first step
+    second, said, before, trained = floored_run(copy.deepcopy(model), data, PlanCache(tmp_path),
+                                                least - 1)
+    assert_bitwise(reference, trained)
+    assert before == [f"warn: {floor.line(least - 1)}"]
+    assert [line for line in said if line.startswith("warn: ")] == before
+    # one the floor leaves: no line, and a plan meets it
+    third, said, before, trained = floored_run(copy.deepcopy(model), data, PlanCache(tmp_path),
+                                               4 * least)
+    assert_bitwise(reference, trained)
+    assert before == [] and not any(line.startswith("warn: ") for line in said)
+    assert third.plan is not None
+
+
+def test_a_plan_that_meets_a_budget_the_floor_ruled_out_removes_the_floor(tmp_path):
+    from mucudnn.torch.plancache import PlanCache, StepFloor
+    model, data = small_cnn(torch.float64), batches(torch.float64, 3)
+    budget = int(saved_bytes(model, data) * 4)
+    probe, _, _, _ = floored_run(copy.deepcopy(model), data, PlanCache(tmp_path), budget)
+    assert probe.plan is not None
+    cache = PlanCache(tmp_path)
+    path = next(tmp_path.glob("*.json"))
+    for entry in tmp_path.glob("*.json"):    # no entry: the next run records and plans
+        entry.unlink()
+    cache.store_floor(probe._cache_key, StepFloor(budget * 2))   # wrong: the plan met budget
+    session, said, before, _ = floored_run(copy.deepcopy(model), data, cache, budget)
+    assert before == [f"warn: {StepFloor(budget * 2).line(budget)}"]
+    assert session.plan is not None and not cache.floor_path(session._cache_key).exists()
+    assert path.exists()                     # the plan it settled on, cached anew
+
+
+def test_a_script_out_of_memory_while_offloading_everything_keeps_its_budget_as_too_small(
+        tmp_path):
+    from mucudnn.torch.plancache import PlanCache, StepFloor
+    model, data = small_cnn(torch.float64), batches(torch.float64, 1)
+    cache = PlanCache(tmp_path)
+    budget = int(saved_bytes(model, data) * 4)
+    session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                             plan_cache=cache, strict=False)
+    train(model, data, session)             # one recording step of two
+    assert session.state == "recording"
+    line = session.script_ran_out_of_memory()
+    assert line.startswith("the step ran out of device memory with every saved tensor offloaded: "
+                           f"the {format_size(budget)} memory budget is below what one step needs "
+                           "at least") and "give it a larger --memory-budget" in line
+    assert cache.load_floor(session._cache_key) == StepFloor(budget, None, 0.0)
+    # before any tensor was saved: what the script allocated, not a step; nothing kept
+    fresh = OffloadSession(budget=budget, link=RecordingLink(), plan_cache=PlanCache(tmp_path / "b"))
+    assert fresh.script_ran_out_of_memory() == (
+        f"the script ran out of device memory before the offload session saved any tensor: the "
+        f"model, its inputs and what else it allocated take more than the "
+        f"{format_size(budget)} memory budget")
+    assert not (tmp_path / "b").exists()
