@@ -467,10 +467,11 @@ class StepFloor:
                  if self.least_peak is not None else
                  f"a run of it under {format_size(self.budget)} ran out of device memory with "
                  "every saved tensor offloaded")
+        wanted = (f"at least {format_size(self.needs())}" if self.least_peak is not None
+                  else f"more than {format_size(self.budget)}")
         return (f"the {format_size(budget)} memory budget is below what this training step needs "
                 f"at least: {found} (the same script, arguments, options, GPU and versions); "
-                f"give it at least {format_size(self.needs())}, or it is likely to run out of "
-                "device memory")
+                f"give it {wanted}, or it is likely to run out of device memory")
 
     def document(self, key: PlanKey) -> dict:
         return {"plan_cache_format": FORMAT, "floor": True, "key": key.document(),
