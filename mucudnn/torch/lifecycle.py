@@ -285,8 +285,10 @@ class TrialsAndWatch:
         if self.lowerings_left <= 0 or not self.headroom:
             return False
         self._before_lowering = replaced
+        recorded, candidates = self._weighed
         self._ask(PlanRequest(LOWER, self.profile, self.target, self.budget, self.headroom,
-                              peak=flushed_peak), after)
+                              peak=flushed_peak, candidates=candidates, staging=self.staging,
+                              recorded=recorded), after)
         return True
 
     # --- trials -----------------------------------------------------------------------------
@@ -423,6 +425,13 @@ class TrialsAndWatch:
             return
         self.replans_used += 1
         self._lowered_target = made.target
+        if made.stage is not None:
+            # another of the recording's stages meets the lower target faster: in force from
+            # the next step, its plans made on its profile; the plan it replaces, of the other
+            # stage's groups, is not tried against it
+            self.recorded_profile = self._weighed[0]
+            self.stage, self._staged, self.profile = made.stage, True, made.profile
+            self._before_lowering = None
         if after[0] == "trial":
             _, trial, times, _, why = after
             self._say((f"the offload plan ran {times[0]:.1f} ms a step{trial.flush_note(0)}; "
@@ -469,6 +478,9 @@ class Lifecycle(TrialsAndWatch):
         self._recordings_left = self.record_steps
         self._recorded: list[StepProfile] = []   # this recording's profiles so far
         self._stage_candidates: tuple = ()
+        #: the recorded profile and the stages its first plan weighed: a lowering weighs them
+        #: again at its lower target (plan_runner.PlanMaker._staged_lowering)
+        self._weighed: tuple = (None, ())
         self._lowered_target: int | None = None
         #: the profile plans are made on (the staged one where a stage is in force), the
         #: recorded one where a stage is, and the stage (plan_runner.StageCandidate)
@@ -634,6 +646,7 @@ class Lifecycle(TrialsAndWatch):
         self._ask(PlanRequest(FIRST, self.profile, self.target, self.budget, self.headroom,
                               candidates=self._stage_candidates, staging=self.staging,
                               quick=self.trials))
+        self._weighed = (self.profile, self._stage_candidates)
         self._stage_candidates = ()
 
     def _failed(self, outcome: StepOutcome, out_of_memory: bool) -> None:
@@ -805,7 +818,7 @@ class Lifecycle(TrialsAndWatch):
             self.kept_after_trial = kept_after_trial
             own = self.target
             self._lowered_target = plan.target if plan.target and plan.target != own else None
-            self._recorded, self._stage_candidates = [], ()
+            self._recorded, self._stage_candidates, self._weighed = [], (), (None, ())
             self.state = WATCHING if self.trials else PLANNED
             self._watch_from_now()
             self._staged = stage is not None
@@ -830,7 +843,7 @@ class Lifecycle(TrialsAndWatch):
             self.profile = self.recorded_profile = self.stage = self.plan = None
             self.modes, self.kept_after_trial, self._lowered_target = None, None, None
             self.trial, self._awaiting = None, None
-            self._recorded = []
+            self._recorded, self._weighed = [], (None, ())
             self._recordings_left = self.record_steps
             self.state = RECORDING
             self._say(f"the cached offload plan does not fit this step: {reason}; recording "

@@ -67,9 +67,12 @@ class PlanRequest:
     #: LOWER: the least peak of the plans that flushed; REPLAN: the modelled peak of the plan
     #: that ran out of memory (for its line)
     peak: int | None = None
-    #: FIRST: the stages to weigh, and the session's ``stage`` setting (True, False, "always")
+    #: FIRST: the stages to weigh, and the session's ``stage`` setting (True, False, "always");
+    #: LOWER: the same stages, weighed again at the lower target, on ``recorded``
     candidates: tuple = ()
     staging: bool | str = True
+    #: LOWER: the profile the FIRST request weighed ``candidates`` on (the recorded one)
+    recorded: StepProfile | None = None
     #: FIRST: the plain plan by the fast planner's quick construction (one-group changes from
     #: everything kept: a plan in a few hundredths of a second where the full search takes a
     #: second), the full search's then coming with the TRIALS request (``refine``); only for a
@@ -213,21 +216,8 @@ class PlanMaker:
         plain one has none; where none has a plan, the candidate of the least peak, if lower
         than the plain profile's (its headroom is then lowered as ever). Returns (the plan taken,
         None: none meets ``target``; (the stage taken, its profile), None where none is)."""
-        def plan_on(on):
-            try:
-                return self.solve(on, target, explain=False)
-            except MucudnnError:
-                return None
-        plain = plan_on(profile)
-        options = []
-        for candidate in candidates:
-            chunks = planner_stage.stage_chunks(profile, candidate.stage)
-            if chunks is None or min(chunks, candidate.batch) < 2:
-                continue
-            candidate = replace(candidate,
-                                stage=replace(candidate.stage, chunks=min(chunks, candidate.batch)))
-            staged = planner_stage.staged_profile(profile, candidate.stage)
-            options.append((plan_on(staged), staged, candidate))
+        plain = self._plan_or_none(profile, target)
+        options = self._stage_options(profile, target, candidates)
         planned = [option for option in options if option[0] is not None]
         if planned:
             best = min(planned, key=lambda option: option[0].predicted_ms)
@@ -244,6 +234,48 @@ class PlanMaker:
             return plain, None
         plan, staged, candidate = best
         return plan, (candidate, staged)
+
+    def _plan_or_none(self, profile: StepProfile, target: int) -> OffloadPlan | None:
+        try:
+            return self.solve(profile, target, explain=False)
+        except MucudnnError:
+            return None
+
+    def _stage_options(self, profile: StepProfile, target: int, candidates) -> list:
+        """(the plan for ``target`` or None, the staged profile, the candidate with its
+        micro-batches) of each candidate that stages ``profile`` in at least 2 micro-batches."""
+        options = []
+        for candidate in candidates:
+            chunks = planner_stage.stage_chunks(profile, candidate.stage)
+            if chunks is None or min(chunks, candidate.batch) < 2:
+                continue
+            candidate = replace(candidate,
+                                stage=replace(candidate.stage, chunks=min(chunks, candidate.batch)))
+            staged = planner_stage.staged_profile(profile, candidate.stage)
+            options.append((self._plan_or_none(staged, target), staged, candidate))
+        return options
+
+    def _staged_lowering(self, request: PlanRequest, target: int,
+                         plan: OffloadPlan | None) -> PlanResult | None:
+        """Where the recording's stages are weighed again (``request.candidates``, on
+        ``request.recorded``): the fastest plan for ``target`` of a stage other than the one in
+        force, where it beats ``plan`` (the stage in force's, None: none) by
+        :data:`planner_stage.STAGE_MIN_GAIN`, with that stage and its profile; else None. A
+        lower target can be met faster by a longer stage than by moving more of the stage in
+        force's groups (VGG-16 N=176 under 6.5 GiB: the recording's first block staged flushes;
+        for less, both blocks staged run 159 ms where moving more runs 201)."""
+        if not request.candidates or request.recorded is None or request.staging is False:
+            return None
+        planned = [option for option in
+                   self._stage_options(request.recorded, target, request.candidates)
+                   if option[0] is not None and option[1] != request.profile]
+        if not planned:
+            return None
+        best, staged, candidate = min(planned, key=lambda option: option[0].predicted_ms)
+        if plan is not None and \
+                best.predicted_ms >= plan.predicted_ms * (1 - planner_stage.STAGE_MIN_GAIN):
+            return None
+        return PlanResult(request, best, target, stage=candidate, profile=staged)
 
     def trial_plans(self, request: PlanRequest) -> list:
         """:func:`planning.trial_plans` for the request's plan (tests replace it)."""
@@ -282,14 +314,21 @@ class PlanMaker:
         quarter less peaks below the request's ``peak`` (the least of the plans that flushed:
         it gives room all the same) and is predicted faster by
         :data:`planner.LOWERING_MIN_GAIN`, that one (a plan's time steps up at some peaks, and
-        a lowering by half the headroom may pass a step that a quarter does not). None where no
-        plan meets the lower target, nor then any lower one (``lowerings_spent``)."""
+        a lowering by half the headroom may pass a step that a quarter does not); where another
+        of the recording's stages meets it faster, that stage's plan
+        (:meth:`_staged_lowering`). None where no plan meets the lower target, nor then any
+        lower one (``lowerings_spent``)."""
         profile = request.profile
         step = int(request.headroom / 2 * request.budget)
         target = request.target - step
         try:
             plan = self.plan_for(profile, target)
         except MucudnnError:
+            plan = None
+        staged = self._staged_lowering(request, target, plan)
+        if staged is not None:
+            return staged
+        if plan is None:
             return PlanResult(request, lowerings_spent=True)
         nearer = target + step // 2
         try:

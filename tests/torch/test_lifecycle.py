@@ -22,7 +22,8 @@ from mucudnn.torch.lifecycle import (ABANDONED, AS_RECORDED, FAILED, FALLBACK, F
                                      REPLANNING, TRIAL, UNPLANNED, WATCHING, Lifecycle,
                                      StepOutcome)
 from mucudnn.torch.plan_runner import (FIRST, LOWER, REPLAN, TRIALS, BackgroundRunner,
-                                       InlineRunner, PlanMaker, PlanRequest, StageCandidate)
+                                       InlineRunner, PlanMaker, PlanRequest, PlanResult,
+                                       StageCandidate)
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE, OffloadPlan, SavedGroup, StepProfile
 
 GiB = 2**30
@@ -975,3 +976,43 @@ def test_the_makers_first_plan_is_not_quick_where_the_quick_construction_falls_s
                             start=[KEEP] * len(recorded.profile.groups), quick=True,
                             made_by=made)
     assert made == [planner_fast.FULL]
+
+
+def test_a_lowering_that_another_of_the_recordings_stages_meets_faster_takes_that_stage():
+    # VGG-16 N=176 under 6.5 GiB: the first plan, on the recorded profile, flushed; for half the
+    # headroom less, a longer stage of the recording's meets the target faster than moving more
+    staged = profile(3)
+    stage = planner_stage.Stage(modules=2, first_group=0, end_group=2, input_group=0,
+                                input_bytes=MiB, chunks=4, forward_ms=1.0)
+    candidate = StageCandidate(stage, 8, payload="modules")
+
+    class StagingWhenLower(TableMaker):
+        def choose_stage(self, profile, target, candidates, staging):
+            self.weighed = (profile, candidates)
+            return plan(target, modes=(KEEP,) * 4), None      # the plain plan first
+
+        def _staged_lowering(self, request, target, made):
+            self.lowered = request
+            return PlanResult(request, plan(target, 15.0, modes=(KEEP,) * 3), target,
+                              stage=candidate, profile=staged)
+    maker = StagingWhenLower()
+    lifecycle = Lifecycle(8 * GiB, maker=maker)
+    steps = Steps(lifecycle)
+    for _ in range(planner.RECORD_STEPS):     # the recording, its stages the last step's
+        steps.step(stage_candidates=(candidate,))
+    recorded = lifecycle.profile
+    assert lifecycle.stage is None and maker.weighed == (recorded, (candidate,))
+    # (its trial alone, the plan made flushes: a plan for less is asked for)
+    decision = steps.run(10.0, flushes=1)
+    request = maker.lowered
+    assert request.kind == LOWER and request.candidates == (candidate,) and \
+        request.recorded is recorded and request.profile is recorded
+    assert decision.staged and lifecycle.stage is candidate
+    assert lifecycle.profile is staged and lifecycle.recorded_profile is recorded
+    assert lifecycle.plan.modes == (KEEP,) * 3 and lifecycle.target < planner.planning_target(
+        8 * GiB, 0.1)
+    # the plan it replaced saves the other stage's groups: it is not tried against it
+    assert "from before the lowering" not in lifecycle.trial.labels
+    assert all(len(p.modes) == 3 for p in lifecycle.trial.plans)
+    assert any(line.startswith(f"offload plan for 8.00 GiB (planned for ") and
+               line.endswith("; " + stage.describe()) for line in steps.lines)

@@ -174,3 +174,28 @@ def test_a_worker_that_cannot_start_when_warmed_leaves_it_to_the_first_request(m
     assert runner._worker is None and runner.failed is None and not said
     [made] = made_by(runner, [first], PlanMaker())
     assert runner.failed is not None and len(said) == 1 and made.plan is not None
+
+
+def test_a_lowering_that_takes_a_stage_comes_back_with_the_sessions_own_candidate():
+    """LOWER weighs the recording's stages again (PlanMaker._staged_lowering): sent to the worker
+    as their index, as FIRST's are, and back as the session's candidate, its chunks as made."""
+    import dataclasses
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_planner import staged_chain_profile
+    MiB = 2**20
+    profile = dataclasses.replace(staged_chain_profile(), d2h_gbps=1e-3, h2d_gbps=1e-3)
+    payload = object()   # the session's modules: never pickled
+    candidate = StageCandidate(Stage(5, 0, 3, 0, 1 * MiB, 1, 3.0), 8, payload)
+    budget = int(36.5 * MiB / 0.85)
+    first = planner.planning_target(budget, 0.1)
+    lower = PlanRequest(LOWER, profile, first, budget, 0.1, peak=first, candidates=(candidate,),
+                        recorded=profile)
+    runner = ProcessRunner()
+    try:
+        [made] = made_by(runner, [lower], PlanMaker())
+        assert runner.failed is None
+    finally:
+        runner.close()
+    [expected] = made_by(InlineRunner(), [lower], PlanMaker())
+    assert made.stage.payload is payload and made.stage == expected.stage
+    assert made.plan == expected.plan and made.profile == expected.profile
