@@ -292,6 +292,57 @@ def test_a_recording_that_staged_weighs_its_stage_extended_to_the_next_pooling_l
     assert [g.nbytes for g in session._step.groups] == [g.nbytes for g in session.profile.groups]
 
 
+def test_a_lowering_that_takes_the_longer_stage_trains_as_the_plain_step(monkeypatch):
+    # VGG-16 N=176 under 6.5 GiB on the H200: the recording staged the first block, the plan on
+    # it flushed the caching allocator, and the lowering took both blocks staged (c7fe7ae). Here
+    # the first plan is the recorded stage's, its steps flush, and the lowering is made to take
+    # the longer stage: from the step after it, the steps stage both blocks, and every step's
+    # gradients are PyTorch alone's (float64)
+    from mucudnn.torch import stage as stage_module
+    model, data = vgg_like(), batches(steps=14)
+    reference = train(copy.deepcopy(model), data)
+    monkeypatch.setattr(planning, "trial_plans", lambda *args, **kwargs: [])
+    original = PlanMaker.choose_stage
+    monkeypatch.setattr(PlanMaker, "choose_stage",   # the first plan: the recorded stage's
+                        lambda self, profile, target, candidates, staging:
+                        original(self, profile, target, (), staging))
+    monkeypatch.setattr(planner_stage, "STAGE_MIN_GAIN", -10.0)   # the lowering: the longer
+
+    class FlushingFirstPlan(RecordingLink):
+        count, last = 0, None
+
+        def flushes(self):
+            session = self.session
+            if session.plan is not None and session.lifecycle._lowered_target is None and \
+                    self.last != session.steps:
+                self.last, self.count = session.steps, self.count + 1
+            return self.count
+    link, said, stages = FlushingFirstPlan(), [], []
+    floor = leading_chain_bytes(model, 8)
+    session = OffloadSession(budget=int(floor / (stage_module.RECORDING_FLOOR_SHARE + 0.1)),
+                             link=link, min_bytes=0, headroom=0.1, strict=False,
+                             say=said.append)
+    link.session = session
+    original_close = session._close_step
+
+    def close_step(*args):
+        stages.append(session.stage.stage.modules if session.stage is not None else None)
+        return original_close(*args)
+    session._close_step = close_step
+    assert_close(reference, train(copy.deepcopy(model), data, session))
+    assert said[0].startswith("the recording stages the first 5 layers in ")
+    lowered = next(i for i, line in enumerate(said) if "so planning for" in line)
+    assert "(planned for " in said[lowered + 1] and \
+        said[lowered + 1].endswith("its first 8 layers staged (rerun in "
+                                   f"{session.stage.stage.chunks} micro-batches in the "
+                                   f"backward, {session.stage.stage.forward_ms:.1f} ms)")
+    assert stages[0] == 5 and stages[-1] == 8 and stages == sorted(stages, key=lambda m: m or 0)
+    assert session.profile == planner_stage.staged_profile(session.recorded_profile,
+                                                           session.stage.stage)
+    # the steps after the switch saved what the longer stage's profile has
+    assert [g.nbytes for g in session._step.groups] == [g.nbytes for g in session.profile.groups]
+
+
 def test_a_recording_stages_through_the_next_block_whose_backward_would_not_fit_either(
         monkeypatch):
     # VGG-16 at N=176 under 4.5 GiB: staged to its first pooling layer, the recording ran out
