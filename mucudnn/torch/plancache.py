@@ -493,6 +493,8 @@ def _stage_problem(stage: Stage) -> str | None:
                                                    and stage.input_group >= 0) or \
             not isinstance(stage.forward_ms, numbers.Real) or isinstance(stage.forward_ms, bool):
         return f"a stage of groups {stage.first_group!r}..{stage.end_group!r} that is none"
+    if not isinstance(stage.input_saved, bool):
+        return f"a stage whose input_saved is {stage.input_saved!r}, not true or false"
     return None
 
 

@@ -44,6 +44,10 @@ class Stage:
     chunks: int
     forward_ms: float     # its forward's recorded time: what the backward runs again
     recorded_chunks: int = 1
+    #: a staged step saves its input as a group of the session's; False where autograd keeps
+    #: it (a leaf that requires grad: a gradient penalty's input; one under the session's
+    #: ``min_bytes``): the staged profile then has no group for it
+    input_saved: bool = True
 
     def describe(self) -> str:
         # a stage the recording took has no time of its own: its rerun is in the profile's
@@ -101,14 +105,15 @@ def stage_chunks(profile: StepProfile, stage: Stage) -> int | None:
 def staged_profile(profile: StepProfile, stage: Stage) -> StepProfile | None:
     """The profile of a step run with ``stage`` (see :class:`Stage`), or None where it cannot be.
 
-    - Groups: those before the stage, its input (kept for its backward: no recipe), those after,
-      renumbered; a recipe reading a staged group is dropped (nothing saved it).
+    - Groups: those before the stage, its input (kept for its backward: no recipe; none where
+      autograd keeps it, :attr:`Stage.input_saved`), those after, renumbered; a recipe reading
+      a staged group is dropped (nothing saved it).
     - Backward points: those before the stage's, then one: its backward, where the floor there
       (its output's gradient, parameters and their gradients) and a chunk's share of the most
       its points held above it are live. Its rerun forward adds to the backward's time.
     - Forward: the stage's points become its input's, whose baseline is the most any of them held
       besides their groups plus one of the chain's tensors (its forward keeps its current input
-      and output, saving none)."""
+      and output, saving none); with no input group, the next group's point takes that."""
     points = _stage_points(profile, stage)
     if points is None:
         return None
@@ -129,15 +134,22 @@ def staged_profile(profile: StepProfile, stage: Stage) -> StepProfile | None:
         if profile.forward_clock:
             forward_clock.append(profile.forward_clock[at])
 
+    # the stage's forward: the most its points held besides their groups, and one of its tensors
+    chain = profile.baseline_forward[stage.first_group:stage.end_group]
+    stage_forward = max(chain) + max(profile.groups[g].nbytes for g in inside)
+    unsaved_input = stage.input_group is None and not stage.input_saved
+    pending = 0   # an unsaved input's stage forward, taken by the next group's point
     for index, group in enumerate(profile.groups):
         if index == stage.first_group and not saved_before:   # the stage saves its input
-            recorded = profile.groups[stage.input_group] if stage.input_group is not None \
-                else None
-            chain = profile.baseline_forward[stage.first_group:stage.end_group]
-            add(stage.input_group, SavedGroup(
-                stage.input_bytes, min(start, recorded.first_unpack) if recorded else start,
-                start, "stage input", recorded.offloadable if recorded else True),
-                max(chain) + max(profile.groups[g].nbytes for g in inside), index)
+            if unsaved_input:
+                pending = stage_forward
+            else:
+                recorded = profile.groups[stage.input_group] \
+                    if stage.input_group is not None else None
+                add(stage.input_group, SavedGroup(
+                    stage.input_bytes, min(start, recorded.first_unpack) if recorded else start,
+                    start, "stage input", recorded.offloadable if recorded else True),
+                    stage_forward, index)
         if index in staged or (index == stage.input_group and not saved_before):
             continue
         if index == stage.input_group:        # saved before: the stage's backward reads it last
@@ -148,7 +160,12 @@ def staged_profile(profile: StepProfile, stage: Stage) -> StepProfile | None:
             group = replace(group, recompute_ms=None, recompute_source=None, rebuild_bytes=None)
         elif sources is not None:
             group = replace(group, recompute_source=tuple(renumbered[s] for s in sources))
-        add(index, group, profile.baseline_forward[index], index)
+        add(index, group, max(profile.baseline_forward[index], pending), index)
+        pending = 0
+    if pending:
+        if not groups:   # nothing saved but the stage's: no point for its forward
+            return None
+        forward_base[-1] = max(forward_base[-1], pending)
     chunked = floor + -(-(peak - floor) // stage.chunks)
     return replace(
         profile, groups=groups, unpacks=start + 1,

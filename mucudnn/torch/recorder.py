@@ -196,7 +196,8 @@ class StepRecorder:
         if step.profiling and self.session.staging:
             if step.chain is None:
                 step.chain = ChainRecorder()
-            step.chain.enter(module, args, parent, len(step.groups), call, self.session._key)
+            step.chain.enter(module, args, parent, len(step.groups), call, self.session._key,
+                             self.session.saves_as_group)
 
     def module_returns(self, module, output) -> None:
         """Leaf ``module``'s forward returned ``output`` (not a tensor: it raised)."""

@@ -35,6 +35,23 @@ from .records import _SEQUENCE_NR, _Group, _Packed, _Passed, _rebuild_order, rec
 from .recorder import _current_node, _in_backward
 
 
+def autograd_keeps(tensor: torch.Tensor, min_bytes: int) -> bool:
+    """Rule 1: ``tensor``, saved outside a backward and a rerun, is autograd's to keep, no group
+    of the session's (the first test of every pack)."""
+    # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none.
+    # A leaf of one dimension without grad is a module's buffer (batch norm's running
+    # statistics, which a later train-mode forward changes in place without a version bump,
+    # and which an eval-mode backward reads as they are then): autograd keeps it, as ever.
+    # A view of a parameter (a linear layer saves its weight transposed) holds none of its
+    # own memory: moving it frees nothing. A tensor of another layout than strided (sparse,
+    # mkldnn) has no address to key it by.
+    base = tensor._base
+    return tensor.is_leaf and (tensor.requires_grad or tensor.dim() <= 1) or (
+        type(tensor) is not torch.Tensor and isinstance(tensor, nn.Parameter)) or \
+        tensor.layout is not torch.strided or tensor.nbytes < min_bytes or \
+        base is not None and base.is_leaf and base.requires_grad
+
+
 class SavedTensorHooks:
     """Autograd's pack (:meth:`_pack`) and unpack (:meth:`_unpack`) hooks of an
     :class:`~mucudnn.torch.offload_session.OffloadSession`, and the rebuilding of recomputed
@@ -81,6 +98,11 @@ class SavedTensorHooks:
             group = self._group_for(tensor)
             return _Passed(tensor) if group is None else _Packed(group, group.owner)
 
+    def saves_as_group(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``, saved in a step's forward, would be a group of the session's
+        (rule 1, and a device the session moves)."""
+        return not autograd_keeps(tensor, self.min_bytes) and self.link_for(tensor) is not None
+
     def _group_for(self, tensor: torch.Tensor) -> _Group | None:
         # a rerun, or inside a backward (_in_backward, without its call): a checkpoint's
         # recomputation is not ours
@@ -88,18 +110,7 @@ class SavedTensorHooks:
             return None
         if self._step.pending:
             self.copies.copy_pending(self._step, _SEQUENCE_NR())
-        # nn.Parameter's isinstance is a Python metaclass call: a tensor of type Tensor is none.
-        # A leaf of one dimension without grad is a module's buffer (batch norm's running
-        # statistics, which a later train-mode forward changes in place without a version bump,
-        # and which an eval-mode backward reads as they are then): autograd keeps it, as ever.
-        # A view of a parameter (a linear layer saves its weight transposed) holds none of its
-        # own memory: moving it frees nothing. A tensor of another layout than strided (sparse,
-        # mkldnn) has no address to key it by, and is autograd's to keep.
-        base = tensor._base
-        if tensor.is_leaf and (tensor.requires_grad or tensor.dim() <= 1) or (
-                type(tensor) is not torch.Tensor and isinstance(tensor, nn.Parameter)) or \
-                tensor.layout is not torch.strided or tensor.nbytes < self.min_bytes or \
-                base is not None and base.is_leaf and base.requires_grad:
+        if autograd_keeps(tensor, self.min_bytes):
             return None
         link = self.link_for(tensor)
         if link is None:

@@ -238,7 +238,8 @@ class PlanLifecycle:
             chain, chunks = staged
             source = args[0]
             stage = planner_stage.Stage(len(chain), saved, saved, None,
-                                        source.numel() * source.element_size(), chunks, 0.0)
+                                        source.numel() * source.element_size(), chunks, 0.0,
+                                        input_saved=self.saves_as_group(source))
             self.stage = StagePlan(stage, chain, parent)
             self.lifecycle.stage_in_recording(
                 StageCandidate(stage, source.shape[0], (chain, parent)))

@@ -109,11 +109,14 @@ class ChainRecorder:
     open: bool = True
     input_key: tuple | None = None
     input_bytes: int = 0
+    #: whether a staged step saves the chain's input as a group (planner_stage.Stage.input_saved)
+    input_saved: bool = True
     batch: int = 0
 
     def enter(self, module: nn.Module, args, parent: nn.Module | None, groups: int,
-              call, key) -> None:
-        """Leaf ``module`` starts (``call``, its record); ``key(tensor)``: a tensor's group key."""
+              call, key, saved=lambda tensor: True) -> None:
+        """Leaf ``module`` starts (``call``, its record); ``key(tensor)``: a tensor's group key;
+        ``saved(tensor)``: whether the session makes a group of it where it is saved."""
         if not self.open:
             return
         links = self.links
@@ -131,6 +134,7 @@ class ChainRecorder:
                 return
             self.parent, self.input_key = parent, key(source)
             self.input_bytes = source.numel() * source.element_size()
+            self.input_saved = saved(source)
             self.batch = source.shape[0]
         links.append(_Link(module, groups, call))
 
@@ -159,7 +163,8 @@ class ChainRecorder:
                 continue
             found.append((planner_stage.Stage(
                 end + 1, first, after, input_group, self.input_bytes, 1,
-                sum(time_ms(each.call) for each in self.links[:end + 1])),
+                sum(time_ms(each.call) for each in self.links[:end + 1]),
+                input_saved=input_group is not None or self.input_saved),
                 [each.module for each in self.links[:end + 1]]))
             if len(found) == planner_stage.STAGE_ENDS:
                 break
@@ -184,7 +189,9 @@ class ChainRecorder:
         input_group = stage.first_group if groups_at_end > stage.first_group else None
         return [(replace(own, modules=len(modules) + own.modules, first_group=stage.first_group,
                          input_group=input_group, input_bytes=stage.input_bytes,
-                         recorded_chunks=stage.chunks), modules + more)
+                         recorded_chunks=stage.chunks,
+                         input_saved=input_group is not None or stage.input_saved),
+                 modules + more)
                 for own, more in self.candidates(None, time_ms)[:planner_stage.STAGE_ENDS - 1]]
 
 

@@ -121,6 +121,19 @@ def test_a_staged_entry_keeps_its_stage_and_recorded_profile(cache):
     assert loaded.recorded_profile == chain() and cache.say == []
 
 
+def test_a_staged_entry_whose_input_autograd_keeps_round_trips(cache):
+    entry = staged_entry()
+    entry = dataclasses.replace(entry, stage=dataclasses.replace(entry.stage, input_saved=False))
+    cache.store(key(), entry)
+    assert cache.load(key()).stage.input_saved is False and not cache.say
+    # an entry written before the field: its stage saves its input, as stages then did
+    path = cache.path_for(key())
+    document = json.loads(path.read_text())
+    del document["stage"]["input_saved"]
+    path.write_text(json.dumps(document))
+    assert cache.load(key()).stage.input_saved is True
+
+
 def test_an_entry_is_a_profile_document_the_replay_reads(cache):
     cache.store(key(), entry())
     recorded = profiles.load_profile(cache.path_for(key()))
@@ -523,7 +536,8 @@ def test_the_module_imports_neither_torch_nor_pulp():
                                           ("chunks", 2.5), ("chunks", None), ("modules", "3"),
                                           ("modules", 3.0), ("modules", 0), ("modules", True),
                                           ("first_group", "0"), ("end_group", -1),
-                                          ("input_group", "x")])
+                                          ("input_group", "x"), ("input_saved", 1),
+                                          ("input_saved", None)])
 def test_a_staged_entry_whose_stage_is_no_stage_is_one_line_and_a_miss(cache, field, value):
     # a cached run stages its first step with the entry's stage (its modules' count, its
     # micro-batches): a file whose stage holds no such numbers is corrupt, not a crash there

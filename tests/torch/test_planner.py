@@ -800,6 +800,26 @@ def test_a_staged_profile_drops_the_chains_groups_and_backward_points():
     assert peak_memory(staged, [KEEP] * 3, 0) < peak_memory(profile, [KEEP] * 5, 0)
 
 
+def test_a_staged_profile_has_no_group_for_an_input_autograd_keeps():
+    # the chain's input requires grad (a gradient penalty's): no group saved it in the
+    # recording (input_group None) and none will in a staged step (input_saved False); the
+    # stage's forward memory goes with the next group's point
+    profile = staged_chain_profile()
+    groups = [g if g.recompute_source is None else dataclasses.replace(
+        g, recompute_source=tuple(source - 1 for source in g.recompute_source))
+        for g in profile.groups[1:]]
+    unsaved = dataclasses.replace(profile, groups=groups, baseline_forward=profile.baseline_forward[1:],
+                      forward_clock=profile.forward_clock[1:])
+    stage = planner_stage.Stage(5, 0, 2, None, 1 * MiB, 4, 3.0, input_saved=False)
+    staged = planner_stage.staged_profile(unsaved, stage)
+    assert [g.producer for g in staged.groups] == ["MaxPool2d", "ReLU"]
+    # the stage's forward (9 MiB besides its groups, and one 8 MiB tensor) at the pool's point
+    assert staged.baseline_forward == [9 * MiB + 8 * MiB, 3 * MiB]
+    # saved by the staged step where it can be: the input's group, as ever
+    saved = planner_stage.staged_profile(unsaved, dataclasses.replace(stage, input_saved=True))
+    assert [g.producer for g in saved.groups] == ["stage input", "MaxPool2d", "ReLU"]
+
+
 def test_a_stage_extending_the_recordings_counts_its_last_point_at_the_whole_batch():
     # the profile's last point is the recording's own stage (4 chunks): 10 MiB there above its
     # 8 MiB floor is a quarter of what its chain's backward holds for the whole batch

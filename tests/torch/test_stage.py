@@ -86,6 +86,26 @@ def test_the_inputs_gradient_through_a_staged_chain():
     assert session.stage is not None
 
 
+def test_a_staged_plan_whose_input_requires_grad_saves_what_its_profile_has():
+    # a gradient penalty's input, or any input that requires grad, is autograd's to keep: the
+    # staged step saves no group for it, and its profile has none (before, the profile's extra
+    # "stage input" group shifted every group, and the steps kept them all)
+    model, data = vgg_like(), batches(input_grad=True)
+    said = []
+    session = staged_session(say=said.append)
+    assert_close(train(copy.deepcopy(model), data), train(model, data, session))
+    stage = session.stage.stage
+    assert stage.input_group is None and not stage.input_saved
+    assert "stage input" not in [g.producer for g in session.profile.groups]
+    assert [g.nbytes for g in session._step.groups] == [g.nbytes for g in session.profile.groups]
+    assert not any("saves other tensors" in line for line in said), said
+    # the same chain on an input that does not require grad: its input is a group
+    plain = staged_session()
+    train(vgg_like(), batches(), plain)
+    assert plain.stage.stage.input_saved and plain.profile.groups[0].nbytes == \
+        batches()[0][0].numel() * 8
+
+
 @pytest.mark.parametrize("change", ["batch norm", "own hook", "own forward", "in place first",
                                     "functional"])
 def test_only_a_plain_sequential_of_per_sample_layers_is_staged(change):
