@@ -425,6 +425,7 @@ class TrialsAndWatch:
             return
         self.replans_used += 1
         self._lowered_target = made.target
+        self.kept_after_trial = None   # the plan as made, unless its own trial keeps another
         if made.stage is not None:
             # another of the recording's stages meets the lower target faster: in force from
             # the next step, its plans made on its profile; the plan it replaces, of the other

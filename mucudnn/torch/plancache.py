@@ -125,9 +125,14 @@ class PlanCacheError(MucudnnError):
 
 
 def _plain(name: str, value):
-    """``value`` as the key holds it: JSON's scalars, sequences as tuples."""
+    """``value`` as the key holds it: JSON's scalars (a NumPy number as Python's), sequences as
+    tuples."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, float):
+        value = float(value)
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
             raise PlanCacheError(f"plan cache key: {name} is {value}, not a finite number")
@@ -502,6 +507,21 @@ def _whole(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+#: the largest size a floor record may hold (an exabyte: no GPU's; a float holds it exactly)
+LARGEST_SIZE = 2**60
+
+
+def _shown(value) -> str:
+    """``repr(value)`` for a line, at most 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _size(value) -> bool:
+    """A size of bytes a record may hold: a whole number from 1 to :data:`LARGEST_SIZE`."""
+    return _whole(value) and 1 <= value <= LARGEST_SIZE
+
+
 def _plain_number(value):
     """JSON for a NumPy or torch scalar handed in as a number."""
     if hasattr(value, "item"):
@@ -589,6 +609,8 @@ class PlanCache:
             document = json.loads(text)
         except ValueError as exc:
             return True, self._unused(path, f"it is not JSON ({exc})")
+        except RecursionError:
+            return True, self._unused(path, "it is not JSON (nested too deep)")
         if not isinstance(document, dict):
             return True, self._unused(path, "it is not a plan cache entry")
         version = document.get("plan_cache_format")
@@ -662,8 +684,9 @@ class PlanCache:
             document = json.loads(path.read_text(encoding="utf-8"))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+                "nested too deep" if isinstance(exc, RecursionError) else exc
             return self._floor_unused(path, f"it cannot be read as JSON ({reason})")
         if not isinstance(document, dict) or document.get("floor") is not True:
             return self._floor_unused(path, "it is not a floor record")
@@ -676,11 +699,12 @@ class PlanCache:
                                             "another key of the same hash)")
         budget, least = document.get("budget"), document.get("least_peak")
         headroom = document.get("least_headroom")
-        if not _whole(budget) or budget < 1 or least is not None and not (
-                _whole(least) and least >= 1) or isinstance(headroom, bool) or \
-                not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-            return self._floor_unused(path, f"its budget {budget!r}, least peak {least!r} and "
-                                            f"least headroom {headroom!r} are not a floor's")
+        if not _size(budget) or least is not None and not _size(least) or \
+                isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or \
+                not 0 <= headroom < 1:
+            return self._floor_unused(path, f"its budget {_shown(budget)}, least peak "
+                                            f"{_shown(least)} and least headroom "
+                                            f"{_shown(headroom)} are not a floor's")
         return StepFloor(budget, least, float(headroom))
 
     def _floor_unused(self, path: Path, reason: str) -> None:
@@ -697,10 +721,15 @@ class PlanCache:
         known = self._quietly(lambda: self.load_floor(key))
         if known is not None and known.needs() >= floor.needs():
             return False
+        try:
+            text = json.dumps(floor.document(key.for_any_budget()), default=_plain_number) + "\n"
+        except (TypeError, ValueError) as exc:   # a value handed in that JSON cannot hold
+            self.say(f"the offload floor was not recorded: {exc}")
+            return False
         from ..outputs import write_text_atomically
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomically(path, json.dumps(floor.document(key.for_any_budget())) + "\n")
+            write_text_atomically(path, text)
         except OSError as exc:
             self.say(f"the offload floor was not recorded: {path} cannot be written "
                      f"({exc.strerror or exc})")

@@ -92,7 +92,10 @@ class PlanLifecycle:
         step does not fit (:class:`~.plancache.StepFloor`): a later run under no more is told
         before its first step."""
         line = self.out_of_memory_line()
-        if line is not None and not self._before_any_save() and self._offloading_everything():
+        # not a step a cached plan ran until it no longer fitted (:attr:`_offload_rest`): its
+        # first groups were kept, so its budget may fit a step offloaded from its start
+        if line is not None and not self._before_any_save() and not self._offload_rest and \
+                self.state in (RECORDING, PLANNING, UNPLANNED, FALLBACK):
             self._store_floor(None)
         return line
 

@@ -605,7 +605,11 @@ def test_the_floor_that_rules_out_more_is_kept_and_a_plan_below_it_removes_it(ca
     (lambda d: json.dumps({**d, "budget": "8GiB"}), "are not a floor's"),
     (lambda d: json.dumps({**d, "least_peak": -1}), "are not a floor's"),
     (lambda d: json.dumps({**d, "least_headroom": 1.5}), "are not a floor's"),
-], ids=["json", "list", "no-floor", "format", "key", "budget", "peak", "headroom"])
+    (lambda d: json.dumps({**d, "least_peak": 10**400}), "least peak 1000000000000000000000000000000000000..."),
+    (lambda d: json.dumps({**d, "budget": 10**400, "least_peak": None}), "are not a floor's"),
+    (lambda d: "[" * 100000, "nested too deep"),
+], ids=["json", "list", "no-floor", "format", "key", "budget", "peak", "headroom", "huge-peak",
+        "huge-budget", "nested"])
 def test_a_floor_record_that_is_none_is_one_line_and_replaced(cache, damage, said):
     from mucudnn.torch.plancache import StepFloor
     cache.store_floor(key(), StepFloor(2 * GiB))
@@ -616,6 +620,29 @@ def test_a_floor_record_that_is_none_is_one_line_and_replaced(cache, damage, sai
     assert line.startswith(f"the offload floor record {path} is not used: ") and said in line, line
     assert cache.store_floor(key(), StepFloor(2 * GiB)) and len(cache.say) == 1   # replaced, quietly
     assert cache.load_floor(key()) == StepFloor(2 * GiB)
+
+
+def test_a_floor_of_numpy_numbers_is_stored_as_plain_ones(cache):
+    import numpy as np
+    from mucudnn.torch.plancache import StepFloor
+    floor = StepFloor(np.int64(2 * GiB), np.int64(3 * GiB), np.float32(0.025))
+    assert cache.store_floor(key(), floor) and not cache.say
+    assert cache.load_floor(key()) == StepFloor(2 * GiB, 3 * GiB, float(np.float32(0.025)))
+
+
+def test_an_entry_nested_too_deep_is_one_line_and_a_miss(cache):
+    cache.directory.mkdir()
+    cache.path_for(key()).write_text("[" * 100000)
+    assert cache.load(key()) is None
+    [line] = cache.say
+    assert line.endswith("is not used: it is not JSON (nested too deep); recording anew")
+
+
+def test_a_key_takes_numpy_numbers_as_plain_ones():
+    import numpy as np
+    made = key(options={**OPTIONS, "headroom": np.float32(0.1), "lookahead": np.int64(2)})
+    assert made == key(options={**OPTIONS, "headroom": float(np.float32(0.1)), "lookahead": 2})
+    assert type(dict(made.options)["lookahead"]) is int
 
 
 def test_no_cache_keeps_no_floor():

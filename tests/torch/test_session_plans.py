@@ -1201,6 +1201,13 @@ def test_a_script_out_of_memory_while_offloading_everything_keeps_its_budget_as_
                            f"the {format_size(budget)} memory budget is below what one step needs "
                            "at least") and "give it a larger --memory-budget" in line
     assert cache.load_floor(session._cache_key) == StepFloor(budget, None, 0.0)
+    # a step a cached plan ran until it no longer fitted kept its first groups: not a floor
+    other = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, headroom=0.0,
+                           plan_cache=PlanCache(tmp_path / "c"), strict=False)
+    train(model, data, other)
+    other._offload_rest = True
+    assert "with every saved tensor offloaded" in other.script_ran_out_of_memory()
+    assert other._plan_cache.load_floor(other._cache_key) is None
     # before any tensor was saved: what the script allocated, not a step; nothing kept
     fresh = OffloadSession(budget=budget, link=RecordingLink(), plan_cache=PlanCache(tmp_path / "b"))
     assert fresh.script_ran_out_of_memory() == (
