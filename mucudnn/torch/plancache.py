@@ -647,10 +647,8 @@ class PlanCache:
         path = self.path_for(key)
         if path is None or self.not_storing is not None:
             return False
-        try:
-            text = json.dumps(entry.document(key), default=_plain_number) + "\n"
-        except (TypeError, ValueError) as exc:   # a value handed in that JSON cannot hold
-            self.say(f"the offload plan was not cached: {exc}")
+        text = self._text(entry.document(key), "the offload plan was not cached")
+        if text is None:
             return False
         from ..outputs import write_text_atomically
         try:
@@ -666,6 +664,15 @@ class PlanCache:
                      "directory, or off)")
             return False
         return True
+
+    def _text(self, document: dict, unkept: str) -> str | None:
+        """``document`` as a file's JSON (a NumPy or torch number as a plain one); None where it
+        holds a value JSON cannot, with one line beginning ``unkept``."""
+        try:
+            return json.dumps(document, default=_plain_number) + "\n"
+        except (TypeError, ValueError) as exc:   # a value handed in that JSON cannot hold
+            self.say(f"{unkept}: {exc}")
+            return None
 
     def floor_path(self, key: PlanKey) -> Path | None:
         """The step's floor record for ``key`` (any budget; None: no cache)."""
@@ -721,10 +728,9 @@ class PlanCache:
         known = self._quietly(lambda: self.load_floor(key))
         if known is not None and known.needs() >= floor.needs():
             return False
-        try:
-            text = json.dumps(floor.document(key.for_any_budget()), default=_plain_number) + "\n"
-        except (TypeError, ValueError) as exc:   # a value handed in that JSON cannot hold
-            self.say(f"the offload floor was not recorded: {exc}")
+        text = self._text(floor.document(key.for_any_budget()),
+                          "the offload floor was not recorded")
+        if text is None:
             return False
         from ..outputs import write_text_atomically
         try:
