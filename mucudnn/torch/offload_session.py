@@ -123,7 +123,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     simulation says are faster (made at other copy exposures, and for smaller headrooms:
     :data:`planner.TRIAL_HEADROOM_SHARES`), run
     each :data:`planner.TRIAL_STEPS` steps and keep the fastest that did not flush the caching
-    allocator's cache (:meth:`.lifecycle.Trial.kept`), with one line (the plan made runs while
+    allocator's cache (:meth:`.trial.Trial.kept`), with one line (the plan made runs while
     the others are made). ``keep_apart`` (off by default: it won no trial measured,
     benchmarks/results/plan-accuracy): the trial also runs its simulated fastest plan with the
     small kept groups copied apart from the step's large tensors
