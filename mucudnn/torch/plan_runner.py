@@ -252,7 +252,8 @@ class PlanMaker:
             candidate = replace(candidate,
                                 stage=replace(candidate.stage, chunks=min(chunks, candidate.batch)))
             staged = planner_stage.staged_profile(profile, candidate.stage)
-            options.append((self._plan_or_none(staged, target), staged, candidate))
+            if staged is not None:   # None: it would leave the step no group to plan
+                options.append((self._plan_or_none(staged, target), staged, candidate))
         return options
 
     def _staged_lowering(self, request: PlanRequest, target: int,

@@ -725,6 +725,9 @@ class PlanCache:
         path = self.floor_path(key)
         if path is None or self.not_storing is not None:
             return False
+        if not _size(floor.budget) or floor.least_peak is not None and \
+                not _size(floor.least_peak):   # not one load_floor would read back
+            return False
         known = self._quietly(lambda: self.load_floor(key))
         if known is not None and known.needs() >= floor.needs():
             return False

@@ -76,6 +76,10 @@ class PlanLifecycle:
                     f"tensor: the model, its inputs and what else it allocated take more than "
                     f"the {format_size(budget)} memory budget")
         staged = f", {self.stage.stage.describe()}" if self.stage is not None else ""
+        if self._offload_rest:
+            return (f"the step ran out of device memory under the offload plan from the plan "
+                    f"cache, which this step did not fit (its first groups kept as planned, the "
+                    f"rest offloaded){staged}, in the {format_size(budget)} memory budget")
         if self._offloading_everything():
             return (f"the step ran out of device memory with every saved tensor offloaded{staged}: "
                     f"the {format_size(budget)} memory budget is below what one step needs "
@@ -95,7 +99,7 @@ class PlanLifecycle:
         # not a step a cached plan ran until it no longer fitted (:attr:`_offload_rest`): its
         # first groups were kept, so its budget may fit a step offloaded from its start
         if line is not None and not self._before_any_save() and not self._offload_rest and \
-                self.state in (RECORDING, PLANNING, UNPLANNED, FALLBACK):
+                self._offloading_everything():
             self._store_floor(None)
         return line
 

@@ -645,6 +645,14 @@ def test_a_key_takes_numpy_numbers_as_plain_ones():
     assert type(dict(made.options)["lookahead"]) is int
 
 
+def test_a_floor_no_record_could_hold_is_not_written(cache):
+    from mucudnn.torch.plancache import LARGEST_SIZE, StepFloor
+    assert not cache.store_floor(key(), StepFloor(LARGEST_SIZE + 1))
+    assert not cache.store_floor(key(), StepFloor(GiB, LARGEST_SIZE + 1))
+    assert cache.load_floor(key()) is None and not cache.say
+    assert cache.store_floor(key(), StepFloor(LARGEST_SIZE))
+
+
 def test_no_cache_keeps_no_floor():
     from mucudnn.torch.plancache import StepFloor
     cache = PlanCache(None)

@@ -1206,8 +1206,16 @@ def test_a_script_out_of_memory_while_offloading_everything_keeps_its_budget_as_
                            plan_cache=PlanCache(tmp_path / "c"), strict=False)
     train(model, data, other)
     other._offload_rest = True
-    assert "with every saved tensor offloaded" in other.script_ran_out_of_memory()
+    assert other.script_ran_out_of_memory().startswith(
+        "the step ran out of device memory under the offload plan from the plan cache, which "
+        "this step did not fit")
     assert other._plan_cache.load_floor(other._cache_key) is None
+    other._offload_rest = False
+    # a replan made inline (no plan runs meanwhile): its steps offload everything, as recorded
+    other.lifecycle.state, other.lifecycle._replan_under_plan = "replanning", False
+    assert other.lifecycle.inline and other.offloads_as_recorded
+    assert "with every saved tensor offloaded" in other.script_ran_out_of_memory()
+    assert other._plan_cache.load_floor(other._cache_key) == StepFloor(budget, None, 0.0)
     # before any tensor was saved: what the script allocated, not a step; nothing kept
     fresh = OffloadSession(budget=budget, link=RecordingLink(), plan_cache=PlanCache(tmp_path / "b"))
     assert fresh.script_ran_out_of_memory() == (

@@ -106,6 +106,26 @@ def test_a_staged_plan_whose_input_requires_grad_saves_what_its_profile_has():
         batches()[0][0].numel() * 8
 
 
+@pytest.mark.parametrize("budget, stage", [(2**40, True), (60_000_000, True), (2**40, "always")])
+def test_a_stage_that_would_leave_no_group_is_not_weighed(budget, stage):
+    # found by a review: the input requires grad (autograd keeps it) and every save after the
+    # second pooling layer is under min_bytes, so staging both blocks leaves no group to plan
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).double()
+    generator = torch.Generator().manual_seed(2)
+    data = [(torch.randn(32, 3, 64, 64, generator=generator, dtype=torch.float64)
+             .requires_grad_(), torch.randint(0, 10, (32,), generator=generator))
+            for _ in range(6)]
+    session = OffloadSession(budget=budget, link=RecordingLink(), stage=stage, strict=False)
+    assert_close(train(copy.deepcopy(model), data), train(model, data, session))
+    # (under the small budget the recording stages both blocks itself and saves no group: it
+    # records on, having nothing to plan)
+    assert session.lifecycle.state not in ("recording", "planning") or session.stage is not None
+
+
 @pytest.mark.parametrize("change", ["batch norm", "own hook", "own forward", "in place first",
                                     "functional"])
 def test_only_a_plain_sequential_of_per_sample_layers_is_staged(change):
