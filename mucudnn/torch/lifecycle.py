@@ -133,6 +133,9 @@ class Decision:
     settled: bool = False
     #: the session fell back to offloading everything: a cached plan is forgotten
     fell_back: bool = False
+    #: no plan met any target: the least peak any plan reached, the step's floor a plan cache
+    #: keeps for later runs (plancache.StepFloor); None where the planner found none or a plan
+    least_peak: int | None = None
 
 
 def _mark_ms(start, end) -> float:
@@ -425,9 +428,7 @@ class Lifecycle(TrialsAndWatch):
         #: error's text only, since the error's traceback, made inline, holds the training
         #: thread's frames (the step that ended, the next one's input) for the session's life
         self.first_error_message: str | None = None
-        #: where no plan met any target: the least peak any plan reached (the step's floor,
-        #: kept for later runs: plancache.StepFloor), where the planner found it
-        self.no_plan_least_peak: int | None = None
+        self._least_peak: int | None = None   # the decision's (Decision.least_peak)
         self._lines: list[str] = []
         self._write = False
         self._staged = False
@@ -506,6 +507,7 @@ class Lifecycle(TrialsAndWatch):
         before = (self.plan, list(self.modes) if self.modes is not None else None)
         self._lines, self._write, self._staged = [], False, False
         self._settled = self._forget = False
+        self._least_peak = None
         error = None
         try:
             transition()
@@ -513,7 +515,7 @@ class Lifecycle(TrialsAndWatch):
             error = exc
         changed = self.modes != before[1] or self.plan is not before[0]
         return Decision(self.run, self.modes, self.plan, tuple(self._lines), self._write, changed,
-                        self._staged, error, self._settled, self._forget)
+                        self._staged, error, self._settled, self._forget, self._least_peak)
 
     def _say(self, line: str) -> None:
         self._lines.append(line)
@@ -659,7 +661,7 @@ class Lifecycle(TrialsAndWatch):
                 # as the recorded step ran (everything offloaded): what goes on after an error
                 # a script catches, and an unmodified script's way without ``strict``
                 self.state = UNPLANNED
-                self.no_plan_least_peak = getattr(made.error, "least_peak", None)
+                self._least_peak = getattr(made.error, "least_peak", None)
                 self.modes = offload_everything(self.profile.groups)
                 if self.strict:
                     raise made.error

@@ -188,8 +188,8 @@ class PlanLifecycle:
 
     def _apply(self, decision, finished: _Step | None = None, failed: bool = False) -> None:
         """What the lifecycle decided, carried out: its lines said, the stage it took, the profile
-        written, the plan cached (or forgotten), the next step's prefetch schedule; its error
-        raised last."""
+        written, the plan cached (or forgotten), the step's floor kept, the next step's prefetch
+        schedule; its error raised last."""
         for line in decision.lines:
             self.say(line)
         if self.lifecycle.stage is None:
@@ -202,9 +202,8 @@ class PlanLifecycle:
             self.write_profile()
         if decision.settled:
             self._store_plan()
-        if self.lifecycle.no_plan_least_peak is not None:
-            self._store_floor(self.lifecycle.no_plan_least_peak)
-            self.lifecycle.no_plan_least_peak = None
+        if decision.least_peak is not None:
+            self._store_floor(decision.least_peak)
         if decision.fell_back and self._cache_key is not None:
             self._plan_cache.forget(self._cache_key)
         # a recording step fetches on demand (its memory is save_on_cpu's, and its baselines

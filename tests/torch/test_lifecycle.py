@@ -652,6 +652,8 @@ def test_no_plan_at_all_raises_where_strict_else_offloads_everything():
                                "step (test); offloading every saved tensor",)
     assert unplanned.run == MODES and unplanned.plan is None and unplanned.write_profile
     assert unplanned.modes == [OFFLOAD, OFFLOAD, OFFLOAD, KEEP] and not lifecycle.inline
+    # the least peak the planner found is the step's floor, for the plan cache, once
+    assert unplanned.least_peak == 9 * GiB and steps.step().least_peak is None
     fell = steps.step(status=OUT_OF_MEMORY)     # no plan to make again: the fall-back
     assert lifecycle.fell_back and fell.run == AS_RECORDED and len(fell.lines) == 1
 
