@@ -49,6 +49,24 @@ const char *mucudnn_version(void);
 typedef int (*mucudnn_allocator_fn)(size_t *reserved, size_t *allocated);
 void mucudnn_set_allocator(mucudnn_allocator_fn fn);
 
+/*
+ * Lends the convolutions this thread runs next on `stream` a device buffer of `bytes` for their
+ * workspace, until the next call: a convolution whose engine online tuning holds under its
+ * workspace (MUCUDNN_WORKSPACE_HOLD) then runs its front's fastest point within the buffer, where
+ * that is 2 % faster than its held point (docs/shim.md, "Lent workspace"). One lend at a time, the
+ * process's: a call replaces the last, and (NULL, 0) withdraws it. The buffer must stay allocated
+ * until withdrawn by the same thread; work enqueued on `stream` before it is freed may use it.
+ * Returns 0.
+ */
+int mucudnn_lend_workspace(void *ptr, size_t bytes, cudaStream_t stream);
+
+/* The largest workspace of an engine that online tuning has held under it so far (0: none): a
+ * lend of more buys nothing. */
+size_t mucudnn_held_workspace(void);
+
+/* How many convolution calls ran in lent workspace so far. */
+size_t mucudnn_lent_calls(void);
+
 #ifdef __cplusplus
 }
 #endif

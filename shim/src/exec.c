@@ -390,8 +390,10 @@ static cudnnStatus_t dispatch(const mu_conv_call *call, const mu_state *state) {
      * (torch.backends.cudnn.deterministic): it gets no less. On the graph path the point was
      * chosen, for the framework's engine, when its plan was finalized. */
     bool deterministic = legacy_call && mu_algo_deterministic(call->descs.dir, call->algo);
-    mu_plan_entry *entry = legacy_call ? mu_plan_point(head, call->workspace_size, deterministic)
-                                       : mu_g_planned_entry(call->graph);
+    /* the graph path: the point its plan chose, or one in lent workspace (lend.c) */
+    mu_plan_entry *entry = legacy_call       ? mu_plan_point(head, call->workspace_size, deterministic)
+                           : call->point != NULL ? call->point
+                                                 : mu_g_planned_entry(call->graph);
     if (entry == NULL || atomic_load(&entry->disabled)) {
         char reason[128];
         if (entry != NULL || mu_plan_point(head, SIZE_MAX, false) == NULL)

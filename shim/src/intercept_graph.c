@@ -357,6 +357,7 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
         status = CUDNN_STATUS_NOT_SUPPORTED;
     } else if (tunable && make_pending(p, &engine, &k, graph.handle, allowed, real_workspace)) {
         p->pending_front = online_front;
+        if (allowed < real_workspace) mu_lend_note_held(real_workspace);
         if (allowed < real_workspace) /* a framework may finalize many plans of one kernel: info once */
             mu_log(seen == NULL || !atomic_exchange(&seen->capped, true) ? MU_LOG_INFO : MU_LOG_DEBUG,
                    "%s N=%d: the engine needs %zu bytes of workspace, over the %s %zu: the framework "
@@ -484,6 +485,28 @@ static const char *choose_online_point(mu_g_planned *p, const mu_conv_call *call
     return NULL;
 }
 
+/* A point faster than a held plan's must be MU_LENT_GAIN faster to run in lent workspace (as an
+ * online point must be to replace the framework's engine). */
+#define MU_LENT_GAIN MU_ONLINE_ENGINE_GAIN
+
+/* A plan held under its engine's workspace, on a thread that lent more (lend.c): its front's
+ * fastest point within the lent buffer runs there, where that is MU_LENT_GAIN faster. */
+static void lend_if_faster(const mu_g_planned *p, mu_seen *seen, mu_conv_call *call) {
+    mu_plan_entry *held = mu_g_planned_entry(p), *front;
+    void *lent;
+    size_t bytes;
+    if (held == NULL || p->workspace >= p->engine_workspace ||
+        !mu_lent_workspace(call->handle, p->workspace, &lent, &bytes))
+        return;
+    front = p->pending_front != NULL ? p->pending_front : mu_online_front(seen);
+    mu_plan_entry *point = front != NULL ? mu_plan_point(front, bytes, p->deterministic) : NULL;
+    if (point == NULL || point->has_engine_pieces || point->time_ms >= held->time_ms * MU_LENT_GAIN) return;
+    call->point = point;
+    call->workspace = lent;
+    call->workspace_size = bytes;
+    mu_lend_count_call(seen, held, point);
+}
+
 static cudnnStatus_t execute_planned(cudnnHandle_t handle, mu_g_planned *p, const mu_g_variant_pack *pack,
                                      mu_seen *seen, cudnnBackendDescriptor_t plan, cudnnBackendDescriptor_t variant_pack) {
     mu_conv_call call = {
@@ -506,6 +529,7 @@ static cudnnStatus_t execute_planned(cudnnHandle_t handle, mu_g_planned *p, cons
         const char *why = choose_online_point(p, &call, seen, plan, variant_pack);
         if (why != NULL && engine_fits(p)) return run_engine(handle, plan, variant_pack, seen, why);
     }
+    lend_if_faster(p, seen, &call);
     return mu_convolution_guarded(&call);
 }
 

@@ -398,6 +398,7 @@ typedef struct mu_seen {
     atomic_bool room_refused; /* room.c: an engine of its refused at finalize for lack of memory */
     atomic_bool lean;         /* given a point of less workspace under MUCUDNN_WORKSPACE_SLACK */
     atomic_bool capped;       /* an engine of it held to MUCUDNN_WORKSPACE_LIMIT or _HOLD (said once) */
+    atomic_bool lent;         /* lend.c: ran a point in lent workspace (said once) */
     struct mu_seen *_Atomic next_in_bucket;
     /* Online tuning (online.c): the kernel's measured front, published once complete. */
     _Atomic(struct mu_plan_entry *) online_head;
@@ -433,6 +434,9 @@ typedef struct {
     /* The execution plan's micro-batch pieces on the graph path (intercept_graph.c), else NULL:
      * only there can graph-API engine pieces run. */
     const struct mu_g_planned *graph;
+    /* The graph path: the point to run rather than the graph plan's (one of a lent workspace,
+     * which call->workspace is then: lend.c); NULL for the plan's. */
+    struct mu_plan_entry *point;
 } mu_conv_call;
 
 /* The fastest point of the kernel whose entry is head that needs at most `available` bytes of
@@ -448,6 +452,16 @@ bool mu_plan_legacy_deterministic(const mu_plan_entry *entry);
 cudnnStatus_t mu_convolution(const mu_conv_call *call);
 /* The same for a caller already inside the recursion guard (the graph API's executions). */
 cudnnStatus_t mu_convolution_guarded(const mu_conv_call *call);
+/* ---- lend.c: workspace a framework lends (mucudnn_lend_workspace) ------------------------- */
+
+/* Notes an engine held under its workspace (the largest is what a lend can use: mucudnn_held_workspace). */
+void mu_lend_note_held(size_t engine_workspace);
+/* The lent buffer, where this thread lent one on the stream of `handle` of more than `more_than`
+ * bytes; false otherwise (most calls: one relaxed load). */
+bool mu_lent_workspace(cudnnHandle_t handle, size_t more_than, void **ptr, size_t *bytes);
+/* Counts a call that ran `point` in lent workspace rather than `held` (info once per kernel). */
+void mu_lend_count_call(mu_seen *seen, const struct mu_plan_entry *held, const struct mu_plan_entry *point);
+
 /* ---- online.c: measuring kernels without a plan on first use (MUCUDNN_ONLINE) ------------- */
 
 /* Reads the online options; with MUCUDNN_ONLINE=1 and no MUCUDNN_PLAN, returns the online plan

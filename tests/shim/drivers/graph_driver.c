@@ -11,6 +11,9 @@
  *   replan=K  (K rounds on the same buffers and workspace: plan, `repeat` executions, destroy)
  *   rehandle=1 (each round on a new handle, the previous one destroyed)
  *   populate=1 (after each round's executions: cudnnBackendPopulateCudaGraph with the plan)
+ *   lend=BYTES (each execution with a buffer of BYTES lent through mucudnn_lend_workspace, on the
+ *   handle's stream, withdrawn after; lendfrom=other: lent from another thread; lendstream=other:
+ *   lent on another stream than the handle's)
  *
  * The calls follow cudnn-frontend as PyTorch drives it: finalized tensors with UIDs 'x', 'w', 'y'
  * (and a virtual 'v' between the convolution and the ReLU when fuse=1), W packed KCRS (nchw) or
@@ -63,6 +66,8 @@ typedef struct {
     int engine; /* -1: heuristics */
     bool fuse;
     int repeat, replan, populate;
+    long long lend;
+    bool lend_other_thread, lend_other_stream;
     int knob_count;
     int64_t knob_types[MAX_KNOBS], knob_values[MAX_KNOBS];
 } graph_case;
@@ -94,6 +99,9 @@ static bool own_field(void *arg, const char *name, const char *value) {
     else if (!strcmp(name, "replan")) c->replan = atoi(value);
     else if (!strcmp(name, "populate")) c->populate = atoi(value);
     else if (!strcmp(name, "knobs")) parse_knobs(value, c);
+    else if (!strcmp(name, "lend")) c->lend = atoll(value);
+    else if (!strcmp(name, "lendfrom")) c->lend_other_thread = !strcmp(value, "other");
+    else if (!strcmp(name, "lendstream")) c->lend_other_stream = !strcmp(value, "other");
     else return false;
     return true;
 }
@@ -492,17 +500,54 @@ static cudnnStatus_t reference(call_context *ctx) {
     return first_failure;
 }
 
-/* Executes the plan `repeat` times in the workspace; false in *guard_ok if it wrote past
- * workspace_size (into the canary after it). */
+/* lend=BYTES: mucudnn_lend_workspace, where the shim is preloaded (else nothing is lent). */
+typedef int (*lend_fn)(void *, size_t, cudaStream_t);
+typedef struct {
+    lend_fn lend;
+    void *ptr;
+    size_t bytes;
+    cudaStream_t stream;
+} lend_call;
+
+static void *lend_on_thread(void *arg) {
+    lend_call *l = arg;
+    l->lend(l->ptr, l->bytes, l->stream);
+    return NULL;
+}
+
+static void lend_workspace(const graph_case *c, cudnnHandle_t handle, void *ptr, size_t bytes) {
+    lend_call l = {(lend_fn)dlsym(RTLD_DEFAULT, "mucudnn_lend_workspace"), ptr, bytes, NULL};
+    if (l.lend == NULL) return;
+    CHECK(cudnnGetStream(handle, &l.stream));
+    if (c->lend_other_stream) l.stream = (cudaStream_t)((uintptr_t)l.stream + 0x1000);
+    pthread_t thread;
+    if (c->lend_other_thread && ptr != NULL) {
+        if (pthread_create(&thread, NULL, lend_on_thread, &l) != 0) die("pthread_create");
+        pthread_join(thread, NULL);
+    } else {
+        lend_on_thread(&l);
+    }
+}
+
+/* Executes the plan `repeat` times in the workspace (and lend=BYTES lent); false in *guard_ok if
+ * it wrote past workspace_size (into the canary after it) or past the lent buffer. */
 static cudnnStatus_t run_plan(call_context *ctx, cudnnBackendDescriptor_t plan, unsigned char *workspace,
                               int64_t workspace_size, bool *guard_ok) {
     memset(workspace + workspace_size, CANARY, GUARD_BYTES);
+    size_t lent_bytes = ctx->c->lend > 0 ? (size_t)ctx->c->lend : 0;
+    unsigned char *lent = lent_bytes ? malloc(lent_bytes + GUARD_BYTES) : NULL;
+    if (lent_bytes && lent == NULL) die("out of memory");
+    if (lent) memset(lent + lent_bytes, CANARY, GUARD_BYTES);
     cudnnStatus_t first_failure = CUDNN_STATUS_SUCCESS;
     for (int r = 0; r < ctx->c->repeat; r++) {
+        if (lent) lend_workspace(ctx->c, ctx->handle, lent, lent_bytes);
         cudnnStatus_t status = execute(ctx, plan, workspace);
+        if (lent) lend_workspace(ctx->c, ctx->handle, NULL, 0);
         if (first_failure == CUDNN_STATUS_SUCCESS) first_failure = status;
     }
     for (int i = 0; i < GUARD_BYTES; i++) *guard_ok &= workspace[workspace_size + i] == CANARY;
+    for (int i = 0; lent && i < GUARD_BYTES; i++) *guard_ok &= lent[lent_bytes + i] == CANARY;
+    free(lent);
     return first_failure;
 }
 
@@ -587,6 +632,15 @@ static void run_case(cudnnHandle_t handle, int index, char *out, size_t size) {
 
 /* ---- main --------------------------------------------------------------------------------- */
 
+/* Where the shim is preloaded: what mucudnn_held_workspace and mucudnn_lent_calls say at the end. */
+static void say_lends(void) {
+    size_t (*held)(void) = (size_t(*)(void))dlsym(RTLD_DEFAULT, "mucudnn_held_workspace");
+    size_t (*calls)(void) = (size_t(*)(void))dlsym(RTLD_DEFAULT, "mucudnn_lent_calls");
+    if (held != NULL && calls != NULL)
+        fprintf(stderr, "driver: held workspace %zu, lent calls %zu\n", held(), calls());
+}
+
 int main(int argc, char **argv) {
+    atexit(say_lends);
     return run_driver(argc, argv, parse_case, run_case);
 }
