@@ -61,6 +61,7 @@ import torch
 
 from . import planner
 from .compiled import refuse_if_compiling
+from .lend import WorkspaceLender
 from .link import CudaLink, SameMemoryLink
 from .planner import OFFLOAD, RECOMPUTE
 from .records import _Step
@@ -222,6 +223,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         #: an op the allocator refuses, run again (rescue.py)
         self.rescuer = StepRescue(self, rescue)
         self.rescuer.arm()   # the first step: fixed modes are in force from it
+        #: workspace lent to the shim where the plan in force leaves room (lend.py)
+        self.lender = WorkspaceLender()
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -287,6 +290,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self._hooks = None
         if exc_info[0] is None:
             return
+        self.lender.withdraw()
         if self._step.unpacks:
             # the forward failed before its first module or save: the step still open is the
             # last one, whose backward ran; it ends as it would have, and the failure is no plan's
@@ -422,6 +426,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             self._event("abandoned", self.steps)
             self.rescuer.arm()
             return
+        self.lender.withdraw()
         plan, modes = self.plan, self.modes
         rescued = self._step.rescued
         self.recorder.learn_recipe_modules(self._step, modes, failed)

@@ -181,6 +181,8 @@ class SavedTensorHooks:
         else:
             for source in recipe.sources:
                 source.readers += 1
+        if self.lender.plan is not None and not step.profiling:
+            self.lender.at_point(self.lender.plan.forward, gid, group.device)
         return group
 
     def _mode_for(self, group: _Group) -> str:
@@ -241,6 +243,7 @@ class SavedTensorHooks:
 
             def backward_done(step=step, link=link):
                 step.backward_done = True
+                self.lender.withdraw()
                 # its graph may outlive it (``retain_graph``, nodes it never ran), holding
                 # packs that hold the step: the step holds none of its nodes (:attr:`_Step.node`)
                 step.node, step.node_groups = None, []
@@ -272,6 +275,8 @@ class SavedTensorHooks:
         for other in scheduled:
             self.copies.prefetch(other, index)
         tensor = self._materialize(group, link)
+        if self.lender.plan is not None and not step.profiling:
+            self.lender.at_point(self.lender.plan.backward, index, group.device)
         if self.trace is not None:
             self._event("unpack", group.gid, index)
         if step.profiling:

@@ -221,6 +221,9 @@ class PlanLifecycle:
                 self._freeze_gc()
             if not failed or decision.changed:
                 self._schedule = self._prefetch_schedule(modes)
+        self.lender.plan_for(None if decision.run in (RECORD, AS_RECORDED) else self.profile,
+                             modes, self.prefetch_distance, self.prefetch_margin,
+                             self.lifecycle.target, self.lifecycle.budget)
         if decision.error is not None:
             raise decision.error
 

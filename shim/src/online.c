@@ -223,10 +223,13 @@ static void report(void) {
     unsigned long measured = atomic_load(&online.measured), from_file = atomic_load(&online.from_file);
     if (measured + from_file + passed == 0) return;
     char path[MU_ESCAPED_MAX];
+    char lent[64] = ""; /* lend.c: only where a framework lent workspace that was used */
+    size_t lent_calls = mucudnn_lent_calls();
+    if (lent_calls > 0) snprintf(lent, sizeof lent, "; %zu calls in lent workspace", lent_calls);
     mu_log_summary("online tuning: measured %lu kernels (%lu candidates timed) in %.0f ms; %lu kernels from %s; "
-                   "%lu passed through%s%s%s", measured, atomic_load(&online.candidates), online.spent_ms,
+                   "%lu passed through%s%s%s%s", measured, atomic_load(&online.candidates), online.spent_ms,
                    from_file, online.file[0] ? shown(online.file, path, sizeof path) : "(no file)", passed,
-                   passed ? " (" : "", reasons, passed ? ")" : "");
+                   passed ? " (" : "", reasons, passed ? ")" : "", lent);
 }
 
 void mu_online_note_planned(mu_seen *seen) {

@@ -47,7 +47,8 @@ def test_a_held_convolution_runs_a_faster_point_in_lent_workspace(shim_env, tmp_
     # both executions run the lent point, which the front keeps only where 2 % faster
     assert modelled(lent) < 0.98 * modelled(held), (held, lent)
     assert any(a * b * WS_PER_SAMPLE > HOLD for b, a, _ in lent)
-    assert run.stderr.count("in lent workspace") == 1, run.stderr   # said once per kernel
+    assert run.stderr.count("in lent workspace (") == 1, run.stderr   # said once per kernel
+    assert "; 2 calls in lent workspace" in run.stderr                 # the exit report
 
 
 def test_a_lend_from_another_thread_or_on_another_stream_is_not_used(shim_env, tmp_path):

@@ -1,0 +1,149 @@
+"""Workspace lent to the shim where a plan leaves room (docs/torch.md, "Workspace where the plan
+leaves room").
+
+Under ``mucudnn run --memory-budget B --offload`` the shim holds each convolution's engine to a
+share of the budget (docs/shim.md, "The hold"): PyTorch sizes a convolution's workspace once, in
+the recording step, and one share for every convolution must fit the step's tightest point. A
+planned step has room at other points, and the plan's model (:func:`planner.memory_at_points`)
+says where. At each point where it has room for the lend until the next point, the session
+allocates a buffer and lends it to the preloaded shim (``mucudnn_lend_workspace``), where a held
+convolution runs its online front's faster point within it.
+
+Rules:
+
+1. A lend lives from one point of the step (a new group's pack, an unpack) to the next, or to the
+   backward's end: the modelled bytes at both points, plus the lend, stay within the target less
+   :data:`LEND_MARGIN` of the budget. The forward's last point lends nothing (what follows it,
+   the loss, is no point of the model).
+2. One size per plan: the largest workspace of an engine the shim holds, or less where no point
+   has room for that (a larger lend buys nothing; one size is one block the caching allocator
+   reuses).
+3. The buffer is withdrawn from the shim before it is freed: the shim uses it only for the
+   lending thread's convolutions on the lent stream, enqueued before the free.
+4. Without the shim preloaded, with no engine held, or after an allocation it refused, nothing
+   is lent; lending never raises into the training step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import planner
+from .planner import StepProfile
+
+#: room kept below the target besides a lend (a share of the budget): the model's error
+LEND_MARGIN = 0.05
+#: the least lend worth an allocation (the hold is at least this much where it binds)
+MIN_LEND = 64 << 20
+#: lends are whole multiples of this (the caching allocator's large blocks round to 2 MiB)
+LEND_ROUND = 2 << 20
+
+
+@dataclass(frozen=True)
+class LendPlan:
+    """Where a plan lends (:func:`lend_points`): ``size`` bytes from each forward point in
+    ``forward`` (group ids) and each backward point in ``backward`` (unpack indices)."""
+
+    size: int
+    forward: frozenset
+    backward: frozenset
+
+
+def lend_points(profile: StepProfile, modes: Sequence[str], lookahead: int, prefetch_margin: float,
+                limit: int, most: int, least: int = MIN_LEND) -> LendPlan | None:
+    """Rules 1 and 2 for ``modes`` on ``profile``: ``limit`` is the target less the margin,
+    ``most`` the largest held engine workspace; None where no point has ``least`` bytes of room."""
+    forward, backward = planner.memory_at_points(profile, modes, lookahead, prefetch_margin)
+    room_forward = [limit - max(here, after) for here, after in zip(forward, forward[1:])]
+    room_backward = [limit - max(here, after) for here, after in zip(backward, backward[1:])]
+    if backward:
+        room_backward.append(limit - backward[-1])
+    size = min(most, max(room_forward + room_backward, default=0)) // LEND_ROUND * LEND_ROUND
+    if size < max(least, 1):
+        return None
+    return LendPlan(size, frozenset(t for t, room in enumerate(room_forward) if room >= size),
+                    frozenset(i for i, room in enumerate(room_backward) if room >= size))
+
+
+def _shim_functions(library):
+    """The preloaded shim's ``mucudnn_lend_workspace`` and ``mucudnn_held_workspace``, or
+    (None, None) where this process has no shim."""
+    try:
+        library = library if library is not None else ctypes.CDLL(None)
+        lend, held = library.mucudnn_lend_workspace, library.mucudnn_held_workspace
+    except (OSError, AttributeError):
+        return None, None
+    if isinstance(lend, ctypes._CFuncPtr):
+        lend.argtypes, lend.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int
+        held.argtypes, held.restype = [], ctypes.c_size_t
+    return lend, held
+
+
+class WorkspaceLender:
+    """A session's lends (rules 3 and 4): :meth:`plan_for` at each plan, :meth:`at_point` at each
+    point of a planned step, :meth:`withdraw` at its end. ``library``: the shim's functions
+    (this process's symbols by default)."""
+
+    def __init__(self, library=None, least: int = MIN_LEND):
+        self._lend, self._held = _shim_functions(library)
+        self.least = least
+        self.plan: LendPlan | None = None
+        self.limit = 0      # the plan's target less the margin (bytes)
+        self._made_for = None
+        self._buffer: torch.Tensor | None = None
+        #: lends made (buffers allocated), for tests and the trace
+        self.lends = 0
+
+    def plan_for(self, profile: StepProfile | None, modes, lookahead: int, prefetch_margin: float,
+                 target: int | None, budget: int | None) -> LendPlan | None:
+        """The lends of ``modes`` (None where there is nothing to lend: no shim, no engine held,
+        no target, no room)."""
+        self.withdraw()
+        if self._lend is None or profile is None or modes is None or target is None or \
+                budget is None or len(modes) != len(profile.groups):
+            self.plan = self._made_for = None
+            return None
+        most = int(self._held())
+        # asked at every step's end: the plan in force again is not modelled again
+        key = (tuple(modes), lookahead, prefetch_margin, target, budget, most)
+        if self._made_for is not None and self._made_for[0] is profile and \
+                self._made_for[1] == key:
+            return self.plan
+        self._made_for = (profile, key)
+        self.limit = int(target - LEND_MARGIN * budget)
+        self.plan = None if most <= 0 else lend_points(
+            profile, modes, lookahead, prefetch_margin, self.limit, most, self.least)
+        return self.plan
+
+    def at_point(self, points: frozenset, index: int, device: torch.device) -> None:
+        """At point ``index`` of the forward (``points``: the plan's ``forward``) or backward:
+        the buffer lent (allocated where none is) where the plan lends, else withdrawn."""
+        if index not in points:
+            self.withdraw()
+            return
+        if self._buffer is None:
+            if device.type == "cuda" and \
+                    torch.cuda.memory_allocated(device) + self.plan.size > self.limit:
+                return   # more is allocated than the model has here: no lend this time
+            try:
+                self._buffer = self._allocate(self.plan.size, device)
+            except torch.OutOfMemoryError:   # rule 4: this plan lends no more
+                self.plan = None
+                return
+            self.lends += 1
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        # again at each point: the backward's points run on autograd's thread (rule 3)
+        self._lend(self._buffer.data_ptr(), self.plan.size, stream)
+
+    @staticmethod
+    def _allocate(size: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+
+    def withdraw(self) -> None:
+        if self._buffer is not None:
+            self._lend(None, 0, None)
+            self._buffer = None
