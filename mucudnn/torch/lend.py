@@ -22,6 +22,10 @@ Rules:
    lending thread's convolutions on the lent stream, enqueued before the free.
 4. Without the shim preloaded, with no engine held, or after an allocation it refused, nothing
    is lent; lending never raises into the training step.
+5. A lend never makes the caching allocator free its cache: its buffer is allocated only where
+   the bytes allocated then leave the room rule 1 asks for, and the bytes the allocator holds
+   leave room for a new segment of its size within the budget: a flush costs a step more than
+   a lend saves, and the lifecycle lowers a plan that flushes.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class WorkspaceLender:
         self.least = least
         self.plan: LendPlan | None = None
         self.limit = 0      # the plan's target less the margin (bytes)
+        self.budget = 0
         self._made_for = None
         self._buffer: torch.Tensor | None = None
         #: lends made (buffers allocated), for tests and the trace
@@ -115,6 +120,7 @@ class WorkspaceLender:
             return self.plan
         self._made_for = (profile, key)
         self.limit = int(target - LEND_MARGIN * budget)
+        self.budget = budget
         self.plan = None if most <= 0 else lend_points(
             profile, modes, lookahead, prefetch_margin, self.limit, most, self.least)
         return self.plan
@@ -126,9 +132,10 @@ class WorkspaceLender:
             self.withdraw()
             return
         if self._buffer is None:
-            if device.type == "cuda" and \
-                    torch.cuda.memory_allocated(device) + self.plan.size > self.limit:
-                return   # more is allocated than the model has here: no lend this time
+            if device.type == "cuda" and (
+                    torch.cuda.memory_allocated(device) + self.plan.size > self.limit
+                    or torch.cuda.memory_reserved(device) + self.plan.size > self.budget):
+                return   # rule 5: no lend this time
             try:
                 self._buffer = self._allocate(self.plan.size, device)
             except torch.OutOfMemoryError:   # rule 4: this plan lends no more
