@@ -22,10 +22,10 @@ Rules:
    lending thread's convolutions on the lent stream, enqueued before the free.
 4. Without the shim preloaded, with no engine held, or after an allocation it refused, nothing
    is lent; lending never raises into the training step.
-5. A lend never makes the caching allocator free its cache: its buffer is allocated only where
-   the bytes allocated then leave the room rule 1 asks for, and the bytes the allocator holds
-   leave room for a new segment of its size within the budget: a flush costs a step more than
-   a lend saves, and the lifecycle lowers a plan that flushes.
+5. A buffer is allocated only where the bytes allocated then leave the room rule 1 asks for.
+   Where the caching allocator freed its cache (a flush) while a buffer was lent, the plan lends
+   no more: a flush costs a step more than the lends save, and the lifecycle lowers a plan
+   whose steps keep flushing.
 """
 
 from __future__ import annotations
@@ -97,11 +97,11 @@ class WorkspaceLender:
         self.least = least
         self.plan: LendPlan | None = None
         self.limit = 0      # the plan's target less the margin (bytes)
-        self.budget = 0
         self._made_for = None
         self._buffer: torch.Tensor | None = None
-        #: lends made (buffers allocated), for tests and the trace
-        self.lends = 0
+        #: lends made (buffers allocated), and plans whose lends stopped (rule 5)
+        self.lends = self.stopped = 0
+        self._flushes_before = 0
 
     def plan_for(self, profile: StepProfile | None, modes, lookahead: int, prefetch_margin: float,
                  target: int | None, budget: int | None) -> LendPlan | None:
@@ -120,7 +120,6 @@ class WorkspaceLender:
             return self.plan
         self._made_for = (profile, key)
         self.limit = int(target - LEND_MARGIN * budget)
-        self.budget = budget
         self.plan = None if most <= 0 else lend_points(
             profile, modes, lookahead, prefetch_margin, self.limit, most, self.least)
         return self.plan
@@ -132,10 +131,10 @@ class WorkspaceLender:
             self.withdraw()
             return
         if self._buffer is None:
-            if device.type == "cuda" and (
-                    torch.cuda.memory_allocated(device) + self.plan.size > self.limit
-                    or torch.cuda.memory_reserved(device) + self.plan.size > self.budget):
+            if device.type == "cuda" and \
+                    torch.cuda.memory_allocated(device) + self.plan.size > self.limit:
                 return   # rule 5: no lend this time
+            self._flushes_before = self._flushes(device)
             try:
                 self._buffer = self._allocate(self.plan.size, device)
             except torch.OutOfMemoryError:   # rule 4: this plan lends no more
@@ -150,7 +149,17 @@ class WorkspaceLender:
     def _allocate(size: int, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8, device=device)
 
+    @staticmethod
+    def _flushes(device: torch.device) -> int:
+        """Times so far the device's caching allocator freed its cache to retry an allocation."""
+        if device.type != "cuda":
+            return 0
+        return torch.cuda.memory.memory_stats_as_nested_dict(device).get("num_alloc_retries", 0)
+
     def withdraw(self) -> None:
         if self._buffer is not None:
             self._lend(None, 0, None)
-            self._buffer = None
+            device, self._buffer = self._buffer.device, None
+            if self._flushes(device) > self._flushes_before:   # rule 5
+                self.plan = None
+                self.stopped += 1

@@ -112,3 +112,28 @@ def test_no_lend_without_the_shim_or_where_the_allocator_refuses(monkeypatch):
     session.lender = Refused(library=shim, least=1)
     assert_bitwise(reference, train(model, data, session))
     assert session.lender.lends == 0 and not [c for c in shim.calls if c[0] is not None]
+
+
+def test_a_plan_lends_no_more_once_the_allocator_flushed_while_a_buffer_was_lent(monkeypatch):
+    """Rule 5: a flush costs a step more than the lends save; the step trains as ever."""
+    monkeypatch.setattr("mucudnn.torch.lend.LEND_ROUND", 1)
+    flushes = []
+
+    class Flushing(WorkspaceLender):
+        def _flushes(self, device):   # the allocator flushes once a buffer was lent
+            return len(flushes)
+
+        def _allocate(self, size, device):
+            flushes.append(size)
+            return super()._allocate(size, device)
+
+    model, data = small_cnn(torch.float64), batches(torch.float64, 5)
+    reference = train(copy.deepcopy(model), data)
+    shim = FakeShim(held=40_000)
+    session = lending_session(model, data, shim)
+    session.lender = Flushing(library=shim, least=1)
+    assert_bitwise(reference, train(model, data, session))
+    # one buffer lent, in the first planned step; that plan lent no more
+    assert session.lender.lends == 1 and session.lender.stopped == 1
+    assert session.lender.plan is None
+    assert len([c for c in shim.calls if c[0] is not None]) >= 1
