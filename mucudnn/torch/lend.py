@@ -24,8 +24,9 @@ Rules:
    is lent; lending never raises into the training step.
 5. A buffer is allocated only where the bytes allocated then leave the room rule 1 asks for.
    Where the caching allocator freed its cache (a flush) while a buffer was lent, the plan lends
-   no more: a flush costs a step more than the lends save, and the lifecycle lowers a plan
-   whose steps keep flushing.
+   no more (a flush costs a step more than the lends save), and that flush is the lender's, not
+   the plan's: the session leaves it out of the counts its lifecycle judges plans by
+   (:meth:`WorkspaceLender.flushes_not_lent`), which would lower the plan for it.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class WorkspaceLender:
         self._buffer: torch.Tensor | None = None
         #: lends made (buffers allocated), and plans whose lends stopped (rule 5)
         self.lends = self.stopped = 0
-        self._flushes_before = 0
+        self._flushes_before = self._flushes_lent = 0
 
     def plan_for(self, profile: StepProfile | None, modes, lookahead: int, prefetch_margin: float,
                  target: int | None, budget: int | None) -> LendPlan | None:
@@ -160,6 +161,16 @@ class WorkspaceLender:
         if self._buffer is not None:
             self._lend(None, 0, None)
             device, self._buffer = self._buffer.device, None
-            if self._flushes(device) > self._flushes_before:   # rule 5
+            flushed = self._flushes(device) - self._flushes_before
+            if flushed > 0:   # rule 5
+                self._flushes_lent += flushed
                 self.plan = None
                 self.stopped += 1
+
+    def flushes_not_lent(self, count: int) -> int:
+        """``count``, a link's flush count now, less the flushes while a buffer was lent (rule 5):
+        a count that never goes down, as ``count`` does not (one device per session's lends)."""
+        lent = self._flushes_lent
+        if self._buffer is not None:
+            lent += max(0, count - self._flushes_before)
+        return count - lent
