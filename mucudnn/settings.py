@@ -134,6 +134,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_OFFLOAD_RESCUE", "1: an op the caching allocator refuses in the first steps "
             "of an offload plan runs again once kept tensors are on the host (mucudnn.torch's "
             "rescue); always: in every planned step; 0: never", "1", (PYTHON,), RESCUE),
+    Setting("MUCUDNN_OFFLOAD_LEND", "1: in planned steps, workspace is lent to the shim where "
+            "the offload plan leaves room, for faster convolution points (mucudnn.torch.lend); "
+            "0: none", "0", (PYTHON,), BOOL),
     Setting("MUCUDNN_PLAN_CACHE", "directory of the offload plans kept between runs of a "
             "script (mucudnn.torch.plancache), or off", "$XDG_CACHE_HOME/mucudnn/offload-plans",
             (PYTHON,), PLAN_CACHE),

@@ -52,3 +52,22 @@ def test_rescue_reads_what_the_settings_table_accepts(text, capsys):
 
 def test_rescue_unset_or_empty_is_the_default():
     assert hook.offload_rescue(None) is True and hook.offload_rescue("") is True
+
+
+LEND = next(s for s in settings.SETTINGS if s.name == "MUCUDNN_OFFLOAD_LEND")
+
+
+@pytest.mark.parametrize("text", WORDS)
+def test_lend_reads_what_the_settings_table_accepts(text, capsys):
+    value = hook.offload_lend(text)
+    accepted = LEND.rule.test(text.strip())
+    warned = "MUCUDNN_OFFLOAD_LEND" in capsys.readouterr().err
+    assert warned == (not accepted)
+    if accepted:
+        assert value == (text.strip().lower() in {"1", "true", "yes", "on"})
+    else:
+        assert value is False     # the default, after one warning line
+
+
+def test_lend_unset_or_empty_is_the_default_off():
+    assert hook.offload_lend(None) is False and hook.offload_lend("") is False

@@ -25,12 +25,13 @@ import sys
 # loaded in-process by mucudnn.budget it is not, and the mucudnn package is importable instead.
 try:
     from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_FREEZE_GC,
-                                   ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE, ENV_OFFLOAD_RESCUE,
-                                   ENV_REPORT, MAX_OFFLOAD_HEADROOM)
+                                   ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_LEND, ENV_OFFLOAD_PROFILE,
+                                   ENV_OFFLOAD_RESCUE, ENV_REPORT, MAX_OFFLOAD_HEADROOM)
 except ImportError:
     from mucudnn._torch_site.mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD,
                                                        ENV_OFFLOAD_FREEZE_GC,
-                                                       ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_PROFILE,
+                                                       ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_LEND,
+                                                       ENV_OFFLOAD_PROFILE,
                                                        ENV_OFFLOAD_RESCUE, ENV_REPORT,
                                                        MAX_OFFLOAD_HEADROOM)
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
@@ -395,12 +396,15 @@ def offload_headroom(value: str | None) -> float | None:
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
-def _switch(variable: str, value: str | None, default: str, more: tuple = ()) -> bool | str:
-    """An on/off setting whose default is on: True unset, empty or a true word, False a false
-    word, a word of ``more`` itself; another value: one warning line saying ``default``, and
-    True."""
+def _switch(variable: str, value: str | None, default: str, more: tuple = (),
+            on: bool = True) -> bool | str:
+    """An on/off setting whose default is ``on``: that unset or empty, True a true word, False a
+    false word, a word of ``more`` itself; another value: one warning line saying ``default``,
+    and ``on``."""
     text = (value or "").strip().lower()
-    if not text or text in _TRUE:
+    if not text:
+        return on
+    if text in _TRUE:
         return True
     if text in _FALSE:
         return False
@@ -409,7 +413,7 @@ def _switch(variable: str, value: str | None, default: str, more: tuple = ()) ->
     words = ("1/0", "true/false", "yes/no", "on/off") + more
     say("warning", f"{variable}={value!r} is not one of {', '.join(words[:-1])} or "
                    f"{words[-1]}; {default}")
-    return True
+    return on
 
 
 def offload_freeze_gc(value: str | None) -> bool:
@@ -429,6 +433,13 @@ def offload_rescue(value: str | None) -> bool | str:
                    "again (the default)", more=("always",))
 
 
+def offload_lend(value: str | None) -> bool:
+    """``MUCUDNN_OFFLOAD_LEND``: whether the process-wide session lends the shim workspace where
+    its plan leaves room (default no: ``OffloadSession(lend=False)``, mucudnn/torch/lend.py).
+    Another value: one warning line, and the default."""
+    return _switch(ENV_OFFLOAD_LEND, value, "no workspace is lent (the default)", on=False)
+
+
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     """Enters one :class:`mucudnn.torch.offload_session.OffloadSession` for the whole process (never
     left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
@@ -444,6 +455,7 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
                                  freeze_gc=offload_freeze_gc(
                                      os.environ.get(ENV_OFFLOAD_FREEZE_GC)),
                                  rescue=offload_rescue(os.environ.get(ENV_OFFLOAD_RESCUE)),
+                                 lend=offload_lend(os.environ.get(ENV_OFFLOAD_LEND)),
                                  **({} if headroom is None else {"headroom": headroom}))
         session.__enter__()
     except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`

@@ -14,6 +14,7 @@ ENV_OFFLOAD = "MUCUDNN_OFFLOAD"       # 1: mucudnn.torch keeps/offloads/recomput
 ENV_OFFLOAD_PROFILE = "MUCUDNN_OFFLOAD_PROFILE"  # a file: the recorded profile and plan, as JSON
 ENV_OFFLOAD_HEADROOM = "MUCUDNN_OFFLOAD_HEADROOM"  # percent of the budget plans leave unplanned
 ENV_OFFLOAD_FREEZE_GC = "MUCUDNN_OFFLOAD_FREEZE_GC"  # 0: the process-wide session leaves gc alone
+ENV_OFFLOAD_LEND = "MUCUDNN_OFFLOAD_LEND"  # 1: workspace lent to the shim where the plan leaves room
 ENV_OFFLOAD_RESCUE = "MUCUDNN_OFFLOAD_RESCUE"  # 0: no op refused is run again; always: every step
 #: the largest MUCUDNN_OFFLOAD_HEADROOM: a plan for less than half the budget is no plan for it
 MAX_OFFLOAD_HEADROOM = 50

@@ -91,10 +91,10 @@ def _shim_functions(library):
 class WorkspaceLender:
     """A session's lends (rules 3 and 4): :meth:`plan_for` at each plan, :meth:`at_point` at each
     point of a planned step, :meth:`withdraw` at its end. ``library``: the shim's functions
-    (this process's symbols by default)."""
+    (this process's symbols by default); ``on`` False: nothing is ever lent."""
 
-    def __init__(self, library=None, least: int = MIN_LEND):
-        self._lend, self._held = _shim_functions(library)
+    def __init__(self, library=None, least: int = MIN_LEND, on: bool = True):
+        self._lend, self._held = _shim_functions(library) if on else (None, None)
         self.least = least
         self.plan: LendPlan | None = None
         self.limit = 0      # the plan's target less the margin (bytes)

@@ -120,6 +120,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     (True), every planned step (``"always"``) or never (False), an op the caching allocator
     refuses runs again once the step's kept tensors needed last are on the host, and the step
     goes on (rescue.py, :attr:`rescuer`); such a step counts as one that ran out of memory.
+    ``lend`` (off by default: measured no faster, benchmarks/results/plan-accuracy): planned
+    steps lend the preloaded shim workspace where the plan leaves room (lend.py, :attr:`lender`).
     ``trials``: where the plan moves bytes and :func:`planning.trial_plans` finds others its
     simulation says are faster (made at other copy exposures, and for smaller headrooms:
     :data:`planner.TRIAL_HEADROOM_SHARES`), run
@@ -141,7 +143,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                  max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = False,
                  stage: bool | str = True, plan_in_background: bool | None = None,
                  plan_cache: PlanCache | None = None, freeze_gc: bool = False,
-                 rescue: bool | str = True, warn=None):
+                 rescue: bool | str = True, warn=None, lend: bool = False):
         self.force, self.lookahead = force, lookahead
         if stage not in (True, False, "always"):
             raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
@@ -223,8 +225,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         #: an op the allocator refuses, run again (rescue.py)
         self.rescuer = StepRescue(self, rescue)
         self.rescuer.arm()   # the first step: fixed modes are in force from it
-        #: workspace lent to the shim where the plan in force leaves room (lend.py)
-        self.lender = WorkspaceLender()
+        #: workspace lent to the shim where the plan in force leaves room (lend.py; ``lend``)
+        self.lender = WorkspaceLender(on=lend)
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):

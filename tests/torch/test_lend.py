@@ -96,7 +96,9 @@ def test_no_lend_without_the_shim_or_where_the_allocator_refuses(monkeypatch):
     reference = train(copy.deepcopy(model), data)
     session = OffloadSession(budget=int(saved_bytes(model, data) * 0.8), link=RecordingLink(),
                              min_bytes=0, headroom=0.0, trials=False)
-    assert session.lender.plan is None   # this process has no shim
+    assert session.lender.plan is None   # this process has no shim, and lends are off
+    assert WorkspaceLender(library=FakeShim(held=1 << 40), on=False).plan_for(
+        session.profile, [], 2, 0.0, 1 << 40, 1 << 40) is None
     assert_bitwise(reference, train(model, data, session))
     assert session.lender.plan is None and session.lender.lends == 0
 
