@@ -1,6 +1,6 @@
 """The site hook's offload options (mucudnn/_torch_site/mucudnn_torch_budget.py) read as
 mucudnn's settings table (mucudnn/settings.py) says: the hook cannot import mucudnn, so its
-reading of ``MUCUDNN_OFFLOAD_FREEZE_GC`` is checked here against the table's rule."""
+readings of ``MUCUDNN_OFFLOAD_FREEZE_GC``, ``_RESCUE`` and ``_LEND`` are checked here against the table's rule."""
 
 from __future__ import annotations
 
@@ -10,21 +10,26 @@ from mucudnn import budget as budget_mod
 from mucudnn import settings
 
 hook = budget_mod._hook()
-FREEZE = next(s for s in settings.SETTINGS if s.name == "MUCUDNN_OFFLOAD_FREEZE_GC")
 WORDS = ["1", "0", "true", "false", "yes", "no", "on", "off", "TRUE", " On ", "2", "maybe",
          "-1", "y", "n", "enabled"]
 
 
+SWITCHES = {"MUCUDNN_OFFLOAD_FREEZE_GC": (hook.offload_freeze_gc, True),
+            "MUCUDNN_OFFLOAD_LEND": (hook.offload_lend, False)}
+
+
+@pytest.mark.parametrize("name", SWITCHES)
 @pytest.mark.parametrize("text", WORDS)
-def test_freeze_gc_reads_what_the_settings_table_accepts(text, capsys):
-    value = hook.offload_freeze_gc(text)
-    accepted = FREEZE.rule.test(text.strip())
-    warned = "MUCUDNN_OFFLOAD_FREEZE_GC" in capsys.readouterr().err
+def test_an_on_off_switch_reads_what_the_settings_table_accepts(name, text, capsys):
+    read, default = SWITCHES[name]
+    value = read(text)
+    accepted = next(s for s in settings.SETTINGS if s.name == name).rule.test(text.strip())
+    warned = name in capsys.readouterr().err
     assert warned == (not accepted)
     if accepted:
         assert value == (text.strip().lower() in {"1", "true", "yes", "on"})
     else:
-        assert value is True      # the default, after one warning line
+        assert value is default   # the default, after one warning line
 
 
 def test_freeze_gc_unset_or_empty_is_the_default():
@@ -53,20 +58,6 @@ def test_rescue_reads_what_the_settings_table_accepts(text, capsys):
 def test_rescue_unset_or_empty_is_the_default():
     assert hook.offload_rescue(None) is True and hook.offload_rescue("") is True
 
-
-LEND = next(s for s in settings.SETTINGS if s.name == "MUCUDNN_OFFLOAD_LEND")
-
-
-@pytest.mark.parametrize("text", WORDS)
-def test_lend_reads_what_the_settings_table_accepts(text, capsys):
-    value = hook.offload_lend(text)
-    accepted = LEND.rule.test(text.strip())
-    warned = "MUCUDNN_OFFLOAD_LEND" in capsys.readouterr().err
-    assert warned == (not accepted)
-    if accepted:
-        assert value == (text.strip().lower() in {"1", "true", "yes", "on"})
-    else:
-        assert value is False     # the default, after one warning line
 
 
 def test_lend_unset_or_empty_is_the_default_off():
