@@ -1,6 +1,7 @@
 """The site hook's offload options (mucudnn/_torch_site/mucudnn_torch_budget.py) read as
 mucudnn's settings table (mucudnn/settings.py) says: the hook cannot import mucudnn, so its
-readings of ``MUCUDNN_OFFLOAD_FREEZE_GC``, ``_RESCUE`` and ``_LEND`` are checked here against the table's rule."""
+readings of ``MUCUDNN_OFFLOAD_FREEZE_GC``, ``_RESCUE`` and ``_LEND`` are checked here against
+the table's rule."""
 
 from __future__ import annotations
 
