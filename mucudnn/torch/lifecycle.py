@@ -41,8 +41,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from . import planner
-
-from . import planning
 from .plan_runner import (FIRST, LOWER, REPLAN, TRIALS, InlineRunner, PlanMaker, PlanRequest,
                           PlanResult)
 from .planner import KEEP, OFFLOAD, OffloadPlan, StepProfile
