@@ -15,18 +15,21 @@ Rules:
    backward's end: the modelled bytes at both points, plus the lend, stay within the target less
    :data:`LEND_MARGIN` of the budget. The forward's last point lends nothing (what follows it,
    the loss, is no point of the model).
-2. One size per plan: the largest workspace of an engine the shim holds, or less where no point
-   has room for that (a larger lend buys nothing; one size is one block the caching allocator
-   reuses).
+2. One size per plan: the largest workspace of an engine the shim holds (what each held
+   convolution would have had without the hold), or less where no point has room for that; one
+   size is one block the caching allocator reuses.
 3. The buffer is withdrawn from the shim before it is freed: the shim uses it only for the
-   lending thread's convolutions on the lent stream, enqueued before the free.
+   lending thread's convolutions on the lent stream, enqueued before the free. It is lent on
+   the device and the stream it was allocated on only (the caching allocator orders a freed
+   block's reuse on that stream): a point on another is lent a buffer of its own.
 4. Without the shim preloaded, with no engine held, or after an allocation it refused, nothing
    is lent; lending never raises into the training step.
 5. A buffer is allocated only where the bytes allocated then leave the room rule 1 asks for.
-   Where the caching allocator freed its cache (a flush) while a buffer was lent, the plan lends
-   no more (a flush costs a step more than the lends save), and that flush is the lender's, not
-   the plan's: the session leaves it out of the counts its lifecycle judges plans by
-   (:meth:`WorkspaceLender.flushes_not_lent`), which would lower the plan for it.
+   Where the caching allocator freed its cache (a flush) while a buffer was lent, or to allocate
+   one, the plan lends no more, in this run (a flush costs a step more than the lends save), and
+   that flush is the lender's, not the plan's: the session leaves it out of the counts its
+   lifecycle judges plans by (:meth:`WorkspaceLender.flushes_not_lent`), which would lower the
+   plan for it.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def _shim_functions(library):
     except (OSError, AttributeError):
         return None, None
     if isinstance(lend, ctypes._CFuncPtr):
-        lend.argtypes, lend.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int
+        lend.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lend.restype = ctypes.c_int
         held.argtypes, held.restype = [], ctypes.c_size_t
     return lend, held
 
@@ -99,15 +103,22 @@ class WorkspaceLender:
         self.plan: LendPlan | None = None
         self.limit = 0      # the plan's target less the margin (bytes)
         self._made_for = None
+        #: the plans (profile, key) whose lends stopped (rule 5): a trial may run one again
+        self._stopped_plans: list = []
+        #: the buffer lent, and the stream it was allocated on (rule 3)
         self._buffer: torch.Tensor | None = None
+        self._stream = 0
         #: lends made (buffers allocated), and plans whose lends stopped (rule 5)
         self.lends = self.stopped = 0
-        self._flushes_before = self._flushes_lent = 0
+        #: per device: its flush count when the buffer was allocated, and the flushes so far
+        #: that were the lender's (rule 5)
+        self._flushes_before = 0
+        self._flushes_lent: dict = {}
 
     def plan_for(self, profile: StepProfile | None, modes, lookahead: int, prefetch_margin: float,
                  target: int | None, budget: int | None) -> LendPlan | None:
         """The lends of ``modes`` (None where there is nothing to lend: no shim, no engine held,
-        no target, no room)."""
+        no target, no room, or its lends stopped)."""
         self.withdraw()
         if self._lend is None or profile is None or modes is None or target is None or \
                 budget is None or len(modes) != len(profile.groups):
@@ -121,7 +132,9 @@ class WorkspaceLender:
             return self.plan
         self._made_for = (profile, key)
         self.limit = int(target - LEND_MARGIN * budget)
-        self.plan = None if most <= 0 else lend_points(
+        stopped = any(made is profile and made_key == key
+                      for made, made_key in self._stopped_plans)
+        self.plan = None if most <= 0 or stopped else lend_points(
             profile, modes, lookahead, prefetch_margin, self.limit, most, self.least)
         return self.plan
 
@@ -131,18 +144,27 @@ class WorkspaceLender:
         if index not in points:
             self.withdraw()
             return
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        if self._buffer is not None and (self._buffer.device != device or self._stream != stream):
+            self.withdraw()   # rule 3: lent on the device and stream it was allocated on only
+            if self.plan is None:
+                return
         if self._buffer is None:
             if device.type == "cuda" and \
                     torch.cuda.memory_allocated(device) + self.plan.size > self.limit:
                 return   # rule 5: no lend this time
             self._flushes_before = self._flushes(device)
             try:
-                self._buffer = self._allocate(self.plan.size, device)
+                # past the session's modes: the op recorder records no lend, and the rescue
+                # moves no tensor for one (an allocation refused is no lend, nothing else)
+                with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+                    self._buffer = self._allocate(self.plan.size, device)
             except torch.OutOfMemoryError:   # rule 4: this plan lends no more
-                self.plan = None
+                self._lender_flushed(device)   # the allocator flushes before it refuses
+                self._stop()
                 return
+            self._stream = stream
             self.lends += 1
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         # again at each point: the backward's points run on autograd's thread (rule 3)
         self._lend(self._buffer.data_ptr(), self.plan.size, stream)
 
@@ -157,20 +179,38 @@ class WorkspaceLender:
             return 0
         return torch.cuda.memory.memory_stats_as_nested_dict(device).get("num_alloc_retries", 0)
 
+    def _lender_flushed(self, device: torch.device) -> bool:
+        """Counts the flushes since the buffer's allocation as the lender's (rule 5)."""
+        flushed = self._flushes(device) - self._flushes_before
+        if flushed > 0:
+            key = _device_key(device)
+            self._flushes_lent[key] = self._flushes_lent.get(key, 0) + flushed
+        return flushed > 0
+
+    def _stop(self) -> None:
+        if self.plan is not None:
+            self.plan = None
+            self.stopped += 1
+            if self._made_for is not None:
+                self._stopped_plans.append(self._made_for)
+
     def withdraw(self) -> None:
         if self._buffer is not None:
             self._lend(None, 0, None)
             device, self._buffer = self._buffer.device, None
-            flushed = self._flushes(device) - self._flushes_before
-            if flushed > 0:   # rule 5
-                self._flushes_lent += flushed
-                self.plan = None
-                self.stopped += 1
+            if self._lender_flushed(device):   # rule 5
+                self._stop()
 
-    def flushes_not_lent(self, count: int) -> int:
-        """``count``, a link's flush count now, less the flushes while a buffer was lent (rule 5):
-        a count that never goes down, as ``count`` does not (one device per session's lends)."""
-        lent = self._flushes_lent
-        if self._buffer is not None:
+    def flushes_not_lent(self, count: int, device: torch.device | None = None) -> int:
+        """``count``, the flush count now of a link on ``device`` (None: the host's), less the
+        lender's flushes there (rule 5): a count that never goes down, as ``count`` does not."""
+        key = _device_key(device)
+        lent = self._flushes_lent.get(key, 0)
+        if self._buffer is not None and _device_key(self._buffer.device) == key:
             lent += max(0, count - self._flushes_before)
         return count - lent
+
+
+def _device_key(device: torch.device | None) -> tuple:
+    device = torch.device("cpu") if device is None else torch.device(device)
+    return device.type, device.index

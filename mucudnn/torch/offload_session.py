@@ -421,6 +421,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         step that waits for the next step's start: until the script lets go of the error, its
         traceback holds the failed forward's tensors.
         """
+        self.lender.withdraw()
         if abandoned:
             for used in self._links_in_use():
                 used.settle()
@@ -428,7 +429,6 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             self._event("abandoned", self.steps)
             self.rescuer.arm()
             return
-        self.lender.withdraw()
         plan, modes = self.plan, self.modes
         rescued = self._step.rescued
         self.recorder.learn_recipe_modules(self._step, modes, failed)

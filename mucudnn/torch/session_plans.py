@@ -270,15 +270,15 @@ class PlanLifecycle:
 
     def _flush_counts_now(self) -> dict:
         """Each link in use and its caching allocator's flush count now."""
-        return {link: self.lender.flushes_not_lent(link.flushes())
+        return {link: self.lender.flushes_not_lent(link.flushes(), getattr(link, "device", None))
                 for link in self._links_in_use()}
 
     def _saw_flushes(self, step: _Step, link, point: int) -> None:
         """A planned step's unpack after backward ``point``'s op (-1: the forward): where a
         trial times its plan, the link's flush count now says whether it flushed there."""
         if not step.profiling and self.lifecycle.watches_flush_points:
-            self.lifecycle.saw_flushes(link, self.lender.flushes_not_lent(link.flushes()),
-                                       point)
+            count = self.lender.flushes_not_lent(link.flushes(), getattr(link, "device", None))
+            self.lifecycle.saw_flushes(link, count, point)
 
     def _say_unmoved(self, step: _Step) -> None:
         """One line, once, when a step kept groups its plan moves (no recipe found, not dense):

@@ -61,7 +61,7 @@ void mucudnn_set_allocator(mucudnn_allocator_fn fn);
 int mucudnn_lend_workspace(void *ptr, size_t bytes, cudaStream_t stream);
 
 /* The largest workspace of an engine that online tuning has held under it so far (0: none): a
- * lend of more buys nothing. */
+ * lend of that much gives every held convolution at least the workspace its engine asked for. */
 size_t mucudnn_held_workspace(void);
 
 /* How many convolution calls ran in lent workspace so far. */

@@ -146,3 +146,129 @@ def test_a_plan_lends_no_more_once_the_allocator_flushed_while_a_buffer_was_lent
     assert session.lender.plan is None
     assert session.lender.flushes_not_lent(len(flushes)) == 0
     assert not [line for line in said if "flush" in line], said
+
+
+# -- a review's findings (CPU stand-ins for the device calls) --------------------------------------
+
+from mucudnn.torch.planner import OFFLOAD  # noqa: E402
+from test_planner import chain_profile as chain  # noqa: E402
+
+
+class StandIn:
+    """A lent buffer's stand-in (no GPU here): its device and address."""
+
+    def __init__(self, device, ptr):
+        self.device, self.ptr = torch.device(device), ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def cuda_lender(monkeypatch, shim, allocations, flushes=None, streams=None):
+    """A lender whose device calls are stand-ins: nothing allocated, each device's current
+    stream from ``streams`` and its allocator's flush count from ``flushes`` (by index)."""
+    flushes = flushes if flushes is not None else {}
+    streams = streams if streams is not None else {}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+
+    class Stream:
+        def __init__(self, number):
+            self.cuda_stream = number
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: Stream(streams.get(torch.device(device).index, 0)))
+
+    class Lender(WorkspaceLender):
+        def _allocate(self, size, device):
+            allocations.append((device, streams.get(device.index, 0)))
+            return StandIn(device, 0x1000 * len(allocations))
+
+        def _flushes(self, device):
+            return flushes.get(torch.device(device).index, 0)
+    return Lender(library=shim, least=1)
+
+
+def chain_plan(lender, modes=(KEEP,) * 4):
+    profile = chain([8 * MiB, 8 * MiB, 2 * MiB, 2 * MiB])
+    return profile, lender.plan_for(profile, list(modes), 2, 0.0, 30 * MiB, MiB)
+
+
+def test_a_buffer_is_lent_on_its_own_device_and_stream_only(monkeypatch):
+    """Rule 3: a point on another device or stream is lent a buffer of its own (a buffer's
+    reuse after its free is ordered on the stream it was allocated on)."""
+    shim, allocations, streams = FakeShim(held=6 * MiB), [], {0: 100, 1: 200}
+    lender = cuda_lender(monkeypatch, shim, allocations, streams=streams)
+    _, plan = chain_plan(lender)
+    assert {0, 1} <= plan.forward, plan
+    lender.at_point(plan.forward, 0, torch.device("cuda:0"))
+    lender.at_point(plan.forward, 1, torch.device("cuda:1"))
+    streams[1] = 300
+    lender.at_point(plan.forward, 1, torch.device("cuda:1"))
+    assert allocations == [(torch.device("cuda:0"), 100), (torch.device("cuda:1"), 200),
+                           (torch.device("cuda:1"), 300)]
+    lent = [ptr for ptr, _, _ in shim.calls]
+    assert lent == [0x1000, None, 0x2000, None, 0x3000]   # each withdrawn before the next
+
+
+def test_flushes_are_the_lenders_per_device_and_stop_a_plan_for_the_run(monkeypatch):
+    """Rule 5: a flush while lent, or in a refused allocation, is the lender's on its device
+    only (another device's count never goes down); the plan lends no more, also when a trial
+    runs it again after another."""
+    shim, flushes = FakeShim(held=6 * MiB), {0: 0, 1: 0}
+    lender = cuda_lender(monkeypatch, shim, [], flushes=flushes)
+    profile, plan = chain_plan(lender)
+    lender.at_point(plan.forward, 0, torch.device("cuda:0"))
+    flushes[0] += 1
+    assert lender.flushes_not_lent(1, torch.device("cuda:0")) == 0   # while lent
+    lender.withdraw()
+    assert lender.flushes_not_lent(1, torch.device("cuda:0")) == 0
+    assert lender.flushes_not_lent(0, torch.device("cuda:1")) == 0
+    assert lender.stopped == 1 and lender.plan is None
+    other = [OFFLOAD] + [KEEP] * 3
+    assert lender.plan_for(profile, other, 2, 0.0, 30 * MiB, MiB) is not None
+    assert lender.plan_for(profile, [KEEP] * 4, 2, 0.0, 30 * MiB, MiB) is None
+
+    def refused(size, device):   # the allocator flushes, then refuses
+        flushes[1] += 1
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 MiB")
+    plan = lender.plan_for(profile, other, 2, 0.0, 30 * MiB, MiB)
+    lender._allocate = refused
+    lender.at_point(plan.forward, 0, torch.device("cuda:1"))
+    assert lender.plan is None and lender.stopped == 2
+    assert lender.flushes_not_lent(1, torch.device("cuda:1")) == 0
+    assert lender.flushes_not_lent(1, torch.device("cuda:0")) == 0
+
+
+def test_a_lend_is_allocated_past_the_sessions_modes_and_an_abandoned_step_withdraws_it(
+        monkeypatch):
+    """The rescue's dispatch mode (armed in a plan's first steps, where lends start) would move
+    the step's tensors for a lend the allocator refused, and the op recorder would record it:
+    neither, nor any other mode, sees the allocation. And a step whose graph was dropped without
+    a backward withdraws its lend as it ends."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    monkeypatch.setattr("mucudnn.torch.lend.LEND_ROUND", 1)
+
+    class SeesLends(TorchDispatchMode):
+        seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten.empty.memory_format and list(args[0]) == [40_000] and \
+                    kwargs.get("dtype") == torch.uint8:
+                self.seen += 1
+            return func(*args, **kwargs)
+
+    model, data = small_cnn(torch.float64), batches(torch.float64, 5)
+    shim = FakeShim(held=40_000)
+    session = lending_session(model, data, shim, rescue="always", trace=[])
+    session.lender = WorkspaceLender(library=shim, least=1)
+    with SeesLends() as sees:
+        train(model, data, session)
+    assert session.lender.lends > 0 and sees.seen == 0
+    assert session.lender.plan is not None and 0 in session.lender.plan.forward
+    with session:
+        model[:3](data[0][0])        # a partial forward (grad enabled), its graph dropped
+    assert session.lender._buffer is not None
+    with session:                    # a leaf module starts the next step
+        model[12](torch.zeros(1, 16, 1, 1, dtype=torch.float64))
+    assert any(event[0] == "abandoned" for event in session.trace)
+    assert session.lender._buffer is None and shim.calls[-1][:2] == (None, 0)
