@@ -309,7 +309,8 @@ static cudnnStatus_t execute(const mu_conv_call *call, mu_plan_entry *entry, mu_
     status = mu_run_captured(entry, owner, call->handle, &(mu_capture_key){
                                  .x = (uintptr_t)call->x, .w = (uintptr_t)call->w, .y = (uintptr_t)call->y,
                                  .workspace = (uintptr_t)call->workspace, .workspace_size = call->workspace_size,
-                                 .alpha = key_scale(call->alpha, k->dtype), .beta = key_scale(call->beta, k->dtype)},
+                                 .alpha = key_scale(call->alpha, k->dtype), .beta = key_scale(call->beta, k->dtype),
+                                 .entry = (uintptr_t)entry},
                              run_pieces_now, &run);
     int failed_piece = run.failed_piece;
     if (status != CUDNN_STATUS_SUCCESS && failed_piece == 0 && failed_before_writing(status)) {

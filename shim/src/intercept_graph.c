@@ -498,6 +498,9 @@ static void lend_if_faster(const mu_g_planned *p, mu_seen *seen, mu_conv_call *c
     if (held == NULL || p->workspace >= p->engine_workspace ||
         !mu_lent_workspace(call->handle, p->workspace, &lent, &bytes))
         return;
+    const mu_state *state = mu_config(); /* the hard limit holds lent workspace too */
+    if (state->has_limit && bytes > state->workspace_limit) bytes = state->workspace_limit;
+    if (bytes <= p->workspace) return;
     front = p->pending_front != NULL ? p->pending_front : mu_online_front(seen);
     mu_plan_entry *point = front != NULL ? mu_plan_point(front, bytes, p->deterministic) : NULL;
     if (point == NULL || point->has_engine_pieces || point->time_ms >= held->time_ms * MU_LENT_GAIN) return;

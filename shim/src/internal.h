@@ -520,6 +520,7 @@ typedef struct {
     uintptr_t x, w, y, workspace;
     uint64_t workspace_size;
     double alpha, beta;
+    uintptr_t entry; /* the point: one plan's calls may run several (lent workspace: lend.c) */
 } mu_capture_key;
 
 /* How many graphs (sets of pointers) one owner keeps. */

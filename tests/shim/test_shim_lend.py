@@ -79,3 +79,13 @@ def test_the_largest_held_engine_workspace_is_told(shim_env, tmp_path):
     """What a framework sizes its lends by (mucudnn_held_workspace): the driver's exit line."""
     run = held_run(shim_env, tmp_path, f"{CASE} lend={LEND}")
     assert f"driver: held workspace {ENGINE_WS}, lent calls 2" in run.stderr, run.stderr
+
+
+def test_a_lend_never_takes_a_convolution_past_the_hard_limit(shim_env, tmp_path):
+    """MUCUDNN_WORKSPACE_LIMIT is the largest workspace any convolution gets: held under it, a
+    convolution runs no lent point above it."""
+    limit = {"MUCUDNN_WORKSPACE_LIMIT": str(HOLD)}
+    run = shim_env.run_graph([f"{CASE} lend={LEND}"], env=online_env(tmp_path, **limit))
+    assert int(graph_result(run)["ws"]) == HOLD
+    assert "in lent workspace" not in run.stderr
+    assert pieces_run(run) and all(a * b * WS_PER_SAMPLE <= HOLD for b, a, _ in pieces_run(run))
