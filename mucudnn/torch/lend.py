@@ -23,7 +23,8 @@ Rules:
    the device and the stream it was allocated on only (the caching allocator orders a freed
    block's reuse on that stream): a point on another is lent a buffer of its own.
 4. Without the shim preloaded, with no engine held, or after an allocation it refused, nothing
-   is lent; lending never raises into the training step.
+   is lent; lending never raises into the training step. An op the allocator refuses while a
+   buffer is lent gets that buffer first (the rescue: rescue.py), and the plan lends no more.
 5. A buffer is allocated only where the bytes allocated then leave the room rule 1 asks for.
    Where the caching allocator freed its cache (a flush) while a buffer was lent, or to allocate
    one, the plan lends no more, in this run (a flush costs a step more than the lends save), and
@@ -193,6 +194,16 @@ class WorkspaceLender:
             self.stopped += 1
             if self._made_for is not None:
                 self._stopped_plans.append(self._made_for)
+
+    def give_back(self) -> int:
+        """For an op the allocator refused: the buffer lent withdrawn, and this plan's lends
+        stopped (rule 5); the bytes it held (0: none was lent)."""
+        if self._buffer is None:
+            return 0
+        size = self.plan.size
+        self.withdraw()
+        self._stop()
+        return size
 
     def withdraw(self) -> None:
         if self._buffer is not None:

@@ -17,7 +17,9 @@ Rules:
    of at most :data:`RESTORED_BYTES` in all, copied before the op runs and put back before it
    runs again, so the second run reads what the first did. Any other op's error (an in-place
    op on an activation, rrelu's noise), and any other error, propagate unchanged.
-2. What is freed is the step's own: groups the session holds on the device and may let go of
+2. What is freed first is the workspace lent to the shim (lend.py), where a buffer is lent: the
+   op is run again, the step is no rescued one, and the plan lends no more. Then the step's
+   own: groups the session holds on the device and may let go of
    without changing a value (:func:`evictable`): kept groups (copied to the host, then fetched
    at their unpack as an offloaded group is, bit for bit, and before a recomputation that
    reads them), and fetched or prefetched groups not yet unpacked (their host copy stays).
@@ -338,6 +340,12 @@ class StepRescue:
         was left, and the error goes on)."""
         session = self.session
         step = session._step
+        given = session.lender.give_back()   # the workspace lent to the shim goes first
+        if given:
+            session.say(f"out of device memory in {func}: the workspace lent to the shim "
+                        f"({_gib(given)}) given back and the op run again; this plan lends no "
+                        "more")
+            return given
         moved = 0
         for group in eviction_order(step, session._first_unpacks, self.pinned):
             if moved >= wanted:

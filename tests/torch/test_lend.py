@@ -272,3 +272,30 @@ def test_a_lend_is_allocated_past_the_sessions_modes_and_an_abandoned_step_withd
         model[12](torch.zeros(1, 16, 1, 1, dtype=torch.float64))
     assert any(event[0] == "abandoned" for event in session.trace)
     assert session.lender._buffer is None and shim.calls[-1][:2] == (None, 0)
+
+
+def test_an_op_refused_while_a_buffer_is_lent_gets_that_buffer_first(monkeypatch):
+    """The rescue (armed in a plan's first steps) gives the lend back before it moves any of the
+    step's tensors; the op runs again, the step is no rescued one, and the plan lends no more."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    monkeypatch.setattr("mucudnn.torch.lend.LEND_ROUND", 1)
+    model, data = small_cnn(torch.float64), batches(torch.float64, 5)
+    reference = train(copy.deepcopy(model), data)
+    shim, said, trace = FakeShim(held=40_000), [], []
+    session = lending_session(model, data, shim, rescue="always", say=said.append, trace=trace)
+
+    class RefusedWhileLent(TorchDispatchMode):
+        refused = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution.default and session.lender._buffer is not None:
+                self.refused += 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+            return func(*args, **(kwargs or {}))
+
+    with RefusedWhileLent() as refuses:
+        assert_bitwise(reference, train(model, data, session))
+    assert refuses.refused == 1 and session.lender.stopped == 1 and session.lender.lends == 1
+    assert not [event for event in trace if event[0] == "rescue"]   # nothing moved
+    assert [line for line in said if "lent to the shim" in line and "given back" in line]
+    assert not [line for line in said if "moved to the host" in line]
