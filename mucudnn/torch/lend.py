@@ -99,6 +99,7 @@ class WorkspaceLender:
     (this process's symbols by default); ``on`` False: nothing is ever lent."""
 
     def __init__(self, library=None, least: int = MIN_LEND, on: bool = True):
+        self.on = on
         self._lend, self._held = _shim_functions(library) if on else (None, None)
         self.least = least
         self.plan: LendPlan | None = None

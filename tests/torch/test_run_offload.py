@@ -199,6 +199,21 @@ def test_the_rescue_comes_from_the_environment(tmp_path, monkeypatch, value, exp
     assert f"rescuer.when {expected}" in out
 
 
+@pytest.mark.parametrize("value, expected", [
+    (None, "[False]"),           # the session's default: nothing lent
+    ("1", "[True]"),
+    ("off", "[False]"),
+    ("sometimes", None),         # refused by `mucudnn run` in one line
+])
+def test_lending_comes_from_the_environment(tmp_path, monkeypatch, value, expected):
+    result, out = attribute_under(tmp_path, monkeypatch, "MUCUDNN_OFFLOAD_LEND", value,
+                                  "lender.on", refused=expected is None)
+    if expected is None:
+        return
+    assert result.exit_code == 0, result.output
+    assert f"lender.on {expected}" in out
+
+
 OUT_OF_MEMORY_SCRIPT = textwrap.dedent("""
     import torch
     # activations of 4 MiB: saved groups of the session's (not under its least size)
