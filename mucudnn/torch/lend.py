@@ -42,6 +42,7 @@ from typing import Sequence
 import torch
 
 from . import planner
+from .link import allocator_flushes
 from .planner import StepProfile
 
 #: room kept below the target besides a lend (a share of the budget): the model's error
@@ -176,10 +177,7 @@ class WorkspaceLender:
 
     @staticmethod
     def _flushes(device: torch.device) -> int:
-        """Times so far the device's caching allocator freed its cache to retry an allocation."""
-        if device.type != "cuda":
-            return 0
-        return torch.cuda.memory.memory_stats_as_nested_dict(device).get("num_alloc_retries", 0)
+        return allocator_flushes(device)
 
     def _lender_flushed(self, device: torch.device) -> bool:
         """Counts the flushes since the buffer's allocation as the lender's (rule 5)."""
@@ -216,6 +214,8 @@ class WorkspaceLender:
     def flushes_not_lent(self, count: int, device: torch.device | None = None) -> int:
         """``count``, the flush count now of a link on ``device`` (None: the host's), less the
         lender's flushes there (rule 5): a count that never goes down, as ``count`` does not."""
+        if self._buffer is None and not self._flushes_lent:   # lends off, or none flushed yet
+            return count
         key = _device_key(device)
         lent = self._flushes_lent.get(key, 0)
         if self._buffer is not None and _device_key(self._buffer.device) == key:

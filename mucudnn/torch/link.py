@@ -40,6 +40,15 @@ class Transfer:
     event: object = None
 
 
+def allocator_flushes(device: torch.device) -> int:
+    """Times so far ``device``'s caching allocator freed its cache to retry an allocation (0 for
+    the host). Read at every unpack of a trial's steps: the nested statistics, not
+    memory_stats' flattened copy of them."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory.memory_stats_as_nested_dict(device).get("num_alloc_retries", 0)
+
+
 class SameMemoryLink:
     """A host link where host and device are one memory (CPU tests): copies are exact clones and
     every copy is complete when issued. Subclass it to observe the calls; :class:`CudaLink`, the
@@ -398,10 +407,7 @@ class CudaLink(SameMemoryLink):
         return torch.cuda.memory_stats(self.device).get("num_ooms", 0)
 
     def flushes(self):
-        # read at every unpack of a trial's steps: the nested statistics, not memory_stats'
-        # flattened copy of them
-        return torch.cuda.memory.memory_stats_as_nested_dict(self.device).get(
-            "num_alloc_retries", 0)
+        return allocator_flushes(self.device)
 
     def bandwidth_gbps(self):
         if self.gbps is None:

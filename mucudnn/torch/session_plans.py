@@ -270,15 +270,17 @@ class PlanLifecycle:
 
     def _flush_counts_now(self) -> dict:
         """Each link in use and its caching allocator's flush count now."""
-        return {link: self.lender.flushes_not_lent(link.flushes(), getattr(link, "device", None))
-                for link in self._links_in_use()}
+        return {link: self._plans_flushes(link) for link in self._links_in_use()}
+
+    def _plans_flushes(self, link) -> int:
+        """The link's flush count now, less those the lender caused (lend.py, rule 5)."""
+        return self.lender.flushes_not_lent(link.flushes(), getattr(link, "device", None))
 
     def _saw_flushes(self, step: _Step, link, point: int) -> None:
         """A planned step's unpack after backward ``point``'s op (-1: the forward): where a
         trial times its plan, the link's flush count now says whether it flushed there."""
         if not step.profiling and self.lifecycle.watches_flush_points:
-            count = self.lender.flushes_not_lent(link.flushes(), getattr(link, "device", None))
-            self.lifecycle.saw_flushes(link, count, point)
+            self.lifecycle.saw_flushes(link, self._plans_flushes(link), point)
 
     def _say_unmoved(self, step: _Step) -> None:
         """One line, once, when a step kept groups its plan moves (no recipe found, not dense):

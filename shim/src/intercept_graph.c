@@ -357,12 +357,14 @@ static cudnnStatus_t after_plan_finalized(cudnnBackendDescriptor_t plan, const m
         status = CUDNN_STATUS_NOT_SUPPORTED;
     } else if (tunable && make_pending(p, &engine, &k, graph.handle, allowed, real_workspace)) {
         p->pending_front = online_front;
-        if (allowed < real_workspace) mu_lend_note_held(real_workspace);
-        if (allowed < real_workspace) /* a framework may finalize many plans of one kernel: info once */
+        if (allowed < real_workspace) {
+            mu_lend_note_held(real_workspace);
+            /* a framework may finalize many plans of one kernel: info once */
             mu_log(seen == NULL || !atomic_exchange(&seen->capped, true) ? MU_LOG_INFO : MU_LOG_DEBUG,
                    "%s N=%d: the engine needs %zu bytes of workspace, over the %s %zu: the framework "
                    "allocates that and the online front's point within it runs", k.key, k.n, real_workspace,
                    allowed == held && !over_limit ? "hold" : "limit", allowed);
+        }
         mu_log(MU_LOG_DEBUG, "graph plan %p: %s N=%d is tuned online at its first execution (workspace %zu, "
                "the engine's %zu)", (void *)plan, k.key, k.n, allowed, real_workspace);
         mu_g_set_planned(plan, p, seen);

@@ -20,7 +20,6 @@
  * 4. The hot path without a lend is one relaxed load.
  */
 #include <pthread.h>
-#include <string.h>
 
 #include "internal.h"
 

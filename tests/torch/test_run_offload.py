@@ -184,34 +184,24 @@ def test_the_plans_headroom_comes_from_the_environment(tmp_path, monkeypatch, ca
     assert len(said) == (1 if warned else 0) and "Traceback" not in stderr, stderr
 
 
-@pytest.mark.parametrize("value, expected", [
-    (None, "[True]"),            # the session's default: a plan's first steps
-    ("always", "['always']"),
-    ("0", "[False]"),
-    ("sometimes", None),         # refused by `mucudnn run` in one line
+@pytest.mark.parametrize("variable, attribute, value, expected", [
+    ("MUCUDNN_OFFLOAD_RESCUE", "rescuer.when", None, "[True]"),   # default: a plan's first steps
+    ("MUCUDNN_OFFLOAD_RESCUE", "rescuer.when", "always", "['always']"),
+    ("MUCUDNN_OFFLOAD_RESCUE", "rescuer.when", "0", "[False]"),
+    ("MUCUDNN_OFFLOAD_RESCUE", "rescuer.when", "sometimes", None),   # refused in one line
+    ("MUCUDNN_OFFLOAD_LEND", "lender.on", None, "[False]"),          # default: nothing lent
+    ("MUCUDNN_OFFLOAD_LEND", "lender.on", "1", "[True]"),
+    ("MUCUDNN_OFFLOAD_LEND", "lender.on", "off", "[False]"),
+    ("MUCUDNN_OFFLOAD_LEND", "lender.on", "sometimes", None),        # refused in one line
 ])
-def test_the_rescue_comes_from_the_environment(tmp_path, monkeypatch, value, expected):
-    result, out = attribute_under(tmp_path, monkeypatch, "MUCUDNN_OFFLOAD_RESCUE", value,
-                                  "rescuer.when", refused=expected is None)
+def test_the_rescue_and_lending_come_from_the_environment(tmp_path, monkeypatch, variable,
+                                                          attribute, value, expected):
+    result, out = attribute_under(tmp_path, monkeypatch, variable, value, attribute,
+                                  refused=expected is None)
     if expected is None:
         return
     assert result.exit_code == 0, result.output
-    assert f"rescuer.when {expected}" in out
-
-
-@pytest.mark.parametrize("value, expected", [
-    (None, "[False]"),           # the session's default: nothing lent
-    ("1", "[True]"),
-    ("off", "[False]"),
-    ("sometimes", None),         # refused by `mucudnn run` in one line
-])
-def test_lending_comes_from_the_environment(tmp_path, monkeypatch, value, expected):
-    result, out = attribute_under(tmp_path, monkeypatch, "MUCUDNN_OFFLOAD_LEND", value,
-                                  "lender.on", refused=expected is None)
-    if expected is None:
-        return
-    assert result.exit_code == 0, result.output
-    assert f"lender.on {expected}" in out
+    assert f"{attribute} {expected}" in out
 
 
 OUT_OF_MEMORY_SCRIPT = textwrap.dedent("""
