@@ -26,7 +26,7 @@ from .records import _Group, _Step
 from .recording import stage_candidates, step_profile
 from . import planner_stage
 from ..sizes import describe_size, format_size
-from .stage import RECORDING_FLOOR_SHARE, StagePlan, chain_of, recording_stage
+from .stage import RECORDING_STAGE_SHARE, StagePlan, chain_of, recording_stage
 from .stage import _transformed as stage_transformed
 
 
@@ -254,7 +254,7 @@ class PlanLifecycle:
                 StageCandidate(stage, source.shape[0], (chain, parent)))
             self.say(f"the recording stages the first {len(chain)} layers in {chunks} "
                      f"micro-batches: their backward would hold more than "
-                     f"{RECORDING_FLOOR_SHARE:.0%} of the {describe_size(budget)} budget at once")
+                     f"{RECORDING_STAGE_SHARE:.0%} of the {describe_size(budget)} budget at once")
         return self.stage.runs(module, args, parent, saved)
 
     def _freeze_gc(self) -> None:

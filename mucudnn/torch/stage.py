@@ -198,7 +198,15 @@ class ChainRecorder:
 #: A recording step stages the leading chain (:func:`recording_chunks`) where the chain's backward
 #: would hold more than this share of the budget at once: three of its largest tensors (an
 #: output's gradient, the input read again, the input's gradient), which no choice of keep,
-#: offload or recompute lowers, so that the recording itself would run out of memory
+#: offload or recompute lowers. Below it the recording runs unstaged and the planner weighs the
+#: staged plans against the plain ones on its profile; above it a plain plan's backward leaves
+#: its saved tensors too little of the target, and its steps flush the caching allocator
+#: (measured: ``benchmarks/results/plan-accuracy/README.md``, "A recording staged only where
+#: its plain plans would not fit")
+RECORDING_STAGE_SHARE = 0.6
+#: A staged recording stages on through each next block whose backward alone would hold more
+#: than this share of the budget (three of its largest tensors): staged to the block before
+#: alone, the recording itself runs out of memory in that block's backward
 RECORDING_FLOOR_SHARE = 0.5
 #: ... in the fewest of these micro-batches whose share of those three is within this share
 RECORDING_CHUNKS = (2, 4, 8, 16, 32)
@@ -297,7 +305,7 @@ def _sample_bytes(modules: list[nn.Module], source: torch.Tensor) -> list[int] |
 def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int) -> int | None:
     """The micro-batches a recording step stages the leading chain ``modules`` in, its input
     ``source``, under ``budget`` bytes: None where three of the chain's largest tensors take at
-    most :data:`RECORDING_FLOOR_SHARE` of the budget (the recording runs unstaged, and the
+    most :data:`RECORDING_STAGE_SHARE` of the budget (the recording runs unstaged, and the
     planner weighs staging after it); else the fewest of :data:`RECORDING_CHUNKS` (at most the
     batch) whose share of them is within :data:`RECORDING_CHUNK_SHARE`. The sizes are the
     chain's on one sample (its shapes, on the meta device, without hooks) times the batch."""
@@ -310,7 +318,7 @@ def recording_chunks(modules: list[nn.Module], source: torch.Tensor, budget: int
     if sizes is None:
         return None
     held = 3 * max(sizes) * batch
-    if held <= RECORDING_FLOOR_SHARE * budget:
+    if held <= RECORDING_STAGE_SHARE * budget:
         return None
     fitting = [c for c in RECORDING_CHUNKS
                if c <= batch and held / c <= RECORDING_CHUNK_SHARE * budget]
