@@ -58,6 +58,10 @@ class StepCopies:
                 # the transfer itself: a group whose packs are all freed meanwhile (its graph
                 # dropped in the forward) gives back its host copy and forgets it
                 step.releases.setdefault(due, []).append((group, group.host))
+            if step.profiling:             # recording: copies inline
+                for call in step.calls:    # the calls running now: the copy is in their time
+                    if call.end is None and call.start is not None:
+                        call.moved += group.nbytes
             self.session._event("offload", group.gid)
 
     def keeps_apart(self, step: _Step, group: _Group) -> bool:

@@ -26,18 +26,19 @@ def stage_candidates(step: _Step, link: SameMemoryLink, recompute_convolutions: 
     # micro-batches: not where convolutions may not rerun (MUCUDNN_OFFLOAD=cheap)
     if chain is None or not chain.links or not recompute_convolutions:
         return []
+    d2h, _ = link_speeds(step, link)
     if recorded is not None:
         if step.stage_end_groups is None:
             return []
         return [(stage, modules, chain.parent, chain.batch)
                 for stage, modules in chain.extending(
                     recorded, step.stage_end_groups,
-                    lambda call: _call_ms(step, link, call) or 0.0)]
+                    lambda call: _call_ms(link, call, d2h) or 0.0)]
     group = step.by_key.get(chain.input_key)
     input_group = group.gid if group is not None else None
     return [(stage, modules, chain.parent, chain.batch)
             for stage, modules in chain.candidates(
-                input_group, lambda call: _call_ms(step, link, call) or 0.0)]
+                input_group, lambda call: _call_ms(link, call, d2h) or 0.0)]
 
 
 def link_speeds(step: _Step, link: SameMemoryLink) -> tuple[float, float]:
@@ -93,7 +94,7 @@ def step_profile(step: _Step, link: SameMemoryLink, copy_exposure: float, tail_p
         first = group.first_unpack if group.first_unpack is not None else unpacks - 1
         last = group.last_unpack if group.last_unpack is not None else unpacks - 1
         recompute_ms, sources = None, None
-        times = [_call_ms(step, link, c) for c in group.recipe.calls] \
+        times = [_call_ms(link, c, d2h) for c in group.recipe.calls] \
             if group.recipe is not None else [None]
         if None not in times:
             recompute_ms = sum(times)
@@ -167,10 +168,10 @@ def _span_ms(step: _Step, link: SameMemoryLink, start, end) -> float:
     return max(0.0, link.compute_ms(start, end) - copying)
 
 
-def _call_ms(step: _Step, link: SameMemoryLink, call: _Call) -> float | None:
-    """Recording ``step``'s ``call``: its compute ms, less the copies to the host it made inline,
-    as each took (:func:`_span_ms`); None where untimed: its marks not on one link's clock (a
-    first recording's calls before its first pack, marked on no link yet)."""
+def _call_ms(link: SameMemoryLink, call: _Call, d2h: float) -> float | None:
+    """A recording step's ``call``: its compute ms, less what it copied to the host inline
+    (``d2h`` GB/s); None where untimed: its marks not on one link's clock (a first recording's
+    calls before its first pack, marked on no link yet)."""
     if call.start is None or call.end is None or call.start.link is not call.end.link:
         return None
-    return _span_ms(step, link, call.start, call.end)
+    return max(0.0, link.compute_ms(call.start, call.end) - planner.transfer_ms(call.moved, d2h))

@@ -68,6 +68,7 @@ class _Call:
     output: weakref.ref | None
     start: object
     end: object = None
+    moved: int = 0            # bytes copied inline to the host while it ran (recording step)
     done: bool = False        # its forward returned
     output_version: int = 0   # its output's version when it returned
     in_place: bool = False    # its output is its first input, changed

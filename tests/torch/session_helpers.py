@@ -45,19 +45,6 @@ class RecordingLink(SameMemoryLink):
         return super().wait(transfer)
 
 
-class FreeRecomputeLink(RecordingLink):
-    """A link of 10 kB/s both ways whose clock stands still: every recorded compute time is 0,
-    so recomputing costs nothing and a copy seconds, and the planner recomputes whatever meets
-    the budget (the recorded times, wall-clock ones otherwise, play no part however busy the
-    machine is)."""
-
-    def __init__(self):
-        super().__init__(gbps=(1e-5, 1e-5))
-
-    def _stamp(self):
-        return 0.0
-
-
 def small_cnn(dtype):
     torch.manual_seed(0)
     return nn.Sequential(
