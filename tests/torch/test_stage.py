@@ -242,6 +242,18 @@ def test_an_unknown_stage_value_is_one_clear_error():
         OffloadSession(budget=2**30, stage="never")
 
 
+def weighed_stages(monkeypatch) -> list:
+    """The candidates :meth:`PlanMaker.choose_stage` is given, a tuple per call, from now on."""
+    weighed = []
+    original = PlanMaker.choose_stage
+
+    def recorded(self, profile, target, candidates, staging):
+        weighed.append(candidates)
+        return original(self, profile, target, candidates, staging)
+    monkeypatch.setattr(PlanMaker, "choose_stage", recorded)
+    return weighed
+
+
 def leading_chain_bytes(model, batch):
     """Three of the first block's largest tensors at ``batch`` (what its backward holds)."""
     x = batches(batch=batch, steps=1)[0][0]
@@ -394,13 +406,8 @@ def test_a_recording_stages_through_the_next_block_whose_backward_would_not_fit_
     reference = train(copy.deepcopy(model), data)
     floor = leading_chain_bytes(model, 8)
     second = 3 * 16 * 8 * 8 * 8 * 8    # the second convolution's output, float64, three times
-    weighed, said = [], []
-    original = PlanMaker.choose_stage
-
-    def recorded(self, profile, target, candidates, staging):
-        weighed.append(candidates)
-        return original(self, profile, target, candidates, staging)
-    monkeypatch.setattr(PlanMaker, "choose_stage", recorded)
+    said = []
+    weighed = weighed_stages(monkeypatch)
     for budget, modules in ((int(second / stage_module.RECORDING_FLOOR_SHARE) - 1024, 8),
                             (int(second / stage_module.RECORDING_FLOOR_SHARE) + 1024, 5)):
         assert floor > stage_module.RECORDING_FLOOR_SHARE * budget
@@ -442,13 +449,7 @@ def test_no_longer_stage_where_the_chain_does_not_go_on_in_the_recorded_stages_c
     model = vgg_like(features=nn.Sequential(first, second))
     data = batches()
     reference = train(copy.deepcopy(model), data)
-    weighed = []
-    original = PlanMaker.choose_stage
-
-    def recorded(self, profile, target, candidates, staging):
-        weighed.append(candidates)
-        return original(self, profile, target, candidates, staging)
-    monkeypatch.setattr(PlanMaker, "choose_stage", recorded)
+    weighed = weighed_stages(monkeypatch)
     floor = leading_chain_bytes(nn.Sequential(first), 8)
     from mucudnn.torch import stage as stage_module
     session = OffloadSession(budget=int(floor / (stage_module.RECORDING_STAGE_SHARE + 0.1)),
@@ -489,13 +490,8 @@ def test_a_recording_whose_chains_backward_takes_under_the_stage_share_is_plain_
     budget = int(floor / 0.55)
     assert stage_module.RECORDING_FLOOR_SHARE * budget < floor < \
         stage_module.RECORDING_STAGE_SHARE * budget
-    weighed, said = [], []
-    original = PlanMaker.choose_stage
-
-    def recorded(self, profile, target, candidates, staging):
-        weighed.append(candidates)
-        return original(self, profile, target, candidates, staging)
-    monkeypatch.setattr(PlanMaker, "choose_stage", recorded)
+    said = []
+    weighed = weighed_stages(monkeypatch)
     reference = train(copy.deepcopy(model), data)
     session = OffloadSession(budget=budget, link=RecordingLink(), min_bytes=0, headroom=0.0,
                              strict=False, say=said.append)
