@@ -230,8 +230,8 @@ class PlanLifecycle:
     def _stage_starts(self, step: _Step, module, args, parent) -> bool:
         """Leaf ``module`` (``parent`` running it) starts the stage in force, or, in a recording
         step with none, a stage this recording takes (:func:`stage.recording_stage`: its chain's
-        backward alone would hold most of the budget, so an unstaged recording would run out
-        of memory). A stage the recording takes holds for the plans made from it, which are
+        backward alone would hold more than :data:`stage.RECORDING_STAGE_SHARE` of the budget,
+        where plain plans would not fit). A stage the recording takes holds for the plans made from it, which are
         made on its staged profile (the one other stage weighed is that one extended:
         :func:`.recording.stage_candidates`); one line says so."""
         saved = len(step.groups)

@@ -199,16 +199,18 @@ class ChainRecorder:
 #: would hold more than this share of the budget at once: three of its largest tensors (an
 #: output's gradient, the input read again, the input's gradient), which no choice of keep,
 #: offload or recompute lowers. Below it the recording runs unstaged and the planner weighs the
-#: staged plans against the plain ones on its profile; above it a plain plan's backward leaves
-#: its saved tensors too little of the target, and its steps flush the caching allocator
-#: (measured: ``benchmarks/results/plan-accuracy/README.md``, "A recording staged only where
-#: its plain plans would not fit")
+#: staged plans against the plain ones on its profile. The nearer that floor comes to the plan's
+#: target, the less room a plain plan leaves its saved tensors: its steps flush the caching
+#: allocator, and the session lowers it to the staged plan after a few steps (measured between
+#: 0.53 and 0.65 of the budget: ``benchmarks/results/plan-accuracy/README.md``, "A recording
+#: staged only where its plain plans would not fit")
 RECORDING_STAGE_SHARE = 0.6
 #: A staged recording stages on through each next block whose backward alone would hold more
 #: than this share of the budget (three of its largest tensors): staged to the block before
 #: alone, the recording itself runs out of memory in that block's backward
 RECORDING_FLOOR_SHARE = 0.5
-#: ... in the fewest of these micro-batches whose share of those three is within this share
+#: A staged recording runs its chain in the fewest of these micro-batches whose share of three of
+#: the chain's largest tensors is within this share of the budget
 RECORDING_CHUNKS = (2, 4, 8, 16, 32)
 RECORDING_CHUNK_SHARE = 0.25
 
