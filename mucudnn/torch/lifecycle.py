@@ -42,7 +42,7 @@ from typing import Callable, Mapping
 
 from . import planner
 from .plan_runner import (FIRST, LOWER, REPLAN, TRIALS, InlineRunner, PlanMaker, PlanRequest,
-                          PlanResult)
+                          PlanResult, least_rerun_times)
 from .planner import KEEP, OFFLOAD, OffloadPlan, StepProfile
 from .trial import Trial
 
@@ -390,6 +390,7 @@ class Lifecycle(TrialsAndWatch):
                                  else record_steps)
         self._recordings_left = self.record_steps
         self._recorded: list[StepProfile] = []   # this recording's profiles so far
+        self._recorded_stages: list[tuple] = []  # ... and the stages each allowed
         self._stage_candidates: tuple = ()
         #: the recorded profile and the stages its first plan weighed: a lowering weighs them
         #: again at its lower target (plan_runner.PlanMaker._staged_lowering)
@@ -543,11 +544,13 @@ class Lifecycle(TrialsAndWatch):
         if outcome.profile is None:
             return
         self._recorded.append(outcome.profile)
-        self._stage_candidates = tuple(outcome.stage_candidates)
+        self._recorded_stages.append(tuple(outcome.stage_candidates))
         self._recordings_left -= 1
         if self._recordings_left > 0:
             return
         self.profile = planner.least_times(self._recorded)
+        self._stage_candidates = least_rerun_times(self._recorded_stages)
+        self._recorded_stages = []
         if self.stage is not None:   # a stage the recording took: the recorded profile is staged
             self.recorded_profile = self.profile
         self._recorded = []
@@ -731,6 +734,7 @@ class Lifecycle(TrialsAndWatch):
             own = self.target
             self._lowered_target = plan.target if plan.target and plan.target != own else None
             self._recorded, self._stage_candidates, self._weighed = [], (), (None, ())
+            self._recorded_stages = []
             self.state = WATCHING if self.trials else PLANNED
             self._watch_from_now()
             self._staged = stage is not None
@@ -755,7 +759,7 @@ class Lifecycle(TrialsAndWatch):
             self.profile = self.recorded_profile = self.stage = self.plan = None
             self.modes, self.kept_after_trial, self._lowered_target = None, None, None
             self.trial, self._awaiting = None, None
-            self._recorded, self._weighed = [], (None, ())
+            self._recorded, self._recorded_stages, self._weighed = [], [], (None, ())
             self._recordings_left = self.record_steps
             self.state = RECORDING
             self._say(f"the cached offload plan does not fit this step: {reason}; recording "

@@ -42,12 +42,33 @@ REPLAN = "replan"           # after a planned step ran out of memory: the plan f
 @dataclass(frozen=True)
 class StageCandidate:
     """A stage the recording's leading chain allows (stage.py): the planner's :class:`Stage`, the
-    chain's batch, and what the session needs to run it (``payload``: its modules and their
-    container; opaque here)."""
+    chain's batch, what the session needs to run it (``payload``: its modules and their
+    container; opaque here), and whether the recording timed each of its calls (``timed``: its
+    rerun's time, :attr:`Stage.forward_ms`, is then their sum)."""
 
     stage: planner_stage.Stage
     batch: int
     payload: object = None
+    timed: bool = True
+
+
+def least_rerun_times(recorded: list[tuple[StageCandidate, ...]]) -> tuple[StageCandidate, ...]:
+    """The last recording's stage candidates (``recorded``: each recording's, in order), each
+    with its rerun time (:attr:`Stage.forward_ms`) the least that any recording timed in full for
+    the same stage: as :func:`planner.least_times` takes the profile's (a host that fell behind
+    in one recording stretched its times there, never shortened them); its own where none
+    timed it in full."""
+    def same(a: planner_stage.Stage, b: planner_stage.Stage) -> bool:
+        return (a.modules, a.first_group, a.end_group, a.recorded_chunks) == \
+            (b.modules, b.first_group, b.end_group, b.recorded_chunks)
+    least = []
+    for candidate in recorded[-1] if recorded else ():
+        times = [other.stage.forward_ms for each in recorded for other in each
+                 if other.timed and same(other.stage, candidate.stage)]
+        fastest = min(times, default=candidate.stage.forward_ms)
+        least.append(candidate if fastest == candidate.stage.forward_ms else
+                     replace(candidate, stage=replace(candidate.stage, forward_ms=fastest)))
+    return tuple(least)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1018,3 +1018,29 @@ def test_a_lowering_that_another_of_the_recordings_stages_meets_faster_takes_tha
     assert all(len(p.modes) == 3 for p in lifecycle.trial.plans)
     assert any(line.startswith(f"offload plan for 8.00 GiB (planned for ") and
                line.endswith("; " + stage.describe()) for line in steps.lines)
+
+
+def test_a_stages_rerun_time_is_the_least_any_recording_timed_in_full():
+    # as the profile's times are (planner.least_times): a host behind the device in one recording
+    # stretched that recording's calls; a first recording's calls before its first save are
+    # untimed, and a stage holding one counts them 0: its sum is no time to take
+    def stage(ms):
+        return planner_stage.Stage(modules=2, first_group=0, end_group=2, input_group=0,
+                                   input_bytes=MiB, chunks=4, forward_ms=ms)
+    for recordings, rerun in (([(stage(10.0), True), (stage(15.0), True)], 10.0),
+                              ([(stage(2.0), False), (stage(15.0), True)], 15.0),
+                              ([(stage(15.0), True), (stage(3.0), False)], 15.0),
+                              ([(stage(2.0), False), (stage(3.0), False)], 3.0)):
+        class Staging(TableMaker):
+            def choose_stage(self, profile, target, candidates, staging):
+                self.asked = candidates
+                return plan(target, modes=(KEEP,) * 3), None
+        maker = Staging()
+        lifecycle = Lifecycle(8 * GiB, maker=maker, trials=False, record_steps=len(recordings))
+        steps = Steps(lifecycle)
+        for each, timed in recordings:
+            steps.step(stage_candidates=(StageCandidate(each, 8, payload="modules",
+                                                        timed=timed),))
+        steps.step()
+        (asked,) = maker.asked
+        assert asked.stage.forward_ms == rerun and asked.payload == "modules"
