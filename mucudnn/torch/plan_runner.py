@@ -43,29 +43,32 @@ REPLAN = "replan"           # after a planned step ran out of memory: the plan f
 class StageCandidate:
     """A stage the recording's leading chain allows (stage.py): the planner's :class:`Stage`, the
     chain's batch, what the session needs to run it (``payload``: its modules and their
-    container; opaque here), and whether the recording timed each of its calls (``timed``: its
-    rerun's time, :attr:`Stage.forward_ms`, is then their sum)."""
+    container; opaque here), and each of its calls' recorded time (``call_ms``; None where the
+    recording did not time it: its rerun's time, :attr:`Stage.forward_ms`, counts it 0)."""
 
     stage: planner_stage.Stage
     batch: int
     payload: object = None
-    timed: bool = True
+    call_ms: tuple = ()
 
 
 def least_rerun_times(recorded: list[tuple[StageCandidate, ...]]) -> tuple[StageCandidate, ...]:
     """The last recording's stage candidates (``recorded``: each recording's, in order), each
-    with its rerun time (:attr:`Stage.forward_ms`) the least that any recording timed in full for
-    the same stage: as :func:`planner.least_times` takes the profile's (a host that fell behind
-    in one recording stretched its times there, never shortened them); its own where none
-    timed it in full."""
+    with its rerun time (:attr:`Stage.forward_ms`) the sum over its calls of the least time any
+    recording timed the call in, as :func:`planner.least_times` takes the recipes' (a host that
+    fell behind in one recording stretched its times there, never shortened them; a first
+    recording leaves its chain's first call untimed)."""
     def same(a: planner_stage.Stage, b: planner_stage.Stage) -> bool:
         return (a.modules, a.first_group, a.end_group, a.recorded_chunks) == \
             (b.modules, b.first_group, b.end_group, b.recorded_chunks)
     least = []
     for candidate in recorded[-1] if recorded else ():
-        times = [other.stage.forward_ms for each in recorded for other in each
-                 if other.timed and same(other.stage, candidate.stage)]
-        fastest = min(times, default=candidate.stage.forward_ms)
+        timings = [other.call_ms for each in recorded for other in each
+                   if same(other.stage, candidate.stage)
+                   and len(other.call_ms) == len(candidate.call_ms)]
+        calls = [[ms for ms in at if ms is not None] for at in zip(*timings)]
+        fastest = sum(min(at, default=0.0) for at in calls) if calls else \
+            candidate.stage.forward_ms
         least.append(candidate if fastest == candidate.stage.forward_ms else
                      replace(candidate, stage=replace(candidate.stage, forward_ms=fastest)))
     return tuple(least)

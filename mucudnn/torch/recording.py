@@ -19,8 +19,8 @@ LINK_PROBE_BYTES = 32 << 20
 def stage_candidates(step: _Step, link: SameMemoryLink, recompute_convolutions: bool,
                      recorded=None) -> list:
     """The stages recording ``step``'s leading chain allows (stage.py): (planner_stage.Stage,
-    its modules, their container, the batch, whether each of its calls was timed: a first
-    recording's calls before its first save are not). ``recorded``: the stage the recording
+    its modules, their container, the batch, each of its calls' time: None where untimed, as a
+    first recording's calls before its first save are). ``recorded``: the stage the recording
     took (stage.StagePlan), which the step's chain goes on from: the stages that extend it."""
     chain = step.chain
     # a staged chain reruns its convolutions, and sums its parameters' gradients over
@@ -31,13 +31,13 @@ def stage_candidates(step: _Step, link: SameMemoryLink, recompute_convolutions: 
     if recorded is not None:
         if step.stage_end_groups is None:
             return []
-        return [(stage, modules, chain.parent, chain.batch, timed)
-                for stage, modules, timed in chain.extending(
+        return [(stage, modules, chain.parent, chain.batch, times)
+                for stage, modules, times in chain.extending(
                     recorded, step.stage_end_groups, lambda call: _call_ms(link, call, d2h))]
     group = step.by_key.get(chain.input_key)
     input_group = group.gid if group is not None else None
-    return [(stage, modules, chain.parent, chain.batch, timed)
-            for stage, modules, timed in chain.candidates(
+    return [(stage, modules, chain.parent, chain.batch, times)
+            for stage, modules, times in chain.candidates(
                 input_group, lambda call: _call_ms(link, call, d2h))]
 
 

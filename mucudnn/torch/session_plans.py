@@ -160,8 +160,8 @@ class PlanLifecycle:
                 # a recording that staged (:meth:`_stage_starts`) is the staged profile: the
                 # stages weighed on it are that one extended along the chain
                 candidates = tuple(
-                    StageCandidate(stage, batch, (modules, parent), timed)
-                    for stage, modules, parent, batch, timed
+                    StageCandidate(stage, batch, (modules, parent), times)
+                    for stage, modules, parent, batch, times
                     in stage_candidates(finished, link, self.recompute_convolutions, self.stage))
                 self.recorder.peak(link)   # what a probe of the link allocated there is no step's
         self._cached = None    # checked in its first step only

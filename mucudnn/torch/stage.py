@@ -149,11 +149,11 @@ class ChainRecorder:
             self.open = False
 
     def candidates(self, input_group: int | None, time_ms
-                   ) -> list[tuple[planner_stage.Stage, list, bool]]:
+                   ) -> list[tuple[planner_stage.Stage, list, tuple]]:
         """Stages ending at the chain's first :data:`planner_stage.STAGE_ENDS` pooling layers that
-        saved groups: (planner_stage.Stage with chunks to be chosen, its modules, whether each of
-        its calls was timed). ``input_group``: the group the chain's input was saved as (None:
-        none); ``time_ms(call)``: a call's compute time, None where untimed (it counts 0)."""
+        saved groups: (planner_stage.Stage with chunks to be chosen, its modules, each of its
+        calls' time). ``input_group``: the group the chain's input was saved as (None: none);
+        ``time_ms(call)``: a call's compute time, None where untimed (it counts 0)."""
         found = []
         for end, link in enumerate(self.links):
             if link.groups_after < 0 or not isinstance(link.module, POOLS):
@@ -167,13 +167,13 @@ class ChainRecorder:
                 end + 1, first, after, input_group, self.input_bytes, 1,
                 sum(ms or 0.0 for ms in times),
                 input_saved=input_group is not None or self.input_saved),
-                [each.module for each in self.links[:end + 1]], None not in times))
+                [each.module for each in self.links[:end + 1]], tuple(times)))
             if len(found) == planner_stage.STAGE_ENDS:
                 break
         return found
 
     def extending(self, recorded: "StagePlan", groups_at_end: int, time_ms
-                  ) -> list[tuple[planner_stage.Stage, list, bool]]:
+                  ) -> list[tuple[planner_stage.Stage, list, tuple]]:
         """The stages that extend ``recorded``, the stage the recording took (its chain up to
         the first pooling layer, :func:`leading_chain`), by this chain where it goes on right
         after it: ending at its pooling layers, as many as make :data:`planner_stage.STAGE_ENDS`
@@ -193,8 +193,8 @@ class ChainRecorder:
                          input_group=input_group, input_bytes=stage.input_bytes,
                          recorded_chunks=stage.chunks,
                          input_saved=input_group is not None or stage.input_saved),
-                 modules + more, timed)
-                for own, more, timed in self.candidates(None, time_ms)[:planner_stage.STAGE_ENDS - 1]]
+                 modules + more, times)
+                for own, more, times in self.candidates(None, time_ms)[:planner_stage.STAGE_ENDS - 1]]
 
 
 #: A recording step stages the leading chain (:func:`recording_chunks`) where the chain's backward

@@ -1020,17 +1020,20 @@ def test_a_lowering_that_another_of_the_recordings_stages_meets_faster_takes_tha
                line.endswith("; " + stage.describe()) for line in steps.lines)
 
 
-def test_a_stages_rerun_time_is_the_least_any_recording_timed_in_full():
-    # as the profile's times are (planner.least_times): a host behind the device in one recording
+def test_a_stages_rerun_time_sums_the_least_time_any_recording_took_for_each_call():
+    # as the recipes' times are (planner.least_times): a host behind the device in one recording
     # stretched that recording's calls; a first recording's calls before its first save are
-    # untimed, and a stage holding one counts them 0: its sum is no time to take
-    def stage(ms):
-        return planner_stage.Stage(modules=2, first_group=0, end_group=2, input_group=0,
-                                   input_bytes=MiB, chunks=4, forward_ms=ms)
-    for recordings, rerun in (([(stage(10.0), True), (stage(15.0), True)], 10.0),
-                              ([(stage(2.0), False), (stage(15.0), True)], 15.0),
-                              ([(stage(15.0), True), (stage(3.0), False)], 15.0),
-                              ([(stage(2.0), False), (stage(3.0), False)], 3.0)):
+    # untimed (None), and each call takes its time from the recordings that timed it
+    def candidate(times):
+        stage = planner_stage.Stage(modules=3, first_group=0, end_group=2, input_group=0,
+                                    input_bytes=MiB, chunks=4,
+                                    forward_ms=sum(ms or 0.0 for ms in times))
+        return StageCandidate(stage, 8, payload="modules", call_ms=times)
+    for recordings, rerun in (([(1.0, 2.0, 3.0), (2.0, 9.0, 3.5)], 6.0),
+                              ([(None, 2.0, 3.0), (4.0, 9.0, 3.5)], 9.0),
+                              ([(4.0, 9.0, 3.5), (None, 2.0, 3.0)], 9.0),
+                              ([(None, 2.0, 3.0), (None, 9.0, 1.0)], 3.0),
+                              ([(5.0, 5.0, 5.0)], 15.0)):
         class Staging(TableMaker):
             def choose_stage(self, profile, target, candidates, staging):
                 self.asked = candidates
@@ -1038,9 +1041,8 @@ def test_a_stages_rerun_time_is_the_least_any_recording_timed_in_full():
         maker = Staging()
         lifecycle = Lifecycle(8 * GiB, maker=maker, trials=False, record_steps=len(recordings))
         steps = Steps(lifecycle)
-        for each, timed in recordings:
-            steps.step(stage_candidates=(StageCandidate(each, 8, payload="modules",
-                                                        timed=timed),))
+        for times in recordings:
+            steps.step(stage_candidates=(candidate(times),))
         steps.step()
         (asked,) = maker.asked
         assert asked.stage.forward_ms == rerun and asked.payload == "modules"
