@@ -177,7 +177,7 @@ class ChainRecorder:
         """The stages that extend ``recorded``, the stage the recording took (its chain up to
         the first pooling layer, :func:`leading_chain`), by this chain where it goes on right
         after it: ending at its pooling layers, as many as make :data:`planner_stage.STAGE_ENDS`
-        ends with ``recorded``'s (:meth:`candidates`' pairs). ``groups_at_end``: the groups the
+        ends with ``recorded``'s (:meth:`candidates`' triples). ``groups_at_end``: the groups the
         step had saved when ``recorded``'s output was made (its input, if that is a group, and
         none before it: a recording stages only from its first save)."""
         modules, stage = recorded.modules, recorded.stage

@@ -1025,15 +1025,18 @@ def test_a_stages_rerun_time_sums_the_least_time_any_recording_took_for_each_cal
     # stretched that recording's calls; a first recording's calls before its first save are
     # untimed (None), and each call takes its time from the recordings that timed it
     def candidate(times):
+        times, batch = (times[:3], times[3]) if len(times) > 3 else (times, 8)
         stage = planner_stage.Stage(modules=3, first_group=0, end_group=2, input_group=0,
-                                    input_bytes=MiB, chunks=4,
+                                    input_bytes=MiB * batch // 8, chunks=4,
                                     forward_ms=sum(ms or 0.0 for ms in times))
-        return StageCandidate(stage, 8, payload="modules", call_ms=times)
+        return StageCandidate(stage, batch, payload="modules", call_ms=times)
     for recordings, rerun in (([(1.0, 2.0, 3.0), (2.0, 9.0, 3.5)], 6.0),
                               ([(None, 2.0, 3.0), (4.0, 9.0, 3.5)], 9.0),
                               ([(4.0, 9.0, 3.5), (None, 2.0, 3.0)], 9.0),
                               ([(None, 2.0, 3.0), (None, 9.0, 1.0)], 3.0),
-                              ([(5.0, 5.0, 5.0)], 15.0)):
+                              ([(5.0, 5.0, 5.0)], 15.0),
+                              # another batch (a smaller first step): other work, not timed
+                              ([(1.0, 1.0, 1.0, 4), (5.0, 5.0, 5.0)], 15.0)):
         class Staging(TableMaker):
             def choose_stage(self, profile, target, candidates, staging):
                 self.asked = candidates

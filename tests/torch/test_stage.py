@@ -505,6 +505,28 @@ def test_a_recording_whose_chains_backward_takes_under_the_stage_share_is_plain_
     assert [c.stage.modules for c in sum(weighed, ())][:1] == [5]
 
 
+def test_a_plain_recordings_stages_carry_each_calls_time_to_the_lifecycle(monkeypatch):
+    # the lifecycle sums each call's least time over the recordings (least_rerun_times): each
+    # recording's candidates carry their calls' times, and their rerun is those times' sum
+    from mucudnn.torch import lifecycle as lifecycle_module
+    model, data = vgg_like(), batches()
+    floor = leading_chain_bytes(model, 8)
+    seen = []
+    original = lifecycle_module.least_rerun_times
+    monkeypatch.setattr(lifecycle_module, "least_rerun_times",
+                        lambda recorded: seen.append(list(recorded)) or original(recorded))
+    session = OffloadSession(budget=int(floor / 0.55), link=RecordingLink(), min_bytes=0,
+                             headroom=0.0, strict=False)
+    train(copy.deepcopy(model), data, session)
+    (recorded,) = seen
+    assert len(recorded) == 2 and all(recorded)
+    for candidates in recorded:
+        for candidate in candidates:
+            assert len(candidate.call_ms) == candidate.stage.modules
+            assert candidate.stage.forward_ms == sum(ms or 0.0 for ms in candidate.call_ms)
+    assert all(ms is not None and ms > 0 for c in recorded[-1] for ms in c.call_ms)
+
+
 def test_recording_chunks_are_the_fewest_within_their_share():
     from mucudnn.torch.stage import RECORDING_CHUNK_SHARE, leading_chain, recording_chunks
     model = vgg_like()
