@@ -389,8 +389,8 @@ class Lifecycle(TrialsAndWatch):
         self.record_steps = max(1, planner.RECORD_STEPS if record_steps is None
                                  else record_steps)
         self._recordings_left = self.record_steps
-        self._recorded: list[StepProfile] = []   # this recording's profiles so far
-        self._recorded_stages: list[tuple] = []  # ... and the stages each allowed
+        #: this recording's steps so far: each one's profile and the stages it allowed
+        self._recorded: list[tuple[StepProfile, tuple]] = []
         self._stage_candidates: tuple = ()
         #: the recorded profile and the stages its first plan weighed: a lowering weighs them
         #: again at its lower target (plan_runner.PlanMaker._staged_lowering)
@@ -543,14 +543,12 @@ class Lifecycle(TrialsAndWatch):
             return
         if outcome.profile is None:
             return
-        self._recorded.append(outcome.profile)
-        self._recorded_stages.append(tuple(outcome.stage_candidates))
+        self._recorded.append((outcome.profile, tuple(outcome.stage_candidates)))
         self._recordings_left -= 1
         if self._recordings_left > 0:
             return
-        self.profile = planner.least_times(self._recorded)
-        self._stage_candidates = least_rerun_times(self._recorded_stages)
-        self._recorded_stages = []
+        self.profile = planner.least_times([profile for profile, _ in self._recorded])
+        self._stage_candidates = least_rerun_times([stages for _, stages in self._recorded])
         if self.stage is not None:   # a stage the recording took: the recorded profile is staged
             self.recorded_profile = self.profile
         self._recorded = []
@@ -734,7 +732,6 @@ class Lifecycle(TrialsAndWatch):
             own = self.target
             self._lowered_target = plan.target if plan.target and plan.target != own else None
             self._recorded, self._stage_candidates, self._weighed = [], (), (None, ())
-            self._recorded_stages = []
             self.state = WATCHING if self.trials else PLANNED
             self._watch_from_now()
             self._staged = stage is not None
@@ -759,7 +756,7 @@ class Lifecycle(TrialsAndWatch):
             self.profile = self.recorded_profile = self.stage = self.plan = None
             self.modes, self.kept_after_trial, self._lowered_target = None, None, None
             self.trial, self._awaiting = None, None
-            self._recorded, self._recorded_stages, self._weighed = [], [], (None, ())
+            self._recorded, self._weighed = [], (None, ())
             self._recordings_left = self.record_steps
             self.state = RECORDING
             self._say(f"the cached offload plan does not fit this step: {reason}; recording "

@@ -58,17 +58,16 @@ def least_rerun_times(recorded: list[tuple[StageCandidate, ...]]) -> tuple[Stage
     recording timed the call in, as :func:`planner.least_times` takes the recipes' (a host that
     fell behind in one recording stretched its times there, never shortened them; a first
     recording leaves its chain's first call untimed)."""
-    def same(a: StageCandidate, b: StageCandidate) -> bool:
+    def chain(candidate: StageCandidate) -> tuple:
         # the same chain on the same input: a recording of another batch or image size timed
         # other work
-        return (a.batch, a.stage.input_bytes, a.stage.modules, a.stage.first_group,
-                a.stage.end_group, a.stage.recorded_chunks, len(a.call_ms)) == \
-            (b.batch, b.stage.input_bytes, b.stage.modules, b.stage.first_group,
-             b.stage.end_group, b.stage.recorded_chunks, len(b.call_ms))
+        stage = candidate.stage
+        return (candidate.batch, stage.input_bytes, stage.modules, stage.first_group,
+                stage.end_group, stage.recorded_chunks, len(candidate.call_ms))
     least = []
     for candidate in recorded[-1] if recorded else ():
         timings = [other.call_ms for each in recorded for other in each
-                   if same(other, candidate)]
+                   if chain(other) == chain(candidate)]
         calls = [[ms for ms in at if ms is not None] for at in zip(*timings)]
         fastest = sum(min(at, default=0.0) for at in calls) if calls else \
             candidate.stage.forward_ms

@@ -231,9 +231,9 @@ class PlanLifecycle:
         """Leaf ``module`` (``parent`` running it) starts the stage in force, or, in a recording
         step with none, a stage this recording takes (:func:`stage.recording_stage`: its chain's
         backward alone would hold more than :data:`stage.RECORDING_STAGE_SHARE` of the budget,
-        where plain plans would not fit). A stage the recording takes holds for the plans made from it, which are
-        made on its staged profile (the one other stage weighed is that one extended:
-        :func:`.recording.stage_candidates`); one line says so."""
+        where plain plans would not fit). A stage the recording takes holds for the plans made
+        from it, which are made on its staged profile (the one other stage weighed is that one
+        extended: :func:`.recording.stage_candidates`); one line says so."""
         saved = len(step.groups)
         if self.stage is None:
             budget = self.lifecycle.budget

@@ -194,7 +194,8 @@ class ChainRecorder:
                          recorded_chunks=stage.chunks,
                          input_saved=input_group is not None or stage.input_saved),
                  modules + more, times)
-                for own, more, times in self.candidates(None, time_ms)[:planner_stage.STAGE_ENDS - 1]]
+                for own, more, times
+                in self.candidates(None, time_ms)[:planner_stage.STAGE_ENDS - 1]]
 
 
 #: A recording step stages the leading chain (:func:`recording_chunks`) where the chain's backward
