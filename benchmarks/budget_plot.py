@@ -2,7 +2,7 @@
 benchmarks/pressure.py also draws of its minmem probes (as such rows, ``pressure.minmem_rows``).
 
 A row is a dict of offload.py's: ``model``, ``batch`` (absent in pressure.py's rows), ``method``
-(``pytorch``, ``mucudnn``, ``compile``, or another method drawn as an anchor), ``budget_bytes``
+(``pytorch``, ``mucudnn``, ``mucudnn-run``, ``compile``, or another method drawn as an anchor), ``budget_bytes``
 (None: unconstrained), ``status``, ``step_ms``, ``peak_reserved``; a ``part: min`` row carries
 ``min_budget_gib``, a compile row ``compile_fraction``. Its own module, so that neither benchmark
 imports the other for it.
@@ -44,6 +44,11 @@ MONET_LABEL = "MONeT (published, ×this run's PyTorch step)"
 MONET_PYTORCH_LABEL = "PyTorch as MONeT measured it (published, ×this run's step)"
 
 
+# the methods drawn as a curve over their budgets: mucudnn.torch through its API (``mucudnn``) and
+# through the CLI with the shim (``mucudnn-run``, as a user runs it), PyTorch under a cap
+CURVES = ("mucudnn", "mucudnn-run", "pytorch")
+
+
 def trains(row: dict) -> bool:
     """Every step ran: a mucudnn step that ran out of memory would have ended a user's script."""
     return row.get("status") == "ok" and not row.get("failed_steps")
@@ -82,7 +87,7 @@ def plot_series(rows: list[dict], model: str, batch: int | None = None) -> dict:
         if r in unconstrained:
             anchors.append((f"pytorch unconstrained (peak {r['peak_reserved'] / GiB:.1f} GiB)",
                             r["peak_reserved"] / GiB, r["step_ms"]))
-        elif r["method"] not in ("pytorch", "mucudnn", "compile") and r.get("budget_bytes") \
+        elif r["method"] not in CURVES + ("compile",) and r.get("budget_bytes") \
                 and trains(r):
             anchors.append((f"{r['method']}@{r['budget_bytes'] / GiB:g}GiB "
                             f"(peak {r['peak_reserved'] / GiB:.1f} GiB)",
@@ -99,7 +104,7 @@ def plot_series(rows: list[dict], model: str, batch: int | None = None) -> dict:
               and (batch is None or r.get("batch") == batch) and r.get("min_budget_gib")]
     failures = sorted({r["budget_bytes"] / GiB for r in mine if r.get("budget_bytes")
                        and r.get("status") not in ("ok", "skipped", "unsupported")})
-    return {"mucudnn": curve("mucudnn"), "pytorch": curve("pytorch"), "anchors": anchors,
+    return {**{method: curve(method) for method in CURVES}, "anchors": anchors,
             "compile": compiled, "monet": monet, "minima": minima, "failures": failures}
 
 
@@ -138,7 +143,8 @@ def _plot(rows: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 4.5), squeeze=False)
     for ax, (model, batch) in zip(axes[0], panels):
         series = plot_series(rows, model, batch)
-        for method, label, style in (("mucudnn", "mucudnn.torch", "o-"),
+        for method, label, style in (("mucudnn", "mucudnn.torch.fit (no shim)", "o-"),
+                                     ("mucudnn-run", "mucudnn run --offload", "o-"),
                                      ("pytorch", "PyTorch under the budget", "^--")):
             if series[method]:
                 ax.plot(*zip(*series[method]), style, label=label)

@@ -12,6 +12,9 @@ trains a few steps with PyTorch's caching allocator limited to the budget
 - ``mucudnn@B``: ``mucudnn.torch.fit(model, budget=B, strict=False)``: the first two steps
   record, then the plan (keep / offload with prefetch / recompute) runs; at ``--budget`` and each
   ``--sweep`` budget;
+- ``mucudnn-run@B``: the worker as a user's script under ``mucudnn run --memory-budget B
+  --offload`` (the shim preloaded, the process-wide session, the CLI's cap; the worker caps
+  nothing): what issue 40's table measures; the row adds the plan in force at the end;
 - ``save_on_cpu@B``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
 - ``ondemand@B``: torchtune-style offload: every saved activation copied to pinned memory on a side
   stream, fetched back when backward needs it (no lookahead), written here in a few lines;
@@ -105,7 +108,7 @@ from mucudnn.torch.planner import transfer_ms
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-METHODS = ("mucudnn", "save_on_cpu", "ondemand", "checkpoint", "compile")
+METHODS = ("mucudnn", "mucudnn-run", "save_on_cpu", "ondemand", "checkpoint", "compile")
 # a search probes budgets: compile's knob is its fraction, and every probe would compile anew
 SEARCHABLE = ("pytorch",) + tuple(m for m in METHODS if m != "compile")
 # compilation happens in step 0 (the backward's graph at the first backward); a second warm-up
@@ -402,6 +405,20 @@ def worker(args) -> None:
     result.update(step_ms=statistics.median(times), steps_ms=times, allocator_steps=allocator_steps,
                   peak_reserved=torch.cuda.max_memory_reserved(device),
                   peak_allocated=torch.cuda.max_memory_allocated(device))
+    if args.method == "mucudnn-run":   # the session the CLI entered in this process
+        from benchmarks.train_steps import find_session
+        session = find_session()
+        if session is None:
+            raise RuntimeError("mucudnn-run: no offload session in the worker (was it run "
+                               "under `mucudnn run --offload`?)")
+        plan = session.plan
+        result.update(fell_back=session.fell_back, target=session.target,
+                      planning=session.lifecycle.timings)
+        if plan is not None:
+            result.update(predicted_ms=plan.step_ms, predicted_peak=plan.peak,
+                          kept=plan.count("keep"),
+                          offloaded=plan.count("offload"), recomputed=plan.count("recompute"),
+                          staged=session.stage is not None)
     if args.method == "mucudnn":
         session = model.mucudnn_session
         plan, profile = session.plan, session.profile
@@ -471,6 +488,9 @@ def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
            "--warmup", str(args.warmup), "--budget-bytes", str(budget or 0),
            "--headroom", str(args.headroom)] + ["--trace"] * bool(getattr(args, "trace", False)) \
         + list(extra)
+    if method == "mucudnn-run":   # the worker under the CLI, which caps the allocator itself
+        cmd = [sys.executable, "-m", "mucudnn", "run", "--memory-budget", str(budget),
+               "--offload", "--"] + cmd + ["--no-cap"]
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     print(f"[{time.strftime('%H:%M:%S')}] {model} N={batch} {name} ({part})", flush=True)

@@ -337,6 +337,26 @@ def test_a_workers_outcome_becomes_the_rows_status(monkeypatch, stdout, stderr, 
     assert seen["cmd"][seen["cmd"].index("--budget-bytes") + 1] == str(3 * GiB)
 
 
+def test_mucudnn_run_is_the_worker_under_the_cli_which_caps_the_allocator(monkeypatch):
+    seen = {}
+
+    def execute(cmd, env, timeout):
+        seen.update(cmd=cmd)
+        return 0, 'RESULT {"step_ms": 1.0, "peak_reserved": 1, "recomputed": 3}\n', "", 1.0, False
+
+    monkeypatch.setattr(offload, "execute", execute)
+    row = run_config(args_of(), "vgg16", 176, "mucudnn-run", 3 * GiB)
+    cmd = seen["cmd"]
+    run_at, worker_at = cmd.index("run"), cmd.index("worker")
+    assert cmd[run_at - 1:run_at + 5] == ["mucudnn", "run", "--memory-budget", str(3 * GiB),
+                                          "--offload", "--"]
+    assert run_at < worker_at and cmd[cmd.index("--method") + 1] == "mucudnn-run"
+    assert "--no-cap" in cmd[worker_at:]   # the CLI's cap alone: not a second one inside
+    assert row["status"] == "ok" and row["recomputed"] == 3 and row["method"] == "mucudnn-run"
+    series = plot_series([{**row, "model": "vgg16"}], "vgg16")
+    assert series["mucudnn-run"] == [(3.0, 1.0)] and series["anchors"] == []
+
+
 def test_a_run_is_cut_at_the_time_budget_and_none_starts_after_it(monkeypatch):
     now = [0.0]
     clock = Budget(100.0, clock=lambda: now[0])
