@@ -285,6 +285,14 @@ def worker(args) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     if args.budget_bytes and not args.no_cap:
         torch.cuda.set_per_process_memory_fraction(args.budget_bytes / total, device)
+    if args.method == "mucudnn-run":
+        # the session the CLI entered when torch was imported, looked up now: once its first plan
+        # takes over it freezes the garbage collector, whose frozen objects a lookup misses
+        from benchmarks.train_steps import find_session
+        cli_session = find_session()
+        if cli_session is None:
+            raise RuntimeError("mucudnn-run: no offload session in the worker (was it run "
+                               "under `mucudnn run --offload`?)")
     torch.manual_seed(0)
     # network, input, labels and loss: benchmarks/models.py's, fp32
     training = prepare(args.model, args.batch, device=str(device),
@@ -405,12 +413,8 @@ def worker(args) -> None:
     result.update(step_ms=statistics.median(times), steps_ms=times, allocator_steps=allocator_steps,
                   peak_reserved=torch.cuda.max_memory_reserved(device),
                   peak_allocated=torch.cuda.max_memory_allocated(device))
-    if args.method == "mucudnn-run":   # the session the CLI entered in this process
-        from benchmarks.train_steps import find_session
-        session = find_session()
-        if session is None:
-            raise RuntimeError("mucudnn-run: no offload session in the worker (was it run "
-                               "under `mucudnn run --offload`?)")
+    if args.method == "mucudnn-run":
+        session = cli_session
         plan = session.plan
         result.update(fell_back=session.fell_back, target=session.target,
                       planning=session.lifecycle.timings)

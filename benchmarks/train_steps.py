@@ -143,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-history-step", type=int, default=0, metavar="K",
                     help="record the caching allocator's history in step K and print each of "
                          "its flushes: what it unmapped and the allocation that asked for it")
+    ap.add_argument("--memory-history-out", default="", metavar="PATH",
+                    help="with --memory-history-step: also write the whole history (the caching "
+                         "allocator's snapshot, torch.cuda.memory._dump_snapshot) to PATH")
     ap.add_argument("--snapshot-step", type=int, default=0, metavar="K",
                     help="after step K print the caching allocator's segments per stream")
     args = ap.parse_args(argv)
@@ -217,6 +220,8 @@ def main(argv=None) -> int:
         if step == args.memory_history_step and cuda:
             for line in flushes_in_history(torch.cuda.memory._snapshot()):
                 print(f"train_steps: history step {step} {line}", file=sys.stderr, flush=True)
+            if args.memory_history_out:
+                torch.cuda.memory._dump_snapshot(args.memory_history_out)
             torch.cuda.memory._record_memory_history(enabled=None)
         if step == args.snapshot_step and cuda:
             for line in segments_by_stream():
