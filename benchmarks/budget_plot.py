@@ -154,9 +154,12 @@ def _plot(rows: list[dict], path: Path) -> bool:
             marker, colour = ANCHOR_STYLES.get(method, ("s", "C5"))
             if len(points) > 1:
                 ax.plot(*zip(*points), "-", lw=0.6, color=colour)
+        labelled = set()   # one legend entry per label (several runs' unconstrained PyTorch)
         for label, x, y in series["anchors"]:
             marker, colour = ANCHOR_STYLES.get(anchor_method(label), ("s", "C5"))
-            ax.plot([x], [y], marker, color=colour, label=label)
+            ax.plot([x], [y], marker, color=colour,
+                    label=label if label not in labelled else "_nolegend_")
+            labelled.add(label)
         if series["compile"]:
             xs, ys, fractions = zip(*series["compile"])
             ax.plot(xs, ys, "D-", color="C9", label="torch.compile activation_memory_budget f "
