@@ -477,7 +477,10 @@ def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
     name = config_name(method, budget) + (f" {label}" if label else "")
     row = {"model": model, "batch": batch, "config": name, "method": method,
            "budget_bytes": budget, "part": part}
+    # compilation runs in the warm-up, so compile's row takes longer: --compile-timeout at least
     timeout, cut = args.timeout, False
+    if method == "compile":
+        timeout = max(timeout, getattr(args, "compile_timeout", timeout))
     if clock is not None:
         try:
             clock.check(f"{model} {name} ({part})")
@@ -955,6 +958,9 @@ def main(argv=None) -> None:
                             "planned step that runs out of memory plans again)")
         p.add_argument("--headroom", type=float, default=0.1)
         p.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
+        p.add_argument("--compile-timeout", type=float, default=300,
+                       help="seconds of a compile configuration at least (it compiles in its "
+                            "warm-up: ResNet-152's took over 120 s on an H200)")
         p.add_argument("--time-budget-s", type=float,
                        help="no configuration starts, nor runs, past this many seconds")
         p.add_argument("--out", default="offload-out")

@@ -337,6 +337,20 @@ def test_a_workers_outcome_becomes_the_rows_status(monkeypatch, stdout, stderr, 
     assert seen["cmd"][seen["cmd"].index("--budget-bytes") + 1] == str(3 * GiB)
 
 
+def test_a_compile_row_gets_the_compile_timeout_and_the_others_theirs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(offload, "execute", lambda cmd, env, timeout: (
+        seen.append(timeout) or (0, 'RESULT {"step_ms": 1.0, "peak_reserved": 1}\n', "", 1.0,
+                                 False)))
+    args = args_of("--timeout", "100", "--compile-timeout", "400")
+    for method in ("checkpoint", "compile"):
+        run_config(args, "vgg16", 8, method, 3 * GiB)
+    assert seen == [100, 400]
+    args = args_of("--timeout", "500", "--compile-timeout", "400")   # never less than --timeout
+    run_config(args, "vgg16", 8, "compile", 3 * GiB)
+    assert seen[-1] == 500
+
+
 def test_mucudnn_run_is_the_worker_under_the_cli_which_caps_the_allocator(monkeypatch):
     seen = {}
 
