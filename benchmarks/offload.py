@@ -14,7 +14,9 @@ trains a few steps with PyTorch's caching allocator limited to the budget
   ``--sweep`` budget;
 - ``mucudnn-run@B``: the worker as a user's script under ``mucudnn run --memory-budget B
   --offload`` (the shim preloaded, the process-wide session, the CLI's cap; the worker caps
-  nothing): what issue 40's table measures; the row adds the plan in force at the end;
+  nothing): what issue 40's table measures; its timed steps start once the session has been
+  settled for a few steps in a row (``SETTLED_STEPS``, at most ``MOST_EXTRA_WARMUP`` steps past
+  ``--warmup``; the row's ``timed_from_step``), and the row adds the plan in force at the end;
 - ``save_on_cpu@B``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
 - ``ondemand@B``: torchtune-style offload: every saved activation copied to pinned memory on a side
   stream, fetched back when backward needs it (no lookahead), written here in a few lines;
@@ -104,6 +106,7 @@ from benchmarks.shim_pytorch import allocator_counters, is_out_of_memory, trace_
 from mucudnn.budget import parse_budget
 from mucudnn.errors import MucudnnError
 from mucudnn.outputs import write_text_atomically
+from mucudnn.torch.lifecycle import SETTLED
 from mucudnn.torch.planner import transfer_ms
 
 HERE = Path(__file__).resolve()
@@ -117,6 +120,24 @@ COMPILE_MIN_WARMUP = 2
 
 
 # -- worker (one configuration, in its own process) -----------------------------------------------
+
+#: mucudnn-run: the steps in a row its session must end settled (lifecycle.SETTLED: a plan in force
+#: and watched, or none to make) before its timed steps start: a plan that flushes is lowered from
+#: the watch, so one settled step is not enough
+SETTLED_STEPS = 3
+#: mucudnn-run: the most warm-up steps past --warmup spent waiting for that (then timed as it runs)
+MOST_EXTRA_WARMUP = 30
+
+
+def warmup_done(step: int, warmup: int, settled: int | None) -> bool:
+    """Whether the worker's timed steps start at ``step``: past ``warmup`` steps and, where the
+    method's session settles (``settled``: the steps in a row it ended settled; None: a method
+    without one), once it settled for :data:`SETTLED_STEPS`, or :data:`MOST_EXTRA_WARMUP` steps
+    later at the latest."""
+    if step < warmup:
+        return False
+    return settled is None or settled >= SETTLED_STEPS or step >= warmup + MOST_EXTRA_WARMUP
+
 
 def ondemand_hooks(torch, min_bytes: int = 1 << 20):
     """torchtune's OffloadActivations in miniature: copy out on a side stream, fetch on demand."""
@@ -334,9 +355,15 @@ def worker(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     times, failed_steps, retries_before = [], [], 0
     allocator_steps = []   # per timed step: the caching allocator's counters that grew in it
-    for step in range(warmup + args.steps):
+    settled = 0            # mucudnn-run: the steps in a row its session ended settled
+    step, timed_from = -1, None
+    while timed_from is None or step + 1 < timed_from + args.steps:
+        step += 1
         counters = allocator_counters(torch, device)
-        if step == warmup:
+        if timed_from is None and warmup_done(step, warmup, settled
+                                              if args.method == "mucudnn-run" else None):
+            timed_from = step
+            result["timed_from_step"] = step
             # peaks of the timed steps only (mucudnn's recording step resets the statistics)
             torch.cuda.reset_peak_memory_stats(device)
             retries_before = counters["num_alloc_retries"]
@@ -375,11 +402,15 @@ def worker(args) -> None:
         end.synchronize()
         if args.method == "compile" and step == 0:
             result["first_step_s"] = start.elapsed_time(end) / 1000
-        if step >= warmup:
+        if timed_from is not None:
             times.append(start.elapsed_time(end))
             allocator_steps.append({name: value - counters[name] for name, value
                                     in allocator_counters(torch, device).items()})
         print(f"step {step}: {start.elapsed_time(end):.1f} ms", file=sys.stderr, flush=True)
+        if args.method == "mucudnn-run":
+            settled = settled + 1 if cli_session.lifecycle.state in SETTLED else 0
+            if timed_from is not None and not settled:   # it left its plan while timed
+                result["unsettled_timed_steps"] = result.get("unsettled_timed_steps", 0) + 1
     if not times:
         raise torch.OutOfMemoryError(f"every timed step ran out of memory ({failed_steps})")
     if args.method == "compile":

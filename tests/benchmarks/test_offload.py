@@ -337,6 +337,16 @@ def test_a_workers_outcome_becomes_the_rows_status(monkeypatch, stdout, stderr, 
     assert seen["cmd"][seen["cmd"].index("--budget-bytes") + 1] == str(3 * GiB)
 
 
+def test_a_sessions_timed_steps_wait_until_it_settled_a_few_steps_in_a_row():
+    from benchmarks.offload import MOST_EXTRA_WARMUP, SETTLED_STEPS, warmup_done
+    assert not warmup_done(9, 10, None) and warmup_done(10, 10, None)   # no session: --warmup
+    assert not warmup_done(9, 10, SETTLED_STEPS)                        # never before --warmup
+    assert not warmup_done(10, 10, SETTLED_STEPS - 1)    # a plan watched, still to be lowered
+    assert warmup_done(12, 10, SETTLED_STEPS)
+    assert not warmup_done(10 + MOST_EXTRA_WARMUP - 1, 10, 0)
+    assert warmup_done(10 + MOST_EXTRA_WARMUP, 10, 0)    # never settled: timed as it runs
+
+
 def test_a_compile_row_gets_the_compile_timeout_and_the_others_theirs(monkeypatch):
     seen = []
     monkeypatch.setattr(offload, "execute", lambda cmd, env, timeout: (
