@@ -218,7 +218,11 @@ def main(argv=None) -> int:
         for line in host.hottest():
             print(f"train_steps: cprofile step {step} {line}", file=sys.stderr, flush=True)
         if step == args.memory_history_step and cuda:
-            for line in flushes_in_history(torch.cuda.memory._snapshot()):
+            from benchmarks import allocator_history
+            snapshot = torch.cuda.memory._snapshot()
+            # each flush, then the memory it found (allocator_history: the holes it left)
+            for line in flushes_in_history(snapshot) + [
+                    flush.describe() for flush in allocator_history.flushes(snapshot)]:
                 print(f"train_steps: history step {step} {line}", file=sys.stderr, flush=True)
             if args.memory_history_out:
                 torch.cuda.memory._dump_snapshot(args.memory_history_out)

@@ -1,0 +1,197 @@
+"""What the caching allocator's memory looked like at each flush of a recorded step: the history
+that ``torch.cuda.memory._record_memory_history`` keeps and ``_dump_snapshot`` writes
+(``benchmarks/train_steps.py --memory-history-step K --memory-history-out PATH``).
+
+A *flush* is a run of ``segment_free``/``segment_unmap`` actions: an allocation found no free block
+it fits in and could not grow the memory under the cap, so the allocator synchronised and gave
+its cached free memory back before mapping again. With expandable segments the question a flush
+raises is which: too much allocated, or the free memory cut into holes by the blocks still alive
+between them (benchmarks/results/plan-accuracy, ``h200-rerun/``). This replays the history to
+answer it. The snapshot holds the segments (their mapped ranges and blocks) at its end and the
+actions since the recording started; undoing the actions from the end gives the memory at the
+start, and replaying them forward gives, at each flush, the bytes mapped, the bytes allocated and
+the free pieces of the mapped memory (a free piece: a gap between live blocks, or before or after
+them, within one mapped range), with the allocation that asked (the first one after the run).
+
+One memory per (pool, stream): an action belongs to the segment of the snapshot nearest its
+address (each pool and stream has its own virtual range). Blocks are counted as the history's
+``alloc`` and ``free_completed`` actions give them.
+
+    python -m benchmarks.allocator_history SNAPSHOT.pickle
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import pickle
+import sys
+from dataclasses import dataclass, field
+
+MiB = 2**20
+FLUSH_ACTIONS = ("segment_free", "segment_unmap")
+GROW_ACTIONS = ("segment_alloc", "segment_map")   # without and with expandable segments
+
+
+@dataclass
+class Memory:
+    """One (pool, stream)'s memory: its mapped ranges and its live blocks, by address."""
+
+    mapped: list = field(default_factory=list)   # sorted, disjoint [start, end) ranges
+    blocks: dict = field(default_factory=dict)   # address -> size
+
+    def map(self, address: int, size: int) -> None:
+        ranges = sorted(self.mapped + [[address, address + size]])
+        self.mapped = []
+        for start, end in ranges:
+            if self.mapped and start <= self.mapped[-1][1]:
+                self.mapped[-1][1] = max(self.mapped[-1][1], end)
+            else:
+                self.mapped.append([start, end])
+
+    def unmap(self, address: int, size: int) -> None:
+        end_of = address + size
+        kept = []
+        for start, end in self.mapped:
+            if end <= address or start >= end_of:
+                kept.append([start, end])
+                continue
+            if start < address:
+                kept.append([start, address])
+            if end > end_of:
+                kept.append([end_of, end])
+        self.mapped = kept
+
+    def mapped_bytes(self) -> int:
+        return sum(end - start for start, end in self.mapped)
+
+    def allocated_bytes(self) -> int:
+        return sum(self.blocks.values())
+
+    def free_pieces(self) -> list[int]:
+        """The free pieces of the mapped memory, largest first."""
+        pieces = []
+        addresses = sorted(self.blocks)
+        for start, end in self.mapped:
+            at = start
+            for address in addresses[bisect.bisect_left(addresses, start):]:
+                if address >= end:
+                    break
+                if address > at:
+                    pieces.append(address - at)
+                at = max(at, address + self.blocks[address])
+            if end > at:
+                pieces.append(end - at)
+        return sorted(pieces, reverse=True)
+
+
+@dataclass
+class Flush:
+    """One flush: the memory of its (pool, stream) just before it, and what it gave back."""
+
+    pool: tuple
+    mapped: int
+    allocated: int
+    pieces: list
+    released: int = 0
+    asked: int | None = None   # the allocation after it (None: the history ended first)
+
+    def describe(self, most: int = 6) -> str:
+        pieces = ", ".join(f"{piece / MiB:.0f}" for piece in self.pieces[:most])
+        asked = "no allocation after it" if self.asked is None else \
+            f"then an allocation of {self.asked / MiB:.0f} MiB (largest free piece " \
+            f"{(self.pieces[0] if self.pieces else 0) / MiB:.0f} MiB)"
+        return (f"flush of {self.pool[0]} pool, stream {self.pool[1]}: {self.mapped / MiB:.0f} MiB "
+                f"mapped, {self.allocated / MiB:.0f} allocated, "
+                f"{(self.mapped - self.allocated) / MiB:.0f} free in pieces of [{pieces}] MiB; "
+                f"{self.released / MiB:.0f} MiB given back, {asked}")
+
+
+def _owner(segments: list[dict]):
+    """The (pool, stream) whose segment is nearest an address."""
+    starts = sorted((segment["address"], (segment["segment_type"], segment["stream"]))
+                    for segment in segments)
+    addresses = [address for address, _ in starts]
+
+    def owner(address: int):
+        at = bisect.bisect_right(addresses, address) - 1
+        candidates = [starts[i] for i in (at, at + 1) if 0 <= i < len(starts)]
+        return min(candidates, key=lambda each: abs(each[0] - address))[1]
+    return owner
+
+
+def flushes(snapshot: dict, device: int = 0) -> list[Flush]:
+    """Every flush of ``snapshot``'s history on ``device``, with its memory just before it."""
+    segments = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
+    traces = snapshot.get("device_traces", [])
+    trace = traces[device] if device < len(traces) else []
+    if not segments or not trace:
+        return []
+    owner = _owner(segments)
+    memories: dict[tuple, Memory] = {}
+
+    def memory_of(address: int) -> Memory:
+        return memories.setdefault(owner(address), Memory())
+
+    for segment in segments:   # the end: mapped ranges and live blocks
+        memory = memory_of(segment["address"])
+        memory.map(segment["address"], segment["total_size"])
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                memory.blocks[address] = block["size"]
+            address += block["size"]
+    for entry in reversed(trace):   # back to the start
+        action, address, size = entry["action"], entry["addr"], entry["size"]
+        if action == "alloc":
+            memory_of(address).blocks.pop(address, None)
+        elif action == "free_completed":
+            memory_of(address).blocks[address] = size
+        elif action in GROW_ACTIONS:
+            memory_of(address).unmap(address, size)
+        elif action in FLUSH_ACTIONS:
+            memory_of(address).map(address, size)
+    found, open_flush = [], None
+    for entry in trace:   # forward, each flush seen just before its first release
+        action, address, size = entry["action"], entry["addr"], entry["size"]
+        memory = memory_of(address)
+        if action in FLUSH_ACTIONS:
+            if open_flush is None:
+                open_flush = Flush(owner(address), memory.mapped_bytes(),
+                                   memory.allocated_bytes(), memory.free_pieces())
+                found.append(open_flush)
+            open_flush.released += size
+            memory.unmap(address, size)
+            continue
+        if action == "alloc":
+            if open_flush is not None and owner(address) == open_flush.pool:
+                open_flush.asked, open_flush = size, None
+            memory.blocks[address] = size
+        elif action == "free_completed":
+            memory.blocks.pop(address, None)
+        elif action in GROW_ACTIONS:
+            memory.map(address, size)
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("snapshot", help="a pickle torch.cuda.memory._dump_snapshot wrote")
+    parser.add_argument("--device", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        with open(args.snapshot, "rb") as file:
+            snapshot = pickle.load(file)
+    except (OSError, pickle.UnpicklingError, EOFError) as exc:
+        print(f"allocator_history: cannot read {args.snapshot}: {exc}", file=sys.stderr)
+        return 2
+    found = flushes(snapshot, args.device)
+    for flush in found:
+        print(flush.describe())
+    if not found:
+        print("no flush in this history")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
