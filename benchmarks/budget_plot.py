@@ -143,11 +143,13 @@ def _plot(rows: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 4.5), squeeze=False)
     for ax, (model, batch) in zip(axes[0], panels):
         series = plot_series(rows, model, batch)
-        for method, label, style in (("mucudnn", "mucudnn.torch.fit (no shim)", "o-"),
-                                     ("mucudnn-run", "mucudnn run --offload", "o-"),
-                                     ("pytorch", "PyTorch under the budget", "^--")):
+        # colours no anchor takes (ANCHOR_STYLES, compile's C9)
+        for method, label, style, colour in (
+                ("mucudnn", "mucudnn.torch.fit (no shim)", "s-", "C0"),
+                ("mucudnn-run", "mucudnn run --offload", "o-", "C3"),
+                ("pytorch", "PyTorch under the budget", "^--", "C7")):
             if series[method]:
-                ax.plot(*zip(*series[method]), style, label=label)
+                ax.plot(*zip(*series[method]), style, color=colour, label=label)
         for method in dict.fromkeys(anchor_method(label) for label, _, _ in series["anchors"]):
             points = sorted((x, y) for label, x, y in series["anchors"]
                             if anchor_method(label) == method)

@@ -14,9 +14,10 @@ trains a few steps with PyTorch's caching allocator limited to the budget
   ``--sweep`` budget;
 - ``mucudnn-run@B``: the worker as a user's script under ``mucudnn run --memory-budget B
   --offload`` (the shim preloaded, the process-wide session, the CLI's cap; the worker caps
-  nothing): what issue 40's table measures; its timed steps start once the session has been
-  settled for a few steps in a row (``SETTLED_STEPS``, at most ``MOST_EXTRA_WARMUP`` steps past
-  ``--warmup``; the row's ``timed_from_step``), and the row adds the plan in force at the end;
+  nothing): what issue 40's table measures, a first run (a plan cache of its own); its timed
+  steps start once the session has run settled for a few steps in a row (``SETTLED_STEPS``, at
+  most ``MOST_EXTRA_WARMUP`` steps past ``--warmup``; the row's ``timed_from_step``), and the row
+  adds the plan in force at the end;
 - ``save_on_cpu@B``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
 - ``ondemand@B``: torchtune-style offload: every saved activation copied to pinned memory on a side
   stream, fetched back when backward needs it (no lookahead), written here in a few lines;
@@ -94,6 +95,7 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -107,7 +109,7 @@ from mucudnn.budget import parse_budget
 from mucudnn.errors import MucudnnError
 from mucudnn.outputs import write_text_atomically
 from mucudnn.torch.lifecycle import SETTLED
-from mucudnn.torch.planner import transfer_ms
+from mucudnn.torch.planner import WATCH_STEPS, transfer_ms
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -121,10 +123,11 @@ COMPILE_MIN_WARMUP = 2
 
 # -- worker (one configuration, in its own process) -----------------------------------------------
 
-#: mucudnn-run: the steps in a row its session must end settled (lifecycle.SETTLED: a plan in force
-#: and watched, or none to make) before its timed steps start: a plan that flushes is lowered from
-#: the watch, so one settled step is not enough
-SETTLED_STEPS = 3
+#: mucudnn-run: the steps in a row its session must have run settled (lifecycle.SETTLED: a plan in
+#: force and watched, or none to make; no plan being made) before its timed steps start. The watch
+#: judges a plan by its last planner.WATCH_STEPS steps and a step's state is read as it ran (the
+#: session ends a step at the next one's start), so one more than those
+SETTLED_STEPS = WATCH_STEPS + 1
 #: mucudnn-run: the most warm-up steps past --warmup spent waiting for that (then timed as it runs)
 MOST_EXTRA_WARMUP = 30
 
@@ -408,7 +411,9 @@ def worker(args) -> None:
                                     in allocator_counters(torch, device).items()})
         print(f"step {step}: {start.elapsed_time(end):.1f} ms", file=sys.stderr, flush=True)
         if args.method == "mucudnn-run":
-            settled = settled + 1 if cli_session.lifecycle.state in SETTLED else 0
+            lifecycle = cli_session.lifecycle
+            settled = settled + 1 if lifecycle.state in SETTLED and lifecycle.awaiting is None \
+                else 0
             if timed_from is not None and not settled:   # it left its plan while timed
                 result["unsettled_timed_steps"] = result.get("unsettled_timed_steps", 0) + 1
     if not times:
@@ -532,7 +537,12 @@ def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     print(f"[{time.strftime('%H:%M:%S')}] {model} N={batch} {name} ({part})", flush=True)
-    rc, stdout, stderr, wall_s, timed_out = execute(cmd, env, timeout)
+    with tempfile.TemporaryDirectory(prefix="mucudnn-plans-") as plans:
+        if method == "mucudnn-run":
+            # a first run, as a new user's: no plan of another row (the API's at the same budget
+            # has the same script and key) or of an earlier run of the benchmark to load
+            env["MUCUDNN_PLAN_CACHE"] = plans
+        rc, stdout, stderr, wall_s, timed_out = execute(cmd, env, timeout)
     row["wall_s"] = round(wall_s, 1)
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     if timed_out:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import pytest
 
@@ -365,7 +366,7 @@ def test_mucudnn_run_is_the_worker_under_the_cli_which_caps_the_allocator(monkey
     seen = {}
 
     def execute(cmd, env, timeout):
-        seen.update(cmd=cmd)
+        seen.update(cmd=cmd, cache=env.get("MUCUDNN_PLAN_CACHE"))
         return 0, 'RESULT {"step_ms": 1.0, "peak_reserved": 1, "recomputed": 3}\n', "", 1.0, False
 
     monkeypatch.setattr(offload, "execute", execute)
@@ -376,6 +377,10 @@ def test_mucudnn_run_is_the_worker_under_the_cli_which_caps_the_allocator(monkey
                                           "--offload", "--"]
     assert run_at < worker_at and cmd[cmd.index("--method") + 1] == "mucudnn-run"
     assert "--no-cap" in cmd[worker_at:]   # the CLI's cap alone: not a second one inside
+    first_cache = seen["cache"]            # a first run: a plan cache of its own, gone after
+    assert first_cache and not os.path.exists(first_cache)
+    run_config(args_of(), "vgg16", 176, "mucudnn-run", 3 * GiB)
+    assert seen["cache"] != first_cache
     assert row["status"] == "ok" and row["recomputed"] == 3 and row["method"] == "mucudnn-run"
     series = plot_series([{**row, "model": "vgg16"}], "vgg16")
     assert series["mucudnn-run"] == [(3.0, 1.0)] and series["anchors"] == []
