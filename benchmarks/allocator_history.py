@@ -120,13 +120,24 @@ def _owner(segments: list[dict]):
     return owner
 
 
-def flushes(snapshot: dict, device: int = 0) -> list[Flush]:
-    """Every flush of ``snapshot``'s history on ``device``, with its memory just before it."""
+@dataclass
+class History:
+    """A recorded history on one device: each (pool, stream)'s memory at its start, the owner of
+    an address, and the actions in order."""
+
+    start: dict
+    owner: object
+    trace: list
+
+
+def history(snapshot: dict, device: int = 0) -> History | None:
+    """``snapshot``'s history on ``device`` with the memory at its start (None: no segment or no
+    action to replay): the segments at the end, each action undone from the last."""
     segments = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device]
     traces = snapshot.get("device_traces", [])
     trace = traces[device] if device < len(traces) else []
     if not segments or not trace:
-        return []
+        return None
     owner = _owner(segments)
     memories: dict[tuple, Memory] = {}
 
@@ -151,8 +162,23 @@ def flushes(snapshot: dict, device: int = 0) -> list[Flush]:
             memory_of(address).unmap(address, size)
         elif action in FLUSH_ACTIONS:
             memory_of(address).map(address, size)
+    return History(memories, owner, trace)
+
+
+def flushes(snapshot: dict, device: int = 0) -> list[Flush]:
+    """Every flush of ``snapshot``'s history on ``device``, with its memory just before it."""
+    recorded = history(snapshot, device)
+    if recorded is None:
+        return []
+    owner, memories = recorded.owner, {pool: Memory(list(map(list, memory.mapped)),
+                                                    dict(memory.blocks))
+                                       for pool, memory in recorded.start.items()}
+
+    def memory_of(address: int) -> Memory:
+        return memories.setdefault(owner(address), Memory())
+
     found, open_flush = [], None
-    for entry in trace:   # forward, each flush seen just before its first release
+    for entry in recorded.trace:   # forward, each flush seen just before its first release
         action, address, size = entry["action"], entry["addr"], entry["size"]
         memory = memory_of(address)
         if action in FLUSH_ACTIONS:
