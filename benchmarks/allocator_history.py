@@ -13,9 +13,12 @@ start, and replaying them forward gives, at each flush, the bytes mapped, the by
 the free pieces of the mapped memory (a free piece: a gap between live blocks, or before or after
 them, within one mapped range), with the allocation that asked (the first one after the run).
 
-One memory per (pool, stream): an action belongs to the segment of the snapshot nearest its
-address (each pool and stream has its own virtual range). Blocks are counted as the history's
-``alloc`` and ``free_completed`` actions give them.
+Expandable segments only (what ``mucudnn run --memory-budget`` sets): one memory per (pool,
+stream), each its own virtual range, and an action belongs to the segment of the snapshot nearest
+its address; a history with ``segment_alloc``/``segment_free`` (cudaMalloc'd segments, side by
+side) is refused (:class:`NotExpandable`). A block lives from its ``alloc`` to its
+``free_completed`` (one pending its stream's events at the end is alive), its size the request
+rounded up to ``BLOCK`` bytes, as the allocator sizes it.
 
     python -m benchmarks.allocator_history SNAPSHOT.pickle
 """
@@ -29,8 +32,19 @@ import sys
 from dataclasses import dataclass, field
 
 MiB = 2**20
+BLOCK = 512   # kMinBlockSize: a block's size is its request rounded up to this
 FLUSH_ACTIONS = ("segment_free", "segment_unmap")
-GROW_ACTIONS = ("segment_alloc", "segment_map")   # without and with expandable segments
+GROW_ACTIONS = ("segment_alloc", "segment_map")
+LIVE_STATES = ("active_allocated", "active_pending_free")
+
+
+class NotExpandable(ValueError):
+    """A history of cudaMalloc'd segments, which these replays do not model."""
+
+
+def block_size(size: int) -> int:
+    """The block a request of ``size`` bytes takes (round_size, without power-of-two rounding)."""
+    return BLOCK * max(1, -(-size // BLOCK))
 
 
 @dataclass
@@ -89,18 +103,20 @@ class Memory:
 class Flush:
     """One flush: the memory of its (pool, stream) just before it, and what it gave back."""
 
-    pool: tuple
+    pool: tuple                # the (pool, stream) of its first release (the large pool's first)
     mapped: int
     allocated: int
     pieces: list
-    released: int = 0
-    asked: int | None = None   # the allocation after it (None: the history ended first)
+    released: int = 0          # in that pool
+    asked: int | None = None   # the allocation after it, in any pool (None: the history ended)
+    asked_pool: tuple | None = None
 
     def describe(self, most: int = 6) -> str:
         pieces = ", ".join(f"{piece / MiB:.0f}" for piece in self.pieces[:most])
         asked = "no allocation after it" if self.asked is None else \
-            f"then an allocation of {self.asked / MiB:.0f} MiB (largest free piece " \
-            f"{(self.pieces[0] if self.pieces else 0) / MiB:.0f} MiB)"
+            f"then an allocation of {self.asked / MiB:.0f} MiB" + (
+                f" (largest free piece {(self.pieces[0] if self.pieces else 0) / MiB:.0f} MiB)"
+                if self.asked_pool == self.pool else f" in the {self.asked_pool[0]} pool")
         return (f"flush of {self.pool[0]} pool, stream {self.pool[1]}: {self.mapped / MiB:.0f} MiB "
                 f"mapped, {self.allocated / MiB:.0f} allocated, "
                 f"{(self.mapped - self.allocated) / MiB:.0f} free in pieces of [{pieces}] MiB; "
@@ -138,6 +154,10 @@ def history(snapshot: dict, device: int = 0) -> History | None:
     trace = traces[device] if device < len(traces) else []
     if not segments or not trace:
         return None
+    if any(entry["action"] in ("segment_alloc", "segment_free") for entry in trace) or \
+            any(not segment.get("is_expandable", True) for segment in segments):
+        raise NotExpandable("a history of cudaMalloc'd segments (no expandable segments): "
+                            "only expandable segments are replayed")
     owner = _owner(segments)
     memories: dict[tuple, Memory] = {}
 
@@ -149,7 +169,7 @@ def history(snapshot: dict, device: int = 0) -> History | None:
         memory.map(segment["address"], segment["total_size"])
         address = segment["address"]
         for block in segment["blocks"]:
-            if block["state"] == "active_allocated":
+            if block["state"] in LIVE_STATES:
                 memory.blocks[address] = block["size"]
             address += block["size"]
     for entry in reversed(trace):   # back to the start
@@ -157,7 +177,7 @@ def history(snapshot: dict, device: int = 0) -> History | None:
         if action == "alloc":
             memory_of(address).blocks.pop(address, None)
         elif action == "free_completed":
-            memory_of(address).blocks[address] = size
+            memory_of(address).blocks[address] = block_size(size)
         elif action in GROW_ACTIONS:
             memory_of(address).unmap(address, size)
         elif action in FLUSH_ACTIONS:
@@ -177,22 +197,27 @@ def flushes(snapshot: dict, device: int = 0) -> list[Flush]:
     def memory_of(address: int) -> Memory:
         return memories.setdefault(owner(address), Memory())
 
-    found, open_flush = [], None
-    for entry in recorded.trace:   # forward, each flush seen just before its first release
+    # forward: a flush is a run of releases, seen just before its first; the allocation that
+    # asked for it is the first one after the run, in any pool
+    found, in_run, asking = [], None, None
+    for entry in recorded.trace:
         action, address, size = entry["action"], entry["addr"], entry["size"]
         memory = memory_of(address)
         if action in FLUSH_ACTIONS:
-            if open_flush is None:
-                open_flush = Flush(owner(address), memory.mapped_bytes(),
-                                   memory.allocated_bytes(), memory.free_pieces())
-                found.append(open_flush)
-            open_flush.released += size
+            if in_run is None:
+                in_run = Flush(owner(address), memory.mapped_bytes(), memory.allocated_bytes(),
+                               memory.free_pieces())
+                found.append(in_run)
+            if owner(address) == in_run.pool:
+                in_run.released += size
             memory.unmap(address, size)
             continue
+        if in_run is not None:
+            asking, in_run = in_run, None
         if action == "alloc":
-            if open_flush is not None and owner(address) == open_flush.pool:
-                open_flush.asked, open_flush = size, None
-            memory.blocks[address] = size
+            if asking is not None:
+                asking.asked, asking.asked_pool, asking = size, owner(address), None
+            memory.blocks[address] = block_size(size)
         elif action == "free_completed":
             memory.blocks.pop(address, None)
         elif action in GROW_ACTIONS:
@@ -211,7 +236,11 @@ def main(argv=None) -> int:
     except (OSError, pickle.UnpicklingError, EOFError) as exc:
         print(f"allocator_history: cannot read {args.snapshot}: {exc}", file=sys.stderr)
         return 2
-    found = flushes(snapshot, args.device)
+    try:
+        found = flushes(snapshot, args.device)
+    except NotExpandable as exc:
+        print(f"allocator_history: {args.snapshot}: {exc}", file=sys.stderr)
+        return 2
     for flush in found:
         print(flush.describe())
     if not found:

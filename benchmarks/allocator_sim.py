@@ -6,7 +6,7 @@ its allocations?
 The model follows c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.11) for a large pool with
 expandable segments, one virtual range mapped in pages of ``PAGE``:
 
-1. A request takes the smallest free mapped block it fits in (the lowest address among equals),
+1. A request (rounded up to 512 bytes) takes the smallest free mapped block it fits in (the lowest address among equals),
    passing over one whose size counted with the unmapped space after it is larger than the
    next's (``get_free_block``'s ``expandable_size``); the block is split, the request at its
    start.
@@ -15,14 +15,12 @@ expandable segments, one virtual range mapped in pages of ``PAGE``:
    address with room (free mapped and unmapped blocks in a row, ``find_expandable_block``) is
    mapped page by page as far as the request needs (``try_allocate_expandable_block``).
 3. Past the cap: a flush (``release_cached_blocks``: every whole page of every free mapped block
-   unmapped), then 1 and 2 again; past the cap still: out of memory.
+   unmapped), then 2 again; past the cap still: out of memory.
 4. A freed block merges with free neighbours of its kind (mapped with mapped).
 
 Checked against the two histories of benchmarks/results/plan-accuracy/h200-rerun/callE/: from
 each step's start, it puts every allocation (VGG-16's 123, R3D-18's 175) where the allocator
-did, and flushes at the same allocation (pages counted from the lowest mapped byte). What it leaves out: other streams' and the
-small pool's memory (they count in the cap: a few MiB here), frees waiting on other streams'
-events, ``max_split_size_mb`` and garbage collection (not set under ``mucudnn run``).
+did, 
 
     python -m benchmarks.allocator_sim SNAPSHOT.pickle --cap 11GiB [--leave-out BYTES ...]
 """
@@ -34,7 +32,7 @@ import pickle
 import sys
 from dataclasses import dataclass
 
-from benchmarks.allocator_history import FLUSH_ACTIONS, history
+from benchmarks.allocator_history import FLUSH_ACTIONS, GROW_ACTIONS, block_size, history
 from mucudnn.sizes import parse_size
 
 MiB = 2**20
@@ -66,10 +64,10 @@ class Block:
 class Segment:
     """One expandable segment: blocks in address order over its virtual range."""
 
-    def __init__(self, mapped: list, live: dict, cap: int):
-        self.cap, self.flushes = cap, 0
-        # pages are counted from the segment's start, taken to be its lowest mapped byte
-        self.base = base = min(start for start, _ in mapped)
+    def __init__(self, base: int, mapped: list, live: dict, cap: int):
+        # pages are counted from the segment's start ``base``: its lowest byte mapped in the
+        # history (the virtual range's own start is not in it)
+        self.cap, self.flushes, self.base = cap, 0, base
         pieces, at = [], base
         for start, end in sorted(mapped):
             if start > at:
@@ -169,10 +167,11 @@ class Segment:
             self._merge(block)
 
     def malloc(self, size: int) -> Block:
+        size = block_size(size)
+        block = self._free_block(size)
+        if block is not None:
+            return self._carve(block, block.address, size)
         for attempt in range(2):
-            block = self._free_block(size)
-            if block is not None:
-                return self._carve(block, block.address, size)
             if self.mapped() + allocation_size(size) <= self.cap:
                 block = self._room(size)
                 if block.kind == "unmapped":
@@ -195,7 +194,8 @@ class Replay:
     placed_alike: int = 0         # where the recorded allocator put it too
     recorded_flushes: int = 0
     flushes: int = 0
-    flushed_at: tuple = ()        # the sizes of the allocations that flushed in the model
+    flushed_at: tuple = ()        # (the allocation's index in the history, its size) of each
+    recorded_at: tuple = ()       # model flush, and of each recorded one
     out_of_memory: int | None = None   # the allocation past the cap even after a flush
 
 
@@ -208,16 +208,26 @@ def replay(snapshot: dict, cap: int, leave_out: frozenset = frozenset(), device:
     if recorded is None or pool not in recorded.start:
         return None
     start = recorded.start[pool]
-    segment = Segment(start.mapped, start.blocks, cap)
-    live = {b.address: b for b in segment.blocks() if b.kind == "alloc"}
+    others = sum(memory.mapped_bytes() for key, memory in recorded.start.items() if key != pool)
     trace = [entry for entry in recorded.trace if recorded.owner(entry["addr"]) == pool]
-    result, left_out = Replay(), set()
-    # the recorded flushes: runs of releases, however far the model gets
-    result.recorded_flushes = sum(entry["action"] in FLUSH_ACTIONS and (
-        at == 0 or trace[at - 1]["action"] not in FLUSH_ACTIONS) for at, entry in enumerate(trace))
+    base = min([begin for begin, _ in start.mapped] +
+               [entry["addr"] for entry in trace if entry["action"] in GROW_ACTIONS])
+    segment = Segment(base, start.mapped, start.blocks, cap - others)
+    live = {b.address: b for b in segment.blocks() if b.kind == "alloc"}
+    result, left_out, index, released = Replay(), set(), 0, False
+    for entry in trace:   # the recorded flushes, however far the model gets
+        if entry["action"] in FLUSH_ACTIONS:
+            released = True
+        elif entry["action"] == "alloc":
+            if released:
+                result.recorded_at += ((index, entry["size"]),)
+            released, index = False, index + 1
+    result.recorded_flushes = len(result.recorded_at) + released
+    index = 0
     for entry in trace:
         action, address, size = entry["action"], entry["addr"], entry["size"]
         if action == "alloc":
+            index += 1
             if size in leave_out:
                 left_out.add(address)
                 continue
@@ -230,8 +240,10 @@ def replay(snapshot: dict, cap: int, leave_out: frozenset = frozenset(), device:
             result.allocations += 1
             result.placed_alike += block.address == address
             if segment.flushes > flushes:
-                result.flushed_at += (size,)
+                result.flushed_at += ((index - 1, size),)
             live[address] = block
+        elif action != "free_completed":
+            continue
         elif address in left_out:
             left_out.discard(address)
         elif address in live:
@@ -251,18 +263,22 @@ def main(argv=None) -> int:
         cap, leave_out = parse_size(args.cap), frozenset(map(parse_size, args.leave_out))
         with open(args.snapshot, "rb") as file:
             snapshot = pickle.load(file)
-    except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+        result = replay(snapshot, cap, leave_out)
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:   # NotExpandable: one
         print(f"allocator_sim: {exc}", file=sys.stderr)
         return 2
-    result = replay(snapshot, cap, leave_out)
     if result is None:
         print("allocator_sim: no history of the large pool on stream 0 in this file",
               file=sys.stderr)
         return 2
     print(f"{result.allocations} allocations, {result.placed_alike} placed where the allocator "
           f"put them; flushes: {result.recorded_flushes} recorded, {result.flushes} in the model"
-          + (f" (at allocations of {', '.join(f'{s / MiB:.0f}' for s in result.flushed_at)} "
-             "MiB)" if result.flushed_at else "")
+          + (" (at allocations " + ", ".join(f"#{i} of {s / MiB:.0f} MiB"
+                                               for i, s in result.flushed_at) + ")"
+             if result.flushed_at else "")
+          + (" (recorded: " + ", ".join(f"#{i} of {s / MiB:.0f} MiB"
+                                        for i, s in result.recorded_at) + ")"
+             if result.recorded_at else "")
           + (f"; out of memory at {result.out_of_memory / MiB:.0f} MiB"
              if result.out_of_memory is not None else ""))
     return 0

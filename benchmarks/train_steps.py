@@ -221,8 +221,11 @@ def main(argv=None) -> int:
             from benchmarks import allocator_history
             snapshot = torch.cuda.memory._snapshot()
             # each flush, then the memory it found (allocator_history: the holes it left)
-            for line in flushes_in_history(snapshot) + [
-                    flush.describe() for flush in allocator_history.flushes(snapshot)]:
+            try:
+                layouts = [flush.describe() for flush in allocator_history.flushes(snapshot)]
+            except allocator_history.NotExpandable as exc:
+                layouts = [f"no layout: {exc}"]
+            for line in flushes_in_history(snapshot) + layouts:
                 print(f"train_steps: history step {step} {line}", file=sys.stderr, flush=True)
             if args.memory_history_out:
                 torch.cuda.memory._dump_snapshot(args.memory_history_out)
