@@ -102,10 +102,15 @@ def plot_series(rows: list[dict], model: str, batch: int | None = None) -> dict:
     minima = [(f"{r['method']} min {r['min_budget_gib']:g} GiB", r["min_budget_gib"])
               for r in rows if r["model"] == model and r.get("part") == "min"
               and (batch is None or r.get("batch") == batch) and r.get("min_budget_gib")]
-    failures = sorted({r["budget_bytes"] / GiB for r in mine if r.get("budget_bytes")
-                       and r.get("status") not in ("ok", "skipped", "unsupported")})
+    failed: dict[float, list] = {}   # budget -> the methods whose run there did not train
+    for r in mine:
+        if r.get("budget_bytes") and r.get("status") not in ("ok", "skipped", "unsupported"):
+            methods = failed.setdefault(r["budget_bytes"] / GiB, [])
+            if r["method"] not in methods:
+                methods.append(r["method"])
     return {**{method: curve(method) for method in CURVES}, "anchors": anchors,
-            "compile": compiled, "monet": monet, "minima": minima, "failures": failures}
+            "compile": compiled, "monet": monet, "minima": minima,
+            "failures": sorted(failed), "failed_methods": failed}
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -179,7 +184,8 @@ def _plot(rows: list[dict], path: Path) -> bool:
             ax.axvline(x, ls="--", lw=1, color="C3" if label.startswith("mucudnn") else "C7",
                        label=label)
         for x in series["failures"]:
-            ax.axvline(x, color="grey", lw=0.5, ls=":")
+            ax.axvline(x, color="grey", lw=0.5, ls=":",
+                       label=f"{x:g} GiB: {', '.join(series['failed_methods'][x])} did not train")
         ax.set(title=model if batch is None else f"{model} N={batch}", ylabel="step time (ms)",
                xlabel="GiB: budget (compile: peak reserved; MONeT: published peak)")
         low, high = ax.get_ylim()

@@ -312,6 +312,7 @@ def test_plot_series_has_the_anchors_the_curve_and_the_minima(monkeypatch):
     assert min(budgets) == 3.5 and max(budgets) == 12.0 and budgets == sorted(budgets)
     assert 9.75 in [x for x, _ in series["pytorch"]]    # PyTorch under a budget: its probes
     assert 12.0 in series["failures"]                   # save_on_cpu ran out of memory there
+    assert "save_on_cpu" in series["failed_methods"][12.0]
 
 
 # -- a worker's output, per-block checkpointing ------------------------------------------------------
