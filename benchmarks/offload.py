@@ -17,7 +17,7 @@ trains a few steps with PyTorch's caching allocator limited to the budget
   nothing): what issue 40's table measures, a first run (a plan cache of its own); its timed
   steps start once the session has run settled for a few steps in a row (``SETTLED_STEPS``, at
   most ``MOST_EXTRA_WARMUP`` steps past ``--warmup``; the row's ``timed_from_step``), and the row
-  adds the plan in force at the end;
+  adds what ``mucudnn@B``'s does (the plan in force at the end, the recorded profile);
 - ``save_on_cpu@B``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``;
 - ``ondemand@B``: torchtune-style offload: every saved activation copied to pinned memory on a side
   stream, fetched back when backward needs it (no lookahead), written here in a few lines;
@@ -449,18 +449,8 @@ def worker(args) -> None:
     result.update(step_ms=statistics.median(times), steps_ms=times, allocator_steps=allocator_steps,
                   peak_reserved=torch.cuda.max_memory_reserved(device),
                   peak_allocated=torch.cuda.max_memory_allocated(device))
-    if args.method == "mucudnn-run":
-        session = cli_session
-        plan = session.plan
-        result.update(fell_back=session.fell_back, target=session.target,
-                      planning=session.lifecycle.timings)
-        if plan is not None:
-            result.update(predicted_ms=plan.step_ms, predicted_peak=plan.peak,
-                          kept=plan.count("keep"),
-                          offloaded=plan.count("offload"), recomputed=plan.count("recompute"),
-                          staged=session.stage is not None)
-    if args.method == "mucudnn":
-        session = model.mucudnn_session
+    if args.method in ("mucudnn", "mucudnn-run"):   # the API's session or the CLI's
+        session = model.mucudnn_session if args.method == "mucudnn" else cli_session
         plan, profile = session.plan, session.profile
         links = list(session._links.values())
         result.update(fell_back=session.fell_back, target=session.target,
