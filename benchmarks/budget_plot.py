@@ -47,6 +47,11 @@ MONET_PYTORCH_LABEL = "PyTorch as MONeT measured it (published, ×this run's ste
 # the methods drawn as a curve over their budgets: mucudnn.torch through its API (``mucudnn``) and
 # through the CLI with the shim (``mucudnn-run``, as a user runs it), PyTorch under a cap
 CURVES = ("mucudnn", "mucudnn-run", "pytorch")
+#: statuses of rows that were not run to an outcome of their own (the driver's time budget spent
+#: before or while they ran; a method the model does not support): no failure on the plot
+NOT_RUN = ("skipped", "out_of_time", "unsupported")
+#: how the legend names the outcome of a run that did not train, by its status
+OUTCOMES = {"oom": "ran out of memory", "timeout": "passed its timeout"}
 
 
 def trains(row: dict) -> bool:
@@ -102,10 +107,16 @@ def plot_series(rows: list[dict], model: str, batch: int | None = None) -> dict:
     minima = [(f"{r['method']} min {r['min_budget_gib']:g} GiB", r["min_budget_gib"])
               for r in rows if r["model"] == model and r.get("part") == "min"
               and (batch is None or r.get("batch") == batch) and r.get("min_budget_gib")]
-    failed: dict[float, list] = {}   # budget -> the methods whose run there did not train
+    # budget -> {what ended the run: the methods it ended there}, for the runs that did not
+    # train where no other row of the same method and budget trained (rows of several calls)
+    trained = {(r["method"], r["budget_bytes"]) for r in mine if r.get("budget_bytes")
+               and trains(r)}
+    failed: dict[float, dict] = {}
     for r in mine:
-        if r.get("budget_bytes") and r.get("status") not in ("ok", "skipped", "unsupported"):
-            methods = failed.setdefault(r["budget_bytes"] / GiB, [])
+        if r.get("budget_bytes") and r.get("status") not in NOT_RUN + ("ok",) and \
+                (r["method"], r["budget_bytes"]) not in trained:
+            outcome = OUTCOMES.get(r.get("status"), r.get("status") or "failed")
+            methods = failed.setdefault(r["budget_bytes"] / GiB, {}).setdefault(outcome, [])
             if r["method"] not in methods:
                 methods.append(r["method"])
     return {**{method: curve(method) for method in CURVES}, "anchors": anchors,
@@ -185,7 +196,9 @@ def _plot(rows: list[dict], path: Path) -> bool:
                        label=label)
         for x in series["failures"]:
             ax.axvline(x, color="grey", lw=0.5, ls=":",
-                       label=f"{x:g} GiB: {', '.join(series['failed_methods'][x])} did not train")
+                       label=f"{x:g} GiB: " + "; ".join(
+                           f"{', '.join(methods)} {outcome}"
+                           for outcome, methods in series["failed_methods"][x].items()))
         ax.set(title=model if batch is None else f"{model} N={batch}", ylabel="step time (ms)",
                xlabel="GiB: budget (compile: peak reserved; MONeT: published peak)")
         low, high = ax.get_ylim()

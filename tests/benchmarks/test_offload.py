@@ -312,7 +312,29 @@ def test_plot_series_has_the_anchors_the_curve_and_the_minima(monkeypatch):
     assert min(budgets) == 3.5 and max(budgets) == 12.0 and budgets == sorted(budgets)
     assert 9.75 in [x for x, _ in series["pytorch"]]    # PyTorch under a budget: its probes
     assert 12.0 in series["failures"]                   # save_on_cpu ran out of memory there
-    assert "save_on_cpu" in series["failed_methods"][12.0]
+    assert series["failed_methods"][12.0] == {"ran out of memory": ["save_on_cpu"]}
+
+
+def test_plot_series_names_a_failure_only_where_no_row_of_the_method_trained():
+    """Rows of two calls: a method cut by one call's time budget (``out_of_time``) or that ran
+    out of memory there, and trained at the same budget in the other call, did not fail; a
+    run past its own timeout did, named as such."""
+    base = {"model": "resnet152", "batch": 128, "peak_reserved": 7 * GiB}
+    rows = [{**base, "method": "pytorch", "budget_bytes": None, "status": "ok", "step_ms": 130.0,
+             "peak_reserved": 22 * GiB},
+            {**base, "method": "mucudnn-run", "budget_bytes": 8 * GiB, "status": "out_of_time"},
+            {**base, "method": "save_on_cpu", "budget_bytes": 8 * GiB, "status": "oom"},
+            {**base, "method": "compile", "budget_bytes": 8 * GiB, "status": "timeout"},
+            {**base, "method": "checkpoint", "budget_bytes": 8 * GiB, "status": "oom"},
+            {**base, "method": "mucudnn-run", "budget_bytes": 8 * GiB, "status": "ok",
+             "step_ms": 190.0},
+            {**base, "method": "save_on_cpu", "budget_bytes": 8 * GiB, "status": "ok",
+             "step_ms": 1400.0},
+            {**base, "method": "compile", "budget_bytes": 8 * GiB, "status": "oom"}]
+    series = plot_series(rows, "resnet152")
+    assert series["mucudnn-run"] == [(8.0, 190.0)]
+    assert series["failed_methods"] == {8.0: {"passed its timeout": ["compile"],
+                                              "ran out of memory": ["checkpoint", "compile"]}}
 
 
 # -- a worker's output, per-block checkpointing ------------------------------------------------------
