@@ -1,0 +1,253 @@
+"""The model-zoo differential (issue 40: "build for any CNN, not for the table"): every model
+torchvision builds for classification, video classification and semantic segmentation, at a
+tiny input, trained a few SGD steps plainly and under each kind of mucudnn.torch session, its
+losses, gradients, parameters and buffers compared bit for bit.
+
+:func:`run_model` builds one model (seeded, ``num_classes`` small), trains it plainly, then under
+each session of :data:`SESSIONS` from the same weights, data and random state:
+
+- ``keep``, ``offload``, ``recompute``: every saved group forced to that mode where it can be;
+- ``planned``: the modes a probe step finds (every group a recipe can rebuild recomputed, the
+  rest kept), from the second step on a step recording only the modules its recipes ran;
+- ``budget``: a budget of half the step's saved bytes over a link said to be slow, so that the
+  plan mixes keeping, moving and recomputing.
+
+Each session's run must equal the plain run bit for bit (no session here stages: a stage sums
+micro-batches), leave grad mode, the saved-tensor hooks, the global module hooks and the torch
+function and dispatch modes as it found them, or stop with one line
+(:class:`~mucudnn.errors.MucudnnError`). On a GPU (``cuda``) the plain loop runs twice under
+deterministic cuDNN and cuBLAS with TF32 off, and a model whose plain runs differ is reported
+``nondeterministic``, not compared (training_patterns.use_device's settings).
+
+Run as a script (torchvision needed; on the device for ``cuda``)::
+
+    python tests/torch/zoo.py cuda              # every model
+    python tests/torch/zoo.py cpu resnet18 mobilenet_v3_small
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import training_patterns as patterns
+from mucudnn.errors import MucudnnError
+from mucudnn.torch.offload_session import OffloadSession
+from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE
+
+SESSIONS = ("keep", "offload", "recompute", "planned", "budget")
+STEPS = 2
+BATCH = 2
+CLASSES = 10
+#: models whose parameters alone pass this are left out (tiny inputs, but their weights are
+#: built and copied per session: ViT-H/14, RegNet-Y 128GF)
+MOST_PARAMETERS = 150_000_000
+#: input sizes by family: the smallest each family's architecture takes (inception: 75 px;
+#: ViT: its patch size divides the side; video: 8 frames, of which S3D's pooling needs some)
+IMAGE, VIDEO, SEGMENTATION = (3, 64, 64), (3, 8, 64, 64), (3, 64, 64)
+#: builder keywords where torchvision's defaults need a larger input than the family's
+KEYWORDS = {"inception_v3": {"aux_logits": False, "init_weights": True},
+            "googlenet": {"aux_logits": False, "init_weights": True},
+            "vit_b_16": {"image_size": 64}, "vit_b_32": {"image_size": 64},
+            "vit_l_16": {"image_size": 64}, "vit_l_32": {"image_size": 64},
+            "vit_h_14": {"image_size": 70}, "maxvit_t": {"input_size": (64, 64)}}
+#: input sizes where a model needs another than its family's
+SAMPLES = {"inception_v3": (3, 80, 80)}
+
+
+@dataclass
+class Result:
+    model: str
+    verdict: str            # "equal", "differs", "refused", "failed", "skipped", ...
+    detail: str = ""
+    sessions: dict = field(default_factory=dict)   # session -> (verdict, detail)
+    seconds: float = 0.0
+
+
+def models() -> list[tuple[str, str]]:
+    """(family, name) of every model torchvision builds for classification, video and
+    semantic segmentation."""
+    import torchvision.models as zoo
+    return [("image", name) for name in zoo.list_models(module=zoo)] + \
+        [("video", name) for name in zoo.list_models(module=zoo.video)] + \
+        [("segmentation", name) for name in zoo.list_models(module=zoo.segmentation)]
+
+
+def build(family: str, name: str) -> tuple[nn.Module, tuple]:
+    import torchvision.models as zoo
+    torch.manual_seed(0)
+    keywords = dict(KEYWORDS.get(name, {}))
+    if family == "segmentation":
+        keywords.update(weights_backbone=None, aux_loss=True if "lraspp" not in name else None)
+        keywords = {k: v for k, v in keywords.items() if v is not None}
+    model = zoo.get_model(name, weights=None, num_classes=CLASSES, **keywords)
+    sample = SAMPLES.get(name) or {"image": IMAGE, "video": VIDEO,
+                                   "segmentation": SEGMENTATION}[family]
+    return model.to(patterns.DEVICE), sample
+
+
+def data(family: str, sample: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, *sample, generator=generator)
+        shape = (BATCH, *sample[1:]) if family == "segmentation" else (BATCH,)
+        y = torch.randint(0, CLASSES, shape, generator=generator)
+        batches.append((x.to(patterns.DEVICE), y.to(patterns.DEVICE)))
+    return batches
+
+
+def _outputs(output) -> list[torch.Tensor]:
+    """The logits a model returns: a tensor, a named tuple of the main and auxiliary logits, a
+    segmentation model's dict."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        return [value for value in output.values() if isinstance(value, torch.Tensor)]
+    return [value for value in output if isinstance(value, torch.Tensor)]
+
+
+def train(model: nn.Module, batches, session=None) -> list[torch.Tensor]:
+    """SGD with momentum, one step per batch, ``session`` entered around each forward and
+    backward; what was observed, in order: each loss, then every gradient, parameter and
+    buffer after the last step."""
+    torch.manual_seed(2)   # dropout and stochastic depth draw the same in every run
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    seen = []
+    model.train()
+    for x, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        context = session if session is not None else patterns._nothing()
+        with context:
+            loss = sum(F.cross_entropy(out.float(), y) for out in _outputs(model(x)))
+            loss.backward()
+        seen.append(loss.detach().clone())
+        optimizer.step()
+    for _, parameter in model.named_parameters():
+        seen.append(None if parameter.grad is None else parameter.grad.detach().clone())
+        seen.append(parameter.detach().clone())
+    seen.extend(buffer.detach().clone() for buffer in model.buffers())
+    return seen
+
+
+def _difference(plain: list, ours: list) -> str:
+    if len(plain) != len(ours):
+        return f"{len(ours)} tensors observed against {len(plain)}"
+    for index, (a, b) in enumerate(zip(plain, ours)):
+        if (a is None) != (b is None) or a is not None and not torch.equal(a, b):
+            what = "loss of step" if index < STEPS else "tensor"
+            return f"{what} {index} differs" + (
+                "" if a is None or b is None else
+                f" (largest difference {(a.double() - b.double()).abs().max().item():.3g})")
+    return ""
+
+
+def saved_bytes(model: nn.Module, batch) -> int:
+    params = {id(p) for p in model.parameters()}
+    total = [0]
+
+    def pack(tensor):
+        if id(tensor) not in params:
+            total[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    x, y = batch
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sum(F.cross_entropy(out.float(), y) for out in _outputs(copy.deepcopy(model)(x)))
+    return total[0]
+
+
+def probed_modes(model: nn.Module, batch) -> list:
+    probe = OffloadSession(force=RECOMPUTE, link=patterns._link(), min_bytes=0)
+    x, y = batch
+    torch.manual_seed(2)
+    with probe:
+        loss = sum(F.cross_entropy(out.float(), y) for out in _outputs(copy.deepcopy(model)(x)))
+    loss.backward()
+    return [RECOMPUTE if group.mode == RECOMPUTE else KEEP for group in probe._step.groups]
+
+
+def session_for(kind: str, model: nn.Module, batch) -> OffloadSession:
+    if kind in ("keep", "offload", "recompute"):
+        force = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}[kind]
+        return OffloadSession(force=force, link=patterns._link(), min_bytes=0)
+    if kind == "planned":
+        return OffloadSession(modes=probed_modes(model, batch), link=patterns._link(),
+                              min_bytes=0)
+    return OffloadSession(budget=max(1, saved_bytes(model, batch) // 2),
+                          link=patterns._planning_link(), min_bytes=0, headroom=0.0,
+                          strict=False, stage=False)
+
+
+def run_model(family: str, name: str, sessions=SESSIONS) -> Result:
+    start = time.monotonic()
+    try:
+        model, sample = build(family, name)
+    except Exception as error:   # a builder that refuses the small sizes: not ours
+        return Result(name, "skipped", f"not built: {type(error).__name__}: {error}")
+    count = sum(p.numel() for p in model.parameters())
+    if count > MOST_PARAMETERS:
+        return Result(name, "skipped", f"{count / 1e6:.0f}M parameters")
+    batches = data(family, sample)
+    try:
+        plain = train(copy.deepcopy(model), batches)
+    except Exception as error:   # the plain loop fails at this size: nothing to compare
+        return Result(name, "skipped", f"plain run: {type(error).__name__}: "
+                                       f"{str(error).splitlines()[0][:120]}")
+    if patterns.DEVICE.type != "cpu" and _difference(plain, train(copy.deepcopy(model),
+                                                                  batches)):
+        return Result(name, "nondeterministic", "the plain runs differ")
+    result = Result(name, "equal")
+    for kind in sessions:
+        before = patterns._global_state()
+        trained = copy.deepcopy(model)
+        try:
+            ours = train(trained, batches, session_for(kind, trained, batches[0]))
+            verdict, detail = ("differs", difference) if (difference := _difference(
+                plain, ours)) else ("equal", "")
+        except MucudnnError as error:
+            verdict, detail = "refused", str(error).splitlines()[0][:160]
+        except Exception as error:
+            verdict, detail = "failed", f"{type(error).__name__}: " \
+                                        f"{str(error).splitlines()[0][:160]}"
+        after = patterns._global_state()
+        if after != before:
+            patterns._put_back(before)
+            verdict = "failed"
+            detail = "state left behind: " + ", ".join(k for k in before
+                                                       if before[k] != after[k])
+        result.sessions[kind] = (verdict, detail)
+    verdicts = {verdict for verdict, _ in result.sessions.values()}
+    result.verdict = next((v for v in ("failed", "differs", "refused") if v in verdicts),
+                          "equal")
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def main(argv) -> int:
+    device = argv[1] if len(argv) > 1 else "cpu"
+    patterns.use_device(device)
+    wanted = set(argv[2:])
+    chosen = [(family, name) for family, name in models() if not wanted or name in wanted]
+    print(f"zoo: {len(chosen)} models on {device}, torch {torch.__version__}, sessions "
+          f"{', '.join(SESSIONS)}, {STEPS} steps of batch {BATCH}", flush=True)
+    bad = 0
+    for family, name in chosen:
+        result = run_model(family, name)
+        cells = "; ".join(f"{kind} {verdict}" + (f" ({detail})" if detail else "")
+                          for kind, (verdict, detail) in result.sessions.items())
+        print(f"| {family} | {name} | {result.verdict} | {result.seconds:.1f} s | "
+              f"{cells or result.detail} |", flush=True)
+        bad += result.verdict in ("failed", "differs")
+    print(f"zoo: {bad} of {len(chosen)} models failed or differed", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
