@@ -10,7 +10,8 @@ each session of :data:`SESSIONS` from the same weights, data and random state:
 - ``planned``: the modes a probe step finds (every group a recipe can rebuild recomputed, the
   rest kept), from the second step on a step recording only the modules its recipes ran;
 - ``budget``: a budget of half the step's saved bytes over a link said to be slow, so that the
-  plan mixes keeping, moving and recomputing.
+  plan mixes keeping, moving and recomputing: its first step records (every group offloaded),
+  the next ones run the plan made inline after it.
 
 Each session's run must equal the plain run bit for bit (no session here stages: a stage sums
 micro-batches), leave grad mode, the saved-tensor hooks, the global module hooks and the torch
@@ -42,7 +43,8 @@ from mucudnn.torch.offload_session import OffloadSession
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE
 
 SESSIONS = ("keep", "offload", "recompute", "planned", "budget")
-STEPS = 2
+#: the budget session records its first step and plans (inline) from its second
+STEPS = 3
 BATCH = 2
 CLASSES = 10
 #: models whose parameters alone pass this are left out (tiny inputs, but their weights are
@@ -56,9 +58,15 @@ KEYWORDS = {"inception_v3": {"aux_logits": False, "init_weights": True},
             "googlenet": {"aux_logits": False, "init_weights": True},
             "vit_b_16": {"image_size": 64}, "vit_b_32": {"image_size": 64},
             "vit_l_16": {"image_size": 64}, "vit_l_32": {"image_size": 64},
-            "vit_h_14": {"image_size": 70}, "maxvit_t": {"input_size": (64, 64)}}
-#: input sizes where a model needs another than its family's
-SAMPLES = {"inception_v3": (3, 80, 80)}
+            "vit_h_14": {"image_size": 70}}
+#: input sizes where a model needs another than its family's: MaxViT's partitions, S3D's and
+#: MViT's pooling and positions; AlexNet's and VGG's classifiers pool to 6x6 and 7x7, which from
+#: a smaller map is a backward of overlapping windows, nondeterministic on a GPU
+SAMPLES = {"inception_v3": (3, 80, 80), "maxvit_t": (3, 224, 224), "s3d": (3, 16, 224, 224),
+           "mvit_v1_b": (3, 16, 224, 224), "mvit_v2_s": (3, 16, 224, 224),
+           "alexnet": (3, 224, 224), **{name: (3, 224, 224) for name in (
+               "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19",
+               "vgg19_bn")}}
 
 
 @dataclass
@@ -83,9 +91,10 @@ def build(family: str, name: str) -> tuple[nn.Module, tuple]:
     import torchvision.models as zoo
     torch.manual_seed(0)
     keywords = dict(KEYWORDS.get(name, {}))
-    if family == "segmentation":
-        keywords.update(weights_backbone=None, aux_loss=True if "lraspp" not in name else None)
-        keywords = {k: v for k, v in keywords.items() if v is not None}
+    if family == "segmentation":   # no backbone weights to download; the auxiliary head on
+        keywords["weights_backbone"] = None
+        if "lraspp" not in name:
+            keywords["aux_loss"] = True
     model = zoo.get_model(name, weights=None, num_classes=CLASSES, **keywords)
     sample = SAMPLES.get(name) or {"image": IMAGE, "video": VIDEO,
                                    "segmentation": SEGMENTATION}[family]
@@ -182,7 +191,16 @@ def session_for(kind: str, model: nn.Module, batch) -> OffloadSession:
                               min_bytes=0)
     return OffloadSession(budget=max(1, saved_bytes(model, batch) // 2),
                           link=patterns._planning_link(), min_bytes=0, headroom=0.0,
-                          strict=False, stage=False)
+                          strict=False, stage=False, plan_in_background=False)
+
+
+def modes_run(session: OffloadSession) -> str:
+    """The modes its last step ran its groups in ("12 kept, 3 offloaded, 40 recomputed"): what
+    the comparison covered."""
+    groups = session._step.groups
+    counts = [(sum(group.mode == mode for group in groups), word) for mode, word in
+              ((KEEP, "kept"), (OFFLOAD, "offloaded"), (RECOMPUTE, "recomputed"))]
+    return ", ".join(f"{count} {word}" for count, word in counts if count) or "no group"
 
 
 def run_model(family: str, name: str, sessions=SESSIONS) -> Result:
@@ -208,9 +226,10 @@ def run_model(family: str, name: str, sessions=SESSIONS) -> Result:
         before = patterns._global_state()
         trained = copy.deepcopy(model)
         try:
-            ours = train(trained, batches, session_for(kind, trained, batches[0]))
+            session = session_for(kind, trained, batches[0])
+            ours = train(trained, batches, session)
             verdict, detail = ("differs", difference) if (difference := _difference(
-                plain, ours)) else ("equal", "")
+                plain, ours)) else ("equal", modes_run(session))
         except MucudnnError as error:
             verdict, detail = "refused", str(error).splitlines()[0][:160]
         except Exception as error:
