@@ -641,6 +641,13 @@ class _nothing:
 # --- sessions and the comparison -------------------------------------------------------------
 def saved_bytes(case: Case, model: nn.Module) -> int:
     """What the case's first step saves (parameters aside): the budget sessions' scale."""
+    x, y = make_data(case)[0][0]
+    return saved_bytes_of(model, lambda copied: F.cross_entropy(copied(x).float(), y))
+
+
+def saved_bytes_of(model: nn.Module, forward_loss) -> int:
+    """What ``forward_loss`` (called with a copy of ``model``) saves for its backward, the
+    parameters aside."""
     model = copy.deepcopy(model)
     params = {id(p) for p in model.parameters()}
     total = [0]
@@ -650,9 +657,8 @@ def saved_bytes(case: Case, model: nn.Module) -> int:
             total[0] += tensor.numel() * tensor.element_size()
         return tensor
 
-    x, y = make_data(case)[0][0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        F.cross_entropy(model(x).float(), y)
+        forward_loss(model)
     return total[0]
 
 

@@ -134,7 +134,7 @@ def train(model: nn.Module, batches, session=None) -> list[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
         context = session if session is not None else patterns._nothing()
         with context:
-            loss = sum(F.cross_entropy(out.float(), y) for out in _outputs(model(x)))
+            loss = loss_of(model(x), y)
             loss.backward()
         seen.append(loss.detach().clone())
         optimizer.step()
@@ -158,18 +158,13 @@ def _difference(plain: list, ours: list) -> str:
 
 
 def saved_bytes(model: nn.Module, batch) -> int:
-    params = {id(p) for p in model.parameters()}
-    total = [0]
-
-    def pack(tensor):
-        if id(tensor) not in params:
-            total[0] += tensor.numel() * tensor.element_size()
-        return tensor
-
     x, y = batch
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        sum(F.cross_entropy(out.float(), y) for out in _outputs(copy.deepcopy(model)(x)))
-    return total[0]
+    return patterns.saved_bytes_of(model, lambda copied: loss_of(copied(x), y))
+
+
+def loss_of(output, y) -> torch.Tensor:
+    """The sum of the cross entropies of every logits ``output`` holds (:func:`_outputs`)."""
+    return sum(F.cross_entropy(out.float(), y) for out in _outputs(output))
 
 
 def probed_modes(model: nn.Module, batch) -> list:
@@ -177,7 +172,7 @@ def probed_modes(model: nn.Module, batch) -> list:
     x, y = batch
     torch.manual_seed(2)
     with probe:
-        loss = sum(F.cross_entropy(out.float(), y) for out in _outputs(copy.deepcopy(model)(x)))
+        loss = loss_of(copy.deepcopy(model)(x), y)
     loss.backward()
     return [RECOMPUTE if group.mode == RECOMPUTE else KEEP for group in probe._step.groups]
 
