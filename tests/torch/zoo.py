@@ -9,9 +9,11 @@ each session of :data:`SESSIONS` from the same weights, data and random state:
 - ``keep``, ``offload``, ``recompute``: every saved group forced to that mode where it can be;
 - ``planned``: the modes a probe step finds (every group a recipe can rebuild recomputed, the
   rest kept), from the second step on a step recording only the modules its recipes ran;
-- ``budget``: a budget of half the step's saved bytes over a link said to be slow, so that the
-  plan mixes keeping, moving and recomputing: its first step records (every group offloaded),
-  the next ones run the plan made inline after it.
+- ``budget``: a budget half the step's saved bytes short of what it needs (:func:`budget_for`),
+  over a link said to be slow, so that the plan mixes keeping, moving and recomputing: its first
+  :data:`~mucudnn.torch.planner.RECORD_STEPS` steps record (every group offloaded), the next
+  ones run the plan made inline after them (where none meets the budget: every group offloaded,
+  the session ``unplanned``).
 
 Each session's run must equal the plain run bit for bit (no session here stages: a stage sums
 micro-batches), leave grad mode, the saved-tensor hooks, the global module hooks and the torch
@@ -43,7 +45,7 @@ from mucudnn.torch.offload_session import OffloadSession
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE
 
 SESSIONS = ("keep", "offload", "recompute", "planned", "budget")
-#: the budget session records its first step and plans (inline) from its second
+#: the budget session records its first RECORD_STEPS (2) and runs its plan in the third
 STEPS = 3
 BATCH = 2
 CLASSES = 10
@@ -184,18 +186,37 @@ def session_for(kind: str, model: nn.Module, batch) -> OffloadSession:
     if kind == "planned":
         return OffloadSession(modes=probed_modes(model, batch), link=patterns._link(),
                               min_bytes=0)
-    return OffloadSession(budget=max(1, saved_bytes(model, batch) // 2),
-                          link=patterns._planning_link(), min_bytes=0, headroom=0.0,
-                          strict=False, stage=False, plan_in_background=False)
+    return OffloadSession(budget=budget_for(model, batch), link=patterns._planning_link(),
+                          min_bytes=0, headroom=0.0, strict=False, stage=False,
+                          plan_in_background=False)
+
+
+def budget_for(model: nn.Module, batch) -> int:
+    """The budget session's: half the step's saved bytes fewer than it needs. On the CPU the
+    session counts only the tensors it saves; on a GPU the caching allocator's bytes, so the
+    budget is a plain step's peak allocated (parameters, gradients, momentum, the batch and
+    every saved tensor) less half the saved bytes."""
+    saved = saved_bytes(model, batch)
+    if patterns.DEVICE.type == "cpu":
+        return max(1, saved // 2)
+    copied = copy.deepcopy(model)
+    train(copied, batches=[batch])   # the momentum buffers, as in the session's steps
+    torch.cuda.synchronize(patterns.DEVICE)
+    torch.cuda.reset_peak_memory_stats(patterns.DEVICE)
+    train(copied, batches=[batch])
+    peak = torch.cuda.max_memory_allocated(patterns.DEVICE)
+    del copied
+    return max(1, peak - saved // 2)
 
 
 def modes_run(session: OffloadSession) -> str:
-    """The modes its last step ran its groups in ("12 kept, 3 offloaded, 40 recomputed"): what
-    the comparison covered."""
+    """The modes its last step ran its groups in, and the state of a budget's plan ("12 kept,
+    3 offloaded, 40 recomputed; watching"): what the comparison covered."""
     groups = session._step.groups
     counts = [(sum(group.mode == mode for group in groups), word) for mode, word in
               ((KEEP, "kept"), (OFFLOAD, "offloaded"), (RECOMPUTE, "recomputed"))]
-    return ", ".join(f"{count} {word}" for count, word in counts if count) or "no group"
+    said = ", ".join(f"{count} {word}" for count, word in counts if count) or "no group"
+    return said if session.budget is None else f"{said}; {session.lifecycle.state}"
 
 
 def run_model(family: str, name: str, sessions=SESSIONS) -> Result:
