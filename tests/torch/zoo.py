@@ -195,16 +195,17 @@ def budget_for(model: nn.Module, batch) -> int:
     """The budget session's: half the step's saved bytes fewer than it needs. On the CPU the
     session counts only the tensors it saves; on a GPU the caching allocator's bytes, so the
     budget is a plain step's peak allocated (parameters, gradients, momentum, the batch and
-    every saved tensor) less half the saved bytes."""
+    every saved tensor) in a forward and backward, less half the saved bytes."""
     saved = saved_bytes(model, batch)
     if patterns.DEVICE.type == "cpu":
         return max(1, saved // 2)
     copied = copy.deepcopy(model)
-    train(copied, batches=[batch])   # the momentum buffers, as in the session's steps
+    train(copied, batches=[batch])   # the gradients and momentum buffers, as in a later step
+    x, y = batch
     torch.cuda.synchronize(patterns.DEVICE)
     torch.cuda.reset_peak_memory_stats(patterns.DEVICE)
-    train(copied, batches=[batch])
-    peak = torch.cuda.max_memory_allocated(patterns.DEVICE)
+    loss_of(copied(x), y).backward()   # the forward and backward a plan is made for (the
+    peak = torch.cuda.max_memory_allocated(patterns.DEVICE)   # optimizer's own peak aside)
     del copied
     return max(1, peak - saved // 2)
 
