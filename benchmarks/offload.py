@@ -123,6 +123,9 @@ COMPILE_MIN_WARMUP = 2
 
 # -- worker (one configuration, in its own process) -----------------------------------------------
 
+#: what a line of the shim about one kernel holds (its key: docs/shim.md), left out of a row's
+#: ``said``
+KERNEL_LINE = " dir="
 #: mucudnn-run: the steps in a row its session must have run settled (lifecycle.SETTLED: a plan in
 #: force and watched, or none to make; no plan being made) before its timed steps start. The watch
 #: judges a plan by its last planner.WATCH_STEPS steps and a step's state is read as it ran (the
@@ -532,6 +535,8 @@ def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
             # a first run, as a new user's: no plan of another row (the API's at the same budget
             # has the same script and key) or of an earlier run of the benchmark to load
             env["MUCUDNN_PLAN_CACHE"] = plans
+            # the session's lines (its plans, trials, lowerings) beside the steps they came in
+            env.setdefault("MUCUDNN_LOG_LEVEL", "info")
         rc, stdout, stderr, wall_s, timed_out = execute(cmd, env, timeout)
     row["wall_s"] = round(wall_s, 1)
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
@@ -545,7 +550,9 @@ def run_config(args, model: str, batch: int, method: str, budget: int | None, *,
     else:
         row.update(status="error", error=stderr.strip().splitlines()[-5:])
     row["log_tail"] = stderr.strip().splitlines()[-4:]
-    row["said"] = [line for line in stderr.splitlines() if line.startswith(("mucudnn:", "step "))]
+    # the shim's lines about each kernel (" dir=...": hundreds at the info level) left out
+    row["said"] = [line for line in stderr.splitlines()
+                   if line.startswith(("mucudnn:", "step ")) and KERNEL_LINE not in line]
     print(f"    {row['status']}" + (f" {row['step_ms']:.1f} ms, peak reserved "
                                     f"{row['peak_reserved'] / GiB:.2f} GiB"
                                     if row["status"] == "ok" else "")

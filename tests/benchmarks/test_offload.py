@@ -389,8 +389,12 @@ def test_mucudnn_run_is_the_worker_under_the_cli_which_caps_the_allocator(monkey
     seen = {}
 
     def execute(cmd, env, timeout):
-        seen.update(cmd=cmd, cache=env.get("MUCUDNN_PLAN_CACHE"))
-        return 0, 'RESULT {"step_ms": 1.0, "peak_reserved": 1, "recomputed": 3}\n', "", 1.0, False
+        seen.update(cmd=cmd, cache=env.get("MUCUDNN_PLAN_CACHE"),
+                    level=env.get("MUCUDNN_LOG_LEVEL"))
+        stderr = ("mucudnn: info: dir=fwd,dt=f32 N=176: passthrough on the graph path\n"
+                  "mucudnn: info: offload plan for 3.00 GiB: 10 kept\nstep 4: 9.0 ms\nother\n")
+        return 0, 'RESULT {"step_ms": 1.0, "peak_reserved": 1, "recomputed": 3}\n', stderr, 1.0, \
+            False
 
     monkeypatch.setattr(offload, "execute", execute)
     row = run_config(args_of(), "vgg16", 176, "mucudnn-run", 3 * GiB)
@@ -405,6 +409,9 @@ def test_mucudnn_run_is_the_worker_under_the_cli_which_caps_the_allocator(monkey
     run_config(args_of(), "vgg16", 176, "mucudnn-run", 3 * GiB)
     assert seen["cache"] != first_cache
     assert row["status"] == "ok" and row["recomputed"] == 3 and row["method"] == "mucudnn-run"
+    # the session's lines at the info level, beside the steps; the shim's per-kernel ones not
+    assert seen["level"] == "info"
+    assert row["said"] == ["mucudnn: info: offload plan for 3.00 GiB: 10 kept", "step 4: 9.0 ms"]
     series = plot_series([{**row, "model": "vgg16"}], "vgg16")
     assert series["mucudnn-run"] == [(3.0, 1.0)] and series["anchors"] == []
 
