@@ -16,7 +16,8 @@ The method (:func:`plan_modes`):
 3. **Restarts**, the cheapest plan kept: from everything moved (brought within the target by
    the construction where it is at most :data:`NO_PLAN_OVER` above it) with the moves of the
    largest saving taken back (:func:`drop`), weighed at the plan's marginal prices, rebuilt
-   around each of its dearest moves kept (:func:`_rebuilt_around`), with offloads capped at
+   around each of its dearest moves kept (:func:`_rebuilt_around`) and in a window of groups
+   around each of its dearest offloads (:func:`_rebuilt_in_windows`), with offloads capped at
    shares of the link's bound (:data:`LINK_BOUND_SHARES`); on steps of more than
    :data:`COMPOUND_GROUPS` groups only 1 and 2 (the planning time).
 4. **Where no construction meets the target** (from everything kept, or from everything moved)
@@ -239,6 +240,39 @@ def _rebuilt_around(state: State, target: int) -> State:
         trial.apply(changes, evaluated)
         if construct(trial, target, frozen=frozenset(changes)):
             improve(trial, target, REBUILD_ROUNDS)
+            if trial.cost() < state.cost() - 1e-9:
+                state = trial
+    return state
+
+
+#: :func:`_rebuilt_in_windows`: the offloaded groups (the largest saving first) whose window is
+#: rebuilt, and the window, in groups before and after the offloaded one
+WINDOW_REBUILDS = 4
+WINDOW = (4, 8)
+
+
+def _rebuilt_in_windows(state: State, target: int) -> State:
+    """``state`` or a cheaper plan: for each of its offloaded groups (the largest saving first,
+    at most :data:`WINDOW_REBUILDS`), the plan with every group of its :data:`WINDOW` kept and
+    the rest constructed and improved from there; the cheapest. An offload taken early by the
+    construction can be the one that makes a cheaper covering of the same points impossible (a
+    residual add's output recomputed needs its other source not offloaded): the changes that
+    undo it are of several groups at once, each alone over the target or invalid, which neither
+    the improvement's pairs nor :func:`_rebuilt_around` (the offload alone kept) reach."""
+    layout = state.layout
+    now = state.cost()
+    offloaded = sorted((now - state.cost_after({i: KEEP}), i) for i in range(layout.g)
+                       if state.modes[i] == OFFLOAD)
+    before, after = WINDOW
+    for saved, index in reversed(offloaded[-WINDOW_REBUILDS:]):
+        if saved <= 1e-12:
+            continue
+        modes = list(state.modes)
+        modes[max(0, index - before):index + after + 1] = \
+            [KEEP] * (min(layout.g, index + after + 1) - max(0, index - before))
+        trial = State(layout, modes)
+        if construct(trial, target):
+            improve(trial, target)
             if trial.cost() < state.cost() - 1e-9:
                 state = trial
     return state
@@ -540,7 +574,7 @@ def plan_modes(profile: StepProfile, target: int, lookahead: int,
             if priced.cost() < best.cost():
                 best = priced
     if compound:
-        best = _rebuilt_around(best, target)
+        best = _rebuilt_in_windows(_rebuilt_around(best, target), target)
     # the greedy takes offloads at their cost below the link's bound, and past it each byte
     # costs more (the step waits for the link): a plan made with offloads capped near the
     # bound (first, then as the rest of the excess needs) is often the cheaper one then

@@ -48,10 +48,7 @@ def test_the_reference_covers_the_committed_profiles():
 #: the entries where the fast plan is known to be more than GAP above the ILP's (its ILP plan
 #: not proven optimal: CBC reached its minute), with the gap measured (planning-time.md): held
 #: as failures, so that a planner that closes them says so
-KNOWN_GAPS = {
-    "benchmarks/results/offload/h200/offload-resnet50-tight-dd38483-h200.json#0@6039797760":
-        "4.2 %",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 @functools.lru_cache(maxsize=4)
