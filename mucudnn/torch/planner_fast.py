@@ -247,7 +247,7 @@ def _rebuilt_around(state: State, target: int) -> State:
 
 #: :func:`_rebuilt_in_windows`: the offloaded groups (the largest saving first) whose window is
 #: rebuilt, and the window, in groups before and after the offloaded one
-WINDOW_REBUILDS = 4
+WINDOW_REBUILDS = 1
 WINDOW = (4, 8)
 
 
@@ -272,7 +272,7 @@ def _rebuilt_in_windows(state: State, target: int) -> State:
             [KEEP] * (min(layout.g, index + after + 1) - max(0, index - before))
         trial = State(layout, modes)
         if construct(trial, target):
-            improve(trial, target)
+            improve(trial, target, REBUILD_ROUNDS)
             if trial.cost() < state.cost() - 1e-9:
                 state = trial
     return state
