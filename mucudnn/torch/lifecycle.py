@@ -36,6 +36,7 @@ its step: the same lines, plans and targets, in the same order.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -72,6 +73,13 @@ RECORD = "record"               # a recording step
 AS_RECORDED = "as recorded"     # every saved tensor offloaded inline, fetched on demand
 MODES = "modes"                 # Lifecycle.modes as a planned step runs them (None: each kept)
 
+#: a settled plan's steps whose host took at least this share of the recording's device forward
+#: to issue their forward (the median of :data:`planner.WATCH_STEPS`) are said to wait for the
+#: host, once a run: the prediction counts the device alone. Above 1, since a forward the device
+#: runs as fast as the host issues it (a launch queue full, a script's wait for the device in
+#: its forward) takes the host about the device's time
+HOST_BOUND_SHARE = 1.25
+
 #: the label, in a trial after a lowering, of the plan the lowering replaced
 BEFORE_LOWERING = "from before the lowering"
 
@@ -106,6 +114,9 @@ class StepOutcome:
     #: each link in use -> its caching allocator's flush count at the step's end (the session's
     #: first link first)
     flush_counts: Mapping = field(default_factory=dict)
+    #: ms from its first saved group's pack to its first unpack on the host's clock: how long the
+    #: host took to issue its forward (None: not measured)
+    host_forward_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,7 @@ class TrialsAndWatch:
         """The watch of the plan that comes into force: no step of it yet, and flushes counted
         from here."""
         self._flushing.clear()
+        self._host_forwards.clear()
         self._flush_counts = dict(self._counts_now)
 
     def _watch_flushes(self) -> None:
@@ -186,6 +198,26 @@ class TrialsAndWatch:
         steps = len(self._flushing)
         self._flushing.clear()
         self._lower(self.plan.peak, ("watch", flushed, steps), self.plan)
+
+    def _watch_host(self, host_forward_ms: float | None) -> None:
+        """A planned step of the settled plan ended, its host having taken ``host_forward_ms`` to
+        issue its forward: once the median of the last :data:`planner.WATCH_STEPS` is
+        :data:`HOST_BOUND_SHARE` of the recording's device forward or more, one line says so
+        (once a run)."""
+        if self._host_bound_said or host_forward_ms is None or self.plan is None or \
+                self.profile is None or self.profile.forward_ms <= 0:
+            return
+        self._host_forwards.append(host_forward_ms)
+        if len(self._host_forwards) < planner.WATCH_STEPS:
+            return
+        host, device = statistics.median(self._host_forwards), self.profile.forward_ms
+        if host >= device * HOST_BOUND_SHARE:
+            self._host_bound_said = True
+            self._say(f"the host takes {host:.1f} ms to issue each planned step's forward (the "
+                      f"median of the last {planner.WATCH_STEPS}), which the device ran in "
+                      f"{device:.1f} ms in the recording: the device waits for the host, and "
+                      f"steps run longer than the plan's predicted {self.plan.predicted_ms:.1f} "
+                      "ms, which counts the device alone (docs/torch.md, \"The host's time\")")
 
     def _lower(self, flushed_peak: int, after: tuple, replaced: OffloadPlan) -> bool:
         """After a trial whose every plan flushed the caching allocator's cache, or a plan that
@@ -411,6 +443,10 @@ class Lifecycle(TrialsAndWatch):
         #: the plan in force after its trial: per planned step (the last WATCH_STEPS), whether
         #: it flushed the caching allocator's cache, and each link's flush count at its end
         self._flushing: deque = deque(maxlen=planner.WATCH_STEPS)
+        #: the settled plan's last planned steps' host forward ms (:meth:`_watch_host`), and
+        #: whether this run said its steps wait for the host
+        self._host_forwards: deque = deque(maxlen=planner.WATCH_STEPS)
+        self._host_bound_said = False
         #: the plan a lowering after flushes replaces: tried again against the lower target's
         #: plans (:data:`BEFORE_LOWERING`), since a flush that comes from what no plan holds (a
         #: convolution's workspace) flushes at every target, and a lower one is then only slower
@@ -529,8 +565,11 @@ class Lifecycle(TrialsAndWatch):
             self._failed(outcome, out_of_memory)
         elif self.trial is not None:
             self._advance_trial(outcome)
-        elif self.state == WATCHING:
-            self._watch_flushes()
+        else:
+            if self.state == WATCHING:
+                self._watch_flushes()
+            if self.state in (WATCHING, PLANNED):
+                self._watch_host(outcome.host_forward_ms)
 
     def _recording_ended(self, outcome: StepOutcome, failed: bool, out_of_memory: bool) -> None:
         """The first recording pins the host pool (seconds of the host waiting, which leave the

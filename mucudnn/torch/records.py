@@ -368,6 +368,10 @@ class _Step:
     node_groups: list = field(default_factory=list)  # the groups that node unpacked
     backward_done: bool = False    # its backward ran to the end (autograd's final callback)
     watching: bool = False         # that callback is queued
+    #: the host's clock (perf_counter s) at its first group's pack, and the ms from there to its
+    #: first unpack: how long the host took to issue its forward (the script's own waits in it)
+    host_start: float | None = None
+    host_forward_ms: float | None = None
     finds_recipes: bool | None = None   # OffloadSession._finds_recipes, once decided
     #: the ids of the only leaf modules whose calls it records (StepRecorder.recorded_modules);
     #: None: every one's, where it records calls at all

@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+from time import perf_counter
 import weakref
 
 import torch
@@ -131,6 +132,8 @@ class SavedTensorHooks:
 
     def _new_group(self, step, tensor, link, key) -> _Group:
         gid = len(step.groups)
+        if not gid:
+            step.host_start = perf_counter()
         if step.releases:   # most steps move nothing
             self.copies.let_go_due(step, gid)
         if step.ooms is None:
@@ -231,6 +234,8 @@ class SavedTensorHooks:
             self.rescuer.node()
         index = step.unpacks
         step.unpacks += 1
+        if not index and step.host_start is not None:
+            step.host_forward_ms = (perf_counter() - step.host_start) * 1e3
         link = self.link_for_group(group)
         link.poll()   # the forward's last offloads end during the backward
         if step.releases:   # the first unpack: the forward is over

@@ -181,7 +181,8 @@ class PlanLifecycle:
             status, recorded=not self._offload_rest, profile=profile, stage_candidates=candidates,
             offloadable=tuple(g.offloadable for g in finished.groups), unpacks=finished.unpacks,
             mark=link.mark() if lifecycle.trial is not None else None,
-            flush_counts={} if lifecycle.state == FIXED else self._flush_counts_now()))
+            flush_counts={} if lifecycle.state == FIXED else self._flush_counts_now(),
+            host_forward_ms=finished.host_forward_ms))
         self._offload_rest = False
         self._step.profiling = decision.run == RECORD
         self._apply(decision, finished, failed)

@@ -1049,3 +1049,41 @@ def test_a_stages_rerun_time_sums_the_least_time_any_recording_took_for_each_cal
         steps.step()
         (asked,) = maker.asked
         assert asked.stage.forward_ms == rerun and asked.payload == "modules"
+
+
+def _watching_plan():
+    """A lifecycle whose one plan (20 ms predicted, on a recording whose device forward took
+    10 ms) was kept after its trial and is watched."""
+    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(least=int(7.2 * GiB)))
+    steps = Steps(lifecycle)
+    steps.record()
+    steps.run(10.0)
+    assert lifecycle.state == WATCHING and lifecycle.profile.forward_ms == 10.0
+    return lifecycle, steps
+
+
+def test_steps_whose_host_issues_the_forward_slower_than_the_device_ran_it_say_so_once():
+    lifecycle, steps = _watching_plan()
+    said = len(steps.lines)
+    for host in (14.0, 13.0, 11.0):   # the median of fewer than WATCH_STEPS steps: nothing yet
+        steps.step(30.0, host_forward_ms=host)
+    assert len(steps.lines) == said
+    steps.step(30.0, host_forward_ms=12.5)   # median 12.75 ms, 1.275x the device's 10
+    assert steps.lines[said:] == [
+        f"the host takes 12.8 ms to issue each planned step's forward (the median of the last "
+        f"{planner.WATCH_STEPS}), which the device ran in 10.0 ms in the recording: the device "
+        "waits for the host, and steps run longer than the plan's predicted 20.0 ms, which "
+        "counts the device alone (docs/torch.md, \"The host's time\")"]
+    for _ in range(2 * planner.WATCH_STEPS):   # once a run
+        steps.step(30.0, host_forward_ms=20.0)
+    assert len(steps.lines) == said + 1 and lifecycle.state == WATCHING
+
+
+@pytest.mark.parametrize("hosts", [(12.0, 12.0, 12.0, 12.0),      # under HOST_BOUND_SHARE
+                                   (30.0, 30.0, None, 30.0)])     # not measured in one step
+def test_a_host_that_keeps_up_or_a_step_not_measured_says_nothing(hosts):
+    lifecycle, steps = _watching_plan()
+    said = len(steps.lines)
+    for host in hosts:
+        steps.step(20.0, host_forward_ms=host)
+    assert len(steps.lines) == said

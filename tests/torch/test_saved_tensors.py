@@ -77,3 +77,20 @@ def test_a_saved_tensor_of_another_layout_is_autograds_to_keep(layout, force):
     with OffloadSession(force=force, link=SameMemoryLink(), min_bytes=0):
         loss = torch.sparse.mm(matrix, x * 2).sum()
     assert torch.equal(torch.autograd.grad(loss, x)[0], reference)
+
+
+def test_a_step_times_the_hosts_forward_from_its_first_group_to_its_first_unpack(monkeypatch):
+    """The host's clock read at the step's first group's pack and at its first unpack: what
+    the lifecycle's watch of a settled plan compares with the recording's device forward."""
+    import mucudnn.torch.saved_tensors as saved_tensors
+    clock = iter([100.0, 100.25])   # the first pack, then the first unpack: 250 ms apart
+    monkeypatch.setattr(saved_tensors, "perf_counter", lambda: next(clock))
+    model, data = small_cnn(torch.float32), batches(torch.float32, 1)
+    session = OffloadSession(force=KEEP, link=SameMemoryLink(), min_bytes=0)
+    with session:
+        x, y = data[0]
+        loss = nn.functional.cross_entropy(model(x), y)
+        step = session._step
+        assert step.host_start == 100.0 and step.host_forward_ms is None
+        loss.backward()
+    assert step.host_forward_ms == pytest.approx(250.0)
