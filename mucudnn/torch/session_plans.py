@@ -182,7 +182,9 @@ class PlanLifecycle:
             offloadable=tuple(g.offloadable for g in finished.groups), unpacks=finished.unpacks,
             mark=link.mark() if lifecycle.trial is not None else None,
             flush_counts={} if lifecycle.state == FIXED else self._flush_counts_now(),
-            host_forward_ms=finished.host_forward_ms))
+            # on a device the host feeds (on the CPU the recording's "device" forward is the
+            # host's own time: nothing to compare)
+            host_forward_ms=finished.host_forward_ms if isinstance(link, CudaLink) else None))
         self._offload_rest = False
         self._step.profiling = decision.run == RECORD
         self._apply(decision, finished, failed)
