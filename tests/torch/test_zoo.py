@@ -20,9 +20,13 @@ def test_a_zoo_model_trains_under_every_session_as_plainly(family, name):
 
 
 def test_the_zoo_tells_a_difference():
-    """The comparison fails where one observed tensor differs in its last bit."""
-    plain = [torch.tensor([1.0, 2.0]), None, torch.tensor([3.0])]
-    ours = [plain[0].clone(), None, torch.nextafter(plain[2], torch.tensor([4.0]))]
-    assert zoo._difference(plain, plain) == ""
-    assert "tensor 2 differs" in zoo._difference(plain, ours)
-    assert "observed" in zoo._difference(plain, ours[:2])
+    """The comparison fails where one observed tensor differs in its last bit: a step's loss,
+    a gradient, parameter or buffer after the last step, or how many were observed."""
+    losses = [torch.tensor(float(step)) for step in range(zoo.STEPS)]
+    plain = losses + [torch.tensor([1.0, 2.0]), None, torch.tensor([3.0])]
+    last = plain[:-1] + [torch.nextafter(plain[-1], torch.tensor([4.0]))]
+    first_loss = [torch.nextafter(losses[0], torch.tensor(1.0))] + plain[1:]
+    assert zoo._difference(plain, [t if t is None else t.clone() for t in plain]) == ""
+    assert f"tensor {zoo.STEPS + 2} differs" in zoo._difference(plain, last)
+    assert "loss of step 0 differs" in zoo._difference(plain, first_loss)
+    assert "observed" in zoo._difference(plain, plain[:-1])
