@@ -17,7 +17,7 @@ The method (:func:`plan_modes`):
    the construction where it is at most :data:`NO_PLAN_OVER` above it) with the moves of the
    largest saving taken back (:func:`drop`), weighed at the plan's marginal prices, rebuilt
    around each of its dearest moves kept (:func:`_rebuilt_around`) and in a window of groups
-   around each of its dearest offloads (:func:`_rebuilt_in_windows`), with offloads capped at
+   around its dearest offload (:func:`_rebuilt_in_windows`), with offloads capped at
    shares of the link's bound (:data:`LINK_BOUND_SHARES`); on steps of more than
    :data:`COMPOUND_GROUPS` groups only 1 and 2 (the planning time).
 4. **Where no construction meets the target** (from everything kept, or from everything moved)

@@ -23,8 +23,8 @@ Rules:
 
 from __future__ import annotations
 
-from time import perf_counter
 import weakref
+from time import perf_counter
 
 import torch
 import torch.nn as nn
