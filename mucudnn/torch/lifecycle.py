@@ -73,11 +73,12 @@ RECORD = "record"               # a recording step
 AS_RECORDED = "as recorded"     # every saved tensor offloaded inline, fetched on demand
 MODES = "modes"                 # Lifecycle.modes as a planned step runs them (None: each kept)
 
-#: a settled plan's steps whose host took at least this share of the recording's device forward
-#: to issue their forward (the median of :data:`planner.WATCH_STEPS`) are said to wait for the
-#: host, once a run: the prediction counts the device alone. Above 1, since a forward the device
-#: runs as fast as the host issues it (a launch queue full, a script's wait for the device in
-#: its forward) takes the host about the device's time
+#: a watched plan's steps (moving nothing, flushing nothing) whose host took at least this share
+#: of the recording's device forward to issue their forward (the median of
+#: :data:`planner.WATCH_STEPS`) are said to wait for the host, once a run: the prediction counts
+#: the device alone. Above 1, since a forward the device runs as fast as the host issues it (a
+#: launch queue full, a script's wait for the device in its forward) takes the host about the
+#: device's time
 HOST_BOUND_SHARE = 1.25
 
 #: the label, in a trial after a lowering, of the plan the lowering replaced
@@ -200,12 +201,14 @@ class TrialsAndWatch:
         self._lower(self.plan.peak, ("watch", flushed, steps), self.plan)
 
     def _watch_host(self, host_forward_ms: float | None) -> None:
-        """A planned step of the settled plan ended, its host having taken ``host_forward_ms`` to
-        issue its forward: once the median of the last :data:`planner.WATCH_STEPS` is
-        :data:`HOST_BOUND_SHARE` of the recording's device forward or more, one line says so
-        (once a run)."""
+        """A planned step of the watched plan ended without a flush, its host having taken
+        ``host_forward_ms`` to issue its forward: once the median of the last
+        :data:`planner.WATCH_STEPS` such steps is :data:`HOST_BOUND_SHARE` of the recording's
+        device forward or more, one line says so (once a run). Only for a plan that moves
+        nothing: one that offloads has the compute stream wait for its copies in the forward
+        (``planner.simulate``'s forward waits), so its device forward is not the recording's."""
         if self._host_bound_said or host_forward_ms is None or self.plan is None or \
-                self.profile is None or self.profile.forward_ms <= 0:
+                self.plan.moved_bytes or self.profile is None or self.profile.forward_ms <= 0:
             return
         self._host_forwards.append(host_forward_ms)
         if len(self._host_forwards) < planner.WATCH_STEPS:
@@ -565,10 +568,12 @@ class Lifecycle(TrialsAndWatch):
             self._failed(outcome, out_of_memory)
         elif self.trial is not None:
             self._advance_trial(outcome)
-        else:
-            if self.state == WATCHING:
-                self._watch_flushes()
-            if self.state in (WATCHING, PLANNED):
+        elif self.state == WATCHING:
+            # a flush waits for the device: its step's host forward is no measure of the host
+            flushed = any(count > self._flush_counts.get(link, count)
+                          for link, count in self._counts_now.items())
+            self._watch_flushes()
+            if not flushed:
                 self._watch_host(outcome.host_forward_ms)
 
     def _recording_ended(self, outcome: StepOutcome, failed: bool, out_of_memory: bool) -> None:

@@ -1051,10 +1051,18 @@ def test_a_stages_rerun_time_sums_the_least_time_any_recording_took_for_each_cal
         assert asked.stage.forward_ms == rerun and asked.payload == "modules"
 
 
-def _watching_plan():
-    """A lifecycle whose one plan (20 ms predicted, on a recording whose device forward took
-    10 ms) was kept after its trial and is watched."""
-    lifecycle = Lifecycle(8 * GiB, maker=TableMaker(least=int(7.2 * GiB)))
+class MovesNothingMaker(TableMaker):
+    """:class:`TableMaker`'s plans, keeping and recomputing only (nothing moved)."""
+
+    def solve(self, profile, target, explain=True):
+        return dataclasses.replace(super().solve(profile, target, explain),
+                                   modes=(KEEP, KEEP, RECOMPUTE, KEEP), moved_bytes=0)
+
+
+def _watching_plan(maker=None):
+    """A lifecycle whose one plan (20 ms predicted, moving nothing, on a recording whose device
+    forward took 10 ms) was kept after its trial and is watched."""
+    lifecycle = Lifecycle(8 * GiB, maker=maker or MovesNothingMaker(least=int(7.2 * GiB)))
     steps = Steps(lifecycle)
     steps.record()
     steps.run(10.0)
@@ -1087,3 +1095,22 @@ def test_a_host_that_keeps_up_or_a_step_not_measured_says_nothing(hosts):
     for host in hosts:
         steps.step(20.0, host_forward_ms=host)
     assert len(steps.lines) == said
+
+
+def test_the_host_watch_leaves_out_a_plan_that_offloads_and_steps_that_flushed():
+    """An offloading plan's device forward waits for its copies (not the recording's forward);
+    a step that flushed waited for the device: neither is a measure of the host."""
+    lifecycle, steps = _watching_plan(TableMaker(least=int(7.2 * GiB)))   # it offloads
+    assert lifecycle.plan.moved_bytes > 0
+    said = len(steps.lines)
+    for _ in range(planner.WATCH_STEPS):
+        steps.step(30.0, host_forward_ms=30.0)
+    assert len(steps.lines) == said
+    lifecycle, steps = _watching_plan()
+    said = len(steps.lines)
+    steps.step(30.0, host_forward_ms=30.0, flushes=1)   # not counted
+    for _ in range(planner.WATCH_STEPS - 1):
+        steps.step(30.0, host_forward_ms=30.0)
+    assert len(steps.lines) == said
+    steps.step(30.0, host_forward_ms=30.0)              # the fourth that did not flush
+    assert len(steps.lines) == said + 1 and steps.lines[-1].startswith("the host takes 30.0 ms")
