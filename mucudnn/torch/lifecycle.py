@@ -182,23 +182,25 @@ class TrialsAndWatch:
         self._host_forwards.clear()
         self._flush_counts = dict(self._counts_now)
 
-    def _watch_flushes(self) -> None:
+    def _watch_flushes(self) -> bool:
         """A planned step of the plan in force ended after its trial: once
         :data:`planner.WATCH_FLUSHING` of its last :data:`planner.WATCH_STEPS` steps flushed the
         caching allocator's cache, the plan for less is asked for (:meth:`_lower`); it stays
-        in force until that plan comes, and stays where none is left or none is found."""
+        in force until that plan comes, and stays where none is left or none is found. Whether
+        this step flushed."""
         counts = self._counts_now
-        self._flushing.append(any(count > self._flush_counts.get(link, count)
-                                  for link, count in counts.items()))
+        flushed_now = any(count > self._flush_counts.get(link, count)
+                          for link, count in counts.items())
+        self._flushing.append(flushed_now)
         self._flush_counts = counts
         if self._awaiting is not None:   # the plan for less is being made: watched for
-            return                       # :meth:`_lower_made`, nothing asked
+            return flushed_now           # :meth:`_lower_made`, nothing asked
         flushed = sum(self._flushing)
-        if flushed < planner.WATCH_FLUSHING:
-            return
-        steps = len(self._flushing)
-        self._flushing.clear()
-        self._lower(self.plan.peak, ("watch", flushed, steps), self.plan)
+        if flushed >= planner.WATCH_FLUSHING:
+            steps = len(self._flushing)
+            self._flushing.clear()
+            self._lower(self.plan.peak, ("watch", flushed, steps), self.plan)
+        return flushed_now
 
     def _watch_host(self, host_forward_ms: float | None) -> None:
         """A planned step of the watched plan ended without a flush, its host having taken
@@ -570,10 +572,7 @@ class Lifecycle(TrialsAndWatch):
             self._advance_trial(outcome)
         elif self.state == WATCHING:
             # a flush waits for the device: its step's host forward is no measure of the host
-            flushed = any(count > self._flush_counts.get(link, count)
-                          for link, count in self._counts_now.items())
-            self._watch_flushes()
-            if not flushed:
+            if not self._watch_flushes():
                 self._watch_host(outcome.host_forward_ms)
 
     def _recording_ended(self, outcome: StepOutcome, failed: bool, out_of_memory: bool) -> None:
