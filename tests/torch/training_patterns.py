@@ -665,20 +665,29 @@ def saved_bytes_of(model: nn.Module, forward_loss) -> int:
 def probed_modes(case: Case, model: nn.Module) -> list:
     """Per group of a probe step (a copy of ``model``, the first batch, every group a recipe
     can rebuild recomputed), its mode there: recomputed, or kept."""
-    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
     x, y = make_data(case)[0][0]
+    return probed_modes_of(model, lambda copied: F.cross_entropy(copied(x).float(), y))
+
+
+def probed_modes_of(model: nn.Module, forward_loss) -> list:
+    """Per group that ``forward_loss`` (called with a copy of ``model``) saves, under a session
+    recomputing every group a recipe can rebuild, its mode there: recomputed, or kept."""
+    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
     with probe:
-        loss = F.cross_entropy(copy.deepcopy(model)(x).float(), y)
+        loss = forward_loss(copy.deepcopy(model))
     loss.backward()
     return [RECOMPUTE if group.mode == RECOMPUTE else KEEP for group in probe._step.groups]
+
+
+#: the forced sessions' modes, by their name
+FORCED = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}
 
 
 def make_session(case: Case, model: nn.Module, cache=None):
     """(model to train, session to enter per step or None); ``cache``: the plan cache's
     directory of a :data:`CACHED` session."""
-    if case.session in ("keep", "offload", "recompute"):
-        force = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}[case.session]
-        return model, OffloadSession(force=force, link=_link(), min_bytes=0)
+    if case.session in FORCED:
+        return model, OffloadSession(force=FORCED[case.session], link=_link(), min_bytes=0)
     if case.session == "stage":
         return model, OffloadSession(budget=2**50, link=_planning_link(), min_bytes=0,
                                      stage="always")

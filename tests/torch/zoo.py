@@ -170,19 +170,17 @@ def loss_of(output, y) -> torch.Tensor:
 
 
 def probed_modes(model: nn.Module, batch) -> list:
-    probe = OffloadSession(force=RECOMPUTE, link=patterns._link(), min_bytes=0)
     x, y = batch
-    torch.manual_seed(2)
-    with probe:
-        loss = loss_of(copy.deepcopy(model)(x), y)
-    loss.backward()
-    return [RECOMPUTE if group.mode == RECOMPUTE else KEEP for group in probe._step.groups]
+
+    def forward_loss(copied):
+        torch.manual_seed(2)   # as :func:`train` draws
+        return loss_of(copied(x), y)
+    return patterns.probed_modes_of(model, forward_loss)
 
 
 def session_for(kind: str, model: nn.Module, batch) -> OffloadSession:
-    if kind in ("keep", "offload", "recompute"):
-        force = {"keep": KEEP, "offload": OFFLOAD, "recompute": RECOMPUTE}[kind]
-        return OffloadSession(force=force, link=patterns._link(), min_bytes=0)
+    if kind in patterns.FORCED:
+        return OffloadSession(force=patterns.FORCED[kind], link=patterns._link(), min_bytes=0)
     if kind == "planned":
         return OffloadSession(modes=probed_modes(model, batch), link=patterns._link(),
                               min_bytes=0)
