@@ -20,7 +20,7 @@ expandable segments, one virtual range mapped in pages of ``PAGE``:
 
 Checked against the two histories of benchmarks/results/plan-accuracy/h200-rerun/callE/: from
 each step's start, it puts every allocation (VGG-16's 123, R3D-18's 175) where the allocator
-did, 
+did, and flushes at the same allocation.
 
     python -m benchmarks.allocator_sim SNAPSHOT.pickle --cap 11GiB [--leave-out BYTES ...]
 """
