@@ -140,6 +140,8 @@ def main(argv=None) -> int:
                          "DIR/step-K.json.gz")
     ap.add_argument("--cprofile-step", type=int, default=0, metavar="K",
                     help="run step K under cProfile and print the host's hottest functions")
+    ap.add_argument("--cprofile-out", default="", metavar="PATH",
+                    help="with --cprofile-step: also write step K's profile (pstats) to PATH")
     ap.add_argument("--memory-history-step", type=int, default=0, metavar="K",
                     help="record the caching allocator's history in step K and print each of "
                          "its flushes: what it unmapped and the allocation that asked for it")
@@ -217,6 +219,8 @@ def main(argv=None) -> int:
             window_start = end
         for line in host.hottest():
             print(f"train_steps: cprofile step {step} {line}", file=sys.stderr, flush=True)
+        if host.profile is not None and args.cprofile_out:
+            host.profile.dump_stats(args.cprofile_out)
         if step == args.memory_history_step and cuda:
             from benchmarks import allocator_history
             snapshot = torch.cuda.memory._snapshot()
@@ -267,6 +271,7 @@ class HostClock:
         self.marks: list[tuple[str, float]] = []
         self.gc_ms = 0.0
         self._gc_start = None
+        self.probe_ms = host_probe_ms()   # before the step's clock starts
 
     def _on_gc(self, phase, info) -> None:
         if phase == "start":
@@ -299,7 +304,8 @@ class HostClock:
 
     def fields(self) -> str:
         return "".join(f" host_{name}_ms={ms:.1f}" for name, ms in self.marks) + \
-            f" gc_ms={self.gc_ms:.1f} process_cpu_ms={self.cpu_ms:.1f} preempted={self.switches}"
+            f" gc_ms={self.gc_ms:.1f} process_cpu_ms={self.cpu_ms:.1f} preempted={self.switches}" \
+            f" probe_ms={self.probe_ms:.2f}"
 
     def hottest(self, top: int = 25) -> list[str]:
         if self.profile is None:
@@ -309,6 +315,21 @@ class HostClock:
         text = io.StringIO()
         pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(top)
         return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+
+
+def _probe_call(value: int) -> int:
+    return value + 1
+
+
+def host_probe_ms(calls: int = 20_000) -> float:
+    """The host's milliseconds for a fixed piece of pure Python (``calls`` function calls), run
+    before each step: the same work every step, so its time is the machine's pace then (another
+    process on the core, the clock's frequency), which a step's host times are read against."""
+    start = time.perf_counter()
+    value = 0
+    for _ in range(calls):
+        value = _probe_call(value)
+    return (time.perf_counter() - start) * 1e3
 
 
 def flushes_in_history(snapshot: dict, most: int = 40) -> list[str]:

@@ -3,12 +3,13 @@ the allocator history's flush summary, and a CPU dry run with every option it ha
 
 from __future__ import annotations
 
+import pstats
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.train_steps import flushes_in_history, throughput
+from benchmarks.train_steps import flushes_in_history, host_probe_ms, throughput
 
 from mucudnn.batchsize import THROUGHPUT
 
@@ -18,6 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_throughput_is_the_median_of_the_last_half():
     # the first half (recording, planning) is left out; 4 images a step
     assert throughput([10.0, 9.0, 0.5, 0.4, 0.6, 0.5], 4) == 4 / 0.5
+
+
+def test_the_host_probe_times_its_calls():
+    # a positive time, and more calls take longer than none (no time at all is 0 or nearly)
+    assert host_probe_ms(0) < host_probe_ms(200_000)
+    assert host_probe_ms(1000) > 0
 
 
 def test_a_flush_is_the_run_of_unmaps_before_an_allocation():
@@ -34,14 +41,19 @@ def test_a_flush_is_the_run_of_unmaps_before_an_allocation():
                      "64.0 MiB with 0.098 GiB allocated")
 
 
-def test_a_cpu_dry_run_prints_its_steps_and_a_throughput_batch_size_reads():
+def test_a_cpu_dry_run_prints_its_steps_and_a_throughput_batch_size_reads(tmp_path):
+    stats = tmp_path / "step-3.prof"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.train_steps", "--device", "cpu", "--model", "tiny",
          "--batch", "2", "--steps", "4", "--throughput", "--detail", "--trace-step", "2",
-         "--cprofile-step", "3"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+         "--cprofile-step", "3", "--cprofile-out", str(stats)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("train_steps: step ") == 4
     assert "cprofile step 3" in done.stderr
+    # the step's profile, readable by pstats: the model's forward among its functions
+    functions = {name for _, _, name in pstats.Stats(str(stats)).stats}
+    assert "forward" in functions
     match = THROUGHPUT.search(done.stdout)
     assert match is not None and float(match.group(1)) > 0
 
