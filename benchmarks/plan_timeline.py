@@ -22,13 +22,14 @@ Reported per run: seconds from launch to the first step's end; to the first plan
 start: the first step the session ran under a plan, by the state train_steps.py reads from it,
 or, where no state is known, the first step after a plan line); to steady state, the start of
 the first step from which the remaining steps' p90/p50 <= ``--steady-ratio`` (at least
-``--steady-min-steps`` of them); the steady steps' median against PyTorch's; each step's time;
+``--steady-min-steps`` of them), itself within that ratio of their median; the steady steps' median against PyTorch's; each step's time;
 the session's lines with their times. A run killed at its timeout keeps what it printed.
 Writes ``OUT/plan_timeline.json`` and ``OUT/plan_timeline.md`` after every run, and each run's
 whole output as ``OUT/plan_timeline-CASE-RUN.log``.
 
     python -m benchmarks.plan_timeline --cases resnet152:128@8GiB resnet50:184@5GiB --out DIR
     python -m benchmarks.plan_timeline --device cpu --cases tiny:2@1MiB --steps 6 --out DIR
+    python -m benchmarks.plan_timeline --again DIR    # DIR's logs read again, nothing run
 """
 
 from __future__ import annotations
@@ -131,9 +132,12 @@ def p90_over_p50(values: list[float]) -> float:
 
 def steady_from(step_ms: list[float], ratio: float, min_steps: int) -> int | None:
     """The first step (1-based) from which the remaining steps' p90/p50 <= ``ratio``, with at
-    least ``min_steps`` of them; None when no such step."""
+    least ``min_steps`` of them, that is itself within ``ratio`` of their median; None when no
+    such step. (The p90 alone leaves out the slowest tenth: of 60 steps, the 6 steps of a
+    recording and its planning would pass for steady.)"""
     for first in range(len(step_ms) - min_steps + 1):
-        if p90_over_p50(step_ms[first:]) <= ratio:
+        tail = step_ms[first:]
+        if step_ms[first] <= ratio * statistics.median(tail) and p90_over_p50(tail) <= ratio:
             return first + 1
     return None
 
@@ -205,7 +209,8 @@ def markdown(document: dict, args) -> str:
            "", f"`python -m benchmarks.plan_timeline {' '.join(args.argv)}`", "",
            "Seconds since the command was launched. First planned step: the first step run under "
            "a plan (its start); steady state: the start of the first step from which the rest "
-           f"have p90/p50 <= {args.steady_ratio} (at least {args.steady_min_steps} steps). "
+           f"have p90/p50 <= {args.steady_ratio} (at least {args.steady_min_steps} steps), "
+           "itself within that ratio of their median. "
            "Each run of a case: `pytorch` is the script alone; `first` is `python -m mucudnn run "
            "--memory-budget B --offload -- python -m benchmarks.train_steps ...` with a fresh "
            "cache; `cached` is the same command again with that cache.", ""]
@@ -327,6 +332,33 @@ def driver(args) -> None:
     print(markdown(document, args))
 
 
+_STAMPED = re.compile(r"^\[\s*(-?[0-9.]+)\] (.*)$")
+
+
+def read_again(out: Path, args) -> None:
+    """Each run of ``out/plan_timeline.json`` read again from its log with this version's
+    definitions (``--again``): its JSON and page rewritten, nothing run. What the run was (its
+    status, wall time, command, the plan cache's files) stays as recorded."""
+    document = json.loads((out / "plan_timeline.json").read_text())
+    for case in document["cases"]:
+        tag = f"{case['model']}-{case['batch']}"
+        for run_name, run in case["runs"].items():
+            log = out / f"plan_timeline-{tag}-{run_name}.log"
+            if run.get("status") == "skipped" or not log.is_file():
+                continue
+            lines = [(float(m.group(1)), m.group(2)) for m in map(
+                _STAMPED.match, log.read_text().splitlines()) if m is not None]
+            parsed = parse_run(lines)
+            for key in ("first_planned_step", "first_planned_start_s", "planned_by",
+                        "steady_step", "steady_start_s", "steady_median_ms",
+                        "steady_p90_over_p50"):
+                run.pop(key, None)
+            run.update(timeline(parsed, args.steady_ratio, args.steady_min_steps),
+                       ready=parsed["ready"], mucudnn_lines=parsed["mucudnn_lines"])
+    write_text_atomically(out / "plan_timeline.json", json.dumps(document, indent=1))
+    write_text_atomically(out / "plan_timeline.md", markdown(document, args))
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -346,8 +378,22 @@ def main(argv=None) -> None:
     parser.add_argument("--reserve-s", type=float, default=30,
                         help="with --time-budget-s: what a run leaves each later one")
     parser.add_argument("--out", default="plan-timeline-out")
+    parser.add_argument("--again", metavar="DIR",
+                        help="read DIR's runs again from their logs (a page written before a "
+                             "definition changed) and rewrite its JSON and page; runs nothing")
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.again:
+        out = Path(args.again)
+        if not (out / "plan_timeline.json").is_file():
+            parser.error(f"--again: {out / 'plan_timeline.json'} does not exist")
+        recorded = json.loads((out / "plan_timeline.json").read_text()).get("argv", [])
+        # the page names the command that ran the runs, with its own options
+        args = parser.parse_args([a for a in recorded if a != "--again"])
+        args.argv = recorded
+        read_again(out, args)
+        print(markdown(json.loads((out / "plan_timeline.json").read_text()), args))
+        return
     try:   # every case before anything runs: one clear line for a bad one
         for text in args.cases:
             parse_case(text)

@@ -102,6 +102,14 @@ def test_steady_state_needs_enough_steps():
     assert steady_from([300, 100, 100, 100, 100, 100], 1.05, 5) == 2
     assert steady_from([300, 100, 100, 100, 100], 1.05, 5) is None   # 4 steady steps only
     assert steady_from([100, 120, 100, 120, 100, 120, 100], 1.05, 3) is None   # two modes
+
+
+def test_steady_state_starts_at_a_step_within_the_band():
+    # a recording's and its planning's steps (under a tenth of the run) stay out of the p90 of
+    # the rest, but they are not steady: steady state starts at the first step in the band
+    steps = [25000, 1100, 990, 480, 250, 320] + [222, 228, 221, 223] * 15
+    assert p90_over_p50(steps) <= 1.05
+    assert steady_from(steps, 1.05, 5) == 7
     assert timeline({"steps": [], "mucudnn_lines": []}, 1.05, 5) == {"steps_ms": [], "states": []}
 
 
@@ -121,3 +129,37 @@ def test_a_bad_case_is_one_line(capsys):
         plan_timeline.main(["--cases", "resnet152:128"])
     assert exit_info.value.code == 2
     assert "expected MODEL:BATCH@BUDGET" in capsys.readouterr().err
+
+
+def test_again_reads_the_runs_from_their_logs_with_this_versions_definitions(tmp_path, capsys):
+    # a page written under another definition of steady state (steady_step 1, which a p90 alone
+    # gave), and the run's log as run_stamped writes it
+    lines = gpu_like_output(states=True)
+    (tmp_path / "plan_timeline-resnet152-128-first.log").write_text(
+        "".join(f"[{at:8.3f}] {text}\n" for at, text in lines))
+    argv = ["--cases", "resnet152:128@8GiB", "--out", "somewhere"]
+    old = {"status": "ok", "wall_s": 20.0, "timeout_s": 240.0, "command": ["python"],
+           "steps_ms": [1.0], "steady_step": 1, "steady_start_s": 0.0, "steady_median_ms": 1.0,
+           "plan_cache_files": ["a.json"]}
+    (tmp_path / "plan_timeline.json").write_text(json.dumps(
+        {"argv": argv, "shim": {"seconds": 1.0},
+         "cases": [{"model": "resnet152", "batch": 128, "budget": 8 << 30,
+                    "runs": {"first": old}}]}))
+    plan_timeline.main(["--again", str(tmp_path)])
+    run = json.loads((tmp_path / "plan_timeline.json").read_text())["cases"][0]["runs"]["first"]
+    expected = timeline(parse_run(lines), 1.05, 5)
+    assert run["steps_ms"] == expected["steps_ms"]
+    assert run["steady_step"] == expected["steady_step"] == 7   # 152 ms, then 151-154
+    assert run["first_planned_step"] == expected["first_planned_step"]
+    # what the run was stays as recorded
+    assert (run["status"], run["wall_s"], run["plan_cache_files"]) == ("ok", 20.0, ["a.json"])
+    page = (tmp_path / "plan_timeline.md").read_text()
+    assert "--cases resnet152:128@8GiB --out somewhere" in page
+    assert page in capsys.readouterr().out
+
+
+def test_again_without_a_page_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        plan_timeline.main(["--again", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "plan_timeline.json does not exist" in capsys.readouterr().err
