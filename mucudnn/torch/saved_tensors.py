@@ -139,7 +139,8 @@ class SavedTensorHooks:
         if step.ooms is None:
             step.ooms = link.ooms()
         recorder = self.recorder
-        recipe = recorder.recipe(tensor, step) if recorder.may_recompute(step, gid) else None
+        recipe = recorder.recipes.recipe(tensor, step) if recorder.may_recompute(step, gid) \
+            else None
         base = tensor._base
         group = _Group(gid, KEEP, tensor.nbytes, tensor.device,
                        weakref.ref(tensor), tensor._version, "", dense(tensor),
@@ -159,7 +160,7 @@ class SavedTensorHooks:
         step.by_key[key] = group
         step.by_ref[id(group.ref)] = group
         if recorder.finds_recipes(step):
-            recorder.alias(step, group, tensor)
+            recorder.recipes.alias(step, group, tensor)
         if step.profiling:
             if gid == 0:
                 # no device kept behind in a first recording step: online tuning synchronizes
