@@ -409,16 +409,19 @@ def plan_prediction(session) -> str:
 
 
 def session_detail(session) -> str:
-    """`` armed=A records=R`` of the step ``session`` just ran (a session closes a step at the next
-    one's first module, so it is still the session's step here): A 1 where the out-of-memory
-    rescue was armed in it (its cost per op: mucudnn/torch/rescue.py, rule 5), R ``all`` where it
-    recorded every leaf module's calls, else how many modules it recorded; "" where the session
-    has neither."""
+    """`` armed=A records=R aside=S`` of the step ``session`` just ran (a session closes a step at
+    the next one's first module, so it is still the session's step here): A 1 where the
+    out-of-memory rescue was armed in it (its cost per op: mucudnn/torch/rescue.py, rule 5), R
+    ``all`` where it recorded every leaf module's calls, else how many modules it recorded, S 1
+    where the session stood aside (mucudnn/torch/aside.py); "" where the session has none."""
     rescuer, step = getattr(session, "rescuer", None), getattr(session, "_step", None)
     if rescuer is None or step is None:
         return ""
     only = getattr(step, "records_only", None)
-    return f" armed={int(bool(rescuer.armed))} records={'all' if only is None else len(only)}"
+    aside = getattr(session, "aside", None)
+    standing = "" if aside is None else f" aside={int(bool(aside.standing))}"
+    return (f" armed={int(bool(rescuer.armed))} records={'all' if only is None else len(only)}"
+            f"{standing}")
 
 
 def planning_lines(session) -> list[str]:

@@ -137,6 +137,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MUCUDNN_OFFLOAD_LEND", "1: in planned steps, workspace is lent to the shim where "
             "the offload plan leaves room, for faster convolution points (mucudnn.torch.lend); "
             "0: none", "0", (PYTHON,), BOOL),
+    Setting("MUCUDNN_OFFLOAD_STAND_ASIDE", "1: once an offload plan that keeps every saved "
+            "tensor has run settled, the session removes its hooks until the model's input "
+            "changes or the caching allocator flushes (mucudnn.torch.aside); 0: never", "1",
+            (PYTHON,), BOOL),
     Setting("MUCUDNN_PLAN_CACHE", "directory of the offload plans kept between runs of a "
             "script (mucudnn.torch.plancache), or off", "$XDG_CACHE_HOME/mucudnn/offload-plans",
             (PYTHON,), PLAN_CACHE),

@@ -26,13 +26,15 @@ import sys
 try:
     from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_FREEZE_GC,
                                    ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_LEND, ENV_OFFLOAD_PROFILE,
-                                   ENV_OFFLOAD_RESCUE, ENV_REPORT, MAX_OFFLOAD_HEADROOM)
+                                   ENV_OFFLOAD_RESCUE, ENV_OFFLOAD_STAND_ASIDE, ENV_REPORT,
+                                   MAX_OFFLOAD_HEADROOM)
 except ImportError:
     from mucudnn._torch_site.mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD,
                                                        ENV_OFFLOAD_FREEZE_GC,
                                                        ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_LEND,
                                                        ENV_OFFLOAD_PROFILE,
-                                                       ENV_OFFLOAD_RESCUE, ENV_REPORT,
+                                                       ENV_OFFLOAD_RESCUE,
+                                                       ENV_OFFLOAD_STAND_ASIDE, ENV_REPORT,
                                                        MAX_OFFLOAD_HEADROOM)
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
 
@@ -440,6 +442,15 @@ def offload_lend(value: str | None) -> bool:
     return _switch(ENV_OFFLOAD_LEND, value, "no workspace is lent (the default)", on=False)
 
 
+def offload_stand_aside(value: str | None) -> bool:
+    """``MUCUDNN_OFFLOAD_STAND_ASIDE``: whether the process-wide session removes its hooks while a
+    plan that keeps every saved tensor runs settled (default yes:
+    ``OffloadSession(stand_aside=True)``, mucudnn/torch/aside.py). Another value: one warning
+    line, and the default."""
+    return _switch(ENV_OFFLOAD_STAND_ASIDE, value,
+                   "the session stands aside under a plan that keeps everything (the default)")
+
+
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     """Enters one :class:`mucudnn.torch.offload_session.OffloadSession` for the whole process (never
     left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
@@ -456,6 +467,8 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
                                      os.environ.get(ENV_OFFLOAD_FREEZE_GC)),
                                  rescue=offload_rescue(os.environ.get(ENV_OFFLOAD_RESCUE)),
                                  lend=offload_lend(os.environ.get(ENV_OFFLOAD_LEND)),
+                                 stand_aside=offload_stand_aside(
+                                     os.environ.get(ENV_OFFLOAD_STAND_ASIDE)),
                                  **({} if headroom is None else {"headroom": headroom}))
         session.__enter__()
     except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`

@@ -39,6 +39,8 @@ class FittedSession(OffloadSession):
     """An :class:`OffloadSession` of a fitted model: copies and pickles as a fresh session made
     with the same budget and options (see the module docstring)."""
 
+    enters_per_forward = True
+
     def __init__(self, budget: int, **options):
         super().__init__(budget, **options)
         self.fit_budget, self.fit_options = budget, dict(options)

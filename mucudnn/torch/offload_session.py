@@ -1,7 +1,7 @@
 """The offload session of mucudnn.torch (docs/torch.md): saved-tensor hooks that keep, offload or
 recompute each tensor autograd saves, as a plan says, after a first step that records a profile.
 Its parts: the host links (link.py), the records of a step (records.py), the recorder of a step's
-calls, recipes and profile (recorder.py), and the plan's lifecycle (lifecycle.py, the controller;
+calls and profile (recorder.py) and its recipes (recipes.py), and the plan's lifecycle (lifecycle.py, the controller;
 plan_runner.py, which makes its plans; session_plans.py, its PyTorch side), and the
 saved-tensor hooks (saved_tensors.py: packs and unpacks); this module enters and leaves, runs the
 module hooks and the steps' ends, and holds each group's device tensor for as long as the rules
@@ -60,6 +60,7 @@ from collections import defaultdict
 import torch
 
 from . import planner
+from .aside import StandAside, input_signature
 from .compiled import refuse_if_compiling
 from .lend import WorkspaceLender
 from .link import CudaLink, SameMemoryLink
@@ -131,7 +132,14 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     benchmarks/results/plan-accuracy): the trial also runs its simulated fastest plan with the
     small kept groups copied apart from the step's large tensors
     (:meth:`.host_copies.StepCopies.keeps_apart`), and keeps it that way where it wins.
+    ``stand_aside`` (on by default): once a plan that keeps every saved tensor has run settled,
+    the session removes its hooks, the steps are PyTorch's own, and it comes back where the
+    caching allocator flushes or the model's input changes (aside.py, :attr:`aside`).
     """
+
+    #: a session entered anew at each forward (a fitted model's: fitted.py), whose ``with``'s
+    #: exit is no end of its steps (aside.py, rule 5)
+    enters_per_forward = False
 
     def __init__(self, budget: int | None = None, *, modes=None, force: str | None = None,
                  link: SameMemoryLink | None = None, lookahead: int = 2, recompute: bool = True,
@@ -143,7 +151,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                  max_pending: int = 1 << 30, trials: bool = True, keep_apart: bool = False,
                  stage: bool | str = True, plan_in_background: bool | None = None,
                  plan_cache: PlanCache | None = None, freeze_gc: bool = False,
-                 rescue: bool | str = True, warn=None, lend: bool = False):
+                 rescue: bool | str = True, warn=None, lend: bool = False,
+                 stand_aside: bool = True):
         self.force, self.lookahead = force, lookahead
         if stage not in (True, False, "always"):
             raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
@@ -197,7 +206,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         #: torch function modes below the op recorder (where it was entered, or where it left)
         self._function_modes_below = 0
         self._with_thread = None        # the thread that entered the outermost ``with``
-        #: records the steps' calls (modules and ops) and finds their recipes (recorder.py)
+        #: records the steps' calls (modules and ops) and finds their recipes (recorder.py,
+        #: recipes.py)
         self.recorder = StepRecorder(self)
         #: stage.py: whether plans may stage the leading chain; the stage in force (its profile
         #: is :attr:`profile`, the recorded one :attr:`recorded_profile`); the staged forward
@@ -227,6 +237,10 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self.rescuer.arm()   # the first step: fixed modes are in force from it
         #: workspace lent to the shim where the plan in force leaves room (lend.py; ``lend``)
         self.lender = WorkspaceLender(on=lend)
+        #: the hooks removed while a plan that keeps everything runs settled (aside.py)
+        self.aside = StandAside(self, on=stand_aside)
+        #: the root call's first tensor argument (aside.py, rule 3), read at the step's start
+        self._root_signature = None
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -237,6 +251,15 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self._depth += 1
         if self._depth > 1:
             return self
+        self._with_thread = threading.get_ident()
+        if not self.aside.standing:   # standing aside: its watch stays (aside.py, rule 5)
+            self._install_hooks()
+        return self
+
+    def _install_hooks(self) -> None:
+        """The saved-tensor hooks, the global module hooks, and the op recorder and rescue mode
+        where due: at the outermost ``with``, and where the session comes back from standing
+        aside inside it (aside.py)."""
         self._containers = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -246,11 +269,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         # the torch function modes below the session's: where the stack has this many again
         # at a step's start, the op recorder may go on top (:meth:`_start_ops_if_due`)
         self._function_modes_below = torch._C._len_torch_function_stack()
-        self._with_thread = threading.get_ident()
         if self._recipes_used():  # the ops a recipe may include (the residual add)
             self.recorder.start_ops()
         self.rescuer.sync()
-        return self
 
     def on_with_thread(self) -> bool:
         """The calling thread entered the session's outermost ``with``: the stacks of modes the
@@ -288,8 +309,10 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._hooks.__exit__(*exc_info)
-        self._hooks = None
+        if self._hooks is not None:   # None: standing aside (aside.py)
+            self._hooks.__exit__(*exc_info)
+            self._hooks = None
+        self.aside.leave(ended=not self.enters_per_forward)
         if exc_info[0] is None:
             return
         self.lender.withdraw()
@@ -340,6 +363,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         if self._rerunning or not torch.is_grad_enabled() or _current_node() is not None:
             return   # a rerun, no_grad, or inside a backward (_in_backward, without its call)
         if _has_children(module):
+            if not self._containers:   # the outermost: its call's input (aside.py, rule 3)
+                self._root_signature = input_signature(args)
             self._containers.append(module)   # the parent of the leaves it runs
             return
         self._poll_links()   # between packs too: a module that saves nothing of ours
@@ -348,6 +373,11 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         step = self._step
         if not step.live or step.unpacks or self._empty_cache_due:
             self._at_step_start()
+            if self.aside.due():   # this step's hooks go here (aside.py, rule 2)
+                root = self._containers[0] if self._containers else module
+                self.aside.stand(root, self._root_signature if self._containers
+                                 else input_signature(args))
+                return
         parent = self._containers[-1] if self._containers else None
         if self._cache_due and args and isinstance(args[0], torch.Tensor) and (
                 args[0].is_cuda or self._plan_cache is not None
@@ -433,6 +463,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         rescued = self._step.rescued
         self.recorder.learn_recipe_modules(self._step, modes, failed)
         self._close_step(failed, out_of_memory)
+        self.aside.step_ended(failed)
         if self.modes is not None and (self.modes != modes or self.plan is not plan):
             if failed:
                 self._empty_cache_due = True

@@ -150,6 +150,30 @@ def test_a_plan_under_a_budget_on_the_gpu_gives_the_same_gradients(dtype):
     assert session.plan.peak <= targets[0] and session.plan.count(KEEP) < len(session.plan.modes)
 
 
+def test_a_plan_that_keeps_everything_stands_aside_on_the_gpu_bitwise():
+    # a budget with room for everything: once settled, the session's hooks go (aside.py) and the
+    # steps are PyTorch's; every step, hooked or not, bitwise plain PyTorch's
+    from mucudnn.torch.aside import QUIET_STEPS
+    steps = planner.RECORD_STEPS + QUIET_STEPS + 4
+    model, data = resnet(torch.float32), batches(torch.float32, steps)
+    reference = train(copy.deepcopy(model), data)
+    session = OffloadSession(budget=2**40, min_bytes=0, plan_in_background=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results, standing = [], []
+    with session:   # entered once, as `mucudnn run --offload` enters it
+        for x, y in data:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            results.append([p.grad.clone() for p in model.parameters()] +
+                           [b.clone() for b in model.buffers()])
+            optimizer.step()
+            standing.append(session.aside.standing)
+    torch.cuda.synchronize()
+    assert_bitwise(reference, results)
+    assert set(session.modes) == {KEEP} and any(standing) and standing[-1]
+    assert not model._forward_pre_hooks   # the session's exit removed its watch
+
+
 # The CUDA link uses no record_stream: it holds an offloaded tensor until its copy is done, and
 # orders the compute stream after a fetch's copy before the fetched memory can be freed. Each
 # test delays the side stream (a spin kernel) so that, were the order missing, the compute

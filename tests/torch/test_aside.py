@@ -1,0 +1,234 @@
+"""A session standing aside on CPU torch (aside.py): a budget whose plan keeps every saved tensor
+runs settled, then the session's hooks go and the steps are PyTorch's own, bitwise as before; it
+comes back where the model's input changes or the caching allocator flushes, and leaves no hook
+behind."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not hasattr(torch, "autograd") or not hasattr(torch.autograd, "graph"):
+    pytest.skip("needs a real PyTorch", allow_module_level=True)
+
+from torch import nn  # noqa: E402
+
+from mucudnn.torch import aside as aside_module  # noqa: E402
+from mucudnn.torch.aside import QUIET_STEPS  # noqa: E402
+from mucudnn.torch.lifecycle import WATCHING  # noqa: E402
+from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
+from mucudnn.torch.planner import KEEP, RECORD_STEPS  # noqa: E402
+from session_helpers import (  # noqa: E402
+    assert_bitwise, batches, GiB, RecordingLink, small_cnn, train)
+
+if aside_module._TOP_HOOKS is None:
+    pytest.skip("this PyTorch cannot read the saved-tensor hooks' stack", allow_module_level=True)
+
+#: steps before the session stands aside: the recording, then the quiet ones under the plan, made
+#: at the recording's end on the CPU (a plan that keeps everything has no trial)
+BEFORE = RECORD_STEPS + QUIET_STEPS
+
+
+class FlushingLink(RecordingLink):
+    """A link whose caching allocator's flush count a test sets."""
+
+    def __init__(self):
+        super().__init__()
+        self.flush_count = 0
+
+    def flushes(self):
+        return self.flush_count
+
+
+def session_hooks_installed(session) -> bool:
+    """The session's global module hooks are registered, or its saved-tensor hooks pushed."""
+    hooks = torch.nn.modules.module
+    registered = any(getattr(hook, "__self__", None) is session
+                     for hook in list(hooks._global_forward_pre_hooks.values())
+                     + list(hooks._global_forward_hooks.values()))
+    top = aside_module._TOP_HOOKS(False)
+    return registered or (top is not None and top[0] == session._pack)
+
+
+def kept_session(**options):
+    return OffloadSession(budget=4 * GiB, link=options.pop("link", None) or RecordingLink(),
+                          min_bytes=0, headroom=0.0, **options)
+
+
+def train_in_one_with(model, data, session):
+    """As ``session_helpers.train``, the session entered once around every step (as
+    ``mucudnn run --offload`` enters it for the process), and whether it stood aside after
+    each step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    results, standing = [], []
+    with session:
+        for x, y in data:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            results.append([p.grad.clone() for p in model.parameters()] +
+                           [b.clone() for b in model.buffers()])
+            optimizer.step()
+            standing.append(session.aside.standing)
+    return results, standing
+
+
+def test_a_plan_that_keeps_everything_stands_aside_once_settled_bitwise():
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 4)
+    reference = train(copy.deepcopy(model), data)
+    session = kept_session()
+    results, standing = train_in_one_with(model, data, session)
+    assert_bitwise(reference, results)
+    assert session.lifecycle.state == WATCHING and set(session.modes) == {KEEP}
+    # it stands aside at the first step after the quiet ones, and stays
+    assert standing.index(True) == BEFORE
+    assert all(standing[BEFORE:])
+    assert (session.aside.stood_aside, session.aside.came_back) == (1, 0)
+    assert session.aside.root is model
+    # the session's exit leaves nothing of it behind
+    assert not session_hooks_installed(session) and not model._forward_pre_hooks
+    assert not session.aside.standing
+
+
+def test_standing_aside_removes_its_hooks_and_autograd_checks_versions_itself():
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 2)
+    session = kept_session()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with session:
+        for x, y in data[:BEFORE + 1]:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        assert session.aside.standing and not session_hooks_installed(session)
+        assert len(model._forward_pre_hooks) == 1   # the watch
+        # a saved tensor changed in place before the backward: PyTorch's own error
+        x, y = data[-1]
+        out = model[0](x)
+        saved = torch.sigmoid(out)   # sigmoid saves its output
+        saved.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.sum().backward()
+    assert not model._forward_pre_hooks
+
+
+def test_it_comes_back_where_the_input_changes_and_stands_aside_again():
+    model = small_cnn(torch.float32)
+    data = batches(torch.float32, BEFORE + 2)
+    generator = torch.Generator().manual_seed(3)
+    larger = [(torch.randn(6, 3, 16, 16, generator=generator),
+               torch.randint(0, 10, (6,), generator=generator)) for _ in range(3)]
+    data = data + larger + data[:2]
+    reference = train(copy.deepcopy(model), data)
+    session = kept_session()
+    results, standing = train_in_one_with(model, data, session)
+    assert_bitwise(reference, results)
+    # aside for the last two steps of the first batch size; the larger batch brings it back
+    assert standing[BEFORE:BEFORE + 2] == [True, True]
+    assert not any(standing[BEFORE + 2:])
+    assert session.aside.came_back == 1
+    assert session_hooks_installed(session) is False   # left: the ``with`` is over
+
+
+def test_it_comes_back_where_the_caching_allocator_flushes():
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 4)
+    link = FlushingLink()
+    session = kept_session(link=link)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)   # as train's
+    reference = train(copy.deepcopy(model), data)
+    results = []
+    with session:
+        for step, (x, y) in enumerate(data):
+            if step == BEFORE + 2:
+                assert session.aside.standing
+                link.flush_count += 1   # the allocator flushed since the last step
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if step == BEFORE + 2:   # back from this step's root call: hooked again
+                assert not session.aside.standing and session_hooks_installed(session)
+            loss.backward()
+            results.append([p.grad.clone() for p in model.parameters()] +
+                           [b.clone() for b in model.buffers()])
+            optimizer.step()
+    assert session.aside.came_back == 1
+    # the steps after it are the session's again: the last one saved its groups
+    assert len(session._step.groups) > 0
+    assert_bitwise(reference, results)
+
+
+def test_a_plan_that_recomputes_never_stands_aside():
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 3)
+    session = OffloadSession(modes=None, budget=4 * GiB, link=RecordingLink(), min_bytes=0,
+                             headroom=0.0, force=None)
+    # a fixed plan (no budget) that recomputes what it can: the lifecycle plans nothing
+    fixed = OffloadSession(force="recompute", link=RecordingLink(), min_bytes=0)
+    _, standing = train_in_one_with(copy.deepcopy(model), data, fixed)
+    assert not any(standing)
+    _, standing = train_in_one_with(model, data, session)
+    assert any(standing)   # the same steps under a plan that keeps everything do
+
+
+def test_off_it_never_stands_aside():
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 3)
+    session = kept_session(stand_aside=False)
+    _, standing = train_in_one_with(model, data, session)
+    assert not any(standing) and session.aside.stood_aside == 0
+
+
+def test_a_with_per_forward_stands_aside_at_most_until_its_exit():
+    # session_helpers.train enters the session at each forward: an OffloadSession's exit ends
+    # its standing aside (a fitted model's does not: test_fit.py)
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 3)
+    reference = train(copy.deepcopy(model), data)
+    session = kept_session()
+    assert_bitwise(reference, train(model, data, session))
+    assert session.aside.stood_aside >= 1 and not session.aside.standing
+    assert not model._forward_pre_hooks and not session_hooks_installed(session)
+
+
+def test_a_copy_of_the_model_made_while_aside_trains_as_pytorch_and_drops_the_watch():
+    import pickle
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 3)
+    session = kept_session()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with session:
+        for x, y in data[:BEFORE + 1]:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        assert session.aside.standing and len(model._forward_pre_hooks) == 1
+        ema = copy.deepcopy(model)   # an EMA copy, made while the session stands aside
+        restored = pickle.loads(pickle.dumps(model))
+        assert len(ema._forward_pre_hooks) == len(restored._forward_pre_hooks) == 1
+        plain = copy.deepcopy(ema)
+        x, y = data[-1]
+        nn.functional.cross_entropy(ema(x), y).backward()
+        restored(x)
+        # the copies' watches removed themselves; the model's own stays, standing aside
+        assert not ema._forward_pre_hooks and not restored._forward_pre_hooks
+        assert session.aside.standing and len(model._forward_pre_hooks) == 1
+        plain._forward_pre_hooks.clear()
+        nn.functional.cross_entropy(plain(x), y).backward()
+        assert all(torch.equal(a.grad, b.grad)
+                   for a, b in zip(ema.parameters(), plain.parameters()))
+    assert not model._forward_pre_hooks
+
+
+def test_a_fitted_model_stands_aside_across_its_forwards():
+    from mucudnn.torch import fit
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 4)
+    reference = train(copy.deepcopy(model), data)
+    fitted = fit(model, budget="4GiB", link=RecordingLink(), min_bytes=0, headroom=0.0)
+    session = fitted.mucudnn_session
+    standing = []
+    optimizer = torch.optim.SGD(fitted.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    for x, y in data:   # the fitted forward enters its session at each call
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(fitted(x), y).backward()
+        results.append([p.grad.clone() for p in fitted.parameters()] +
+                       [b.clone() for b in fitted.buffers()])
+        optimizer.step()
+        standing.append(session.aside.standing)
+    assert_bitwise(reference, results)
+    assert standing.index(True) == BEFORE and all(standing[BEFORE:])
+    assert session.aside.stood_aside == 1 and not session_hooks_installed(session)
