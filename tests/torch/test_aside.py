@@ -73,6 +73,16 @@ def train_in_one_with(model, data, session):
     return results, standing
 
 
+def steps_until_aside(model, data, session):
+    """SGD steps of ``data`` under ``session``, entered: those before it stands aside, and the
+    first one aside."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data[:BEFORE + 1]:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
 def test_a_plan_that_keeps_everything_stands_aside_once_settled_bitwise():
     model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 4)
     reference = train(copy.deepcopy(model), data)
@@ -93,12 +103,8 @@ def test_a_plan_that_keeps_everything_stands_aside_once_settled_bitwise():
 def test_standing_aside_removes_its_hooks_and_autograd_checks_versions_itself():
     model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 2)
     session = kept_session()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with session:
-        for x, y in data[:BEFORE + 1]:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
+        steps_until_aside(model, data, session)
         assert session.aside.standing and not session_hooks_installed(session)
         assert len(model._forward_pre_hooks) == 1   # the watch
         # a saved tensor changed in place before the backward: PyTorch's own error
@@ -189,12 +195,8 @@ def test_a_copy_of_the_model_made_while_aside_trains_as_pytorch_and_drops_the_wa
     import pickle
     model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 3)
     session = kept_session()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with session:
-        for x, y in data[:BEFORE + 1]:
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
+        steps_until_aside(model, data, session)
         assert session.aside.standing and len(model._forward_pre_hooks) == 1
         ema = copy.deepcopy(model)   # an EMA copy, made while the session stands aside
         restored = pickle.loads(pickle.dumps(model))
