@@ -1,5 +1,5 @@
 """Helpers shared by mucudnn.torch's CPU tests of the session (test_offload_session.py,
-test_session_plans.py, test_recorder.py, test_recorder_recipes.py, test_records.py, test_link.py
+test_session_plans.py, test_recorder.py, test_recipes.py, test_records.py, test_link.py
 and the training-loop
 tests): recording links, small models and the training loop they run, compared bitwise with a
 plain run. Imported by plain name (pytest's prepend import mode)."""

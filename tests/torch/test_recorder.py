@@ -1,6 +1,6 @@
 """mucudnn.torch's recorder on CPU torch (recorder.py): leaf modules and ops recorded into a
 step, the recipes found from them (recomputed tensors bitwise equal to a plain run), and the
-step's profile (times, baselines, the link's speeds). Its recipes: test_recorder_recipes.py."""
+step's profile (times, baselines, the link's speeds). Its recipes: test_recipes.py."""
 
 import contextlib
 import copy

@@ -1,6 +1,7 @@
-"""mucudnn.torch's recipes on CPU torch (recorder.py finds them, records.py reruns them):
-saved tensors rebuilt from saved groups through modules, adds and concatenations, bitwise equal
-to a plain run, and never from a source changed since it was saved."""
+"""mucudnn.torch's recipes on CPU torch (recipes.py finds them from what recorder.py records,
+records.py reruns them): saved tensors rebuilt from saved groups through modules, adds and
+concatenations, bitwise equal to a plain run, and never from a source changed since it was
+saved."""
 
 import contextlib
 import copy
