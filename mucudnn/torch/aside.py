@@ -19,19 +19,26 @@ Rules:
    the session then stays); what the step saved before that point stays the session's and
    unpacks as ever. The steps are then PyTorch's: every tensor kept, as the plan kept it, and
    autograd checks each saved tensor's version itself.
-3. It watches from one forward pre-hook on the root: the outermost module running when the last
-   step's first leaf module ran (the model), or that leaf where none ran it (a copy of the root
-   made meanwhile, an EMA model's, gets a watch that removes itself at its first call). At each of the
-   root's calls with grad mode on, on the ``with``'s thread, the session comes back where its
-   device's caching allocator flushed its cache since the last call (the plan's memory no longer
-   fits: :meth:`watch` reads the flush count once a call) or the root's first tensor argument has
-   another shape, dtype or device than when it stood aside (another batch: another plan). Under
+3. It watches from one global forward pre-hook (a Python call at each module call; none of the
+   model's own hooks, so copies, pickles and scripts of the model carry nothing of the
+   session's). At each module call with grad mode on, on the ``with``'s thread, the session
+   comes back where the call is the root's (the outermost module running when the step's first
+   leaf module ran: the model; or that leaf where none ran it) and the caching allocator flushed
+   its cache since the root's last call (the plan's memory no longer fits: the flush count is
+   read once a root call) or the root's first tensor argument has another shape, dtype or
+   device than at the root's first call aside (another batch; a root called with keyword
+   tensors alone is watched for flushes alone); or where a module with parameters that is none
+   of the root's runs (the script trains another model, which the session would plan). Under
    ``torch.compile`` the hook refuses (compiled.py), as the session's hooks do.
-4. Coming back (:meth:`StandAside.come_back`): the watch is removed and, inside the session's
-   ``with``, its hooks installed again at that root call; outside it (a fitted model's forward
-   enters the session inside the root's call), its next ``with`` installs them. The lifecycle
-   then watches the steps as before (the flushes it sees again lower the plan); the steps that
-   ran aside are none of its steps.
+4. Coming back (:meth:`StandAside.come_back`) installs the session's hooks again, at that module
+   call, only where the stacks are as the session left them: its ``with`` entered (a fitted
+   model's forward enters it inside the root's call: its next ``with`` installs them), no
+   backward running, the saved-tensor hooks' innermost the one that was under the session's,
+   the torch function modes as many as below them; else it waits for a later call. Hooks that
+   cannot be pushed (inside ``torch.func``'s transforms) leave it aside, to try again. The
+   lifecycle then watches the steps as before (the flushes it sees again lower the plan); the
+   steps that ran aside are none of its steps. A session that came back :data:`MOST_RETURNS`
+   times stands aside no more (a loop that alternates models or input sizes within a step).
 5. The ``with``'s exit, and the session's end, leave no hook of the session's behind: while
    standing aside the watch stays across a fitted model's ``with`` (each forward enters it
    anew), and the outermost exit of a session entered once for the process removes it.
@@ -44,46 +51,28 @@ import torch
 from .compiled import refuse_if_compiling
 from .lifecycle import PLANNED, WATCHING
 from .planner import KEEP
+from .recorder import _current_node
 
 #: the settled steps, each ending ok without a flush under the same keep-everything modes, after
 #: which the session stands aside (:data:`~.planner.WATCH_STEPS` steps after a trial, and as
 #: many again: a plan whose caching allocator is still settling flushes within them)
 QUIET_STEPS = 8
 
+#: the times a session comes back before it stands aside no more (rule 4)
+MOST_RETURNS = 3
+
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def input_signature(args) -> tuple | None:
-    """The root call's first tensor argument's shape, dtype and device (None: no tensor)."""
+    """The first tensor among a call's positional arguments (or in a list or tuple among them): its
+    shape, dtype and device; None where there is none."""
     for value in args:
+        if isinstance(value, (list, tuple)):
+            value = next((item for item in value if isinstance(item, torch.Tensor)), None)
         if isinstance(value, torch.Tensor):
             return tuple(value.shape), value.dtype, value.device
     return None
-
-
-class _Watch:
-    """The root's forward pre-hook while the session stands aside (rule 3): its
-    :meth:`StandAside.watch`. A copy of the module (``copy.deepcopy``, an EMA copy; a pickle)
-    copies its hooks: the copy's watch has no session, and removes itself at its first call."""
-
-    __slots__ = ("aside",)
-
-    def __init__(self, aside):
-        self.aside = aside
-
-    def __call__(self, module, args):
-        if self.aside is None:
-            hooks = module._forward_pre_hooks
-            for key in [key for key, hook in hooks.items() if hook is self]:
-                del hooks[key]
-            return None
-        return self.aside.watch(module, args)
-
-    def __deepcopy__(self, memo):
-        return _Watch(None)
-
-    def __reduce__(self):
-        return _Watch, (None,)
 
 
 class StandAside:
@@ -101,9 +90,11 @@ class StandAside:
         self._quiet = 0           # rule 1's steps so far
         self._modes = None        # the settled modes the next step runs (None: not such)
         self._flushes: dict = {}  # the links' flush counts at the last step's end
-        self._watch = None        # the root's hook handle
-        self._signature = None
+        self._watch = None        # the global pre-hook's handle
+        self._signature = None    # the root's first call's input (rule 3)
+        self._members: frozenset = frozenset()   # the ids of the root's modules
         self._watch_flushes = None
+        self._hooks_below = None  # the saved-tensor hooks under the session's (rule 4)
 
     # --- rule 1 ---------------------------------------------------------------------------------
     def step_ended(self, failed: bool) -> None:
@@ -130,6 +121,7 @@ class StandAside:
         """Rule 1: the session may stand aside at this step's start."""
         session = self.session
         return (self.on and not self.standing and self._quiet >= QUIET_STEPS
+                and self.came_back < MOST_RETURNS
                 and session.stage is None and session._staged is None and session.force is None
                 and session.trace is None and session.lender.plan is None
                 and session._cached is None and not session._offload_rest
@@ -148,9 +140,9 @@ class StandAside:
 
     # --- rule 2 ---------------------------------------------------------------------------------
     def stand(self, root, signature) -> None:
-        """Stands aside now, watching from ``root``'s calls (``signature``: the
+        """Stands aside now, watching ``root``'s calls (``signature``: the
         :func:`input_signature` of its call running now, the step's first, which the watch
-        compares later ones with)."""
+        compares later ones with; None: its first watched call's)."""
         session = self.session
         for handle in session._handles:
             handle.remove()
@@ -158,12 +150,14 @@ class StandAside:
         session._hooks.__exit__(None, None, None)
         session._hooks = None
         session._containers = []
+        self._hooks_below = _TOP_HOOKS(False)
         self.standing, self.root = True, root
         self.stood_aside += 1
         self._quiet = 0
         self._signature = signature
+        self._members = frozenset(id(module) for module in root.modules())
         self._watch_flushes = self._flush_counts()
-        self._watch = root.register_forward_pre_hook(_Watch(self))
+        self._watch = torch.nn.modules.module.register_module_forward_pre_hook(self.watch)
         session._event("aside", session.steps)
 
     def _flush_counts(self) -> tuple:
@@ -171,26 +165,48 @@ class StandAside:
 
     # --- rules 3 and 4 ----------------------------------------------------------------------------
     def watch(self, module, args):
-        """The root's forward pre-hook while the session stands aside (rule 3)."""
+        """The global forward pre-hook while the session stands aside (rule 3): at every module
+        call, so the root's test comes first and costs a comparison."""
+        if module is not self.root:
+            if module._parameters and id(module) not in self._members and \
+                    torch.is_grad_enabled() and self.session.on_with_thread():
+                self.come_back()   # another model's
+            return None
+        # the root's call, traced by dynamo before its modules': a compiled model is refused
         refuse_if_compiling("a mucudnn.torch session's watch")
         if not torch.is_grad_enabled() or not self.session.on_with_thread():
             return None
-        flushes = self._flush_counts()
-        if flushes != self._watch_flushes or input_signature(args) != self._signature:
+        signature = input_signature(args)
+        if self._signature is None:   # the first call aside (a keyword-only root: every one)
+            self._signature = signature
+        if self._flush_counts() != self._watch_flushes or signature != self._signature:
             self.come_back()
         return None
 
     def come_back(self) -> None:
-        """Rule 4: the watch removed and, inside the ``with``, the session's hooks installed."""
-        if not self.standing:
+        """Rule 4: the session's hooks installed again where the stacks are as it left them, the
+        watch removed; else nothing (a later call tries again)."""
+        session = self.session
+        if not self.standing or not self._stacks_as_left():
             return
+        if session._depth > 0:
+            try:
+                session._install_hooks()
+            except RuntimeError:   # hooks disabled here (torch.func): aside, for now
+                return
         self.standing = False
         self.came_back += 1
         self._remove_watch()
-        session = self.session
         session._event("back", session.steps)
-        if session._depth > 0:
-            session._install_hooks()
+
+    def _stacks_as_left(self) -> bool:
+        """Outside the ``with``, or inside it with no backward running and the saved-tensor
+        hooks and torch function modes as the session left them when it stood aside."""
+        session = self.session
+        if session._depth == 0:
+            return True
+        return _current_node() is None and _TOP_HOOKS(False) == self._hooks_below and \
+            torch._C._len_torch_function_stack() == session._function_modes_below
 
     def _remove_watch(self) -> None:
         if self._watch is not None:

@@ -87,6 +87,7 @@ class FittedForward:
 
     def __call__(self, *args, **kwargs):
         refuse_if_compiling("a model fitted by mucudnn.torch.fit")
+        self.session.outer_module = self.module   # the model: aside.py's root (rule 3)
         with self.session:
             if self.inner is not None:
                 return self.inner(*args, **kwargs)

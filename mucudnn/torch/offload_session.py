@@ -239,8 +239,10 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self.lender = WorkspaceLender(on=lend)
         #: the hooks removed while a plan that keeps everything runs settled (aside.py)
         self.aside = StandAside(self, on=stand_aside)
-        #: the root call's first tensor argument (aside.py, rule 3), read at the step's start
+        #: the root call's first tensor argument (aside.py, rule 3), read at the step's start;
+        #: the module whose forward enters the session (a fitted model's), where one does
         self._root_signature = None
+        self.outer_module = None
 
     # --- entering and leaving -------------------------------------------------------------
     def __enter__(self):
@@ -260,9 +262,10 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         """The saved-tensor hooks, the global module hooks, and the op recorder and rescue mode
         where due: at the outermost ``with``, and where the session comes back from standing
         aside inside it (aside.py)."""
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()   # raises where saved-tensor hooks are off (torch.func): none pushed
+        self._hooks = hooks
         self._containers = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
         hooks = torch.nn.modules.module
         self._handles = [hooks.register_module_forward_pre_hook(self._before_module),
                          hooks.register_module_forward_hook(self._after_module, always_call=True)]
@@ -374,9 +377,13 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         if not step.live or step.unpacks or self._empty_cache_due:
             self._at_step_start()
             if self.aside.due():   # this step's hooks go here (aside.py, rule 2)
-                root = self._containers[0] if self._containers else module
-                self.aside.stand(root, self._root_signature if self._containers
-                                 else input_signature(args))
+                if self.outer_module is not None:   # its call is no module call of the with's
+                    root, signature = self.outer_module, None
+                elif self._containers:
+                    root, signature = self._containers[0], self._root_signature
+                else:
+                    root, signature = module, input_signature(args)
+                self.aside.stand(root, signature)
                 return
         parent = self._containers[-1] if self._containers else None
         if self._cache_due and args and isinstance(args[0], torch.Tensor) and (

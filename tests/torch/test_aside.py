@@ -40,6 +40,12 @@ class FlushingLink(RecordingLink):
         return self.flush_count
 
 
+def watching(session) -> bool:
+    """The session's watch (a global forward pre-hook) is registered."""
+    hooks = torch.nn.modules.module._global_forward_pre_hooks.values()
+    return any(getattr(hook, "__self__", None) is session.aside for hook in list(hooks))
+
+
 def session_hooks_installed(session) -> bool:
     """The session's global module hooks are registered, or its saved-tensor hooks pushed."""
     hooks = torch.nn.modules.module
@@ -95,9 +101,9 @@ def test_a_plan_that_keeps_everything_stands_aside_once_settled_bitwise():
     assert all(standing[BEFORE:])
     assert (session.aside.stood_aside, session.aside.came_back) == (1, 0)
     assert session.aside.root is model
-    # the session's exit leaves nothing of it behind
-    assert not session_hooks_installed(session) and not model._forward_pre_hooks
-    assert not session.aside.standing
+    # the session's exit leaves nothing of it behind; the model never had a hook of its own
+    assert not session_hooks_installed(session) and not watching(session)
+    assert not model._forward_pre_hooks and not session.aside.standing
 
 
 def test_standing_aside_removes_its_hooks_and_autograd_checks_versions_itself():
@@ -106,7 +112,7 @@ def test_standing_aside_removes_its_hooks_and_autograd_checks_versions_itself():
     with session:
         steps_until_aside(model, data, session)
         assert session.aside.standing and not session_hooks_installed(session)
-        assert len(model._forward_pre_hooks) == 1   # the watch
+        assert watching(session) and not model._forward_pre_hooks
         # a saved tensor changed in place before the backward: PyTorch's own error
         x, y = data[-1]
         out = model[0](x)
@@ -114,7 +120,7 @@ def test_standing_aside_removes_its_hooks_and_autograd_checks_versions_itself():
         saved.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             saved.sum().backward()
-    assert not model._forward_pre_hooks
+    assert not watching(session)
 
 
 def test_it_comes_back_where_the_input_changes_and_stands_aside_again():
@@ -188,31 +194,28 @@ def test_a_with_per_forward_stands_aside_at_most_until_its_exit():
     session = kept_session()
     assert_bitwise(reference, train(model, data, session))
     assert session.aside.stood_aside >= 1 and not session.aside.standing
-    assert not model._forward_pre_hooks and not session_hooks_installed(session)
+    assert not watching(session) and not session_hooks_installed(session)
 
 
-def test_a_copy_of_the_model_made_while_aside_trains_as_pytorch_and_drops_the_watch():
+def test_a_copy_of_the_model_carries_nothing_and_training_another_model_brings_it_back():
     import pickle
     model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 3)
     session = kept_session()
     with session:
         steps_until_aside(model, data, session)
-        assert session.aside.standing and len(model._forward_pre_hooks) == 1
+        assert session.aside.standing
         ema = copy.deepcopy(model)   # an EMA copy, made while the session stands aside
         restored = pickle.loads(pickle.dumps(model))
-        assert len(ema._forward_pre_hooks) == len(restored._forward_pre_hooks) == 1
-        plain = copy.deepcopy(ema)
-        x, y = data[-1]
-        nn.functional.cross_entropy(ema(x), y).backward()
-        restored(x)
-        # the copies' watches removed themselves; the model's own stays, standing aside
         assert not ema._forward_pre_hooks and not restored._forward_pre_hooks
-        assert session.aside.standing and len(model._forward_pre_hooks) == 1
-        plain._forward_pre_hooks.clear()
-        nn.functional.cross_entropy(plain(x), y).backward()
-        assert all(torch.equal(a.grad, b.grad)
-                   for a, b in zip(ema.parameters(), plain.parameters()))
-    assert not model._forward_pre_hooks
+        x, y = data[-1]
+        with torch.no_grad():        # the EMA model evaluated: no step of the session's
+            ema(x)
+        assert session.aside.standing
+        # another model trained: the session comes back, to plan it
+        nn.functional.cross_entropy(restored(x), y).backward()
+        assert not session.aside.standing and session.aside.came_back == 1
+        assert session_hooks_installed(session)
+    assert not watching(session)
 
 
 def test_a_fitted_model_stands_aside_across_its_forwards():
@@ -234,3 +237,98 @@ def test_a_fitted_model_stands_aside_across_its_forwards():
     assert_bitwise(reference, results)
     assert standing.index(True) == BEFORE and all(standing[BEFORE:])
     assert session.aside.stood_aside == 1 and not session_hooks_installed(session)
+    assert watching(session)   # across the fitted forwards, until the session comes back
+
+
+def test_it_comes_back_only_where_the_stacks_are_as_it_left_them():
+    # a larger batch under the script's own saved-tensor hooks (save_on_cpu) and inside a torch
+    # function mode: the session waits till both are left, so neither stack is disturbed
+    model = small_cnn(torch.float32)
+    data = batches(torch.float32, BEFORE + 1)
+    generator = torch.Generator().manual_seed(3)
+    x6, y6 = torch.randn(6, 3, 16, 16, generator=generator), torch.randint(0, 10, (6,))
+    session = kept_session()
+    with session:
+        steps_until_aside(model, data, session)
+        below = aside_module._TOP_HOOKS(False)
+        with torch.autograd.graph.save_on_cpu():
+            nn.functional.cross_entropy(model(x6), y6).backward()
+            assert session.aside.standing   # not under save_on_cpu's hooks
+        assert aside_module._TOP_HOOKS(False) == below
+        with torch.device("cpu"):   # a torch function mode
+            nn.functional.cross_entropy(model(x6), y6).backward()
+            assert session.aside.standing
+        nn.functional.cross_entropy(model(x6), y6).backward()
+        assert not session.aside.standing and session_hooks_installed(session)
+        assert session._function_modes_below == 0
+    assert aside_module._TOP_HOOKS(False) is None and not watching(session)
+
+
+def test_hooks_that_cannot_be_pushed_leave_it_aside():
+    # torch.func's transforms turn saved-tensor hooks off: coming back inside one waits
+    from torch.func import functional_call, grad
+    model = small_cnn(torch.float32)
+    data = batches(torch.float32, BEFORE + 1)
+    session = kept_session()
+    with session:
+        steps_until_aside(model, data, session)
+        x, y = data[0]
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
+
+        def loss(p, x, y):
+            return nn.functional.cross_entropy(
+                functional_call(model, (p, buffers), (x,)), y)
+        model.eval()   # (a train-mode batch norm would change a buffer inside the transform)
+        grad(loss)(params, x[:2], y[:2])   # another batch size, inside the transform
+        model.train()
+        assert session.aside.standing
+        nn.functional.cross_entropy(model(x[:2]), y[:2]).backward()
+        assert not session.aside.standing
+    assert aside_module._TOP_HOOKS(False) is None and not watching(session)
+
+
+def test_a_session_that_keeps_coming_back_stands_aside_no_more():
+    # the root called at two sizes in each step (two crops): each time it stood aside the second
+    # call brought it back; after MOST_RETURNS it stays
+    from mucudnn.torch.aside import MOST_RETURNS
+    model = small_cnn(torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    steps = BEFORE + (QUIET_STEPS + 1) * (MOST_RETURNS + 1)
+    crops = [(torch.randn(4, 3, 16, 16, generator=generator),
+              torch.randn(2, 3, 16, 16, generator=generator),
+              torch.randint(0, 10, (4,), generator=generator)) for _ in range(steps)]
+    reference = None
+    for attempt in ("plain", "session"):
+        torch.manual_seed(0)
+        net = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        session = kept_session() if attempt == "session" else None
+        results = []
+        with session if session is not None else torch.enable_grad():
+            for big, small, y in crops:
+                optimizer.zero_grad()
+                (nn.functional.cross_entropy(net(big), y) +
+                 nn.functional.cross_entropy(net(small), y[:2])).backward()
+                results.append([p.grad.clone() for p in net.parameters()])
+                optimizer.step()
+        if reference is None:
+            reference = results
+    assert_bitwise(reference, results)
+    assert session.aside.came_back == MOST_RETURNS == session.aside.stood_aside
+
+
+def test_a_model_compiled_while_it_stands_aside_is_refused():
+    from mucudnn.torch.compiled import CompiledModelError
+    torch._dynamo.reset()
+    model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 1)
+    session = kept_session()
+    with session:
+        steps_until_aside(model, data, session)
+        assert session.aside.standing
+        compiled = torch.compile(model, backend="eager")
+        x, y = data[0]
+        with pytest.raises(CompiledModelError, match="offloads eager PyTorch only"):
+            nn.functional.cross_entropy(compiled(x), y).backward()
+    torch._dynamo.reset()
+    assert not watching(session)
