@@ -2,8 +2,8 @@
 saved tensor, a step under it is PyTorch's own step plus the session's hooks, a Python call at
 every module and every save that changes nothing (ResNet-152 N=128 on an H200: 1.18-1.23x
 PyTorch's step with them, 1.00x standing aside: benchmarks/results/plan-accuracy). Once such a
-plan has run settled, the session removes its hooks and watches from one hook on the model's
-outermost module, and comes back where the steps change.
+plan has run settled, the session removes its hooks, watches the module calls from one global
+hook, and comes back where the steps change.
 
 Rules:
 
@@ -13,8 +13,8 @@ Rules:
    allocator's cache in none of them; and where the session stages nothing, lends nothing,
    forces nothing, traces nothing, arms no rescue for the next step, and neither its op recorder
    nor its rescue mode is on a stack. Only a session with a budget (a lifecycle that plans).
-2. Standing aside (:meth:`StandAside.stand`, on the ``with``'s thread, at that step's first module
-   or save): the session's global module hooks are removed and its saved-tensor hooks popped
+2. Standing aside (:meth:`StandAside.stand`, on the ``with``'s thread, at that step's first leaf
+   module call): the session's global module hooks are removed and its saved-tensor hooks popped
    (only where they are the innermost: a script's own, pushed since, would be popped instead, so
    the session then stays); what the step saved before that point stays the session's and
    unpacks as ever. The steps are then PyTorch's: every tensor kept, as the plan kept it, and
@@ -26,7 +26,7 @@ Rules:
    leaf module ran: the model; or that leaf where none ran it) and the caching allocator flushed
    its cache since the root's last call (the plan's memory no longer fits: the flush count is
    read once a root call) or the root's first tensor argument has another shape, dtype or
-   device than at the root's first call aside (another batch; a root called with keyword
+   device than in the step it stood aside at (another batch; a root called with keyword
    tensors alone is watched for flushes alone); or where a module with parameters that is none
    of the root's runs (the script trains another model, which the session would plan). Under
    ``torch.compile`` the hook refuses (compiled.py), as the session's hooks do.
