@@ -159,6 +159,11 @@ class StandAside:
         self._watch_flushes = self._flush_counts()
         self._watch = torch.nn.modules.module.register_module_forward_pre_hook(self.watch)
         session._event("aside", session.steps)
+        if self.stood_aside == 1:
+            session.say("the offload plan keeps every saved tensor and ran settled: the session "
+                        "removed its hooks, and the steps run as PyTorch's own until the "
+                        "model's input changes or the caching allocator flushes (it comes back "
+                        "then)")
 
     def _flush_counts(self) -> tuple:
         return tuple(link.flushes() for link in self.session._links_in_use())
@@ -170,7 +175,7 @@ class StandAside:
         if module is not self.root:
             if module._parameters and id(module) not in self._members and \
                     torch.is_grad_enabled() and self.session.on_with_thread():
-                self.come_back()   # another model's
+                self.come_back("another model trains")
             return None
         # the root's call, traced by dynamo before its modules': a compiled model is refused
         refuse_if_compiling("a mucudnn.torch session's watch")
@@ -179,13 +184,15 @@ class StandAside:
         signature = input_signature(args)
         if self._signature is None:   # the first call aside (a keyword-only root: every one)
             self._signature = signature
-        if self._flush_counts() != self._watch_flushes or signature != self._signature:
-            self.come_back()
+        if self._flush_counts() != self._watch_flushes:
+            self.come_back("the caching allocator flushed its cache")
+        elif signature != self._signature:
+            self.come_back("the model's input changed")
         return None
 
-    def come_back(self) -> None:
+    def come_back(self, why: str) -> None:
         """Rule 4: the session's hooks installed again where the stacks are as it left them, the
-        watch removed; else nothing (a later call tries again)."""
+        watch removed, and ``why`` said in one line; else nothing (a later call tries again)."""
         session = self.session
         if not self.standing or not self._stacks_as_left():
             return
@@ -198,6 +205,9 @@ class StandAside:
         self.came_back += 1
         self._remove_watch()
         session._event("back", session.steps)
+        more = "" if self.came_back < MOST_RETURNS else \
+            f"; back {MOST_RETURNS} times, it stands aside no more"
+        session.say(f"{why}: the session's hooks are back{more}")
 
     def _stacks_as_left(self) -> bool:
         """Outside the ``with``, or inside it with no backward running and the saved-tensor

@@ -92,10 +92,16 @@ def steps_until_aside(model, data, session):
 def test_a_plan_that_keeps_everything_stands_aside_once_settled_bitwise():
     model, data = small_cnn(torch.float32), batches(torch.float32, BEFORE + 4)
     reference = train(copy.deepcopy(model), data)
-    session = kept_session()
+    said = []
+    session = kept_session(say=said.append)
     results, standing = train_in_one_with(model, data, session)
     assert_bitwise(reference, results)
     assert session.lifecycle.state == WATCHING and set(session.modes) == {KEEP}
+    # one line says so, once
+    assert [line for line in said if "removed its hooks" in line] == [
+        "the offload plan keeps every saved tensor and ran settled: the session removed its "
+        "hooks, and the steps run as PyTorch's own until the model's input changes or the "
+        "caching allocator flushes (it comes back then)"]
     # it stands aside at the first step after the quiet ones, and stays
     assert standing.index(True) == BEFORE
     assert all(standing[BEFORE:])
@@ -131,13 +137,15 @@ def test_it_comes_back_where_the_input_changes_and_stands_aside_again():
                torch.randint(0, 10, (6,), generator=generator)) for _ in range(3)]
     data = data + larger + data[:2]
     reference = train(copy.deepcopy(model), data)
-    session = kept_session()
+    said = []
+    session = kept_session(say=said.append)
     results, standing = train_in_one_with(model, data, session)
     assert_bitwise(reference, results)
     # aside for the last two steps of the first batch size; the larger batch brings it back
     assert standing[BEFORE:BEFORE + 2] == [True, True]
     assert not any(standing[BEFORE + 2:])
     assert session.aside.came_back == 1
+    assert "the model's input changed: the session's hooks are back" in said
     assert session_hooks_installed(session) is False   # left: the ``with`` is over
 
 
