@@ -38,7 +38,9 @@ Rules:
    cannot be pushed (inside ``torch.func``'s transforms) leave it aside, to try again. The
    lifecycle then watches the steps as before (the flushes it sees again lower the plan); the
    steps that ran aside are none of its steps. A session that came back :data:`MOST_RETURNS`
-   times stands aside no more (a loop that alternates models or input sizes within a step).
+   times in a row within :data:`QUIET_STEPS` root calls of standing aside stands aside no more
+   (a loop that alternates models or input sizes within a step); a return after a longer stretch
+   aside (an epoch's last, smaller batch) starts that count again.
 5. The ``with``'s exit, and the session's end, leave no hook of the session's behind: while
    standing aside the watch stays across a fitted model's ``with`` (each forward enters it
    anew), and the outermost exit of a session entered once for the process removes it.
@@ -58,7 +60,8 @@ from .recorder import _current_node
 #: many again: a plan whose caching allocator is still settling flushes within them)
 QUIET_STEPS = 8
 
-#: the times a session comes back before it stands aside no more (rule 4)
+#: the quick returns (each within :data:`QUIET_STEPS` root calls of standing aside) in a row
+#: after which a session stands aside no more (rule 4)
 MOST_RETURNS = 3
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -87,6 +90,8 @@ class StandAside:
         self.root = None          # the module the watch hooks (rule 3)
         self.stood_aside = 0      # times the session stood aside, and came back
         self.came_back = 0
+        self._quick_returns = 0   # rule 4's, in a row
+        self._root_calls = 0      # the root's calls (grad mode on) since it stood aside
         self._quiet = 0           # rule 1's steps so far
         self._modes = None        # the settled modes the next step runs (None: not such)
         self._flushes: dict = {}  # the links' flush counts at the last step's end
@@ -121,7 +126,7 @@ class StandAside:
         """Rule 1: the session may stand aside at this step's start."""
         session = self.session
         return (self.on and not self.standing and self._quiet >= QUIET_STEPS
-                and self.came_back < MOST_RETURNS
+                and self._quick_returns < MOST_RETURNS
                 and session.stage is None and session._staged is None and session.force is None
                 and session.trace is None and session.lender.plan is None
                 and session._cached is None and not session._offload_rest
@@ -153,7 +158,7 @@ class StandAside:
         self._hooks_below = _TOP_HOOKS(False)
         self.standing, self.root = True, root
         self.stood_aside += 1
-        self._quiet = 0
+        self._quiet = self._root_calls = 0
         self._signature = signature
         self._members = frozenset(id(module) for module in root.modules())
         self._watch_flushes = self._flush_counts()
@@ -181,6 +186,7 @@ class StandAside:
         refuse_if_compiling("a mucudnn.torch session's watch")
         if not torch.is_grad_enabled() or not self.session.on_with_thread():
             return None
+        self._root_calls += 1
         signature = input_signature(args)
         if self._signature is None:   # the first call aside (a keyword-only root: every one)
             self._signature = signature
@@ -203,10 +209,12 @@ class StandAside:
                 return
         self.standing = False
         self.came_back += 1
+        self._quick_returns = self._quick_returns + 1 if self._root_calls <= QUIET_STEPS else 0
         self._remove_watch()
         session._event("back", session.steps)
-        more = "" if self.came_back < MOST_RETURNS else \
-            f"; back {MOST_RETURNS} times, it stands aside no more"
+        more = "" if self._quick_returns < MOST_RETURNS else \
+            f"; back {MOST_RETURNS} times in a row soon after it stood aside, it stands aside " \
+            "no more"
         session.say(f"{why}: the session's hooks are back{more}")
 
     def _stacks_as_left(self) -> bool:

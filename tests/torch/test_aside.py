@@ -340,3 +340,22 @@ def test_a_model_compiled_while_it_stands_aside_is_refused():
             nn.functional.cross_entropy(compiled(x), y).backward()
     torch._dynamo.reset()
     assert not watching(session)
+
+
+def test_a_return_after_a_long_stretch_aside_starts_the_count_again(monkeypatch):
+    # an epoch's last batch is smaller: the session comes back once an epoch, after a long
+    # stretch aside, and stands aside again each time (MOST_RETURNS counts quick returns only)
+    from mucudnn.torch.aside import MOST_RETURNS
+    monkeypatch.setattr(aside_module, "QUIET_STEPS", 2)
+    model = small_cnn(torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    epoch = [(torch.randn(4, 3, 16, 16, generator=generator),
+              torch.randint(0, 10, (4,), generator=generator)) for _ in range(7)]
+    last = (torch.randn(2, 3, 16, 16, generator=generator), torch.randint(0, 10, (2,)))
+    data = (epoch + [last]) * (MOST_RETURNS + 2)
+    reference = train(copy.deepcopy(model), data)
+    session = kept_session()
+    results, _ = train_in_one_with(model, data, session)
+    assert_bitwise(reference, results)
+    assert session.aside.came_back > MOST_RETURNS
+    assert session.aside.stood_aside > MOST_RETURNS
