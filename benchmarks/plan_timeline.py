@@ -22,8 +22,8 @@ Reported per run: seconds from launch to the first step's end; to the first plan
 start: the first step the session ran under a plan, by the state train_steps.py reads from it,
 or, where no state is known, the first step after a plan line); to steady state, the start of
 the first step from which the remaining steps' p90/p50 <= ``--steady-ratio`` (at least
-``--steady-min-steps`` of them), itself within that ratio of their median; the steady steps' median against PyTorch's; each step's time;
-the session's lines with their times. A run killed at its timeout keeps what it printed.
+``--steady-min-steps`` of them), itself within that ratio of their median; the steady steps'
+median against PyTorch's; each step's time; the session's lines with their times. A run killed at its timeout keeps what it printed.
 Writes ``OUT/plan_timeline.json`` and ``OUT/plan_timeline.md`` after every run, and each run's
 whole output as ``OUT/plan_timeline-CASE-RUN.log``.
 

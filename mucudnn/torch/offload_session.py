@@ -1,11 +1,11 @@
 """The offload session of mucudnn.torch (docs/torch.md): saved-tensor hooks that keep, offload or
 recompute each tensor autograd saves, as a plan says, after a first step that records a profile.
 Its parts: the host links (link.py), the records of a step (records.py), the recorder of a step's
-calls and profile (recorder.py) and its recipes (recipes.py), and the plan's lifecycle (lifecycle.py, the controller;
-plan_runner.py, which makes its plans; session_plans.py, its PyTorch side), and the
-saved-tensor hooks (saved_tensors.py: packs and unpacks); this module enters and leaves, runs the
-module hooks and the steps' ends, and holds each group's device tensor for as long as the rules
-below say.
+calls and profile (recorder.py) and its recipes (recipes.py), and the plan's lifecycle
+(lifecycle.py, the controller; plan_runner.py, which makes its plans; session_plans.py, its
+PyTorch side), and the saved-tensor hooks (saved_tensors.py: packs and unpacks); this module
+enters and leaves, runs the module hooks and the steps' ends, and holds each group's device
+tensor for as long as the rules below say.
 
 Invariants:
 - A tensor is restored bit for bit: an offloaded one is copied to a host tensor of the same dtype,

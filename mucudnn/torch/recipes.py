@@ -13,7 +13,8 @@ import weakref
 
 import torch
 
-from .records import MAX_POOLS, _Alias, _Call, _Group, _Read, _Recipe, _Step, _ViewOf, _same_elements
+from .records import (MAX_POOLS, _Alias, _Call, _Group, _Read, _Recipe, _Step, _ViewOf,
+                      _same_elements)
 
 #: the most calls (modules and ops) one recipe reruns from its sources
 MAX_CHAIN = 4
@@ -26,10 +27,6 @@ class RecipeFinder:
 
     def __init__(self, session):
         self.session = session
-
-    @staticmethod
-    def _read(tensor: torch.Tensor) -> _Read:
-        return _Read(weakref.ref(tensor), tensor._version)
 
     def recipe(self, tensor: torch.Tensor, step: _Step) -> _Recipe | None:
         """The recomputable calls (at most ``MAX_CHAIN``) that rebuild ``tensor`` as it is now
@@ -59,7 +56,7 @@ class RecipeFinder:
             recipe.inputs.append((slot,))
             recipe.indices = True
             return recipe
-        now = self._read(tensor)
+        now = _Read.of(tensor)
         if self._rebuild(step, recipe, tensor, now, len(calls), own=True) is not None:
             return recipe
         # An instance norm saves its input C reshaped, a view made inside it: no call output that

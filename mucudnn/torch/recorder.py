@@ -130,9 +130,6 @@ class StepRecorder:
         return not (self.session._rerunning or not torch.is_grad_enabled()
                     or _current_node() is not None or _has_children(module))
 
-    def _read(self, tensor: torch.Tensor) -> _Read:
-        return _Read(weakref.ref(tensor), tensor._version)
-
     # --- the op recorder, entered while the session's steps may use recipes ---------------
     def start_ops(self) -> None:
         self.ops = _OpRecorder(self)
@@ -334,7 +331,7 @@ class StepRecorder:
         if type(first) is not torch.Tensor or type(second) is not torch.Tensor or \
                 first is second or first.device != second.device:
             return func(*args, **kwargs)
-        call = _Call(None, func.__name__, (self._read(first), self._read(second)), None, None,
+        call = _Call(None, func.__name__, (_Read.of(first), _Read.of(second)), None, None,
                      in_place=ADDS[func], op=func, keywords=dict(kwargs), recomputable=True,
                      autocast=_autocast_now())
         return self._run_op(call, func, args, kwargs)
@@ -353,7 +350,7 @@ class StepRecorder:
         if any(type(t) is not torch.Tensor or t.device != tensors[0].device for t in tensors) or \
                 len({id(t) for t in tensors}) != len(tensors):
             return func(*args, **kwargs)
-        call = _Call(None, func.__name__, tuple(self._read(t) for t in tensors), None, None,
+        call = _Call(None, func.__name__, tuple(_Read.of(t) for t in tensors), None, None,
                      op=_joined, keywords={"dim": dim}, recomputable=True,
                      autocast=_autocast_now())
         return self._run_op(call, func, args, kwargs)

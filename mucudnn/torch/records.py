@@ -56,6 +56,11 @@ class _Read:
     ref: weakref.ref
     version: int
 
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Read:
+        """``tensor`` as a call reads it now."""
+        return cls(weakref.ref(tensor), tensor._version)
+
 
 @dataclass(eq=False, slots=True)
 class _Call:
