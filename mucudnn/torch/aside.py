@@ -105,12 +105,14 @@ class StandAside:
     def step_ended(self, failed: bool) -> None:
         """The session's step ended (``failed``: it raised, or ran out of memory) and the
         lifecycle decided the next one: the step counts towards rule 1 where it ran under the
-        settled modes the step before decided, keeping everything, and the next runs them too."""
+        settled modes the step before decided, keeping everything, and the next runs them too
+        (its flushes: the counts the lifecycle was told)."""
         session = self.session
         lifecycle = session.lifecycle
-        counts = {link: link.flushes() for link in session._links_in_use()}
-        flushed = any(count > self._flushes.get(link, count) for link, count in counts.items())
-        self._flushes = counts
+        flush_counts = lifecycle.flush_counts
+        flushed = any(count > self._flushes.get(link, count)
+                      for link, count in flush_counts.items())
+        self._flushes = flush_counts
         ran = self._modes
         modes = session.modes
         settled = (lifecycle.budget is not None and lifecycle.state in (WATCHING, PLANNED)
@@ -161,7 +163,7 @@ class StandAside:
         self._quiet = self._root_calls = 0
         self._signature = signature
         self._members = frozenset(id(module) for module in root.modules())
-        self._watch_flushes = self._flush_counts()
+        self._watch_flushes = session._flush_counts_now()
         self._watch = torch.nn.modules.module.register_module_forward_pre_hook(self.watch)
         session._event("aside", session.steps)
         if self.stood_aside == 1:
@@ -169,9 +171,6 @@ class StandAside:
                         "removed its hooks, and the steps run as PyTorch's own until the "
                         "model's input changes or the caching allocator flushes (it comes back "
                         "then)")
-
-    def _flush_counts(self) -> tuple:
-        return tuple(link.flushes() for link in self.session._links_in_use())
 
     # --- rules 3 and 4 ----------------------------------------------------------------------------
     def watch(self, module, args):
@@ -190,7 +189,7 @@ class StandAside:
         signature = input_signature(args)
         if self._signature is None:   # the first call aside (a keyword-only root: every one)
             self._signature = signature
-        if self._flush_counts() != self._watch_flushes:
+        if self.session._flush_counts_now() != self._watch_flushes:
             self.come_back("the caching allocator flushed its cache")
         elif signature != self._signature:
             self.come_back("the model's input changed")

@@ -492,6 +492,11 @@ class Lifecycle(TrialsAndWatch):
         return self.state == RECORDING
 
     @property
+    def flush_counts(self) -> dict:
+        """Each link's flush count at the end of the last step the lifecycle learnt from."""
+        return self._counts_now
+
+    @property
     def replanning_under_plan(self) -> bool:
         """The plan for less is being made after a rescued step, and the plan that ran out runs
         meanwhile (its steps may need rescuing again)."""
