@@ -332,12 +332,14 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     def link_for(self, tensor: torch.Tensor) -> SameMemoryLink | None:
         if self._link is not None:
             return self._link
-        if tensor.device.type != "cuda":
+        # ``is_cuda`` and ``get_device()`` read the tensor's device without making a
+        # torch.device object (at every group's pack and unpack)
+        if not tensor.is_cuda:
             return None
-        key = tensor.device.index
-        if key not in self._links:
-            self._links[key] = CudaLink(tensor.device, self.max_pending)
-        return self._links[key]
+        link = self._links.get(tensor.get_device())
+        if link is None:
+            link = self._links[tensor.device.index] = CudaLink(tensor.device, self.max_pending)
+        return link
 
     def _links_in_use(self) -> list[SameMemoryLink]:
         return [self._link] if self._link is not None else list(self._links.values())

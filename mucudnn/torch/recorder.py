@@ -279,12 +279,15 @@ class StepRecorder:
         if self.ops is None or module._forward_pre_hooks or module._forward_hooks:
             return
         # the session's global module hooks are the last registered: each runs after the other
-        # global ones (a module's own hooks run after all of them)
-        before, after = self.session._handles
-        if next(reversed(_GLOBAL_HOOKS._global_forward_pre_hooks), None) != before.id or \
-                next(reversed(_GLOBAL_HOOKS._global_forward_hooks), None) != after.id:
-            return
-        if self._ops_on_top():
+        # global ones (a module's own hooks run after all of them); where each is the only one,
+        # it is the session's
+        pre, post = _GLOBAL_HOOKS._global_forward_pre_hooks, _GLOBAL_HOOKS._global_forward_hooks
+        if len(pre) != 1 or len(post) != 1:
+            before, after = self.session._handles
+            if next(reversed(pre), None) != before.id or next(reversed(post), None) != after.id:
+                return
+        depth = torch._C._len_torch_function_stack()   # :meth:`_ops_on_top`, without its call
+        if depth and torch._C._get_function_stack_at(depth - 1) is self.ops:
             torch._C._pop_torch_function_stack()
             self.ops_set_aside.append(module)
 
