@@ -33,7 +33,8 @@ beat the best batch that fits alone?) replaces the sweep of part 2 and the ratio
 a. ``pytorch``: PyTorch alone under the same budget, the worker under ``mucudnn run --no-online
    --memory-budget B`` without ``--offload`` (the caching allocator capped, nothing offloaded or
    recomputed: what a user without mucudnn.torch runs), on the sweep's grid (M, 2M, 4M, ... until
-   one does not hold, then up in steps of --sweep-step), --pytorch-warmup warm-up steps; its best
+   one does not hold, then up in steps of --sweep-step; where M itself does not hold, M/2, M/4,
+   ... until one does, then up from it), --pytorch-warmup warm-up steps; its best
    is the fastest point that held. It runs before the tuner: it does not depend on the pick, and
    the tuner's time limit is then what is left less the comparison's runs, so a slow tuner cannot
    leave the comparison without its baseline;
@@ -148,8 +149,10 @@ def parse_tuner_output(stdout: str, stderr: str) -> dict:
 def next_grid_batch(held: dict[int, bool], multiple: int, step: int, largest: int) -> int | None:
     """The sweep's next batch size, given what ran so far (batch: held?): ``multiple`` doubling
     while batches hold (up to ``largest``), then from the largest that held upwards in ``step``s
-    until one does not hold (or the doubling's first failure, or ``largest``); None when done or
-    when even ``multiple`` did not hold."""
+    until one does not hold (or the doubling's first failure, or ``largest``). Where even
+    ``multiple`` did not hold (PyTorch alone under a budget the tuner's start is too large for),
+    ``multiple`` halved until one holds, and from that one upwards in ``step``s below the least
+    that failed. None when done, or when even a batch of 1 did not hold."""
     top, ceiling, batch = None, largest + 1, multiple
     while batch <= largest:
         if batch not in held:
@@ -158,6 +161,15 @@ def next_grid_batch(held: dict[int, bool], multiple: int, step: int, largest: in
             ceiling = batch
             break
         top, batch = batch, batch * 2
+    if top is None and held.get(multiple) is False:
+        batch = multiple // 2
+        while batch >= 1:
+            if batch not in held:
+                return batch
+            if held[batch]:
+                top = batch
+                break
+            ceiling, batch = batch, batch // 2
     if top is None:
         return None
     batch = top + step

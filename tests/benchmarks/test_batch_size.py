@@ -101,7 +101,14 @@ def test_the_sweep_doubles_then_steps_up_from_the_largest_that_held_until_one_do
 def test_the_sweep_stops_at_largest_and_when_even_the_first_does_not_hold():
     assert sweep_batches(10_000, largest=256) == [16, 32, 64, 128, 256]
     assert sweep_batches(10_000, largest=300) == [16, 32, 64, 128, 256, 288]
-    assert sweep_batches(8) == [16]
+    assert sweep_batches(0) == [16, 8, 4, 2, 1]
+
+
+def test_where_even_the_first_does_not_hold_the_sweep_halves_then_steps_up_below_the_failure():
+    # PyTorch alone under 8 GiB against a tuner starting at 96: 96 and 48 ran out of memory
+    assert sweep_batches(40, multiple=96, step=8, largest=192) == [96, 48, 24, 32, 40]
+    assert sweep_batches(8) == [16, 8]
+    assert sweep_batches(12, step=2) == [16, 8, 10, 12, 14]
 
 
 def test_the_step_up_never_reaches_the_doubling_failure():
