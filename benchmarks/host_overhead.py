@@ -11,7 +11,10 @@ leaf modules) in three configurations of one process, each on its own copy of th
   (``modes=``) that keeps some saved tensors and recomputes the others: every group that a probe
   step (``force="recompute"``) could recompute and that a cheap module made (batch norm, ReLU,
   pooling, through the residual add), the convolutions' outputs kept, like the GPU's plans;
-- ``kept``: a session whose plan keeps every saved tensor (its hooks' cost alone).
+- ``kept``: a session whose plan keeps every saved tensor (its hooks' cost alone);
+- ``hooks`` and ``hooks-mode`` (only where ``--configs`` names them): the hook mechanism the
+  session is built on, doing nothing (:class:`_Mechanism`): the floor under any session made of
+  the same hooks.
 
 The session is entered once around a round's steps, forward, backward and optimizer, as
 ``mucudnn run --offload`` enters it for the whole process. Rounds alternate the configurations'
@@ -35,7 +38,9 @@ import json
 import statistics
 import time
 
-CONFIGS = ("pytorch", "mixed", "kept")
+CONFIGS = ("pytorch", "mixed", "kept", "hooks", "hooks-mode")
+#: what runs without ``--configs``
+DEFAULT_CONFIGS = ("pytorch", "mixed", "kept")
 
 
 def resnet_of(block, layers, widths, stem):
@@ -125,6 +130,43 @@ class _Config:
                 self.session.__exit__(None, None, None)
 
 
+class _Mechanism:
+    """PyTorch's hooks as the session registers them, each doing nothing: a global forward
+    pre-hook and an always-called global forward hook, saved-tensor hooks that hand back what
+    they are given, and (``mode``) a torch function mode that calls each function as given (the
+    session's op recorder, which it takes off the stack inside leaf modules, is one). Entered and
+    left as a session is."""
+
+    def __init__(self, mode: bool):
+        self.mode, self._undo = mode, []
+
+    def __enter__(self):
+        import torch
+        import torch.nn.modules.module as hooks
+        from torch.overrides import TorchFunctionMode
+
+        class Through(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        before = hooks.register_module_forward_pre_hook(lambda module, args: None)
+        after = hooks.register_module_forward_hook(lambda module, args, output: None,
+                                                   always_call=True)
+        saved = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        saved.__enter__()
+        self._undo = [before.remove, after.remove, lambda: saved.__exit__(None, None, None)]
+        if self.mode:
+            through = Through()
+            through.__enter__()
+            self._undo.append(lambda: through.__exit__(None, None, None))
+        return self
+
+    def __exit__(self, *exc_info):
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+
 def _mixed_modes(model, batch):
     """The ``mixed`` plan: recompute each group a probe step could recompute whose producer is
     not a convolution, keep the rest; (modes, kept, recomputed)."""
@@ -166,7 +208,11 @@ def run(args) -> dict:
     sessions = {
         "pytorch": None,
         "mixed": OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0),
-        "kept": OffloadSession(modes=[KEEP] * len(modes), link=SameMemoryLink(), min_bytes=0),
+        # standing aside would leave PyTorch's own steps: this measures the hooks
+        "kept": OffloadSession(modes=[KEEP] * len(modes), link=SameMemoryLink(), min_bytes=0,
+                               stand_aside=False),
+        "hooks": _Mechanism(mode=False),
+        "hooks-mode": _Mechanism(mode=True),
     }
     configs = [_Config(name, copy.deepcopy(model), sessions[name]) for name in args.configs]
     for config in configs:
@@ -229,7 +275,7 @@ def parse(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per config first")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(DEFAULT_CONFIGS))
     parser.add_argument("--json", help="write the samples here")
     args = parser.parse_args(argv)
     if min(args.layers) < 1 or min(args.widths) < 1 or args.steps < 1 or args.rounds < 1:

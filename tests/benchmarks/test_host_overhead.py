@@ -39,3 +39,18 @@ def test_bad_arguments_are_refused_in_one_line(capsys):
         host_overhead.main(["--steps", "0"])
     assert exit_info.value.code == 2
     assert "must be positive" in capsys.readouterr().err
+
+
+def test_the_hook_mechanism_alone_runs_only_where_named_and_leaves_no_hook_behind(capsys):
+    import torch.nn.modules.module as hooks
+    top_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    before = (len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks),
+              torch._C._len_torch_function_stack(), top_saved_hooks(False))
+    document = host_overhead.main(["--layers", "1", "1", "1", "1", "--steps", "1", "--rounds",
+                                   "1", "--warmup", "1", "--configs", "pytorch", "hooks",
+                                   "hooks-mode"])
+    assert list(document["configs"]) == ["pytorch", "hooks", "hooks-mode"]
+    for name, row in document["configs"].items():
+        assert row["same_parameters_as"] == "pytorch", name
+    assert (len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks),
+            torch._C._len_torch_function_stack(), top_saved_hooks(False)) == before
