@@ -141,6 +141,10 @@ SETTINGS: tuple[Setting, ...] = (
             "tensor has run settled, the session removes its hooks until the model's input "
             "changes or the caching allocator flushes (mucudnn.torch.aside); 0: never", "1",
             (PYTHON,), BOOL),
+    Setting("MUCUDNN_OFFLOAD_REPLAY", "1: once a planned step has found every recipe its offload "
+            "plan needs, the next steps check those recipes against autograd's graph instead of "
+            "recording their calls (mucudnn.torch.replay); 0: they always record", "1",
+            (PYTHON,), BOOL),
     Setting("MUCUDNN_PLAN_CACHE", "directory of the offload plans kept between runs of a "
             "script (mucudnn.torch.plancache), or off", "$XDG_CACHE_HOME/mucudnn/offload-plans",
             (PYTHON,), PLAN_CACHE),

@@ -1,8 +1,7 @@
 """The site hook's offload options (mucudnn/_torch_site/mucudnn_torch_budget.py) read as
 mucudnn's settings table (mucudnn/settings.py) says: the hook cannot import mucudnn, so its
-readings of ``MUCUDNN_OFFLOAD_FREEZE_GC``, ``_RESCUE``, ``_LEND`` and ``_STAND_ASIDE`` are
-checked here against
-the table's rule."""
+readings of ``MUCUDNN_OFFLOAD_FREEZE_GC``, ``_RESCUE``, ``_LEND``, ``_STAND_ASIDE`` and
+``_REPLAY`` are checked here against the table's rule."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ WORDS = ["1", "0", "true", "false", "yes", "no", "on", "off", "TRUE", " On ", "2
 
 SWITCHES = {"MUCUDNN_OFFLOAD_FREEZE_GC": (hook.offload_freeze_gc, True),
             "MUCUDNN_OFFLOAD_LEND": (hook.offload_lend, False),
-            "MUCUDNN_OFFLOAD_STAND_ASIDE": (hook.offload_stand_aside, True)}
+            "MUCUDNN_OFFLOAD_STAND_ASIDE": (hook.offload_stand_aside, True),
+            "MUCUDNN_OFFLOAD_REPLAY": (hook.offload_replay, True)}
 
 
 @pytest.mark.parametrize("name", SWITCHES)

@@ -26,13 +26,14 @@ import sys
 try:
     from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_FREEZE_GC,
                                    ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_LEND, ENV_OFFLOAD_PROFILE,
-                                   ENV_OFFLOAD_RESCUE, ENV_OFFLOAD_STAND_ASIDE, ENV_REPORT,
-                                   MAX_OFFLOAD_HEADROOM)
+                                   ENV_OFFLOAD_REPLAY, ENV_OFFLOAD_RESCUE,
+                                   ENV_OFFLOAD_STAND_ASIDE, ENV_REPORT, MAX_OFFLOAD_HEADROOM)
 except ImportError:
     from mucudnn._torch_site.mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD,
                                                        ENV_OFFLOAD_FREEZE_GC,
                                                        ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_LEND,
                                                        ENV_OFFLOAD_PROFILE,
+                                                       ENV_OFFLOAD_REPLAY,
                                                        ENV_OFFLOAD_RESCUE,
                                                        ENV_OFFLOAD_STAND_ASIDE, ENV_REPORT,
                                                        MAX_OFFLOAD_HEADROOM)
@@ -451,6 +452,15 @@ def offload_stand_aside(value: str | None) -> bool:
                    "the session stands aside under a plan that keeps everything (the default)")
 
 
+def offload_replay(value: str | None) -> bool:
+    """``MUCUDNN_OFFLOAD_REPLAY``: whether the process-wide session's steady planned steps check
+    their recipes against autograd's graph instead of recording their calls (default yes:
+    ``OffloadSession(replay=True)``, mucudnn/torch/replay.py). Another value: one warning line,
+    and the default."""
+    return _switch(ENV_OFFLOAD_REPLAY, value,
+                   "steady planned steps replay their recipes from the graph (the default)")
+
+
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
     """Enters one :class:`mucudnn.torch.offload_session.OffloadSession` for the whole process (never
     left): every forward's saved tensors are kept, offloaded or recomputed under ``budget``.
@@ -469,6 +479,7 @@ def start_offload(budget: int, recompute_convolutions: bool = True) -> None:
                                  lend=offload_lend(os.environ.get(ENV_OFFLOAD_LEND)),
                                  stand_aside=offload_stand_aside(
                                      os.environ.get(ENV_OFFLOAD_STAND_ASIDE)),
+                                 replay=offload_replay(os.environ.get(ENV_OFFLOAD_REPLAY)),
                                  **({} if headroom is None else {"headroom": headroom}))
         session.__enter__()
     except Exception as exc:  # noqa: BLE001 - never break the program's `import torch`

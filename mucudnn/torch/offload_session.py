@@ -66,6 +66,7 @@ from .lend import WorkspaceLender
 from .link import CudaLink, SameMemoryLink
 from .planner import OFFLOAD, RECOMPUTE
 from .records import _Step
+from .replay import passes_on_plainly
 from .recorder import StepRecorder, _current_node, _has_children, _past_the_op_recorder
 from .host_copies import StepCopies
 from .lifecycle import SETTLED, Lifecycle
@@ -135,6 +136,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     ``stand_aside`` (on by default): once a plan that keeps every saved tensor has run settled,
     the session removes its hooks, the steps are PyTorch's own, and it comes back where the
     caching allocator flushes or the model's input changes (aside.py, :attr:`aside`).
+    ``replay`` (on by default): once a planned step has found every recipe its plan needs, the
+    next steps under that plan check the same recipes against autograd's graph at their packs
+    and record no calls (replay.py).
     """
 
     #: a session entered anew at each forward (a fitted model's: fitted.py), whose ``with``'s
@@ -152,7 +156,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                  stage: bool | str = True, plan_in_background: bool | None = None,
                  plan_cache: PlanCache | None = None, freeze_gc: bool = False,
                  rescue: bool | str = True, warn=None, lend: bool = False,
-                 stand_aside: bool = True):
+                 stand_aside: bool = True, replay: bool = True):
         self.force, self.lookahead = force, lookahead
         if stage not in (True, False, "always"):
             raise ValueError(f"OffloadSession: stage={stage!r} is not True, False or 'always'")
@@ -239,6 +243,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self.lender = WorkspaceLender(on=lend)
         #: the hooks removed while a plan that keeps everything runs settled (aside.py)
         self.aside = StandAside(self, on=stand_aside)
+        #: steady planned steps replay their recipes from autograd's graph (replay.py)
+        self.replay = replay
         #: the root call's first tensor argument (aside.py, rule 3), read at the step's start;
         #: the module whose forward enters the session (a fitted model's), where one does
         self._root_signature = None
@@ -396,6 +402,11 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             # it to the first save, whose device names the plan's GPU in its key
             self._look_up_plan(args[0].device, (module, parent, args))
         step = self._step
+        if not self.on_with_thread():
+            step.foreign = True   # its nodes are numbered apart (replay.py, rule 3)
+        if not step.records_only_decided and not step.profiling and \
+                self.recorder.finds_recipes(step):
+            self.recorder.recorded_modules(step)   # whether it replays: before the op recorder
         if not step.ops_looked_at:
             if self.recorder.ops is None:
                 self._start_ops_if_due(step)
@@ -437,6 +448,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         if self._containers and self._containers[-1] is module:
             self._containers.pop()
             return None
+        if self._step.replays is not None and args and output is args[0] and \
+                not passes_on_plainly(module):
+            self._step.replay_doubt = True   # replay.py, rule 2
         self.recorder.module_returns(module, output)
         return None
 
@@ -505,7 +519,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         if not self.on_with_thread():
             return
         step.ops_looked_at = True
-        if self._depth > 0 and self._recipes_used() and \
+        if self._depth > 0 and self._recipes_used() and step.replays is None and \
                 torch._C._len_torch_function_stack() == self._function_modes_below:
             self.recorder.start_ops()
 
@@ -524,8 +538,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         if not self.on_with_thread():
             return
         step.ops_looked_at = True
-        if not self._recipes_used() and self.state in SETTLED and \
-                self.recorder.stop_ops_on_top():
+        # a step that replays its recipes records no op (replay.py)
+        if (step.replays is not None or not self._recipes_used() and self.state in SETTLED) \
+                and self.recorder.stop_ops_on_top():
             self._function_modes_below = torch._C._len_torch_function_stack()
 
     def _empty_caches(self) -> None:

@@ -20,8 +20,9 @@ from .compiled import refuse_if_compiling
 from .link import SameMemoryLink
 from .planner import KEEP, RECOMPUTE
 from .recipes import RecipeFinder, _changes_in_place
-from .records import (CHEAP, CONVOLUTIONS, _INSTANCE_NORMS, _Call, _ModuleState, _Read, _Step,
-                      _joined)
+from .records import (CHEAP, CONVOLUTIONS, _INSTANCE_NORMS, _Call, _Group, _ModuleState, _Read,
+                      _Step, _joined)
+from .replay import template_of
 from .stage import _AUTOCAST_DEVICES, ChainRecorder, autocast_state
 
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
@@ -101,6 +102,13 @@ class _RecipeModules:
     needed: int = 1     # steps recording every call to learn from before recording only ``ids``
     seen: int = 0       # of those, learnt from since the last step that lacked a module
     active: bool = False   # steps under its plan's modes record only ``ids``
+    #: gid -> replay.RecipeTemplate for every group its modes recompute, learnt from a step
+    #: that recorded every call; None: not every one has a template (replay.py, rule 1)
+    templates: dict | None = None
+    #: a step that replayed kept a group its modes recompute: never replayed again
+    replay_failed: bool = False
+    #: the ids of the modules whose calls a step that replays records (replay.py, rule 2)
+    watched: frozenset = frozenset()
 
 
 class StepRecorder:
@@ -320,6 +328,7 @@ class StepRecorder:
         recipe finding an op there would skip the rest of the module)."""
         session = self.session
         return (session.recompute and not session._rerunning and not session._step.unpacks
+                and session._step.replays is None
                 and self.records_calls(self.session._step) and torch.is_grad_enabled()
                 and not _in_backward()
                 and RecipeFinder._running_module(self.session._step)[1] is None)
@@ -403,7 +412,10 @@ class StepRecorder:
             return step.records_only
         learnt = self._recipe_modules.get(tuple(modes))
         if learnt is not None and learnt.active:
-            step.records_only = learnt.ids
+            if learnt.templates is not None and self.session.replay and not step.foreign:
+                step.replays, step.records_only = learnt.templates, learnt.watched
+            else:
+                step.records_only = learnt.ids
         return step.records_only
 
     def learn_recipe_modules(self, step: _Step, modes, failed: bool) -> None:
@@ -431,6 +443,8 @@ class StepRecorder:
                 if group.wanted == RECOMPUTE and group.mode != RECOMPUTE:   # a module lacked
                     learnt.active, learnt.seen = False, 0
                     learnt.needed = min(2 * learnt.needed, _MOST_LEARNING_STEPS)
+                    if step.replays is not None:   # a template did not hold (replay.py)
+                        learnt.replay_failed, learnt.templates = True, None
                     break
             return
         # a group is recomputed only where wanted, and wanted only where ``modes`` recompute it:
@@ -443,6 +457,27 @@ class StepRecorder:
              if call.module is not None), step.view_savers)
         learnt.seen += 1
         learnt.active = learnt.seen >= learnt.needed
+        # replayed where a template holds; the others (a max pooling's indices) found from
+        # their modules' calls, recorded in those steps too: never through an op or a view
+        templates = {group.gid: step.templates.get(group.gid) for group in recomputed}
+        searched = [group.recipe for group in recomputed if templates[group.gid] is None]
+        if learnt.replay_failed or step.foreign or len(searched) == len(recomputed) or any(
+                recipe.view is not None or any(call.module is None for call in recipe.calls)
+                or any(not isinstance(slot, (int, _Group)) for slots in recipe.inputs
+                       for slot in slots) for recipe in searched):
+            learnt.templates = None
+        else:
+            learnt.templates = templates
+            learnt.watched = frozenset().union(
+                *(t.watched_modules for t in templates.values() if t is not None),
+                (id(call.module) for recipe in searched for call in recipe.calls))
+
+    def learn_template(self, step: _Step, gid: int, recipe, tensor: torch.Tensor) -> None:
+        """Group ``gid``'s ``recipe``, just found for ``tensor`` in a planned step recording every
+        call, as a template later steps may replay (replay.py, rule 1)."""
+        if not step.profiling and step.records_only is None and not step.foreign and \
+                self.session.replay:
+            step.templates[gid] = template_of(recipe, tensor, step)
 
     def records_calls(self, step: _Step) -> bool:
         """Whether ``step`` records its calls (modules and ops): for its times and its profile
@@ -474,9 +509,12 @@ class StepRecorder:
         group = self.session._find(step, output)
         if group is None or group.recipe is not None or not self.may_recompute(step, group.gid):
             return
+        if step.replays is not None and step.replays.get(group.gid) is not None:
+            return   # replayed at its pack, or kept (replay.py)
         recipe = self.recipes.recipe(output, step)
         if recipe is None:
             return
+        self.learn_template(step, group.gid, recipe, output)
         group.recipe, group.producer = recipe, recipe.producer
         if group.wanted == RECOMPUTE and group.mode == KEEP and \
                 self.session._mode_for(group) == RECOMPUTE:

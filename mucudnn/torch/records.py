@@ -386,6 +386,21 @@ class _Step:
     #: recipes read through such a view, found from that module's call
     view_savers: set = field(default_factory=set)
     ops_looked_at: bool = False   # the op recorder entered or left as its modes need (OffloadSession)
+    #: gid -> the sequence number of its tensor's autograd node at its pack (None: none), in a
+    #: step that finds recipes, packed on the ``with``'s thread (replay.py, rule 3)
+    nodes: dict = field(default_factory=dict)
+    #: gid -> the template of the recipe found for it (None: none allowed), in a planned step
+    #: that recorded every call (replay.py, rule 1)
+    templates: dict = field(default_factory=dict)
+    #: gid -> template, where this step replays its recipes (StepRecorder.recorded_modules)
+    replays: dict | None = None
+    #: a module ran or a group was packed on another thread than the ``with``'s: no node of this
+    #: step is named for a replay (replay.py, rule 3)
+    foreign: bool = False
+    #: a leaf module of no type known to change nothing unseen returned its own input (which
+    #: ``.data`` may have changed, out of any version counter's sight): no later pack of this
+    #: step replays (replay.py, rule 2)
+    replay_doubt: bool = False
     start_allocated: int | None = None   # the link's allocated bytes at its first module
     end_mark: object = None        # its backward's end (recording steps)
     #: recording steps that stage: where the chain's forward began, before the step's first save

@@ -33,7 +33,8 @@ from .compiled import refuse_if_compiling
 from .link import SameMemoryLink, dense
 from .planner import KEEP, OFFLOAD, RECOMPUTE
 from .records import _SEQUENCE_NR, _Group, _Packed, _Passed, _rebuild_order, recompute
-from .recorder import _current_node, _in_backward
+from .recorder import _current_node, _in_backward, _in_place
+from .replay import node_number, replayed
 
 
 def autograd_keeps(tensor: torch.Tensor, min_bytes: int) -> bool:
@@ -139,8 +140,23 @@ class SavedTensorHooks:
         if step.ooms is None:
             step.ooms = link.ooms()
         recorder = self.recorder
-        recipe = recorder.recipes.recipe(tensor, step) if recorder.may_recompute(step, gid) \
-            else None
+        if recorder.finds_recipes(step):
+            # the node a later recipe's graph names this group by (replay.py, rule 3)
+            if self.on_with_thread():
+                step.nodes[gid] = node_number(tensor)
+            else:
+                step.foreign = True
+        recipe = None
+        if recorder.may_recompute(step, gid):
+            template = step.replays.get(gid) if step.replays is not None else None
+            if template is not None:
+                recipe = replayed(template, tensor, step, _in_place) if not step.foreign else None
+            elif step.replays is not None:   # its modules' calls are recorded (replay.py)
+                recipe = recorder.recipes.recipe(tensor, step)
+            else:
+                recipe = recorder.recipes.recipe(tensor, step)
+                if recipe is not None:
+                    recorder.learn_template(step, gid, recipe, tensor)
         base = tensor._base
         group = _Group(gid, KEEP, tensor.nbytes, tensor.device,
                        weakref.ref(tensor), tensor._version, "", dense(tensor),
@@ -159,7 +175,7 @@ class SavedTensorHooks:
         step.groups.append(group)
         step.by_key[key] = group
         step.by_ref[id(group.ref)] = group
-        if recorder.finds_recipes(step):
+        if recorder.finds_recipes(step) and step.replays is None:
             recorder.recipes.alias(step, group, tensor)
         if step.profiling:
             if gid == 0:

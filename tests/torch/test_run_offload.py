@@ -196,6 +196,9 @@ def test_the_plans_headroom_comes_from_the_environment(tmp_path, monkeypatch, ca
     ("MUCUDNN_OFFLOAD_STAND_ASIDE", "aside.on", None, "[True]"),     # default: it stands aside
     ("MUCUDNN_OFFLOAD_STAND_ASIDE", "aside.on", "0", "[False]"),
     ("MUCUDNN_OFFLOAD_STAND_ASIDE", "aside.on", "sometimes", None),  # refused in one line
+    ("MUCUDNN_OFFLOAD_REPLAY", "replay", None, "[True]"),            # default: replays
+    ("MUCUDNN_OFFLOAD_REPLAY", "replay", "0", "[False]"),
+    ("MUCUDNN_OFFLOAD_REPLAY", "replay", "sometimes", None),         # refused in one line
 ])
 def test_the_rescue_and_lending_come_from_the_environment(tmp_path, monkeypatch, variable,
                                                           attribute, value, expected):

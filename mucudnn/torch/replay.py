@@ -1,0 +1,322 @@
+"""Recipes replayed from autograd's graph: what lets a steady planned step record no calls.
+
+A planned step finds each recipe from the calls its module hooks and op recorder record
+(recorder.py, recipes.py), which costs the host a Python record at every leaf module a recipe
+runs and the op recorder at every torch function outside them. Once a step under the plan's
+modes has found every recipe they need, the same recipes are checked in the later steps against
+the graph autograd builds anyway, at the pack of each group the plan recomputes, and those steps
+record nothing (benchmarks/results/host-overhead.md, "The floor under the session").
+
+Rules:
+
+1. A template (:class:`RecipeTemplate`) is made from a recipe found in a planned step that
+   recorded its calls, where autograd's graph shows that recipe exactly: each call made one node
+   (nn.Identity none: its node is its input's), the saved tensor's ``grad_fn`` the last call's,
+   whose next edges are the call's inputs in order (the node of the call each reads, or the node
+   a source group's tensor had at its pack) followed by the module's parameters (their
+   ``AccumulateGrad`` nodes, or the nodes of tensors made in the step) and nothing else. It keeps
+   each node's type and its saved arguments that are no tensors, each module's plain attributes,
+   and the saved tensor's version. No template: a recipe through a view (``_ViewOf``, an
+   instance norm's), a max pooling's indices, under autocast, through an eval-mode batch norm
+   (its statistics are copied at its call) or a transposed convolution (its output size), from a
+   source without a node (a tensor that does not require grad), through an op other than an add
+   or a concatenation, or an op whose output is neither the saved tensor nor a group's.
+2. A planned step replays where every group its modes recompute has a template or a recipe made
+   of module calls only, learnt under the same modes (recorder.py, ``recorded_modules``). It
+   records the calls of the modules whose output no pack shows ("watched": an output neither the
+   saved tensor nor a group's, such as a downsample's batch norm before the residual add) and of
+   the recipes with no template, and no other call, and leaves the op recorder off. The pack of a
+   group the plan recomputes checks the saved tensor's graph against the group's template: rule
+   1's edges against this step's groups and the module's parameters now, each node's type and
+   arguments, each module's plain attributes as learnt, the saved tensor's version as learnt,
+   each watched output alive at the version it was returned at, and each source group still at
+   the version saved. Where it holds, the recipe is the template's calls on this step's groups,
+   each module's state read at the pack (the same forward, after its call; the parameters are
+   the tensors the graph shows); else the group is kept. Every group of the step is kept once a
+   leaf module of a type not known to change nothing unseen returned its own input
+   (:func:`passes_on_plainly`: ``.data`` may have changed it). A step that kept such a group has
+   the next steps record their calls again, and the session never replays under those modes
+   again.
+3. Nodes are named by their sequence numbers (``Node._sequence_nr()``: per thread, never reused),
+   read at each group's pack: the session holds no node (a node holds its saved tensors' packs,
+   which hold their group: a cycle through autograd's C++ objects the collector cannot free). A
+   step in which a module ran or a group was packed on another thread than the ``with``'s
+   (which numbers its nodes apart) does not replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from .records import _TRANSPOSED, CHEAP, _Call, _Group, _ModuleState, _Recipe, _Step
+
+#: the ops a template may include, by the node each makes: the residual add (recorder.ADDS'
+#: functions, in place or not) and a recorded concatenation (records._joined)
+_OP_NODES = ("AddBackward0", "CatBackward0")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A template's input read from the step's group ``gid`` (its tensor at the version saved)."""
+
+    gid: int
+
+
+@dataclass(frozen=True, eq=False)
+class _TemplateCall:
+    """One call of a template: the module (or op) it reruns, as its recorded call ran it, and the
+    type of the autograd node it made. ``watched``: its output is a tensor other than the saved
+    one, whose version no later pack shows: a step that replays records its module's calls
+    (rule 2)."""
+
+    module: object            # the leaf module, or None for an op
+    name: str
+    op: object                # an op's function (None for a module)
+    keywords: dict | None
+    in_place: bool
+    node: str                 # the type name of the node it made (``type(node).__name__``)
+    params: tuple             # the module's parameter names, as its recorded state named them
+    training: bool | None     # the module's mode when it ran (None: an op)
+    watched: bool
+    attributes: tuple         # the node's saved arguments that are no tensors (rule 2)
+    #: the names of the module's own plain attributes (:func:`_plain_names`) and their values
+    hyper_names: tuple
+    hyper_values: tuple
+
+
+@dataclass(frozen=True, eq=False)
+class RecipeTemplate:
+    """A recipe as calls on groups by number (rule 1): ``inputs[i]`` as a recipe's, a source
+    being a :class:`_Source`; ``version``: the saved tensor's version at its pack."""
+
+    calls: tuple
+    inputs: tuple
+    passes: tuple     # each call: it makes no node of its own (nn.Identity)
+    version: int
+
+    @property
+    def watched_modules(self) -> set:
+        """The ids of the modules whose calls a step that replays it records (rule 2)."""
+        return {id(call.module) for call in self.calls if call.watched}
+
+
+def node_number(tensor) -> int | None:
+    """The sequence number of ``tensor``'s autograd node, or None (a leaf, no grad)."""
+    node = tensor.grad_fn
+    return None if node is None else node._sequence_nr()
+
+
+def _walk(inputs: tuple, passes: tuple, tensor, step: _Step, parameters) -> list | None:
+    """The nodes of a recipe's calls (``inputs``: each call's slots), the last the saved
+    ``tensor``'s, where the graph shows each call reading its slots and then its parameters
+    (``parameters(i)``, in order) and nothing else (rule 1), else None. A call that ``passes``
+    its input on (nn.Identity) makes no node: its node is its input's."""
+    nodes: list = [None] * len(inputs)
+    nodes[-1] = tensor.grad_fn
+    for index in range(len(inputs) - 1, -1, -1):
+        node = nodes[index]
+        if node is None:
+            return None
+        if passes[index]:
+            slot = inputs[index][0]
+            if isinstance(slot, _Source):
+                if node._sequence_nr() != step.nodes.get(slot.gid):
+                    return None
+            elif nodes[slot] is None:
+                nodes[slot] = node
+            else:
+                return None
+            continue
+        edges = node.next_functions
+        slots = inputs[index]
+        params = parameters(index)
+        if len(edges) < len(slots) + len(params):
+            return None
+        for (edge, _), slot in zip(edges, slots):
+            if isinstance(slot, _Source):
+                if edge is None or edge._sequence_nr() != step.nodes.get(slot.gid):
+                    return None
+            elif nodes[slot] is None:
+                nodes[slot] = edge    # each call's output is read once in a recipe
+            else:
+                return None
+        for (edge, _), param in zip(edges[len(slots):], params):
+            # a parameter: its AccumulateGrad node; a tensor made in the step (a tied or
+            # reparametrized weight): its own node
+            if edge is None or getattr(edge, "variable", None) is not param and \
+                    edge is not param.grad_fn:
+                return None
+        for edge, _ in edges[len(slots) + len(params):]:
+            if edge is not None:
+                return None
+    return nodes
+
+
+def template_of(recipe: _Recipe, tensor, step: _Step) -> RecipeTemplate | None:
+    """The template of ``recipe``, just found for the saved ``tensor`` in a planned step that
+    recorded its calls, where rule 1 allows one, else None."""
+    if recipe.view is not None or recipe.indices:
+        return None
+    inputs = []
+    for slots in recipe.inputs:
+        row = []
+        for slot in slots:
+            if isinstance(slot, _Group):
+                if step.nodes.get(slot.gid) is None:
+                    return None
+                row.append(_Source(slot.gid))
+            elif isinstance(slot, int):
+                row.append(slot)
+            else:                      # a view of a group
+                return None
+        inputs.append(tuple(row))
+    last = len(recipe.calls) - 1
+    watched = []
+    for index, call in enumerate(recipe.calls):
+        if call.autocast:
+            return None
+        output = call.output() if call.output is not None else None
+        watched.append(index < last and output is not tensor)
+        if call.module is None:
+            if watched[-1] or call.keywords and set(call.keywords) - {"alpha", "dim"}:
+                return None
+        elif call.state is None or call.state.running is not None or \
+                type(call.module) in _TRANSPOSED:
+            return None
+    states = [call.state for call in recipe.calls]
+    passes = tuple(type(call.module) is nn.Identity for call in recipe.calls)
+    nodes = _walk(tuple(inputs), passes, tensor, step,
+                  lambda i: tuple(states[i].params.values()) if states[i] is not None else ())
+    if nodes is None:
+        return None
+    calls = []
+    for call, node, watch, passing in zip(recipe.calls, nodes, watched, passes):
+        kind = "" if passing else type(node).__name__
+        if call.module is None and kind not in _OP_NODES:
+            return None
+        state = call.state
+        calls.append(_TemplateCall(call.module, call.name, call.op, call.keywords,
+                                   call.in_place, kind, tuple(state.params) if state else (),
+                                   state.training if state else None, watch,
+                                   _attributes(node) if kind else (),
+                                   *_hyperparameters(call.module)))
+    return RecipeTemplate(tuple(calls), tuple(inputs), passes, tensor._version)
+
+
+def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place) -> _Recipe | None:
+    """The saved ``tensor``'s recipe in a step that replays, from its group's ``template`` where
+    the graph and the step's recorded calls hold it (rule 2), else None. ``in_place``:
+    recorder.py's ``_in_place`` (a module's ``inplace`` now)."""
+    if template is None or step.replay_doubt or tensor._version != template.version:
+        return None
+    calls = template.calls
+    params = []
+    for call in calls:   # loops, no generators: at every pack of a recomputed group
+        module = call.module
+        if module is None:
+            params.append(())
+            continue
+        if module._forward_pre_hooks or module._forward_hooks or \
+                module.training != call.training or in_place(module) != call.in_place:
+            return None
+        parameters = module._parameters
+        row = []
+        for name in call.params:
+            param = parameters.get(name)
+            if param is None:
+                return None
+            row.append(param)
+        params.append(row)
+    nodes = _walk(template.inputs, template.passes, tensor, step, params.__getitem__)
+    if nodes is None:
+        return None
+    recipe_inputs = []
+    for slots in template.inputs:
+        row = []
+        for slot in slots:
+            if isinstance(slot, _Source):
+                if slot.gid >= len(step.groups):
+                    return None
+                group = step.groups[slot.gid]
+                source = group.ref()
+                if group.live_packs == 0 or (source is not None and
+                                             source._version != group.version):
+                    return None
+                row.append(group)
+            else:
+                row.append(slot)
+        recipe_inputs.append(tuple(row))
+    recipe = _Recipe()
+    for call, node in zip(calls, nodes):
+        # the op the graph shows, with the arguments it was learnt with, and the module rerun
+        # with its own as they were then: the rerun computes what the forward computed
+        if call.node and (type(node).__name__ != call.node or
+                          _attributes(node) != call.attributes):
+            return None
+        if call.module is not None:
+            values = call.module.__dict__
+            if tuple([values.get(name) for name in call.hyper_names]) != call.hyper_values:
+                return None
+        if call.watched and not _watched_holds(step, call, node):
+            return None
+        state = _ModuleState.of(call.module) if call.module is not None else None
+        recipe.calls.append(_Call(call.module, call.name, (), None, None, in_place=call.in_place,
+                                  op=call.op, keywords=call.keywords, recomputable=True,
+                                  state=state))
+    recipe.inputs.extend(recipe_inputs)
+    return recipe
+
+
+def passes_on_plainly(module) -> bool:
+    """``module``, which returned its own input, is of a type known to change it in sight of
+    its version counter or not at all: nn.Identity, an in-place activation of PyTorch's."""
+    kind = type(module)
+    return kind is nn.Identity or kind in CHEAP and bool(module.__dict__.get("inplace"))
+
+
+#: node type -> the names of its saved arguments that are no tensors (a tensor's has a
+#: ``_raw_saved_`` twin, which reads it without unpacking: rule 2 never unpacks)
+_ATTRIBUTE_NAMES: dict = {}
+
+
+def _attributes(node) -> tuple:
+    """``node``'s saved arguments that are no tensors (a batch norm's eps and mode, a pooling's
+    kernel, an add's alpha), in name order."""
+    kind = type(node)
+    names = _ATTRIBUTE_NAMES.get(kind)
+    if names is None:
+        names = _ATTRIBUTE_NAMES[kind] = tuple(
+            name for name in dir(node)
+            if name.startswith("_saved_") and not hasattr(node, "_raw" + name))
+    return tuple([getattr(node, name) for name in names])
+
+
+_PLAIN = (bool, int, float, str, tuple, type(None))
+
+
+def _hyperparameters(module) -> tuple[tuple, tuple]:
+    """The names and values of ``module``'s own attributes of plain values (an activation's
+    slope, a pooling's kernel, a batch norm's eps and momentum, its mode): what its forward
+    reads besides tensors; ((), ()) for an op."""
+    if module is None:
+        return (), ()
+    names = tuple([name for name, value in module.__dict__.items()
+                   if isinstance(value, _PLAIN) and name[0] != "_"])
+    return names, tuple([module.__dict__[name] for name in names])
+
+
+def _watched_holds(step: _Step, call: _TemplateCall, node) -> bool:
+    """A watched call's output (rule 2) is a recorded call of its module in ``step`` that made
+    ``node``, alive and at the version it returned at: nothing changed it since, out of
+    autograd's sight (``no_grad``, ``.data``), before the later calls read it."""
+    number = node._sequence_nr()
+    for recorded in reversed(step.calls):
+        if recorded.module is not call.module or recorded.output is None:
+            continue
+        output = recorded.output()
+        if output is not None and output.grad_fn is not None and \
+                output.grad_fn._sequence_nr() == number:
+            return output._version == recorded.output_version
+    return False
