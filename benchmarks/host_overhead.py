@@ -14,7 +14,9 @@ leaf modules) in three configurations of one process, each on its own copy of th
 - ``kept``: a session whose plan keeps every saved tensor (its hooks' cost alone);
 - ``hooks`` and ``hooks-mode`` (only where ``--configs`` names them): the hook mechanism the
   session is built on, doing nothing (:class:`_Mechanism`): the floor under any session made of
-  the same hooks.
+  the same hooks;
+- ``mixed-recorded`` (only where named): ``mixed`` without replay (its steady steps record their
+  recipes' calls, as before mucudnn/torch/replay.py).
 
 The session is entered once around a round's steps, forward, backward and optimizer, as
 ``mucudnn run --offload`` enters it for the whole process. Rounds alternate the configurations'
@@ -38,7 +40,7 @@ import json
 import statistics
 import time
 
-CONFIGS = ("pytorch", "mixed", "kept", "hooks", "hooks-mode")
+CONFIGS = ("pytorch", "mixed", "kept", "hooks", "hooks-mode", "mixed-recorded")
 #: what runs without ``--configs``
 DEFAULT_CONFIGS = ("pytorch", "mixed", "kept")
 
@@ -211,6 +213,8 @@ def run(args) -> dict:
         # standing aside would leave PyTorch's own steps: this measures the hooks
         "kept": OffloadSession(modes=[KEEP] * len(modes), link=SameMemoryLink(), min_bytes=0,
                                stand_aside=False),
+        "mixed-recorded": OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0,
+                                         replay=False),
         "hooks": _Mechanism(mode=False),
         "hooks-mode": _Mechanism(mode=True),
     }
