@@ -37,8 +37,9 @@ Rules:
    (:func:`passes_on_plainly`: ``.data`` may have changed it). A step that kept such a group has
    the next steps record their calls again, and the session never replays under those modes
    again.
-3. Nodes are named by their sequence numbers (``Node._sequence_nr()``: per thread, never reused),
-   read at each group's pack: the session holds no node (a node holds its saved tensors' packs,
+3. Nodes are named by their sequence numbers (``Node._sequence_nr()``: per thread, never reused)
+   and a source by its node's and its own output number (two chunks of one tensor share a
+   node), read at each group's pack: the session holds no node (a node holds its saved tensors' packs,
    which hold their group: a cycle through autograd's C++ objects the collector cannot free). A
    step in which a module ran or a group was packed on another thread than the ``with``'s
    (which numbers its nodes apart) does not replay.
@@ -102,10 +103,11 @@ class RecipeTemplate:
         return {id(call.module) for call in self.calls if call.watched}
 
 
-def node_number(tensor) -> int | None:
-    """The sequence number of ``tensor``'s autograd node, or None (a leaf, no grad)."""
+def node_number(tensor) -> tuple[int, int] | None:
+    """The sequence number of ``tensor``'s autograd node and which of its outputs it is (two
+    chunks of one tensor share a node), or None (a leaf, no grad)."""
     node = tensor.grad_fn
-    return None if node is None else node._sequence_nr()
+    return None if node is None else (node._sequence_nr(), tensor.output_nr)
 
 
 def _walk(inputs: tuple, passes: tuple, tensor, step: _Step, parameters) -> list | None:
@@ -114,7 +116,8 @@ def _walk(inputs: tuple, passes: tuple, tensor, step: _Step, parameters) -> list
     (``parameters(i)``, in order) and nothing else (rule 1), else None. A call that ``passes``
     its input on (nn.Identity) makes no node: its node is its input's."""
     nodes: list = [None] * len(inputs)
-    nodes[-1] = tensor.grad_fn
+    outputs: list = [0] * len(inputs)   # which output of its node each call's output is
+    nodes[-1], outputs[-1] = tensor.grad_fn, tensor.output_nr
     for index in range(len(inputs) - 1, -1, -1):
         node = nodes[index]
         if node is None:
@@ -122,24 +125,27 @@ def _walk(inputs: tuple, passes: tuple, tensor, step: _Step, parameters) -> list
         if passes[index]:
             slot = inputs[index][0]
             if isinstance(slot, _Source):
-                if node._sequence_nr() != step.nodes.get(slot.gid):
+                if (node._sequence_nr(), outputs[index]) != step.nodes.get(slot.gid):
                     return None
             elif nodes[slot] is None:
-                nodes[slot] = node
+                nodes[slot], outputs[slot] = node, outputs[index]
             else:
                 return None
             continue
+        if outputs[index]:   # a call's output is its node's only (first) one
+            return None
         edges = node.next_functions
         slots = inputs[index]
         params = parameters(index)
         if len(edges) < len(slots) + len(params):
             return None
-        for (edge, _), slot in zip(edges, slots):
+        for (edge, output), slot in zip(edges, slots):
             if isinstance(slot, _Source):
-                if edge is None or edge._sequence_nr() != step.nodes.get(slot.gid):
+                if edge is None or (edge._sequence_nr(), output) != step.nodes.get(slot.gid):
                     return None
             elif nodes[slot] is None:
-                nodes[slot] = edge    # each call's output is read once in a recipe
+                # each call's output is read once in a recipe
+                nodes[slot], outputs[slot] = edge, output
             else:
                 return None
         for (edge, _), param in zip(edges[len(slots):], params):

@@ -262,3 +262,43 @@ def test_a_dropped_graph_is_still_let_go_while_the_session_replays():
         if index >= 1:
             assert replays, index
     assert any(event[0] == "abandoned" for event in trace)
+
+
+class _Chunked(nn.Module):
+    """Two chunks of one tensor (one autograd node, two outputs): a convolution reads the first;
+    a batch norm and a ReLU read the first, or (``swap``) the second."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.left = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.norm, self.act = nn.BatchNorm2d(8), nn.ReLU()
+        self.right, self.head = nn.Conv2d(8, 8, 3, padding=1), nn.Linear(16, 10)
+        self.swap = False
+        self.to(dtype)
+
+    def forward(self, x):
+        first, second = self.stem(x).chunk(2, dim=1)
+        left = self.left(first)
+        right = self.right(self.act(self.norm(second if self.swap else first)))
+        return self.head(torch.cat((left, right), 1).mean((2, 3)))
+
+
+def test_the_other_chunk_of_a_node_is_not_taken_for_a_source():
+    # from step 3 the batch norm reads the other chunk (another output of the same node): the
+    # ReLU's group is kept there, never rebuilt from the first chunk
+    data = _data(5)
+    model = _Chunked(torch.float64)
+    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
+    with probe:
+        nn.functional.cross_entropy(copy.deepcopy(model)(data[0][0]), data[0][1]).backward()
+    modes = [RECOMPUTE if g.producer == "ReLU" else KEEP for g in probe._step.groups]
+    assert modes.count(RECOMPUTE) == 1
+
+    def swap(index, *models):
+        for m in models:
+            m.swap = index >= 2
+
+    seen, _ = _against_plain(model, data, modes, swap)
+    assert seen[1] == (True, 1, 1)   # replayed (the batch norm's call recorded: watched), recomputed
+    assert seen[2][0] and seen[2][2] == 0   # the other chunk: kept, not rebuilt from the first
