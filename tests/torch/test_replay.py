@@ -77,6 +77,17 @@ def _modes(model, data):
     return modes
 
 
+def _relu_output_recomputed(model, data):
+    """Modes recomputing the one group a ReLU made (a probe step on a copy names each group's
+    maker), keeping the others."""
+    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
+    with probe:
+        nn.functional.cross_entropy(copy.deepcopy(model)(data[0][0]), data[0][1]).backward()
+    modes = [RECOMPUTE if g.producer == "ReLU" else KEEP for g in probe._step.groups]
+    assert modes.count(RECOMPUTE) == 1
+    return modes
+
+
 def _against_plain(model, data, modes, before=None, replay=True):
     """SGD steps under fixed ``modes`` and of a plain copy (``before(index, ours, theirs)``
     first), each step's gradients equal bit for bit. Per step: (replayed, calls recorded,
@@ -201,11 +212,7 @@ def test_an_intermediate_changed_out_of_autograds_sight_is_not_replayed():
     # in a step that replays, and a version other than the one it returned at keeps the group
     data = _data(5)
     model = _Shifted(torch.float64)
-    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
-    with probe:
-        nn.functional.cross_entropy(copy.deepcopy(model)(data[0][0]), data[0][1]).backward()
-    modes = [RECOMPUTE if g.producer == "ReLU" else KEEP for g in probe._step.groups]
-    assert modes.count(RECOMPUTE) == 1
+    modes = _relu_output_recomputed(model, data)
 
     def shift(index, *models):
         for m in models:
@@ -289,11 +296,7 @@ def test_the_other_chunk_of_a_node_is_not_taken_for_a_source():
     # ReLU's group is kept there, never rebuilt from the first chunk
     data = _data(5)
     model = _Chunked(torch.float64)
-    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
-    with probe:
-        nn.functional.cross_entropy(copy.deepcopy(model)(data[0][0]), data[0][1]).backward()
-    modes = [RECOMPUTE if g.producer == "ReLU" else KEEP for g in probe._step.groups]
-    assert modes.count(RECOMPUTE) == 1
+    modes = _relu_output_recomputed(model, data)
 
     def swap(index, *models):
         for m in models:
