@@ -39,9 +39,9 @@ Rules:
    again.
 3. Nodes are named by their sequence numbers (``Node._sequence_nr()``: per thread, never reused)
    and a source by its node's and its own output number (two chunks of one tensor share a
-   node), read at each group's pack: the session holds no node (a node holds its saved tensors' packs,
-   which hold their group: a cycle through autograd's C++ objects the collector cannot free). A
-   step in which a module ran or a group was packed on another thread than the ``with``'s
+   node), read at each group's pack: the session holds no node (a node holds its saved tensors'
+   packs, which hold their group: a cycle through autograd's C++ objects the collector cannot
+   free). A step in which a module ran or a group was packed on another thread than the ``with``'s
    (which numbers its nodes apart) does not replay.
 """
 
@@ -79,10 +79,10 @@ class _TemplateCall:
     in_place: bool
     node: str                 # the type name of the node it made (``type(node).__name__``)
     params: tuple             # the module's parameter names, as its recorded state named them
-    training: bool | None     # the module's mode when it ran (None: an op)
     watched: bool
     attributes: tuple         # the node's saved arguments that are no tensors (rule 2)
-    #: the names of the module's own plain attributes (:func:`_plain_names`) and their values
+    #: the names of the module's own plain attributes, its mode among them, and their values
+    #: (:func:`_hyperparameters`)
     hyper_names: tuple
     hyper_values: tuple
 
@@ -205,7 +205,7 @@ def template_of(recipe: _Recipe, tensor, step: _Step) -> RecipeTemplate | None:
         state = call.state
         calls.append(_TemplateCall(call.module, call.name, call.op, call.keywords,
                                    call.in_place, kind, tuple(state.params) if state else (),
-                                   state.training if state else None, watch,
+                                   watch,
                                    _attributes(node) if kind else (),
                                    *_hyperparameters(call.module)))
     return RecipeTemplate(tuple(calls), tuple(inputs), passes, tensor._version)
@@ -225,7 +225,7 @@ def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place) -> 
             params.append(())
             continue
         if module._forward_pre_hooks or module._forward_hooks or \
-                module.training != call.training or in_place(module) != call.in_place:
+                in_place(module) != call.in_place:
             return None
         parameters = module._parameters
         row = []

@@ -45,6 +45,49 @@ class RecordingLink(SameMemoryLink):
         return super().wait(transfer)
 
 
+def probed_groups(model, data):
+    """The groups of one step of ``model`` on ``data``'s first batch under a session forcing
+    recompute: each group's maker (``producer``) and, as its ``mode``, whether a recipe could
+    rebuild it (the model's gradients are cleared after)."""
+    probe = OffloadSession(force=planner.RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
+    x, y = data[0]
+    with probe:
+        nn.functional.cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    return probe._step.groups
+
+
+def steps_against_plain(model, data, modes, before=None, replay=True, momentum=0.9):
+    """SGD steps of ``model`` under fixed ``modes`` and of a plain copy (``before(index, ours,
+    theirs)`` first in each), each step's gradients and buffers equal bit for bit. Per step:
+    (replayed, calls recorded, groups recomputed); and the session. ``replay``: the session's
+    (replay.py)."""
+    plain = copy.deepcopy(model)
+    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0, replay=replay)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum)
+                  for m in (model, plain)]
+    seen = []
+    for index, (x, y) in enumerate(data):
+        if before is not None:
+            before(index, model, plain)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        nn.functional.cross_entropy(plain(x), y).backward()
+        with session:
+            loss = nn.functional.cross_entropy(model(x), y)
+            step = session._step
+            seen.append((step.replays is not None, len(step.calls),
+                         sum(g.mode == planner.RECOMPUTE for g in step.groups)))
+            loss.backward()
+        for ours, theirs in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(ours.grad, theirs.grad), index
+        for ours, theirs in zip(model.buffers(), plain.buffers()):
+            assert torch.equal(ours, theirs), index
+        for optimizer in optimizers:
+            optimizer.step()
+    return seen, session
+
+
 def small_cnn(dtype):
     torch.manual_seed(0)
     return nn.Sequential(

@@ -21,8 +21,8 @@ from mucudnn.torch.link import SameMemoryLink  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 from mucudnn.torch.planner import KEEP, OFFLOAD, RECOMPUTE  # noqa: E402
 from session_helpers import (  # noqa: E402
-    assert_bitwise, batches, GiB, joined, MeteredLink, RecordingLink, SlowHostLink, small_cnn,
-    TinyUNet, train, volumes, WithSpike)
+    assert_bitwise, batches, GiB, joined, MeteredLink, probed_groups, RecordingLink, SlowHostLink,
+    small_cnn, steps_against_plain, TinyUNet, train, volumes, WithSpike)
 
 
 @pytest.mark.parametrize("where", ["backward", "optimizer"])
@@ -471,12 +471,7 @@ class _Rerouted(nn.Module):
 
 def _probed_modes(model, data):
     # every group a forced recompute could rebuild, recomputed (a convolution's output too)
-    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
-    x, y = data[0]
-    with probe:
-        nn.functional.cross_entropy(model(x), y).backward()
-    model.zero_grad(set_to_none=True)
-    return [group.mode for group in probe._step.groups]
+    return [group.mode for group in probed_groups(model, data)]
 
 
 def _small_cnn_and_modes(steps):
@@ -514,29 +509,12 @@ def test_a_planned_step_records_only_the_modules_its_recipes_ran():
 
 
 def _steps_against_plain(model, data, modes, switch, replay=True):
-    """SGD steps of ``model`` under fixed ``modes`` and of its plain copy, ``switch(index)``
-    setting both models' ``other`` (or ``halve``) before step ``index``; each step's gradients
-    equal bit for bit. Per step: the calls it recorded and the groups it recomputed.
-    ``replay``: the session's (replay.py)."""
-    reference_model = copy.deepcopy(model)
-    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0, replay=replay)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference_model)]
-    calls, recomputed = [], []
-    for index, (x, y) in enumerate(data):
-        switch(index, model, reference_model)
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        nn.functional.cross_entropy(reference_model(x), y).backward()
-        with session:
-            loss = nn.functional.cross_entropy(model(x), y)
-            calls.append(len(session._step.calls))
-            recomputed.append(sum(g.mode == RECOMPUTE for g in session._step.groups))
-            loss.backward()
-        for ours, theirs in zip(model.parameters(), reference_model.parameters()):
-            assert torch.equal(ours.grad, theirs.grad), index
-        for optimizer in optimizers:
-            optimizer.step()
-    return calls, recomputed
+    """SGD steps (no momentum) of ``model`` under fixed ``modes`` and of its plain copy,
+    ``switch(index)`` setting both models' ``other`` (or ``halve``) before step ``index``; each
+    step's gradients equal bit for bit (session_helpers.steps_against_plain). Per step: the calls
+    it recorded and the groups it recomputed."""
+    seen, _ = steps_against_plain(model, data, modes, switch, replay=replay, momentum=0.0)
+    return [calls for _, calls, _ in seen], [recomputed for _, _, recomputed in seen]
 
 
 def _rerouted_from(first):

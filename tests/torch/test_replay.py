@@ -17,6 +17,7 @@ from torch import nn  # noqa: E402
 from mucudnn.torch.link import SameMemoryLink  # noqa: E402
 from mucudnn.torch.offload_session import OffloadSession  # noqa: E402
 from mucudnn.torch.planner import KEEP, RECOMPUTE  # noqa: E402
+from session_helpers import probed_groups, steps_against_plain  # noqa: E402
 
 
 class _Block(nn.Module):
@@ -66,13 +67,8 @@ def _data(steps, dtype=torch.float64):
 
 def _modes(model, data):
     """Every group a forced recompute could rebuild whose maker is no convolution, recomputed."""
-    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
-    x, y = data[0]
-    with probe:
-        nn.functional.cross_entropy(model(x), y).backward()
-    model.zero_grad(set_to_none=True)
     modes = [RECOMPUTE if g.mode == RECOMPUTE and not g.producer.startswith("Conv") else KEEP
-             for g in probe._step.groups]
+             for g in probed_groups(model, data)]
     assert RECOMPUTE in modes and KEEP in modes
     return modes
 
@@ -80,48 +76,26 @@ def _modes(model, data):
 def _relu_output_recomputed(model, data):
     """Modes recomputing the one group a ReLU made (a probe step on a copy names each group's
     maker), keeping the others."""
-    probe = OffloadSession(force=RECOMPUTE, link=SameMemoryLink(), min_bytes=0)
-    with probe:
-        nn.functional.cross_entropy(copy.deepcopy(model)(data[0][0]), data[0][1]).backward()
-    modes = [RECOMPUTE if g.producer == "ReLU" else KEEP for g in probe._step.groups]
+    modes = [RECOMPUTE if g.producer == "ReLU" else KEEP
+             for g in probed_groups(copy.deepcopy(model), data)]
     assert modes.count(RECOMPUTE) == 1
     return modes
 
 
-def _against_plain(model, data, modes, before=None, replay=True):
-    """SGD steps under fixed ``modes`` and of a plain copy (``before(index, ours, theirs)``
-    first), each step's gradients equal bit for bit. Per step: (replayed, calls recorded,
-    groups recomputed); and the session."""
-    plain = copy.deepcopy(model)
-    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0, replay=replay)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, plain)]
-    seen = []
-    for index, (x, y) in enumerate(data):
-        if before is not None:
-            before(index, model, plain)
-        for optimizer in optimizers:
-            optimizer.zero_grad()
-        nn.functional.cross_entropy(plain(x), y).backward()
-        with session:
-            loss = nn.functional.cross_entropy(model(x), y)
-            step = session._step
-            seen.append((step.replays is not None, len(step.calls),
-                         sum(g.mode == RECOMPUTE for g in step.groups)))
-            loss.backward()
-        for ours, theirs in zip(model.parameters(), plain.parameters()):
-            assert torch.equal(ours.grad, theirs.grad), index
-        for ours, theirs in zip(model.buffers(), plain.buffers()):
-            assert torch.equal(ours, theirs), index
-        for optimizer in optimizers:
-            optimizer.step()
-    return seen, session
+def _from_third_step(attribute, make=lambda: True, otherwise=False):
+    """A ``before`` for :func:`session_helpers.steps_against_plain`: each model's ``attribute`` set to a ``make()`` of
+    its own from the third step on, to ``otherwise`` before it."""
+    def before(index, *models):
+        for model in models:
+            setattr(model, attribute, make() if index >= 2 else otherwise)
+    return before
 
 
 def test_a_steady_planned_step_replays_its_recipes_and_records_next_to_nothing():
     data = _data(6)
     model = _Net(torch.float64)
     modes = _modes(copy.deepcopy(model), data)
-    seen, _ = _against_plain(model, data, modes)
+    seen, _ = steps_against_plain(model, data, modes)
     replayed, calls, recomputed = zip(*seen)
     assert replayed == (False, True, True, True, True, True)   # learnt from step 1
     assert set(recomputed) == {modes.count(RECOMPUTE)}          # every planned group, each step
@@ -133,7 +107,7 @@ def test_a_steady_planned_step_replays_its_recipes_and_records_next_to_nothing()
 def test_without_replay_the_steps_record_their_recipes_calls():
     data = _data(3)
     model = _Net(torch.float64)
-    seen, _ = _against_plain(model, data, _modes(copy.deepcopy(model), data), replay=False)
+    seen, _ = steps_against_plain(model, data, _modes(copy.deepcopy(model), data), replay=False)
     assert [s[0] for s in seen] == [False] * 3 and seen[2][1] > 10
 
 
@@ -143,11 +117,8 @@ def test_another_module_of_the_same_op_and_arguments_replays():
     data = _data(5)
     model = _Net(torch.float64, act=nn.LeakyReLU(0.1))
 
-    def spare(index, *models):
-        for m in models:
-            m.spare = nn.LeakyReLU(0.1) if index >= 2 else None
-
-    seen, _ = _against_plain(model, data, _modes(copy.deepcopy(model), data), spare)
+    seen, _ = steps_against_plain(model, data, _modes(copy.deepcopy(model), data),
+                             _from_third_step("spare", lambda: nn.LeakyReLU(0.1), None))
     assert [s[0] for s in seen] == [False, True, True, True, True]
     assert len({s[2] for s in seen}) == 1
 
@@ -160,11 +131,8 @@ def test_another_argument_keeps_the_group_and_ends_replay_under_the_plan():
     model = _Net(torch.float64, act=nn.LeakyReLU(0.1))
     modes = _modes(copy.deepcopy(model), data)
 
-    def spare(index, *models):
-        for m in models:
-            m.spare = nn.LeakyReLU(0.3) if index >= 2 else None
-
-    seen, session = _against_plain(model, data, modes, spare)
+    seen, session = steps_against_plain(model, data, modes,
+                                   _from_third_step("spare", lambda: nn.LeakyReLU(0.3), None))
     replayed, _, recomputed = zip(*seen)
     assert replayed[:3] == (False, True, True)
     assert recomputed[2] == recomputed[1] - 1          # the spare's group kept
@@ -183,7 +151,7 @@ def test_a_changed_hyperparameter_of_the_learnt_module_is_not_replayed():
             for m in models:
                 m.act.negative_slope = 0.2
 
-    seen, _ = _against_plain(model, data, modes, steeper)
+    seen, _ = steps_against_plain(model, data, modes, steeper)
     assert seen[2][0] and seen[2][2] == seen[1][2] - 1 and not seen[3][0]
 
 
@@ -214,11 +182,7 @@ def test_an_intermediate_changed_out_of_autograds_sight_is_not_replayed():
     model = _Shifted(torch.float64)
     modes = _relu_output_recomputed(model, data)
 
-    def shift(index, *models):
-        for m in models:
-            m.shift = index >= 2
-
-    seen, _ = _against_plain(model, data, modes, shift)
+    seen, _ = steps_against_plain(model, data, modes, _from_third_step("shift"))
     replayed, calls, recomputed = zip(*seen)
     assert replayed[:3] == (False, True, True) and calls[1] == 1   # the batch norm's call
     assert recomputed[:2] == (1, 1) and recomputed[2] == 0
@@ -243,7 +207,7 @@ def test_a_module_passing_on_its_input_ends_the_steps_replays():
                 else (m.blocks[1].bn2[0] if isinstance(m.blocks[1].bn2, nn.Sequential)
                       else m.blocks[1].bn2)
 
-    seen, _ = _against_plain(model, data, modes, halving)
+    seen, _ = steps_against_plain(model, data, modes, halving)
     assert seen[1][0] and seen[2][0]
     assert seen[2][2] < seen[1][2]     # the groups after the module's return: kept
 
@@ -298,10 +262,6 @@ def test_the_other_chunk_of_a_node_is_not_taken_for_a_source():
     model = _Chunked(torch.float64)
     modes = _relu_output_recomputed(model, data)
 
-    def swap(index, *models):
-        for m in models:
-            m.swap = index >= 2
-
-    seen, _ = _against_plain(model, data, modes, swap)
+    seen, _ = steps_against_plain(model, data, modes, _from_third_step("swap"))
     assert seen[1] == (True, 1, 1)   # replayed (the batch norm's call recorded: watched), recomputed
     assert seen[2][0] and seen[2][2] == 0   # the other chunk: kept, not rebuilt from the first
