@@ -48,6 +48,7 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
 
 import torch.nn as nn
 
@@ -56,13 +57,6 @@ from .records import _TRANSPOSED, CHEAP, _Call, _Group, _ModuleState, _Recipe, _
 #: the ops a template may include, by the node each makes: the residual add (recorder.ADDS'
 #: functions, in place or not) and a recorded concatenation (records._joined)
 _OP_NODES = ("AddBackward0", "CatBackward0")
-
-
-@dataclass(frozen=True)
-class _Source:
-    """A template's input read from the step's group ``gid`` (its tensor at the version saved)."""
-
-    gid: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,20 +71,22 @@ class _TemplateCall:
     op: object                # an op's function (None for a module)
     keywords: dict | None
     in_place: bool
-    node: str                 # the type name of the node it made (``type(node).__name__``)
+    node: type | None         # the type of the autograd node it made (None: it made none)
     params: tuple             # the module's parameter names, as its recorded state named them
     watched: bool
     attributes: tuple         # the node's saved arguments that are no tensors (rule 2)
     #: the names of the module's own plain attributes, its mode among them, and their values
-    #: (:func:`_hyperparameters`)
+    #: (:func:`_hyperparameters`), and what reads those names' values from its ``__dict__``
     hyper_names: tuple
     hyper_values: tuple
+    hyper_reader: object
 
 
 @dataclass(frozen=True, eq=False)
 class RecipeTemplate:
-    """A recipe as calls on groups by number (rule 1): ``inputs[i]`` as a recipe's, a source
-    being a :class:`_Source`; ``version``: the saved tensor's version at its pack."""
+    """A recipe as calls on groups by number (rule 1): ``inputs[i]`` as a recipe's, each slot an
+    int: an earlier call's index, or a source group ``g`` as ``-1 - g`` (:func:`_source_slot`);
+    ``version``: the saved tensor's version at its pack."""
 
     calls: tuple
     inputs: tuple
@@ -103,6 +99,12 @@ class RecipeTemplate:
         return {id(call.module) for call in self.calls if call.watched}
 
 
+def _source_slot(gid: int) -> int:
+    """A template's slot of the step's group ``gid`` (its tensor at the version saved); the
+    group of a slot ``slot < 0`` is ``-1 - slot``."""
+    return -1 - gid
+
+
 def node_number(tensor) -> tuple[int, int] | None:
     """The sequence number of ``tensor``'s autograd node and which of its outputs it is (two
     chunks of one tensor share a node), or None (a leaf, no grad)."""
@@ -110,22 +112,26 @@ def node_number(tensor) -> tuple[int, int] | None:
     return None if node is None else (node._sequence_nr(), tensor.output_nr)
 
 
-def _walk(inputs: tuple, passes: tuple, tensor, step: _Step, parameters) -> list | None:
+def _walk(inputs: tuple, passes: tuple, tensor, step: _Step, params) -> list | None:
     """The nodes of a recipe's calls (``inputs``: each call's slots), the last the saved
     ``tensor``'s, where the graph shows each call reading its slots and then its parameters
-    (``parameters(i)``, in order) and nothing else (rule 1), else None. A call that ``passes``
-    its input on (nn.Identity) makes no node: its node is its input's."""
-    nodes: list = [None] * len(inputs)
-    outputs: list = [0] * len(inputs)   # which output of its node each call's output is
+    (``params[i]``, in order) and nothing else (rule 1), else None. A call that ``passes`` its
+    input on (nn.Identity) makes no node: its node is its input's. (At every pack of a group a
+    step replays: no generators, each lookup once.)"""
+    count = len(inputs)
+    nodes: list = [None] * count
+    outputs: list = [0] * count   # which output of its node each call's output is
     nodes[-1], outputs[-1] = tensor.grad_fn, tensor.output_nr
-    for index in range(len(inputs) - 1, -1, -1):
+    numbers = step.nodes
+    for index in range(count - 1, -1, -1):
         node = nodes[index]
         if node is None:
             return None
+        slots = inputs[index]
         if passes[index]:
-            slot = inputs[index][0]
-            if isinstance(slot, _Source):
-                if (node._sequence_nr(), outputs[index]) != step.nodes.get(slot.gid):
+            slot = slots[0]
+            if slot < 0:
+                if (node._sequence_nr(), outputs[index]) != numbers.get(-1 - slot):
                     return None
             elif nodes[slot] is None:
                 nodes[slot], outputs[slot] = node, outputs[index]
@@ -135,28 +141,31 @@ def _walk(inputs: tuple, passes: tuple, tensor, step: _Step, parameters) -> list
         if outputs[index]:   # a call's output is its node's only (first) one
             return None
         edges = node.next_functions
-        slots = inputs[index]
-        params = parameters(index)
-        if len(edges) < len(slots) + len(params):
+        row = params[index]
+        taken = len(slots)
+        if len(edges) < taken + len(row):
             return None
         for (edge, output), slot in zip(edges, slots):
-            if isinstance(slot, _Source):
-                if edge is None or (edge._sequence_nr(), output) != step.nodes.get(slot.gid):
+            if slot < 0:
+                if edge is None or (edge._sequence_nr(), output) != numbers.get(-1 - slot):
                     return None
             elif nodes[slot] is None:
                 # each call's output is read once in a recipe
                 nodes[slot], outputs[slot] = edge, output
             else:
                 return None
-        for (edge, _), param in zip(edges[len(slots):], params):
+        for param in row:
             # a parameter: its AccumulateGrad node; a tensor made in the step (a tied or
             # reparametrized weight): its own node
+            edge = edges[taken][0]
+            taken += 1
             if edge is None or getattr(edge, "variable", None) is not param and \
                     edge is not param.grad_fn:
                 return None
-        for edge, _ in edges[len(slots) + len(params):]:
-            if edge is not None:
+        while taken < len(edges):
+            if edges[taken][0] is not None:
                 return None
+            taken += 1
     return nodes
 
 
@@ -172,7 +181,7 @@ def template_of(recipe: _Recipe, tensor, step: _Step) -> RecipeTemplate | None:
             if isinstance(slot, _Group):
                 if step.nodes.get(slot.gid) is None:
                     return None
-                row.append(_Source(slot.gid))
+                row.append(_source_slot(slot.gid))
             elif isinstance(slot, int):
                 row.append(slot)
             else:                      # a view of a group
@@ -194,19 +203,19 @@ def template_of(recipe: _Recipe, tensor, step: _Step) -> RecipeTemplate | None:
     states = [call.state for call in recipe.calls]
     passes = tuple(type(call.module) is nn.Identity for call in recipe.calls)
     nodes = _walk(tuple(inputs), passes, tensor, step,
-                  lambda i: tuple(states[i].params.values()) if states[i] is not None else ())
+                  [tuple(state.params.values()) if state is not None else () for state in states])
     if nodes is None:
         return None
     calls = []
     for call, node, watch, passing in zip(recipe.calls, nodes, watched, passes):
-        kind = "" if passing else type(node).__name__
-        if call.module is None and kind not in _OP_NODES:
+        kind = None if passing else type(node)
+        if call.module is None and (kind is None or kind.__name__ not in _OP_NODES):
             return None
         state = call.state
         calls.append(_TemplateCall(call.module, call.name, call.op, call.keywords,
                                    call.in_place, kind, tuple(state.params) if state else (),
                                    watch,
-                                   _attributes(node) if kind else (),
+                                   _attributes(node) if kind is not None else (),
                                    *_hyperparameters(call.module)))
     return RecipeTemplate(tuple(calls), tuple(inputs), passes, tensor._version)
 
@@ -214,18 +223,25 @@ def template_of(recipe: _Recipe, tensor, step: _Step) -> RecipeTemplate | None:
 def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place) -> _Recipe | None:
     """The saved ``tensor``'s recipe in a step that replays, from its group's ``template`` where
     the graph and the step's recorded calls hold it (rule 2), else None. ``in_place``:
-    recorder.py's ``_in_place`` (a module's ``inplace`` now)."""
+    recorder.py's ``_in_place`` (a module's ``inplace`` now). (At every pack of a recomputed
+    group: loops, no generators; the cheap tests first.)"""
     if template is None or step.replay_doubt or tensor._version != template.version:
         return None
     calls = template.calls
     params = []
-    for call in calls:   # loops, no generators: at every pack of a recomputed group
+    for call in calls:
         module = call.module
         if module is None:
             params.append(())
             continue
         if module._forward_pre_hooks or module._forward_hooks or \
                 in_place(module) != call.in_place:
+            return None
+        # the module rerun with its own attributes as they were learnt: what the forward read
+        try:
+            if call.hyper_reader(module.__dict__) != call.hyper_values:
+                return None
+        except KeyError:
             return None
         parameters = module._parameters
         row = []
@@ -235,17 +251,19 @@ def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place) -> 
                 return None
             row.append(param)
         params.append(row)
-    nodes = _walk(template.inputs, template.passes, tensor, step, params.__getitem__)
+    nodes = _walk(template.inputs, template.passes, tensor, step, params)
     if nodes is None:
         return None
+    groups = step.groups
     recipe_inputs = []
     for slots in template.inputs:
         row = []
         for slot in slots:
-            if isinstance(slot, _Source):
-                if slot.gid >= len(step.groups):
+            if slot < 0:
+                gid = -1 - slot
+                if gid >= len(groups):
                     return None
-                group = step.groups[slot.gid]
+                group = groups[gid]
                 source = group.ref()
                 if group.live_packs == 0 or (source is not None and
                                              source._version != group.version):
@@ -254,25 +272,20 @@ def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place) -> 
             else:
                 row.append(slot)
         recipe_inputs.append(tuple(row))
-    recipe = _Recipe()
+    recipe_calls = []
     for call, node in zip(calls, nodes):
-        # the op the graph shows, with the arguments it was learnt with, and the module rerun
-        # with its own as they were then: the rerun computes what the forward computed
-        if call.node and (type(node).__name__ != call.node or
-                          _attributes(node) != call.attributes):
+        # the op the graph shows, with the arguments it was learnt with
+        kind = call.node
+        if kind is not None and (type(node) is not kind or
+                                 _attributes(node) != call.attributes):
             return None
-        if call.module is not None:
-            values = call.module.__dict__
-            if tuple([values.get(name) for name in call.hyper_names]) != call.hyper_values:
-                return None
         if call.watched and not _watched_holds(step, call, node):
             return None
-        state = _ModuleState.of(call.module) if call.module is not None else None
-        recipe.calls.append(_Call(call.module, call.name, (), None, None, in_place=call.in_place,
+        module = call.module
+        recipe_calls.append(_Call(module, call.name, (), None, None, in_place=call.in_place,
                                   op=call.op, keywords=call.keywords, recomputable=True,
-                                  state=state))
-    recipe.inputs.extend(recipe_inputs)
-    return recipe
+                                  state=_ModuleState.of(module) if module is not None else None))
+    return _Recipe(recipe_calls, recipe_inputs)
 
 
 def passes_on_plainly(module) -> bool:
@@ -282,35 +295,47 @@ def passes_on_plainly(module) -> bool:
     return kind is nn.Identity or kind in CHEAP and bool(module.__dict__.get("inplace"))
 
 
-#: node type -> the names of its saved arguments that are no tensors (a tensor's has a
-#: ``_raw_saved_`` twin, which reads it without unpacking: rule 2 never unpacks)
-_ATTRIBUTE_NAMES: dict = {}
+#: node type -> what reads its saved arguments that are no tensors, in name order (a tensor's
+#: has a ``_raw_saved_`` twin, which reads it without unpacking: rule 2 never unpacks)
+_ATTRIBUTE_READERS: dict = {}
+
+
+def _reader(get, names: tuple):
+    """What reads ``names`` with ``get`` (:func:`operator.attrgetter` or
+    :func:`operator.itemgetter`) into a tuple of their values, however many there are."""
+    if not names:
+        return lambda _: ()
+    if len(names) == 1:
+        one = get(names[0])
+        return lambda value: (one(value),)
+    return get(*names)
 
 
 def _attributes(node) -> tuple:
     """``node``'s saved arguments that are no tensors (a batch norm's eps and mode, a pooling's
     kernel, an add's alpha), in name order."""
     kind = type(node)
-    names = _ATTRIBUTE_NAMES.get(kind)
-    if names is None:
-        names = _ATTRIBUTE_NAMES[kind] = tuple(
+    read = _ATTRIBUTE_READERS.get(kind)
+    if read is None:
+        read = _ATTRIBUTE_READERS[kind] = _reader(attrgetter, tuple(
             name for name in dir(node)
-            if name.startswith("_saved_") and not hasattr(node, "_raw" + name))
-    return tuple([getattr(node, name) for name in names])
+            if name.startswith("_saved_") and not hasattr(node, "_raw" + name)))
+    return read(node)
 
 
 _PLAIN = (bool, int, float, str, tuple, type(None))
 
 
-def _hyperparameters(module) -> tuple[tuple, tuple]:
+def _hyperparameters(module) -> tuple[tuple, tuple, object]:
     """The names and values of ``module``'s own attributes of plain values (an activation's
     slope, a pooling's kernel, a batch norm's eps and momentum, its mode): what its forward
-    reads besides tensors; ((), ()) for an op."""
+    reads besides tensors; and what reads those names' values from a ``__dict__`` (a KeyError
+    where one is gone); ((), (), None) for an op."""
     if module is None:
-        return (), ()
+        return (), (), None
     names = tuple([name for name, value in module.__dict__.items()
                    if isinstance(value, _PLAIN) and name[0] != "_"])
-    return names, tuple([module.__dict__[name] for name in names])
+    return names, tuple([module.__dict__[name] for name in names]), _reader(itemgetter, names)
 
 
 def _watched_holds(step: _Step, call: _TemplateCall, node) -> bool:
