@@ -16,7 +16,9 @@ leaf modules) in three configurations of one process, each on its own copy of th
   session is built on, doing nothing (:class:`_Mechanism`): the floor under any session made of
   the same hooks;
 - ``mixed-recorded`` (only where named): ``mixed`` without replay (its steady steps record their
-  recipes' calls, as before mucudnn/torch/replay.py).
+  recipes' calls, as before mucudnn/torch/replay.py);
+- ``mixed-whole`` (only where named): ``mixed`` replaying without the module hooks' short path
+  (replay.py, rule 4: ``lean_steps`` off).
 
 The session is entered once around a round's steps, forward, backward and optimizer, as
 ``mucudnn run --offload`` enters it for the whole process. Rounds alternate the configurations'
@@ -40,7 +42,7 @@ import json
 import statistics
 import time
 
-CONFIGS = ("pytorch", "mixed", "kept", "hooks", "hooks-mode", "mixed-recorded")
+CONFIGS = ("pytorch", "mixed", "kept", "hooks", "hooks-mode", "mixed-recorded", "mixed-whole")
 #: what runs without ``--configs``
 DEFAULT_CONFIGS = ("pytorch", "mixed", "kept")
 
@@ -215,9 +217,11 @@ def run(args) -> dict:
                                stand_aside=False),
         "mixed-recorded": OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0,
                                          replay=False),
+        "mixed-whole": OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0),
         "hooks": _Mechanism(mode=False),
         "hooks-mode": _Mechanism(mode=True),
     }
+    sessions["mixed-whole"].lean_steps = False
     configs = [_Config(name, copy.deepcopy(model), sessions[name]) for name in args.configs]
     for config in configs:
         config.steps(_batches(args, args.warmup, 0), timed=False)

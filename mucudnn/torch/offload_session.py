@@ -55,6 +55,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import defaultdict
 
 import torch
@@ -222,6 +223,15 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         #: staged forwards begun in this session's steps (its gradients then sum micro-batches)
         self.staged_forwards = 0
         self._containers: list = []
+        #: the root module (the outermost container) of a step that replays, from its first
+        #: leaf module to the root's return: the module hooks' short path runs (replay.py,
+        #: rule 4); None otherwise
+        self._lean_root = None
+        #: whether steps that replay take that short path (False: every module call runs the
+        #: hooks' whole path, as a step that records; for measuring it)
+        self.lean_steps = True
+        #: the steps that took it
+        self.lean_steps_run = 0
         #: the plan cache (plancache.py; None: MUCUDNN_PLAN_CACHE's on a GPU), looked up at the
         #: first step's first leaf module or save (:meth:`_look_up_plan`); the key then, the
         #: entry whose plan the first step runs (checked group by group), and whether the rest
@@ -310,7 +320,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         staged, self._staged = self._staged, None
         if staged is not None:
             staged.abort()
-        self._containers = []
+        self._containers, self._lean_root = [], None
         if self._step.pending:   # the forward is over: every op saving a pending group has run
             self.copies.copy_pending(self._step)
         self.recorder.stop_ops(exc_info)
@@ -369,6 +379,14 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     # --- the global module hooks ------------------------------------------------------------
     @_past_the_op_recorder
     def _before_module(self, module, args):
+        root = self._lean_root
+        if root is not None:   # replay.py, rule 4: of a lean step, only what it records
+            if module is root:   # the root again, inside its own forward: the whole path
+                self._end_lean()
+            elif id(module) not in self._step.records_only:
+                if not self.on_with_thread():
+                    self._step.foreign = True   # its nodes are numbered apart (replay.py, rule 3)
+                return None
         if self._step.pending:    # between ops: every op saving a pending group has run
             self.copies.copy_pending(self._step)
         if self._rerunning or not torch.is_grad_enabled() or _current_node() is not None:
@@ -412,6 +430,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                 self._start_ops_if_due(step)
             else:
                 self._stop_ops_if_unused(step)
+            if step.replays is not None and self._lean_allowed(step):
+                self._lean_root = self._containers[0]
+                self.lean_steps_run += 1
         # a stage in force stages its chain; in a recording step only the one that step took
         # (:meth:`_stages_recording`: the recording would not fit otherwise)
         if self._staged is None and (self.stage is not None or step.profiling) and \
@@ -428,6 +449,21 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
 
     @_past_the_op_recorder
     def _after_module(self, module, args, output):
+        root = self._lean_root
+        if root is not None:   # replay.py, rule 4
+            if module is root:   # the forward's end: the root's return, as the whole path has it
+                self._end_lean()
+            elif id(module) not in self._step.records_only:
+                step = self._step
+                # a leaf returning its own input (rule 2), and a module returning what a recorded
+                # call returned (recorder.module_returns: it is that tensor's last maker)
+                if args and output is args[0] and not passes_on_plainly(module) and \
+                        not _has_children(module):
+                    step.replay_doubt = True
+                if step.outputs and isinstance(output, torch.Tensor) and \
+                        id(weakref.ref(output)) in step.outputs:
+                    self.recorder.module_returns(module, output)
+                return None
         if self._step.pending:
             self.copies.copy_pending(self._step)
         if self.rescuer.armed:
@@ -453,6 +489,29 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             self._step.replay_doubt = True   # replay.py, rule 2
         self.recorder.module_returns(module, output)
         return None
+
+    def _lean_allowed(self, step: _Step) -> bool:
+        """Whether ``step``, which replays, runs lean from this leaf module on (replay.py, rule
+        4): the whole path would do nothing at its other modules but the checks the short path
+        keeps: nothing is copied or polled (no offload, no copy kept apart), staged, lent,
+        traced, rescued or looked up in a plan cache, its op recorder is off, and a container
+        runs this leaf on the ``with``'s thread."""
+        plan, modes = self.plan, self.modes
+        return (self.lean_steps and bool(self._containers) and self.recorder.ops is None
+                and not step.pending and not step.profiling and self.stage is None
+                and self._staged is None and self.force is None and self.trace is None
+                and self.lender.plan is None and not self.rescuer.armed
+                and self._cached is None and not self._cache_due and not self._offload_rest
+                and modes is not None and OFFLOAD not in modes
+                and (plan is None or not plan.keep_apart) and self.on_with_thread())
+
+    def _end_lean(self) -> None:
+        """The short path ends (the root's call or return, a step's start): the containers the
+        root ran since it began were not stacked, so the stack is the root alone, as at the
+        root's call."""
+        root, self._lean_root = self._lean_root, None
+        if root is not None:
+            self._containers = [root]
 
     def _event(self, *event):
         if self.trace is not None:
@@ -500,8 +559,10 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         left due by a failed step happens here too."""
         step = self._step
         if step.unpacks:
+            self._end_lean()   # a step starting inside a lean step's forward (rule 4)
             self._end_step()
         elif not step.live and step.abandoned():   # live: held by autograd, not abandoned
+            self._end_lean()
             self._end_step(failed=True, abandoned=True)
         if self._empty_cache_due:
             self._empty_caches()

@@ -43,6 +43,16 @@ Rules:
    packs, which hold their group: a cycle through autograd's C++ objects the collector cannot
    free). A step in which a module ran or a group was packed on another thread than the ``with``'s
    (which numbers its nodes apart) does not replay.
+4. A step that replays runs lean (``OffloadSession._lean_allowed``) where the module hooks would
+   do nothing else at its modules: no offload or copy kept apart (nothing to copy or poll
+   between ops), no stage, rescue, lending, trace or cached plan to check, the op recorder off,
+   a container running its first leaf module on the ``with``'s thread. From that leaf to the
+   return of the outermost container then running (the root), a module call runs the hooks'
+   short path: the whole one for a module whose calls the step records (rule 2), else a thread
+   check, and at its return rule 2's test of a leaf returning its own input and
+   ``recorder.module_returns`` where it returns a recorded call's output; containers are not
+   stacked, so the stack is the root alone again at the short path's end (the root's return or
+   call, a step starting).
 """
 
 from __future__ import annotations

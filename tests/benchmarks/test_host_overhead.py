@@ -54,3 +54,12 @@ def test_the_hook_mechanism_alone_runs_only_where_named_and_leaves_no_hook_behin
         assert row["same_parameters_as"] == "pytorch", name
     assert (len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks),
             torch._C._len_torch_function_stack(), top_saved_hooks(False)) == before
+
+
+def test_the_mixed_plan_replaying_recorded_and_without_the_short_path_trains_as_pytorch():
+    document = host_overhead.main(["--layers", "1", "1", "1", "1", "--steps", "2", "--rounds",
+                                   "1", "--warmup", "4", "--configs", "pytorch", "mixed",
+                                   "mixed-whole", "mixed-recorded"])
+    assert list(document["configs"]) == ["pytorch", "mixed", "mixed-whole", "mixed-recorded"]
+    for name, row in document["configs"].items():
+        assert row["same_parameters_as"] == "pytorch", name

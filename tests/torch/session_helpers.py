@@ -57,13 +57,15 @@ def probed_groups(model, data):
     return probe._step.groups
 
 
-def steps_against_plain(model, data, modes, before=None, replay=True, momentum=0.9):
+def steps_against_plain(model, data, modes, before=None, replay=True, momentum=0.9,
+                        lean=True):
     """SGD steps of ``model`` under fixed ``modes`` and of a plain copy (``before(index, ours,
     theirs)`` first in each), each step's gradients and buffers equal bit for bit. Per step:
-    (replayed, calls recorded, groups recomputed); and the session. ``replay``: the session's
-    (replay.py)."""
+    (replayed, calls recorded, groups recomputed); and the session. ``replay``: the session's,
+    ``lean``: its ``lean_steps`` (replay.py, rule 4)."""
     plain = copy.deepcopy(model)
     session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0, replay=replay)
+    session.lean_steps = lean
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum)
                   for m in (model, plain)]
     seen = []

@@ -95,13 +95,27 @@ def test_a_steady_planned_step_replays_its_recipes_and_records_next_to_nothing()
     data = _data(6)
     model = _Net(torch.float64)
     modes = _modes(copy.deepcopy(model), data)
-    seen, _ = steps_against_plain(model, data, modes)
+    seen, session = steps_against_plain(model, data, modes)
     replayed, calls, recomputed = zip(*seen)
     assert replayed == (False, True, True, True, True, True)   # learnt from step 1
     assert set(recomputed) == {modes.count(RECOMPUTE)}          # every planned group, each step
     # recorded in a step that replays: the downsample's batch norm (its output an intermediate
     # no pack shows) and the max pooling (its indices' recipe, found from its call)
     assert calls[1:] == (2,) * 5 and calls[0] > 10
+    # on the module hooks' short path (rule 4) once the rescue the first steps under new modes
+    # arm (rescue.py, rule 5; it watches every module's output) is over: the last three
+    assert session.lean_steps_run == 3
+
+
+def test_a_step_that_replays_without_the_short_path_records_the_same():
+    # rule 4's short path against the whole one: the same calls recorded, the same groups
+    # recomputed, bit for bit as PyTorch alone either way
+    data = _data(5)
+    model = _Net(torch.float64)
+    modes = _modes(copy.deepcopy(model), data)
+    lean, session = steps_against_plain(copy.deepcopy(model), data, modes)
+    whole, other = steps_against_plain(model, data, modes, lean=False)
+    assert whole == lean and session.lean_steps_run == 2 and other.lean_steps_run == 0
 
 
 def test_without_replay_the_steps_record_their_recipes_calls():
@@ -197,19 +211,21 @@ class _ThroughData(nn.Module):
 
 
 def test_a_module_passing_on_its_input_ends_the_steps_replays():
-    data = _data(5)
+    # from the sixth step, on the module hooks' short path (rule 4) as from the fourth
+    data = _data(7)
     model = _Net(torch.float64)
     modes = _modes(copy.deepcopy(model), data)
 
     def halving(index, *models):
         for m in models:
-            m.blocks[1].bn2 = nn.Sequential(m.blocks[1].bn2, _ThroughData()) if index == 2 \
+            m.blocks[1].bn2 = nn.Sequential(m.blocks[1].bn2, _ThroughData()) if index == 5 \
                 else (m.blocks[1].bn2[0] if isinstance(m.blocks[1].bn2, nn.Sequential)
                       else m.blocks[1].bn2)
 
-    seen, _ = steps_against_plain(model, data, modes, halving)
-    assert seen[1][0] and seen[2][0]
-    assert seen[2][2] < seen[1][2]     # the groups after the module's return: kept
+    seen, session = steps_against_plain(model, data, modes, halving)
+    assert seen[4][0] and seen[5][0] and session.lean_steps_run == 3   # steps 4, 5 and 6
+    assert seen[5][2] < seen[4][2]     # the groups after the module's return: kept
+    assert not seen[6][0]              # and the steps under that plan record again
 
 
 def test_a_dropped_graph_is_still_let_go_while_the_session_replays():
