@@ -547,6 +547,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self._local_handles = local
         self._own_hooks = frozenset(handle.id for handle in local)
         self.unhooked_steps_run += 1
+        if self.unhooked_steps_run == 1:
+            self.say("the steady steps replay their recipes: their forwards run without the "
+                     "session's module hooks after the first leaf module (replay.py, rule 4)")
 
     def _root_returns(self, module, args, output):
         """The root's hook of an unhooked lean step: the session's hooks back, then the root's
