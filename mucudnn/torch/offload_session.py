@@ -67,7 +67,7 @@ from .lend import WorkspaceLender
 from .link import CudaLink, SameMemoryLink
 from .planner import OFFLOAD, RECOMPUTE
 from .records import _Step
-from .replay import passes_on_plainly, shipped_leaves
+from .replay import passes_on_plainly
 from .recorder import StepRecorder, _current_node, _has_children, _past_the_op_recorder
 from .host_copies import StepCopies
 from .lifecycle import SETTLED, Lifecycle
@@ -232,13 +232,6 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         self.lean_steps = True
         #: the steps that took it
         self.lean_steps_run = 0
-        #: a lean step whose module hooks come off at its first leaf module's return (replay.py,
-        #: rule 4), the hooks of its own it put on its root and recorded modules then, and their
-        #: ids (:meth:`_unhook`); the steps that ran so
-        self._unhook_due = False
-        self._local_handles: list = []
-        self._own_hooks: frozenset = frozenset()
-        self.unhooked_steps_run = 0
         #: the plan cache (plancache.py; None: MUCUDNN_PLAN_CACHE's on a GPU), looked up at the
         #: first step's first leaf module or save (:meth:`_look_up_plan`); the key then, the
         #: entry whose plan the first step runs (checked group by group), and whether the rest
@@ -289,19 +282,15 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         hooks.__enter__()   # raises where saved-tensor hooks are off (torch.func): none pushed
         self._hooks = hooks
         self._containers = []
-        self._register_module_hooks()
+        hooks = torch.nn.modules.module
+        self._handles = [hooks.register_module_forward_pre_hook(self._before_module),
+                         hooks.register_module_forward_hook(self._after_module, always_call=True)]
         # the torch function modes below the session's: where the stack has this many again
         # at a step's start, the op recorder may go on top (:meth:`_start_ops_if_due`)
         self._function_modes_below = torch._C._len_torch_function_stack()
         if self._recipes_used():  # the ops a recipe may include (the residual add)
             self.recorder.start_ops()
         self.rescuer.sync()
-
-    def _register_module_hooks(self) -> None:
-        """The global module hooks: a pre-hook, and a hook always called after."""
-        hooks = torch.nn.modules.module
-        self._handles = [hooks.register_module_forward_pre_hook(self._before_module),
-                         hooks.register_module_forward_hook(self._after_module, always_call=True)]
 
     def on_with_thread(self) -> bool:
         """The calling thread entered the session's outermost ``with``: the stacks of modes the
@@ -331,8 +320,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         staged, self._staged = self._staged, None
         if staged is not None:
             staged.abort()
-        self._end_lean(hook_again=False)
-        self._containers = []
+        self._containers, self._lean_root = [], None
         if self._step.pending:   # the forward is over: every op saving a pending group has run
             self.copies.copy_pending(self._step)
         self.recorder.stop_ops(exc_info)
@@ -445,7 +433,6 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
             if step.replays is not None and self._lean_allowed(step):
                 self._lean_root = self._containers[0]
                 self.lean_steps_run += 1
-                self._unhook_due = self._unhook_allowed(step)
         # a stage in force stages its chain; in a recording step only the one that step took
         # (:meth:`_stages_recording`: the recording would not fit otherwise)
         if self._staged is None and (self.stage is not None or step.profiling) and \
@@ -464,12 +451,6 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     def _after_module(self, module, args, output):
         root = self._lean_root
         if root is not None:   # replay.py, rule 4
-            if self._unhook_due and module is not root:
-                # the step's first leaf module returns: its return as ever, then no hooks
-                self._unhook_due = False
-                output = self._after_module(module, args, output)
-                self._unhook()
-                return output
             if module is root:   # the forward's end: the root's return, as the whole path has it
                 self._end_lean()
             elif id(module) not in self._step.records_only:
@@ -524,51 +505,10 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                 and modes is not None and OFFLOAD not in modes
                 and (plan is None or not plan.keep_apart) and self.on_with_thread())
 
-    def _unhook_allowed(self, step: _Step) -> bool:
-        """Whether lean ``step`` runs without module hooks from its first leaf module's return
-        (replay.py, rule 4): the session's are the only global module hooks (their order among
-        others stays), and every leaf module under the root is of a type PyTorch or torchvision
-        ships."""
-        hooks = torch.nn.modules.module
-        return (len(hooks._global_forward_pre_hooks) == 1 and len(hooks._global_forward_hooks) == 1
-                and not self._local_handles and shipped_leaves(self._lean_root))
-
-    def _unhook(self) -> None:
-        """The global module hooks off; a hook always called at the root's return, and the
-        pre-hook and hook of each module the step records, on those modules instead."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        root = self._lean_root
-        local = [root.register_forward_hook(self._root_returns, always_call=True)]
-        for module in self._step.watched_modules:
-            local.append(module.register_forward_pre_hook(self._before_module))
-            local.append(module.register_forward_hook(self._after_module, always_call=True))
-        self._local_handles = local
-        self._own_hooks = frozenset(handle.id for handle in local)
-        self.unhooked_steps_run += 1
-        if self.unhooked_steps_run == 1:
-            self.say("the steady steps replay their recipes: their forwards run without the "
-                     "session's module hooks after the first leaf module (replay.py, rule 4)")
-
-    def _root_returns(self, module, args, output):
-        """The root's hook of an unhooked lean step: the session's hooks back, then the root's
-        return as the whole path has it."""
-        self._end_lean()
-        return self._after_module(module, args, output)
-
-    def _end_lean(self, hook_again: bool = True) -> None:
-        """The short path ends (the root's call or return, a step's start, the ``with``'s exit):
-        the hooks of an unhooked step come off and the global ones go back (``hook_again``);
-        the containers the root ran since it began were not stacked, so the stack is the root
-        alone, as at the root's call."""
-        self._unhook_due = False
-        if self._local_handles:
-            for handle in self._local_handles:
-                handle.remove()
-            self._local_handles, self._own_hooks = [], frozenset()
-            if hook_again and self._depth > 0:
-                self._register_module_hooks()
+    def _end_lean(self) -> None:
+        """The short path ends (the root's call or return, a step's start): the containers the
+        root ran since it began were not stacked, so the stack is the root alone, as at the
+        root's call."""
         root, self._lean_root = self._lean_root, None
         if root is not None:
             self._containers = [root]

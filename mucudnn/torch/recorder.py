@@ -22,7 +22,7 @@ from .planner import KEEP, RECOMPUTE
 from .recipes import RecipeFinder, _changes_in_place
 from .records import (CHEAP, CONVOLUTIONS, _INSTANCE_NORMS, _Call, _Group, _ModuleState, _Read,
                       _Step, _joined)
-from .replay import own_hooks_only, template_of
+from .replay import template_of
 from .stage import _AUTOCAST_DEVICES, ChainRecorder, autocast_state
 
 #: Ops a recipe may include besides modules (recorded by :class:`_OpRecorder`): the sum of two
@@ -107,10 +107,8 @@ class _RecipeModules:
     templates: dict | None = None
     #: a step that replayed kept a group its modes recompute: never replayed again
     replay_failed: bool = False
-    #: the ids of the modules whose calls a step that replays records (replay.py, rule 2), and
-    #: those modules
+    #: the ids of the modules whose calls a step that replays records (replay.py, rule 2)
     watched: frozenset = frozenset()
-    watched_modules: tuple = ()
 
 
 class StepRecorder:
@@ -269,8 +267,7 @@ class StepRecorder:
     def _recomputable(self, module) -> bool:
         """Of a recomputable type, and without hooks of its own: a rerun would run them again
         (``spectral_norm``'s power iteration changes the weight and its buffers)."""
-        if (module._forward_pre_hooks or module._forward_hooks) and \
-                not own_hooks_only(module, self.session._own_hooks):   # replay.py, rule 4
+        if module._forward_pre_hooks or module._forward_hooks:
             return False
         if type(module) in _INSTANCE_NORMS:
             return getattr(module, "running_mean", None) is None
@@ -417,7 +414,6 @@ class StepRecorder:
         if learnt is not None and learnt.active:
             if learnt.templates is not None and self.session.replay and not step.foreign:
                 step.replays, step.records_only = learnt.templates, learnt.watched
-                step.watched_modules = learnt.watched_modules
             else:
                 step.records_only = learnt.ids
         return step.records_only
@@ -472,11 +468,9 @@ class StepRecorder:
             learnt.templates = None
         else:
             learnt.templates = templates
-            watched = {id(module): module for template in templates.values()
-                       if template is not None for module in template.watched_modules}
-            watched.update((id(call.module), call.module)
-                           for recipe in searched for call in recipe.calls)
-            learnt.watched, learnt.watched_modules = frozenset(watched), tuple(watched.values())
+            learnt.watched = frozenset().union(
+                *(t.watched_modules for t in templates.values() if t is not None),
+                (id(call.module) for recipe in searched for call in recipe.calls))
 
     def learn_template(self, step: _Step, gid: int, recipe, tensor: torch.Tensor) -> None:
         """Group ``gid``'s ``recipe``, just found for ``tensor`` in a planned step recording every

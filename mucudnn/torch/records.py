@@ -381,8 +381,6 @@ class _Step:
     #: the ids of the only leaf modules whose calls it records (StepRecorder.recorded_modules);
     #: None: every one's, where it records calls at all
     records_only: frozenset | None = None
-    #: a step that replays: the modules ``records_only`` names (replay.py, rule 4)
-    watched_modules: tuple = ()
     records_only_decided: bool = False
     #: the ids of the leaf modules that saved a view of their own input (StepRecorder.alias):
     #: recipes read through such a view, found from that module's call

@@ -52,16 +52,7 @@ Rules:
    check, and at its return rule 2's test of a leaf returning its own input and
    ``recorder.module_returns`` where it returns a recorded call's output; containers are not
    stacked, so the stack is the root alone again at the short path's end (the root's return or
-   call, a step starting). Where the session's are the only global module hooks and every leaf
-   module under the root is of a type PyTorch or torchvision ships (:func:`shipped_leaves`: none
-   changes a tensor out of its version counter's sight, so none needs that test), the global
-   hooks come off at the first leaf module's return, for the rest of the root's forward: a hook
-   always called at the root's return puts them back, and the modules the step records carry a
-   pre-hook and a hook of the session's meanwhile (which :func:`replayed` and the recorder's
-   recomputable test do not count as the module's own). A module of the script's own type then
-   runs outside the session's sight only where it is no leaf under the root (one called by the
-   root's forward without being its submodule). The ``with``'s exit and a step starting inside
-   the stretch take the local hooks off too.
+   call, a step starting).
 """
 
 from __future__ import annotations
@@ -113,9 +104,9 @@ class RecipeTemplate:
     version: int
 
     @property
-    def watched_modules(self) -> list:
-        """The modules whose calls a step that replays it records (rule 2)."""
-        return [call.module for call in self.calls if call.watched]
+    def watched_modules(self) -> set:
+        """The ids of the modules whose calls a step that replays it records (rule 2)."""
+        return {id(call.module) for call in self.calls if call.watched}
 
 
 def _source_slot(gid: int) -> int:
@@ -239,13 +230,11 @@ def template_of(recipe: _Recipe, tensor, step: _Step) -> RecipeTemplate | None:
     return RecipeTemplate(tuple(calls), tuple(inputs), passes, tensor._version)
 
 
-def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place,
-             own_hooks: frozenset = frozenset()) -> _Recipe | None:
+def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place) -> _Recipe | None:
     """The saved ``tensor``'s recipe in a step that replays, from its group's ``template`` where
     the graph and the step's recorded calls hold it (rule 2), else None. ``in_place``:
-    recorder.py's ``_in_place`` (a module's ``inplace`` now); ``own_hooks``: the ids of the
-    session's own module hooks (rule 4), which a module may carry. (At every pack of a
-    recomputed group: loops, no generators; the cheap tests first.)"""
+    recorder.py's ``_in_place`` (a module's ``inplace`` now). (At every pack of a recomputed
+    group: loops, no generators; the cheap tests first.)"""
     if template is None or step.replay_doubt or tensor._version != template.version:
         return None
     calls = template.calls
@@ -255,8 +244,8 @@ def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place,
         if module is None:
             params.append(())
             continue
-        if (module._forward_pre_hooks or module._forward_hooks) and \
-                not own_hooks_only(module, own_hooks) or in_place(module) != call.in_place:
+        if module._forward_pre_hooks or module._forward_hooks or \
+                in_place(module) != call.in_place:
             return None
         # the module rerun with its own attributes as they were learnt: what the forward read
         try:
@@ -307,44 +296,6 @@ def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place,
                                   op=call.op, keywords=call.keywords, recomputable=True,
                                   state=_ModuleState.of(module) if module is not None else None))
     return _Recipe(recipe_calls, recipe_inputs)
-
-
-def own_hooks_only(module, own_hooks: frozenset) -> bool:
-    """Every forward hook ``module`` carries is one of ``own_hooks`` (the session's)."""
-    for key in module._forward_pre_hooks:
-        if key not in own_hooks:
-            return False
-    for key in module._forward_hooks:
-        if key not in own_hooks:
-            return False
-    return True
-
-
-#: module type -> whether it is PyTorch's or torchvision's (rule 4)
-_SHIPPED: dict = {}
-
-
-def shipped_leaves(root) -> bool:
-    """Every leaf module under ``root`` (``root`` too where it is one) is of a type PyTorch or
-    torchvision ships: none changes a tensor out of its version counter's sight (``.data``), so
-    none needs rule 2's pass-through test. (At a lean step's start: a walk of the modules'
-    dicts, no generator.)"""
-    stack = [root]
-    while stack:
-        module = stack.pop()
-        leaf = True
-        for child in module._modules.values():
-            if child is not None:
-                stack.append(child)
-                leaf = False
-        if leaf:
-            kind = type(module)
-            known = _SHIPPED.get(kind)
-            if known is None:
-                known = _SHIPPED[kind] = kind.__module__.startswith(("torch.nn.", "torchvision."))
-            if not known:
-                return False
-    return True
 
 
 def passes_on_plainly(module) -> bool:

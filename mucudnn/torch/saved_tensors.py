@@ -150,8 +150,7 @@ class SavedTensorHooks:
         if recorder.may_recompute(step, gid):
             template = step.replays.get(gid) if step.replays is not None else None
             if template is not None:
-                recipe = replayed(template, tensor, step, _in_place, self._own_hooks) \
-                    if not step.foreign else None
+                recipe = replayed(template, tensor, step, _in_place) if not step.foreign else None
             elif step.replays is not None:   # its modules' calls are recorded (replay.py)
                 recipe = recorder.recipes.recipe(tensor, step)
             else:

@@ -103,10 +103,8 @@ def test_a_steady_planned_step_replays_its_recipes_and_records_next_to_nothing()
     # no pack shows) and the max pooling (its indices' recipe, found from its call)
     assert calls[1:] == (2,) * 5 and calls[0] > 10
     # on the module hooks' short path (rule 4) once the rescue the first steps under new modes
-    # arm (rescue.py, rule 5; it watches every module's output) is over: the last three, each
-    # without the global module hooks from its first leaf module's return (every leaf here is
-    # PyTorch's)
-    assert session.lean_steps_run == 3 and session.unhooked_steps_run == 3
+    # arm (rescue.py, rule 5; it watches every module's output) is over: the last three
+    assert session.lean_steps_run == 3
 
 
 def test_a_step_that_replays_without_the_short_path_records_the_same():
@@ -118,69 +116,6 @@ def test_a_step_that_replays_without_the_short_path_records_the_same():
     lean, session = steps_against_plain(copy.deepcopy(model), data, modes)
     whole, other = steps_against_plain(model, data, modes, lean=False)
     assert whole == lean and session.lean_steps_run == 2 and other.lean_steps_run == 0
-    assert session.unhooked_steps_run == 2 and other.unhooked_steps_run == 0
-
-
-class _Halve(nn.Module):
-    """A leaf module of the script's own type: halves its input (out of place)."""
-
-    def forward(self, x):
-        return x * 0.5
-
-
-def test_a_leaf_module_of_the_scripts_own_type_keeps_the_module_hooks_on():
-    # rule 4: its return is watched for rule 2's pass-through test, so the hooks stay on
-    data = _data(6)
-    model = _Net(torch.float64, act=_Halve())
-    seen, session = steps_against_plain(model, data, _modes(copy.deepcopy(model), data))
-    assert all(replays for replays, _, _ in seen[1:])
-    assert session.lean_steps_run == 3 and session.unhooked_steps_run == 0
-
-
-def test_another_global_module_hook_keeps_the_module_hooks_on():
-    data = _data(6)
-    model = _Net(torch.float64)
-    modes = _modes(copy.deepcopy(model), data)
-    calls = []
-    handle = torch.nn.modules.module.register_module_forward_hook(
-        lambda module, args, output: calls.append(type(module)))
-    try:
-        seen, session = steps_against_plain(model, data, modes)
-    finally:
-        handle.remove()
-    assert session.lean_steps_run == 3 and session.unhooked_steps_run == 0
-    # the script's hook saw every module call of every step (the plain copy's too)
-    assert calls.count(nn.Conv2d) == 2 * 6 * sum(isinstance(m, nn.Conv2d) for m in model.modules())
-
-
-def test_an_unhooked_step_leaves_no_hook_on_the_model_and_puts_its_own_back():
-    data = _data(6)
-    model = _Net(torch.float64)
-    modes = _modes(copy.deepcopy(model), data)
-    session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    hooks = torch.nn.modules.module
-    with session:
-        for index, (x, y) in enumerate(data):
-            optimizer.zero_grad()
-            if index == 5:   # the forward raises inside the unhooked stretch: a shipped
-                # leaf module (a linear layer of another width than the input's last) raises
-                model.spare = nn.Linear(3, 3).to(torch.float64)
-                unhooked = session.unhooked_steps_run
-                with pytest.raises(RuntimeError, match="shapes"):
-                    model(x)
-                assert session.unhooked_steps_run == unhooked + 1
-                model.spare = None
-                assert len(hooks._global_forward_pre_hooks) == 1
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            # between steps: the session's global hooks, and none of the model's own
-            assert len(hooks._global_forward_pre_hooks) == 1 == len(hooks._global_forward_hooks)
-            assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-        copy.deepcopy(model)   # carries nothing of the session's
-    assert session.unhooked_steps_run >= 3
-    assert not hooks._global_forward_pre_hooks and not hooks._global_forward_hooks
 
 
 def test_without_replay_the_steps_record_their_recipes_calls():
