@@ -381,7 +381,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     def _before_module(self, module, args):
         root = self._lean_root
         if root is not None:   # replay.py, rule 4: of a lean step, only what it records
-            if module is root:   # the root again, inside its own forward: the whole path
+            # the root again, inside its own forward; or the next step's first module (a root
+            # whose forward a BaseException left never returns): the whole path
+            if module is root or self._step.unpacks:
                 self._end_lean()
             elif id(module) not in self._step.records_only:
                 if not self.on_with_thread():

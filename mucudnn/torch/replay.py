@@ -52,7 +52,7 @@ Rules:
    check, and at its return rule 2's test of a leaf returning its own input and
    ``recorder.module_returns`` where it returns a recorded call's output; containers are not
    stacked, so the stack is the root alone again at the short path's end (the root's return or
-   call, a step starting).
+   call, a module called once the step's backward has begun, a step starting).
 """
 
 from __future__ import annotations
