@@ -508,9 +508,9 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                 and (plan is None or not plan.keep_apart) and self.on_with_thread())
 
     def _end_lean(self) -> None:
-        """The short path ends (the root's call or return, a step's start): the containers the
-        root ran since it began were not stacked, so the stack is the root alone, as at the
-        root's call."""
+        """The short path ends (the root's call or return, a module called once the step's
+        backward has begun, a step's start): the containers the root ran since it began were not
+        stacked, so the stack is the root alone, as at the root's call."""
         root, self._lean_root = self._lean_root, None
         if root is not None:
             self._containers = [root]
