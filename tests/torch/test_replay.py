@@ -281,3 +281,47 @@ def test_the_other_chunk_of_a_node_is_not_taken_for_a_source():
     seen, _ = steps_against_plain(model, data, modes, _from_third_step("swap"))
     assert seen[1] == (True, 1, 1)   # replayed (the batch norm's call recorded: watched), recomputed
     assert seen[2][0] and seen[2][2] == 0   # the other chunk: kept, not rebuilt from the first
+
+
+def test_a_container_a_keyboard_interrupt_left_does_not_stretch_the_short_path_into_the_next_step():
+    # a KeyboardInterrupt raised inside another model's forward, caught inside a ``with``
+    # entered once, skips that model's always-called hooks: it stays on the session's stack of
+    # containers and the short path takes it for its root, which never returns. The next step's
+    # first module still starts that step (rule 4: a module called once the backward has begun
+    # takes the whole path), and every step is PyTorch's, bit for bit
+    def run(interrupt):
+        data = _data(7)
+        model = _Net(torch.float64)
+        modes = _modes(copy.deepcopy(model), data)
+        plain = copy.deepcopy(model)
+        expected = []   # PyTorch alone's gradients, step by step (SGD: each step on the last)
+        optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+        for x, y in data:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(plain(x), y).backward()
+            expected.append([p.grad.clone() for p in plain.parameters()])
+            optimizer.step()
+        other = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).to(torch.float64)
+
+        def stop(module, args):
+            raise KeyboardInterrupt
+        other[1].register_forward_pre_hook(stop)
+        session = OffloadSession(modes=modes, link=SameMemoryLink(), min_bytes=0)
+        started = []   # the session's step count at each step's first leaf module
+        model.stem[0].register_forward_pre_hook(lambda module, args: started.append(session.steps))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with session:
+            for index, (x, y) in enumerate(data):
+                if interrupt and index == 3:
+                    with pytest.raises(KeyboardInterrupt):
+                        other(torch.randn(2, 16, dtype=torch.float64))
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                for ours, theirs in zip(model.parameters(), expected[index]):
+                    assert torch.equal(ours.grad, theirs), index
+                optimizer.step()
+        return started, session
+
+    started, session = run(interrupt=True)
+    assert session._containers == [] and session.lean_steps_run >= 2
+    assert started == run(interrupt=False)[0]
