@@ -67,7 +67,7 @@ from .lend import WorkspaceLender
 from .link import CudaLink, SameMemoryLink
 from .planner import OFFLOAD, RECOMPUTE
 from .records import _Step
-from .replay import passes_on_plainly
+from .replay import returns_own_input
 from .recorder import StepRecorder, _current_node, _has_children, _past_the_op_recorder
 from .host_copies import StepCopies
 from .lifecycle import SETTLED, Lifecycle
@@ -459,8 +459,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
                 step = self._step
                 # a leaf returning its own input (rule 2), and a module returning what a recorded
                 # call returned (recorder.module_returns: it is that tensor's last maker)
-                if args and output is args[0] and not passes_on_plainly(module) and \
-                        not _has_children(module):
+                if returns_own_input(module, args, output) and not _has_children(module):
                     step.replay_doubt = True
                 if step.outputs and isinstance(output, torch.Tensor) and \
                         id(weakref.ref(output)) in step.outputs:
@@ -486,8 +485,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         if self._containers and self._containers[-1] is module:
             self._containers.pop()
             return None
-        if self._step.replays is not None and args and output is args[0] and \
-                not passes_on_plainly(module):
+        if self._step.replays is not None and returns_own_input(module, args, output):
             self._step.replay_doubt = True   # replay.py, rule 2
         self.recorder.module_returns(module, output)
         return None

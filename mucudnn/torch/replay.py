@@ -85,9 +85,8 @@ class _TemplateCall:
     params: tuple             # the module's parameter names, as its recorded state named them
     watched: bool
     attributes: tuple         # the node's saved arguments that are no tensors (rule 2)
-    #: the names of the module's own plain attributes, its mode among them, and their values
-    #: (:func:`_hyperparameters`), and what reads those names' values from its ``__dict__``
-    hyper_names: tuple
+    #: the values of the module's own plain attributes, its mode among them, and what reads
+    #: them from its ``__dict__`` (:func:`_hyperparameters`)
     hyper_values: tuple
     hyper_reader: object
 
@@ -298,6 +297,12 @@ def replayed(template: RecipeTemplate | None, tensor, step: _Step, in_place) -> 
     return _Recipe(recipe_calls, recipe_inputs)
 
 
+def returns_own_input(module, args, output) -> bool:
+    """Rule 2's test of a leaf ``module``'s return: it returned its own first argument, and is
+    of no type known to change it in sight of its version counter or not at all."""
+    return bool(args) and output is args[0] and not passes_on_plainly(module)
+
+
 def passes_on_plainly(module) -> bool:
     """``module``, which returned its own input, is of a type known to change it in sight of
     its version counter or not at all: nn.Identity, an in-place activation of PyTorch's."""
@@ -336,16 +341,16 @@ def _attributes(node) -> tuple:
 _PLAIN = (bool, int, float, str, tuple, type(None))
 
 
-def _hyperparameters(module) -> tuple[tuple, tuple, object]:
-    """The names and values of ``module``'s own attributes of plain values (an activation's
-    slope, a pooling's kernel, a batch norm's eps and momentum, its mode): what its forward
-    reads besides tensors; and what reads those names' values from a ``__dict__`` (a KeyError
-    where one is gone); ((), (), None) for an op."""
+def _hyperparameters(module) -> tuple[tuple, object]:
+    """The values of ``module``'s own attributes of plain values (an activation's slope, a
+    pooling's kernel, a batch norm's eps and momentum, its mode): what its forward reads besides
+    tensors; and what reads them from a ``__dict__`` by name (a KeyError where one is gone);
+    ((), None) for an op."""
     if module is None:
-        return (), (), None
+        return (), None
     names = tuple([name for name, value in module.__dict__.items()
                    if isinstance(value, _PLAIN) and name[0] != "_"])
-    return names, tuple([module.__dict__[name] for name in names]), _reader(itemgetter, names)
+    return tuple([module.__dict__[name] for name in names]), _reader(itemgetter, names)
 
 
 def _watched_holds(step: _Step, call: _TemplateCall, node) -> bool:
