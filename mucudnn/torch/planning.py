@@ -161,12 +161,8 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     caching allocator may not have room for, or only by flushing its cache) at those and the
     profile's; of each budget's, the one :func:`simulate` finds fastest is tried if it beats
     every plan before it by :data:`TRIAL_MIN_GAIN`; at ``budget`` that includes the fastest
-    of its plans (``plan`` too) :func:`polished`, and at each larger budget its fastest
-    polished likewise. A plan that only recomputes is tried against them too: a copy that
-    fits in its link's idle time can replace a recompute, which the time model, charging every
-    copy the exposure, does not see (ResNet-50 N=184 on an H100's profile: the plan for 9 GiB
-    recomputes 38 groups, 107.7 ms; polished, it offloads 8 of them, 106.7 ms simulated). None
-    (``[]``) where ``plan`` keeps every group (nothing beats it). The plans are made by ``method`` (the fast one starts
+    of its plans (``plan`` too) :func:`polished`. None (``[]``) where ``plan`` moves nothing
+    (its exposure then changes nothing). The plans are made by ``method`` (the fast one starts
     from ``plan``'s modes: within every larger target, near the plans of other exposures; at
     another exposure than the profile's, only a construction and improvement from there, else
     from the target's plan at the profile's exposure, on the prefetch ladder from that plan's
@@ -176,7 +172,7 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
     runtime runs each :data:`TRIAL_STEPS` steps and keeps the fastest (of those that did not
     flush the allocator's cache where any did not): what the allocator does near its cap is no
     part of the model."""
-    if all(mode == KEEP for mode in plan.modes):
+    if not plan.moved_bytes:
         return []
     tried, best, chosen = [plan], plan.simulated_ms, []
     solve_s = TRIAL_SOLVE_S if time_limit_s is None else min(time_limit_s, TRIAL_SOLVE_S)
@@ -209,13 +205,12 @@ def trial_plans(profile: StepProfile, budget: int, plan: OffloadPlan, lookahead:
                 same = other
             if not any(_same_plan(other, seen) for seen in tried + [p for _, p in made]):
                 made.append((f"made at copy exposure {exposure:g}{where}", other))
-        # the simulated fastest of the target's plans, polished on the simulation
-        label, fastest = min(([("as made", plan)] if target == budget else []) + made,
-                             key=lambda entry: entry[1].simulated_ms, default=(None, None))
-        if fastest is not None:
+        if target == budget:
+            # the simulated fastest of the target's plans, polished on the simulation
+            label, fastest = min([("as made", plan)] + made,
+                                 key=lambda entry: entry[1].simulated_ms)
             better = polished(profile, fastest, solve_s, method=method)
-            if better is not fastest and not any(
-                    _same_plan(better, seen) for seen in tried + [p for _, p in made]):
+            if better is not fastest and not any(_same_plan(better, seen) for seen in tried):
                 made.append((f"{label}, polished on its simulation", better))
         tried += [p for _, p in made]
         if made:

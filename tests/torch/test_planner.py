@@ -576,46 +576,6 @@ def test_trial_plans_offer_a_larger_budgets_plan_where_copies_queue():
     assert planning.trial_plans(profile, 250 * 10**6, made) == []
 
 
-def test_a_plan_that_only_recomputes_is_tried_against_one_that_copies_in_the_links_idle_time():
-    # four 100 MB groups in a 32 ms forward, the second rebuilt from the first in 2 ms; under
-    # 350 MB one goes. The time model charges a copy 0.6 of its 10 ms each way, so the plan made
-    # recomputes (74 ms); the first group's copies fit in the forward's and the backward's idle
-    # link (released at 30 ms, fetched at 10-20 for its unpack at 30): 72 ms, tried
-    groups = [SavedGroup(100 * 10**6, 3 - g, 3 - g, recompute_ms=2.0 if g == 1 else None,
-                         recompute_source=0 if g == 1 else None) for g in range(4)]
-    profile = StepProfile(groups, 32.0, 40.0, 10.0, 10.0, 4,
-                          forward_clock=[0.0, 1.0, 30.0, 31.0],
-                          copy_exposure=planner.COPY_EXPOSURE)
-    made = plan_with_prefetch(profile, 350 * 10**6)
-    assert made.modes == (KEEP, RECOMPUTE, KEEP, KEEP) and made.moved_bytes == 0
-    assert made.simulated_ms == pytest.approx(74.0)
-    tried = planning.trial_plans(profile, 350 * 10**6, made)
-    assert [(label, plan.modes) for label, plan in tried] == [
-        ("made at copy exposure 0", (OFFLOAD, KEEP, KEEP, KEEP))]
-    assert tried[0][1].simulated_ms == pytest.approx(72.0)
-
-
-def test_a_larger_budgets_fastest_plan_is_polished_too(monkeypatch):
-    # the plans made for a larger budget are polished like the target's own: the fastest of
-    # them, once, and tried where polishing shortened it
-    profile = dataclasses.replace(chain_profile([MiB] * 3), copy_exposure=0.6)
-    made = _fake_plan("made", 100.0)
-    times = {(0.0, 10): 99.9, (0.2, 10): 99.9, (0.6, 20): 99.0, (0.0, 20): 98.0, (0.2, 20): 99.5}
-    monkeypatch.setattr(planning, "plan_with_prefetch", lambda p, budget, *args, **kwargs: (
-        _fake_plan(f"{p.copy_exposure}@{budget}", times[(p.copy_exposure, budget)])))
-    seen = []
-
-    def polish(profile, plan, *args, **kwargs):
-        seen.append(plan.modes)
-        return _fake_plan(f"{plan.modes[0]}, polished", plan.simulated_ms - 3.0) \
-            if plan.modes == ("0.0@20",) else plan
-    monkeypatch.setattr(planning, "polished", polish)
-    tried = planning.trial_plans(profile, 10, made, larger_budgets=[20])
-    assert seen == [("0.0@10",), ("0.0@20",)]
-    assert [(label, plan.simulated_ms) for label, plan in tried] == [
-        (f"made at copy exposure 0 for {20 / 2**30:.2f} GiB, polished on its simulation", 95.0)]
-
-
 def _fake_plan(name, simulated_ms, moved=MiB):
     return planner.OffloadPlan((name,), 2, 0, simulated_ms, moved, simulated_ms=simulated_ms)
 
@@ -659,9 +619,9 @@ def test_trial_plans_tries_per_budget_the_simulated_fastest_if_it_beats_all_befo
     monkeypatch.setattr(planning, "plan_with_prefetch",
                         lambda p, budget, *args, **kwargs: _fake_plan("made", 50.0))
     assert planning.trial_plans(profile, 10, made, larger_budgets=[20]) == []
-    # a plan that keeps every group is tried against nothing (one that recomputes is: below);
-    # a budget the solver cannot meet is skipped
-    assert planning.trial_plans(profile, 10, _fake_plan(KEEP, 100.0, moved=0)) == []
+    # a plan that moves nothing is tried against nothing; a budget the solver cannot meet is
+    # skipped
+    assert planning.trial_plans(profile, 10, _fake_plan("kept", 100.0, moved=0)) == []
 
     def infeasible_at_zero(p, budget, lookahead, limit, **kwargs):
         if p.copy_exposure == 0.0:
