@@ -6,10 +6,14 @@ its environment for ``mucudnn run`` and ``mucudnn autotune``.
   (``_torch_site/mucudnn_torch_budget.py`` does the work, at PyTorch's lazy CUDA initialisation);
 - the shim reads ``MUCUDNN_MEMORY_BUDGET`` (bytes) in the same environment;
 - fragmentation: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set
-  ``PYTORCH_CUDA_ALLOC_CONF`` (:data:`ALLOCATOR_CONF`). Under a tight budget the caching
-  allocator's fixed segments fail an allocation while GiBs are reserved but free in pieces
-  (measured: benchmarks/results/offload and pressure), which is what PyTorch's own
-  out-of-memory message advises.
+  ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` (:data:`ALLOCATOR_CONF`). Under a tight
+  budget the caching allocator's fixed segments fail an allocation while GiBs are reserved but
+  free in pieces (measured: benchmarks/results/offload and pressure), which is what PyTorch's own
+  out-of-memory message advises;
+- under ``--offload``, where the launcher set that configuration, ``MUCUDNN_PINNED_REGISTER=1``
+  (unless set): the site hook adds PyTorch's options that page-lock pinned host memory on
+  several threads (``mucudnn_torch_budget.pinned_register_conf``), which it can do only in the
+  program's own interpreter, knowing that interpreter's PyTorch.
 
 The budget itself (its grammar, the GPU check, the in-process :func:`~mucudnn.memory_budget`) is
 :mod:`mucudnn.budget`; the workspace slack set beside it under ``--offload``, :mod:`mucudnn.slack`.
@@ -23,7 +27,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from ._torch_site.mucudnn_torch_env import ENV_BUDGET, ENV_OFFLOAD, ENV_REPORT
+from ._torch_site.mucudnn_torch_env import ENV_BUDGET, ENV_OFFLOAD, ENV_PINNED_REGISTER, ENV_REPORT
 from .sizes import describe_size
 
 #: The site directory a launched Python process imports ``sitecustomize`` from.
@@ -37,6 +41,8 @@ def _prepend_path(value: str | None, entry: str) -> str:
 
 #: What a budgeted command's PyTorch allocator is configured with, unless the user configured it.
 ALLOCATOR_CONF = "expandable_segments:True"
+#: The variables PyTorch reads its allocator configuration from (the first set wins)
+ALLOCATOR_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 @contextlib.contextmanager
 def launch_env(env: dict, budget: int, command: tuple[str, ...], warn,
@@ -52,9 +58,12 @@ def launch_env(env: dict, budget: int, command: tuple[str, ...], warn,
         env = dict(env)
         env[ENV_BUDGET] = str(budget)
         env[ENV_REPORT] = report
+        owned = not any(env.get(name) for name in ALLOCATOR_CONF_NAMES)
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF)
         if offload:
             env[ENV_OFFLOAD] = "cheap" if offload == "cheap" else "1"
+            if owned:
+                env.setdefault(ENV_PINNED_REGISTER, "1")
             env["PYTHONPATH"] = _prepend_path(env.get("PYTHONPATH"), str(SITE_DIR.parent.parent))
         env["PYTHONPATH"] = _prepend_path(env.get("PYTHONPATH"), str(SITE_DIR))
         yield env

@@ -145,6 +145,10 @@ SETTINGS: tuple[Setting, ...] = (
             "plan needs, the next steps check those recipes against autograd's graph instead of "
             "recording their calls (mucudnn.torch.replay); 0: they always record", "1",
             (PYTHON,), BOOL),
+    Setting("MUCUDNN_PINNED_REGISTER", "1: the site hook adds PyTorch's options that page-lock "
+            "pinned host memory with cudaHostRegister on several threads (mucudnn run "
+            "--offload sets it where it configured the allocator itself); 0: PyTorch's default",
+            "0", (PYTHON,), BOOL),
     Setting("MUCUDNN_PLAN_CACHE", "directory of the offload plans kept between runs of a "
             "script (mucudnn.torch.plancache), or off", "$XDG_CACHE_HOME/mucudnn/offload-plans",
             (PYTHON,), PLAN_CACHE),

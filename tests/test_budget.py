@@ -166,6 +166,29 @@ def test_a_budget_avoids_fragmentation_unless_the_user_configured_the_allocator(
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == (users or "expandable_segments:True")
 
 
+@pytest.mark.parametrize("users", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+@pytest.mark.parametrize("offload", [True, False])
+def test_offload_asks_the_site_hook_for_threaded_pinning_where_the_allocator_is_ours(
+        fake_exec, monkeypatch, users, offload):
+    # only where the launcher configured the allocator itself (the user's configuration, under
+    # either of PyTorch's names, is left whole) and only under --offload (what pins host memory)
+    _, calls = fake_exec
+    monkeypatch.setattr(budget_mod, "visible_gpus", lambda: [Gpu(0, "0", "GPU", 80 * GIB)])
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "MUCUDNN_PINNED_REGISTER"):
+        monkeypatch.delenv(name, raising=False)
+    if users is not None:
+        monkeypatch.setenv(users, "max_split_size_mb:128")
+    assert invoke("run", "--memory-budget", "6GiB", *["--offload"] * offload,
+                  "--", "true").exit_code == 0
+    [(_, env)] = calls
+    assert env.get("MUCUDNN_PINNED_REGISTER") == ("1" if offload and users is None else None)
+    # a user's own choice of the switch stays
+    monkeypatch.setenv("MUCUDNN_PINNED_REGISTER", "0")
+    calls.clear()
+    assert invoke("run", "--memory-budget", "6GiB", "--offload", "--", "true").exit_code == 0
+    assert calls[0][1]["MUCUDNN_PINNED_REGISTER"] == "0"
+
+
 def test_without_a_budget_nothing_changes(fake_exec, monkeypatch):
     _, calls = fake_exec
     monkeypatch.delenv("PYTHONPATH", raising=False)

@@ -27,7 +27,8 @@ try:
     from mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD, ENV_OFFLOAD_FREEZE_GC,
                                    ENV_OFFLOAD_HEADROOM, ENV_OFFLOAD_LEND, ENV_OFFLOAD_PROFILE,
                                    ENV_OFFLOAD_REPLAY, ENV_OFFLOAD_RESCUE,
-                                   ENV_OFFLOAD_STAND_ASIDE, ENV_REPORT, MAX_OFFLOAD_HEADROOM)
+                                   ENV_OFFLOAD_STAND_ASIDE, ENV_PINNED_REGISTER, ENV_REPORT,
+                                   MAX_OFFLOAD_HEADROOM)
 except ImportError:
     from mucudnn._torch_site.mucudnn_torch_env import (ENV_BUDGET, ENV_LOG_LEVEL, ENV_OFFLOAD,
                                                        ENV_OFFLOAD_FREEZE_GC,
@@ -35,7 +36,8 @@ except ImportError:
                                                        ENV_OFFLOAD_PROFILE,
                                                        ENV_OFFLOAD_REPLAY,
                                                        ENV_OFFLOAD_RESCUE,
-                                                       ENV_OFFLOAD_STAND_ASIDE, ENV_REPORT,
+                                                       ENV_OFFLOAD_STAND_ASIDE,
+                                                       ENV_PINNED_REGISTER, ENV_REPORT,
                                                        MAX_OFFLOAD_HEADROOM)
 _LEVELS = {"error": 0, "warning": 1, "info": 2, "debug": 3, "0": 0, "1": 1, "2": 2, "3": 3}
 
@@ -280,11 +282,71 @@ def read_budget(text: str | None) -> int | None:
     return None
 
 
+#: the most threads that page-lock a block of pinned host memory (PyTorch's
+#: ``pinned_num_register_threads``: a power of two, at most 128); each locks its share of the
+#: block's pages, so a recording step's host pool (every saved tensor's bytes) is pinned in a
+#: fraction of one thread's time (benchmarks/results/plan-accuracy, ``h200-pinned/``)
+PINNED_REGISTER_THREADS = 16
+#: the first PyTorch whose allocator configuration knows ``pinned_use_cuda_host_register`` (an
+#: older one refuses the key at its first CUDA allocation)
+PINNED_REGISTER_SINCE = (2, 2)
+_PINNED_KEY = "pinned_use_cuda_host_register"
+
+
+def pinned_register_conf(conf: str, torch_release: tuple | None, cpus: int | None) -> str | None:
+    """``conf`` (PyTorch's allocator configuration) with pinned host memory page-locked by
+    ``cudaHostRegister`` on a power of two of threads, at most :data:`PINNED_REGISTER_THREADS`
+    and ``cpus``, in place of one ``cudaHostAlloc``; None where it stays as it is: it names a
+    pinned option already, or the program's PyTorch (``torch_release``, (major, minor)) is not
+    known to have them."""
+    if torch_release is None or tuple(torch_release) < PINNED_REGISTER_SINCE or \
+            _PINNED_KEY in conf:
+        return None
+    threads = 1
+    while threads * 2 <= min(PINNED_REGISTER_THREADS, max(1, cpus or 1)):
+        threads *= 2
+    keys = f"{_PINNED_KEY}:True,pinned_num_register_threads:{threads}"
+    return f"{conf},{keys}" if conf.strip() else keys
+
+
+def torch_release() -> tuple | None:
+    """(major, minor) of the PyTorch this interpreter would import, from its distribution's
+    metadata (torch itself not imported); None where there is none or it is unreadable."""
+    import importlib.metadata
+    import re
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+    except Exception:  # noqa: BLE001 - not installed, or metadata unreadable: not known
+        return None
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def register_pinned_from_environment() -> None:
+    """Where the launcher configured the allocator under ``--offload``
+    (``MUCUDNN_PINNED_REGISTER=1``): :func:`pinned_register_conf` into
+    ``PYTORCH_CUDA_ALLOC_CONF``, before the program imports torch (PyTorch reads it once)."""
+    if not pinned_register(os.environ.get(ENV_PINNED_REGISTER)):
+        return
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count()
+    conf = pinned_register_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), torch_release(),
+                                cpus)
+    if conf is not None:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        say("info", f"pinned host memory page-locked on threads: PYTORCH_CUDA_ALLOC_CONF={conf}")
+
+
 def install_from_environment() -> None:
     """What sitecustomize runs: the budget of the environment, applied once torch is imported."""
     budget = read_budget(os.environ.get(ENV_BUDGET))
     if budget is None:
         return
+    try:
+        register_pinned_from_environment()
+    except Exception as exc:  # noqa: BLE001 - pinning then goes as PyTorch's default has it
+        say("warning", f"pinned host memory left to PyTorch's default: {exc}")
 
     def on_torch(torch) -> None:
         report("torch")
@@ -459,6 +521,14 @@ def offload_replay(value: str | None) -> bool:
     and the default."""
     return _switch(ENV_OFFLOAD_REPLAY, value,
                    "steady planned steps replay their recipes from the graph (the default)")
+
+
+def pinned_register(value: str | None) -> bool:
+    """``MUCUDNN_PINNED_REGISTER``: whether :func:`register_pinned_from_environment` adds
+    PyTorch's pinned host-register options (default no; ``mucudnn run --offload`` sets 1 where
+    it configured the allocator itself). Another value: one warning line, and the default."""
+    return _switch(ENV_PINNED_REGISTER, value,
+                   "pinned host memory as PyTorch's default pins it", on=False)
 
 
 def start_offload(budget: int, recompute_convolutions: bool = True) -> None:

@@ -18,5 +18,6 @@ ENV_OFFLOAD_LEND = "MUCUDNN_OFFLOAD_LEND"  # 1: workspace lent to the shim where
 ENV_OFFLOAD_RESCUE = "MUCUDNN_OFFLOAD_RESCUE"  # 0: no op refused is run again; always: every step
 ENV_OFFLOAD_STAND_ASIDE = "MUCUDNN_OFFLOAD_STAND_ASIDE"  # 0: the session never removes its hooks
 ENV_OFFLOAD_REPLAY = "MUCUDNN_OFFLOAD_REPLAY"  # 0: planned steps always record their recipes' calls
+ENV_PINNED_REGISTER = "MUCUDNN_PINNED_REGISTER"  # 1: pinned host memory page-locked on threads
 #: the largest MUCUDNN_OFFLOAD_HEADROOM: a plan for less than half the budget is no plan for it
 MAX_OFFLOAD_HEADROOM = 50
