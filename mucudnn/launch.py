@@ -6,11 +6,12 @@ its environment for ``mucudnn run`` and ``mucudnn autotune``.
   (``_torch_site/mucudnn_torch_budget.py`` does the work, at PyTorch's lazy CUDA initialisation);
 - the shim reads ``MUCUDNN_MEMORY_BUDGET`` (bytes) in the same environment;
 - fragmentation: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set
-  ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` (:data:`ALLOCATOR_CONF`). Under a tight
-  budget the caching allocator's fixed segments fail an allocation while GiBs are reserved but
-  free in pieces (measured: benchmarks/results/offload and pressure), which is what PyTorch's own
+  ``PYTORCH_CUDA_ALLOC_CONF`` (:data:`ALLOCATOR_CONF`). Under a tight budget the caching
+  allocator's fixed segments fail an allocation while GiBs are reserved but free in pieces
+  (measured: benchmarks/results/offload and pressure), which is what PyTorch's own
   out-of-memory message advises;
-- under ``--offload``, where the launcher set that configuration, ``MUCUDNN_PINNED_REGISTER=1``
+- under ``--offload``, where the user set neither of PyTorch's allocator variables
+  (:data:`ALLOCATOR_CONF_NAMES`), ``MUCUDNN_PINNED_REGISTER=1``
   (unless set): the site hook adds PyTorch's options that page-lock pinned host memory on
   several threads (``mucudnn_torch_budget.pinned_register_conf``), which it can do only in the
   program's own interpreter, knowing that interpreter's PyTorch.
