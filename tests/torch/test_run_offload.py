@@ -45,6 +45,32 @@ def test_without_offload_no_session(tmp_path, monkeypatch):
     assert "hooks 0" in out
 
 
+@pytest.mark.parametrize("users", [None, "max_split_size_mb:128"])
+def test_the_script_sees_pinned_memory_page_locked_on_threads_unless_it_set_the_allocator(
+        tmp_path, monkeypatch, users):
+    # the site hook, in the script's own interpreter (whose PyTorch is this one), before torch
+    monkeypatch.delenv("MUCUDNN_PINNED_REGISTER", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if users is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", users)
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint('conf', os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n")
+    out = tmp_path / "out.txt"
+    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", "--", "sh",
+                                       "-c", f"{sys.executable} {script} > {out}"])
+    assert result.exit_code == 0, result.output
+    conf = out.read_text().split("conf ", 1)[1].strip()
+    if users is not None:
+        assert conf == users
+    else:
+        major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+        assert (major, minor) >= (2, 2)   # this project's PyTorch: the keys are known
+        assert conf.startswith("expandable_segments:True,pinned_use_cuda_host_register:True,"
+                               "pinned_num_register_threads:")
+
+
 def test_offload_needs_a_budget(tmp_path):
     result, _ = run(tmp_path, "--offload")
     assert result.exit_code != 0 and "--offload needs --memory-budget" in result.output
