@@ -185,7 +185,8 @@ def timeline(parsed: dict, ratio: float, min_steps: int) -> dict:
 def train_command(args, model: str, batch: int, steps: int) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.train_steps", "--model", model, "--batch",
            str(batch), "--steps", str(steps), "--device", args.device]
-    return cmd + (["--sample", args.sample] if args.sample else [])
+    return cmd + (["--sample", args.sample] if args.sample else []) + \
+        (["--detail"] if getattr(args, "detail", False) else [])
 
 
 def prepare_shim(env: dict) -> dict:
@@ -371,6 +372,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steady-ratio", type=float, default=1.05)
     parser.add_argument("--steady-min-steps", type=int, default=5)
     parser.add_argument("--show-steps", type=int, default=20, help="steps listed on the page")
+    parser.add_argument("--detail", action="store_true",
+                        help="each run's script prints every step's detail in its log "
+                             "(train_steps --detail: allocator retries, armed steps, host times)")
     parser.add_argument("--run-timeout-s", type=float, default=240, help="a first run's")
     parser.add_argument("--short-timeout-s", type=float, default=90,
                         help="a PyTorch or cached run's")

@@ -163,3 +163,13 @@ def test_again_without_a_page_is_one_line(tmp_path, capsys):
         plan_timeline.main(["--again", str(tmp_path)])
     assert exited.value.code == 2
     assert "plan_timeline.json does not exist" in capsys.readouterr().err
+
+
+def test_detail_asks_each_runs_script_for_its_steps_detail():
+    import argparse
+    from benchmarks.plan_timeline import train_command
+    plain = argparse.Namespace(device="cuda", sample=None)
+    assert "--detail" not in train_command(plain, "resnet50", 184, 30)
+    detailed = argparse.Namespace(device="cuda", sample=None, detail=True)
+    command = train_command(detailed, "resnet50", 184, 30)
+    assert command[-1] == "--detail" and command[command.index("--steps") + 1] == "30"
