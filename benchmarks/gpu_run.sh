@@ -136,7 +136,8 @@ print(\"mucudnn cudnn\", c.version, c.path)"; python3 -c "import pulp; print(\"p
     # run, and PyTorch alone: time to the first planned step and to steady state, steps 1-20.
     # timeline-resnet152 (N=128 @ 8 GiB, 300 s), timeline-resnet50 (N=184 @ 5 GiB, 200 s),
     # timeline (both, 480 s), timeline-MODEL:BATCH@BUDGET; TIMELINE_TIMEOUT (the time budget is
-    # 15 s less), TIMELINE_ARGS (e.g. --steps 80, or --detail: each step's allocator retries, armed steps and host times in the logs). JSON + page + each run's log in $LOGS/$s
+    # 15 s less), TIMELINE_ARGS (e.g. --steps 80, or --detail: each step's allocator retries,
+    # armed steps and host times in the logs). JSON + page + each run's log in $LOGS/$s
     case $s in
       timeline) cases="resnet152:128@8GiB resnet50:184@5GiB"; limit=${TIMELINE_TIMEOUT:-480} ;;
       timeline-resnet152) cases="resnet152:128@8GiB"; limit=${TIMELINE_TIMEOUT:-300} ;;
