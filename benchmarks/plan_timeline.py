@@ -186,7 +186,7 @@ def train_command(args, model: str, batch: int, steps: int) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.train_steps", "--model", model, "--batch",
            str(batch), "--steps", str(steps), "--device", args.device]
     return cmd + (["--sample", args.sample] if args.sample else []) + \
-        (["--detail"] if getattr(args, "detail", False) else [])
+        (["--detail"] if args.detail else [])
 
 
 def prepare_shim(env: dict) -> dict:

@@ -168,7 +168,7 @@ def test_again_without_a_page_is_one_line(tmp_path, capsys):
 def test_detail_asks_each_runs_script_for_its_steps_detail():
     import argparse
     from benchmarks.plan_timeline import train_command
-    plain = argparse.Namespace(device="cuda", sample=None)
+    plain = argparse.Namespace(device="cuda", sample=None, detail=False)
     assert "--detail" not in train_command(plain, "resnet50", 184, 30)
     detailed = argparse.Namespace(device="cuda", sample=None, detail=True)
     command = train_command(detailed, "resnet50", 184, 30)

@@ -22,9 +22,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run(tmp_path, *options):
+def run(tmp_path, *options, text=SCRIPT):
+    """`mucudnn run OPTIONS` of a script ``text``: (the CLI's result, what the script printed)."""
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(text)
     out = tmp_path / "out.txt"
     result = CliRunner().invoke(main, ["run", *options, "--", "sh", "-c",
                                        f"{sys.executable} {script} > {out}"])
@@ -55,13 +56,10 @@ def test_the_script_sees_pinned_memory_page_locked_on_threads_unless_it_set_the_
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     else:
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", users)
-    script = tmp_path / "train.py"
-    script.write_text("import os\nprint('conf', os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n")
-    out = tmp_path / "out.txt"
-    result = CliRunner().invoke(main, ["run", "--memory-budget", "1GiB", "--offload", "--", "sh",
-                                       "-c", f"{sys.executable} {script} > {out}"])
+    result, out = run(tmp_path, "--memory-budget", "1GiB", "--offload",
+                      text="import os\nprint('conf', os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n")
     assert result.exit_code == 0, result.output
-    conf = out.read_text().split("conf ", 1)[1].strip()
+    conf = out.split("conf ", 1)[1].strip()
     if users is not None:
         assert conf == users
     else:
