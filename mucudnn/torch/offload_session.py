@@ -97,8 +97,8 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
     no plan but a floor an earlier run found under any budget (no plan met it, or it ran out of
     memory with everything offloaded: :class:`~.plancache.StepFloor`) that rules this budget
     out, one ``warn`` line says so before the first step runs. ``freeze_gc``:
-    the step boundary where the first plan takes over collects and freezes Python's garbage
-    collector once (``gc.freeze``; what ``mucudnn run --offload`` asks). The lifecycle
+    the first step boundary past the recording collects and freezes Python's garbage collector
+    once (``gc.freeze``; what ``mucudnn run --offload`` asks). The lifecycle
     (:attr:`lifecycle`, :class:`~.lifecycle.Lifecycle`) holds ``budget``, ``profile``,
     ``plan``, ``modes``, ``target``, ``fell_back``, ``kept_after_trial`` and the replan counts.
     ``modes``: a fixed plan instead (one mode per group; tests, benchmarks). ``force``: every
@@ -243,7 +243,7 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         #: the plan last stored in the plan cache (stored again once proven: rescue.py, rule 5)
         self._stored_plan = None
         self._offload_rest = False
-        #: freeze Python's collector once the first plan takes over (:meth:`_freeze_gc`)
+        #: freeze Python's collector once the recording is over (:meth:`_freeze_gc`)
         self.freeze_gc = freeze_gc
         self._gc_frozen = False
         #: an op the allocator refuses, run again (rescue.py)

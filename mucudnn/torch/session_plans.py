@@ -217,13 +217,12 @@ class PlanLifecycle:
             modes = [g.mode for g in finished.groups]
         else:
             modes = self.modes
+        if self.freeze_gc and not self._gc_frozen and decision.run != RECORD:
+            self._freeze_gc()
         if decision.run in (RECORD, AS_RECORDED):
             self._schedule = {}
-        else:
-            if self.freeze_gc and not self._gc_frozen:
-                self._freeze_gc()
-            if not failed or decision.changed:
-                self._schedule = self._prefetch_schedule(modes)
+        elif not failed or decision.changed:
+            self._schedule = self._prefetch_schedule(modes)
         self.lender.plan_for(None if decision.run in (RECORD, AS_RECORDED) else self.profile,
                              modes, self.prefetch_distance, self.prefetch_margin,
                              self.lifecycle.target, self.lifecycle.budget)
@@ -261,12 +260,15 @@ class PlanLifecycle:
         return self.stage.runs(module, args, parent, saved)
 
     def _freeze_gc(self) -> None:
-        """Between the steps, where the first plan takes over: the process's objects collected
-        once and frozen (``gc.freeze``), so that the collector's full collections, which the
-        session's per-step records set off every few steps, traverse only what was made since:
-        unfrozen they walk every object of PyTorch and the script, a pause of a step's length
-        (benchmarks/results/plan-accuracy). What is frozen is never collected: cycles the script
-        drops later stay (a process-wide session's choice: ``MUCUDNN_OFFLOAD_FREEZE_GC=0``)."""
+        """At the first step boundary past the recording (where the steps run as recorded
+        while the first plan is made, or where a cached plan takes over): the process's objects
+        collected once and frozen (``gc.freeze``), so that the collector's full collections,
+        which the session's per-step records set off every few steps, traverse only what was
+        made since: unfrozen they walk every object of PyTorch and the script, a pause of a
+        step's length (benchmarks/results/plan-accuracy). The collection itself takes about as
+        long, so it is paid in a step that runs as recorded (slow anyway), not in the first
+        planned one. What is frozen is never collected: cycles the script drops later stay (a
+        process-wide session's choice: ``MUCUDNN_OFFLOAD_FREEZE_GC=0``)."""
         self._gc_frozen = True
         gc.collect()
         gc.freeze()

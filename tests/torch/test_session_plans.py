@@ -1073,7 +1073,7 @@ def steps_reading(model, data, session, read) -> list:
 
 
 @pytest.mark.parametrize("freeze", [True, False])
-def test_a_session_told_to_freezes_the_collector_once_its_first_plan_takes_over(freeze):
+def test_a_session_told_to_freezes_the_collector_once_its_recording_is_over(freeze):
     import gc
     model, data = small_cnn(torch.float32), batches(torch.float32, 5)
     budget = saved_bytes(model, data) * 2 // 3
@@ -1085,13 +1085,35 @@ def test_a_session_told_to_freezes_the_collector_once_its_first_plan_takes_over(
     finally:
         gc.unfreeze()
     assert session.plan is not None
-    # recording steps leave the collector alone; the step boundary where the plan takes over
-    # (the first step's end that runs it) freezes it, with the session's option only
+    # recording steps leave the collector alone; the first step boundary past the recording
+    # (a step run as recorded while the plan is made, not the first planned one) freezes it,
+    # with the session's option only
     assert frozen[0] == ("recording", False)
     assert any(is_frozen for _, is_frozen in frozen) == freeze
     first_frozen = next((i for i, (_, f) in enumerate(frozen) if f), None)
     if freeze:
-        assert frozen[first_frozen - 1][0] in ("recording", "planning")
+        assert frozen[first_frozen - 1][0] == "recording"
+        assert all(state == "recording" for state, _ in frozen[:first_frozen])
+
+
+def test_the_collector_is_frozen_in_a_step_run_as_recorded_not_the_first_planned_one(monkeypatch):
+    """The collection before the freeze takes about a step: it falls at the first boundary past
+    the recording, whose step runs as recorded while the plan is made, so the first planned step
+    runs without it."""
+    import gc
+    from test_first_planned_patterns import PlanAfter
+    at_freeze = []
+    monkeypatch.setattr(gc, "collect", lambda *args: 0)
+    monkeypatch.setattr(gc, "freeze", lambda: at_freeze.append(
+        (session.lifecycle.state, session.plan is None)))
+    model, data = small_cnn(torch.float32), batches(torch.float32, 6)
+    session = OffloadSession(budget=saved_bytes(model, data) // 2, link=RecordingLink(),
+                             min_bytes=0, headroom=0.0, strict=False, trials=False,
+                             record_steps=1, freeze_gc=True)
+    session.lifecycle.runner = PlanAfter(3)   # the plan comes 3 boundaries after the recording
+    states = steps_reading(model, data, session, lambda: session.lifecycle.state)
+    assert "planning" in states and session.plan is not None
+    assert at_freeze == [("planning", True)]
 
 
 def test_the_step_that_freezes_the_collector_prefetches_as_its_plan_says(monkeypatch):
