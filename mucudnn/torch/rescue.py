@@ -42,8 +42,13 @@ Rules:
    while the plan for less is made (``Lifecycle.replanning_under_plan``); never in a recording
    step or one run as recorded (every tensor is offloaded already), nor under ``force``. A plan
    that ran its first :data:`ARMED_STEPS` steps with no rescue nor failure is proven (a plan
-   that ran within its budget allocates the same way in the next steps): the plan cache says so
-   in its entry, and a later run of the script under that entry arms only its first
+   that ran within its budget allocates the same way in the next steps); so is one as soon as
+   an armed step of it ran clean (:meth:`StepRescue.ran_clean`: no rescue, no failure, no
+   flush of the caching allocator's cache, modes that move no bytes, an allocator whose flush
+   gives back every page no live tensor holds): its later steps allocate the same bytes in the
+   same order, and where one of them finds the cache laid out too loosely, the allocator's own
+   flush takes it back to what the clean step ran in. The plan cache says so in its entry,
+   and a later run of the script under that entry arms only its first
    :data:`PROVEN_ARMED_STEPS` (a new process: each convolution's kernel chosen, the allocator's
    cache laid out anew), as does a proven plan back in force in the same process (a trial
    keeping one it ran before another; the allocator's cache is emptied between them). The plan
@@ -60,6 +65,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import torch
@@ -214,6 +220,25 @@ class OomRescue(TorchDispatchMode):
                 raise torch.OutOfMemoryError(message) from None
 
 
+def flush_recovers(device) -> bool:
+    """Rule 5: whether the caching allocator of ``device`` (None: the host's, no caching
+    allocator), freeing its cache to retry an allocation, gives back every page no live tensor
+    holds: PyTorch's CUDA allocator with expandable segments, as the process's environment sets
+    it (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``; what ``mucudnn run
+    --memory-budget`` sets). Its segments of fixed size are freed only when wholly free, so a
+    later step's live tensors, placed otherwise than the clean step's, can leave too little
+    whole; settings made at run time are not read (False: the armed steps as ever)."""
+    if device is None or torch.device(device).type != "cuda":
+        return False
+    # PyTorch reads its newer name first
+    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    for option in conf.split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False
+
+
 def push(mode: OomRescue) -> None:
     mode.active = True
     _push_mode(mode)
@@ -247,6 +272,7 @@ class StepRescue:
         self.pushed = False       # the mode is on the stack of the thread that entered
         self.left = 0             # armed steps left
         self.counted_for = (None, None)   # the plan and modes they count for
+        self._flushes_at_start: dict = {}   # each link's flush count as the step started
         self.pinned: frozenset = frozenset()   # groups no rescue moves now
         #: the plans proven (rule 5): in this process, or by the run that cached the plan
         #: in force; armed for fewer steps whenever they come into force
@@ -257,10 +283,12 @@ class StepRescue:
     def arm(self, ended: bool = False, rescued: bool = False, failed: bool = False) -> None:
         """At a step's start: whether rule 5 arms it. ``ended``: a step has just ended
         (``rescued``: it was rescued; ``failed``: it raised), which counts against the armed
-        steps; the plan they count for is proven where they are over with neither."""
+        steps; the plan they count for is proven where they are over with neither, or where
+        the step ran clean (:meth:`ran_clean`)."""
         session = self.session
         if ended and self.armed:
-            self.left = ARMED_STEPS if rescued or failed else self.left - 1
+            self.left = ARMED_STEPS if rescued or failed else \
+                0 if self.ran_clean() else self.left - 1
             proved = self.counted_for[0]
             if (rescued or failed) and proved is not None and not _holds(self.spoiled, proved):
                 self.spoiled.append(proved)
@@ -280,7 +308,29 @@ class StepRescue:
             and not session.offloads_as_recorded and (
                 self.when == "always" or self.left > 0
                 or session.lifecycle.replanning_under_plan)
+        # each link's flush count as this step starts (the lifecycle's, read at the boundary)
+        self._flushes_at_start = dict(session.lifecycle.flush_counts)
         self.sync()
+
+    def ran_clean(self) -> bool:
+        """Rule 5, read where an armed step has just ended with no rescue nor failure: whether
+        its allocations prove the plan in force for the steps after it. Its modes move no byte
+        (no offload, no kept group copied apart, no workspace lent: what is on the device at
+        each point is then the same in every step, not a copy's timing), the caching allocator
+        of every link it ran on freed no cache to retry an allocation during it (the lifecycle's
+        flush counts, known and unchanged), and a flush gives that allocator back every page
+        no live tensor holds (:func:`flush_recovers`)."""
+        session = self.session
+        modes, plan = session.modes, session.plan
+        if modes is None or OFFLOAD in modes or (plan is not None and plan.keep_apart) or \
+                session.lender.plan is not None:
+            return False
+        counts, before = session.lifecycle.flush_counts, self._flushes_at_start
+        links = session._links_in_use()
+        return bool(counts) and bool(links) and \
+            all(counts.get(link) is not None and counts.get(link) == before.get(link)
+                for link in links) and \
+            all(flush_recovers(getattr(link, "device", None)) for link in links)
 
     def is_proven(self, plan) -> bool:
         """Whether ``plan`` (not None) is one of :attr:`proven`, the very object."""

@@ -247,6 +247,81 @@ def test_a_rescued_step_arms_the_next_ones_again():
         len(data) - refused_at - 1 - rescue.ARMED_STEPS)
 
 
+class FlushingLink(RecordingLink):
+    """A link whose caching allocator has flushed once more each time its count is read while
+    the session's step count is one of ``steps`` (the count read as a step ends, after the
+    session counted it: the session's third step ends at 3)."""
+
+    def __init__(self, session_steps, steps=()):
+        super().__init__()
+        self.session_steps, self.steps, self.count, self.flushed_in = session_steps, steps, 0, set()
+
+    def flushes(self):
+        step = self.session_steps()
+        if step in self.steps and step not in self.flushed_in:
+            self.flushed_in.add(step)
+            self.count += 1
+        return self.count
+
+
+def clean_run(monkeypatch, recovers=True, flush_steps=(), **options):
+    """Whether each of 7 steps (2 recording) was armed, under a budget session whose link
+    flushes in ``flush_steps``, the allocator's flush ``recovers`` (rescue.flush_recovers) or
+    not."""
+    monkeypatch.setattr(rescue, "flush_recovers", lambda device: recovers)
+    dtype = torch.float64
+    model, data = small_cnn(dtype), batches(dtype, 7)
+    holder = []
+    link = FlushingLink(lambda: holder[0].steps, flush_steps)
+    options = {"budget": 1 << 40, **options}
+    session = OffloadSession(link=link, min_bytes=0, record_steps=2, trials=False, **options)
+    holder.append(session)
+    return armed_steps(model, data, session), session
+
+
+def test_a_plan_whose_first_armed_step_runs_clean_is_proven_by_it(monkeypatch):
+    armed, session = clean_run(monkeypatch)
+    assert OFFLOAD not in session.modes
+    assert armed == [False, False, True, False, False, False, False]
+    assert session.rescuer.is_proven(session.plan)
+
+
+def test_an_armed_step_that_flushed_or_an_allocator_that_may_not_recover_proves_nothing(
+        monkeypatch):
+    three = [False, False] + [True] * rescue.ARMED_STEPS + [False] * (5 - rescue.ARMED_STEPS)
+    # the first armed step (the session's third) flushed the allocator's cache: the next is
+    # armed, and proves the plan where it runs clean
+    assert clean_run(monkeypatch, flush_steps=(3,))[0] == [False, False, True, True] + [False] * 3
+    assert clean_run(monkeypatch, flush_steps=(3, 4, 5))[0] == three
+    # an allocator whose flush may leave too little whole (no expandable segments; the host)
+    assert clean_run(monkeypatch, recovers=False)[0] == three
+
+
+def test_a_plan_that_offloads_is_armed_for_all_its_armed_steps(monkeypatch):
+    dtype = torch.float64
+    budget = saved_bytes(small_cnn(dtype), batches(dtype, 1)) // 2
+    armed, session = clean_run(monkeypatch, budget=budget, recompute=False, headroom=0.0)
+    assert OFFLOAD in session.modes
+    assert armed == [False, False] + [True] * rescue.ARMED_STEPS + [False] * (
+        5 - rescue.ARMED_STEPS)
+
+
+def test_flush_recovers_reads_expandable_segments_from_the_environment(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
+    assert rescue.flush_recovers(torch.device("cuda", 0))
+    assert rescue.flush_recovers("cuda")
+    assert not rescue.flush_recovers(None) and not rescue.flush_recovers(torch.device("cpu"))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert not rescue.flush_recovers("cuda")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert not rescue.flush_recovers("cuda")
+    # PyTorch's newer name is read first
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:true")
+    assert rescue.flush_recovers("cuda")
+
+
 def test_recording_steps_are_never_armed_and_rescue_false_never():
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 3)
