@@ -226,3 +226,60 @@ def test_the_excess_a_change_frees_and_the_vectorised_costs_are_the_direct_ones(
     traffic = np.array([0, 5 * MiB, 2 * 10**10], dtype=np.int64)
     assert list(layout.costs(moved, recompute_ms, traffic)) == [
         layout.cost(int(m), float(r), int(t)) for m, r, t in zip(moved, recompute_ms, traffic)]
+
+
+# -- the rebuilds spread over processes (the planner's worker) ----------------------------------
+
+#: committed profiles whose plan takes a rebuild of _rebuilt_around in more than one round (the
+#: U-Net's in four)
+ROUNDS_PROFILES = ("benchmarks/results/plan-accuracy/h200-plain/callA/plain-12-profile.json",
+                   "benchmarks/results/pressure/h200/profiles/"
+                   "unet3d-offload-7GiB-flushtrace-234f79f.json")
+
+
+_MADE = planner_fast._Rebuilds.made
+
+
+def plan_and_rounds(path: str, processes: int, monkeypatch) -> tuple[tuple, list]:
+    """The session's plan of the committed profile at ``path`` with the rebuilds spread over
+    ``processes``, and each round's (whether made in processes, rebuilds asked)."""
+    recorded = profiles.load_profile(ROOT / path, None)
+    monkeypatch.setattr(planner_fast, "REBUILD_PROCESSES", processes)
+    rounds = []
+
+    def spying(self, state, order):
+        rounds.append((self.pool is not None, len(order)))
+        return _MADE(self, state, order)
+    monkeypatch.setattr(planner_fast._Rebuilds, "made", spying)
+    return tuple(profiles.replay(recorded.profile, recorded.budget).plan.modes), rounds
+
+
+@pytest.mark.parametrize("path", ROUNDS_PROFILES)
+def test_the_rebuilds_spread_over_processes_make_the_plan_made_one_after_another(path,
+                                                                                 monkeypatch):
+    alone, rounds_alone = plan_and_rounds(path, 1, monkeypatch)
+    spread, rounds = plan_and_rounds(path, 2, monkeypatch)
+    assert spread == alone
+    # rebuilds were taken (a second round) and made in the processes
+    assert len(rounds) >= 2 and all(pooled for pooled, _ in rounds)
+    assert [asked for _, asked in rounds] == [asked for _, asked in rounds_alone]
+
+
+def test_rebuilds_whose_processes_cannot_start_are_made_here(monkeypatch):
+    import multiprocessing
+
+    class NoFork:
+        def Pool(self, processes):
+            raise OSError("fork refused")
+    alone, _ = plan_and_rounds(ROUNDS_PROFILES[0], 1, monkeypatch)
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: NoFork())
+    spread, rounds = plan_and_rounds(ROUNDS_PROFILES[0], 4, monkeypatch)
+    assert spread == alone and rounds and not any(pooled for pooled, _ in rounds)
+
+
+@pytest.mark.parametrize("cpus,processes", [(1, 1), (2, 1), (4, 3), (9, 8), (64, 8)])
+def test_the_worker_spreads_rebuilds_over_its_cpus_less_one(cpus, processes, monkeypatch):
+    import os
+    from mucudnn.torch import plan_worker
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert plan_worker.rebuild_processes() == processes
