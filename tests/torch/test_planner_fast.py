@@ -278,8 +278,8 @@ def test_rebuilds_whose_processes_cannot_start_are_made_here(monkeypatch):
 
 
 @pytest.mark.parametrize("cpus,processes", [(1, 1), (2, 1), (4, 3), (9, 8), (64, 8)])
-def test_the_worker_spreads_rebuilds_over_its_cpus_less_one(cpus, processes, monkeypatch):
+def test_the_worker_plans_in_processes_over_its_cpus_less_one(cpus, processes, monkeypatch):
     import os
     from mucudnn.torch import plan_worker
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
-    assert plan_worker.rebuild_processes() == processes
+    assert plan_worker.planning_processes() == processes

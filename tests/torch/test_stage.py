@@ -769,3 +769,54 @@ def test_a_staged_recordings_forward_that_raised_before_its_first_save_is_not_ti
     profile = session.recorded_profile
     assert profile is not None and chain_ms <= profile.forward_ms < chain_ms + 20
     assert profile.forward_clock[0] < chain_ms + 20
+
+
+def test_the_plans_weighed_at_once_are_the_same_made_in_processes(monkeypatch, tmp_path):
+    """PlanMaker._plans_or_none (the planner's worker: plan_runner.WEIGH_PROCESSES): the plain
+    plan and each stage's made in forked processes are the plans made one after another; where
+    the processes cannot start, they are made here."""
+    import os
+    import concurrent.futures
+    from test_planner import staged_chain_profile
+    from mucudnn.torch import plan_runner
+    MiB = 2**20
+    profile = dataclasses.replace(staged_chain_profile(), d2h_gbps=1e-3, h2d_gbps=1e-3)
+    modules = list(vgg_like()[0])[:5]
+    candidates = [StageCandidate(planner_stage.Stage(length, 0, 3, 0, 1 * MiB, 1, 3.0), 8,
+                                 (modules[:length], vgg_like()[0])) for length in (5, 3)]
+    made = {}
+    for processes in (1, 3):
+        monkeypatch.setattr(plan_runner, "WEIGH_PROCESSES", processes)
+        made[processes] = [(plan, staged) for plan, staged, _ in PlanMaker(2, 20)._stage_options(
+            profile, 40 * MiB, candidates)]
+        made[processes].append(PlanMaker(2, 20).choose_stage(profile, 40 * MiB, candidates,
+                                                             True)[0])
+    assert made[3] == made[1] and any(plan is not None for plan, _ in made[1][:-1])
+    # the processes ran them: each solve's process id, written where the test reads it
+    import sys
+    monkeypatch.setattr(sys.modules[__name__], "_SOLVED_IN", tmp_path / "pids")
+    monkeypatch.setattr(plan_runner, "_plan_in_process", _noting_solve)
+    assert [(plan, staged) for plan, staged, _ in PlanMaker(2, 20)._stage_options(
+        profile, 40 * MiB, candidates)] == made[1][:-1]
+    pids = set((tmp_path / "pids").read_text().split())
+    assert pids and str(os.getpid()) not in pids
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise OSError("no processes")
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Refused)
+    assert [(plan, staged) for plan, staged, _ in PlanMaker(2, 20)._stage_options(
+        profile, 40 * MiB, candidates)] == made[1][:-1]
+
+
+#: where :func:`_noting_solve` writes (set before the processes fork)
+_SOLVED_IN = None
+
+
+def _noting_solve(task):
+    """plan_runner._plan_in_process, writing the id of the process that runs it."""
+    import os
+    from mucudnn.torch import plan_runner
+    with open(_SOLVED_IN, "a") as out:
+        out.write(f"{os.getpid()}\n")
+    return plan_runner.PlanMaker(*task[:3])._plan_or_none(*task[3:])
