@@ -32,22 +32,6 @@ from . import planner_stage
 from . import planning
 from .planner import OffloadPlan, StepProfile
 
-#: processes a plan maker spreads the plans it weighs at once over (the plain plan and each
-#: stage's: :meth:`PlanMaker._plans_or_none`); at most 1: one after another. The planner's worker
-#: sets it (plan_worker.py, rule 6)
-WEIGH_PROCESSES = 1
-
-
-def _rebuild_share(processes: int) -> None:
-    """In a process :meth:`PlanMaker._plans_or_none` forked: its share of the rebuilds'."""
-    planner_fast.REBUILD_PROCESSES = processes
-
-
-def _plan_in_process(task) -> OffloadPlan | None:
-    lookahead, time_limit_s, method, profile, target = task
-    return PlanMaker(lookahead, time_limit_s, method)._plan_or_none(profile, target)
-
-
 #: the kinds of request
 FIRST = "first plan"        # the recorded profile's plan (its stage weighed; smaller headrooms)
 TRIALS = "trial plans"      # planning.trial_plans: the plans a trial runs against the one in force
@@ -258,7 +242,8 @@ class PlanMaker:
         plain one has none; where none has a plan, the candidate of the least peak, if lower
         than the plain profile's (its headroom is then lowered as ever). Returns (the plan taken,
         None: none meets ``target``; (the stage taken, its profile), None where none is)."""
-        plain, options = self._stage_options(profile, target, candidates, plain=True)
+        plain = self._plan_or_none(profile, target)
+        options = self._stage_options(profile, target, candidates)
         planned = [option for option in options if option[0] is not None]
         if planned:
             best = min(planned, key=lambda option: option[0].predicted_ms)
@@ -282,35 +267,10 @@ class PlanMaker:
         except MucudnnError:
             return None
 
-    def _plans_or_none(self, profiles: list, target: int) -> list:
-        """:meth:`_plan_or_none` of each of ``profiles`` at ``target``, in order: spread over
-        processes forked from this one where :data:`WEIGH_PROCESSES` allows (the planner's
-        worker: plan_worker.py, rule 6), each with its share of the rebuilds' processes; else,
-        or where the processes fail, one after another here. The same plans either way (the
-        planner is deterministic, and these solves remember nothing)."""
-        count = min(len(profiles), WEIGH_PROCESSES)
-        if count > 1 and not self.quick:
-            import concurrent.futures
-            import multiprocessing
-            share = max(1, planner_fast.REBUILD_PROCESSES // count)
-            try:
-                with concurrent.futures.ProcessPoolExecutor(
-                        count, mp_context=multiprocessing.get_context("fork"),
-                        initializer=_rebuild_share, initargs=(share,)) as pool:
-                    return list(pool.map(_plan_in_process, [
-                        (self.lookahead, self.time_limit_s, self.method, profile, target)
-                        for profile in profiles]))
-            except Exception:   # noqa: BLE001 - made here instead, the same plans
-                pass
-        return [self._plan_or_none(profile, target) for profile in profiles]
-
-    def _stage_options(self, profile: StepProfile, target: int, candidates,
-                       plain: bool = False):
+    def _stage_options(self, profile: StepProfile, target: int, candidates) -> list:
         """(the plan for ``target`` or None, the staged profile, the candidate with its
-        micro-batches) of each candidate that stages ``profile`` in at least 2 micro-batches;
-        with ``plain``, (``profile``'s own plan or None, those), all made at once
-        (:meth:`_plans_or_none`)."""
-        staged_options = []
+        micro-batches) of each candidate that stages ``profile`` in at least 2 micro-batches."""
+        options = []
         for candidate in candidates:
             chunks = planner_stage.stage_chunks(profile, candidate.stage)
             if chunks is None or min(chunks, candidate.batch) < 2:
@@ -319,12 +279,8 @@ class PlanMaker:
                                 stage=replace(candidate.stage, chunks=min(chunks, candidate.batch)))
             staged = planner_stage.staged_profile(profile, candidate.stage)
             if staged is not None:   # None: it would leave the step no group to plan
-                staged_options.append((staged, candidate))
-        lead = [profile] if plain else []
-        plans = self._plans_or_none(lead + [staged for staged, _ in staged_options], target)
-        options = [(plan, staged, candidate)
-                   for plan, (staged, candidate) in zip(plans[len(lead):], staged_options)]
-        return (plans[0], options) if plain else options
+                options.append((self._plan_or_none(staged, target), staged, candidate))
+        return options
 
     def _staged_lowering(self, request: PlanRequest, target: int,
                          plan: OffloadPlan | None) -> PlanResult | None:

@@ -23,13 +23,6 @@ Rules:
    :class:`~.plan_runner.BackgroundRunner` makes it, with one line. A worker found ended between
    requests is started again. The plans are the same either way (the planner is
    deterministic); only where it runs changes.
-6. The worker spreads a plan's rebuilds (planner_fast.py, ``_rebuilt_around``: most of a
-   ResNet-50 plan's time), and the plans it weighs at once (the plain plan against each
-   stage's: plan_runner.py, ``PlanMaker._plans_or_none``), over processes forked from it, one
-   per CPU it may use less the training process's, at most :data:`PLANNING_PROCESSES_MOST`
-   (the same plans, sooner: on a 2-core machine none). BLAS's thread pools are left at one
-   thread (the planner does no linear algebra), so that no thread of them is running when it
-   forks.
 """
 
 from __future__ import annotations
@@ -42,14 +35,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from . import plan_runner, planner_fast
 from .plan_runner import BackgroundRunner, PlanMaker, PlanRequest, PlanResult, _made
 
 _LENGTH = struct.Struct("<Q")
-#: the most processes a plan's rebuilds, or the plans weighed at once, are spread over (rule 6)
-PLANNING_PROCESSES_MOST = 8
-#: BLAS's thread pools, one thread each in the worker (rule 6)
-_ONE_THREAD = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: environment variables the worker leaves out: the shim's preload, the launcher's offload
 _LEFT_OUT = ("LD_PRELOAD", "MUCUDNN_OFFLOAD", "MUCUDNN_MEMORY_BUDGET")
 
@@ -73,19 +61,8 @@ def _receive(stream):
     return pickle.loads(blob)
 
 
-def planning_processes() -> int:
-    """Rule 6: the processes a plan's rebuilds, or the plans weighed at once, are spread
-    over here."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:   # no affinity to read (macOS)
-        cpus = os.cpu_count() or 1
-    return max(1, min(PLANNING_PROCESSES_MOST, cpus - 1))
-
-
 def serve(requests, answers) -> int:
     """The worker's loop (rule 2 and 3) until ``requests`` ends."""
-    planner_fast.REBUILD_PROCESSES = plan_runner.WEIGH_PROCESSES = planning_processes()
     makers: dict = {}
     profiles: dict = {}
     while True:
@@ -164,8 +141,6 @@ class ProcessRunner(BackgroundRunner):
             return self._worker
         package_root = str(Path(__file__).resolve().parents[2])
         env = {key: value for key, value in os.environ.items() if key not in _LEFT_OUT}
-        for name in _ONE_THREAD:
-            env.setdefault(name, "1")
         env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         self._worker = subprocess.Popen(

@@ -218,120 +218,30 @@ REBUILD_GROUPS = 1600
 REBUILD_ROUNDS = 2
 
 
-#: processes :func:`_rebuilt_around` spreads its rebuilds over (at most 1: none, they are made
-#: one after another where it runs); the planner's worker process (plan_worker.py) sets it from
-#: the CPUs it may use. The plan is the same either way
-REBUILD_PROCESSES = 1
-
-
-def _rebuild(state: State, index: int, target: int) -> State | None:
-    """The plan of :func:`_rebuilt_around` with ``state``'s moved group ``index`` kept and
-    everything else constructed and improved around it; None where there is none."""
-    trial = State(state.layout, state.modes)
-    changes = {index: KEEP}
-    if not trial.valid_change(changes):
-        return None
-    evaluated = trial.change(changes)
-    if evaluated is None:
-        return None
-    trial.apply(changes, evaluated)
-    if construct(trial, target, frozen=frozenset(changes)):
-        improve(trial, target, REBUILD_ROUNDS)
-        return trial
-    return None
-
-
 def _rebuilt_around(state: State, target: int) -> State:
     """``state`` or a cheaper plan: for each of its moved groups (the largest saving first, at
     most :data:`REBUILDS`, fewer on larger steps), the plan with that group kept and everything
     else constructed and improved around it (a move the local changes cannot undo alone: a
-    covering of the peak by other groups), each from the cheapest found before it.
-
-    Spread over :data:`REBUILD_PROCESSES` (:class:`_Rebuilds`) in rounds: each round makes the
-    rebuilds left from the plan as it is, the first cheaper one in order is taken, and those
-    after it are made again from it in the next round; those before it made the same plan one
-    after another would have (each from the plan they were made from), so the plan is."""
+    covering of the peak by other groups); the cheapest."""
     layout = state.layout
     now = state.cost()
     moved = sorted((now - state.cost_after({i: KEEP}), i) for i in range(layout.g)
                    if state.modes[i] != KEEP)
-    order = [index for saved, index in reversed(moved[-min(REBUILDS, REBUILD_GROUPS // layout.g):])
-             if saved > 1e-12]
-    with _Rebuilds(layout, target, len(order)) as rebuilds:
-        while order:
-            order = [index for index in order if state.modes[index] != KEEP]
-            taken = None
-            for at, trial in enumerate(rebuilds.made(state, order)):
-                if trial is not None and trial.cost() < state.cost() - 1e-9:
-                    taken = at
-                    state = trial
-                    break
-            order = [] if taken is None else order[taken + 1:]
-    return state
-
-
-class _Rebuilds:
-    """:func:`_rebuilt_around`'s rebuilds, made in processes forked with the layout where
-    :data:`REBUILD_PROCESSES` and the rebuilds allow (each task sends a plan's modes and a group,
-    and gets back the plan made, without its layout), else one after another here; where the
-    processes fail, here (the same plans)."""
-
-    def __init__(self, layout: Layout, target: int, count: int):
-        self.layout, self.target = layout, target
-        self.processes = min(REBUILD_PROCESSES, count)
-        self.pool = None
-
-    def __enter__(self):
-        if self.processes > 1:
-            global _FORKED
-            import multiprocessing
-            try:
-                _FORKED = (self.layout, self.target)   # what the forked processes inherit
-                self.pool = multiprocessing.get_context("fork").Pool(self.processes)
-            except Exception:   # noqa: BLE001 - no processes: made here, the same plans
-                self.pool = None
-            finally:
-                _FORKED = None
-        return self
-
-    def __exit__(self, *exc_info):
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-
-    def made(self, state: State, order: list[int]):
-        """The rebuilds of ``order`` from ``state``, in order (lazily where made here)."""
-        if self.pool is not None:
-            try:
-                answers = self.pool.starmap(_rebuild_in_process,
-                                            [(state.modes, index) for index in order])
-            except Exception:   # noqa: BLE001 - made here instead, the same plans
-                self.pool.terminate()
-                self.pool = None
-            else:
-                return [None if answer is None else _state_from(self.layout, answer)
-                        for answer in answers]
-        return (_rebuild(state, index, self.target) for index in order)
-
-
-#: the layout and target of the rebuilds a forked process makes (:class:`_Rebuilds`)
-_FORKED = None
-
-
-def _rebuild_in_process(modes: list[str], index: int):
-    layout, target = _FORKED
-    trial = _rebuild(State(layout, modes), index, target)
-    if trial is None:
-        return None
-    answer = dict(trial.__dict__)
-    del answer["layout"]
-    return answer
-
-
-def _state_from(layout: Layout, answer: dict) -> State:
-    """The plan a forked process made (:func:`_rebuild_in_process`), on ``layout``."""
-    state = State.__new__(State)
-    state.__dict__.update(answer, layout=layout)
+    for saved, index in reversed(moved[-min(REBUILDS, REBUILD_GROUPS // layout.g):]):
+        if saved <= 1e-12 or state.modes[index] == KEEP:
+            continue
+        trial = State(layout, state.modes)
+        changes = {index: KEEP}
+        if not trial.valid_change(changes):
+            continue
+        evaluated = trial.change(changes)
+        if evaluated is None:
+            continue
+        trial.apply(changes, evaluated)
+        if construct(trial, target, frozen=frozenset(changes)):
+            improve(trial, target, REBUILD_ROUNDS)
+            if trial.cost() < state.cost() - 1e-9:
+                state = trial
     return state
 
 
