@@ -319,11 +319,12 @@ class StepRescue:
         each point is then the same in every step, not a copy's timing), the caching allocator
         of every link it ran on freed no cache to retry an allocation during it (the lifecycle's
         flush counts, known and unchanged), and a flush gives that allocator back every page
-        no live tensor holds (:func:`flush_recovers`)."""
+        no live tensor holds (:func:`flush_recovers`). The plan and modes are those the step
+        ran (:attr:`counted_for`: the lifecycle may have put others in force for the next)."""
         session = self.session
-        modes, plan = session.modes, session.plan
+        plan, modes = self.counted_for
         if modes is None or OFFLOAD in modes or (plan is not None and plan.keep_apart) or \
-                session.lender.plan is not None:
+                session.lender.on:
             return False
         counts, before = session.lifecycle.flush_counts, self._flushes_at_start
         links = session._links_in_use()

@@ -306,6 +306,28 @@ def test_a_plan_that_offloads_is_armed_for_all_its_armed_steps(monkeypatch):
         5 - rescue.ARMED_STEPS)
 
 
+def test_a_clean_step_is_judged_by_the_modes_it_ran_not_those_put_in_force_after_it(
+        monkeypatch):
+    from types import SimpleNamespace
+    monkeypatch.setattr(rescue, "flush_recovers", lambda device: True)
+    link = object()
+    session = SimpleNamespace(modes=[KEEP, OFFLOAD], plan=None, _links_in_use=lambda: [link],
+                              lifecycle=SimpleNamespace(flush_counts={link: 0}),
+                              lender=SimpleNamespace(on=False))
+    rescuer = rescue.StepRescue(session)
+    rescuer._flushes_at_start = {link: 0}
+    rescuer.counted_for = (None, [KEEP, RECOMPUTE])   # what the step ran
+    assert rescuer.ran_clean()
+    session.modes = [KEEP, RECOMPUTE]
+    rescuer.counted_for = (None, [KEEP, OFFLOAD])
+    assert not rescuer.ran_clean()
+    rescuer.counted_for = (None, [KEEP, RECOMPUTE])
+    session.lifecycle.flush_counts = {link: 1}        # it flushed
+    assert not rescuer.ran_clean()
+    session.lifecycle.flush_counts, session.lender.on = {link: 0}, True   # lends may be made
+    assert not rescuer.ran_clean()
+
+
 def test_flush_recovers_reads_expandable_segments_from_the_environment(monkeypatch):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
