@@ -246,11 +246,11 @@ class OffloadSession(SavedTensorHooks, PlanLifecycle):
         #: freeze Python's collector once the recording is over (:meth:`_freeze_gc`)
         self.freeze_gc = freeze_gc
         self._gc_frozen = False
+        #: workspace lent to the shim where the plan in force leaves room (lend.py; ``lend``)
+        self.lender = WorkspaceLender(on=lend)
         #: an op the allocator refuses, run again (rescue.py)
         self.rescuer = StepRescue(self, rescue)
         self.rescuer.arm()   # the first step: fixed modes are in force from it
-        #: workspace lent to the shim where the plan in force leaves room (lend.py; ``lend``)
-        self.lender = WorkspaceLender(on=lend)
         #: the hooks removed while a plan that keeps everything runs settled (aside.py)
         self.aside = StandAside(self, on=stand_aside)
         #: steady planned steps replay their recipes from autograd's graph (replay.py)

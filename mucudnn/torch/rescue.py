@@ -47,7 +47,10 @@ Rules:
    flush of the caching allocator's cache, modes that move no bytes, an allocator whose flush
    gives back every page no live tensor holds): its later steps allocate the same bytes in the
    same order, and where one of them finds the cache laid out too loosely, the allocator's own
-   flush takes it back to what the clean step ran in. The plan cache says so in its entry,
+   flush takes it back to what the clean step ran in. Not in a trial comparing plans (each is
+   timed in steps armed alike), and for this process only (another run's allocator may have
+   no expandable segments: a later run proves the plan by a clean step of its own). A plan
+   proven by its armed steps is so in the plan cache's entry,
    and a later run of the script under that entry arms only its first
    :data:`PROVEN_ARMED_STEPS` (a new process: each convolution's kernel chosen, the allocator's
    cache laid out anew), as does a proven plan back in force in the same process (a trial
@@ -72,7 +75,7 @@ import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
                                           _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
-from .lifecycle import _gib
+from .lifecycle import FIXED, _gib
 from .planner import KEEP, OFFLOAD
 from .recorder import _current_node
 from .records import _SEQUENCE_NR
@@ -223,20 +226,28 @@ class OomRescue(TorchDispatchMode):
 def flush_recovers(device) -> bool:
     """Rule 5: whether the caching allocator of ``device`` (None: the host's, no caching
     allocator), freeing its cache to retry an allocation, gives back every page no live tensor
-    holds: PyTorch's CUDA allocator with expandable segments, as the process's environment sets
-    it (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``; what ``mucudnn run
-    --memory-budget`` sets). Its segments of fixed size are freed only when wholly free, so a
-    later step's live tensors, placed otherwise than the clean step's, can leave too little
-    whole; settings made at run time are not read (False: the armed steps as ever)."""
+    holds: PyTorch's CUDA allocator with expandable segments (what ``mucudnn run --memory-budget``
+    sets). Its segments of fixed size are freed only when wholly free, so a later step's live
+    tensors, placed otherwise than the clean step's, can leave too little whole. Read from the
+    allocator's settings as PyTorch holds them (set at run time too), else from the process's
+    environment (``PYTORCH_ALLOC_CONF``, else ``PYTORCH_CUDA_ALLOC_CONF``); the last
+    ``expandable_segments`` given counts, as in PyTorch. A platform where PyTorch falls back to
+    fixed segments is not seen (it warns then)."""
     if device is None or torch.device(device).type != "cuda":
         return False
-    # PyTorch reads its newer name first
-    conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if settings is not None:
+        conf = settings()
+    else:   # an older PyTorch: its newer name first where set
+        conf = os.environ.get("PYTORCH_ALLOC_CONF")
+        if conf is None:
+            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    found = False
     for option in conf.split(","):
         key, _, value = option.partition(":")
         if key.strip() == "expandable_segments":
-            return value.strip().lower() == "true"
-    return False
+            found = value.strip().lower() == "true"
+    return found
 
 
 def push(mode: OomRescue) -> None:
@@ -287,15 +298,19 @@ class StepRescue:
         the step ran clean (:meth:`ran_clean`)."""
         session = self.session
         if ended and self.armed:
-            self.left = ARMED_STEPS if rescued or failed else \
-                0 if self.ran_clean() else self.left - 1
+            # a trial comparing plans times each in the same steps, armed alike
+            trial = session.lifecycle.trial
+            clean = not (rescued or failed) and (trial is None or len(trial.plans) < 2) and \
+                self.ran_clean()
+            self.left = ARMED_STEPS if rescued or failed else 0 if clean else self.left - 1
             proved = self.counted_for[0]
             if (rescued or failed) and proved is not None and not _holds(self.spoiled, proved):
                 self.spoiled.append(proved)
             if self.left == 0 and proved is not None and not self.is_proven(proved) and \
                     not _holds(self.spoiled, proved):
                 self.proven.append(proved)
-                session.plan_proven(proved)
+                if not clean:   # a clean step proves it for this process's allocator only
+                    session.plan_proven(proved)
         plan, modes = session.plan, session.modes
         if plan is not self.counted_for[0] or modes is not self.counted_for[1]:
             # the same plan with its modes copied (a trial keeping the plan it ran last) runs
@@ -308,8 +323,10 @@ class StepRescue:
             and not session.offloads_as_recorded and (
                 self.when == "always" or self.left > 0
                 or session.lifecycle.replanning_under_plan)
-        # each link's flush count as this step starts (the lifecycle's, read at the boundary)
-        self._flushes_at_start = dict(session.lifecycle.flush_counts)
+        # each link's flush count as this step starts: the lifecycle's, read at the boundary;
+        # before any step ended (a cached plan's first step, armed at its first save), read now
+        self._flushes_at_start = dict(session.lifecycle.flush_counts) or (
+            session._flush_counts_now() if session.lifecycle.state != FIXED else {})
         self.sync()
 
     def ran_clean(self) -> bool:

@@ -272,7 +272,7 @@ def clean_run(monkeypatch, recovers=True, flush_steps=(), **options):
     dtype = torch.float64
     model, data = small_cnn(dtype), batches(dtype, 7)
     holder = []
-    link = FlushingLink(lambda: holder[0].steps, flush_steps)
+    link = FlushingLink(lambda: holder[0].steps if holder else 0, flush_steps)
     options = {"budget": 1 << 40, **options}
     session = OffloadSession(link=link, min_bytes=0, record_steps=2, trials=False, **options)
     holder.append(session)
@@ -328,18 +328,82 @@ def test_a_clean_step_is_judged_by_the_modes_it_ran_not_those_put_in_force_after
     assert not rescuer.ran_clean()
 
 
-def test_flush_recovers_reads_expandable_segments_from_the_environment(monkeypatch):
+def stub_session(link, plan, modes, counts, trial=None):
+    """What StepRescue.arm reads of a session, with ``plan_proven`` calls noted."""
+    from types import SimpleNamespace
+    session = SimpleNamespace(
+        plan=plan, modes=modes, _step=SimpleNamespace(profiling=False), _depth=0,
+        offloads_as_recorded=False, _links_in_use=lambda: [link], proven_said=[],
+        lender=SimpleNamespace(on=False), _flush_counts_now=lambda: {link: counts[0]},
+        lifecycle=SimpleNamespace(flush_counts={}, state="watching", trial=trial,
+                                  replanning_under_plan=False))
+    session.plan_proven = session.proven_said.append
+    return session
+
+
+def test_a_clean_step_proves_its_plan_for_this_process_only_and_not_in_a_trial_of_plans(
+        monkeypatch):
+    from types import SimpleNamespace
+    monkeypatch.setattr(rescue, "flush_recovers", lambda device: True)
+    def a_plan():
+        return SimpleNamespace(keep_apart=False)
+    link, plan, counts = object(), a_plan(), [5]
+    session = stub_session(link, plan, [KEEP, RECOMPUTE], counts)
+    rescuer = rescue.StepRescue(session)
+    # a cached plan's first step, armed before any step ended: its start read from the links
+    rescuer.arm()
+    assert rescuer.armed and rescuer._flushes_at_start == {link: 5}
+    session.lifecycle.flush_counts = {link: 5}
+    rescuer.arm(ended=True)
+    assert not rescuer.armed and rescuer.is_proven(plan)
+    # proven by a clean step: not said to the plan cache (another run's allocator may differ)
+    assert session.proven_said == []
+    # by its 3 steps, as ever: said
+    other = a_plan()
+    session.plan, session.modes = other, [KEEP, OFFLOAD]
+    rescuer.arm()
+    for _ in range(rescue.ARMED_STEPS):
+        assert rescuer.armed
+        rescuer.arm(ended=True)
+    assert not rescuer.armed and session.proven_said == [other]
+    # a trial comparing plans: each armed for all its steps, clean or not
+    third = a_plan()
+    session.plan, session.modes = third, [KEEP, RECOMPUTE]
+    session.lifecycle.trial = SimpleNamespace(plans=[other, third])
+    rescuer.arm()
+    armed = []
+    for _ in range(rescue.ARMED_STEPS + 1):
+        armed.append(rescuer.armed)
+        rescuer.arm(ended=True)
+    assert armed == [True] * rescue.ARMED_STEPS + [False]
+
+
+def test_flush_recovers_reads_expandable_segments_from_the_allocators_settings(monkeypatch):
+    settings = ["max_split_size_mb:64, expandable_segments:True"]
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: settings[0],
+                        raising=False)
+    assert rescue.flush_recovers(torch.device("cuda", 0)) and rescue.flush_recovers("cuda")
+    assert not rescue.flush_recovers(None) and not rescue.flush_recovers(torch.device("cpu"))
+    # the last one given counts, as in PyTorch; settings made at run time are read
+    settings[0] = "expandable_segments:True,expandable_segments:False"
+    assert not rescue.flush_recovers("cuda")
+    settings[0] = ""
+    assert not rescue.flush_recovers("cuda")
+
+
+def test_flush_recovers_reads_the_environment_where_pytorch_says_nothing(monkeypatch):
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
-    assert rescue.flush_recovers(torch.device("cuda", 0))
     assert rescue.flush_recovers("cuda")
-    assert not rescue.flush_recovers(None) and not rescue.flush_recovers(torch.device("cpu"))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert not rescue.flush_recovers("cuda")
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert not rescue.flush_recovers("cuda")
-    # PyTorch's newer name is read first
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    # PyTorch's newer name is read first, set even where empty
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "")
+    assert not rescue.flush_recovers("cuda")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:true")
     assert rescue.flush_recovers("cuda")
 
