@@ -50,12 +50,12 @@ Rules:
    flush takes it back to what the clean step ran in. Not in a trial comparing plans (each is
    timed in steps armed alike), and for this process only (another run's allocator may have
    no expandable segments: a later run proves the plan by a clean step of its own). A plan
-   proven by its armed steps is so in the plan cache's entry,
-   and a later run of the script under that entry arms only its first
-   :data:`PROVEN_ARMED_STEPS` (a new process: each convolution's kernel chosen, the allocator's
-   cache laid out anew), as does a proven plan back in force in the same process (a trial
-   keeping one it ran before another; the allocator's cache is emptied between them). The plan
-   in force with its modes copied (a trial keeping the plan it ran last) is not new.
+   proven by its armed steps is so in the plan cache's entry, and a later run of the script
+   under that entry arms only its first :data:`PROVEN_ARMED_STEPS` (a new process: each
+   convolution's kernel chosen, the allocator's cache laid out anew), as does a proven plan
+   back in force in the same process (a trial keeping one it ran before another; the
+   allocator's cache is emptied between them). The plan in force with its modes copied (a
+   trial keeping the plan it ran last) is not new.
 6. The mode never outlives the session's ``with``: on the thread that entered it, it is pushed
    at the start of an armed step (or at the ``with`` itself) and popped at the start of the
    first step not armed and when the ``with`` ends, only while it is the innermost mode (a mode
