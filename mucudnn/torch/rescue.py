@@ -324,9 +324,11 @@ class StepRescue:
                 self.when == "always" or self.left > 0
                 or session.lifecycle.replanning_under_plan)
         # each link's flush count as this step starts: the lifecycle's, read at the boundary;
-        # before any step ended (a cached plan's first step, armed at its first save), read now
-        self._flushes_at_start = dict(session.lifecycle.flush_counts) or (
-            session._flush_counts_now() if session.lifecycle.state != FIXED else {})
+        # an armed step before any step ended (a cached plan's first, armed at its first save)
+        # reads them now
+        self._flushes_at_start = dict(session.lifecycle.flush_counts)
+        if not self._flushes_at_start and self.armed and session.lifecycle.state != FIXED:
+            self._flushes_at_start = session._flush_counts_now()
         self.sync()
 
     def ran_clean(self) -> bool:
