@@ -75,6 +75,7 @@ import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode,
                                           _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
 
+from ..launch import ALLOCATOR_CONF_NAMES
 from .lifecycle import FIXED, _gib
 from .planner import KEEP, OFFLOAD
 from .recorder import _current_node
@@ -238,10 +239,8 @@ def flush_recovers(device) -> bool:
     settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if settings is not None:
         conf = settings()
-    else:   # an older PyTorch: its newer name first where set
-        conf = os.environ.get("PYTORCH_ALLOC_CONF")
-        if conf is None:
-            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    else:   # an older PyTorch: the first of its names set, as it reads them
+        conf = next((os.environ[name] for name in ALLOCATOR_CONF_NAMES if name in os.environ), "")
     found = False
     for option in conf.split(","):
         key, _, value = option.partition(":")
@@ -347,9 +346,8 @@ class StepRescue:
             return False
         counts, before = session.lifecycle.flush_counts, self._flushes_at_start
         links = session._links_in_use()
-        return bool(counts) and bool(links) and \
-            all(counts.get(link) is not None and counts.get(link) == before.get(link)
-                for link in links) and \
+        return bool(links) and \
+            all(link in counts and counts[link] == before.get(link) for link in links) and \
             all(flush_recovers(getattr(link, "device", None)) for link in links)
 
     def is_proven(self, plan) -> bool:

@@ -306,14 +306,25 @@ def test_a_plan_that_offloads_is_armed_for_all_its_armed_steps(monkeypatch):
         5 - rescue.ARMED_STEPS)
 
 
+def stub_session(link, plan, modes, counts, trial=None):
+    """What StepRescue.arm reads of a session, with ``plan_proven`` calls noted."""
+    from types import SimpleNamespace
+    session = SimpleNamespace(
+        plan=plan, modes=modes, _step=SimpleNamespace(profiling=False), _depth=0,
+        offloads_as_recorded=False, _links_in_use=lambda: [link], proven_said=[],
+        lender=SimpleNamespace(on=False), _flush_counts_now=lambda: {link: counts[0]},
+        lifecycle=SimpleNamespace(flush_counts={}, state="watching", trial=trial,
+                                  replanning_under_plan=False))
+    session.plan_proven = session.proven_said.append
+    return session
+
+
 def test_a_clean_step_is_judged_by_the_modes_it_ran_not_those_put_in_force_after_it(
         monkeypatch):
-    from types import SimpleNamespace
     monkeypatch.setattr(rescue, "flush_recovers", lambda device: True)
     link = object()
-    session = SimpleNamespace(modes=[KEEP, OFFLOAD], plan=None, _links_in_use=lambda: [link],
-                              lifecycle=SimpleNamespace(flush_counts={link: 0}),
-                              lender=SimpleNamespace(on=False))
+    session = stub_session(link, None, [KEEP, OFFLOAD], [0])
+    session.lifecycle.flush_counts = {link: 0}
     rescuer = rescue.StepRescue(session)
     rescuer._flushes_at_start = {link: 0}
     rescuer.counted_for = (None, [KEEP, RECOMPUTE])   # what the step ran
@@ -326,19 +337,6 @@ def test_a_clean_step_is_judged_by_the_modes_it_ran_not_those_put_in_force_after
     assert not rescuer.ran_clean()
     session.lifecycle.flush_counts, session.lender.on = {link: 0}, True   # lends may be made
     assert not rescuer.ran_clean()
-
-
-def stub_session(link, plan, modes, counts, trial=None):
-    """What StepRescue.arm reads of a session, with ``plan_proven`` calls noted."""
-    from types import SimpleNamespace
-    session = SimpleNamespace(
-        plan=plan, modes=modes, _step=SimpleNamespace(profiling=False), _depth=0,
-        offloads_as_recorded=False, _links_in_use=lambda: [link], proven_said=[],
-        lender=SimpleNamespace(on=False), _flush_counts_now=lambda: {link: counts[0]},
-        lifecycle=SimpleNamespace(flush_counts={}, state="watching", trial=trial,
-                                  replanning_under_plan=False))
-    session.plan_proven = session.proven_said.append
-    return session
 
 
 def test_a_clean_step_proves_its_plan_for_this_process_only_and_not_in_a_trial_of_plans(
